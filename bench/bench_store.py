@@ -1,0 +1,322 @@
+"""Benchmark of the frame store (oubliette_server/store.py).
+
+    python bench/bench_store.py [--frames N] [--appends N] [--rounds N] [--dir DIR]
+
+Every figure is printed next to a baseline measured in the same run, on the same machine:
+
+1. Append throughput (frames/s), durability "normal" (and a short "full" run): single
+   ``append`` calls and ``append_many`` batches, against raw ``sqlite3`` INSERT + COMMIT of
+   the same rows (same schema, same pragmas, payload already serialized) — ratio ours/baseline.
+2. Query latency (median, p99) at ``--frames`` (default 1,000,000) frames in one instance, for
+   channel+session with ``after_seq`` near the end, a ``types`` filter, a ``reply_to`` filter,
+   against a plain ``SELECT … WHERE iid=? AND seq>? ORDER BY seq LIMIT 50`` run raw.  The rows
+   are generated with ``executemany`` in big transactions.
+3. Long-poll wake latency: one task in ``wait_for_frames``, another appends; append start →
+   waiter returns (median, p99), against a bare ``trio.Event`` set → wait wakeup.
+
+Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+import trio.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from oubliette_server import store as store_mod  # noqa: E402
+from oubliette_server.store import FrameQuery, FrameStore, format_ts  # noqa: E402
+
+INSTANCE = "box1"
+SESSIONS = 200
+PAYLOAD = {"text": "Here is a chunk of the answer, about as long as a streamed delta."}
+
+
+def pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+def us(x: float) -> str:
+    return f"{x * 1e6:8.1f} µs"
+
+
+def raw_connect(path: Path, durability: str) -> sqlite3.Connection:
+    """A bare connection with the store's schema and pragmas."""
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(f"PRAGMA synchronous={durability.upper()}")
+    db.execute("PRAGMA temp_store=MEMORY")
+    db.execute("PRAGMA cache_size=-32768")
+    db.executescript(store_mod._SCHEMA)
+    db.execute("INSERT INTO instances (name, last_seq, pruned_below) VALUES (?, 0, 0)", (INSTANCE,))
+    return db
+
+
+def frame_kwargs(i: int) -> dict:
+    return {
+        "channel": "host" if i % 2 else "mcp",
+        "session_id": f"s{i % 20}",
+        "type": "assistant.delta",
+        "payload": PAYLOAD,
+        "reply_to": f"m-u{i // 20}",
+    }
+
+
+# -- 1. append throughput ----------------------------------------------------------------------
+
+
+async def bench_append(workdir: Path, n_single: int, n_batched: int, batch: int, durability: str) -> None:
+    print(f"\n== append throughput, durability={durability!r} ==")
+    kws = [frame_kwargs(i) for i in range(max(n_single, n_batched))]
+
+    # ours, single appends
+    st = FrameStore(workdir / f"append-{durability}.db", durability=durability)
+    t0 = time.perf_counter()
+    for k in kws[:n_single]:
+        await st.append(INSTANCE, **k)
+    ours_single = n_single / (time.perf_counter() - t0)
+    # ours, batches
+    t0 = time.perf_counter()
+    for i in range(0, n_batched, batch):
+        await st.append_many(INSTANCE, kws[i : i + batch])
+    ours_batch = n_batched / (time.perf_counter() - t0)
+    st.close()
+
+    # baseline: the same rows, raw INSERT + COMMIT
+    db = raw_connect(workdir / f"raw-{durability}.db", durability)
+    ts = format_ts(time.time())
+    text = json.dumps(PAYLOAD, separators=(",", ":"))
+    rows = [
+        (1, i + 1, ts, k["channel"], k["session_id"], k["type"], f"m-{i:032x}", k["reply_to"], text)
+        for i, k in enumerate(kws)
+    ]
+    ins = store_mod._INSERT_FRAME
+    t0 = time.perf_counter()
+    for r in rows[:n_single]:
+        db.execute("BEGIN")
+        db.execute(ins, r)
+        db.execute("COMMIT")
+    raw_single = n_single / (time.perf_counter() - t0)
+    rows2 = [(1, n_single + r[1], *r[2:]) for r in rows[:n_batched]]
+    t0 = time.perf_counter()
+    for i in range(0, n_batched, batch):
+        db.execute("BEGIN")
+        db.executemany(ins, rows2[i : i + batch])
+        db.execute("COMMIT")
+    raw_batch = n_batched / (time.perf_counter() - t0)
+    db.close()
+
+    print(f"single append     ours {ours_single:10,.0f} frames/s   raw {raw_single:10,.0f} frames/s   "
+          f"ratio {ours_single / raw_single:.2f}   ({n_single} appends)")
+    print(f"append_many({batch:>3}) ours {ours_batch:10,.0f} frames/s   raw {raw_batch:10,.0f} frames/s   "
+          f"ratio {ours_batch / raw_batch:.2f}   ({n_batched} frames)")
+
+
+# -- 2. query latency at N frames ---------------------------------------------------------------
+
+TURN = 20  # frames per turn: user.message, status.presence, 15 deltas, tool request/result, done
+
+
+def generate(path: Path, n: int) -> tuple[FrameStore, float]:
+    """n frames in one instance, written with executemany in big transactions."""
+    st = FrameStore(path, retention_frames=None)
+    db = st._db
+    ts = format_ts(time.time())
+    delta = json.dumps(PAYLOAD, separators=(",", ":"))
+    small = '{"state":"thinking"}'
+
+    def rows(start: int, stop: int):
+        for seq in range(start, stop):
+            turn, k = divmod(seq - 1, TURN)
+            sid = turn % SESSIONS
+            ch = "host" if sid % 2 else "mcp"
+            user = f"m-u{turn}"
+            if k == 0:
+                yield (1, seq, ts, ch, f"s{sid}", "user.message", user, None, '{"text":"hi"}')
+            elif k == 1:
+                yield (1, seq, ts, ch, f"s{sid}", "status.presence", f"m-{seq}", user, small)
+            elif k == TURN - 3:
+                typ = "approval_request" if turn % 50 == 0 else "caller_tool_request"
+                yield (1, seq, ts, ch, f"s{sid}", typ, f"m-r{turn}", user, '{"tool":"x"}')
+            elif k == TURN - 2:
+                yield (1, seq, ts, ch, f"s{sid}", "caller_tool_result", f"m-{seq}", f"m-r{turn}", "{}")
+            elif k == TURN - 1:
+                yield (1, seq, ts, ch, f"s{sid}", "assistant.done", f"m-{seq}", user, delta)
+            else:
+                yield (1, seq, ts, ch, f"s{sid}", "assistant.delta", f"m-{seq}", user, delta)
+
+    t0 = time.perf_counter()
+    db.execute("INSERT INTO instances (name, last_seq, pruned_below) VALUES (?, 0, 0)", (INSTANCE,))
+    step = 100_000
+    for start in range(1, n + 1, step):
+        stop = min(n + 1, start + step)
+        db.execute("BEGIN")
+        db.executemany(store_mod._INSERT_FRAME, rows(start, stop))
+        db.execute("UPDATE instances SET last_seq = ? WHERE name = ?", (stop - 1, INSTANCE))
+        db.execute("COMMIT")
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.execute("ANALYZE")
+    return st, time.perf_counter() - t0
+
+
+def timed(fn, args_list) -> list[float]:
+    out = []
+    for args in args_list:
+        t0 = time.perf_counter()
+        fn(*args)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench_query(workdir: Path, n: int, iters: int) -> None:
+    print(f"\n== query latency at {n:,} frames in one instance ==")
+    st, gen = generate(workdir / "query.db", n)
+    size = sum(p.stat().st_size for p in workdir.glob("query.db*"))
+    print(f"generated in {gen:.1f} s (executemany, {100_000:,}-row transactions), db {size / 2**20:.0f} MiB")
+    rnd = random.Random(1)
+    turns = n // TURN
+    db = st._db
+
+    base_sql = f"SELECT {store_mod._COLS} FROM frames WHERE iid = ? AND seq > ? ORDER BY seq LIMIT 50"
+    base_args = [(1, rnd.randrange(0, n)) for _ in range(iters)]
+    baseline = timed(lambda iid, a: db.execute(base_sql, (iid, a)).fetchall(), base_args)
+
+    cases = {
+        "no filter (store.query)": [FrameQuery(after_seq=a) for _, a in base_args],
+        "channel+session, after_seq near end": [
+            FrameQuery(channel="host" if s % 2 else "mcp", session_id=f"s{s}", after_seq=max(0, n - rnd.randrange(0, 20_000)))
+            for s in (rnd.randrange(SESSIONS) for _ in range(iters))
+        ],
+        "channel+session, after_seq=0": [
+            FrameQuery(channel="host" if s % 2 else "mcp", session_id=f"s{s}")
+            for s in (rnd.randrange(SESSIONS) for _ in range(iters))
+        ],
+        "types [assistant.done, approval_request]": [
+            FrameQuery(types=("assistant.done", "approval_request"), after_seq=rnd.randrange(0, n)) for _ in range(iters)
+        ],
+        "types [approval_request] (rare, 1/1000)": [
+            FrameQuery(types=("approval_request",), after_seq=rnd.randrange(0, n)) for _ in range(iters)
+        ],
+        "reply_to <user msg_id>": [FrameQuery(reply_to=f"m-u{rnd.randrange(turns)}") for _ in range(iters)],
+    }
+    print(f"{'query':45} {'median':>11} {'p99':>11}   rows/query  vs baseline median")
+    bm = statistics.median(baseline)
+    print(f"{'BASELINE raw SELECT iid=? AND seq>? LIMIT 50':45} {us(bm)} {us(pct(baseline, 99))}   "
+          f"{sum(len(db.execute(base_sql, a).fetchall()) for a in base_args[:100]) / 100:10.1f}")
+    for name, qs in cases.items():
+        lat = timed(lambda q: st.query(INSTANCE, q), [(q,) for q in qs])
+        rows = sum(len(st.query(INSTANCE, q)) for q in qs[:100]) / 100
+        print(f"{name:45} {us(statistics.median(lat))} {us(pct(lat, 99))}   {rows:10.1f}  x{statistics.median(lat) / bm:.2f}")
+    print("plans:")
+    for name, qs in cases.items():
+        print(f"  {name}: {' | '.join(st.query_plan(INSTANCE, qs[0]))}")
+    st.close()
+
+
+# -- 3. long-poll wake latency -------------------------------------------------------------------
+
+
+async def bench_wake(workdir: Path, rounds: int) -> None:
+    print(f"\n== long-poll wake latency ({rounds} rounds) ==")
+    st = FrameStore(workdir / "wake.db")
+    lat: list[float] = []
+    append_cost: list[float] = []
+
+    async def waiter(send: trio.MemorySendChannel) -> None:
+        after = 0
+        while True:
+            frames, timed_out = await st.wait_for_frames(
+                INSTANCE, FrameQuery(channel="host", session_id="s1", after_seq=after), 10
+            )
+            t1 = time.perf_counter()
+            assert frames and not timed_out
+            after = frames[-1].seq
+            await send.send(t1)
+
+    send, recv = trio.open_memory_channel(1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter, send)
+        for _ in range(rounds):
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = time.perf_counter()
+            await st.append(INSTANCE, channel="host", session_id="s1", type="assistant.delta", payload=PAYLOAD)
+            append_cost.append(time.perf_counter() - t0)
+            t1 = await recv.receive()
+            lat.append(t1 - t0)
+        nursery.cancel_scope.cancel()
+    st.close()
+
+    base: list[float] = []
+    box: list[trio.Event] = [trio.Event()]
+
+    async def ev_waiter(send: trio.MemorySendChannel) -> None:
+        while True:
+            await box[0].wait()
+            t1 = time.perf_counter()
+            box[0] = trio.Event()
+            await send.send(t1)
+
+    send, recv = trio.open_memory_channel(1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ev_waiter, send)
+        for _ in range(rounds):
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = time.perf_counter()
+            box[0].set()
+            t1 = await recv.receive()
+            base.append(t1 - t0)
+        nursery.cancel_scope.cancel()
+
+    print(f"{'':38} {'median':>11} {'p99':>11}")
+    print(f"{'append → wait_for_frames returns':38} {us(statistics.median(lat))} {us(pct(lat, 99))}")
+    print(f"{'  of which the append call itself':38} {us(statistics.median(append_cost))} {us(pct(append_cost, 99))}")
+    print(f"{'BASELINE bare trio.Event set → wait':38} {us(statistics.median(base))} {us(pct(base, 99))}")
+    print(f"ratio (medians) {statistics.median(lat) / statistics.median(base):.1f}")
+
+
+async def amain(args: argparse.Namespace, workdir: Path) -> None:
+    await bench_append(workdir, args.appends, args.appends * 10, 100, "normal")
+    await bench_append(workdir, args.full_appends, args.full_appends * 10, 100, "full")
+    bench_query(workdir, args.frames, args.iters)
+    await bench_wake(workdir, args.rounds)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frames", type=int, default=1_000_000, help="frames in the query benchmark (default 1,000,000)")
+    p.add_argument("--appends", type=int, default=5000, help="single appends, durability normal (batched: 10x)")
+    p.add_argument("--full-appends", type=int, default=300, help="single appends, durability full (batched: 10x)")
+    p.add_argument("--iters", type=int, default=2000, help="queries per case")
+    p.add_argument("--rounds", type=int, default=2000, help="long-poll wake rounds")
+    p.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one, removed)")
+    args = p.parse_args()
+    print(f"python {sys.version.split()[0]}, sqlite {sqlite3.sqlite_version}, trio {trio.__version__}, "
+          f"{os.cpu_count()} CPUs")
+    t0 = time.perf_counter()
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
+        workdir = Path(tempfile.mkdtemp(dir=args.dir))
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="bench_store-"))
+    try:
+        trio.run(amain, args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""`oubliette-client`: the sandbox side.
+
+    oubliette-client [--relay A] [--instance I] [--token T] [--session S]   stdio MCP server for the agent
+    oubliette-client run [--relay A] [--instance I] [--token T] -- CMD ARGS…  the guest runtime
+
+Every flag may come from `OUBLIETTE_RELAY`, `OUBLIETTE_INSTANCE`,
+`OUBLIETTE_TOKEN`, `OUBLIETTE_SESSION`. Logs go to stderr; in the default mode
+stdout carries MCP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import trio
+
+from .settings import add_relay_arguments, settings_from_args
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        stream=sys.stderr, level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _serve_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="oubliette-client", description="Serve the sandbox's tools to the agent over stdio MCP.")
+    add_relay_arguments(parser)
+    parser.add_argument("--connect-wait", type=float, default=3.0, help="seconds to wait for the relay before serving (default 3)")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    _logging(args.log_level)
+    from .stdio_server import SandboxToolServer
+
+    server = SandboxToolServer(settings_from_args(parser, args), connect_wait=args.connect_wait)
+    trio.run(server.run_stdio)
+    return 0
+
+
+def _run_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="oubliette-client run", description="The sandbox entrypoint: run CMD for every message the instance receives.",
+        usage="oubliette-client run [--relay A] [--instance I] [--token T] -- CMD [ARGS...]",
+    )
+    add_relay_arguments(parser, session=False)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the agent command; {mcp_config} becomes a config path")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the agent command after --")
+    _logging(args.log_level)
+    from .guest import GuestRuntime
+
+    runtime = GuestRuntime(settings_from_args(parser, args), command)
+    try:
+        trio.run(runtime.run)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        return _run_main(argv[1:])
+    if argv and argv[0] == "demo-agent":
+        from .demo_agent import main as demo_main
+
+        return demo_main(argv[1:])
+    return _serve_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The guest runtime (`oubliette-client run -- CMD…`): turns messages into agent turns.
+
+It connects as the instance's guest and receives its `user.message` frames.
+Sessions are keyed `channel:session_id`; each runs one turn at a time, and
+sessions run in parallel. A turn runs CMD with the message on stdin and
+appends `status.presence` (thinking), one `assistant.delta` per stdout line,
+then `assistant.done` with the whole text (or `session.error` when CMD
+fails). Every appended frame replies to the message's `msg_id`.
+
+Delivery is acknowledged only up to the highest `seq` below which every turn
+has finished, so a guest that dies mid-turn gets the message again when it
+comes back, and a guest that merely reconnects never runs a message twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from protocol import Frame, RelayError, errors, messages, structure
+
+from .mcp_config import write_mcp_config
+from .relay_link import RelayLink
+from .settings import RelaySettings
+
+log = logging.getLogger("oubliette.client.guest")
+
+MCP_CONFIG_PLACEHOLDER = "{mcp_config}"
+STDERR_TAIL = 4096
+
+
+class GuestRuntime:
+    def __init__(self, settings: RelaySettings, command: list[str], *, config_dir: Path | None = None) -> None:
+        if not command:
+            raise ValueError("the guest runtime needs a command to run for each turn")
+        self.settings = settings
+        self.command = command
+        self.config_dir = config_dir
+        self.link = RelayLink(settings, "guest", self._on_notification)
+        self._queues: dict[str, trio.MemorySendChannel[Frame]] = {}
+        self._highest_seen = 0
+        self._unfinished: set[int] = set()
+        self._acked = 0
+        self._nursery: trio.Nursery | None = None
+        self.turns_finished = 0
+
+    async def run(self) -> None:
+        with tempfile.TemporaryDirectory(prefix="oubliette-guest-") as tmp:
+            if self.config_dir is None:
+                self.config_dir = Path(tmp)
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self.link.run)
+
+    # -- delivery ------------------------------------------------------------------------
+
+    async def _on_notification(self, method: str, params: dict[str, Any]) -> None:
+        if method != messages.USER_MESSAGE:
+            log.debug("ignoring relay notification %s", method)
+            return
+        try:
+            frame = structure(params, messages.UserMessageDelivery).frame
+        except RelayError as err:
+            log.warning("ignoring a bad user_message: %s", err.message)
+            return
+        if frame.seq <= self._highest_seen:
+            return  # redelivered after a reconnect; it is queued or done already
+        self._highest_seen = frame.seq
+        self._unfinished.add(frame.seq)
+        key = frame.session.key
+        queue = self._queues.get(key)
+        if queue is None:
+            send, receive = trio.open_memory_channel[Frame](math.inf)
+            self._queues[key] = queue = send
+            assert self._nursery is not None
+            self._nursery.start_soon(self._session_worker, key, receive)
+        queue.send_nowait(frame)
+
+    async def _session_worker(self, key: str, receive: trio.MemoryReceiveChannel[Frame]) -> None:
+        async for frame in receive:
+            try:
+                await self._run_turn(key, frame)
+            finally:
+                self._unfinished.discard(frame.seq)
+                self.turns_finished += 1
+                await self._acknowledge()
+
+    async def _acknowledge(self) -> None:
+        upto = (min(self._unfinished) - 1) if self._unfinished else self._highest_seen
+        if upto > self._acked:
+            try:
+                await self.link.notify(messages.ACK, {"seq": upto})
+                self._acked = upto
+            except RelayError:
+                pass  # acknowledged with the next turn, or redelivered and skipped
+
+    # -- turns ---------------------------------------------------------------------------
+
+    async def _append(self, frame: Frame, type: str, payload: dict[str, Any]) -> None:
+        params = {
+            "session": {"channel": frame.session.channel, "id": frame.session.id},
+            "type": type, "payload": payload, "reply_to": frame.msg_id,
+        }
+        while True:
+            try:
+                await self.link.request(messages.APPEND_FRAME, params, wait_for_connection=True)
+                return
+            except RelayError as err:
+                if err.code != errors.PEER_DISCONNECTED:
+                    log.error("the relay refused a %s frame: %s", type, err.message)
+                    return
+                log.info("relay down while appending %s; retrying when it is back", type)
+
+    def _turn_command(self, key: str) -> list[str]:
+        if not any(MCP_CONFIG_PLACEHOLDER in arg for arg in self.command):
+            return list(self.command)
+        assert self.config_dir is not None
+        path = str(write_mcp_config(self.config_dir, self.settings, key))
+        return [arg.replace(MCP_CONFIG_PLACEHOLDER, path) for arg in self.command]
+
+    async def _run_turn(self, key: str, frame: Frame) -> None:
+        text = str(frame.payload.get("text", ""))
+        log.info("turn for %s (seq %d)", key, frame.seq)
+        await self._append(frame, "status.presence", {"state": "thinking"})
+        env = {**os.environ, **self.settings.environment(key), "OUBLIETTE_MSG_ID": frame.msg_id}
+        lines: list[str] = []
+        stderr = bytearray()
+        try:
+            process = await trio.lowlevel.open_process(
+                self._turn_command(key), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, env=env,
+            )
+        except OSError as exc:
+            await self._append(frame, "session.error", {"message": f"cannot start the agent command: {exc}"})
+            return
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._feed_stdin, process, text)
+                nursery.start_soon(self._collect, process.stderr, stderr)
+                async for line in _lines(process.stdout):
+                    lines.append(line)
+                    await self._append(frame, "assistant.delta", {"text": line})
+            code = await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                with trio.CancelScope(shield=True):
+                    await process.wait()
+        if code == 0:
+            await self._append(frame, "assistant.done", {"text": "\n".join(lines)})
+        else:
+            tail = bytes(stderr[-STDERR_TAIL:]).decode(errors="replace")
+            await self._append(frame, "session.error", {
+                "message": f"the agent command exited with status {code}", "exit_code": code, "stderr": tail,
+                "text": "\n".join(lines),
+            })
+
+    @staticmethod
+    async def _feed_stdin(process: trio.Process, text: str) -> None:
+        assert process.stdin is not None
+        try:
+            await process.stdin.send_all(text.encode())
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await process.stdin.aclose()
+
+    @staticmethod
+    async def _collect(stream: trio.abc.ReceiveStream | None, into: bytearray) -> None:
+        assert stream is not None
+        while chunk := await stream.receive_some(65536):
+            into.extend(chunk)
+            del into[:-STDERR_TAIL * 4]
+
+
+async def _lines(stream: trio.abc.ReceiveStream | None) -> Any:
+    """Decoded lines of a byte stream, without their newline."""
+    assert stream is not None
+    buffer = bytearray()
+    while chunk := await stream.receive_some(65536):
+        buffer.extend(chunk)
+        while (end := buffer.find(b"\n")) >= 0:
+            yield buffer[:end].decode(errors="replace").rstrip("\r")
+            del buffer[: end + 1]
+    if buffer:
+        yield buffer.decode(errors="replace")

@@ -1,0 +1,252 @@
+"""`OublietteServer`: the embeddable host daemon that ties the pieces together.
+
+It owns the frame store, the sessions, the pending caller tool calls, the
+callers and the relay connections. Every frame goes through `append_frame`,
+which stores it and pushes it to the session's event sinks. A Trio program
+can run it in its own nursery with `await nursery.start(server.serve)`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from protocol import (
+    CallerToolSpec,
+    RelayError,
+    SessionRef,
+    errors,
+    messages,
+    parse_relay_address,
+    structure,
+    unstructure,
+    validate_params,
+)
+
+from .auth import TokenAuthority, ensure_private_dir
+from .caller_calls import CallerCallRegistry
+from .callers import CallerConnection
+from .config import ServerConfig
+from .guests import GuestDelivery
+from .relay import RelayConnection, RelayListener
+from .sessions import Session, SessionRegistry
+from .store import FrameStore, StoredFrame
+
+log = logging.getLogger("oubliette.server")
+
+GUEST_FRAME_TYPES = frozenset({"assistant.delta", "assistant.done", "status.presence", "session.error"})
+
+
+def frame_event(frame: StoredFrame) -> dict[str, Any]:
+    """The flattened event a caller receives for a frame (DESIGN.md, "Events to the caller")."""
+    event: dict[str, Any] = dict(frame.payload)
+    event.update(
+        type=frame.type, seq=frame.seq, ts=frame.ts, instance=frame.instance,
+        channel=frame.channel, session_id=frame.session_id, msg_id=frame.msg_id,
+    )
+    if frame.reply_to is not None:
+        event["reply_to"] = frame.reply_to
+    return event
+
+
+class OublietteServer:
+    def __init__(self, config: ServerConfig, *, store: FrameStore | None = None) -> None:
+        self.config = config
+        ensure_private_dir(config.data_dir)
+        self.tokens = TokenAuthority.for_data_dir(config.data_dir)
+        self.store = store or FrameStore(config.frame_store_path, retention_frames=config.retention_frames)
+        self.sessions = SessionRegistry()
+        self.calls = CallerCallRegistry(self.append_frame, config.caller_timeout)
+        self.guests = GuestDelivery(self)
+        self._clients: dict[str, set[RelayConnection]] = {}
+        self._callers: set[CallerConnection] = set()
+        self._nursery: trio.Nursery | None = None
+        self._requests_in_flight = 0
+        self._drained = trio.Event()
+        self._drained.set()
+
+    # -- running -------------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen for sandboxes until cancelled."""
+        address = parse_relay_address(self.config.relay_address)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(RelayListener(self, address).serve)
+                task_status.started()
+        finally:
+            self.store.close()
+
+    def relay_request_started(self) -> None:
+        if self._requests_in_flight == 0:
+            self._drained = trio.Event()
+        self._requests_in_flight += 1
+
+    def relay_request_finished(self) -> None:
+        self._requests_in_flight -= 1
+        if self._requests_in_flight == 0:
+            self._drained.set()
+
+    async def drain(self, timeout: float) -> None:
+        """Let relay requests that are ending send their answers (bounded) before shutdown."""
+        with trio.move_on_after(timeout):
+            await self._drained.wait()
+
+    # -- frames --------------------------------------------------------------------------
+
+    async def append_frame(
+        self,
+        session: Session,
+        type: str,
+        payload: dict[str, Any],
+        *,
+        reply_to: str | None = None,
+        msg_id: str | None = None,
+    ) -> StoredFrame:
+        """Store a frame of `session` and push it to everyone following the session."""
+        frame = await self.store.append(
+            session.instance, channel=session.channel, session_id=session.id,
+            type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
+        )
+        if session.sinks:
+            event = frame_event(frame)
+            for sink in list(session.sinks):
+                sink.push(event)
+        return frame
+
+    # -- callers -------------------------------------------------------------------------
+
+    def open_caller(self, transport: str, label: str | None = None) -> CallerConnection:
+        caller = CallerConnection(transport, label)
+        self._callers.add(caller)
+        if self._nursery is not None:
+            self._nursery.start_soon(caller.run_sender)
+        log.info("%r connected", caller)
+        return caller
+
+    def close_caller(self, caller: CallerConnection) -> None:
+        """The caller is gone: its pending calls fail now and it gets no more events."""
+        if caller not in self._callers:
+            return
+        self._callers.discard(caller)
+        caller.close()
+        self.sessions.drop_sink(caller)
+        failed = self.calls.fail_caller(caller)
+        log.info("%r disconnected; %d pending call(s) failed", caller, failed)
+
+    def connected_instances(self) -> list[str]:
+        names = set(self.guests.connected_instances())
+        names.update(name for name, conns in self._clients.items() if conns)
+        return sorted(names)
+
+    def resolve_instance(self, instance: str | None) -> str:
+        """The given instance, or the only connected one; otherwise a clear error."""
+        if instance:
+            from .auth import check_instance_id
+
+            reason = check_instance_id(instance)
+            if reason:
+                raise RelayError(errors.INVALID_PARAMS, reason)
+            return instance
+        connected = self.connected_instances()
+        if len(connected) == 1:
+            return connected[0]
+        if not connected:
+            raise RelayError(errors.NOT_FOUND, "no instance is connected; pass 'instance' explicitly")
+        raise RelayError(
+            errors.INVALID_PARAMS,
+            f"several instances are connected ({', '.join(connected)}); pass 'instance' to choose one",
+        )
+
+    async def declare_caller_tools(
+        self, session: Session, caller: CallerConnection, caller_id: str, tools: list[CallerToolSpec]
+    ) -> None:
+        session.declare_caller_tools(caller, caller_id, tools)
+        config = unstructure(messages.CallerToolsConfig(session_id=session.id, caller_id=caller_id, tools=tools))
+        for connection in list(self._clients.get(session.instance, ())):
+            if self._client_sees(connection, session):
+                await connection.notify(messages.CALLER_TOOLS_CONFIG, config)
+
+    def _client_sees(self, connection: RelayConnection, session: Session) -> bool:
+        """A client bound to a session sees that session's tools; an unbound one the latest per caller."""
+        if connection.session_key is not None:
+            return SessionRef.parse_key(connection.session_key).key == session.key
+        latest = self.sessions.latest_declarations(session.instance).get(session.caller_id or "")
+        return latest is session
+
+    # -- relay connections ---------------------------------------------------------------
+
+    async def relay_connection_opened(self, connection: RelayConnection) -> None:
+        """Register a connection that passed `hello`; send its configuration first."""
+        assert connection.instance is not None
+        if connection.role == "guest":
+            previous = self.guests.attach(connection)
+            if previous is not None:
+                log.warning("%r replaces the instance's previous guest %r", connection, previous)
+                previous.close_soon()
+            return
+        self._clients.setdefault(connection.instance, set()).add(connection)
+        for session in self._sessions_visible_to(connection):
+            config = messages.CallerToolsConfig(
+                session_id=session.id, caller_id=session.caller_id or "",
+                tools=list(session.caller_tools.values()),
+            )
+            await connection.notify(messages.CALLER_TOOLS_CONFIG, unstructure(config))
+
+    def _sessions_visible_to(self, connection: RelayConnection) -> list[Session]:
+        assert connection.instance is not None
+        if connection.session_key is not None:
+            ref = SessionRef.parse_key(connection.session_key)
+            session = self.sessions.get(connection.instance, ref.channel, ref.id)
+            return [session] if session is not None and session.caller_id else []
+        return list(self.sessions.latest_declarations(connection.instance).values())
+
+    def relay_connection_closed(self, connection: RelayConnection) -> None:
+        if connection.instance is None:
+            return
+        if connection.role == "guest":
+            self.guests.detach(connection)
+        else:
+            self._clients.get(connection.instance, set()).discard(connection)
+        log.info("%r disconnected", connection)
+
+    async def handle_relay_request(self, connection: RelayConnection, method: str, params: dict[str, Any]) -> Any:
+        if method == messages.CALLER_TOOL and connection.role == "client":
+            validate_params(method, params)
+            call = structure(params, messages.CallerToolCall)
+            session, spec = self._find_caller_tool(connection, call)
+            result = await self.calls.relay(session, spec, call.arguments)
+            return unstructure(messages.CallerToolResult(result=result))
+        if method == messages.APPEND_FRAME and connection.role == "guest":
+            validate_params(method, params)
+            request = structure(params, messages.AppendFrame)
+            if request.type not in GUEST_FRAME_TYPES:
+                raise RelayError(
+                    errors.INVALID_PARAMS,
+                    f"a guest may append {', '.join(sorted(GUEST_FRAME_TYPES))}; not {request.type!r}",
+                )
+            assert connection.instance is not None
+            session = self.sessions.get_or_create(connection.instance, request.session.channel, request.session.id)
+            frame = await self.append_frame(session, request.type, request.payload, reply_to=request.reply_to)
+            return unstructure(messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id))
+        known = {messages.CALLER_TOOL: "client", messages.APPEND_FRAME: "guest"}
+        if method in known:
+            raise RelayError(errors.METHOD_NOT_FOUND, f"method {method!r} is for role {known[method]!r} connections")
+        raise RelayError(errors.METHOD_NOT_FOUND, f"unknown method {method!r}")
+
+    def _find_caller_tool(
+        self, connection: RelayConnection, call: messages.CallerToolCall
+    ) -> tuple[Session, CallerToolSpec]:
+        assert connection.instance is not None
+        candidates = self._sessions_visible_to(connection)
+        if call.caller_id is not None:
+            candidates = [s for s in candidates if s.caller_id == call.caller_id]
+        for session in sorted(candidates, key=lambda s: s.declared_at, reverse=True):
+            spec = session.caller_tools.get(call.tool)
+            if spec is not None:
+                return session, spec
+        who = f"caller '{call.caller_id}'" if call.caller_id else "any caller"
+        raise RelayError(errors.NOT_FOUND, f"unknown caller tool '{call.tool}' for {who} of this session")

@@ -1,0 +1,164 @@
+"""Relayed caller tool calls: one pending entry per call, ended by exactly one outcome.
+
+The relay task waits for the caller inside a Trio cancel scope. Exactly one of
+these ends it (DESIGN.md, "Caller tool relay"): the caller's result or error,
+the timeout, the caller's connection ending, or the agent cancelling (which
+cancels the waiting task itself). A late or second answer finds no pending
+entry and is refused with a message that says what happened to the request.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import attrs
+import trio
+
+from protocol import CallerToolSpec, RelayError, errors
+
+from .sessions import Session
+
+if TYPE_CHECKING:
+    from .callers import CallerConnection
+
+log = logging.getLogger("oubliette.server.calls")
+
+RESOLVED_MEMORY = 10_000
+
+AppendFn = Callable[..., Awaitable[Any]]
+
+
+@attrs.define(eq=False)
+class PendingCall:
+    request_id: str
+    session: Session
+    caller: CallerConnection | None
+    tool: str
+    done: trio.Event = attrs.field(factory=trio.Event)
+    result: Any = None
+    error: RelayError | None = None
+
+
+class CallerCallRegistry:
+    """Pending caller tool calls of the whole server, by request id."""
+
+    def __init__(self, append_frame: AppendFn, default_timeout: float) -> None:
+        self._append_frame = append_frame
+        self.default_timeout = default_timeout
+        self._pending: dict[str, PendingCall] = {}
+        self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    @property
+    def pending(self) -> dict[str, PendingCall]:
+        return self._pending
+
+    def pending_for(self, session: Session) -> list[PendingCall]:
+        return [p for p in self._pending.values() if p.session is session]
+
+    async def relay(self, session: Session, spec: CallerToolSpec, arguments: dict) -> Any:
+        """Ask the session's caller to run `spec` and wait for exactly one outcome."""
+        request_id = "ctr-" + secrets.token_hex(8)
+        caller = session.owner
+        call = PendingCall(request_id=request_id, session=session, caller=caller, tool=spec.name)
+        self._pending[request_id] = call
+        timeout = spec.timeout_ms / 1000 if spec.timeout_ms else self.default_timeout
+        try:
+            await self._append_frame(
+                session,
+                "caller_tool_request",
+                {"request_id": request_id, "tool": spec.name, "arguments": arguments, "caller_id": session.caller_id},
+            )
+            if caller is None or caller.closed.is_set():
+                self._finish(call, "failed: caller disconnected", error=RelayError(
+                    errors.PEER_DISCONNECTED,
+                    f"caller '{session.caller_id}' is not connected; caller tool '{spec.name}' cannot run",
+                ))
+            else:
+                with trio.move_on_after(timeout):
+                    await call.done.wait()
+                if call.error is not None and call.error.code == errors.PEER_DISCONNECTED:
+                    await self._append_frame(
+                        session, "caller_tool_cancelled",
+                        {"request_id": request_id, "tool": spec.name, "reason": "caller disconnected"},
+                    )
+            if not call.done.is_set():
+                self._finish(call, "timed out", error=RelayError(
+                    errors.TIMEOUT,
+                    f"caller tool '{spec.name}' timed out after {timeout:g} s: "
+                    f"caller '{session.caller_id}' did not respond",
+                ))
+                await self._append_frame(
+                    session, "caller_tool_cancelled",
+                    {"request_id": request_id, "tool": spec.name, "reason": "timeout"},
+                )
+        except trio.Cancelled:
+            if not call.done.is_set():
+                self._finish(call, "cancelled by the agent", error=RelayError(errors.CANCELLED, "cancelled"))
+                with trio.CancelScope(shield=True):
+                    await self._append_frame(
+                        session, "caller_tool_cancelled",
+                        {"request_id": request_id, "tool": spec.name, "reason": "cancelled by the agent"},
+                    )
+            raise
+        finally:
+            self._pending.pop(request_id, None)
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def fail_caller(self, caller: CallerConnection) -> int:
+        """The caller's connection ended: every call waiting on it fails now."""
+        failed = 0
+        for call in list(self._pending.values()):
+            if call.caller is caller and not call.done.is_set():
+                self._finish(call, "failed: caller disconnected", error=RelayError(
+                    errors.PEER_DISCONNECTED,
+                    f"caller '{call.session.caller_id}' disconnected before responding to '{call.tool}'",
+                ))
+                failed += 1
+        return failed
+
+    def _finish(self, call: PendingCall, how: str, *, result: Any = None, error: RelayError | None = None) -> None:
+        call.result = result
+        call.error = error
+        call.done.set()
+        self._finished[call.request_id] = how
+        while len(self._finished) > RESOLVED_MEMORY:
+            self._finished.popitem(last=False)
+
+    async def respond(
+        self,
+        caller: CallerConnection,
+        session_id: str,
+        request_id: str,
+        result: Any = None,
+        error: str | None = None,
+    ) -> None:
+        """Resolve a pending call with the caller's answer; refuse anything else clearly."""
+        call = self._pending.get(request_id)
+        if call is None or call.done.is_set():
+            how = self._finished.get(request_id)
+            if how is not None:
+                raise RelayError(errors.INVALID_REQUEST, f"request_id '{request_id}' is no longer pending: it already {how}")
+            raise RelayError(errors.NOT_FOUND, f"unknown request_id '{request_id}'")
+        if call.session.id != session_id:
+            raise RelayError(
+                errors.INVALID_PARAMS,
+                f"request_id '{request_id}' belongs to session '{call.session.id}', not '{session_id}'",
+            )
+        if call.caller is not caller:
+            raise RelayError(
+                errors.UNAUTHORIZED,
+                f"request_id '{request_id}' may only be answered by the caller that declared "
+                f"'{call.session.caller_id}' tools in session '{session_id}'",
+            )
+        if error is not None:
+            self._finish(call, "resolved with an error", error=RelayError(errors.TOOL_ERROR, str(error)))
+            payload: dict[str, Any] = {"request_id": request_id, "tool": call.tool, "error": str(error)}
+        else:
+            self._finish(call, "resolved", result=result)
+            payload = {"request_id": request_id, "tool": call.tool, "result": result}
+        await self._append_frame(call.session, "caller_tool_result", payload)

@@ -1,0 +1,94 @@
+"""Caller connections: who is on the other end of the caller-facing MCP.
+
+A caller is one MCP connection (stdio, or one Streamable HTTP session). Frames
+of the sessions it takes part in are pushed to it as `notifications/message`
+events, in order, through a bounded queue drained by one sender task, so a
+slow caller never blocks the relay. When the connection ends, `closed` is set
+and every call waiting on it fails at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import anyio
+import mcp_types as types
+import trio
+
+log = logging.getLogger("oubliette.server.callers")
+
+EVENT_LOGGER = "oubliette"
+EVENT_QUEUE_SIZE = 10_000
+_ids = itertools.count(1)
+
+
+def event_notification(event: dict) -> types.LoggingMessageNotification:
+    return types.LoggingMessageNotification(
+        params=types.LoggingMessageNotificationParams(level="info", logger=EVENT_LOGGER, data=event)
+    )
+
+
+class CallerConnection:
+    """One caller; `push` queues an event for its standalone notification channel."""
+
+    def __init__(self, transport: str, label: str | None = None) -> None:
+        self.id = f"caller-{next(_ids)}"
+        self.transport = transport
+        self.label = label or self.id
+        self.closed = trio.Event()
+        self.mcp_session: Any = None  # latest ServerSession; its standalone channel carries events
+        self._send, self._receive = trio.open_memory_channel[dict](EVENT_QUEUE_SIZE)
+
+    def __repr__(self) -> str:
+        return f"<CallerConnection {self.id} {self.transport} {self.label}>"
+
+    def push(self, event: dict) -> None:
+        if self.closed.is_set():
+            return
+        try:
+            self._send.send_nowait(event)
+        except trio.WouldBlock:
+            log.warning("%s is not reading events; dropped seq %s (read it with session_events)", self, event.get("seq"))
+
+    async def run_sender(self) -> None:
+        """Deliver queued events until the connection closes."""
+        async with self._receive:
+            async for event in self._receive:
+                session = self.mcp_session
+                if session is None:
+                    continue
+                try:
+                    await session.send_notification(event_notification(event))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    return
+
+    def close(self) -> None:
+        self.closed.set()
+        self._send.close()
+
+
+class RequestScopedSink:
+    """Events for one in-flight request (2026-07-28 callers have no standalone channel)."""
+
+    def __init__(self, mcp_session: Any, request_id: Any) -> None:
+        self._mcp_session = mcp_session
+        self._request_id = request_id
+        self._send, self._receive = trio.open_memory_channel[dict](EVENT_QUEUE_SIZE)
+
+    def push(self, event: dict) -> None:
+        try:
+            self._send.send_nowait(event)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            pass
+
+    async def run(self) -> None:
+        async with self._receive:
+            async for event in self._receive:
+                await self._mcp_session.send_notification(
+                    event_notification(event), related_request_id=self._request_id
+                )
+
+    def close(self) -> None:
+        self._send.close()

@@ -1,0 +1,81 @@
+"""Delivery of `user.message` frames to an instance's guest runtime.
+
+The server keeps, per instance, a durable cursor: the highest `seq` the guest
+has acknowledged. A guest that connects gets every `user.message` after it,
+then new ones as they are appended (the store wakes the delivery task). If the
+connection drops between delivery and acknowledgement, the frame is delivered
+again on reconnect; the guest runtime drops a `seq` it has already seen, so
+each message runs once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import trio
+
+from protocol import messages
+
+from .store import FrameQuery
+
+if TYPE_CHECKING:
+    from .app import OublietteServer
+    from .relay import RelayConnection
+
+log = logging.getLogger("oubliette.server.guests")
+
+GUEST_CURSOR = "guest.delivered"
+DELIVERY_BATCH = 200
+
+
+class GuestDelivery:
+    """Tracks the one guest connection of each instance and feeds it messages."""
+
+    def __init__(self, server: OublietteServer) -> None:
+        self.server = server
+        self._guests: dict[str, RelayConnection] = {}
+        self.connected_changed = trio.Event()
+
+    def guest_for(self, instance: str) -> RelayConnection | None:
+        return self._guests.get(instance)
+
+    def connected_instances(self) -> list[str]:
+        return sorted(self._guests)
+
+    def attach(self, connection: RelayConnection) -> RelayConnection | None:
+        """Make `connection` the instance's guest; return the one it replaces."""
+        assert connection.instance is not None
+        previous = self._guests.get(connection.instance)
+        self._guests[connection.instance] = connection
+        self._signal()
+        return previous
+
+    def detach(self, connection: RelayConnection) -> None:
+        if connection.instance and self._guests.get(connection.instance) is connection:
+            del self._guests[connection.instance]
+            self._signal()
+
+    def _signal(self) -> None:
+        self.connected_changed.set()
+        self.connected_changed = trio.Event()
+
+    def acknowledge(self, connection: RelayConnection, seq: int) -> None:
+        assert connection.instance is not None
+        store = self.server.store
+        if seq > store.get_cursor(connection.instance, GUEST_CURSOR):
+            store.set_cursor(connection.instance, GUEST_CURSOR, seq)
+
+    async def deliver(self, connection: RelayConnection) -> None:
+        """Push every unacknowledged and every new `user.message` to the guest."""
+        assert connection.instance is not None
+        instance = connection.instance
+        store = self.server.store
+        cursor = store.get_cursor(instance, GUEST_CURSOR)
+        while True:
+            query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)
+            frames, _ = await store.wait_for_frames(instance, query, timeout=math.inf)
+            for frame in frames:
+                await connection.notify(messages.USER_MESSAGE, {"frame": frame.to_wire()})
+                cursor = frame.seq

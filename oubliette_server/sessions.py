@@ -1,0 +1,99 @@
+"""Sessions: one conversation with the agent of an instance, keyed `channel:session_id`.
+
+A session remembers which caller declared its caller tools (only that caller
+may answer their requests) and which event sinks want its frames.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from typing import TYPE_CHECKING, Protocol
+
+import attrs
+
+from protocol import CallerToolSpec
+
+if TYPE_CHECKING:
+    from .callers import CallerConnection
+
+_declaration_clock = itertools.count(1)
+
+
+class EventSink(Protocol):
+    """Anything that can take a caller event (a flattened frame) without blocking."""
+
+    def push(self, event: dict) -> None: ...
+
+
+def new_session_id() -> str:
+    return "s-" + secrets.token_hex(4)
+
+
+@attrs.define(eq=False)
+class Session:
+    instance: str
+    channel: str
+    id: str
+    caller_id: str | None = None
+    caller_tools: dict[str, CallerToolSpec] = attrs.field(factory=dict)
+    owner: CallerConnection | None = None
+    declared_at: int = 0
+    sinks: set[EventSink] = attrs.field(factory=set)
+
+    @property
+    def key(self) -> str:
+        return f"{self.channel}:{self.id}"
+
+    def declare_caller_tools(self, owner: CallerConnection, caller_id: str, tools: list[CallerToolSpec]) -> None:
+        self.owner = owner
+        self.caller_id = caller_id
+        self.caller_tools = {tool.name: tool for tool in tools}
+        self.declared_at = next(_declaration_clock)
+        self.sinks.add(owner)
+
+
+class SessionRegistry:
+    """All sessions the server knows in this process, by instance and key."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[tuple[str, str], Session] = {}
+
+    def get(self, instance: str, channel: str, session_id: str) -> Session | None:
+        return self._sessions.get((instance, f"{channel}:{session_id}"))
+
+    def get_or_create(self, instance: str, channel: str, session_id: str) -> Session:
+        key = (instance, f"{channel}:{session_id}")
+        session = self._sessions.get(key)
+        if session is None:
+            session = Session(instance=instance, channel=channel, id=session_id)
+            self._sessions[key] = session
+        return session
+
+    def find_by_id(self, session_id: str, instance: str | None = None) -> list[Session]:
+        """Sessions with this id (any channel), optionally within one instance."""
+        return [
+            s for (inst, _), s in self._sessions.items()
+            if s.id == session_id and (instance is None or inst == instance)
+        ]
+
+    def for_instance(self, instance: str) -> list[Session]:
+        return [s for (inst, _), s in self._sessions.items() if inst == instance]
+
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def latest_declarations(self, instance: str) -> dict[str, Session]:
+        """Per caller id, the session whose caller tools were declared last."""
+        latest: dict[str, Session] = {}
+        for session in self.for_instance(instance):
+            if session.caller_id is None:
+                continue
+            current = latest.get(session.caller_id)
+            if current is None or session.declared_at > current.declared_at:
+                latest[session.caller_id] = session
+        return latest
+
+    def drop_sink(self, sink: EventSink) -> None:
+        for session in self._sessions.values():
+            session.sinks.discard(sink)

@@ -1,0 +1,42 @@
+"""Relay addresses: `unix:PATH` (default) or `tcp:HOST:PORT`."""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+
+@attrs.define(frozen=True)
+class RelayAddress:
+    kind: str  # "unix" | "tcp"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    def __str__(self) -> str:
+        return f"unix:{self.path}" if self.kind == "unix" else f"tcp:{self.host}:{self.port}"
+
+
+def parse_relay_address(text: str) -> RelayAddress:
+    """Parse `unix:PATH`, `tcp:HOST:PORT`, or a bare path (taken as a Unix socket)."""
+    if text.startswith("unix:"):
+        path = text[len("unix:"):]
+        if not path:
+            raise ValueError(f"relay address {text!r} has no socket path")
+        return RelayAddress("unix", path=path)
+    if text.startswith("tcp:"):
+        host, sep, port = text[len("tcp:"):].rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"relay address {text!r} must look like tcp:HOST:PORT")
+        return RelayAddress("tcp", host=host.strip("[]"), port=int(port))
+    if "/" in text:
+        return RelayAddress("unix", path=text)
+    raise ValueError(f"relay address {text!r} must start with unix: or tcp:")
+
+
+async def connect_relay(address: RelayAddress) -> trio.abc.Stream:
+    """Open a stream to the relay at `address`."""
+
+    if address.kind == "unix":
+        return await trio.open_unix_socket(address.path)
+    return await trio.open_tcp_stream(address.host, address.port)
