@@ -22,11 +22,12 @@ Engine and durability
 Threads
     None.  Every SQLite call runs directly on the Trio thread: an append is one small
     transaction and a query reads at most ``limit`` (<= 200) rows through an index, so each
-    call takes microseconds to a few tens of microseconds (see ``bench/bench_store.py``).
-    Handing them to a worker thread would cost more than the work itself.  The exceptions are
-    rare and bounded: the automatic retention pass deletes about ``prune_every`` rows, and
-    SQLite's automatic WAL checkpoint (every ~4 MiB of WAL) copies pages back into the
-    database file.  Because everything happens on one thread, a query and the ``last_seq`` it
+    SQLite call takes microseconds (an append is ~100 µs in all with its commit, a 50-row
+    query ~100-300 µs including JSON decoding, at 1M frames; see ``bench/bench_store.py``).
+    Handing them to a worker thread would cost as much as the work itself and would allow
+    appends and queries to interleave.  The exceptions are rare and bounded: the automatic
+    retention pass deletes about ``prune_every`` rows (~2 ms for 1000), and SQLite's
+    automatic WAL checkpoint (every ~4 MiB of WAL) copies pages back into the database file.  Because everything happens on one thread, a query and the ``last_seq`` it
     sees are never interleaved with an append, which the long poll relies on.
 
     One server process owns a store file.  Another process may read the file (WAL allows it),
@@ -52,8 +53,9 @@ Schema (``PRAGMA user_version = 1``)
       ``session_id`` comes before ``channel`` so a query by session id alone still uses the
       index (it then sorts that session's frames after ``after_seq``).
     * ``frames_by_type (iid, type, seq)`` — a ``types`` filter without a session filter runs
-      one range scan per type (each stopping after ``limit`` matches) and merges them, so its
-      cost does not depend on how rare the types are.
+      one range scan per type (each stopping after ``limit`` matches; index-only when there
+      is no channel filter), merges them and reads just the winning rows, so its cost does
+      not depend on how rare the types are.  (More than 16 types: row-by-row filter.)
     * ``frames_by_reply (iid, reply_to, seq) WHERE reply_to IS NOT NULL`` — ``reply_to``.
 
     The plan for each filter combination is pinned with ``INDEXED BY`` (a missing index is an

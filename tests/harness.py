@@ -1,0 +1,209 @@
+"""Test harness: start the real programs as subprocesses and drive them with the MCP SDK.
+
+Each test gets a short temporary directory (Unix socket paths are limited to
+~100 bytes), a server started as the caller's stdio MCP server, and helpers to
+start guest runtimes, agents (the SDK's client spawning `oubliette-client`)
+and raw relay connections.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import trio
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+
+PYTHON = sys.executable
+EVENT_TIMEOUT = 20.0
+
+
+def fresh_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="oub-", dir="/tmp"))
+
+
+class EventLog:
+    """Caller events (notifications/message data from the `oubliette` logger), awaitable."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._changed = trio.Event()
+
+    async def on_log(self, params: Any) -> None:
+        if getattr(params, "logger", None) == "oubliette" and isinstance(params.data, dict):
+            self.events.append(params.data)
+            self._changed.set()
+            self._changed = trio.Event()
+
+    def of_type(self, type_: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("type") == type_]
+
+    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = EVENT_TIMEOUT) -> dict[str, Any]:
+        """The first event (already seen or coming) that satisfies `predicate`."""
+        seen = 0
+        with trio.fail_after(timeout):
+            while True:
+                for event in self.events[seen:]:
+                    if predicate(event):
+                        return event
+                seen = len(self.events)
+                await self._changed.wait()
+
+    async def wait_type(self, type_: str, timeout: float = EVENT_TIMEOUT, **fields: Any) -> dict[str, Any]:
+        return await self.wait_for(
+            lambda e: e.get("type") == type_ and all(e.get(k) == v for k, v in fields.items()), timeout
+        )
+
+
+def structured(result: Any) -> dict[str, Any]:
+    """A tool result's structured content, or its text parsed as JSON."""
+    if result.structured_content is not None:
+        return result.structured_content
+    return json.loads(result.content[0].text)
+
+
+def text_of(result: Any) -> str:
+    return " ".join(getattr(block, "text", "") for block in result.content)
+
+
+class Deployment:
+    """One server's files: data dir, relay address, tokens."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or fresh_dir()
+        self.data_dir = self.root / "data"
+        self.socket = self.root / "relay.sock"
+        self.relay = f"unix:{self.socket}"
+
+    def token(self, instance: str) -> str:
+        out = subprocess.run(
+            [PYTHON, "-m", "oubliette_server", "token", instance, "--data-dir", str(self.data_dir)],
+            check=True, capture_output=True, text=True,
+        )
+        return out.stdout.strip()
+
+    def server_parameters(self, *extra: str) -> StdioServerParameters:
+        return StdioServerParameters(
+            command=PYTHON,
+            args=["-m", "oubliette_server", "--relay", self.relay, "--data-dir", str(self.data_dir),
+                  "--log-level", "WARNING", *extra],
+        )
+
+    def client_env(self, instance: str, session: str | None = None, token: str | None = None) -> dict[str, str]:
+        env = {"OUBLIETTE_RELAY": self.relay, "OUBLIETTE_INSTANCE": instance,
+               "OUBLIETTE_TOKEN": token if token is not None else self.token(instance)}
+        if session:
+            env["OUBLIETTE_SESSION"] = session
+        return env
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    @asynccontextmanager
+    async def caller(self, *extra: str, mode: str = "legacy") -> AsyncIterator[tuple[Client, EventLog]]:
+        """Start oubliette-server as this caller's stdio MCP server."""
+        log = EventLog()
+        async with Client(self.server_parameters(*extra), mode=mode, logging_callback=log.on_log) as client:
+            # The server binds the relay socket before it serves stdio, so it is ready now.
+            yield client, log
+
+    @asynccontextmanager
+    async def agent(
+        self, instance: str, session: str | None = None, *, mode: str = "legacy",
+        token: str | None = None, extra_args: tuple[str, ...] = (), message_handler: Any = None,
+    ) -> AsyncIterator[Client]:
+        """The SDK's MCP client spawning oubliette-client, as an agent in the sandbox would."""
+        params = StdioServerParameters(
+            command=PYTHON, args=["-m", "oubliette_client", *extra_args],
+            env=self.client_env(instance, session, token),
+        )
+        async with Client(params, mode=mode, message_handler=message_handler) as client:
+            yield client
+
+    @asynccontextmanager
+    async def guest(self, instance: str, command: list[str]) -> AsyncIterator[trio.Process]:
+        """`oubliette-client run -- command` for `instance`."""
+        process = await trio.lowlevel.open_process(
+            [PYTHON, "-m", "oubliette_client", "run", "--relay", self.relay, "--instance", instance,
+             "--token", self.token(instance), "--log-level", "WARNING", "--", *command],
+        )
+        try:
+            yield process
+        finally:
+            process.terminate()
+            with trio.CancelScope(shield=True):
+                await process.wait()
+
+
+DEMO_AGENT = [PYTHON, "-m", "oubliette_client.demo_agent", "--mcp-config", "{mcp_config}"]
+
+
+class RawRelay:
+    """A hand-driven relay connection, for protocol-level tests."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self._buffer = bytearray()
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, deployment: Deployment) -> AsyncIterator["RawRelay"]:
+        stream = await trio.open_unix_socket(str(deployment.socket))
+        try:
+            yield cls(stream)
+        finally:
+            await stream.aclose()
+
+    async def send_raw(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        await self.send_raw(json.dumps(message).encode() + b"\n")
+
+    async def hello(self, instance: str, token: str, role: str = "client", session: str | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {"protocol": "oubliette-relay/1", "role": role, "instance": instance, "token": token}
+        if session:
+            params["session"] = session
+        await self.send({"jsonrpc": "2.0", "id": 0, "method": "hello", "params": params})
+        while True:
+            message = await self.receive()
+            assert message is not None, "connection closed during hello"
+            if message.get("id") == 0:
+                return message
+
+    async def receive(self, timeout: float = 10.0) -> dict[str, Any] | None:
+        """The next message, or None once the server closed the connection."""
+        with trio.fail_after(timeout):
+            while b"\n" not in self._buffer:
+                chunk = await self.stream.receive_some(65536)
+                if not chunk:
+                    return None
+                self._buffer.extend(chunk)
+        end = self._buffer.index(b"\n")
+        line = bytes(self._buffer[:end])
+        del self._buffer[: end + 1]
+        return json.loads(line)
+
+    async def closed(self, timeout: float = 10.0) -> bool:
+        """True when the server closes the connection (after any pending messages)."""
+        with trio.fail_after(timeout):
+            while True:
+                try:
+                    chunk = await self.stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    return True
+                if not chunk:
+                    return True
+                self._buffer.extend(chunk)
+
+
+def env_without_oubliette() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("OUBLIETTE_")}
