@@ -18,7 +18,7 @@ import trio
 
 from protocol import messages
 
-from .store import FrameQuery
+from .store import CursorPruned, FrameQuery
 
 if TYPE_CHECKING:
     from .app import OublietteServer
@@ -75,7 +75,12 @@ class GuestDelivery:
         cursor = store.get_cursor(instance, GUEST_CURSOR)
         while True:
             query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)
-            frames, _ = await store.wait_for_frames(instance, query, timeout=math.inf)
+            try:
+                frames, _ = await store.wait_for_frames(instance, query, timeout=math.inf)
+            except CursorPruned as exc:
+                log.warning("guest of %s: %s; delivering from there", instance, exc)
+                cursor = exc.first_seq - 1
+                continue
             for frame in frames:
                 await connection.notify(messages.USER_MESSAGE, {"frame": frame.to_wire()})
                 cursor = frame.seq
