@@ -67,11 +67,14 @@ class SandboxToolServer:
         self.link = RelayLink(settings, "client", self._on_relay_notification, self._commit_handshake_config)
         self.bus = InMemorySubscriptionBus()
         self._legacy_session: Any = None
+        self._unannounced = False
         self.server = Server(
             "oubliette-client", version="0.1.0",
             on_list_tools=self._list_tools, on_call_tool=self._call_tool,
             on_subscriptions_listen=ListenHandler(self.bus),
         )
+        # A handshake-era agent may wait for list_changed before it lists anything.
+        self.server.add_notification_handler("notifications/initialized", types.NotificationParams, self._initialized)
 
     # -- relay side ----------------------------------------------------------------------
 
@@ -103,6 +106,8 @@ class SandboxToolServer:
             log.info("tool list changed: %s", ", ".join(t.name for t in self.registry.tools) or "(none)")
             if self._legacy_session is not None:
                 await self._legacy_session.send_tool_list_changed()
+            else:
+                self._unannounced = True
             await self.bus.publish(ToolsListChanged())
 
     # -- MCP side ------------------------------------------------------------------------
@@ -110,6 +115,13 @@ class SandboxToolServer:
     def _remember(self, ctx: Any) -> None:
         if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
             self._legacy_session = ctx.session
+
+    async def _initialized(self, ctx: Any, params: Any) -> None:
+        self._remember(ctx)
+        if self._unannounced and self._legacy_session is not None:
+            # The list changed while `initialized` was still on its way.
+            self._unannounced = False
+            await self._legacy_session.send_tool_list_changed()
 
     async def _list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
         self._remember(ctx)
@@ -123,7 +135,8 @@ class SandboxToolServer:
         tool = self.registry.resolve(params.name)
         if tool is None:
             known = ", ".join(t.name for t in self.registry.tools) or "none"
-            return tool_error(f"unknown tool '{params.name}' (available: {known})")
+            why = "" if self.link.connected else f"; {self.link.unavailable_error().message}"
+            return tool_error(f"unknown tool '{params.name}' (available: {known}){why}")
         arguments = dict(params.arguments or {})
         problem = tool.validation_error(arguments)
         if problem:

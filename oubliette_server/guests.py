@@ -28,6 +28,7 @@ log = logging.getLogger("oubliette.server.guests")
 
 GUEST_CURSOR = "guest.delivered"
 DELIVERY_BATCH = 200
+TURN_END_TYPES = ("assistant.done", "session.error")
 
 
 class GuestDelivery:
@@ -67,6 +68,11 @@ class GuestDelivery:
         if seq > store.get_cursor(connection.instance, GUEST_CURSOR):
             store.set_cursor(connection.instance, GUEST_CURSOR, seq)
 
+    def _answered(self, instance: str, msg_id: str) -> bool:
+        """A turn that ended but whose acknowledgement was lost (the guest died right after) is not rerun."""
+        query = FrameQuery(types=TURN_END_TYPES, reply_to=msg_id, limit=1)
+        return bool(self.server.store.query(instance, query))
+
     async def deliver(self, connection: RelayConnection) -> None:
         """Push every unacknowledged and every new `user.message` to the guest."""
         assert connection.instance is not None
@@ -82,5 +88,6 @@ class GuestDelivery:
                 cursor = exc.first_seq - 1
                 continue
             for frame in frames:
-                await connection.notify(messages.USER_MESSAGE, {"frame": frame.to_wire()})
+                if not self._answered(instance, frame.msg_id):
+                    await connection.notify(messages.USER_MESSAGE, {"frame": frame.to_wire()})
                 cursor = frame.seq

@@ -16,11 +16,11 @@ import sys
 import tempfile
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TextIO
 
 import trio
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters
+from mcp.client.stdio import StdioServerParameters, stdio_client
 
 PYTHON = sys.executable
 EVENT_TIMEOUT = 20.0
@@ -119,13 +119,18 @@ class Deployment:
     async def agent(
         self, instance: str, session: str | None = None, *, mode: str = "legacy",
         token: str | None = None, extra_args: tuple[str, ...] = (), message_handler: Any = None,
+        errlog: TextIO | None = None,
     ) -> AsyncIterator[Client]:
-        """The SDK's MCP client spawning oubliette-client, as an agent in the sandbox would."""
+        """The SDK's MCP client spawning oubliette-client, as an agent in the sandbox would.
+
+        `errlog`: a real file (it needs a file descriptor) that receives the client's stderr.
+        """
         params = StdioServerParameters(
             command=PYTHON, args=["-m", "oubliette_client", *extra_args],
             env=self.client_env(instance, session, token),
         )
-        async with Client(params, mode=mode, message_handler=message_handler) as client:
+        server: Any = params if errlog is None else stdio_client(params, errlog=errlog)
+        async with Client(server, mode=mode, message_handler=message_handler) as client:
             yield client
 
     @asynccontextmanager

@@ -1,0 +1,341 @@
+"""Benchmark of a relayed caller tool call, against a direct stdio MCP call of the same SDK.
+
+    python bench/bench_relay.py [--calls N] [--throughput-calls M] [--warmup W] [--quick]
+
+It starts, all on this machine, in one run:
+
+- the relayed path, as in tests/harness.py: a *caller* (the SDK's ``mcp.Client``, mode
+  "legacy") that spawned ``python -m oubliette_server --relay unix:… --data-dir <tmp>``,
+  declared the caller tool ``echo`` (caller id ``bench``) with ``session_message``, and answers
+  every ``caller_tool_request`` event (``notifications/message``, logger ``oubliette``) with
+  ``caller_tool_response`` at once, from a task of its own; and an *agent* (the SDK's
+  ``mcp.Client``, mode "legacy") that spawned ``python -m oubliette_client`` with
+  ``OUBLIETTE_RELAY/INSTANCE/TOKEN/SESSION`` and calls ``bench_echo``.  One call is
+  agent → client (stdio) → server (relay socket) → caller (event on stdio) → server
+  (``caller_tool_response``) → client → agent.
+- the baseline: the same SDK ``mcp.Client`` calling ``echo`` on bench/echo_server.py, a minimal
+  low-level ``mcp.server.Server`` over stdio under Trio (one stdio hop, no work).
+
+and measures:
+
+1. latency of one call, N sequential calls after W warm-up calls: median and p99, both paths,
+   and the ratio relayed/direct;
+2. throughput (calls/s) with 1 call in flight (the wall time of the sequential run of 1.) and
+   with 64 calls in flight (64 tasks sharing the one agent client, M calls in all), both paths,
+   and the ratio relayed/direct.
+
+The frame store lives in a temporary directory; every process and the directory are removed
+at the end.  Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import trio
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+
+PYTHON = sys.executable
+HERE = Path(__file__).resolve().parent
+INSTANCE = "bench"
+SESSION_ID = "bench-s1"
+CALLER_ID = "bench"
+CALLER_TOOL = {
+    "name": "echo",
+    "description": "Echo the text back",
+    "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}},
+}
+RELAYED_NAME = f"{CALLER_ID}_echo"
+CONCURRENCY = 64
+SETUP_TIMEOUT = 30.0  # seconds, on top of the run's
+RUN_TIMEOUT = 300.0
+
+CallFn = Callable[[int], Awaitable[None]]
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def pct(values: list[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    s = sorted(values)
+    return s[max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))]
+
+
+# -- the caller ------------------------------------------------------------------------------
+
+
+class Responder:
+    """Answers every caller_tool_request event with caller_tool_response, each in its own task."""
+
+    def __init__(self) -> None:
+        self.send, self.receive = trio.open_memory_channel[dict[str, Any]](math.inf)
+        self.answered = 0
+        self.failures: list[str] = []
+
+    async def on_log(self, params: Any) -> None:
+        # Runs in the client's receive loop: never await a request here, just hand the event on.
+        if getattr(params, "logger", None) == "oubliette" and isinstance(params.data, dict):
+            if params.data.get("type") == "caller_tool_request":
+                self.send.send_nowait(params.data)
+
+    async def run(self, caller: Client) -> None:
+        async with trio.open_nursery() as nursery:
+            async for event in self.receive:
+                nursery.start_soon(self._answer, caller, event)
+
+    async def _answer(self, caller: Client, event: dict[str, Any]) -> None:
+        reply = await caller.call_tool("caller_tool_response", {
+            "session_id": event["session_id"], "request_id": event["request_id"],
+            "result": {"echo": event["arguments"].get("text")},
+        })
+        if reply.is_error:
+            self.failures.append(" ".join(getattr(b, "text", "") for b in reply.content))
+        else:
+            self.answered += 1
+
+
+def token_for(data_dir: Path, instance: str) -> str:
+    out = subprocess.run(
+        [PYTHON, "-m", "oubliette_server", "token", instance, "--data-dir", str(data_dir)],
+        check=True, capture_output=True, text=True,
+    )
+    return out.stdout.strip()
+
+
+# -- measuring -------------------------------------------------------------------------------
+
+
+def checked_call(client: Client, tool: str) -> CallFn:
+    async def call(n: int) -> None:
+        text = f"call {n}"
+        result = await client.call_tool(tool, {"text": text})
+        if result.is_error or result.structured_content != {"echo": text}:
+            detail = " ".join(getattr(b, "text", "") for b in result.content)
+            raise BenchError(f"{tool}: unexpected result for {text!r}: {detail or result!r}")
+
+    return call
+
+
+async def sequential(call: CallFn, count: int) -> tuple[list[float], float]:
+    """Per-call latencies (s) of `count` calls one after another, and the wall time of all."""
+    latencies = []
+    start = time.perf_counter()
+    for n in range(count):
+        t0 = time.perf_counter()
+        await call(n)
+        latencies.append(time.perf_counter() - t0)
+    return latencies, time.perf_counter() - start
+
+
+async def concurrent(call: CallFn, count: int, in_flight: int) -> float:
+    """Wall time of `count` calls made by `in_flight` tasks that each start a new call when one ends."""
+    next_n = 0
+
+    async def worker() -> None:
+        nonlocal next_n
+        while next_n < count:
+            n = next_n
+            next_n += 1
+            await call(n)
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(in_flight):
+            nursery.start_soon(worker)
+    return time.perf_counter() - start
+
+
+class Figures:
+    """One path under test: its call function and its figures."""
+
+    def __init__(self, name: str, call: CallFn) -> None:
+        self.name = name
+        self.call = call
+        self.latencies: list[float] = []
+        self.seq_wall = 0.0
+        self.seq_calls = 0
+        self.conc_wall = 0.0
+        self.conc_calls = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.latencies)
+
+    @property
+    def p99(self) -> float:
+        return pct(self.latencies, 99)
+
+    @property
+    def rate_1(self) -> float:
+        return self.seq_calls / self.seq_wall
+
+    @property
+    def rate_n(self) -> float:
+        return self.conc_calls / self.conc_wall
+
+
+async def measure(paths: list[Figures], args: argparse.Namespace) -> None:
+    for p in paths:  # warm-up: imports, schema caches, SQLite pages, tool list fetch
+        print(f"  warm-up {p.name}: {args.warmup} sequential + {2 * CONCURRENCY} at {CONCURRENCY} in flight",
+              file=sys.stderr, flush=True)
+        await sequential(p.call, args.warmup)
+        await concurrent(p.call, 2 * CONCURRENCY, CONCURRENCY)
+    for p in paths:
+        print(f"  latency {p.name}: {args.calls} sequential calls", file=sys.stderr, flush=True)
+        p.latencies, p.seq_wall = await sequential(p.call, args.calls)
+        p.seq_calls = args.calls
+    for p in paths:
+        print(f"  throughput {p.name}: {args.throughput_calls} calls, {CONCURRENCY} in flight",
+              file=sys.stderr, flush=True)
+        p.conc_wall = await concurrent(p.call, args.throughput_calls, CONCURRENCY)
+        p.conc_calls = args.throughput_calls
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def report(relayed: Figures, direct: Figures, args: argparse.Namespace, responder: Responder) -> None:
+    def ms(x: float) -> str:
+        return f"{x * 1e3:10.3f} ms"
+
+    def rate(x: float) -> str:
+        return f"{x:10.0f} /s "
+
+    rows = [
+        ("latency, median", ms(relayed.median), ms(direct.median), relayed.median / direct.median, "×"),
+        ("latency, p99", ms(relayed.p99), ms(direct.p99), relayed.p99 / direct.p99, "×"),
+        ("throughput, 1 in flight", rate(relayed.rate_1), rate(direct.rate_1), relayed.rate_1 / direct.rate_1, ""),
+        (f"throughput, {CONCURRENCY} in flight", rate(relayed.rate_n), rate(direct.rate_n),
+         relayed.rate_n / direct.rate_n, ""),
+    ]
+    try:
+        mcp_version = metadata.version("mcp")
+    except metadata.PackageNotFoundError:
+        mcp_version = "?"
+    print()
+    print("Oubliette relay benchmark")
+    print(f"  python {platform.python_version()}, trio {trio.__version__}, mcp {mcp_version}, "
+          f"{os.cpu_count()} CPUs, {platform.system()} {platform.machine()}")
+    print(f"  latency: {args.calls} sequential calls after {args.warmup} warm-up calls; "
+          f"throughput: 1 in flight = the sequential run, {CONCURRENCY} in flight = {args.throughput_calls} calls")
+    print("  relayed: agent → oubliette-client → oubliette-server → caller → back (caller_tool_response)")
+    print("  direct:  agent → bench/echo_server.py (low-level mcp.server.Server over stdio)")
+    print()
+    header = f"  {'':<28}{'relayed':>14}{'direct':>14}{'relayed/direct':>17}"
+    print(header)
+    print("  " + "-" * (len(header) - 2))
+    for label, r, d, ratio, unit in rows:
+        ratio_text = f"{ratio:.2f}{unit}" if unit else f"{ratio:.3f}"
+        print(f"  {label:<28}{r:>14}{d:>14}{ratio_text:>17}")
+    print()
+    print(f"  relayed per-call extra, median: {(relayed.median - direct.median) * 1e3:.3f} ms; "
+          f"latency min/max relayed {min(relayed.latencies) * 1e3:.3f}/{max(relayed.latencies) * 1e3:.3f} ms, "
+          f"direct {min(direct.latencies) * 1e3:.3f}/{max(direct.latencies) * 1e3:.3f} ms")
+    print(f"  caller answered {responder.answered} caller_tool_request events, "
+          f"{len(responder.failures)} caller_tool_response errors")
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+async def bench(workdir: Path, args: argparse.Namespace) -> None:
+    data_dir = workdir / "data"
+    relay = f"unix:{workdir / 'relay.sock'}"
+    token = token_for(data_dir, INSTANCE)
+    responder = Responder()
+    server_params = StdioServerParameters(
+        command=PYTHON,
+        args=["-m", "oubliette_server", "--relay", relay, "--data-dir", str(data_dir), "--log-level", "WARNING"],
+    )
+    agent_params = StdioServerParameters(
+        command=PYTHON, args=["-m", "oubliette_client", "--log-level", "WARNING"],
+        env={"OUBLIETTE_RELAY": relay, "OUBLIETTE_INSTANCE": INSTANCE, "OUBLIETTE_TOKEN": token,
+             "OUBLIETTE_SESSION": f"mcp:{SESSION_ID}"},
+    )
+    echo_params = StdioServerParameters(command=PYTHON, args=[str(HERE / "echo_server.py")])
+
+    print("  starting oubliette-server (caller), oubliette-client (agent), echo_server (direct)",
+          file=sys.stderr, flush=True)
+    with trio.fail_after(SETUP_TIMEOUT + RUN_TIMEOUT):
+        async with Client(server_params, mode="legacy", logging_callback=responder.on_log) as caller, \
+                trio.open_nursery() as nursery:
+            nursery.start_soon(responder.run, caller)
+            declared = await caller.call_tool("session_message", {
+                "instance": INSTANCE, "session_id": SESSION_ID, "message": "benchmark",
+                "context": {"caller_id": CALLER_ID, "caller_tools": [CALLER_TOOL]},
+            })
+            if declared.is_error:
+                raise BenchError("session_message failed: " + " ".join(getattr(b, "text", "") for b in declared.content))
+            async with Client(agent_params, mode="legacy") as agent, Client(echo_params, mode="legacy") as direct_client:
+                tools = [t.name for t in (await agent.list_tools()).tools]
+                if RELAYED_NAME not in tools:
+                    raise BenchError(f"the agent does not see {RELAYED_NAME}; it sees {tools}")
+                await direct_client.list_tools()
+                relayed = Figures("relayed", checked_call(agent, RELAYED_NAME))
+                direct = Figures("direct", checked_call(direct_client, "echo"))
+                await measure([direct, relayed], args)
+            nursery.cancel_scope.cancel()
+    if responder.failures:
+        raise BenchError(f"caller_tool_response failed {len(responder.failures)} times: {responder.failures[0]}")
+    report(relayed, direct, args, responder)
+
+
+def bench_error_in(exc: BaseException) -> BenchError | None:
+    """The BenchError in `exc`, which Trio's nurseries may have wrapped in exception groups."""
+    if isinstance(exc, BenchError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := bench_error_in(inner)) is not None:
+                return found
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, help="sequential calls for the latency figures (default 500; 100 with --quick)")
+    parser.add_argument("--throughput-calls", type=int,
+                        help=f"calls for the {CONCURRENCY}-in-flight figures (default 2000; 400 with --quick)")
+    parser.add_argument("--warmup", type=int, help="sequential warm-up calls per path (default 50; 20 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smaller counts, for a smoke run")
+    args = parser.parse_args()
+    if args.calls is None:
+        args.calls = 100 if args.quick else 500
+    if args.throughput_calls is None:
+        args.throughput_calls = 400 if args.quick else 2000
+    if args.warmup is None:
+        args.warmup = 20 if args.quick else 50
+    if min(args.calls, args.throughput_calls) < 1 or args.warmup < 0:
+        parser.error("counts must be positive")
+    # Short path: a Unix socket path is limited to ~100 bytes.
+    workdir = Path(tempfile.mkdtemp(prefix="oub-bench-", dir="/tmp"))
+    try:
+        trio.run(bench, workdir, args)
+    except BaseException as exc:  # noqa: B036 - only to find a BenchError inside exception groups
+        err = bench_error_in(exc)
+        if err is None:
+            raise
+        print(f"bench_relay: {err}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""oubliette-client (stdio): the caller's tools as the agent's native MCP tools, end to end.
+
+Every test starts the real programs: oubliette-server as the caller's stdio MCP
+server (`deployment.caller()`) and oubliette-client as the agent's stdio MCP
+server (`deployment.agent(...)`, the SDK's client spawning it).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import mcp_types as types
+import trio
+from mcp.client.subscriptions import ToolsListChanged
+
+from harness import Deployment, EventLog, structured, text_of
+
+NOTIFY_SCHEMA = {
+    "type": "object",
+    "properties": {"message": {"type": "string"}, "urgent": {"type": "boolean"}},
+    "required": ["message"],
+}
+NOTIFY = {"name": "send_notification", "description": "Send notification", "inputSchema": NOTIFY_SCHEMA}
+NO_SCHEMA = {"name": "ping", "description": "Declared without an inputSchema"}
+DOUBLE = {
+    "name": "double",
+    "description": "Double a number",
+    "inputSchema": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+}
+
+# The client reconnects with backoff up to 5 s (x1.2 jitter); waits on reconnection allow for two rounds.
+RECONNECT_BOUND = 15.0
+
+
+async def declare(caller: Any, instance: str, session_id: str, tools: list[dict], caller_id: str = "myapp") -> dict:
+    result = await caller.call_tool("session_message", {
+        "instance": instance, "session_id": session_id, "message": "hi",
+        "context": {"caller_id": caller_id, "caller_tools": tools},
+    })
+    assert not result.is_error, text_of(result)
+    return structured(result)
+
+
+async def respond(caller: Any, session_id: str, request_id: str, **answer: Any) -> Any:
+    return await caller.call_tool("caller_tool_response", {"session_id": session_id, "request_id": request_id, **answer})
+
+
+def tool_names(listing: types.ListToolsResult) -> set[str]:
+    return {tool.name for tool in listing.tools}
+
+
+class ListChanged:
+    """A legacy agent's `message_handler` that counts `notifications/tools/list_changed`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = trio.Event()
+
+    async def __call__(self, message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            self.count += 1
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def wait_beyond(self, seen: int, timeout: float = 10.0) -> int:
+        """Wait until more than `seen` notifications arrived; the new count."""
+        with trio.fail_after(timeout):
+            while self.count <= seen:
+                await self._changed.wait()
+        return self.count
+
+
+async def call_and_answer(
+    agent: Any, caller: Any, events: EventLog, session_id: str, name: str, arguments: dict, answer: dict,
+) -> tuple[dict, types.CallToolResult]:
+    """The agent calls `name`; the caller answers the request with `answer`. (request event, agent result)"""
+    outcome: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+        async def agent_call() -> None:
+            outcome["result"] = await agent.call_tool(name, arguments)
+
+        nursery.start_soon(agent_call)
+        request = await events.wait_for(
+            lambda e: e.get("type") == "caller_tool_request" and e.get("arguments") == arguments
+            and e.get("session_id") == session_id
+        )
+        reply = await respond(caller, session_id, request["request_id"], **answer)
+        assert not reply.is_error, text_of(reply)
+    return request, outcome["result"]
+
+
+# -- 1. tools declared at session start ----------------------------------------------------
+
+
+async def test_declared_tools_are_listed_with_their_input_schema(deployment: Deployment) -> None:
+    """REQ-CTR-002: tools declared in session_message context appear as {caller_id}_{tool}, with the input schema."""
+    async with deployment.caller() as (caller, _events):
+        await declare(caller, "box1", "s1", [NOTIFY, NO_SCHEMA])
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            listing = await agent.list_tools()
+    tools = {tool.name: tool for tool in listing.tools}
+    assert set(tools) == {"myapp_send_notification", "myapp_ping"}
+    assert tools["myapp_send_notification"].input_schema == NOTIFY_SCHEMA
+    assert tools["myapp_send_notification"].description == "Send notification"
+    assert tools["myapp_ping"].input_schema == {"type": "object"}
+
+
+# -- 2./3. validation and unknown tools, before anything is relayed ---------------------------
+
+
+async def test_arguments_are_validated_before_relaying(deployment: Deployment) -> None:
+    """A wrong-typed or missing argument is refused by the client; the caller never sees a request."""
+    async with deployment.caller() as (caller, events):
+        await declare(caller, "box1", "s1", [NOTIFY])
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            wrong_type = await agent.call_tool("myapp_send_notification", {"message": 42})
+            missing = await agent.call_tool("myapp_send_notification", {"urgent": True})
+            # A good call afterwards: once its request reached the caller, any relayed bad call would have too.
+            request, good = await call_and_answer(
+                agent, caller, events, "s1", "myapp_send_notification", {"message": "ok"}, {"result": {"sent": True}},
+            )
+    assert wrong_type.is_error
+    assert "invalid arguments for myapp_send_notification" in text_of(wrong_type)
+    assert "message" in text_of(wrong_type) and "42 is not of type 'string'" in text_of(wrong_type)
+    assert missing.is_error
+    assert "'message' is a required property" in text_of(missing)
+    assert not good.is_error and good.structured_content == {"sent": True}
+    assert [e["arguments"] for e in events.of_type("caller_tool_request")] == [{"message": "ok"}]
+    assert request["tool"] == "send_notification"
+
+
+async def test_unknown_tool_gives_a_clear_error(deployment: Deployment) -> None:
+    async with deployment.caller() as (caller, events):
+        await declare(caller, "box1", "s1", [NOTIFY])
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            result = await agent.call_tool("myapp_no_such_tool", {})
+    assert result.is_error
+    assert "unknown tool 'myapp_no_such_tool'" in text_of(result)
+    assert "myapp_send_notification" in text_of(result), "the error lists the tools that exist"
+    assert events.of_type("caller_tool_request") == []
+
+
+# -- 4. the caller's error -----------------------------------------------------------------
+
+
+async def test_caller_error_response_reaches_the_agent_as_a_tool_error(deployment: Deployment) -> None:
+    """REQ-CTR-004 "Tool execution error response"."""
+    async with deployment.caller() as (caller, events):
+        await declare(caller, "box1", "s1", [NOTIFY])
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            _request, result = await call_and_answer(
+                agent, caller, events, "s1", "myapp_send_notification", {"message": "to bob"},
+                {"error": "recipient not found"},
+            )
+    assert result.is_error
+    assert "recipient not found" in text_of(result)
+    assert "myapp_send_notification" in text_of(result)
+
+
+# -- 5. the agent cancels ------------------------------------------------------------------
+
+
+async def test_agent_cancel_reaches_the_caller_and_leaves_nothing_pending(deployment: Deployment) -> None:
+    async with deployment.caller() as (caller, events):
+        await declare(caller, "box1", "s1", [NOTIFY])
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            outcome: dict[str, Any] = {}
+            async with trio.open_nursery() as nursery:
+                scope = trio.CancelScope()
+
+                async def agent_call() -> None:
+                    with scope:
+                        outcome["result"] = await agent.call_tool("myapp_send_notification", {"message": "never"})
+
+                nursery.start_soon(agent_call)
+                request = await events.wait_type("caller_tool_request")
+                # While the call is in flight the server reports it as pending for the session.
+                waited = await caller.call_tool("session_message", {
+                    "session_id": "s1", "instance": "box1", "message": "busy?", "wait": 0.1})
+                assert structured(waited)["pending"] == [
+                    {"request_id": request["request_id"], "tool": "send_notification"}]
+                scope.cancel()  # the SDK client sends notifications/cancelled for the call
+            assert "result" not in outcome
+            cancelled = await events.wait_type("caller_tool_cancelled", request_id=request["request_id"])
+            assert cancelled["reason"] == "cancelled by the agent"
+            assert cancelled["session_id"] == "s1"
+
+            late = await respond(caller, "s1", request["request_id"], result={"sent": True})
+            assert late.is_error
+            assert "no longer pending" in text_of(late) and "cancelled" in text_of(late)
+
+            # Nothing is left pending for the session ...
+            waited = await caller.call_tool("session_message", {"session_id": "s1", "instance": "box1",
+                                                                "message": "still there?", "wait": 0.2})
+            assert not waited.is_error, text_of(waited)
+            assert structured(waited)["pending"] == []
+            # ... and the tool works again.
+            _request, result = await call_and_answer(
+                agent, caller, events, "s1", "myapp_send_notification", {"message": "again"}, {"result": "sent"},
+            )
+    assert not result.is_error and text_of(result) == "sent"
+    assert len(events.of_type("caller_tool_cancelled")) == 1
+
+
+# -- 6. many calls at once -----------------------------------------------------------------
+
+
+async def test_hundred_concurrent_calls_answered_in_reverse_order(deployment: Deployment) -> None:
+    """100 calls in flight from one agent; answered last-first, each agent call gets its own result."""
+    count = 100
+    async with deployment.caller() as (caller, events):
+        await declare(caller, "box1", "s1", [DOUBLE])
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            results: dict[int, types.CallToolResult] = {}
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    async def agent_call(n: int) -> None:
+                        results[n] = await agent.call_tool("myapp_double", {"n": n})
+
+                    for n in range(count):
+                        nursery.start_soon(agent_call, n)
+                    # Every request reaches the caller before any is answered: none waits behind another.
+                    await events.wait_for(lambda _e: len(events.of_type("caller_tool_request")) >= count)
+                    requests = events.of_type("caller_tool_request")
+                    assert sorted(r["arguments"]["n"] for r in requests) == list(range(count))
+                    assert len({r["request_id"] for r in requests}) == count
+                    assert results == {}
+                    for request in reversed(requests):
+                        n = request["arguments"]["n"]
+                        reply = await respond(caller, "s1", request["request_id"], result={"n": n, "doubled": 2 * n})
+                        assert not reply.is_error, text_of(reply)
+    assert sorted(results) == list(range(count))
+    for n, result in results.items():
+        assert not result.is_error, text_of(result)
+        assert result.structured_content == {"n": n, "doubled": 2 * n}
+
+
+# -- 7. relay down -------------------------------------------------------------------------
+
+
+async def test_client_started_before_the_server_picks_up_tools_later(deployment: Deployment) -> None:
+    """The client serves MCP without a relay, then connects when the server appears and shows its tools."""
+    changes = ListChanged()
+    async with deployment.agent("box1", "mcp:s1", extra_args=("--connect-wait", "0.5"),
+                                message_handler=changes) as agent:
+        listing = await agent.list_tools()
+        assert listing.tools == []
+        early = await agent.call_tool("myapp_send_notification", {"message": "too early"})
+        assert early.is_error
+        assert "unknown tool 'myapp_send_notification'" in text_of(early)
+        assert "unavailable" in text_of(early), "while the relay is down, the error says so"
+
+        async with deployment.caller() as (caller, events):
+            await declare(caller, "box1", "s1", [NOTIFY])
+            await changes.wait_beyond(0, timeout=RECONNECT_BOUND)
+            assert tool_names(await agent.list_tools()) == {"myapp_send_notification"}
+            _request, result = await call_and_answer(
+                agent, caller, events, "s1", "myapp_send_notification", {"message": "now"}, {"result": {"sent": 1}},
+            )
+    assert not result.is_error and result.structured_content == {"sent": 1}
+
+
+async def test_call_while_the_relay_is_down_says_it_is_unavailable(deployment: Deployment) -> None:
+    """The server goes away while the agent stays up: the known tool stays listed, calls say why they fail."""
+    changes = ListChanged()
+    async with deployment.agent("box1", "mcp:s1", extra_args=("--connect-wait", "0.5"),
+                                message_handler=changes) as agent:
+        assert (await agent.list_tools()).tools == []
+        async with deployment.caller() as (caller, _events):
+            await declare(caller, "box1", "s1", [NOTIFY])
+            await changes.wait_beyond(0, timeout=RECONNECT_BOUND)
+            assert tool_names(await agent.list_tools()) == {"myapp_send_notification"}
+        # The caller context has ended: the server process exited and its end of the relay socket is closed.
+        listing = await agent.list_tools()
+        assert tool_names(listing) == {"myapp_send_notification"}, "the tools it last knew stay listed"
+        result = await agent.call_tool("myapp_send_notification", {"message": "anyone?"})
+    assert result.is_error
+    assert "unavailable" in text_of(result)
+    assert deployment.relay in text_of(result)
+
+
+# -- 8. tool list changes in both protocol eras ---------------------------------------------
+
+
+async def test_legacy_agent_is_told_of_every_tool_list_change(deployment: Deployment) -> None:
+    """Handshake era: declare, redeclare a different set, declare none -> list_changed each time."""
+    changes = ListChanged()
+    async with deployment.caller() as (caller, _events):
+        async with deployment.agent("box1", "mcp:s1", message_handler=changes) as agent:
+            assert (await agent.list_tools()).tools == []
+
+            await declare(caller, "box1", "s1", [NOTIFY])
+            seen = await changes.wait_beyond(0)
+            assert tool_names(await agent.list_tools()) == {"myapp_send_notification"}
+
+            await declare(caller, "box1", "s1", [NO_SCHEMA, DOUBLE])
+            seen = await changes.wait_beyond(seen)
+            assert tool_names(await agent.list_tools()) == {"myapp_ping", "myapp_double"}
+
+            await declare(caller, "box1", "s1", [])
+            seen = await changes.wait_beyond(seen)
+            assert (await agent.list_tools()).tools == []
+    assert changes.count == 3
+
+
+async def test_legacy_agent_is_told_without_having_listed_first(deployment: Deployment) -> None:
+    """list_changed reaches an agent that has only initialized (no tools/list or tools/call yet)."""
+    changes = ListChanged()
+    async with deployment.caller() as (caller, _events):
+        async with deployment.agent("box1", "mcp:s1", message_handler=changes) as agent:
+            await declare(caller, "box1", "s1", [NOTIFY])
+            await changes.wait_beyond(0)
+            assert tool_names(await agent.list_tools()) == {"myapp_send_notification"}
+
+
+async def test_modern_agent_receives_tools_list_changed_events(deployment: Deployment) -> None:
+    """2026-07-28 (the SDK's default mode): a subscriptions/listen event when the caller declares tools."""
+    async with deployment.caller() as (caller, _events):
+        async with deployment.agent("box1", "mcp:s1", mode="auto") as agent:
+            assert agent.protocol_version == "2026-07-28"
+            assert (await agent.list_tools()).tools == []
+            async with agent.listen(tools_list_changed=True) as subscription:
+                await declare(caller, "box1", "s1", [NOTIFY])
+                with trio.fail_after(10):
+                    event = await subscription.__anext__()
+                assert isinstance(event, ToolsListChanged)
+                listing = await agent.list_tools(cache_mode="refresh")
+                assert tool_names(listing) == {"myapp_send_notification"}
+                assert listing.tools[0].input_schema == NOTIFY_SCHEMA
+
+                await declare(caller, "box1", "s1", [DOUBLE])
+                with trio.fail_after(10):
+                    event = await subscription.__anext__()
+                assert isinstance(event, ToolsListChanged)
+                assert tool_names(await agent.list_tools(cache_mode="refresh")) == {"myapp_double"}
+
+
+# -- 9. a client without a session ----------------------------------------------------------
+
+
+async def test_client_without_session_sees_the_latest_declaration_per_caller(deployment: Deployment) -> None:
+    changes = ListChanged()
+    async with deployment.caller() as (caller, events):
+        await declare(caller, "box1", "s1", [NOTIFY])
+        await declare(caller, "box1", "s2", [DOUBLE])                       # myapp's latest declaration
+        await declare(caller, "box1", "s3", [NO_SCHEMA], caller_id="other")  # another caller id
+        await declare(caller, "box9", "s4", [NOTIFY], caller_id="elsewhere")  # another instance
+        async with deployment.agent("box1", None, message_handler=changes) as agent:
+            assert tool_names(await agent.list_tools()) == {"myapp_double", "other_ping"}
+            request, result = await call_and_answer(
+                agent, caller, events, "s2", "myapp_double", {"n": 21}, {"result": {"doubled": 42}},
+            )
+            assert request["tool"] == "double" and request["caller_id"] == "myapp"
+            assert not result.is_error and result.structured_content == {"doubled": 42}
+
+            # A newer declaration of myapp replaces its tools for this client.
+            await declare(caller, "box1", "s5", [NOTIFY])
+            await changes.wait_beyond(0)
+            assert tool_names(await agent.list_tools()) == {"myapp_send_notification", "other_ping"}
+            request, result = await call_and_answer(
+                agent, caller, events, "s5", "myapp_send_notification", {"message": "hey"}, {"result": "sent"},
+            )
+            assert not result.is_error and text_of(result) == "sent"
+
+
+# -- 10. long names -------------------------------------------------------------------------
+
+
+async def test_tool_names_over_64_characters_are_warned_about(deployment: Deployment) -> None:
+    long_tool = "t" * 60
+    published = f"myapp_{long_tool}"
+    assert len(published) > 64
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8") as errlog:
+        async with deployment.caller() as (caller, _events):
+            await declare(caller, "box1", "s1", [NOTIFY, {"name": long_tool, "description": "long"}])
+            async with deployment.agent("box1", "mcp:s1", errlog=errlog) as agent:
+                assert tool_names(await agent.list_tools()) == {"myapp_send_notification", published}
+        # The agent's context has ended: the client process has exited and flushed its stderr.
+        errlog.seek(0)
+        stderr = errlog.read()
+    warnings = [line for line in stderr.splitlines() if "WARNING" in line and published in line]
+    assert warnings, stderr
+    assert "64" in warnings[0]
+    assert not any("myapp_send_notification" in line for line in stderr.splitlines() if "WARNING" in line)
