@@ -33,6 +33,7 @@ from .guests import GuestDelivery
 from .relay import RelayConnection, RelayListener
 from .sessions import Session, SessionRegistry
 from .store import FrameStore, StoredFrame
+from .wake import InstanceStarter
 
 log = logging.getLogger("oubliette.server")
 
@@ -60,8 +61,10 @@ class OublietteServer:
         self.sessions = SessionRegistry()
         self.calls = CallerCallRegistry(self.append_frame, config.caller_timeout)
         self.guests = GuestDelivery(self)
+        self.starter = InstanceStarter(self)
         self._clients: dict[str, set[RelayConnection]] = {}
         self._callers: set[CallerConnection] = set()
+        self._seen_instances: set[str] = set()
         self._nursery: trio.Nursery | None = None
         self._requests_in_flight = 0
         self._drained = trio.Event()
@@ -117,6 +120,28 @@ class OublietteServer:
                 sink.push(event)
         return frame
 
+    async def ingress(
+        self,
+        instance: str,
+        channel: str,
+        session_id: str,
+        type: str,
+        payload: dict[str, Any],
+        *,
+        msg_id: str | None = None,
+        reply_to: str | None = None,
+    ) -> StoredFrame:
+        """Append a frame from outside the sandbox; a `user.message` wakes the instance."""
+        session = self.sessions.get_or_create(instance, channel, session_id)
+        frame = await self.append_frame(session, type, payload, msg_id=msg_id, reply_to=reply_to)
+        if type == "user.message":
+            self.starter.wake(instance)
+        return frame
+
+    @property
+    def nursery(self) -> trio.Nursery | None:
+        return self._nursery
+
     # -- callers -------------------------------------------------------------------------
 
     def open_caller(self, transport: str, label: str | None = None) -> CallerConnection:
@@ -136,6 +161,27 @@ class OublietteServer:
         self.sessions.drop_sink(caller)
         failed = self.calls.fail_caller(caller)
         log.info("%r disconnected; %d pending call(s) failed", caller, failed)
+
+    def instance_known(self, instance: str) -> bool:
+        """Configured, connected since start, or with frames in the log."""
+        return (
+            instance in self.config.instances
+            or instance in self._seen_instances
+            or self.store.last_seq(instance) > 0
+        )
+
+    def require_known_instance(self, instance: str) -> str:
+        from .auth import check_instance_id
+
+        reason = check_instance_id(instance)
+        if reason:
+            raise RelayError(errors.INVALID_PARAMS, reason)
+        if not self.instance_known(instance):
+            raise RelayError(
+                errors.NOT_FOUND,
+                f"unknown instance '{instance}': it is not configured, has not connected, and has no frames",
+            )
+        return instance
 
     def connected_instances(self) -> list[str]:
         names = set(self.guests.connected_instances())
@@ -182,8 +228,10 @@ class OublietteServer:
     async def relay_connection_opened(self, connection: RelayConnection) -> None:
         """Register a connection that passed `hello`; send its configuration first."""
         assert connection.instance is not None
+        self._seen_instances.add(connection.instance)
         if connection.role == "guest":
             previous = self.guests.attach(connection)
+            self.starter.guest_connected(connection.instance)
             if previous is not None:
                 log.warning("%r replaces the instance's previous guest %r", connection, previous)
                 previous.close_soon()

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
+import time
 from typing import Any, Awaitable, Callable
 
 import jsonschema
@@ -19,7 +22,7 @@ from mcp.server.lowlevel.server import NotificationOptions
 from mcp.server.models import InitializationOptions
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from protocol import CallerToolSpec, RelayError, errors, structure
+from protocol import FRAME_TYPES, CallerToolSpec, RelayError, errors, structure
 
 from . import caller_tools_schema as schemas
 from .app import OublietteServer
@@ -33,6 +36,7 @@ ResolveCaller = Callable[[Any], CallerConnection]
 ToolHandler = Callable[[Any, CallerConnection, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 TURN_END_TYPES = ("assistant.done", "session.error")
+SESSION_ID_PATTERN = re.compile(schemas.SESSION_ID["pattern"])
 
 
 def tool_result(payload: dict[str, Any]) -> types.CallToolResult:
@@ -78,6 +82,8 @@ class CallerTools:
             "Read the frames of a session after a cursor; long-polls up to wait_ms.",
             schemas.SESSION_EVENTS, self.session_events,
         )
+        self.add("tether_send", schemas.TETHER_SEND_DESCRIPTION, schemas.TETHER_SEND, self.tether_send)
+        self.add("tether_read", schemas.TETHER_READ_DESCRIPTION, schemas.TETHER_READ, self.tether_read)
 
     def add(self, name: str, description: str, schema: dict[str, Any], handler: ToolHandler) -> None:
         self.tools[name] = (types.Tool(name=name, description=description, input_schema=schema), handler)
@@ -106,7 +112,7 @@ class CallerTools:
             tools = [structure(tool, CallerToolSpec) for tool in context.get("caller_tools", [])]
             await app.declare_caller_tools(session, caller, context["caller_id"], tools)
         session.sinks.add(caller)
-        frame = await app.append_frame(session, "user.message", {"text": args["message"]})
+        frame = await app.ingress(instance, session.channel, session.id, "user.message", {"text": args["message"]})
         result: dict[str, Any] = {
             "session_id": session.id, "instance": instance, "msg_id": frame.msg_id, "ingress_seq": frame.seq,
         }
@@ -180,6 +186,45 @@ class CallerTools:
             wait_ms=args.get("wait_ms", 0), types=args.get("types"),
         )
 
+    # -- tether (seed 004) ---------------------------------------------------------------
+
+    async def tether_send(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        instance = self.app.require_known_instance(args["instance"])
+        session_id = args.get("session_id") or DEFAULT_TETHER_SESSION
+        check_session_id(session_id)
+        frame = await self.app.ingress(
+            instance, TETHER_CHANNEL, session_id, "user.message", {"text": args["text"]},
+            msg_id=host_msg_id(),
+        )
+        return {"msg_id": frame.msg_id, "session_id": session_id, "ingress_seq": frame.seq}
+
+    async def tether_read(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        instance = self.app.require_known_instance(args["instance"])
+        session_id = args.get("session_id") or DEFAULT_TETHER_SESSION
+        check_session_id(session_id)
+        return await read_frames(
+            self.app, instance, channel=TETHER_CHANNEL, session_id=session_id,
+            after_seq=args.get("after_seq", 0), limit=args.get("limit", 50), wait_ms=args.get("wait_ms", 0),
+            types=args.get("types") or list(EGRESS_TYPES), reply_to=args.get("reply_to_msg_id"),
+        )
+
+
+TETHER_CHANNEL = "host"
+DEFAULT_TETHER_SESSION = "default"
+EGRESS_TYPES = tuple(t for t in FRAME_TYPES if t != "user.message")
+"""What tether_read returns by default: the agent's side of the conversation, not the host's own messages."""
+MAX_WAIT_MS = 30_000
+
+
+def host_msg_id() -> str:
+    """`host-{timestamp}` (seed 004), with a random suffix so two sends in one millisecond differ."""
+    return f"host-{int(time.time() * 1000)}-{secrets.token_hex(3)}"
+
+
+def check_session_id(session_id: str) -> None:
+    if not SESSION_ID_PATTERN.match(session_id):
+        raise RelayError(errors.INVALID_PARAMS, f"invalid session_id {session_id!r}: use 1-128 of A-Z a-z 0-9 _ . : @ -")
+
 
 async def read_frames(
     app: OublietteServer,
@@ -194,6 +239,8 @@ async def read_frames(
     reply_to: str | None = None,
 ) -> dict[str, Any]:
     """`{frames, next_seq, timed_out}`: the shape of session_events, tether_read and the poll endpoint."""
+    if not 0 <= wait_ms <= MAX_WAIT_MS:
+        raise RelayError(errors.INVALID_PARAMS, f"wait_ms must be between 0 and {MAX_WAIT_MS}, got {wait_ms}")
     try:
         query = FrameQuery(
             channel=channel, session_id=session_id, after_seq=after_seq,
@@ -223,11 +270,22 @@ def build_caller_server(app: OublietteServer, tools: CallerTools, resolve_caller
         caller = resolve_caller(ctx)
         return await tools.call(ctx, caller, params.name, dict(params.arguments or {}))
 
-    return Server("oubliette-server", version="0.1.0", on_list_tools=list_tools, on_call_tool=call_tool)
+    return CallerMcpServer("oubliette-server", version="0.1.0", on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+class CallerMcpServer(Server):
+    """Advertises `tools.listChanged` on every transport (the HTTP app asks with no options)."""
+
+    def create_initialization_options(
+        self, notification_options: NotificationOptions | None = None, *args: Any, **kwargs: Any
+    ) -> InitializationOptions:
+        return super().create_initialization_options(
+            notification_options or NotificationOptions(tools_changed=True), *args, **kwargs
+        )
 
 
 def initialization_options(server: Server) -> InitializationOptions:
-    return server.create_initialization_options(NotificationOptions(tools_changed=True))
+    return server.create_initialization_options()
 
 
 async def serve_stdio_caller(app: OublietteServer) -> None:

@@ -70,3 +70,62 @@ SESSION_EVENTS: dict[str, Any] = {
     "required": ["session_id"],
     "additionalProperties": False,
 }
+
+# Seed 004, exactly: the host agent tether tools.
+TETHER_SEND_DESCRIPTION = (
+    "Send a message to an agent running inside a VM instance. The message is delivered via the tether "
+    "protocol. The instance wakes automatically if paused or stopped. Use tether_read to receive the "
+    "agent's response."
+)
+TETHER_SEND: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "instance": {"type": "string", "description": "Instance handle or ID"},
+        "text": {"type": "string", "description": "Message text to send to the agent"},
+        "session_id": {
+            "type": "string",
+            "description": "Session identifier for conversation threading. Use a stable ID per conversation "
+            "(e.g. 'debug-session-1'). Defaults to 'default'.",
+        },
+    },
+    "required": ["instance", "text"],
+}
+
+TETHER_READ_DESCRIPTION = (
+    "Read response frames from an agent inside a VM instance. Returns new frames since the given cursor. "
+    "Supports long-polling: set wait_ms to block until frames arrive or timeout. Call in a loop for "
+    "streaming-like behavior."
+)
+TETHER_READ: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "instance": {"type": "string", "description": "Instance handle or ID"},
+        "session_id": {
+            "type": "string",
+            "description": "Session ID (must match the one used in tether_send). Defaults to 'default'.",
+        },
+        "after_seq": {
+            "type": "integer",
+            "description": "Return frames with seq > this value. Use next_seq from previous tether_read "
+            "response. Start with 0.",
+        },
+        "limit": {"type": "integer", "description": "Max frames to return. Default: 50, max: 200."},
+        "wait_ms": {
+            "type": "integer",
+            "description": "Long-poll timeout in milliseconds. If no frames available, block up to this "
+            "duration. 0 = return immediately. Default: 0, max: 30000.",
+        },
+        "types": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "Filter by frame types. Example: ['assistant.delta', 'assistant.done']. "
+            "Default: all types.",
+        },
+        "reply_to_msg_id": {
+            "type": "string",
+            "description": "Filter frames that are replies to a specific msg_id. Useful for isolating one "
+            "task's response in a multi-task session.",
+        },
+    },
+    "required": ["instance"],
+}

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shlex
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -33,6 +36,18 @@ class ServerConfig:
     """SQLite file of the frame log; None means `<data_dir>/frames.sqlite3`."""
     retention_frames: int | None = 100_000
     session_wait_limit: float = DEFAULT_SESSION_WAIT
+    http: list[str] = attrs.field(factory=list)
+    """HTTP listeners: `HOST:PORT` (bearer tokens) and/or `unix:PATH` (mode 0600, no token)."""
+    allowed_hosts: list[str] = attrs.field(factory=list)
+    """Extra Host header values accepted on /mcp besides loopback ones (e.g. `oubliette.internal:*`)."""
+    instances: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    """Per-instance settings from the config file, e.g. `{"box1": {"start": ["docker", "start", "box1"]}}`."""
+
+    def start_command(self, instance: str) -> list[str] | None:
+        start = self.instances.get(instance, {}).get("start")
+        if not start:
+            return None
+        return shlex.split(start) if isinstance(start, str) else [str(part) for part in start]
 
     @property
     def relay_address(self) -> str:
@@ -41,3 +56,41 @@ class ServerConfig:
     @property
     def frame_store_path(self) -> str:
         return self.store_path or str(self.data_dir / "frames.sqlite3")
+
+
+SERVER_KEYS = {
+    "relay": str, "data_dir": str, "caller_timeout": (int, float), "store_path": str,
+    "retention_frames": int, "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
+}
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read a TOML config file into `ServerConfig` keyword arguments, with clear errors."""
+    try:
+        with open(path, "rb") as handle:
+            document = tomllib.load(handle)
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = set(document) - {"server", "instances", "toolsets", "allowlists"}
+    if unknown:
+        raise ValueError(f"config file {path}: unknown section(s) {', '.join(sorted(unknown))}")
+    settings: dict[str, Any] = {}
+    for key, value in document.get("server", {}).items():
+        expected = SERVER_KEYS.get(key)
+        if expected is None:
+            raise ValueError(f"config file {path}: unknown [server] key {key!r}")
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise ValueError(f"config file {path}: [server] {key} has the wrong type")
+        settings[key] = value
+    instances = document.get("instances", {})
+    for name, table in instances.items():
+        if not isinstance(table, dict):
+            raise ValueError(f"config file {path}: [instances.{name}] must be a table")
+        start = table.get("start")
+        if start is not None and not (isinstance(start, str) or (isinstance(start, list) and start)):
+            raise ValueError(f"config file {path}: [instances.{name}] start must be a string or a list")
+    settings["instances"] = instances
+    settings["extra"] = {k: document[k] for k in ("toolsets", "allowlists") if k in document}
+    return settings

@@ -211,18 +211,21 @@ class RelayConnection:
     async def _serve_request(self, request: Request, scope: trio.CancelScope) -> None:
         self.server.relay_request_started()
         try:
+            result: Any = None
+            error: RelayError | None = None
             with scope:
                 try:
                     result = await self.server.handle_relay_request(self, request.method, request.params)
                 except RelayError as err:
-                    await self._reply(request.id, error=err)
+                    error = err
                 except Exception as exc:  # a bug must not take the connection down
                     log.exception("%r: %s failed", self, request.method)
-                    await self._reply(request.id, error=RelayError(errors.INTERNAL_ERROR, f"internal error: {exc}"))
-                else:
-                    await self._reply(request.id, result)
+                    error = RelayError(errors.INTERNAL_ERROR, f"internal error: {exc}")
             if scope.cancelled_caught:
-                await self._reply(request.id, error=RelayError(errors.CANCELLED, f"request {request.id!r} was cancelled"))
+                error = RelayError(errors.CANCELLED, f"request {request.id!r} was cancelled")
+            # Reply outside the request's scope: a `cancel` that crosses the reply must not cut
+            # the frame in half (that would break the writer and every later reply).
+            await self._reply(request.id, result, error)
         finally:
             self._in_flight.pop(request.id, None)
             self.server.relay_request_finished()

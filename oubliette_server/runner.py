@@ -1,8 +1,10 @@
-"""Run the command-line server: relay listener plus the stdio caller."""
+"""Run the command-line server: relay listener, HTTP listeners, and the stdio caller."""
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 
 import trio
 
@@ -13,15 +15,33 @@ from .config import ServerConfig
 log = logging.getLogger("oubliette.server")
 
 SHUTDOWN_DRAIN_SECONDS = 2.0
+READY_PREFIX = "oubliette-server ready "
 
 
-async def run_server(config: ServerConfig) -> None:
-    """Serve until the stdio caller disconnects (the process belongs to it)."""
+def announce_ready(relay: str, http: list[str]) -> None:
+    """One machine-readable stderr line once every listener is bound (stdout carries MCP)."""
+    print(READY_PREFIX + json.dumps({"relay": relay, "http": http}), file=sys.stderr, flush=True)
+
+
+async def run_server(config: ServerConfig, *, stdio: bool = True) -> None:
+    """Serve until the stdio caller disconnects, or forever when HTTP listeners are up."""
     app = OublietteServer(config)
     async with trio.open_nursery() as nursery:
         await nursery.start(app.serve)
+        http_urls: list[str] = []
+        if config.http:
+            from .http_api import HttpApi
+
+            http_urls = await nursery.start(HttpApi(app).serve, config.http)
+            log.info("HTTP listening on %s", ", ".join(http_urls))
+        announce_ready(config.relay_address, http_urls)
+        if not stdio:
+            return  # the listeners run until the process is stopped
         log.info("serving the caller on stdio; relay at %s", config.relay_address)
         await serve_stdio_caller(app)
+        if config.http:
+            log.info("the stdio caller disconnected; HTTP listeners keep serving")
+            return
         log.info("stdio caller disconnected; shutting down")
         await app.drain(SHUTDOWN_DRAIN_SECONDS)
         nursery.cancel_scope.cancel()

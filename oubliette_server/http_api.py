@@ -1,0 +1,334 @@
+"""The HTTP listener: the tether API and the caller's MCP over Streamable HTTP.
+
+One hypercorn (Trio worker) server serves one Starlette app:
+
+- `POST /v1/instances/{id}/tether`: ingress of a frame (a `user.message` wakes the instance);
+- `GET  /v1/instances/{id}/tether/poll`: `{frames, next_seq, timed_out}`, long poll up to `wait_ms`;
+- `GET  /v1/instances/{id}/tether/stream`: SSE, each event's id is its `seq`; `Last-Event-ID` resumes;
+- `/mcp`: the caller's MCP (Streamable HTTP, SSE responses, `tools.listChanged` advertised).
+
+Auth: on TCP every request needs `Authorization: Bearer <token>`: the server's
+HTTP token (`oubliette-server http-token`) for everything, or an instance's own
+token for that instance's `/v1/instances/{id}/…` routes. A Unix socket
+listener is created with mode 0600 and needs no token: file access is the
+credential. /mcp also checks the Host header against loopback names plus
+`allowed_hosts` (DNS-rebinding protection); see docs/TETHER.md for containers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from typing import Any
+
+import jsonschema
+import trio
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from protocol import RelayError, errors
+
+from .app import OublietteServer
+from .caller_mcp import CallerTools, build_caller_server, read_frames
+from .callers import CallerConnection
+
+log = logging.getLogger("oubliette.server.http")
+
+MAX_BODY_BYTES = 1024 * 1024
+SSE_KEEPALIVE_SECONDS = 15.0
+SERVER_OWNED_TYPES = frozenset({
+    "caller_tool_request", "caller_tool_result", "caller_tool_cancelled", "approval_request", "approval_resolved",
+})
+INSTANCE_ROUTE = re.compile(r"^/v1/instances/([^/]+)/")
+HTTP_STATUS = {
+    errors.INVALID_PARAMS: 400, errors.INVALID_REQUEST: 400, errors.PARSE_ERROR: 400,
+    errors.NOT_FOUND: 404, errors.UNAUTHORIZED: 401, errors.DENIED: 403,
+}
+
+INGRESS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "v": {"const": 1},
+        "type": {"type": "string", "pattern": r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"},
+        "session": {
+            "type": "object",
+            "properties": {
+                "channel": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,64}$"},
+                "id": {"type": "string", "pattern": r"^[A-Za-z0-9_.:@-]{1,128}$"},
+            },
+            "required": ["channel", "id"],
+        },
+        "payload": {"type": "object"},
+        "msg_id": {"type": "string", "minLength": 1, "maxLength": 128},
+        "reply_to": {"type": "string", "minLength": 1, "maxLength": 128},
+    },
+    "required": ["type", "session"],
+}
+_ingress_validator = jsonschema.Draft202012Validator(INGRESS_SCHEMA)
+
+
+def http_token(server: OublietteServer) -> str:
+    """The bearer token for the whole HTTP API (derived like instance tokens, under a reserved name)."""
+    return server.tokens.token_for("http:admin")
+
+
+def error_response(err: RelayError, status: int | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"code": err.code, "name": errors.ERROR_NAMES.get(err.code, "error"), "message": err.message}},
+        status_code=status or HTTP_STATUS.get(err.code, 400),
+    )
+
+
+class BearerAuth:
+    """ASGI middleware: TCP requests need a valid bearer token; Unix socket ones rely on the file mode."""
+
+    def __init__(self, app: Any, server: OublietteServer) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("server") is None:  # lifespan, or a Unix socket listener
+            await self.app(scope, receive, send)
+            return
+        token = _bearer(scope)
+        if token is not None and self._allowed(token, scope["path"]):
+            scope.setdefault("state", {})["oubliette_token"] = token
+            await self.app(scope, receive, send)
+            return
+        message = "missing bearer token" if token is None else "this bearer token is not valid for this resource"
+        response = error_response(RelayError(errors.UNAUTHORIZED, message))
+        response.headers["WWW-Authenticate"] = 'Bearer realm="oubliette"'
+        await response(scope, receive, send)
+
+    def _allowed(self, token: str, path: str) -> bool:
+        if self.server.tokens.verify("http:admin", token):
+            return True
+        match = INSTANCE_ROUTE.match(path)
+        return bool(match) and self.server.tokens.verify(match.group(1), token)
+
+
+def _bearer(scope: dict[str, Any]) -> str | None:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise RelayError(errors.INVALID_PARAMS, f"{name} must be an integer, got {raw!r}") from None
+
+
+def _types_param(request: Request) -> list[str] | None:
+    values = [t for raw in request.query_params.getlist("types") for t in raw.split(",") if t]
+    return values or None
+
+
+class TetherRoutes:
+    """The `/v1/instances/{id}/tether…` endpoints."""
+
+    def __init__(self, server: OublietteServer) -> None:
+        self.server = server
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/instances/{instance}/tether", self.ingress, methods=["POST"]),
+            Route("/v1/instances/{instance}/tether/poll", self.poll, methods=["GET"]),
+            Route("/v1/instances/{instance}/tether/stream", self.stream, methods=["GET"]),
+            Route("/v1/health", self.health, methods=["GET"]),
+        ]
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"ok": True, "connected_instances": self.server.connected_instances()})
+
+    async def ingress(self, request: Request) -> Response:
+        try:
+            instance = self.server.require_known_instance(request.path_params["instance"])
+            body = await self._json_body(request)
+            problem = jsonschema.exceptions.best_match(_ingress_validator.iter_errors(body))
+            if problem is not None:
+                where = "/".join(str(p) for p in problem.absolute_path)
+                raise RelayError(errors.INVALID_PARAMS, f"invalid frame{' at ' + where if where else ''}: {problem.message}")
+            if body["type"] in SERVER_OWNED_TYPES:
+                raise RelayError(errors.INVALID_PARAMS, f"frames of type {body['type']!r} are made by the server only")
+            frame = await self.server.ingress(
+                instance, body["session"]["channel"], body["session"]["id"], body["type"],
+                body.get("payload", {}), msg_id=body.get("msg_id"), reply_to=body.get("reply_to"),
+            )
+        except RelayError as err:
+            return error_response(err)
+        return JSONResponse(
+            {"msg_id": frame.msg_id, "session_id": frame.session_id, "ingress_seq": frame.seq, "frame": frame.to_wire()},
+            status_code=201,
+        )
+
+    @staticmethod
+    async def _json_body(request: Request) -> Any:
+        body = bytearray()
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > MAX_BODY_BYTES:
+                raise RelayError(errors.INVALID_REQUEST, f"request body is larger than {MAX_BODY_BYTES} bytes")
+        try:
+            return json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RelayError(errors.PARSE_ERROR, f"request body is not valid JSON: {exc}") from None
+
+    async def poll(self, request: Request) -> Response:
+        try:
+            instance = self.server.require_known_instance(request.path_params["instance"])
+            result = await read_frames(
+                self.server, instance,
+                channel=request.query_params.get("channel") or None,
+                session_id=request.query_params.get("session_id") or None,
+                after_seq=_int_param(request, "after_seq", 0),
+                limit=_int_param(request, "limit", 50),
+                wait_ms=_int_param(request, "wait_ms", 0),
+                types=_types_param(request),
+                reply_to=request.query_params.get("reply_to_msg_id") or None,
+            )
+        except RelayError as err:
+            return error_response(err)
+        return JSONResponse(result)
+
+    async def stream(self, request: Request) -> Response:
+        try:
+            instance = self.server.require_known_instance(request.path_params["instance"])
+            last_event_id = request.headers.get("last-event-id")
+            if last_event_id is not None:
+                try:
+                    after_seq = int(last_event_id)
+                except ValueError:
+                    raise RelayError(errors.INVALID_PARAMS, f"Last-Event-ID must be a seq, got {last_event_id!r}") from None
+            else:
+                after_seq = _int_param(request, "after_seq", 0)
+            filters = dict(
+                channel=request.query_params.get("channel") or None,
+                session_id=request.query_params.get("session_id") or None,
+                types=_types_param(request),
+                reply_to=request.query_params.get("reply_to_msg_id") or None,
+            )
+            first = await read_frames(self.server, instance, after_seq=after_seq, limit=200, wait_ms=0, **filters)
+        except RelayError as err:
+            return error_response(err)
+
+        async def events() -> Any:
+            batch, cursor = first, after_seq
+            while True:
+                for frame in batch["frames"]:
+                    yield f"id: {frame['seq']}\nevent: frame\ndata: {json.dumps(frame, ensure_ascii=False)}\n\n"
+                cursor = batch["next_seq"]
+                if not batch["frames"]:
+                    yield ": keepalive\n\n"
+                batch = await read_frames(
+                    self.server, instance, after_seq=cursor, limit=200,
+                    wait_ms=int(SSE_KEEPALIVE_SECONDS * 1000), **filters,
+                )
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
+
+class HttpApi:
+    """Builds the ASGI app and serves it on the configured listeners."""
+
+    def __init__(self, server: OublietteServer) -> None:
+        self.server = server
+        self._modern_callers: dict[str, CallerConnection] = {}
+        self._legacy_callers: dict[int, CallerConnection] = {}
+        tools = CallerTools(server)
+        self.mcp = build_caller_server(server, tools, self._resolve_caller)
+
+    def _resolve_caller(self, ctx: Any) -> CallerConnection:
+        """One caller per handshake-era MCP session; per bearer token on 2026-07-28 (no sessions)."""
+        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
+            token = getattr(getattr(ctx.request, "state", None), "oubliette_token", None) or "unix-socket"
+            key = hashlib.sha256(token.encode()).hexdigest()[:12]
+            caller = self._modern_callers.get(key)
+            if caller is None:
+                caller = self._modern_callers[key] = self.server.open_caller("http", f"http-modern-{key}")
+            return caller
+        connection = ctx.session._connection  # the SDK's per-connection state; its exit stack runs on close
+        caller = self._legacy_callers.get(id(connection))
+        if caller is None:
+            caller = self.server.open_caller("http", f"http-session-{connection.session_id or id(connection)}")
+            self._legacy_callers[id(connection)] = caller
+
+            async def closed() -> None:
+                self._legacy_callers.pop(id(connection), None)
+                self.server.close_caller(caller)
+
+            connection.exit_stack.push_async_callback(closed)
+        caller.mcp_session = ctx.session
+        return caller
+
+    def asgi_app(self) -> Any:
+        allowed = ["127.0.0.1:*", "localhost:*", "[::1]:*", *self.server.config.allowed_hosts]
+        starlette = self.mcp.streamable_http_app(
+            streamable_http_path="/mcp",
+            transport_security=TransportSecuritySettings(
+                enable_dns_rebinding_protection=True,
+                allowed_hosts=allowed,
+                allowed_origins=[f"http://{host}" for host in allowed] + [f"https://{host}" for host in allowed],
+            ),
+            custom_starlette_routes=TetherRoutes(self.server).routes(),
+        )
+        return BearerAuth(starlette, self.server)
+
+    async def serve(self, binds: list[str], *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        import hypercorn.config
+        import hypercorn.trio
+
+        config = hypercorn.config.Config()
+        config.bind = binds
+        config.errorlog = logging.getLogger("oubliette.server.http.hypercorn")
+        config.accesslog = None
+        config.graceful_timeout = 1.0
+        unix_paths = [b[len("unix:"):] for b in binds if b.startswith("unix:")]
+        for path in unix_paths:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+            if os.path.exists(path):
+                os.unlink(path)
+
+        # Unix listeners are created 0600: hypercorn binds under a strict umask,
+        # restored as soon as it reports its listeners bound.
+        lock_down = _UmaskUntilStarted(task_status, unix_paths)
+        try:
+            await hypercorn.trio.serve(self.asgi_app(), config, task_status=lock_down)
+        finally:
+            lock_down.restore()
+
+
+class _UmaskUntilStarted:
+    """A task_status for hypercorn: strict umask while binding, then chmod 0600 and report."""
+
+    def __init__(self, inner: trio.TaskStatus[list[str]], unix_paths: list[str]) -> None:
+        self._inner = inner
+        self._paths = unix_paths
+        self._old_umask: int | None = os.umask(0o177)
+
+    def restore(self) -> None:
+        if self._old_umask is not None:
+            os.umask(self._old_umask)
+            self._old_umask = None
+
+    def started(self, value: Any = None) -> None:
+        self.restore()
+        for path in self._paths:
+            os.chmod(path, 0o600)
+        self._inner.started(value)

@@ -1,0 +1,337 @@
+"""Answers to caller tool requests that must be refused, and what the agent gets meanwhile.
+
+What one stdio caller can do is tested against the real server. Two callers of
+one server (the second must not answer the first's requests) and the state of
+the pending-call table are tested in process: `OublietteServer` runs in the
+test's nursery, `CallerTools` is driven directly, and the agent's call goes
+over the relay socket through `RelayLink`.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Any, AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+
+from harness import Deployment, EventLog, structured, text_of
+from oubliette_client.relay_link import RelayLink
+from oubliette_client.settings import RelaySettings
+from oubliette_server.app import OublietteServer
+from oubliette_server.caller_mcp import CallerTools
+from oubliette_server.callers import CallerConnection
+from oubliette_server.cli import _serve_parser, build_config
+from oubliette_server.config import ServerConfig
+from protocol import RelayError
+
+INSTANCE = "box1"
+SESSION = "s1"
+NOTIFY = {
+    "name": "send_notification",
+    "description": "Send notification",
+    "inputSchema": {"type": "object", "properties": {"message": {"type": "string"}}},
+}
+
+
+async def declare(caller: Any, session_id: str = SESSION, tools: list[dict] | None = None) -> None:
+    result = await caller.call_tool("session_message", {
+        "instance": INSTANCE, "session_id": session_id, "message": "hi",
+        "context": {"caller_id": "myapp", "caller_tools": tools if tools is not None else [NOTIFY]},
+    })
+    assert not result.is_error, text_of(result)
+
+
+async def result_frames(caller: Any, request_id: str) -> list[dict]:
+    """The caller_tool_result frames stored for `request_id` (read back from the log)."""
+    read = await caller.call_tool("session_events", {
+        "session_id": SESSION, "instance": INSTANCE, "types": ["caller_tool_result"], "limit": 200,
+    })
+    assert not read.is_error, text_of(read)
+    return [f for f in structured(read)["frames"] if f["payload"]["request_id"] == request_id]
+
+
+@asynccontextmanager
+async def agent_call_in_flight(deployment: Deployment, events: EventLog) -> AsyncIterator[tuple[dict, dict, trio.Event]]:
+    """An agent's call of myapp_send_notification, waiting for the caller: (request event, outcome, finished)."""
+    async with deployment.agent(INSTANCE, f"mcp:{SESSION}") as agent, trio.open_nursery() as nursery:
+        outcome: dict[str, Any] = {}
+        finished = trio.Event()
+
+        async def call() -> None:
+            outcome["result"] = await agent.call_tool("myapp_send_notification", {"message": "hi"})
+            finished.set()
+
+        nursery.start_soon(call)
+        request = await events.wait_type("caller_tool_request")
+        yield request, outcome, finished
+        with trio.fail_after(10):
+            await finished.wait()
+
+
+# -- one stdio caller, real server ------------------------------------------------------
+
+
+async def test_second_answer_is_refused_and_the_first_stands(deployment: Deployment) -> None:
+    async with deployment.caller() as (caller, events):
+        await declare(caller)
+        async with agent_call_in_flight(deployment, events) as (request, outcome, finished):
+            answer = {"session_id": SESSION, "request_id": request["request_id"]}
+            first = await caller.call_tool("caller_tool_response", dict(answer, result={"answer": 1}))
+            assert structured(first) == {"resolved": True}
+            for second in ({"result": {"answer": 2}}, {"error": "changed my mind"}):
+                refused = await caller.call_tool("caller_tool_response", dict(answer, **second))
+                assert refused.is_error
+                text = text_of(refused)
+                assert request["request_id"] in text
+                assert "no longer pending" in text and "already resolved" in text, text
+        result = outcome["result"]
+        assert not result.is_error, text_of(result)
+        assert result.structured_content == {"answer": 1}
+        stored = await result_frames(caller, request["request_id"])
+        assert len(stored) == 1, "nothing is resolved twice"
+        assert stored[0]["payload"]["result"] == {"answer": 1}
+
+
+BAD_ANSWERS = {
+    "unknown request_id": (
+        {"request_id": "ctr-0000000000000000", "result": "x"},
+        ["unknown request_id 'ctr-0000000000000000'"],
+    ),
+    "wrong session_id": (
+        {"session_id": "s2", "result": "x"},
+        ["belongs to session 's1', not 's2'"],
+    ),
+    "both result and error": (
+        {"result": {"answer": 0}, "error": "boom"},
+        ["'result' or 'error', not both"],
+    ),
+    "neither result nor error": (
+        {},
+        ["give either 'result' or 'error'"],
+    ),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_ANSWERS), ids=list(BAD_ANSWERS))
+async def test_bad_answer_is_refused_and_the_call_still_waits(deployment: Deployment, bad: str) -> None:
+    """A refused answer says why, resolves nothing; the caller's proper answer then reaches the agent."""
+    overrides, expected = BAD_ANSWERS[bad]
+    async with deployment.caller() as (caller, events):
+        await declare(caller)
+        await declare(caller, session_id="s2")  # a real session of the same caller, for the wrong-session case
+        async with agent_call_in_flight(deployment, events) as (request, outcome, finished):
+            answer = {"session_id": SESSION, "request_id": request["request_id"]}
+            refused = await caller.call_tool("caller_tool_response", {**answer, **overrides})
+            assert refused.is_error
+            for phrase in expected:
+                assert phrase in text_of(refused), text_of(refused)
+            assert await result_frames(caller, request["request_id"]) == []
+            assert not finished.is_set(), "a refused answer must not end the agent's call"
+            good = await caller.call_tool("caller_tool_response", dict(answer, result={"answer": 1}))
+            assert structured(good) == {"resolved": True}
+        assert not outcome["result"].is_error, text_of(outcome["result"])
+        assert outcome["result"].structured_content == {"answer": 1}
+
+
+# -- two callers of one server, in process ------------------------------------------------
+
+
+class RecordingMcpSession:
+    """Stands in for a caller's MCP session: the events the server pushes to that caller."""
+
+    def __init__(self) -> None:
+        self.events = EventLog()
+
+    async def send_notification(self, notification: Any, related_request_id: Any = None) -> None:
+        await self.events.on_log(notification.params)
+
+
+def call_context() -> Any:
+    """What CallerTools needs of an MCP request context."""
+    return SimpleNamespace(protocol_version="2025-11-25", session=None, request_id=None)
+
+
+class InProcess:
+    def __init__(self, server: OublietteServer, nursery: trio.Nursery) -> None:
+        self.server = server
+        self.nursery = nursery
+        self.tools = CallerTools(server)
+
+    def open_caller(self) -> tuple[CallerConnection, EventLog]:
+        caller = self.server.open_caller("test")
+        recorder = RecordingMcpSession()
+        caller.mcp_session = recorder
+        return caller, recorder.events
+
+    async def call(self, caller: CallerConnection, name: str, arguments: dict[str, Any]) -> Any:
+        return await self.tools.call(call_context(), caller, name, arguments)
+
+    async def declare(self, caller: CallerConnection, tools: list[dict]) -> None:
+        result = await self.call(caller, "session_message", {
+            "instance": INSTANCE, "session_id": SESSION, "message": "hi",
+            "context": {"caller_id": "myapp", "caller_tools": tools},
+        })
+        assert not result.is_error, text_of(result)
+
+    async def connect_agent(self, deployment: Deployment) -> RelayLink:
+        """oubliette-client's relay link for the session, connected."""
+        settings = RelaySettings(
+            relay=deployment.relay, instance=INSTANCE,
+            token=self.server.tokens.token_for(INSTANCE), session=f"mcp:{SESSION}",
+        )
+        link = RelayLink(settings, "client", _ignore_notification)
+        self.nursery.start_soon(link.run)
+        with trio.fail_after(10):
+            await link.wait_connected()
+        return link
+
+
+async def _ignore_notification(method: str, params: dict) -> None:
+    pass
+
+
+@asynccontextmanager
+async def in_process(deployment: Deployment, **config: Any) -> AsyncIterator[InProcess]:
+    server = OublietteServer(ServerConfig(data_dir=deployment.data_dir, relay=deployment.relay, **config))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        yield InProcess(server, nursery)
+        nursery.cancel_scope.cancel()
+
+
+def start_agent_call(nursery: trio.Nursery, link: RelayLink) -> tuple[dict[str, Any], trio.Event, trio.CancelScope]:
+    outcome: dict[str, Any] = {}
+    finished = trio.Event()
+    scope = trio.CancelScope()
+
+    async def call() -> None:
+        with scope:
+            try:
+                outcome["result"] = await link.request(
+                    "caller_tool", {"tool": "send_notification", "arguments": {"message": "hi"}},
+                )
+            except RelayError as err:
+                outcome["error"] = err
+        outcome["cancelled"] = scope.cancelled_caught
+        finished.set()
+
+    nursery.start_soon(call)
+    return outcome, finished, scope
+
+
+async def test_answer_from_another_caller_is_refused(deployment: Deployment) -> None:
+    async with in_process(deployment) as proc:
+        owner, owner_events = proc.open_caller()
+        other, other_events = proc.open_caller()
+        await proc.declare(owner, [NOTIFY])
+        # The other caller follows the same session, so it sees the request too.
+        joined = await proc.call(other, "session_message", {"instance": INSTANCE, "session_id": SESSION, "message": "me too"})
+        assert not joined.is_error, text_of(joined)
+        link = await proc.connect_agent(deployment)
+        outcome, finished, _ = start_agent_call(proc.nursery, link)
+
+        request = await owner_events.wait_type("caller_tool_request")
+        seen_by_other = await other_events.wait_type("caller_tool_request")
+        assert seen_by_other["request_id"] == request["request_id"]
+        answer = {"session_id": SESSION, "request_id": request["request_id"]}
+
+        refused = await proc.call(other, "caller_tool_response", dict(answer, result={"from": "other"}))
+        assert refused.is_error
+        assert "may only be answered by the caller that declared" in text_of(refused), text_of(refused)
+        assert request["request_id"] in proc.server.calls.pending
+        assert not finished.is_set()
+
+        accepted = await proc.call(owner, "caller_tool_response", dict(answer, result={"from": "owner"}))
+        assert structured(accepted) == {"resolved": True}
+        with trio.fail_after(10):
+            await finished.wait()
+        assert outcome["result"] == {"result": {"from": "owner"}}
+        assert proc.server.calls.pending == {}
+
+        again = await proc.call(other, "caller_tool_response", dict(answer, result={"from": "other"}))
+        assert again.is_error and "no longer pending" in text_of(again)
+
+
+async def test_after_the_agent_cancels_nothing_is_pending(deployment: Deployment) -> None:
+    async with in_process(deployment) as proc:
+        owner, events = proc.open_caller()
+        await proc.declare(owner, [NOTIFY])
+        link = await proc.connect_agent(deployment)
+        outcome, finished, scope = start_agent_call(proc.nursery, link)
+        request = await events.wait_type("caller_tool_request")
+        assert list(proc.server.calls.pending) == [request["request_id"]]
+
+        scope.cancel()  # the agent gives up; RelayLink sends `cancel`
+        cancelled = await events.wait_type("caller_tool_cancelled", request_id=request["request_id"])
+        assert cancelled["reason"] == "cancelled by the agent"
+        with trio.fail_after(10):
+            await finished.wait()
+        assert outcome["cancelled"]
+        assert proc.server.calls.pending == {}
+
+        late = await proc.call(owner, "caller_tool_response", {
+            "session_id": SESSION, "request_id": request["request_id"], "result": "late",
+        })
+        assert late.is_error
+        assert "no longer pending" in text_of(late) and "cancelled" in text_of(late), text_of(late)
+
+
+async def test_after_a_timeout_nothing_is_pending(deployment: Deployment) -> None:
+    async with in_process(deployment, caller_timeout=0.3) as proc:
+        owner, events = proc.open_caller()
+        await proc.declare(owner, [NOTIFY])
+        link = await proc.connect_agent(deployment)
+        outcome, finished, _ = start_agent_call(proc.nursery, link)
+        request = await events.wait_type("caller_tool_request")
+        with trio.fail_after(10):
+            await finished.wait()
+        assert outcome["error"].code == -32001
+        assert "0.3 s" in outcome["error"].message
+        assert proc.server.calls.pending == {}
+        cancelled = await events.wait_type("caller_tool_cancelled", request_id=request["request_id"])
+        assert cancelled["reason"] == "timeout"
+
+        late = await proc.call(owner, "caller_tool_response", {
+            "session_id": SESSION, "request_id": request["request_id"], "result": "late",
+        })
+        assert late.is_error
+        assert "no longer pending" in text_of(late) and "timed out" in text_of(late), text_of(late)
+
+
+# -- the default timeout ----------------------------------------------------------------
+
+
+def test_default_caller_timeout_is_60_seconds() -> None:
+    """The library default and what the command line builds when no flag (and no config file) says otherwise."""
+    assert ServerConfig().caller_timeout == 60
+    parser = _serve_parser()
+    assert build_config(parser.parse_args([])).caller_timeout == 60
+    assert build_config(parser.parse_args(["--caller-timeout", "5"])).caller_timeout == 5
+    assert "default 60" in " ".join(parser.format_help().split())
+
+
+async def test_default_timeout_ends_a_call_after_60_seconds(deployment: Deployment, mock_clock: trio.testing.MockClock) -> None:
+    """With no timeout configured anywhere, a call waits 60 s (on a mock clock), then times out."""
+    mock_clock.rate = 1.0  # real time still passes, so the bounds below keep working
+    async with in_process(deployment) as proc:
+        assert proc.server.calls.default_timeout == 60
+        owner, events = proc.open_caller()
+        await proc.declare(owner, [NOTIFY])
+        link = await proc.connect_agent(deployment)
+        outcome, finished, _ = start_agent_call(proc.nursery, link)
+        request = await events.wait_type("caller_tool_request")
+
+        mock_clock.jump(58)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not finished.is_set(), "the call must still wait after 58 s"
+        assert request["request_id"] in proc.server.calls.pending
+
+        mock_clock.jump(3)
+        with trio.fail_after(10):
+            await finished.wait()
+        assert outcome["error"].code == -32001
+        assert "60 s" in outcome["error"].message
+        assert proc.server.calls.pending == {}
