@@ -20,6 +20,7 @@ import trio
 from mcp.server import Server
 from mcp.server.lowlevel.server import NotificationOptions
 from mcp.server.models import InitializationOptions
+from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol import FRAME_TYPES, CallerToolSpec, RelayError, errors, structure
@@ -270,7 +271,11 @@ def build_caller_server(app: OublietteServer, tools: CallerTools, resolve_caller
         caller = resolve_caller(ctx)
         return await tools.call(ctx, caller, params.name, dict(params.arguments or {}))
 
-    return CallerMcpServer("oubliette-server", version="0.1.0", on_list_tools=list_tools, on_call_tool=call_tool)
+    return CallerMcpServer(
+        "oubliette-server", version="0.1.0", on_list_tools=list_tools, on_call_tool=call_tool,
+        # Served so 2026-07-28 callers see tools.listChanged too (as handshake-era ones do).
+        on_subscriptions_listen=ListenHandler(InMemorySubscriptionBus()),
+    )
 
 
 class CallerMcpServer(Server):

@@ -90,6 +90,54 @@ class Deployment:
         )
         return out.stdout.strip()
 
+    def http_token(self) -> str:
+        out = subprocess.run(
+            [PYTHON, "-m", "oubliette_server", "http-token", "--data-dir", str(self.data_dir)],
+            check=True, capture_output=True, text=True,
+        )
+        return out.stdout.strip()
+
+    @asynccontextmanager
+    async def http_server(self, *extra: str) -> AsyncIterator["HttpServer"]:
+        """Start oubliette-server with TCP (port 0) and Unix HTTP listeners and no stdio caller.
+
+        It reads the server's stderr until the ready line, then keeps draining it
+        (into `HttpServer.stderr`) so the pipe never fills.
+        """
+        process = await trio.lowlevel.open_process(
+            [PYTHON, "-m", "oubliette_server", "--relay", self.relay, "--data-dir", str(self.data_dir),
+             "--http", "127.0.0.1:0", "--http", f"unix:{self.root / 'http.sock'}", "--no-stdio",
+             "--log-level", "WARNING", *extra],
+            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        assert process.stderr is not None
+        buffer = bytearray()
+        try:
+            with trio.fail_after(30):
+                while READY_PREFIX not in buffer or b"\n" not in buffer[buffer.index(READY_PREFIX):]:
+                    chunk = await process.stderr.receive_some(65536)
+                    if not chunk:
+                        raise RuntimeError("oubliette-server exited before it was ready:\n" + buffer.decode(errors="replace"))
+                    buffer.extend(chunk)
+            start = buffer.index(READY_PREFIX) + len(READY_PREFIX)
+            ready = json.loads(buffer[start: buffer.index(b"\n", start)])
+            server = HttpServer(self, process, ready)
+            server.stderr.extend(buffer)
+
+            async def drain() -> None:
+                while chunk := await process.stderr.receive_some(65536):
+                    server.stderr.extend(chunk)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(drain)
+                yield server
+                nursery.cancel_scope.cancel()
+        finally:
+            if process.returncode is None:
+                process.terminate()
+            with trio.CancelScope(shield=True):
+                await process.wait()
+
     def server_parameters(self, *extra: str) -> StdioServerParameters:
         return StdioServerParameters(
             command=PYTHON,
@@ -146,6 +194,55 @@ class Deployment:
             process.terminate()
             with trio.CancelScope(shield=True):
                 await process.wait()
+
+
+READY_PREFIX = b"oubliette-server ready "
+
+
+class HttpServer:
+    """A server started with HTTP listeners (and no stdio caller)."""
+
+    def __init__(self, deployment: "Deployment", process: trio.Process, ready: dict[str, Any]) -> None:
+        self.deployment = deployment
+        self.process = process
+        self.url = next(u for u in ready["http"] if u.startswith("http://127.0.0.1"))
+        self.unix_socket = str(deployment.root / "http.sock")
+        self.token = deployment.http_token()
+        self.stderr = bytearray()
+
+    @property
+    def mcp_url(self) -> str:
+        return self.url + "/mcp"
+
+    def rest(self, token: str | None = "default") -> Any:
+        """An HTTP client for the tether API (bearer token: the server's, unless given)."""
+        import httpx2
+
+        headers = {}
+        chosen = self.token if token == "default" else token
+        if chosen is not None:
+            headers["Authorization"] = f"Bearer {chosen}"
+        return httpx2.AsyncClient(base_url=self.url, headers=headers, timeout=60)
+
+    def unix_rest(self) -> Any:
+        """An HTTP client over the Unix socket listener (no token: the file mode is the credential)."""
+        import httpx2
+
+        return httpx2.AsyncClient(
+            transport=httpx2.AsyncHTTPTransport(uds=self.unix_socket), base_url="http://oubliette", timeout=60,
+        )
+
+    @asynccontextmanager
+    async def caller(self, *, mode: str = "legacy") -> AsyncIterator[tuple[Client, EventLog]]:
+        """An MCP caller over Streamable HTTP with the server's bearer token."""
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+
+        log = EventLog()
+        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {self.token}"}, timeout=60)
+        transport = streamable_http_client(self.mcp_url, http_client=http)
+        async with http, Client(transport, mode=mode, logging_callback=log.on_log, log_level="info") as client:
+            yield client, log
 
 
 DEMO_AGENT = [PYTHON, "-m", "oubliette_client.demo_agent", "--mcp-config", "{mcp_config}"]
