@@ -22,38 +22,29 @@ from mcp.server.lowlevel.server import NotificationOptions
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from protocol import CallerToolSpec, RelayError, errors, messages, structure
-
-from .relay_link import RelayLink
+from .sandbox_tools import CallOutcome, SandboxTools
 from .settings import RelaySettings
-from .tool_registry import PublishedTool, ToolRegistry
 
 log = logging.getLogger("oubliette.client")
 
 DEFAULT_CONNECT_WAIT = 3.0
+DESCRIPTOR_META_KEY = "oubliette/descriptor"
+"""Each listed tool carries its seed 001 descriptor in `_meta` under this key."""
 
 
 def tool_error(text: str) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
 
-def relay_error_text(tool: PublishedTool, err: RelayError) -> str:
-    if err.code == errors.TIMEOUT:
-        return f"{tool.name}: timeout: {err.message}"
-    if err.code == errors.PEER_DISCONNECTED:
-        return f"{tool.name}: connection error: {err.message}"
-    if err.code == errors.TOOL_ERROR:
-        return f"{tool.name} failed: {err.message}"
-    return f"{tool.name}: {err.message}"
-
-
-def result_content(result: Any) -> types.CallToolResult:
-    """The caller's result as MCP content; structured content when it is an object."""
-    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
-    return types.CallToolResult(
-        content=[types.TextContent(text=text)],
-        structured_content=result if isinstance(result, dict) else None,
-    )
+def result_content(outcome: CallOutcome) -> types.CallToolResult:
+    """A result as MCP content: the tool's own content blocks, or the result as text; structured when an object."""
+    result = outcome.result
+    if outcome.content:
+        content = [types.CallToolResult.model_validate({"content": [block]}).content[0] for block in outcome.content]
+    else:
+        text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+        content = [types.TextContent(text=text)]
+    return types.CallToolResult(content=content, structured_content=result if isinstance(result, dict) else None)
 
 
 class SandboxToolServer:
@@ -62,9 +53,9 @@ class SandboxToolServer:
     def __init__(self, settings: RelaySettings, *, connect_wait: float = DEFAULT_CONNECT_WAIT) -> None:
         self.settings = settings
         self.connect_wait = connect_wait
-        self.registry = ToolRegistry()
-        self._staged: dict[str, list[CallerToolSpec]] | None = None
-        self.link = RelayLink(settings, "client", self._on_relay_notification, self._commit_handshake_config)
+        self.tools = SandboxTools(settings)
+        self.registry = self.tools.registry
+        self.link = self.tools.link
         self.bus = InMemorySubscriptionBus()
         self._legacy_session: Any = None
         self._unannounced = False
@@ -76,28 +67,7 @@ class SandboxToolServer:
         # A handshake-era agent may wait for list_changed before it lists anything.
         self.server.add_notification_handler("notifications/initialized", types.NotificationParams, self._initialized)
 
-    # -- relay side ----------------------------------------------------------------------
-
-    async def _on_relay_notification(self, method: str, params: dict[str, Any]) -> None:
-        if method == messages.CALLER_TOOLS_CONFIG:
-            try:
-                config = structure(params, messages.CallerToolsConfig)
-            except RelayError as err:
-                log.warning("ignoring a bad caller_tools_config: %s", err.message)
-                return
-            if not self.link.connected:
-                # Part of the handshake: the server's full configuration for this connection.
-                staged = self._staged if self._staged is not None else {}
-                staged[config.caller_id] = config.tools
-                self._staged = staged
-            else:
-                self.registry.set_caller_tools(config.caller_id, config.tools)
-        else:
-            log.debug("ignoring relay notification %s", method)
-
-    def _commit_handshake_config(self) -> None:
-        staged, self._staged = self._staged or {}, None
-        self.registry.replace_caller_tools(staged)
+    # -- telling the agent ---------------------------------------------------------------
 
     async def _announce_changes(self) -> None:
         seen = self.registry.version
@@ -126,28 +96,19 @@ class SandboxToolServer:
     async def _list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
         self._remember(ctx)
         return types.ListToolsResult(tools=[
-            types.Tool(name=t.name, description=t.description, input_schema=t.input_schema)
+            types.Tool(
+                name=t.name, description=t.description, input_schema=t.input_schema,
+                meta={DESCRIPTOR_META_KEY: t.descriptor},
+            )
             for t in self.registry.tools
         ])
 
     async def _call_tool(self, ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         self._remember(ctx)
-        tool = self.registry.resolve(params.name)
-        if tool is None:
-            known = ", ".join(t.name for t in self.registry.tools) or "none"
-            why = "" if self.link.connected else f"; {self.link.unavailable_error().message}"
-            return tool_error(f"unknown tool '{params.name}' (available: {known}){why}")
-        arguments = dict(params.arguments or {})
-        problem = tool.validation_error(arguments)
-        if problem:
-            return tool_error(problem)
-        try:
-            reply = await self.link.request(
-                messages.CALLER_TOOL, {"tool": tool.tool, "arguments": arguments, "caller_id": tool.caller_id},
-            )
-        except RelayError as err:
-            return tool_error(relay_error_text(tool, err))
-        return result_content(reply.get("result") if isinstance(reply, dict) else reply)
+        outcome = await self.tools.call(params.name, dict(params.arguments or {}))
+        if outcome.is_error:
+            return tool_error(outcome.error or "failed")
+        return result_content(outcome)
 
     async def run_stdio(self) -> None:
         """Serve the agent on stdin/stdout until it closes them."""

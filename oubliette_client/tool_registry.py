@@ -1,9 +1,11 @@
 """The tools the agent sees, and the map from each published name to where it goes.
 
-Caller tools are published as `{caller_id}_{tool}`. A published name is
+Caller tools are published as `{caller_id}_{tool}`; toolset tools under the
+name the server published (`<prefix><sep><tool>`). A published name is
 resolved through the map built when the list was published, never by
-splitting the string, so ids and names may contain `_` freely. Each change
-bumps `version` and wakes `changed` waiters, who tell the agent.
+splitting the string, so ids, prefixes and names may contain `_` or `.`
+freely. Each change bumps `version` and wakes waiters, who tell the agent.
+Every tool carries its seed 001 descriptor.
 """
 
 from __future__ import annotations
@@ -15,30 +17,12 @@ import attrs
 import jsonschema
 import trio
 
-from protocol import CallerToolSpec
+from protocol import CallerToolSpec, ToolsetToolSpec
 
 log = logging.getLogger("oubliette.client.tools")
 
 CLAUDE_NAME_LIMIT = 64
 DEFAULT_INPUT_SCHEMA: dict[str, Any] = {"type": "object"}
-
-
-@attrs.define(frozen=True)
-class PublishedTool:
-    name: str
-    description: str
-    input_schema: dict[str, Any]
-    kind: str  # "caller"
-    caller_id: str
-    tool: str
-    validator: Any = attrs.field(eq=False, repr=False)
-
-    def validation_error(self, arguments: dict[str, Any]) -> str | None:
-        error = jsonschema.exceptions.best_match(self.validator.iter_errors(arguments))
-        if error is None:
-            return None
-        where = "/".join(str(p) for p in error.absolute_path)
-        return f"invalid arguments for {self.name}{' at ' + where if where else ''}: {error.message}"
 
 
 def _validator_for(schema: dict[str, Any]) -> Any:
@@ -47,9 +31,57 @@ def _validator_for(schema: dict[str, Any]) -> Any:
     return cls(schema)
 
 
+def _first_error(validator: Any, value: Any, what: str) -> str | None:
+    error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path)
+    return f"{what}{' at ' + where if where else ''}: {error.message}"
+
+
+@attrs.define(frozen=True)
+class PublishedTool:
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    kind: str  # "caller" | "toolset"
+    tool: str  # the name the caller or toolset knows it by
+    owner: str  # caller id, or toolset id
+    descriptor: dict[str, Any]
+    validator: Any = attrs.field(eq=False, repr=False)
+    result_validator: Any = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def caller_id(self) -> str:
+        return self.owner
+
+    def validation_error(self, arguments: Any) -> str | None:
+        if not isinstance(arguments, dict):
+            return f"arguments for {self.name} must be a JSON object"
+        return _first_error(self.validator, arguments, f"invalid arguments for {self.name}")
+
+    def result_error(self, result: Any) -> str | None:
+        if self.result_validator is None:
+            return None
+        return _first_error(self.result_validator, result, f"the result of {self.name} does not match its result_schema")
+
+
+def caller_descriptor(name: str, caller_id: str, spec: CallerToolSpec, schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "description": spec.description or f"{spec.name} (from caller {caller_id})",
+        "command": f"oubliette-client tools call {name} '<arguments as JSON>'",
+        "origin": "remote",
+        "safety": f"runs in the caller's application '{caller_id}', outside the sandbox; the caller decides the result",
+        "input_schema": schema,
+        "result_schema": spec.resultSchema if spec.resultSchema is not None else {},
+    }
+
+
 class ToolRegistry:
     def __init__(self) -> None:
         self._caller_tools: dict[str, list[CallerToolSpec]] = {}
+        self._toolset_tools: list[ToolsetToolSpec] = []
         self._published: dict[str, PublishedTool] = {}
         self.version = 0
         self._changed = trio.Event()
@@ -74,39 +106,77 @@ class ToolRegistry:
             self._caller_tools.pop(caller_id, None)
         self._republish()
 
-    def replace_caller_tools(self, by_caller: dict[str, list[CallerToolSpec]]) -> None:
-        """Replace every caller's tools at once (the configuration sent on each connect)."""
-        self._caller_tools = {caller_id: list(tools) for caller_id, tools in by_caller.items() if tools}
+    def set_toolset_tools(self, tools: list[ToolsetToolSpec]) -> None:
+        """Replace every toolset tool (the server sends the whole list)."""
+        self._toolset_tools = list(tools)
         self._republish()
+
+    def replace_all(self, by_caller: dict[str, list[CallerToolSpec]], toolset_tools: list[ToolsetToolSpec]) -> None:
+        """Replace everything at once (the configuration sent on each connect)."""
+        self._caller_tools = {caller_id: list(tools) for caller_id, tools in by_caller.items() if tools}
+        self._toolset_tools = list(toolset_tools)
+        self._republish()
+
+    def _publish_one(self, published: dict[str, PublishedTool], tool: PublishedTool | None) -> None:
+        if tool is None:
+            return
+        if tool.name in published:
+            log.warning("tool name %s is published twice; keeping the first", tool.name)
+            return
+        if len(tool.name) > CLAUDE_NAME_LIMIT:
+            log.warning(
+                "tool name %s is %d characters; the Claude API accepts at most %d (with the host's own prefix)",
+                tool.name, len(tool.name), CLAUDE_NAME_LIMIT,
+            )
+        published[tool.name] = tool
+
+    @staticmethod
+    def _validators(name: str, schema: dict[str, Any], result_schema: dict[str, Any] | None) -> tuple[Any, Any] | None:
+        try:
+            return _validator_for(schema), (_validator_for(result_schema) if result_schema else None)
+        except jsonschema.SchemaError as exc:
+            log.warning("tool %s has an invalid schema (%s); not published", name, exc.message)
+            return None
+
+    def _caller_tool(self, caller_id: str, spec: CallerToolSpec) -> PublishedTool | None:
+        name = f"{caller_id}_{spec.name}"
+        schema = spec.inputSchema or DEFAULT_INPUT_SCHEMA
+        validators = self._validators(name, schema, spec.resultSchema)
+        if validators is None:
+            return None
+        descriptor = caller_descriptor(name, caller_id, spec, schema)
+        return PublishedTool(
+            name=name, description=descriptor["description"], input_schema=schema, kind="caller",
+            tool=spec.name, owner=caller_id, descriptor=descriptor,
+            validator=validators[0], result_validator=validators[1],
+        )
+
+    def _toolset_tool(self, spec: ToolsetToolSpec) -> PublishedTool | None:
+        schema = spec.inputSchema or DEFAULT_INPUT_SCHEMA
+        validators = self._validators(spec.name, schema, None)
+        if validators is None:
+            return None
+        descriptor = attrs.asdict(spec.descriptor) if spec.descriptor is not None else {
+            "name": spec.name, "description": spec.description,
+            "command": f"oubliette-client tools call {spec.name} '<arguments as JSON>'",
+            "origin": "remote", "safety": "runs on the host, outside the sandbox",
+            "input_schema": schema, "result_schema": {},
+        }
+        return PublishedTool(
+            name=spec.name, description=spec.description or descriptor["description"], input_schema=schema,
+            kind="toolset", tool=spec.tool, owner=spec.toolset, descriptor=descriptor, validator=validators[0],
+        )
 
     def _republish(self) -> None:
         published: dict[str, PublishedTool] = {}
         for caller_id in sorted(self._caller_tools):
             for spec in self._caller_tools[caller_id]:
-                name = f"{caller_id}_{spec.name}"
-                if name in published:
-                    log.warning("tool name %s is published twice; keeping the first", name)
-                    continue
-                schema = spec.inputSchema or DEFAULT_INPUT_SCHEMA
-                try:
-                    validator = _validator_for(schema)
-                except jsonschema.SchemaError as exc:
-                    log.warning("caller tool %s has an invalid inputSchema (%s); not published", name, exc.message)
-                    continue
-                if len(name) > CLAUDE_NAME_LIMIT:
-                    log.warning(
-                        "tool name %s is %d characters; the Claude API accepts at most %d (with the host's own prefix)",
-                        name, len(name), CLAUDE_NAME_LIMIT,
-                    )
-                published[name] = PublishedTool(
-                    name=name, description=spec.description or f"{spec.name} (from caller {caller_id})",
-                    input_schema=schema, kind="caller", caller_id=caller_id, tool=spec.name, validator=validator,
-                )
-        if published.keys() == self._published.keys() and all(
-            published[n].input_schema == self._published[n].input_schema
-            and published[n].description == self._published[n].description
-            for n in published
-        ):
+                self._publish_one(published, self._caller_tool(caller_id, spec))
+        for spec in self._toolset_tools:
+            self._publish_one(published, self._toolset_tool(spec))
+        if [(t.name, t.descriptor) for t in published.values()] == [
+            (t.name, t.descriptor) for t in self._published.values()
+        ]:
             self._published = published
             return
         self._published = published

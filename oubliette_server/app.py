@@ -33,6 +33,16 @@ from .guests import GuestDelivery
 from .relay import RelayConnection, RelayListener
 from .sessions import Session, SessionRegistry
 from .store import FrameStore, StoredFrame
+from .toolsets import (
+    CommandToolset,
+    McpToolset,
+    Toolset,
+    ToolsetDefinition,
+    ToolsetFactory,
+    ToolsetRegistry,
+    ToolRouter,
+    ToolSpec,
+)
 from .wake import InstanceStarter
 
 log = logging.getLogger("oubliette.server")
@@ -62,6 +72,8 @@ class OublietteServer:
         self.calls = CallerCallRegistry(self.append_frame, config.caller_timeout)
         self.guests = GuestDelivery(self)
         self.starter = InstanceStarter(self)
+        self.toolsets = ToolsetRegistry()
+        self._routers: dict[tuple[str, str], ToolRouter] = {}
         self._clients: dict[str, set[RelayConnection]] = {}
         self._callers: set[CallerConnection] = set()
         self._seen_instances: set[str] = set()
@@ -223,6 +235,107 @@ class OublietteServer:
         latest = self.sessions.latest_declarations(session.instance).get(session.caller_id or "")
         return latest is session
 
+    # -- toolsets (seed 003): the code-driven API -----------------------------------------
+
+    async def register_toolset(
+        self,
+        toolset_id: str,
+        prefix: str,
+        tools: list[ToolSpec],
+        *,
+        factory: ToolsetFactory | None = None,
+        ref: Toolset | None = None,
+        kind: str = "code",
+    ) -> ToolsetDefinition:
+        """Register a toolset: `factory` makes one per session (stopped with it), `ref` is one shared toolset."""
+        definition = ToolsetDefinition(toolset_id, prefix, list(tools), factory=factory, ref=ref, kind=kind)
+        self.toolsets.register(definition)
+        await self.refresh_toolsets()
+        return definition
+
+    async def register_mcp_toolset(
+        self,
+        toolset_id: str,
+        prefix: str,
+        command: str,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        roots: list[str] | None = None,
+    ) -> ToolsetDefinition:
+        """Start a stdio MCP server with the SDK's client, list its tools, and register them (shared)."""
+        if self._nursery is None:
+            raise RuntimeError("start the server (serve) before registering an MCP toolset")
+        toolset = McpToolset(toolset_id, command, args, env, cwd, roots, nursery=self._nursery)
+        tools = await toolset.start()
+        try:
+            return await self.register_toolset(toolset_id, prefix, tools, ref=toolset, kind="mcp")
+        except Exception:
+            await toolset.aclose()
+            raise
+
+    async def register_command_toolset(
+        self, toolset_id: str, prefix: str, command: str | list[str], *, timeout: float | None = None,
+    ) -> ToolsetDefinition:
+        """Register an endpoint speaking seed 001's action contract; discovery failures leave it empty."""
+        toolset = CommandToolset(toolset_id, command) if timeout is None else CommandToolset(toolset_id, command, timeout=timeout)
+        tools = await toolset.discover()
+        return await self.register_toolset(toolset_id, prefix, tools, ref=toolset, kind="command")
+
+    async def unregister_toolset(self, toolset_id: str) -> None:
+        definition = self.toolsets.unregister(toolset_id)
+        await self.refresh_toolsets()
+        if definition.ref is not None:
+            await definition.ref.aclose()
+
+    async def update_allowed_toolsets(self, instance: str, toolset_ids: list[str]) -> None:
+        """Set which toolsets an instance's agents see (empty by default); agents are told at once."""
+        self.toolsets.set_allowed(instance, toolset_ids)
+        await self.refresh_toolsets(instance)
+
+    async def refresh_toolsets(self, instance: str | None = None) -> None:
+        """Rebind every session router (of one instance) and push changed lists to its clients."""
+        for (router_instance, _), router in list(self._routers.items()):
+            if instance is not None and router_instance != instance:
+                continue
+            if await router.bind(self.toolsets.allowed_definitions(router_instance)):
+                await self._push_toolsets(router)
+
+    async def _push_toolsets(self, router: ToolRouter) -> None:
+        config = {"tools": router.published(), "separator": router.separator}
+        for connections in self._clients.values():
+            for connection in list(connections):
+                if connection.router is router:
+                    await connection.notify(messages.TOOLSETS_CONFIG, config)
+
+    def _router_key(self, connection: RelayConnection) -> tuple[str, str]:
+        assert connection.instance is not None
+        return connection.instance, connection.session_key or f"connection:{id(connection)}"
+
+    async def _attach_router(self, connection: RelayConnection) -> ToolRouter:
+        key = self._router_key(connection)
+        router = self._routers.get(key)
+        if router is None:
+            router = ToolRouter(self.config.tool_separator, f"{key[0]}/{key[1]}")
+            self._routers[key] = router
+            await router.bind(self.toolsets.allowed_definitions(key[0]))
+        router.references += 1
+        connection.router = router
+        return router
+
+    def _detach_router(self, connection: RelayConnection) -> None:
+        router = connection.router
+        if router is None:
+            return
+        connection.router = None
+        router.references -= 1
+        if router.references == 0:
+            key = self._router_key(connection)
+            if self._routers.get(key) is router:
+                del self._routers[key]
+            if self._nursery is not None:
+                self._nursery.start_soon(router.stop)
+
     # -- relay connections ---------------------------------------------------------------
 
     async def relay_connection_opened(self, connection: RelayConnection) -> None:
@@ -237,6 +350,10 @@ class OublietteServer:
                 previous.close_soon()
             return
         self._clients.setdefault(connection.instance, set()).add(connection)
+        router = await self._attach_router(connection)
+        await connection.notify(
+            messages.TOOLSETS_CONFIG, {"tools": router.published(), "separator": router.separator},
+        )
         for session in self._sessions_visible_to(connection):
             config = messages.CallerToolsConfig(
                 session_id=session.id, caller_id=session.caller_id or "",
@@ -259,6 +376,7 @@ class OublietteServer:
             self.guests.detach(connection)
         else:
             self._clients.get(connection.instance, set()).discard(connection)
+            self._detach_router(connection)
         log.info("%r disconnected", connection)
 
     async def handle_relay_request(self, connection: RelayConnection, method: str, params: dict[str, Any]) -> Any:
@@ -280,7 +398,16 @@ class OublietteServer:
             session = self.sessions.get_or_create(connection.instance, request.session.channel, request.session.id)
             frame = await self.append_frame(session, request.type, request.payload, reply_to=request.reply_to)
             return unstructure(messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id))
-        known = {messages.CALLER_TOOL: "client", messages.APPEND_FRAME: "guest"}
+        if method == messages.TOOLSET_CALL and connection.role == "client":
+            validate_params(method, params)
+            call = structure(params, messages.ToolsetCall)
+            if connection.router is None:
+                raise RelayError(errors.NOT_FOUND, "no toolsets are bound to this connection")
+            outcome = await connection.router.call(call.name, call.arguments)
+            if outcome.is_error:
+                raise RelayError(errors.TOOL_ERROR, outcome.error or f"{call.name} failed")
+            return unstructure(messages.ToolsetCallResult(result=outcome.result, content=outcome.content))
+        known = {messages.CALLER_TOOL: "client", messages.TOOLSET_CALL: "client", messages.APPEND_FRAME: "guest"}
         if method in known:
             raise RelayError(errors.METHOD_NOT_FOUND, f"method {method!r} is for role {known[method]!r} connections")
         raise RelayError(errors.METHOD_NOT_FOUND, f"unknown method {method!r}")

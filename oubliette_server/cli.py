@@ -78,7 +78,6 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     settings: dict = {}
     if args.config is not None:
         settings = load_config_file(args.config)
-        settings.pop("extra", None)
     if args.data_dir is not None:
         settings["data_dir"] = args.data_dir
     if args.relay is not None:

@@ -40,6 +40,18 @@ class ServerConfig:
     """HTTP listeners: `HOST:PORT` (bearer tokens) and/or `unix:PATH` (mode 0600, no token)."""
     allowed_hosts: list[str] = attrs.field(factory=list)
     """Extra Host header values accepted on /mcp besides loopback ones (e.g. `oubliette.internal:*`)."""
+    tool_separator: str = attrs.field(default=".")
+    """Between a toolset's prefix and its tools' names: "." (seed 003) or "_" for hosts that reject dots."""
+
+    @tool_separator.validator
+    def _check_separator(self, attribute: Any, value: str) -> None:
+        if value not in (".", "_", "-", "__"):
+            raise ValueError(f"tool_separator must be one of '.', '_', '-', '__'; got {value!r}")
+
+    toolsets: list[Any] = attrs.field(factory=list)
+    """Toolsets from the config file (`toolsets.from_config.ToolsetEntry`), registered at start."""
+    allowlists: dict[str, list[str]] = attrs.field(factory=dict)
+    """Instance id → allowed toolset ids, from the config file."""
     instances: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     """Per-instance settings from the config file, e.g. `{"box1": {"start": ["docker", "start", "box1"]}}`."""
 
@@ -61,6 +73,7 @@ class ServerConfig:
 SERVER_KEYS = {
     "relay": str, "data_dir": str, "caller_timeout": (int, float), "store_path": str,
     "retention_frames": int, "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
+    "tool_separator": str,
 }
 
 
@@ -88,9 +101,17 @@ def load_config_file(path: Path) -> dict[str, Any]:
     for name, table in instances.items():
         if not isinstance(table, dict):
             raise ValueError(f"config file {path}: [instances.{name}] must be a table")
+        unknown_keys = set(table) - {"start"}
+        if unknown_keys:
+            raise ValueError(
+                f"config file {path}: unknown [instances.{name}] key(s) {', '.join(repr(k) for k in sorted(unknown_keys))}"
+            )
         start = table.get("start")
         if start is not None and not (isinstance(start, str) or (isinstance(start, list) and start)):
             raise ValueError(f"config file {path}: [instances.{name}] start must be a string or a list")
     settings["instances"] = instances
-    settings["extra"] = {k: document[k] for k in ("toolsets", "allowlists") if k in document}
+    from .toolsets.from_config import parse_allowlists, parse_toolsets
+
+    settings["toolsets"] = parse_toolsets(document.get("toolsets", {}), str(path))
+    settings["allowlists"] = parse_allowlists(document.get("allowlists", {}), str(path))
     return settings

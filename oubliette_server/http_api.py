@@ -137,6 +137,33 @@ def _types_param(request: Request) -> list[str] | None:
     return values or None
 
 
+async def _unless_disconnected(request: Request, wait: Any) -> Any:
+    """`await wait()`, cancelled when the HTTP client disconnects first (then None).
+
+    A long poll ends with its request (seed 004: "cancellation via request context")
+    instead of holding a frame-store waiter until `wait_ms` runs out.
+    """
+    answer: list[Any] = []
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        try:
+            answer.append(await wait())
+        except RelayError as err:
+            answer.append(err)
+        nursery.cancel_scope.cancel()
+    if not answer:
+        return None
+    if isinstance(answer[0], RelayError):
+        raise answer[0]
+    return answer[0]
+
+
 class TetherRoutes:
     """The `/v1/instances/{id}/tether…` endpoints."""
 
@@ -190,8 +217,7 @@ class TetherRoutes:
     async def poll(self, request: Request) -> Response:
         try:
             instance = self.server.require_known_instance(request.path_params["instance"])
-            result = await read_frames(
-                self.server, instance,
+            filters = dict(
                 channel=request.query_params.get("channel") or None,
                 session_id=request.query_params.get("session_id") or None,
                 after_seq=_int_param(request, "after_seq", 0),
@@ -200,8 +226,11 @@ class TetherRoutes:
                 types=_types_param(request),
                 reply_to=request.query_params.get("reply_to_msg_id") or None,
             )
+            result = await _unless_disconnected(request, lambda: read_frames(self.server, instance, **filters))
         except RelayError as err:
             return error_response(err)
+        if result is None:
+            return Response(status_code=499)  # the client went away; nobody reads this
         return JSONResponse(result)
 
     async def stream(self, request: Request) -> Response:

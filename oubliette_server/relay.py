@@ -58,6 +58,7 @@ class RelayConnection:
         self.instance: str | None = None
         self.session_key: str | None = None
         self._in_flight: dict[Any, trio.CancelScope] = {}
+        self.router: Any = None  # the session's ToolRouter, for client connections
         self._nursery: trio.Nursery | None = None
 
     def __repr__(self) -> str:

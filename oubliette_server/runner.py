@@ -28,6 +28,10 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> None:
     app = OublietteServer(config)
     async with trio.open_nursery() as nursery:
         await nursery.start(app.serve)
+        if config.toolsets or config.allowlists:
+            from .toolsets.from_config import register_from_config
+
+            await register_from_config(app, config.toolsets, config.allowlists)
         http_urls: list[str] = []
         if config.http:
             from .http_api import HttpApi

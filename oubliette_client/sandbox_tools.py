@@ -1,0 +1,116 @@
+"""SandboxTools: every tool this sandbox may use, kept current over the relay, and how to call one.
+
+Both faces of the client use it: the stdio MCP server (for MCP agents) and
+the action-contract endpoint (for everything else). It listens to
+`caller_tools_config` and `toolsets_config`; what arrives during a handshake
+is the server's whole configuration and replaces the registry when the
+handshake completes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+
+from protocol import CallerToolSpec, RelayError, ToolsetToolSpec, errors, messages, structure
+
+from .relay_link import RelayLink
+from .settings import RelaySettings
+from .tool_registry import PublishedTool, ToolRegistry
+
+log = logging.getLogger("oubliette.client")
+
+
+@attrs.define(frozen=True)
+class CallOutcome:
+    """What a call produced: a result (with MCP content blocks when the tool gave them) or an error text."""
+
+    result: Any = None
+    content: list[dict[str, Any]] | None = None
+    error: str | None = None
+    category: str = "tool"  # for errors: usage | not_found | tool | unavailable | timeout | cancelled
+
+    @property
+    def is_error(self) -> bool:
+        return self.error is not None
+
+
+CATEGORY_BY_CODE = {
+    errors.TIMEOUT: "timeout", errors.PEER_DISCONNECTED: "unavailable", errors.CANCELLED: "cancelled",
+    errors.TOOL_ERROR: "tool", errors.NOT_FOUND: "not_found", errors.INVALID_PARAMS: "usage",
+    errors.UNAUTHORIZED: "unavailable", errors.DENIED: "tool",
+}
+
+
+def relay_error_text(tool: PublishedTool, err: RelayError) -> str:
+    if err.code == errors.TIMEOUT:
+        return f"{tool.name}: timeout: {err.message}"
+    if err.code == errors.PEER_DISCONNECTED:
+        return f"{tool.name}: connection error: {err.message}"
+    if err.code == errors.TOOL_ERROR:
+        return f"{tool.name} failed: {err.message}"
+    return f"{tool.name}: {err.message}"
+
+
+class SandboxTools:
+    def __init__(self, settings: RelaySettings) -> None:
+        self.settings = settings
+        self.registry = ToolRegistry()
+        self._staged_callers: dict[str, list[CallerToolSpec]] = {}
+        self._staged_toolsets: list[ToolsetToolSpec] | None = None
+        self.link = RelayLink(settings, "client", self._on_relay_notification, self._commit_handshake_config)
+
+    async def _on_relay_notification(self, method: str, params: dict[str, Any]) -> None:
+        try:
+            if method == messages.CALLER_TOOLS_CONFIG:
+                config = structure(params, messages.CallerToolsConfig)
+                if self.link.connected:
+                    self.registry.set_caller_tools(config.caller_id, config.tools)
+                else:  # part of the handshake: the server's configuration for this connection
+                    self._staged_callers[config.caller_id] = config.tools
+            elif method == messages.TOOLSETS_CONFIG:
+                toolsets = structure(params, messages.ToolsetsConfig)
+                if self.link.connected:
+                    self.registry.set_toolset_tools(toolsets.tools)
+                else:
+                    self._staged_toolsets = toolsets.tools
+            else:
+                log.debug("ignoring relay notification %s", method)
+        except RelayError as err:
+            log.warning("ignoring a bad %s: %s", method, err.message)
+
+    def _commit_handshake_config(self) -> None:
+        callers, self._staged_callers = self._staged_callers, {}
+        toolsets, self._staged_toolsets = self._staged_toolsets or [], None
+        self.registry.replace_all(callers, toolsets)
+
+    def unknown_tool_text(self, name: str) -> str:
+        known = ", ".join(t.name for t in self.registry.tools) or "none"
+        why = "" if self.link.connected else f"; {self.link.unavailable_error().message}"
+        return f"unknown tool '{name}' (available: {known}){why}"
+
+    async def call(self, name: str, arguments: Any) -> CallOutcome:
+        """Validate and relay one call; every failure comes back as an outcome with a clear text."""
+        tool = self.registry.resolve(name)
+        if tool is None:
+            return CallOutcome(error=self.unknown_tool_text(name), category="not_found")
+        problem = tool.validation_error(arguments)
+        if problem:
+            return CallOutcome(error=problem, category="usage")
+        try:
+            if tool.kind == "caller":
+                reply = await self.link.request(
+                    messages.CALLER_TOOL, {"tool": tool.tool, "arguments": arguments, "caller_id": tool.owner},
+                )
+            else:
+                reply = await self.link.request(messages.TOOLSET_CALL, {"name": tool.name, "arguments": arguments})
+        except RelayError as err:
+            return CallOutcome(error=relay_error_text(tool, err), category=CATEGORY_BY_CODE.get(err.code, "tool"))
+        reply = reply if isinstance(reply, dict) else {"result": reply}
+        result = reply.get("result")
+        problem = tool.result_error(result)
+        if problem:
+            return CallOutcome(error=problem, category="tool")
+        return CallOutcome(result=result, content=reply.get("content"))

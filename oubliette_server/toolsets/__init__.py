@@ -1,0 +1,20 @@
+"""Host-side toolsets: registry, per-session router, MCP and command-endpoint toolsets (seed 003, 001)."""
+
+from .base import FunctionToolset, Toolset, ToolResult, ToolsetFactory, ToolSpec
+from .command_toolset import CommandToolset
+from .mcp_toolset import McpToolset
+from .registry import ToolsetDefinition, ToolsetRegistry
+from .router import ToolRouter
+
+__all__ = [
+    "CommandToolset",
+    "FunctionToolset",
+    "McpToolset",
+    "ToolResult",
+    "ToolRouter",
+    "ToolSpec",
+    "Toolset",
+    "ToolsetDefinition",
+    "ToolsetFactory",
+    "ToolsetRegistry",
+]

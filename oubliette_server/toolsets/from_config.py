@@ -1,0 +1,102 @@
+"""Toolsets and allowlists declared in the config file ([toolsets.ID] and [allowlists])."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    from ..app import OublietteServer
+
+log = logging.getLogger("oubliette.server.toolsets")
+
+KINDS = ("command", "mcp")
+
+
+@attrs.define(frozen=True)
+class ToolsetEntry:
+    id: str
+    kind: str
+    prefix: str
+    command: str | list[str]
+    args: list[str] = attrs.field(factory=list)
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    roots: list[str] = attrs.field(factory=list)
+    timeout: float | None = None
+
+
+def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
+    """Check the [toolsets.*] tables and turn them into entries, with errors naming the key."""
+    if not isinstance(tables, dict):
+        raise ValueError(f"{where}: [toolsets] must be a table of tables")
+    entries = []
+    allowed_keys = {"kind", "prefix", "command", "args", "env", "cwd", "roots", "timeout"}
+    for toolset_id, table in tables.items():
+        here = f"{where}: [toolsets.{toolset_id}]"
+        if not isinstance(table, dict):
+            raise ValueError(f"{here} must be a table")
+        unknown = set(table) - allowed_keys
+        if unknown:
+            raise ValueError(f"{here}: unknown key(s) {', '.join(sorted(unknown))}")
+        kind = table.get("kind")
+        if kind not in KINDS:
+            raise ValueError(f"{here}: kind must be one of {', '.join(KINDS)}")
+        prefix = table.get("prefix")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"{here}: prefix is required (a string)")
+        command = table.get("command")
+        if kind == "mcp" and not isinstance(command, str):
+            raise ValueError(f"{here}: command must be the server's executable (a string); put its arguments in args")
+        if not (isinstance(command, str) and command) and not (isinstance(command, list) and command):
+            raise ValueError(f"{here}: command is required (a string or a list)")
+        for key, expected in (("args", list), ("env", dict), ("cwd", str), ("roots", list), ("timeout", (int, float))):
+            if key in table and not isinstance(table[key], expected):
+                raise ValueError(f"{here}: {key} has the wrong type")
+        entries.append(ToolsetEntry(
+            id=toolset_id, kind=kind, prefix=prefix, command=command,
+            args=[str(a) for a in table.get("args", [])],
+            env={str(k): str(v) for k, v in table["env"].items()} if "env" in table else None,
+            cwd=table.get("cwd"), roots=[str(r) for r in table.get("roots", [])],
+            timeout=float(table["timeout"]) if "timeout" in table else None,
+        ))
+    return entries
+
+
+def parse_allowlists(table: Any, where: str) -> dict[str, list[str]]:
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: [allowlists] must map instance ids to lists of toolset ids")
+    result = {}
+    for instance, ids in table.items():
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise ValueError(f"{where}: [allowlists] {instance} must be a list of toolset ids")
+        result[instance] = list(ids)
+    return result
+
+
+async def register_from_config(
+    server: OublietteServer, toolsets: list[ToolsetEntry], allowlists: dict[str, list[str]]
+) -> None:
+    """Register every configured toolset; one that fails to start is logged and left out."""
+    registered = set()
+    for entry in toolsets:
+        try:
+            if entry.kind == "mcp":
+                assert isinstance(entry.command, str)
+                await server.register_mcp_toolset(
+                    entry.id, entry.prefix, entry.command, entry.args, entry.env, entry.cwd, entry.roots,
+                )
+            else:
+                command = entry.command if isinstance(entry.command, str) else [*entry.command, *entry.args]
+                await server.register_command_toolset(entry.id, entry.prefix, command, timeout=entry.timeout)
+            registered.add(entry.id)
+        except Exception as exc:
+            log.error("toolset %s from the config file could not be registered: %s", entry.id, exc)
+    for instance, ids in allowlists.items():
+        kept = [i for i in ids if i in registered]
+        missing = [i for i in ids if i not in registered]
+        if missing:
+            log.warning("allowlist of %s names toolsets that are not registered: %s", instance, ", ".join(missing))
+        await server.update_allowed_toolsets(instance, kept)

@@ -1,0 +1,147 @@
+"""A toolset backed by a stdio MCP server that the host runs (started with the SDK's client).
+
+The server process is started once and shared by every session it is allowed
+for. If it dies, the call that notices fails with a tool error saying so, and
+the next call restarts it, up to `max_restarts` times.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import mcp_types as types
+import trio
+
+from .base import Toolset, ToolResult, ToolSpec
+
+log = logging.getLogger("oubliette.server.toolsets.mcp")
+
+DEFAULT_MAX_RESTARTS = 3
+START_TIMEOUT = 30.0
+
+
+def _content_dicts(content: list[Any]) -> list[dict[str, Any]]:
+    return [block.model_dump(by_alias=True, mode="json", exclude_none=True) for block in content]
+
+
+def _text_of(content: list[Any]) -> str:
+    return " ".join(getattr(block, "text", "") for block in content).strip()
+
+
+class McpToolset(Toolset):
+    def __init__(
+        self,
+        toolset_id: str,
+        command: str,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        roots: list[str] | None = None,
+        *,
+        nursery: trio.Nursery,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
+    ) -> None:
+        self.id = toolset_id
+        self.command = command
+        self.args = list(args or [])
+        self.env = env
+        self.cwd = cwd
+        self.roots = list(roots or [])
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self._nursery = nursery
+        self._client: Any = None
+        self._stop: trio.Event | None = None
+        self._dead_reason: str | None = None
+        self._start_lock = trio.Lock()
+
+    async def start(self) -> list[ToolSpec]:
+        """Start the server (once) and return its tools."""
+        tools = await self._nursery.start(self._run)
+        return [
+            ToolSpec(
+                name=tool.name, description=tool.description or "", input_schema=dict(tool.input_schema),
+                result_schema=dict(tool.output_schema) if tool.output_schema else None,
+                safety=f"runs in the host's MCP server '{self.id}' ({self.command})",
+            )
+            for tool in tools
+        ]
+
+    async def _list_roots(self, context: Any) -> types.ListRootsResult:
+        return types.ListRootsResult(
+            roots=[types.Root(uri=Path(root).resolve().as_uri(), name=Path(root).name) for root in self.roots]
+        )
+
+    async def _run(self, task_status: trio.TaskStatus[list[types.Tool]] = trio.TASK_STATUS_IGNORED) -> None:
+        from mcp import Client
+        from mcp.client.stdio import StdioServerParameters
+
+        params = StdioServerParameters(command=self.command, args=self.args, env=self.env, cwd=self.cwd)
+        stop = self._stop = trio.Event()
+        started = False
+        try:
+            with trio.CancelScope(deadline=trio.current_time() + START_TIMEOUT) as startup:
+                async with Client(
+                    params, mode="legacy", list_roots_callback=self._list_roots if self.roots else None,
+                ) as client:
+                    listing = await client.list_tools()
+                    startup.deadline = math.inf
+                    self._client, self._dead_reason = client, None
+                    started = True
+                    task_status.started(list(listing.tools))
+                    try:
+                        await stop.wait()
+                    finally:
+                        self._client = None
+            if startup.cancelled_caught:
+                raise TimeoutError(f"no answer within {START_TIMEOUT:g} s")
+        except Exception as exc:  # the process died or never started: report it, never crash the server
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            self._dead_reason = reason
+            log.warning("MCP toolset %s stopped: %s", self.id, reason)
+            if not started:
+                raise RuntimeError(f"MCP toolset {self.id!r} could not start {self.command}: {reason}") from exc
+
+    async def _ensure_running(self) -> Any:
+        async with self._start_lock:
+            if self._client is not None:
+                return self._client
+            if self.restarts >= self.max_restarts:
+                raise RuntimeError(
+                    f"MCP toolset '{self.id}' is down ({self._dead_reason}) and was restarted "
+                    f"{self.restarts} times already; not restarting again"
+                )
+            self.restarts += 1
+            log.info("restarting MCP toolset %s (restart %d of %d)", self.id, self.restarts, self.max_restarts)
+            await self._nursery.start(self._run)
+            return self._client
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        try:
+            client = await self._ensure_running()
+        except Exception as exc:
+            return ToolResult.failure(str(exc))
+        try:
+            result = await client.call_tool(tool, arguments)
+        except Exception as exc:
+            self._mark_dead(exc)
+            return ToolResult.failure(
+                f"MCP toolset '{self.id}' failed during '{tool}' ({exc or type(exc).__name__}); "
+                "it will be restarted on the next call"
+            )
+        if result.is_error:
+            return ToolResult.failure(_text_of(result.content) or f"'{tool}' failed")
+        return ToolResult.ok(result.structured_content, _content_dicts(result.content))
+
+    def _mark_dead(self, exc: BaseException) -> None:
+        self._dead_reason = str(exc) or type(exc).__name__
+        self._client = None
+        if self._stop is not None:
+            self._stop.set()
+
+    async def aclose(self) -> None:
+        if self._stop is not None:
+            self._stop.set()

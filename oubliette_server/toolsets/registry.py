@@ -1,0 +1,76 @@
+"""The toolset registry: definitions (id, prefix, tools, factory or shared ref) and per-instance allowlists.
+
+The allowlist of an instance is empty by default: an agent sees no toolset
+until it is allowed (seed 003).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import attrs
+
+from .base import Toolset, ToolsetFactory, ToolSpec
+
+log = logging.getLogger("oubliette.server.toolsets")
+
+PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+@attrs.define(eq=False)
+class ToolsetDefinition:
+    id: str
+    prefix: str
+    tools: list[ToolSpec]
+    factory: ToolsetFactory | None = None
+    ref: Toolset | None = None
+    kind: str = "code"
+
+    @property
+    def per_session(self) -> bool:
+        return self.factory is not None
+
+
+class ToolsetRegistry:
+    def __init__(self) -> None:
+        self._definitions: dict[str, ToolsetDefinition] = {}
+        self._allowed: dict[str, list[str]] = {}
+
+    @property
+    def definitions(self) -> dict[str, ToolsetDefinition]:
+        return dict(self._definitions)
+
+    def register(self, definition: ToolsetDefinition) -> None:
+        if (definition.factory is None) == (definition.ref is None):
+            raise ValueError(f"toolset {definition.id!r}: give exactly one of factory= or ref=")
+        if not PREFIX_PATTERN.match(definition.prefix):
+            raise ValueError(f"toolset {definition.id!r}: prefix {definition.prefix!r} must be 1-64 of A-Z a-z 0-9 _ . -")
+        if definition.id in self._definitions:
+            raise ValueError(f"a toolset with id {definition.id!r} is already registered")
+        for other in self._definitions.values():
+            if other.prefix == definition.prefix:
+                raise ValueError(f"prefix {definition.prefix!r} is already used by toolset {other.id!r}")
+        for tool in definition.tools:
+            if not TOOL_NAME_PATTERN.match(tool.name):
+                raise ValueError(f"toolset {definition.id!r}: tool name {tool.name!r} must be 1-128 of A-Z a-z 0-9 _ . -")
+        self._definitions[definition.id] = definition
+        log.info("toolset %s registered (prefix %r, %d tools)", definition.id, definition.prefix, len(definition.tools))
+
+    def unregister(self, toolset_id: str) -> ToolsetDefinition:
+        definition = self._definitions.pop(toolset_id, None)
+        if definition is None:
+            raise KeyError(f"no toolset with id {toolset_id!r}")
+        return definition
+
+    def set_allowed(self, instance: str, toolset_ids: list[str]) -> None:
+        unknown = [t for t in toolset_ids if t not in self._definitions]
+        if unknown:
+            raise ValueError(f"unknown toolset id(s): {', '.join(unknown)}")
+        self._allowed[instance] = list(dict.fromkeys(toolset_ids))
+
+    def allowed_ids(self, instance: str) -> list[str]:
+        return list(self._allowed.get(instance, []))
+
+    def allowed_definitions(self, instance: str) -> list[ToolsetDefinition]:
+        return [self._definitions[i] for i in self._allowed.get(instance, []) if i in self._definitions]

@@ -1,0 +1,178 @@
+"""ToolRouter: one per agent session; routes `<prefix><sep><tool>` to the toolset bound to that prefix.
+
+A published name is resolved through the map built when the list was
+published, never by splitting strings alone, so prefixes and tool names may
+contain the separator. The router spawns the per-session (factory) toolsets
+it needs and stops exactly those when the session ends; shared (ref)
+toolsets are never stopped by a session.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import attrs
+import jsonschema
+import trio
+
+from protocol import RelayError, errors
+
+from .base import Toolset, ToolResult, ToolSpec
+from .registry import ToolsetDefinition
+
+log = logging.getLogger("oubliette.server.toolsets")
+
+CLAUDE_NAME_LIMIT = 64
+
+
+@attrs.define(eq=False)
+class Binding:
+    definition: ToolsetDefinition
+    toolset: Toolset
+    spawned: bool
+
+
+@attrs.define(frozen=True)
+class PublishedToolsetTool:
+    name: str
+    binding: Binding
+    spec: ToolSpec
+
+    def wire(self) -> dict[str, Any]:
+        """The `toolsets_config` entry the client lists (with its seed 001 descriptor)."""
+        spec = self.spec
+        return {
+            "name": self.name,
+            "toolset": self.binding.definition.id,
+            "tool": spec.name,
+            "description": spec.description,
+            "inputSchema": spec.input_schema,
+            "descriptor": {
+                "name": self.name,
+                "description": spec.description,
+                "command": spec.command or f"oubliette-client tools call {self.name} '<arguments as JSON>'",
+                "origin": "remote",
+                "safety": spec.safety,
+                "input_schema": spec.input_schema,
+                "result_schema": spec.result_schema if spec.result_schema is not None else {},
+            },
+        }
+
+
+def _schema_problem(schema: dict[str, Any], value: Any, what: str) -> str | None:
+    try:
+        validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        error = jsonschema.exceptions.best_match(validator_class(schema).iter_errors(value))
+    except jsonschema.SchemaError as exc:
+        return f"{what}: the schema itself is invalid: {exc.message}"
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path)
+    return f"{what}{' at ' + where if where else ''}: {error.message}"
+
+
+class ToolRouter:
+    def __init__(self, separator: str, label: str) -> None:
+        self.separator = separator
+        self.label = label
+        self._bindings: dict[str, Binding] = {}
+        self._published: dict[str, PublishedToolsetTool] = {}
+        self._binding_lock = trio.Lock()
+        self.references = 0
+
+    @property
+    def bindings(self) -> dict[str, Binding]:
+        return dict(self._bindings)
+
+    async def bind(self, definitions: list[ToolsetDefinition]) -> bool:
+        """Make the bound toolsets exactly `definitions`; True if the published list changed."""
+        async with self._binding_lock:
+            return await self._bind(definitions)
+
+    async def _bind(self, definitions: list[ToolsetDefinition]) -> bool:
+        wanted = {d.id: d for d in definitions}
+        for toolset_id, binding in list(self._bindings.items()):
+            if wanted.get(toolset_id) is not binding.definition:
+                del self._bindings[toolset_id]
+                await self._release(binding)
+        for toolset_id, definition in wanted.items():
+            if toolset_id not in self._bindings:
+                try:
+                    self._bindings[toolset_id] = await self._acquire(definition)
+                except Exception:
+                    log.exception("%s: could not start toolset %s; it is left out", self.label, toolset_id)
+        return self._republish()
+
+    async def _acquire(self, definition: ToolsetDefinition) -> Binding:
+        if definition.factory is None:
+            assert definition.ref is not None
+            return Binding(definition, definition.ref, spawned=False)
+        made = definition.factory()
+        toolset = await made if inspect.isawaitable(made) else made
+        log.info("%s: spawned toolset %s", self.label, definition.id)
+        return Binding(definition, toolset, spawned=True)
+
+    async def _release(self, binding: Binding) -> None:
+        if binding.spawned:
+            try:
+                await binding.toolset.aclose()
+            except Exception:
+                log.exception("%s: toolset %s failed to stop", self.label, binding.definition.id)
+            log.info("%s: stopped toolset %s", self.label, binding.definition.id)
+
+    def _republish(self) -> bool:
+        published: dict[str, PublishedToolsetTool] = {}
+        for binding in self._bindings.values():
+            for spec in binding.definition.tools:
+                name = f"{binding.definition.prefix}{self.separator}{spec.name}"
+                if name in published:
+                    log.warning("%s: tool name %s is published twice; keeping the first", self.label, name)
+                    continue
+                if len(name) > CLAUDE_NAME_LIMIT:
+                    log.warning(
+                        "tool name %s is %d characters; the Claude API accepts at most %d (with the host's own prefix)",
+                        name, len(name), CLAUDE_NAME_LIMIT,
+                    )
+                published[name] = PublishedToolsetTool(name, binding, spec)
+        changed = [p.wire() for p in published.values()] != [p.wire() for p in self._published.values()]
+        self._published = published
+        return changed
+
+    def published(self) -> list[dict[str, Any]]:
+        return [p.wire() for p in self._published.values()]
+
+    def _not_found(self, name: str) -> RelayError:
+        for binding in self._bindings.values():
+            if name.startswith(binding.definition.prefix + self.separator):
+                return RelayError(
+                    errors.NOT_FOUND, f"toolset '{binding.definition.id}' has no tool named '{name}'",
+                )
+        prefix = name.split(self.separator, 1)[0]
+        return RelayError(errors.NOT_FOUND, f"Toolset not found: '{prefix}'")
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """Route a published name to its toolset with the prefix stripped."""
+        entry = self._published.get(name)
+        if entry is None:
+            raise self._not_found(name)
+        problem = _schema_problem(entry.spec.input_schema, arguments, f"invalid arguments for {name}")
+        if problem:
+            raise RelayError(errors.INVALID_PARAMS, problem)
+        result = await entry.binding.toolset.call(entry.spec.name, arguments)
+        if result.is_error:
+            return result
+        if entry.spec.result_schema is not None:
+            problem = _schema_problem(entry.spec.result_schema, result.result, f"the result of {name} does not match its result_schema")
+            if problem:
+                return ToolResult.failure(problem)
+        return result
+
+    async def stop(self) -> None:
+        """The session ended: stop the toolsets it spawned (not the shared ones)."""
+        async with self._binding_lock:
+            bindings, self._bindings = list(self._bindings.values()), {}
+            self._published = {}
+            for binding in bindings:
+                await self._release(binding)
