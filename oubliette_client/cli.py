@@ -2,6 +2,8 @@
 
     oubliette-client [--relay A] [--instance I] [--token T] [--session S]   stdio MCP server for the agent
     oubliette-client run [--relay A] [--instance I] [--token T] -- CMD ARGS…  the guest runtime
+    oubliette-client endpoint [relay flags]                             the action contract on stdin/stdout
+    oubliette-client tools list | describe NAME | call NAME JSON        the same, one action, for people
 
 Every flag may come from `OUBLIETTE_RELAY`, `OUBLIETTE_INSTANCE`,
 `OUBLIETTE_TOKEN`, `OUBLIETTE_SESSION`. Logs go to stderr; in the default mode
@@ -62,10 +64,34 @@ def _run_main(argv: list[str]) -> int:
     return 0
 
 
+def _endpoint_main(argv: list[str], tools: bool) -> int:
+    prog = "oubliette-client tools" if tools else "oubliette-client endpoint"
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Use the sandbox's tools through seed 001's action contract "
+        + ("(one action: list | describe NAME | call NAME JSON)." if tools else "(one JSON request per stdin line)."),
+    )
+    add_relay_arguments(parser)
+    parser.add_argument("--connect-wait", type=float, default=5.0, help="seconds to wait for the relay (default 5)")
+    parser.add_argument("--log-level", default="WARNING")
+    if tools:
+        parser.add_argument("words", nargs="*", help="list | describe NAME | call NAME JSON")
+    args = parser.parse_args(argv)
+    _logging(args.log_level)
+    from .endpoint import run_endpoint, run_tools_command
+
+    settings = settings_from_args(parser, args)
+    if tools:
+        return run_tools_command(settings, args.connect_wait, args.words)
+    return run_endpoint(settings, args.connect_wait)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":
         return _run_main(argv[1:])
+    if argv and argv[0] in ("endpoint", "tools"):
+        return _endpoint_main(argv[1:], tools=argv[0] == "tools")
     if argv and argv[0] == "demo-agent":
         from .demo_agent import main as demo_main
 

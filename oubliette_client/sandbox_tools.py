@@ -60,6 +60,7 @@ class SandboxTools:
         self.registry = ToolRegistry()
         self._staged_callers: dict[str, list[CallerToolSpec]] = {}
         self._staged_toolsets: list[ToolsetToolSpec] | None = None
+        self.separator = "."
         self.link = RelayLink(settings, "client", self._on_relay_notification, self._commit_handshake_config)
 
     async def _on_relay_notification(self, method: str, params: dict[str, Any]) -> None:
@@ -72,6 +73,7 @@ class SandboxTools:
                     self._staged_callers[config.caller_id] = config.tools
             elif method == messages.TOOLSETS_CONFIG:
                 toolsets = structure(params, messages.ToolsetsConfig)
+                self.separator = toolsets.separator
                 if self.link.connected:
                     self.registry.set_toolset_tools(toolsets.tools)
                 else:
@@ -86,9 +88,16 @@ class SandboxTools:
         toolsets, self._staged_toolsets = self._staged_toolsets or [], None
         self.registry.replace_all(callers, toolsets)
 
+    def _toolset_prefixes(self) -> set[str]:
+        sep = self.separator
+        return {t.name[: len(t.name) - len(t.tool) - len(sep)] for t in self.registry.tools if t.kind == "toolset"}
+
     def unknown_tool_text(self, name: str) -> str:
-        known = ", ".join(t.name for t in self.registry.tools) or "none"
         why = "" if self.link.connected else f"; {self.link.unavailable_error().message}"
+        sep = self.separator
+        if sep in name and not any(name.startswith(p + sep) for p in self._toolset_prefixes()):
+            return f"Toolset not found: '{name.split(sep, 1)[0]}' (no allowed toolset has that prefix){why}"
+        known = ", ".join(t.name for t in self.registry.tools) or "none"
         return f"unknown tool '{name}' (available: {known}){why}"
 
     async def call(self, name: str, arguments: Any) -> CallOutcome:

@@ -2,7 +2,8 @@
 
 Newline-delimited JSON-RPC 2.0 over a Unix or TCP socket (see ``docs/PROTOCOL.md``).
 This package is the single definition of the wire: framing, envelope, typed messages,
-JSON Schemas and error codes. It imports nothing from either program.
+JSON Schemas and error codes, plus seed 001's tool descriptors and action contract
+(``protocol.descriptors``). It imports nothing from either program.
 """
 
 from __future__ import annotations
@@ -23,6 +24,25 @@ from .errors import (
     TOOL_ERROR,
     UNAUTHORIZED,
     RelayError,
+)
+from .descriptors import (
+    ACTIONS,
+    CALL_TOOL,
+    CATEGORIES,
+    CATEGORY_BY_CODE,
+    DESCRIBE_TOOL,
+    LIST_TOOLS,
+    ORIGINS,
+    ActionError,
+    ActionRequest,
+    ToolDescriptor,
+    call_tool_response,
+    describe_tool_response,
+    list_tools_response,
+    parse_action_line,
+    parse_action_request,
+    parse_action_response,
+    parse_action_response_line,
 )
 from .framing import (
     MAX_FRAME_BYTES,
@@ -61,6 +81,8 @@ from .messages import (
     ROLE_CLIENT,
     ROLE_GUEST,
     ROLES,
+    TOOLSET_CALL,
+    TOOLSETS_CONFIG,
     USER_MESSAGE,
     Ack,
     AppendFrame,
@@ -74,6 +96,10 @@ from .messages import (
     Hello,
     HelloResult,
     SessionRef,
+    ToolsetCall,
+    ToolsetCallResult,
+    ToolsetsConfig,
+    ToolsetToolSpec,
     UserMessageDelivery,
     utc_timestamp,
 )
@@ -127,6 +153,8 @@ __all__ = [
     "USER_MESSAGE",
     "ACK",
     "APPEND_FRAME",
+    "TOOLSETS_CONFIG",
+    "TOOLSET_CALL",
     "METHODS",
     "PARAMS_TYPES",
     "RESULT_TYPES",
@@ -149,7 +177,29 @@ __all__ = [
     "AppendFrameResult",
     "SessionRef",
     "Frame",
+    "ToolsetToolSpec",
+    "ToolsetsConfig",
+    "ToolsetCall",
+    "ToolsetCallResult",
     "utc_timestamp",
+    # tool descriptors and the action contract (seed 001)
+    "ACTIONS",
+    "LIST_TOOLS",
+    "DESCRIBE_TOOL",
+    "CALL_TOOL",
+    "ORIGINS",
+    "CATEGORIES",
+    "CATEGORY_BY_CODE",
+    "ToolDescriptor",
+    "ActionError",
+    "ActionRequest",
+    "parse_action_request",
+    "parse_action_line",
+    "list_tools_response",
+    "describe_tool_response",
+    "call_tool_response",
+    "parse_action_response",
+    "parse_action_response_line",
     # conversion and validation
     "converter",
     "structure",

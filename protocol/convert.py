@@ -24,7 +24,7 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
 
-from . import messages
+from . import descriptors, messages
 from .errors import INVALID_PARAMS, METHOD_NOT_FOUND, RelayError
 from .schemas import validate_params
 
@@ -139,6 +139,28 @@ def _structure_primitive_union(value: Any, tp: Any) -> Any:
     raise _wrong_type(value, tp)
 
 
+def _is_optional_compound(tp: Any) -> bool:
+    """``dict[str, Any] | None``, ``SomeClass | None``: one non-primitive member and null."""
+    if not _is_union(tp) or _is_primitive_union(tp):
+        return False
+    args = typing.get_args(tp)
+    return len(args) == 2 and type(None) in args
+
+
+def _make_optional_hook(conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
+    def structure_optional(value: Any, tp: Any) -> Any:
+        if value is None:
+            return None
+        (member,) = (a for a in typing.get_args(tp) if a is not type(None))
+        try:
+            return conv.get_structure_hook(member)(value, member)
+        except StrictTypeError:
+            # Only the top-level type was wrong (nested problems are other exceptions).
+            raise _wrong_type(value, tp) from None
+
+    return structure_optional
+
+
 def _is_plain_dict(tp: Any) -> bool:
     if tp is dict:
         return True
@@ -232,6 +254,7 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook_func(_is_primitive_union, _structure_primitive_union)
     conv.register_structure_hook_func(_is_plain_dict, _structure_plain_dict)
     conv.register_structure_hook_func(_is_list, _make_list_hook(conv))
+    conv.register_structure_hook_func(_is_optional_compound, _make_optional_hook(conv))
     conv.register_structure_hook_factory(attrs.has, _make_attrs_structure(conv))
     conv.register_unstructure_hook_factory(attrs.has, _make_attrs_unstructure(conv))
     return conv
@@ -249,6 +272,8 @@ _LABELS: dict[type[Any], str] = {
     messages.Frame: "frame",
     messages.SessionRef: "session",
     messages.CallerToolSpec: "caller tool spec",
+    messages.ToolsetToolSpec: "toolset tool spec",
+    descriptors.ToolDescriptor: "tool descriptor",
 }
 
 

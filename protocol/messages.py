@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from .descriptors import ToolDescriptor
+
 __all__ = [
     "PROTOCOL_VERSION",
     "HELLO",
@@ -21,6 +23,8 @@ __all__ = [
     "USER_MESSAGE",
     "ACK",
     "APPEND_FRAME",
+    "TOOLSETS_CONFIG",
+    "TOOLSET_CALL",
     "METHODS",
     "ROLE_CLIENT",
     "ROLE_GUEST",
@@ -35,6 +39,10 @@ __all__ = [
     "CallerToolCall",
     "CallerToolResult",
     "Cancel",
+    "ToolsetToolSpec",
+    "ToolsetsConfig",
+    "ToolsetCall",
+    "ToolsetCallResult",
     "SessionRef",
     "Frame",
     "UserMessageDelivery",
@@ -57,6 +65,8 @@ CANCEL = "cancel"  # notification, either way
 USER_MESSAGE = "user_message"  # notification, server -> guest
 ACK = "ack"  # notification, guest -> server
 APPEND_FRAME = "append_frame"  # request, guest -> server
+TOOLSETS_CONFIG = "toolsets_config"  # notification, server -> client
+TOOLSET_CALL = "toolset_call"  # request, client -> server
 
 #: Every method of the protocol.
 METHODS: tuple[str, ...] = (
@@ -67,6 +77,8 @@ METHODS: tuple[str, ...] = (
     USER_MESSAGE,
     ACK,
     APPEND_FRAME,
+    TOOLSETS_CONFIG,
+    TOOLSET_CALL,
 )
 
 ROLE_CLIENT = "client"
@@ -133,6 +145,7 @@ class CallerToolSpec:
     inputSchema: dict[str, Any] = attrs.field(factory=_default_input_schema)
     requires_approval: bool = False
     timeout_ms: int | None = None
+    resultSchema: dict[str, Any] | None = None  # when given, the caller's result must match it
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -165,6 +178,45 @@ class Cancel:
     """``cancel`` params: abandon the request with this id that the sender has in flight."""
 
     id: int | str
+
+
+# --- toolsets -------------------------------------------------------------------------
+
+
+@attrs.define(frozen=True, kw_only=True)
+class ToolsetToolSpec:
+    """One host toolset tool as the client publishes it to the agent."""
+
+    name: str  # the published name, e.g. "ext.echo_external"
+    toolset: str  # the toolset id
+    tool: str  # the tool's own name inside the toolset
+    description: str = ""
+    inputSchema: dict[str, Any] = attrs.field(factory=_default_input_schema)
+    descriptor: ToolDescriptor | None = None  # seed 001 descriptor, when the toolset has one
+
+
+@attrs.define(frozen=True, kw_only=True)
+class ToolsetsConfig:
+    """``toolsets_config`` params: every toolset tool the client may publish (replaces any earlier)."""
+
+    tools: list[ToolsetToolSpec]
+    separator: str = "."
+
+
+@attrs.define(frozen=True, kw_only=True)
+class ToolsetCall:
+    """``toolset_call`` params: the agent calls a toolset tool by its published name."""
+
+    name: str
+    arguments: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.define(frozen=True, kw_only=True)
+class ToolsetCallResult:
+    """``toolset_call`` result: the tool's JSON result and, from an MCP toolset, its content blocks."""
+
+    result: Any = None
+    content: list[dict[str, Any]] | None = None
 
 
 # --- frames ----------------------------------------------------------------------------
@@ -252,6 +304,8 @@ PARAMS_TYPES: dict[str, type[Any]] = {
     USER_MESSAGE: UserMessageDelivery,
     ACK: Ack,
     APPEND_FRAME: AppendFrame,
+    TOOLSETS_CONFIG: ToolsetsConfig,
+    TOOLSET_CALL: ToolsetCall,
 }
 
 #: The result class of each request method (notifications have none).
@@ -259,6 +313,7 @@ RESULT_TYPES: dict[str, type[Any]] = {
     HELLO: HelloResult,
     CALLER_TOOL: CallerToolResult,
     APPEND_FRAME: AppendFrameResult,
+    TOOLSET_CALL: ToolsetCallResult,
 }
 
 

@@ -16,6 +16,7 @@ import jsonschema
 from jsonschema.exceptions import best_match
 
 from .errors import INVALID_PARAMS, METHOD_NOT_FOUND, RelayError
+from .descriptors import ACTIONS, CALL_TOOL, DESCRIBE_TOOL, LIST_TOOLS, ORIGINS
 from .messages import (
     ACK,
     APPEND_FRAME,
@@ -25,6 +26,8 @@ from .messages import (
     HELLO,
     METHODS,
     ROLES,
+    TOOLSET_CALL,
+    TOOLSETS_CONFIG,
     USER_MESSAGE,
 )
 
@@ -36,6 +39,7 @@ _STRING: dict[str, Any] = {"type": "string"}
 _NON_EMPTY: dict[str, Any] = {"type": "string", "minLength": 1}
 _OPT_STRING: dict[str, Any] = {"type": ["string", "null"]}
 _OBJECT: dict[str, Any] = {"type": "object"}
+_OPT_OBJECT: dict[str, Any] = {"type": ["object", "null"]}
 _SEQ: dict[str, Any] = {"type": "integer", "minimum": 0}
 _TIMESTAMP: dict[str, Any] = {
     "type": "string",
@@ -72,6 +76,84 @@ _CALLER_TOOL_SPEC = _obj(
         "inputSchema": _OBJECT,
         "requires_approval": {"type": "boolean"},
         "timeout_ms": {"type": ["integer", "null"], "minimum": 1},
+        "resultSchema": _OPT_OBJECT,
+    },
+)
+
+# --- seed 001: tool descriptors and the action contract ---
+
+_TOOL_DESCRIPTOR = _obj(
+    ["name", "description", "command", "origin", "safety", "input_schema", "result_schema"],
+    {
+        "name": _NON_EMPTY,
+        "description": _STRING,
+        "command": _STRING,
+        "origin": {"enum": list(ORIGINS)},
+        "safety": _STRING,
+        "input_schema": _OBJECT,
+        "result_schema": _OBJECT,
+    },
+)
+
+# ``tool`` and ``arguments`` are checked only for the actions that use them, as
+# ``protocol.descriptors.parse_action_request`` does; other members are ignored.
+_ACTION_REQUEST = _obj(
+    ["action"],
+    {"action": {"enum": list(ACTIONS)}, "tool": {}, "arguments": {}},
+    allOf=[
+        {
+            "if": {"required": ["action"], "properties": {"action": {"enum": [DESCRIBE_TOOL, CALL_TOOL]}}},
+            "then": {"required": ["tool"], "properties": {"tool": _NON_EMPTY}},
+        },
+        {
+            "if": {"required": ["action"], "properties": {"action": {"const": CALL_TOOL}}},
+            "then": {"properties": {"arguments": _OPT_OBJECT}},
+        },
+    ],
+)
+
+_ERROR_ENVELOPE = _obj(
+    ["type", "error"],
+    {
+        "type": {"const": "error"},
+        "error": _obj(
+            ["name", "category", "message"],
+            {"name": _STRING, "category": _STRING, "message": _STRING},
+        ),
+    },
+)
+
+# One schema per result shape, so a validator (and a reader) can tell them apart.
+_ACTION_RESULTS: dict[str, dict[str, Any]] = {
+    LIST_TOOLS: _obj(
+        ["type", "tools"],
+        {"type": {"const": "result"}, "tools": {"type": "array", "items": _TOOL_DESCRIPTOR}},
+    ),
+    DESCRIBE_TOOL: _obj(["type", "tool"], {"type": {"const": "result"}, "tool": _TOOL_DESCRIPTOR}),
+    CALL_TOOL: _obj(
+        ["type", "tool", "result"],
+        {"type": {"const": "result"}, "tool": _NON_EMPTY, "result": {}},
+    ),
+}
+
+_ACTION_RESPONSE: dict[str, Any] = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"enum": ["result", "error"]}},
+    "anyOf": [_ERROR_ENVELOPE, *_ACTION_RESULTS.values()],
+}
+
+# --- toolsets ---
+
+_TOOLSET_TOOL_SPEC = _obj(
+    ["name", "toolset", "tool"],
+    {
+        "name": _NON_EMPTY,
+        "toolset": _NON_EMPTY,
+        "tool": _NON_EMPTY,
+        "description": _STRING,
+        "inputSchema": _OBJECT,
+        "descriptor": {"oneOf": [{"type": "null"}, _TOOL_DESCRIPTOR]},
     },
 )
 
@@ -81,7 +163,9 @@ def _schema(title: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 #: Schema name -> JSON Schema. Method names hold that method's params; ``frame``,
-#: ``session_ref``, ``caller_tool_spec`` and ``*_result`` hold the other shapes.
+#: ``session_ref``, ``caller_tool_spec``, ``toolset_tool_spec`` and ``*_result`` hold the
+#: other relay shapes; ``tool_descriptor``, ``action_request`` and ``action_response`` are
+#: seed 001's action contract (:mod:`protocol.descriptors`).
 SCHEMAS: dict[str, dict[str, Any]] = {
     HELLO: _schema(
         "hello params",
@@ -151,6 +235,34 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     ),
     "frame": _schema("frame", _FRAME),
     "session_ref": _schema("session", _SESSION_REF),
+    TOOLSETS_CONFIG: _schema(
+        "toolsets_config params",
+        _obj(
+            ["tools"],
+            {
+                "tools": {"type": "array", "items": _TOOLSET_TOOL_SPEC},
+                "separator": _NON_EMPTY,
+            },
+        ),
+    ),
+    "toolset_tool_spec": _schema("toolset tool spec", _TOOLSET_TOOL_SPEC),
+    TOOLSET_CALL: _schema(
+        "toolset_call params",
+        _obj(["name"], {"name": _NON_EMPTY, "arguments": _OBJECT}),
+    ),
+    "toolset_call_result": _schema(
+        "toolset_call result",
+        _obj(
+            [],
+            {
+                "result": {},
+                "content": {"type": ["array", "null"], "items": _OBJECT},
+            },
+        ),
+    ),
+    "tool_descriptor": _schema("tool descriptor", _TOOL_DESCRIPTOR),
+    "action_request": _schema("action request", _ACTION_REQUEST),
+    "action_response": _schema("action response", _ACTION_RESPONSE),
 }
 
 

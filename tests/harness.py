@@ -126,7 +126,7 @@ class Deployment:
 
             async def drain() -> None:
                 while chunk := await process.stderr.receive_some(65536):
-                    server.stderr.extend(chunk)
+                    server._stderr_received(chunk)
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(drain)
@@ -154,6 +154,22 @@ class Deployment:
 
     def cleanup(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def config_file(self, *instances: str, start: dict[str, list[str]] | None = None) -> Path:
+        """A server config file (pass it as `--config PATH`) that declares `instances`.
+
+        A declared instance is known to the tether API before its guest ever connects.
+        `start` gives instances a wake-on-message start command.
+        """
+        start = start or {}
+        lines: list[str] = []
+        for name in dict.fromkeys([*instances, *start]):
+            lines.append(f"[instances.{json.dumps(name)}]")
+            if name in start:
+                lines.append("start = [" + ", ".join(json.dumps(part) for part in start[name]) + "]")
+        path = self.root / "oubliette.toml"
+        path.write_text("\n".join(lines) + "\n")
+        return path
 
     @asynccontextmanager
     async def caller(self, *extra: str, mode: str = "legacy") -> AsyncIterator[tuple[Client, EventLog]]:
@@ -209,10 +225,42 @@ class HttpServer:
         self.unix_socket = str(deployment.root / "http.sock")
         self.token = deployment.http_token()
         self.stderr = bytearray()
+        self._stderr_changed = trio.Event()
+
+    def _stderr_received(self, chunk: bytes) -> None:
+        self.stderr.extend(chunk)
+        self._stderr_changed.set()
+        self._stderr_changed = trio.Event()
+
+    def stderr_lines(self, *needles: str) -> list[str]:
+        """The server's stderr lines (so far) that contain every one of `needles`."""
+        text = self.stderr.decode(errors="replace")
+        return [line for line in text.splitlines() if all(n in line for n in needles)]
+
+    async def wait_stderr(self, *needles: str, count: int = 1, timeout: float = EVENT_TIMEOUT) -> list[str]:
+        """Wait until at least `count` complete stderr lines contain every one of `needles`; those lines."""
+        with trio.fail_after(timeout):
+            while True:
+                complete = self.stderr[: self.stderr.rfind(b"\n") + 1].decode(errors="replace")
+                lines = [line for line in complete.splitlines() if all(n in line for n in needles)]
+                if len(lines) >= count:
+                    return lines
+                await self._stderr_changed.wait()
 
     @property
     def mcp_url(self) -> str:
         return self.url + "/mcp"
+
+    async def wait_connected(self, instance: str, timeout: float = EVENT_TIMEOUT) -> None:
+        """Until `/v1/health` lists `instance` as connected (the server has no push for this)."""
+        async with self.unix_rest() as rest:
+            with trio.fail_after(timeout):
+                while True:
+                    response = await rest.get("/v1/health")
+                    response.raise_for_status()
+                    if instance in response.json()["connected_instances"]:
+                        return
+                    await trio.sleep(0.05)
 
     def rest(self, token: str | None = "default") -> Any:
         """An HTTP client for the tether API (bearer token: the server's, unless given)."""

@@ -35,6 +35,8 @@ from protocol import (
     RESULT_TYPES,
     SCHEMAS,
     TIMEOUT,
+    TOOLSET_CALL,
+    TOOLSETS_CONFIG,
     USER_MESSAGE,
     Ack,
     AppendFrame,
@@ -55,6 +57,11 @@ from protocol import (
     Request,
     Response,
     SessionRef,
+    ToolDescriptor,
+    ToolsetCall,
+    ToolsetCallResult,
+    ToolsetsConfig,
+    ToolsetToolSpec,
     UserMessageDelivery,
     decode,
     encode,
@@ -156,6 +163,25 @@ class TrickleSendStream(trio.abc.SendStream):
         await trio.lowlevel.checkpoint()
 
 
+ECHO_DESCRIPTOR = ToolDescriptor(
+    name="echo_external",
+    description="Echo a message back from outside the sandbox",
+    command="echo_external --message TEXT",
+    origin="remote",
+    safety="read-only; no side effects",
+    input_schema={
+        "type": "object",
+        "properties": {"message": {"type": "string"}},
+        "required": ["message"],
+        "additionalProperties": False,
+    },
+    result_schema={
+        "type": "object",
+        "properties": {"echo": {"type": "string"}},
+        "required": ["echo"],
+    },
+)
+
 # A sample instance of every message class, used for round trips.
 SAMPLES: dict[str, Any] = {
     "hello": Hello(protocol=PROTOCOL_VERSION, role="client", instance="box1", token="t0k"),
@@ -176,6 +202,10 @@ SAMPLES: dict[str, Any] = {
         session_id="s-1",
         caller_id="myapp",
         tools=[CallerToolSpec(name="a"), CallerToolSpec(name="b", timeout_ms=10)],
+    ),
+    "caller_tool_spec-result_schema": CallerToolSpec(
+        name="get_weather",
+        resultSchema={"type": "object", "required": ["temp_c"]},
     ),
     "caller_tools_config-empty": CallerToolsConfig(session_id="s-1", caller_id="c", tools=[]),
     "caller_tool": CallerToolCall(tool="get_weather", arguments={"city": "Oslo"}, caller_id="c"),
@@ -198,6 +228,33 @@ SAMPLES: dict[str, Any] = {
     "append_frame_result": AppendFrameResult(seq=13, msg_id="m-2"),
     "frame": _frame(reply_to="m-0", type="caller_tool_request"),
     "session_ref": SessionRef(channel="mcp", id="s-4f2a"),
+    "tool_descriptor": ECHO_DESCRIPTOR,
+    "toolset_tool_spec": ToolsetToolSpec(
+        name="ext.echo_external",
+        toolset="ext",
+        tool="echo_external",
+        description="Echo",
+        inputSchema=ECHO_DESCRIPTOR.input_schema,
+        descriptor=ECHO_DESCRIPTOR,
+    ),
+    "toolset_tool_spec-minimal": ToolsetToolSpec(name="fs_read", toolset="files", tool="read"),
+    "toolsets_config": ToolsetsConfig(
+        tools=[
+            ToolsetToolSpec(name="ext_echo_external", toolset="ext", tool="echo_external"),
+            ToolsetToolSpec(
+                name="fs_read", toolset="files", tool="read", descriptor=ECHO_DESCRIPTOR
+            ),
+        ],
+        separator="_",
+    ),
+    "toolsets_config-empty": ToolsetsConfig(tools=[]),
+    "toolset_call": ToolsetCall(name="ext.echo_external", arguments={"message": "hi"}),
+    "toolset_call-minimal": ToolsetCall(name="ext.list"),
+    "toolset_call_result": ToolsetCallResult(result={"echo": "hi"}),
+    "toolset_call_result-content": ToolsetCallResult(
+        result=[1, "two"], content=[{"type": "text", "text": "[1, \"two\"]"}]
+    ),
+    "toolset_call_result-empty": ToolsetCallResult(),
 }
 
 
@@ -600,6 +657,22 @@ def test_protocol_constants() -> None:
         "ack",
         "append_frame",
     )
+    assert (TOOLSETS_CONFIG, TOOLSET_CALL) == ("toolsets_config", "toolset_call")
+    assert protocol.METHODS == (
+        HELLO,
+        CALLER_TOOLS_CONFIG,
+        CALLER_TOOL,
+        CANCEL,
+        USER_MESSAGE,
+        ACK,
+        APPEND_FRAME,
+        TOOLSETS_CONFIG,
+        TOOLSET_CALL,
+    )
+    assert PARAMS_TYPES[TOOLSETS_CONFIG] is ToolsetsConfig
+    assert PARAMS_TYPES[TOOLSET_CALL] is ToolsetCall
+    assert RESULT_TYPES[TOOLSET_CALL] is ToolsetCallResult
+    assert TOOLSETS_CONFIG not in RESULT_TYPES  # a notification
     assert FRAME_TYPES == (
         "user.message",
         "assistant.delta",
@@ -625,6 +698,14 @@ def test_defaults() -> None:
     assert CallerToolCall(tool="t").caller_id is None
     assert _frame(payload={}).reply_to is None
     assert AppendFrame(session=SessionRef(channel="a", id="b"), type="t").payload == {}
+    assert spec.resultSchema is None
+    tspec = ToolsetToolSpec(name="p.t", toolset="p", tool="t")
+    assert (tspec.description, tspec.inputSchema, tspec.descriptor) == ("", {"type": "object"}, None)
+    assert tspec.inputSchema is not ToolsetToolSpec(name="p.u", toolset="p", tool="u").inputSchema
+    assert ToolsetsConfig(tools=[]).separator == "."
+    assert ToolsetCall(name="p.t").arguments == {}
+    assert ToolsetCall(name="p.t").arguments is not ToolsetCall(name="p.u").arguments
+    assert (ToolsetCallResult().result, ToolsetCallResult().content) == (None, None)
 
 
 def test_messages_are_frozen() -> None:
@@ -686,6 +767,31 @@ def test_unstructure_omits_optional_none_only() -> None:
         "inputSchema": {"type": "object"},
         "requires_approval": False,
     }
+    assert unstructure(CallerToolSpec(name="t", resultSchema={"type": "object"}))[
+        "resultSchema"
+    ] == {"type": "object"}
+    assert unstructure(ToolsetToolSpec(name="p.t", toolset="p", tool="t")) == {
+        "name": "p.t",
+        "toolset": "p",
+        "tool": "t",
+        "description": "",
+        "inputSchema": {"type": "object"},
+    }
+    assert unstructure(ToolsetsConfig(tools=[])) == {"tools": [], "separator": "."}
+    assert unstructure(ToolsetCallResult()) == {}
+    assert unstructure(ToolsetCallResult(result={"a": 1})) == {"result": {"a": 1}}
+    assert structure({}, ToolsetCallResult) == ToolsetCallResult()
+    assert structure({"result": None, "content": None}, ToolsetCallResult) == ToolsetCallResult()
+    assert ECHO_DESCRIPTOR.to_dict() == unstructure(ECHO_DESCRIPTOR)
+    assert list(ECHO_DESCRIPTOR.to_dict()) == [
+        "name",
+        "description",
+        "command",
+        "origin",
+        "safety",
+        "input_schema",
+        "result_schema",
+    ]
 
 
 def test_structure_tolerates_unknown_keys_and_null_optionals() -> None:
@@ -758,6 +864,45 @@ def test_structure_copies_dicts() -> None:
         ({"seq": 1}, AppendFrameResult, "invalid append_frame result: 'msg_id' is required"),
         ({}, CallerToolResult, "invalid caller_tool result: 'result' is required"),
         ({"channel": 1, "id": "x"}, SessionRef, "invalid session: 'channel' must be a string"),
+        (
+            {"name": "t", "resultSchema": []},
+            CallerToolSpec,
+            "invalid caller tool spec: 'resultSchema' must be an object or null, got array",
+        ),
+        ({"tools": [{"name": "p.t", "tool": "t"}]}, ToolsetsConfig, "'tools[0].toolset' is required"),
+        (
+            {"tools": [], "separator": 1},
+            ToolsetsConfig,
+            "invalid toolsets_config params: 'separator' must be a string, got integer",
+        ),
+        (
+            {"name": "p.t", "toolset": "p", "tool": "t", "descriptor": "echo"},
+            ToolsetToolSpec,
+            "invalid toolset tool spec: 'descriptor' must be an object or null, got string",
+        ),
+        (
+            {"name": "p.t", "toolset": "p", "tool": "t", "descriptor": {"name": "echo"}},
+            ToolsetToolSpec,
+            "'descriptor.command' is required",
+        ),
+        ({}, ToolsetCall, "invalid toolset_call params: 'name' is required"),
+        (
+            {"name": "p.t", "arguments": "{}"},
+            ToolsetCall,
+            "invalid toolset_call params: 'arguments' must be an object, got string",
+        ),
+        (
+            {"content": {"type": "text"}},
+            ToolsetCallResult,
+            "invalid toolset_call result: 'content' must be an array or null, got object",
+        ),
+        ({"content": ["x"]}, ToolsetCallResult, "'content[0]' must be an object, got string"),
+        ({"name": "echo"}, ToolDescriptor, "invalid tool descriptor: 'description' is required"),
+        (
+            {**unstructure(ECHO_DESCRIPTOR), "input_schema": True},
+            ToolDescriptor,
+            "invalid tool descriptor: 'input_schema' must be an object, got boolean",
+        ),
     ],
 )
 def test_structure_errors_are_clear(data: Any, cls: type, expected: str) -> None:
@@ -788,7 +933,15 @@ def test_structure_reports_every_problem() -> None:
 def test_schemas_cover_every_method_and_are_valid() -> None:
     import jsonschema
 
-    for name in (*protocol.METHODS, "frame", "hello_result"):
+    for name in (
+        *protocol.METHODS,
+        "frame",
+        "hello_result",
+        "toolset_call_result",
+        "tool_descriptor",
+        "action_request",
+        "action_response",
+    ):
         assert name in SCHEMAS
     for name, schema in SCHEMAS.items():
         assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
@@ -804,8 +957,13 @@ def test_schemas_defaults_match_classes() -> None:
         append_frame_result=AppendFrameResult,
         caller_tool_spec=CallerToolSpec,
         session_ref=SessionRef,
+        toolset_tool_spec=ToolsetToolSpec,
+        toolset_call_result=ToolsetCallResult,
+        tool_descriptor=ToolDescriptor,
+        action_request=protocol.ActionRequest,
     )
-    assert set(pairs) == set(SCHEMAS)
+    # action_response is a union of shapes with no class (tests/test_descriptors.py covers it).
+    assert set(pairs) | {"action_response"} == set(SCHEMAS)
     for name, cls in pairs.items():
         fields = attrs.fields(cls)
         required = {f.name for f in fields if f.default is attrs.NOTHING}
@@ -839,6 +997,58 @@ def test_schemas_defaults_match_classes() -> None:
         (APPEND_FRAME, {"session": {"channel": "mcp", "id": "s"}}, "$", "'type' is a required property"),
         ("frame", {**unstructure(_frame()), "payload": []}, "$.payload", "not of type 'object'"),
         ("hello_result", {"protocol": "p", "instance": "i"}, "$", "'server_version'"),
+        (
+            CALLER_TOOLS_CONFIG,
+            {"session_id": "s", "caller_id": "c", "tools": [{"name": "a", "resultSchema": "x"}]},
+            "$.tools[0].resultSchema",
+            "not of type",
+        ),
+        (TOOLSETS_CONFIG, {}, "$", "'tools' is a required property"),
+        (TOOLSETS_CONFIG, {"tools": [], "separator": ""}, "$.separator", "non-empty"),
+        (
+            TOOLSETS_CONFIG,
+            {"tools": [{"name": "p.t", "toolset": "p", "tool": ""}]},
+            "$.tools[0].tool",
+            "non-empty",
+        ),
+        (
+            TOOLSETS_CONFIG,
+            {"tools": [{"name": "p.t", "toolset": "p", "tool": "t", "inputSchema": []}]},
+            "$.tools[0].inputSchema",
+            "not of type 'object'",
+        ),
+        (
+            TOOLSETS_CONFIG,
+            {
+                "tools": [
+                    {
+                        "name": "p.t",
+                        "toolset": "p",
+                        "tool": "t",
+                        "descriptor": {**unstructure(ECHO_DESCRIPTOR), "origin": "mars"},
+                    }
+                ]
+            },
+            "$.tools[0].descriptor.origin",
+            "is not one of",
+        ),
+        (TOOLSET_CALL, {"arguments": {}}, "$", "'name' is a required property"),
+        (TOOLSET_CALL, {"name": ""}, "$.name", "non-empty"),
+        (TOOLSET_CALL, {"name": "p.t", "arguments": [1]}, "$.arguments", "not of type 'object'"),
+        ("toolset_call_result", {"content": [1]}, "$.content[0]", "not of type 'object'"),
+        ("toolset_call_result", [], "$", "not of type 'object'"),
+        (
+            "tool_descriptor",
+            {**unstructure(ECHO_DESCRIPTOR), "origin": "mars"},
+            "$.origin",
+            "is not one of",
+        ),
+        (
+            "tool_descriptor",
+            {k: v for k, v in unstructure(ECHO_DESCRIPTOR).items() if k != "safety"},
+            "$",
+            "'safety' is a required property",
+        ),
     ],
 )
 def test_validate_params_errors(method: str, params: Any, path: str, fragment: str) -> None:

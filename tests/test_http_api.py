@@ -1,0 +1,577 @@
+"""The HTTP API (seed 004 §4): tether ingress, poll and SSE stream; auth; /mcp Host checks.
+
+Most tests run `oubliette-server` as a subprocess with a TCP and a Unix socket listener
+(`deployment.http_server()`) and talk to it with httpx2. The tests about what a
+disconnected long poll leaves behind embed the server in the test's Trio loop (DESIGN.md,
+"Embedding") so they can look at the frame store's waiters directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+import httpx2
+import pytest
+import trio
+
+from harness import Deployment
+from oubliette_server.app import OublietteServer
+from oubliette_server.config import ServerConfig
+from oubliette_server.http_api import HttpApi, http_token
+
+TETHER = "/v1/instances/{}/tether"
+POLL = "/v1/instances/{}/tether/poll"
+STREAM = "/v1/instances/{}/tether/stream"
+
+
+def frame_body(
+    channel: str, session: str, type_: str = "assistant.delta", text: str = "", **extra: Any
+) -> dict[str, Any]:
+    return {"type": type_, "session": {"channel": channel, "id": session}, "payload": {"text": text}, **extra}
+
+
+async def post(rest: Any, instance: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = await rest.post(TETHER.format(instance), json=body)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+async def poll(rest: Any, instance: str, params: Any = None) -> dict[str, Any]:
+    response = await rest.get(POLL.format(instance), params=params)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def assert_error(response: Any, status: int, name: str | None = None, *needles: str) -> dict[str, Any]:
+    """A clear JSON error: `{"error": {"code", "name", "message"}}` with the given status."""
+    assert response.status_code == status, (response.status_code, response.text)
+    assert response.headers["content-type"].startswith("application/json"), response.headers
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"code", "name", "message"}, error
+    assert isinstance(error["code"], int) and isinstance(error["name"], str)
+    assert isinstance(error["message"], str) and error["message"]
+    if name is not None:
+        assert error["name"] == name, error
+    for needle in needles:
+        assert needle in error["message"], error
+    return error
+
+
+# -- ingress and poll ------------------------------------------------------------------------
+
+
+async def test_ingress_returns_the_stored_frame(deployment: Deployment) -> None:
+    config = deployment.config_file("box1")
+    async with deployment.http_server("--config", str(config)) as server, server.rest() as rest:
+        before = time.time()
+        response = await rest.post(TETHER.format("box1"), json={
+            "v": 1, "type": "user.message", "session": {"channel": "telegram", "id": "12345"},
+            "payload": {"text": "hello", "from": {"user": 7}}, "msg_id": "tg-42",
+        })
+        assert response.status_code == 201, response.text
+        body = response.json()
+        assert set(body) == {"msg_id", "session_id", "ingress_seq", "frame"}
+        assert body["msg_id"] == "tg-42" and body["session_id"] == "12345" and body["ingress_seq"] == 1
+        frame = body["frame"]
+        assert frame == {
+            "v": 1, "seq": 1, "ts": frame["ts"], "instance": "box1",
+            "session": {"channel": "telegram", "id": "12345"}, "type": "user.message",
+            "msg_id": "tg-42", "payload": {"text": "hello", "from": {"user": 7}},
+        }
+        ts = time.mktime(time.strptime(frame["ts"][:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+        assert abs(ts - before) < 60, frame["ts"]
+        assert frame["ts"].endswith("Z")
+
+        # No msg_id: one is made; no payload: {}; reply_to is kept.
+        second = await post(rest, "box1", {"type": "assistant.delta", "session": {"channel": "telegram", "id": "12345"},
+                                          "reply_to": "tg-42"})
+        assert second["ingress_seq"] == 2
+        assert second["msg_id"] and second["msg_id"] != "tg-42"
+        assert second["frame"]["payload"] == {} and second["frame"]["reply_to"] == "tg-42"
+        assert second["frame"]["msg_id"] == second["msg_id"]
+
+        # What poll returns is what ingress returned.
+        assert (await poll(rest, "box1"))["frames"] == [frame, second["frame"]]
+
+
+# Frames for the filter tests: (channel, session, type, msg_id, reply_to).
+FILTER_LOG = [
+    ("telegram", "a", "user.message", "tg-1", None),
+    ("telegram", "a", "status.presence", "p-1", "tg-1"),
+    ("host", "a", "user.message", "host-1", None),
+    ("telegram", "a", "assistant.delta", "d-1", "tg-1"),
+    ("host", "a", "assistant.delta", "d-2", "host-1"),
+    ("host", "b", "assistant.delta", "d-3", "host-9"),
+    ("telegram", "a", "assistant.done", "done-1", "tg-1"),
+    ("host", "a", "assistant.done", "done-2", "host-1"),
+    ("host", "b", "session.error", "err-3", "host-9"),
+    ("host", "a", "assistant.delta", "d-4", "tg-1"),
+]
+
+
+def matches(frame: dict[str, Any], params: dict[str, Any]) -> bool:
+    types = params.get("types")
+    return (
+        frame["seq"] > params.get("after_seq", 0)
+        and params.get("channel", frame["session"]["channel"]) == frame["session"]["channel"]
+        and params.get("session_id", frame["session"]["id"]) == frame["session"]["id"]
+        and (types is None or frame["type"] in types)
+        and params.get("reply_to_msg_id", frame.get("reply_to")) == frame.get("reply_to")
+    )
+
+
+FILTER_CASES = [
+    {},
+    {"channel": "host"},
+    {"channel": "telegram"},
+    {"session_id": "a"},
+    {"channel": "host", "session_id": "a"},
+    {"channel": "host", "session_id": "b"},
+    {"types": ["assistant.delta"]},
+    {"types": ["assistant.delta", "assistant.done"]},
+    {"channel": "host", "types": ["assistant.done", "session.error"]},
+    {"channel": "host", "session_id": "a", "types": ["assistant.delta"]},
+    {"reply_to_msg_id": "tg-1"},
+    {"reply_to_msg_id": "tg-1", "channel": "telegram"},
+    {"reply_to_msg_id": "host-1", "types": ["assistant.done"]},
+    {"after_seq": 4},
+    {"after_seq": 4, "channel": "telegram"},
+    {"after_seq": 10},
+    {"after_seq": 3, "limit": 2},
+    {"limit": 1, "channel": "host"},
+    {"channel": "nobody"},
+]
+
+
+async def test_poll_filters(deployment: Deployment) -> None:
+    """channel, session_id, types (comma-separated or repeated), reply_to_msg_id, after_seq, limit."""
+    config = deployment.config_file("box1")
+    async with deployment.http_server("--config", str(config)) as server, server.rest() as rest:
+        log = []
+        for channel, session, type_, msg_id, reply_to in FILTER_LOG:
+            extra = {"msg_id": msg_id} if reply_to is None else {"msg_id": msg_id, "reply_to": reply_to}
+            log.append((await post(rest, "box1", frame_body(channel, session, type_, msg_id, **extra)))["frame"])
+        assert [f["seq"] for f in log] == list(range(1, 11))
+
+        for case in FILTER_CASES:
+            expected = [f for f in log if matches(f, case)][: case.get("limit", 50)]
+            next_seq = expected[-1]["seq"] if expected else case.get("after_seq", 0)
+            encodings = [{k: v for k, v in case.items() if k != "types"}]
+            if "types" in case:
+                base = encodings.pop()
+                encodings = [
+                    {**base, "types": ",".join(case["types"])},  # comma-separated
+                    [*base.items(), *(("types", t) for t in case["types"])],  # repeated
+                ]
+            for params in encodings:
+                result = await poll(rest, "box1", params)
+                assert result == {"frames": expected, "next_seq": next_seq, "timed_out": False}, (case, params)
+
+        # The same over the Unix socket listener (no token).
+        async with server.unix_rest() as unix:
+            assert (await poll(unix, "box1", {"channel": "host", "session_id": "a"}))["frames"] == [
+                f for f in log if matches(f, {"channel": "host", "session_id": "a"})
+            ]
+
+
+async def test_poll_long_polls_and_times_out(deployment: Deployment) -> None:
+    config = deployment.config_file("box1")
+    async with deployment.http_server("--config", str(config)) as server, server.rest() as rest:
+        started = time.monotonic()
+        result = await poll(rest, "box1", {"wait_ms": 300, "channel": "host"})
+        elapsed = time.monotonic() - started
+        assert result == {"frames": [], "next_seq": 0, "timed_out": True}
+        assert 0.25 <= elapsed < 10, elapsed
+
+        async with trio.open_nursery() as nursery:
+            outcome: dict[str, Any] = {}
+
+            async def long_poll() -> None:
+                started = time.monotonic()
+                outcome["result"] = await poll(rest, "box1", {"wait_ms": 20000, "channel": "host", "types": "assistant.done"})
+                outcome["elapsed"] = time.monotonic() - started
+                finished.set()
+
+            finished = trio.Event()
+            nursery.start_soon(long_poll)
+            # Frames that do not match the filter do not end the poll.
+            await post(rest, "box1", frame_body("telegram", "s", "assistant.done", "not this one"))
+            await post(rest, "box1", frame_body("host", "s", "assistant.delta", "nor this one"))
+            done = await post(rest, "box1", frame_body("host", "s", "assistant.done", "this one"))
+            with trio.fail_after(10):
+                await finished.wait()
+        assert outcome["result"]["frames"] == [done["frame"]]
+        assert outcome["result"]["timed_out"] is False
+        assert outcome["elapsed"] < 5, outcome["elapsed"]
+
+
+# -- SSE -------------------------------------------------------------------------------------
+
+
+class SseEvents:
+    """Server-sent events of a streaming response: `{"id", "event", "data"}` dicts (comments skipped)."""
+
+    def __init__(self, response: Any) -> None:
+        self.response = response
+        self._lines = response.aiter_lines()
+
+    async def next(self, timeout: float = 10.0) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        with trio.fail_after(timeout):
+            async for line in self._lines:
+                if line == "":
+                    if fields:
+                        if "data" in fields:
+                            fields["data"] = json.loads(fields["data"])
+                        return fields
+                    continue
+                if line.startswith(":"):
+                    continue
+                name, _, value = line.partition(":")
+                value = value[1:] if value.startswith(" ") else value
+                fields[name] = fields[name] + "\n" + value if name in fields else value
+        raise AssertionError("the SSE stream ended")
+
+
+@asynccontextmanager
+async def sse(rest: Any, instance: str, params: Any = None, headers: Any = None) -> AsyncIterator[SseEvents]:
+    async with rest.stream("GET", STREAM.format(instance), params=params, headers=headers) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        yield SseEvents(response)
+
+
+async def test_sse_stream_resumes_with_last_event_id(deployment: Deployment) -> None:
+    """Each event's id is its seq; frames appended while connected arrive; Last-Event-ID resumes exactly."""
+    config = deployment.config_file("box1")
+    async with deployment.http_server("--config", str(config)) as server, server.rest() as rest, server.rest() as writer:
+        first = [(await post(writer, "box1", frame_body("host", "s", text=f"f{n}")))["frame"] for n in range(3)]
+        async with sse(rest, "box1") as events:
+            seen = [await events.next() for _ in range(3)]
+            assert [e["id"] for e in seen] == [str(f["seq"]) for f in first]
+            assert all(e["event"] == "frame" for e in seen)
+            assert [e["data"] for e in seen] == first
+            # Appended while connected: they arrive, in order.
+            live = [(await post(writer, "box1", frame_body("host", "s", text=f"live{n}")))["frame"] for n in range(2)]
+            seen = [await events.next() for _ in range(2)]
+            assert [e["data"] for e in seen] == live
+            assert [e["id"] for e in seen] == [str(f["seq"]) for f in live]
+            last_id = seen[-1]["id"]
+
+        # Disconnected: these are missed, then read on reconnect. Nothing lost, nothing repeated.
+        missed = [(await post(writer, "box1", frame_body("host", "s", text=f"missed{n}")))["frame"] for n in range(2)]
+        async with sse(rest, "box1", headers={"Last-Event-ID": last_id}) as events:
+            resumed = [await events.next() for _ in range(2)]
+            assert [e["data"] for e in resumed] == missed
+            newer = (await post(writer, "box1", frame_body("host", "s", text="newer")))["frame"]
+            assert (await events.next())["data"] == newer, "the next event is the new frame, not a repeat"
+        assert [f["seq"] for f in first + live + missed + [newer]] == list(range(1, 9))
+
+        # after_seq in the query works as a starting point too.
+        async with sse(rest, "box1", params={"after_seq": 7}) as events:
+            assert (await events.next())["data"] == newer
+
+
+async def test_sse_stream_filters(deployment: Deployment) -> None:
+    config = deployment.config_file("box1")
+    async with deployment.http_server("--config", str(config)) as server, server.rest() as rest, server.rest() as writer:
+        async with sse(rest, "box1", params={"channel": "host", "session_id": "default", "types": "assistant.done"}) as events:
+            await post(writer, "box1", frame_body("telegram", "default", "assistant.done"))
+            await post(writer, "box1", frame_body("host", "other", "assistant.done"))
+            await post(writer, "box1", frame_body("host", "default", "assistant.delta"))
+            wanted = (await post(writer, "box1", frame_body("host", "default", "assistant.done", "yes")))["frame"]
+            event = await events.next()
+            assert event["data"] == wanted and event["id"] == str(wanted["seq"]) == "4"
+
+
+async def test_sse_stream_bad_input(deployment: Deployment) -> None:
+    config = deployment.config_file("box1")
+    async with deployment.http_server("--config", str(config)) as server, server.rest() as rest:
+        assert_error(await rest.get(STREAM.format("box1"), headers={"Last-Event-ID": "abc"}), 400, "invalid_params", "Last-Event-ID")
+        assert_error(await rest.get(STREAM.format("box1"), headers={"Last-Event-ID": "-1"}), 400, "invalid_params")
+        assert_error(await rest.get(STREAM.format("box1"), params={"after_seq": "x"}), 400, "invalid_params", "after_seq")
+        assert_error(await rest.get(STREAM.format("nobox")), 404, "not_found", "nobox")
+        async with server.rest(token=None) as anonymous:
+            assert_error(await anonymous.get(STREAM.format("box1")), 401, "unauthorized")
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+async def test_bad_input_is_a_clear_error_and_stores_nothing(deployment: Deployment) -> None:
+    config = deployment.config_file("box1")
+    async with deployment.http_server("--config", str(config)) as server, server.rest() as rest:
+        good = frame_body("host", "default", "assistant.delta", "kept")
+        stored = [(await post(rest, "box1", good))["frame"]]
+        url = TETHER.format("box1")
+
+        # Unknown and invalid instances.
+        assert_error(await rest.post(TETHER.format("nobox"), json=good), 404, "not_found", "unknown instance 'nobox'")
+        assert_error(await rest.get(POLL.format("nobox")), 404, "not_found", "nobox")
+        for bad_id in ("bad id", "-box", "x" * 65, "box$1"):
+            assert_error(await rest.post(TETHER.format(bad_id), json=good), 400, "invalid_params", "invalid instance id")
+            assert_error(await rest.get(POLL.format(bad_id)), 400, "invalid_params", "invalid instance id")
+
+        # Query parameters of poll.
+        for params, needle in (
+            ({"after_seq": "-1"}, "after_seq"), ({"after_seq": "abc"}, "after_seq"), ({"after_seq": "1.5"}, "after_seq"),
+            ({"limit": "0"}, "limit"), ({"limit": "201"}, "limit"), ({"limit": "many"}, "limit"),
+            ({"wait_ms": "-1"}, "wait_ms"), ({"wait_ms": "30001"}, "wait_ms"), ({"wait_ms": "soon"}, "wait_ms"),
+        ):
+            assert_error(await rest.get(POLL.format("box1"), params=params), 400, "invalid_params", needle)
+
+        # Bodies that are not JSON, or not frames.
+        assert_error(await rest.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400, "parse_error")
+        assert_error(await rest.post(url, content=b"\xff\xfe", headers={"content-type": "application/json"}), 400, "parse_error")
+        assert_error(await rest.post(url, content=b""), 400, "parse_error")
+        not_frames = [
+            [good],
+            "user.message",
+            {"session": {"channel": "host", "id": "default"}, "payload": {}},  # no type
+            {"type": "user.message", "payload": {"text": "x"}},  # no session
+            {"type": "user.message", "session": {"channel": "host"}},  # no session id
+            {"type": "user.message", "session": {"id": "default"}},  # no channel
+            {"type": 7, "session": {"channel": "host", "id": "default"}},
+            {"type": "user.message", "session": "host:default"},
+            {"type": "user.message", "session": {"channel": "host", "id": 12345}},
+            {"type": "user.message", "session": {"channel": "host", "id": "default"}, "payload": "text"},
+            {"type": "user.message", "session": {"channel": "host", "id": "default"}, "payload": {}, "v": 2},
+            {"type": "user.message", "session": {"channel": "host", "id": "default"}, "msg_id": 5},
+            {"type": "user.message", "session": {"channel": "host", "id": "default"}, "reply_to": ""},
+            {"type": "user.message", "session": {"channel": "a channel", "id": "default"}},
+            {"type": "Not A Type", "session": {"channel": "host", "id": "default"}},
+        ]
+        for body in not_frames:
+            assert_error(await rest.post(url, json=body), 400, "invalid_params", "invalid frame")
+
+        # Types only the server makes.
+        for server_type in ("caller_tool_request", "caller_tool_result", "caller_tool_cancelled",
+                            "approval_request", "approval_resolved"):
+            body = frame_body("host", "default", server_type)
+            assert_error(await rest.post(url, json=body), 400, "invalid_params", server_type, "server")
+
+        # An oversized body.
+        huge = {"type": "user.message", "session": {"channel": "host", "id": "default"},
+                "payload": {"text": "x" * (1024 * 1024 + 1024)}}
+        assert_error(await rest.post(url, content=json.dumps(huge).encode(), headers={"content-type": "application/json"}),
+                     400, "invalid_request", "larger than 1048576 bytes")
+
+        # Nothing of the above was stored, and the unknown instance is still unknown.
+        assert (await poll(rest, "box1", {"limit": 200}))["frames"] == stored
+        assert (await rest.get(POLL.format("nobox"))).status_code == 404
+        # The server is fine: a good frame is stored with the next seq.
+        assert (await post(rest, "box1", good))["ingress_seq"] == stored[-1]["seq"] + 1
+
+
+async def test_bearer_tokens(deployment: Deployment) -> None:
+    """The server's token for everything; an instance's token only for its own routes; 401 otherwise."""
+    config = deployment.config_file("box1", "box2")
+    async with deployment.http_server("--config", str(config)) as server:
+        box1_token = deployment.token("box1")
+        body = frame_body("host", "default", "assistant.delta", "x")
+
+        async with server.rest() as admin:
+            stored = [(await post(admin, "box1", body))["frame"]]
+            assert (await admin.get("/v1/health")).status_code == 200
+
+        for token in (None, "not-a-token", box1_token[:-1] + ("0" if box1_token[-1] != "0" else "1")):
+            async with server.rest(token=token) as rest:
+                for response in (
+                    await rest.post(TETHER.format("box1"), json=body),
+                    await rest.get(POLL.format("box1")),
+                    await rest.get("/v1/health"),
+                    await rest.post("/mcp", json={}),
+                ):
+                    error = assert_error(response, 401, "unauthorized")
+                    assert response.headers["www-authenticate"].startswith("Bearer"), response.headers
+                    expected = "missing bearer token" if token is None else "not valid"
+                    assert expected in error["message"], error
+
+        # Not a bearer scheme: the same as none.
+        async with httpx2.AsyncClient(base_url=server.url, headers={"Authorization": f"Basic {box1_token}"}) as rest:
+            assert_error(await rest.get(POLL.format("box1")), 401, "unauthorized", "missing bearer token")
+
+        async with server.rest(token=box1_token) as own:
+            stored.append((await post(own, "box1", body))["frame"])
+            assert (await poll(own, "box1"))["frames"] == stored
+            async with own.stream("GET", STREAM.format("box1")) as response:
+                assert response.status_code == 200
+                assert (await SseEvents(response).next())["data"] == stored[0]
+            for response in (
+                await own.post(TETHER.format("box2"), json=body),
+                await own.get(POLL.format("box2")),
+                await own.get(STREAM.format("box2")),
+                await own.get("/v1/health"),
+                await own.post("/mcp", json={}),
+            ):
+                assert_error(response, 401, "unauthorized", "not valid")
+                assert response.headers["www-authenticate"].startswith("Bearer")
+
+        async with server.rest() as admin:
+            assert (await poll(admin, "box1", {"limit": 200}))["frames"] == stored
+            assert (await poll(admin, "box2"))["frames"] == [], "box1's token stored nothing for box2"
+
+
+async def test_unix_socket_listener_needs_no_token_and_is_private(deployment: Deployment) -> None:
+    config = deployment.config_file("box1")
+    async with deployment.http_server("--config", str(config)) as server:
+        mode = os.stat(server.unix_socket).st_mode
+        assert stat.S_ISSOCK(mode)
+        assert stat.S_IMODE(mode) == 0o600, oct(stat.S_IMODE(mode))
+        async with server.unix_rest() as unix:
+            assert "authorization" not in unix.headers
+            health = await unix.get("/v1/health")
+            assert health.status_code == 200 and health.json()["ok"] is True
+            stored = await post(unix, "box1", frame_body("telegram", "1", "user.message", "over the socket"))
+            assert (await poll(unix, "box1"))["frames"] == [stored["frame"]]
+
+
+# -- /mcp Host header ----------------------------------------------------------------------
+
+INITIALIZE = {
+    "jsonrpc": "2.0", "id": 1, "method": "initialize",
+    "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "test", "version": "1"}},
+}
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+
+def initialize_result(response: Any) -> dict[str, Any]:
+    """The JSON-RPC result of an initialize answered as JSON or as one SSE event."""
+    if response.headers["content-type"].startswith("application/json"):
+        return response.json()["result"]
+    data = [line[len("data:"):].strip() for line in response.text.splitlines() if line.startswith("data:")]
+    return json.loads(data[0])["result"]
+
+
+async def test_mcp_rejects_a_foreign_host_header(deployment: Deployment) -> None:
+    """DNS-rebinding protection: the SDK answers 421 Misdirected Request for a Host not allowed."""
+    async with deployment.http_server() as server, server.rest() as rest:
+        rejected = await rest.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "evil.example:8080"})
+        assert rejected.status_code == 421, (rejected.status_code, rejected.text)
+        assert "Host" in rejected.text
+        plain = await rest.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "evil.example"})
+        assert plain.status_code == 421
+        accepted = await rest.post("/mcp", json=INITIALIZE, headers=MCP_HEADERS)
+        assert accepted.status_code == 200, accepted.text
+        assert initialize_result(accepted)["serverInfo"]["name"] == "oubliette-server"
+
+
+async def test_allowed_host_flag_lets_a_host_through(deployment: Deployment) -> None:
+    async with deployment.http_server("--allowed-host", "evil.example:*") as server, server.rest() as rest:
+        accepted = await rest.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "evil.example:8080"})
+        assert accepted.status_code == 200, (accepted.status_code, accepted.text)
+        assert initialize_result(accepted)["serverInfo"]["name"] == "oubliette-server"
+        other = await rest.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "other.example:8080"})
+        assert other.status_code == 421
+
+
+# -- a long poll whose client goes away ----------------------------------------------------
+
+
+async def test_abandoned_long_poll_leaves_the_server_working(deployment: Deployment) -> None:
+    config = deployment.config_file("box1")
+    async with deployment.http_server("--config", str(config)) as server:
+        async with server.rest() as rest:
+            with trio.move_on_after(1.0) as waited:
+                await rest.get(POLL.format("box1"), params={"wait_ms": 20000, "channel": "host"})
+            assert waited.cancelled_caught, "the poll was still waiting when the client gave up"
+        async with server.rest() as rest:
+            # A frame the abandoned poll would have returned: nothing may go wrong answering nobody.
+            stored = await post(rest, "box1", frame_body("host", "default", "assistant.delta", "late"))
+            started = time.monotonic()
+            result = await poll(rest, "box1", {"channel": "host"})
+            assert time.monotonic() - started < 5
+            assert result["frames"] == [stored["frame"]]
+            # Long polls still wake on append.
+            async with trio.open_nursery() as nursery:
+                outcome: dict[str, Any] = {}
+
+                async def long_poll() -> None:
+                    outcome["result"] = await poll(rest, "box1", {"wait_ms": 20000, "after_seq": stored["ingress_seq"]})
+                    finished.set()
+
+                finished = trio.Event()
+                nursery.start_soon(long_poll)
+                newer = await post(rest, "box1", frame_body("host", "default", "assistant.delta", "newer"))
+                with trio.fail_after(10):
+                    await finished.wait()
+            assert outcome["result"]["frames"] == [newer["frame"]]
+        stderr = server.stderr.decode(errors="replace")
+        assert "Traceback" not in stderr and " ERROR " not in stderr, stderr
+
+
+# Embedded server: the same HTTP API in this test's Trio loop, so the store's waiters are visible.
+
+
+@asynccontextmanager
+async def embedded_server(deployment: Deployment, *instances: str) -> AsyncIterator[tuple[OublietteServer, str]]:
+    config = ServerConfig(
+        data_dir=deployment.data_dir, relay=deployment.relay, http=["127.0.0.1:0"],
+        instances={name: {} for name in instances},
+    )
+    app = OublietteServer(config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(app.serve)
+        urls = await nursery.start(HttpApi(app).serve, config.http)
+        try:
+            yield app, next(u for u in urls if u.startswith("http://127.0.0.1"))
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float) -> None:
+    """Until `predicate()` holds (the store has no event for its waiter count), bounded."""
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("endpoint", ["poll", "stream"])
+async def test_client_going_away_ends_the_servers_wait(deployment: Deployment, endpoint: str) -> None:
+    """A long poll (or SSE stream) whose client disconnects stops waiting at once, not at wait_ms."""
+    async with embedded_server(deployment, "box1") as (app, url):
+        headers = {"Authorization": f"Bearer {http_token(app)}"}
+        path = (POLL if endpoint == "poll" else STREAM).format("box1")
+        async with trio.open_nursery() as nursery:
+            client_scope = trio.CancelScope()
+
+            async def abandoned_request() -> None:
+                with client_scope:
+                    async with httpx2.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+                        if endpoint == "poll":
+                            await client.get(path, params={"wait_ms": 20000})
+                        else:
+                            async with client.stream("GET", path) as response:
+                                async for _ in response.aiter_lines():
+                                    pass
+
+            nursery.start_soon(abandoned_request)
+            await wait_until(lambda: app.store.waiter_count("box1") == 1, timeout=10)
+            client_scope.cancel()
+        gone_at = time.monotonic()
+        await wait_until(lambda: app.store.waiter_count("box1") == 0, timeout=5)
+        assert time.monotonic() - gone_at < 5
+
+        # The server goes on answering, at once, and long polls still wake.
+        async with httpx2.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+            started = time.monotonic()
+            assert (await poll(client, "box1"))["frames"] == []
+            assert time.monotonic() - started < 5
+            async with trio.open_nursery() as nursery:
+                outcome: dict[str, Any] = {}
+
+                async def long_poll() -> None:
+                    outcome["result"] = await poll(client, "box1", {"wait_ms": 20000})
+
+                nursery.start_soon(long_poll)
+                await wait_until(lambda: app.store.waiter_count("box1") == 1, timeout=10)
+                stored = await post(client, "box1", frame_body("host", "default", "assistant.delta", "hi"))
+            assert outcome["result"]["frames"] == [stored["frame"]]
+            assert app.store.waiter_count() == 0

@@ -1,0 +1,322 @@
+"""Seed 000 (caller tool relay) with the caller on Streamable HTTP (`/mcp`).
+
+The server runs with HTTP listeners and no stdio caller (`deployment.http_server()`);
+callers are the MCP SDK's client over Streamable HTTP with the server's bearer token
+(`server.caller(mode=...)`). A handshake-era ("legacy") caller receives its events on
+the session's SSE stream as `notifications/message` from logger `oubliette`; a
+2026-07-28 caller receives them request-scoped, while its own `session_message` with
+`wait` is in flight. The agent is the SDK's client spawning `oubliette-client`
+(`deployment.agent(...)`), or the demo agent driven by a guest runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import mcp_types as types
+import trio
+
+from harness import DEMO_AGENT, Deployment, EventLog, HttpServer, structured, text_of
+
+NOTIFY_SCHEMA = {"type": "object", "properties": {"message": {"type": "string"}}}
+NOTIFY = {"name": "send_notification", "description": "Send notification", "inputSchema": NOTIFY_SCHEMA}
+SLOW = {"name": "slow_tool", "description": "Never answered"}
+DEMO_MESSAGE = 'Please call myapp_send_notification {"message": "hi"}'
+TURN_TIMEOUT = 60.0
+
+
+async def declare(caller: Any, instance: str, session_id: str, tools: list[dict], message: str = "hi") -> dict:
+    result = await caller.call_tool("session_message", {
+        "instance": instance, "session_id": session_id, "message": message,
+        "context": {"caller_id": "myapp", "caller_tools": tools},
+    })
+    assert not result.is_error, text_of(result)
+    return structured(result)
+
+
+async def respond(caller: Any, session_id: str, request_id: str, **answer: Any) -> types.CallToolResult:
+    return await caller.call_tool("caller_tool_response", {"session_id": session_id, "request_id": request_id, **answer})
+
+
+async def call_and_answer(
+    agent: Any, caller: Any, events: EventLog, session_id: str, name: str, arguments: dict, answer: dict,
+) -> tuple[dict, types.CallToolResult, types.CallToolResult]:
+    """The agent calls `name`; the caller answers its request. (request event, caller's reply, agent's result)"""
+    outcome: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+        async def agent_call() -> None:
+            outcome["result"] = await agent.call_tool(name, arguments)
+
+        nursery.start_soon(agent_call)
+        request = await events.wait_for(
+            lambda e: e.get("type") == "caller_tool_request" and e.get("arguments") == arguments
+            and e.get("session_id") == session_id
+        )
+        reply = await respond(caller, session_id, request["request_id"], **answer)
+    return request, reply, outcome["result"]
+
+
+# -- REQ-CTR-001/003/004: the successful call ------------------------------------------------
+
+
+async def test_http_caller_answers_a_caller_tool_request(deployment: Deployment) -> None:
+    """The request event arrives on the SSE stream, the caller answers, the agent gets the result."""
+    async with deployment.http_server() as server, server.caller() as (caller, events):
+        assert caller.protocol_version not in ("2026-07-28",)
+        declared = await declare(caller, "box1", "s1", [NOTIFY])
+        assert declared["session_id"] == "s1" and declared["instance"] == "box1"
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            request, reply, result = await call_and_answer(
+                agent, caller, events, "s1", "myapp_send_notification", {"message": "hi"},
+                {"result": {"status": "sent"}},
+            )
+    assert request["type"] == "caller_tool_request"
+    assert request["request_id"]
+    assert request["tool"] == "send_notification"
+    assert request["arguments"] == {"message": "hi"}
+    assert request["session_id"] == "s1" and request["instance"] == "box1"
+    assert not reply.is_error, text_of(reply)
+    assert structured(reply) == {"resolved": True}
+    assert not result.is_error, text_of(result)
+    assert result.structured_content == {"status": "sent"}
+    # The resolution is itself an event of the session.
+    resolved = [e for e in events.of_type("caller_tool_result") if e["request_id"] == request["request_id"]]
+    assert [e["result"] for e in resolved] == [{"status": "sent"}]
+
+
+# -- REQ-CTR-001: timeouts --------------------------------------------------------------------
+
+
+async def test_http_caller_tool_times_out_with_the_server_setting(deployment: Deployment) -> None:
+    async with deployment.http_server("--caller-timeout", "0.5") as server, server.caller() as (caller, events):
+        await declare(caller, "box1", "s1", [SLOW])
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            started = time.monotonic()
+            with trio.fail_after(20):
+                result = await agent.call_tool("myapp_slow_tool", {})
+            elapsed = time.monotonic() - started
+        request = await events.wait_type("caller_tool_request", tool="slow_tool")
+        cancelled = await events.wait_type("caller_tool_cancelled", request_id=request["request_id"])
+    assert result.is_error
+    assert "timeout" in text_of(result) and "0.5 s" in text_of(result)
+    assert 0.4 < elapsed < 10
+    assert cancelled["reason"] == "timeout"
+
+
+async def test_http_caller_per_tool_timeout_overrides_the_server_setting(deployment: Deployment) -> None:
+    async with deployment.http_server() as server, server.caller() as (caller, events):
+        await declare(caller, "box1", "s1", [dict(SLOW, timeout_ms=300)])
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            started = time.monotonic()
+            with trio.fail_after(20):
+                result = await agent.call_tool("myapp_slow_tool", {})
+            elapsed = time.monotonic() - started
+        request = await events.wait_type("caller_tool_request", tool="slow_tool")
+        late = await respond(caller, "s1", request["request_id"], result="too late")
+    assert result.is_error
+    assert "timeout" in text_of(result) and "0.3 s" in text_of(result)
+    assert 0.25 < elapsed < 10, "the per-tool 0.3 s applies, not the server's 60 s"
+    assert late.is_error and "no longer pending" in text_of(late) and "timed out" in text_of(late)
+
+
+# -- REQ-CTR-001: the caller disconnects ------------------------------------------------------
+
+
+async def test_http_caller_session_end_gives_connection_error_at_once(deployment: Deployment) -> None:
+    """The caller's MCP session ends (the SDK sends DELETE on exit) -> connection error, not the timeout."""
+    disconnect = trio.Event()
+    caller_gone = trio.Event()
+
+    async with deployment.http_server() as server:
+        async def run_caller(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            async with server.caller() as (caller, events):
+                await declare(caller, "box1", "s1", [NOTIFY])
+                task_status.started(events)
+                await disconnect.wait()
+            caller_gone.set()
+
+        async with trio.open_nursery() as outer:
+            events = await outer.start(run_caller)
+            async with deployment.agent("box1", "mcp:s1") as agent, trio.open_nursery() as nursery:
+                outcome: dict[str, Any] = {}
+                finished = trio.Event()
+
+                async def agent_call() -> None:
+                    outcome["result"] = await agent.call_tool("myapp_send_notification", {"message": "bye"})
+                    outcome["at"] = time.monotonic()
+                    finished.set()
+
+                nursery.start_soon(agent_call)
+                await events.wait_type("caller_tool_request")
+                disconnected_at = time.monotonic()
+                disconnect.set()  # the caller's client leaves: DELETE /mcp ends its session
+                with trio.fail_after(20):
+                    await finished.wait()
+                    await caller_gone.wait()
+
+        # The session's log records why the request ended; a new caller reads it.
+        async with server.caller() as (reader, _events):
+            frames = structured(await reader.call_tool("session_events", {
+                "session_id": "s1", "instance": "box1", "types": ["caller_tool_cancelled"]}))["frames"]
+    result = outcome["result"]
+    assert result.is_error
+    assert "connection error" in text_of(result) and "disconnected" in text_of(result)
+    assert outcome["at"] - disconnected_at < 1.0, "the agent must not wait for the 60 s timeout"
+    assert [f["payload"]["reason"] for f in frames] == ["caller disconnected"]
+
+
+# -- REQ-CTR-002: dynamic registration -------------------------------------------------------
+
+
+async def test_http_caller_declared_tools_reach_the_agent_with_their_input_schema(deployment: Deployment) -> None:
+    async with deployment.http_server() as server, server.caller() as (caller, events):
+        await declare(caller, "box1", "s1", [NOTIFY, {"name": "ping", "description": "No schema"}])
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            listing = await agent.list_tools()
+            tools = {tool.name: tool for tool in listing.tools}
+            _request, _reply, result = await call_and_answer(
+                agent, caller, events, "s1", "myapp_ping", {}, {"result": "pong"},
+            )
+    assert set(tools) == {"myapp_send_notification", "myapp_ping"}
+    assert tools["myapp_send_notification"].input_schema == NOTIFY_SCHEMA
+    assert tools["myapp_send_notification"].description == "Send notification"
+    assert tools["myapp_ping"].input_schema == {"type": "object"}
+    assert not result.is_error and text_of(result) == "pong"
+
+
+# -- REQ-CTR-004: the caller's error ---------------------------------------------------------
+
+
+async def test_http_caller_error_response_reaches_the_agent(deployment: Deployment) -> None:
+    async with deployment.http_server() as server, server.caller() as (caller, events):
+        await declare(caller, "box1", "s1", [NOTIFY])
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            request, reply, result = await call_and_answer(
+                agent, caller, events, "s1", "myapp_send_notification", {"message": "to bob"},
+                {"error": "recipient not found"},
+            )
+        resolved = await events.wait_type("caller_tool_result", request_id=request["request_id"])
+    assert not reply.is_error and structured(reply) == {"resolved": True}
+    assert result.is_error
+    assert "recipient not found" in text_of(result)
+    assert resolved["error"] == "recipient not found"
+
+
+# -- two callers of one server --------------------------------------------------------------
+
+
+async def test_only_the_declaring_http_caller_may_answer(deployment: Deployment) -> None:
+    async with deployment.http_server() as server:
+        async with server.caller() as (caller_a, events_a), server.caller() as (caller_b, events_b):
+            await declare(caller_a, "box1", "s1", [NOTIFY])
+            async with deployment.agent("box1", "mcp:s1") as agent, trio.open_nursery() as nursery:
+                outcome: dict[str, Any] = {}
+
+                async def agent_call() -> None:
+                    outcome["result"] = await agent.call_tool("myapp_send_notification", {"message": "for A"})
+
+                nursery.start_soon(agent_call)
+                request = await events_a.wait_type("caller_tool_request")
+                request_id = request["request_id"]
+
+                stolen = await respond(caller_b, "s1", request_id, result={"from": "B"})
+                assert stolen.is_error
+                assert "may only be answered by the caller that declared" in text_of(stolen)
+                assert "'myapp'" in text_of(stolen) and "'s1'" in text_of(stolen)
+
+                answered = await respond(caller_a, "s1", request_id, result={"from": "A"})
+                assert not answered.is_error, text_of(answered)
+                assert structured(answered) == {"resolved": True}
+
+            again = await respond(caller_a, "s1", request_id, result={"from": "A again"})
+            unknown = await respond(caller_a, "s1", "ctr-0000000000000000", result={})
+    result = outcome["result"]
+    assert not result.is_error, text_of(result)
+    assert result.structured_content == {"from": "A"}, "A's answer stands; B's was refused"
+    assert again.is_error
+    assert "no longer pending" in text_of(again) and "already resolved" in text_of(again)
+    assert unknown.is_error
+    assert "unknown request_id 'ctr-0000000000000000'" in text_of(unknown)
+    # B never took part in session s1: none of its events reached B.
+    assert [e for e in events_b.events if e.get("session_id") == "s1"] == []
+
+
+# -- capabilities in both eras ---------------------------------------------------------------
+
+
+async def test_mcp_endpoint_advertises_tools_list_changed_in_both_eras(deployment: Deployment) -> None:
+    async with deployment.http_server() as server:
+        async with server.caller(mode="legacy") as (legacy, _events):
+            assert legacy.protocol_version != "2026-07-28"
+            assert legacy.server_capabilities.tools is not None
+            assert legacy.server_capabilities.tools.list_changed is True
+        async with server.caller(mode="auto") as (modern, _events):
+            assert modern.protocol_version == "2026-07-28"
+            assert modern.server_capabilities.tools is not None
+            assert modern.server_capabilities.tools.list_changed is True
+
+
+# -- whole turns with the guest runtime and the demo agent -----------------------------------
+
+
+async def run_demo_turn(server: HttpServer, deployment: Deployment, mode: str) -> tuple[dict, list[dict], Any]:
+    """session_message(wait) with the demo message; answer the request while the call waits.
+
+    Returns (session_message's result, the caller's events, the caller_tool_response reply).
+    """
+    async with deployment.guest("box1", DEMO_AGENT), server.caller(mode=mode) as (caller, events):
+        outcome: dict[str, Any] = {}
+        async with trio.open_nursery() as nursery:
+            async def converse() -> None:
+                with trio.fail_after(TURN_TIMEOUT):
+                    outcome["turn"] = await caller.call_tool("session_message", {
+                        "instance": "box1", "session_id": "demo-1", "message": DEMO_MESSAGE, "wait": TURN_TIMEOUT,
+                        "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
+                    })
+
+            nursery.start_soon(converse)
+            request = await events.wait_type("caller_tool_request", timeout=TURN_TIMEOUT)
+            assert "turn" not in outcome, "the event arrives while session_message is still waiting"
+            outcome["reply"] = await respond(caller, request["session_id"], request["request_id"],
+                                             result={"status": "sent"})
+        turn = outcome["turn"]
+        assert not turn.is_error, text_of(turn)
+        return structured(turn), list(events.events), outcome["reply"]
+
+
+async def test_modern_http_caller_gets_events_during_its_waiting_session_message(deployment: Deployment) -> None:
+    """2026-07-28: no standalone stream; the request event rides the caller's own session_message(wait)."""
+    async with deployment.http_server() as server:
+        async with server.caller(mode="auto") as (probe, _events):
+            assert probe.protocol_version == "2026-07-28"
+        turn, events, reply = await run_demo_turn(server, deployment, mode="auto")
+    requests = [e for e in events if e.get("type") == "caller_tool_request"]
+    assert len(requests) == 1
+    request = requests[0]
+    assert request["tool"] == "send_notification"
+    assert request["arguments"] == {"message": "hi"}
+    assert request["request_id"] and request["session_id"] == "demo-1"
+    assert not reply.is_error and structured(reply) == {"resolved": True}
+    assert turn["stop_reason"] == "end_turn"
+    assert turn["session_id"] == "demo-1" and turn["instance"] == "box1"
+    assert turn["msg_id"] and isinstance(turn["ingress_seq"], int)
+    assert turn["pending"] == []
+    assert 'myapp_send_notification returned {"status": "sent"}' in turn["text"]
+
+
+async def test_legacy_http_caller_demo_flow_ends_the_turn_with_the_result(deployment: Deployment) -> None:
+    """The demo over HTTP: session_message(wait) + answer the SSE event -> end_turn with the result."""
+    async with deployment.http_server() as server:
+        turn, events, reply = await run_demo_turn(server, deployment, mode="legacy")
+    request = next(e for e in events if e.get("type") == "caller_tool_request")
+    assert request["tool"] == "send_notification" and request["arguments"] == {"message": "hi"}
+    assert not reply.is_error and structured(reply) == {"resolved": True}
+    assert turn["stop_reason"] == "end_turn"
+    assert turn["pending"] == []
+    assert 'myapp_send_notification returned {"status": "sent"}' in turn["text"]
+    assert "Calling myapp_send_notification with " + json.dumps({"message": "hi"}) in turn["text"]
+    # The legacy caller also followed the turn itself on its stream.
+    kinds = [e["type"] for e in events if e.get("session_id") == "demo-1"]
+    assert "status.presence" in kinds and "assistant.delta" in kinds and "assistant.done" in kinds
