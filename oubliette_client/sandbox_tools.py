@@ -95,8 +95,10 @@ class SandboxTools:
     def unknown_tool_text(self, name: str) -> str:
         why = "" if self.link.connected else f"; {self.link.unavailable_error().message}"
         sep = self.separator
-        if sep in name and not any(name.startswith(p + sep) for p in self._toolset_prefixes()):
-            return f"Toolset not found: '{name.split(sep, 1)[0]}' (no allowed toolset has that prefix){why}"
+        callers = {t.owner for t in self.registry.tools if t.kind == "caller"}
+        prefix = name.split(sep, 1)[0]
+        if sep in name and prefix not in callers and not any(name.startswith(p + sep) for p in self._toolset_prefixes()):
+            return f"Toolset not found: '{prefix}' (no allowed toolset has that prefix){why}"
         known = ", ".join(t.name for t in self.registry.tools) or "none"
         return f"unknown tool '{name}' (available: {known}){why}"
 
