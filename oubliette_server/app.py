@@ -67,7 +67,11 @@ class OublietteServer:
         self.config = config
         ensure_private_dir(config.data_dir)
         self.tokens = TokenAuthority.for_data_dir(config.data_dir)
-        self.store = store or FrameStore(config.frame_store_path, retention_frames=config.retention_frames)
+        self.store = store or FrameStore(
+            config.frame_store_path,
+            retention_frames=config.retention_frames,
+            retention_seconds=config.retention_seconds,
+        )
         self.sessions = SessionRegistry()
         self.calls = CallerCallRegistry(self.append_frame, config.caller_timeout)
         self.guests = GuestDelivery(self)

@@ -35,6 +35,9 @@ class ServerConfig:
     store_path: str | None = None
     """SQLite file of the frame log; None means `<data_dir>/frames.sqlite3`."""
     retention_frames: int | None = 100_000
+    """Frames kept per instance (the oldest are pruned); None keeps all."""
+    retention_seconds: float | None = None
+    """Also prune frames older than this (checked on appends and at start); None: no age limit."""
     session_wait_limit: float = DEFAULT_SESSION_WAIT
     http: list[str] = attrs.field(factory=list)
     """HTTP listeners: `HOST:PORT` (bearer tokens) and/or `unix:PATH` (mode 0600, no token)."""
@@ -72,7 +75,7 @@ class ServerConfig:
 
 SERVER_KEYS = {
     "relay": str, "data_dir": str, "caller_timeout": (int, float), "store_path": str,
-    "retention_frames": int, "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
+    "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
     "tool_separator": str,
 }
 
