@@ -25,7 +25,7 @@ from protocol import (
     validate_params,
 )
 
-from .auth import TokenAuthority, ensure_private_dir
+from .auth import TokenAuthority, check_instance_id, ensure_private_dir
 from .caller_calls import CallerCallRegistry
 from .callers import CallerConnection
 from .config import ServerConfig
@@ -187,8 +187,6 @@ class OublietteServer:
         )
 
     def require_known_instance(self, instance: str) -> str:
-        from .auth import check_instance_id
-
         reason = check_instance_id(instance)
         if reason:
             raise RelayError(errors.INVALID_PARAMS, reason)
@@ -207,8 +205,6 @@ class OublietteServer:
     def resolve_instance(self, instance: str | None) -> str:
         """The given instance, or the only connected one; otherwise a clear error."""
         if instance:
-            from .auth import check_instance_id
-
             reason = check_instance_id(instance)
             if reason:
                 raise RelayError(errors.INVALID_PARAMS, reason)

@@ -195,15 +195,14 @@ class RelayConnection:
 
     async def _on_notification(self, message: Notification) -> None:
         try:
-            validate_params(message.method, message.params) if message.method in (messages.CANCEL, messages.ACK) else None
             if message.method == messages.CANCEL:
-                cancel = structure(message.params, messages.Cancel)
-                scope = self._in_flight.get(cancel.id)
+                validate_params(message.method, message.params)
+                scope = self._in_flight.get(structure(message.params, messages.Cancel).id)
                 if scope is not None:
                     scope.cancel()
             elif message.method == messages.ACK and self.role == "guest":
-                ack = structure(message.params, messages.Ack)
-                self.server.guests.acknowledge(self, ack.seq)
+                validate_params(message.method, message.params)
+                self.server.guests.acknowledge(self, structure(message.params, messages.Ack).seq)
             else:
                 log.warning("%r: ignoring unknown notification %r", self, message.method)
         except RelayError as err:
