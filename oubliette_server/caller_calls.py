@@ -72,7 +72,7 @@ class CallerCallRegistry:
                 {"request_id": request_id, "tool": spec.name, "arguments": arguments, "caller_id": session.caller_id},
             )
             if caller is None or caller.closed.is_set():
-                self._finish(call, "failed: caller disconnected", error=RelayError(
+                self._finish(call, "closed: the caller disconnected", error=RelayError(
                     errors.PEER_DISCONNECTED,
                     f"caller '{session.caller_id}' is not connected; caller tool '{spec.name}' cannot run",
                 ))
@@ -114,7 +114,7 @@ class CallerCallRegistry:
         failed = 0
         for call in list(self._pending.values()):
             if call.caller is caller and not call.done.is_set():
-                self._finish(call, "failed: caller disconnected", error=RelayError(
+                self._finish(call, "closed: the caller disconnected", error=RelayError(
                     errors.PEER_DISCONNECTED,
                     f"caller '{call.session.caller_id}' disconnected before responding to '{call.tool}'",
                 ))
@@ -142,7 +142,7 @@ class CallerCallRegistry:
         if call is None or call.done.is_set():
             how = self._finished.get(request_id)
             if how is not None:
-                raise RelayError(errors.INVALID_REQUEST, f"request_id '{request_id}' is no longer pending: it already {how}")
+                raise RelayError(errors.INVALID_REQUEST, f"request_id '{request_id}' is no longer pending: it was already {how}")
             raise RelayError(errors.NOT_FOUND, f"unknown request_id '{request_id}'")
         if call.session.id != session_id:
             raise RelayError(

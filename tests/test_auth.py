@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from harness import Deployment, RawRelay, env_without_oubliette
+from harness import EVENT_TIMEOUT, Deployment, RawRelay, env_without_oubliette
 from oubliette_client.relay_link import RelayLink
 from oubliette_client.settings import RelaySettings
 
@@ -81,11 +81,11 @@ async def test_token_of_another_instance_is_refused(deployment: Deployment) -> N
             await raw.send({"jsonrpc": "2.0", "id": 0, "method": "hello", "params": {
                 "protocol": "oubliette-relay/1", "role": "client", "instance": "box1", "token": box2,
             }})
-            refused = await raw.receive()
+            refused = await raw.receive(EVENT_TIMEOUT)
             assert refused is not None and refused["id"] == 0 and "result" not in refused
             assert refused["error"]["code"] == -32006
             assert "box1" in refused["error"]["message"]
-            assert await raw.closed()
+            assert await raw.closed(EVENT_TIMEOUT)
 
         # The same token is good for its own instance, and box1's for box1.
         for instance, token in (("box2", box2), ("box1", box1)):
@@ -97,7 +97,7 @@ async def test_token_of_another_instance_is_refused(deployment: Deployment) -> N
         link = RelayLink(RelaySettings(relay=deployment.relay, instance="box1", token=box2), "client", _ignore)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(link.run)
-            with trio.fail_after(10):
+            with trio.fail_after(EVENT_TIMEOUT):
                 await link.attempted.wait()
             assert not link.connected
             assert "token" in link.last_error and "box1" in link.last_error, link.last_error

@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from harness import Deployment, EventLog, structured, text_of
+from harness import EVENT_TIMEOUT, Deployment, EventLog, structured, text_of
 from oubliette_client.relay_link import RelayLink
 from oubliette_client.settings import RelaySettings
 from oubliette_server.app import OublietteServer
@@ -67,7 +67,7 @@ async def agent_call_in_flight(deployment: Deployment, events: EventLog) -> Asyn
         nursery.start_soon(call)
         request = await events.wait_type("caller_tool_request")
         yield request, outcome, finished
-        with trio.fail_after(10):
+        with trio.fail_after(EVENT_TIMEOUT):
             await finished.wait()
 
 
@@ -184,7 +184,7 @@ class InProcess:
         )
         link = RelayLink(settings, "client", _ignore_notification)
         self.nursery.start_soon(link.run)
-        with trio.fail_after(10):
+        with trio.fail_after(EVENT_TIMEOUT):
             await link.wait_connected()
         return link
 
@@ -246,7 +246,7 @@ async def test_answer_from_another_caller_is_refused(deployment: Deployment) -> 
 
         accepted = await proc.call(owner, "caller_tool_response", dict(answer, result={"from": "owner"}))
         assert structured(accepted) == {"resolved": True}
-        with trio.fail_after(10):
+        with trio.fail_after(EVENT_TIMEOUT):
             await finished.wait()
         assert outcome["result"] == {"result": {"from": "owner"}}
         assert proc.server.calls.pending == {}
@@ -267,7 +267,7 @@ async def test_after_the_agent_cancels_nothing_is_pending(deployment: Deployment
         scope.cancel()  # the agent gives up; RelayLink sends `cancel`
         cancelled = await events.wait_type("caller_tool_cancelled", request_id=request["request_id"])
         assert cancelled["reason"] == "cancelled by the agent"
-        with trio.fail_after(10):
+        with trio.fail_after(EVENT_TIMEOUT):
             await finished.wait()
         assert outcome["cancelled"]
         assert proc.server.calls.pending == {}
@@ -286,7 +286,7 @@ async def test_after_a_timeout_nothing_is_pending(deployment: Deployment) -> Non
         link = await proc.connect_agent(deployment)
         outcome, finished, _ = start_agent_call(proc.nursery, link)
         request = await events.wait_type("caller_tool_request")
-        with trio.fail_after(10):
+        with trio.fail_after(EVENT_TIMEOUT):
             await finished.wait()
         assert outcome["error"].code == -32001
         assert "0.3 s" in outcome["error"].message
@@ -330,7 +330,7 @@ async def test_default_timeout_ends_a_call_after_60_seconds(deployment: Deployme
         assert request["request_id"] in proc.server.calls.pending
 
         mock_clock.jump(3)
-        with trio.fail_after(10):
+        with trio.fail_after(EVENT_TIMEOUT):
             await finished.wait()
         assert outcome["error"].code == -32001
         assert "60 s" in outcome["error"].message

@@ -18,7 +18,7 @@ import attrs
 import pytest
 import trio
 
-from harness import Deployment, EventLog, RawRelay, structured, text_of
+from harness import EVENT_TIMEOUT, Deployment, EventLog, RawRelay, structured, text_of
 
 INSTANCE = "box1"
 SESSION = "s1"
@@ -53,7 +53,7 @@ async def handshake(raw: RawRelay, token: str, session: str | None = SESSION_KEY
     await raw.send({"jsonrpc": "2.0", "id": 0, "method": "hello", "params": hello_params(token, session)})
     before: list[dict] = []
     while True:
-        message = await raw.receive()
+        message = await raw.receive(EVENT_TIMEOUT)
         assert message is not None, f"connection closed during hello (after {before})"
         if message.get("id") == 0 and "method" not in message:
             return before, message
@@ -67,7 +67,7 @@ def caller_tool_request(request_id: Any, arguments: dict[str, Any], tool: str = 
 async def response_to(raw: RawRelay, request_id: Any) -> dict[str, Any]:
     """The response to `request_id` (notifications in between are skipped)."""
     while True:
-        message = await raw.receive()
+        message = await raw.receive(EVENT_TIMEOUT)
         assert message is not None, f"connection closed before the response to {request_id!r}"
         if "method" not in message:
             assert message.get("id") == request_id, f"expected the response to {request_id!r}, got {message}"
@@ -159,11 +159,11 @@ async def not_json(bad: RawRelay, env: Env, *, after_hello: bool) -> None:
     if after_hello:
         await handshake(bad, env.token)
     await bad.send_raw(b"this is {not json\n")
-    error = await bad.receive()
+    error = await bad.receive(EVENT_TIMEOUT)
     assert error is not None and error["id"] is None
     assert error["error"]["code"] == -32700
     assert "not valid JSON" in error["error"]["message"]
-    assert await bad.closed()
+    assert await bad.closed(EVENT_TIMEOUT)
 
 
 async def not_json_first(bad: RawRelay, env: Env) -> None:
@@ -177,11 +177,11 @@ async def not_json_after_hello(bad: RawRelay, env: Env) -> None:
 async def not_an_object(bad: RawRelay, env: Env) -> None:
     await handshake(bad, env.token)
     await bad.send_raw(b"[1, 2, 3]\n")
-    error = await bad.receive()
+    error = await bad.receive(EVENT_TIMEOUT)
     assert error is not None and error["id"] is None
     assert error["error"]["code"] == -32600
     assert "not a JSON object" in error["error"]["message"]
-    assert await bad.closed()
+    assert await bad.closed(EVENT_TIMEOUT)
 
 
 async def oversized(bad: RawRelay, env: Env, *, after_hello: bool) -> None:
@@ -192,12 +192,12 @@ async def oversized(bad: RawRelay, env: Env, *, after_hello: bool) -> None:
     assert len(line) > MAX_FRAME_BYTES + 4096
     async with trio.open_nursery() as nursery:
         nursery.start_soon(send_ignoring_close, bad, line)
-        error = await bad.receive()
+        error = await bad.receive(EVENT_TIMEOUT)
         assert error is not None and error["id"] is None
         assert error["error"]["code"] == -32600
         assert str(MAX_FRAME_BYTES) in error["error"]["message"] and "limit" in error["error"]["message"]
         assert error["error"].get("data") == {"limit": MAX_FRAME_BYTES}
-        assert await bad.closed()
+        assert await bad.closed(EVENT_TIMEOUT)
 
 
 async def oversized_first(bad: RawRelay, env: Env) -> None:
@@ -210,31 +210,31 @@ async def oversized_after_hello(bad: RawRelay, env: Env) -> None:
 
 async def wrong_token(bad: RawRelay, env: Env) -> None:
     await bad.send({"jsonrpc": "2.0", "id": 0, "method": "hello", "params": hello_params("0" * 64)})
-    error = await bad.receive()
+    error = await bad.receive(EVENT_TIMEOUT)
     assert error is not None and error["id"] == 0 and "result" not in error
     assert error["error"]["code"] == -32006
     assert "token" in error["error"]["message"] and INSTANCE in error["error"]["message"]
-    assert await bad.closed()
+    assert await bad.closed(EVENT_TIMEOUT)
 
 
 async def request_before_hello(bad: RawRelay, env: Env) -> None:
     await bad.send(caller_tool_request(1, {"message": "too early"}))
-    error = await bad.receive()
+    error = await bad.receive(EVENT_TIMEOUT)
     assert error is not None and error["id"] == 1 and "result" not in error
     assert error["error"]["code"] == -32600
     assert "hello" in error["error"]["message"]
-    assert await bad.closed()
+    assert await bad.closed(EVENT_TIMEOUT)
 
 
 async def unsupported_protocol(bad: RawRelay, env: Env) -> None:
     await bad.send({"jsonrpc": "2.0", "id": 0, "method": "hello",
                     "params": hello_params(env.token, protocol="oubliette-relay/2")})
-    error = await bad.receive()
+    error = await bad.receive(EVENT_TIMEOUT)
     assert error is not None and error["id"] == 0 and "result" not in error
     assert error["error"]["code"] == -32600
     assert "unsupported protocol" in error["error"]["message"]
     assert "oubliette-relay/2" in error["error"]["message"]
-    assert await bad.closed()
+    assert await bad.closed(EVENT_TIMEOUT)
 
 
 async def unknown_method(bad: RawRelay, env: Env) -> None:
@@ -306,7 +306,7 @@ async def test_bad_inputs_leave_a_connected_agent_unaffected(deployment: Deploym
                     await case(bad, env)
             assert not finished.is_set()
             await env.answer(in_flight, {"echo": "agent in flight"})
-            with trio.fail_after(10):
+            with trio.fail_after(EVENT_TIMEOUT):
                 await finished.wait()
             assert not outcome["result"].is_error, text_of(outcome["result"])
             assert outcome["result"].structured_content == {"echo": "agent in flight"}
@@ -315,7 +315,7 @@ async def test_bad_inputs_leave_a_connected_agent_unaffected(deployment: Deploym
                 await env.answer(await env.wait_request({"message": "agent afterwards"}), {"echo": "agent afterwards"})
 
             nursery.start_soon(answer_next)
-            with trio.fail_after(20):
+            with trio.fail_after(EVENT_TIMEOUT):
                 after = await agent.call_tool("myapp_send_notification", {"message": "agent afterwards"})
             assert not after.is_error, text_of(after)
             assert after.structured_content == {"echo": "agent afterwards"}
