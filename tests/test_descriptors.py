@@ -377,7 +377,7 @@ def _doc_sessions() -> list[tuple[str, str]]:
 
 def test_toolsets_doc_shows_the_seed_interactions() -> None:
     text = TOOLSETS_DOC.read_text(encoding="utf-8")
-    assert text.startswith("# Toolsets\n\n(Registration, naming and allowlists are described below.)\n")
+    assert text.startswith("# Toolsets\n")
     assert "## The action contract (seed 001)" in text
     commands = [c for c, _ in _doc_sessions()]
     for line in (
