@@ -275,10 +275,20 @@ class OublietteServer:
             raise
 
     async def register_command_toolset(
-        self, toolset_id: str, prefix: str, command: str | list[str], *, timeout: float | None = None,
+        self,
+        toolset_id: str,
+        prefix: str,
+        command: str | list[str],
+        *,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
     ) -> ToolsetDefinition:
         """Register an endpoint speaking seed 001's action contract; discovery failures leave it empty."""
-        toolset = CommandToolset(toolset_id, command) if timeout is None else CommandToolset(toolset_id, command, timeout=timeout)
+        options: dict[str, Any] = {"env": env, "cwd": cwd}
+        if timeout is not None:
+            options["timeout"] = timeout
+        toolset = CommandToolset(toolset_id, command, **options)
         tools = await toolset.discover()
         return await self.register_toolset(toolset_id, prefix, tools, ref=toolset, kind="command")
 
@@ -318,9 +328,11 @@ class OublietteServer:
         if router is None:
             router = ToolRouter(self.config.tool_separator, f"{key[0]}/{key[1]}")
             self._routers[key] = router
-            await router.bind(self.toolsets.allowed_definitions(key[0]))
         router.references += 1
         connection.router = router
+        # A new router binds here; an existing one may still be binding for the session's
+        # first connection: this waits for that (and is a no-op rebind otherwise).
+        await router.bind(self.toolsets.allowed_definitions(key[0]))
         return router
 
     def _detach_router(self, connection: RelayConnection) -> None:

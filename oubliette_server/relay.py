@@ -95,8 +95,9 @@ class RelayConnection:
                         await self._read_loop()
                 finally:
                     nursery.cancel_scope.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            log.debug("%r: connection ended: %s", self, exc)
+        except* (trio.BrokenResourceError, trio.ClosedResourceError) as group:
+            # Raised inside the nursery, so wrapped in an ExceptionGroup (e.g. ECONNRESET from a killed peer).
+            log.debug("%r: connection ended: %s", self, group.exceptions[0])
         finally:
             self.server.relay_connection_closed(self)
             with trio.CancelScope(shield=True):
@@ -280,7 +281,10 @@ class RelayListener:
 
     async def _handle(self, stream: trio.abc.Stream) -> None:
         peer = "unix" if self.address.kind == "unix" else _peer_name(stream)
-        await RelayConnection(self.server, stream, peer).run()
+        try:
+            await RelayConnection(self.server, stream, peer).run()
+        except Exception:  # one connection's failure must never take the listener (and the server) down
+            log.exception("relay connection from %s failed", peer)
 
 
 def _peer_name(stream: trio.abc.Stream) -> str:

@@ -49,12 +49,17 @@ class InstanceStarter:
         nursery = self.server.nursery
         if nursery is None:
             return False
-        self._starting[instance] = trio.current_time()
+        started = self._starting[instance] = trio.current_time()
         self.starts[instance] = self.starts.get(instance, 0) + 1
-        nursery.start_soon(self._run, instance, command)
+        nursery.start_soon(self._run, instance, command, started)
         return True
 
-    async def _run(self, instance: str, command: list[str]) -> None:
+    def _start_failed(self, instance: str, started: float) -> None:
+        """Allow a new start, unless a later start (begun after this one's guest dropped) is in progress."""
+        if self._starting.get(instance) == started:
+            del self._starting[instance]
+
+    async def _run(self, instance: str, command: list[str], started: float) -> None:
         env = {
             **os.environ,
             "OUBLIETTE_INSTANCE": instance,
@@ -68,8 +73,8 @@ class InstanceStarter:
             )
         except OSError as exc:
             log.error("cannot run the start command of %s: %s", instance, exc)
-            self._starting.pop(instance, None)
+            self._start_failed(instance, started)
             return
         if result.returncode != 0:
             log.error("start command of %s exited with status %d (its stderr is this server's)", instance, result.returncode)
-            self._starting.pop(instance, None)
+            self._start_failed(instance, started)

@@ -1,28 +1,27 @@
 """The HTTP API (seed 004 §4): tether ingress, poll and SSE stream; auth; /mcp Host checks.
 
 Most tests run `oubliette-server` as a subprocess with a TCP and a Unix socket listener
-(`deployment.http_server()`) and talk to it with httpx2. The tests about what a
-disconnected long poll leaves behind embed the server in the test's Trio loop (DESIGN.md,
-"Embedding") so they can look at the frame store's waiters directly.
+(`deployment.http_server()`) and talk to it with httpx2. The tests about long-poll waiters
+(woken by an append; gone when the client disconnects) embed the server in the test's Trio
+loop (`deployment.embedded_http_server()`) so they can see the frame store's waiters.
 """
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import stat
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import httpx2
 import pytest
 import trio
+import trio.testing
 
 from harness import Deployment
-from oubliette_server.app import OublietteServer
-from oubliette_server.config import ServerConfig
-from oubliette_server.http_api import HttpApi, http_token
 
 TETHER = "/v1/instances/{}/tether"
 POLL = "/v1/instances/{}/tether/poll"
@@ -85,7 +84,7 @@ async def test_ingress_returns_the_stored_frame(deployment: Deployment) -> None:
             "session": {"channel": "telegram", "id": "12345"}, "type": "user.message",
             "msg_id": "tg-42", "payload": {"text": "hello", "from": {"user": 7}},
         }
-        ts = time.mktime(time.strptime(frame["ts"][:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+        ts = calendar.timegm(time.strptime(frame["ts"][:19], "%Y-%m-%dT%H:%M:%S"))
         assert abs(ts - before) < 60, frame["ts"]
         assert frame["ts"].endswith("Z")
 
@@ -507,44 +506,19 @@ async def test_abandoned_long_poll_leaves_the_server_working(deployment: Deploym
         assert "Traceback" not in stderr and " ERROR " not in stderr, stderr
 
 
-# Embedded server: the same HTTP API in this test's Trio loop, so the store's waiters are visible.
-
-
-@asynccontextmanager
-async def embedded_server(deployment: Deployment, *instances: str) -> AsyncIterator[tuple[OublietteServer, str]]:
-    config = ServerConfig(
-        data_dir=deployment.data_dir, relay=deployment.relay, http=["127.0.0.1:0"],
-        instances={name: {} for name in instances},
-    )
-    app = OublietteServer(config)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(app.serve)
-        urls = await nursery.start(HttpApi(app).serve, config.http)
-        try:
-            yield app, next(u for u in urls if u.startswith("http://127.0.0.1"))
-        finally:
-            nursery.cancel_scope.cancel()
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float) -> None:
-    """Until `predicate()` holds (the store has no event for its waiter count), bounded."""
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
-
-
 @pytest.mark.parametrize("endpoint", ["poll", "stream"])
 async def test_client_going_away_ends_the_servers_wait(deployment: Deployment, endpoint: str) -> None:
-    """A long poll (or SSE stream) whose client disconnects stops waiting at once, not at wait_ms."""
-    async with embedded_server(deployment, "box1") as (app, url):
-        headers = {"Authorization": f"Bearer {http_token(app)}"}
+    """A long poll (or SSE stream) whose client disconnects stops waiting at once, not at wait_ms.
+
+    The server is embedded in the test's Trio loop, so the frame store's waiters are visible."""
+    async with deployment.embedded_http_server("box1") as server:
         path = (POLL if endpoint == "poll" else STREAM).format("box1")
         async with trio.open_nursery() as nursery:
             client_scope = trio.CancelScope()
 
             async def abandoned_request() -> None:
                 with client_scope:
-                    async with httpx2.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+                    async with server.rest() as client:
                         if endpoint == "poll":
                             await client.get(path, params={"wait_ms": 20000})
                         else:
@@ -553,14 +527,14 @@ async def test_client_going_away_ends_the_servers_wait(deployment: Deployment, e
                                     pass
 
             nursery.start_soon(abandoned_request)
-            await wait_until(lambda: app.store.waiter_count("box1") == 1, timeout=10)
-            client_scope.cancel()
+            await server.wait_waiters("box1", 1, timeout=10)
+            client_scope.cancel()  # closes the client's connection
         gone_at = time.monotonic()
-        await wait_until(lambda: app.store.waiter_count("box1") == 0, timeout=5)
+        await server.wait_waiters("box1", 0, timeout=5)
         assert time.monotonic() - gone_at < 5
 
         # The server goes on answering, at once, and long polls still wake.
-        async with httpx2.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+        async with server.rest() as client:
             started = time.monotonic()
             assert (await poll(client, "box1"))["frames"] == []
             assert time.monotonic() - started < 5
@@ -571,7 +545,33 @@ async def test_client_going_away_ends_the_servers_wait(deployment: Deployment, e
                     outcome["result"] = await poll(client, "box1", {"wait_ms": 20000})
 
                 nursery.start_soon(long_poll)
-                await wait_until(lambda: app.store.waiter_count("box1") == 1, timeout=10)
+                await server.wait_waiters("box1", 1, timeout=10)
                 stored = await post(client, "box1", frame_body("host", "default", "assistant.delta", "hi"))
             assert outcome["result"]["frames"] == [stored["frame"]]
-            assert app.store.waiter_count() == 0
+            assert outcome["result"]["timed_out"] is False
+            assert server.app.store.waiter_count() == 0
+
+
+async def test_long_poll_wakes_when_a_frame_is_appended(deployment: Deployment) -> None:
+    """Seen from inside: the poll is waiting in the store, a matching append wakes it, well before wait_ms."""
+    async with deployment.embedded_http_server("box1") as server, server.rest() as rest:
+        async with trio.open_nursery() as nursery:
+            outcome: dict[str, Any] = {}
+
+            async def long_poll() -> None:
+                started = time.monotonic()
+                outcome["result"] = await poll(rest, "box1", {"wait_ms": 20000, "channel": "host"})
+                outcome["elapsed"] = time.monotonic() - started
+
+            nursery.start_soon(long_poll)
+            await server.wait_waiters("box1", 1, timeout=10)
+            # A frame of another channel wakes the waiter, which re-queries and goes on waiting.
+            await post(rest, "box1", frame_body("telegram", "default", "assistant.delta", "not for host"))
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+            assert "result" not in outcome
+            assert server.app.store.waiter_count("box1") == 1
+            appended_at = time.monotonic()
+            stored = await post(rest, "box1", frame_body("host", "default", "assistant.delta", "for host"))
+        assert outcome["result"] == {"frames": [stored["frame"]], "next_seq": stored["ingress_seq"], "timed_out": False}
+        assert time.monotonic() - appended_at < 5
+        assert outcome["elapsed"] < 15

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import subprocess
 from typing import Any
@@ -31,9 +32,19 @@ def command_list(command: str | list[str]) -> list[str]:
 
 
 class CommandToolset(Toolset):
-    def __init__(self, toolset_id: str, command: str | list[str], *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        toolset_id: str,
+        command: str | list[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
         self.id = toolset_id
         self.command = command_list(command)
+        self.env = {**os.environ, **env} if env else None
+        self.cwd = cwd
         if not self.command:
             raise ValueError(f"command toolset {toolset_id!r} needs a command")
         self.timeout = timeout
@@ -45,6 +56,7 @@ class CommandToolset(Toolset):
             with trio.fail_after(self.timeout):
                 done = await trio.run_process(
                     self.command, stdin=line.encode(), capture_stdout=True, capture_stderr=True, check=False,
+                    env=self.env, cwd=self.cwd,
                 )
         except trio.TooSlowError:
             raise ActionError(self.id, "pipeline", f"endpoint did not answer within {self.timeout:g} s") from None

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from .command_toolset import command_list
+
 if TYPE_CHECKING:
     from ..app import OublietteServer
 
@@ -52,6 +54,10 @@ def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
             raise ValueError(f"{here}: command must be the server's executable (a string); put its arguments in args")
         if not (isinstance(command, str) and command) and not (isinstance(command, list) and command):
             raise ValueError(f"{here}: command is required (a string or a list)")
+        if kind == "mcp" and "timeout" in table:
+            raise ValueError(f"{here}: timeout applies to command toolsets only")
+        if kind == "command" and "roots" in table:
+            raise ValueError(f"{here}: roots apply to MCP toolsets only")
         for key, expected in (("args", list), ("env", dict), ("cwd", str), ("roots", list), ("timeout", (int, float))):
             if key in table and not isinstance(table[key], expected):
                 raise ValueError(f"{here}: {key} has the wrong type")
@@ -89,8 +95,10 @@ async def register_from_config(
                     entry.id, entry.prefix, entry.command, entry.args, entry.env, entry.cwd, entry.roots,
                 )
             else:
-                command = entry.command if isinstance(entry.command, str) else [*entry.command, *entry.args]
-                await server.register_command_toolset(entry.id, entry.prefix, command, timeout=entry.timeout)
+                command = [*command_list(entry.command), *entry.args]
+                await server.register_command_toolset(
+                    entry.id, entry.prefix, command, timeout=entry.timeout, env=entry.env, cwd=entry.cwd,
+                )
             registered.add(entry.id)
         except Exception as exc:
             log.error("toolset %s from the config file could not be registered: %s", entry.id, exc)
