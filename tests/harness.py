@@ -172,6 +172,28 @@ class Deployment:
         return path
 
     @asynccontextmanager
+    async def embedded_http_server(self, *instances: str) -> AsyncIterator["EmbeddedHttpServer"]:
+        """The server embedded in the test's own Trio loop (DESIGN.md, "Embedding") with a TCP
+        HTTP listener, `instances` configured: for tests that look at its state (e.g. the
+        frame store's long-poll waiters) directly."""
+        from oubliette_server.app import OublietteServer
+        from oubliette_server.config import ServerConfig
+        from oubliette_server.http_api import HttpApi
+
+        config = ServerConfig(
+            data_dir=self.data_dir, relay=self.relay, http=["127.0.0.1:0"],
+            instances={name: {} for name in instances},
+        )
+        app = OublietteServer(config)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(app.serve)
+            urls = await nursery.start(HttpApi(app).serve, config.http)
+            try:
+                yield EmbeddedHttpServer(self, app, next(u for u in urls if u.startswith("http://127.0.0.1")))
+            finally:
+                nursery.cancel_scope.cancel()
+
+    @asynccontextmanager
     async def caller(self, *extra: str, mode: str = "legacy") -> AsyncIterator[tuple[Client, EventLog]]:
         """Start oubliette-server as this caller's stdio MCP server."""
         log = EventLog()
@@ -291,6 +313,31 @@ class HttpServer:
         transport = streamable_http_client(self.mcp_url, http_client=http)
         async with http, Client(transport, mode=mode, logging_callback=log.on_log, log_level="info") as client:
             yield client, log
+
+
+class EmbeddedHttpServer(HttpServer):
+    """An `OublietteServer` running in the test's Trio loop (`app`), with `rest()` and `caller()`."""
+
+    def __init__(self, deployment: Deployment, app: Any, url: str) -> None:
+        from oubliette_server.http_api import http_token
+
+        self.deployment = deployment
+        self.app = app
+        self.url = url
+        self.token = http_token(app)
+        self.stderr = bytearray()
+        self._stderr_changed = trio.Event()
+
+    def unix_rest(self) -> Any:
+        raise NotImplementedError("the embedded server has a TCP listener only")
+
+    async def wait_waiters(self, instance: str, count: int, timeout: float = EVENT_TIMEOUT) -> None:
+        """Until exactly `count` tasks (poll, SSE, tether_read, guest delivery) wait on `instance`'s frames.
+
+        The store has no event for this; it is checked every 10 ms, bounded by `timeout`."""
+        with trio.fail_after(timeout):
+            while self.app.store.waiter_count(instance) != count:
+                await trio.sleep(0.01)
 
 
 DEMO_AGENT = [PYTHON, "-m", "oubliette_client.demo_agent", "--mcp-config", "{mcp_config}"]
