@@ -22,14 +22,14 @@ from mcp.server.lowlevel.server import NotificationOptions
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
+from protocol.descriptors import DESCRIPTOR_META_KEY
+
 from .sandbox_tools import CallOutcome, SandboxTools
 from .settings import RelaySettings
 
 log = logging.getLogger("oubliette.client")
 
 DEFAULT_CONNECT_WAIT = 3.0
-DESCRIPTOR_META_KEY = "oubliette/descriptor"
-"""Each listed tool carries its seed 001 descriptor in `_meta` under this key."""
 
 
 def tool_error(text: str) -> types.CallToolResult:

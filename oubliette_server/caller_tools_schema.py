@@ -129,3 +129,44 @@ TETHER_READ: dict[str, Any] = {
     },
     "required": ["instance"],
 }
+
+# Result schemas: the seed 001 descriptors of the server's own tools carry them.
+_FRAMES_RESULT: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "frames": {"type": "array", "items": {"type": "object"}},
+        "next_seq": {"type": "integer", "minimum": 0},
+        "timed_out": {"type": "boolean"},
+    },
+    "required": ["frames", "next_seq", "timed_out"],
+}
+RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
+    "session_message": {
+        "type": "object",
+        "properties": {
+            "session_id": {"type": "string"}, "instance": {"type": "string"}, "msg_id": {"type": "string"},
+            "ingress_seq": {"type": "integer"},
+            "stop_reason": {"enum": ["end_turn", "requires_approval", "error", "timeout"]},
+            "text": {"type": "string"},
+            "pending": {"type": "array", "items": {"type": "object"}},
+        },
+        "required": ["session_id", "instance", "msg_id", "ingress_seq"],
+    },
+    "caller_tool_response": {
+        "type": "object", "properties": {"resolved": {"const": True}}, "required": ["resolved"],
+    },
+    "session_events": _FRAMES_RESULT,
+    "tether_send": {
+        "type": "object",
+        "properties": {"msg_id": {"type": "string"}, "session_id": {"type": "string"}, "ingress_seq": {"type": "integer"}},
+        "required": ["msg_id", "session_id", "ingress_seq"],
+    },
+    "tether_read": _FRAMES_RESULT,
+}
+SAFETY: dict[str, str] = {
+    "session_message": "appends a user.message to the instance's log and may wake the instance",
+    "caller_tool_response": "resolves one pending caller tool request of your own session",
+    "session_events": "read-only",
+    "tether_send": "appends a user.message on channel host and may wake the instance",
+    "tether_read": "read-only",
+}

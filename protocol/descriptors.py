@@ -45,6 +45,7 @@ from .errors import (
 )
 
 __all__ = [
+    "DESCRIPTOR_META_KEY",
     "ACTIONS",
     "LIST_TOOLS",
     "DESCRIBE_TOOL",
@@ -63,6 +64,9 @@ __all__ = [
     "parse_action_response",
     "parse_action_response_line",
 ]
+
+#: MCP `tools/list` entries carry their descriptor in `_meta` under this key (server and client).
+DESCRIPTOR_META_KEY = "oubliette/descriptor"
 
 LIST_TOOLS = "list_tools"
 DESCRIBE_TOOL = "describe_tool"
