@@ -386,6 +386,9 @@ class OublietteServer:
             return
         if connection.role == "guest":
             self.guests.detach(connection)
+            if self.guests.has_undelivered(connection.instance):
+                # A message may have arrived after the guest died but before we noticed: wake it now.
+                self.starter.wake(connection.instance)
         else:
             self._clients.get(connection.instance, set()).discard(connection)
             self._detach_router(connection)

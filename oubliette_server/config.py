@@ -99,6 +99,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
             raise ValueError(f"config file {path}: unknown [server] key {key!r}")
         if not isinstance(value, expected) or isinstance(value, bool):
             raise ValueError(f"config file {path}: [server] {key} has the wrong type")
+        if isinstance(value, list) and not all(isinstance(item, str) for item in value):
+            raise ValueError(f"config file {path}: [server] {key} must be a list of strings")
         settings[key] = value
     instances = document.get("instances", {})
     for name, table in instances.items():

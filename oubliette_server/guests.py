@@ -68,6 +68,14 @@ class GuestDelivery:
         if seq > store.get_cursor(connection.instance, GUEST_CURSOR):
             store.set_cursor(connection.instance, GUEST_CURSOR, seq)
 
+    def has_undelivered(self, instance: str) -> bool:
+        """Whether a `user.message` after the guest's acknowledged cursor is waiting."""
+        query = FrameQuery(after_seq=self.server.store.get_cursor(instance, GUEST_CURSOR), types=("user.message",), limit=1)
+        try:
+            return bool(self.server.store.query(instance, query))
+        except CursorPruned:
+            return True
+
     def _answered(self, instance: str, msg_id: str) -> bool:
         """A turn that ended but whose acknowledgement was lost (the guest died right after) is not rerun."""
         query = FrameQuery(types=TURN_END_TYPES, reply_to=msg_id, limit=1)

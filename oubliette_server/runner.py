@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 
 import trio
@@ -23,10 +24,20 @@ def announce_ready(relay: str, http: list[str]) -> None:
     print(READY_PREFIX + json.dumps({"relay": relay, "http": http}), file=sys.stderr, flush=True)
 
 
+async def stop_on_signals(cancel_scope: trio.CancelScope) -> None:
+    """SIGTERM/SIGINT end the server cleanly: listeners close, started guests are stopped, the store closes."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s; shutting down", signal.Signals(signum).name)
+            cancel_scope.cancel()
+            return
+
+
 async def run_server(config: ServerConfig, *, stdio: bool = True) -> None:
     """Serve until the stdio caller disconnects, or forever when HTTP listeners are up."""
     app = OublietteServer(config)
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop_on_signals, nursery.cancel_scope)
         await nursery.start(app.serve)
         if config.toolsets or config.allowlists:
             from .toolsets.from_config import register_from_config
@@ -40,7 +51,7 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> None:
             log.info("HTTP listening on %s", ", ".join(http_urls))
         announce_ready(config.relay_address, http_urls)
         if not stdio:
-            return  # the listeners run until the process is stopped
+            return  # the listeners run until a signal stops the process
         log.info("serving the caller on stdio; relay at %s", config.relay_address)
         await serve_stdio_caller(app)
         if config.http:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
 
 import mcp_types as types
 import trio
@@ -64,7 +65,7 @@ async def call_and_answer(
 async def test_http_caller_answers_a_caller_tool_request(deployment: Deployment) -> None:
     """The request event arrives on the SSE stream, the caller answers, the agent gets the result."""
     async with deployment.http_server() as server, server.caller() as (caller, events):
-        assert caller.protocol_version not in ("2026-07-28",)
+        assert caller.protocol_version != "2026-07-28"
         declared = await declare(caller, "box1", "s1", [NOTIFY])
         assert declared["session_id"] == "s1" and declared["instance"] == "box1"
         async with deployment.agent("box1", "mcp:s1") as agent:
@@ -72,6 +73,8 @@ async def test_http_caller_answers_a_caller_tool_request(deployment: Deployment)
                 agent, caller, events, "s1", "myapp_send_notification", {"message": "hi"},
                 {"result": {"status": "sent"}},
             )
+        # The resolution is itself an event of the session (on the stream, which may lag the reply).
+        resolved = await events.wait_type("caller_tool_result", request_id=request["request_id"])
     assert request["type"] == "caller_tool_request"
     assert request["request_id"]
     assert request["tool"] == "send_notification"
@@ -81,9 +84,7 @@ async def test_http_caller_answers_a_caller_tool_request(deployment: Deployment)
     assert structured(reply) == {"resolved": True}
     assert not result.is_error, text_of(result)
     assert result.structured_content == {"status": "sent"}
-    # The resolution is itself an event of the session.
-    resolved = [e for e in events.of_type("caller_tool_result") if e["request_id"] == request["request_id"]]
-    assert [e["result"] for e in resolved] == [{"status": "sent"}]
+    assert resolved["result"] == {"status": "sent"} and resolved["tool"] == "send_notification"
 
 
 # -- REQ-CTR-001: timeouts --------------------------------------------------------------------
@@ -261,10 +262,12 @@ async def test_mcp_endpoint_advertises_tools_list_changed_in_both_eras(deploymen
 # -- whole turns with the guest runtime and the demo agent -----------------------------------
 
 
-async def run_demo_turn(server: HttpServer, deployment: Deployment, mode: str) -> tuple[dict, list[dict], Any]:
+@asynccontextmanager
+async def demo_turn(server: HttpServer, deployment: Deployment, mode: str) -> AsyncIterator[tuple[dict, EventLog, Any]]:
     """session_message(wait) with the demo message; answer the request while the call waits.
 
-    Returns (session_message's result, the caller's events, the caller_tool_response reply).
+    Yields (session_message's result, the caller's events, the caller_tool_response reply),
+    with the caller still connected.
     """
     async with deployment.guest("box1", DEMO_AGENT), server.caller(mode=mode) as (caller, events):
         outcome: dict[str, Any] = {}
@@ -283,7 +286,7 @@ async def run_demo_turn(server: HttpServer, deployment: Deployment, mode: str) -
                                              result={"status": "sent"})
         turn = outcome["turn"]
         assert not turn.is_error, text_of(turn)
-        return structured(turn), list(events.events), outcome["reply"]
+        yield structured(turn), events, outcome["reply"]
 
 
 async def test_modern_http_caller_gets_events_during_its_waiting_session_message(deployment: Deployment) -> None:
@@ -291,8 +294,8 @@ async def test_modern_http_caller_gets_events_during_its_waiting_session_message
     async with deployment.http_server() as server:
         async with server.caller(mode="auto") as (probe, _events):
             assert probe.protocol_version == "2026-07-28"
-        turn, events, reply = await run_demo_turn(server, deployment, mode="auto")
-    requests = [e for e in events if e.get("type") == "caller_tool_request"]
+        async with demo_turn(server, deployment, mode="auto") as (turn, events, reply):
+            requests = events.of_type("caller_tool_request")
     assert len(requests) == 1
     request = requests[0]
     assert request["tool"] == "send_notification"
@@ -309,14 +312,16 @@ async def test_modern_http_caller_gets_events_during_its_waiting_session_message
 async def test_legacy_http_caller_demo_flow_ends_the_turn_with_the_result(deployment: Deployment) -> None:
     """The demo over HTTP: session_message(wait) + answer the SSE event -> end_turn with the result."""
     async with deployment.http_server() as server:
-        turn, events, reply = await run_demo_turn(server, deployment, mode="legacy")
-    request = next(e for e in events if e.get("type") == "caller_tool_request")
+        async with demo_turn(server, deployment, mode="legacy") as (turn, events, reply):
+            # The legacy caller also follows the turn on its own stream (which may lag the response).
+            done = await events.wait_type("assistant.done", reply_to=turn["msg_id"])
+            presence = events.of_type("status.presence")
+    request = events.of_type("caller_tool_request")[0]
     assert request["tool"] == "send_notification" and request["arguments"] == {"message": "hi"}
     assert not reply.is_error and structured(reply) == {"resolved": True}
     assert turn["stop_reason"] == "end_turn"
     assert turn["pending"] == []
     assert 'myapp_send_notification returned {"status": "sent"}' in turn["text"]
     assert "Calling myapp_send_notification with " + json.dumps({"message": "hi"}) in turn["text"]
-    # The legacy caller also followed the turn itself on its stream.
-    kinds = [e["type"] for e in events if e.get("session_id") == "demo-1"]
-    assert "status.presence" in kinds and "assistant.delta" in kinds and "assistant.done" in kinds
+    assert done["text"] == turn["text"]
+    assert [e["state"] for e in presence if e.get("reply_to") == turn["msg_id"]] == ["thinking"]

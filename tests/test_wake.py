@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any, AsyncIterator
 import pytest
 import trio
 
-from harness import PYTHON, Deployment, HttpServer, structured, text_of
+from harness import PYTHON, Deployment, HttpServer, RawRelay, structured, text_of
 
 TURN_TIMEOUT = 60.0
 TURN_END_TYPES = ("assistant.done", "session.error")
@@ -87,7 +88,7 @@ class WakeSetup:
         return read_jsonl(self.turns)
 
     def kill_guests(self) -> None:
-        """The started guest runtimes outlive a terminated server: end every one this test started."""
+        """End every guest runtime this test started (the server stops them on SIGTERM; this is a safety net)."""
         for line in self.start_lines():
             try:
                 os.kill(line["pid"], signal.SIGKILL)
@@ -272,7 +273,103 @@ async def test_a_failing_start_command_is_logged_and_tried_again_by_the_next_mes
     assert len(server.stderr_lines(failure)) == 2
 
 
-# -- 4. config file errors --------------------------------------------------------------------
+# -- 3b. a guest that dies with unread data ---------------------------------------------------
+
+
+async def test_a_guest_dropping_with_unread_data_leaves_the_server_serving(deployment: Deployment) -> None:
+    """A guest killed with a delivery unread resets its connection (ECONNRESET); only that connection ends."""
+    setup = WakeSetup(deployment)
+    agent = setup.script("agent", TURN_AGENT)
+    async with deployment.http_server("--config", str(deployment.config_file("box1")), "--log-level", "INFO") as server, \
+            server.rest() as rest:
+        m1 = await tether_send(rest, "a", "m1")
+        async with RawRelay.connect(deployment) as raw:
+            hello = await raw.hello("box1", deployment.token("box1"), role="guest")
+            assert "result" in hello, hello
+            delivery = await raw.receive(timeout=TURN_TIMEOUT)
+            assert delivery is not None and delivery["params"]["frame"]["msg_id"] == m1, delivery
+            m2 = await tether_send(rest, "a", "m2")
+            # Wait until the delivery of m2 is in this socket's buffer, without reading it ...
+            with trio.fail_after(TURN_TIMEOUT):
+                await raw.stream.socket.recv(1, socket.MSG_PEEK)
+            # ... then close: unread data makes the kernel reset the connection.
+            raw.stream.socket.close()
+        await server.wait_stderr("RelayConnection guest box1", "disconnected")
+
+        health = await rest.get("/v1/health")
+        assert health.status_code == 200 and health.json()["ok"] is True
+        # Neither message was acknowledged: a guest that comes now answers both, once each.
+        async with deployment.guest("box1", [PYTHON, str(agent), str(setup.turns)]):
+            answers = await wait_answers(rest, [m1, m2])
+    # Ended by the harness's SIGTERM (a clean exit, 0), not by a crash.
+    assert server.process.returncode == 0, server.stderr.decode()
+    assert b"Traceback" not in server.stderr
+    assert {answers[m]["type"] for m in (m1, m2)} == {"assistant.done"}
+    assert [turn["text"] for turn in setup.turn_lines()] == ["m1", "m2"]
+
+
+# -- 4. an old start that fails late ---------------------------------------------------------
+
+# argv: DIR. Logs "gate-start N pid P" to its stderr (the server's), waits for the file DIR/exit-N
+# (60 s at most; it stops waiting when DIR is removed), then exits 1: a start command that
+# fails long after it began.
+LATE_FAILING_START = """
+import os, sys, time
+directory = sys.argv[1]
+n = 1
+while os.path.exists(os.path.join(directory, f"started-{n}")):
+    n += 1
+open(os.path.join(directory, f"started-{n}"), "w").close()
+print(f"gate-start {n} pid {os.getpid()}", file=sys.stderr, flush=True)
+deadline = time.monotonic() + 60
+while (not os.path.exists(os.path.join(directory, f"exit-{n}")) and os.path.isdir(directory)
+       and time.monotonic() < deadline):
+    time.sleep(0.01)
+sys.exit(1)
+"""
+
+
+async def test_an_earlier_start_failing_late_does_not_let_a_third_start_begin(deployment: Deployment) -> None:
+    """Start 1 is still running when its guest drops and start 2 begins; start 1 then fails.
+
+    Start 2 is still in progress, so the next message must not run the start command a third time.
+    """
+    setup = WakeSetup(deployment)
+    gate = setup.script("late_failing_start", LATE_FAILING_START)
+    agent = setup.script("agent", TURN_AGENT)
+    config = deployment.config_file("box1", start={"box1": [PYTHON, str(gate), str(setup.dir)]})
+    try:
+        async with deployment.http_server("--config", str(config), "--log-level", "INFO") as server, \
+                server.rest() as rest:
+            m1 = await tether_send(rest, "a", "m1")
+            await server.wait_stderr("gate-start 1 ")
+            # The test plays the guest that start 1 brought up; it answers m1, then goes away.
+            async with deployment.guest("box1", [PYTHON, str(agent), str(setup.turns)]):
+                await wait_answers(rest, [m1])
+            await server.wait_stderr("RelayConnection guest box1", "disconnected")
+
+            m2 = await tether_send(rest, "a", "m2")
+            await server.wait_stderr("gate-start 2 ")
+            (setup.dir / "exit-1").touch()  # start 1 fails now, while start 2 is in progress
+            await server.wait_stderr("start command of box1 exited with status 1")
+
+            m3 = await tether_send(rest, "a", "m3")
+            # Start 2's guest comes up (played by the test again) and answers both messages.
+            async with deployment.guest("box1", [PYTHON, str(agent), str(setup.turns)]):
+                answers = await wait_answers(rest, [m2, m3])
+            wakes = server.stderr_lines("waking box1")
+            gate_starts = server.stderr_lines("gate-start")
+            (setup.dir / "exit-2").touch()  # let start 2 end too, while the server is there to reap it
+            await server.wait_stderr("start command of box1 exited with status 1", count=2)
+    finally:
+        for n in range(1, 5):
+            (setup.dir / f"exit-{n}").touch()
+    assert {answers[m]["type"] for m in (m2, m3)} == {"assistant.done"}
+    assert len(wakes) == 2, wakes
+    assert len(gate_starts) == 2, gate_starts
+
+
+# -- 5. config file errors --------------------------------------------------------------------
 
 
 BAD_CONFIGS = {
@@ -280,6 +377,7 @@ BAD_CONFIGS = {
     "unknown server key": ("[server]\ncaler_timeout = 5\n", "unknown [server] key 'caler_timeout'"),
     "wrong server type": ('[server]\ncaller_timeout = "fast"\n', "[server] caller_timeout has the wrong type"),
     "boolean for a number": ("[server]\nretention_frames = true\n", "[server] retention_frames has the wrong type"),
+    "list of non-strings": ("[server]\nhttp = [8765]\n", "[server] http must be a list of strings"),
     "wrong start type": ("[instances.box1]\nstart = 5\n", "[instances.box1] start must be a string or a list"),
     "instance not a table": ('[instances]\nbox1 = "docker start box1"\n', "[instances.box1] must be a table"),
     "unknown instance key": ('[instances.box1]\nstrat = "docker start box1"\n', "'strat'"),
@@ -316,3 +414,30 @@ async def test_missing_config_file_is_a_clear_error(deployment: Deployment) -> N
     stderr = done.stderr.decode(errors="replace")
     assert done.returncode != 0
     assert f"cannot read config file {path}" in stderr and "Traceback" not in stderr, stderr
+
+
+# -- SIGTERM ends the server and the guests it started ------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_sigterm_stops_the_server_and_the_guests_it_started(deployment: Deployment) -> None:
+    setup = WakeSetup(deployment)
+    async with wake_server(deployment, setup) as server, server.rest() as rest:
+        msg_id = await tether_send(rest, "a", "hello")
+        await wait_answers(rest, [msg_id])
+        [start] = setup.start_lines()
+        assert _alive(start["pid"])
+        server.process.terminate()  # SIGTERM
+        with trio.fail_after(30):
+            code = await server.process.wait()
+        assert code == 0, server.stderr.decode(errors="replace")[-2000:]
+        # The guest runtime was a child of the server: it was stopped and reaped with it.
+        assert not _alive(start["pid"])
+        assert b"Traceback" not in server.stderr
