@@ -43,6 +43,7 @@ from .toolsets import (
     ToolRouter,
     ToolSpec,
 )
+from .toolsets.sessions import ToolsetSessions
 from .wake import InstanceStarter
 
 log = logging.getLogger("oubliette.server")
@@ -77,7 +78,7 @@ class OublietteServer:
         self.guests = GuestDelivery(self)
         self.starter = InstanceStarter(self)
         self.toolsets = ToolsetRegistry()
-        self._routers: dict[tuple[str, str], ToolRouter] = {}
+        self.toolset_sessions = ToolsetSessions(self.toolsets, config.tool_separator, self._push_toolsets)
         self._clients: dict[str, set[RelayConnection]] = {}
         self._callers: set[CallerConnection] = set()
         self._seen_instances: set[str] = set()
@@ -304,12 +305,8 @@ class OublietteServer:
         await self.refresh_toolsets(instance)
 
     async def refresh_toolsets(self, instance: str | None = None) -> None:
-        """Rebind every session router (of one instance) and push changed lists to its clients."""
-        for (router_instance, _), router in list(self._routers.items()):
-            if instance is not None and router_instance != instance:
-                continue
-            if await router.bind(self.toolsets.allowed_definitions(router_instance)):
-                await self._push_toolsets(router)
+        """Rebind every session's toolsets (of one instance) and tell clients whose list changed."""
+        await self.toolset_sessions.refresh(instance)
 
     async def _push_toolsets(self, router: ToolRouter) -> None:
         config = {"tools": router.published(), "separator": router.separator}
@@ -317,36 +314,6 @@ class OublietteServer:
             for connection in list(connections):
                 if connection.router is router:
                     await connection.notify(messages.TOOLSETS_CONFIG, config)
-
-    def _router_key(self, connection: RelayConnection) -> tuple[str, str]:
-        assert connection.instance is not None
-        return connection.instance, connection.session_key or f"connection:{id(connection)}"
-
-    async def _attach_router(self, connection: RelayConnection) -> ToolRouter:
-        key = self._router_key(connection)
-        router = self._routers.get(key)
-        if router is None:
-            router = ToolRouter(self.config.tool_separator, f"{key[0]}/{key[1]}")
-            self._routers[key] = router
-        router.references += 1
-        connection.router = router
-        # A new router binds here; an existing one may still be binding for the session's
-        # first connection: this waits for that (and is a no-op rebind otherwise).
-        await router.bind(self.toolsets.allowed_definitions(key[0]))
-        return router
-
-    def _detach_router(self, connection: RelayConnection) -> None:
-        router = connection.router
-        if router is None:
-            return
-        connection.router = None
-        router.references -= 1
-        if router.references == 0:
-            key = self._router_key(connection)
-            if self._routers.get(key) is router:
-                del self._routers[key]
-            if self._nursery is not None:
-                self._nursery.start_soon(router.stop)
 
     # -- relay connections ---------------------------------------------------------------
 
@@ -362,7 +329,7 @@ class OublietteServer:
                 previous.close_soon()
             return
         self._clients.setdefault(connection.instance, set()).add(connection)
-        router = await self._attach_router(connection)
+        router = await self.toolset_sessions.attach(connection)
         await connection.notify(
             messages.TOOLSETS_CONFIG, {"tools": router.published(), "separator": router.separator},
         )
@@ -391,7 +358,7 @@ class OublietteServer:
                 self.starter.wake(connection.instance)
         else:
             self._clients.get(connection.instance, set()).discard(connection)
-            self._detach_router(connection)
+            self.toolset_sessions.detach(connection, self._nursery)
         log.info("%r disconnected", connection)
 
     async def handle_relay_request(self, connection: RelayConnection, method: str, params: dict[str, Any]) -> Any:

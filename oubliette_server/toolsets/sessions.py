@@ -1,0 +1,76 @@
+"""Toolset sessions: one ToolRouter per agent session, shared by that session's client connections.
+
+A session is a client connection's `channel:session_id` (or the connection
+itself when it is bound to none). The first connection of a session makes its
+router, which binds the toolsets the instance is allowed; the last one to go
+stops it, and with it the per-session toolsets it spawned. Registry changes
+rebind the routers and `push` tells the connections whose list changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, Protocol
+
+import trio
+
+from .registry import ToolsetRegistry
+from .router import ToolRouter
+
+
+class RouterHolder(Protocol):
+    """A client connection, as far as toolsets care."""
+
+    instance: str | None
+    session_key: str | None
+    router: Any
+
+
+Push = Callable[[ToolRouter], Awaitable[None]]
+
+
+class ToolsetSessions:
+    def __init__(self, registry: ToolsetRegistry, separator: str, push: Push) -> None:
+        self.registry = registry
+        self.separator = separator
+        self._push = push
+        self._routers: dict[tuple[str, str], ToolRouter] = {}
+
+    @staticmethod
+    def _key(connection: RouterHolder) -> tuple[str, str]:
+        assert connection.instance is not None
+        return connection.instance, connection.session_key or f"connection:{id(connection)}"
+
+    async def attach(self, connection: RouterHolder) -> ToolRouter:
+        """Give the connection its session's router, bound to what the instance is allowed."""
+        key = self._key(connection)
+        router = self._routers.get(key)
+        if router is None:
+            router = self._routers[key] = ToolRouter(self.separator, f"{key[0]}/{key[1]}")
+        router.references += 1
+        connection.router = router
+        # A new router binds here; an existing one may still be binding for the session's
+        # first connection: this waits for that (and is a no-op rebind otherwise).
+        await router.bind(self.registry.allowed_definitions(key[0]))
+        return router
+
+    def detach(self, connection: RouterHolder, nursery: trio.Nursery | None) -> None:
+        """The connection is gone; the session's last one stops the router (in `nursery`)."""
+        router = connection.router
+        if router is None:
+            return
+        connection.router = None
+        router.references -= 1
+        if router.references == 0:
+            key = self._key(connection)
+            if self._routers.get(key) is router:
+                del self._routers[key]
+            if nursery is not None:
+                nursery.start_soon(router.stop)
+
+    async def refresh(self, instance: str | None = None) -> None:
+        """Rebind every router (of one instance) and push the lists that changed."""
+        for (router_instance, _), router in list(self._routers.items()):
+            if instance is not None and router_instance != instance:
+                continue
+            if await router.bind(self.registry.allowed_definitions(router_instance)):
+                await self._push(router)
