@@ -15,6 +15,7 @@ import secrets
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import attrs
+import jsonschema
 import trio
 
 from protocol import CallerToolSpec, RelayError, errors
@@ -40,6 +41,20 @@ class PendingCall:
     done: trio.Event = attrs.field(factory=trio.Event)
     result: Any = None
     error: RelayError | None = None
+
+
+def schema_problem(schema: dict[str, Any], value: Any) -> str | None:
+    """The first reason `value` does not match `schema`, or None."""
+    validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator_class.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        return f"the schema itself is invalid: {exc.message}"
+    error = jsonschema.exceptions.best_match(validator_class(schema).iter_errors(value))
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path)
+    return f"{where + ': ' if where else ''}{error.message}"
 
 
 class CallerCallRegistry:
@@ -107,6 +122,10 @@ class CallerCallRegistry:
             self._pending.pop(request_id, None)
         if call.error is not None:
             raise call.error
+        if spec.resultSchema is not None:
+            problem = schema_problem(spec.resultSchema, call.result)
+            if problem:
+                raise RelayError(errors.TOOL_ERROR, f"the result of caller tool '{spec.name}' does not match its resultSchema: {problem}")
         return call.result
 
     def fail_caller(self, caller: CallerConnection) -> int:

@@ -122,3 +122,34 @@ async def test_caller_disconnect_gives_connection_error_at_once(deployment: Depl
     assert result.is_error
     assert "connection error" in text_of(result) and "disconnected" in text_of(result)
     assert outcome["at"] - disconnected_at < 1.0, "the agent must not wait for the 60 s timeout"
+
+
+async def test_result_not_matching_result_schema_is_a_tool_error(deployment: Deployment) -> None:
+    """A declared resultSchema is enforced: a result that does not match never reaches the agent as success."""
+    weather = {
+        "name": "get_weather",
+        "resultSchema": {"type": "object", "properties": {"temp_c": {"type": "number"}}, "required": ["temp_c"]},
+    }
+    async with deployment.caller() as (caller, events):
+        await declare(caller, "box1", "s1", [weather])
+        async with deployment.agent("box1", "mcp:s1") as agent, trio.open_nursery() as nursery:
+            outcomes: list = []
+
+            async def agent_call() -> None:
+                outcomes.append(await agent.call_tool("myapp_get_weather", {}))
+
+            nursery.start_soon(agent_call)
+            first = await events.wait_type("caller_tool_request")
+            await caller.call_tool("caller_tool_response", {
+                "session_id": "s1", "request_id": first["request_id"], "result": {"temp": "warm"},
+            })
+        async with deployment.agent("box1", "mcp:s1") as agent, trio.open_nursery() as nursery:
+            nursery.start_soon(agent_call)
+            second = await events.wait_for(
+                lambda e: e.get("type") == "caller_tool_request" and e["request_id"] != first["request_id"])
+            await caller.call_tool("caller_tool_response", {
+                "session_id": "s1", "request_id": second["request_id"], "result": {"temp_c": 21.5},
+            })
+    bad, good = outcomes
+    assert bad.is_error and "resultSchema" in text_of(bad) and "temp_c" in text_of(bad)
+    assert not good.is_error and good.structured_content == {"temp_c": 21.5}
