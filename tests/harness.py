@@ -340,6 +340,27 @@ class EmbeddedHttpServer(HttpServer):
                 await trio.sleep(0.01)
 
 
+# The reference endpoint's (examples/mcp_echo.py) descriptor of its one tool, as it lists it.
+ECHO_EXTERNAL = {
+    "name": "echo_external",
+    "description": "Echo a message back from outside the sandbox",
+    "command": "echo_external --message TEXT",
+    "origin": "remote",
+    "safety": "read-only; no side effects",
+    "input_schema": {
+        "type": "object",
+        "properties": {"message": {"type": "string"}},
+        "required": ["message"],
+        "additionalProperties": False,
+    },
+    "result_schema": {
+        "type": "object",
+        "properties": {"echo": {"type": "string"}},
+        "required": ["echo"],
+    },
+}
+
+
 DEMO_AGENT = [PYTHON, "-m", "oubliette_client.demo_agent", "--mcp-config", "{mcp_config}"]
 
 

@@ -61,30 +61,14 @@ from protocol import (
     validate_params,
 )
 from protocol.schemas import validator_for
+from harness import ECHO_EXTERNAL
 
 ROOT = Path(__file__).resolve().parent.parent
 ECHO_SH = ROOT / "examples" / "mcp_echo.sh"
 ECHO_PY = ROOT / "examples" / "mcp_echo.py"
 TOOLSETS_DOC = ROOT / "docs" / "TOOLSETS.md"
 
-ECHO = {
-    "name": "echo_external",
-    "description": "Echo a message back from outside the sandbox",
-    "command": "echo_external --message TEXT",
-    "origin": "remote",
-    "safety": "read-only; no side effects",
-    "input_schema": {
-        "type": "object",
-        "properties": {"message": {"type": "string"}},
-        "required": ["message"],
-        "additionalProperties": False,
-    },
-    "result_schema": {
-        "type": "object",
-        "properties": {"echo": {"type": "string"}},
-        "required": ["echo"],
-    },
-}
+ECHO = ECHO_EXTERNAL
 ECHO_DESCRIPTOR = ToolDescriptor(**ECHO)
 
 

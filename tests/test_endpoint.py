@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from harness import EVENT_TIMEOUT, PYTHON, Deployment, env_without_oubliette, text_of
+from harness import ECHO_EXTERNAL, EVENT_TIMEOUT, PYTHON, Deployment, env_without_oubliette, text_of
 
 REPO = Path(__file__).resolve().parent.parent
 MCP_ECHO = REPO / "examples" / "mcp_echo.py"
@@ -29,24 +29,7 @@ RUN_BOUND = 60.0
 DESCRIPTOR_FIELDS = {"name", "description", "command", "origin", "safety", "input_schema", "result_schema"}
 
 # The reference endpoint's descriptor of echo_external, published behind the prefix "ext".
-ECHO_DESCRIPTOR = {
-    "name": "ext.echo_external",
-    "description": "Echo a message back from outside the sandbox",
-    "command": "echo_external --message TEXT",
-    "origin": "remote",
-    "safety": "read-only; no side effects",
-    "input_schema": {
-        "type": "object",
-        "properties": {"message": {"type": "string"}},
-        "required": ["message"],
-        "additionalProperties": False,
-    },
-    "result_schema": {
-        "type": "object",
-        "properties": {"echo": {"type": "string"}},
-        "required": ["echo"],
-    },
-}
+ECHO_DESCRIPTOR = {**ECHO_EXTERNAL, "name": "ext.echo_external"}
 
 NOTIFY_SCHEMA = {
     "type": "object",
