@@ -14,29 +14,15 @@ import logging
 from typing import Any
 
 import attrs
-import jsonschema
 import trio
 
 from protocol import CallerToolSpec, ToolsetToolSpec
+from protocol.schema_check import InvalidSchema, compile_schema, first_problem
 
 log = logging.getLogger("oubliette.client.tools")
 
 CLAUDE_NAME_LIMIT = 64
 DEFAULT_INPUT_SCHEMA: dict[str, Any] = {"type": "object"}
-
-
-def _validator_for(schema: dict[str, Any]) -> Any:
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    cls.check_schema(schema)
-    return cls(schema)
-
-
-def _first_error(validator: Any, value: Any, what: str) -> str | None:
-    error = jsonschema.exceptions.best_match(validator.iter_errors(value))
-    if error is None:
-        return None
-    where = "/".join(str(p) for p in error.absolute_path)
-    return f"{what}{' at ' + where if where else ''}: {error.message}"
 
 
 @attrs.define(frozen=True)
@@ -58,12 +44,12 @@ class PublishedTool:
     def validation_error(self, arguments: Any) -> str | None:
         if not isinstance(arguments, dict):
             return f"arguments for {self.name} must be a JSON object"
-        return _first_error(self.validator, arguments, f"invalid arguments for {self.name}")
+        return first_problem(self.validator, arguments, f"invalid arguments for {self.name}")
 
     def result_error(self, result: Any) -> str | None:
         if self.result_validator is None:
             return None
-        return _first_error(self.result_validator, result, f"the result of {self.name} does not match its result_schema")
+        return first_problem(self.result_validator, result, f"the result of {self.name} does not match its result_schema")
 
 
 def caller_descriptor(name: str, caller_id: str, spec: CallerToolSpec, schema: dict[str, Any]) -> dict[str, Any]:
@@ -133,9 +119,9 @@ class ToolRegistry:
     @staticmethod
     def _validators(name: str, schema: dict[str, Any], result_schema: dict[str, Any] | None) -> tuple[Any, Any] | None:
         try:
-            return _validator_for(schema), (_validator_for(result_schema) if result_schema else None)
-        except jsonschema.SchemaError as exc:
-            log.warning("tool %s has an invalid schema (%s); not published", name, exc.message)
+            return compile_schema(schema), (compile_schema(result_schema) if result_schema else None)
+        except InvalidSchema as exc:
+            log.warning("tool %s is not published: %s", name, exc)
             return None
 
     def _caller_tool(self, caller_id: str, spec: CallerToolSpec) -> PublishedTool | None:

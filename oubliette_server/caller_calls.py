@@ -15,10 +15,10 @@ import secrets
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import attrs
-import jsonschema
 import trio
 
 from protocol import CallerToolSpec, RelayError, errors
+from protocol.schema_check import schema_problem
 
 from .sessions import Session
 
@@ -41,20 +41,6 @@ class PendingCall:
     done: trio.Event = attrs.field(factory=trio.Event)
     result: Any = None
     error: RelayError | None = None
-
-
-def schema_problem(schema: dict[str, Any], value: Any) -> str | None:
-    """The first reason `value` does not match `schema`, or None."""
-    validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    try:
-        validator_class.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        return f"the schema itself is invalid: {exc.message}"
-    error = jsonschema.exceptions.best_match(validator_class(schema).iter_errors(value))
-    if error is None:
-        return None
-    where = "/".join(str(p) for p in error.absolute_path)
-    return f"{where + ': ' if where else ''}{error.message}"
 
 
 class CallerCallRegistry:
@@ -123,9 +109,11 @@ class CallerCallRegistry:
         if call.error is not None:
             raise call.error
         if spec.resultSchema is not None:
-            problem = schema_problem(spec.resultSchema, call.result)
+            problem = schema_problem(
+                spec.resultSchema, call.result, f"the result of caller tool '{spec.name}' does not match its resultSchema",
+            )
             if problem:
-                raise RelayError(errors.TOOL_ERROR, f"the result of caller tool '{spec.name}' does not match its resultSchema: {problem}")
+                raise RelayError(errors.TOOL_ERROR, problem)
         return call.result
 
     def fail_caller(self, caller: CallerConnection) -> int:

@@ -14,7 +14,6 @@ import secrets
 import time
 from typing import Any, Awaitable, Callable
 
-import jsonschema
 import mcp_types as types
 import trio
 from mcp.server import Server
@@ -25,6 +24,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol import FRAME_TYPES, CallerToolSpec, RelayError, errors, structure
 from protocol.descriptors import DESCRIPTOR_META_KEY
+from protocol.schema_check import schema_problem
 
 from . import caller_tools_schema as schemas
 from .app import OublietteServer
@@ -50,15 +50,6 @@ def tool_result(payload: dict[str, Any]) -> types.CallToolResult:
 
 def tool_error(text: str) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
-
-
-def validation_message(schema: dict[str, Any], arguments: dict[str, Any]) -> str | None:
-    """First jsonschema error as one readable line, or None when the arguments are valid."""
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(arguments))
-    if error is None:
-        return None
-    where = "/".join(str(p) for p in error.absolute_path)
-    return f"invalid arguments{' at ' + where if where else ''}: {error.message}"
 
 
 class CallerTools:
@@ -101,7 +92,7 @@ class CallerTools:
         if entry is None:
             return tool_error(f"unknown tool '{name}'; this server has: {', '.join(sorted(self.tools))}")
         tool, handler = entry
-        problem = validation_message(tool.input_schema, arguments)
+        problem = schema_problem(tool.input_schema, arguments, "invalid arguments")
         if problem:
             return tool_error(f"{name}: {problem}")
         try:

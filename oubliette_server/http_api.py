@@ -24,7 +24,6 @@ import os
 import re
 from typing import Any
 
-import jsonschema
 import trio
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
@@ -33,6 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from protocol import RelayError, errors
+from protocol.schema_check import compile_schema, first_problem
 
 from .app import OublietteServer
 from .caller_mcp import CallerTools, build_caller_server, read_frames
@@ -70,7 +70,7 @@ INGRESS_SCHEMA: dict[str, Any] = {
     },
     "required": ["type", "session"],
 }
-_ingress_validator = jsonschema.Draft202012Validator(INGRESS_SCHEMA)
+_ingress_validator = compile_schema(INGRESS_SCHEMA)
 
 
 def http_token(server: OublietteServer) -> str:
@@ -185,10 +185,9 @@ class TetherRoutes:
         try:
             instance = self.server.require_known_instance(request.path_params["instance"])
             body = await self._json_body(request)
-            problem = jsonschema.exceptions.best_match(_ingress_validator.iter_errors(body))
+            problem = first_problem(_ingress_validator, body, "invalid frame")
             if problem is not None:
-                where = "/".join(str(p) for p in problem.absolute_path)
-                raise RelayError(errors.INVALID_PARAMS, f"invalid frame{' at ' + where if where else ''}: {problem.message}")
+                raise RelayError(errors.INVALID_PARAMS, problem)
             if body["type"] in SERVER_OWNED_TYPES:
                 raise RelayError(errors.INVALID_PARAMS, f"frames of type {body['type']!r} are made by the server only")
             frame = await self.server.ingress(

@@ -14,10 +14,10 @@ import logging
 from typing import Any
 
 import attrs
-import jsonschema
 import trio
 
 from protocol import RelayError, errors
+from protocol.schema_check import schema_problem
 
 from .base import Toolset, ToolResult, ToolSpec
 from .registry import ToolsetDefinition
@@ -59,18 +59,6 @@ class PublishedToolsetTool:
                 "result_schema": spec.result_schema if spec.result_schema is not None else {},
             },
         }
-
-
-def _schema_problem(schema: dict[str, Any], value: Any, what: str) -> str | None:
-    try:
-        validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        error = jsonschema.exceptions.best_match(validator_class(schema).iter_errors(value))
-    except jsonschema.SchemaError as exc:
-        return f"{what}: the schema itself is invalid: {exc.message}"
-    if error is None:
-        return None
-    where = "/".join(str(p) for p in error.absolute_path)
-    return f"{what}{' at ' + where if where else ''}: {error.message}"
 
 
 class ToolRouter:
@@ -157,14 +145,14 @@ class ToolRouter:
         entry = self._published.get(name)
         if entry is None:
             raise self._not_found(name)
-        problem = _schema_problem(entry.spec.input_schema, arguments, f"invalid arguments for {name}")
+        problem = schema_problem(entry.spec.input_schema, arguments, f"invalid arguments for {name}")
         if problem:
             raise RelayError(errors.INVALID_PARAMS, problem)
         result = await entry.binding.toolset.call(entry.spec.name, arguments)
         if result.is_error:
             return result
         if entry.spec.result_schema is not None:
-            problem = _schema_problem(entry.spec.result_schema, result.result, f"the result of {name} does not match its result_schema")
+            problem = schema_problem(entry.spec.result_schema, result.result, f"the result of {name} does not match its result_schema")
             if problem:
                 return ToolResult.failure(problem)
         return result
