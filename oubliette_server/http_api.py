@@ -78,6 +78,13 @@ def http_token(server: OublietteServer) -> str:
     return server.tokens.token_for("http:admin")
 
 
+class BodyTooLarge(RelayError):
+    """A request body over MAX_BODY_BYTES (HTTP 413)."""
+
+    def __init__(self) -> None:
+        super().__init__(errors.INVALID_REQUEST, f"request body is larger than {MAX_BODY_BYTES} bytes")
+
+
 def error_response(err: RelayError, status: int | None = None) -> JSONResponse:
     return JSONResponse(
         {"error": {"code": err.code, "name": errors.ERROR_NAMES.get(err.code, "error"), "message": err.message}},
@@ -194,6 +201,8 @@ class TetherRoutes:
                 instance, body["session"]["channel"], body["session"]["id"], body["type"],
                 body.get("payload", {}), msg_id=body.get("msg_id"), reply_to=body.get("reply_to"),
             )
+        except BodyTooLarge as err:
+            return error_response(err, 413)
         except RelayError as err:
             return error_response(err)
         return JSONResponse(
@@ -207,7 +216,7 @@ class TetherRoutes:
         async for chunk in request.stream():
             body.extend(chunk)
             if len(body) > MAX_BODY_BYTES:
-                raise RelayError(errors.INVALID_REQUEST, f"request body is larger than {MAX_BODY_BYTES} bytes")
+                raise BodyTooLarge()
         try:
             return json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -360,7 +360,7 @@ async def test_bad_input_is_a_clear_error_and_stores_nothing(deployment: Deploym
         huge = {"type": "user.message", "session": {"channel": "host", "id": "default"},
                 "payload": {"text": "x" * (1024 * 1024 + 1024)}}
         assert_error(await rest.post(url, content=json.dumps(huge).encode(), headers={"content-type": "application/json"}),
-                     400, "invalid_request", "larger than 1048576 bytes")
+                     413, "invalid_request", "larger than 1048576 bytes")
 
         # Nothing of the above was stored, and the unknown instance is still unknown.
         assert (await poll(rest, "box1", {"limit": 200}))["frames"] == stored
