@@ -5,6 +5,8 @@ from __future__ import annotations
 import attrs
 import trio
 
+__all__ = ["RelayAddress", "connect_relay", "parse_relay_address"]
+
 
 @attrs.define(frozen=True)
 class RelayAddress:

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, TextIO
 
+import mcp_types as types
 import trio
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -61,6 +62,27 @@ class EventLog:
         return await self.wait_for(
             lambda e: e.get("type") == type_ and all(e.get(k) == v for k, v in fields.items()), timeout
         )
+
+
+class ListChanged:
+    """A legacy agent's `message_handler` that counts `notifications/tools/list_changed`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = trio.Event()
+
+    async def __call__(self, message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            self.count += 1
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def wait_beyond(self, seen: int, timeout: float = EVENT_TIMEOUT) -> int:
+        """Wait until more than `seen` notifications arrived; the new count."""
+        with trio.fail_after(timeout):
+            while self.count <= seen:
+                await self._changed.wait()
+        return self.count
 
 
 def structured(result: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import mcp_types as types
 import trio
 from mcp.client.subscriptions import ToolsListChanged
 
-from harness import Deployment, EventLog, structured, text_of
+from harness import Deployment, EventLog, ListChanged, structured, text_of
 
 NOTIFY_SCHEMA = {
     "type": "object",
@@ -48,27 +48,6 @@ async def respond(caller: Any, session_id: str, request_id: str, **answer: Any) 
 
 def tool_names(listing: types.ListToolsResult) -> set[str]:
     return {tool.name for tool in listing.tools}
-
-
-class ListChanged:
-    """A legacy agent's `message_handler` that counts `notifications/tools/list_changed`."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._changed = trio.Event()
-
-    async def __call__(self, message: Any) -> None:
-        if isinstance(message, types.ToolListChangedNotification):
-            self.count += 1
-            self._changed.set()
-            self._changed = trio.Event()
-
-    async def wait_beyond(self, seen: int, timeout: float = 10.0) -> int:
-        """Wait until more than `seen` notifications arrived; the new count."""
-        with trio.fail_after(timeout):
-            while self.count <= seen:
-                await self._changed.wait()
-        return self.count
 
 
 async def call_and_answer(

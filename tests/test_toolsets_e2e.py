@@ -23,7 +23,7 @@ import mcp_types as types
 import trio
 from mcp.client.subscriptions import ToolsListChanged
 
-from harness import PYTHON, Deployment, structured, text_of
+from harness import Deployment, ListChanged, PYTHON, structured, text_of
 from oubliette_server.app import OublietteServer
 from oubliette_server.auth import TokenAuthority
 from oubliette_server.caller_mcp import CallerTools
@@ -224,26 +224,6 @@ async def test_agent_sees_caller_tools_and_toolsets_together(deployment: Deploym
     assert not outcome["toolset"].is_error and structured(outcome["toolset"]) == {"echo": "meanwhile"}
     assert request["arguments"] == {"message": "ping"}
     assert events.of_type("caller_tool_request") == [request], "the toolset call never reached the caller"
-
-
-class ListChanged:
-    """A legacy agent's `message_handler` that counts `notifications/tools/list_changed`."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._changed = trio.Event()
-
-    async def __call__(self, message: Any) -> None:
-        if isinstance(message, types.ToolListChangedNotification):
-            self.count += 1
-            self._changed.set()
-            self._changed = trio.Event()
-
-    async def wait_beyond(self, seen: int, timeout: float = EVENT_BOUND) -> int:
-        with trio.fail_after(timeout):
-            while self.count <= seen:
-                await self._changed.wait()
-        return self.count
 
 
 class Pings:
