@@ -1,9 +1,8 @@
-"""`OublietteServer`: the embeddable host daemon that ties the pieces together.
+"""`OublietteServer`: the composition root. It builds the feature services, wires them, and runs them.
 
-It owns the frame store, the sessions, the pending caller tool calls, the
-callers and the relay connections. Every frame goes through `append_frame`,
-which stores it and pushes it to the session's event sinks. A Trio program
-can run it in its own nursery with `await nursery.start(server.serve)`.
+Nothing imports this module but the programs that start a server (the CLI
+runner, embedding applications, tests): every service gets only what it uses.
+The path of one relayed call through the rooms is in docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -13,57 +12,44 @@ from typing import Any
 
 import trio
 
-from protocol import (
-    CallerToolSpec,
-    RelayError,
-    SessionRef,
-    errors,
-    messages,
-    parse_relay_address,
-    structure,
-    unstructure,
-    validate_params,
-)
+from protocol import RelayError, errors, messages, parse_relay_address, structure, unstructure, validate_params
 
-from .auth import TokenAuthority, check_instance_id, ensure_private_dir
-from .caller_calls import CallerCallRegistry
-from .callers import CallerConnection
+from .auth import TokenAuthority, ensure_private_dir
+from .caller_api import CallerTools, serve_stdio_caller
+from .caller_tool_relay import CallerCallRegistry, CallerToolRelay
+from .callers import CallerConnection, CallerRegistry
+from .client_connections import ClientConnections
 from .config import ServerConfig
-from .guests import GuestDelivery
+from .frame_log import FrameLog
+from .guests import GuestDelivery, GuestFrames, InstanceStarter
+from .http_api import HttpApi
+from .instances import InstanceDirectory
 from .relay import RelayConnection, RelayListener
-from .sessions import Session, SessionRegistry
-from .store import FrameStore, StoredFrame
-from .toolsets import (
-    CommandToolset,
-    McpToolset,
-    Toolset,
-    ToolsetDefinition,
-    ToolsetFactory,
-    ToolsetRegistry,
-    ToolRouter,
-    ToolSpec,
-)
-from .toolsets.sessions import ToolsetSessions
-from .wake import InstanceStarter
+from .sessions import SessionRegistry
+from .store import FrameStore
+from .tether import Tether
+from .toolsets import Toolset, ToolsetDefinition, ToolsetFactory, ToolsetService, ToolSpec
 
 log = logging.getLogger("oubliette.server")
 
-GUEST_FRAME_TYPES = frozenset({"assistant.delta", "assistant.done", "status.presence", "session.error"})
-
-
-def frame_event(frame: StoredFrame) -> dict[str, Any]:
-    """The flattened event a caller receives for a frame (DESIGN.md, "Events to the caller")."""
-    event: dict[str, Any] = dict(frame.payload)
-    event.update(
-        type=frame.type, seq=frame.seq, ts=frame.ts, instance=frame.instance,
-        channel=frame.channel, session_id=frame.session_id, msg_id=frame.msg_id,
-    )
-    if frame.reply_to is not None:
-        event["reply_to"] = frame.reply_to
-    return event
+# (role, method) -> (params type, handler(connection, params) -> result message)
+RelayTable = dict[tuple[str, str], tuple[type, Any]]
 
 
 class OublietteServer:
+    """The host daemon as a library: run it in your nursery with `await nursery.start(server.serve)`.
+
+    Owns: the frame store (closed when `serve` ends), the relay listener, and the nurseries of
+    its services (callers' event senders, toolsets, start commands). `serve` reports started once
+    the relay socket is bound; cancelling it closes every connection and stops every child.
+    Needs: a `ServerConfig`; the data directory is created (mode 0700) with the token secret.
+    Raises: `OSError` from `serve` when the relay address cannot be bound.
+
+    The services are attributes, for embedding and tests: `store`, `sessions`, `frame_log`,
+    `callers`, `caller_tools` (with `calls`, its pending calls), `toolsets`, `guests`,
+    `starter`, `tether`, `instances`, `tokens`.
+    """
+
     def __init__(self, config: ServerConfig, *, store: FrameStore | None = None) -> None:
         self.config = config
         ensure_private_dir(config.data_dir)
@@ -74,15 +60,29 @@ class OublietteServer:
             retention_seconds=config.retention_seconds,
         )
         self.sessions = SessionRegistry()
-        self.calls = CallerCallRegistry(self.append_frame, config.caller_timeout)
-        self.guests = GuestDelivery(self)
-        self.starter = InstanceStarter(self)
-        self.toolsets = ToolsetRegistry()
-        self.toolset_sessions = ToolsetSessions(self.toolsets, config.tool_separator, self._push_toolsets)
-        self._clients: dict[str, set[RelayConnection]] = {}
-        self._callers: set[CallerConnection] = set()
-        self._seen_instances: set[str] = set()
-        self._nursery: trio.Nursery | None = None
+        self.clients = ClientConnections()
+        self.guests = GuestDelivery(self.store)
+        self.instances = InstanceDirectory(
+            config.instances, self.store.last_seq,
+            lambda: [*self.guests.connected_instances(), *self.clients.instances()],
+        )
+        self.starter = InstanceStarter(
+            config.start_command, self.tokens.token_for, config.relay_address,
+            lambda instance: self.guests.guest_for(instance) is not None,
+            start_grace=config.start_timeout,
+        )
+        self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self.starter.wake)
+        self.calls = CallerCallRegistry(self.frame_log.append, config.caller_timeout)
+        self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls)
+        self.callers = CallerRegistry(on_closed=self._caller_closed)
+        self.toolsets = ToolsetService(config.tool_separator, self.clients)
+        self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests)
+        self.tether = Tether(self.store, self.frame_log, self.instances)
+        self.relay_table: RelayTable = {
+            ("client", messages.CALLER_TOOL): (messages.CallerToolCall, self.caller_tools.call),
+            ("client", messages.TOOLSET_CALL): (messages.ToolsetCall, self.toolsets.call),
+            ("guest", messages.APPEND_FRAME): (messages.AppendFrame, self.guest_frames.append_frame),
+        }
         self._requests_in_flight = 0
         self._drained = trio.Event()
         self._drained.set()
@@ -90,15 +90,36 @@ class OublietteServer:
     # -- running -------------------------------------------------------------------------
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen for sandboxes until cancelled."""
+        """Start the services and listen for sandboxes until cancelled."""
         address = parse_relay_address(self.config.relay_address)
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                await nursery.start(self.callers.serve)
+                await nursery.start(self.toolsets.serve)
+                await nursery.start(self.starter.serve)
                 await nursery.start(RelayListener(self, address).serve)
                 task_status.started()
         finally:
             self.store.close()
+
+    def caller_api(self) -> CallerTools:
+        """The caller-facing tools, bound to this server's services (one per transport)."""
+        return CallerTools(
+            instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools,
+            frame_log=self.frame_log, store=self.store, tether=self.tether,
+            session_wait_limit=self.config.session_wait_limit,
+        )
+
+    async def serve_stdio_caller(self) -> None:
+        """Serve one caller on this process's stdin/stdout until it disconnects."""
+        await serve_stdio_caller(self.callers, self.caller_api())
+
+    def http_api(self) -> HttpApi:
+        """The HTTP listener (tether routes and /mcp); start its `serve` with `nursery.start`."""
+        return HttpApi(
+            callers=self.callers, tools=self.caller_api(), tether=self.tether, instances=self.instances,
+            verify_token=self.tokens.verify, allowed_hosts=self.config.allowed_hosts,
+        )
 
     def relay_request_started(self) -> None:
         if self._requests_in_flight == 0:
@@ -115,128 +136,25 @@ class OublietteServer:
         with trio.move_on_after(timeout):
             await self._drained.wait()
 
-    # -- frames --------------------------------------------------------------------------
-
-    async def append_frame(
-        self,
-        session: Session,
-        type: str,
-        payload: dict[str, Any],
-        *,
-        reply_to: str | None = None,
-        msg_id: str | None = None,
-    ) -> StoredFrame:
-        """Store a frame of `session` and push it to everyone following the session."""
-        frame = await self.store.append(
-            session.instance, channel=session.channel, session_id=session.id,
-            type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
-        )
-        if session.sinks:
-            event = frame_event(frame)
-            for sink in list(session.sinks):
-                sink.push(event)
-        return frame
-
-    async def ingress(
-        self,
-        instance: str,
-        channel: str,
-        session_id: str,
-        type: str,
-        payload: dict[str, Any],
-        *,
-        msg_id: str | None = None,
-        reply_to: str | None = None,
-    ) -> StoredFrame:
-        """Append a frame from outside the sandbox; a `user.message` wakes the instance."""
-        session = self.sessions.get_or_create(instance, channel, session_id)
-        frame = await self.append_frame(session, type, payload, msg_id=msg_id, reply_to=reply_to)
-        if type == "user.message":
-            self.starter.wake(instance)
-        return frame
-
-    @property
-    def nursery(self) -> trio.Nursery | None:
-        return self._nursery
-
     # -- callers -------------------------------------------------------------------------
 
     def open_caller(self, transport: str, label: str | None = None) -> CallerConnection:
-        caller = CallerConnection(transport, label)
-        self._callers.add(caller)
-        if self._nursery is not None:
-            self._nursery.start_soon(caller.run_sender)
-        log.info("%r connected", caller)
-        return caller
+        """A caller connection of an embedding transport; close it with `close_caller`."""
+        return self.callers.open(transport, label)
 
     def close_caller(self, caller: CallerConnection) -> None:
-        """The caller is gone: its pending calls fail now and it gets no more events."""
-        if caller not in self._callers:
-            return
-        self._callers.discard(caller)
-        caller.close()
+        self.callers.close(caller)
+
+    def _caller_closed(self, caller: CallerConnection) -> None:
+        """The caller is gone: its pending calls fail now and it follows no session."""
         self.sessions.drop_sink(caller)
         failed = self.calls.fail_caller(caller)
         log.info("%r disconnected; %d pending call(s) failed", caller, failed)
 
-    def instance_known(self, instance: str) -> bool:
-        """Configured, connected since start, or with frames in the log."""
-        return (
-            instance in self.config.instances
-            or instance in self._seen_instances
-            or self.store.last_seq(instance) > 0
-        )
-
-    def require_known_instance(self, instance: str) -> str:
-        reason = check_instance_id(instance)
-        if reason:
-            raise RelayError(errors.INVALID_PARAMS, reason)
-        if not self.instance_known(instance):
-            raise RelayError(
-                errors.NOT_FOUND,
-                f"unknown instance '{instance}': it is not configured, has not connected, and has no frames",
-            )
-        return instance
-
     def connected_instances(self) -> list[str]:
-        names = set(self.guests.connected_instances())
-        names.update(name for name, conns in self._clients.items() if conns)
-        return sorted(names)
+        return self.instances.connected_instances()
 
-    def resolve_instance(self, instance: str | None) -> str:
-        """The given instance, or the only connected one; otherwise a clear error."""
-        if instance:
-            reason = check_instance_id(instance)
-            if reason:
-                raise RelayError(errors.INVALID_PARAMS, reason)
-            return instance
-        connected = self.connected_instances()
-        if len(connected) == 1:
-            return connected[0]
-        if not connected:
-            raise RelayError(errors.NOT_FOUND, "no instance is connected; pass 'instance' explicitly")
-        raise RelayError(
-            errors.INVALID_PARAMS,
-            f"several instances are connected ({', '.join(connected)}); pass 'instance' to choose one",
-        )
-
-    async def declare_caller_tools(
-        self, session: Session, caller: CallerConnection, caller_id: str, tools: list[CallerToolSpec]
-    ) -> None:
-        session.declare_caller_tools(caller, caller_id, tools)
-        config = unstructure(messages.CallerToolsConfig(session_id=session.id, caller_id=caller_id, tools=tools))
-        for connection in list(self._clients.get(session.instance, ())):
-            if self._client_sees(connection, session):
-                await connection.notify(messages.CALLER_TOOLS_CONFIG, config)
-
-    def _client_sees(self, connection: RelayConnection, session: Session) -> bool:
-        """A client bound to a session sees that session's tools; an unbound one the latest per caller."""
-        if connection.session_key is not None:
-            return SessionRef.parse_key(connection.session_key).key == session.key
-        latest = self.sessions.latest_declarations(session.instance).get(session.caller_id or "")
-        return latest is session
-
-    # -- toolsets (seed 003): the code-driven API -----------------------------------------
+    # -- toolsets (seed 003): the embedding API -------------------------------------------
 
     async def register_toolset(
         self,
@@ -249,10 +167,7 @@ class OublietteServer:
         kind: str = "code",
     ) -> ToolsetDefinition:
         """Register a toolset: `factory` makes one per session (stopped with it), `ref` is one shared toolset."""
-        definition = ToolsetDefinition(toolset_id, prefix, list(tools), factory=factory, ref=ref, kind=kind)
-        self.toolsets.register(definition)
-        await self.refresh_toolsets()
-        return definition
+        return await self.toolsets.register_toolset(toolset_id, prefix, tools, factory=factory, ref=ref, kind=kind)
 
     async def register_mcp_toolset(
         self,
@@ -263,17 +178,13 @@ class OublietteServer:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         roots: list[str] | None = None,
+        *,
+        call_timeout: float | None = None,
     ) -> ToolsetDefinition:
-        """Start a stdio MCP server with the SDK's client, list its tools, and register them (shared)."""
-        if self._nursery is None:
-            raise RuntimeError("start the server (serve) before registering an MCP toolset")
-        toolset = McpToolset(toolset_id, command, args, env, cwd, roots, nursery=self._nursery)
-        tools = await toolset.start()
-        try:
-            return await self.register_toolset(toolset_id, prefix, tools, ref=toolset, kind="mcp")
-        except Exception:
-            await toolset.aclose()
-            raise
+        """Start a stdio MCP server, list its tools, register them (shared); `call_timeout` bounds each call."""
+        return await self.toolsets.register_mcp_toolset(
+            toolset_id, prefix, command, args, env, cwd, roots, call_timeout=call_timeout,
+        )
 
     async def register_command_toolset(
         self,
@@ -286,67 +197,37 @@ class OublietteServer:
         cwd: str | None = None,
     ) -> ToolsetDefinition:
         """Register an endpoint speaking seed 001's action contract; discovery failures leave it empty."""
-        options: dict[str, Any] = {"env": env, "cwd": cwd}
-        if timeout is not None:
-            options["timeout"] = timeout
-        toolset = CommandToolset(toolset_id, command, **options)
-        tools = await toolset.discover()
-        return await self.register_toolset(toolset_id, prefix, tools, ref=toolset, kind="command")
+        return await self.toolsets.register_command_toolset(
+            toolset_id, prefix, command, timeout=timeout, env=env, cwd=cwd,
+        )
 
     async def unregister_toolset(self, toolset_id: str) -> None:
-        definition = self.toolsets.unregister(toolset_id)
-        await self.refresh_toolsets()
-        if definition.ref is not None:
-            await definition.ref.aclose()
+        await self.toolsets.unregister_toolset(toolset_id)
 
     async def update_allowed_toolsets(self, instance: str, toolset_ids: list[str]) -> None:
         """Set which toolsets an instance's agents see (empty by default); agents are told at once."""
-        self.toolsets.set_allowed(instance, toolset_ids)
-        await self.refresh_toolsets(instance)
-
-    async def refresh_toolsets(self, instance: str | None = None) -> None:
-        """Rebind every session's toolsets (of one instance) and tell clients whose list changed."""
-        await self.toolset_sessions.refresh(instance)
-
-    async def _push_toolsets(self, router: ToolRouter) -> None:
-        config = {"tools": router.published(), "separator": router.separator}
-        for connections in self._clients.values():
-            for connection in list(connections):
-                if connection.router is router:
-                    await connection.notify(messages.TOOLSETS_CONFIG, config)
+        await self.toolsets.update_allowed_toolsets(instance, toolset_ids)
 
     # -- relay connections ---------------------------------------------------------------
+
+    def verify_token(self, instance: str, token: object) -> bool:
+        return self.tokens.verify(instance, token)
 
     async def relay_connection_opened(self, connection: RelayConnection) -> None:
         """Register a connection that passed `hello`; send its configuration first."""
         assert connection.instance is not None
-        self._seen_instances.add(connection.instance)
+        self.instances.saw(connection.instance)
         if connection.role == "guest":
             previous = self.guests.attach(connection)
             self.starter.guest_connected(connection.instance)
             if previous is not None:
                 log.warning("%r replaces the instance's previous guest %r", connection, previous)
-                previous.close_soon()
+                previous.close_soon()  # type: ignore[attr-defined]
             return
-        self._clients.setdefault(connection.instance, set()).add(connection)
-        router = await self.toolset_sessions.attach(connection)
-        await connection.notify(
-            messages.TOOLSETS_CONFIG, {"tools": router.published(), "separator": router.separator},
-        )
-        for session in self._sessions_visible_to(connection):
-            config = messages.CallerToolsConfig(
-                session_id=session.id, caller_id=session.caller_id or "",
-                tools=list(session.caller_tools.values()),
-            )
-            await connection.notify(messages.CALLER_TOOLS_CONFIG, unstructure(config))
-
-    def _sessions_visible_to(self, connection: RelayConnection) -> list[Session]:
-        assert connection.instance is not None
-        if connection.session_key is not None:
-            ref = SessionRef.parse_key(connection.session_key)
-            session = self.sessions.get(connection.instance, ref.channel, ref.id)
-            return [session] if session is not None and session.caller_id else []
-        return list(self.sessions.latest_declarations(connection.instance).values())
+        self.clients.add(connection)
+        await connection.notify(messages.TOOLSETS_CONFIG, await self.toolsets.attach(connection))
+        for config in self.caller_tools.configs_for(connection):
+            await connection.notify(messages.CALLER_TOOLS_CONFIG, config)
 
     def relay_connection_closed(self, connection: RelayConnection) -> None:
         if connection.instance is None:
@@ -357,53 +238,26 @@ class OublietteServer:
                 # A message may have arrived after the guest died but before we noticed: wake it now.
                 self.starter.wake(connection.instance)
         else:
-            self._clients.get(connection.instance, set()).discard(connection)
-            self.toolset_sessions.detach(connection, self._nursery)
+            self.clients.discard(connection)
+            self.toolsets.detach(connection)
         log.info("%r disconnected", connection)
 
-    async def handle_relay_request(self, connection: RelayConnection, method: str, params: dict[str, Any]) -> Any:
-        if method == messages.CALLER_TOOL and connection.role == "client":
+    def relay_notification(self, connection: RelayConnection, method: str, params: dict[str, Any]) -> bool:
+        """Handle a guest's `ack`; False for a notification nobody handles."""
+        if method == messages.ACK and connection.role == "guest":
             validate_params(method, params)
-            call = structure(params, messages.CallerToolCall)
-            session, spec = self._find_caller_tool(connection, call)
-            result = await self.calls.relay(session, spec, call.arguments)
-            return unstructure(messages.CallerToolResult(result=result))
-        if method == messages.APPEND_FRAME and connection.role == "guest":
-            validate_params(method, params)
-            request = structure(params, messages.AppendFrame)
-            if request.type not in GUEST_FRAME_TYPES:
-                raise RelayError(
-                    errors.INVALID_PARAMS,
-                    f"a guest may append {', '.join(sorted(GUEST_FRAME_TYPES))}; not {request.type!r}",
-                )
-            assert connection.instance is not None
-            session = self.sessions.get_or_create(connection.instance, request.session.channel, request.session.id)
-            frame = await self.append_frame(session, request.type, request.payload, reply_to=request.reply_to)
-            return unstructure(messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id))
-        if method == messages.TOOLSET_CALL and connection.role == "client":
-            validate_params(method, params)
-            call = structure(params, messages.ToolsetCall)
-            if connection.router is None:
-                raise RelayError(errors.NOT_FOUND, "no toolsets are bound to this connection")
-            outcome = await connection.router.call(call.name, call.arguments)
-            if outcome.is_error:
-                raise RelayError(errors.TOOL_ERROR, outcome.error or f"{call.name} failed")
-            return unstructure(messages.ToolsetCallResult(result=outcome.result, content=outcome.content))
-        known = {messages.CALLER_TOOL: "client", messages.TOOLSET_CALL: "client", messages.APPEND_FRAME: "guest"}
-        if method in known:
-            raise RelayError(errors.METHOD_NOT_FOUND, f"method {method!r} is for role {known[method]!r} connections")
-        raise RelayError(errors.METHOD_NOT_FOUND, f"unknown method {method!r}")
+            self.guest_frames.ack(connection, structure(params, messages.Ack))
+            return True
+        return False
 
-    def _find_caller_tool(
-        self, connection: RelayConnection, call: messages.CallerToolCall
-    ) -> tuple[Session, CallerToolSpec]:
-        assert connection.instance is not None
-        candidates = self._sessions_visible_to(connection)
-        if call.caller_id is not None:
-            candidates = [s for s in candidates if s.caller_id == call.caller_id]
-        for session in sorted(candidates, key=lambda s: s.declared_at, reverse=True):
-            spec = session.caller_tools.get(call.tool)
-            if spec is not None:
-                return session, spec
-        who = f"caller '{call.caller_id}'" if call.caller_id else "any caller"
-        raise RelayError(errors.NOT_FOUND, f"unknown caller tool '{call.tool}' for {who} of this session")
+    async def handle_relay_request(self, connection: RelayConnection, method: str, params: dict[str, Any]) -> Any:
+        """Dispatch one relay request through the `(role, method)` table; params checked once."""
+        entry = self.relay_table.get((connection.role or "", method))
+        if entry is None:
+            roles = sorted(role for role, name in self.relay_table if name == method)
+            if roles:
+                raise RelayError(errors.METHOD_NOT_FOUND, f"method {method!r} is for role {roles[0]!r} connections")
+            raise RelayError(errors.METHOD_NOT_FOUND, f"unknown method {method!r}")
+        params_type, handler = entry
+        validate_params(method, params)
+        return unstructure(await handler(connection, structure(params, params_type)))

@@ -15,6 +15,8 @@ import secrets
 from pathlib import Path
 
 SECRET_FILE_NAME = "secret"
+HTTP_ADMIN = "http:admin"
+"""The reserved name the HTTP API's own bearer token is derived under (not a valid instance id)."""
 INSTANCE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 

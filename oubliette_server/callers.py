@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import anyio
 import mcp_types as types
@@ -92,3 +92,41 @@ class RequestScopedSink:
 
     def close(self) -> None:
         self._send.close()
+
+
+class CallerRegistry:
+    """The connected callers; runs each one's event sender in its own nursery.
+
+    Owns: a nursery (started with `await nursery.start(registry.serve)`) holding one sender
+    task per caller. Needs: `on_closed(caller)`, called once when a caller goes away (its
+    pending calls fail, it stops following sessions).
+    """
+
+    def __init__(self, on_closed: Callable[[CallerConnection], object]) -> None:
+        self._on_closed = on_closed
+        self._callers: set[CallerConnection] = set()
+        self._nursery: trio.Nursery | None = None
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the senders until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def open(self, transport: str, label: str | None = None) -> CallerConnection:
+        """A new caller; its events flow once the registry is serving."""
+        caller = CallerConnection(transport, label)
+        self._callers.add(caller)
+        if self._nursery is not None:
+            self._nursery.start_soon(caller.run_sender)
+        log.info("%r connected", caller)
+        return caller
+
+    def close(self, caller: CallerConnection) -> None:
+        """The caller is gone: it gets no more events and `on_closed` fails what waits on it."""
+        if caller not in self._callers:
+            return
+        self._callers.discard(caller)
+        caller.close()
+        self._on_closed(caller)

@@ -15,7 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .auth import TokenAuthority, check_instance_id
+from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from .config import DEFAULT_CALLER_TIMEOUT, ServerConfig, default_data_dir, load_config_file
 
 
@@ -69,7 +69,7 @@ def _http_token_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="oubliette-server http-token", description="Print the HTTP API's bearer token.")
     parser.add_argument("--data-dir", type=Path)
     args = parser.parse_args(argv)
-    print(TokenAuthority.for_data_dir(args.data_dir or default_data_dir()).token_for("http:admin"))
+    print(TokenAuthority.for_data_dir(args.data_dir or default_data_dir()).token_for(HTTP_ADMIN))
     return 0
 
 

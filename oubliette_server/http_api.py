@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import trio
 from mcp.server.transport_security import TransportSecuritySettings
@@ -32,50 +32,25 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from protocol import RelayError, errors
-from protocol.schema_check import compile_schema, first_problem
 
-from .app import OublietteServer
-from .caller_mcp import CallerTools, build_caller_server, read_frames
-from .callers import CallerConnection
+from .auth import HTTP_ADMIN
+from .caller_api import CallerTools, build_caller_server
+from .callers import CallerConnection, CallerRegistry
+from .instances import InstanceDirectory
+from .tether import Tether
+
+VerifyToken = Callable[[str, str], bool]
 
 log = logging.getLogger("oubliette.server.http")
 
 MAX_BODY_BYTES = 1024 * 1024
 SSE_KEEPALIVE_SECONDS = 15.0
-SERVER_OWNED_TYPES = frozenset({
-    "caller_tool_request", "caller_tool_result", "caller_tool_cancelled", "approval_request", "approval_resolved",
-})
 INSTANCE_ROUTE = re.compile(r"^/v1/instances/([^/]+)/")
 HTTP_STATUS = {
     errors.INVALID_PARAMS: 400, errors.INVALID_REQUEST: 400, errors.PARSE_ERROR: 400,
     errors.NOT_FOUND: 404, errors.UNAUTHORIZED: 401, errors.DENIED: 403,
 }
 
-INGRESS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "v": {"const": 1},
-        "type": {"type": "string", "pattern": r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"},
-        "session": {
-            "type": "object",
-            "properties": {
-                "channel": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,64}$"},
-                "id": {"type": "string", "pattern": r"^[A-Za-z0-9_.:@-]{1,128}$"},
-            },
-            "required": ["channel", "id"],
-        },
-        "payload": {"type": "object"},
-        "msg_id": {"type": "string", "minLength": 1, "maxLength": 128},
-        "reply_to": {"type": "string", "minLength": 1, "maxLength": 128},
-    },
-    "required": ["type", "session"],
-}
-_ingress_validator = compile_schema(INGRESS_SCHEMA)
-
-
-def http_token(server: OublietteServer) -> str:
-    """The bearer token for the whole HTTP API (derived like instance tokens, under a reserved name)."""
-    return server.tokens.token_for("http:admin")
 
 
 class BodyTooLarge(RelayError):
@@ -95,9 +70,9 @@ def error_response(err: RelayError, status: int | None = None) -> JSONResponse:
 class BearerAuth:
     """ASGI middleware: TCP requests need a valid bearer token; Unix socket ones rely on the file mode."""
 
-    def __init__(self, app: Any, server: OublietteServer) -> None:
+    def __init__(self, app: Any, verify_token: VerifyToken) -> None:
         self.app = app
-        self.server = server
+        self.verify_token = verify_token
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("server") is None:  # lifespan, or a Unix socket listener
@@ -114,10 +89,10 @@ class BearerAuth:
         await response(scope, receive, send)
 
     def _allowed(self, token: str, path: str) -> bool:
-        if self.server.tokens.verify("http:admin", token):
+        if self.verify_token(HTTP_ADMIN, token):
             return True
         match = INSTANCE_ROUTE.match(path)
-        return bool(match) and self.server.tokens.verify(match.group(1), token)
+        return bool(match) and self.verify_token(match.group(1), token)
 
 
 def _bearer(scope: dict[str, Any]) -> str | None:
@@ -172,10 +147,11 @@ async def _unless_disconnected(request: Request, wait: Any) -> Any:
 
 
 class TetherRoutes:
-    """The `/v1/instances/{id}/tether…` endpoints."""
+    """The `/v1/instances/{id}/tether…` endpoints: HTTP adapters over `Tether`."""
 
-    def __init__(self, server: OublietteServer) -> None:
-        self.server = server
+    def __init__(self, tether: Tether, instances: InstanceDirectory) -> None:
+        self.tether = tether
+        self.instances = instances
 
     def routes(self) -> list[Route]:
         return [
@@ -186,21 +162,13 @@ class TetherRoutes:
         ]
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"ok": True, "connected_instances": self.server.connected_instances()})
+        return JSONResponse({"ok": True, "connected_instances": self.instances.connected_instances()})
 
     async def ingress(self, request: Request) -> Response:
         try:
-            instance = self.server.require_known_instance(request.path_params["instance"])
+            instance = self.instances.require_known(request.path_params["instance"])
             body = await self._json_body(request)
-            problem = first_problem(_ingress_validator, body, "invalid frame")
-            if problem is not None:
-                raise RelayError(errors.INVALID_PARAMS, problem)
-            if body["type"] in SERVER_OWNED_TYPES:
-                raise RelayError(errors.INVALID_PARAMS, f"frames of type {body['type']!r} are made by the server only")
-            frame = await self.server.ingress(
-                instance, body["session"]["channel"], body["session"]["id"], body["type"],
-                body.get("payload", {}), msg_id=body.get("msg_id"), reply_to=body.get("reply_to"),
-            )
+            frame = await self.tether.ingest(instance, body)
         except BodyTooLarge as err:
             return error_response(err, 413)
         except RelayError as err:
@@ -224,7 +192,7 @@ class TetherRoutes:
 
     async def poll(self, request: Request) -> Response:
         try:
-            instance = self.server.require_known_instance(request.path_params["instance"])
+            instance = self.instances.require_known(request.path_params["instance"])
             filters = dict(
                 channel=request.query_params.get("channel") or None,
                 session_id=request.query_params.get("session_id") or None,
@@ -234,7 +202,7 @@ class TetherRoutes:
                 types=_types_param(request),
                 reply_to=request.query_params.get("reply_to_msg_id") or None,
             )
-            result = await _unless_disconnected(request, lambda: read_frames(self.server, instance, **filters))
+            result = await _unless_disconnected(request, lambda: self.tether.read(instance, **filters))
         except RelayError as err:
             return error_response(err)
         if result is None:
@@ -243,7 +211,7 @@ class TetherRoutes:
 
     async def stream(self, request: Request) -> Response:
         try:
-            instance = self.server.require_known_instance(request.path_params["instance"])
+            instance = self.instances.require_known(request.path_params["instance"])
             last_event_id = request.headers.get("last-event-id")
             if last_event_id is not None:
                 try:
@@ -252,28 +220,22 @@ class TetherRoutes:
                     raise RelayError(errors.INVALID_PARAMS, f"Last-Event-ID must be a seq, got {last_event_id!r}") from None
             else:
                 after_seq = _int_param(request, "after_seq", 0)
-            filters = dict(
+            frames = await self.tether.stream(
+                instance, after_seq=after_seq, keepalive_seconds=SSE_KEEPALIVE_SECONDS,
                 channel=request.query_params.get("channel") or None,
                 session_id=request.query_params.get("session_id") or None,
                 types=_types_param(request),
                 reply_to=request.query_params.get("reply_to_msg_id") or None,
             )
-            first = await read_frames(self.server, instance, after_seq=after_seq, limit=200, wait_ms=0, **filters)
         except RelayError as err:
             return error_response(err)
 
         async def events() -> Any:
-            batch, cursor = first, after_seq
-            while True:
-                for frame in batch["frames"]:
-                    yield f"id: {frame['seq']}\nevent: frame\ndata: {json.dumps(frame, ensure_ascii=False)}\n\n"
-                cursor = batch["next_seq"]
-                if not batch["frames"]:
+            async for frame in frames:
+                if frame is None:
                     yield ": keepalive\n\n"
-                batch = await read_frames(
-                    self.server, instance, after_seq=cursor, limit=200,
-                    wait_ms=int(SSE_KEEPALIVE_SECONDS * 1000), **filters,
-                )
+                else:
+                    yield f"id: {frame['seq']}\nevent: frame\ndata: {json.dumps(frame, ensure_ascii=False)}\n\n"
 
         return StreamingResponse(
             events(), media_type="text/event-stream",
@@ -282,14 +244,32 @@ class TetherRoutes:
 
 
 class HttpApi:
-    """Builds the ASGI app and serves it on the configured listeners."""
+    """Builds the ASGI app and serves it on the configured listeners.
 
-    def __init__(self, server: OublietteServer) -> None:
-        self.server = server
+    Needs: the caller registry (one caller per MCP session or per bearer token), the caller
+    tools, the tether and instance directory (for the routes), `verify_token(name, token)` and
+    the extra Host names allowed on /mcp. Start `serve` with `nursery.start`: it reports the
+    bound URLs.
+    """
+
+    def __init__(
+        self,
+        *,
+        callers: CallerRegistry,
+        tools: CallerTools,
+        tether: Tether,
+        instances: InstanceDirectory,
+        verify_token: VerifyToken,
+        allowed_hosts: list[str],
+    ) -> None:
+        self.callers = callers
+        self.tether = tether
+        self.instances = instances
+        self.verify_token = verify_token
+        self.allowed_hosts = allowed_hosts
         self._modern_callers: dict[str, CallerConnection] = {}
         self._legacy_callers: dict[int, CallerConnection] = {}
-        tools = CallerTools(server)
-        self.mcp = build_caller_server(server, tools, self._resolve_caller)
+        self.mcp = build_caller_server(tools, self._resolve_caller)
 
     def _resolve_caller(self, ctx: Any) -> CallerConnection:
         """One caller per handshake-era MCP session; per bearer token on 2026-07-28 (no sessions)."""
@@ -298,24 +278,24 @@ class HttpApi:
             key = hashlib.sha256(token.encode()).hexdigest()[:12]
             caller = self._modern_callers.get(key)
             if caller is None:
-                caller = self._modern_callers[key] = self.server.open_caller("http", f"http-modern-{key}")
+                caller = self._modern_callers[key] = self.callers.open("http", f"http-modern-{key}")
             return caller
         connection = ctx.session._connection  # the SDK's per-connection state; its exit stack runs on close
         caller = self._legacy_callers.get(id(connection))
         if caller is None:
-            caller = self.server.open_caller("http", f"http-session-{connection.session_id or id(connection)}")
+            caller = self.callers.open("http", f"http-session-{connection.session_id or id(connection)}")
             self._legacy_callers[id(connection)] = caller
 
             async def closed() -> None:
                 self._legacy_callers.pop(id(connection), None)
-                self.server.close_caller(caller)
+                self.callers.close(caller)
 
             connection.exit_stack.push_async_callback(closed)
         caller.mcp_session = ctx.session
         return caller
 
     def asgi_app(self) -> Any:
-        allowed = ["127.0.0.1:*", "localhost:*", "[::1]:*", *self.server.config.allowed_hosts]
+        allowed = ["127.0.0.1:*", "localhost:*", "[::1]:*", *self.allowed_hosts]
         starlette = self.mcp.streamable_http_app(
             streamable_http_path="/mcp",
             transport_security=TransportSecuritySettings(
@@ -323,9 +303,9 @@ class HttpApi:
                 allowed_hosts=allowed,
                 allowed_origins=[f"http://{host}" for host in allowed] + [f"https://{host}" for host in allowed],
             ),
-            custom_starlette_routes=TetherRoutes(self.server).routes(),
+            custom_starlette_routes=TetherRoutes(self.tether, self.instances).routes(),
         )
-        return BearerAuth(starlette, self.server)
+        return BearerAuth(starlette, self.verify_token)
 
     async def serve(self, binds: list[str], *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         import hypercorn.config

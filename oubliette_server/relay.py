@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
@@ -36,19 +36,31 @@ from protocol import (
 
 from .auth import check_instance_id
 
-if TYPE_CHECKING:
-    from .app import OublietteServer
-
 log = logging.getLogger("oubliette.server.relay")
 
 HELLO_TIMEOUT = 10.0
 SERVER_VERSION = "0.1.0"
 
 
+class RelayHost(Protocol):
+    """What a relay connection needs from the server that accepted it."""
+
+    def verify_token(self, instance: str, token: object) -> bool: ...
+    async def relay_connection_opened(self, connection: "RelayConnection") -> None: ...
+    def relay_connection_closed(self, connection: "RelayConnection") -> None: ...
+    def relay_notification(self, connection: "RelayConnection", method: str, params: dict[str, Any]) -> bool: ...
+    async def handle_relay_request(self, connection: "RelayConnection", method: str, params: dict[str, Any]) -> Any: ...
+    def relay_request_started(self) -> None: ...
+    def relay_request_finished(self) -> None: ...
+
+    @property
+    def guests(self) -> Any: ...
+
+
 class RelayConnection:
     """One sandbox connection, bound to its instance (and session) after `hello`."""
 
-    def __init__(self, server: OublietteServer, stream: trio.abc.Stream, peer: str) -> None:
+    def __init__(self, server: RelayHost, stream: trio.abc.Stream, peer: str) -> None:
         self.server = server
         self.stream = stream
         self.peer = peer
@@ -168,7 +180,7 @@ class RelayConnection:
         reason = check_instance_id(hello.instance)
         if reason:
             raise RelayError(errors.NOT_FOUND, reason)
-        if not self.server.tokens.verify(hello.instance, hello.token):
+        if not self.server.verify_token(hello.instance, hello.token):
             raise RelayError(errors.UNAUTHORIZED, f"wrong token for instance '{hello.instance}'")
 
     async def _read_loop(self) -> None:
@@ -201,10 +213,7 @@ class RelayConnection:
                 scope = self._in_flight.get(structure(message.params, messages.Cancel).id)
                 if scope is not None:
                     scope.cancel()
-            elif message.method == messages.ACK and self.role == "guest":
-                validate_params(message.method, message.params)
-                self.server.guests.acknowledge(self, structure(message.params, messages.Ack).seq)
-            else:
+            elif not self.server.relay_notification(self, message.method, message.params):
                 log.warning("%r: ignoring unknown notification %r", self, message.method)
         except RelayError as err:
             log.warning("%r: bad %s notification: %s", self, message.method, err.message)
@@ -235,7 +244,7 @@ class RelayConnection:
 class RelayListener:
     """Accepts sandbox connections on one address."""
 
-    def __init__(self, server: OublietteServer, address: RelayAddress) -> None:
+    def __init__(self, server: RelayHost, address: RelayAddress) -> None:
         self.server = server
         self.address = address
 

@@ -10,8 +10,8 @@ import sys
 import trio
 
 from .app import OublietteServer
-from .caller_mcp import serve_stdio_caller
 from .config import ServerConfig
+from .toolsets.from_config import register_from_config
 
 log = logging.getLogger("oubliette.server")
 
@@ -40,20 +40,16 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> None:
         nursery.start_soon(stop_on_signals, nursery.cancel_scope)
         await nursery.start(app.serve)
         if config.toolsets or config.allowlists:
-            from .toolsets.from_config import register_from_config
-
             await register_from_config(app, config.toolsets, config.allowlists)
         http_urls: list[str] = []
         if config.http:
-            from .http_api import HttpApi
-
-            http_urls = await nursery.start(HttpApi(app).serve, config.http)
+            http_urls = await nursery.start(app.http_api().serve, config.http)
             log.info("HTTP listening on %s", ", ".join(http_urls))
         announce_ready(config.relay_address, http_urls)
         if not stdio:
             return  # the listeners run until a signal stops the process
         log.info("serving the caller on stdio; relay at %s", config.relay_address)
-        await serve_stdio_caller(app)
+        await app.serve_stdio_caller()
         if config.http:
             log.info("the stdio caller disconnected; HTTP listeners keep serving")
             return

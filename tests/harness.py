@@ -200,7 +200,6 @@ class Deployment:
         frame store's long-poll waiters) directly."""
         from oubliette_server.app import OublietteServer
         from oubliette_server.config import ServerConfig
-        from oubliette_server.http_api import HttpApi
 
         config = ServerConfig(
             data_dir=self.data_dir, relay=self.relay, http=["127.0.0.1:0"],
@@ -209,7 +208,7 @@ class Deployment:
         app = OublietteServer(config)
         async with trio.open_nursery() as nursery:
             await nursery.start(app.serve)
-            urls = await nursery.start(HttpApi(app).serve, config.http)
+            urls = await nursery.start(app.http_api().serve, config.http)
             try:
                 yield EmbeddedHttpServer(self, app, next(u for u in urls if u.startswith("http://127.0.0.1")))
             finally:
@@ -341,12 +340,12 @@ class EmbeddedHttpServer(HttpServer):
     """An `OublietteServer` running in the test's Trio loop (`app`), with `rest()` and `caller()`."""
 
     def __init__(self, deployment: Deployment, app: Any, url: str) -> None:
-        from oubliette_server.http_api import http_token
+        from oubliette_server.http_api import HTTP_ADMIN
 
         self.deployment = deployment
         self.app = app
         self.url = url
-        self.token = http_token(app)
+        self.token = app.tokens.token_for(HTTP_ADMIN)
         self.stderr = bytearray()
         self._stderr_changed = trio.Event()
 

@@ -635,10 +635,10 @@ async def test_config_file_toolsets_and_allowlists_are_registered(
     async with running(deployment, toolsets=settings["toolsets"], allowlists=settings["allowlists"]) as run:
         with caplog.at_level(logging.WARNING, logger="oubliette.server.toolsets"):
             await register_from_config(run.server, run.server.config.toolsets, run.server.config.allowlists)
-        definitions = run.server.toolsets.definitions
+        definitions = run.server.toolsets.registry.definitions
         assert [t.name for t in definitions["ext"].tools] == ["echo_external"]
         assert [t.name for t in definitions["listed"].tools] == ["echo_external"]
-        assert run.server.toolsets.allowed_ids("box1") == ["ext", "listed"]
+        assert run.server.toolsets.registry.allowed_ids("box1") == ["ext", "listed"]
         assert any("ghost" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
         tools, _scope = await run.client("box1", "mcp:s1")
         assert toolset_names(tools) == {"ext.echo_external", "listed.echo_external"}

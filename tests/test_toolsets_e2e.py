@@ -26,7 +26,6 @@ from mcp.client.subscriptions import ToolsListChanged
 from harness import Deployment, ListChanged, PYTHON, structured, text_of
 from oubliette_server.app import OublietteServer
 from oubliette_server.auth import TokenAuthority
-from oubliette_server.caller_mcp import CallerTools
 from oubliette_server.config import ServerConfig
 from oubliette_server.toolsets import FunctionToolset, ToolSpec
 
@@ -262,7 +261,7 @@ async def test_legacy_agent_is_told_when_its_allowlist_changes(deployment: Deplo
 
             # A caller declares its tools for the session, in process.
             caller = server.open_caller("test")
-            declared = await CallerTools(server).session_message(None, caller, {
+            declared = await server.caller_api().session_message(None, caller, {
                 "instance": "box1", "session_id": "s1", "message": "hi",
                 "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
             })

@@ -5,6 +5,7 @@ from .command_toolset import CommandToolset
 from .mcp_toolset import McpToolset
 from .registry import ToolsetDefinition, ToolsetRegistry
 from .router import ToolRouter
+from .service import ToolsetService
 
 __all__ = [
     "CommandToolset",
@@ -17,4 +18,5 @@ __all__ = [
     "ToolsetDefinition",
     "ToolsetFactory",
     "ToolsetRegistry",
+    "ToolsetService",
 ]

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
 from .command_toolset import command_list
-
-if TYPE_CHECKING:
-    from ..app import OublietteServer
 
 log = logging.getLogger("oubliette.server.toolsets")
 
@@ -54,8 +51,6 @@ def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
             raise ValueError(f"{here}: command must be the server's executable (a string); put its arguments in args")
         if not (isinstance(command, str) and command) and not (isinstance(command, list) and command):
             raise ValueError(f"{here}: command is required (a string or a list)")
-        if kind == "mcp" and "timeout" in table:
-            raise ValueError(f"{here}: timeout applies to command toolsets only")
         if kind == "command" and "roots" in table:
             raise ValueError(f"{here}: roots apply to MCP toolsets only")
         for key, expected in (("args", list), ("env", dict), ("cwd", str), ("roots", list), ("timeout", (int, float))):
@@ -71,6 +66,23 @@ def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
     return entries
 
 
+class ToolsetRegistrar(Protocol):
+    """What registering configured toolsets needs (the server, or its toolset service)."""
+
+    async def register_mcp_toolset(
+        self, toolset_id: str, prefix: str, command: str, args: list[str] | None = ...,
+        env: dict[str, str] | None = ..., cwd: str | None = ..., roots: list[str] | None = ...,
+        *, call_timeout: float | None = ...,
+    ) -> Any: ...
+
+    async def register_command_toolset(
+        self, toolset_id: str, prefix: str, command: str | list[str], *,
+        timeout: float | None = ..., env: dict[str, str] | None = ..., cwd: str | None = ...,
+    ) -> Any: ...
+
+    async def update_allowed_toolsets(self, instance: str, toolset_ids: list[str]) -> None: ...
+
+
 def parse_allowlists(table: Any, where: str) -> dict[str, list[str]]:
     if not isinstance(table, dict):
         raise ValueError(f"{where}: [allowlists] must map instance ids to lists of toolset ids")
@@ -83,7 +95,7 @@ def parse_allowlists(table: Any, where: str) -> dict[str, list[str]]:
 
 
 async def register_from_config(
-    server: OublietteServer, toolsets: list[ToolsetEntry], allowlists: dict[str, list[str]]
+    server: ToolsetRegistrar, toolsets: list[ToolsetEntry], allowlists: dict[str, list[str]]
 ) -> None:
     """Register every configured toolset; one that fails to start is logged and left out."""
     registered = set()
@@ -93,6 +105,7 @@ async def register_from_config(
                 assert isinstance(entry.command, str)
                 await server.register_mcp_toolset(
                     entry.id, entry.prefix, entry.command, entry.args, entry.env, entry.cwd, entry.roots,
+                    call_timeout=entry.timeout,
                 )
             else:
                 command = [*command_list(entry.command), *entry.args]

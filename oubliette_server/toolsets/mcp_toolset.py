@@ -21,6 +21,8 @@ log = logging.getLogger("oubliette.server.toolsets.mcp")
 
 DEFAULT_MAX_RESTARTS = 3
 START_TIMEOUT = 30.0
+DEFAULT_CALL_TIMEOUT = 60.0
+"""Seconds one tool call may take before the agent gets a timeout error (`timeout` in the config)."""
 
 
 def _content_dicts(content: list[Any]) -> list[dict[str, Any]]:
@@ -43,6 +45,7 @@ class McpToolset(Toolset):
         *,
         nursery: trio.Nursery,
         max_restarts: int = DEFAULT_MAX_RESTARTS,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
     ) -> None:
         self.id = toolset_id
         self.command = command
@@ -51,6 +54,7 @@ class McpToolset(Toolset):
         self.cwd = cwd
         self.roots = list(roots or [])
         self.max_restarts = max_restarts
+        self.call_timeout = call_timeout
         self.restarts = 0
         self._nursery = nursery
         self._client: Any = None
@@ -125,12 +129,17 @@ class McpToolset(Toolset):
         except Exception as exc:
             return ToolResult.failure(str(exc))
         try:
-            result = await client.call_tool(tool, arguments)
+            with trio.move_on_after(self.call_timeout) as deadline:
+                result = await client.call_tool(tool, arguments)
         except Exception as exc:
             self._mark_dead(exc)
             return ToolResult.failure(
                 f"MCP toolset '{self.id}' failed during '{tool}' ({exc or type(exc).__name__}); "
                 "it will be restarted on the next call"
+            )
+        if deadline.cancelled_caught:
+            return ToolResult.failure(
+                f"MCP toolset '{self.id}' did not answer '{tool}' within {self.call_timeout:g} s (its call timeout)"
             )
         if result.is_error:
             return ToolResult.failure(_text_of(result.content) or f"'{tool}' failed")

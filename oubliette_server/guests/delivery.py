@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import trio
 
 from protocol import messages
 
-from .store import CursorPruned, FrameQuery
-
-if TYPE_CHECKING:
-    from .app import OublietteServer
-    from .relay import RelayConnection
+from ..store import CursorPruned, FrameQuery, FrameStore
 
 log = logging.getLogger("oubliette.server.guests")
 
@@ -31,21 +27,34 @@ DELIVERY_BATCH = 200
 TURN_END_TYPES = ("assistant.done", "session.error")
 
 
-class GuestDelivery:
-    """Tracks the one guest connection of each instance and feeds it messages."""
+class GuestPeer(Protocol):
+    """A guest connection, as far as delivery cares."""
 
-    def __init__(self, server: OublietteServer) -> None:
-        self.server = server
-        self._guests: dict[str, RelayConnection] = {}
+    instance: str | None
+
+    async def notify(self, method: str, params: dict[str, Any]) -> None: ...
+
+
+class GuestDelivery:
+    """Tracks the one guest connection of each instance and feeds it messages.
+
+    Needs: the frame store (messages and the durable `guest.delivered` cursor).
+    `deliver(connection)` runs for as long as the connection serves; cancelling it leaves the
+    cursor at the last acknowledged seq, so nothing is lost.
+    """
+
+    def __init__(self, store: FrameStore) -> None:
+        self.store = store
+        self._guests: dict[str, GuestPeer] = {}
         self.connected_changed = trio.Event()
 
-    def guest_for(self, instance: str) -> RelayConnection | None:
+    def guest_for(self, instance: str) -> GuestPeer | None:
         return self._guests.get(instance)
 
     def connected_instances(self) -> list[str]:
         return sorted(self._guests)
 
-    def attach(self, connection: RelayConnection) -> RelayConnection | None:
+    def attach(self, connection: GuestPeer) -> GuestPeer | None:
         """Make `connection` the instance's guest; return the one it replaces."""
         assert connection.instance is not None
         previous = self._guests.get(connection.instance)
@@ -53,7 +62,7 @@ class GuestDelivery:
         self._signal()
         return previous
 
-    def detach(self, connection: RelayConnection) -> None:
+    def detach(self, connection: GuestPeer) -> None:
         if connection.instance and self._guests.get(connection.instance) is connection:
             del self._guests[connection.instance]
             self._signal()
@@ -62,30 +71,30 @@ class GuestDelivery:
         self.connected_changed.set()
         self.connected_changed = trio.Event()
 
-    def acknowledge(self, connection: RelayConnection, seq: int) -> None:
+    def acknowledge(self, connection: GuestPeer, seq: int) -> None:
         assert connection.instance is not None
-        store = self.server.store
+        store = self.store
         if seq > store.get_cursor(connection.instance, GUEST_CURSOR):
             store.set_cursor(connection.instance, GUEST_CURSOR, seq)
 
     def has_undelivered(self, instance: str) -> bool:
         """Whether a `user.message` after the guest's acknowledged cursor is waiting."""
-        query = FrameQuery(after_seq=self.server.store.get_cursor(instance, GUEST_CURSOR), types=("user.message",), limit=1)
+        query = FrameQuery(after_seq=self.store.get_cursor(instance, GUEST_CURSOR), types=("user.message",), limit=1)
         try:
-            return bool(self.server.store.query(instance, query))
+            return bool(self.store.query(instance, query))
         except CursorPruned:
             return True
 
     def _answered(self, instance: str, msg_id: str) -> bool:
         """A turn that ended but whose acknowledgement was lost (the guest died right after) is not rerun."""
         query = FrameQuery(types=TURN_END_TYPES, reply_to=msg_id, limit=1)
-        return bool(self.server.store.query(instance, query))
+        return bool(self.store.query(instance, query))
 
-    async def deliver(self, connection: RelayConnection) -> None:
+    async def deliver(self, connection: GuestPeer) -> None:
         """Push every unacknowledged and every new `user.message` to the guest."""
         assert connection.instance is not None
         instance = connection.instance
-        store = self.server.store
+        store = self.store
         cursor = store.get_cursor(instance, GUEST_CURSOR)
         while True:
             query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)

@@ -1,44 +1,39 @@
-"""The caller-facing MCP server: the tools a caller (an app, or Claude Code on the host) uses.
+"""The caller-facing MCP tools: `session_message`, `caller_tool_response`, `session_events`, tether.
 
-One `mcp.server.Server` is built per transport; `resolve_caller` maps a request
-to the `CallerConnection` it belongs to, which decides who may answer which
-caller tool request and where events are pushed.
+Thin adapters: each handler checks its arguments against the tool's schema and
+calls the feature service that does the work (caller tool relay, frame log,
+tether). `CallerTools.call` is the one place a tool's failure becomes an MCP
+tool error.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
-import secrets
-import time
 from typing import Any, Awaitable, Callable
 
 import mcp_types as types
 import trio
-from mcp.server import Server
-from mcp.server.lowlevel.server import NotificationOptions
-from mcp.server.models import InitializationOptions
-from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from protocol import FRAME_TYPES, CallerToolSpec, RelayError, errors, structure
+from protocol import CallerToolSpec, RelayError, errors, structure
 from protocol.descriptors import DESCRIPTOR_META_KEY
 from protocol.schema_check import schema_problem
 
-from . import caller_tools_schema as schemas
-from .app import OublietteServer
-from .callers import CallerConnection, RequestScopedSink
-from .sessions import Session, new_session_id
-from .store import CursorPruned, FrameQuery
+from ..caller_tool_relay import CallerToolRelay
+from ..callers import CallerConnection, RequestScopedSink
+from ..frame_log import FrameLog
+from ..instances import InstanceDirectory
+from ..sessions import Session, SessionRegistry, new_session_id
+from ..store import FrameQuery, FrameStore
+from ..tether import EGRESS_TYPES, TETHER_CHANNEL, Tether, check_session_id
+from . import schemas
 
-log = logging.getLogger("oubliette.server.caller_mcp")
+log = logging.getLogger("oubliette.server.caller_api")
 
-ResolveCaller = Callable[[Any], CallerConnection]
 ToolHandler = Callable[[Any, CallerConnection, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 TURN_END_TYPES = ("assistant.done", "session.error")
-SESSION_ID_PATTERN = re.compile(schemas.SESSION_ID["pattern"])
 
 
 def tool_result(payload: dict[str, Any]) -> types.CallToolResult:
@@ -53,10 +48,30 @@ def tool_error(text: str) -> types.CallToolResult:
 
 
 class CallerTools:
-    """The tool table and its handlers, bound to one server."""
+    """The caller-facing tool table and its handlers.
 
-    def __init__(self, app: OublietteServer) -> None:
-        self.app = app
+    Needs: the instance directory, sessions, the caller tool relay, the frame log, the store
+    (turn waits), the tether, and the longest `wait` a `session_message` may ask for.
+    """
+
+    def __init__(
+        self,
+        *,
+        instances: InstanceDirectory,
+        sessions: SessionRegistry,
+        caller_tools: CallerToolRelay,
+        frame_log: FrameLog,
+        store: FrameStore,
+        tether: Tether,
+        session_wait_limit: float,
+    ) -> None:
+        self.instances = instances
+        self.sessions = sessions
+        self.caller_tools = caller_tools
+        self.frame_log = frame_log
+        self.store = store
+        self.tether = tether
+        self.session_wait_limit = session_wait_limit
         self.tools: dict[str, tuple[types.Tool, ToolHandler]] = {}
         self.add(
             "session_message",
@@ -103,22 +118,21 @@ class CallerTools:
     # -- session_message -----------------------------------------------------------------
 
     async def session_message(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
-        app = self.app
-        instance = app.resolve_instance(args.get("instance"))
-        session = app.sessions.get_or_create(instance, "mcp", args.get("session_id") or new_session_id())
+        instance = self.instances.resolve(args.get("instance"))
+        session = self.sessions.get_or_create(instance, "mcp", args.get("session_id") or new_session_id())
         context = args.get("context")
         if context is not None:
             tools = [structure(tool, CallerToolSpec) for tool in context.get("caller_tools", [])]
-            await app.declare_caller_tools(session, caller, context["caller_id"], tools)
+            await self.caller_tools.declare(session, caller, context["caller_id"], tools)
         session.sinks.add(caller)
-        frame = await app.ingress(instance, session.channel, session.id, "user.message", {"text": args["message"]})
+        frame = await self.frame_log.ingress(instance, session.channel, session.id, "user.message", {"text": args["message"]})
         result: dict[str, Any] = {
             "session_id": session.id, "instance": instance, "msg_id": frame.msg_id, "ingress_seq": frame.seq,
         }
         wait = args.get("wait", False)
         if wait is False:
             return result
-        limit = app.config.session_wait_limit
+        limit = self.session_wait_limit
         seconds = limit if wait is True else min(float(wait), limit)
         result.update(await self._wait_for_turn(ctx, caller, session, frame.msg_id, frame.seq, seconds))
         return result
@@ -138,13 +152,13 @@ class CallerTools:
                 session.sinks.add(sink)
                 nursery.start_soon(sink.run)
             try:
-                frames, _ = await self.app.store.wait_for_frames(session.instance, query, timeout=seconds)
+                frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
             finally:
                 if sink is not None:
                     session.sinks.discard(sink)
                     sink.close()
         pending = [
-            {"request_id": p.request_id, "tool": p.tool} for p in self.app.calls.pending_for(session)
+            {"request_id": p.request_id, "tool": p.tool} for p in self.caller_tools.pending.pending_for(session)
         ]
         if not frames:
             return {"stop_reason": "timeout", "text": "", "pending": pending}
@@ -160,7 +174,7 @@ class CallerTools:
             raise RelayError(errors.INVALID_PARAMS, "give either 'result' or 'error'")
         if args.get("error") is not None and args.get("result") is not None:
             raise RelayError(errors.INVALID_PARAMS, "give 'result' or 'error', not both")
-        await self.app.calls.respond(
+        await self.caller_tools.pending.respond(
             caller, args["session_id"], args["request_id"], result=args.get("result"), error=args.get("error"),
         )
         return {"resolved": True}
@@ -171,16 +185,16 @@ class CallerTools:
         session_id = args["session_id"]
         channel = args.get("channel", "mcp")
         if args.get("instance"):
-            instance = self.app.resolve_instance(args["instance"])
+            instance = self.instances.resolve(args["instance"])
         else:
-            matches = [s for s in self.app.sessions.find_by_id(session_id) if s.channel == channel]
+            matches = [s for s in self.sessions.find_by_id(session_id) if s.channel == channel]
             if len(matches) != 1:
                 if not matches:
                     raise RelayError(errors.NOT_FOUND, f"unknown session '{session_id}'; pass 'instance' to read its log")
                 raise RelayError(errors.INVALID_PARAMS, f"session '{session_id}' exists in several instances; pass 'instance'")
             instance = matches[0].instance
-        return await read_frames(
-            self.app, instance, channel=channel, session_id=session_id,
+        return await self.tether.read(
+            instance, channel=channel, session_id=session_id,
             after_seq=args.get("after_seq", 0), limit=args.get("limit", 50),
             wait_ms=args.get("wait_ms", 0), types=args.get("types"),
         )
@@ -188,125 +202,14 @@ class CallerTools:
     # -- tether (seed 004) ---------------------------------------------------------------
 
     async def tether_send(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
-        instance = self.app.require_known_instance(args["instance"])
-        session_id = args.get("session_id") or DEFAULT_TETHER_SESSION
-        check_session_id(session_id)
-        frame = await self.app.ingress(
-            instance, TETHER_CHANNEL, session_id, "user.message", {"text": args["text"]},
-            msg_id=host_msg_id(),
-        )
-        return {"msg_id": frame.msg_id, "session_id": session_id, "ingress_seq": frame.seq}
+        return await self.tether.send(args["instance"], args["text"], args.get("session_id"))
 
     async def tether_read(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
-        instance = self.app.require_known_instance(args["instance"])
-        session_id = args.get("session_id") or DEFAULT_TETHER_SESSION
+        instance = self.instances.require_known(args["instance"])
+        session_id = args.get("session_id") or "default"
         check_session_id(session_id)
-        return await read_frames(
-            self.app, instance, channel=TETHER_CHANNEL, session_id=session_id,
+        return await self.tether.read(
+            instance, channel=TETHER_CHANNEL, session_id=session_id,
             after_seq=args.get("after_seq", 0), limit=args.get("limit", 50), wait_ms=args.get("wait_ms", 0),
             types=args.get("types") or list(EGRESS_TYPES), reply_to=args.get("reply_to_msg_id"),
         )
-
-
-TETHER_CHANNEL = "host"
-DEFAULT_TETHER_SESSION = "default"
-EGRESS_TYPES = tuple(t for t in FRAME_TYPES if t != "user.message")
-"""What tether_read returns by default: the agent's side of the conversation, not the host's own messages."""
-MAX_WAIT_MS = 30_000
-
-
-def host_msg_id() -> str:
-    """`host-{timestamp}` (seed 004), with a random suffix so two sends in one millisecond differ."""
-    return f"host-{int(time.time() * 1000)}-{secrets.token_hex(3)}"
-
-
-def check_session_id(session_id: str) -> None:
-    if not SESSION_ID_PATTERN.match(session_id):
-        raise RelayError(errors.INVALID_PARAMS, f"invalid session_id {session_id!r}: use 1-128 of A-Z a-z 0-9 _ . : @ -")
-
-
-async def read_frames(
-    app: OublietteServer,
-    instance: str,
-    *,
-    channel: str | None,
-    session_id: str | None,
-    after_seq: int,
-    limit: int,
-    wait_ms: int,
-    types: list[str] | None = None,
-    reply_to: str | None = None,
-) -> dict[str, Any]:
-    """`{frames, next_seq, timed_out}`: the shape of session_events, tether_read and the poll endpoint."""
-    if not 0 <= wait_ms <= MAX_WAIT_MS:
-        raise RelayError(errors.INVALID_PARAMS, f"wait_ms must be between 0 and {MAX_WAIT_MS}, got {wait_ms}")
-    try:
-        query = FrameQuery(
-            channel=channel, session_id=session_id, after_seq=after_seq,
-            types=tuple(types) if types else None, reply_to=reply_to, limit=limit,
-        )
-    except ValueError as exc:
-        raise RelayError(errors.INVALID_PARAMS, str(exc)) from None
-    try:
-        frames, timed_out = await app.store.wait_for_frames(instance, query, timeout=wait_ms / 1000)
-    except CursorPruned as exc:
-        raise RelayError(errors.NOT_FOUND, str(exc)) from None
-    return {
-        "frames": [f.to_wire() for f in frames],
-        "next_seq": frames[-1].seq if frames else after_seq,
-        "timed_out": timed_out,
-    }
-
-
-def build_caller_server(app: OublietteServer, tools: CallerTools, resolve_caller: ResolveCaller) -> Server:
-    """An MCP server whose tool calls go to `tools`, with callers resolved per request."""
-
-    async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
-        resolve_caller(ctx)
-        return types.ListToolsResult(tools=[tool for tool, _ in tools.tools.values()])
-
-    async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
-        caller = resolve_caller(ctx)
-        return await tools.call(ctx, caller, params.name, dict(params.arguments or {}))
-
-    return CallerMcpServer(
-        "oubliette-server", version="0.1.0", on_list_tools=list_tools, on_call_tool=call_tool,
-        # Served so 2026-07-28 callers see tools.listChanged too (as handshake-era ones do).
-        on_subscriptions_listen=ListenHandler(InMemorySubscriptionBus()),
-    )
-
-
-class CallerMcpServer(Server):
-    """Advertises `tools.listChanged` on every transport (the HTTP app asks with no options)."""
-
-    def create_initialization_options(
-        self, notification_options: NotificationOptions | None = None, *args: Any, **kwargs: Any
-    ) -> InitializationOptions:
-        return super().create_initialization_options(
-            notification_options or NotificationOptions(tools_changed=True), *args, **kwargs
-        )
-
-
-def initialization_options(server: Server) -> InitializationOptions:
-    return server.create_initialization_options()
-
-
-async def serve_stdio_caller(app: OublietteServer) -> None:
-    """Serve one caller on this process's stdin/stdout until it disconnects."""
-    import mcp.server.stdio
-
-    caller = app.open_caller("stdio")
-
-    def resolve(ctx: Any) -> CallerConnection:
-        if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
-            caller.mcp_session = ctx.session
-        return caller
-
-    server = build_caller_server(app, CallerTools(app), resolve)
-    try:
-        async with mcp.server.stdio.stdio_server() as (read_stream, write_stream):
-            await server.run(read_stream, write_stream, initialization_options(server))
-    finally:
-        app.close_caller(caller)
-
-

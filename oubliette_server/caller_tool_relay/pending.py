@@ -20,10 +20,10 @@ import trio
 from protocol import CallerToolSpec, RelayError, errors
 from protocol.schema_check import schema_problem
 
-from .sessions import Session
+from ..sessions import Session
 
 if TYPE_CHECKING:
-    from .callers import CallerConnection
+    from ..callers import CallerConnection
 
 log = logging.getLogger("oubliette.server.calls")
 

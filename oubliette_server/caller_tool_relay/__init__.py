@@ -1,0 +1,11 @@
+"""The caller tool relay (seed 000): the agent calls a tool that the caller declared.
+
+- `declarations`: which caller tools each session has and which client connection sees them;
+  the `caller_tool` relay method.
+- `pending`: one pending entry per relayed call, ended by exactly one outcome.
+"""
+
+from .declarations import CallerToolRelay
+from .pending import CallerCallRegistry, PendingCall
+
+__all__ = ["CallerCallRegistry", "CallerToolRelay", "PendingCall"]

@@ -1,0 +1,100 @@
+"""Caller tool declarations and the `caller_tool` relay method.
+
+A caller declares its tools for a session with `session_message`'s
+`context.caller_tools`; every client connection that sees that session gets a
+`caller_tools_config`. A client bound to a session sees that session's tools;
+an unbound one sees, per caller id, the session declared last.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from protocol import CallerToolSpec, RelayError, SessionRef, errors, messages, unstructure
+
+from ..callers import CallerConnection
+from ..client_connections import ClientConnections, ClientPeer
+from ..sessions import Session, SessionRegistry
+from .pending import CallerCallRegistry
+
+log = logging.getLogger("oubliette.server.caller_tools")
+
+
+class CallerToolRelay:
+    """Declares caller tools to the agents and relays their calls to the declaring caller.
+
+    Needs: the session registry, the client connections (to push configurations to) and the
+    pending-call registry (which appends the request and outcome frames).
+    Raises: `RelayError(NOT_FOUND)` for a tool the connection cannot see.
+    """
+
+    def __init__(self, sessions: SessionRegistry, clients: ClientConnections, pending: CallerCallRegistry) -> None:
+        self.sessions = sessions
+        self.clients = clients
+        self.pending = pending
+
+    async def declare(
+        self, session: Session, caller: CallerConnection, caller_id: str, tools: list[CallerToolSpec]
+    ) -> None:
+        """Make `caller` the owner of `session`'s caller tools and tell the clients that see them.
+
+        Raises `RelayError(INVALID_PARAMS)`, declaring nothing, for a tool that asks for an
+        approval: approvals do not exist yet, and running such a tool without one would be worse
+        than refusing it (fail closed).
+        """
+        gated = [tool.name for tool in tools if tool.requires_approval]
+        if gated:
+            raise RelayError(
+                errors.INVALID_PARAMS,
+                f"caller tool(s) {', '.join(repr(n) for n in gated)} declare requires_approval: true, which this "
+                "server cannot enforce yet; nothing was declared. Declare them without requires_approval only if "
+                "they may run without an approval.",
+            )
+        session.declare_caller_tools(caller, caller_id, tools)
+        config = unstructure(messages.CallerToolsConfig(session_id=session.id, caller_id=caller_id, tools=tools))
+        for connection in self.clients.of_instance(session.instance):
+            if self._client_sees(connection, session):
+                await connection.notify(messages.CALLER_TOOLS_CONFIG, config)
+
+    def _client_sees(self, connection: ClientPeer, session: Session) -> bool:
+        if connection.session_key is not None:
+            return SessionRef.parse_key(connection.session_key).key == session.key
+        latest = self.sessions.latest_declarations(session.instance).get(session.caller_id or "")
+        return latest is session
+
+    def sessions_visible_to(self, connection: ClientPeer) -> list[Session]:
+        """The sessions whose caller tools this client connection sees."""
+        assert connection.instance is not None
+        if connection.session_key is not None:
+            ref = SessionRef.parse_key(connection.session_key)
+            session = self.sessions.get(connection.instance, ref.channel, ref.id)
+            return [session] if session is not None and session.caller_id else []
+        return list(self.sessions.latest_declarations(connection.instance).values())
+
+    def configs_for(self, connection: ClientPeer) -> list[dict[str, Any]]:
+        """The `caller_tools_config` params a newly connected client must get before its hello reply."""
+        return [
+            unstructure(messages.CallerToolsConfig(
+                session_id=session.id, caller_id=session.caller_id or "",
+                tools=list(session.caller_tools.values()),
+            ))
+            for session in self.sessions_visible_to(connection)
+        ]
+
+    async def call(self, connection: ClientPeer, call: messages.CallerToolCall) -> messages.CallerToolResult:
+        """The `caller_tool` relay method: find the tool, relay it, return the caller's answer."""
+        session, spec = self._find(connection, call)
+        result = await self.pending.relay(session, spec, call.arguments)
+        return messages.CallerToolResult(result=result)
+
+    def _find(self, connection: ClientPeer, call: messages.CallerToolCall) -> tuple[Session, CallerToolSpec]:
+        candidates = self.sessions_visible_to(connection)
+        if call.caller_id is not None:
+            candidates = [s for s in candidates if s.caller_id == call.caller_id]
+        for session in sorted(candidates, key=lambda s: s.declared_at, reverse=True):
+            spec = session.caller_tools.get(call.tool)
+            if spec is not None:
+                return session, spec
+        who = f"caller '{call.caller_id}'" if call.caller_id else "any caller"
+        raise RelayError(errors.NOT_FOUND, f"unknown caller tool '{call.tool}' for {who} of this session")

@@ -1,0 +1,44 @@
+"""The `client`-role relay connections of each instance (the agents' `oubliette-client`s).
+
+Caller tool declarations and toolset changes are pushed to these; the guest
+connection of an instance is tracked by guest delivery instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Protocol
+
+
+class ClientPeer(Protocol):
+    """A client connection, as far as the services that push to it care."""
+
+    instance: str | None
+    session_key: str | None
+    router: Any
+
+    async def notify(self, method: str, params: dict) -> None: ...
+
+
+class ClientConnections:
+    """Live client connections by instance. Owns nothing: connections close themselves."""
+
+    def __init__(self) -> None:
+        self._by_instance: dict[str, set[ClientPeer]] = {}
+
+    def add(self, connection: ClientPeer) -> None:
+        assert connection.instance is not None
+        self._by_instance.setdefault(connection.instance, set()).add(connection)
+
+    def discard(self, connection: ClientPeer) -> None:
+        if connection.instance is not None:
+            self._by_instance.get(connection.instance, set()).discard(connection)
+
+    def of_instance(self, instance: str) -> list[ClientPeer]:
+        return list(self._by_instance.get(instance, ()))
+
+    def __iter__(self) -> Iterator[ClientPeer]:
+        for connections in list(self._by_instance.values()):
+            yield from list(connections)
+
+    def instances(self) -> list[str]:
+        return [name for name, conns in self._by_instance.items() if conns]

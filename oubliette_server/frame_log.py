@@ -1,0 +1,84 @@
+"""The frame log as the server's other services see it: store a frame, then tell its followers.
+
+Every frame of every session goes through `FrameLog.append`, so the durable log
+and the live event sinks (callers, request-scoped streams) never disagree on
+order. `ingress` is the door for frames from outside the sandbox: a
+`user.message` there also wakes the instance (the wake hook is given, not
+imported, so this module depends on the store and sessions only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .sessions import Session, SessionRegistry
+from .store import FrameStore, StoredFrame
+
+
+def frame_event(frame: StoredFrame) -> dict[str, Any]:
+    """The flattened event a caller receives for a frame (DESIGN.md, "Events to the caller")."""
+    event: dict[str, Any] = dict(frame.payload)
+    event.update(
+        type=frame.type, seq=frame.seq, ts=frame.ts, instance=frame.instance,
+        channel=frame.channel, session_id=frame.session_id, msg_id=frame.msg_id,
+    )
+    if frame.reply_to is not None:
+        event["reply_to"] = frame.reply_to
+    return event
+
+
+class FrameLog:
+    """Appends frames to the store and pushes each to the sinks of its session.
+
+    Needs: the frame store and the session registry; `on_user_message(instance)` is called
+    after a `user.message` arrives through `ingress` (the wake service).
+    Raises: whatever the store raises for a frame it refuses (`ValueError`, `TypeError`).
+    """
+
+    def __init__(
+        self,
+        store: FrameStore,
+        sessions: SessionRegistry,
+        on_user_message: Callable[[str], object] = lambda instance: None,
+    ) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.on_user_message = on_user_message
+
+    async def append(
+        self,
+        session: Session,
+        type: str,
+        payload: dict[str, Any],
+        *,
+        reply_to: str | None = None,
+        msg_id: str | None = None,
+    ) -> StoredFrame:
+        """Store a frame of `session` and push it to everyone following the session."""
+        frame = await self.store.append(
+            session.instance, channel=session.channel, session_id=session.id,
+            type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
+        )
+        if session.sinks:
+            event = frame_event(frame)
+            for sink in list(session.sinks):
+                sink.push(event)
+        return frame
+
+    async def ingress(
+        self,
+        instance: str,
+        channel: str,
+        session_id: str,
+        type: str,
+        payload: dict[str, Any],
+        *,
+        msg_id: str | None = None,
+        reply_to: str | None = None,
+    ) -> StoredFrame:
+        """Append a frame from outside the sandbox; a `user.message` wakes the instance."""
+        session = self.sessions.get_or_create(instance, channel, session_id)
+        frame = await self.append(session, type, payload, msg_id=msg_id, reply_to=reply_to)
+        if type == "user.message":
+            self.on_user_message(instance)
+        return frame

@@ -1,0 +1,12 @@
+"""The guest side of an instance, seen from the server.
+
+- `delivery`: the one guest connection of each instance and the `user.message` frames fed to it;
+- `wake`: start an instance's guest when a message arrives and it is not connected;
+- `frames`: the frames a guest may append (`append_frame`) and its `ack`s.
+"""
+
+from .delivery import GuestDelivery
+from .frames import GUEST_FRAME_TYPES, GuestFrames
+from .wake import InstanceStarter
+
+__all__ = ["GUEST_FRAME_TYPES", "GuestDelivery", "GuestFrames", "InstanceStarter"]

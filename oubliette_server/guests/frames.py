@@ -1,0 +1,41 @@
+"""The relay methods of a guest connection: `append_frame` (request) and `ack` (notification)."""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from protocol import RelayError, errors, messages
+
+from ..sessions import Session, SessionRegistry
+from .delivery import GuestDelivery, GuestPeer
+
+GUEST_FRAME_TYPES = frozenset({"assistant.delta", "assistant.done", "status.presence", "session.error"})
+
+Append = Callable[..., Awaitable[Any]]
+
+
+class GuestFrames:
+    """Stores what a guest reports about its turns; refuses the frame types only the server makes.
+
+    Needs: the session registry, the frame log's `append`, and guest delivery (for acks).
+    Raises: `RelayError(INVALID_PARAMS)` for a frame type a guest may not append.
+    """
+
+    def __init__(self, sessions: SessionRegistry, append: Append, delivery: GuestDelivery) -> None:
+        self.sessions = sessions
+        self.append = append
+        self.delivery = delivery
+
+    async def append_frame(self, connection: GuestPeer, request: messages.AppendFrame) -> messages.AppendFrameResult:
+        if request.type not in GUEST_FRAME_TYPES:
+            raise RelayError(
+                errors.INVALID_PARAMS,
+                f"a guest may append {', '.join(sorted(GUEST_FRAME_TYPES))}; not {request.type!r}",
+            )
+        assert connection.instance is not None
+        session: Session = self.sessions.get_or_create(connection.instance, request.session.channel, request.session.id)
+        frame = await self.append(session, request.type, request.payload, reply_to=request.reply_to)
+        return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
+
+    def ack(self, connection: GuestPeer, ack: messages.Ack) -> None:
+        self.delivery.acknowledge(connection, ack.seq)

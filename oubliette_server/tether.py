@@ -1,0 +1,180 @@
+"""The tether (seed 004): send into a session, read its frames, wait for new ones, stream them.
+
+The caller's MCP tools (`tether_send`, `tether_read`, `session_events`) and the
+HTTP routes (`/v1/instances/{id}/tether[/poll|/stream]`) are thin adapters over
+`Tether`; validation lives here, once.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+from protocol import FRAME_TYPES, RelayError, errors
+from protocol.schema_check import compile_schema, first_problem
+
+from .frame_log import FrameLog
+from .instances import InstanceDirectory
+from .store import CursorPruned, FrameQuery, FrameStore, StoredFrame
+
+TETHER_CHANNEL = "host"
+"""The channel of sessions opened with `tether_send` (`mcp` is session_message's)."""
+DEFAULT_TETHER_SESSION = "default"
+EGRESS_TYPES = tuple(t for t in FRAME_TYPES if t != "user.message")
+"""What tether_read returns by default: the agent's side of the conversation, not the host's own messages."""
+MAX_WAIT_MS = 30_000
+STREAM_BATCH = 200
+SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+SERVER_OWNED_TYPES = frozenset({
+    "caller_tool_request", "caller_tool_result", "caller_tool_cancelled", "approval_request", "approval_resolved",
+})
+"""Frame types only the server appends; ingress refuses them."""
+
+INGRESS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "v": {"const": 1},
+        "type": {"type": "string", "pattern": r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"},
+        "session": {
+            "type": "object",
+            "properties": {
+                "channel": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,64}$"},
+                "id": {"type": "string", "pattern": r"^[A-Za-z0-9_.:@-]{1,128}$"},
+            },
+            "required": ["channel", "id"],
+        },
+        "payload": {"type": "object"},
+        "msg_id": {"type": "string", "minLength": 1, "maxLength": 128},
+        "reply_to": {"type": "string", "minLength": 1, "maxLength": 128},
+    },
+    "required": ["type", "session"],
+}
+_ingress_validator = compile_schema(INGRESS_SCHEMA)
+
+
+def host_msg_id() -> str:
+    """`host-{timestamp}` (seed 004), with a random suffix so two sends in one millisecond differ."""
+    return f"host-{int(time.time() * 1000)}-{secrets.token_hex(3)}"
+
+
+def check_session_id(session_id: str) -> None:
+    """Raise `RelayError(INVALID_PARAMS)` unless `session_id` is 1-128 of A-Z a-z 0-9 _ . : @ -."""
+    if not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id):
+        raise RelayError(errors.INVALID_PARAMS, f"invalid session_id {session_id!r}: use 1-128 of A-Z a-z 0-9 _ . : @ -")
+
+
+class Tether:
+    """The frame log as seed 004's duplex channel.
+
+    Needs: the frame store (reads, long-poll waits), the frame log (appends that reach
+    followers and wake the instance) and the instance directory (unknown instances are refused).
+    Raises: `RelayError` (INVALID_PARAMS, NOT_FOUND) with the message a caller or HTTP client gets.
+    """
+
+    def __init__(self, store: FrameStore, frame_log: FrameLog, instances: InstanceDirectory) -> None:
+        self.store = store
+        self.frame_log = frame_log
+        self.instances = instances
+
+    async def send(self, instance: str, text: str, session_id: str | None = None) -> dict[str, Any]:
+        """`tether_send`: a `user.message` on the `host` channel; `{msg_id, session_id, ingress_seq}`."""
+        instance = self.instances.require_known(instance)
+        session_id = session_id or DEFAULT_TETHER_SESSION
+        check_session_id(session_id)
+        frame = await self.frame_log.ingress(
+            instance, TETHER_CHANNEL, session_id, "user.message", {"text": text}, msg_id=host_msg_id(),
+        )
+        return {"msg_id": frame.msg_id, "session_id": session_id, "ingress_seq": frame.seq}
+
+    async def ingest(self, instance: str, body: Any) -> StoredFrame:
+        """HTTP ingress: validate a frame a program outside the sandbox posts, and append it."""
+        instance = self.instances.require_known(instance)
+        problem = first_problem(_ingress_validator, body, "invalid frame")
+        if problem is not None:
+            raise RelayError(errors.INVALID_PARAMS, problem)
+        if body["type"] in SERVER_OWNED_TYPES:
+            raise RelayError(errors.INVALID_PARAMS, f"frames of type {body['type']!r} are made by the server only")
+        return await self.frame_log.ingress(
+            instance, body["session"]["channel"], body["session"]["id"], body["type"],
+            body.get("payload", {}), msg_id=body.get("msg_id"), reply_to=body.get("reply_to"),
+        )
+
+    async def read(
+        self,
+        instance: str,
+        *,
+        channel: str | None,
+        session_id: str | None,
+        after_seq: int = 0,
+        limit: int = 50,
+        wait_ms: int = 0,
+        types: list[str] | tuple[str, ...] | None = None,
+        reply_to: str | None = None,
+    ) -> dict[str, Any]:
+        """`{frames, next_seq, timed_out}`: session_events, tether_read and the poll endpoint.
+
+        Waits up to `wait_ms` for a first matching frame (woken by the append, no polling).
+        """
+        if not isinstance(wait_ms, int) or not 0 <= wait_ms <= MAX_WAIT_MS:
+            raise RelayError(errors.INVALID_PARAMS, f"wait_ms must be between 0 and {MAX_WAIT_MS}, got {wait_ms}")
+        query = self._query(channel, session_id, after_seq, limit, types, reply_to)
+        try:
+            frames, timed_out = await self.store.wait_for_frames(instance, query, timeout=wait_ms / 1000)
+        except CursorPruned as exc:
+            raise RelayError(errors.NOT_FOUND, str(exc)) from None
+        return {
+            "frames": [f.to_wire() for f in frames],
+            "next_seq": frames[-1].seq if frames else after_seq,
+            "timed_out": timed_out,
+        }
+
+    async def stream(
+        self,
+        instance: str,
+        *,
+        after_seq: int,
+        keepalive_seconds: float,
+        channel: str | None = None,
+        session_id: str | None = None,
+        types: list[str] | None = None,
+        reply_to: str | None = None,
+    ) -> AsyncIterator[dict[str, Any] | None]:
+        """Every matching frame after `after_seq`, then new ones as they come; None when idle.
+
+        The first batch is read (and its errors raised) before the iterator is returned, so an
+        HTTP adapter can answer a bad request with an error status instead of a broken stream.
+        """
+        first = await self.read(
+            instance, channel=channel, session_id=session_id, after_seq=after_seq, limit=STREAM_BATCH,
+            types=types, reply_to=reply_to,
+        )
+        wait_ms = int(keepalive_seconds * 1000)
+
+        async def frames() -> AsyncIterator[dict[str, Any] | None]:
+            batch = first
+            while True:
+                for frame in batch["frames"]:
+                    yield frame
+                if not batch["frames"]:
+                    yield None
+                batch = await self.read(
+                    instance, channel=channel, session_id=session_id, after_seq=batch["next_seq"],
+                    limit=STREAM_BATCH, wait_ms=wait_ms, types=types, reply_to=reply_to,
+                )
+
+        return frames()
+
+    @staticmethod
+    def _query(
+        channel: str | None, session_id: str | None, after_seq: int, limit: int,
+        types: list[str] | tuple[str, ...] | None, reply_to: str | None,
+    ) -> FrameQuery:
+        try:
+            return FrameQuery(
+                channel=channel, session_id=session_id, after_seq=after_seq,
+                types=tuple(types) if types else None, reply_to=reply_to, limit=limit,
+            )
+        except ValueError as exc:
+            raise RelayError(errors.INVALID_PARAMS, str(exc)) from None

@@ -1,0 +1,152 @@
+"""The toolset feature as one service: registration, allowlists, per-session routers, `toolset_call`.
+
+Both the embedding API (`OublietteServer.register_toolset` & co.) and the config
+file go through here; client connections are told at once when what they see
+changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from protocol import RelayError, errors, messages
+
+from ..client_connections import ClientConnections, ClientPeer
+from .base import Toolset, ToolsetFactory, ToolSpec
+from .command_toolset import CommandToolset
+from .mcp_toolset import DEFAULT_CALL_TIMEOUT, McpToolset
+from .registry import ToolsetDefinition, ToolsetRegistry
+from .router import ToolRouter
+from .sessions import ToolsetSessions
+
+
+def toolsets_config(router: ToolRouter) -> dict[str, Any]:
+    """The `toolsets_config` params that publish a router's tools."""
+    return {"tools": router.published(), "separator": router.separator}
+
+
+class ToolsetService:
+    """Host toolsets for the agents: what is registered, who may see it, and calls to it.
+
+    Owns: a nursery (start it with `await nursery.start(service.serve)`) that runs the shared
+    MCP toolsets and stops routers of sessions that ended. Needs: the tool-name separator and
+    the client connections to push lists to.
+    Raises: `RuntimeError` from `register_mcp_toolset` before `serve` started or when the MCP
+    server cannot start; `ValueError` for a bad registration; `RelayError` from `call`.
+    """
+
+    def __init__(self, separator: str, clients: ClientConnections) -> None:
+        self.registry = ToolsetRegistry()
+        self.clients = clients
+        self.sessions = ToolsetSessions(self.registry, separator, self._push)
+        self._nursery: trio.Nursery | None = None
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the toolsets' nursery until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- registration --------------------------------------------------------------------
+
+    async def register_toolset(
+        self,
+        toolset_id: str,
+        prefix: str,
+        tools: list[ToolSpec],
+        *,
+        factory: ToolsetFactory | None = None,
+        ref: Toolset | None = None,
+        kind: str = "code",
+    ) -> ToolsetDefinition:
+        """Register a toolset: `factory` makes one per session (stopped with it), `ref` is one shared toolset."""
+        definition = ToolsetDefinition(toolset_id, prefix, list(tools), factory=factory, ref=ref, kind=kind)
+        self.registry.register(definition)
+        await self.refresh()
+        return definition
+
+    async def register_mcp_toolset(
+        self,
+        toolset_id: str,
+        prefix: str,
+        command: str,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        roots: list[str] | None = None,
+        *,
+        call_timeout: float | None = None,
+    ) -> ToolsetDefinition:
+        """Start a stdio MCP server with the SDK's client, list its tools, and register them (shared)."""
+        if self._nursery is None:
+            raise RuntimeError("start the server (serve) before registering an MCP toolset")
+        toolset = McpToolset(
+            toolset_id, command, args, env, cwd, roots, nursery=self._nursery,
+            call_timeout=call_timeout or DEFAULT_CALL_TIMEOUT,
+        )
+        tools = await toolset.start()
+        try:
+            return await self.register_toolset(toolset_id, prefix, tools, ref=toolset, kind="mcp")
+        except Exception:
+            await toolset.aclose()
+            raise
+
+    async def register_command_toolset(
+        self,
+        toolset_id: str,
+        prefix: str,
+        command: str | list[str],
+        *,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ToolsetDefinition:
+        """Register an endpoint speaking seed 001's action contract; discovery failures leave it empty."""
+        options: dict[str, Any] = {"env": env, "cwd": cwd}
+        if timeout is not None:
+            options["timeout"] = timeout
+        toolset = CommandToolset(toolset_id, command, **options)
+        tools = await toolset.discover()
+        return await self.register_toolset(toolset_id, prefix, tools, ref=toolset, kind="command")
+
+    async def unregister_toolset(self, toolset_id: str) -> None:
+        definition = self.registry.unregister(toolset_id)
+        await self.refresh()
+        if definition.ref is not None:
+            await definition.ref.aclose()
+
+    async def update_allowed_toolsets(self, instance: str, toolset_ids: list[str]) -> None:
+        """Set which toolsets an instance's agents see (empty by default); agents are told at once."""
+        self.registry.set_allowed(instance, toolset_ids)
+        await self.refresh(instance)
+
+    async def refresh(self, instance: str | None = None) -> None:
+        """Rebind every session's toolsets (of one instance) and tell clients whose list changed."""
+        await self.sessions.refresh(instance)
+
+    async def _push(self, router: ToolRouter) -> None:
+        config = toolsets_config(router)
+        for connection in self.clients:
+            if connection.router is router:
+                await connection.notify(messages.TOOLSETS_CONFIG, config)
+
+    # -- connections ---------------------------------------------------------------------
+
+    async def attach(self, connection: ClientPeer) -> dict[str, Any]:
+        """Bind a new client connection to its session's router; the config it must get first."""
+        return toolsets_config(await self.sessions.attach(connection))
+
+    def detach(self, connection: ClientPeer) -> None:
+        self.sessions.detach(connection, self._nursery)
+
+    async def call(self, connection: ClientPeer, call: messages.ToolsetCall) -> messages.ToolsetCallResult:
+        """The `toolset_call` relay method."""
+        if connection.router is None:
+            raise RelayError(errors.NOT_FOUND, "no toolsets are bound to this connection")
+        outcome = await connection.router.call(call.name, call.arguments)
+        if outcome.is_error:
+            raise RelayError(errors.TOOL_ERROR, outcome.error or f"{call.name} failed")
+        return messages.ToolsetCallResult(result=outcome.result, content=outcome.content)
