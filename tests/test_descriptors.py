@@ -548,7 +548,9 @@ def test_actions() -> None:
     assert ACTIONS == ("list_tools", "describe_tool", "call_tool")
     assert protocol.LIST_TOOLS == "list_tools"
     assert SCHEMAS["action_request"]["properties"]["action"]["enum"] == list(ACTIONS)
-    assert set(CATEGORIES) == {"usage", "not_found", "tool", "unavailable", "pipeline", "fatal"}
+    assert set(CATEGORIES) == {
+        "usage", "not_found", "tool", "timeout", "cancelled", "unavailable", "pipeline", "fatal",
+    }
 
 
 # --- responses --------------------------------------------------------------------------------
@@ -683,13 +685,14 @@ def test_action_error_relay_mapping() -> None:
     )
     assert ActionError("e", "usage", "m").to_relay_error().code == TOOL_ERROR
     assert ActionError("e", "tool", "m").to_relay_error().code == TOOL_ERROR
+    # The one category table (protocol.errors), as the endpoint emits it: a timeout is "timeout".
     for code, category in [
         (NOT_FOUND, "not_found"),
         (TOOL_ERROR, "tool"),
-        (TIMEOUT, "unavailable"),
+        (TIMEOUT, "timeout"),
         (PEER_DISCONNECTED, "unavailable"),
         (INVALID_PARAMS, "usage"),
-        (-32603, "fatal"),
+        (-32603, "tool"),
         (-1, "tool"),
     ]:
         err = ActionError.from_relay_error(RelayError(code, "text"), component="oubliette-client")
