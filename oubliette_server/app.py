@@ -15,6 +15,7 @@ import trio
 
 from protocol import (
     CallerToolSpec,
+    Frame,
     RelayError,
     SessionRef,
     errors,
@@ -32,7 +33,7 @@ from .config import ServerConfig
 from .guests import GuestDelivery
 from .relay import RelayConnection, RelayListener
 from .sessions import Session, SessionRegistry
-from .store import FrameStore, StoredFrame
+from .store import FrameStore
 from .toolsets import (
     CommandToolset,
     McpToolset,
@@ -49,18 +50,6 @@ from .wake import InstanceStarter
 log = logging.getLogger("oubliette.server")
 
 GUEST_FRAME_TYPES = frozenset({"assistant.delta", "assistant.done", "status.presence", "session.error"})
-
-
-def frame_event(frame: StoredFrame) -> dict[str, Any]:
-    """The flattened event a caller receives for a frame (DESIGN.md, "Events to the caller")."""
-    event: dict[str, Any] = dict(frame.payload)
-    event.update(
-        type=frame.type, seq=frame.seq, ts=frame.ts, instance=frame.instance,
-        channel=frame.channel, session_id=frame.session_id, msg_id=frame.msg_id,
-    )
-    if frame.reply_to is not None:
-        event["reply_to"] = frame.reply_to
-    return event
 
 
 class OublietteServer:
@@ -125,14 +114,14 @@ class OublietteServer:
         *,
         reply_to: str | None = None,
         msg_id: str | None = None,
-    ) -> StoredFrame:
+    ) -> Frame:
         """Store a frame of `session` and push it to everyone following the session."""
         frame = await self.store.append(
             session.instance, channel=session.channel, session_id=session.id,
             type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
         )
         if session.sinks:
-            event = frame_event(frame)
+            event = frame.to_event()
             for sink in list(session.sinks):
                 sink.push(event)
         return frame
@@ -147,7 +136,7 @@ class OublietteServer:
         *,
         msg_id: str | None = None,
         reply_to: str | None = None,
-    ) -> StoredFrame:
+    ) -> Frame:
         """Append a frame from outside the sandbox; a `user.message` wakes the instance."""
         session = self.sessions.get_or_create(instance, channel, session_id)
         frame = await self.append_frame(session, type, payload, msg_id=msg_id, reply_to=reply_to)

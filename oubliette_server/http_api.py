@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from protocol import RelayError, errors
+from protocol import INGRESS_SCHEMA, RelayError, errors
 from protocol.schema_check import compile_schema, first_problem
 
 from .app import OublietteServer
@@ -51,25 +51,6 @@ HTTP_STATUS = {
     errors.NOT_FOUND: 404, errors.UNAUTHORIZED: 401, errors.DENIED: 403,
 }
 
-INGRESS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "v": {"const": 1},
-        "type": {"type": "string", "pattern": r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"},
-        "session": {
-            "type": "object",
-            "properties": {
-                "channel": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,64}$"},
-                "id": {"type": "string", "pattern": r"^[A-Za-z0-9_.:@-]{1,128}$"},
-            },
-            "required": ["channel", "id"],
-        },
-        "payload": {"type": "object"},
-        "msg_id": {"type": "string", "minLength": 1, "maxLength": 128},
-        "reply_to": {"type": "string", "minLength": 1, "maxLength": 128},
-    },
-    "required": ["type", "session"],
-}
 _ingress_validator = compile_schema(INGRESS_SCHEMA)
 
 

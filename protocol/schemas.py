@@ -49,11 +49,16 @@ from .schema_parts import (
 __all__ = [
     "SCHEMA_DIALECT",
     "SCHEMAS",
+    "CALLER_ID_SCHEMA",
     "CALLER_TOOL_SPEC_SCHEMA",
     "validate_params",
     "validator_for",
     "parse_params",
 ]
+
+#: A caller id: its tools are published as ``{caller_id}_{tool}``, so it keeps to the
+#: characters every host accepts in a tool name.
+CALLER_ID_SCHEMA: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,32}$"}
 
 #: The JSON Schema of a :class:`protocol.messages.CallerToolSpec`, also what a caller
 #: declares in ``session_message`` (the server's caller-facing schema is this one).
@@ -118,7 +123,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             ["session_id", "caller_id", "tools"],
             {
                 "session_id": NON_EMPTY,
-                "caller_id": NON_EMPTY,
+                "caller_id": CALLER_ID_SCHEMA,
                 "tools": {"type": "array", "items": CALLER_TOOL_SPEC_SCHEMA},
             },
         ),
