@@ -30,18 +30,11 @@ class CallOutcome:
     result: Any = None
     content: list[dict[str, Any]] | None = None
     error: str | None = None
-    category: str = "tool"  # for errors: usage | not_found | tool | unavailable | timeout | cancelled
+    category: str = "tool"  # for errors: one of protocol.errors.CATEGORIES
 
     @property
     def is_error(self) -> bool:
         return self.error is not None
-
-
-CATEGORY_BY_CODE = {
-    errors.TIMEOUT: "timeout", errors.PEER_DISCONNECTED: "unavailable", errors.CANCELLED: "cancelled",
-    errors.TOOL_ERROR: "tool", errors.NOT_FOUND: "not_found", errors.INVALID_PARAMS: "usage",
-    errors.UNAUTHORIZED: "unavailable", errors.DENIED: "tool",
-}
 
 
 def relay_error_text(tool: PublishedTool, err: RelayError) -> str:
@@ -118,7 +111,7 @@ class SandboxTools:
             else:
                 reply = await self.link.request(messages.TOOLSET_CALL, {"name": tool.name, "arguments": arguments})
         except RelayError as err:
-            return CallOutcome(error=relay_error_text(tool, err), category=CATEGORY_BY_CODE.get(err.code, "tool"))
+            return CallOutcome(error=relay_error_text(tool, err), category=err.category)
         reply = reply if isinstance(reply, dict) else {"result": reply}
         result = reply.get("result")
         problem = tool.result_error(result)

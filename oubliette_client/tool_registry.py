@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import trio
 
-from protocol import CallerToolSpec, ToolsetToolSpec
+from protocol import CallerToolSpec, ToolsetToolSpec, build_descriptor
 from protocol.schema_check import InvalidSchema, compile_schema, first_problem
 
 log = logging.getLogger("oubliette.client.tools")
@@ -53,15 +53,14 @@ class PublishedTool:
 
 
 def caller_descriptor(name: str, caller_id: str, spec: CallerToolSpec, schema: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "name": name,
-        "description": spec.description or f"{spec.name} (from caller {caller_id})",
-        "command": f"oubliette-client tools call {name} '<arguments as JSON>'",
-        "origin": "remote",
-        "safety": f"runs in the caller's application '{caller_id}', outside the sandbox; the caller decides the result",
-        "input_schema": schema,
-        "result_schema": spec.resultSchema if spec.resultSchema is not None else {},
-    }
+    """The descriptor dict of a caller tool published as `name`."""
+    return build_descriptor(
+        name,
+        description=spec.description or f"{spec.name} (from caller {caller_id})",
+        safety=f"runs in the caller's application '{caller_id}', outside the sandbox; the caller decides the result",
+        input_schema=schema,
+        result_schema=spec.resultSchema,
+    ).to_dict()
 
 
 class ToolRegistry:
@@ -142,12 +141,9 @@ class ToolRegistry:
         validators = self._validators(spec.name, schema, None)
         if validators is None:
             return None
-        descriptor = attrs.asdict(spec.descriptor) if spec.descriptor is not None else {
-            "name": spec.name, "description": spec.description,
-            "command": f"oubliette-client tools call {spec.name} '<arguments as JSON>'",
-            "origin": "remote", "safety": "runs on the host, outside the sandbox",
-            "input_schema": schema, "result_schema": {},
-        }
+        descriptor = (spec.descriptor or build_descriptor(
+            spec.name, description=spec.description, safety="runs on the host, outside the sandbox", input_schema=schema,
+        )).to_dict()
         return PublishedTool(
             name=spec.name, description=spec.description or descriptor["description"], input_schema=schema,
             kind="toolset", tool=spec.tool, owner=spec.toolset, descriptor=descriptor, validator=validators[0],

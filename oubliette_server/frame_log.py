@@ -12,19 +12,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .sessions import Session, SessionRegistry
-from .store import FrameStore, StoredFrame
+from protocol import Frame
 
-
-def frame_event(frame: StoredFrame) -> dict[str, Any]:
-    """The flattened event a caller receives for a frame (DESIGN.md, "Events to the caller")."""
-    event: dict[str, Any] = dict(frame.payload)
-    event.update(
-        type=frame.type, seq=frame.seq, ts=frame.ts, instance=frame.instance,
-        channel=frame.channel, session_id=frame.session_id, msg_id=frame.msg_id,
-    )
-    if frame.reply_to is not None:
-        event["reply_to"] = frame.reply_to
-    return event
+from .store import FrameStore
 
 
 class FrameLog:
@@ -53,14 +43,14 @@ class FrameLog:
         *,
         reply_to: str | None = None,
         msg_id: str | None = None,
-    ) -> StoredFrame:
+    ) -> Frame:
         """Store a frame of `session` and push it to everyone following the session."""
         frame = await self.store.append(
             session.instance, channel=session.channel, session_id=session.id,
             type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
         )
         if session.sinks:
-            event = frame_event(frame)
+            event = frame.to_event()
             for sink in list(session.sinks):
                 sink.push(event)
         return frame
@@ -75,7 +65,7 @@ class FrameLog:
         *,
         msg_id: str | None = None,
         reply_to: str | None = None,
-    ) -> StoredFrame:
+    ) -> Frame:
         """Append a frame from outside the sandbox; a `user.message` wakes the instance."""
         session = self.sessions.get_or_create(instance, channel, session_id)
         frame = await self.append(session, type, payload, msg_id=msg_id, reply_to=reply_to)

@@ -2,8 +2,8 @@
 
 Every message and event of every session is a *frame* (see DESIGN.md, "Frames", and seed 004
 section 3).  This module stores frames, hands out the per-instance ``seq``, answers filtered
-queries and wakes long-poll waiters.  It defines its own small record type,
-:class:`StoredFrame`, and imports nothing from ``protocol/``.
+queries and wakes long-poll waiters.  It returns the protocol's one frame model,
+:class:`protocol.frames.Frame`, so every view of a frame (wire, caller event) comes from it.
 
 Storage decisions
 =================
@@ -105,6 +105,8 @@ from typing import Any
 import attrs
 import trio
 
+from protocol.frames import FRAME_VERSION, Frame, SessionRef
+
 __all__ = [
     "DEFAULT_LIMIT",
     "DEFAULT_PRUNE_EVERY",
@@ -113,7 +115,6 @@ __all__ = [
     "CursorPruned",
     "FrameQuery",
     "FrameStore",
-    "StoredFrame",
     "format_ts",
 ]
 
@@ -151,37 +152,12 @@ def format_ts(epoch: float) -> str:
 # Records
 
 
-@attrs.define(frozen=True)
-class StoredFrame:
-    """One frame of the tether log, as stored."""
-
-    v: int
-    seq: int
-    ts: str
-    instance: str
-    channel: str
-    session_id: str
-    type: str
-    msg_id: str
-    reply_to: str | None
-    payload: dict
-
-    def to_wire(self) -> dict:
-        """The frame as JSON: ``{"v","seq","ts","instance","session":{"channel","id"},
-        "type","msg_id","reply_to","payload"}``; ``reply_to`` is left out when it is None."""
-        wire: dict[str, Any] = {
-            "v": self.v,
-            "seq": self.seq,
-            "ts": self.ts,
-            "instance": self.instance,
-            "session": {"channel": self.channel, "id": self.session_id},
-            "type": self.type,
-            "msg_id": self.msg_id,
-        }
-        if self.reply_to is not None:
-            wire["reply_to"] = self.reply_to
-        wire["payload"] = self.payload
-        return wire
+def _frame(seq: int, ts: str, instance: str, channel: str, session_id: str, type: str, msg_id: str,
+           reply_to: str | None, payload: dict[str, Any]) -> Frame:
+    return Frame(
+        v=FRAME_VERSION, seq=seq, ts=ts, instance=instance, session=SessionRef(channel=channel, id=session_id),
+        type=type, msg_id=msg_id, reply_to=reply_to, payload=payload,
+    )
 
 
 def _types_converter(value: Any) -> tuple[str, ...] | None:
@@ -480,7 +456,7 @@ class FrameStore:
         payload: dict,
         msg_id: str | None = None,
         reply_to: str | None = None,
-    ) -> StoredFrame:
+    ) -> Frame:
         """Append one frame; its seq is the next after the highest ever assigned for the
         instance.  ``msg_id`` defaults to ``"m-" + uuid4().hex``.  Wakes the instance's
         waiters.  The frame is committed when this returns (see the module docstring for
@@ -488,7 +464,7 @@ class FrameStore:
         prepared = [self._prepare(channel, session_id, type, payload, msg_id, reply_to)]
         return (await self._append(instance, prepared))[0]
 
-    async def append_many(self, instance: str, frames: list[dict]) -> list[StoredFrame]:
+    async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
         """Append several frames in one transaction (consecutive seqs, one commit, one
         wakeup).  Each dict holds :meth:`append`'s keyword arguments."""
         prepared = []
@@ -508,7 +484,7 @@ class FrameStore:
             )
         return await self._append(instance, prepared)
 
-    async def _append(self, instance: str, prepared: list[tuple]) -> list[StoredFrame]:
+    async def _append(self, instance: str, prepared: list[tuple]) -> list[Frame]:
         if not isinstance(instance, str) or not instance:
             raise ValueError(f"instance must be a non-empty string, got {instance!r}")
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -538,7 +514,7 @@ class FrameStore:
                 )
         self._iids[instance] = iid
         stored = [
-            StoredFrame(1, first + i, ts, instance, ch, sid, typ, mid, rt, obj)
+            _frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
             for i, (ch, sid, typ, mid, rt, _, obj) in enumerate(prepared)
         ]
         event = self._wake.pop(instance, None)
@@ -627,7 +603,7 @@ class FrameStore:
         params.append(q.limit)
         return sql, params
 
-    def query(self, instance: str, q: FrameQuery) -> list[StoredFrame]:
+    def query(self, instance: str, q: FrameQuery) -> list[Frame]:
         """Frames of ``instance`` matching ``q``, by seq ascending, at most ``q.limit``.
 
         Raises :class:`CursorPruned` if ``q.after_seq`` is below the retained log (frames
@@ -646,7 +622,7 @@ class FrameStore:
         sql, params = self._build(iid, q)
         loads = json.loads
         return [
-            StoredFrame(1, seq, ts, instance, ch, sid, typ, mid, rt, loads(payload))
+            _frame(seq, ts, instance, ch, sid, typ, mid, rt, loads(payload))
             for seq, ts, ch, sid, typ, mid, rt, payload in db.execute(sql, params)
         ]
 
@@ -658,7 +634,7 @@ class FrameStore:
 
     # -- long poll -----------------------------------------------------------------------
 
-    async def wait_for_frames(self, instance: str, q: FrameQuery, timeout: float) -> tuple[list[StoredFrame], bool]:
+    async def wait_for_frames(self, instance: str, q: FrameQuery, timeout: float) -> tuple[list[Frame], bool]:
         """Long poll: :meth:`query`; if nothing matches and ``timeout > 0`` (seconds), wait
         until a matching frame is appended or the timeout expires.
 

@@ -12,12 +12,12 @@ import secrets
 import time
 from typing import Any, AsyncIterator
 
-from protocol import FRAME_TYPES, RelayError, errors
+from protocol import FRAME_TYPES, INGRESS_SCHEMA, Frame, RelayError, errors
 from protocol.schema_check import compile_schema, first_problem
 
 from .frame_log import FrameLog
 from .instances import InstanceDirectory
-from .store import CursorPruned, FrameQuery, FrameStore, StoredFrame
+from .store import CursorPruned, FrameQuery, FrameStore
 
 TETHER_CHANNEL = "host"
 """The channel of sessions opened with `tether_send` (`mcp` is session_message's)."""
@@ -32,25 +32,6 @@ SERVER_OWNED_TYPES = frozenset({
 })
 """Frame types only the server appends; ingress refuses them."""
 
-INGRESS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "v": {"const": 1},
-        "type": {"type": "string", "pattern": r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"},
-        "session": {
-            "type": "object",
-            "properties": {
-                "channel": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,64}$"},
-                "id": {"type": "string", "pattern": r"^[A-Za-z0-9_.:@-]{1,128}$"},
-            },
-            "required": ["channel", "id"],
-        },
-        "payload": {"type": "object"},
-        "msg_id": {"type": "string", "minLength": 1, "maxLength": 128},
-        "reply_to": {"type": "string", "minLength": 1, "maxLength": 128},
-    },
-    "required": ["type", "session"],
-}
 _ingress_validator = compile_schema(INGRESS_SCHEMA)
 
 
@@ -88,7 +69,7 @@ class Tether:
         )
         return {"msg_id": frame.msg_id, "session_id": session_id, "ingress_seq": frame.seq}
 
-    async def ingest(self, instance: str, body: Any) -> StoredFrame:
+    async def ingest(self, instance: str, body: Any) -> Frame:
         """HTTP ingress: validate a frame a program outside the sandbox posts, and append it."""
         instance = self.instances.require_known(instance)
         problem = first_problem(_ingress_validator, body, "invalid frame")

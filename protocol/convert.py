@@ -5,6 +5,10 @@ Input comes from another process, so structuring never coerces (``"5"`` is not a
 ``RelayError(INVALID_PARAMS)`` whose message names the class and the field. Unknown keys
 are ignored so newer peers can add fields. Unstructuring drops optional fields that are
 ``None`` so messages stay small and older peers see only what they know.
+
+This module knows no protocol class: it sits just above :mod:`protocol.errors`, and every
+model module builds on it. A class names itself in error messages with a ``wire_label``
+class attribute (``"frame"``, ``"hello params"``); without one, its class name is used.
 """
 
 from __future__ import annotations
@@ -24,16 +28,14 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
 
-from . import descriptors, messages
-from .errors import INVALID_PARAMS, METHOD_NOT_FOUND, RelayError
-from .schemas import validate_params
+from .errors import INVALID_PARAMS, RelayError
 
 __all__ = [
     "converter",
     "make_converter",
     "structure",
     "unstructure",
-    "parse_params",
+    "wire_label",
     "StrictTypeError",
     "json_type_name",
 ]
@@ -266,15 +268,10 @@ converter: cattrs.Converter = make_converter()
 
 # --- error messages -------------------------------------------------------------------------
 
-_LABELS: dict[type[Any], str] = {
-    **{cls: f"{method} params" for method, cls in messages.PARAMS_TYPES.items()},
-    **{cls: f"{method} result" for method, cls in messages.RESULT_TYPES.items()},
-    messages.Frame: "frame",
-    messages.SessionRef: "session",
-    messages.CallerToolSpec: "caller tool spec",
-    messages.ToolsetToolSpec: "toolset tool spec",
-    descriptors.ToolDescriptor: "tool descriptor",
-}
+def wire_label(cls: Any) -> str:
+    """How error messages name ``cls``: its ``wire_label`` class attribute, else its name."""
+    label = getattr(cls, "wire_label", None)
+    return label if isinstance(label, str) else getattr(cls, "__name__", str(cls))
 
 
 def _format_exception(exc: BaseException, tp: Any) -> str:
@@ -306,7 +303,7 @@ def structure(data: Any, cls: type[T], *, what: str | None = None) -> T:
     The message reads like ``invalid caller_tool params: 'tool' is required``; ``what``
     overrides the ``caller_tool params`` part.
     """
-    label = what or _LABELS.get(cls, getattr(cls, "__name__", str(cls)))
+    label = what or wire_label(cls)
     try:
         return converter.structure(data, cls)
     except (ClassValidationError, IterableValidationError) as exc:
@@ -323,16 +320,3 @@ def structure(data: Any, cls: type[T], *, what: str | None = None) -> T:
 def unstructure(obj: Any) -> Any:
     """JSON-ready data for ``obj`` (attrs instances become dicts without optional Nones)."""
     return converter.unstructure(obj)
-
-
-def parse_params(method: str, params: dict[str, Any]) -> Any:
-    """Validate ``params`` against the method's schema, then structure its params class.
-
-    The one call a dispatcher needs per incoming request or notification; raises
-    ``RelayError`` (``METHOD_NOT_FOUND`` or ``INVALID_PARAMS``).
-    """
-    cls = messages.PARAMS_TYPES.get(method)
-    if cls is None:
-        raise RelayError(METHOD_NOT_FOUND, f"unknown method {method!r}")
-    validate_params(method, params)
-    return structure(params, cls)

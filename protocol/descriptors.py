@@ -14,35 +14,26 @@ and any failure as the error envelope ``{"type": "error", "error": {name, catego
 (:func:`parse_action_request`: the request and its ``arguments`` must be JSON objects), and
 responses from a remote endpoint are checked before they are believed
 (:func:`parse_action_response`). The JSON Schemas ``tool_descriptor``, ``action_request`` and
-``action_response`` in :data:`protocol.schemas.SCHEMAS` state the same shapes.
-
-This module imports :mod:`protocol.convert` and :mod:`protocol.schemas` lazily, because
-:mod:`protocol.messages` (which they import) uses :class:`ToolDescriptor`.
+``action_response`` (:data:`TOOL_DESCRIPTOR_SCHEMA`, :data:`ACTION_REQUEST_SCHEMA`,
+:data:`ACTION_RESPONSE_SCHEMA`, collected in :data:`protocol.schemas.SCHEMAS`) state the same
+shapes, next to the model. :func:`build_descriptor` is the one way the programs describe a
+tool they publish.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
-from .errors import (
-    CANCELLED,
-    DENIED,
-    INTERNAL_ERROR,
-    INVALID_PARAMS,
-    INVALID_REQUEST,
-    METHOD_NOT_FOUND,
-    NOT_FOUND,
-    PARSE_ERROR,
-    PEER_DISCONNECTED,
-    TIMEOUT,
-    TOOL_ERROR,
-    UNAUTHORIZED,
-    RelayError,
-)
+from jsonschema.exceptions import best_match
+
+from .convert import json_type_name, structure, unstructure
+from .errors import NOT_FOUND, TOOL_ERROR, RelayError, error_category
+from .schema_check import protocol_validator, require_valid
+from .schema_parts import NON_EMPTY, OBJECT, OPT_OBJECT, STRING, obj
 
 __all__ = [
     "DESCRIPTOR_META_KEY",
@@ -51,9 +42,11 @@ __all__ = [
     "DESCRIBE_TOOL",
     "CALL_TOOL",
     "ORIGINS",
-    "CATEGORIES",
-    "CATEGORY_BY_CODE",
+    "TOOL_DESCRIPTOR_SCHEMA",
+    "ACTION_REQUEST_SCHEMA",
+    "ACTION_RESPONSE_SCHEMA",
     "ToolDescriptor",
+    "build_descriptor",
     "ActionError",
     "ActionRequest",
     "parse_action_request",
@@ -78,41 +71,37 @@ ACTIONS: tuple[str, ...] = (LIST_TOOLS, DESCRIBE_TOOL, CALL_TOOL)
 #: The values of ``ToolDescriptor.origin``: a bundled handler, or an external endpoint.
 ORIGINS: tuple[str, ...] = ("local", "remote")
 
-#: The error categories Oubliette emits. Endpoints may use others; they are passed through.
-CATEGORIES: tuple[str, ...] = ("usage", "not_found", "tool", "unavailable", "pipeline", "fatal")
-
-#: The category of an action error made from a relay error (``ActionError.from_relay_error``).
-CATEGORY_BY_CODE: dict[int, str] = {
-    PARSE_ERROR: "usage",
-    INVALID_REQUEST: "usage",
-    METHOD_NOT_FOUND: "usage",
-    INVALID_PARAMS: "usage",
-    INTERNAL_ERROR: "fatal",
-    TIMEOUT: "unavailable",
-    PEER_DISCONNECTED: "unavailable",
-    CANCELLED: "unavailable",
-    TOOL_ERROR: "tool",
-    NOT_FOUND: "not_found",
-    UNAUTHORIZED: "fatal",
-    DENIED: "tool",
-}
-
 _ACTION_LIST = ", ".join(ACTIONS)
 
 
-def _json_type(value: Any) -> str:
-    # The converter's json_type_name, without importing protocol.convert at import time.
-    from .convert import json_type_name
-
-    return json_type_name(value)
+_json_type = json_type_name
 
 
 # --- descriptors -----------------------------------------------------------------------------
 
 
+#: The JSON Schema of a :class:`ToolDescriptor`.
+TOOL_DESCRIPTOR_SCHEMA: dict[str, Any] = obj(
+    ["name", "description", "command", "origin", "safety", "input_schema", "result_schema"],
+    {
+        "name": NON_EMPTY,
+        "description": STRING,
+        "command": STRING,
+        "origin": {"enum": list(ORIGINS)},
+        "safety": STRING,
+        "input_schema": OBJECT,
+        "result_schema": OBJECT,
+    },
+)
+
+_descriptor_validator = protocol_validator(TOOL_DESCRIPTOR_SCHEMA)
+
+
 @attrs.define(frozen=True, kw_only=True)
 class ToolDescriptor:
     """Seed 001's description of one tool, as ``list_tools`` and ``describe_tool`` return it."""
+
+    wire_label: ClassVar[str] = "tool descriptor"
 
     name: str  # registry identifier
     description: str  # human-readable summary
@@ -124,8 +113,6 @@ class ToolDescriptor:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of this descriptor (all seven members)."""
-        from .convert import unstructure
-
         return unstructure(self)  # type: ignore[no-any-return]
 
     @classmethod
@@ -134,11 +121,42 @@ class ToolDescriptor:
 
         Raises ``RelayError(INVALID_PARAMS)`` naming the problem.
         """
-        from .convert import structure
-        from .schemas import validate_params
-
-        validate_params("tool_descriptor", data)
+        require_valid(_descriptor_validator, data, "tool descriptor")
         return structure(data, cls)
+
+
+def _client_command(name: str) -> str:
+    """``oubliette-client tools call NAME '<arguments as JSON>'``: how a sandbox calls ``name``."""
+    return f"oubliette-client tools call {name} '<arguments as JSON>'"
+
+
+def build_descriptor(
+    name: str,
+    *,
+    description: str,
+    safety: str,
+    input_schema: dict[str, Any],
+    result_schema: dict[str, Any] | None = None,
+    origin: str = "remote",
+    command: str | None = None,
+) -> ToolDescriptor:
+    """The descriptor of a tool the programs publish; the one place one is made.
+
+    ``result_schema`` ``None`` means "any JSON" (``{}``); ``command`` defaults to the
+    ``oubliette-client tools call`` line for ``name``. Raises ``ValueError`` for an origin
+    not in :data:`ORIGINS` (a bug in the caller).
+    """
+    if origin not in ORIGINS:
+        raise ValueError(f"origin must be one of {ORIGINS}, not {origin!r}")
+    return ToolDescriptor(
+        name=name,
+        description=description,
+        command=command if command is not None else _client_command(name),
+        origin=origin,
+        safety=safety,
+        input_schema=input_schema,
+        result_schema=result_schema if result_schema is not None else {},
+    )
 
 
 def _descriptor_dict(tool: ToolDescriptor | Mapping[str, Any]) -> dict[str, Any]:
@@ -156,7 +174,7 @@ class ActionError(Exception):
     """A failure in the action contract, sent as ``{"type": "error", "error": {...}}``.
 
     ``name`` identifies the component that emits it (``"mcp_echo"``, ``"oubliette-client"``),
-    ``category`` classifies it (see :data:`CATEGORIES`) and ``message`` says what happened.
+    ``category`` classifies it (see :data:`protocol.errors.CATEGORIES`) and ``message`` says what happened.
     """
 
     name: str
@@ -187,9 +205,9 @@ class ActionError(Exception):
 
     @classmethod
     def from_relay_error(cls, err: RelayError, *, component: str) -> ActionError:
-        """The action error for a relay error, by code (see :data:`CATEGORY_BY_CODE`;
-        codes not listed there are ``tool``)."""
-        return cls(component, CATEGORY_BY_CODE.get(err.code, "tool"), err.message)
+        """The action error for a relay error; its category comes from the one table,
+        :data:`protocol.errors.CATEGORY_BY_CODE`."""
+        return cls(component, error_category(err.code), err.message)
 
     def __str__(self) -> str:
         return self.message
@@ -199,6 +217,24 @@ class ActionError(Exception):
 
 
 # --- requests -------------------------------------------------------------------------------
+
+# ``tool`` and ``arguments`` are checked only for the actions that use them, as
+# :func:`parse_action_request` does; other members are ignored.
+#: The JSON Schema of an action request.
+ACTION_REQUEST_SCHEMA: dict[str, Any] = obj(
+    ["action"],
+    {"action": {"enum": list(ACTIONS)}, "tool": {}, "arguments": {}},
+    allOf=[
+        {
+            "if": {"required": ["action"], "properties": {"action": {"enum": [DESCRIBE_TOOL, CALL_TOOL]}}},
+            "then": {"required": ["tool"], "properties": {"tool": NON_EMPTY}},
+        },
+        {
+            "if": {"required": ["action"], "properties": {"action": {"const": CALL_TOOL}}},
+            "then": {"properties": {"arguments": OPT_OBJECT}},
+        },
+    ],
+)
 
 
 @attrs.define(frozen=True)
@@ -279,6 +315,32 @@ def parse_action_line(line: str | bytes, *, component: str) -> ActionRequest:
 
 # --- responses ------------------------------------------------------------------------------
 
+_ERROR_ENVELOPE = obj(
+    ["type", "error"],
+    {
+        "type": {"const": "error"},
+        "error": obj(["name", "category", "message"], {"name": STRING, "category": STRING, "message": STRING}),
+    },
+)
+
+# One schema per result shape, so a validator (and a reader) can tell them apart.
+_ACTION_RESULTS: dict[str, dict[str, Any]] = {
+    LIST_TOOLS: obj(
+        ["type", "tools"],
+        {"type": {"const": "result"}, "tools": {"type": "array", "items": TOOL_DESCRIPTOR_SCHEMA}},
+    ),
+    DESCRIBE_TOOL: obj(["type", "tool"], {"type": {"const": "result"}, "tool": TOOL_DESCRIPTOR_SCHEMA}),
+    CALL_TOOL: obj(["type", "tool", "result"], {"type": {"const": "result"}, "tool": NON_EMPTY, "result": {}}),
+}
+
+#: The JSON Schema of an action response (a result of any action, or the error envelope).
+ACTION_RESPONSE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"enum": ["result", "error"]}},
+    "anyOf": [_ERROR_ENVELOPE, *_ACTION_RESULTS.values()],
+}
+
 
 def list_tools_response(tools: list[ToolDescriptor]) -> dict[str, Any]:
     """``{"type": "result", "tools": [<descriptor>, ...]}`` (descriptors or their dicts)."""
@@ -296,11 +358,7 @@ def call_tool_response(tool: str, result: Any) -> dict[str, Any]:
 
 
 def _check_descriptor(value: Any, where: str, pipeline: Any) -> None:
-    from jsonschema.exceptions import best_match
-
-    from .schemas import validator_for
-
-    error = best_match(validator_for("tool_descriptor").iter_errors(value))
+    error = best_match(_descriptor_validator.iter_errors(value))
     if error is not None:
         path = error.json_path.removeprefix("$")
         message = error.message if len(error.message) <= 200 else error.message[:199] + "…"

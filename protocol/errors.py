@@ -22,6 +22,9 @@ __all__ = [
     "UNAUTHORIZED",
     "DENIED",
     "ERROR_NAMES",
+    "CATEGORIES",
+    "CATEGORY_BY_CODE",
+    "error_category",
     "RelayError",
 ]
 
@@ -58,6 +61,31 @@ ERROR_NAMES: dict[int, str] = {
 }
 
 
+#: The error categories of seed 001's error envelope that Oubliette emits (endpoints may use
+#: others; they are passed through). ``pipeline`` is a malformed answer from an endpoint.
+CATEGORIES: tuple[str, ...] = (
+    "usage", "not_found", "tool", "timeout", "cancelled", "unavailable", "pipeline", "fatal",
+)
+
+#: The one table from a relay error code to the category an agent sees in an error envelope
+#: (what ``oubliette-client endpoint`` emits). Codes not listed are ``tool``.
+CATEGORY_BY_CODE: dict[int, str] = {
+    INVALID_PARAMS: "usage",
+    TIMEOUT: "timeout",
+    PEER_DISCONNECTED: "unavailable",
+    CANCELLED: "cancelled",
+    TOOL_ERROR: "tool",
+    NOT_FOUND: "not_found",
+    UNAUTHORIZED: "unavailable",
+    DENIED: "tool",
+}
+
+
+def error_category(code: int) -> str:
+    """The envelope category of a relay error code (:data:`CATEGORY_BY_CODE`, else ``tool``)."""
+    return CATEGORY_BY_CODE.get(code, "tool")
+
+
 class RelayError(Exception):
     """An error with a JSON-RPC code, raisable locally and sendable as a response ``error``."""
 
@@ -76,6 +104,11 @@ class RelayError(Exception):
     def name(self) -> str:
         """The short name of the code (``"timeout"``), or ``"error"`` for an unknown code."""
         return ERROR_NAMES.get(self.code, "error")
+
+    @property
+    def category(self) -> str:
+        """The error-envelope category of the code (see :func:`error_category`)."""
+        return error_category(self.code)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-RPC ``error`` member; ``data`` only when there is some."""

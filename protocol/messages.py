@@ -1,18 +1,19 @@
-"""Typed params and results of every relay method, and the tether frame model.
+"""Typed params and results of every relay method.
 
 These are plain attrs classes so both programs share one definition of each shape;
 :mod:`protocol.convert` turns them into and out of JSON-ready dicts, and
 :mod:`protocol.schemas` holds the matching JSON Schemas for validating untrusted input.
+The tether frame is :mod:`protocol.frames`; tool descriptors are :mod:`protocol.descriptors`.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
 from .descriptors import ToolDescriptor
+from .frames import Frame, SessionRef
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -29,9 +30,6 @@ __all__ = [
     "ROLE_CLIENT",
     "ROLE_GUEST",
     "ROLES",
-    "DEFAULT_CHANNEL",
-    "FRAME_VERSION",
-    "FRAME_TYPES",
     "Hello",
     "HelloResult",
     "CallerToolSpec",
@@ -43,15 +41,12 @@ __all__ = [
     "ToolsetsConfig",
     "ToolsetCall",
     "ToolsetCallResult",
-    "SessionRef",
-    "Frame",
     "UserMessageDelivery",
     "Ack",
     "AppendFrame",
     "AppendFrameResult",
     "PARAMS_TYPES",
     "RESULT_TYPES",
-    "utc_timestamp",
 ]
 
 #: The value of ``hello.protocol`` this package speaks.
@@ -85,26 +80,6 @@ ROLE_CLIENT = "client"
 ROLE_GUEST = "guest"
 ROLES: tuple[str, ...] = (ROLE_CLIENT, ROLE_GUEST)
 
-#: Channel of a session key written without one (``"s-1"`` means ``"mcp:s-1"``).
-DEFAULT_CHANNEL = "mcp"
-#: Current value of ``Frame.v``.
-FRAME_VERSION = 1
-
-#: The frame types named in DESIGN.md; other producers may add more.
-FRAME_TYPES: tuple[str, ...] = (
-    "user.message",
-    "assistant.delta",
-    "assistant.done",
-    "status.presence",
-    "caller_tool_request",
-    "caller_tool_result",
-    "caller_tool_cancelled",
-    "approval_request",
-    "approval_resolved",
-    "session.error",
-)
-
-
 def _default_input_schema() -> dict[str, Any]:
     return {"type": "object"}
 
@@ -116,6 +91,8 @@ def _default_input_schema() -> dict[str, Any]:
 class Hello:
     """``hello`` params: who is connecting, for which instance, proven by a token."""
 
+    wire_label: ClassVar[str] = "hello params"
+
     protocol: str
     role: str  # ROLE_CLIENT or ROLE_GUEST
     instance: str
@@ -126,6 +103,8 @@ class Hello:
 @attrs.define(frozen=True, kw_only=True)
 class HelloResult:
     """``hello`` result: the server accepts the connection and echoes its binding."""
+
+    wire_label: ClassVar[str] = "hello result"
 
     protocol: str
     server_version: str
@@ -140,6 +119,8 @@ class HelloResult:
 class CallerToolSpec:
     """One tool a caller offers to the agent."""
 
+    wire_label: ClassVar[str] = "caller tool spec"
+
     name: str
     description: str = ""
     inputSchema: dict[str, Any] = attrs.field(factory=_default_input_schema)
@@ -152,6 +133,8 @@ class CallerToolSpec:
 class CallerToolsConfig:
     """``caller_tools_config`` params: the complete tool set of one caller (replaces any earlier)."""
 
+    wire_label: ClassVar[str] = "caller_tools_config params"
+
     session_id: str
     caller_id: str
     tools: list[CallerToolSpec]
@@ -160,6 +143,8 @@ class CallerToolsConfig:
 @attrs.define(frozen=True, kw_only=True)
 class CallerToolCall:
     """``caller_tool`` params: the agent calls a caller's tool through the client."""
+
+    wire_label: ClassVar[str] = "caller_tool params"
 
     tool: str
     arguments: dict[str, Any] = attrs.field(factory=dict)
@@ -170,12 +155,16 @@ class CallerToolCall:
 class CallerToolResult:
     """``caller_tool`` result: wraps whatever JSON value the caller answered with."""
 
+    wire_label: ClassVar[str] = "caller_tool result"
+
     result: Any
 
 
 @attrs.define(frozen=True, kw_only=True)
 class Cancel:
     """``cancel`` params: abandon the request with this id that the sender has in flight."""
+
+    wire_label: ClassVar[str] = "cancel params"
 
     id: int | str
 
@@ -186,6 +175,8 @@ class Cancel:
 @attrs.define(frozen=True, kw_only=True)
 class ToolsetToolSpec:
     """One host toolset tool as the client publishes it to the agent."""
+
+    wire_label: ClassVar[str] = "toolset tool spec"
 
     name: str  # the published name, e.g. "ext.echo_external"
     toolset: str  # the toolset id
@@ -199,6 +190,8 @@ class ToolsetToolSpec:
 class ToolsetsConfig:
     """``toolsets_config`` params: every toolset tool the client may publish (replaces any earlier)."""
 
+    wire_label: ClassVar[str] = "toolsets_config params"
+
     tools: list[ToolsetToolSpec]
     separator: str = "."
 
@@ -206,6 +199,8 @@ class ToolsetsConfig:
 @attrs.define(frozen=True, kw_only=True)
 class ToolsetCall:
     """``toolset_call`` params: the agent calls a toolset tool by its published name."""
+
+    wire_label: ClassVar[str] = "toolset_call params"
 
     name: str
     arguments: dict[str, Any] = attrs.field(factory=dict)
@@ -215,6 +210,8 @@ class ToolsetCall:
 class ToolsetCallResult:
     """``toolset_call`` result: the tool's JSON result and, from an MCP toolset, its content blocks."""
 
+    wire_label: ClassVar[str] = "toolset_call result"
+
     result: Any = None
     content: list[dict[str, Any]] | None = None
 
@@ -223,49 +220,10 @@ class ToolsetCallResult:
 
 
 @attrs.define(frozen=True, kw_only=True)
-class SessionRef:
-    """A session, named by channel and id; keyed ``channel:id`` in maps and logs."""
-
-    channel: str
-    id: str
-
-    @property
-    def key(self) -> str:
-        """The ``channel:id`` key."""
-        return f"{self.channel}:{self.id}"
-
-    @classmethod
-    def parse_key(cls, key: str) -> SessionRef:
-        """Split ``channel:id`` on its first colon; a key without one is in channel ``mcp``."""
-        channel, sep, sid = key.partition(":")
-        if not sep:
-            channel, sid = DEFAULT_CHANNEL, key
-        if not channel or not sid:
-            raise ValueError(f"invalid session key {key!r}: want 'channel:id'")
-        return cls(channel=channel, id=sid)
-
-    def __str__(self) -> str:
-        return self.key
-
-
-@attrs.define(frozen=True, kw_only=True)
-class Frame:
-    """One record of the tether log; ``seq`` is per instance and strictly increasing."""
-
-    v: int
-    seq: int
-    ts: str
-    instance: str
-    session: SessionRef
-    type: str
-    msg_id: str
-    reply_to: str | None = None
-    payload: dict[str, Any] = attrs.field(factory=dict)
-
-
-@attrs.define(frozen=True, kw_only=True)
 class UserMessageDelivery:
     """``user_message`` params: a frame for the guest, pushed after its acknowledged cursor."""
+
+    wire_label: ClassVar[str] = "user_message params"
 
     frame: Frame
 
@@ -274,12 +232,16 @@ class UserMessageDelivery:
 class Ack:
     """``ack`` params: the guest has handled every frame delivered up to ``seq``."""
 
+    wire_label: ClassVar[str] = "ack params"
+
     seq: int
 
 
 @attrs.define(frozen=True, kw_only=True)
 class AppendFrame:
     """``append_frame`` params: the guest adds a frame; the server assigns seq, ts and msg_id."""
+
+    wire_label: ClassVar[str] = "append_frame params"
 
     session: SessionRef
     type: str
@@ -290,6 +252,8 @@ class AppendFrame:
 @attrs.define(frozen=True, kw_only=True)
 class AppendFrameResult:
     """``append_frame`` result: where the frame landed in the log."""
+
+    wire_label: ClassVar[str] = "append_frame result"
 
     seq: int
     msg_id: str
@@ -315,17 +279,3 @@ RESULT_TYPES: dict[str, type[Any]] = {
     APPEND_FRAME: AppendFrameResult,
     TOOLSET_CALL: ToolsetCallResult,
 }
-
-
-def utc_timestamp(when: datetime | None = None) -> str:
-    """ISO-8601 UTC with milliseconds and ``Z`` (``2026-11-22T10:00:00.123Z``), as frames use.
-
-    ``when`` defaults to now; a naive datetime is taken to be UTC.
-    """
-    if when is None:
-        when = datetime.now(timezone.utc)
-    elif when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    else:
-        when = when.astimezone(timezone.utc)
-    return when.strftime("%Y-%m-%dT%H:%M:%S.") + f"{when.microsecond // 1000:03d}Z"

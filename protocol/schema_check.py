@@ -1,8 +1,11 @@
-"""Checking values against JSON Schemas that come from outside (callers, toolsets, endpoints).
+"""Checking values against JSON Schemas: the protocol's own, and those that come from outside.
 
 One place for what both programs do with a tool's input or result schema:
 compile it once (draft from its `$schema`, 2020-12 by default; an invalid
 schema is a clear error) and describe the first problem of a value in one line.
+The protocol's own schemas (next to their models in `protocol/`) compile with
+`protocol_validator`, which is stricter about integers. This module imports
+nothing from the rest of `protocol/`, so every model module may use it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,34 @@ from typing import Any
 import jsonschema
 from jsonschema.exceptions import best_match
 
-__all__ = ["InvalidSchema", "compile_schema", "first_problem", "schema_problem"]
+from .errors import INVALID_PARAMS, RelayError
+
+__all__ = [
+    "InvalidSchema",
+    "compile_schema",
+    "first_problem",
+    "protocol_validator",
+    "require_valid",
+    "schema_problem",
+]
+
+
+def _is_strict_integer(checker: Any, instance: Any) -> bool:
+    # JSON Schema counts 1.0 as an integer; the converter does not, so neither do we.
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+_ProtocolValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_strict_integer),
+)
+
+
+def protocol_validator(schema: dict[str, Any]) -> Any:
+    """A validator for one of the protocol's own schemas: draft 2020-12, and ``1.0`` is not an
+    integer (as for the converter). Raises ``jsonschema.SchemaError`` for a broken schema (a bug)."""
+    _ProtocolValidator.check_schema(schema)
+    return _ProtocolValidator(schema)
 
 
 class InvalidSchema(ValueError):
@@ -44,3 +74,17 @@ def schema_problem(schema: dict[str, Any], value: Any, what: str = "invalid valu
         return first_problem(compile_schema(schema), value, what)
     except InvalidSchema as exc:
         return f"{what}: {exc}"
+
+
+def _shorten(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def require_valid(validator: Any, value: Any, label: str) -> None:
+    """Raise ``RelayError(INVALID_PARAMS)`` "invalid LABEL at PATH: problem" (``data.path`` is
+    the JSON path) unless ``value`` is valid; how untrusted input to the protocol is refused."""
+    error = best_match(validator.iter_errors(value))
+    if error is None:
+        return
+    path = error.json_path
+    raise RelayError(INVALID_PARAMS, f"invalid {label} at {path}: {_shorten(error.message)}", {"path": path})

@@ -548,7 +548,9 @@ def test_actions() -> None:
     assert ACTIONS == ("list_tools", "describe_tool", "call_tool")
     assert protocol.LIST_TOOLS == "list_tools"
     assert SCHEMAS["action_request"]["properties"]["action"]["enum"] == list(ACTIONS)
-    assert set(CATEGORIES) == {"usage", "not_found", "tool", "unavailable", "pipeline", "fatal"}
+    assert set(CATEGORIES) == {
+        "usage", "not_found", "tool", "timeout", "cancelled", "unavailable", "pipeline", "fatal",
+    }
 
 
 # --- responses --------------------------------------------------------------------------------
@@ -683,13 +685,14 @@ def test_action_error_relay_mapping() -> None:
     )
     assert ActionError("e", "usage", "m").to_relay_error().code == TOOL_ERROR
     assert ActionError("e", "tool", "m").to_relay_error().code == TOOL_ERROR
+    # The one category table (protocol.errors), as the endpoint emits it: a timeout is "timeout".
     for code, category in [
         (NOT_FOUND, "not_found"),
         (TOOL_ERROR, "tool"),
-        (TIMEOUT, "unavailable"),
+        (TIMEOUT, "timeout"),
         (PEER_DISCONNECTED, "unavailable"),
         (INVALID_PARAMS, "usage"),
-        (-32603, "fatal"),
+        (-32603, "tool"),
         (-1, "tool"),
     ]:
         err = ActionError.from_relay_error(RelayError(code, "text"), component="oubliette-client")
@@ -803,3 +806,28 @@ def test_caller_tool_spec_result_schema() -> None:
     validate_params("caller_tool_spec", data)
     with pytest.raises(RelayError):
         validate_params("caller_tool_spec", {"name": "t", "resultSchema": "object"})
+
+
+# --- the one descriptor builder -------------------------------------------------------------------
+
+
+def test_build_descriptor_fills_the_defaults_and_makes_a_valid_descriptor() -> None:
+    built = protocol.build_descriptor(
+        "ext.echo", description="Echo", safety="runs on the host", input_schema={"type": "object"},
+    )
+    assert isinstance(built, ToolDescriptor)
+    assert built.to_dict() == {
+        "name": "ext.echo", "description": "Echo",
+        "command": "oubliette-client tools call ext.echo '<arguments as JSON>'",
+        "origin": "remote", "safety": "runs on the host",
+        "input_schema": {"type": "object"}, "result_schema": {},
+    }
+    validate_params("tool_descriptor", built.to_dict())
+    assert ToolDescriptor.from_dict(built.to_dict()) == built
+    local = protocol.build_descriptor(
+        "tether_read", description="d", safety="read-only", input_schema={}, result_schema={"type": "object"},
+        origin="local", command="tools/call tether_read",
+    )
+    assert (local.origin, local.command, local.result_schema) == ("local", "tools/call tether_read", {"type": "object"})
+    with pytest.raises(ValueError):
+        protocol.build_descriptor("t", description="", safety="", input_schema={}, origin="mars")

@@ -1139,3 +1139,94 @@ def test_protocol_imports_neither_program() -> None:
     pattern = re.compile(r"^\s*(from|import)\s+oubliette_(server|client)\b", re.MULTILINE)
     for path in Path(protocol.__file__).parent.glob("*.py"):
         assert not pattern.search(path.read_text(encoding="utf-8")), path
+
+
+# --- the frame model's views and the ingress schema --------------------------------------------
+
+
+def test_frame_to_wire_is_the_schema_shape_and_round_trips() -> None:
+    frame = _frame(reply_to="m-0", payload={"text": "hi", "n": None})
+    wire = frame.to_wire()
+    assert wire == {
+        "v": 1, "seq": 12, "ts": "2026-11-22T10:00:00.123Z", "instance": "box1",
+        "session": {"channel": "mcp", "id": "s-4f2a"}, "type": "user.message", "msg_id": "m-1",
+        "reply_to": "m-0", "payload": {"text": "hi", "n": None},
+    }
+    validate_params("frame", wire)
+    assert structure(decode(encode(wire)), Frame) == frame
+    assert "reply_to" not in _frame().to_wire()
+    assert (frame.channel, frame.session_id) == ("mcp", "s-4f2a")
+
+
+def test_frame_to_event_flattens_payload_under_frame_fields() -> None:
+    frame = _frame(
+        type="caller_tool_request", reply_to="m-0",
+        payload={"request_id": "r1", "tool": "lookup", "arguments": {"q": 1}, "type": "spoofed", "seq": -1},
+    )
+    assert frame.to_event() == {
+        "request_id": "r1", "tool": "lookup", "arguments": {"q": 1},
+        "type": "caller_tool_request", "seq": 12, "ts": "2026-11-22T10:00:00.123Z", "instance": "box1",
+        "channel": "mcp", "session_id": "s-4f2a", "msg_id": "m-1", "reply_to": "m-0",
+    }
+    assert "reply_to" not in _frame().to_event()
+    assert frame.payload["type"] == "spoofed"  # the frame itself is untouched
+
+
+def _ingress_problem(body: Any) -> str | None:
+    from protocol.schema_check import compile_schema, first_problem
+
+    return first_problem(compile_schema(protocol.INGRESS_SCHEMA), body, "invalid frame")
+
+
+def test_ingress_schema_accepts_what_a_producer_may_send() -> None:
+    good = {
+        "v": 1, "type": "user.message", "session": {"channel": "host", "id": "job-7:a@b"},
+        "payload": {"text": "hi"}, "msg_id": "m-x", "reply_to": "m-y",
+    }
+    assert _ingress_problem(good) is None
+    assert _ingress_problem({"type": "status.presence", "session": {"channel": "c", "id": "s"}}) is None
+    # Once the server adds what it assigns, an accepted ingress body is a valid frame.
+    stored = {"msg_id": "m-1", **good, "seq": 1, "ts": utc_timestamp(), "instance": "box1"}
+    validate_params("frame", stored)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"v": 2},
+        {"type": "User Message"},
+        {"type": ""},
+        {"session": {"channel": "has space", "id": "s"}},
+        {"session": {"channel": "c", "id": "x" * 129}},
+        {"session": {"channel": "c"}},
+        {"msg_id": ""},
+        {"msg_id": "m" * 129},
+        {"reply_to": None},
+        {"payload": []},
+        {"session": None},
+    ],
+)
+def test_ingress_schema_refuses_what_the_frame_schema_narrows(change: dict[str, Any]) -> None:
+    body = {"type": "user.message", "session": {"channel": "host", "id": "s"}, **change}
+    problem = _ingress_problem(body)
+    assert problem is not None and problem.startswith("invalid frame"), body
+
+
+def test_caller_tool_spec_schema_is_the_strict_one() -> None:
+    # The relay and the caller-facing session_message check the same spec (one schema).
+    validate_params("caller_tool_spec", {"name": "lookup", "timeout_ms": 5, "resultSchema": None})
+    for bad in ({"name": "has space"}, {"name": "x" * 129}, {"name": "t", "timeout_ms": None},
+                {"name": "t", "timeout_ms": 0}, {"name": "t", "resultSchema": []}):
+        with pytest.raises(RelayError) as info:
+            validate_params("caller_tool_spec", bad)
+        assert info.value.code == INVALID_PARAMS, bad
+    with pytest.raises(RelayError):
+        validate_params(CALLER_TOOLS_CONFIG, {"session_id": "s", "caller_id": "bad id", "tools": []})
+
+
+def test_one_error_category_table() -> None:
+    from protocol.errors import error_category
+
+    assert RelayError(TIMEOUT, "slow").category == error_category(TIMEOUT) == "timeout"
+    assert error_category(INVALID_PARAMS) == "usage"
+    assert error_category(-1) == "tool"

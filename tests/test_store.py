@@ -17,9 +17,9 @@ from oubliette_server.store import (
     CursorPruned,
     FrameQuery,
     FrameStore,
-    StoredFrame,
     format_ts,
 )
+from protocol import Frame
 
 TS_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
@@ -64,9 +64,9 @@ async def test_seq_strictly_increasing_and_independent_per_instance(store):
     assert store.instances() == ["a", "b"]
 
 
-async def test_append_returns_stored_frame(store):
+async def test_append_returns_protocol_frame(store):
     f = await add(store, payload={"text": "hé", "n": [1, 2]}, type="user.message")
-    assert isinstance(f, StoredFrame)
+    assert isinstance(f, Frame)
     assert f.v == 1 and f.seq == 1 and f.instance == "box1"
     assert f.channel == "host" and f.session_id == "s1" and f.type == "user.message"
     assert re.fullmatch(r"m-[0-9a-f]{32}", f.msg_id)

@@ -1,24 +1,19 @@
-"""JSON Schemas of the caller-facing MCP tools (what a caller sends to the server)."""
+"""JSON Schemas of the caller-facing MCP tools (what a caller sends to the server).
+
+Shapes the protocol already states are taken from it, not restated: a declared caller tool is
+the protocol's caller tool spec, a caller id and a session id are the protocol's, and the frames a
+read returns are the protocol's frame.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-SESSION_ID = {"type": "string", "pattern": r"^[A-Za-z0-9_.:@-]{1,128}$", "description": "Session id."}
-INSTANCE = {"type": "string", "description": "Instance id; defaults to the only connected instance."}
-TOOL_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,128}$"}
+from protocol import CALLER_ID_SCHEMA, CALLER_TOOL_SPEC_SCHEMA, FRAME_SCHEMA, SESSION_ID_SCHEMA
 
-CALLER_TOOL_SPEC: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": TOOL_NAME,
-        "description": {"type": "string"},
-        "inputSchema": {"type": "object"},
-        "requires_approval": {"type": "boolean"},
-        "timeout_ms": {"type": "integer", "minimum": 1},
-    },
-    "required": ["name"],
-}
+SESSION_ID: dict[str, Any] = {**SESSION_ID_SCHEMA, "description": "Session id."}
+INSTANCE = {"type": "string", "description": "Instance id; defaults to the only connected instance."}
+CALLER_TOOL_SPEC: dict[str, Any] = CALLER_TOOL_SPEC_SCHEMA
 
 SESSION_MESSAGE: dict[str, Any] = {
     "type": "object",
@@ -30,7 +25,7 @@ SESSION_MESSAGE: dict[str, Any] = {
             "type": "object",
             "description": "Declare the caller's tools for this session; the agent sees them as {caller_id}_{tool}.",
             "properties": {
-                "caller_id": {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,32}$"},
+                "caller_id": CALLER_ID_SCHEMA,
                 "caller_tools": {"type": "array", "items": CALLER_TOOL_SPEC},
             },
             "required": ["caller_id"],
@@ -134,7 +129,7 @@ TETHER_READ: dict[str, Any] = {
 _FRAMES_RESULT: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "frames": {"type": "array", "items": {"type": "object"}},
+        "frames": {"type": "array", "items": FRAME_SCHEMA},
         "next_seq": {"type": "integer", "minimum": 0},
         "timed_out": {"type": "boolean"},
     },

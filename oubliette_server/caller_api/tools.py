@@ -17,7 +17,7 @@ import trio
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol import CallerToolSpec, RelayError, errors, structure
-from protocol.descriptors import DESCRIPTOR_META_KEY
+from protocol.descriptors import DESCRIPTOR_META_KEY, build_descriptor
 from protocol.schema_check import schema_problem
 
 from ..caller_tool_relay import CallerToolRelay
@@ -94,11 +94,11 @@ class CallerTools:
         self.add("tether_read", schemas.TETHER_READ_DESCRIPTION, schemas.TETHER_READ, self.tether_read)
 
     def add(self, name: str, description: str, schema: dict[str, Any], handler: ToolHandler) -> None:
-        descriptor = {
-            "name": name, "description": description, "command": f"tools/call {name} '<arguments as JSON>'",
-            "origin": "local", "safety": schemas.SAFETY[name], "input_schema": schema,
-            "result_schema": schemas.RESULT_SCHEMAS[name],
-        }
+        descriptor = build_descriptor(
+            name, description=description, command=f"tools/call {name} '<arguments as JSON>'",
+            origin="local", safety=schemas.SAFETY[name], input_schema=schema,
+            result_schema=schemas.RESULT_SCHEMAS[name],
+        ).to_dict()
         tool = types.Tool(name=name, description=description, input_schema=schema, meta={DESCRIPTOR_META_KEY: descriptor})
         self.tools[name] = (tool, handler)
 

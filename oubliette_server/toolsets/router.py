@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import trio
 
-from protocol import RelayError, errors
+from protocol import RelayError, build_descriptor, errors
 from protocol.schema_check import schema_problem
 
 from .base import Toolset, ToolResult, ToolSpec
@@ -49,15 +49,10 @@ class PublishedToolsetTool:
             "tool": spec.name,
             "description": spec.description,
             "inputSchema": spec.input_schema,
-            "descriptor": {
-                "name": self.name,
-                "description": spec.description,
-                "command": spec.command or f"oubliette-client tools call {self.name} '<arguments as JSON>'",
-                "origin": "remote",
-                "safety": spec.safety,
-                "input_schema": spec.input_schema,
-                "result_schema": spec.result_schema if spec.result_schema is not None else {},
-            },
+            "descriptor": build_descriptor(
+                self.name, description=spec.description, command=spec.command or None, safety=spec.safety,
+                input_schema=spec.input_schema, result_schema=spec.result_schema,
+            ).to_dict(),
         }
 
 

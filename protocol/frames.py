@@ -1,0 +1,207 @@
+"""The tether frame: the one model of a record of the tether log, its JSON Schemas and its views.
+
+Every message and event of a session is a :class:`Frame` (DESIGN.md, "Frames"). The server's
+store returns frames; everything that shows a frame to someone produces it from this model:
+
+- :meth:`Frame.to_wire` is the frame as JSON: tether responses (``tether_read``,
+  ``session_events``, poll), SSE events and guest delivery (``user_message``);
+- :meth:`Frame.to_event` is the flattened event pushed to a caller
+  (DESIGN.md, "Events to the caller").
+
+:data:`FRAME_SCHEMA` states the wire shape; :data:`INGRESS_SCHEMA`, what a producer outside
+the server may send (HTTP ingress), is derived from it.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timezone
+from typing import Any, ClassVar
+
+import attrs
+
+from .convert import unstructure
+from .schema_parts import NON_EMPTY, OBJECT, OPT_STRING, SEQ, TIMESTAMP, obj
+
+__all__ = [
+    "DEFAULT_CHANNEL",
+    "FRAME_VERSION",
+    "FRAME_TYPES",
+    "SESSION_CHANNEL_SCHEMA",
+    "SESSION_ID_SCHEMA",
+    "SESSION_REF_SCHEMA",
+    "FRAME_SCHEMA",
+    "INGRESS_FIELDS",
+    "INGRESS_SCHEMA",
+    "SessionRef",
+    "Frame",
+    "utc_timestamp",
+]
+
+#: Channel of a session key written without one (``"s-1"`` means ``"mcp:s-1"``).
+DEFAULT_CHANNEL = "mcp"
+#: Current value of ``Frame.v``.
+FRAME_VERSION = 1
+
+#: The frame types named in DESIGN.md; other producers may add more.
+FRAME_TYPES: tuple[str, ...] = (
+    "user.message",
+    "assistant.delta",
+    "assistant.done",
+    "status.presence",
+    "caller_tool_request",
+    "caller_tool_result",
+    "caller_tool_cancelled",
+    "approval_request",
+    "approval_resolved",
+    "session.error",
+)
+
+
+# --- models ----------------------------------------------------------------------------
+
+
+@attrs.define(frozen=True, kw_only=True)
+class SessionRef:
+    """A session, named by channel and id; keyed ``channel:id`` in maps and logs."""
+
+    wire_label: ClassVar[str] = "session"
+
+    channel: str
+    id: str
+
+    @property
+    def key(self) -> str:
+        """The ``channel:id`` key."""
+        return f"{self.channel}:{self.id}"
+
+    @classmethod
+    def parse_key(cls, key: str) -> SessionRef:
+        """Split ``channel:id`` on its first colon; a key without one is in channel ``mcp``."""
+        channel, sep, sid = key.partition(":")
+        if not sep:
+            channel, sid = DEFAULT_CHANNEL, key
+        if not channel or not sid:
+            raise ValueError(f"invalid session key {key!r}: want 'channel:id'")
+        return cls(channel=channel, id=sid)
+
+    def __str__(self) -> str:
+        return self.key
+
+
+@attrs.define(frozen=True, kw_only=True)
+class Frame:
+    """One record of the tether log; ``seq`` is per instance and strictly increasing."""
+
+    wire_label: ClassVar[str] = "frame"
+
+    v: int
+    seq: int
+    ts: str
+    instance: str
+    session: SessionRef
+    type: str
+    msg_id: str
+    reply_to: str | None = None
+    payload: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def channel(self) -> str:
+        """The channel of the frame's session."""
+        return self.session.channel
+
+    @property
+    def session_id(self) -> str:
+        """The id of the frame's session (within its channel)."""
+        return self.session.id
+
+    def to_wire(self) -> dict[str, Any]:
+        """The frame as JSON (:data:`FRAME_SCHEMA`); ``reply_to`` is left out when None."""
+        return unstructure(self)  # type: ignore[no-any-return]
+
+    def to_event(self) -> dict[str, Any]:
+        """The flattened event a caller receives: the payload's members, then
+        ``type, seq, ts, instance, channel, session_id, msg_id`` and ``reply_to`` (when set),
+        which win over payload members of the same name."""
+        event: dict[str, Any] = dict(self.payload)
+        event.update(
+            type=self.type, seq=self.seq, ts=self.ts, instance=self.instance,
+            channel=self.session.channel, session_id=self.session.id, msg_id=self.msg_id,
+        )
+        if self.reply_to is not None:
+            event["reply_to"] = self.reply_to
+        return event
+
+
+# --- schemas ---------------------------------------------------------------------------
+
+#: The JSON Schema of a :class:`SessionRef`.
+SESSION_REF_SCHEMA: dict[str, Any] = obj(["channel", "id"], {"channel": NON_EMPTY, "id": NON_EMPTY})
+
+#: The JSON Schema of a :class:`Frame` on the wire.
+FRAME_SCHEMA: dict[str, Any] = obj(
+    ["v", "seq", "ts", "instance", "session", "type", "msg_id"],
+    {
+        "v": {"type": "integer", "minimum": 1},
+        "seq": SEQ,
+        "ts": TIMESTAMP,
+        "instance": NON_EMPTY,
+        "session": SESSION_REF_SCHEMA,
+        "type": NON_EMPTY,
+        "msg_id": NON_EMPTY,
+        "reply_to": OPT_STRING,
+        "payload": OBJECT,
+    },
+)
+
+#: A session channel named by a producer outside the server.
+SESSION_CHANNEL_SCHEMA: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,64}$"}
+#: A session id named by a producer outside the server (HTTP ingress, ``session_message``).
+SESSION_ID_SCHEMA: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9_.:@-]{1,128}$"}
+
+#: The members of a frame a producer outside the server may set; the server assigns
+#: ``seq``, ``ts`` and ``instance`` (and ``msg_id`` when it is absent).
+INGRESS_FIELDS: tuple[str, ...] = ("v", "type", "session", "payload", "msg_id", "reply_to")
+
+# How ingress narrows each of those frame members (merged over the frame's own schema).
+_INGRESS_NARROWING: dict[str, dict[str, Any]] = {
+    "v": {"const": FRAME_VERSION},
+    "type": {"pattern": r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"},
+    "session": {
+        "properties": {
+            "channel": {**NON_EMPTY, **SESSION_CHANNEL_SCHEMA},
+            "id": {**NON_EMPTY, **SESSION_ID_SCHEMA},
+        },
+    },
+    "msg_id": {"maxLength": 128},
+    "reply_to": {"type": "string", "minLength": 1, "maxLength": 128},
+}
+
+
+def _ingress_schema() -> dict[str, Any]:
+    properties = {}
+    for name in INGRESS_FIELDS:
+        member = copy.deepcopy(FRAME_SCHEMA["properties"][name])
+        member.update(_INGRESS_NARROWING.get(name, {}))
+        properties[name] = member
+    return obj(["type", "session"], properties)
+
+
+#: The JSON Schema of a frame sent by a producer outside the server (HTTP ingress): the
+#: members of :data:`INGRESS_FIELDS` of :data:`FRAME_SCHEMA`, narrowed (names by pattern,
+#: ids at most 128 characters, ``v`` the current version); ``type`` and ``session`` required.
+INGRESS_SCHEMA: dict[str, Any] = _ingress_schema()
+
+
+def utc_timestamp(when: datetime | None = None) -> str:
+    """ISO-8601 UTC with milliseconds and ``Z`` (``2026-11-22T10:00:00.123Z``), as frames use.
+
+    ``when`` defaults to now; a naive datetime is taken to be UTC.
+    """
+    if when is None:
+        when = datetime.now(timezone.utc)
+    elif when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    else:
+        when = when.astimezone(timezone.utc)
+    return when.strftime("%Y-%m-%dT%H:%M:%S.") + f"{when.microsecond // 1000:03d}Z"
