@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import secrets
 import time
 from typing import Any, Awaitable, Callable
@@ -24,11 +23,12 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol import FRAME_TYPES, CallerToolSpec, RelayError, errors, structure
 from protocol.descriptors import DESCRIPTOR_META_KEY
-from protocol.schema_check import schema_problem
+from protocol.schema_check import first_problem
 
 from . import caller_tools_schema as schemas
 from .app import OublietteServer
 from .callers import CallerConnection, RequestScopedSink
+from .ids import channel_problem, session_id_problem, strict_validator
 from .sessions import Session, new_session_id
 from .store import CursorPruned, FrameQuery
 
@@ -38,7 +38,6 @@ ResolveCaller = Callable[[Any], CallerConnection]
 ToolHandler = Callable[[Any, CallerConnection, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 TURN_END_TYPES = ("assistant.done", "session.error")
-SESSION_ID_PATTERN = re.compile(schemas.SESSION_ID["pattern"])
 
 
 def tool_result(payload: dict[str, Any]) -> types.CallToolResult:
@@ -58,6 +57,7 @@ class CallerTools:
     def __init__(self, app: OublietteServer) -> None:
         self.app = app
         self.tools: dict[str, tuple[types.Tool, ToolHandler]] = {}
+        self._validators: dict[str, Any] = {}
         self.add(
             "session_message",
             "Send a message to the agent of an instance. Optionally declare your caller tools "
@@ -86,13 +86,14 @@ class CallerTools:
         }
         tool = types.Tool(name=name, description=description, input_schema=schema, meta={DESCRIPTOR_META_KEY: descriptor})
         self.tools[name] = (tool, handler)
+        self._validators[name] = strict_validator(schema)
 
     async def call(self, ctx: Any, caller: CallerConnection, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
         entry = self.tools.get(name)
         if entry is None:
             return tool_error(f"unknown tool '{name}'; this server has: {', '.join(sorted(self.tools))}")
-        tool, handler = entry
-        problem = schema_problem(tool.input_schema, arguments, "invalid arguments")
+        _, handler = entry
+        problem = first_problem(self._validators[name], arguments, "invalid arguments")
         if problem:
             return tool_error(f"{name}: {problem}")
         try:
@@ -170,8 +171,12 @@ class CallerTools:
     async def session_events(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
         session_id = args["session_id"]
         channel = args.get("channel", "mcp")
+        problem = channel_problem(channel)
+        if problem:
+            raise RelayError(errors.INVALID_PARAMS, problem)
         if args.get("instance"):
-            instance = self.app.resolve_instance(args["instance"])
+            # Like tether_read: an instance the server has never heard of is an error, not an empty log.
+            instance = self.app.require_known_instance(args["instance"])
         else:
             matches = [s for s in self.app.sessions.find_by_id(session_id) if s.channel == channel]
             if len(matches) != 1:
@@ -221,8 +226,10 @@ def host_msg_id() -> str:
 
 
 def check_session_id(session_id: str) -> None:
-    if not SESSION_ID_PATTERN.match(session_id):
-        raise RelayError(errors.INVALID_PARAMS, f"invalid session_id {session_id!r}: use 1-128 of A-Z a-z 0-9 _ . : @ -")
+    """Refuse a malformed session id (full match: "s-1\\n" is not "s-1")."""
+    problem = session_id_problem(session_id)
+    if problem:
+        raise RelayError(errors.INVALID_PARAMS, problem)
 
 
 async def read_frames(

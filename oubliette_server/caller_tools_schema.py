@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-SESSION_ID = {"type": "string", "pattern": r"^[A-Za-z0-9_.:@-]{1,128}$", "description": "Session id."}
+from . import ids
+from .store import MAX_SEQ
+
+# Patterns are ECMA-262 style (`$` is the end of the string); the server validates them so.
+SESSION_ID = {"type": "string", "pattern": ids.schema_pattern(ids.SESSION_ID), "description": "Session id."}
 INSTANCE = {"type": "string", "description": "Instance id; defaults to the only connected instance."}
-TOOL_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,128}$"}
+TOOL_NAME = {"type": "string", "pattern": ids.schema_pattern(ids.TOOL_NAME)}
 
 CALLER_TOOL_SPEC: dict[str, Any] = {
     "type": "object",
@@ -30,7 +34,7 @@ SESSION_MESSAGE: dict[str, Any] = {
             "type": "object",
             "description": "Declare the caller's tools for this session; the agent sees them as {caller_id}_{tool}.",
             "properties": {
-                "caller_id": {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,32}$"},
+                "caller_id": {"type": "string", "pattern": ids.schema_pattern(ids.CALLER_ID)},
                 "caller_tools": {"type": "array", "items": CALLER_TOOL_SPEC},
             },
             "required": ["caller_id"],
@@ -62,7 +66,7 @@ SESSION_EVENTS: dict[str, Any] = {
         "session_id": SESSION_ID,
         "instance": INSTANCE,
         "channel": {"type": "string", "description": "Session channel; default 'mcp'."},
-        "after_seq": {"type": "integer", "minimum": 0},
+        "after_seq": {"type": "integer", "minimum": 0, "maximum": MAX_SEQ},
         "wait_ms": {"type": "integer", "minimum": 0, "maximum": 30000},
         "limit": {"type": "integer", "minimum": 1, "maximum": 200},
         "types": {"type": "array", "items": {"type": "string"}},

@@ -32,11 +32,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from protocol import RelayError, errors
-from protocol.schema_check import compile_schema, first_problem
+from protocol.schema_check import first_problem
 
 from .app import OublietteServer
 from .caller_mcp import CallerTools, build_caller_server, read_frames
 from .callers import CallerConnection
+from .ids import CHANNEL, SESSION_ID, schema_pattern, strict_validator
 
 log = logging.getLogger("oubliette.server.http")
 
@@ -59,8 +60,8 @@ INGRESS_SCHEMA: dict[str, Any] = {
         "session": {
             "type": "object",
             "properties": {
-                "channel": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,64}$"},
-                "id": {"type": "string", "pattern": r"^[A-Za-z0-9_.:@-]{1,128}$"},
+                "channel": {"type": "string", "pattern": schema_pattern(CHANNEL)},
+                "id": {"type": "string", "pattern": schema_pattern(SESSION_ID)},
             },
             "required": ["channel", "id"],
         },
@@ -70,7 +71,7 @@ INGRESS_SCHEMA: dict[str, Any] = {
     },
     "required": ["type", "session"],
 }
-_ingress_validator = compile_schema(INGRESS_SCHEMA)
+_ingress_validator = strict_validator(INGRESS_SCHEMA)  # `$` anchors as in ECMA-262: no trailing newline
 
 
 def http_token(server: OublietteServer) -> str:

@@ -120,6 +120,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_LIMIT = 200
+#: The largest seq SQLite can hold (a signed 64-bit INTEGER); numbers from outside are
+#: range-checked against it before they reach a query, which would raise OverflowError.
+MAX_SEQ = 2**63 - 1
 DEFAULT_LIMIT = 50
 DEFAULT_RETENTION_FRAMES = 100_000
 DEFAULT_PRUNE_EVERY = 1000
@@ -216,8 +219,8 @@ class FrameQuery:
             raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {self.limit}")
         if not _is_int(self.after_seq):
             raise TypeError(f"after_seq must be an integer, got {self.after_seq!r}")
-        if self.after_seq < 0:
-            raise ValueError(f"after_seq must be >= 0, got {self.after_seq}")
+        if not 0 <= self.after_seq <= MAX_SEQ:
+            raise ValueError(f"after_seq must be between 0 and {MAX_SEQ}, got {self.after_seq}")
         for name in ("channel", "session_id", "reply_to"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -721,8 +724,8 @@ class FrameStore:
         """Set (and commit) the durable cursor ``name`` of ``instance``."""
         if not isinstance(instance, str) or not instance or not isinstance(name, str) or not name:
             raise ValueError("instance and cursor name must be non-empty strings")
-        if not _is_int(seq) or seq < 0:
-            raise ValueError(f"cursor seq must be an integer >= 0, got {seq!r}")
+        if not _is_int(seq) or not 0 <= seq <= MAX_SEQ:
+            raise ValueError(f"cursor seq must be an integer between 0 and {MAX_SEQ}, got {seq!r}")
         with self._transaction():
             self._db.execute(
                 "INSERT INTO cursors (instance, name, seq) VALUES (?, ?, ?) "
