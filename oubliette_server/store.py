@@ -219,8 +219,10 @@ class FrameQuery:
             raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {self.limit}")
         if not _is_int(self.after_seq):
             raise TypeError(f"after_seq must be an integer, got {self.after_seq!r}")
-        if not 0 <= self.after_seq <= MAX_SEQ:
-            raise ValueError(f"after_seq must be between 0 and {MAX_SEQ}, got {self.after_seq}")
+        if self.after_seq < 0:
+            raise ValueError(f"after_seq must be >= 0, got {self.after_seq}")
+        if self.after_seq > MAX_SEQ:
+            raise ValueError(f"after_seq must be <= {MAX_SEQ} (2^63 - 1), got {self.after_seq}")
         for name in ("channel", "session_id", "reply_to"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -724,8 +726,10 @@ class FrameStore:
         """Set (and commit) the durable cursor ``name`` of ``instance``."""
         if not isinstance(instance, str) or not instance or not isinstance(name, str) or not name:
             raise ValueError("instance and cursor name must be non-empty strings")
-        if not _is_int(seq) or not 0 <= seq <= MAX_SEQ:
-            raise ValueError(f"cursor seq must be an integer between 0 and {MAX_SEQ}, got {seq!r}")
+        if not _is_int(seq) or seq < 0:
+            raise ValueError(f"cursor seq must be an integer >= 0, got {seq!r}")
+        if seq > MAX_SEQ:
+            raise ValueError(f"cursor seq must be <= {MAX_SEQ} (2^63 - 1), got {seq}")
         with self._transaction():
             self._db.execute(
                 "INSERT INTO cursors (instance, name, seq) VALUES (?, ?, ?) "
