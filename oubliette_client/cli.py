@@ -54,14 +54,11 @@ def _run_main(argv: list[str]) -> int:
     if not command:
         parser.error("give the agent command after --")
     _logging(args.log_level)
-    from .guest import GuestRuntime
+    from .guest import GuestRuntime, run_until_signalled
 
     runtime = GuestRuntime(settings_from_args(parser, args), command)
-    try:
-        trio.run(runtime.run)
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    # SIGTERM and SIGINT cancel the runtime, which ends every turn's process group first.
+    return trio.run(run_until_signalled, runtime)
 
 
 def _endpoint_main(argv: list[str], tools: bool) -> int:

@@ -10,6 +10,11 @@ fails). Every appended frame replies to the message's `msg_id`.
 Delivery is acknowledged only up to the highest `seq` below which every turn
 has finished, so a guest that dies mid-turn gets the message again when it
 comes back, and a guest that merely reconnects never runs a message twice.
+
+Each turn's CMD runs in its own process group (a new session), and the whole
+group is ended when the turn ends, is cancelled, or the runtime stops on
+SIGTERM/SIGINT: an agent's own children (an MCP client it spawned, a shell job)
+never outlive the turn. Only SIGKILL of the runtime itself leaves them behind.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -34,6 +40,8 @@ log = logging.getLogger("oubliette.client.guest")
 
 MCP_CONFIG_PLACEHOLDER = "{mcp_config}"
 STDERR_TAIL = 4096
+#: Seconds a cancelled turn's process group gets between SIGTERM and SIGKILL.
+TERMINATE_GRACE = 2.0
 
 
 class GuestRuntime:
@@ -135,7 +143,7 @@ class GuestRuntime:
         try:
             process = await trio.lowlevel.open_process(
                 self._turn_command(key), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, env=env,
+                stderr=subprocess.PIPE, env=env, start_new_session=True,
             )
         except OSError as exc:
             await self._append(frame, "session.error", {"message": f"cannot start the agent command: {exc}"})
@@ -144,15 +152,15 @@ class GuestRuntime:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._feed_stdin, process, text)
                 nursery.start_soon(self._collect, process.stderr, stderr)
+                # When CMD exits, what it left running in its group goes too; that also closes
+                # a stdout pipe a leftover child still held, so reading it ends.
+                nursery.start_soon(self._reap, process)
                 async for line in _lines(process.stdout):
                     lines.append(line)
                     await self._append(frame, "assistant.delta", {"text": line})
             code = await process.wait()
         finally:
-            if process.returncode is None:
-                process.kill()
-                with trio.CancelScope(shield=True):
-                    await process.wait()
+            await end_process_group(process)
         if code == 0:
             await self._append(frame, "assistant.done", {"text": "\n".join(lines)})
         else:
@@ -161,6 +169,11 @@ class GuestRuntime:
                 "message": f"the agent command exited with status {code}", "exit_code": code, "stderr": tail,
                 "text": "\n".join(lines),
             })
+
+    @staticmethod
+    async def _reap(process: trio.Process) -> None:
+        await process.wait()
+        signal_process_group(process.pid, signal.SIGKILL)
 
     @staticmethod
     async def _feed_stdin(process: trio.Process, text: str) -> None:
@@ -178,6 +191,53 @@ class GuestRuntime:
         while chunk := await stream.receive_some(65536):
             into.extend(chunk)
             del into[:-STDERR_TAIL * 4]
+
+
+def signal_process_group(pgid: int, signum: int) -> None:
+    """Send `signum` to every process of the group; a group already gone is fine."""
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def end_process_group(process: trio.Process) -> None:
+    """End a turn's process group: SIGTERM, up to TERMINATE_GRACE for CMD to exit, then SIGKILL.
+
+    Cancellation: shielded, so it also runs while the turn (or the runtime) is being cancelled;
+    it returns once CMD itself is reaped.
+    """
+    with trio.CancelScope(shield=True):
+        if process.returncode is None:
+            signal_process_group(process.pid, signal.SIGTERM)
+            with trio.move_on_after(TERMINATE_GRACE):
+                await process.wait()
+        signal_process_group(process.pid, signal.SIGKILL)
+        await process.wait()
+
+
+async def run_until_signalled(runtime: GuestRuntime) -> int:
+    """Run `runtime` until SIGTERM or SIGINT; then cancel it so every turn's group is ended.
+
+    Returns the conventional exit status, 128 + the signal number (0 if the runtime returned).
+    Needs the main thread (signal handlers); an embedding application cancels `runtime.run`
+    itself instead.
+    """
+    received: list[int] = []
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                async for signum in signals:
+                    log.info("signal %d: ending every turn and stopping", signum)
+                    received.append(signum)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(watch)
+            await runtime.run()
+            nursery.cancel_scope.cancel()
+    return 128 + received[0] if received else 0
 
 
 async def _lines(stream: trio.abc.ReceiveStream | None) -> Any:

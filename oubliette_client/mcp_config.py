@@ -1,11 +1,14 @@
 """Per-session MCP config files: the shape Claude Code's `--mcp-config` reads.
 
 The guest runtime writes one for each session, so an agent command given
-`{mcp_config}` starts `oubliette-client` bound to that session.
+`{mcp_config}` starts `oubliette-client` bound to that session. The file name
+must be distinct for distinct sessions (two sessions sharing a file would bind
+both agents to whichever wrote last), so it ends in a hash of the whole key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -37,10 +40,21 @@ def mcp_config(settings: RelaySettings, session: str | None) -> dict[str, Any]:
     }
 
 
+def config_file_name(session: str | None) -> str:
+    """`mcp-<readable part>-<hash>.json`: the hash of the exact key makes the name injective.
+
+    The readable part only helps people; it maps other characters to `_` and is cut short,
+    so it may repeat across sessions (`a@b`, `a_b`), but the SHA-256 of the key does not.
+    """
+    key = "default" if session is None else session
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:64]
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"mcp-{readable}-{digest}.json"
+
+
 def write_mcp_config(directory: Path, settings: RelaySettings, session: str | None) -> Path:
     """Write the config (mode 0600: it holds the token) and return its path."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", session or "default")
-    path = directory / f"mcp-{safe}.json"
+    path = directory / config_file_name(session)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
         json.dump(mcp_config(settings, session), handle, indent=2)

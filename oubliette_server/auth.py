@@ -10,14 +10,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import re
 import secrets
 from pathlib import Path
+from typing import Callable
+
+from protocol import PROTOCOL_VERSION, RelayError, errors, messages
+
+from .ids import instance_id_problem, session_key_problem
 
 SECRET_FILE_NAME = "secret"
 HTTP_ADMIN = "http:admin"
 """The reserved name the HTTP API's own bearer token is derived under (not a valid instance id)."""
-INSTANCE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def ensure_private_dir(path: Path) -> Path:
@@ -44,14 +47,9 @@ def load_or_create_secret(data_dir: Path) -> bytes:
     return secret
 
 
-def check_instance_id(instance: str) -> str | None:
-    """Return a reason why `instance` is not a valid instance id, or None."""
-    if not isinstance(instance, str) or not INSTANCE_ID_PATTERN.match(instance):
-        return (
-            f"invalid instance id {instance!r}: use 1-64 characters from A-Z a-z 0-9 _ . -, "
-            "starting with a letter or digit"
-        )
-    return None
+def check_instance_id(instance: object) -> str | None:
+    """Return a reason why `instance` is not a valid instance id (full match), or None."""
+    return instance_id_problem(instance)
 
 
 class TokenAuthority:
@@ -68,6 +66,37 @@ class TokenAuthority:
         return hmac.new(self._secret, instance.encode(), hashlib.sha256).hexdigest()
 
     def verify(self, instance: str, token: object) -> bool:
+        """Whether `token` is the instance's token; False (never an exception) for any other value.
+
+        Compared as bytes: `hmac.compare_digest` raises TypeError on non-ASCII str, and a
+        lone surrogate does not encode as UTF-8 without `surrogatepass`.
+        """
         if not isinstance(token, str):
             return False
-        return hmac.compare_digest(self.token_for(instance), token)
+        expected = self.token_for(instance).encode()
+        return hmac.compare_digest(expected, token.encode("utf-8", "surrogatepass"))
+
+
+def check_hello(hello: messages.Hello, verify_token: Callable[[str, object], bool]) -> None:
+    """Refuse a `hello` that the server must not accept, with the error its peer gets.
+
+    Raises RelayError: INVALID_REQUEST for another protocol; INVALID_PARAMS for an unknown
+    role or a malformed session key; NOT_FOUND for a malformed instance id; UNAUTHORIZED for
+    a wrong token. Nothing else: every check here is total over the hello's field types.
+    """
+    if hello.protocol != PROTOCOL_VERSION:
+        raise RelayError(
+            errors.INVALID_REQUEST,
+            f"unsupported protocol {hello.protocol!r}; this server speaks {PROTOCOL_VERSION!r}",
+        )
+    if hello.role not in messages.ROLES:
+        raise RelayError(errors.INVALID_PARAMS, f"unknown role {hello.role!r}; use 'client' or 'guest'")
+    reason = instance_id_problem(hello.instance)
+    if reason:
+        raise RelayError(errors.NOT_FOUND, reason)
+    if hello.session is not None:
+        reason = session_key_problem(hello.session)
+        if reason:
+            raise RelayError(errors.INVALID_PARAMS, reason)
+    if not verify_token(hello.instance, hello.token):
+        raise RelayError(errors.UNAUTHORIZED, f"wrong token for instance '{hello.instance}'")

@@ -34,7 +34,7 @@ from protocol import (
     validate_params,
 )
 
-from .auth import check_instance_id
+from .auth import check_hello
 
 log = logging.getLogger("oubliette.server.relay")
 
@@ -149,7 +149,7 @@ class RelayConnection:
         try:
             validate_params(messages.HELLO, message.params)
             hello = structure(message.params, messages.Hello)
-            self._check_hello(hello)
+            check_hello(hello, self.server.verify_token)
         except RelayError as err:
             await self._protocol_error(err, message.id)
             return False
@@ -168,20 +168,6 @@ class RelayConnection:
             assert self._nursery is not None
             self._nursery.start_soon(self.server.guests.deliver, self)
         return True
-
-    def _check_hello(self, hello: messages.Hello) -> None:
-        if hello.protocol != PROTOCOL_VERSION:
-            raise RelayError(
-                errors.INVALID_REQUEST,
-                f"unsupported protocol {hello.protocol!r}; this server speaks {PROTOCOL_VERSION!r}",
-            )
-        if hello.role not in ("client", "guest"):
-            raise RelayError(errors.INVALID_PARAMS, f"unknown role {hello.role!r}; use 'client' or 'guest'")
-        reason = check_instance_id(hello.instance)
-        if reason:
-            raise RelayError(errors.NOT_FOUND, reason)
-        if not self.server.verify_token(hello.instance, hello.token):
-            raise RelayError(errors.UNAUTHORIZED, f"wrong token for instance '{hello.instance}'")
 
     async def _read_loop(self) -> None:
         assert self._nursery is not None

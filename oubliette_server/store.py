@@ -121,6 +121,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_LIMIT = 200
+#: The largest seq SQLite can hold (a signed 64-bit INTEGER); numbers from outside are
+#: range-checked against it before they reach a query, which would raise OverflowError.
+MAX_SEQ = 2**63 - 1
 DEFAULT_LIMIT = 50
 DEFAULT_RETENTION_FRAMES = 100_000
 DEFAULT_PRUNE_EVERY = 1000
@@ -194,6 +197,8 @@ class FrameQuery:
             raise TypeError(f"after_seq must be an integer, got {self.after_seq!r}")
         if self.after_seq < 0:
             raise ValueError(f"after_seq must be >= 0, got {self.after_seq}")
+        if self.after_seq > MAX_SEQ:
+            raise ValueError(f"after_seq must be <= {MAX_SEQ} (2^63 - 1), got {self.after_seq}")
         for name in ("channel", "session_id", "reply_to"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -699,6 +704,8 @@ class FrameStore:
             raise ValueError("instance and cursor name must be non-empty strings")
         if not _is_int(seq) or seq < 0:
             raise ValueError(f"cursor seq must be an integer >= 0, got {seq!r}")
+        if seq > MAX_SEQ:
+            raise ValueError(f"cursor seq must be <= {MAX_SEQ} (2^63 - 1), got {seq}")
         with self._transaction():
             self._db.execute(
                 "INSERT INTO cursors (instance, name, seq) VALUES (?, ?, ?) "

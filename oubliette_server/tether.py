@@ -7,15 +7,15 @@ HTTP routes (`/v1/instances/{id}/tether[/poll|/stream]`) are thin adapters over
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
 from typing import Any, AsyncIterator
 
 from protocol import FRAME_TYPES, INGRESS_SCHEMA, Frame, RelayError, errors
-from protocol.schema_check import compile_schema, first_problem
+from protocol.schema_check import first_problem
 
 from .frame_log import FrameLog
+from .ids import session_id_problem, strict_validator
 from .instances import InstanceDirectory
 from .store import CursorPruned, FrameQuery, FrameStore
 
@@ -26,13 +26,12 @@ EGRESS_TYPES = tuple(t for t in FRAME_TYPES if t != "user.message")
 """What tether_read returns by default: the agent's side of the conversation, not the host's own messages."""
 MAX_WAIT_MS = 30_000
 STREAM_BATCH = 200
-SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 SERVER_OWNED_TYPES = frozenset({
     "caller_tool_request", "caller_tool_result", "caller_tool_cancelled", "approval_request", "approval_resolved",
 })
 """Frame types only the server appends; ingress refuses them."""
 
-_ingress_validator = compile_schema(INGRESS_SCHEMA)
+_ingress_validator = strict_validator(INGRESS_SCHEMA)  # `$` anchors as in ECMA-262: no trailing newline
 
 
 def host_msg_id() -> str:
@@ -42,8 +41,9 @@ def host_msg_id() -> str:
 
 def check_session_id(session_id: str) -> None:
     """Raise `RelayError(INVALID_PARAMS)` unless `session_id` is 1-128 of A-Z a-z 0-9 _ . : @ -."""
-    if not isinstance(session_id, str) or not SESSION_ID_PATTERN.fullmatch(session_id):
-        raise RelayError(errors.INVALID_PARAMS, f"invalid session_id {session_id!r}: use 1-128 of A-Z a-z 0-9 _ . : @ -")
+    problem = session_id_problem(session_id)
+    if problem:
+        raise RelayError(errors.INVALID_PARAMS, problem)
 
 
 class Tether:

@@ -11,6 +11,8 @@ from typing import Any
 
 from protocol import CALLER_ID_SCHEMA, CALLER_TOOL_SPEC_SCHEMA, FRAME_SCHEMA, SESSION_ID_SCHEMA
 
+from ..store import MAX_SEQ
+
 SESSION_ID: dict[str, Any] = {**SESSION_ID_SCHEMA, "description": "Session id."}
 INSTANCE = {"type": "string", "description": "Instance id; defaults to the only connected instance."}
 CALLER_TOOL_SPEC: dict[str, Any] = CALLER_TOOL_SPEC_SCHEMA
@@ -57,7 +59,7 @@ SESSION_EVENTS: dict[str, Any] = {
         "session_id": SESSION_ID,
         "instance": INSTANCE,
         "channel": {"type": "string", "description": "Session channel; default 'mcp'."},
-        "after_seq": {"type": "integer", "minimum": 0},
+        "after_seq": {"type": "integer", "minimum": 0, "maximum": MAX_SEQ},
         "wait_ms": {"type": "integer", "minimum": 0, "maximum": 30000},
         "limit": {"type": "integer", "minimum": 1, "maximum": 200},
         "types": {"type": "array", "items": {"type": "string"}},

@@ -18,11 +18,12 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol import CallerToolSpec, RelayError, errors, structure
 from protocol.descriptors import DESCRIPTOR_META_KEY, build_descriptor
-from protocol.schema_check import schema_problem
+from protocol.schema_check import first_problem
 
 from ..caller_tool_relay import CallerToolRelay
 from ..callers import CallerConnection, RequestScopedSink
 from ..frame_log import FrameLog
+from ..ids import channel_problem, strict_validator
 from ..instances import InstanceDirectory
 from ..sessions import Session, SessionRegistry, new_session_id
 from ..store import FrameQuery, FrameStore
@@ -73,6 +74,7 @@ class CallerTools:
         self.tether = tether
         self.session_wait_limit = session_wait_limit
         self.tools: dict[str, tuple[types.Tool, ToolHandler]] = {}
+        self._validators: dict[str, Any] = {}
         self.add(
             "session_message",
             "Send a message to the agent of an instance. Optionally declare your caller tools "
@@ -101,13 +103,14 @@ class CallerTools:
         ).to_dict()
         tool = types.Tool(name=name, description=description, input_schema=schema, meta={DESCRIPTOR_META_KEY: descriptor})
         self.tools[name] = (tool, handler)
+        self._validators[name] = strict_validator(schema)  # compiled once; `$` is the end of the string
 
     async def call(self, ctx: Any, caller: CallerConnection, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
         entry = self.tools.get(name)
         if entry is None:
             return tool_error(f"unknown tool '{name}'; this server has: {', '.join(sorted(self.tools))}")
-        tool, handler = entry
-        problem = schema_problem(tool.input_schema, arguments, "invalid arguments")
+        _, handler = entry
+        problem = first_problem(self._validators[name], arguments, "invalid arguments")
         if problem:
             return tool_error(f"{name}: {problem}")
         try:
@@ -184,8 +187,12 @@ class CallerTools:
     async def session_events(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
         session_id = args["session_id"]
         channel = args.get("channel", "mcp")
+        problem = channel_problem(channel)
+        if problem:
+            raise RelayError(errors.INVALID_PARAMS, problem)
         if args.get("instance"):
-            instance = self.instances.resolve(args["instance"])
+            # Like tether_read: an instance the server has never heard of is an error, not an empty log.
+            instance = self.instances.require_known(args["instance"])
         else:
             matches = [s for s in self.sessions.find_by_id(session_id) if s.channel == channel]
             if len(matches) != 1:

@@ -72,8 +72,21 @@ class GuestDelivery:
         self.connected_changed = trio.Event()
 
     def acknowledge(self, connection: GuestPeer, seq: int) -> None:
+        """Move the guest's cursor forward to `seq`; an ack past the end of the log is refused.
+
+        An ack beyond the instance's last `seq` names frames that do not exist yet: storing
+        it would skip the next messages, which the guest has never seen. Such an ack (and a
+        `seq` no store could hold) is ignored with a warning; the connection stays up.
+        """
         assert connection.instance is not None
         store = self.store
+        last = store.last_seq(connection.instance)
+        if not 0 <= seq <= last:
+            log.warning(
+                "%r: ignoring ack of seq %d: the last seq of instance %r is %d",
+                connection, seq, connection.instance, last,
+            )
+            return
         if seq > store.get_cursor(connection.instance, GUEST_CURSOR):
             store.set_cursor(connection.instance, GUEST_CURSOR, seq)
 

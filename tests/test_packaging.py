@@ -1,0 +1,116 @@
+"""Packaging (issue 8, item 13): the built wheel, installed the way a sandbox image installs it, works.
+
+One wheel is built from a copy of the sources (so the build leaves nothing in the
+checkout) and installed, with its dependencies from the package index, into one fresh
+venv for the whole module; the tests then run both programs from that venv. No
+editable install, no system or development site-packages: a module that the wheel
+leaves out, or a dependency that pyproject.toml does not declare, fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("protocol", "oubliette_server", "oubliette_client")
+INSTALL_TIMEOUT = 600
+
+
+class Installed:
+    def __init__(self, root: Path, wheel: Path) -> None:
+        self.root = root
+        self.wheel = wheel
+        self.bin = root / "venv" / "bin"
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OUBLIETTE_", "PYTHON", "VIRTUAL_ENV"))}
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env, cwd=self.root)
+
+
+def _copy_sources(destination: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, destination / package, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, destination / name)
+
+
+@pytest.fixture(scope="module")
+def installed() -> Iterator[Installed]:
+    root = Path(tempfile.mkdtemp(prefix="oub-pkg-", dir="/tmp"))
+    try:
+        source, dist = root / "src", root / "dist"
+        _copy_sources(source)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dist), str(source)],
+            check=True, capture_output=True, timeout=INSTALL_TIMEOUT,
+        )
+        (wheel,) = dist.glob("oubliette-*.whl")
+        subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True, timeout=INSTALL_TIMEOUT)
+        done = Installed(root, wheel)
+        subprocess.run(
+            [str(done.bin / "python"), "-m", "pip", "install", "--quiet", str(wheel)],
+            check=True, capture_output=True, timeout=INSTALL_TIMEOUT,
+        )
+        yield done
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_wheel_holds_every_package_and_its_type_marker(installed: Installed) -> None:
+    names = set(zipfile.ZipFile(installed.wheel).namelist())
+    for package in PACKAGES:
+        for init in (ROOT / package).rglob("__init__.py"):
+            assert init.relative_to(ROOT).as_posix() in names
+        assert f"{package}/py.typed" in names
+    assert "oubliette_server/toolsets/registry.py" in names
+
+
+def test_every_module_imports_from_the_installed_wheel(installed: Installed) -> None:
+    script = (
+        "import importlib, json, pkgutil\n"
+        "found = {}\n"
+        f"for name in {list(PACKAGES)!r}:\n"
+        "    package = importlib.import_module(name)\n"
+        "    found[name] = package.__file__\n"
+        "    for info in pkgutil.walk_packages(package.__path__, name + '.'):\n"
+        "        if not info.name.endswith('.__main__'):\n"
+        "            found[info.name] = importlib.import_module(info.name).__file__\n"
+        "print(json.dumps(found))\n"
+    )
+    out = installed.run(str(installed.bin / "python"), "-c", script)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout)
+    assert "oubliette_server.toolsets.registry" in found
+    venv = str(installed.root / "venv")
+    for name, path in found.items():
+        assert path.startswith(venv), f"{name} imported from {path}, not from the fresh venv"
+    expected = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+        if path.name != "__main__.py"
+    }
+    assert expected <= set(found)
+
+
+def test_both_programs_run_from_the_installed_wheel(installed: Installed) -> None:
+    for program in ("oubliette-server", "oubliette-client"):
+        out = installed.run(str(installed.bin / program), "--help")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f"usage: {program}")
+    data_dir = installed.root / "data"
+    out = installed.run(str(installed.bin / "oubliette-server"), "token", "box1", "--data-dir", str(data_dir))
+    assert out.returncode == 0, out.stderr
+    token = out.stdout.strip()
+    assert len(token) == 64 and int(token, 16) >= 0
+    assert (data_dir / "secret").stat().st_mode & 0o777 == 0o600
