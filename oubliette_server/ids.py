@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import jsonschema
 from jsonschema.exceptions import ValidationError
 
-from protocol.messages import DEFAULT_CHANNEL
+from protocol.frames import DEFAULT_CHANNEL
 
 INSTANCE_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 CHANNEL = r"[A-Za-z0-9_.-]{1,64}"
