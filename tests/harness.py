@@ -23,8 +23,12 @@ import trio
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
+from oubliette_server.auth import TokenAuthority
+
 PYTHON = sys.executable
 EVENT_TIMEOUT = 20.0
+HTTP_TOKEN_NAME = "http:admin"
+"""The reserved name the HTTP bearer token is derived under (oubliette_server.cli `http-token`)."""
 
 
 def fresh_dir() -> Path:
@@ -106,18 +110,13 @@ class Deployment:
         self.relay = f"unix:{self.socket}"
 
     def token(self, instance: str) -> str:
-        out = subprocess.run(
-            [PYTHON, "-m", "oubliette_server", "token", instance, "--data-dir", str(self.data_dir)],
-            check=True, capture_output=True, text=True,
-        )
-        return out.stdout.strip()
+        """The instance's relay token, computed in process as `oubliette-server token INSTANCE` does
+        (test_auth.py checks that the command prints the same value)."""
+        return TokenAuthority.for_data_dir(self.data_dir).token_for(instance)
 
     def http_token(self) -> str:
-        out = subprocess.run(
-            [PYTHON, "-m", "oubliette_server", "http-token", "--data-dir", str(self.data_dir)],
-            check=True, capture_output=True, text=True,
-        )
-        return out.stdout.strip()
+        """The HTTP API's bearer token, computed in process as `oubliette-server http-token` does."""
+        return TokenAuthority.for_data_dir(self.data_dir).token_for(HTTP_TOKEN_NAME)
 
     @asynccontextmanager
     async def http_server(self, *extra: str) -> AsyncIterator["HttpServer"]:
