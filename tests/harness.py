@@ -339,18 +339,21 @@ class HttpServer:
 class EmbeddedHttpServer(HttpServer):
     """An `OublietteServer` running in the test's Trio loop (`app`), with `rest()` and `caller()`."""
 
-    def __init__(self, deployment: Deployment, app: Any, url: str) -> None:
+    def __init__(self, deployment: Deployment, app: Any, url: str, unix_socket: str | None = None) -> None:
         from oubliette_server.http_api import http_token
 
         self.deployment = deployment
         self.app = app
         self.url = url
+        self.unix_socket = unix_socket
         self.token = http_token(app)
         self.stderr = bytearray()
         self._stderr_changed = trio.Event()
 
     def unix_rest(self) -> Any:
-        raise NotImplementedError("the embedded server has a TCP listener only")
+        if self.unix_socket is None:
+            raise NotImplementedError("this embedded server has a TCP listener only")
+        return super().unix_rest()
 
     async def wait_waiters(self, instance: str, count: int, timeout: float = EVENT_TIMEOUT) -> None:
         """Until exactly `count` tasks (poll, SSE, tether_read, guest delivery) wait on `instance`'s frames.
@@ -499,7 +502,7 @@ class InProcessDeployment(Deployment):
         from oubliette_server.caller_mcp import CallerTools, build_caller_server, initialization_options
         from oubliette_server.runner import SHUTDOWN_DRAIN_SECONDS
 
-        async with self.embedded_server(*extra) as app:
+        async with self.embedded_server(*extra) as (app, _urls):
             caller = app.open_caller("stdio")
 
             def resolve(ctx: Any) -> Any:
@@ -519,9 +522,10 @@ class InProcessDeployment(Deployment):
                     await app.drain(SHUTDOWN_DRAIN_SECONDS)
 
     @asynccontextmanager
-    async def embedded_server(self, *extra: str) -> AsyncIterator[Any]:
+    async def embedded_server(self, *extra: str) -> AsyncIterator[tuple[Any, list[str]]]:
         """`OublietteServer` configured from command-line flags, its relay (and configured
-        toolsets, and HTTP listeners if asked for) up, as `run_server` starts it."""
+        toolsets, and HTTP listeners if asked for) up, as `run_server` starts it:
+        (the server, its HTTP URLs)."""
         from oubliette_server.app import OublietteServer
         from oubliette_server.cli import _serve_parser, build_config
 
@@ -534,14 +538,25 @@ class InProcessDeployment(Deployment):
                 from oubliette_server.toolsets.from_config import register_from_config
 
                 await register_from_config(app, config.toolsets, config.allowlists)
+            urls: list[str] = []
             if config.http:
                 from oubliette_server.http_api import HttpApi
 
-                await nursery.start(HttpApi(app).serve, config.http)
+                urls = await nursery.start(HttpApi(app).serve, config.http)
             try:
-                yield app
+                yield app, urls
             finally:
                 nursery.cancel_scope.cancel()
+
+    @asynccontextmanager
+    async def http_server(self, *extra: str) -> AsyncIterator["HttpServer"]:
+        """The server with the same TCP and Unix HTTP listeners as `Deployment.http_server`, in
+        process. It has no `process`, and its `stderr` stays empty: tests that read them are
+        marked `real_programs`."""
+        flags = ("--http", "127.0.0.1:0", "--http", f"unix:{self.root / 'http.sock'}", "--no-stdio", *extra)
+        async with self.embedded_server(*flags) as (app, urls):
+            url = next(u for u in urls if u.startswith("http://127.0.0.1"))
+            yield EmbeddedHttpServer(self, app, url, unix_socket=str(self.root / "http.sock"))
 
     @asynccontextmanager
     async def agent(

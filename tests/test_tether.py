@@ -448,6 +448,7 @@ async def test_same_session_id_on_two_channels_stays_separate(deployment: Deploy
 # -- persistence ---------------------------------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_seq_and_cursors_survive_a_server_restart(deployment: Deployment) -> None:
     """seq is never reset: after a restart on the same data dir the next frame continues, old frames
     are still there, and a cursor taken before the restart still works."""
