@@ -1,9 +1,12 @@
-"""Test harness: start the real programs as subprocesses and drive them with the MCP SDK.
+"""Test harness: run the programs and drive them with the MCP SDK.
 
 Each test gets a short temporary directory (Unix socket paths are limited to
 ~100 bytes), a server started as the caller's stdio MCP server, and helpers to
 start guest runtimes, agents (the SDK's client spawning `oubliette-client`)
-and raw relay connections.
+and raw relay connections. `Deployment` starts the real programs as
+subprocesses; `InProcessDeployment` (a module marked `in_process`) runs the
+server and the stdio client in the test's Trio loop with the same interface.
+Tokens are computed in process, as `oubliette-server token` computes them.
 """
 
 from __future__ import annotations

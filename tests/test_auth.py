@@ -92,6 +92,7 @@ def test_invalid_instance_id_is_refused(deployment: Deployment, capsys: pytest.C
     assert repr(instance) in err, err
 
 
+@pytest.mark.in_process  # the console scripts are tested above; here the server runs in process
 async def test_token_of_another_instance_is_refused(deployment: Deployment) -> None:
     """A client that presents box2's token for box1 is refused (-32006) and disconnected."""
     async with deployment.caller():
