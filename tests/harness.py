@@ -1,9 +1,12 @@
-"""Test harness: start the real programs as subprocesses and drive them with the MCP SDK.
+"""Test harness: run the programs and drive them with the MCP SDK.
 
 Each test gets a short temporary directory (Unix socket paths are limited to
 ~100 bytes), a server started as the caller's stdio MCP server, and helpers to
 start guest runtimes, agents (the SDK's client spawning `oubliette-client`)
-and raw relay connections.
+and raw relay connections. `Deployment` starts the real programs as
+subprocesses; `InProcessDeployment` (a module marked `in_process`) runs the
+server and the stdio client in the test's Trio loop with the same interface.
+Tokens are computed in process, as `oubliette-server token` computes them.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ import trio
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
+from oubliette_server.auth import TokenAuthority
+
 PYTHON = sys.executable
 EVENT_TIMEOUT = 20.0
+HTTP_TOKEN_NAME = "http:admin"
+"""The reserved name the HTTP bearer token is derived under (oubliette_server.cli `http-token`)."""
 
 
 def fresh_dir() -> Path:
@@ -106,18 +113,13 @@ class Deployment:
         self.relay = f"unix:{self.socket}"
 
     def token(self, instance: str) -> str:
-        out = subprocess.run(
-            [PYTHON, "-m", "oubliette_server", "token", instance, "--data-dir", str(self.data_dir)],
-            check=True, capture_output=True, text=True,
-        )
-        return out.stdout.strip()
+        """The instance's relay token, computed in process as `oubliette-server token INSTANCE` does
+        (test_auth.py checks that the command prints the same value)."""
+        return TokenAuthority.for_data_dir(self.data_dir).token_for(instance)
 
     def http_token(self) -> str:
-        out = subprocess.run(
-            [PYTHON, "-m", "oubliette_server", "http-token", "--data-dir", str(self.data_dir)],
-            check=True, capture_output=True, text=True,
-        )
-        return out.stdout.strip()
+        """The HTTP API's bearer token, computed in process as `oubliette-server http-token` does."""
+        return TokenAuthority.for_data_dir(self.data_dir).token_for(HTTP_TOKEN_NAME)
 
     @asynccontextmanager
     async def http_server(self, *extra: str) -> AsyncIterator["HttpServer"]:
@@ -339,18 +341,21 @@ class HttpServer:
 class EmbeddedHttpServer(HttpServer):
     """An `OublietteServer` running in the test's Trio loop (`app`), with `rest()` and `caller()`."""
 
-    def __init__(self, deployment: Deployment, app: Any, url: str) -> None:
-        from oubliette_server.http_api import HTTP_ADMIN
+    def __init__(self, deployment: Deployment, app: Any, url: str, unix_socket: str | None = None) -> None:
+        from oubliette_server.auth import HTTP_ADMIN
 
         self.deployment = deployment
         self.app = app
         self.url = url
+        self.unix_socket = unix_socket
         self.token = app.tokens.token_for(HTTP_ADMIN)
         self.stderr = bytearray()
         self._stderr_changed = trio.Event()
 
     def unix_rest(self) -> Any:
-        raise NotImplementedError("the embedded server has a TCP listener only")
+        if self.unix_socket is None:
+            raise NotImplementedError("this embedded server has a TCP listener only")
+        return super().unix_rest()
 
     async def wait_waiters(self, instance: str, count: int, timeout: float = EVENT_TIMEOUT) -> None:
         """Until exactly `count` tasks (poll, SSE, tether_read, guest delivery) wait on `instance`'s frames.
@@ -446,3 +451,147 @@ class RawRelay:
 
 def env_without_oubliette() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("OUBLIETTE_")}
+
+
+# -- the same programs as libraries in the test's Trio loop ----------------------------------
+
+
+@asynccontextmanager
+async def memory_transport(server: Any, options: Any) -> AsyncIterator[Any]:
+    """An MCP transport to `server` over memory streams: what stdio is to the real programs.
+
+    `server.run` gets the same initialization options the program passes on stdio; closing
+    the client's side is the EOF a program sees when its stdin closes."""
+    from mcp.shared.memory import create_client_server_memory_streams
+
+    async with create_client_server_memory_streams() as (client_streams, server_streams):
+        done = trio.Event()
+
+        async def run() -> None:
+            try:
+                await server.run(*server_streams, options)
+            finally:
+                done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            try:
+                yield client_streams
+            finally:
+                await client_streams[1].aclose()
+                await server_streams[1].aclose()
+                with trio.move_on_after(2.0):
+                    await done.wait()
+                nursery.cancel_scope.cancel()
+
+
+class InProcessDeployment(Deployment):
+    """A `Deployment` whose `caller()` and `agent()` run oubliette-server and oubliette-client
+    as libraries in the test's Trio loop (DESIGN.md, "Embedding"), over memory streams
+    instead of stdio: the same objects the command-line programs build, without two
+    interpreter start-ups (~1-3 s each) per test. `guest()` and `http_server()` still start
+    the real programs; tests marked `real_programs` get a plain `Deployment`.
+
+    This is the one place that knows how the programs are assembled inside (as
+    oubliette_server.runner and oubliette_client.stdio_server do it)."""
+
+    @asynccontextmanager
+    async def caller(self, *extra: str, mode: str = "legacy") -> AsyncIterator[tuple[Client, EventLog]]:
+        """The server, configured from the same flags as `Deployment.caller`, with one caller
+        connected as on stdio; the server stops when the caller leaves (as the program does)."""
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+        from oubliette_server.caller_api.mcp_server import build_caller_server, initialization_options
+        from oubliette_server.runner import SHUTDOWN_DRAIN_SECONDS
+
+        async with self.embedded_server(*extra) as (app, _urls):
+            caller = app.open_caller("stdio")
+
+            def resolve(ctx: Any) -> Any:
+                if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+                    caller.mcp_session = ctx.session
+                return caller
+
+            server = build_caller_server(app.caller_api(), resolve)
+            log = EventLog()
+            try:
+                transport = memory_transport(server, initialization_options(server))
+                async with Client(transport, mode=mode, logging_callback=log.on_log) as client:
+                    yield client, log
+            finally:
+                app.close_caller(caller)
+                with trio.CancelScope(shield=True):
+                    await app.drain(SHUTDOWN_DRAIN_SECONDS)
+
+    @asynccontextmanager
+    async def embedded_server(self, *extra: str) -> AsyncIterator[tuple[Any, list[str]]]:
+        """`OublietteServer` configured from command-line flags, its relay (and configured
+        toolsets, and HTTP listeners if asked for) up, as `run_server` starts it:
+        (the server, its HTTP URLs)."""
+        from oubliette_server.app import OublietteServer
+        from oubliette_server.cli import _serve_parser, build_config
+
+        config = build_config(_serve_parser().parse_args(
+            ["--relay", self.relay, "--data-dir", str(self.data_dir), *extra]))
+        app = OublietteServer(config)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(app.serve)
+            if config.toolsets or config.allowlists:
+                from oubliette_server.toolsets.from_config import register_from_config
+
+                await register_from_config(app, config.toolsets, config.allowlists)
+            urls: list[str] = []
+            if config.http:
+                urls = await nursery.start(app.http_api().serve, config.http)
+            try:
+                yield app, urls
+            finally:
+                nursery.cancel_scope.cancel()
+
+    @asynccontextmanager
+    async def http_server(self, *extra: str) -> AsyncIterator["HttpServer"]:
+        """The server with the same TCP and Unix HTTP listeners as `Deployment.http_server`, in
+        process. It has no `process`, and its `stderr` stays empty: tests that read them are
+        marked `real_programs`."""
+        flags = ("--http", "127.0.0.1:0", "--http", f"unix:{self.root / 'http.sock'}", "--no-stdio", *extra)
+        async with self.embedded_server(*flags) as (app, urls):
+            url = next(u for u in urls if u.startswith("http://127.0.0.1"))
+            yield EmbeddedHttpServer(self, app, url, unix_socket=str(self.root / "http.sock"))
+
+    @asynccontextmanager
+    async def agent(
+        self, instance: str, session: str | None = None, *, mode: str = "legacy",
+        token: str | None = None, extra_args: tuple[str, ...] = (), message_handler: Any = None,
+        errlog: TextIO | None = None,
+    ) -> AsyncIterator[Client]:
+        """oubliette-client's stdio MCP server (`SandboxToolServer`) in process, as `run_stdio`
+        runs it. `errlog` (the client's stderr) needs the real program: `Deployment.agent`."""
+        if errlog is not None:
+            async with super().agent(instance, session, mode=mode, token=token, extra_args=extra_args,
+                                     message_handler=message_handler, errlog=errlog) as client:
+                yield client
+            return
+        import argparse
+
+        from mcp.server.lowlevel.server import NotificationOptions
+
+        from oubliette_client.settings import RelaySettings
+        from oubliette_client.stdio_server import DEFAULT_CONNECT_WAIT, SandboxToolServer
+
+        flags = argparse.ArgumentParser()
+        flags.add_argument("--connect-wait", type=float, default=DEFAULT_CONNECT_WAIT)
+        settings = RelaySettings(
+            relay=self.relay, instance=instance, session=session,
+            token=token if token is not None else self.token(instance),
+        )
+        sandbox = SandboxToolServer(settings, connect_wait=flags.parse_args(list(extra_args)).connect_wait)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sandbox.link.run)
+            nursery.start_soon(sandbox._announce_changes)
+            with trio.move_on_after(sandbox.connect_wait):
+                await sandbox.link.attempted.wait()
+            options = sandbox.server.create_initialization_options(NotificationOptions(tools_changed=True))
+            async with Client(memory_transport(sandbox.server, options), mode=mode,
+                              message_handler=message_handler) as client:
+                yield client
+            nursery.cancel_scope.cancel()

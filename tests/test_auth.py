@@ -15,45 +15,66 @@ import trio
 from harness import EVENT_TIMEOUT, Deployment, RawRelay, env_without_oubliette
 from oubliette_client.relay_link import RelayLink
 from oubliette_client.settings import RelaySettings
+from oubliette_server import cli as server_cli
 
 SERVER_SCRIPT = Path(sys.executable).with_name("oubliette-server")
 
 
-def run_token(instance: str, data_dir: Path) -> subprocess.CompletedProcess[str]:
-    """`oubliette-server token INSTANCE --data-dir D`, the console script a user runs."""
+def run_console_script(*args: str) -> subprocess.CompletedProcess[str]:
+    """`oubliette-server ARGS…`, the console script a user runs."""
     return subprocess.run(
-        [str(SERVER_SCRIPT), "token", instance, "--data-dir", str(data_dir)],
-        capture_output=True, text=True, timeout=60, env=env_without_oubliette(),
+        [str(SERVER_SCRIPT), *args], capture_output=True, text=True, timeout=60, env=env_without_oubliette(),
     )
 
 
-def token_of(instance: str, data_dir: Path) -> str:
-    out = run_token(instance, data_dir)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`oubliette-server ARGS…` run in process (same `main`): (exit code, stdout, stderr)."""
+    try:
+        code = server_cli.main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_token_is_64_hex_stable_and_per_instance(deployment: Deployment) -> None:
-    first = run_token("box1", deployment.data_dir)
-    assert first.returncode == 0, first.stderr
-    assert re.fullmatch(r"[0-9a-f]{64}\n", first.stdout), repr(first.stdout)
-    token = first.stdout.strip()
-    assert token_of("box1", deployment.data_dir) == token, "the token must be stable across runs"
-    other = token_of("box2", deployment.data_dir)
+def token_of(capsys: pytest.CaptureFixture[str], instance: str, data_dir: Path) -> str:
+    code, out, err = cli(capsys, "token", instance, "--data-dir", str(data_dir))
+    assert code == 0, err
+    return out.strip()
+
+
+def test_commands_print_the_tokens_the_harness_computes(deployment: Deployment) -> None:
+    """The console scripts `token` and `http-token` print exactly what the tests compute in process."""
+    token = run_console_script("token", "box1", "--data-dir", str(deployment.data_dir))
+    assert token.returncode == 0, token.stderr
+    assert token.stdout == deployment.token("box1") + "\n"
+    http = run_console_script("http-token", "--data-dir", str(deployment.data_dir))
+    assert http.returncode == 0, http.stderr
+    assert http.stdout == deployment.http_token() + "\n"
+    assert re.fullmatch(r"[0-9a-f]{64}\n", http.stdout) and http.stdout != token.stdout
+
+
+def test_token_is_64_hex_stable_and_per_instance(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys, "token", "box1", "--data-dir", str(deployment.data_dir))
+    assert code == 0, err
+    assert re.fullmatch(r"[0-9a-f]{64}\n", out), repr(out)
+    token = out.strip()
+    assert token_of(capsys, "box1", deployment.data_dir) == token, "the token must be stable across runs"
+    other = token_of(capsys, "box2", deployment.data_dir)
     assert re.fullmatch(r"[0-9a-f]{64}", other)
     assert other != token, "each instance has its own token"
 
 
-def test_tokens_come_from_the_data_dirs_secret(deployment: Deployment) -> None:
+def test_tokens_come_from_the_data_dirs_secret(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     """Another data directory (another server secret) gives other tokens."""
     other_dir = deployment.root / "other-data"
-    assert token_of("box1", deployment.data_dir) != token_of("box1", other_dir)
+    assert token_of(capsys, "box1", deployment.data_dir) != token_of(capsys, "box1", other_dir)
 
 
-def test_secret_file_is_private(deployment: Deployment) -> None:
-    old_umask = os.umask(0)  # inherited by the command: the mode must not depend on the user's umask
+def test_secret_file_is_private(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    old_umask = os.umask(0)  # the mode must not depend on the user's umask
     try:
-        token_of("box1", deployment.data_dir)
+        token_of(capsys, "box1", deployment.data_dir)
     finally:
         os.umask(old_umask)
     secret = deployment.data_dir / "secret"
@@ -63,14 +84,15 @@ def test_secret_file_is_private(deployment: Deployment) -> None:
 
 
 @pytest.mark.parametrize("instance", ["bad/id", "has space", ".hidden", "x" * 65, "box1;rm"])
-def test_invalid_instance_id_is_refused(deployment: Deployment, instance: str) -> None:
-    out = run_token(instance, deployment.data_dir)
-    assert out.returncode != 0
-    assert out.stdout == "", "no token for an invalid instance id"
-    assert "invalid instance id" in out.stderr
-    assert repr(instance) in out.stderr, out.stderr
+def test_invalid_instance_id_is_refused(deployment: Deployment, capsys: pytest.CaptureFixture[str], instance: str) -> None:
+    code, out, err = cli(capsys, "token", instance, "--data-dir", str(deployment.data_dir))
+    assert code != 0
+    assert out == "", "no token for an invalid instance id"
+    assert "invalid instance id" in err
+    assert repr(instance) in err, err
 
 
+@pytest.mark.in_process  # the console scripts are tested above; here the server runs in process
 async def test_token_of_another_instance_is_refused(deployment: Deployment) -> None:
     """A client that presents box2's token for box1 is refused (-32006) and disconnected."""
     async with deployment.caller():

@@ -18,6 +18,8 @@ import trio
 import trio.testing
 
 from harness import EVENT_TIMEOUT, Deployment, EventLog, structured, text_of
+
+pytestmark = pytest.mark.in_process
 from oubliette_client.relay_link import RelayLink
 from oubliette_client.settings import RelaySettings
 from oubliette_server.app import OublietteServer
@@ -73,6 +75,7 @@ async def agent_call_in_flight(deployment: Deployment, events: EventLog) -> Asyn
 # -- one stdio caller, real server ------------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_second_answer_is_refused_and_the_first_stands(deployment: Deployment) -> None:
     async with deployment.caller() as (caller, events):
         await declare(caller)

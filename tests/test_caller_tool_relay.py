@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import trio
 
 from harness import Deployment, structured, text_of
+
+pytestmark = pytest.mark.in_process
 
 NOTIFY = {
     "name": "send_notification",
@@ -25,6 +28,7 @@ async def declare(caller, instance: str, session_id: str, tools: list[dict], mes
     return structured(result)
 
 
+@pytest.mark.real_programs
 async def test_agent_calls_caller_tool_successfully(deployment: Deployment) -> None:
     """REQ-CTR-001/003/004: request event on the stream, caller answers, agent gets the result."""
     async with deployment.caller() as (caller, events):
@@ -88,6 +92,7 @@ async def test_per_tool_timeout_overrides_server_setting(deployment: Deployment)
         assert result.is_error and "timeout" in text_of(result) and "0.3 s" in text_of(result)
 
 
+@pytest.mark.real_programs
 async def test_caller_disconnect_gives_connection_error_at_once(deployment: Deployment) -> None:
     """REQ-CTR-001: the caller disconnects before responding -> connection error, not the timeout."""
     disconnect = trio.Event()

@@ -1,8 +1,9 @@
 """oubliette-client (stdio): the caller's tools as the agent's native MCP tools, end to end.
 
-Every test starts the real programs: oubliette-server as the caller's stdio MCP
-server (`deployment.caller()`) and oubliette-client as the agent's stdio MCP
-server (`deployment.agent(...)`, the SDK's client spawning it).
+oubliette-server serves the caller (`deployment.caller()`) and oubliette-client
+the agent (`deployment.agent(...)`). Most scenarios run both programs in the
+test's Trio loop over memory streams (`InProcessDeployment`); the ones marked
+`real_programs` start them as subprocesses speaking stdio, as a sandbox would.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import mcp_types as types
 import trio
 from mcp.client.subscriptions import ToolsListChanged
 
+import pytest
+
 from harness import Deployment, EventLog, ListChanged, structured, text_of
+
+pytestmark = pytest.mark.in_process
 
 NOTIFY_SCHEMA = {
     "type": "object",
@@ -185,6 +190,7 @@ async def test_agent_cancel_reaches_the_caller_and_leaves_nothing_pending(deploy
 # -- 6. many calls at once -----------------------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_hundred_concurrent_calls_answered_in_reverse_order(deployment: Deployment) -> None:
     """100 calls in flight from one agent; answered last-first, each agent call gets its own result."""
     count = 100
@@ -240,6 +246,7 @@ async def test_client_started_before_the_server_picks_up_tools_later(deployment:
     assert not result.is_error and result.structured_content == {"sent": 1}
 
 
+@pytest.mark.real_programs
 async def test_call_while_the_relay_is_down_says_it_is_unavailable(deployment: Deployment) -> None:
     """The server goes away while the agent stays up: the known tool stays listed, calls say why they fail."""
     changes = ListChanged()
@@ -293,6 +300,7 @@ async def test_legacy_agent_is_told_without_having_listed_first(deployment: Depl
             assert tool_names(await agent.list_tools()) == {"myapp_send_notification"}
 
 
+@pytest.mark.real_programs
 async def test_modern_agent_receives_tools_list_changed_events(deployment: Deployment) -> None:
     """2026-07-28 (the SDK's default mode): a subscriptions/listen event when the caller declares tools."""
     async with deployment.caller() as (caller, _events):
@@ -350,6 +358,7 @@ async def test_tool_names_over_64_characters_are_warned_about(deployment: Deploy
     long_tool = "t" * 60
     published = f"myapp_{long_tool}"
     assert len(published) > 64
+    # `errlog` is the real client's stderr, so this test starts the real programs.
     with tempfile.TemporaryFile(mode="w+", encoding="utf-8") as errlog:
         async with deployment.caller() as (caller, _events):
             await declare(caller, "box1", "s1", [NOTIFY, {"name": long_tool, "description": "long"}])

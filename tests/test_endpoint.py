@@ -16,9 +16,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import pytest
 import trio
 
 from harness import ECHO_EXTERNAL, EVENT_TIMEOUT, PYTHON, Deployment, env_without_oubliette, text_of
+
+pytestmark = pytest.mark.in_process
 
 REPO = Path(__file__).resolve().parent.parent
 MCP_ECHO = REPO / "examples" / "mcp_echo.py"
@@ -203,6 +206,7 @@ SEED_CALL = {"action": "call_tool", "tool": "ext.echo_external", "arguments": {"
 # -- 1. seed 001's example interactions through `oubliette-client endpoint` ---------------------
 
 
+@pytest.mark.real_programs
 async def test_seed_interactions_through_the_endpoint(deployment: Deployment) -> None:
     """list_tools, describe_tool and call_tool of the reference echo endpoint, each in its own run."""
     async with deployment.caller("--config", str(echo_config(deployment))):
@@ -369,6 +373,7 @@ async def test_unknown_tools_and_schema_violations_are_refused_before_sending(de
 # -- 5. caller tools are in the catalog too -----------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_caller_tools_are_listed_and_relayed_through_the_endpoint(deployment: Deployment) -> None:
     async with deployment.caller("--config", str(echo_config(deployment))) as (caller, events):
         await declare(caller, "s1", [NOTIFY])

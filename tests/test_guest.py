@@ -15,11 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
 from harness import DEMO_AGENT, PYTHON, Deployment, EventLog, structured, text_of
+
+pytestmark = pytest.mark.in_process
 
 TURN_TIMEOUT = 30.0
 TURN_END_TYPES = ("assistant.done", "session.error")
@@ -150,6 +153,7 @@ def log_lines(log: Path) -> list[str]:
 # -- a turn --------------------------------------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_message_runs_command_and_frames_the_turn(deployment: Deployment) -> None:
     """CMD gets the message on stdin; the turn is user.message, presence, one delta per line, done."""
     message = "alpha\nbeta gamma\ndelta"
@@ -404,6 +408,7 @@ async def test_restarted_guest_gets_only_unacknowledged_messages(deployment: Dep
 # -- the demo agent ------------------------------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_demo_agent_calls_a_caller_tool(deployment: Deployment) -> None:
     """The scripted demo agent, under the guest runtime, calls the caller's tool; the answer has its result."""
     tools = [{

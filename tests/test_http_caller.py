@@ -17,9 +17,12 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import mcp_types as types
+import pytest
 import trio
 
 from harness import DEMO_AGENT, Deployment, EventLog, HttpServer, structured, text_of
+
+pytestmark = pytest.mark.in_process
 
 NOTIFY_SCHEMA = {"type": "object", "properties": {"message": {"type": "string"}}}
 NOTIFY = {"name": "send_notification", "description": "Send notification", "inputSchema": NOTIFY_SCHEMA}
@@ -62,6 +65,7 @@ async def call_and_answer(
 # -- REQ-CTR-001/003/004: the successful call ------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_http_caller_answers_a_caller_tool_request(deployment: Deployment) -> None:
     """The request event arrives on the SSE stream, the caller answers, the agent gets the result."""
     async with deployment.http_server() as server, server.caller() as (caller, events):
@@ -309,6 +313,7 @@ async def test_modern_http_caller_gets_events_during_its_waiting_session_message
     assert 'myapp_send_notification returned {"status": "sent"}' in turn["text"]
 
 
+@pytest.mark.real_programs
 async def test_legacy_http_caller_demo_flow_ends_the_turn_with_the_result(deployment: Deployment) -> None:
     """The demo over HTTP: session_message(wait) + answer the SSE event -> end_turn with the result."""
     async with deployment.http_server() as server:

@@ -20,6 +20,8 @@ import trio
 
 from harness import EVENT_TIMEOUT, Deployment, EventLog, RawRelay, structured, text_of
 
+pytestmark = pytest.mark.in_process
+
 INSTANCE = "box1"
 SESSION = "s1"
 SESSION_KEY = f"mcp:{SESSION}"
@@ -108,6 +110,7 @@ class Env:
 # -- REQ-CTR-005 ------------------------------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_socket_request_and_response(deployment: Deployment) -> None:
     """REQ-CTR-005: hello, the tools config before the hello response, caller_tool, the caller's result."""
     async with deployment.caller() as (caller, events):
@@ -324,6 +327,7 @@ async def test_bad_inputs_leave_a_connected_agent_unaffected(deployment: Deploym
 # -- socket file ------------------------------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_relay_socket_is_private(deployment: Deployment) -> None:
     """The relay socket is created 0600, even when the server starts under a permissive umask."""
     old_umask = os.umask(0)  # inherited by the server process

@@ -15,10 +15,13 @@ import re
 import time
 from typing import Any
 
+import pytest
 import trio
 from mcp import Client
 
 from harness import PYTHON, Deployment, structured, text_of
+
+pytestmark = pytest.mark.in_process
 
 TURN_TIMEOUT = 30.0
 TURN_END_TYPES = ("assistant.done", "session.error")
@@ -104,6 +107,7 @@ def assert_wire_frame(frame: dict[str, Any], instance: str) -> None:
 # -- the usage pattern ---------------------------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_send_then_read_loop_until_done(deployment: Deployment) -> None:
     """Seed 004 usage pattern: tether_send, then tether_read from ingress_seq with next_seq until assistant.done."""
     config = deployment.config_file("agent1")
@@ -365,6 +369,7 @@ async def test_long_poll_returns_as_soon_as_a_frame_is_appended(deployment: Depl
         assert outcome["elapsed"] < 15, outcome["elapsed"]
 
 
+@pytest.mark.real_programs
 async def test_long_poll_over_stdio_wakes_on_tether_send(deployment: Deployment) -> None:
     """A tether_read waiting for the host's own messages (types filter) wakes on the next tether_send."""
     config = deployment.config_file("box1")
@@ -443,6 +448,7 @@ async def test_same_session_id_on_two_channels_stays_separate(deployment: Deploy
 # -- persistence ---------------------------------------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_seq_and_cursors_survive_a_server_restart(deployment: Deployment) -> None:
     """seq is never reset: after a restart on the same data dir the next frame continues, old frames
     are still there, and a cursor taken before the restart still works."""

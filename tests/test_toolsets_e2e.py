@@ -20,10 +20,13 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import mcp_types as types
+import pytest
 import trio
 from mcp.client.subscriptions import ToolsListChanged
 
 from harness import Deployment, ListChanged, PYTHON, structured, text_of
+
+pytestmark = pytest.mark.in_process
 from oubliette_server.app import OublietteServer
 from oubliette_server.auth import TokenAuthority
 from oubliette_server.config import ServerConfig
@@ -100,6 +103,7 @@ def tool_names(listing: types.ListToolsResult) -> set[str]:
 # -- 8. several toolsets, prefixed, with descriptors ------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_toolsets_are_advertised_with_prefixed_names_and_descriptors(deployment: Deployment) -> None:
     async with deployment.caller("--config", str(standard_config(deployment))):
         async with deployment.agent("box1", "mcp:s1", token=agent_token(deployment, "box1")) as agent:
@@ -139,6 +143,7 @@ async def test_toolsets_are_advertised_with_prefixed_names_and_descriptors(deplo
 # -- 9. a real third-party MCP server as a toolset -------------------------------------------
 
 
+@pytest.mark.real_programs
 async def test_mcp_toolset_is_called_with_its_prefixed_name(deployment: Deployment) -> None:
     async with deployment.caller("--config", str(standard_config(deployment))):
         async with deployment.agent("box1", "mcp:s1", token=agent_token(deployment, "box1")) as agent:
