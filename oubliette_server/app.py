@@ -15,14 +15,14 @@ import trio
 
 from protocol import (
     CallerToolSpec,
+    HandlerEntry,
+    PeerLimits,
     RelayError,
     SessionRef,
     errors,
     messages,
     parse_relay_address,
-    structure,
     unstructure,
-    validate_params,
 )
 
 from .auth import TokenAuthority, check_instance_id, ensure_private_dir
@@ -30,7 +30,7 @@ from .caller_calls import CallerCallRegistry
 from .callers import CallerConnection
 from .config import ServerConfig
 from .guests import GuestDelivery
-from .relay import RelayConnection, RelayListener
+from .relay import RelayConnection, RelayHandlers, RelayListener
 from .sessions import Session, SessionRegistry
 from .store import FrameStore, StoredFrame
 from .toolsets import (
@@ -86,6 +86,7 @@ class OublietteServer:
         self._requests_in_flight = 0
         self._drained = trio.Event()
         self._drained.set()
+        self.relay_handlers: RelayHandlers = self._relay_handler_table()
 
     # -- running -------------------------------------------------------------------------
 
@@ -95,7 +96,7 @@ class OublietteServer:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                await nursery.start(RelayListener(self, address).serve)
+                await nursery.start(RelayListener(address, self._relay_connection).serve)
                 task_status.started()
         finally:
             self.store.close()
@@ -223,11 +224,12 @@ class OublietteServer:
     async def declare_caller_tools(
         self, session: Session, caller: CallerConnection, caller_id: str, tools: list[CallerToolSpec]
     ) -> None:
+        """Record the caller's tools and queue them to the clients that see the session (never waits on a socket)."""
         session.declare_caller_tools(caller, caller_id, tools)
         config = unstructure(messages.CallerToolsConfig(session_id=session.id, caller_id=caller_id, tools=tools))
         for connection in list(self._clients.get(session.instance, ())):
             if self._client_sees(connection, session):
-                await connection.notify(messages.CALLER_TOOLS_CONFIG, config)
+                connection.notify(messages.CALLER_TOOLS_CONFIG, config)
 
     def _client_sees(self, connection: RelayConnection, session: Session) -> bool:
         """A client bound to a session sees that session's tools; an unbound one the latest per caller."""
@@ -309,16 +311,30 @@ class OublietteServer:
         await self.toolset_sessions.refresh(instance)
 
     async def _push_toolsets(self, router: ToolRouter) -> None:
+        """Queue the router's list to its connections (never waits on a socket)."""
         config = {"tools": router.published(), "separator": router.separator}
         for connections in self._clients.values():
             for connection in list(connections):
                 if connection.router is router:
-                    await connection.notify(messages.TOOLSETS_CONFIG, config)
+                    connection.notify(messages.TOOLSETS_CONFIG, config)
 
     # -- relay connections ---------------------------------------------------------------
 
+    def _relay_connection(self, stream: trio.abc.Stream, peer_name: str) -> RelayConnection:
+        """A sandbox connection, given only what it uses of the server."""
+        return RelayConnection(
+            stream, peer_name,
+            verify_token=self.tokens.verify,
+            handlers=self.relay_handlers,
+            on_open=self.relay_connection_opened,
+            on_close=self.relay_connection_closed,
+            limits=PeerLimits(write_timeout=self.config.relay_write_timeout),
+            on_request_started=self.relay_request_started,
+            on_request_finished=self.relay_request_finished,
+        )
+
     async def relay_connection_opened(self, connection: RelayConnection) -> None:
-        """Register a connection that passed `hello`; send its configuration first."""
+        """Register a connection that passed `hello`; queue its configuration before the hello answer."""
         assert connection.instance is not None
         self._seen_instances.add(connection.instance)
         if connection.role == "guest":
@@ -327,10 +343,11 @@ class OublietteServer:
             if previous is not None:
                 log.warning("%r replaces the instance's previous guest %r", connection, previous)
                 previous.close_soon()
+            connection.start_soon(self.guests.deliver, connection)
             return
         self._clients.setdefault(connection.instance, set()).add(connection)
         router = await self.toolset_sessions.attach(connection)
-        await connection.notify(
+        await connection.send_notification(
             messages.TOOLSETS_CONFIG, {"tools": router.published(), "separator": router.separator},
         )
         for session in self._sessions_visible_to(connection):
@@ -338,7 +355,7 @@ class OublietteServer:
                 session_id=session.id, caller_id=session.caller_id or "",
                 tools=list(session.caller_tools.values()),
             )
-            await connection.notify(messages.CALLER_TOOLS_CONFIG, unstructure(config))
+            await connection.send_notification(messages.CALLER_TOOLS_CONFIG, unstructure(config))
 
     def _sessions_visible_to(self, connection: RelayConnection) -> list[Session]:
         assert connection.instance is not None
@@ -361,38 +378,48 @@ class OublietteServer:
             self.toolset_sessions.detach(connection, self._nursery)
         log.info("%r disconnected", connection)
 
-    async def handle_relay_request(self, connection: RelayConnection, method: str, params: dict[str, Any]) -> Any:
-        if method == messages.CALLER_TOOL and connection.role == "client":
-            validate_params(method, params)
-            call = structure(params, messages.CallerToolCall)
-            session, spec = self._find_caller_tool(connection, call)
-            result = await self.calls.relay(session, spec, call.arguments)
-            return unstructure(messages.CallerToolResult(result=result))
-        if method == messages.APPEND_FRAME and connection.role == "guest":
-            validate_params(method, params)
-            request = structure(params, messages.AppendFrame)
-            if request.type not in GUEST_FRAME_TYPES:
-                raise RelayError(
-                    errors.INVALID_PARAMS,
-                    f"a guest may append {', '.join(sorted(GUEST_FRAME_TYPES))}; not {request.type!r}",
-                )
-            assert connection.instance is not None
-            session = self.sessions.get_or_create(connection.instance, request.session.channel, request.session.id)
-            frame = await self.append_frame(session, request.type, request.payload, reply_to=request.reply_to)
-            return unstructure(messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id))
-        if method == messages.TOOLSET_CALL and connection.role == "client":
-            validate_params(method, params)
-            call = structure(params, messages.ToolsetCall)
-            if connection.router is None:
-                raise RelayError(errors.NOT_FOUND, "no toolsets are bound to this connection")
-            outcome = await connection.router.call(call.name, call.arguments)
-            if outcome.is_error:
-                raise RelayError(errors.TOOL_ERROR, outcome.error or f"{call.name} failed")
-            return unstructure(messages.ToolsetCallResult(result=outcome.result, content=outcome.content))
-        known = {messages.CALLER_TOOL: "client", messages.TOOLSET_CALL: "client", messages.APPEND_FRAME: "guest"}
-        if method in known:
-            raise RelayError(errors.METHOD_NOT_FOUND, f"method {method!r} is for role {known[method]!r} connections")
-        raise RelayError(errors.METHOD_NOT_FOUND, f"unknown method {method!r}")
+    def _relay_handler_table(self) -> RelayHandlers:
+        """What each role may ask of the server: `{(role, method): HandlerEntry}`; the peer
+        validates and structures params before a handler (connection, params) runs."""
+        return {
+            ("client", messages.CALLER_TOOL): HandlerEntry(messages.CallerToolCall, self._relay_caller_tool),
+            ("client", messages.TOOLSET_CALL): HandlerEntry(messages.ToolsetCall, self._relay_toolset_call),
+            ("guest", messages.APPEND_FRAME): HandlerEntry(messages.AppendFrame, self._relay_append_frame),
+            ("guest", messages.ACK): HandlerEntry(messages.Ack, self._relay_ack),
+        }
+
+    async def _relay_caller_tool(
+        self, connection: RelayConnection, call: messages.CallerToolCall
+    ) -> messages.CallerToolResult:
+        session, spec = self._find_caller_tool(connection, call)
+        result = await self.calls.relay(session, spec, call.arguments)
+        return messages.CallerToolResult(result=result)
+
+    async def _relay_append_frame(
+        self, connection: RelayConnection, request: messages.AppendFrame
+    ) -> messages.AppendFrameResult:
+        if request.type not in GUEST_FRAME_TYPES:
+            raise RelayError(
+                errors.INVALID_PARAMS,
+                f"a guest may append {', '.join(sorted(GUEST_FRAME_TYPES))}; not {request.type!r}",
+            )
+        assert connection.instance is not None
+        session = self.sessions.get_or_create(connection.instance, request.session.channel, request.session.id)
+        frame = await self.append_frame(session, request.type, request.payload, reply_to=request.reply_to)
+        return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
+
+    async def _relay_toolset_call(
+        self, connection: RelayConnection, call: messages.ToolsetCall
+    ) -> messages.ToolsetCallResult:
+        if connection.router is None:
+            raise RelayError(errors.NOT_FOUND, "no toolsets are bound to this connection")
+        outcome = await connection.router.call(call.name, call.arguments)
+        if outcome.is_error:
+            raise RelayError(errors.TOOL_ERROR, outcome.error or f"{call.name} failed")
+        return messages.ToolsetCallResult(result=outcome.result, content=outcome.content)
+
+    async def _relay_ack(self, connection: RelayConnection, ack: messages.Ack) -> None:
+        self.guests.acknowledge(connection, ack.seq)
 
     def _find_caller_tool(
         self, connection: RelayConnection, call: messages.CallerToolCall

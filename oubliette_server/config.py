@@ -12,6 +12,7 @@ import attrs
 
 DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
+DEFAULT_RELAY_WRITE_TIMEOUT = 10.0
 
 
 def default_data_dir() -> Path:
@@ -39,6 +40,8 @@ class ServerConfig:
     retention_seconds: float | None = None
     """Also prune frames older than this (checked on appends and at start); None: no age limit."""
     session_wait_limit: float = DEFAULT_SESSION_WAIT
+    relay_write_timeout: float = DEFAULT_RELAY_WRITE_TIMEOUT
+    """Seconds one frame to a sandbox may take to be written; a sandbox that does not read is disconnected."""
     http: list[str] = attrs.field(factory=list)
     """HTTP listeners: `HOST:PORT` (bearer tokens) and/or `unix:PATH` (mode 0600, no token)."""
     allowed_hosts: list[str] = attrs.field(factory=list)
@@ -76,7 +79,7 @@ class ServerConfig:
 SERVER_KEYS = {
     "relay": str, "data_dir": str, "caller_timeout": (int, float), "store_path": str,
     "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
-    "tool_separator": str,
+    "tool_separator": str, "relay_write_timeout": (int, float),
 }
 
 

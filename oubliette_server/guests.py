@@ -97,5 +97,5 @@ class GuestDelivery:
                 continue
             for frame in frames:
                 if not self._answered(instance, frame.msg_id):
-                    await connection.notify(messages.USER_MESSAGE, {"frame": frame.to_wire()})
+                    await connection.send_notification(messages.USER_MESSAGE, {"frame": frame.to_wire()})
                 cursor = frame.seq
