@@ -216,6 +216,7 @@ class RelayPeer:
         if self._close_reason is None:
             self._close_reason = reason
         self._fail_waiters(self._close_reason)
+        self._drop_queued()
         self._receive.close()  # senders waiting for room get BrokenResourceError
         self._send.close()
         self.closed.set()

@@ -775,3 +775,34 @@ async def test_a_stalled_sandbox_delays_no_other_caller_and_is_closed_after_the_
                 pass
         await stalled.aclose()
         assert trio.current_time() - stalled_since < write_timeout + EVENT_TIMEOUT
+
+
+def test_client_request_deadline_is_settable_and_covers_a_caller_tools_own_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from oubliette_client.sandbox_tools import SandboxTools
+    from oubliette_client.settings import add_relay_arguments, settings_from_args
+    from protocol import CallerToolSpec
+
+    parser = argparse.ArgumentParser()
+    add_relay_arguments(parser)
+    args = parser.parse_args(["--instance", "box1", "--token", "t"])
+    assert settings_from_args(parser, args).request_timeout == 120
+    monkeypatch.setenv("OUBLIETTE_REQUEST_TIMEOUT", "7.5")
+    settings = settings_from_args(parser, args)
+    assert settings.request_timeout == 7.5
+    assert settings.environment()["OUBLIETTE_REQUEST_TIMEOUT"] == "7.5"  # passed on to the agent's client
+    monkeypatch.setenv("OUBLIETTE_REQUEST_TIMEOUT", "soon")
+    with pytest.raises(SystemExit):
+        settings_from_args(parser, args)
+
+    tools = SandboxTools(settings)
+    assert tools.link.request_timeout == 7.5
+    tools.registry.set_caller_tools("app", [
+        CallerToolSpec(name="quick", inputSchema={"type": "object"}),
+        CallerToolSpec(name="slow", inputSchema={"type": "object"}, timeout_ms=300_000),
+    ])
+    quick, slow = tools.registry.resolve("app_quick"), tools.registry.resolve("app_slow")
+    assert quick is not None and slow is not None
+    assert tools._caller_tool_deadline(quick) == 7.5
+    assert tools._caller_tool_deadline(slow) == 310
