@@ -12,7 +12,8 @@ Raises: :class:`FrameTooLarge` (a ``RelayError``) and ``RelayError`` from :func:
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 from .errors import INVALID_REQUEST, PARSE_ERROR, RelayError
 
@@ -24,6 +25,7 @@ __all__ = [
     "FrameTooLarge",
     "LineBuffer",
     "END_OF_STREAM",
+    "read_lines",
 ]
 
 #: Largest line (excluding the ``\n``) either side accepts.
@@ -159,3 +161,25 @@ class _EndOfStream:
 
 #: What :meth:`LineBuffer.next_line` returns once the stream ended and every line was taken.
 END_OF_STREAM = _EndOfStream()
+
+
+class _ReceiveStream(Protocol):
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray: ...
+
+
+async def read_lines(stream: _ReceiveStream, max_bytes: int = MAX_FRAME_BYTES) -> AsyncIterator[bytes]:
+    """Each line of a byte stream (e.g. a trio ``ReceiveStream``) until it ends.
+
+    Reads only when a :class:`LineBuffer` needs more, so it never holds more than the limit
+    plus one read; raises :class:`FrameTooLarge` like the buffer. For line-based pipes that
+    are not relay connections (the relay peer feeds its core instead).
+    """
+    lines = LineBuffer(max_bytes)
+    while True:
+        line = lines.next_line()
+        if line is None:
+            lines.feed(bytes(await stream.receive_some(RECEIVE_CHUNK_BYTES)))
+        elif line is END_OF_STREAM:
+            return
+        else:
+            yield line  # type: ignore[misc]
