@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from protocol import LineReader
+from protocol import read_lines
 from protocol.descriptors import (
     ActionError,
     ActionRequest,
@@ -84,16 +84,17 @@ class ActionEndpoint:
 
 async def serve_stdin(endpoint: ActionEndpoint) -> None:
     """One response line per request line, until stdin ends."""
-    reader = LineReader(trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())))
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
     out = trio.lowlevel.FdStream(os.dup(sys.stdout.fileno()))
     try:
-        while (line := await reader.read_line()) is not None:
+        async for line in read_lines(stdin):
             if not line.strip():
                 continue
             response = await endpoint.handle_line(line)
             await out.send_all(json.dumps(response, ensure_ascii=False).encode() + b"\n")
     finally:
         await out.aclose()
+        await stdin.aclose()
 
 
 def run_endpoint(settings: RelaySettings, connect_wait: float) -> int:

@@ -30,7 +30,7 @@ from typing import Any
 
 import trio
 
-from protocol import Frame, RelayError, errors, messages, structure
+from protocol import Frame, RelayError, errors, messages
 
 from .mcp_config import write_mcp_config
 from .relay_link import RelayLink
@@ -51,7 +51,7 @@ class GuestRuntime:
         self.settings = settings
         self.command = command
         self.config_dir = config_dir
-        self.link = RelayLink(settings, "guest", self._on_notification)
+        self.link = RelayLink(settings, "guest", self._on_notification, request_timeout=settings.request_timeout)
         self._queues: dict[str, trio.MemorySendChannel[Frame]] = {}
         self._highest_seen = 0
         self._unfinished: set[int] = set()
@@ -69,15 +69,12 @@ class GuestRuntime:
 
     # -- delivery ------------------------------------------------------------------------
 
-    async def _on_notification(self, method: str, params: dict[str, Any]) -> None:
-        if method != messages.USER_MESSAGE:
+    async def _on_notification(self, method: str, params: Any) -> None:
+        """Params come validated and structured by the relay peer."""
+        if not isinstance(params, messages.UserMessageDelivery):
             log.debug("ignoring relay notification %s", method)
             return
-        try:
-            frame = structure(params, messages.UserMessageDelivery).frame
-        except RelayError as err:
-            log.warning("ignoring a bad user_message: %s", err.message)
-            return
+        frame = params.frame
         if frame.seq <= self._highest_seen:
             return  # redelivered after a reconnect; it is queued or done already
         self._highest_seen = frame.seq

@@ -1,74 +1,86 @@
 """RelayLink: the sandbox side's connection to the relay, kept up with backoff.
 
-Requests are multiplexed by id; each waits on its own event, so many calls can
-be in flight at once. A caller that is cancelled while waiting sends `cancel
-{id}` to the server. When the connection drops, every waiting request fails at
-once with "relay connection lost", and the link reconnects with exponential
-backoff. While it is down, `request` fails at once saying why (or, with
-`wait_for_connection`, waits for the link to come back).
+Each connection is one `protocol.RelayPeer` (requests multiplexed by id, each with a
+deadline; `cancel` on timeout or cancellation; one writer with a write deadline). This
+module adds only reconnection: when a connection drops, every waiting request fails at
+once with `PEER_DISCONNECTED`, and the link reconnects with exponential backoff. While it
+is down, `request` fails at once saying why (or, with `wait_for_connection`, waits for the
+link to come back).
+
+Owns: the current connection (closed when `run` is cancelled). Needs: `run` in a nursery
+(`nursery.start_soon(link.run)`). Raises: `request` and `notify` raise only `RelayError`.
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
 import logging
 import random
 from typing import Any, Awaitable, Callable
 
-import attrs
 import trio
 
 from protocol import (
+    METHOD_RULES,
     PROTOCOL_VERSION,
-    FrameWriter,
-    LineReader,
-    Notification,
+    ROLE_SERVER,
+    HandlerEntry,
+    PeerLimits,
+    RelayCore,
     RelayError,
-    Request,
-    Response,
+    RelayPeer,
     connect_relay,
-    decode,
     errors,
-    jsonrpc,
     messages,
-    parse_message,
     parse_relay_address,
-    unstructure,
 )
 
-from .settings import RelaySettings
+from .settings import DEFAULT_REQUEST_TIMEOUT, RelaySettings
 
 log = logging.getLogger("oubliette.client.relay")
 
-NotificationHandler = Callable[[str, dict[str, Any]], Awaitable[None]]
+#: Called with a notification's method and its params, already validated and structured
+#: into the method's params class (e.g. `messages.CallerToolsConfig`).
+NotificationHandler = Callable[[str, Any], Awaitable[None]]
 
 BACKOFF_INITIAL = 0.1
 BACKOFF_MAX = 5.0
-HELLO_TIMEOUT = 10.0
-
-
-@attrs.define(eq=False)
-class _Waiter:
-    done: trio.Event = attrs.field(factory=trio.Event)
-    result: Any = None
-    error: RelayError | None = None
+#: Hello answers the server refuses for good (wrong token, bad instance, wrong protocol).
+FATAL_HELLO_CODES = (errors.UNAUTHORIZED, errors.NOT_FOUND, errors.INVALID_REQUEST)
 
 
 class RelayLink:
+    """One role's (`client` or `guest`) link to the relay, reconnected with backoff.
+
+    `on_notification(method, params)` gets each server notification, in order, with
+    structured params; the configuration the server sends before answering `hello`
+    arrives before `on_connected()` is called. `request_timeout` is the default deadline
+    of `request` (`DEFAULT_REQUEST_TIMEOUT`, 120 s: a caller tool waits up to the server's
+    caller timeout, 60 s by default, and the server answers at that deadline, so this
+    leaves it its full timeout plus a margin); `limits` holds the write and hello deadlines.
+    """
+
     def __init__(
         self,
         settings: RelaySettings,
         role: str,
         on_notification: NotificationHandler,
         on_connected: Callable[[], None] | None = None,
+        *,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        limits: PeerLimits = PeerLimits(),
     ) -> None:
         self.settings = settings
-        self._on_connected = on_connected
         self.role = role
-        self._on_notification = on_notification
-        self._ids = itertools.count(1)
-        self._waiters: dict[int, _Waiter] = {}
-        self._writer: FrameWriter | None = None
+        self.request_timeout = request_timeout
+        self.limits = limits
+        self._on_connected = on_connected
+        self._handlers = {
+            method: HandlerEntry(messages.PARAMS_TYPES[method], functools.partial(on_notification, method))
+            for method, rule in METHOD_RULES.items()
+            if rule.kind == "notification" and (ROLE_SERVER, role) in rule.routes and method != messages.CANCEL
+        }
+        self._peer: RelayPeer | None = None
         self.last_error = "not connected yet"
         self.connected = False
         self._state_changed = trio.Event()
@@ -85,10 +97,12 @@ class RelayLink:
         self._state_changed = trio.Event()
 
     async def wait_connected(self) -> None:
+        """Until the link is connected (returns at once if it is)."""
         while not self.connected:
             await self._state_changed.wait()
 
     def unavailable_error(self) -> RelayError:
+        """The error requests get while the link is down, with the last reason."""
         return RelayError(
             errors.PEER_DISCONNECTED,
             f"the Oubliette relay at {self.settings.relay} is unavailable ({self.last_error}); retrying in the background",
@@ -96,43 +110,32 @@ class RelayLink:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def request(self, method: str, params: dict[str, Any], *, wait_for_connection: bool = False) -> Any:
+    async def request(
+        self, method: str, params: dict[str, Any], *, wait_for_connection: bool = False, timeout: float | None = None
+    ) -> Any:
+        """Send a request and return its result; `timeout` defaults to `request_timeout`.
+
+        Raises `RelayError`: `TIMEOUT` when the deadline passes (the server is told
+        `cancel`), `PEER_DISCONNECTED` when the link is or goes down, the server's error.
+        """
         if wait_for_connection:
             await self.wait_connected()
-        writer = self._writer
-        if not self.connected or writer is None:
+        peer = self._peer
+        if not self.connected or peer is None:
             raise self.unavailable_error()
-        request_id = next(self._ids)
-        waiter = _Waiter()
-        self._waiters[request_id] = waiter
-        try:
-            try:
-                await writer.send(jsonrpc.request(request_id, method, params))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                raise self.unavailable_error() from None
-            await waiter.done.wait()
-        except trio.Cancelled:
-            if not waiter.done.is_set() and self._writer is writer:
-                with trio.CancelScope(shield=True), trio.move_on_after(1):
-                    try:
-                        await writer.send(jsonrpc.notification(messages.CANCEL, {"id": request_id}))
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass
-            raise
-        finally:
-            self._waiters.pop(request_id, None)
-        if waiter.error is not None:
-            raise waiter.error
-        return waiter.result
+        return await peer.request(method, params, timeout=self.request_timeout if timeout is None else timeout)
 
     async def notify(self, method: str, params: dict[str, Any]) -> None:
-        writer = self._writer
-        if writer is None:
+        """Queue a notification (it never waits for the socket); `RelayError` when the link is down."""
+        peer = self._peer
+        if not self.connected or peer is None:
             raise self.unavailable_error()
         try:
-            await writer.send(jsonrpc.notification(method, params))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise self.unavailable_error() from None
+            peer.notify(method, params)
+        except RelayError as err:
+            if err.code == errors.PEER_DISCONNECTED:
+                raise self.unavailable_error() from None
+            raise
 
     # -- connection loop -----------------------------------------------------------------
 
@@ -147,15 +150,9 @@ class RelayLink:
             except OSError as exc:
                 self._set_state(False, f"cannot connect: {exc.strerror or exc}")
             else:
-                try:
-                    fatal = await self._serve(stream)
+                fatal = await self._serve(stream)
+                if not fatal:
                     backoff = BACKOFF_INITIAL
-                finally:
-                    self._writer = None
-                    self._fail_waiters("the relay connection was lost")
-                    self._set_state(False)
-                    with trio.CancelScope(shield=True):
-                        await stream.aclose()
             self.attempted.set()
             if fatal:
                 log.error("relay refused this %s: %s", self.role, self.last_error)
@@ -164,75 +161,40 @@ class RelayLink:
             await trio.sleep(delay)  # backoff between attempts, not a wait for an event
             backoff = min(backoff * 2, BACKOFF_MAX)
 
-    def _fail_waiters(self, why: str) -> None:
-        for waiter in list(self._waiters.values()):
-            if not waiter.done.is_set():
-                waiter.error = RelayError(errors.PEER_DISCONNECTED, why)
-                waiter.done.set()
-
     async def _serve(self, stream: trio.abc.Stream) -> bool:
-        """Handshake, then read until the connection ends. Returns True if the server refused us."""
-        reader = LineReader(stream)
-        writer = FrameWriter(stream)
+        """One connection: hello, then serve until it ends. True if the server refused us."""
+        peer = RelayPeer(stream, RelayCore(self.role), name=f"relay {self.settings.relay}", limits=self.limits)
         hello = messages.Hello(
             protocol=PROTOCOL_VERSION, role=self.role, instance=self.settings.instance,
             token=self.settings.token, session=self.settings.session,
         )
-        await writer.send(jsonrpc.request(0, messages.HELLO, unstructure(hello)))
         try:
-            with trio.fail_after(HELLO_TIMEOUT):
-                while True:
-                    message = await self._next_message(reader)
-                    if message is None:
-                        self._set_state(False, "the relay closed the connection during the handshake")
-                        return False
-                    if isinstance(message, Response) and message.id == 0:
-                        break
-                    if isinstance(message, Notification):
-                        await self._on_notification(message.method, message.params)
-        except trio.TooSlowError:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(peer.serve, self._handlers)
+                try:
+                    await peer.request(messages.HELLO, hello, timeout=self.limits.hello_timeout)
+                except RelayError as err:
+                    nursery.cancel_scope.cancel()
+                    return self._hello_failed(err)
+                self._peer = peer
+                if self._on_connected is not None:
+                    self._on_connected()  # the handshake's configuration is complete
+                self._set_state(True, "connected")
+                self.attempted.set()
+                log.info("connected to the relay at %s as %s of %s", self.settings.relay, self.role, self.settings.instance)
+            self._set_state(False, f"connection lost: {peer.close_reason}")
+            return False
+        finally:
+            self._peer = None
+            if self.connected:
+                self._set_state(False)
+
+    def _hello_failed(self, err: RelayError) -> bool:
+        if err.code == errors.TIMEOUT:
             self._set_state(False, "the relay did not answer hello")
             return False
-        except RelayError as err:
-            self._set_state(False, f"protocol error during handshake: {err.message}")
+        if err.code == errors.PEER_DISCONNECTED:
+            self._set_state(False, f"the relay closed the connection during the handshake ({err.message})")
             return False
-        if message.error is not None:
-            self._set_state(False, message.error.message)
-            return message.error.code in (errors.UNAUTHORIZED, errors.NOT_FOUND, errors.INVALID_REQUEST)
-        self._writer = writer
-        if self._on_connected is not None:
-            self._on_connected()  # before reading on: the handshake's configuration is complete
-        self._set_state(True, "connected")
-        self.attempted.set()
-        log.info("connected to the relay at %s as %s of %s", self.settings.relay, self.role, self.settings.instance)
-        try:
-            while True:
-                message = await self._next_message(reader)
-                if message is None:
-                    self._set_state(False, "the relay closed the connection")
-                    return False
-                if isinstance(message, Response):
-                    self._resolve(message)
-                elif isinstance(message, Notification):
-                    await self._on_notification(message.method, message.params)
-                elif isinstance(message, Request):
-                    await writer.send(jsonrpc.error_response(message.id, RelayError(
-                        errors.METHOD_NOT_FOUND, f"this {self.role} serves no method {message.method!r}")))
-        except RelayError as err:
-            self._set_state(False, f"protocol error: {err.message}")
-            return False
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._set_state(False, f"connection broken: {exc}")
-            return False
-
-    @staticmethod
-    async def _next_message(reader: LineReader) -> Request | Response | Notification | None:
-        line = await reader.read_line()
-        return None if line is None else parse_message(decode(line))
-
-    def _resolve(self, response: Response) -> None:
-        waiter = self._waiters.get(response.id)  # type: ignore[arg-type]
-        if waiter is None or waiter.done.is_set():
-            return
-        waiter.result, waiter.error = response.result, response.error
-        waiter.done.set()
+        self._set_state(False, err.message)
+        return err.code in FATAL_HELLO_CODES

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from protocol import CallerToolSpec, RelayError, ToolsetToolSpec, errors, messages, structure
+from protocol import CallerToolSpec, RelayError, ToolsetToolSpec, errors, messages
 
 from .relay_link import RelayLink
 from .settings import RelaySettings
@@ -37,6 +37,10 @@ class CallOutcome:
         return self.error is not None
 
 
+#: Seconds a relayed caller tool call waits beyond the tool's own `timeout_ms` for the server's answer.
+CALLER_TOOL_MARGIN = 10.0
+
+
 def relay_error_text(tool: PublishedTool, err: RelayError) -> str:
     if err.code == errors.TIMEOUT:
         return f"{tool.name}: timeout: {err.message}"
@@ -54,27 +58,26 @@ class SandboxTools:
         self._staged_callers: dict[str, list[CallerToolSpec]] = {}
         self._staged_toolsets: list[ToolsetToolSpec] | None = None
         self.separator = "."
-        self.link = RelayLink(settings, "client", self._on_relay_notification, self._commit_handshake_config)
+        self.link = RelayLink(
+            settings, "client", self._on_relay_notification, self._commit_handshake_config,
+            request_timeout=settings.request_timeout,
+        )
 
-    async def _on_relay_notification(self, method: str, params: dict[str, Any]) -> None:
-        try:
-            if method == messages.CALLER_TOOLS_CONFIG:
-                config = structure(params, messages.CallerToolsConfig)
-                if self.link.connected:
-                    self.registry.set_caller_tools(config.caller_id, config.tools)
-                else:  # part of the handshake: the server's configuration for this connection
-                    self._staged_callers[config.caller_id] = config.tools
-            elif method == messages.TOOLSETS_CONFIG:
-                toolsets = structure(params, messages.ToolsetsConfig)
-                self.separator = toolsets.separator
-                if self.link.connected:
-                    self.registry.set_toolset_tools(toolsets.tools)
-                else:
-                    self._staged_toolsets = toolsets.tools
+    async def _on_relay_notification(self, method: str, params: Any) -> None:
+        """Params come validated and structured by the relay peer."""
+        if isinstance(params, messages.CallerToolsConfig):
+            if self.link.connected:
+                self.registry.set_caller_tools(params.caller_id, params.tools)
+            else:  # part of the handshake: the server's configuration for this connection
+                self._staged_callers[params.caller_id] = params.tools
+        elif isinstance(params, messages.ToolsetsConfig):
+            self.separator = params.separator
+            if self.link.connected:
+                self.registry.set_toolset_tools(params.tools)
             else:
-                log.debug("ignoring relay notification %s", method)
-        except RelayError as err:
-            log.warning("ignoring a bad %s: %s", method, err.message)
+                self._staged_toolsets = params.tools
+        else:
+            log.debug("ignoring relay notification %s", method)
 
     def _commit_handshake_config(self) -> None:
         callers, self._staged_callers = self._staged_callers, {}
@@ -95,6 +98,13 @@ class SandboxTools:
         known = ", ".join(t.name for t in self.registry.tools) or "none"
         return f"unknown tool '{name}' (available: {known}){why}"
 
+    def _caller_tool_deadline(self, tool: PublishedTool) -> float:
+        """The link's request deadline, or longer for a tool whose own timeout is longer:
+        the server answers at the tool's timeout, so the client waits for that answer."""
+        if tool.timeout_ms is None:
+            return self.link.request_timeout
+        return max(self.link.request_timeout, tool.timeout_ms / 1000 + CALLER_TOOL_MARGIN)
+
     async def call(self, name: str, arguments: Any) -> CallOutcome:
         """Validate and relay one call; every failure comes back as an outcome with a clear text."""
         tool = self.registry.resolve(name)
@@ -107,6 +117,7 @@ class SandboxTools:
             if tool.kind == "caller":
                 reply = await self.link.request(
                     messages.CALLER_TOOL, {"tool": tool.tool, "arguments": arguments, "caller_id": tool.owner},
+                    timeout=self._caller_tool_deadline(tool),
                 )
             else:
                 reply = await self.link.request(messages.TOOLSET_CALL, {"name": tool.name, "arguments": arguments})

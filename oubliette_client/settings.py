@@ -8,6 +8,9 @@ import os
 import attrs
 
 DEFAULT_RELAY = "unix:/oubliette/relay.sock"
+#: Seconds a relay request waits by default (`OUBLIETTE_REQUEST_TIMEOUT`): the server's
+#: default caller timeout (60 s) plus a wide margin; raise it with the server's.
+DEFAULT_REQUEST_TIMEOUT = 120.0
 
 
 @attrs.define(frozen=True)
@@ -16,6 +19,8 @@ class RelaySettings:
     instance: str
     token: str
     session: str | None = None
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    """Default deadline of one relay request (seconds)."""
 
     def environment(self, session: str | None = None) -> dict[str, str]:
         """The `OUBLIETTE_*` variables that reproduce these settings in a child process."""
@@ -23,6 +28,8 @@ class RelaySettings:
         chosen = session if session is not None else self.session
         if chosen:
             env["OUBLIETTE_SESSION"] = chosen
+        if self.request_timeout != DEFAULT_REQUEST_TIMEOUT:
+            env["OUBLIETTE_REQUEST_TIMEOUT"] = f"{self.request_timeout:g}"
         return env
 
 
@@ -46,4 +53,17 @@ def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         instance=instance or "",
         token=token or "",
         session=getattr(args, "session", None) or env.get("OUBLIETTE_SESSION") or None,
+        request_timeout=_request_timeout(parser, env.get("OUBLIETTE_REQUEST_TIMEOUT")),
     )
+
+
+def _request_timeout(parser: argparse.ArgumentParser, value: str | None) -> float:
+    if not value:
+        return DEFAULT_REQUEST_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        parser.error(f"OUBLIETTE_REQUEST_TIMEOUT must be a positive number of seconds, not {value!r}")
+    return seconds

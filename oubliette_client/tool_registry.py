@@ -36,6 +36,8 @@ class PublishedTool:
     descriptor: dict[str, Any]
     validator: Any = attrs.field(eq=False, repr=False)
     result_validator: Any = attrs.field(default=None, eq=False, repr=False)
+    timeout_ms: int | None = None
+    """A caller tool's own timeout (the caller's `timeout_ms`), so the relay request waits long enough."""
 
     @property
     def caller_id(self) -> str:
@@ -133,7 +135,7 @@ class ToolRegistry:
         return PublishedTool(
             name=name, description=descriptor["description"], input_schema=schema, kind="caller",
             tool=spec.name, owner=caller_id, descriptor=descriptor,
-            validator=validators[0], result_validator=validators[1],
+            validator=validators[0], result_validator=validators[1], timeout_ms=spec.timeout_ms,
         )
 
     def _toolset_tool(self, spec: ToolsetToolSpec) -> PublishedTool | None:

@@ -8,11 +8,9 @@ The path of one relayed call through the rooms is in docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import logging
-from typing import Any
-
 import trio
 
-from protocol import RelayError, errors, messages, parse_relay_address, structure, unstructure, validate_params
+from protocol import HandlerEntry, PeerLimits, messages, parse_relay_address
 
 from .auth import TokenAuthority, ensure_private_dir
 from .caller_api import CallerTools, serve_stdio_caller
@@ -24,16 +22,13 @@ from .frame_log import FrameLog
 from .guests import GuestDelivery, GuestFrames, InstanceStarter
 from .http_api import HttpApi
 from .instances import InstanceDirectory
-from .relay import RelayConnection, RelayListener
+from .relay import RelayConnection, RelayHandlers, RelayListener
 from .sessions import SessionRegistry
 from .store import FrameStore
 from .tether import Tether
 from .toolsets import Toolset, ToolsetDefinition, ToolsetFactory, ToolsetService, ToolSpec
 
 log = logging.getLogger("oubliette.server")
-
-# (role, method) -> (params type, handler(connection, params) -> result message)
-RelayTable = dict[tuple[str, str], tuple[type, Any]]
 
 
 class OublietteServer:
@@ -78,10 +73,13 @@ class OublietteServer:
         self.toolsets = ToolsetService(config.tool_separator, self.clients)
         self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests)
         self.tether = Tether(self.store, self.frame_log, self.instances)
-        self.relay_table: RelayTable = {
-            ("client", messages.CALLER_TOOL): (messages.CallerToolCall, self.caller_tools.call),
-            ("client", messages.TOOLSET_CALL): (messages.ToolsetCall, self.toolsets.call),
-            ("guest", messages.APPEND_FRAME): (messages.AppendFrame, self.guest_frames.append_frame),
+        # What each role may ask of the server; the peer validates and structures params once,
+        # before a handler (connection, params) runs. `cancel` is the peer's own.
+        self.relay_handlers: RelayHandlers = {
+            ("client", messages.CALLER_TOOL): HandlerEntry(messages.CallerToolCall, self.caller_tools.call),
+            ("client", messages.TOOLSET_CALL): HandlerEntry(messages.ToolsetCall, self.toolsets.call),
+            ("guest", messages.APPEND_FRAME): HandlerEntry(messages.AppendFrame, self.guest_frames.append_frame),
+            ("guest", messages.ACK): HandlerEntry(messages.Ack, self.guest_frames.ack),
         }
         self._requests_in_flight = 0
         self._drained = trio.Event()
@@ -97,7 +95,7 @@ class OublietteServer:
                 await nursery.start(self.callers.serve)
                 await nursery.start(self.toolsets.serve)
                 await nursery.start(self.starter.serve)
-                await nursery.start(RelayListener(self, address).serve)
+                await nursery.start(RelayListener(address, self._relay_connection).serve)
                 task_status.started()
         finally:
             self.store.close()
@@ -210,11 +208,21 @@ class OublietteServer:
 
     # -- relay connections ---------------------------------------------------------------
 
-    def verify_token(self, instance: str, token: object) -> bool:
-        return self.tokens.verify(instance, token)
+    def _relay_connection(self, stream: trio.abc.Stream, peer_name: str) -> RelayConnection:
+        """A sandbox connection, given only what it uses of the server."""
+        return RelayConnection(
+            stream, peer_name,
+            verify_token=self.tokens.verify,
+            handlers=self.relay_handlers,
+            on_open=self.relay_connection_opened,
+            on_close=self.relay_connection_closed,
+            limits=PeerLimits(write_timeout=self.config.relay_write_timeout),
+            on_request_started=self.relay_request_started,
+            on_request_finished=self.relay_request_finished,
+        )
 
     async def relay_connection_opened(self, connection: RelayConnection) -> None:
-        """Register a connection that passed `hello`; send its configuration first."""
+        """Register a connection that passed `hello`; queue its configuration before the hello answer."""
         assert connection.instance is not None
         self.instances.saw(connection.instance)
         if connection.role == "guest":
@@ -223,11 +231,12 @@ class OublietteServer:
             if previous is not None:
                 log.warning("%r replaces the instance's previous guest %r", connection, previous)
                 previous.close_soon()  # type: ignore[attr-defined]
+            connection.start_soon(self.guests.deliver, connection)
             return
         self.clients.add(connection)
-        await connection.notify(messages.TOOLSETS_CONFIG, await self.toolsets.attach(connection))
+        await connection.send_notification(messages.TOOLSETS_CONFIG, await self.toolsets.attach(connection))
         for config in self.caller_tools.configs_for(connection):
-            await connection.notify(messages.CALLER_TOOLS_CONFIG, config)
+            await connection.send_notification(messages.CALLER_TOOLS_CONFIG, config)
 
     def relay_connection_closed(self, connection: RelayConnection) -> None:
         if connection.instance is None:
@@ -241,23 +250,3 @@ class OublietteServer:
             self.clients.discard(connection)
             self.toolsets.detach(connection)
         log.info("%r disconnected", connection)
-
-    def relay_notification(self, connection: RelayConnection, method: str, params: dict[str, Any]) -> bool:
-        """Handle a guest's `ack`; False for a notification nobody handles."""
-        if method == messages.ACK and connection.role == "guest":
-            validate_params(method, params)
-            self.guest_frames.ack(connection, structure(params, messages.Ack))
-            return True
-        return False
-
-    async def handle_relay_request(self, connection: RelayConnection, method: str, params: dict[str, Any]) -> Any:
-        """Dispatch one relay request through the `(role, method)` table; params checked once."""
-        entry = self.relay_table.get((connection.role or "", method))
-        if entry is None:
-            roles = sorted(role for role, name in self.relay_table if name == method)
-            if roles:
-                raise RelayError(errors.METHOD_NOT_FOUND, f"method {method!r} is for role {roles[0]!r} connections")
-            raise RelayError(errors.METHOD_NOT_FOUND, f"unknown method {method!r}")
-        params_type, handler = entry
-        validate_params(method, params)
-        return unstructure(await handler(connection, structure(params, params_type)))

@@ -16,7 +16,8 @@ class ClientPeer(Protocol):
     session_key: str | None
     router: Any
 
-    async def notify(self, method: str, params: dict) -> None: ...
+    def notify(self, method: str, params: dict) -> None:
+        """Queue a notification; never waits on the socket (a stalled peer is closed instead)."""
 
 
 class ClientConnections:

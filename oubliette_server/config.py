@@ -13,6 +13,7 @@ import attrs
 DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
 DEFAULT_START_TIMEOUT = 60.0
+DEFAULT_RELAY_WRITE_TIMEOUT = 10.0
 
 
 def default_data_dir() -> Path:
@@ -42,6 +43,8 @@ class ServerConfig:
     session_wait_limit: float = DEFAULT_SESSION_WAIT
     start_timeout: float = DEFAULT_START_TIMEOUT
     """Seconds a start command (wake on message) has to connect its guest before it is stopped."""
+    relay_write_timeout: float = DEFAULT_RELAY_WRITE_TIMEOUT
+    """Seconds one frame to a sandbox may take to be written; a sandbox that does not read is disconnected."""
     http: list[str] = attrs.field(factory=list)
     """HTTP listeners: `HOST:PORT` (bearer tokens) and/or `unix:PATH` (mode 0600, no token)."""
     allowed_hosts: list[str] = attrs.field(factory=list)
@@ -79,7 +82,7 @@ class ServerConfig:
 SERVER_KEYS = {
     "relay": str, "data_dir": str, "caller_timeout": (int, float), "store_path": str,
     "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
-    "tool_separator": str, "start_timeout": (int, float),
+    "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
 }
 
 

@@ -1,238 +1,185 @@
-"""The relay listener: sandboxes connect here (Unix socket by default, or TCP).
+"""Sandbox connections to the relay: authentication and registration over the shared peer.
 
-Each connection gets its own task and nursery. The first message must be
-`hello`; after it, every request runs in its own task (no head-of-line
-blocking) under a cancel scope that a `cancel` notification, or the end of the
-connection, cancels. A protocol error (bad JSON, a frame over the limit) gets
-an error object naming the problem and closes that connection only.
+`RelayListener` accepts connections on one address (Unix socket by default, or TCP) and
+hands each stream to a connection factory. `RelayConnection` adds to the protocol's
+`RelayPeer` only what the server alone knows: the `hello` check (protocol version, role,
+instance id, token) and the hand-off to the rest of the server (`on_open` before the
+hello answer, `on_close` at the end). Everything else - framing, the hello gate, request
+tasks and `cancel`, the write deadline and the outgoing queue - is the peer's.
+
+Owns: the connection's stream and tasks (through its peer). Needs: `verify_token`, the
+`{(role, method): HandlerEntry}` table (handlers take the connection first), the
+`on_open`/`on_close` hooks and `PeerLimits`. Raises: nothing out of `run` but
+cancellation; one connection's failure never reaches the listener.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any
 
 import trio
 
 from protocol import (
     PROTOCOL_VERSION,
-    FrameWriter,
-    LineReader,
-    Notification,
+    ROLE_SERVER,
+    HandlerEntry,
+    PeerLimits,
     RelayAddress,
+    RelayCore,
     RelayError,
-    Request,
-    Response,
-    decode,
-    errors,
-    jsonrpc,
+    RelayPeer,
     messages,
-    parse_message,
-    structure,
-    unstructure,
-    validate_params,
 )
 
 from .auth import check_hello
 
 log = logging.getLogger("oubliette.server.relay")
 
-HELLO_TIMEOUT = 10.0
 SERVER_VERSION = "0.1.0"
 
+#: What a relay handler takes: the connection asking, then its structured params.
+RelayHandlers = Mapping[tuple[str, str], HandlerEntry[Any]]
 
-class RelayHost(Protocol):
-    """What a relay connection needs from the server that accepted it."""
 
-    def verify_token(self, instance: str, token: object) -> bool: ...
-    async def relay_connection_opened(self, connection: "RelayConnection") -> None: ...
-    def relay_connection_closed(self, connection: "RelayConnection") -> None: ...
-    def relay_notification(self, connection: "RelayConnection", method: str, params: dict[str, Any]) -> bool: ...
-    async def handle_relay_request(self, connection: "RelayConnection", method: str, params: dict[str, Any]) -> Any: ...
-    def relay_request_started(self) -> None: ...
-    def relay_request_finished(self) -> None: ...
+class _RoleHandlers(Mapping[str, HandlerEntry[Any]]):
+    """The connection's view of the server's table: its own `hello`, then its role's methods."""
 
-    @property
-    def guests(self) -> Any: ...
+    def __init__(self, connection: RelayConnection, table: RelayHandlers) -> None:
+        self._connection = connection
+        self._table = table
+        self._hello = HandlerEntry(messages.Hello, connection._hello)
+
+    def __getitem__(self, method: str) -> HandlerEntry[Any]:
+        if method == messages.HELLO and self._connection.role is None:
+            return self._hello
+        entry = self._table[(self._connection.role or "", method)]
+        return HandlerEntry(entry.params_type, functools.partial(entry.handler, self._connection))
+
+    def __iter__(self) -> Iterator[str]:
+        return (method for role, method in self._table if role == self._connection.role)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def unknown_method(self, method: str) -> str:
+        roles = sorted(role for role, name in self._table if name == method)
+        if roles:
+            return f"method {method!r} is for role {' or '.join(map(repr, roles))} connections"
+        return f"unknown method {method!r}"
 
 
 class RelayConnection:
-    """One sandbox connection, bound to its instance (and session) after `hello`."""
+    """One sandbox connection, bound to its instance (and session) after `hello`.
 
-    def __init__(self, server: RelayHost, stream: trio.abc.Stream, peer: str) -> None:
-        self.server = server
-        self.stream = stream
+    `role`, `instance` and `session_key` are None until the hello passed; `router` is the
+    session's ToolRouter for client connections (set by the toolsets).
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        peer: str,
+        *,
+        verify_token: Callable[[str, str], bool],
+        handlers: RelayHandlers,
+        on_open: Callable[[RelayConnection], Awaitable[None]],
+        on_close: Callable[[RelayConnection], None],
+        limits: PeerLimits = PeerLimits(),
+        on_request_started: Callable[[], None] | None = None,
+        on_request_finished: Callable[[], None] | None = None,
+    ) -> None:
         self.peer = peer
-        self.reader = LineReader(stream)
-        self.writer = FrameWriter(stream)
         self.role: str | None = None
         self.instance: str | None = None
         self.session_key: str | None = None
-        self._in_flight: dict[Any, trio.CancelScope] = {}
-        self.router: Any = None  # the session's ToolRouter, for client connections
-        self._nursery: trio.Nursery | None = None
+        self.router: Any = None
+        self._verify_token = verify_token
+        self._handlers = _RoleHandlers(self, handlers)
+        self._on_open = on_open
+        self._on_close = on_close
+        self._opened_tasks: list[Callable[[], Awaitable[None]]] = []
+        self._peer = RelayPeer(
+            stream, RelayCore(ROLE_SERVER), name=self, limits=limits,
+            on_request_started=on_request_started, on_request_finished=on_request_finished,
+        )
 
     def __repr__(self) -> str:
         return f"<RelayConnection {self.role} {self.instance} {self.session_key or ''} {self.peer}>"
 
     # -- sending -------------------------------------------------------------------------
 
-    async def notify(self, method: str, params: dict) -> None:
+    def notify(self, method: str, params: Any) -> None:
+        """Queue a notification; never waits for the socket (a stalled sandbox is closed instead)."""
         try:
-            await self.writer.send(jsonrpc.notification(method, params))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            log.debug("%r: notification %s dropped, connection gone", self, method)
+            self._peer.notify(method, params)
+        except RelayError as err:
+            log.debug("%r: notification %s dropped: %s", self, method, err.message)
 
-    async def _reply(self, request_id: Any, result: Any = None, error: RelayError | None = None) -> None:
-        message = jsonrpc.error_response(request_id, error) if error else jsonrpc.result_response(request_id, result)
+    async def send_notification(self, method: str, params: Any) -> None:
+        """Queue a notification, waiting for room: only for this connection's own producers."""
         try:
-            await self.writer.send(message)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            log.debug("%r: reply to %r dropped, connection gone", self, request_id)
+            await self._peer.send_notification(method, params)
+        except RelayError as err:
+            log.debug("%r: notification %s dropped: %s", self, method, err.message)
 
     # -- lifecycle -----------------------------------------------------------------------
 
+    def start_soon(self, task: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run `task(*args)` for the connection's life, starting once the hello is answered.
+
+        Call it from `on_open`; the task is cancelled when the connection ends.
+        """
+        self._opened_tasks.append(functools.partial(task, *args))
+
     def close_soon(self) -> None:
         """End this connection (e.g. a newer guest replaced it)."""
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
+        self._peer.close("replaced by a newer connection")
 
     async def run(self) -> None:
+        """Serve the connection until it ends; `on_close` runs whenever `on_open` did."""
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                try:
-                    if await self._handshake():
-                        await self._read_loop()
-                finally:
-                    nursery.cancel_scope.cancel()
-        except* (trio.BrokenResourceError, trio.ClosedResourceError) as group:
-            # Raised inside the nursery, so wrapped in an ExceptionGroup (e.g. ECONNRESET from a killed peer).
-            log.debug("%r: connection ended: %s", self, group.exceptions[0])
+                await nursery.start(functools.partial(
+                    self._peer.serve, self._handlers, unknown_method=self._handlers.unknown_method))
+                nursery.start_soon(self._run_when_open, nursery)
+                await self._peer.closed.wait()
+                nursery.cancel_scope.cancel()
         finally:
-            self.server.relay_connection_closed(self)
-            with trio.CancelScope(shield=True):
-                await self.stream.aclose()
+            if self.role is not None:
+                self._on_close(self)
 
-    async def _read_message(self) -> Request | Response | Notification | None:
-        line = await self.reader.read_line()
-        if line is None:
-            return None
-        return parse_message(decode(line))
-
-    async def _protocol_error(self, err: RelayError, request_id: Any = None) -> None:
-        log.warning("%r: protocol error, closing: %s", self, err.message)
-        await self._reply(request_id, error=err)
-
-    async def _handshake(self) -> bool:
-        """Read and answer `hello`; on any problem answer with an error and return False."""
-        try:
-            with trio.fail_after(HELLO_TIMEOUT):
-                message = await self._read_message()
-        except trio.TooSlowError:
-            await self._protocol_error(RelayError(errors.INVALID_REQUEST, f"no hello within {HELLO_TIMEOUT:g} s"))
-            return False
-        except RelayError as err:
-            await self._protocol_error(err)
-            return False
-        if message is None:
-            return False
-        if not isinstance(message, Request) or message.method != messages.HELLO:
-            what = message.method if isinstance(message, (Request, Notification)) else "a response"
-            request_id = message.id if isinstance(message, Request) else None
-            await self._protocol_error(
-                RelayError(errors.INVALID_REQUEST, f"the first message must be the request 'hello', got {what}"),
-                request_id,
-            )
-            return False
-        try:
-            validate_params(messages.HELLO, message.params)
-            hello = structure(message.params, messages.Hello)
-            check_hello(hello, self.server.verify_token)
-        except RelayError as err:
-            await self._protocol_error(err, message.id)
-            return False
-        self.role, self.instance = hello.role, hello.instance
-        self.session_key = hello.session
-        await self.server.relay_connection_opened(self)
-        await self._reply(
-            message.id,
-            unstructure(messages.HelloResult(
-                protocol=PROTOCOL_VERSION, server_version=SERVER_VERSION,
-                instance=hello.instance, session=hello.session,
-            )),
-        )
+    async def _run_when_open(self, nursery: trio.Nursery) -> None:
+        await self._peer.opened.wait()
         log.info("%r: connected", self)
-        if self.role == "guest":
-            assert self._nursery is not None
-            self._nursery.start_soon(self.server.guests.deliver, self)
-        return True
+        for task in self._opened_tasks:
+            nursery.start_soon(task)
+        self._opened_tasks.clear()
 
-    async def _read_loop(self) -> None:
-        assert self._nursery is not None
-        while True:
-            try:
-                message = await self._read_message()
-            except RelayError as err:
-                await self._protocol_error(err)
-                return
-            if message is None:
-                return
-            if isinstance(message, Request):
-                if message.id in self._in_flight:
-                    await self._reply(message.id, error=RelayError(
-                        errors.INVALID_REQUEST, f"request id {message.id!r} is already in flight"))
-                    continue
-                scope = trio.CancelScope()
-                self._in_flight[message.id] = scope
-                self._nursery.start_soon(self._serve_request, message, scope)
-            elif isinstance(message, Notification):
-                await self._on_notification(message)
-            else:
-                log.debug("%r: ignoring a response to id %r", self, message.id)
-
-    async def _on_notification(self, message: Notification) -> None:
-        try:
-            if message.method == messages.CANCEL:
-                validate_params(message.method, message.params)
-                scope = self._in_flight.get(structure(message.params, messages.Cancel).id)
-                if scope is not None:
-                    scope.cancel()
-            elif not self.server.relay_notification(self, message.method, message.params):
-                log.warning("%r: ignoring unknown notification %r", self, message.method)
-        except RelayError as err:
-            log.warning("%r: bad %s notification: %s", self, message.method, err.message)
-
-    async def _serve_request(self, request: Request, scope: trio.CancelScope) -> None:
-        self.server.relay_request_started()
-        try:
-            result: Any = None
-            error: RelayError | None = None
-            with scope:
-                try:
-                    result = await self.server.handle_relay_request(self, request.method, request.params)
-                except RelayError as err:
-                    error = err
-                except Exception as exc:  # a bug must not take the connection down
-                    log.exception("%r: %s failed", self, request.method)
-                    error = RelayError(errors.INTERNAL_ERROR, f"internal error: {exc}")
-            if scope.cancelled_caught:
-                error = RelayError(errors.CANCELLED, f"request {request.id!r} was cancelled")
-            # Reply outside the request's scope: a `cancel` that crosses the reply must not cut
-            # the frame in half (that would break the writer and every later reply).
-            await self._reply(request.id, result, error)
-        finally:
-            self._in_flight.pop(request.id, None)
-            self.server.relay_request_finished()
+    async def _hello(self, hello: messages.Hello) -> messages.HelloResult:
+        """Check the hello; register the connection (its configuration is queued before the answer)."""
+        check_hello(hello, self._verify_token)
+        self.role, self.instance, self.session_key = hello.role, hello.instance, hello.session
+        await self._on_open(self)  # if it fails, the hello is refused and `on_close` still runs
+        return messages.HelloResult(
+            protocol=PROTOCOL_VERSION, server_version=SERVER_VERSION,
+            instance=hello.instance, session=hello.session,
+        )
 
 
 class RelayListener:
-    """Accepts sandbox connections on one address."""
+    """Accepts sandbox connections on one address; `connection_factory(stream, peer_name)` makes each one.
 
-    def __init__(self, server: RelayHost, address: RelayAddress) -> None:
-        self.server = server
+    Owns the listening socket (and the Unix socket file, removed at the end). Start it with
+    `nursery.start(listener.serve)`: it is listening once started.
+    """
+
+    def __init__(self, address: RelayAddress, connection_factory: Callable[[trio.abc.Stream, str], RelayConnection]) -> None:
         self.address = address
+        self._connection_factory = connection_factory
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await self._open()
@@ -277,7 +224,7 @@ class RelayListener:
     async def _handle(self, stream: trio.abc.Stream) -> None:
         peer = "unix" if self.address.kind == "unix" else _peer_name(stream)
         try:
-            await RelayConnection(self.server, stream, peer).run()
+            await self._connection_factory(stream, peer).run()
         except Exception:  # one connection's failure must never take the listener (and the server) down
             log.exception("relay connection from %s failed", peer)
 

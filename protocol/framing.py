@@ -1,16 +1,19 @@
-"""Newline-delimited JSON framing over any Trio byte stream.
+"""Newline-delimited JSON framing, with no I/O: bytes in, lines out; messages in, bytes out.
 
 One JSON object per line keeps the wire format trivial to debug (``socat`` + eyes) and
 lets either peer resynchronise on ``\\n``. A hard per-line limit stops a broken or hostile
-peer from making us buffer without bound.
+peer from making us buffer without bound. :class:`LineBuffer` does the splitting for the
+sans-IO core (``protocol.core``); whoever owns the stream feeds it.
+
+Owns: nothing but bytes. Needs: nothing (no trio, no clock).
+Raises: :class:`FrameTooLarge` (a ``RelayError``) and ``RelayError`` from :func:`decode`.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
-
-import trio
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 from .errors import INVALID_REQUEST, PARSE_ERROR, RelayError
 
@@ -20,8 +23,9 @@ __all__ = [
     "encode",
     "decode",
     "FrameTooLarge",
-    "LineReader",
-    "FrameWriter",
+    "LineBuffer",
+    "END_OF_STREAM",
+    "read_lines",
 ]
 
 #: Largest line (excluding the ``\n``) either side accepts.
@@ -76,18 +80,21 @@ class FrameTooLarge(RelayError):
         self.limit = limit
 
 
-class LineReader:
-    """Split a byte stream into lines, never holding more than about one frame.
+class LineBuffer:
+    """Split bytes fed in any chunking into lines, never holding more than about one frame.
 
-    Not safe for concurrent readers: one task per connection reads.
+    Feed it with :meth:`feed` (``b""`` means end of stream) and take lines with
+    :meth:`next_line` until it returns ``None`` (needs more data). After the end of stream
+    it returns :data:`END_OF_STREAM` once everything is consumed; a final line without ``\\n`` still
+    counts as a line. A line over the limit raises :class:`FrameTooLarge` as soon as that
+    is known (before its ``\\n`` arrives), and again on every later call: the stream has
+    lost its framing. The buffer then holds nothing, so a hostile peer costs at most the
+    limit plus one chunk.
     """
 
-    def __init__(
-        self, stream: trio.abc.ReceiveStream, max_bytes: int = MAX_FRAME_BYTES
-    ) -> None:
+    def __init__(self, max_bytes: int = MAX_FRAME_BYTES) -> None:
         if max_bytes < 1:
             raise ValueError("max_bytes must be positive")
-        self._stream = stream
         self._max_bytes = max_bytes
         self._buf = bytearray()
         self._scanned = 0  # bytes of _buf already searched for b"\n"
@@ -96,43 +103,47 @@ class LineReader:
 
     @property
     def max_bytes(self) -> int:
-        """The per-line limit this reader enforces."""
+        """The per-line limit this buffer enforces (excluding the ``\\n``)."""
         return self._max_bytes
 
-    async def read_line(self) -> bytes | None:
-        """The next line without its ``\\n``; ``None`` at a clean end of stream.
+    @property
+    def buffered(self) -> int:
+        """Bytes held that are not yet returned as a line."""
+        return len(self._buf)
 
-        A final line without ``\\n`` is still returned. Raises :class:`FrameTooLarge` as
-        soon as the line being read is known to exceed the limit (and again on any
-        later call: the stream has lost its framing).
-        """
+    def feed(self, data: bytes) -> None:
+        """Add received bytes; ``b""`` marks the end of the stream."""
+        if not data:
+            self._eof = True
+        elif self._failed is None:
+            if self._eof:
+                raise ValueError("data fed after the end of the stream")
+            self._buf += data
+
+    def next_line(self) -> bytes | None | _EndOfStream:
+        """The next line without its ``\\n``; ``None`` when more data is needed; :data:`END_OF_STREAM` at the end."""
         if self._failed is not None:
             raise self._failed
         buf = self._buf
-        while True:
-            idx = buf.find(b"\n", self._scanned)
-            if idx >= 0:
-                if idx > self._max_bytes:
-                    raise self._fail()
-                line = bytes(buf[:idx])
-                del buf[: idx + 1]  # CPython bytearray trims the front in O(1)
-                self._scanned = 0
-                return line
-            self._scanned = len(buf)
-            if len(buf) > self._max_bytes:
+        idx = buf.find(b"\n", self._scanned)
+        if idx >= 0:
+            if idx > self._max_bytes:
                 raise self._fail()
-            if self._eof:
-                if not buf:
-                    return None
-                line = bytes(buf)
-                buf.clear()
-                self._scanned = 0
-                return line
-            chunk = await self._stream.receive_some(RECEIVE_CHUNK_BYTES)
-            if not chunk:
-                self._eof = True
-            else:
-                buf += chunk
+            line = bytes(buf[:idx])
+            del buf[: idx + 1]  # CPython bytearray trims the front in O(1)
+            self._scanned = 0
+            return line
+        self._scanned = len(buf)
+        if len(buf) > self._max_bytes:
+            raise self._fail()
+        if not self._eof:
+            return None
+        if not buf:
+            return END_OF_STREAM
+        line = bytes(buf)
+        buf.clear()
+        self._scanned = 0
+        return line
 
     def _fail(self) -> FrameTooLarge:
         self._failed = FrameTooLarge(self._max_bytes)
@@ -141,48 +152,34 @@ class LineReader:
         return self._failed
 
 
-class FrameWriter:
-    """Send whole frames; a lock keeps frames from concurrent tasks from interleaving.
+class _EndOfStream:
+    """The type of :data:`END_OF_STREAM`."""
 
-    If a send is interrupted part-way (cancelled, or the stream broke), the frame boundary
-    may be lost, so every later :meth:`send` raises ``trio.BrokenResourceError``: close the
-    connection.
+    def __repr__(self) -> str:
+        return "END_OF_STREAM"
+
+
+#: What :meth:`LineBuffer.next_line` returns once the stream ended and every line was taken.
+END_OF_STREAM = _EndOfStream()
+
+
+class _ReceiveStream(Protocol):
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray: ...
+
+
+async def read_lines(stream: _ReceiveStream, max_bytes: int = MAX_FRAME_BYTES) -> AsyncIterator[bytes]:
+    """Each line of a byte stream (e.g. a trio ``ReceiveStream``) until it ends.
+
+    Reads only when a :class:`LineBuffer` needs more, so it never holds more than the limit
+    plus one read; raises :class:`FrameTooLarge` like the buffer. For line-based pipes that
+    are not relay connections (the relay peer feeds its core instead).
     """
-
-    def __init__(
-        self, stream: trio.abc.SendStream, max_bytes: int = MAX_FRAME_BYTES
-    ) -> None:
-        self._stream = stream
-        self._max_bytes = max_bytes
-        self._lock = trio.Lock()
-        self._broken = False
-
-    @property
-    def stream(self) -> trio.abc.SendStream:
-        """The underlying stream."""
-        return self._stream
-
-    async def send(self, message: dict[str, Any]) -> None:
-        """Encode and send one message.
-
-        Raises :class:`FrameTooLarge` (before sending anything) when the encoded line
-        exceeds the limit the peer will enforce, so the caller can send an error instead.
-        """
-        data = encode(message)
-        if len(data) - 1 > self._max_bytes:
-            raise FrameTooLarge(self._max_bytes)
-        async with self._lock:
-            if self._broken:
-                raise trio.BrokenResourceError("an earlier send was interrupted mid-frame")
-            # A pending cancellation fires here, before any byte is written, so it does
-            # not cost the connection its framing.
-            await trio.lowlevel.checkpoint_if_cancelled()
-            try:
-                await self._stream.send_all(data)
-            except BaseException:
-                self._broken = True
-                raise
-
-    async def aclose(self) -> None:
-        """Close the underlying stream (a send in progress fails with ``ClosedResourceError``)."""
-        await self._stream.aclose()
+    lines = LineBuffer(max_bytes)
+    while True:
+        line = lines.next_line()
+        if line is None:
+            lines.feed(bytes(await stream.receive_some(RECEIVE_CHUNK_BYTES)))
+        elif line is END_OF_STREAM:
+            return
+        else:
+            yield line  # type: ignore[misc]

@@ -31,7 +31,8 @@ from protocol import (
     TOOLSETS_CONFIG,
     ActionError,
     ActionRequest,
-    LineReader,
+    END_OF_STREAM,
+    LineBuffer,
     Notification,
     RelayError,
     Request,
@@ -312,6 +313,19 @@ def test_endpoint_arguments() -> None:
     assert proc.returncode == 2 and b"usage" in proc.stderr
 
 
+class _Lines:
+    """Lines from a pipe, split by the protocol's LineBuffer."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self._stream = stream
+        self._buffer = LineBuffer()
+
+    async def read_line(self) -> bytes | None:
+        while (line := self._buffer.next_line()) is None:
+            self._buffer.feed(await self._stream.receive_some(65536))
+        return None if line is END_OF_STREAM else line
+
+
 async def test_endpoint_answers_each_line_on_a_long_lived_pipe() -> None:
     # The endpoint must answer each request as it arrives, not at EOF.
     proc = await trio.lowlevel.open_process(
@@ -319,7 +333,7 @@ async def test_endpoint_answers_each_line_on_a_long_lived_pipe() -> None:
     )
     try:
         assert proc.stdin is not None and proc.stdout is not None
-        reader = LineReader(proc.stdout)
+        reader = _Lines(proc.stdout)
         with trio.fail_after(20):
             for i in range(3):
                 call = {"action": "call_tool", "tool": "echo_external", "arguments": {"message": f"m{i}"}}

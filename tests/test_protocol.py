@@ -47,10 +47,10 @@ from protocol import (
     Cancel,
     Frame,
     FrameTooLarge,
-    FrameWriter,
     Hello,
     HelloResult,
-    LineReader,
+    END_OF_STREAM,
+    LineBuffer,
     Notification,
     RelayError,
     Request,
@@ -136,30 +136,6 @@ class EndlessStream(trio.abc.ReceiveStream):
 
     async def aclose(self) -> None:
         pass
-
-
-class TrickleSendStream(trio.abc.SendStream):
-    """Writes a few bytes at a time with checkpoints in between, so unlocked writers would
-    interleave."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.closed = False
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        if self.closed:
-            raise trio.ClosedResourceError
-        view = bytes(data)
-        for i in range(0, len(view), 7):
-            await trio.sleep(0)
-            self.data += view[i : i + 7]
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await trio.lowlevel.checkpoint()
-
-    async def aclose(self) -> None:
-        self.closed = True
-        await trio.lowlevel.checkpoint()
 
 
 ECHO_DESCRIPTOR = ToolDescriptor(
@@ -343,7 +319,20 @@ def test_decode_non_object(line: bytes) -> None:
     assert str(info.value) == "frame is not a JSON object"
 
 
-# --- LineReader ----------------------------------------------------------------------------
+# --- LineBuffer over streams ------------------------------------------------------------------
+
+
+class LineReader:
+    """The read side of the relay peer in miniature: receive_some only while the buffer needs data."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._stream = stream
+        self._lines = LineBuffer(max_bytes)
+
+    async def read_line(self) -> bytes | None:
+        while (line := self._lines.next_line()) is None:
+            self._lines.feed(await self._stream.receive_some(RECEIVE_CHUNK_BYTES))
+        return None if line is END_OF_STREAM else line
 
 
 async def _read_all(reader: LineReader) -> list[bytes]:
@@ -399,16 +388,15 @@ async def test_line_reader_over_socket_pair() -> None:
     a, b = trio.socket.socketpair()
     left, right = trio.SocketStream(a), trio.SocketStream(b)
     async with left, right:
-        writer = FrameWriter(left)
         reader = LineReader(right)
         big = {"blob": "x" * 300_000}
         async with trio.open_nursery() as nursery:
 
             async def produce() -> None:
-                await writer.send({"n": 1})
-                await writer.send(big)
-                await writer.send({"n": 2})
-                await writer.aclose()
+                await left.send_all(encode({"n": 1}))
+                await left.send_all(encode(big))
+                await left.send_all(encode({"n": 2}))
+                await left.aclose()
 
             nursery.start_soon(produce)
             got = [decode(line) for line in await _read_all(reader)]
@@ -475,77 +463,6 @@ async def test_line_reader_oversized_over_memory_stream_stops_early() -> None:
         nursery.cancel_scope.cancel()
     assert len(caught) == 1
     assert sent < 100_000
-
-
-# --- FrameWriter ----------------------------------------------------------------------------
-
-
-async def test_frame_writer_concurrent_sends_do_not_interleave() -> None:
-    stream = TrickleSendStream()
-    writer = FrameWriter(stream)
-    messages = [{"task": t, "i": i, "pad": "p" * (t * 13)} for t in range(10) for i in range(5)]
-
-    async with trio.open_nursery() as nursery:
-        for t in range(10):
-
-            async def sender(t: int = t) -> None:
-                for i in range(5):
-                    await writer.send({"task": t, "i": i, "pad": "p" * (t * 13)})
-
-            nursery.start_soon(sender)
-    lines = bytes(stream.data).split(b"\n")
-    assert lines[-1] == b""
-    got = [decode(line) for line in lines[:-1]]
-    assert sorted(got, key=lambda m: (m["task"], m["i"])) == messages
-    for t in range(10):  # each task's frames stay in its own order
-        assert [m["i"] for m in got if m["task"] == t] == list(range(5))
-
-
-async def test_frame_writer_refuses_oversized_frame() -> None:
-    stream = TrickleSendStream()
-    writer = FrameWriter(stream, max_bytes=20)
-    await writer.send({"a": "x" * 10})  # 18 bytes: fine
-    with pytest.raises(FrameTooLarge):
-        await writer.send({"a": "x" * 20})
-    await writer.send({"b": 1})  # still usable: nothing was sent
-    assert [decode(x) for x in bytes(stream.data).splitlines()] == [{"a": "x" * 10}, {"b": 1}]
-
-
-async def test_frame_writer_interrupted_send_breaks_writer() -> None:
-    stream = TrickleSendStream()
-    writer = FrameWriter(stream)
-    with trio.CancelScope() as scope:
-
-        async def cancel_soon() -> None:
-            await trio.sleep(0)
-            scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cancel_soon)
-            await writer.send({"x": "y" * 100})
-    assert scope.cancelled_caught
-    with pytest.raises(trio.BrokenResourceError):
-        await writer.send({"x": 1})
-
-
-async def test_frame_writer_cancel_before_sending_keeps_writer() -> None:
-    stream = TrickleSendStream()
-    writer = FrameWriter(stream)
-    with trio.CancelScope() as scope:
-        scope.cancel()
-        await writer.send({"never": True})
-    assert stream.data == b""
-    await writer.send({"ok": True})
-    assert decode(bytes(stream.data)) == {"ok": True}
-
-
-async def test_frame_writer_aclose() -> None:
-    stream = TrickleSendStream()
-    writer = FrameWriter(stream)
-    await writer.aclose()
-    assert stream.closed
-    with pytest.raises(trio.ClosedResourceError):
-        await writer.send({"x": 1})
 
 
 # --- envelope ------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ class CallerToolRelay:
         config = unstructure(messages.CallerToolsConfig(session_id=session.id, caller_id=caller_id, tools=tools))
         for connection in self.clients.of_instance(session.instance):
             if self._client_sees(connection, session):
-                await connection.notify(messages.CALLER_TOOLS_CONFIG, config)
+                connection.notify(messages.CALLER_TOOLS_CONFIG, config)  # queued: never waits on a socket
 
     def _client_sees(self, connection: ClientPeer, session: Session) -> bool:
         if connection.session_key is not None:

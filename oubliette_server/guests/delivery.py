@@ -32,7 +32,7 @@ class GuestPeer(Protocol):
 
     instance: str | None
 
-    async def notify(self, method: str, params: dict[str, Any]) -> None: ...
+    async def send_notification(self, method: str, params: dict[str, Any]) -> None: ...
 
 
 class GuestDelivery:
@@ -119,5 +119,5 @@ class GuestDelivery:
                 continue
             for frame in frames:
                 if not self._answered(instance, frame.msg_id):
-                    await connection.notify(messages.USER_MESSAGE, {"frame": frame.to_wire()})
+                    await connection.send_notification(messages.USER_MESSAGE, {"frame": frame.to_wire()})
                 cursor = frame.seq

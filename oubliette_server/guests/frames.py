@@ -37,5 +37,5 @@ class GuestFrames:
         frame = await self.append(session, request.type, request.payload, reply_to=request.reply_to)
         return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
 
-    def ack(self, connection: GuestPeer, ack: messages.Ack) -> None:
+    async def ack(self, connection: GuestPeer, ack: messages.Ack) -> None:
         self.delivery.acknowledge(connection, ack.seq)

@@ -131,7 +131,7 @@ class ToolsetService:
         config = toolsets_config(router)
         for connection in self.clients:
             if connection.router is router:
-                await connection.notify(messages.TOOLSETS_CONFIG, config)
+                connection.notify(messages.TOOLSETS_CONFIG, config)  # queued: never waits on a socket
 
     # -- connections ---------------------------------------------------------------------
 

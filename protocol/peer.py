@@ -1,0 +1,537 @@
+"""The one Trio relay peer, used by oubliette-server and oubliette-client alike.
+
+:class:`RelayPeer` is the I/O shell around the sans-IO :class:`~protocol.core.RelayCore`:
+it reads the stream into the core, runs what the events ask for, and writes what the core
+encodes.
+
+Owns: the stream (closed when :meth:`RelayPeer.serve` returns); a nursery with one writer
+task that drains a small bounded queue, each ``send_all`` under
+``fail_after(write_timeout)``; one task and one cancel scope per inbound request.
+Needs: a :class:`~protocol.core.RelayCore` for our role and a handler table; start it with
+``await nursery.start(peer.serve, handlers)`` (``request``/``notify`` work once started).
+Raises: callers of :meth:`RelayPeer.request` only ever see :class:`RelayError` -
+``TIMEOUT`` when the deadline passes, ``PEER_DISCONNECTED`` when the connection ends first,
+the peer's own error otherwise. Handler exceptions become error responses in one place.
+Cancellation: cancelling ``serve`` closes the connection; every pending request then fails
+with ``PEER_DISCONNECTED`` and every inbound request's handler is cancelled. A cancelled
+``request`` tells the peer (``cancel {id}``) and removes its waiter.
+
+Nothing here awaits a socket inline on behalf of someone else: :meth:`RelayPeer.notify`
+only enqueues, and a connection whose queue is full, or whose write does not finish within
+the write deadline, is closed with a logged reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+import attrs
+import trio
+
+from . import messages
+from .convert import structure
+from .core import (
+    NEED_DATA,
+    ConnectionClosed,
+    LocalProtocolError,
+    NotificationReceived,
+    NotificationRejected,
+    RelayCore,
+    RemoteProtocolError,
+    RequestReceived,
+    RequestRejected,
+    ResponseReceived,
+    ROLE_SERVER,
+)
+from .errors import CANCELLED, INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, PEER_DISCONNECTED, TIMEOUT, RelayError
+from .framing import RECEIVE_CHUNK_BYTES, FrameTooLarge
+from .schemas import validate_params
+
+__all__ = [
+    "DEFAULT_WRITE_TIMEOUT",
+    "DEFAULT_QUEUE_FRAMES",
+    "HELLO_TIMEOUT",
+    "PeerLimits",
+    "HandlerEntry",
+    "RelayPeer",
+]
+
+log = logging.getLogger("oubliette.relay.peer")
+
+#: Seconds one frame may take to be written before the peer counts as not reading.
+DEFAULT_WRITE_TIMEOUT = 10.0
+#: Frames waiting to be written before the connection counts as stalled.
+DEFAULT_QUEUE_FRAMES = 64
+#: Seconds from connecting to a completed handshake.
+HELLO_TIMEOUT = 10.0
+
+P = TypeVar("P")
+
+
+@attrs.frozen
+class PeerLimits:
+    """The deadlines and bounds of one connection (all settable; see docs/PROTOCOL.md)."""
+
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT
+    """Seconds one ``send_all`` may take; then the connection is closed."""
+    queue_frames: int = DEFAULT_QUEUE_FRAMES
+    """Outgoing frames that may wait; a ``notify`` that finds the queue full closes the connection."""
+    hello_timeout: float = HELLO_TIMEOUT
+    """Server: seconds to receive ``hello``. Client: seconds to get its answer."""
+    read_idle_timeout: float | None = None
+    """Seconds without a byte from the peer before closing; ``None``: no limit."""
+
+
+@attrs.frozen
+class HandlerEntry(Generic[P]):
+    """How to serve one method: params are validated with the method's JSON Schema and
+    structured into ``params_type`` once, by the peer, before ``handler`` sees them.
+
+    A request handler's return value (an attrs instance or plain JSON) is the result; a
+    notification handler's is ignored.
+    """
+
+    params_type: type[P]
+    handler: Callable[[P], Awaitable[Any]]
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    done: trio.Event = attrs.field(factory=trio.Event)
+    result: Any = None
+    error: RelayError | None = None
+
+
+@attrs.frozen
+class _Outgoing:
+    data: bytes
+    on_written: Callable[[], None] | None = None
+
+
+_CLOSE = object()  # queue marker: everything before it is written, then the connection ends
+
+
+class RelayPeer:
+    """One relay connection end: requests out with deadlines, requests in with handlers.
+
+    ``name`` labels the connection in logs (it is formatted with ``%r`` each time, so an
+    owner can pass itself). ``on_request_started``/``on_request_finished`` are called
+    around each inbound request other than ``hello``; "finished" comes once its answer has
+    been written (or dropped with the connection).
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        core: RelayCore,
+        *,
+        name: object = "relay peer",
+        limits: PeerLimits = PeerLimits(),
+        on_request_started: Callable[[], None] | None = None,
+        on_request_finished: Callable[[], None] | None = None,
+    ) -> None:
+        self._stream = stream
+        self._core = core
+        self.name = name
+        self.limits = limits
+        self._on_started = on_request_started
+        self._on_finished = on_request_finished
+        self._send, self._receive = trio.open_memory_channel[Any](limits.queue_frames)
+        self._waiters: dict[Any, _Waiter] = {}
+        self._in_flight: dict[Any, trio.CancelScope] = {}
+        self._scope: trio.CancelScope | None = None
+        self._close_reason: str | None = None
+        self._hello_deadline = math.inf
+        self.opened = trio.Event()
+        """Set once the handshake completed (server: hello answered; client: answer read)."""
+        self.closed = trio.Event()
+        """Set once the connection ended; :attr:`close_reason` says why."""
+
+    def __repr__(self) -> str:
+        return f"<RelayPeer {self.name!r}>"
+
+    @property
+    def core(self) -> RelayCore:
+        """The protocol state of this connection."""
+        return self._core
+
+    @property
+    def close_reason(self) -> str | None:
+        """Why the connection ended (or is ending); ``None`` while it is up."""
+        return self._close_reason
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether the connection ended or is ending."""
+        return self._close_reason is not None
+
+    # -- running ------------------------------------------------------------------------------
+
+    async def serve(
+        self,
+        handlers: Mapping[str, HandlerEntry[Any]],
+        *,
+        unknown_method: Callable[[str], str] | None = None,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run the connection until it ends; start it with ``nursery.start``.
+
+        ``handlers`` maps each method this side serves (requests and notifications) to
+        its :class:`HandlerEntry`; ``cancel`` is built in. ``unknown_method(method)`` words
+        the ``METHOD_NOT_FOUND`` for a method the protocol allows but ``handlers`` lacks.
+        Returns when the peer ends the stream, after a protocol error (answered, then
+        closed), a refused hello, a failed or late write, or :meth:`close`.
+        """
+        try:
+            with trio.CancelScope() as scope:
+                self._scope = scope
+                if self._close_reason is not None:
+                    scope.cancel()
+                async with trio.open_nursery() as nursery:
+                    writer_done = trio.Event()
+                    nursery.start_soon(self._write_loop, writer_done)
+                    task_status.started()
+                    flush = await self._read_loop(nursery, handlers, unknown_method)
+                    if flush:
+                        await writer_done.wait()
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._finish(self._close_reason or "the connection ended")
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self._stream)
+
+    def close(self, reason: str) -> None:
+        """End the connection now (queued frames are dropped), logging ``reason``."""
+        if self._close_reason is None:
+            log.warning("%r: closing: %s", self.name, reason)
+            self._close_reason = reason
+        self._fail_waiters(reason)
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _finish(self, reason: str) -> None:
+        if self._close_reason is None:
+            self._close_reason = reason
+        self._fail_waiters(self._close_reason)
+        self._drop_queued()
+        self._receive.close()  # senders waiting for room get BrokenResourceError
+        self._send.close()
+        self.closed.set()
+
+    def _fail_waiters(self, reason: str) -> None:
+        for waiter in list(self._waiters.values()):
+            if not waiter.done.is_set():
+                waiter.error = RelayError(PEER_DISCONNECTED, reason)
+                waiter.done.set()
+
+    # -- writing ------------------------------------------------------------------------------
+
+    async def _write_loop(self, done: trio.Event) -> None:
+        """The only task that writes to the stream."""
+        try:
+            async for item in self._receive:
+                if item is _CLOSE:
+                    return
+                try:
+                    with trio.fail_after(self.limits.write_timeout):
+                        await self._stream.send_all(item.data)
+                except trio.TooSlowError:
+                    self.close(f"a write did not finish within {self.limits.write_timeout:g} s (the peer is not reading)")
+                    return
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self.close(f"a write failed: {exc or type(exc).__name__}")
+                    return
+                finally:
+                    if item.on_written is not None:
+                        item.on_written()
+        finally:
+            done.set()
+            self._drop_queued()
+
+    def _drop_queued(self) -> None:
+        """Frames that will never be written still count as finished for their owners."""
+        while True:
+            try:
+                item = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
+                return
+            if item is not _CLOSE and item.on_written is not None:
+                item.on_written()
+
+    def _enqueue_nowait(self, data: bytes, on_written: Callable[[], None] | None = None) -> bool:
+        """Queue a frame without waiting; a full queue means the peer stalled: close."""
+        if self._close_reason is not None:
+            if on_written is not None:
+                on_written()
+            return False
+        try:
+            self._send.send_nowait(_Outgoing(data, on_written))
+            return True
+        except trio.WouldBlock:
+            self.close(f"{self.limits.queue_frames} frames are waiting to be written (the peer is not reading)")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        if on_written is not None:
+            on_written()
+        return False
+
+    async def _enqueue(self, data: bytes) -> None:
+        """Queue a frame, waiting for room (bounded: the writer drains under its deadline)."""
+        if self._close_reason is not None:
+            raise self._disconnected()
+        try:
+            await self._send.send(_Outgoing(data))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise self._disconnected() from None
+
+    def _disconnected(self) -> RelayError:
+        return RelayError(PEER_DISCONNECTED, self._close_reason or "the connection ended")
+
+    # -- outbound -----------------------------------------------------------------------------
+
+    async def request(self, method: str, params: Any = None, *, timeout: float) -> Any:
+        """Send a request and wait at most ``timeout`` seconds for its result.
+
+        Raises ``RelayError``: ``TIMEOUT`` (after sending ``cancel {id}``),
+        ``PEER_DISCONNECTED`` when the connection ends first, or the peer's error. On
+        cancellation it sends ``cancel {id}`` too; either way the waiter is removed.
+        """
+        if self._close_reason is not None:
+            raise self._disconnected()
+        request_id, data = self._core.send_request(method, params)
+        waiter = _Waiter()
+        self._waiters[request_id] = waiter
+        sent = False
+        try:
+            with trio.fail_after(timeout):
+                await self._enqueue(data)
+                sent = True
+                await waiter.done.wait()
+        except trio.TooSlowError:
+            self._cancel_outbound(request_id, sent)
+            raise RelayError(TIMEOUT, f"no answer to {method} within {timeout:g} s") from None
+        except BaseException:
+            self._cancel_outbound(request_id, sent)
+            raise
+        finally:
+            del self._waiters[request_id]
+            self._core.forget(request_id)
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter.result
+
+    def _cancel_outbound(self, request_id: Any, sent: bool) -> None:
+        """Tell the peer we stopped waiting; only enqueues, so it is bounded and needs no shield."""
+        if not sent or self._close_reason is not None:
+            return
+        data = self._core.send_cancel(request_id)
+        if data is not None:
+            self._enqueue_nowait(data)
+
+    def notify(self, method: str, params: Any = None) -> None:
+        """Queue a notification; never waits. A full queue closes the connection as stalled.
+
+        Raises ``RelayError(PEER_DISCONNECTED)`` when the connection is (now) closed.
+        """
+        if self._close_reason is not None:
+            raise self._disconnected()
+        if not self._enqueue_nowait(self._core.send_notification(method, params)):
+            raise self._disconnected()
+
+    async def send_notification(self, method: str, params: Any = None) -> None:
+        """Queue a notification, waiting for room: for this connection's own producers (a
+        guest's message delivery, the configuration before the hello answer) - never for
+        pushes from one connection's work to another. Raises like :meth:`notify`."""
+        await self._enqueue(self._core.send_notification(method, params))
+
+    # -- inbound ------------------------------------------------------------------------------
+
+    async def _receive_some(self) -> bytes | None:
+        """Bytes from the stream; ``None`` when a read deadline passed."""
+        deadline = math.inf
+        if self._core.our_role == ROLE_SERVER and not self._core.handshake_complete:
+            deadline = self._hello_deadline
+        elif self.limits.read_idle_timeout is not None:
+            deadline = trio.current_time() + self.limits.read_idle_timeout
+        with trio.move_on_at(deadline):
+            try:
+                return await self._stream.receive_some(RECEIVE_CHUNK_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return b""
+        return None
+
+    async def _read_loop(
+        self,
+        nursery: trio.Nursery,
+        handlers: Mapping[str, HandlerEntry[Any]],
+        unknown_method: Callable[[str], str] | None,
+    ) -> bool:
+        """Read and dispatch until the connection ends; True if queued frames must be flushed first."""
+        self._hello_deadline = trio.current_time() + self.limits.hello_timeout
+        while True:
+            try:
+                event = self._core.next_event()
+            except RemoteProtocolError as err:
+                return self._protocol_error(err)
+            if event is NEED_DATA:
+                data = await self._receive_some()
+                if data is None:
+                    if not self._core.handshake_complete:
+                        return self._protocol_error(RemoteProtocolError(
+                            INVALID_REQUEST, f"no hello within {self.limits.hello_timeout:g} s"))
+                    self.close(f"nothing received for {self.limits.read_idle_timeout:g} s")
+                    return False
+                self._core.receive_data(data)
+            elif isinstance(event, ConnectionClosed):
+                self._close_reason = self._close_reason or "the peer closed the connection"
+                return False
+            elif isinstance(event, ResponseReceived):
+                self._resolve(event)
+                if self._core.handshake_complete:
+                    self.opened.set()
+            elif isinstance(event, RequestReceived):
+                if self._core.handshake_complete:
+                    scope = trio.CancelScope()
+                    self._in_flight[event.id] = scope
+                    nursery.start_soon(self._serve_request, event, scope, handlers, unknown_method)
+                else:  # hello: answered before anything else is read
+                    await self._serve_hello(event, handlers, unknown_method)
+                    if self._core.must_close:
+                        return self._close_after_flush("the hello was refused")
+                    self.opened.set()
+            elif isinstance(event, NotificationReceived):
+                await self._on_notification(event, handlers)
+            elif isinstance(event, RequestRejected):
+                self._enqueue_nowait(self._core.send_rejection(event))
+            elif isinstance(event, NotificationRejected):
+                log.warning("%r: ignoring notification %s: %s", self.name, event.method, event.error.message)
+
+    def _close_after_flush(self, reason: str) -> bool:
+        """Stop taking new frames; True if the writer will write what is queued, then stop."""
+        if self._close_reason is not None:
+            return False
+        self._close_reason = reason
+        try:
+            self._send.send_nowait(_CLOSE)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False  # no room even for the marker: the peer is not reading anyway
+        return True
+
+    def _protocol_error(self, err: RemoteProtocolError) -> bool:
+        """Answer a protocol break with one error object, then close (after flushing)."""
+        log.warning("%r: protocol error, closing: %s", self.name, err.message)
+        if not self._enqueue_nowait(self._core.send_protocol_error(err)):
+            return False
+        return self._close_after_flush(f"protocol error: {err.message}")
+
+    def _resolve(self, event: ResponseReceived) -> None:
+        waiter = self._waiters.get(event.id)
+        if waiter is None or waiter.done.is_set():
+            return
+        waiter.result, waiter.error = event.result, event.error
+        waiter.done.set()
+
+    async def _call(
+        self,
+        method: str,
+        params: dict[str, Any],
+        handlers: Mapping[str, HandlerEntry[Any]],
+        unknown_method: Callable[[str], str] | None,
+    ) -> Any:
+        entry = handlers.get(method)
+        if entry is None:
+            why = unknown_method(method) if unknown_method else f"this {self._core.our_role} serves no method {method!r}"
+            raise RelayError(METHOD_NOT_FOUND, why)
+        validate_params(method, params)
+        return await entry.handler(structure(params, entry.params_type))
+
+    async def _answered(
+        self, event: RequestReceived, handlers: Mapping[str, HandlerEntry[Any]], unknown_method: Callable[[str], str] | None
+    ) -> tuple[Any, RelayError | None]:
+        """Run the handler: the single place where handler exceptions become error responses."""
+        try:
+            return await self._call(event.method, event.params, handlers, unknown_method), None
+        except RelayError as err:
+            return None, err
+        except Exception as exc:  # a bug must not take the connection down
+            log.exception("%r: %s failed", self.name, event.method)
+            return None, RelayError(INTERNAL_ERROR, f"internal error: {exc}")
+
+    async def _serve_hello(
+        self, event: RequestReceived, handlers: Mapping[str, HandlerEntry[Any]], unknown_method: Callable[[str], str] | None
+    ) -> None:
+        result, error = await self._answered(event, handlers, unknown_method)
+        if error is not None:
+            log.warning("%r: hello refused: %s", self.name, error.message)
+        self._respond(event.id, result, error)
+
+    async def _serve_request(
+        self,
+        event: RequestReceived,
+        scope: trio.CancelScope,
+        handlers: Mapping[str, HandlerEntry[Any]],
+        unknown_method: Callable[[str], str] | None,
+    ) -> None:
+        if self._on_started is not None:
+            self._on_started()
+        answered = False
+        try:
+            result: Any = None
+            error: RelayError | None = None
+            with scope:
+                result, error = await self._answered(event, handlers, unknown_method)
+            if scope.cancelled_caught:
+                error = RelayError(CANCELLED, f"request {event.id!r} was cancelled")
+            # Answered outside the request's scope: a `cancel` that crosses the answer does not
+            # cut it (and only the writer task writes, under its own deadline).
+            answered = True
+            self._respond(event.id, result, error, self._on_finished)
+        finally:
+            self._in_flight.pop(event.id, None)
+            if not answered and self._on_finished is not None:
+                self._on_finished()
+
+    def _respond(
+        self, request_id: Any, result: Any, error: RelayError | None, on_written: Callable[[], None] | None = None
+    ) -> None:
+        try:
+            try:
+                if error is not None:
+                    data = self._core.send_error(request_id, error)
+                else:
+                    data = self._core.send_response(request_id, result)
+            except FrameTooLarge as err:
+                data = self._core.send_error(
+                    request_id, RelayError(INTERNAL_ERROR, f"the answer is too large to send: {err.message}"))
+            except LocalProtocolError as err:
+                log.error("%r: cannot answer %r: %s", self.name, request_id, err.message)
+                data = self._core.send_error(request_id, RelayError(INTERNAL_ERROR, err.message))
+        except LocalProtocolError as err:  # the connection is ending: nothing to answer on
+            log.debug("%r: answer to %r dropped: %s", self.name, request_id, err.message)
+            if on_written is not None:
+                on_written()
+            return
+        self._enqueue_nowait(data, on_written)
+
+    async def _on_notification(self, event: NotificationReceived, handlers: Mapping[str, HandlerEntry[Any]]) -> None:
+        """Notifications run in order, in the read loop: keep their handlers short."""
+        try:
+            if event.method == messages.CANCEL:
+                validate_params(event.method, event.params)
+                scope = self._in_flight.get(structure(event.params, messages.Cancel).id)
+                if scope is not None:
+                    scope.cancel()
+                return
+            entry = handlers.get(event.method)
+            if entry is None:
+                log.warning("%r: ignoring notification %s: nothing serves it", self.name, event.method)
+                return
+            validate_params(event.method, event.params)
+            await entry.handler(structure(event.params, entry.params_type))
+        except RelayError as err:
+            log.warning("%r: bad %s notification: %s", self.name, event.method, err.message)
+        except Exception:
+            log.exception("%r: %s notification failed", self.name, event.method)
