@@ -682,11 +682,10 @@ class InProcess:
     """The server embedded in the test's nursery, driven through its caller-facing tools."""
 
     def __init__(self, server: Any, nursery: trio.Nursery) -> None:
-        from oubliette_server.caller_mcp import CallerTools
 
         self.server = server
         self.nursery = nursery
-        self.tools = CallerTools(server)
+        self.tools = server.caller_api()
 
     def open_caller(self) -> tuple[Any, EventLog]:
         caller = self.server.open_caller("test")
@@ -741,7 +740,7 @@ async def test_a_stalled_sandbox_delays_no_other_caller_and_is_closed_after_the_
     write_timeout = 5.0
     async with in_process(deployment, relay_write_timeout=write_timeout) as proc:
         stalled = await stalled_sandbox(deployment, proc.server.tokens.token_for(INSTANCE))
-        [connection] = proc.server._clients[INSTANCE]
+        [connection] = proc.server.clients.of_instance(INSTANCE)
         caller_a, _ = proc.open_caller()
         caller_b, _ = proc.open_caller()
         # The instance may use toolset "ts", which comes back (is pushed) while the sandbox stalls.
@@ -761,13 +760,13 @@ async def test_a_stalled_sandbox_delays_no_other_caller_and_is_closed_after_the_
             await proc.declare(caller_b, "b1", "b", [{"name": "other", "inputSchema": {"type": "object"}}])
         with trio.fail_after(1):
             await proc.server.register_toolset("ts", "ts", ping, ref=FunctionToolset({"ping": lambda arguments: trio.sleep(0)}))
-        assert proc.server._clients[INSTANCE] == {connection}, "still connected: the calls did not wait for it"
+        assert proc.server.clients.of_instance(INSTANCE) == [connection], "still connected: the calls did not wait for it"
         stalled_since = trio.current_time()
 
         # The stalled connection is closed once a write has waited the write deadline.
         # (The server has no event for a closed connection; its client set is checked every 50 ms.)
         with trio.fail_after(write_timeout + EVENT_TIMEOUT):
-            while proc.server._clients.get(INSTANCE):
+            while proc.server.clients.of_instance(INSTANCE):
                 await trio.sleep(0.05)
         assert "did not finish within 5 s" in (connection._peer.close_reason or "")
         with trio.fail_after(EVENT_TIMEOUT):  # what was sent before the end, then EOF
