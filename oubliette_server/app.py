@@ -13,6 +13,7 @@ from typing import Any
 import trio
 
 from protocol import RelayError, errors, messages, parse_relay_address, structure, unstructure, validate_params
+from protocol.limits import Limits
 
 from .auth import TokenAuthority, ensure_private_dir
 from .caller_api import CallerTools, serve_stdio_caller
@@ -26,7 +27,7 @@ from .http_api import HttpApi
 from .instances import InstanceDirectory
 from .relay import RelayConnection, RelayListener
 from .sessions import SessionRegistry
-from .store import FrameStore
+from .store import FrameStore, StoredFrame
 from .tether import Tether
 from .toolsets import Toolset, ToolsetDefinition, ToolsetFactory, ToolsetService, ToolSpec
 
@@ -34,6 +35,11 @@ log = logging.getLogger("oubliette.server")
 
 # (role, method) -> (params type, handler(connection, params) -> result message)
 RelayTable = dict[tuple[str, str], tuple[type, Any]]
+
+#: The param of each relay request that carries a sandbox's own value, checked against the limits.
+RELAY_LIMITED_PARAMS = {
+    messages.CALLER_TOOL: "arguments", messages.TOOLSET_CALL: "arguments", messages.APPEND_FRAME: "payload",
+}
 
 
 class OublietteServer:
@@ -59,9 +65,9 @@ class OublietteServer:
             retention_frames=config.retention_frames,
             retention_seconds=config.retention_seconds,
         )
+        self.limits: Limits = config.limits
         self.sessions = SessionRegistry()
         self.clients = ClientConnections()
-        self.guests = GuestDelivery(self.store)
         self.instances = InstanceDirectory(
             config.instances, self.store.last_seq,
             lambda: [*self.guests.connected_instances(), *self.clients.instances()],
@@ -71,13 +77,14 @@ class OublietteServer:
             lambda instance: self.guests.guest_for(instance) is not None,
             start_grace=config.start_timeout,
         )
-        self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self.starter.wake)
+        self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self.starter.wake, limits=self.limits)
+        self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
         self.calls = CallerCallRegistry(self.frame_log.append, config.caller_timeout)
         self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls)
         self.callers = CallerRegistry(on_closed=self._caller_closed)
         self.toolsets = ToolsetService(config.tool_separator, self.clients)
         self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests)
-        self.tether = Tether(self.store, self.frame_log, self.instances)
+        self.tether = Tether(self.store, self.frame_log, self.instances, self.limits)
         self.relay_table: RelayTable = {
             ("client", messages.CALLER_TOOL): (messages.CallerToolCall, self.caller_tools.call),
             ("client", messages.TOOLSET_CALL): (messages.ToolsetCall, self.toolsets.call),
@@ -107,7 +114,7 @@ class OublietteServer:
         return CallerTools(
             instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools,
             frame_log=self.frame_log, store=self.store, tether=self.tether,
-            session_wait_limit=self.config.session_wait_limit,
+            session_wait_limit=self.config.session_wait_limit, limits=self.limits,
         )
 
     async def serve_stdio_caller(self) -> None:
@@ -260,4 +267,20 @@ class OublietteServer:
             raise RelayError(errors.METHOD_NOT_FOUND, f"unknown method {method!r}")
         params_type, handler = entry
         validate_params(method, params)
-        return unstructure(await handler(connection, structure(params, params_type)))
+        field = RELAY_LIMITED_PARAMS.get(method)
+        if field is not None and field in params:
+            self.limits.check_value(params[field], f"{method} {field}")
+        result = unstructure(await handler(connection, structure(params, params_type)))
+        # A result the sandbox could not read would cost it the connection (and every call in
+        # flight): answer this one call with an error instead.
+        self.limits.check_response(result, f"the result of {method}")
+        return result
+
+    async def _undeliverable(self, instance: str, frame: StoredFrame, reason: str) -> None:
+        """Guest delivery's safety net: end the frame's turn with `session.error` so nobody waits on it."""
+        session = self.sessions.get_or_create(instance, frame.channel, frame.session_id)
+        await self.frame_log.append(
+            session, "session.error",
+            {"message": f"message {frame.msg_id} (seq {frame.seq}) cannot be delivered to the guest: {reason}"},
+            reply_to=frame.msg_id,
+        )
