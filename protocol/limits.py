@@ -17,7 +17,7 @@ Depth is counted in containers: ``0`` is 0 deep, ``[0]`` 1, ``{"a": [0]}`` 2. Th
 walk is iterative and bounded by the size limit, so a 100,000-deep (or cyclic) value
 costs no stack and little time.
 
-This module uses no Trio and imports nothing but the error type.
+This module uses no Trio; it imports only the error type and the frame types.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 
 from .errors import INVALID_PARAMS, RelayError
+from .messages import FRAME_TYPES
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -113,7 +114,7 @@ def _compute_envelope_overhead() -> int:
     the response to the client's ``caller_tool`` request (``{"result": value}``).
     """
     delivered = _frame_overhead(
-        "i" * _MAX_INSTANCE, "c" * _MAX_CHANNEL, "s" * _MAX_SESSION_ID, "user.message",
+        "i" * _MAX_INSTANCE, "c" * _MAX_CHANNEL, "s" * _MAX_SESSION_ID, max(FRAME_TYPES, key=len),
         "m" * _MAX_MSG_ID, "r" * _MAX_MSG_ID,
     )
     response = _bytes({"jsonrpc": "2.0", "id": "x" * _MAX_RPC_ID, "result": {"result": 0}}) - 1
