@@ -415,3 +415,10 @@ async def test_issue8_http_ingress_deep_and_oversized_bodies(deployment: Deploym
         assert fine.status_code == 201, fine.text
         assert fine.json()["ingress_seq"] == 1
         assert server.process.returncode is None
+
+
+def test_the_documented_defaults_are_the_real_ones() -> None:
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    assert f"{DEFAULT_MAX_PAYLOAD_BYTES:,}" in (docs / "SECURITY.md").read_text()
+    assert f"max_payload_bytes = {DEFAULT_MAX_PAYLOAD_BYTES}" in (docs / "CONFIG.md").read_text()
+    assert f"max_payload_depth = {DEFAULT_MAX_DEPTH}" in (docs / "CONFIG.md").read_text()
