@@ -8,9 +8,11 @@ The path of one relayed call through the rooms is in docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import logging
+from typing import Any, Awaitable, Callable
 import trio
 
-from protocol import HandlerEntry, PeerLimits, messages, parse_relay_address
+from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
+from protocol.limits import Limits
 
 from .auth import TokenAuthority, ensure_private_dir
 from .caller_api import CallerTools, serve_stdio_caller
@@ -54,9 +56,9 @@ class OublietteServer:
             retention_frames=config.retention_frames,
             retention_seconds=config.retention_seconds,
         )
+        self.limits: Limits = config.limits
         self.sessions = SessionRegistry()
         self.clients = ClientConnections()
-        self.guests = GuestDelivery(self.store)
         self.instances = InstanceDirectory(
             config.instances, self.store.last_seq,
             lambda: [*self.guests.connected_instances(), *self.clients.instances()],
@@ -66,19 +68,24 @@ class OublietteServer:
             lambda instance: self.guests.guest_for(instance) is not None,
             start_grace=config.start_timeout,
         )
-        self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self.starter.wake)
+        self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self.starter.wake, limits=self.limits)
+        self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
         self.calls = CallerCallRegistry(self.frame_log.append, config.caller_timeout)
         self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls)
         self.callers = CallerRegistry(on_closed=self._caller_closed)
         self.toolsets = ToolsetService(config.tool_separator, self.clients)
         self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests)
-        self.tether = Tether(self.store, self.frame_log, self.instances)
+        self.tether = Tether(self.store, self.frame_log, self.instances, self.limits)
         # What each role may ask of the server; the peer validates and structures params once,
-        # before a handler (connection, params) runs. `cancel` is the peer's own.
+        # before a handler (connection, params) runs. `cancel` is the peer's own. A sandbox's own
+        # values (arguments, payloads) are checked against the limits before anything runs.
         self.relay_handlers: RelayHandlers = {
-            ("client", messages.CALLER_TOOL): HandlerEntry(messages.CallerToolCall, self.caller_tools.call),
-            ("client", messages.TOOLSET_CALL): HandlerEntry(messages.ToolsetCall, self.toolsets.call),
-            ("guest", messages.APPEND_FRAME): HandlerEntry(messages.AppendFrame, self.guest_frames.append_frame),
+            ("client", messages.CALLER_TOOL): HandlerEntry(
+                messages.CallerToolCall, self._limited(self.caller_tools.call, "arguments")),
+            ("client", messages.TOOLSET_CALL): HandlerEntry(
+                messages.ToolsetCall, self._limited(self.toolsets.call, "arguments")),
+            ("guest", messages.APPEND_FRAME): HandlerEntry(
+                messages.AppendFrame, self._limited(self.guest_frames.append_frame, "payload")),
             ("guest", messages.ACK): HandlerEntry(messages.Ack, self.guest_frames.ack),
         }
         self._requests_in_flight = 0
@@ -105,7 +112,7 @@ class OublietteServer:
         return CallerTools(
             instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools,
             frame_log=self.frame_log, store=self.store, tether=self.tether,
-            session_wait_limit=self.config.session_wait_limit,
+            session_wait_limit=self.config.session_wait_limit, limits=self.limits,
         )
 
     async def serve_stdio_caller(self) -> None:
@@ -250,3 +257,21 @@ class OublietteServer:
             self.clients.discard(connection)
             self.toolsets.detach(connection)
         log.info("%r disconnected", connection)
+
+    def _limited(self, handler: Callable[[Any, Any], Awaitable[Any]], field: str) -> Callable[[Any, Any], Awaitable[Any]]:
+        """`handler`, refusing a request whose `field` is over the size or depth limit."""
+
+        async def checked(connection: Any, params: Any) -> Any:
+            self.limits.check_value(getattr(params, field), f"{field}")
+            return await handler(connection, params)
+
+        return checked
+
+    async def _undeliverable(self, instance: str, frame: Frame, reason: str) -> None:
+        """Guest delivery's safety net: end the frame's turn with `session.error` so nobody waits on it."""
+        session = self.sessions.get_or_create(instance, frame.channel, frame.session_id)
+        await self.frame_log.append(
+            session, "session.error",
+            {"message": f"message {frame.msg_id} (seq {frame.seq}) cannot be delivered to the guest: {reason}"},
+            reply_to=frame.msg_id,
+        )

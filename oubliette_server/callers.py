@@ -5,6 +5,11 @@ of the sessions it takes part in are pushed to it as `notifications/message`
 events, in order, through a bounded queue drained by one sender task, so a
 slow caller never blocks the relay. When the connection ends, `closed` is set
 and every call waiting on it fails at once.
+
+Fault isolation: the senders run in the server's long-lived nursery, so an
+exception escaping one would end the server. Each sender contains any failure
+of its own: it logs the reason and closes that caller (or, for a request-scoped
+sink, stops that request's events) and nothing else.
 """
 
 from __future__ import annotations
@@ -30,13 +35,22 @@ def event_notification(event: dict) -> types.LoggingMessageNotification:
     )
 
 
-class CallerConnection:
-    """One caller; `push` queues an event for its standalone notification channel."""
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, anyio.ClosedResourceError, anyio.BrokenResourceError)
 
-    def __init__(self, transport: str, label: str | None = None) -> None:
+
+class CallerConnection:
+    """One caller; `push` queues an event for its standalone notification channel.
+
+    `on_failed(caller)` is called when its sender fails (the registry closes the caller then).
+    """
+
+    def __init__(
+        self, transport: str, label: str | None = None, on_failed: Callable[["CallerConnection"], object] | None = None,
+    ) -> None:
         self.id = f"caller-{next(_ids)}"
         self.transport = transport
         self.label = label or self.id
+        self.on_failed = on_failed
         self.closed = trio.Event()
         self.mcp_session: Any = None  # latest ServerSession; its standalone channel carries events
         self._send, self._receive = trio.open_memory_channel[dict](EVENT_QUEUE_SIZE)
@@ -53,7 +67,7 @@ class CallerConnection:
             log.warning("%s is not reading events; dropped seq %s (read it with session_events)", self, event.get("seq"))
 
     async def run_sender(self) -> None:
-        """Deliver queued events until the connection closes."""
+        """Deliver queued events until the connection closes; a failure closes this caller only."""
         async with self._receive:
             async for event in self._receive:
                 session = self.mcp_session
@@ -61,7 +75,14 @@ class CallerConnection:
                     continue
                 try:
                     await session.send_notification(event_notification(event))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                except _GONE:
+                    return
+                except Exception:
+                    log.exception("%r: sending event seq %s failed; closing this caller", self, event.get("seq"))
+                    if self.on_failed is not None:
+                        self.on_failed(self)
+                    else:
+                        self.close()
                     return
 
     def close(self) -> None:
@@ -80,15 +101,23 @@ class RequestScopedSink:
     def push(self, event: dict) -> None:
         try:
             self._send.send_nowait(event)
-        except (trio.WouldBlock, trio.ClosedResourceError):
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 
     async def run(self) -> None:
+        """Deliver this request's events; a failure ends them (logged), never the request or the server."""
         async with self._receive:
             async for event in self._receive:
-                await self._mcp_session.send_notification(
-                    event_notification(event), related_request_id=self._request_id
-                )
+                try:
+                    await self._mcp_session.send_notification(
+                        event_notification(event), related_request_id=self._request_id
+                    )
+                except _GONE:
+                    return
+                except Exception:
+                    log.exception("events of request %r: sending seq %s failed; no more events on it",
+                                  self._request_id, event.get("seq"))
+                    return
 
     def close(self) -> None:
         self._send.close()
@@ -116,7 +145,7 @@ class CallerRegistry:
 
     def open(self, transport: str, label: str | None = None) -> CallerConnection:
         """A new caller; its events flow once the registry is serving."""
-        caller = CallerConnection(transport, label)
+        caller = CallerConnection(transport, label, on_failed=self.close)
         self._callers.add(caller)
         if self._nursery is not None:
             self._nursery.start_soon(caller.run_sender)

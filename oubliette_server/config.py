@@ -10,6 +10,8 @@ from typing import Any
 
 import attrs
 
+from protocol.limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_PAYLOAD_BYTES, Limits
+
 DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
 DEFAULT_START_TIMEOUT = 60.0
@@ -57,6 +59,22 @@ class ServerConfig:
         if value not in (".", "_", "-", "__"):
             raise ValueError(f"tool_separator must be one of '.', '_', '-', '__'; got {value!r}")
 
+    max_payload_bytes: int = attrs.field(default=DEFAULT_MAX_PAYLOAD_BYTES)
+    """Largest value a caller or sandbox may send (message text, tool arguments, result, frame payload),
+    encoded as on the relay; at most what still fits one relay line (the default). See docs/SECURITY.md."""
+    max_payload_depth: int = attrs.field(default=DEFAULT_MAX_DEPTH)
+    """Deepest nesting of such a value (1-128; default 64: the callers' SDK cannot parse 200)."""
+
+    @max_payload_bytes.validator
+    @max_payload_depth.validator
+    def _check_limits(self, attribute: Any, value: int) -> None:
+        Limits(**{"max_payload_bytes" if attribute.name == "max_payload_bytes" else "max_depth": value})
+
+    @property
+    def limits(self) -> Limits:
+        """The limits every ingress checks (protocol/limits.py)."""
+        return Limits(max_payload_bytes=self.max_payload_bytes, max_depth=self.max_payload_depth)
+
     toolsets: list[Any] = attrs.field(factory=list)
     """Toolsets from the config file (`toolsets.from_config.ToolsetEntry`), registered at start."""
     allowlists: dict[str, list[str]] = attrs.field(factory=dict)
@@ -83,6 +101,7 @@ SERVER_KEYS = {
     "relay": str, "data_dir": str, "caller_timeout": (int, float), "store_path": str,
     "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
     "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
+    "max_payload_bytes": int, "max_payload_depth": int,
 }
 
 

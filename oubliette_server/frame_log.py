@@ -5,11 +5,18 @@ and the live event sinks (callers, request-scoped streams) never disagree on
 order. `ingress` is the door for frames from outside the sandbox: a
 `user.message` there also wakes the instance (the wake hook is given, not
 imported, so this module depends on the store and sessions only).
+
+`append` is also the last line of the limits (protocol/limits.py): a frame whose
+delivery line could not be read by a guest, a client or a caller is refused
+before it is stored, so a stored frame is always deliverable. The ingresses
+check first, with messages that name the caller's own field.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
+
+from protocol.limits import Limits
 
 from .sessions import Session, SessionRegistry
 from protocol import Frame
@@ -21,8 +28,9 @@ class FrameLog:
     """Appends frames to the store and pushes each to the sinks of its session.
 
     Needs: the frame store and the session registry; `on_user_message(instance)` is called
-    after a `user.message` arrives through `ingress` (the wake service).
-    Raises: whatever the store raises for a frame it refuses (`ValueError`, `TypeError`).
+    after a `user.message` arrives through `ingress` (the wake service); the server's limits.
+    Raises: `LimitExceeded` for a frame that could never be delivered (nothing is stored), and
+    whatever the store raises for a frame it refuses (`ValueError`, `TypeError`).
     """
 
     def __init__(
@@ -30,10 +38,12 @@ class FrameLog:
         store: FrameStore,
         sessions: SessionRegistry,
         on_user_message: Callable[[str], object] = lambda instance: None,
+        limits: Limits | None = None,
     ) -> None:
         self.store = store
         self.sessions = sessions
         self.on_user_message = on_user_message
+        self.limits = limits or Limits()
 
     async def append(
         self,
@@ -45,6 +55,10 @@ class FrameLog:
         msg_id: str | None = None,
     ) -> Frame:
         """Store a frame of `session` and push it to everyone following the session."""
+        self.limits.check_frame(
+            payload, instance=session.instance, channel=session.channel, session_id=session.id,
+            type=type, msg_id=msg_id, reply_to=reply_to,
+        )
         frame = await self.store.append(
             session.instance, channel=session.channel, session_id=session.id,
             type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,

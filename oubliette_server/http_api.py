@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from protocol import RelayError, errors
+from protocol.limits import LimitExceeded
 
 from .auth import HTTP_ADMIN
 from .caller_api import CallerTools, build_caller_server
@@ -171,6 +172,8 @@ class TetherRoutes:
             frame = await self.tether.ingest(instance, body)
         except BodyTooLarge as err:
             return error_response(err, 413)
+        except LimitExceeded as err:
+            return error_response(err, 413 if err.is_size else 400)
         except RelayError as err:
             return error_response(err)
         return JSONResponse(
@@ -189,6 +192,10 @@ class TetherRoutes:
             return json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise RelayError(errors.PARSE_ERROR, f"request body is not valid JSON: {exc}") from None
+        except RecursionError:  # Python's parser gives up on very deep input: the client's error, not ours
+            raise RelayError(
+                errors.PARSE_ERROR, "request body is nested too deeply to parse (see max_payload_depth)"
+            ) from None
 
     async def poll(self, request: Request) -> Response:
         try:

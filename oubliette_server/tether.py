@@ -12,6 +12,7 @@ import time
 from typing import Any, AsyncIterator
 
 from protocol import FRAME_TYPES, INGRESS_SCHEMA, Frame, RelayError, errors
+from protocol.limits import Limits
 from protocol.schema_check import first_problem
 
 from .frame_log import FrameLog
@@ -50,17 +51,23 @@ class Tether:
     """The frame log as seed 004's duplex channel.
 
     Needs: the frame store (reads, long-poll waits), the frame log (appends that reach
-    followers and wake the instance) and the instance directory (unknown instances are refused).
-    Raises: `RelayError` (INVALID_PARAMS, NOT_FOUND) with the message a caller or HTTP client gets.
+    followers and wake the instance), the instance directory (unknown instances are refused)
+    and the limits (checked before anything is stored).
+    Raises: `RelayError` (INVALID_PARAMS, NOT_FOUND; `LimitExceeded`) with the message a caller
+    or HTTP client gets.
     """
 
-    def __init__(self, store: FrameStore, frame_log: FrameLog, instances: InstanceDirectory) -> None:
+    def __init__(
+        self, store: FrameStore, frame_log: FrameLog, instances: InstanceDirectory, limits: Limits | None = None,
+    ) -> None:
         self.store = store
         self.frame_log = frame_log
         self.instances = instances
+        self.limits = limits or Limits()
 
     async def send(self, instance: str, text: str, session_id: str | None = None) -> dict[str, Any]:
         """`tether_send`: a `user.message` on the `host` channel; `{msg_id, session_id, ingress_seq}`."""
+        self.limits.check_value(text, "text")
         instance = self.instances.require_known(instance)
         session_id = session_id or DEFAULT_TETHER_SESSION
         check_session_id(session_id)
@@ -72,6 +79,8 @@ class Tether:
     async def ingest(self, instance: str, body: Any) -> Frame:
         """HTTP ingress: validate a frame a program outside the sandbox posts, and append it."""
         instance = self.instances.require_known(instance)
+        if isinstance(body, dict) and "payload" in body:
+            self.limits.check_value(body["payload"], "payload")
         problem = first_problem(_ingress_validator, body, "invalid frame")
         if problem is not None:
             raise RelayError(errors.INVALID_PARAMS, problem)

@@ -18,6 +18,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol import CallerToolSpec, RelayError, errors, structure
 from protocol.descriptors import DESCRIPTOR_META_KEY, build_descriptor
+from protocol.limits import Limits
 from protocol.schema_check import first_problem
 
 from ..caller_tool_relay import CallerToolRelay
@@ -52,7 +53,8 @@ class CallerTools:
     """The caller-facing tool table and its handlers.
 
     Needs: the instance directory, sessions, the caller tool relay, the frame log, the store
-    (turn waits), the tether, and the longest `wait` a `session_message` may ask for.
+    (turn waits), the tether, the longest `wait` a `session_message` may ask for, and the
+    limits: each handler checks the caller's own values first, so a refusal stores nothing.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class CallerTools:
         store: FrameStore,
         tether: Tether,
         session_wait_limit: float,
+        limits: Limits | None = None,
     ) -> None:
         self.instances = instances
         self.sessions = sessions
@@ -73,6 +76,7 @@ class CallerTools:
         self.store = store
         self.tether = tether
         self.session_wait_limit = session_wait_limit
+        self.limits = limits or Limits()
         self.tools: dict[str, tuple[types.Tool, ToolHandler]] = {}
         self._validators: dict[str, Any] = {}
         self.add(
@@ -121,6 +125,9 @@ class CallerTools:
     # -- session_message -----------------------------------------------------------------
 
     async def session_message(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        self.limits.check_value(args["message"], "message")
+        if args.get("context") is not None:
+            self.limits.check_value(args["context"], "context")
         instance = self.instances.resolve(args.get("instance"))
         session = self.sessions.get_or_create(instance, "mcp", args.get("session_id") or new_session_id())
         context = args.get("context")
@@ -177,6 +184,11 @@ class CallerTools:
             raise RelayError(errors.INVALID_PARAMS, "give either 'result' or 'error'")
         if args.get("error") is not None and args.get("result") is not None:
             raise RelayError(errors.INVALID_PARAMS, "give 'result' or 'error', not both")
+        # Checked before the call is touched: a refused answer leaves it pending, to answer again.
+        if args.get("error") is not None:
+            self.limits.check_value(args["error"], "error")
+        else:
+            self.limits.check_value(args.get("result"), "result")
         await self.caller_tools.pending.respond(
             caller, args["session_id"], args["request_id"], result=args.get("result"), error=args.get("error"),
         )

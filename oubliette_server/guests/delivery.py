@@ -6,17 +6,24 @@ then new ones as they are appended (the store wakes the delivery task). If the
 connection drops between delivery and acknowledgement, the frame is delivered
 again on reconnect; the guest runtime drops a `seq` it has already seen, so
 each message runs once.
+
+A frame that cannot be sent (over the relay line limit, not encodable) is
+skipped with a logged reason and a `session.error` for its turn, never retried:
+retrying would drop the guest and redeliver the same frame forever. The
+ingress limits make this unreachable; it is the safety net.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 import trio
 
-from protocol import messages
+from protocol import RelayError, messages
+
+from protocol import Frame
 
 from ..store import CursorPruned, FrameQuery, FrameStore
 
@@ -25,6 +32,13 @@ log = logging.getLogger("oubliette.server.guests")
 GUEST_CURSOR = "guest.delivered"
 DELIVERY_BATCH = 200
 TURN_END_TYPES = ("assistant.done", "session.error")
+
+#: `(instance, frame, reason)`: record that a frame could not be delivered (ends its turn).
+Undeliverable = Callable[[str, Frame, str], Awaitable[object]]
+
+
+async def _log_only(instance: str, frame: Frame, reason: str) -> None:
+    pass
 
 
 class GuestPeer(Protocol):
@@ -38,13 +52,15 @@ class GuestPeer(Protocol):
 class GuestDelivery:
     """Tracks the one guest connection of each instance and feeds it messages.
 
-    Needs: the frame store (messages and the durable `guest.delivered` cursor).
+    Needs: the frame store (messages and the durable `guest.delivered` cursor), and
+    `on_undeliverable(instance, frame, reason)` that ends the turn of a frame that cannot be sent.
     `deliver(connection)` runs for as long as the connection serves; cancelling it leaves the
     cursor at the last acknowledged seq, so nothing is lost.
     """
 
-    def __init__(self, store: FrameStore) -> None:
+    def __init__(self, store: FrameStore, on_undeliverable: Undeliverable = _log_only) -> None:
         self.store = store
+        self.on_undeliverable = on_undeliverable
         self._guests: dict[str, GuestPeer] = {}
         self.connected_changed = trio.Event()
 
@@ -119,5 +135,17 @@ class GuestDelivery:
                 continue
             for frame in frames:
                 if not self._answered(instance, frame.msg_id):
-                    await connection.send_notification(messages.USER_MESSAGE, {"frame": frame.to_wire()})
+                    await self._send(connection, instance, frame)
                 cursor = frame.seq
+
+    async def _send(self, connection: GuestPeer, instance: str, frame: Frame) -> None:
+        """Send one frame; one that cannot be sent is reported and skipped, never retried."""
+        try:
+            await connection.send_notification(messages.USER_MESSAGE, {"frame": frame.to_wire()})
+        except (RelayError, ValueError, TypeError, RecursionError) as exc:
+            reason = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+            log.error("guest of %s: skipping undeliverable seq %d (%s): %s", instance, frame.seq, frame.msg_id, reason)
+            try:
+                await self.on_undeliverable(instance, frame, reason)
+            except Exception:  # the report is best effort; the delivery loop must go on
+                log.exception("guest of %s: could not record that seq %d is undeliverable", instance, frame.seq)
