@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 
 from .errors import INVALID_PARAMS, RelayError
-from .messages import FRAME_TYPES
+from .frames import FRAME_TYPES
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -83,7 +83,7 @@ def _bytes(value: Any) -> int:
 def _frame_wire(
     instance: str, channel: str, session_id: str, type: str, msg_id: str, reply_to: str | None, payload: Any
 ) -> dict[str, Any]:
-    """A frame as ``StoredFrame.to_wire`` writes it, with the largest seq."""
+    """A frame as ``Frame.to_wire`` writes it, with the largest seq."""
     wire: dict[str, Any] = {
         "v": 1, "seq": _MAX_SEQ, "ts": _TS, "instance": instance,
         "session": {"channel": channel, "id": session_id}, "type": type, "msg_id": msg_id,
