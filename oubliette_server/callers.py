@@ -141,7 +141,10 @@ class CallerRegistry:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            await trio.sleep_forever()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None  # stopping: nothing new starts while the children end
 
     def open(self, transport: str, label: str | None = None) -> CallerConnection:
         """A new caller; its events flow once the registry is serving."""

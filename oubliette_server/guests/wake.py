@@ -61,7 +61,10 @@ class InstanceStarter:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            await trio.sleep_forever()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None  # stopping: nothing new starts while the children end
 
     def guest_connected(self, instance: str) -> None:
         self._starting.pop(instance, None)

@@ -48,7 +48,10 @@ class ToolsetService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            await trio.sleep_forever()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None  # stopping: nothing new starts while the children end
 
     # -- registration --------------------------------------------------------------------
 
