@@ -81,11 +81,11 @@ class OublietteServer:
         # values (arguments, payloads) are checked against the limits before anything runs.
         self.relay_handlers: RelayHandlers = {
             ("client", messages.CALLER_TOOL): HandlerEntry(
-                messages.CallerToolCall, self._limited(self.caller_tools.call, "arguments")),
+                messages.CallerToolCall, self._limited(self.caller_tools.call, messages.CALLER_TOOL, "arguments")),
             ("client", messages.TOOLSET_CALL): HandlerEntry(
-                messages.ToolsetCall, self._limited(self.toolsets.call, "arguments")),
+                messages.ToolsetCall, self._limited(self.toolsets.call, messages.TOOLSET_CALL, "arguments")),
             ("guest", messages.APPEND_FRAME): HandlerEntry(
-                messages.AppendFrame, self._limited(self.guest_frames.append_frame, "payload")),
+                messages.AppendFrame, self._limited(self.guest_frames.append_frame, messages.APPEND_FRAME, "payload")),
             ("guest", messages.ACK): HandlerEntry(messages.Ack, self.guest_frames.ack),
         }
         self._requests_in_flight = 0
@@ -258,11 +258,13 @@ class OublietteServer:
             self.toolsets.detach(connection)
         log.info("%r disconnected", connection)
 
-    def _limited(self, handler: Callable[[Any, Any], Awaitable[Any]], field: str) -> Callable[[Any, Any], Awaitable[Any]]:
+    def _limited(
+        self, handler: Callable[[Any, Any], Awaitable[Any]], method: str, field: str
+    ) -> Callable[[Any, Any], Awaitable[Any]]:
         """`handler`, refusing a request whose `field` is over the size or depth limit."""
 
         async def checked(connection: Any, params: Any) -> Any:
-            self.limits.check_value(getattr(params, field), f"{field}")
+            self.limits.check_value(getattr(params, field), f"{method} {field}")
             return await handler(connection, params)
 
         return checked

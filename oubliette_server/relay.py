@@ -24,6 +24,7 @@ from typing import Any
 import trio
 
 from protocol import (
+    errors,
     PROTOCOL_VERSION,
     ROLE_SERVER,
     HandlerEntry,
@@ -120,10 +121,16 @@ class RelayConnection:
             log.debug("%r: notification %s dropped: %s", self, method, err.message)
 
     async def send_notification(self, method: str, params: Any) -> None:
-        """Queue a notification, waiting for room: only for this connection's own producers."""
+        """Queue a notification, waiting for room: only for this connection's own producers.
+
+        Raises `FrameTooLarge` (nothing sent) for a frame the sandbox could not read; a
+        notification to a connection that has ended is dropped.
+        """
         try:
             await self._peer.send_notification(method, params)
         except RelayError as err:
+            if err.code != errors.PEER_DISCONNECTED:
+                raise
             log.debug("%r: notification %s dropped: %s", self, method, err.message)
 
     # -- lifecycle -----------------------------------------------------------------------
