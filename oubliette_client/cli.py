@@ -84,6 +84,11 @@ def _endpoint_main(argv: list[str], tools: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `oubliette-client` command: dispatch to the stdio MCP server, `run`, `endpoint`, `tools` or `demo-agent`.
+
+    Returns the exit status. Needs: no running trio loop (each mode calls `trio.run`);
+    argparse exits with status 2 on bad flags or missing `--instance`/`--token`.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":
         return _run_main(argv[1:])

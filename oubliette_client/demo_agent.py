@@ -47,6 +47,13 @@ def find_call(message: str, tool_names: list[str]) -> tuple[str, dict[str, Any]]
 
 
 async def run_agent(message: str, config_path: str | None, mode: str) -> int:
+    """Spawn `oubliette-client` over MCP, list its tools, and call the one `message` names, printing each step.
+
+    Owns: the MCP client session and its child process (closed on return or cancellation).
+    Needs: `config_path` from the guest runtime, or the `OUBLIETTE_*` environment.
+    Raises: whatever the MCP client raises when the child cannot start; a tool that fails is
+    printed, not raised. Returns 0.
+    """
     from mcp import Client
 
     async with Client(_server_parameters(config_path), mode=mode) as client:  # type: ignore[arg-type]
@@ -68,6 +75,7 @@ async def run_agent(message: str, config_path: str | None, mode: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `demo-agent` command: read the message from stdin and run `run_agent` on it; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mcp-config", help="MCP config file naming the oubliette-client to start")
     parser.add_argument("--mode", default="legacy", help="MCP era: legacy (handshake) or auto")

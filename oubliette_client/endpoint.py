@@ -36,6 +36,13 @@ DEFAULT_CONNECT_WAIT = 5.0
 
 
 class ActionEndpoint:
+    """Seed 001's action contract (`list_tools`, `describe_tool`, `call_tool`) over this sandbox's relay.
+
+    Owns: a `SandboxTools` (its registry and `RelayLink`); the link runs only inside `run`.
+    Needs: `RelaySettings`; call `run(fn)` so the link is up while `fn` uses the endpoint.
+    Raises: nothing from `handle`/`handle_line`: every failure is an error envelope.
+    """
+
     def __init__(self, settings: RelaySettings, *, connect_wait: float = DEFAULT_CONNECT_WAIT) -> None:
         self.tools = SandboxTools(settings)
         self.connect_wait = connect_wait
@@ -64,6 +71,7 @@ class ActionEndpoint:
         return call_tool_response(request.tool, result)
 
     async def handle_line(self, line: str | bytes) -> dict[str, Any]:
+        """Parse one request line and answer it; a line that is not a valid request gets the error envelope."""
         try:
             request = parse_action_line(line, component=COMPONENT)
         except ActionError as err:
@@ -98,6 +106,10 @@ async def serve_stdin(endpoint: ActionEndpoint) -> None:
 
 
 def run_endpoint(settings: RelaySettings, connect_wait: float) -> int:
+    """The `endpoint` command: answer stdin's request lines on stdout until stdin ends; returns 0.
+
+    Needs: no running trio loop (it calls `trio.run`).
+    """
     endpoint = ActionEndpoint(settings, connect_wait=connect_wait)
     trio.run(endpoint.run, serve_stdin)
     return 0

@@ -45,6 +45,14 @@ TERMINATE_GRACE = 2.0
 
 
 class GuestRuntime:
+    """The instance's guest: runs CMD once per delivered `user.message` and appends its frames.
+
+    Owns: the `guest`-role `RelayLink`, one worker task per session, each turn's process
+    group, and a temporary directory for per-session MCP configs (when `config_dir` is None).
+    Needs: `RelaySettings` and the command (`{mcp_config}` in it becomes a config path).
+    Raises: `ValueError` from the constructor when the command is empty.
+    """
+
     def __init__(self, settings: RelaySettings, command: list[str], *, config_dir: Path | None = None) -> None:
         if not command:
             raise ValueError("the guest runtime needs a command to run for each turn")
@@ -60,6 +68,13 @@ class GuestRuntime:
         self.turns_finished = 0
 
     async def run(self) -> None:
+        """Serve deliveries until cancelled; it does not return on its own.
+
+        Start it with `nursery.start_soon(runtime.run)` (or `run_until_signalled`).
+        Cancellation: every running turn's process group is ended (SIGTERM, then SIGKILL), the
+        relay connection is closed, and messages not yet acknowledged are delivered again on
+        the next connection.
+        """
         with tempfile.TemporaryDirectory(prefix="oubliette-guest-") as tmp:
             if self.config_dir is None:
                 self.config_dir = Path(tmp)

@@ -27,6 +27,7 @@ def client_command() -> list[str]:
 
 
 def mcp_config(settings: RelaySettings, session: str | None) -> dict[str, Any]:
+    """The `--mcp-config` document that starts this `oubliette-client` bound to `session`; it holds the token."""
     command = client_command()
     return {
         "mcpServers": {

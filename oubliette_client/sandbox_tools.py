@@ -34,6 +34,7 @@ class CallOutcome:
 
     @property
     def is_error(self) -> bool:
+        """True when the call failed (`error` holds the text, `category` the kind)."""
         return self.error is not None
 
 
@@ -42,6 +43,7 @@ CALLER_TOOL_MARGIN = 10.0
 
 
 def relay_error_text(tool: PublishedTool, err: RelayError) -> str:
+    """The agent-facing text of a relay failure of `tool`, naming timeouts and lost connections as such."""
     if err.code == errors.TIMEOUT:
         return f"{tool.name}: timeout: {err.message}"
     if err.code == errors.PEER_DISCONNECTED:
@@ -52,6 +54,14 @@ def relay_error_text(tool: PublishedTool, err: RelayError) -> str:
 
 
 class SandboxTools:
+    """Every tool this sandbox may use, kept current over the relay, and `call` to use one.
+
+    Owns: the `ToolRegistry` and a `client`-role `RelayLink` (not started: whoever embeds it
+    runs `link.run` in a nursery, as `SandboxToolServer` and `ActionEndpoint` do).
+    Needs: `RelaySettings`.
+    Raises: nothing from `call`: unknown tools, bad arguments and relay errors are outcomes.
+    """
+
     def __init__(self, settings: RelaySettings) -> None:
         self.settings = settings
         self.registry = ToolRegistry()
@@ -89,6 +99,7 @@ class SandboxTools:
         return {t.name[: len(t.name) - len(t.tool) - len(sep)] for t in self.registry.tools if t.kind == "toolset"}
 
     def unknown_tool_text(self, name: str) -> str:
+        """The text for a tool name that resolves to nothing: which toolset prefix is unknown, or which tools exist, and why the link is down if it is."""
         why = "" if self.link.connected else f"; {self.link.unavailable_error().message}"
         sep = self.separator
         callers = {t.owner for t in self.registry.tools if t.kind == "caller"}

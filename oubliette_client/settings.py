@@ -15,6 +15,11 @@ DEFAULT_REQUEST_TIMEOUT = 120.0
 
 @attrs.define(frozen=True)
 class RelaySettings:
+    """Where and as whom the sandbox side connects: relay address, instance, token, session, request deadline.
+
+    Immutable; `environment()` passes the same settings to a child process.
+    """
+
     relay: str
     instance: str
     token: str
@@ -34,6 +39,7 @@ class RelaySettings:
 
 
 def add_relay_arguments(parser: argparse.ArgumentParser, *, session: bool = True) -> None:
+    """Add `--relay`, `--instance`, `--token` (and `--session` unless `session=False`) to `parser`."""
     parser.add_argument("--relay", help=f"relay address (env OUBLIETTE_RELAY; default {DEFAULT_RELAY})")
     parser.add_argument("--instance", help="instance id (env OUBLIETTE_INSTANCE)")
     parser.add_argument("--token", help="instance token (env OUBLIETTE_TOKEN)")
@@ -42,6 +48,11 @@ def add_relay_arguments(parser: argparse.ArgumentParser, *, session: bool = True
 
 
 def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RelaySettings:
+    """Settings from the parsed flags, falling back to the `OUBLIETTE_*` environment.
+
+    Raises: `SystemExit` through `parser.error` when the instance or token is missing, or
+    `OUBLIETTE_REQUEST_TIMEOUT` is not a positive number.
+    """
     env = os.environ
     instance = args.instance or env.get("OUBLIETTE_INSTANCE")
     token = args.token or env.get("OUBLIETTE_TOKEN")

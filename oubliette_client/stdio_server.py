@@ -33,6 +33,7 @@ DEFAULT_CONNECT_WAIT = 3.0
 
 
 def tool_error(text: str) -> types.CallToolResult:
+    """An MCP tool result that reports `text` as an error (`is_error=True`)."""
     return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
 

@@ -27,6 +27,11 @@ DEFAULT_INPUT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 @attrs.define(frozen=True)
 class PublishedTool:
+    """One tool as the agent sees it: its published name, schema and descriptor, and where a call goes.
+
+    Immutable; `validator`/`result_validator` are compiled schemas, excluded from equality.
+    """
+
     name: str
     description: str
     input_schema: dict[str, Any]
@@ -41,14 +46,17 @@ class PublishedTool:
 
     @property
     def caller_id(self) -> str:
+        """The caller that owns a caller tool (the same as `owner`)."""
         return self.owner
 
     def validation_error(self, arguments: Any) -> str | None:
+        """The first problem with `arguments` against the input schema, or None when they are valid."""
         if not isinstance(arguments, dict):
             return f"arguments for {self.name} must be a JSON object"
         return first_problem(self.validator, arguments, f"invalid arguments for {self.name}")
 
     def result_error(self, result: Any) -> str | None:
+        """The first problem with `result` against the tool's result schema, or None (also when it has none)."""
         if self.result_validator is None:
             return None
         return first_problem(self.result_validator, result, f"the result of {self.name} does not match its result_schema")
@@ -66,6 +74,12 @@ def caller_descriptor(name: str, caller_id: str, spec: CallerToolSpec, schema: d
 
 
 class ToolRegistry:
+    """The tools the agent sees, by published name; each change bumps `version` and wakes `wait_changed`.
+
+    Owns: only in-memory state. A tool whose schema does not compile, or whose name is
+    already taken, is logged and left out rather than raised.
+    """
+
     def __init__(self) -> None:
         self._caller_tools: dict[str, list[CallerToolSpec]] = {}
         self._toolset_tools: list[ToolsetToolSpec] = []
@@ -75,12 +89,18 @@ class ToolRegistry:
 
     @property
     def tools(self) -> list[PublishedTool]:
+        """Every published tool, in publication order (caller tools by caller id, then toolset tools)."""
         return list(self._published.values())
 
     def resolve(self, name: str) -> PublishedTool | None:
+        """The tool published as `name`, or None; names are looked up, never split."""
         return self._published.get(name)
 
     async def wait_changed(self, seen_version: int) -> int:
+        """Wait until `version` differs from `seen_version` and return the new version.
+
+        Cancellation: safe at any point; nothing is consumed.
+        """
         while self.version == seen_version:
             await self._changed.wait()
         return self.version
