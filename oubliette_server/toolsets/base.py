@@ -34,6 +34,12 @@ class ToolSpec:
 
 @attrs.define(frozen=True)
 class ToolResult:
+    """What a toolset call produced: a result (with MCP content blocks when the tool gave them), or an error text.
+
+    Immutable; build it with `ok` or `failure`. A failure reaches the agent as a tool error
+    with `error` as its text.
+    """
+
     result: Any = None
     content: list[dict[str, Any]] | None = None
     is_error: bool = False
@@ -41,10 +47,12 @@ class ToolResult:
 
     @classmethod
     def ok(cls, result: Any = None, content: list[dict[str, Any]] | None = None) -> "ToolResult":
+        """A successful result, with the tool's own MCP content blocks if it has them."""
         return cls(result=result, content=content)
 
     @classmethod
     def failure(cls, text: str) -> "ToolResult":
+        """A failed call whose `text` the agent sees as the tool error."""
         return cls(is_error=True, error=text)
 
 
@@ -52,7 +60,13 @@ class Toolset(abc.ABC):
     """A running toolset. Shared ones (`ref=`) live on; per-session ones (`factory=`) are closed by their session."""
 
     @abc.abstractmethod
-    async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult: ...
+    async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        """Run `tool` (its unprefixed name) with `arguments`, already checked against its input schema.
+
+        Raises: nothing by contract: a failure is `ToolResult.failure`. An exception is a bug; the
+        relay answers it as an internal error and the connection stays up.
+        Cancellation: the agent cancelled the call or the connection went; leave no work behind.
+        """
 
     async def aclose(self) -> None:
         """Release what the toolset holds (processes, connections)."""
@@ -69,6 +83,7 @@ class FunctionToolset(Toolset):
         self.closed = False
 
     async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        """Await the handler named `tool`; an unknown tool or an exception it raises becomes `ToolResult.failure`."""
         handler = self.handlers.get(tool)
         if handler is None:
             return ToolResult.failure(f"no tool named {tool!r}")
@@ -78,4 +93,5 @@ class FunctionToolset(Toolset):
             return ToolResult.failure(str(exc) or type(exc).__name__)
 
     async def aclose(self) -> None:
+        """Mark the toolset closed (`closed`); it holds nothing else."""
         self.closed = True

@@ -28,10 +28,19 @@ DEFAULT_TIMEOUT = 30.0
 
 
 def command_list(command: str | list[str]) -> list[str]:
+    """The argv of `command`: a string is split the way a shell would (`shlex`), a list is kept."""
     return shlex.split(command) if isinstance(command, str) else [str(part) for part in command]
 
 
 class CommandToolset(Toolset):
+    """A toolset backed by a host command speaking seed 001's action contract: one process per action.
+
+    Owns: each action's process, for the action only (killed at `timeout`, 30 s by default).
+    Needs: nothing running; `discover()` once to learn the tools.
+    Raises: `ValueError` from the constructor when the command is empty; `discover` and `call`
+    raise nothing: failures are logged (no tools) or returned as `ToolResult.failure`.
+    """
+
     def __init__(
         self,
         toolset_id: str,
@@ -97,6 +106,10 @@ class CommandToolset(Toolset):
         return specs
 
     async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        """Run the command once with a `call_tool` request; a timeout, a crash or an error envelope is a failure.
+
+        Cancellation: the process is killed (by `trio.run_process`).
+        """
         if not isinstance(arguments, dict):
             return ToolResult.failure("arguments must be a JSON object")
         try:

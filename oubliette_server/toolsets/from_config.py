@@ -16,6 +16,8 @@ KINDS = ("command", "mcp")
 
 @attrs.define(frozen=True)
 class ToolsetEntry:
+    """One `[toolsets.ID]` table of the config file, checked: kind, prefix, command and its options."""
+
     id: str
     kind: str
     prefix: str
@@ -73,17 +75,24 @@ class ToolsetRegistrar(Protocol):
         self, toolset_id: str, prefix: str, command: str, args: list[str] | None = ...,
         env: dict[str, str] | None = ..., cwd: str | None = ..., roots: list[str] | None = ...,
         *, call_timeout: float | None = ...,
-    ) -> Any: ...
+    ) -> Any:
+        """Start and register a shared stdio MCP toolset (see `ToolsetService.register_mcp_toolset`)."""
 
     async def register_command_toolset(
         self, toolset_id: str, prefix: str, command: str | list[str], *,
         timeout: float | None = ..., env: dict[str, str] | None = ..., cwd: str | None = ...,
-    ) -> Any: ...
+    ) -> Any:
+        """Register an action-contract command toolset (see `ToolsetService.register_command_toolset`)."""
 
-    async def update_allowed_toolsets(self, instance: str, toolset_ids: list[str]) -> None: ...
+    async def update_allowed_toolsets(self, instance: str, toolset_ids: list[str]) -> None:
+        """Set the toolsets an instance's agents see (see `ToolsetService.update_allowed_toolsets`)."""
 
 
 def parse_allowlists(table: Any, where: str) -> dict[str, list[str]]:
+    """Check the `[allowlists]` table: instance id -> list of toolset ids.
+
+    Raises: `ValueError` naming `where` and the offending key.
+    """
     if not isinstance(table, dict):
         raise ValueError(f"{where}: [allowlists] must map instance ids to lists of toolset ids")
     result = {}

@@ -34,6 +34,16 @@ def _text_of(content: list[Any]) -> str:
 
 
 class McpToolset(Toolset):
+    """A shared toolset backed by a stdio MCP server the host runs, restarted on demand up to `max_restarts` times.
+
+    Owns: the server process and its SDK client session, run as a task in the `nursery` it is
+    given (the toolset service's), so it ends when that nursery does or on `aclose`.
+    Needs: `start()` once (it reports the tools, or raises `RuntimeError` when the server does
+    not start or list its tools within 30 s).
+    Raises: `call` raises nothing; a dead server, a failed call or a call past `call_timeout`
+    (60 s by default) is a `ToolResult.failure`.
+    """
+
     def __init__(
         self,
         toolset_id: str,
@@ -124,6 +134,10 @@ class McpToolset(Toolset):
             return self._client
 
     async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        """Call `tool` on the MCP server (restarting it first if it died), bounded by `call_timeout`.
+
+        Cancellation: the SDK request is abandoned; the server keeps running for the next call.
+        """
         try:
             client = await self._ensure_running()
         except Exception as exc:
@@ -152,5 +166,6 @@ class McpToolset(Toolset):
             self._stop.set()
 
     async def aclose(self) -> None:
+        """Ask the server's task to end (it closes the session and the process); returns without waiting for it."""
         if self._stop is not None:
             self._stop.set()

@@ -20,6 +20,8 @@ TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 @attrs.define(eq=False)
 class ToolsetDefinition:
+    """A registered toolset: id, prefix, tools, and exactly one of `factory` (one per session) or `ref` (shared)."""
+
     id: str
     prefix: str
     tools: list[ToolSpec]
@@ -29,19 +31,29 @@ class ToolsetDefinition:
 
     @property
     def per_session(self) -> bool:
+        """True when each agent session gets its own toolset from `factory`."""
         return self.factory is not None
 
 
 class ToolsetRegistry:
+    """The registered toolset definitions and, per instance, which of them its agents may see.
+
+    Owns: only in-memory state; it starts and stops nothing (routers and the service do).
+    Raises: `ValueError` for a bad or conflicting registration or an unknown allowed id,
+    `KeyError` from `unregister` for an unknown id.
+    """
+
     def __init__(self) -> None:
         self._definitions: dict[str, ToolsetDefinition] = {}
         self._allowed: dict[str, list[str]] = {}
 
     @property
     def definitions(self) -> dict[str, ToolsetDefinition]:
+        """A copy of the registered definitions, by id."""
         return dict(self._definitions)
 
     def register(self, definition: ToolsetDefinition) -> None:
+        """Add a definition; `ValueError` unless it has exactly one of factory/ref, valid names and a free id and prefix."""
         if (definition.factory is None) == (definition.ref is None):
             raise ValueError(f"toolset {definition.id!r}: give exactly one of factory= or ref=")
         if not PREFIX_PATTERN.match(definition.prefix):
@@ -58,19 +70,23 @@ class ToolsetRegistry:
         log.info("toolset %s registered (prefix %r, %d tools)", definition.id, definition.prefix, len(definition.tools))
 
     def unregister(self, toolset_id: str) -> ToolsetDefinition:
+        """Remove and return the definition `toolset_id`; `KeyError` if there is none. Allowlists keep the id (ignored while unregistered)."""
         definition = self._definitions.pop(toolset_id, None)
         if definition is None:
             raise KeyError(f"no toolset with id {toolset_id!r}")
         return definition
 
     def set_allowed(self, instance: str, toolset_ids: list[str]) -> None:
+        """Replace the instance's allowlist; `ValueError` naming any id that is not registered."""
         unknown = [t for t in toolset_ids if t not in self._definitions]
         if unknown:
             raise ValueError(f"unknown toolset id(s): {', '.join(unknown)}")
         self._allowed[instance] = list(dict.fromkeys(toolset_ids))
 
     def allowed_ids(self, instance: str) -> list[str]:
+        """The instance's allowlist as set (empty by default)."""
         return list(self._allowed.get(instance, []))
 
     def allowed_definitions(self, instance: str) -> list[ToolsetDefinition]:
+        """The registered definitions the instance may see, in allowlist order."""
         return [self._definitions[i] for i in self._allowed.get(instance, []) if i in self._definitions]

@@ -29,6 +29,8 @@ CLAUDE_NAME_LIMIT = 64
 
 @attrs.define(eq=False)
 class Binding:
+    """A toolset bound into a router: its definition, the running toolset, and whether this router spawned it (and so stops it)."""
+
     definition: ToolsetDefinition
     toolset: Toolset
     spawned: bool
@@ -36,6 +38,8 @@ class Binding:
 
 @attrs.define(frozen=True)
 class PublishedToolsetTool:
+    """One tool as a router publishes it: the prefixed name, the binding that answers it, and its spec."""
+
     name: str
     binding: Binding
     spec: ToolSpec
@@ -57,6 +61,16 @@ class PublishedToolsetTool:
 
 
 class ToolRouter:
+    """One agent session's toolsets: binds the allowed ones, publishes their tools, routes calls.
+
+    Owns: the per-session toolsets it spawned from factories (stopped by `stop` or when a
+    rebind drops them); never the shared ones. `references` counts the client connections
+    sharing it.
+    Raises: `call` raises `RelayError` (`NOT_FOUND` for an unknown name, `INVALID_PARAMS` for
+    arguments that do not match the schema); a toolset that fails to start is logged and
+    left out of `bind`.
+    """
+
     def __init__(self, separator: str, label: str) -> None:
         self.separator = separator
         self.label = label
@@ -67,6 +81,7 @@ class ToolRouter:
 
     @property
     def bindings(self) -> dict[str, Binding]:
+        """A copy of the bound toolsets, by toolset id."""
         return dict(self._bindings)
 
     async def bind(self, definitions: list[ToolsetDefinition]) -> bool:
@@ -124,6 +139,7 @@ class ToolRouter:
         return changed
 
     def published(self) -> list[dict[str, Any]]:
+        """The published tools as `toolsets_config` entries (with their seed 001 descriptors)."""
         return [p.wire() for p in self._published.values()]
 
     def _not_found(self, name: str) -> RelayError:

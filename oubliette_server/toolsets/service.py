@@ -116,6 +116,10 @@ class ToolsetService:
         return await self.register_toolset(toolset_id, prefix, tools, ref=toolset, kind="command")
 
     async def unregister_toolset(self, toolset_id: str) -> None:
+        """Remove a toolset: every session's router drops it (the agents are told), then a shared one is closed.
+
+        Raises: `KeyError` when no toolset has that id.
+        """
         definition = self.registry.unregister(toolset_id)
         await self.refresh()
         if definition.ref is not None:
@@ -143,6 +147,10 @@ class ToolsetService:
         return toolsets_config(await self.sessions.attach(connection))
 
     def detach(self, connection: ClientPeer) -> None:
+        """A client connection is gone; if it was its session's last, the router is stopped in the service's nursery.
+
+        When the service is stopping (no nursery), the router is left to the nursery's teardown.
+        """
         self.sessions.detach(connection, self._nursery)
 
     async def call(self, connection: ClientPeer, call: messages.ToolsetCall) -> messages.ToolsetCallResult:

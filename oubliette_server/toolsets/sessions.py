@@ -29,6 +29,13 @@ Push = Callable[[ToolRouter], Awaitable[None]]
 
 
 class ToolsetSessions:
+    """One `ToolRouter` per agent session, shared by that session's client connections.
+
+    Owns: the routers; the last connection of a session to detach stops its router (in the
+    nursery given to `detach`). Needs: the registry, the separator, and `push(router)` to
+    tell the connections of a router whose list changed.
+    """
+
     def __init__(self, registry: ToolsetRegistry, separator: str, push: Push) -> None:
         self.registry = registry
         self.separator = separator
