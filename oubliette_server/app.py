@@ -127,11 +127,13 @@ class OublietteServer:
         )
 
     def relay_request_started(self) -> None:
+        """Count a relay request in flight (called by each `RelayConnection`); `drain` waits for the count to reach zero."""
         if self._requests_in_flight == 0:
             self._drained = trio.Event()
         self._requests_in_flight += 1
 
     def relay_request_finished(self) -> None:
+        """A relay request answered or ended; at zero in flight, `drain` returns."""
         self._requests_in_flight -= 1
         if self._requests_in_flight == 0:
             self._drained.set()
@@ -148,6 +150,9 @@ class OublietteServer:
         return self.callers.open(transport, label)
 
     def close_caller(self, caller: CallerConnection) -> None:
+        """End a caller from `open_caller`: no more events, its pending caller tool calls fail with
+        `PEER_DISCONNECTED`, and it follows no session. Closing it again does nothing.
+        """
         self.callers.close(caller)
 
     def _caller_closed(self, caller: CallerConnection) -> None:
@@ -157,6 +162,7 @@ class OublietteServer:
         log.info("%r disconnected; %d pending call(s) failed", caller, failed)
 
     def connected_instances(self) -> list[str]:
+        """The instances with a live guest or client connection, sorted."""
         return self.instances.connected_instances()
 
     # -- toolsets (seed 003): the embedding API -------------------------------------------
@@ -207,6 +213,10 @@ class OublietteServer:
         )
 
     async def unregister_toolset(self, toolset_id: str) -> None:
+        """Remove a toolset: agents that saw it are told at once, then a shared (`ref`) toolset is closed.
+
+        Raises: `KeyError` when no toolset has that id.
+        """
         await self.toolsets.unregister_toolset(toolset_id)
 
     async def update_allowed_toolsets(self, instance: str, toolset_ids: list[str]) -> None:
@@ -246,6 +256,11 @@ class OublietteServer:
             await connection.send_notification(messages.CALLER_TOOLS_CONFIG, config)
 
     def relay_connection_closed(self, connection: RelayConnection) -> None:
+        """Forget a sandbox connection that ended (its `on_close` hook).
+
+        A guest's instance is woken again if a message still waits for delivery; a client's
+        session router is released (its per-session toolsets stop with the session's last one).
+        """
         if connection.instance is None:
             return
         if connection.role == "guest":

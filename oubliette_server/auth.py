@@ -60,9 +60,15 @@ class TokenAuthority:
 
     @classmethod
     def for_data_dir(cls, data_dir: Path) -> "TokenAuthority":
+        """The authority of the secret in `data_dir`, created (mode 0600) on first use.
+
+        Raises: `ValueError` when the stored secret is too short; `OSError` when the directory
+        cannot be created or read.
+        """
         return cls(load_or_create_secret(data_dir))
 
     def token_for(self, instance: str) -> str:
+        """The instance's token: hex HMAC-SHA256 of its id under the secret (the same every time)."""
         return hmac.new(self._secret, instance.encode(), hashlib.sha256).hexdigest()
 
     def verify(self, instance: str, token: object) -> bool:

@@ -30,6 +30,7 @@ _ids = itertools.count(1)
 
 
 def event_notification(event: dict) -> types.LoggingMessageNotification:
+    """The MCP `notifications/message` (logger `oubliette`) that carries one caller event."""
     return types.LoggingMessageNotification(
         params=types.LoggingMessageNotificationParams(level="info", logger=EVENT_LOGGER, data=event)
     )
@@ -59,6 +60,7 @@ class CallerConnection:
         return f"<CallerConnection {self.id} {self.transport} {self.label}>"
 
     def push(self, event: dict) -> None:
+        """Queue an event for the caller without waiting; dropped (and logged) when the queue is full or the caller closed."""
         if self.closed.is_set():
             return
         try:
@@ -86,6 +88,7 @@ class CallerConnection:
                     return
 
     def close(self) -> None:
+        """Mark the caller closed (`closed` is set) and end its sender once the queue drains; idempotent."""
         self.closed.set()
         self._send.close()
 
@@ -99,6 +102,7 @@ class RequestScopedSink:
         self._send, self._receive = trio.open_memory_channel[dict](EVENT_QUEUE_SIZE)
 
     def push(self, event: dict) -> None:
+        """Queue an event for the request without waiting; dropped when the queue is full or closed."""
         try:
             self._send.send_nowait(event)
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
@@ -120,6 +124,7 @@ class RequestScopedSink:
                     return
 
     def close(self) -> None:
+        """No more events: `run` ends once the queued ones are sent."""
         self._send.close()
 
 

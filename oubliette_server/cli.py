@@ -93,6 +93,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `oubliette-server` command: `serve` (the default), `token INSTANCE` or `http-token`; returns the exit status.
+
+    Needs: no running trio loop (serving calls `trio.run`).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "token":
         return _token_main(argv[1:])

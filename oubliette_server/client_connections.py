@@ -27,14 +27,17 @@ class ClientConnections:
         self._by_instance: dict[str, set[ClientPeer]] = {}
 
     def add(self, connection: ClientPeer) -> None:
+        """Track a client connection that passed `hello` (its instance must be set)."""
         assert connection.instance is not None
         self._by_instance.setdefault(connection.instance, set()).add(connection)
 
     def discard(self, connection: ClientPeer) -> None:
+        """Stop tracking a connection; one never added is ignored."""
         if connection.instance is not None:
             self._by_instance.get(connection.instance, set()).discard(connection)
 
     def of_instance(self, instance: str) -> list[ClientPeer]:
+        """The instance's live client connections (a copy)."""
         return list(self._by_instance.get(instance, ()))
 
     def __iter__(self) -> Iterator[ClientPeer]:
@@ -42,4 +45,5 @@ class ClientConnections:
             yield from list(connections)
 
     def instances(self) -> list[str]:
+        """Instances with at least one live client connection."""
         return [name for name, conns in self._by_instance.items() if conns]

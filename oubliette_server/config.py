@@ -83,6 +83,7 @@ class ServerConfig:
     """Per-instance settings from the config file, e.g. `{"box1": {"start": ["docker", "start", "box1"]}}`."""
 
     def start_command(self, instance: str) -> list[str] | None:
+        """The instance's configured start command as argv (a string is split like a shell), or None."""
         start = self.instances.get(instance, {}).get("start")
         if not start:
             return None
@@ -90,10 +91,12 @@ class ServerConfig:
 
     @property
     def relay_address(self) -> str:
+        """The relay address: `relay`, or the Unix socket `relay.sock` in the data directory."""
         return self.relay or f"unix:{self.data_dir / 'relay.sock'}"
 
     @property
     def frame_store_path(self) -> str:
+        """The SQLite file of the frame log: `store_path`, or `frames.sqlite3` in the data directory."""
         return self.store_path or str(self.data_dir / "frames.sqlite3")
 
 

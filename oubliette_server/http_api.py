@@ -62,6 +62,7 @@ class BodyTooLarge(RelayError):
 
 
 def error_response(err: RelayError, status: int | None = None) -> JSONResponse:
+    """A JSON error body for `err`, with `status` or the HTTP status its code maps to (400 by default)."""
     return JSONResponse(
         {"error": {"code": err.code, "name": errors.ERROR_NAMES.get(err.code, "error"), "message": err.message}},
         status_code=status or HTTP_STATUS.get(err.code, 400),
@@ -155,6 +156,7 @@ class TetherRoutes:
         self.instances = instances
 
     def routes(self) -> list[Route]:
+        """The Starlette routes: tether ingress, poll, stream, and `/v1/health`."""
         return [
             Route("/v1/instances/{instance}/tether", self.ingress, methods=["POST"]),
             Route("/v1/instances/{instance}/tether/poll", self.poll, methods=["GET"]),
@@ -163,9 +165,15 @@ class TetherRoutes:
         ]
 
     async def health(self, request: Request) -> Response:
+        """`GET /v1/health`: `ok` and the connected instances."""
         return JSONResponse({"ok": True, "connected_instances": self.instances.connected_instances()})
 
     async def ingress(self, request: Request) -> Response:
+        """`POST /v1/instances/{id}/tether`: store one frame; 201 with its `msg_id` and `seq`.
+
+        Errors are JSON responses: 413 for a body or value over the size limits, 400/404 for the
+        rest (by error code).
+        """
         try:
             instance = self.instances.require_known(request.path_params["instance"])
             body = await self._json_body(request)
@@ -198,6 +206,7 @@ class TetherRoutes:
             ) from None
 
     async def poll(self, request: Request) -> Response:
+        """`GET …/tether/poll`: frames after `after_seq`, long-polling up to `wait_ms`; 499 when the client left first."""
         try:
             instance = self.instances.require_known(request.path_params["instance"])
             filters = dict(
@@ -217,6 +226,10 @@ class TetherRoutes:
         return JSONResponse(result)
 
     async def stream(self, request: Request) -> Response:
+        """`GET …/tether/stream`: SSE of the frames after `Last-Event-ID` (or `after_seq`), with keepalives.
+
+        Ends when the client disconnects; errors found before the stream starts are JSON responses.
+        """
         try:
             instance = self.instances.require_known(request.path_params["instance"])
             last_event_id = request.headers.get("last-event-id")
@@ -302,6 +315,7 @@ class HttpApi:
         return caller
 
     def asgi_app(self) -> Any:
+        """The ASGI app: `/mcp` (with Host checks) and the tether routes, behind the bearer-token check."""
         allowed = ["127.0.0.1:*", "localhost:*", "[::1]:*", *self.allowed_hosts]
         starlette = self.mcp.streamable_http_app(
             streamable_http_path="/mcp",
@@ -315,6 +329,13 @@ class HttpApi:
         return BearerAuth(starlette, self.verify_token)
 
     async def serve(self, binds: list[str], *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the app with hypercorn on `binds` (`host:port` or `unix:PATH`) until cancelled.
+
+        Needs: `nursery.start`, which returns the bound addresses. Owns: the listeners; a Unix
+        socket is created mode 0600 (a file already at its path is replaced).
+        Raises: `OSError` when an address cannot be bound.
+        Cancellation: hypercorn stops, giving open requests up to a second.
+        """
         import hypercorn.config
         import hypercorn.trio
 

@@ -39,9 +39,11 @@ class InstanceDirectory:
         self._seen.add(instance)
 
     def known(self, instance: str) -> bool:
+        """Whether the server has heard of `instance`: configured, connected since start, or with frames."""
         return instance in self._configured or instance in self._seen or self._last_seq(instance) > 0
 
     def connected_instances(self) -> list[str]:
+        """The instances with a live connection, sorted."""
         return sorted(set(self._connected()))
 
     def require_known(self, instance: str) -> str:

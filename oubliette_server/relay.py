@@ -189,6 +189,12 @@ class RelayListener:
         self._connection_factory = connection_factory
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and run one connection per accepted stream until cancelled.
+
+        Raises: `OSError` when the address cannot be bound, or a Unix socket path is in use by a
+        live server (a stale socket file is replaced). A connection's failure is logged, never
+        raised. Cancellation: every connection is closed and the Unix socket file removed.
+        """
         listeners = await self._open()
         log.info("relay listening on %s", self.address)
         try:

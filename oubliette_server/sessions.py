@@ -23,15 +23,19 @@ _declaration_clock = itertools.count(1)
 class EventSink(Protocol):
     """Anything that can take a caller event (a flattened frame) without blocking."""
 
-    def push(self, event: dict) -> None: ...
+    def push(self, event: dict) -> None:
+        """Take one event without waiting (drop it rather than block)."""
 
 
 def new_session_id() -> str:
+    """A fresh random session id, `s-` and 8 hex digits."""
     return "s-" + secrets.token_hex(4)
 
 
 @attrs.define(eq=False)
 class Session:
+    """One conversation with an instance's agent (`channel:id`): its caller tools, their owner, and who follows its frames."""
+
     instance: str
     channel: str
     id: str
@@ -43,9 +47,11 @@ class Session:
 
     @property
     def key(self) -> str:
+        """`channel:id`, the session's key within its instance."""
         return f"{self.channel}:{self.id}"
 
     def declare_caller_tools(self, owner: CallerConnection, caller_id: str, tools: list[CallerToolSpec]) -> None:
+        """Make `owner` the session's caller: its tools replace the previous declaration, and it follows the session."""
         self.owner = owner
         self.caller_id = caller_id
         self.caller_tools = {tool.name: tool for tool in tools}
@@ -60,9 +66,11 @@ class SessionRegistry:
         self._sessions: dict[tuple[str, str], Session] = {}
 
     def get(self, instance: str, channel: str, session_id: str) -> Session | None:
+        """The session, or None when it does not exist yet."""
         return self._sessions.get((instance, f"{channel}:{session_id}"))
 
     def get_or_create(self, instance: str, channel: str, session_id: str) -> Session:
+        """The session, created empty on first use."""
         key = (instance, f"{channel}:{session_id}")
         session = self._sessions.get(key)
         if session is None:
@@ -78,9 +86,11 @@ class SessionRegistry:
         ]
 
     def for_instance(self, instance: str) -> list[Session]:
+        """Every session of `instance`."""
         return [s for (inst, _), s in self._sessions.items() if inst == instance]
 
     def all(self) -> list[Session]:
+        """Every session the server knows."""
         return list(self._sessions.values())
 
     def latest_declarations(self, instance: str) -> dict[str, Session]:
@@ -95,5 +105,6 @@ class SessionRegistry:
         return latest
 
     def drop_sink(self, sink: EventSink) -> None:
+        """`sink` follows no session any more (its caller is gone)."""
         for session in self._sessions.values():
             session.sinks.discard(sink)

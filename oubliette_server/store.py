@@ -395,6 +395,7 @@ class FrameStore:
 
     @property
     def closed(self) -> bool:
+        """Whether `close` has run (the database connection is gone)."""
         return self._conn is None
 
     # -- instances -----------------------------------------------------------------------

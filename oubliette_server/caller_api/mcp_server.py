@@ -40,12 +40,14 @@ class CallerMcpServer(Server):
     def create_initialization_options(
         self, notification_options: NotificationOptions | None = None, *args: Any, **kwargs: Any
     ) -> InitializationOptions:
+        """The SDK's options, with `tools.listChanged` advertised when the caller gives no notification options."""
         return super().create_initialization_options(
             notification_options or NotificationOptions(tools_changed=True), *args, **kwargs
         )
 
 
 def initialization_options(server: Server) -> InitializationOptions:
+    """The server's initialization options (with `tools.listChanged`), as stdio serving needs them."""
     return server.create_initialization_options()
 
 

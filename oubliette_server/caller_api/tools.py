@@ -39,6 +39,7 @@ TURN_END_TYPES = ("assistant.done", "session.error")
 
 
 def tool_result(payload: dict[str, Any]) -> types.CallToolResult:
+    """An MCP tool result carrying `payload` both as JSON text and as structured content."""
     return types.CallToolResult(
         content=[types.TextContent(text=json.dumps(payload, ensure_ascii=False))],
         structured_content=payload,
@@ -46,6 +47,7 @@ def tool_result(payload: dict[str, Any]) -> types.CallToolResult:
 
 
 def tool_error(text: str) -> types.CallToolResult:
+    """An MCP tool result that reports `text` as an error (`is_error=True`)."""
     return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
 
@@ -100,6 +102,7 @@ class CallerTools:
         self.add("tether_read", schemas.TETHER_READ_DESCRIPTION, schemas.TETHER_READ, self.tether_read)
 
     def add(self, name: str, description: str, schema: dict[str, Any], handler: ToolHandler) -> None:
+        """Add a caller-facing tool: its descriptor, its MCP `Tool`, its handler and its compiled argument validator."""
         descriptor = build_descriptor(
             name, description=description, command=f"tools/call {name} '<arguments as JSON>'",
             origin="local", safety=schemas.SAFETY[name], input_schema=schema,
@@ -110,6 +113,12 @@ class CallerTools:
         self._validators[name] = strict_validator(schema)  # compiled once; `$` is the end of the string
 
     async def call(self, ctx: Any, caller: CallerConnection, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
+        """Run the tool `name` for `caller`: arguments checked against its schema, then its handler.
+
+        Raises: nothing for a caller's mistake: an unknown tool, invalid arguments or a handler's
+        `RelayError` (limits included) come back as an MCP tool error; anything else is a bug.
+        Cancellation: the handler's own (a `wait` stops waiting; what was stored stays stored).
+        """
         entry = self.tools.get(name)
         if entry is None:
             return tool_error(f"unknown tool '{name}'; this server has: {', '.join(sorted(self.tools))}")
@@ -125,6 +134,12 @@ class CallerTools:
     # -- session_message -----------------------------------------------------------------
 
     async def session_message(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        """Send a message to an instance's agent, declaring the caller's tools first if given; with `wait`,
+        wait (up to `session_wait_limit`) for the turn's end.
+
+        Raises: `RelayError` for limits, an instance that cannot be resolved, or a refused
+        declaration; a turn that does not end in time returns `stop_reason: "timeout"`.
+        """
         self.limits.check_value(args["message"], "message")
         if args.get("context") is not None:
             self.limits.check_value(args["context"], "context")
@@ -180,6 +195,11 @@ class CallerTools:
     # -- caller_tool_response ------------------------------------------------------------
 
     async def caller_tool_response(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        """Answer a pending `caller_tool_request` with `result` or `error`.
+
+        Raises: `RelayError` for both or neither, a value over the limits (the call stays pending),
+        or a request id that is not pending for this caller.
+        """
         if args.get("error") is None and "result" not in args:
             raise RelayError(errors.INVALID_PARAMS, "give either 'result' or 'error'")
         if args.get("error") is not None and args.get("result") is not None:
@@ -197,6 +217,11 @@ class CallerTools:
     # -- session_events ------------------------------------------------------------------
 
     async def session_events(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        """Read a session's frames after a cursor, long-polling up to `wait_ms`.
+
+        Raises: `RelayError` for a bad channel, an unknown instance or session, or a session id
+        that exists in several instances without `instance`.
+        """
         session_id = args["session_id"]
         channel = args.get("channel", "mcp")
         problem = channel_problem(channel)
@@ -221,9 +246,14 @@ class CallerTools:
     # -- tether (seed 004) ---------------------------------------------------------------
 
     async def tether_send(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        """Seed 004's `tether_send`: ingress a `user.message` on the tether channel (see `Tether.send`)."""
         return await self.tether.send(args["instance"], args["text"], args.get("session_id"))
 
     async def tether_read(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        """Seed 004's `tether_read`: the tether session's egress frames after a cursor (see `Tether.read`).
+
+        Raises: `RelayError` for an unknown instance or a bad session id.
+        """
         instance = self.instances.require_known(args["instance"])
         session_id = args.get("session_id") or "default"
         check_session_id(session_id)

@@ -34,6 +34,8 @@ AppendFn = Callable[..., Awaitable[Any]]
 
 @attrs.define(eq=False)
 class PendingCall:
+    """One relayed caller tool call waiting for its caller; `done` is set by exactly one outcome."""
+
     request_id: str
     session: Session
     caller: CallerConnection | None
@@ -54,9 +56,11 @@ class CallerCallRegistry:
 
     @property
     def pending(self) -> dict[str, PendingCall]:
+        """The calls waiting now, by request id (the live dict, for reading)."""
         return self._pending
 
     def pending_for(self, session: Session) -> list[PendingCall]:
+        """The calls waiting now in `session`."""
         return [p for p in self._pending.values() if p.session is session]
 
     async def relay(self, session: Session, spec: CallerToolSpec, arguments: dict) -> Any:

@@ -46,7 +46,12 @@ class GuestPeer(Protocol):
 
     instance: str | None
 
-    async def send_notification(self, method: str, params: dict[str, Any]) -> None: ...
+    async def send_notification(self, method: str, params: dict[str, Any]) -> None:
+        """Queue a notification to the guest, waiting for room in the connection's queue.
+
+        Raises: `RelayError` (e.g. `FrameTooLarge`) for a frame that cannot be sent; delivery
+        skips that frame.
+        """
 
 
 class GuestDelivery:
@@ -65,9 +70,11 @@ class GuestDelivery:
         self.connected_changed = trio.Event()
 
     def guest_for(self, instance: str) -> GuestPeer | None:
+        """The instance's guest connection, or None when none is connected."""
         return self._guests.get(instance)
 
     def connected_instances(self) -> list[str]:
+        """Instances whose guest is connected, sorted."""
         return sorted(self._guests)
 
     def attach(self, connection: GuestPeer) -> GuestPeer | None:
@@ -79,6 +86,7 @@ class GuestDelivery:
         return previous
 
     def detach(self, connection: GuestPeer) -> None:
+        """Forget the connection if it is still the instance's guest (a replaced one is ignored)."""
         if connection.instance and self._guests.get(connection.instance) is connection:
             del self._guests[connection.instance]
             self._signal()

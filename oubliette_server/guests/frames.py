@@ -27,6 +27,11 @@ class GuestFrames:
         self.delivery = delivery
 
     async def append_frame(self, connection: GuestPeer, request: messages.AppendFrame) -> messages.AppendFrameResult:
+        """The `append_frame` relay method: store a frame the guest reports about a turn.
+
+        Raises: `RelayError(INVALID_PARAMS)` for a type a guest may not append; the frame log's
+        refusals (limits) as they are.
+        """
         if request.type not in GUEST_FRAME_TYPES:
             raise RelayError(
                 errors.INVALID_PARAMS,
@@ -38,4 +43,5 @@ class GuestFrames:
         return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
 
     async def ack(self, connection: GuestPeer, ack: messages.Ack) -> None:
+        """The `ack` relay notification: move the guest's delivery cursor (see `GuestDelivery.acknowledge`)."""
         self.delivery.acknowledge(connection, ack.seq)

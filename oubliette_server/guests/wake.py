@@ -67,6 +67,7 @@ class InstanceStarter:
                 self._nursery = None  # stopping: nothing new starts while the children end
 
     def guest_connected(self, instance: str) -> None:
+        """The instance's guest connected: its start is over, and the start's deadline watch stops."""
         self._starting.pop(instance, None)
         event = self._connected.pop(instance, None)
         if event is not None:
