@@ -10,6 +10,11 @@ __all__ = ["RelayAddress", "connect_relay", "parse_relay_address"]
 
 @attrs.define(frozen=True)
 class RelayAddress:
+    """Where the relay listens: a Unix socket `path` (`kind` "unix") or `host`:`port` (`kind` "tcp").
+
+    Immutable; `str()` gives back the `unix:PATH` / `tcp:HOST:PORT` text `parse_relay_address` reads.
+    """
+
     kind: str  # "unix" | "tcp"
     path: str = ""
     host: str = ""
