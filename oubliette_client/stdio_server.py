@@ -49,7 +49,12 @@ def result_content(outcome: CallOutcome) -> types.CallToolResult:
 
 
 class SandboxToolServer:
-    """The MCP server the agent talks to, fed by a `RelayLink`."""
+    """The MCP server the agent talks to, fed by a `RelayLink`.
+
+    Owns: the `SandboxTools` (its registry and `client`-role link) and, inside `run_stdio`,
+    the link's task and the task announcing list changes. Needs: `RelaySettings`.
+    Raises: nothing for a tool call: failures reach the agent as MCP tool errors.
+    """
 
     def __init__(self, settings: RelaySettings, *, connect_wait: float = DEFAULT_CONNECT_WAIT) -> None:
         self.settings = settings
@@ -112,7 +117,11 @@ class SandboxToolServer:
         return result_content(outcome)
 
     async def run_stdio(self) -> None:
-        """Serve the agent on stdin/stdout until it closes them."""
+        """Serve the agent on stdin/stdout until it closes them.
+
+        Waits up to `connect_wait` for the first relay attempt, then serves even if the relay
+        is down (calls say why). Cancellation: the link closes and MCP serving stops.
+        """
         import mcp.server.stdio
 
         async with trio.open_nursery() as nursery:

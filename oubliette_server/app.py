@@ -95,7 +95,12 @@ class OublietteServer:
     # -- running -------------------------------------------------------------------------
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the services and listen for sandboxes until cancelled."""
+        """Start the services and listen for sandboxes until cancelled.
+
+        Needs: `await nursery.start(server.serve)`; it reports started once the relay listens.
+        Raises: `OSError` when the relay address cannot be bound (before started).
+        Cancellation: every relay connection and service task ends, then the store is closed.
+        """
         address = parse_relay_address(self.config.relay_address)
         try:
             async with trio.open_nursery() as nursery:
@@ -177,7 +182,11 @@ class OublietteServer:
         ref: Toolset | None = None,
         kind: str = "code",
     ) -> ToolsetDefinition:
-        """Register a toolset: `factory` makes one per session (stopped with it), `ref` is one shared toolset."""
+        """Register a toolset: `factory` makes one per session (stopped with it), `ref` is one shared toolset.
+
+        Agents of the instances allowed it see it at once. Raises: `ValueError` unless exactly
+        one of `factory`/`ref` is given, or for a taken id or prefix or an invalid name.
+        """
         return await self.toolsets.register_toolset(toolset_id, prefix, tools, factory=factory, ref=ref, kind=kind)
 
     async def register_mcp_toolset(
@@ -192,7 +201,13 @@ class OublietteServer:
         *,
         call_timeout: float | None = None,
     ) -> ToolsetDefinition:
-        """Start a stdio MCP server, list its tools, register them (shared); `call_timeout` bounds each call."""
+        """Start a stdio MCP server, list its tools, register them (shared); `call_timeout` bounds each call.
+
+        Owns: the MCP server process, run in the toolset service's nursery until the toolset
+        is unregistered or the server stops. Needs: `serve` running.
+        Raises: `RuntimeError` before `serve` started or when the MCP server does not start
+        and list its tools within 30 s; `ValueError` as `register_toolset`.
+        """
         return await self.toolsets.register_mcp_toolset(
             toolset_id, prefix, command, args, env, cwd, roots, call_timeout=call_timeout,
         )
@@ -207,7 +222,11 @@ class OublietteServer:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
     ) -> ToolsetDefinition:
-        """Register an endpoint speaking seed 001's action contract; discovery failures leave it empty."""
+        """Register an endpoint speaking seed 001's action contract; discovery failures leave it empty.
+
+        Each action runs the command once, bounded by `timeout` (30 s by default).
+        Raises: `ValueError` for an empty command, or as `register_toolset`.
+        """
         return await self.toolsets.register_command_toolset(
             toolset_id, prefix, command, timeout=timeout, env=env, cwd=cwd,
         )
@@ -220,7 +239,10 @@ class OublietteServer:
         await self.toolsets.unregister_toolset(toolset_id)
 
     async def update_allowed_toolsets(self, instance: str, toolset_ids: list[str]) -> None:
-        """Set which toolsets an instance's agents see (empty by default); agents are told at once."""
+        """Set which toolsets an instance's agents see (empty by default); agents are told at once.
+
+        Raises: `ValueError` naming any id that is not registered (nothing changes then).
+        """
         await self.toolsets.update_allowed_toolsets(instance, toolset_ids)
 
     # -- relay connections ---------------------------------------------------------------

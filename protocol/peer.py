@@ -121,6 +121,14 @@ class RelayPeer:
     owner can pass itself). ``on_request_started``/``on_request_finished`` are called
     around each inbound request other than ``hello``; "finished" comes once its answer has
     been written (or dropped with the connection).
+
+    Owns: the stream (closed, forcefully, when :meth:`serve` returns) and, inside
+    :meth:`serve`, the only writer task, draining a queue of ``limits.queue_frames``, and
+    one task per inbound request. Needs: :meth:`serve` running (``nursery.start``) for
+    anything to be written or read. Raises: :meth:`request`, :meth:`notify` and
+    :meth:`send_notification` raise only ``RelayError``; a write past
+    ``limits.write_timeout``, or a :meth:`notify` that finds the queue full, closes the
+    connection, and every waiting request fails with ``PEER_DISCONNECTED``.
     """
 
     def __init__(

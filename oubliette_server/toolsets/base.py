@@ -21,7 +21,11 @@ def _object_schema() -> dict[str, Any]:
 
 @attrs.define(frozen=True, kw_only=True)
 class ToolSpec:
-    """One tool of a toolset, as its owner describes it (unprefixed)."""
+    """One tool of a toolset, as its owner describes it (unprefixed).
+
+    Immutable. The router checks arguments against `input_schema` before the toolset runs,
+    and a result against `result_schema` (when set) after.
+    """
 
     name: str
     description: str = ""
@@ -57,7 +61,11 @@ class ToolResult:
 
 
 class Toolset(abc.ABC):
-    """A running toolset. Shared ones (`ref=`) live on; per-session ones (`factory=`) are closed by their session."""
+    """A running toolset. Shared ones (`ref=`) live on; per-session ones (`factory=`) are closed by their session.
+
+    Owns: whatever it starts (processes, connections), released by `aclose`. A per-session
+    toolset is closed by its session's router; a shared one when it is unregistered.
+    """
 
     @abc.abstractmethod
     async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
