@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import trio
@@ -48,15 +49,27 @@ def _run_main(argv: list[str]) -> int:
     )
     add_relay_arguments(parser, session=False)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--turn-timeout", type=float, default=None, metavar="SECONDS",
+        help="stop a turn's agent command after this long (default $OUBLIETTE_TURN_TIMEOUT or 3600)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the agent command; {mcp_config} becomes a config path")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the agent command after --")
     _logging(args.log_level)
-    from .guest import GuestRuntime, run_until_signalled
+    from .guest import DEFAULT_TURN_TIMEOUT, GuestRuntime, run_until_signalled
 
-    runtime = GuestRuntime(settings_from_args(parser, args), command)
+    turn_timeout = args.turn_timeout
+    if turn_timeout is None:
+        try:
+            turn_timeout = float(os.environ.get("OUBLIETTE_TURN_TIMEOUT") or DEFAULT_TURN_TIMEOUT)
+        except ValueError:
+            parser.error("OUBLIETTE_TURN_TIMEOUT must be a number of seconds")
+    if not turn_timeout > 0:
+        parser.error("the turn timeout must be a positive number of seconds")
+    runtime = GuestRuntime(settings_from_args(parser, args), command, turn_timeout=turn_timeout)
     # SIGTERM and SIGINT cancel the runtime, which ends every turn's process group first.
     return trio.run(run_until_signalled, runtime)
 

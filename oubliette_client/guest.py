@@ -42,6 +42,8 @@ MCP_CONFIG_PLACEHOLDER = "{mcp_config}"
 STDERR_TAIL = 4096
 #: Seconds a cancelled turn's process group gets between SIGTERM and SIGKILL.
 TERMINATE_GRACE = 2.0
+#: Seconds one turn's agent command may run before it is stopped (`--turn-timeout`).
+DEFAULT_TURN_TIMEOUT = 3600.0
 
 
 class GuestRuntime:
@@ -53,12 +55,20 @@ class GuestRuntime:
     Raises: `ValueError` from the constructor when the command is empty.
     """
 
-    def __init__(self, settings: RelaySettings, command: list[str], *, config_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        settings: RelaySettings,
+        command: list[str],
+        *,
+        config_dir: Path | None = None,
+        turn_timeout: float = DEFAULT_TURN_TIMEOUT,
+    ) -> None:
         if not command:
             raise ValueError("the guest runtime needs a command to run for each turn")
         self.settings = settings
         self.command = command
         self.config_dir = config_dir
+        self.turn_timeout = turn_timeout
         self.link = RelayLink(settings, "guest", self._on_notification, request_timeout=settings.request_timeout)
         self._queues: dict[str, trio.MemorySendChannel[Frame]] = {}
         self._highest_seen = 0
@@ -160,23 +170,31 @@ class GuestRuntime:
         except OSError as exc:
             await self._append(frame, "session.error", {"message": f"cannot start the agent command: {exc}"})
             return
+        code: int | None = None
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._feed_stdin, process, text)
-                nursery.start_soon(self._collect, process.stderr, stderr)
-                # When CMD exits, what it left running in its group goes too; that also closes
-                # a stdout pipe a leftover child still held, so reading it ends.
-                nursery.start_soon(self._reap, process)
-                async for line in _lines(process.stdout):
-                    lines.append(line)
-                    await self._append(frame, "assistant.delta", {"text": line})
-            code = await process.wait()
+            with trio.move_on_after(self.turn_timeout):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._feed_stdin, process, text)
+                    nursery.start_soon(self._collect, process.stderr, stderr)
+                    # When CMD exits, what it left running in its group goes too; that also closes
+                    # a stdout pipe a leftover child still held, so reading it ends.
+                    nursery.start_soon(self._reap, process)
+                    async for line in _lines(process.stdout):
+                        lines.append(line)
+                        await self._append(frame, "assistant.delta", {"text": line})
+                code = await process.wait()
         finally:
             await end_process_group(process)
+        if code is None:
+            message = f"the agent command did not finish within {self.turn_timeout:g} s (the turn timeout); it was stopped"
+            log.warning("turn for %s (seq %d) failed: %s", key, frame.seq, message)
+            await self._append(frame, "session.error", {"message": message, "text": "\n".join(lines)})
+            return
         if code == 0:
             await self._append(frame, "assistant.done", {"text": "\n".join(lines)})
         else:
             tail = bytes(stderr[-STDERR_TAIL:]).decode(errors="replace")
+            log.warning("turn for %s (seq %d) failed: the agent command exited with status %d", key, frame.seq, code)
             await self._append(frame, "session.error", {
                 "message": f"the agent command exited with status {code}", "exit_code": code, "stderr": tail,
                 "text": "\n".join(lines),

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import anyio
 import mcp_types as types
 import trio
+from .task_host import TaskHost
 
 log = logging.getLogger("oubliette.server.callers")
 
@@ -139,24 +140,18 @@ class CallerRegistry:
     def __init__(self, on_closed: Callable[[CallerConnection], object]) -> None:
         self._on_closed = on_closed
         self._callers: set[CallerConnection] = set()
-        self._nursery: trio.Nursery | None = None
+        self._tasks = TaskHost()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the senders until cancelled."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None  # stopping: nothing new starts while the children end
+        await self._tasks.serve(task_status=task_status)
 
     def open(self, transport: str, label: str | None = None) -> CallerConnection:
         """A new caller; its events flow once the registry is serving."""
         caller = CallerConnection(transport, label, on_failed=self.close)
         self._callers.add(caller)
-        if self._nursery is not None:
-            self._nursery.start_soon(caller.run_sender)
+        if self._tasks.nursery is not None:
+            self._tasks.nursery.start_soon(caller.run_sender)
         log.info("%r connected", caller)
         return caller
 

@@ -269,6 +269,31 @@ async def test_nonzero_exit_is_session_error(deployment: Deployment) -> None:
         assert again["stop_reason"] == "end_turn" and again["text"] == "fine: hello"
 
 
+HANGING_AGENT = """
+import sys, time
+message = sys.stdin.read()
+if message.startswith("hang"):
+    print("partial answer", flush=True)
+    time.sleep(1000)
+print("fine: " + message, flush=True)
+"""
+
+
+async def test_a_turn_past_its_deadline_is_stopped_and_ends_with_session_error(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--turn-timeout` / OUBLIETTE_TURN_TIMEOUT: the waiting caller gets stop_reason error, the session goes on."""
+    monkeypatch.setenv("OUBLIETTE_TURN_TIMEOUT", "1")
+    async with deployment.caller() as (caller, events), deployment.guest("box1", agent_command(deployment, "hang", HANGING_AGENT)):
+        reply = await send_and_wait(caller, "s-hang", "hang please")
+        assert reply["stop_reason"] == "error"
+        assert reply["text"] == "the agent command did not finish within 1 s (the turn timeout); it was stopped"
+        error = await turn_end(events, reply["msg_id"])
+        assert error["type"] == "session.error" and error["text"] == "partial answer"
+        again = await send_and_wait(caller, "s-hang", "hello")
+        assert again["stop_reason"] == "end_turn" and again["text"] == "fine: hello"
+
+
 # -- scheduling ----------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ import subprocess
 from typing import Callable
 
 import trio
+from ..task_host import TaskHost
 
 log = logging.getLogger("oubliette.server.wake")
 
@@ -50,7 +51,7 @@ class InstanceStarter:
         self._is_connected = is_connected
         self.start_grace = start_grace
         self._on_start_failed = on_start_failed
-        self._nursery: trio.Nursery | None = None
+        self._tasks = TaskHost()
         self._starting: dict[str, float] = {}
         self._connected: dict[str, trio.Event] = {}
         self.starts: dict[str, int] = {}
@@ -58,13 +59,7 @@ class InstanceStarter:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the start commands' nursery until cancelled."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None  # stopping: nothing new starts while the children end
+        await self._tasks.serve(task_status=task_status)
 
     def guest_connected(self, instance: str) -> None:
         """The instance's guest connected: its start is over, and the start's deadline watch stops."""
@@ -81,7 +76,7 @@ class InstanceStarter:
         since = self._starting.get(instance)
         if since is not None and trio.current_time() - since < self.start_grace:
             return False
-        nursery = self._nursery
+        nursery = self._tasks.nursery
         if nursery is None:
             return False
         started = self._starting[instance] = trio.current_time()

@@ -20,6 +20,7 @@ from .mcp_toolset import DEFAULT_CALL_TIMEOUT, McpToolset
 from .registry import ToolsetDefinition, ToolsetRegistry
 from .router import ToolRouter
 from .sessions import ToolsetSessions
+from ..task_host import TaskHost
 
 
 def toolsets_config(router: ToolRouter) -> dict[str, Any]:
@@ -41,17 +42,11 @@ class ToolsetService:
         self.registry = ToolsetRegistry()
         self.clients = clients
         self.sessions = ToolsetSessions(self.registry, separator, self._push)
-        self._nursery: trio.Nursery | None = None
+        self._tasks = TaskHost()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the toolsets' nursery until cancelled."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None  # stopping: nothing new starts while the children end
+        await self._tasks.serve(task_status=task_status)
 
     # -- registration --------------------------------------------------------------------
 
@@ -84,10 +79,10 @@ class ToolsetService:
         call_timeout: float | None = None,
     ) -> ToolsetDefinition:
         """Start a stdio MCP server with the SDK's client, list its tools, and register them (shared)."""
-        if self._nursery is None:
+        if self._tasks.nursery is None:
             raise RuntimeError("start the server (serve) before registering an MCP toolset")
         toolset = McpToolset(
-            toolset_id, command, args, env, cwd, roots, nursery=self._nursery,
+            toolset_id, command, args, env, cwd, roots, nursery=self._tasks.nursery,
             call_timeout=call_timeout or DEFAULT_CALL_TIMEOUT,
         )
         tools = await toolset.start()
@@ -151,7 +146,7 @@ class ToolsetService:
 
         When the service is stopping (no nursery), the router is left to the nursery's teardown.
         """
-        self.sessions.detach(connection, self._nursery)
+        self.sessions.detach(connection, self._tasks.nursery)
 
     async def call(self, connection: ClientPeer, call: messages.ToolsetCall) -> messages.ToolsetCallResult:
         """The `toolset_call` relay method."""
