@@ -28,7 +28,7 @@ from .relay import RelayConnection, RelayHandlers, RelayListener
 from .sessions import SessionRegistry
 from .store import FrameStore
 from .tether import Tether
-from .toolsets import Toolset, ToolsetDefinition, ToolsetFactory, ToolsetService, ToolSpec
+from .toolsets import ToolsetService
 
 log = logging.getLogger("oubliette.server")
 
@@ -44,7 +44,9 @@ class OublietteServer:
 
     The services are attributes, for embedding and tests: `store`, `sessions`, `frame_log`,
     `callers`, `caller_tools` (with `calls`, its pending calls), `toolsets`, `guests`,
-    `starter`, `tether`, `instances`, `tokens`.
+    `starter`, `tether`, `instances`, `tokens`. The toolset embedding API — `register_toolset`,
+    `register_mcp_toolset`, `register_command_toolset`, `unregister_toolset`,
+    `update_allowed_toolsets` — is `ToolsetService`'s (see its docstrings and docs/TOOLSETS.md).
     """
 
     def __init__(self, config: ServerConfig, *, store: FrameStore | None = None) -> None:
@@ -74,6 +76,12 @@ class OublietteServer:
         self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls)
         self.callers = CallerRegistry(on_closed=self._caller_closed)
         self.toolsets = ToolsetService(config.tool_separator, self.clients)
+        # The toolset embedding API (docs/TOOLSETS.md) is the toolset service's own methods.
+        self.register_toolset = self.toolsets.register_toolset
+        self.register_mcp_toolset = self.toolsets.register_mcp_toolset
+        self.register_command_toolset = self.toolsets.register_command_toolset
+        self.unregister_toolset = self.toolsets.unregister_toolset
+        self.update_allowed_toolsets = self.toolsets.update_allowed_toolsets
         self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests)
         self.tether = Tether(self.store, self.frame_log, self.instances, self.limits)
         # What each role may ask of the server; the peer validates and structures params once,
@@ -169,81 +177,6 @@ class OublietteServer:
     def connected_instances(self) -> list[str]:
         """The instances with a live guest or client connection, sorted."""
         return self.instances.connected_instances()
-
-    # -- toolsets (seed 003): the embedding API -------------------------------------------
-
-    async def register_toolset(
-        self,
-        toolset_id: str,
-        prefix: str,
-        tools: list[ToolSpec],
-        *,
-        factory: ToolsetFactory | None = None,
-        ref: Toolset | None = None,
-        kind: str = "code",
-    ) -> ToolsetDefinition:
-        """Register a toolset: `factory` makes one per session (stopped with it), `ref` is one shared toolset.
-
-        Agents of the instances allowed it see it at once. Raises: `ValueError` unless exactly
-        one of `factory`/`ref` is given, or for a taken id or prefix or an invalid name.
-        """
-        return await self.toolsets.register_toolset(toolset_id, prefix, tools, factory=factory, ref=ref, kind=kind)
-
-    async def register_mcp_toolset(
-        self,
-        toolset_id: str,
-        prefix: str,
-        command: str,
-        args: list[str] | None = None,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        roots: list[str] | None = None,
-        *,
-        call_timeout: float | None = None,
-    ) -> ToolsetDefinition:
-        """Start a stdio MCP server, list its tools, register them (shared); `call_timeout` bounds each call.
-
-        Owns: the MCP server process, run in the toolset service's nursery until the toolset
-        is unregistered or the server stops. Needs: `serve` running.
-        Raises: `RuntimeError` before `serve` started or when the MCP server does not start
-        and list its tools within 30 s; `ValueError` as `register_toolset`.
-        """
-        return await self.toolsets.register_mcp_toolset(
-            toolset_id, prefix, command, args, env, cwd, roots, call_timeout=call_timeout,
-        )
-
-    async def register_command_toolset(
-        self,
-        toolset_id: str,
-        prefix: str,
-        command: str | list[str],
-        *,
-        timeout: float | None = None,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-    ) -> ToolsetDefinition:
-        """Register an endpoint speaking seed 001's action contract; discovery failures leave it empty.
-
-        Each action runs the command once, bounded by `timeout` (30 s by default).
-        Raises: `ValueError` for an empty command, or as `register_toolset`.
-        """
-        return await self.toolsets.register_command_toolset(
-            toolset_id, prefix, command, timeout=timeout, env=env, cwd=cwd,
-        )
-
-    async def unregister_toolset(self, toolset_id: str) -> None:
-        """Remove a toolset: agents that saw it are told at once, then a shared (`ref`) toolset is closed.
-
-        Raises: `KeyError` when no toolset has that id.
-        """
-        await self.toolsets.unregister_toolset(toolset_id)
-
-    async def update_allowed_toolsets(self, instance: str, toolset_ids: list[str]) -> None:
-        """Set which toolsets an instance's agents see (empty by default); agents are told at once.
-
-        Raises: `ValueError` naming any id that is not registered (nothing changes then).
-        """
-        await self.toolsets.update_allowed_toolsets(instance, toolset_ids)
 
     # -- relay connections ---------------------------------------------------------------
 
