@@ -16,12 +16,12 @@ from protocol import RelayError, errors, messages, parse_relay_address, structur
 
 from .auth import TokenAuthority, ensure_private_dir
 from .caller_api import CallerTools, serve_stdio_caller
-from .caller_tool_relay import CallerCallRegistry, CallerToolRelay
+from .caller_tool_relay import CallerCallRegistry, CallerToolRelay, cancel_unanswered_requests
 from .callers import CallerConnection, CallerRegistry
 from .client_connections import ClientConnections
 from .config import ServerConfig
 from .frame_log import FrameLog
-from .guests import GuestDelivery, GuestFrames, InstanceStarter
+from .guests import GuestDelivery, GuestFrames, InstanceStarter, OrphanedTurns
 from .http_api import HttpApi
 from .instances import InstanceDirectory
 from .relay import RelayConnection, RelayListener
@@ -77,6 +77,7 @@ class OublietteServer:
         self.callers = CallerRegistry(on_closed=self._caller_closed)
         self.toolsets = ToolsetService(config.tool_separator, self.clients)
         self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests)
+        self.orphans = OrphanedTurns(self.guests, self.sessions, self.frame_log.append)
         self.tether = Tether(self.store, self.frame_log, self.instances)
         self.relay_table: RelayTable = {
             ("client", messages.CALLER_TOOL): (messages.CallerToolCall, self.caller_tools.call),
@@ -93,7 +94,9 @@ class OublietteServer:
         """Start the services and listen for sandboxes until cancelled."""
         address = parse_relay_address(self.config.relay_address)
         try:
+            await cancel_unanswered_requests(self.store, self.sessions, self.frame_log.append)
             async with trio.open_nursery() as nursery:
+                await nursery.start(self.orphans.serve)
                 await nursery.start(self.callers.serve)
                 await nursery.start(self.toolsets.serve)
                 await nursery.start(self.starter.serve)
@@ -234,6 +237,7 @@ class OublietteServer:
             return
         if connection.role == "guest":
             self.guests.detach(connection)
+            self.orphans.guest_gone(connection)
             if self.guests.has_undelivered(connection.instance):
                 # A message may have arrived after the guest died but before we noticed: wake it now.
                 self.starter.wake(connection.instance)
