@@ -46,7 +46,7 @@ class OublietteServer:
     Raises: `OSError` from `serve` when the relay address cannot be bound.
 
     The services are attributes, for embedding and tests: `store`, `sessions`, `frame_log`,
-    `callers`, `caller_tools` (with `calls`, its pending calls), `toolsets`, `guests`,
+    `callers`, `caller_tools` (with `calls`, its pending calls), `toolsets`, `guests`, `orphans`,
     `starter`, `tether`, `instances`, `tokens`.
     """
 

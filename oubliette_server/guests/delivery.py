@@ -7,9 +7,12 @@ connection drops between delivery and acknowledgement, the frame is delivered
 again on reconnect; the guest runtime drops a `seq` it has already seen, so
 each message runs once.
 
-It also knows the turns in flight of each guest connection: messages delivered
-and not yet answered by `assistant.done` / `session.error`. When the guest goes
-away they are orphans (`guests/orphans.py` ends them with `session.error`).
+It also knows the turns in flight of each guest connection: messages delivered,
+started (the guest appended a frame replying to them, e.g. the runtime's
+`status.presence`) and not yet answered by `assistant.done` / `session.error`.
+When the guest goes away they are orphans (`guests/orphans.py` ends them with
+`session.error`). A message delivered but not started (queued behind another
+turn, or never read) is delivered again to the next guest, as before.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class GuestDelivery:
     def __init__(self, store: FrameStore) -> None:
         self.store = store
         self._guests: dict[str, GuestPeer] = {}
-        self._in_flight: dict[GuestPeer, dict[str, tuple[str, str]]] = {}
+        self._in_flight: dict[GuestPeer, dict[str, tuple[str, str, bool]]] = {}
+        """Per guest connection: msg_id -> (channel, session_id, started) of its delivered, unanswered messages."""
         self._ended: dict[str, set[str]] = {}
         self.connected_changed = trio.Event()
 
@@ -73,6 +77,13 @@ class GuestDelivery:
             del self._guests[connection.instance]
             self._signal()
 
+    def turn_started(self, connection: GuestPeer, msg_id: str) -> None:
+        """The guest appended a frame replying to `msg_id`: that turn runs (an orphan if the guest goes)."""
+        turns = self._in_flight.get(connection)
+        if turns is not None and msg_id in turns:
+            channel, session_id, _ = turns[msg_id]
+            turns[msg_id] = (channel, session_id, True)
+
     def turn_ended(self, connection: GuestPeer, msg_id: str) -> bool:
         """Record the end of the turn of `msg_id`; False if it had ended already (refuse a second end)."""
         assert connection.instance is not None
@@ -90,7 +101,10 @@ class GuestDelivery:
         """
         turns = self._in_flight.pop(connection, {})
         elsewhere = {msg_id for other in self._in_flight.values() for msg_id in other}
-        orphans = [(msg_id, *where) for msg_id, where in turns.items() if msg_id not in elsewhere]
+        orphans = [
+            (msg_id, channel, session_id) for msg_id, (channel, session_id, started) in turns.items()
+            if started and msg_id not in elsewhere
+        ]
         if orphans and connection.instance is not None:
             self._ended.setdefault(connection.instance, set()).update(msg_id for msg_id, _, _ in orphans)
         return orphans
@@ -145,6 +159,6 @@ class GuestDelivery:
                 continue
             for frame in frames:
                 if not self._answered(instance, frame.msg_id):
-                    in_flight[frame.msg_id] = (frame.channel, frame.session_id)
+                    in_flight[frame.msg_id] = (frame.channel, frame.session_id, False)
                     await connection.notify(messages.USER_MESSAGE, {"frame": frame.to_wire()})
                 cursor = frame.seq

@@ -41,6 +41,8 @@ class GuestFrames:
                     f"the turn of message {request.reply_to!r} has ended already (a turn ends once; the server "
                     "ends it with session.error when its guest disconnects mid-turn)",
                 )
+        elif request.reply_to is not None:
+            self.delivery.turn_started(connection, request.reply_to)
         session: Session = self.sessions.get_or_create(connection.instance, request.session.channel, request.session.id)
         frame = await self.append(session, request.type, request.payload, reply_to=request.reply_to)
         return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
