@@ -16,12 +16,12 @@ from protocol.limits import Limits
 
 from .auth import TokenAuthority, ensure_private_dir
 from .caller_api import CallerTools, serve_stdio_caller
-from .caller_tool_relay import CallerCallRegistry, CallerToolRelay
+from .caller_tool_relay import CallerCallRegistry, CallerToolRelay, cancel_unanswered_requests
 from .callers import CallerConnection, CallerRegistry
 from .client_connections import ClientConnections
 from .config import ServerConfig
 from .frame_log import FrameLog
-from .guests import GuestDelivery, GuestFrames, InstanceStarter
+from .guests import GuestDelivery, GuestFrames, InstanceStarter, OrphanedTurns
 from .http_api import HttpApi
 from .instances import InstanceDirectory
 from .relay import RelayConnection, RelayHandlers, RelayListener
@@ -43,7 +43,7 @@ class OublietteServer:
     Raises: `OSError` from `serve` when the relay address cannot be bound.
 
     The services are attributes, for embedding and tests: `store`, `sessions`, `frame_log`,
-    `callers`, `caller_tools` (with `calls`, its pending calls), `toolsets`, `guests`,
+    `callers`, `caller_tools` (with `calls`, its pending calls), `toolsets`, `guests`, `orphans`,
     `starter`, `tether`, `instances`, `tokens`. The toolset embedding API — `register_toolset`,
     `register_mcp_toolset`, `register_command_toolset`, `unregister_toolset`,
     `update_allowed_toolsets` — is `ToolsetService`'s (see its docstrings and docs/TOOLSETS.md).
@@ -83,6 +83,7 @@ class OublietteServer:
         self.unregister_toolset = self.toolsets.unregister_toolset
         self.update_allowed_toolsets = self.toolsets.update_allowed_toolsets
         self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests)
+        self.orphans = OrphanedTurns(self.guests, self.sessions, self.frame_log.append)
         self.tether = Tether(self.store, self.frame_log, self.instances, self.limits)
         # What each role may ask of the server; the peer validates and structures params once,
         # before a handler (connection, params) runs. `cancel` is the peer's own. A sandbox's own
@@ -111,7 +112,9 @@ class OublietteServer:
         """
         address = parse_relay_address(self.config.relay_address)
         try:
+            await cancel_unanswered_requests(self.store, self.sessions, self.frame_log.append)
             async with trio.open_nursery() as nursery:
+                await nursery.start(self.orphans.serve)
                 await nursery.start(self.callers.serve)
                 await nursery.start(self.toolsets.serve)
                 await nursery.start(self.starter.serve)
@@ -220,6 +223,7 @@ class OublietteServer:
             return
         if connection.role == "guest":
             self.guests.detach(connection)
+            self.orphans.guest_gone(connection)
             if self.guests.has_undelivered(connection.instance):
                 # A message may have arrived after the guest died but before we noticed: wake it now.
                 self.starter.wake(connection.instance)

@@ -55,6 +55,7 @@ class CallerConnection:
         self.on_failed = on_failed
         self.closed = trio.Event()
         self.mcp_session: Any = None  # latest ServerSession; its standalone channel carries events
+        self.owner_key: str | None = None  # 2026-07-28 HTTP callers: the key that names this caller
         self._send, self._receive = trio.open_memory_channel[dict](EVENT_QUEUE_SIZE)
 
     def __repr__(self) -> str:

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import secrets
 from typing import Any, Callable
 
 import trio
@@ -36,6 +37,8 @@ from protocol.limits import LimitExceeded
 
 from .auth import HTTP_ADMIN
 from .caller_api import CallerTools, build_caller_server
+from .caller_api.schemas import OWNER_KEY_PATTERN
+from .caller_api.tools import STREAM_GONE_STATE
 from .callers import CallerConnection, CallerRegistry
 from .instances import InstanceDirectory
 from .tether import Tether
@@ -47,6 +50,8 @@ log = logging.getLogger("oubliette.server.http")
 MAX_BODY_BYTES = 1024 * 1024
 SSE_KEEPALIVE_SECONDS = 15.0
 INSTANCE_ROUTE = re.compile(r"^/v1/instances/([^/]+)/")
+MCP_PATHS = ("/mcp", "/mcp/")
+OWNER_KEY = re.compile(OWNER_KEY_PATTERN)
 HTTP_STATUS = {
     errors.INVALID_PARAMS: 400, errors.INVALID_REQUEST: 400, errors.PARSE_ERROR: 400,
     errors.NOT_FOUND: 404, errors.UNAUTHORIZED: 401, errors.DENIED: 403,
@@ -95,6 +100,59 @@ class BearerAuth:
             return True
         match = INSTANCE_ROUTE.match(path)
         return bool(match) and self.verify_token(match.group(1), token)
+
+
+class StreamWatch:
+    """ASGI middleware for /mcp: notices a client that goes away before its response has ended.
+
+    Each request's scope state gets an event (`STREAM_GONE_STATE`) set when `http.disconnect`
+    arrives before the response's last body: a `session_message` waiting on that request sees
+    it. A handshake-era standalone stream (a GET with `Mcp-Session-Id` that was answered 200)
+    that drops calls `on_standalone_dropped(mcp_session_id)`. Detection needs someone reading
+    `receive`: the SDK's SSE responses do, to notice disconnects themselves.
+    """
+
+    def __init__(self, app: Any, on_standalone_dropped: Callable[[str], object]) -> None:
+        self.app = app
+        self.on_standalone_dropped = on_standalone_dropped
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in MCP_PATHS:
+            await self.app(scope, receive, send)
+            return
+        gone = trio.Event()
+        scope.setdefault("state", {})[STREAM_GONE_STATE] = gone
+        status: int | None = None
+        finished = False
+
+        async def watched_send(message: dict[str, Any]) -> None:
+            nonlocal status, finished
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+            await send(message)
+
+        async def watched_receive() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not finished:
+                gone.set()
+            return message
+
+        try:
+            await self.app(scope, watched_receive, watched_send)
+        finally:
+            if gone.is_set() and scope["method"] == "GET" and status == 200:
+                session_id = _header(scope, b"mcp-session-id")
+                if session_id:
+                    self.on_standalone_dropped(session_id)
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _bearer(scope: dict[str, Any]) -> str | None:
@@ -283,36 +341,82 @@ class HttpApi:
         allowed_hosts: list[str],
     ) -> None:
         self.callers = callers
+        self.tools = tools
         self.tether = tether
         self.instances = instances
         self.verify_token = verify_token
         self.allowed_hosts = allowed_hosts
-        self._modern_callers: dict[str, CallerConnection] = {}
+        self._modern_callers: dict[tuple[str, str], CallerConnection] = {}
+        self._modern_in_flight: dict[CallerConnection, int] = {}
+        self._modern_names: dict[CallerConnection, tuple[str, str]] = {}
         self._legacy_callers: dict[int, CallerConnection] = {}
-        self.mcp = build_caller_server(tools, self._resolve_caller)
+        self._legacy_by_mcp_session: dict[str, CallerConnection] = {}
+        self.mcp = build_caller_server(tools, self._resolve_caller, self._release_caller)
 
-    def _resolve_caller(self, ctx: Any) -> CallerConnection:
-        """One caller per handshake-era MCP session; per bearer token on 2026-07-28 (no sessions)."""
+    def _resolve_caller(self, ctx: Any, arguments: dict[str, Any] | None) -> CallerConnection | None:
+        """Who sends this request (docs/SECURITY.md, "Callers and sessions").
+
+        Handshake era: the MCP session (`Mcp-Session-Id`). 2026-07-28 has no session: the
+        bearer-token principal plus the `owner_key` argument; a request without one is a new
+        caller with a fresh key, which `session_message` returns.
+        """
         if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
-            token = getattr(getattr(ctx.request, "state", None), "oubliette_token", None) or "unix-socket"
-            key = hashlib.sha256(token.encode()).hexdigest()[:12]
-            caller = self._modern_callers.get(key)
-            if caller is None:
-                caller = self._modern_callers[key] = self.callers.open("http", f"http-modern-{key}")
-            return caller
+            return None if arguments is None else self._modern_caller(ctx, arguments.get("owner_key"))
         connection = ctx.session._connection  # the SDK's per-connection state; its exit stack runs on close
         caller = self._legacy_callers.get(id(connection))
         if caller is None:
-            caller = self.callers.open("http", f"http-session-{connection.session_id or id(connection)}")
+            mcp_session_id = connection.session_id
+            caller = self.callers.open("http", f"http-session-{mcp_session_id or id(connection)}")
             self._legacy_callers[id(connection)] = caller
+            if mcp_session_id:
+                self._legacy_by_mcp_session[mcp_session_id] = caller
 
             async def closed() -> None:
                 self._legacy_callers.pop(id(connection), None)
+                self._legacy_by_mcp_session.pop(mcp_session_id or "", None)
                 self.callers.close(caller)
 
             connection.exit_stack.push_async_callback(closed)
         caller.mcp_session = ctx.session
         return caller
+
+    def _modern_caller(self, ctx: Any, owner_key: Any) -> CallerConnection:
+        token = getattr(getattr(ctx.request, "state", None), "oubliette_token", None) or "unix-socket"
+        principal = hashlib.sha256(token.encode()).hexdigest()[:16]
+        if not (isinstance(owner_key, str) and OWNER_KEY.fullmatch(owner_key)):
+            owner_key = secrets.token_urlsafe(24)  # 192 bits; a bad key is refused by the tool's schema anyway
+        caller = self._modern_callers.get((principal, owner_key))
+        if caller is None:
+            caller = self.callers.open("http", f"http-modern-{principal[:8]}-{owner_key[:6]}")
+            caller.owner_key = owner_key
+            self._modern_callers[(principal, owner_key)] = caller
+            self._modern_names[caller] = (principal, owner_key)
+        self._modern_in_flight[caller] = self._modern_in_flight.get(caller, 0) + 1
+        return caller
+
+    def _release_caller(self, caller: CallerConnection) -> None:
+        """A 2026-07-28 caller with no request in flight that owns no session is forgotten."""
+        if caller.owner_key is None:
+            return
+        left = self._modern_in_flight.get(caller, 1) - 1
+        if left > 0:
+            self._modern_in_flight[caller] = left
+            return
+        self._modern_in_flight.pop(caller, None)
+        if not self.tools.sessions.owned_by(caller):
+            self._modern_callers.pop(self._modern_names.pop(caller), None)
+            self.callers.close(caller)
+
+    def _standalone_stream_dropped(self, mcp_session_id: str) -> None:
+        """A handshake-era caller's GET stream dropped (e.g. the process was killed): its calls fail now.
+
+        The caller itself stays: a client that reconnects its stream keeps its sessions; only
+        the end of its MCP session (DELETE, or the transport closing) closes it.
+        """
+        caller = self._legacy_by_mcp_session.get(mcp_session_id)
+        if caller is not None:
+            failed = self.tools.caller_gone(caller)
+            log.info("%r: standalone stream dropped; %d pending call(s) failed", caller, failed)
 
     def asgi_app(self) -> Any:
         """The ASGI app: `/mcp` (with Host checks) and the tether routes, behind the bearer-token check."""
@@ -326,7 +430,7 @@ class HttpApi:
             ),
             custom_starlette_routes=TetherRoutes(self.tether, self.instances).routes(),
         )
-        return BearerAuth(starlette, self.verify_token)
+        return BearerAuth(StreamWatch(starlette, self._standalone_stream_dropped), self.verify_token)
 
     async def serve(self, binds: list[str], *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the app with hypercorn on `binds` (`host:port` or `unix:PATH`) until cancelled.

@@ -1,7 +1,9 @@
 """Sessions: one conversation with the agent of an instance, keyed `channel:session_id`.
 
-A session remembers which caller declared its caller tools (only that caller
-may answer their requests) and which event sinks want its frames.
+A session belongs to the caller that opened it (its first `session_message`):
+only that caller may send into it, declare its caller tools, answer their
+requests and read its events (docs/SECURITY.md, "Callers and sessions"). A
+session also remembers which event sinks want its frames.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
-from protocol import CallerToolSpec
+from protocol import CallerToolSpec, RelayError, errors
 
 if TYPE_CHECKING:
     from .callers import CallerConnection
@@ -28,8 +30,13 @@ class EventSink(Protocol):
 
 
 def new_session_id() -> str:
-    """A fresh random session id, `s-` and 8 hex digits."""
-    return "s-" + secrets.token_hex(4)
+    """A session id nobody can guess (128 random bits): knowing it is no credential, but it hides the session."""
+    return "s-" + secrets.token_hex(16)
+
+
+def not_yours(session_id: str) -> RelayError:
+    """The one refusal a caller gets for another caller's session (messages, declarations, answers, reads)."""
+    return RelayError(errors.UNAUTHORIZED, f"session '{session_id}' belongs to another caller")
 
 
 @attrs.define(eq=False)
@@ -50,9 +57,13 @@ class Session:
         """`channel:id`, the session's key within its instance."""
         return f"{self.channel}:{self.id}"
 
+    def check_owner(self, caller: CallerConnection) -> None:
+        """Raise `not_yours` unless `caller` owns this session."""
+        if self.owner is not caller:
+            raise not_yours(self.id)
+
     def declare_caller_tools(self, owner: CallerConnection, caller_id: str, tools: list[CallerToolSpec]) -> None:
-        """Make `owner` the session's caller: its tools replace the previous declaration, and it follows the session."""
-        self.owner = owner
+        self.check_owner(owner)
         self.caller_id = caller_id
         self.caller_tools = {tool.name: tool for tool in tools}
         self.declared_at = next(_declaration_clock)
@@ -103,6 +114,9 @@ class SessionRegistry:
             if current is None or session.declared_at > current.declared_at:
                 latest[session.caller_id] = session
         return latest
+
+    def owned_by(self, caller: CallerConnection) -> list[Session]:
+        return [s for s in self._sessions.values() if s.owner is caller]
 
     def drop_sink(self, sink: EventSink) -> None:
         """`sink` follows no session any more (its caller is gone)."""

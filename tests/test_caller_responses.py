@@ -229,20 +229,19 @@ async def test_answer_from_another_caller_is_refused(deployment: Deployment) -> 
         owner, owner_events = proc.open_caller()
         other, other_events = proc.open_caller()
         await proc.declare(owner, [NOTIFY])
-        # The other caller follows the same session, so it sees the request too.
+        # The session belongs to its owner: the other caller can neither join nor follow it (issue 8, item 5).
         joined = await proc.call(other, "session_message", {"instance": INSTANCE, "session_id": SESSION, "message": "me too"})
-        assert not joined.is_error, text_of(joined)
+        assert joined.is_error and f"session '{SESSION}' belongs to another caller" in text_of(joined)
         link = await proc.connect_agent(deployment)
         outcome, finished, _ = start_agent_call(proc.nursery, link)
 
         request = await owner_events.wait_type("caller_tool_request")
-        seen_by_other = await other_events.wait_type("caller_tool_request")
-        assert seen_by_other["request_id"] == request["request_id"]
+        assert [e for e in other_events.events if e.get("type") == "caller_tool_request"] == []
         answer = {"session_id": SESSION, "request_id": request["request_id"]}
 
         refused = await proc.call(other, "caller_tool_response", dict(answer, result={"from": "other"}))
         assert refused.is_error
-        assert "may only be answered by the caller that declared" in text_of(refused), text_of(refused)
+        assert f"session '{SESSION}' belongs to another caller" in text_of(refused), text_of(refused)
         assert request["request_id"] in proc.server.calls.pending
         assert not finished.is_set()
 
@@ -253,8 +252,9 @@ async def test_answer_from_another_caller_is_refused(deployment: Deployment) -> 
         assert outcome["result"] == {"result": {"from": "owner"}}
         assert proc.server.calls.pending == {}
 
-        again = await proc.call(other, "caller_tool_response", dict(answer, result={"from": "other"}))
+        again = await proc.call(owner, "caller_tool_response", dict(answer, result={"from": "owner"}))
         assert again.is_error and "no longer pending" in text_of(again)
+        assert [e for e in other_events.events if e.get("session_id") == SESSION] == []
 
 
 async def test_after_the_agent_cancels_nothing_is_pending(deployment: Deployment) -> None:

@@ -13,19 +13,33 @@ from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 from ..callers import CallerConnection
 from .tools import CallerTools
 
-ResolveCaller = Callable[[Any], CallerConnection]
+ResolveCaller = Callable[[Any, "dict[str, Any] | None"], "CallerConnection | None"]
+"""`(ctx, tool arguments or None) -> caller`: who sends this request (docs/SECURITY.md,
+"Callers and sessions"); with arguments None (tools/list) it may answer None."""
+ReleaseCaller = Callable[[CallerConnection], object]
 
 
-def build_caller_server(tools: CallerTools, resolve_caller: ResolveCaller) -> Server:
-    """An MCP server whose tool calls go to `tools`, with callers resolved per request."""
+def build_caller_server(
+    tools: CallerTools, resolve_caller: ResolveCaller, release_caller: ReleaseCaller = lambda caller: None,
+) -> Server:
+    """An MCP server whose tool calls go to `tools`, with callers resolved per request.
+
+    `release_caller(caller)` runs after each tool call (a transport that makes callers per
+    request forgets the ones that own nothing).
+    """
 
     async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
-        resolve_caller(ctx)
+        resolve_caller(ctx, None)
         return types.ListToolsResult(tools=[tool for tool, _ in tools.tools.values()])
 
     async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
-        caller = resolve_caller(ctx)
-        return await tools.call(ctx, caller, params.name, dict(params.arguments or {}))
+        arguments = dict(params.arguments or {})
+        caller = resolve_caller(ctx, arguments)
+        assert caller is not None
+        try:
+            return await tools.call(ctx, caller, params.name, arguments)
+        finally:
+            release_caller(caller)
 
     return CallerMcpServer(
         "oubliette-server", version="0.1.0", on_list_tools=list_tools, on_call_tool=call_tool,

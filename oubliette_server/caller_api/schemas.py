@@ -13,6 +13,14 @@ from protocol import CALLER_ID_SCHEMA, CALLER_TOOL_SPEC_SCHEMA, FRAME_SCHEMA, SE
 
 from ..store import MAX_SEQ
 
+OWNER_KEY_PATTERN = r"^[A-Za-z0-9_-]{22,128}$"
+OWNER_KEY = {
+    "type": "string", "pattern": OWNER_KEY_PATTERN,
+    "description": "2026-07-28 (stateless HTTP) callers only: the owner_key session_message returned, or one you "
+    "chose (22-128 of A-Z a-z 0-9 _ -, at least 128 random bits); it names you as the session's owner. "
+    "Ignored on stdio and handshake-era HTTP, where your connection names you.",
+}
+
 SESSION_ID: dict[str, Any] = {**SESSION_ID_SCHEMA, "description": "Session id."}
 INSTANCE = {"type": "string", "description": "Instance id; defaults to the only connected instance."}
 CALLER_TOOL_SPEC: dict[str, Any] = CALLER_TOOL_SPEC_SCHEMA
@@ -36,6 +44,7 @@ SESSION_MESSAGE: dict[str, Any] = {
             "description": "true: wait until the turn ends; a number: wait at most that many seconds.",
             "oneOf": [{"type": "boolean"}, {"type": "number", "minimum": 0}],
         },
+        "owner_key": OWNER_KEY,
     },
     "required": ["message"],
     "additionalProperties": False,
@@ -48,6 +57,7 @@ CALLER_TOOL_RESPONSE: dict[str, Any] = {
         "request_id": {"type": "string", "minLength": 1},
         "result": {"description": "The tool's result (any JSON)."},
         "error": {"type": ["string", "null"], "description": "The tool's error text."},
+        "owner_key": OWNER_KEY,
     },
     "required": ["session_id", "request_id"],
     "additionalProperties": False,
@@ -63,6 +73,7 @@ SESSION_EVENTS: dict[str, Any] = {
         "wait_ms": {"type": "integer", "minimum": 0, "maximum": 30000},
         "limit": {"type": "integer", "minimum": 1, "maximum": 200},
         "types": {"type": "array", "items": {"type": "string"}},
+        "owner_key": OWNER_KEY,
     },
     "required": ["session_id"],
     "additionalProperties": False,
@@ -143,6 +154,7 @@ RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
         "properties": {
             "session_id": {"type": "string"}, "instance": {"type": "string"}, "msg_id": {"type": "string"},
             "ingress_seq": {"type": "integer"},
+            "owner_key": {"type": "string"},
             "stop_reason": {"enum": ["end_turn", "requires_approval", "error", "timeout"]},
             "text": {"type": "string"},
             "pending": {"type": "array", "items": {"type": "object"}},

@@ -17,7 +17,8 @@ async def serve_stdio_caller(callers: CallerRegistry, tools: CallerTools) -> Non
 
     caller = callers.open("stdio")
 
-    def resolve(ctx: Any) -> CallerConnection:
+    def resolve(ctx: Any, arguments: dict[str, Any] | None) -> CallerConnection:
+        """The process's one connection is the caller (docs/SECURITY.md, "Callers and sessions")."""
         if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
             caller.mcp_session = ctx.session
         return caller

@@ -26,8 +26,8 @@ from ..callers import CallerConnection, RequestScopedSink
 from ..frame_log import FrameLog
 from ..ids import channel_problem, strict_validator
 from ..instances import InstanceDirectory
-from ..sessions import Session, SessionRegistry, new_session_id
-from ..store import FrameQuery, FrameStore
+from ..sessions import Session, SessionRegistry, new_session_id, not_yours
+from ..store import CursorPruned, FrameQuery, FrameStore
 from ..tether import EGRESS_TYPES, TETHER_CHANNEL, Tether, check_session_id
 from . import schemas
 
@@ -36,6 +36,31 @@ log = logging.getLogger("oubliette.server.caller_api")
 ToolHandler = Callable[[Any, CallerConnection, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 TURN_END_TYPES = ("assistant.done", "session.error")
+SESSION_CHANNEL = "mcp"
+STREAM_GONE_STATE = "oubliette_stream_gone"
+"""Key of the `trio.Event` the HTTP layer sets in a request's scope state when its client goes away."""
+
+
+def stream_gone(ctx: Any) -> trio.Event | None:
+    """The event set when this request's HTTP client disconnects before its answer (None on stdio)."""
+    state = getattr(getattr(ctx, "request", None), "scope", {}).get("state") or {}
+    gone = state.get(STREAM_GONE_STATE)
+    return gone if isinstance(gone, trio.Event) else None
+
+
+class OwnerKeyedSink:
+    """A request-scoped sink whose events carry the caller's `owner_key` (2026-07-28).
+
+    Only the owner's own waiting request gets these events, so the key travels to nobody
+    else; a caller can answer a request before its `session_message` returns the key.
+    """
+
+    def __init__(self, sink: RequestScopedSink, owner_key: str) -> None:
+        self._sink = sink
+        self._owner_key = owner_key
+
+    def push(self, event: dict) -> None:
+        self._sink.push({**event, "owner_key": self._owner_key})
 
 
 def tool_result(payload: dict[str, Any]) -> types.CallToolResult:
@@ -133,6 +158,48 @@ class CallerTools:
 
     # -- session_message -----------------------------------------------------------------
 
+    def _open_session(self, instance: str, session_id: str | None, caller: CallerConnection) -> Session:
+        """The caller's session `session_id`, claimed for it if nobody opened it; else `not_yours`.
+
+        A session with no owner in this process but with frames in the log (opened before a
+        restart, or by the HTTP tether API) is refused too: its owner cannot be known, and
+        claiming it would hand its history to whoever asks first.
+        """
+        if session_id is None:
+            session = self.sessions.get_or_create(instance, SESSION_CHANNEL, new_session_id())
+            session.owner = caller
+            return session
+        session = self.sessions.get(instance, SESSION_CHANNEL, session_id)
+        if session is not None and session.owner is not None:
+            session.check_owner(caller)
+            return session
+        if self._has_frames(instance, session_id):
+            raise not_yours(session_id)
+        session = self.sessions.get_or_create(instance, SESSION_CHANNEL, session_id)
+        session.owner = caller
+        return session
+
+    def _has_frames(self, instance: str, session_id: str) -> bool:
+        query = FrameQuery(
+            channel=SESSION_CHANNEL, session_id=session_id, after_seq=self.store.pruned_below(instance), limit=1,
+        )
+        try:
+            return bool(self.store.query(instance, query))
+        except CursorPruned:
+            return True
+
+    def _owned(self, caller: CallerConnection, session_id: str, instance: str | None = None) -> list[Session]:
+        """The caller's `mcp` sessions with this id; `not_yours` if only other callers have one."""
+        known = [s for s in self.sessions.find_by_id(session_id, instance) if s.channel == SESSION_CHANNEL]
+        mine = [s for s in known if s.owner is caller]
+        if known and not mine:
+            raise not_yours(session_id)
+        return mine
+
+    def caller_gone(self, caller: CallerConnection, session: Session | None = None) -> int:
+        """The caller's stream ended (HTTP): its pending calls (of `session`, if given) fail now."""
+        return self.caller_tools.pending.fail_caller(caller, session)
+
     async def session_message(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
         """Send a message to an instance's agent, declaring the caller's tools first if given; with `wait`,
         wait (up to `session_wait_limit`) for the turn's end.
@@ -144,7 +211,7 @@ class CallerTools:
         if args.get("context") is not None:
             self.limits.check_value(args["context"], "context")
         instance = self.instances.resolve(args.get("instance"))
-        session = self.sessions.get_or_create(instance, "mcp", args.get("session_id") or new_session_id())
+        session = self._open_session(instance, args.get("session_id"), caller)
         context = args.get("context")
         if context is not None:
             tools = [structure(tool, CallerToolSpec) for tool in context.get("caller_tools", [])]
@@ -154,6 +221,8 @@ class CallerTools:
         result: dict[str, Any] = {
             "session_id": session.id, "instance": instance, "msg_id": frame.msg_id, "ingress_seq": frame.seq,
         }
+        if caller.owner_key is not None:
+            result["owner_key"] = caller.owner_key  # 2026-07-28: pass it back to act in this session again
         wait = args.get("wait", False)
         if wait is False:
             return result
@@ -169,19 +238,44 @@ class CallerTools:
             channel=session.channel, session_id=session.id, after_seq=after_seq,
             types=TURN_END_TYPES, reply_to=msg_id, limit=1,
         )
-        async with trio.open_nursery() as nursery:
-            sink = None
-            if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
-                # 2026-07-28 callers have no standalone stream: events ride this request.
-                sink = RequestScopedSink(ctx.session, ctx.request_id)
-                session.sinks.add(sink)
-                nursery.start_soon(sink.run)
-            try:
-                frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
-            finally:
-                if sink is not None:
-                    session.sinks.discard(sink)
-                    sink.close()
+        modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+        gone = stream_gone(ctx)
+        dropped = False
+        frames: list[Any] = []
+        ended = False
+        try:
+            async with trio.open_nursery() as nursery:
+                sink = None
+                follower: Any = None
+                if modern:
+                    # 2026-07-28 callers have no standalone stream: events ride this request.
+                    sink = RequestScopedSink(ctx.session, ctx.request_id)
+                    follower = OwnerKeyedSink(sink, caller.owner_key) if caller.owner_key else sink
+                    session.sinks.add(follower)
+                    nursery.start_soon(sink.run)
+                if gone is not None:
+
+                    async def watch(gone: trio.Event = gone) -> None:
+                        nonlocal dropped
+                        await gone.wait()
+                        dropped = True
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(watch)
+                try:
+                    frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
+                finally:
+                    if sink is not None:
+                        session.sinks.discard(follower)
+                        sink.close()
+                nursery.cancel_scope.cancel()
+            ended = True
+        finally:
+            if not ended and modern:  # 2026-07-28: closing the request's stream is how it is cancelled
+                self._waiting_caller_left(caller, session)
+        if dropped:
+            self._waiting_caller_left(caller, session)
+            return {"stop_reason": "error", "text": "the caller's stream closed", "pending": []}
         pending = [
             {"request_id": p.request_id, "tool": p.tool} for p in self.caller_tools.pending.pending_for(session)
         ]
@@ -191,6 +285,10 @@ class CallerTools:
         if end.type == "session.error":
             return {"stop_reason": "error", "text": end.payload.get("message", ""), "pending": pending}
         return {"stop_reason": "end_turn", "text": end.payload.get("text", ""), "pending": pending}
+
+    def _waiting_caller_left(self, caller: CallerConnection, session: Session) -> None:
+        failed = self.caller_gone(caller, session)
+        log.info("%r left while waiting in session %s; %d pending call(s) failed", caller, session.id, failed)
 
     # -- caller_tool_response ------------------------------------------------------------
 
@@ -204,6 +302,7 @@ class CallerTools:
             raise RelayError(errors.INVALID_PARAMS, "give either 'result' or 'error'")
         if args.get("error") is not None and args.get("result") is not None:
             raise RelayError(errors.INVALID_PARAMS, "give 'result' or 'error', not both")
+        self._owned(caller, args["session_id"])
         # Checked before the call is touched: a refused answer leaves it pending, to answer again.
         if args.get("error") is not None:
             self.limits.check_value(args["error"], "error")
@@ -223,11 +322,20 @@ class CallerTools:
         that exists in several instances without `instance`.
         """
         session_id = args["session_id"]
-        channel = args.get("channel", "mcp")
+        channel = args.get("channel", SESSION_CHANNEL)
         problem = channel_problem(channel)
         if problem:
             raise RelayError(errors.INVALID_PARAMS, problem)
-        if args.get("instance"):
+        if channel == SESSION_CHANNEL:
+            # Sessions of session_message are read by their owner only; other channels are the
+            # tether's, which tether_read serves to every caller anyway.
+            mine = self._owned(caller, session_id, self.instances.require_known(args["instance"]) if args.get("instance") else None)
+            if not mine:
+                raise RelayError(errors.NOT_FOUND, f"unknown session '{session_id}'")
+            if len(mine) > 1:
+                raise RelayError(errors.INVALID_PARAMS, f"session '{session_id}' exists in several instances; pass 'instance'")
+            instance = mine[0].instance
+        elif args.get("instance"):
             # Like tether_read: an instance the server has never heard of is an error, not an empty log.
             instance = self.instances.require_known(args["instance"])
         else:

@@ -3,9 +3,11 @@
 - `declarations`: which caller tools each session has and which client connection sees them;
   the `caller_tool` relay method.
 - `pending`: one pending entry per relayed call, ended by exactly one outcome.
+- `restart`: on start, requests a previous run left open get `caller_tool_cancelled` (server restarted).
 """
 
 from .declarations import CallerToolRelay
 from .pending import CallerCallRegistry, PendingCall
+from .restart import cancel_unanswered_requests
 
-__all__ = ["CallerCallRegistry", "CallerToolRelay", "PendingCall"]
+__all__ = ["CallerCallRegistry", "CallerToolRelay", "PendingCall", "cancel_unanswered_requests"]

@@ -120,11 +120,11 @@ class CallerCallRegistry:
                 raise RelayError(errors.TOOL_ERROR, problem)
         return call.result
 
-    def fail_caller(self, caller: CallerConnection) -> int:
-        """The caller's connection ended: every call waiting on it fails now."""
+    def fail_caller(self, caller: CallerConnection, session: Session | None = None) -> int:
+        """The caller's connection (or its stream in `session`) ended: every call waiting on it there fails now."""
         failed = 0
         for call in list(self._pending.values()):
-            if call.caller is caller and not call.done.is_set():
+            if call.caller is caller and not call.done.is_set() and session in (None, call.session):
                 self._finish(call, "closed: the caller disconnected", error=RelayError(
                     errors.PEER_DISCONNECTED,
                     f"caller '{call.session.caller_id}' disconnected before responding to '{call.tool}'",
@@ -163,7 +163,7 @@ class CallerCallRegistry:
         if call.caller is not caller:
             raise RelayError(
                 errors.UNAUTHORIZED,
-                f"request_id '{request_id}' may only be answered by the caller that declared "
+                f"session '{session_id}' belongs to another caller: request_id '{request_id}' may only be answered by the caller that declared "
                 f"'{call.session.caller_id}' tools in session '{session_id}'",
             )
         if error is not None:

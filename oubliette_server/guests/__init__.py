@@ -2,11 +2,13 @@
 
 - `delivery`: the one guest connection of each instance and the `user.message` frames fed to it;
 - `wake`: start an instance's guest when a message arrives and it is not connected;
-- `frames`: the frames a guest may append (`append_frame`) and its `ack`s.
+- `frames`: the frames a guest may append (`append_frame`) and its `ack`s;
+- `orphans`: a guest that goes away mid-turn: its turns end with `session.error`.
 """
 
 from .delivery import GuestDelivery
 from .frames import GUEST_FRAME_TYPES, GuestFrames
+from .orphans import OrphanedTurns
 from .wake import InstanceStarter
 
-__all__ = ["GUEST_FRAME_TYPES", "GuestDelivery", "GuestFrames", "InstanceStarter"]
+__all__ = ["GUEST_FRAME_TYPES", "GuestDelivery", "GuestFrames", "InstanceStarter", "OrphanedTurns"]

@@ -11,6 +11,13 @@ A frame that cannot be sent (over the relay line limit, not encodable) is
 skipped with a logged reason and a `session.error` for its turn, never retried:
 retrying would drop the guest and redeliver the same frame forever. The
 ingress limits make this unreachable; it is the safety net.
+
+It also knows the turns in flight of each guest connection: messages delivered,
+started (the guest appended a frame replying to them, e.g. the runtime's
+`status.presence`) and not yet answered by `assistant.done` / `session.error`.
+When the guest goes away they are orphans (`guests/orphans.py` ends them with
+`session.error`). A message delivered but not started (queued behind another
+turn, or never read) is delivered again to the next guest, as before.
 """
 
 from __future__ import annotations
@@ -67,6 +74,9 @@ class GuestDelivery:
         self.store = store
         self.on_undeliverable = on_undeliverable
         self._guests: dict[str, GuestPeer] = {}
+        self._in_flight: dict[GuestPeer, dict[str, tuple[str, str, bool]]] = {}
+        """Per guest connection: msg_id -> (channel, session_id, started) of its delivered, unanswered messages."""
+        self._ended: dict[str, set[str]] = {}
         self.connected_changed = trio.Event()
 
     def guest_for(self, instance: str) -> GuestPeer | None:
@@ -90,6 +100,46 @@ class GuestDelivery:
         if connection.instance and self._guests.get(connection.instance) is connection:
             del self._guests[connection.instance]
             self._signal()
+
+    def turn_started(self, connection: GuestPeer, msg_id: str) -> None:
+        """The guest appended a frame replying to `msg_id`: that turn runs (an orphan if the guest goes)."""
+        turns = self._in_flight.get(connection)
+        if turns is not None and msg_id in turns:
+            channel, session_id, _ = turns[msg_id]
+            turns[msg_id] = (channel, session_id, True)
+
+    def turn_ended(self, connection: GuestPeer, msg_id: str) -> bool:
+        """Record the end of the turn of `msg_id`; False if it had ended already (refuse a second end)."""
+        assert connection.instance is not None
+        for turns in self._in_flight.values():
+            turns.pop(msg_id, None)
+        if msg_id in self._ended.get(connection.instance, ()) or self._answered(connection.instance, msg_id):
+            return False
+        return True
+
+    def orphaned_turns(self, connection: GuestPeer) -> list[tuple[str, str, str]]:
+        """The guest is gone: its turns in flight, `(msg_id, channel, session_id)`, now ended by the caller of this.
+
+        A turn that another (newer) guest connection of the instance has in flight is not an
+        orphan. The returned turns count as ended at once, so none is delivered again.
+        """
+        turns = self._in_flight.pop(connection, {})
+        elsewhere = {msg_id for other in self._in_flight.values() for msg_id in other}
+        orphans = [
+            (msg_id, channel, session_id) for msg_id, (channel, session_id, started) in turns.items()
+            if started and msg_id not in elsewhere
+        ]
+        if orphans and connection.instance is not None:
+            self._ended.setdefault(connection.instance, set()).update(msg_id for msg_id, _, _ in orphans)
+        return orphans
+
+    def orphans_closed(self, instance: str, msg_ids: list[str]) -> None:
+        """Their `session.error` frames are stored: the log answers for them from now on."""
+        ended = self._ended.get(instance)
+        if ended is not None:
+            ended.difference_update(msg_ids)
+            if not ended:
+                del self._ended[instance]
 
     def _signal(self) -> None:
         self.connected_changed.set()
@@ -124,6 +174,8 @@ class GuestDelivery:
 
     def _answered(self, instance: str, msg_id: str) -> bool:
         """A turn that ended but whose acknowledgement was lost (the guest died right after) is not rerun."""
+        if msg_id in self._ended.get(instance, ()):
+            return True
         query = FrameQuery(types=TURN_END_TYPES, reply_to=msg_id, limit=1)
         return bool(self.store.query(instance, query))
 
@@ -133,6 +185,7 @@ class GuestDelivery:
         instance = connection.instance
         store = self.store
         cursor = store.get_cursor(instance, GUEST_CURSOR)
+        in_flight = self._in_flight.setdefault(connection, {})
         while True:
             query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)
             try:
@@ -143,6 +196,7 @@ class GuestDelivery:
                 continue
             for frame in frames:
                 if not self._answered(instance, frame.msg_id):
+                    in_flight[frame.msg_id] = (frame.channel, frame.session_id, False)
                     await self._send(connection, instance, frame)
                 cursor = frame.seq
 

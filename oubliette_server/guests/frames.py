@@ -10,6 +10,7 @@ from ..sessions import Session, SessionRegistry
 from .delivery import GuestDelivery, GuestPeer
 
 GUEST_FRAME_TYPES = frozenset({"assistant.delta", "assistant.done", "status.presence", "session.error"})
+TURN_END_TYPES = frozenset({"assistant.done", "session.error"})
 
 Append = Callable[..., Awaitable[Any]]
 
@@ -38,6 +39,15 @@ class GuestFrames:
                 f"a guest may append {', '.join(sorted(GUEST_FRAME_TYPES))}; not {request.type!r}",
             )
         assert connection.instance is not None
+        if request.type in TURN_END_TYPES and request.reply_to is not None:
+            if not self.delivery.turn_ended(connection, request.reply_to):
+                raise RelayError(
+                    errors.INVALID_REQUEST,
+                    f"the turn of message {request.reply_to!r} has ended already (a turn ends once; the server "
+                    "ends it with session.error when its guest disconnects mid-turn)",
+                )
+        elif request.reply_to is not None:
+            self.delivery.turn_started(connection, request.reply_to)
         session: Session = self.sessions.get_or_create(connection.instance, request.session.channel, request.session.id)
         frame = await self.append(session, request.type, request.payload, reply_to=request.reply_to)
         return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)

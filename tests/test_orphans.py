@@ -1,0 +1,82 @@
+"""Orphans on the server side (issue 8, item 11), with the real programs.
+
+- SIGKILL of the guest runtime mid-turn: the server ends the turn with `session.error`
+  and a waiting `session_message` returns `stop_reason: "error"` at once;
+- kill -9 of the server with a caller tool request pending: after a restart the log
+  has a `caller_tool_cancelled` frame (reason "server restarted") for it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import trio
+
+from harness import EVENT_TIMEOUT, Deployment, structured, text_of
+from test_ownership import poll_frames
+
+GUEST_GONE_BOUND = 5.0
+"""How soon after SIGKILL of the guest runtime a waiting session_message must return."""
+
+BLOCKING_AGENT = ["-c", "import sys, time; sys.stdin.read(); print('started', flush=True); time.sleep(120)"]
+NOTIFY = {"name": "send_notification", "inputSchema": {"type": "object"}}
+
+
+async def test_killed_guest_ends_the_turn_with_an_error_at_once(deployment: Deployment) -> None:
+    async with deployment.caller() as (caller, events):
+        async with deployment.guest("box1", [sys.executable, *BLOCKING_AGENT]) as guest, trio.open_nursery() as nursery:
+            outcome: dict[str, Any] = {}
+            finished = trio.Event()
+
+            async def converse() -> None:
+                outcome["reply"] = await caller.call_tool("session_message", {
+                    "instance": "box1", "session_id": "o1", "message": "work", "wait": 60,
+                })
+                outcome["at"] = time.monotonic()
+                finished.set()
+
+            nursery.start_soon(converse)
+            await events.wait_for(lambda e: e.get("type") == "assistant.delta" and e.get("text") == "started")
+            guest.kill()
+            killed_at = time.monotonic()
+            with trio.fail_after(30):
+                await finished.wait()
+        frames = structured(await caller.call_tool("session_events", {"session_id": "o1", "types": ["session.error"]}))
+    reply = outcome["reply"]
+    assert not reply.is_error, text_of(reply)
+    turn = structured(reply)
+    assert turn["stop_reason"] == "error"
+    assert turn["text"] == "the guest disconnected mid-turn"
+    assert outcome["at"] - killed_at < GUEST_GONE_BOUND, f"took {outcome['at'] - killed_at:.1f} s"
+    assert [(f["reply_to"], f["payload"]["reason"]) for f in frames["frames"]] == [(turn["msg_id"], "guest_disconnected")]
+
+
+async def test_a_request_left_open_by_a_killed_server_is_cancelled_on_restart(deployment: Deployment) -> None:
+    async with deployment.http_server() as server:
+        async with server.caller() as (caller, events):
+            declared = await caller.call_tool("session_message", {
+                "instance": "box1", "session_id": "r1", "message": "hi",
+                "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
+            })
+            assert not declared.is_error, text_of(declared)
+            async with deployment.agent("box1", "mcp:r1") as agent, trio.open_nursery() as nursery:
+
+                async def agent_call() -> None:
+                    await agent.call_tool("myapp_send_notification", {"message": "hi"})
+
+                nursery.start_soon(agent_call)
+                request = await events.wait_type("caller_tool_request", timeout=EVENT_TIMEOUT)
+                server.process.kill()  # kill -9: no outcome frame is written
+                with trio.fail_after(10):
+                    await server.process.wait()
+                nursery.cancel_scope.cancel()
+
+    async with deployment.http_server() as restarted:
+        cancelled = await poll_frames(restarted, "r1", "caller_tool_cancelled")
+        requests = await poll_frames(restarted, "r1", "caller_tool_request")
+    assert [(f["payload"]["request_id"], f["payload"]["reason"]) for f in cancelled] == [
+        (request["request_id"], "server restarted")
+    ]
+    assert [f["payload"]["request_id"] for f in requests] == [request["request_id"]]
