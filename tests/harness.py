@@ -507,7 +507,7 @@ class InProcessDeployment(Deployment):
         async with self.embedded_server(*extra) as (app, _urls):
             caller = app.open_caller("stdio")
 
-            def resolve(ctx: Any) -> Any:
+            def resolve(ctx: Any, arguments: Any = None) -> Any:
                 if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
                     caller.mcp_session = ctx.session
                 return caller

@@ -310,8 +310,8 @@ async def test_a_failing_event_sender_closes_only_its_caller(deployment: Deploym
         broken.mcp_session = FailingMcpSession()
         healthy, healthy_events = proc.open_caller()
         await proc.declare(broken, [NOTIFY])
-        joined = await proc.call(healthy, "session_message", {"instance": INSTANCE, "session_id": SESSION, "message": "me too"})
-        assert not joined.is_error
+        joined = await proc.call(healthy, "session_message", {"instance": INSTANCE, "session_id": "s-healthy", "message": "me too"})
+        assert not joined.is_error, text_of(joined)
         with trio.fail_after(EVENT_TIMEOUT):
             await broken.closed.wait()
         link = await proc.connect_agent(deployment)
@@ -319,7 +319,10 @@ async def test_a_failing_event_sender_closes_only_its_caller(deployment: Deploym
         with trio.fail_after(EVENT_TIMEOUT):
             await finished.wait()
         assert outcome["error"].code == -32002, "the closed caller's calls fail at once"
-        await healthy_events.wait_type("caller_tool_request")  # the server and the other caller carry on
+        # The server and the other caller carry on.
+        again = await proc.call(healthy, "session_message", {"instance": INSTANCE, "session_id": "s-healthy", "message": "still here"})
+        assert not again.is_error, text_of(again)
+        await healthy_events.wait_type("user.message", text="still here")
 
 
 async def test_a_failing_request_scoped_sink_stops_only_its_events() -> None:
