@@ -232,12 +232,12 @@ class ApprovalService:
         assert decision is not None
         payload: dict[str, Any] = {
             "request_id": entry.request_id, "tool_name": entry.tool_name, "approve": decision.approve,
-            "reason": decision.reason, "who": decision.who,
+            "reason": decision.reason, "who": decision.who, "kind": decision.kind,
         }
         if decision.updated_arguments is not None:
             payload["updated_arguments"] = decision.updated_arguments
         if decision.kind == "tool":
-            payload.update(type="tool", tool_return=decision.tool_return, status=decision.status)
+            payload.update(tool_return=decision.tool_return, status=decision.status)
         try:
             await self._append_frame(entry.session, "approval_resolved", payload)
         finally:
