@@ -395,3 +395,39 @@ async def test_clients_learn_the_effective_approval_timeout(deployment: Deployme
 class _ClientStub:
     instance = INSTANCE
     session_key = f"mcp:{SESSION}"
+
+
+# -- over HTTP (tether users) ----------------------------------------------------------------
+
+
+async def test_http_route_answers_with_the_admin_token_only(deployment: Deployment) -> None:
+    async with deployment.embedded_http_server(INSTANCE) as server, trio.open_nursery() as nursery:
+        proc = InProcess(server.app, nursery)
+        owner, events, link = await gated_session(proc, deployment)
+        call = AgentCall(nursery, link, "delete_file", {"path": "/tmp/x"})
+        request = await events.wait_type("approval_request")
+        route = f"/v1/instances/{INSTANCE}/sessions/{SESSION}/approvals"
+        body = {"request_id": request["request_id"], "approve": False, "reason": "from the dashboard"}
+
+        async with server.rest(token=deployment.token(INSTANCE)) as sandbox:
+            refused = await sandbox.post(route, json=body)
+        assert refused.status_code == 403, refused.text
+        assert "only the HTTP admin token" in refused.json()["error"]["message"]
+        assert list(server.app.approvals.pending) == [request["request_id"]]
+
+        async with server.rest() as admin:
+            bad = await admin.post(route, json={"request_id": request["request_id"], "approve": True,
+                                                "updated_arguments": {"path": "/etc"}})
+            assert bad.status_code == 400 and "inputSchema" in bad.json()["error"]["message"]
+            unknown = await admin.post(f"/v1/instances/{INSTANCE}/sessions/s-nope/approvals", json=body)
+            assert unknown.status_code == 404
+            answered = await admin.post(route, json=body)
+            assert answered.status_code == 200, answered.text
+            assert answered.json() == {"resolved": True}
+            again = await admin.post(route, json=body)
+            assert again.json() == {"resolved": True, "already_resolved": True}
+        await call.outcome()
+        assert call.error is not None and "from the dashboard" in call.error.message
+        resolved = await events.wait_type("approval_resolved")
+        assert (resolved["who"], resolved["approve"]) == ("http", False)
+        nursery.cancel_scope.cancel()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 import mcp_types as types
@@ -253,25 +254,51 @@ class CallerTools:
 
     async def approval_response(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
         """Decide one approval (`request_id`, `approve`) or all of the session's (`approvals`)."""
-        single = "request_id" in args or "approve" in args
-        if single == ("approvals" in args):
+        self._check_answer_form(args)
+        session = self._approval_session(caller, args["session_id"], args.get("instance"))
+        return await self._answer_approvals(ctx, caller, caller.id, session, args)
+
+    async def approval_response_over_http(self, instance: str, args: dict[str, Any]) -> dict[str, Any]:
+        """The HTTP door (operator's bearer token): answer for the session's owning caller, `who` "http".
+
+        `args` is the tool's body with `session_id`; refused like the tool, with the same messages.
+        """
+        problem = first_problem(self._validators["approval_response"], args, "invalid body")
+        if problem:
+            raise RelayError(errors.INVALID_PARAMS, problem)
+        self._check_answer_form(args)
+        matches = self.sessions.find_by_id(args["session_id"], instance)
+        owned = [s for s in matches if s.owner is not None]
+        if not owned:
+            raise RelayError(errors.NOT_FOUND, f"session '{args['session_id']}' of instance '{instance}' has no approvals")
+        session = owned[0]
+        assert session.owner is not None
+        ctx = SimpleNamespace(protocol_version=None)
+        return await self._answer_approvals(ctx, session.owner, "http", session, args)
+
+    def _check_answer_form(self, args: dict[str, Any]) -> None:
+        if ("request_id" in args or "approve" in args) == ("approvals" in args):
             raise RelayError(
                 errors.INVALID_PARAMS, "give either 'request_id' and 'approve' (one decision) or 'approvals' (all of them)",
             )
         for field in ("reason", "updated_arguments", "approvals"):
             if args.get(field) is not None:
                 self.limits.check_value(args[field], field)
-        session = self._approval_session(caller, args["session_id"], args.get("instance"))
+
+    async def _answer_approvals(
+        self, ctx: Any, caller: CallerConnection, who: str, session: Session, args: dict[str, Any]
+    ) -> dict[str, Any]:
+        single = "approvals" not in args
         if single:
             if "request_id" not in args or "approve" not in args:
                 raise RelayError(errors.INVALID_PARAMS, "the single form needs both 'request_id' and 'approve'")
             decision = Decision(
-                approve=args["approve"], who=caller.id, reason=args.get("reason"),
+                approve=args["approve"], who=who, reason=args.get("reason"),
                 updated_arguments=args.get("updated_arguments"),
             )
             answered = await self.approvals.answer(caller, session.id, args["request_id"], decision)
         else:
-            answers = [(item["tool_call_id"], self._batch_decision(caller, item)) for item in args["approvals"]]
+            answers = [(item["tool_call_id"], self._batch_decision(who, item)) for item in args["approvals"]]
             answered = await self.approvals.answer_batch(caller, session, answers)
         after_seq = answered.pop("after_seq")
         wait = args.get("wait", False)
@@ -281,12 +308,10 @@ class CallerTools:
         return answered
 
     @staticmethod
-    def _batch_decision(caller: CallerConnection, item: dict[str, Any]) -> Decision:
+    def _batch_decision(who: str, item: dict[str, Any]) -> Decision:
         if item["type"] == "tool":
-            return Decision(
-                approve=True, who=caller.id, kind="tool", tool_return=item["tool_return"], status=item["status"],
-            )
-        return Decision(approve=item["approve"], who=caller.id, reason=item.get("reason"))
+            return Decision(approve=True, who=who, kind="tool", tool_return=item["tool_return"], status=item["status"])
+        return Decision(approve=item["approve"], who=who, reason=item.get("reason"))
 
     def _approval_session(self, caller: CallerConnection, session_id: str, instance: str | None) -> Session:
         matches = self.sessions.find_by_id(session_id, instance)
