@@ -111,10 +111,12 @@ class SandboxTools:
 
     def _caller_tool_deadline(self, tool: PublishedTool) -> float:
         """The link's request deadline, or longer for a tool whose own timeout is longer:
-        the server answers at the tool's timeout, so the client waits for that answer."""
+        the server answers at the tool's timeout, so the client waits for that answer. A gated
+        tool first waits for its approval (the server's effective approval timeout)."""
+        approval = (tool.approval_timeout_ms or 0) / 1000
         if tool.timeout_ms is None:
-            return self.link.request_timeout
-        return max(self.link.request_timeout, tool.timeout_ms / 1000 + CALLER_TOOL_MARGIN)
+            return self.link.request_timeout + approval
+        return max(self.link.request_timeout, tool.timeout_ms / 1000 + CALLER_TOOL_MARGIN) + approval
 
     async def call(self, name: str, arguments: Any) -> CallOutcome:
         """Validate and relay one call; every failure comes back as an outcome with a clear text."""

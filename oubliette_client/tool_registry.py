@@ -43,6 +43,8 @@ class PublishedTool:
     result_validator: Any = attrs.field(default=None, eq=False, repr=False)
     timeout_ms: int | None = None
     """A caller tool's own timeout (the caller's `timeout_ms`), so the relay request waits long enough."""
+    approval_timeout_ms: int | None = None
+    """A gated caller tool's approval timeout (the server sends its effective value): waited for first."""
 
     @property
     def caller_id(self) -> str:
@@ -156,6 +158,7 @@ class ToolRegistry:
             name=name, description=descriptor["description"], input_schema=schema, kind="caller",
             tool=spec.name, owner=caller_id, descriptor=descriptor,
             validator=validators[0], result_validator=validators[1], timeout_ms=spec.timeout_ms,
+            approval_timeout_ms=spec.approval_timeout_ms if spec.requires_approval else None,
         )
 
     def _toolset_tool(self, spec: ToolsetToolSpec) -> PublishedTool | None:

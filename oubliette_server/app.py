@@ -14,6 +14,7 @@ import trio
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
 from protocol.limits import Limits
 
+from .approvals import ApprovalService
 from .auth import TokenAuthority, ensure_private_dir
 from .caller_api import CallerTools, serve_stdio_caller
 from .caller_tool_relay import CallerCallRegistry, CallerToolRelay, cancel_unanswered_requests
@@ -43,7 +44,7 @@ class OublietteServer:
     Raises: `OSError` from `serve` when the relay address cannot be bound.
 
     The services are attributes, for embedding and tests: `store`, `sessions`, `frame_log`,
-    `callers`, `caller_tools` (with `calls`, its pending calls), `toolsets`, `guests`, `orphans`,
+    `callers`, `caller_tools` (with `calls`, its pending calls), `approvals`, `toolsets`, `guests`, `orphans`,
     `starter`, `tether`, `instances`, `tokens`. The toolset embedding API — `register_toolset`,
     `register_mcp_toolset`, `register_command_toolset`, `unregister_toolset`,
     `update_allowed_toolsets` — is `ToolsetService`'s (see its docstrings and docs/TOOLSETS.md).
@@ -73,7 +74,8 @@ class OublietteServer:
         self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self.starter.wake, limits=self.limits)
         self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
         self.calls = CallerCallRegistry(self.frame_log.append, config.caller_timeout)
-        self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls)
+        self.approvals = ApprovalService(self.frame_log.append, config.approval_timeout)
+        self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls, self.approvals)
         self.callers = CallerRegistry(on_closed=self._caller_closed)
         self.toolsets = ToolsetService(config.tool_separator, self.clients)
         # The toolset embedding API (docs/TOOLSETS.md) is the toolset service's own methods.
@@ -127,7 +129,7 @@ class OublietteServer:
         """The caller-facing tools, bound to this server's services (one per transport)."""
         return CallerTools(
             instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools,
-            frame_log=self.frame_log, store=self.store, tether=self.tether,
+            frame_log=self.frame_log, store=self.store, tether=self.tether, approvals=self.approvals,
             session_wait_limit=self.config.session_wait_limit, limits=self.limits,
         )
 
@@ -175,7 +177,8 @@ class OublietteServer:
         """The caller is gone: its pending calls fail now and it follows no session."""
         self.sessions.drop_sink(caller)
         failed = self.calls.fail_caller(caller)
-        log.info("%r disconnected; %d pending call(s) failed", caller, failed)
+        denied = self.approvals.fail_caller(caller)
+        log.info("%r disconnected; %d pending call(s) failed, %d approval(s) denied", caller, failed, denied)
 
     def connected_instances(self) -> list[str]:
         """The instances with a live guest or client connection, sorted."""

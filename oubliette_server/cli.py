@@ -1,6 +1,6 @@
 """`oubliette-server`: serve callers on stdio and sandboxes on the relay socket; or print a token.
 
-    oubliette-server [--relay unix:PATH] [--data-dir DIR] [--caller-timeout SECONDS]
+    oubliette-server [--relay unix:PATH] [--data-dir DIR] [--caller-timeout SECONDS] [--approval-timeout SECONDS]
     oubliette-server [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE]
     oubliette-server token INSTANCE [--data-dir DIR]
     oubliette-server http-token [--data-dir DIR]
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
+from .approvals import DEFAULT_APPROVAL_TIMEOUT
 from .config import DEFAULT_CALLER_TIMEOUT, ServerConfig, default_data_dir, load_config_file
 
 
@@ -37,6 +38,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--caller-timeout", type=_positive_seconds, default=None,
         help=f"seconds a relayed caller tool call waits for the caller (default {DEFAULT_CALLER_TIMEOUT:g}; per tool: timeout_ms)",
+    )
+    parser.add_argument(
+        "--approval-timeout", type=_positive_seconds, default=None,
+        help=f"seconds a gated call waits for its approval before it is denied (default {DEFAULT_APPROVAL_TIMEOUT:g}; "
+        "per tool: approval_timeout_ms)",
     )
     parser.add_argument(
         "--http", action="append", default=None, metavar="HOST:PORT|unix:PATH",
@@ -85,6 +91,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     settings["caller_timeout"] = float(
         args.caller_timeout if args.caller_timeout is not None else settings.get("caller_timeout", DEFAULT_CALLER_TIMEOUT)
     )
+    if args.approval_timeout is not None:
+        settings["approval_timeout"] = float(args.approval_timeout)
     if args.http:
         settings["http"] = args.http
     if args.allowed_host:

@@ -12,6 +12,8 @@ import attrs
 
 from protocol.limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_PAYLOAD_BYTES, Limits
 
+from .approvals import DEFAULT_APPROVAL_TIMEOUT
+
 DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
 DEFAULT_START_TIMEOUT = 60.0
@@ -36,6 +38,8 @@ class ServerConfig:
     """`unix:PATH` or `tcp:HOST:PORT`; None means `unix:<data_dir>/relay.sock`."""
     caller_timeout: float = DEFAULT_CALLER_TIMEOUT
     """Seconds a relayed caller tool call waits for the caller (per tool: `timeout_ms`)."""
+    approval_timeout: float = DEFAULT_APPROVAL_TIMEOUT
+    """Seconds a gated call waits for its approval before it is denied (per tool: `approval_timeout_ms`)."""
     store_path: str | None = None
     """SQLite file of the frame log; None means `<data_dir>/frames.sqlite3`."""
     retention_frames: int | None = 100_000
@@ -101,7 +105,7 @@ class ServerConfig:
 
 
 SERVER_KEYS = {
-    "relay": str, "data_dir": str, "caller_timeout": (int, float), "store_path": str,
+    "relay": str, "data_dir": str, "caller_timeout": (int, float), "approval_timeout": (int, float), "store_path": str,
     "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
     "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
     "max_payload_bytes": int, "max_payload_depth": int,

@@ -321,6 +321,45 @@ class TetherRoutes:
         )
 
 
+class ApprovalRoutes:
+    """`POST /v1/instances/{id}/sessions/{session_id}/approvals`: `approval_response` over HTTP.
+
+    The body is the tool's (the single form or the `approvals` batch, `wait` too) without
+    `session_id`. Only the operator answers here: the HTTP admin token on TCP, or a Unix socket
+    listener (file mode 0600). An instance token, which its sandbox holds, is refused: an agent
+    must never approve its own calls.
+    """
+
+    def __init__(self, tools: CallerTools, verify_token: VerifyToken) -> None:
+        self.tools = tools
+        self.verify_token = verify_token
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/instances/{instance}/sessions/{session_id}/approvals", self.answer, methods=["POST"])]
+
+    async def answer(self, request: Request) -> Response:
+        token = request.scope.get("state", {}).get("oubliette_token")
+        if request.scope.get("server") is not None and not (token and self.verify_token(HTTP_ADMIN, token)):
+            return error_response(RelayError(errors.DENIED, "only the HTTP admin token may answer approvals"))
+        try:
+            body = await TetherRoutes._json_body(request)
+            if not isinstance(body, dict):
+                raise RelayError(errors.INVALID_PARAMS, "the body must be a JSON object")
+            args = {**body, "session_id": request.path_params["session_id"]}
+            answered = await _unless_disconnected(
+                request, lambda: self.tools.approval_response_over_http(request.path_params["instance"], args),
+            )
+        except BodyTooLarge as err:
+            return error_response(err, 413)
+        except LimitExceeded as err:
+            return error_response(err, 413 if err.is_size else 400)
+        except RelayError as err:
+            return error_response(err)
+        if answered is None:
+            return Response(status_code=499)
+        return JSONResponse(answered)
+
+
 class HttpApi:
     """Builds the ASGI app and serves it on the configured listeners.
 
@@ -428,7 +467,10 @@ class HttpApi:
                 allowed_hosts=allowed,
                 allowed_origins=[f"http://{host}" for host in allowed] + [f"https://{host}" for host in allowed],
             ),
-            custom_starlette_routes=TetherRoutes(self.tether, self.instances).routes(),
+            custom_starlette_routes=[
+                *TetherRoutes(self.tether, self.instances).routes(),
+                *ApprovalRoutes(self.tools, self.verify_token).routes(),
+            ],
         )
         return BearerAuth(StreamWatch(starlette, self._standalone_stream_dropped), self.verify_token)
 

@@ -127,6 +127,7 @@ class CallerToolSpec:
     requires_approval: bool = False
     timeout_ms: int | None = None
     resultSchema: dict[str, Any] | None = None  # when given, the caller's result must match it
+    approval_timeout_ms: int | None = None  # with requires_approval: how long a decision may take
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -71,6 +71,7 @@ CALLER_TOOL_SPEC_SCHEMA: dict[str, Any] = obj(
         "requires_approval": {"type": "boolean"},
         "timeout_ms": {"type": "integer", "minimum": 1},
         "resultSchema": OPT_OBJECT,
+        "approval_timeout_ms": {"type": "integer", "minimum": 1},
     },
 )
 

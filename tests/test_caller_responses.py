@@ -338,19 +338,3 @@ async def test_default_timeout_ends_a_call_after_60_seconds(deployment: Deployme
         assert "60 s" in outcome["error"].message
         assert proc.server.calls.pending == {}
 
-
-async def test_a_caller_tool_that_requires_approval_is_refused_until_approvals_exist(deployment: Deployment) -> None:
-    """Fail closed: a tool its owner marked as needing approval must never run without one."""
-    async with in_process(deployment) as proc:
-        caller, _ = proc.open_caller()
-        gated = dict(NOTIFY, requires_approval=True)
-        result = await proc.call(caller, "session_message", {
-            "instance": INSTANCE, "session_id": SESSION, "message": "hi",
-            "context": {"caller_id": "myapp", "caller_tools": [gated]},
-        })
-        assert result.is_error
-        assert "'send_notification' declare requires_approval: true" in text_of(result)
-        assert "nothing was declared" in text_of(result)
-        assert proc.server.store.last_seq(INSTANCE) == 0, "no message was stored for the refused declaration"
-        session = proc.server.sessions.get(INSTANCE, "mcp", SESSION)
-        assert session is None or not session.caller_tools

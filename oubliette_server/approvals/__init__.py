@@ -1,5 +1,10 @@
-"""Approvals (seed 002): the room for approval requests, decisions and their timeouts.
+"""Approvals (seed 002): approval requests, their decisions and their timeouts.
 
-Empty until the approvals issue lands; a caller tool declared with `requires_approval`
-is refused at declaration until then (fail closed).
+- `service`: `ApprovalService`, one pending entry per gated call, ended by exactly one
+  decision (the owning caller's answer, the timeout, the caller's disconnect, the agent's
+  cancel), each recorded as an `approval_resolved` frame.
 """
+
+from .service import DEFAULT_APPROVAL_TIMEOUT, ApprovalService, Decision, PendingApproval
+
+__all__ = ["DEFAULT_APPROVAL_TIMEOUT", "ApprovalService", "Decision", "PendingApproval"]

@@ -63,6 +63,54 @@ CALLER_TOOL_RESPONSE: dict[str, Any] = {
     "additionalProperties": False,
 }
 
+_WAIT: dict[str, Any] = {
+    "description": "true: wait until the turn ends; a number: wait at most that many seconds.",
+    "oneOf": [{"type": "boolean"}, {"type": "number", "minimum": 0}],
+}
+_REASON: dict[str, Any] = {"type": ["string", "null"], "description": "Why; the agent sees it on a denial."}
+_APPROVAL_ITEM: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "approval"},
+        "tool_call_id": {"type": "string", "minLength": 1, "description": "The approval's request_id."},
+        "approve": {"type": "boolean"},
+        "reason": _REASON,
+    },
+    "required": ["type", "tool_call_id", "approve"],
+    "additionalProperties": False,
+}
+_TOOL_RETURN_ITEM: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "tool"},
+        "tool_call_id": {"type": "string", "minLength": 1, "description": "The approval's request_id."},
+        "tool_return": {"description": "The client-side tool's result (any JSON; the error text when status is error)."},
+        "status": {"enum": ["success", "error"]},
+    },
+    "required": ["type", "tool_call_id", "tool_return", "status"],
+    "additionalProperties": False,
+}
+APPROVAL_RESPONSE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "session_id": SESSION_ID,
+        "instance": INSTANCE,
+        "request_id": {"type": "string", "minLength": 1, "description": "The approval_request's request_id."},
+        "approve": {"type": "boolean"},
+        "reason": _REASON,
+        "updated_arguments": {"type": "object", "description": "On approve: the arguments to run the tool with instead."},
+        "approvals": {
+            "type": "array", "minItems": 1,
+            "description": "Letta's batch form: one answer for each pending approval of the session.",
+            "items": {"oneOf": [_APPROVAL_ITEM, _TOOL_RETURN_ITEM]},
+        },
+        "wait": _WAIT,
+        "owner_key": OWNER_KEY,
+    },
+    "required": ["session_id"],
+    "additionalProperties": False,
+}
+
 SESSION_EVENTS: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -158,11 +206,23 @@ RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
             "stop_reason": {"enum": ["end_turn", "requires_approval", "error", "timeout"]},
             "text": {"type": "string"},
             "pending": {"type": "array", "items": {"type": "object"}},
+            "approval_requests": {"type": "array", "items": {"type": "object"}},
         },
         "required": ["session_id", "instance", "msg_id", "ingress_seq"],
     },
     "caller_tool_response": {
         "type": "object", "properties": {"resolved": {"const": True}}, "required": ["resolved"],
+    },
+    "approval_response": {
+        "type": "object",
+        "properties": {
+            "resolved": {"const": True}, "already_resolved": {"type": "boolean"}, "msg_id": {"type": "string"},
+            "stop_reason": {"enum": ["end_turn", "requires_approval", "error", "timeout"]},
+            "text": {"type": "string"},
+            "pending": {"type": "array", "items": {"type": "object"}},
+            "approval_requests": {"type": "array", "items": {"type": "object"}},
+        },
+        "required": ["resolved"],
     },
     "session_events": _FRAMES_RESULT,
     "tether_send": {
@@ -175,6 +235,7 @@ RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
 SAFETY: dict[str, str] = {
     "session_message": "appends a user.message to the instance's log and may wake the instance",
     "caller_tool_response": "resolves one pending caller tool request of your own session",
+    "approval_response": "decides pending approval requests of your own session: an approval lets the agent's call run",
     "session_events": "read-only",
     "tether_send": "appends a user.message on channel host and may wake the instance",
     "tether_read": "read-only",

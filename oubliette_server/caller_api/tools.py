@@ -1,4 +1,5 @@
-"""The caller-facing MCP tools: `session_message`, `caller_tool_response`, `session_events`, tether.
+"""The caller-facing MCP tools: `session_message`, `caller_tool_response`, `approval_response`,
+`session_events`, tether.
 
 Thin adapters: each handler checks its arguments against the tool's schema and
 calls the feature service that does the work (caller tool relay, frame log,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 import mcp_types as types
@@ -21,6 +23,7 @@ from protocol.descriptors import DESCRIPTOR_META_KEY, build_descriptor
 from protocol.limits import Limits
 from protocol.schema_check import first_problem
 
+from ..approvals import ApprovalService, Decision
 from ..caller_tool_relay import CallerToolRelay
 from ..callers import CallerConnection, RequestScopedSink
 from ..frame_log import FrameLog
@@ -80,7 +83,7 @@ class CallerTools:
     """The caller-facing tool table and its handlers.
 
     Needs: the instance directory, sessions, the caller tool relay, the frame log, the store
-    (turn waits), the tether, the longest `wait` a `session_message` may ask for, and the
+    (turn waits), the tether, the approval service, the longest `wait` a `session_message` may ask for, and the
     limits: each handler checks the caller's own values first, so a refusal stores nothing.
     """
 
@@ -93,6 +96,7 @@ class CallerTools:
         frame_log: FrameLog,
         store: FrameStore,
         tether: Tether,
+        approvals: ApprovalService,
         session_wait_limit: float,
         limits: Limits | None = None,
     ) -> None:
@@ -102,6 +106,7 @@ class CallerTools:
         self.frame_log = frame_log
         self.store = store
         self.tether = tether
+        self.approvals = approvals
         self.session_wait_limit = session_wait_limit
         self.limits = limits or Limits()
         self.tools: dict[str, tuple[types.Tool, ToolHandler]] = {}
@@ -117,6 +122,14 @@ class CallerTools:
             "caller_tool_response",
             "Answer a caller_tool_request with its result, or with error text.",
             schemas.CALLER_TOOL_RESPONSE, self.caller_tool_response,
+        )
+        self.add(
+            "approval_response",
+            "Decide an approval_request: approve (optionally with updated_arguments) or deny with a reason. "
+            "Or answer every pending approval of the session at once with approvals: [{type: 'approval', "
+            "tool_call_id, approve, reason?} | {type: 'tool', tool_call_id, tool_return, status}] (a tool "
+            "return is a client-side tool's result). With wait, continue waiting on the turn.",
+            schemas.APPROVAL_RESPONSE, self.approval_response,
         )
         self.add(
             "session_events",
@@ -212,6 +225,7 @@ class CallerTools:
             self.limits.check_value(args["context"], "context")
         instance = self.instances.resolve(args.get("instance"))
         session = self._open_session(instance, args.get("session_id"), caller)
+        self._refuse_while_approval_pending(session)
         context = args.get("context")
         if context is not None:
             tools = [structure(tool, CallerToolSpec) for tool in context.get("caller_tools", [])]
@@ -231,9 +245,26 @@ class CallerTools:
         result.update(await self._wait_for_turn(ctx, caller, session, frame.msg_id, frame.seq, seconds))
         return result
 
+    def _wait_seconds(self, wait: Any) -> float:
+        limit = self.session_wait_limit
+        return limit if wait is True else min(float(wait), limit)
+
+    def _refuse_while_approval_pending(self, session: Session | None) -> None:
+        """PENDING_APPROVAL: a session whose turn waits on a decision takes no new message."""
+        pending = self.approvals.pending_for(session) if session is not None else []
+        if pending:
+            ids = ", ".join(p.request_id for p in pending)
+            raise RelayError(
+                errors.INVALID_REQUEST,
+                f"PENDING_APPROVAL: session '{session.id}' is waiting on approval request(s) {ids}; "  # type: ignore[union-attr]
+                "answer them with approval_response before sending a new message",
+            )
+
     async def _wait_for_turn(
-        self, ctx: Any, caller: CallerConnection, session: Session, msg_id: str, after_seq: int, seconds: float
+        self, ctx: Any, caller: CallerConnection, session: Session, msg_id: str | None, after_seq: int, seconds: float
     ) -> dict[str, Any]:
+        """Wait for the turn's end (the first one after `after_seq` when `msg_id` is None) or for a
+        pending approval in the session, whichever comes first, at most `seconds`."""
         query = FrameQuery(
             channel=session.channel, session_id=session.id, after_seq=after_seq,
             types=TURN_END_TYPES, reply_to=msg_id, limit=1,
@@ -241,7 +272,7 @@ class CallerTools:
         modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
         gone = stream_gone(ctx)
         dropped = False
-        frames: list[Any] = []
+        frames: list[Any] | None = []
         ended = False
         try:
             async with trio.open_nursery() as nursery:
@@ -263,7 +294,7 @@ class CallerTools:
 
                     nursery.start_soon(watch)
                 try:
-                    frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
+                    frames = await self._first_stop(session, query, seconds)
                 finally:
                     if sink is not None:
                         session.sinks.discard(follower)
@@ -279,12 +310,36 @@ class CallerTools:
         pending = [
             {"request_id": p.request_id, "tool": p.tool} for p in self.caller_tools.pending.pending_for(session)
         ]
+        approvals = [p.summary() for p in self.approvals.pending_for(session)]
+        pending.extend({"kind": "approval", **a} for a in approvals)
+        if frames is None:
+            return {"stop_reason": "requires_approval", "text": "", "pending": pending, "approval_requests": approvals}
         if not frames:
             return {"stop_reason": "timeout", "text": "", "pending": pending}
         end = frames[0]
+        turn = {"msg_id": end.reply_to} if msg_id is None and end.reply_to else {}
         if end.type == "session.error":
-            return {"stop_reason": "error", "text": end.payload.get("message", ""), "pending": pending}
-        return {"stop_reason": "end_turn", "text": end.payload.get("text", ""), "pending": pending}
+            return {"stop_reason": "error", "text": end.payload.get("message", ""), "pending": pending, **turn}
+        return {"stop_reason": "end_turn", "text": end.payload.get("text", ""), "pending": pending, **turn}
+
+    async def _first_stop(self, session: Session, query: FrameQuery, seconds: float) -> list[Any] | None:
+        """The turn's end frames ([] on timeout), or None when an approval became pending first."""
+        stop: list[Any] = []
+        async with trio.open_nursery() as race:
+
+            async def turn_end() -> None:
+                frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
+                stop.append(frames)
+                race.cancel_scope.cancel()
+
+            async def approval() -> None:
+                await self.approvals.wait_pending(session)
+                stop.append(None)
+                race.cancel_scope.cancel()
+
+            race.start_soon(turn_end)
+            race.start_soon(approval)
+        return stop[0]
 
     def _waiting_caller_left(self, caller: CallerConnection, session: Session) -> None:
         failed = self.caller_gone(caller, session)
@@ -312,6 +367,79 @@ class CallerTools:
             caller, args["session_id"], args["request_id"], result=args.get("result"), error=args.get("error"),
         )
         return {"resolved": True}
+
+    # -- approval_response ---------------------------------------------------------------
+
+    async def approval_response(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        """Decide one approval (`request_id`, `approve`) or all of the session's (`approvals`)."""
+        self._check_answer_form(args)
+        session = self._approval_session(caller, args["session_id"], args.get("instance"))
+        return await self._answer_approvals(ctx, caller, caller.id, session, args)
+
+    async def approval_response_over_http(self, instance: str, args: dict[str, Any]) -> dict[str, Any]:
+        """The HTTP door (operator's bearer token): answer for the session's owning caller, `who` "http".
+
+        `args` is the tool's body with `session_id`; refused like the tool, with the same messages.
+        """
+        problem = first_problem(self._validators["approval_response"], args, "invalid body")
+        if problem:
+            raise RelayError(errors.INVALID_PARAMS, problem)
+        self._check_answer_form(args)
+        matches = self.sessions.find_by_id(args["session_id"], instance)
+        owned = [s for s in matches if s.owner is not None]
+        if not owned:
+            raise RelayError(errors.NOT_FOUND, f"session '{args['session_id']}' of instance '{instance}' has no approvals")
+        session = owned[0]
+        assert session.owner is not None
+        ctx = SimpleNamespace(protocol_version=None)
+        return await self._answer_approvals(ctx, session.owner, "http", session, args)
+
+    def _check_answer_form(self, args: dict[str, Any]) -> None:
+        if ("request_id" in args or "approve" in args) == ("approvals" in args):
+            raise RelayError(
+                errors.INVALID_PARAMS, "give either 'request_id' and 'approve' (one decision) or 'approvals' (all of them)",
+            )
+        for field in ("reason", "updated_arguments", "approvals"):
+            if args.get(field) is not None:
+                self.limits.check_value(args[field], field)
+
+    async def _answer_approvals(
+        self, ctx: Any, caller: CallerConnection, who: str, session: Session, args: dict[str, Any]
+    ) -> dict[str, Any]:
+        single = "approvals" not in args
+        if single:
+            if "request_id" not in args or "approve" not in args:
+                raise RelayError(errors.INVALID_PARAMS, "the single form needs both 'request_id' and 'approve'")
+            decision = Decision(
+                approve=args["approve"], who=who, reason=args.get("reason"),
+                updated_arguments=args.get("updated_arguments"),
+            )
+            answered = await self.approvals.answer(caller, session.id, args["request_id"], decision)
+        else:
+            answers = [(item["tool_call_id"], self._batch_decision(who, item)) for item in args["approvals"]]
+            answered = await self.approvals.answer_batch(caller, session, answers)
+        after_seq = answered.pop("after_seq")
+        wait = args.get("wait", False)
+        if wait is False:
+            return answered
+        answered.update(await self._wait_for_turn(ctx, caller, session, None, after_seq, self._wait_seconds(wait)))
+        return answered
+
+    @staticmethod
+    def _batch_decision(who: str, item: dict[str, Any]) -> Decision:
+        if item["type"] == "tool":
+            return Decision(approve=True, who=who, kind="tool", tool_return=item["tool_return"], status=item["status"])
+        return Decision(approve=item["approve"], who=who, reason=item.get("reason"))
+
+    def _approval_session(self, caller: CallerConnection, session_id: str, instance: str | None) -> Session:
+        matches = self.sessions.find_by_id(session_id, instance)
+        if len(matches) > 1:
+            matches = [s for s in matches if s.owner is caller] or matches
+        if not matches:
+            raise RelayError(errors.NOT_FOUND, f"unknown session '{session_id}'")
+        if len(matches) > 1:
+            raise RelayError(errors.INVALID_PARAMS, f"session '{session_id}' exists in several instances; pass 'instance'")
+        return matches[0]
 
     # -- session_events ------------------------------------------------------------------
 

@@ -8,11 +8,15 @@ an unbound one sees, per caller id, the session declared last.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
+import attrs
+
 from protocol import CallerToolSpec, RelayError, SessionRef, errors, messages, unstructure
 
+from ..approvals import ApprovalService
 from ..callers import CallerConnection
 from ..client_connections import ClientConnections, ClientPeer
 from ..sessions import Session, SessionRegistry
@@ -24,33 +28,30 @@ log = logging.getLogger("oubliette.server.caller_tools")
 class CallerToolRelay:
     """Declares caller tools to the agents and relays their calls to the declaring caller.
 
-    Needs: the session registry, the client connections (to push configurations to) and the
-    pending-call registry (which appends the request and outcome frames).
-    Raises: `RelayError(NOT_FOUND)` for a tool the connection cannot see.
+    Needs: the session registry, the client connections (to push configurations to), the
+    pending-call registry (which appends the request and outcome frames) and the approval
+    service (gated tools).
+    Raises: `RelayError(NOT_FOUND)` for a tool the connection cannot see; `RelayError(DENIED)`
+    for a gated call that was not approved.
     """
 
-    def __init__(self, sessions: SessionRegistry, clients: ClientConnections, pending: CallerCallRegistry) -> None:
+    def __init__(
+        self, sessions: SessionRegistry, clients: ClientConnections, pending: CallerCallRegistry, approvals: ApprovalService,
+    ) -> None:
         self.sessions = sessions
         self.clients = clients
         self.pending = pending
+        self.approvals = approvals
 
     async def declare(
         self, session: Session, caller: CallerConnection, caller_id: str, tools: list[CallerToolSpec]
     ) -> None:
         """Make `caller` the owner of `session`'s caller tools and tell the clients that see them.
 
-        Raises `RelayError(INVALID_PARAMS)`, declaring nothing, for a tool that asks for an
-        approval: approvals do not exist yet, and running such a tool without one would be worse
-        than refusing it (fail closed).
+        A tool with `requires_approval` is gated (see `call`); the clients get its effective
+        approval timeout, so they wait for the decision as long as the server does.
         """
-        gated = [tool.name for tool in tools if tool.requires_approval]
-        if gated:
-            raise RelayError(
-                errors.INVALID_PARAMS,
-                f"caller tool(s) {', '.join(repr(n) for n in gated)} declare requires_approval: true, which this "
-                "server cannot enforce yet; nothing was declared. Declare them without requires_approval only if "
-                "they may run without an approval.",
-            )
+        tools = [self._with_approval_timeout(tool) for tool in tools]
         session.declare_caller_tools(caller, caller_id, tools)
         config = unstructure(messages.CallerToolsConfig(session_id=session.id, caller_id=caller_id, tools=tools))
         for connection in self.clients.of_instance(session.instance):
@@ -82,10 +83,37 @@ class CallerToolRelay:
             for session in self.sessions_visible_to(connection)
         ]
 
+    def _with_approval_timeout(self, tool: CallerToolSpec) -> CallerToolSpec:
+        if not tool.requires_approval or tool.approval_timeout_ms is not None:
+            return tool
+        return attrs.evolve(tool, approval_timeout_ms=max(1, round(self.approvals.default_timeout * 1000)))
+
     async def call(self, connection: ClientPeer, call: messages.CallerToolCall) -> messages.CallerToolResult:
-        """The `caller_tool` relay method: find the tool, relay it, return the caller's answer."""
+        """The `caller_tool` relay method: find the tool, relay it, return the caller's answer.
+
+        A gated tool (`requires_approval`) waits for the owning caller's decision first; nothing
+        is relayed before it. Denied (by the caller, the timeout, a disconnect): `RelayError(DENIED)`
+        with the reason. A client-side tool answered directly (a tool return) is the result, with
+        no `caller_tool_request` round trip.
+        """
         session, spec = self._find(connection, call)
-        result = await self.pending.relay(session, spec, call.arguments)
+        arguments = call.arguments
+        if spec.requires_approval:
+            published = f"{session.caller_id}_{spec.name}"
+            decision = await self.approvals.request(
+                session, published, arguments, origin="caller", caller=session.owner,
+                timeout=spec.approval_timeout_ms / 1000 if spec.approval_timeout_ms else None,
+                input_schema=spec.inputSchema, allows_tool_return=True,
+            )
+            if decision.kind == "tool":
+                if decision.status == "error":
+                    raise RelayError(errors.TOOL_ERROR, _text(decision.tool_return))
+                return messages.CallerToolResult(result=self.pending.check_result(spec, decision.tool_return))
+            if not decision.approve:
+                raise RelayError(errors.DENIED, f"'{published}' was denied: {decision.reason or 'no reason given'}")
+            if decision.updated_arguments is not None:
+                arguments = decision.updated_arguments
+        result = await self.pending.relay(session, spec, arguments)
         return messages.CallerToolResult(result=result)
 
     def _find(self, connection: ClientPeer, call: messages.CallerToolCall) -> tuple[Session, CallerToolSpec]:
@@ -98,3 +126,8 @@ class CallerToolRelay:
                 return session, spec
         who = f"caller '{call.caller_id}'" if call.caller_id else "any caller"
         raise RelayError(errors.NOT_FOUND, f"unknown caller tool '{call.tool}' for {who} of this session")
+
+
+def _text(value: Any) -> str:
+    """A tool return as the agent's error text: strings as they are, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)

@@ -112,13 +112,18 @@ class CallerCallRegistry:
             self._pending.pop(request_id, None)
         if call.error is not None:
             raise call.error
+        return self.check_result(spec, call.result)
+
+    @staticmethod
+    def check_result(spec: CallerToolSpec, result: Any) -> Any:
+        """`result`, or `RelayError(TOOL_ERROR)` when it does not match the tool's `resultSchema`."""
         if spec.resultSchema is not None:
             problem = schema_problem(
-                spec.resultSchema, call.result, f"the result of caller tool '{spec.name}' does not match its resultSchema",
+                spec.resultSchema, result, f"the result of caller tool '{spec.name}' does not match its resultSchema",
             )
             if problem:
                 raise RelayError(errors.TOOL_ERROR, problem)
-        return call.result
+        return result
 
     def fail_caller(self, caller: CallerConnection, session: Session | None = None) -> int:
         """The caller's connection (or its stream in `session`) ended: every call waiting on it there fails now."""

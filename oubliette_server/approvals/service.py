@@ -1,0 +1,341 @@
+"""Pending approvals: one entry per gated call, ended by exactly one decision.
+
+A gated call (a caller tool declared with `requires_approval`) asks `ApprovalService.request`
+for a decision before anything runs. The service appends an `approval_request` frame (the frame
+log pushes it to the session's followers, the owning caller among them) and waits in a Trio
+cancel scope. Exactly one of these ends the wait: the owning caller's answer (`answer`,
+`answer_batch`), the approval timeout, the owning caller's connection ending (`fail_caller`), or
+the agent cancelling (the waiting task is cancelled). Every decision becomes one
+`approval_resolved` frame, appended by the waiting task, so it always comes before whatever the
+decision lets run. Anything but an answer fails closed: the call is denied with the reason.
+
+A session's turn waits (`session_message` with `wait`) learn of a new pending approval through
+`wait_pending`, woken by a per-session `trio.Event`, never by polling.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import secrets
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
+
+import attrs
+import trio
+
+from protocol import RelayError, errors
+from protocol.schema_check import schema_problem
+
+from ..sessions import Session
+
+if TYPE_CHECKING:
+    from ..callers import CallerConnection
+
+log = logging.getLogger("oubliette.server.approvals")
+
+DEFAULT_APPROVAL_TIMEOUT = 600.0
+RESOLVED_MEMORY = 10_000
+
+Origin = Literal["caller", "toolset", "agent"]
+AppendFn = Callable[..., Awaitable[Any]]
+
+
+@attrs.frozen
+class Decision:
+    """How an approval ended. `kind` "tool" is a client-side tool's own result (`tool_return`, `status`)."""
+
+    approve: bool
+    who: str
+    reason: str | None = None
+    kind: Literal["approval", "tool"] = "approval"
+    updated_arguments: dict[str, Any] | None = None
+    tool_return: Any = None
+    status: Literal["success", "error"] | None = None
+
+    def describe(self) -> str:
+        if self.kind == "tool":
+            return f"answered with a tool return ({self.status})"
+        verdict = "approved" if self.approve else "denied"
+        return verdict if self.who.startswith("caller") else f"{verdict} ({self.who})"
+
+    def same_answer_as(self, other: Decision) -> bool:
+        """An identical re-answer (a retry): the same verdict, and for a tool return the same return."""
+        if self.kind != other.kind or self.approve != other.approve:
+            return False
+        if self.kind == "tool":
+            return self.status == other.status and self.tool_return == other.tool_return
+        return self.updated_arguments == other.updated_arguments or other.updated_arguments is None
+
+
+@attrs.define(eq=False)
+class PendingApproval:
+    request_id: str
+    session: Session
+    tool_name: str
+    arguments: dict[str, Any]
+    origin: Origin
+    caller: CallerConnection | None
+    expires_at: str
+    input_schema: dict[str, Any] | None = None
+    allows_tool_return: bool = False
+    frame_seq: int = 0
+    decision: Decision | None = None
+    done: trio.Event = attrs.field(factory=trio.Event)
+    recorded: trio.Event = attrs.field(factory=trio.Event)
+
+    def summary(self) -> dict[str, Any]:
+        """What a caller must answer: the `approval_requests` entry of a turn stop."""
+        return {
+            "request_id": self.request_id, "tool_name": self.tool_name, "arguments": self.arguments,
+            "origin": self.origin, "expires_at": self.expires_at,
+        }
+
+
+@attrs.frozen
+class _Finished:
+    session_id: str
+    caller: Any
+    decision: Decision
+    frame_seq: int
+    recorded: trio.Event
+
+
+def _iso_in(seconds: float) -> str:
+    moment = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class ApprovalService:
+    """The pending approvals of the whole server, by request id.
+
+    Needs: the frame log's `append` (frames go to the store, then to the session's followers)
+    and the default approval timeout in seconds. Long-lived state only; it runs no tasks: each
+    pending approval is waited for by the task of the call it gates.
+    Raises (from `answer`, `answer_batch`): `RelayError` with a message naming the request ids
+    for an unknown id, another caller, a wrong session, a contradicting re-answer, an answer the
+    request cannot take, or updated arguments that fail the tool's schema; the approval then
+    stays pending.
+    """
+
+    def __init__(self, append_frame: AppendFn, default_timeout: float = DEFAULT_APPROVAL_TIMEOUT) -> None:
+        self._append_frame = append_frame
+        self.default_timeout = default_timeout
+        self._pending: dict[str, PendingApproval] = {}
+        self._finished: collections.OrderedDict[str, _Finished] = collections.OrderedDict()
+        self._changed: dict[int, trio.Event] = {}
+
+    # -- what is pending ---------------------------------------------------------------
+
+    @property
+    def pending(self) -> dict[str, PendingApproval]:
+        return self._pending
+
+    def pending_for(self, session: Session) -> list[PendingApproval]:
+        return [p for p in self._pending.values() if p.session is session and p.decision is None and p.frame_seq]
+
+    async def wait_pending(self, session: Session) -> list[PendingApproval]:
+        """Return the session's pending approvals as soon as there is at least one."""
+        while True:
+            pending = self.pending_for(session)
+            if pending:
+                return pending
+            event = self._changed.get(id(session))
+            if event is None:
+                event = self._changed[id(session)] = trio.Event()
+            await event.wait()
+
+    def _notify(self, session: Session) -> None:
+        event = self._changed.pop(id(session), None)
+        if event is not None:
+            event.set()
+
+    # -- the gated call's side -----------------------------------------------------------
+
+    async def request(
+        self,
+        session: Session,
+        tool_name: str,
+        arguments: dict[str, Any],
+        *,
+        origin: Origin,
+        caller: CallerConnection | None,
+        timeout: float | None = None,
+        input_schema: dict[str, Any] | None = None,
+        allows_tool_return: bool = False,
+    ) -> Decision:
+        """Ask `caller` to decide on the call and wait for exactly one decision.
+
+        Cancellation: the approval is decided "cancelled" (denied), its `approval_resolved`
+        frame is appended under a shield, and `Cancelled` propagates.
+        """
+        seconds = self.default_timeout if timeout is None else timeout
+        entry = PendingApproval(
+            request_id="apr-" + secrets.token_hex(8), session=session, tool_name=tool_name,
+            arguments=arguments, origin=origin, caller=caller, expires_at=_iso_in(seconds),
+            input_schema=input_schema, allows_tool_return=allows_tool_return,
+        )
+        self._pending[entry.request_id] = entry
+        try:
+            frame = await self._append_frame(session, "approval_request", entry.summary())
+            entry.frame_seq = frame.seq
+            self._notify(session)
+            if entry.decision is None and (caller is None or caller.closed.is_set()):
+                self._decide(entry, Decision(
+                    approve=False, who="disconnect",
+                    reason=f"the caller that owns '{tool_name}' is not connected; nobody can approve it",
+                ))
+            else:
+                with trio.move_on_after(seconds):
+                    await entry.done.wait()
+                if entry.decision is None:
+                    self._decide(entry, Decision(
+                        approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)",
+                    ))
+            await self._record(entry)
+        except trio.Cancelled:
+            if entry.decision is None:
+                self._decide(entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"))
+            if not entry.recorded.is_set():
+                with trio.CancelScope(shield=True):
+                    await self._record(entry)
+            raise
+        finally:
+            self._pending.pop(entry.request_id, None)
+            entry.recorded.set()  # never leave an answerer waiting, even if recording failed
+        assert entry.decision is not None
+        return entry.decision
+
+    def fail_caller(self, caller: CallerConnection) -> int:
+        """The caller's connection ended: every approval it owns is denied now."""
+        failed = 0
+        for entry in list(self._pending.values()):
+            if entry.caller is caller and entry.decision is None:
+                self._decide(entry, Decision(
+                    approve=False, who="disconnect", reason="the caller disconnected before deciding",
+                ))
+                failed += 1
+        return failed
+
+    def _decide(self, entry: PendingApproval, decision: Decision) -> None:
+        entry.decision = decision
+        self._finished[entry.request_id] = _Finished(
+            entry.session.id, entry.caller, decision, entry.frame_seq, entry.recorded,
+        )
+        while len(self._finished) > RESOLVED_MEMORY:
+            self._finished.popitem(last=False)
+        entry.done.set()
+        self._notify(entry.session)
+
+    async def _record(self, entry: PendingApproval) -> None:
+        decision = entry.decision
+        assert decision is not None
+        payload: dict[str, Any] = {
+            "request_id": entry.request_id, "tool_name": entry.tool_name, "approve": decision.approve,
+            "reason": decision.reason, "who": decision.who, "kind": decision.kind,
+        }
+        if decision.updated_arguments is not None:
+            payload["updated_arguments"] = decision.updated_arguments
+        if decision.kind == "tool":
+            payload.update(tool_return=decision.tool_return, status=decision.status)
+        try:
+            await self._append_frame(entry.session, "approval_resolved", payload)
+        finally:
+            entry.recorded.set()
+
+    # -- the caller's side ---------------------------------------------------------------
+
+    async def answer(self, caller: CallerConnection, session_id: str, request_id: str, decision: Decision) -> dict[str, Any]:
+        """Decide one pending approval; an identical re-answer is an idempotent success."""
+        outcome = self._check(caller, session_id, request_id, decision)
+        if outcome is not None:
+            await outcome.recorded.wait()
+            return {"resolved": True, "already_resolved": True, "after_seq": outcome.frame_seq}
+        entry = self._pending[request_id]
+        seq = entry.frame_seq
+        self._decide(entry, decision)
+        await entry.recorded.wait()  # the approval_resolved frame is stored when we answer
+        return {"resolved": True, "after_seq": seq}
+
+    async def answer_batch(
+        self, caller: CallerConnection, session: Session, answers: list[tuple[str, Decision]]
+    ) -> dict[str, Any]:
+        """Decide every pending approval of `session` at once (Letta's batch form).
+
+        The ids must be exactly the session's pending ones (re-sent ids already decided by this
+        caller count as idempotent retries); every answer is checked before any is applied.
+        """
+        ids = [request_id for request_id, _ in answers]
+        if len(set(ids)) != len(ids):
+            raise RelayError(errors.INVALID_PARAMS, "approvals: each tool_call_id may appear only once")
+        pending_ids = sorted(p.request_id for p in self.pending_for(session))
+        retries: list[_Finished] = []
+        fresh: list[tuple[PendingApproval, Decision]] = []
+        for request_id, decision in answers:
+            outcome = self._check(caller, session.id, request_id, decision)
+            if outcome is not None:
+                retries.append(outcome)
+            else:
+                fresh.append((self._pending[request_id], decision))
+        if sorted(entry.request_id for entry, _ in fresh) != pending_ids:
+            listed = ", ".join(pending_ids) or "none"
+            raise RelayError(
+                errors.INVALID_PARAMS,
+                f"approvals must answer exactly the pending request ids of session '{session.id}': {listed}; "
+                "nothing was decided",
+            )
+        seqs = [entry.frame_seq for entry, _ in fresh] + [r.frame_seq for r in retries]
+        for entry, decision in fresh:
+            self._decide(entry, decision)
+        for entry, _ in fresh:
+            await entry.recorded.wait()
+        for retry in retries:
+            await retry.recorded.wait()
+        return {"resolved": True, "after_seq": min(seqs) if seqs else 0}
+
+    def _check(
+        self, caller: CallerConnection, session_id: str, request_id: str, decision: Decision
+    ) -> _Finished | None:
+        """Refuse an answer that may not be applied; a finished one answered the same way is returned."""
+        entry = self._pending.get(request_id)
+        if entry is None or entry.decision is not None:
+            finished = self._finished.get(request_id)
+            if finished is None:
+                raise RelayError(errors.NOT_FOUND, f"unknown approval request_id '{request_id}'")
+            self._check_owner(caller, finished.caller, finished.session_id, session_id, request_id)
+            if finished.decision.same_answer_as(decision):
+                return finished
+            raise RelayError(
+                errors.INVALID_REQUEST,
+                f"approval '{request_id}' is already resolved: {finished.decision.describe()}",
+            )
+        self._check_owner(caller, entry.caller, entry.session.id, session_id, request_id)
+        if decision.kind == "tool" and not entry.allows_tool_return:
+            raise RelayError(
+                errors.INVALID_PARAMS,
+                f"approval '{request_id}' ({entry.origin} '{entry.tool_name}') cannot be answered with a tool return",
+            )
+        if decision.updated_arguments is not None:
+            if not decision.approve:
+                raise RelayError(errors.INVALID_PARAMS, "updated_arguments are only for an approval (approve: true)")
+            if entry.input_schema is not None:
+                problem = schema_problem(
+                    entry.input_schema, decision.updated_arguments,
+                    f"updated_arguments do not match the inputSchema of '{entry.tool_name}'",
+                )
+                if problem:
+                    raise RelayError(errors.INVALID_PARAMS, f"{problem}; approval '{request_id}' is still pending")
+        return None
+
+    @staticmethod
+    def _check_owner(caller: Any, owner: Any, owner_session: str, session_id: str, request_id: str) -> None:
+        if owner_session != session_id:
+            raise RelayError(
+                errors.INVALID_PARAMS,
+                f"approval '{request_id}' belongs to session '{owner_session}', not '{session_id}'",
+            )
+        if owner is not caller:
+            raise RelayError(
+                errors.UNAUTHORIZED,
+                f"approval '{request_id}' may only be answered by the caller that owns session '{session_id}'",
+            )

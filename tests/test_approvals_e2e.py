@@ -1,0 +1,59 @@
+"""Approvals end to end with the real programs: oubliette-server on stdio with an SDK caller,
+the guest runtime running the scripted demo agent, which calls the gated caller tool through
+its own oubliette-client. A caller that reads only tool results (no notifications but the
+caller_tool_request it answers) drives the whole turn with `wait`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from harness import DEMO_AGENT, EVENT_TIMEOUT, Deployment, structured, text_of
+
+DELETE = {
+    "name": "delete_file",
+    "description": "Delete a file on the host",
+    "inputSchema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    "requires_approval": True,
+}
+
+
+async def test_requires_approval_then_approve_continues_the_turn(deployment: Deployment) -> None:
+    async with deployment.caller() as (caller, events), deployment.guest("box1", DEMO_AGENT):
+        with trio.fail_after(60):
+            stopped = await caller.call_tool("session_message", {
+                "instance": "box1", "session_id": "s-gate",
+                "message": 'Please call myapp_delete_file {"path": "/tmp/x"}',
+                "context": {"caller_id": "myapp", "caller_tools": [DELETE]}, "wait": 60,
+            })
+        assert not stopped.is_error, text_of(stopped)
+        turn = structured(stopped)
+        assert turn["stop_reason"] == "requires_approval", turn
+        [request] = turn["approval_requests"]
+        assert request["tool_name"] == "myapp_delete_file" and request["arguments"] == {"path": "/tmp/x"}
+        assert events.of_type("caller_tool_request") == [], "nothing runs before the decision"
+
+        answered: list[Any] = []
+
+        async def approve_and_wait() -> None:
+            answered.append(await caller.call_tool("approval_response", {
+                "session_id": "s-gate", "request_id": request["request_id"], "approve": True, "wait": 60,
+            }))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(approve_and_wait)
+            relayed = await events.wait_type("caller_tool_request", timeout=EVENT_TIMEOUT)
+            assert relayed["arguments"] == {"path": "/tmp/x"}
+            done = await caller.call_tool("caller_tool_response", {
+                "session_id": "s-gate", "request_id": relayed["request_id"], "result": {"deleted": "/tmp/x"},
+            })
+            assert not done.is_error, text_of(done)
+        ended = structured(answered[0])
+        assert ended["resolved"] is True
+        assert ended["stop_reason"] == "end_turn", ended
+        assert "deleted" in ended["text"] and "/tmp/x" in ended["text"], ended["text"]
+        assert ended["msg_id"] == turn["msg_id"]
+        resolved = events.of_type("approval_resolved")
+        assert [(r["request_id"], r["approve"]) for r in resolved] == [(request["request_id"], True)]
