@@ -335,9 +335,11 @@ class ApprovalRoutes:
         self.verify_token = verify_token
 
     def routes(self) -> list[Route]:
+        """The routes this adapter serves."""
         return [Route("/v1/instances/{instance}/sessions/{session_id}/approvals", self.answer, methods=["POST"])]
 
     async def answer(self, request: Request) -> Response:
+        """POST the approval_response body for a session; answers as the tool does, or a JSON error."""
         token = request.scope.get("state", {}).get("oubliette_token")
         if request.scope.get("server") is not None and not (token and self.verify_token(HTTP_ADMIN, token)):
             return error_response(RelayError(errors.DENIED, "only the HTTP admin token may answer approvals"))

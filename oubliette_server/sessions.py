@@ -63,6 +63,7 @@ class Session:
             raise not_yours(self.id)
 
     def declare_caller_tools(self, owner: CallerConnection, caller_id: str, tools: list[CallerToolSpec]) -> None:
+        """Replace the session's caller tools with `owner`'s; `not_yours` for another caller."""
         self.check_owner(owner)
         self.caller_id = caller_id
         self.caller_tools = {tool.name: tool for tool in tools}
@@ -116,6 +117,7 @@ class SessionRegistry:
         return latest
 
     def owned_by(self, caller: CallerConnection) -> list[Session]:
+        """The sessions `caller` opened."""
         return [s for s in self._sessions.values() if s.owner is caller]
 
     def drop_sink(self, sink: EventSink) -> None:

@@ -54,6 +54,7 @@ class Decision:
     status: Literal["success", "error"] | None = None
 
     def describe(self) -> str:
+        """The decision in words, as refusals of a contradicting re-answer quote it."""
         if self.kind == "tool":
             return f"answered with a tool return ({self.status})"
         verdict = "approved" if self.approve else "denied"
@@ -70,6 +71,7 @@ class Decision:
 
 @attrs.define(eq=False)
 class PendingApproval:
+    """One approval request waiting for its decision; `decided` is set exactly once."""
     request_id: str
     session: Session
     tool_name: str
@@ -129,9 +131,11 @@ class ApprovalService:
 
     @property
     def pending(self) -> dict[str, PendingApproval]:
+        """Undecided approvals of the whole server, by request id."""
         return self._pending
 
     def pending_for(self, session: Session) -> list[PendingApproval]:
+        """Undecided approvals of one session, oldest first."""
         return [p for p in self._pending.values() if p.session is session and p.decision is None and p.frame_seq]
 
     async def wait_pending(self, session: Session) -> list[PendingApproval]:

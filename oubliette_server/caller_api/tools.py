@@ -63,6 +63,7 @@ class OwnerKeyedSink:
         self._owner_key = owner_key
 
     def push(self, event: dict) -> None:
+        """Pass the event on with the owner_key added, so a stateless caller can act on it."""
         self._sink.push({**event, "owner_key": self._owner_key})
 
 
