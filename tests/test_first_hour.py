@@ -247,3 +247,23 @@ def test_the_client_default_relay_follows_the_servers_data_dir_rule(tmp_path: Pa
             for name, value in env.items():
                 patch.setenv(name, value)
             assert server_default_relay() == f"unix:{default_data_dir() / 'relay.sock'}"
+
+
+async def test_the_readmes_running_it_works_when_pasted(deployment: Deployment) -> None:
+    """README.md "Running it": its first shell block, run as pasted (same host, only OUBLIETTE_DATA_DIR set)."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Running it"):]
+    block = section[section.index("```sh\n") + len("```sh\n"):section.index("\n```\n")]
+    assert "oubliette-server --no-stdio &" in block and "kill %1" in block
+    env = {**data_env(deployment), "PATH": f"{Path(PYTHON).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    with trio.fail_after(RUN_BOUND):
+        done = await trio.run_process(
+            ["bash", "-e", "-c", block + "\nwait %1\n"], stdin=subprocess.DEVNULL,
+            capture_stdout=True, capture_stderr=True, env=env, check=False,
+        )
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()
+    token, http_token, *listing = out.splitlines()
+    assert token == deployment.token("box1") and len(http_token) == 64
+    assert json.loads("\n".join(listing)) == {"type": "result", "tools": []}
+    assert not (deployment.data_dir / "relay.sock").exists()
