@@ -80,6 +80,9 @@ class GuestRuntime:
     async def run(self) -> None:
         """Serve deliveries until cancelled; it does not return on its own.
 
+        Raises: `RelayRefused` when the relay refuses this instance and `link.give_up_on_refusal`
+        is set (the CLI sets it: a refused token stays refused).
+
         Start it with `nursery.start_soon(runtime.run)` (or `run_until_signalled`).
         Cancellation: every running turn's process group is ended (SIGTERM, then SIGKILL), the
         relay connection is closed, and messages not yet acknowledged are delivered again on
