@@ -188,6 +188,7 @@ class RelayLink:
             try:
                 stream = await connect_relay(address)
             except OSError as exc:
+                self.refused = None  # a refusal by a relay that is now gone no longer explains anything
                 self._set_state(False, f"cannot connect to {self.settings.relay}: {exc.strerror or exc}")
                 self._log_once(logging.WARNING, f"{self.failure_line()}; retrying")
             else:
@@ -242,11 +243,14 @@ class RelayLink:
                 self._set_state(False)
 
     def _hello_failed(self, err: RelayError) -> bool:
-        if err.code == errors.TIMEOUT:
-            self._set_state(False, "the relay did not answer hello")
-            return False
-        if err.code == errors.PEER_DISCONNECTED:
-            self._set_state(False, f"the relay closed the connection during the handshake ({err.message})")
+        if err.code in (errors.TIMEOUT, errors.PEER_DISCONNECTED):
+            if err.code == errors.TIMEOUT:
+                self._set_state(False, f"the relay at {self.settings.relay} did not answer hello")
+            else:
+                self._set_state(
+                    False, f"the relay at {self.settings.relay} closed the connection during the handshake ({err.message})"
+                )
+            self._log_once(logging.WARNING, f"{self.failure_line()}; retrying")
             return False
         self._set_state(False, err.message)
         return err.code in FATAL_HELLO_CODES
