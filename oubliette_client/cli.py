@@ -4,10 +4,14 @@
     oubliette-client run [--relay A] [--instance I] [--token T] -- CMD ARGS…  the guest runtime
     oubliette-client endpoint [relay flags]                             the action contract on stdin/stdout
     oubliette-client tools list | describe NAME | call NAME JSON        the same, one action, for people
+    oubliette-client demo-agent [--mcp-config FILE]                     a scripted agent for the demo
 
 Every flag may come from `OUBLIETTE_RELAY`, `OUBLIETTE_INSTANCE`,
-`OUBLIETTE_TOKEN`, `OUBLIETTE_SESSION`. Logs go to stderr; in the default mode
-stdout carries MCP.
+`OUBLIETTE_TOKEN`, `OUBLIETTE_SESSION`, and may come before or after the subcommand.
+Logs go to stderr; in the default mode stdout carries MCP. An operator mistake is one
+line on stderr: exit status 2 for a usage error, 1 for a runtime failure (the relay
+unreachable for `tools`/`endpoint`, or refusing the token); `--log-level debug` adds the
+traceback.
 """
 
 from __future__ import annotations
@@ -16,23 +20,79 @@ import argparse
 import logging
 import os
 import sys
+import traceback
+from importlib import metadata
+from typing import Iterator, NoReturn
 
 import trio
 
+from .relay_link import RelayUnavailable
 from .settings import add_relay_arguments, settings_from_args
+
+PROG = "oubliette-client"
+SUBCOMMANDS = ("run", "endpoint", "tools", "demo-agent")
+#: Options that take a value, so that a value is never mistaken for a subcommand.
+VALUE_OPTIONS = {"--relay", "--instance", "--token", "--session", "--connect-wait", "--log-level", "--turn-timeout"}
+EPILOG = """subcommands:
+  (none)                serve the sandbox's tools to the agent over stdio MCP
+  run -- CMD [ARGS...]  the guest runtime: run CMD for every message the instance receives
+  endpoint              the list_tools / describe_tool / call_tool action contract on stdin/stdout
+  tools ACTION          one action for people: list | describe NAME | call NAME JSON
+  demo-agent            a scripted MCP agent, for the demo and tests
+
+Relay flags may come before or after the subcommand. `oubliette-client SUBCOMMAND --help` for its flags.
+Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error."""
+
+
+def _version() -> str:
+    try:
+        return f"{PROG} {metadata.version('oubliette')}"
+    except metadata.PackageNotFoundError:
+        return f"{PROG} (not installed)"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr (exit status 2), not usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print `PROG: error: message (see --help)` and exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of debug, info, warning, error, critical")
+    return level
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _add_common(parser: argparse.ArgumentParser, log_level: str) -> None:
+    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--log-level", type=_log_level, default=log_level, help=f"stderr log level (default {log_level.lower()})")
 
 
 def _logging(level: str) -> None:
-    logging.basicConfig(
-        stream=sys.stderr, level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(stream=sys.stderr, level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _serve_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="oubliette-client", description="Serve the sandbox's tools to the agent over stdio MCP.")
+    parser = OneLineParser(
+        prog=PROG, description="Serve the sandbox's tools to the agent over stdio MCP.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_relay_arguments(parser)
     parser.add_argument("--connect-wait", type=float, default=3.0, help="seconds to wait for the relay before serving (default 3)")
-    parser.add_argument("--log-level", default="WARNING")
+    _add_common(parser, "WARNING")
     args = parser.parse_args(argv)
     _logging(args.log_level)
     from .stdio_server import SandboxToolServer
@@ -43,14 +103,14 @@ def _serve_main(argv: list[str]) -> int:
 
 
 def _run_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="oubliette-client run", description="The sandbox entrypoint: run CMD for every message the instance receives.",
-        usage="oubliette-client run [--relay A] [--instance I] [--token T] -- CMD [ARGS...]",
+    parser = OneLineParser(
+        prog=f"{PROG} run", description="The sandbox entrypoint: run CMD for every message the instance receives.",
+        usage=f"{PROG} run [--relay A] [--instance I] [--token T] -- CMD [ARGS...]",
     )
     add_relay_arguments(parser, session=False)
-    parser.add_argument("--log-level", default="INFO")
+    _add_common(parser, "INFO")
     parser.add_argument(
-        "--turn-timeout", type=float, default=None, metavar="SECONDS",
+        "--turn-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
         help="stop a turn's agent command after this long (default $OUBLIETTE_TURN_TIMEOUT or 3600)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the agent command; {mcp_config} becomes a config path")
@@ -70,20 +130,21 @@ def _run_main(argv: list[str]) -> int:
     if not turn_timeout > 0:
         parser.error("the turn timeout must be a positive number of seconds")
     runtime = GuestRuntime(settings_from_args(parser, args), command, turn_timeout=turn_timeout)
+    runtime.link.give_up_on_refusal = True  # a refused token stays refused: exit instead of retrying forever
     # SIGTERM and SIGINT cancel the runtime, which ends every turn's process group first.
     return trio.run(run_until_signalled, runtime)
 
 
 def _endpoint_main(argv: list[str], tools: bool) -> int:
-    prog = "oubliette-client tools" if tools else "oubliette-client endpoint"
-    parser = argparse.ArgumentParser(
+    prog = f"{PROG} tools" if tools else f"{PROG} endpoint"
+    parser = OneLineParser(
         prog=prog,
         description="Use the sandbox's tools through seed 001's action contract "
         + ("(one action: list | describe NAME | call NAME JSON)." if tools else "(one JSON request per stdin line)."),
     )
     add_relay_arguments(parser)
-    parser.add_argument("--connect-wait", type=float, default=5.0, help="seconds to wait for the relay (default 5)")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--connect-wait", type=_positive_seconds, default=5.0, help="seconds to wait for the relay (default 5)")
+    _add_common(parser, "WARNING")
     if tools:
         parser.add_argument("words", nargs="*", help="list | describe NAME | call NAME JSON")
     args = parser.parse_args(argv)
@@ -96,22 +157,77 @@ def _endpoint_main(argv: list[str], tools: bool) -> int:
     return run_endpoint(settings, args.connect_wait)
 
 
+def split_subcommand(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The subcommand (None: the stdio MCP server) and its arguments, options given before it moved after it.
+
+    Why: `oubliette-client --relay X run -- CMD` reads like `run --relay X -- CMD`.
+    """
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        if word == "--" or not word.startswith("-") and word not in SUBCOMMANDS:
+            break
+        if word in SUBCOMMANDS:
+            return word, argv[:index] + argv[index + 1:]
+        if word in VALUE_OPTIONS:
+            index += 1  # skip the option's value
+        index += 1
+    return None, argv
+
+
+def _dispatch(argv: list[str]) -> int:
+    command, rest = split_subcommand(argv)
+    if command == "run":
+        return _run_main(rest)
+    if command in ("endpoint", "tools"):
+        return _endpoint_main(rest, tools=command == "tools")
+    if command == "demo-agent":
+        from .demo_agent import main as demo_main
+
+        return demo_main(rest)
+    return _serve_main(rest)
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+def describe_failure(exc: BaseException) -> str | None:
+    """One line for a runtime failure an operator can fix, else None (a bug: keep its traceback).
+
+    Such a failure is `RelayUnavailable` or an `OSError`, possibly inside Trio's exception groups.
+    """
+    leaves = [leaf for leaf in _leaves(exc) if not isinstance(leaf, (trio.Cancelled, KeyboardInterrupt))]
+    if not leaves or not all(isinstance(leaf, (RelayUnavailable, OSError)) for leaf in leaves):
+        return None
+    first = leaves[0]
+    if isinstance(first, OSError) and first.strerror:
+        return f"{first.strerror}: {first.filename}" if first.filename else first.strerror
+    return str(first) or type(first).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `oubliette-client` command: dispatch to the stdio MCP server, `run`, `endpoint`, `tools` or `demo-agent`.
 
     Returns the exit status. Needs: no running trio loop (each mode calls `trio.run`);
-    argparse exits with status 2 on bad flags or missing `--instance`/`--token`.
+    usage errors (bad flags, missing `--instance`/`--token`, a malformed relay address) exit
+    with status 2, runtime failures (relay unreachable or refusing) return 1 after one line.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "run":
-        return _run_main(argv[1:])
-    if argv and argv[0] in ("endpoint", "tools"):
-        return _endpoint_main(argv[1:], tools=argv[0] == "tools")
-    if argv and argv[0] == "demo-agent":
-        from .demo_agent import main as demo_main
-
-        return demo_main(argv[1:])
-    return _serve_main(argv)
+    try:
+        return _dispatch(argv)
+    except Exception as exc:  # the one place a failure becomes an exit status
+        line = describe_failure(exc)
+        if line is None:
+            raise
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            traceback.print_exception(exc)
+        print(f"{PROG}: error: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

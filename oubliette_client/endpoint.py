@@ -29,6 +29,7 @@ from protocol.descriptors import (
 )
 
 from .sandbox_tools import SandboxTools
+from .relay_link import RelayUnavailable
 from .settings import RelaySettings
 
 COMPONENT = "oubliette-client"
@@ -43,9 +44,14 @@ class ActionEndpoint:
     Raises: nothing from `handle`/`handle_line`: every failure is an error envelope.
     """
 
-    def __init__(self, settings: RelaySettings, *, connect_wait: float = DEFAULT_CONNECT_WAIT) -> None:
+    def __init__(
+        self, settings: RelaySettings, *, connect_wait: float = DEFAULT_CONNECT_WAIT, require_connection: bool = False,
+    ) -> None:
         self.tools = SandboxTools(settings)
         self.connect_wait = connect_wait
+        self.require_connection = require_connection
+        """Fail `run` with `RelayUnavailable` instead of answering errors when the relay is not up in time."""
+        self.tools.link.report_failures = not require_connection  # the failure is reported once, by the caller
 
     async def handle(self, request: ActionRequest) -> dict[str, Any]:
         """Answer one parsed request; failures come back as the error envelope."""
@@ -79,15 +85,26 @@ class ActionEndpoint:
         return await self.handle(request)
 
     async def run(self, fn: Any) -> Any:
-        """Run `fn(self)` with the relay link up (or given up on after `connect_wait`)."""
+        """Run `fn(self)` with the relay link up (or given up on after `connect_wait`).
+
+        Raises: `RelayUnavailable` (one line saying why) with `require_connection` when the
+        relay is unreachable for `connect_wait` seconds or refuses this instance.
+        """
+        link = self.tools.link
+        failure: str | None = None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.tools.link.run)
+            nursery.start_soon(link.run)
             with trio.move_on_after(self.connect_wait):
-                await self.tools.link.wait_connected()
-            try:
-                return await fn(self)
-            finally:
+                await (link.wait_settled() if self.require_connection else link.wait_connected())
+            if self.require_connection and not link.connected:
+                failure = link.failure_line()
                 nursery.cancel_scope.cancel()
+            else:
+                try:
+                    return await fn(self)
+                finally:
+                    nursery.cancel_scope.cancel()
+        raise RelayUnavailable(failure)
 
 
 async def serve_stdin(endpoint: ActionEndpoint) -> None:
@@ -108,15 +125,19 @@ async def serve_stdin(endpoint: ActionEndpoint) -> None:
 def run_endpoint(settings: RelaySettings, connect_wait: float) -> int:
     """The `endpoint` command: answer stdin's request lines on stdout until stdin ends; returns 0.
 
-    Needs: no running trio loop (it calls `trio.run`).
+    Needs: no running trio loop (it calls `trio.run`). Raises: `RelayUnavailable` when the relay
+    cannot be reached within `connect_wait` or refuses this instance (the CLI: one line, exit 1).
     """
-    endpoint = ActionEndpoint(settings, connect_wait=connect_wait)
+    endpoint = ActionEndpoint(settings, connect_wait=connect_wait, require_connection=True)
     trio.run(endpoint.run, serve_stdin)
     return 0
 
 
 def run_tools_command(settings: RelaySettings, connect_wait: float, words: list[str]) -> int:
-    """`tools list`, `tools describe NAME`, `tools call NAME JSON`: print the response, exit 1 on an error."""
+    """`tools list`, `tools describe NAME`, `tools call NAME JSON`: print the response, exit 1 on an error.
+
+    Raises: `RelayUnavailable` as `run_endpoint` does.
+    """
     usage = "usage: oubliette-client tools list | describe NAME | call NAME JSON"
     if not words or words[0] not in ("list", "describe", "call"):
         print(usage, file=sys.stderr)
@@ -137,7 +158,7 @@ def run_tools_command(settings: RelaySettings, connect_wait: float, words: list[
         except json.JSONDecodeError as exc:
             print(json.dumps(ActionError(COMPONENT, "usage", f"arguments are not valid JSON: {exc}").envelope()))
             return 1
-    endpoint = ActionEndpoint(settings, connect_wait=connect_wait)
+    endpoint = ActionEndpoint(settings, connect_wait=connect_wait, require_connection=True)
 
     async def once(ep: ActionEndpoint) -> dict[str, Any]:
         return await ep.handle_line(json.dumps(request))

@@ -80,6 +80,9 @@ class GuestRuntime:
     async def run(self) -> None:
         """Serve deliveries until cancelled; it does not return on its own.
 
+        Raises: `RelayRefused` when the relay refuses this instance and `link.give_up_on_refusal`
+        is set (the CLI sets it: a refused token stays refused).
+
         Start it with `nursery.start_soon(runtime.run)` (or `run_until_signalled`).
         Cancellation: every running turn's process group is ended (SIGTERM, then SIGKILL), the
         relay connection is closed, and messages not yet acknowledged are delivered again on
@@ -249,25 +252,24 @@ async def end_process_group(process: trio.Process) -> None:
 async def run_until_signalled(runtime: GuestRuntime) -> int:
     """Run `runtime` until SIGTERM or SIGINT; then cancel it so every turn's group is ended.
 
-    Returns the conventional exit status, 128 + the signal number (0 if the runtime returned).
+    Returns 0: a signal is how a container or supervisor asks the guest to stop, so stopping
+    on one is success (the temporary directory of token-bearing MCP configs is removed too).
     Needs the main thread (signal handlers); an embedding application cancels `runtime.run`
     itself instead.
     """
-    received: list[int] = []
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
                 async for signum in signals:
-                    log.info("signal %d: ending every turn and stopping", signum)
-                    received.append(signum)
+                    log.info("received %s; ending every turn and stopping", signal.Signals(signum).name)
                     nursery.cancel_scope.cancel()
                     return
 
             nursery.start_soon(watch)
             await runtime.run()
             nursery.cancel_scope.cancel()
-    return 128 + received[0] if received else 0
+    return 0
 
 
 async def _lines(stream: trio.abc.ReceiveStream | None) -> Any:

@@ -7,8 +7,12 @@ once with `PEER_DISCONNECTED`, and the link reconnects with exponential backoff.
 is down, `request` fails at once saying why (or, with `wait_for_connection`, waits for the
 link to come back).
 
+Why it cannot connect, or that the relay refused it, is logged at WARNING/ERROR once per
+distinct reason (not once per retry), so a misconfigured client says so at its default level.
+
 Owns: the current connection (closed when `run` is cancelled). Needs: `run` in a nursery
-(`nursery.start_soon(link.run)`). Raises: `request` and `notify` raise only `RelayError`.
+(`nursery.start_soon(link.run)`). Raises: `request` and `notify` raise only `RelayError`;
+`run` raises `RelayRefused` when the relay refuses the hello and `give_up_on_refusal` is set.
 """
 
 from __future__ import annotations
@@ -49,6 +53,18 @@ BACKOFF_MAX = 5.0
 FATAL_HELLO_CODES = (errors.UNAUTHORIZED, errors.NOT_FOUND, errors.INVALID_REQUEST)
 
 
+class RelayUnavailable(Exception):
+    """A command that cannot work without the relay found it unreachable; the message is one line for a person."""
+
+
+class RelayRefused(RelayUnavailable):
+    """The relay refused this instance for good (wrong token, unknown instance, wrong protocol): waiting cannot help."""
+
+
+#: What to check when the relay cannot be reached.
+CONNECT_HINT = "is oubliette-server running? set OUBLIETTE_RELAY or --relay"
+
+
 class RelayLink:
     """One role's (`client` or `guest`) link to the relay, reconnected with backoff.
 
@@ -69,6 +85,7 @@ class RelayLink:
         *,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         limits: PeerLimits = PeerLimits(),
+        give_up_on_refusal: bool = False,
     ) -> None:
         self.settings = settings
         self.role = role
@@ -86,6 +103,12 @@ class RelayLink:
         self._state_changed = trio.Event()
         self.attempted = trio.Event()
         """Set after the first connection attempt, whatever its outcome."""
+        self.refused: str | None = None
+        """Why the relay refused the last hello for good (None while it has not)."""
+        self.give_up_on_refusal = give_up_on_refusal
+        self._logged_reason: str | None = None
+        self.report_failures = True
+        """Log why the link is down (False: the owner reports `failure_line()` itself, e.g. `tools`)."""
 
     # -- state ---------------------------------------------------------------------------
 
@@ -100,6 +123,20 @@ class RelayLink:
         """Until the link is connected (returns at once if it is)."""
         while not self.connected:
             await self._state_changed.wait()
+
+    async def wait_settled(self) -> None:
+        """Until the link is connected or the relay has refused it (waiting longer cannot help)."""
+        while not self.connected and self.refused is None:
+            await self._state_changed.wait()
+
+    def failure_line(self) -> str:
+        """One line for a person: why the link is not up (unreachable relay, or refused)."""
+        if self.refused is not None:
+            return (
+                f"the relay at {self.settings.relay} refused instance {self.settings.instance!r}: {self.refused} "
+                f"(check OUBLIETTE_TOKEN: `oubliette-server token {self.settings.instance}` prints it)"
+            )
+        return f"{self.last_error} ({CONNECT_HINT})"
 
     def unavailable_error(self) -> RelayError:
         """The error requests get while the link is down, with the last reason."""
@@ -140,7 +177,10 @@ class RelayLink:
     # -- connection loop -----------------------------------------------------------------
 
     async def run(self) -> None:
-        """Keep a connection up until cancelled."""
+        """Keep a connection up until cancelled (or, with `give_up_on_refusal`, until refused).
+
+        Raises: `RelayRefused` when the relay refuses the hello and `give_up_on_refusal` is set.
+        """
         backoff = BACKOFF_INITIAL
         address = parse_relay_address(self.settings.relay)
         while True:
@@ -148,18 +188,30 @@ class RelayLink:
             try:
                 stream = await connect_relay(address)
             except OSError as exc:
-                self._set_state(False, f"cannot connect: {exc.strerror or exc}")
+                self.refused = None  # a refusal by a relay that is now gone no longer explains anything
+                self._set_state(False, f"cannot connect to {self.settings.relay}: {exc.strerror or exc}")
+                self._log_once(logging.WARNING, f"{self.failure_line()}; retrying")
             else:
                 fatal = await self._serve(stream)
                 if not fatal:
                     backoff = BACKOFF_INITIAL
             self.attempted.set()
             if fatal:
-                log.error("relay refused this %s: %s", self.role, self.last_error)
+                self.refused = self.last_error
+                self._set_state(False)
+                if self.give_up_on_refusal:
+                    raise RelayRefused(self.failure_line())
+                self._log_once(logging.ERROR, f"{self.failure_line()}; retrying every {BACKOFF_MAX:g} s")
             delay = (BACKOFF_MAX if fatal else backoff) * random.uniform(0.8, 1.2)
-            log.debug("reconnecting to %s in %.2f s", self.settings.relay, delay)
+            log.debug("reconnecting to %s in %.2f s (%s)", self.settings.relay, delay, self.last_error)
             await trio.sleep(delay)  # backoff between attempts, not a wait for an event
             backoff = min(backoff * 2, BACKOFF_MAX)
+
+    def _log_once(self, level: int, line: str) -> None:
+        """Log why the link is down, once per distinct reason (not on every retry)."""
+        if line != self._logged_reason:
+            self._logged_reason = line
+            log.log(level if self.report_failures else logging.DEBUG, "%s", line)
 
     async def _serve(self, stream: trio.abc.Stream) -> bool:
         """One connection: hello, then serve until it ends. True if the server refused us."""
@@ -177,12 +229,13 @@ class RelayLink:
                     nursery.cancel_scope.cancel()
                     return self._hello_failed(err)
                 self._peer = peer
+                self.refused = self._logged_reason = None
                 if self._on_connected is not None:
                     self._on_connected()  # the handshake's configuration is complete
                 self._set_state(True, "connected")
                 self.attempted.set()
                 log.info("connected to the relay at %s as %s of %s", self.settings.relay, self.role, self.settings.instance)
-            self._set_state(False, f"connection lost: {peer.close_reason}")
+            self._set_state(False, f"connection to {self.settings.relay} lost: {peer.close_reason}")
             return False
         finally:
             self._peer = None
@@ -190,11 +243,14 @@ class RelayLink:
                 self._set_state(False)
 
     def _hello_failed(self, err: RelayError) -> bool:
-        if err.code == errors.TIMEOUT:
-            self._set_state(False, "the relay did not answer hello")
-            return False
-        if err.code == errors.PEER_DISCONNECTED:
-            self._set_state(False, f"the relay closed the connection during the handshake ({err.message})")
+        if err.code in (errors.TIMEOUT, errors.PEER_DISCONNECTED):
+            if err.code == errors.TIMEOUT:
+                self._set_state(False, f"the relay at {self.settings.relay} did not answer hello")
+            else:
+                self._set_state(
+                    False, f"the relay at {self.settings.relay} closed the connection during the handshake ({err.message})"
+                )
+            self._log_once(logging.WARNING, f"{self.failure_line()}; retrying")
             return False
         self._set_state(False, err.message)
         return err.code in FATAL_HELLO_CODES

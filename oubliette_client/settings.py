@@ -4,13 +4,43 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
+
+from pathlib import Path
 
 import attrs
 
-DEFAULT_RELAY = "unix:/oubliette/relay.sock"
+from protocol import parse_relay_address
+
+#: Where a sandbox finds the relay: the server's socket bind-mounted at this path.
+SANDBOX_RELAY = "unix:/oubliette/relay.sock"
+DEFAULT_RELAY = SANDBOX_RELAY
 #: Seconds a relay request waits by default (`OUBLIETTE_REQUEST_TIMEOUT`): the server's
 #: default caller timeout (60 s) plus a wide margin; raise it with the server's.
 DEFAULT_REQUEST_TIMEOUT = 120.0
+
+
+def server_default_relay(env: Mapping[str, str] = os.environ) -> str:
+    """The relay a same-host `oubliette-server` listens on by default: `<data dir>/relay.sock`.
+
+    The data directory follows the server's rule (`oubliette_server.config.default_data_dir`):
+    `$OUBLIETTE_DATA_DIR`, else `$XDG_DATA_HOME/oubliette`, else `~/.local/share/oubliette`.
+    """
+    data_dir = env.get("OUBLIETTE_DATA_DIR")
+    if not data_dir:
+        data_dir = str(Path(env.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "oubliette")
+    return f"unix:{Path(data_dir) / 'relay.sock'}"
+
+
+def default_relay(env: Mapping[str, str] = os.environ) -> str:
+    """The relay address when neither `--relay` nor `OUBLIETTE_RELAY` is given.
+
+    Why two places: inside a sandbox the server's socket is mounted at `/oubliette/relay.sock`;
+    on the server's own host nothing is mounted, so the client finds the server's default socket.
+    """
+    if os.path.exists(SANDBOX_RELAY[len("unix:"):]):
+        return SANDBOX_RELAY
+    return server_default_relay(env)
 
 
 @attrs.define(frozen=True)
@@ -40,7 +70,11 @@ class RelaySettings:
 
 def add_relay_arguments(parser: argparse.ArgumentParser, *, session: bool = True) -> None:
     """Add `--relay`, `--instance`, `--token` (and `--session` unless `session=False`) to `parser`."""
-    parser.add_argument("--relay", help=f"relay address (env OUBLIETTE_RELAY; default {DEFAULT_RELAY})")
+    parser.add_argument(
+        "--relay",
+        help="relay address unix:PATH or tcp:HOST:PORT (env OUBLIETTE_RELAY; default /oubliette/relay.sock "
+        "if it exists, else the server's default <data dir>/relay.sock)",
+    )
     parser.add_argument("--instance", help="instance id (env OUBLIETTE_INSTANCE)")
     parser.add_argument("--token", help="instance token (env OUBLIETTE_TOKEN)")
     if session:
@@ -50,8 +84,8 @@ def add_relay_arguments(parser: argparse.ArgumentParser, *, session: bool = True
 def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RelaySettings:
     """Settings from the parsed flags, falling back to the `OUBLIETTE_*` environment.
 
-    Raises: `SystemExit` through `parser.error` when the instance or token is missing, or
-    `OUBLIETTE_REQUEST_TIMEOUT` is not a positive number.
+    Raises: `SystemExit` through `parser.error` when the instance or token is missing, the
+    relay address is malformed, or `OUBLIETTE_REQUEST_TIMEOUT` is not a positive number.
     """
     env = os.environ
     instance = args.instance or env.get("OUBLIETTE_INSTANCE")
@@ -59,8 +93,13 @@ def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     missing = [name for name, value in (("--instance/OUBLIETTE_INSTANCE", instance), ("--token/OUBLIETTE_TOKEN", token)) if not value]
     if missing:
         parser.error("missing " + " and ".join(missing))
+    relay = args.relay or env.get("OUBLIETTE_RELAY") or default_relay(env)
+    try:
+        parse_relay_address(relay)
+    except ValueError as exc:
+        parser.error(str(exc))
     return RelaySettings(
-        relay=args.relay or env.get("OUBLIETTE_RELAY") or DEFAULT_RELAY,
+        relay=relay,
         instance=instance or "",
         token=token or "",
         session=getattr(args, "session", None) or env.get("OUBLIETTE_SESSION") or None,

@@ -1,40 +1,86 @@
 """`oubliette-server`: serve callers on stdio and sandboxes on the relay socket; or print a token.
 
-    oubliette-server [--relay unix:PATH] [--data-dir DIR] [--caller-timeout SECONDS] [--approval-timeout SECONDS]
-    oubliette-server [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE]
+    oubliette-server [serve] [--relay unix:PATH|tcp:HOST:PORT] [--data-dir DIR] [--caller-timeout SECONDS]
+                     [--approval-timeout SECONDS]
+    oubliette-server [serve] [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE]
     oubliette-server token INSTANCE [--data-dir DIR]
     oubliette-server http-token [--data-dir DIR]
 
-Logs go to stderr; stdout carries the caller's MCP.
+Logs go to stderr; stdout carries the caller's MCP. Options may come before or after the
+subcommand. An operator mistake is one line on stderr: exit status 2 for a usage error, 1 for
+a runtime failure (a port in use, an unwritable data directory); `--log-level debug` adds the
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import traceback
 from pathlib import Path
+from typing import Iterator, NoReturn
+
+from protocol import parse_relay_address
 
 from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from .approvals import DEFAULT_APPROVAL_TIMEOUT
 from .config import DEFAULT_CALLER_TIMEOUT, ServerConfig, default_data_dir, load_config_file
+from .relay import SERVER_VERSION
+
+PROG = "oubliette-server"
+SUBCOMMANDS = ("serve", "token", "http-token")
+#: Options that take a value, so that a value is never mistaken for a subcommand.
+VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--allowed-host", "--config", "--log-level"}
+EPILOG = """subcommands:
+  serve                 serve callers and sandboxes (the default)
+  token INSTANCE        print an instance's relay token
+  http-token            print the HTTP API's bearer token
+
+Options may come before or after the subcommand, e.g. `oubliette-server --data-dir X token box1`.
+Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr (exit status 2), not usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print `PROG: error: message (see --help)` and exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _positive_seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
 
-def _serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="oubliette-server",
-        description="Serve the caller's MCP on stdio and sandboxes on the relay socket. "
-        "'oubliette-server token INSTANCE' prints an instance's token.",
-    )
-    parser.add_argument("--relay", help="relay address: unix:PATH (default <data-dir>/relay.sock) or tcp:HOST:PORT")
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of debug, info, warning, error, critical")
+    return level
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"{PROG} {SERVER_VERSION}")
     parser.add_argument("--data-dir", type=Path, help="state directory (default $OUBLIETTE_DATA_DIR or ~/.local/share/oubliette)")
+    parser.add_argument("--log-level", type=_log_level, default="INFO", help="stderr log level (default info)")
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog=PROG,
+        description="Serve the caller's MCP on stdio and sandboxes on the relay socket.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(parser)
+    parser.add_argument("--relay", help="relay address: unix:PATH (default <data-dir>/relay.sock) or tcp:HOST:PORT")
     parser.add_argument(
         "--caller-timeout", type=_positive_seconds, default=None,
         help=f"seconds a relayed caller tool call waits for the caller (default {DEFAULT_CALLER_TIMEOUT:g}; per tool: timeout_ms)",
@@ -54,33 +100,58 @@ def _serve_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-stdio", action="store_true", help="do not serve a caller on stdin/stdout")
     parser.add_argument("--config", type=Path, help="TOML config file (see docs/CONFIG.md); flags override it")
-    parser.add_argument("--log-level", default="INFO", help="stderr log level (default INFO)")
     return parser
 
 
-def _token_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="oubliette-server token", description="Print an instance's relay token.")
-    parser.add_argument("instance")
-    parser.add_argument("--data-dir", type=Path)
-    args = parser.parse_args(argv)
-    reason = check_instance_id(args.instance)
-    if reason:
-        parser.error(reason)
-    authority = TokenAuthority.for_data_dir(args.data_dir or default_data_dir())
-    print(authority.token_for(args.instance))
-    return 0
+def _token_parser(http: bool) -> argparse.ArgumentParser:
+    if http:
+        parser = OneLineParser(prog=f"{PROG} http-token", description="Print the HTTP API's bearer token.")
+    else:
+        parser = OneLineParser(prog=f"{PROG} token", description="Print an instance's relay token.")
+        parser.add_argument("instance")
+    _add_common(parser)
+    return parser
 
 
-def _http_token_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="oubliette-server http-token", description="Print the HTTP API's bearer token.")
-    parser.add_argument("--data-dir", type=Path)
-    args = parser.parse_args(argv)
-    print(TokenAuthority.for_data_dir(args.data_dir or default_data_dir()).token_for(HTTP_ADMIN))
-    return 0
+def check_http_bind(bind: str) -> None:
+    """Raise `ValueError` unless `bind` is `HOST:PORT` or `unix:PATH`.
+
+    Why: hypercorn would take a bare host (`127.0.0.1`) as port 8000 and `bogus` as a host.
+    """
+    if bind.startswith("unix:"):
+        if not bind[len("unix:"):]:
+            raise ValueError(f"HTTP address {bind!r} has no socket path")
+        return
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"HTTP address {bind!r} must be HOST:PORT (e.g. 127.0.0.1:8765) or unix:PATH")
+
+
+def split_subcommand(argv: list[str]) -> tuple[str, list[str]]:
+    """The subcommand (default `serve`) and its arguments, options given before it moved after it.
+
+    Why: `oubliette-server --data-dir X token box1` reads like `token box1 --data-dir X`.
+    """
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        if word == "--":
+            break
+        if word in SUBCOMMANDS:
+            return word, argv[:index] + argv[index + 1:]
+        if word in VALUE_OPTIONS:
+            index += 1  # skip the option's value
+        elif not word.startswith("-"):
+            break  # a positional before any subcommand: let the serve parser report it
+        index += 1
+    return "serve", argv
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
-    """Config file values, overridden by flags."""
+    """Config file values, overridden by flags.
+
+    Raises: `ValueError` naming the mistake (bad relay or HTTP address, config file errors).
+    """
     settings: dict = {}
     if args.config is not None:
         settings = load_config_file(args.config)
@@ -97,40 +168,112 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         settings["http"] = args.http
     if args.allowed_host:
         settings["allowed_hosts"] = [*settings.get("allowed_hosts", []), *args.allowed_host]
+    if settings.get("relay") is not None:
+        parse_relay_address(settings["relay"])
+    for bind in settings.get("http", []):
+        check_http_bind(bind)
     return ServerConfig(**settings)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The `oubliette-server` command: `serve` (the default), `token INSTANCE` or `http-token`; returns the exit status.
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
 
-    Needs: no running trio loop (serving calls `trio.run`).
+
+def describe_failure(exc: BaseException) -> str | None:
+    """One line for an operator's mistake found at run time, else None (a bug: keep its traceback).
+
+    The mistake is an `OSError` (a port or socket in use, permission denied), possibly inside
+    the exception groups of Trio nurseries.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "token":
-        return _token_main(argv[1:])
-    if argv and argv[0] == "http-token":
-        return _http_token_main(argv[1:])
-    if argv and argv[0] == "serve":
-        argv = argv[1:]
-    args = _serve_parser().parse_args(argv)
-    logging.basicConfig(
-        stream=sys.stderr, level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    parser = _serve_parser()
+    leaves = [leaf for leaf in _leaves(exc) if not _is_cancel(leaf)]
+    if not leaves or not all(isinstance(leaf, OSError) for leaf in leaves):
+        return None
+    first = leaves[0]
+    assert isinstance(first, OSError)
+    if first.strerror:
+        return f"{first.strerror}: {first.filename}" if first.filename else first.strerror
+    return str(first) or type(first).__name__
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    import trio
+
+    return isinstance(exc, (trio.Cancelled, KeyboardInterrupt))
+
+
+def _writable_data_dir(path: Path) -> str | None:
+    """Why the data directory cannot be used, or None; checked before serving so the failure is one clear line."""
     try:
-        config = build_config(args)
-    except (ValueError, TypeError) as exc:
-        parser.error(str(exc))
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the data directory {path}: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"the data directory {path} is not writable"
+    return None
+
+
+def _run(argv: list[str]) -> int:
+    command, rest = split_subcommand(argv)
+    if command == "serve":
+        parser = _serve_parser()
+    else:
+        parser = _token_parser(http=command == "http-token")
+    args = parser.parse_args(rest)
+    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if command == "token":
+        reason = check_instance_id(args.instance)
+        if reason:
+            parser.error(reason)
+    config: ServerConfig | None = None
+    if command == "serve":
+        try:
+            config = build_config(args)
+        except (ValueError, TypeError) as exc:
+            parser.error(str(exc))
+        data_dir = config.data_dir
+    else:
+        data_dir = args.data_dir or default_data_dir()
+    problem = _writable_data_dir(data_dir)
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 1
+    if command != "serve":
+        authority = TokenAuthority.for_data_dir(data_dir)
+        print(authority.token_for(HTTP_ADMIN if command == "http-token" else args.instance))
+        return 0
     import trio
 
     from .runner import run_server
 
+    assert config is not None
     try:
         trio.run(lambda: run_server(config, stdio=not args.no_stdio))
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `oubliette-server` command: `serve` (the default), `token INSTANCE` or `http-token`; returns the exit status.
+
+    Needs: no running trio loop (serving calls `trio.run`). A runtime failure an operator can
+    fix (an `OSError`: port or socket in use, permission denied) is one line and status 1.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except Exception as exc:  # the one place a failure becomes an exit status
+        line = describe_failure(exc)
+        if line is None:
+            raise
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            traceback.print_exception(exc)
+        print(f"{PROG}: error: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

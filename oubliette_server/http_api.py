@@ -17,6 +17,7 @@ credential. /mcp also checks the Host header against loopback names plus
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -481,8 +482,9 @@ class HttpApi:
 
         Needs: `nursery.start`, which returns the bound addresses. Owns: the listeners; a Unix
         socket is created mode 0600 (a file already at its path is replaced).
-        Raises: `OSError` when an address cannot be bound.
-        Cancellation: hypercorn stops, giving open requests up to a second.
+        Raises: `OSError` naming the addresses when one cannot be bound.
+        Cancellation: hypercorn stops, giving open requests up to a second; the Unix socket
+        files are removed.
         """
         import hypercorn.config
         import hypercorn.trio
@@ -503,8 +505,25 @@ class HttpApi:
         lock_down = _UmaskUntilStarted(task_status, unix_paths)
         try:
             await hypercorn.trio.serve(self.asgi_app(), config, task_status=lock_down)
+        except (OSError, BaseExceptionGroup) as exc:
+            bind_error = None if lock_down.reported else _only_os_error(exc)
+            if bind_error is None:
+                raise
+            # one line for the operator: which addresses, and why (not hypercorn's nested groups)
+            raise OSError(bind_error.errno, f"cannot listen on HTTP {', '.join(binds)}: {bind_error.strerror or bind_error}") from exc
         finally:
             lock_down.restore()
+            if lock_down.reported:  # our socket files, not a file that was there before a failed bind
+                for path in unix_paths:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+
+
+def _only_os_error(exc: BaseException) -> OSError | None:
+    """The `OSError` that `exc` is, or that is alone in its (nested) exception groups, else None."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, OSError) else None
 
 
 class _UmaskUntilStarted:
@@ -514,6 +533,7 @@ class _UmaskUntilStarted:
         self._inner = inner
         self._paths = unix_paths
         self._old_umask: int | None = os.umask(0o177)
+        self.reported = False
 
     def restore(self) -> None:
         if self._old_umask is not None:
@@ -524,4 +544,5 @@ class _UmaskUntilStarted:
         self.restore()
         for path in self._paths:
             os.chmod(path, 0o600)
+        self.reported = True
         self._inner.started(value)

@@ -195,7 +195,10 @@ class RelayListener:
         live server (a stale socket file is replaced). A connection's failure is logged, never
         raised. Cancellation: every connection is closed and the Unix socket file removed.
         """
-        listeners = await self._open()
+        try:
+            listeners = await self._open()
+        except OSError as exc:  # one line for the operator: which address, and why
+            raise OSError(exc.errno, f"cannot listen on the relay address {self.address}: {exc.strerror or exc}") from exc
         log.info("relay listening on %s", self.address)
         try:
             await trio.serve_listeners(self._handle, listeners, task_status=task_status)
@@ -232,7 +235,7 @@ class RelayListener:
             os.unlink(path)
             return
         await probe.aclose()
-        raise OSError(f"relay socket {path} is in use by another server")
+        raise OSError(f"in use by another server (stop it, or pass another --relay or --data-dir)")
 
     async def _handle(self, stream: trio.abc.Stream) -> None:
         peer = "unix" if self.address.kind == "unix" else _peer_name(stream)

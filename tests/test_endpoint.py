@@ -441,33 +441,32 @@ async def test_failing_command_endpoints_leave_the_rest_of_the_catalog_working(d
 # -- 7. the relay being down -------------------------------------------------------------------
 
 
-async def test_relay_down_lists_nothing_and_calls_say_it_is_unavailable(deployment: Deployment) -> None:
+async def run_failing(env: dict[str, str], *args: str, stdin: bytes = b"") -> tuple[bytes, list[str], int]:
+    """`oubliette-client ARGS…` expected to fail: its stdout, its stderr lines, its exit status."""
+    with trio.fail_after(RUN_BOUND):
+        done = await trio.run_process(
+            [PYTHON, "-m", "oubliette_client", *args],
+            stdin=stdin, capture_stdout=True, capture_stderr=True, env=env, check=False,
+        )
+    return done.stdout, done.stderr.decode().splitlines(), done.returncode
+
+
+async def test_relay_down_endpoint_exits_1_with_one_line_saying_why(deployment: Deployment) -> None:
+    """Not an empty tool list with exit 0 (issue 10, item 2): the caller learns the relay is down."""
     assert not deployment.socket.exists()
-    env = client_env(deployment)
-    requests = [
-        SEED_LIST,
-        SEED_CALL,
-        {"action": "call_tool", "tool": "myapp_send_notification", "arguments": {"message": "anyone?"}},
-    ]
-    responses, status = await run_endpoint(env, lines_of(*requests), "--connect-wait", "0.3")
-    assert status == 0
-    listed, echo, notify = responses
-    assert listed == {"type": "result", "tools": []}
-    for response in (echo, notify):
-        assert response["type"] == "error", response
-        assert response["error"]["name"] == "oubliette-client"
-        message = response["error"]["message"]
-        assert "unavailable" in message, message
-        assert deployment.relay in message, message
+    out, err, status = await run_failing(
+        client_env(deployment), "endpoint", "--connect-wait", "0.3", stdin=lines_of(SEED_LIST, SEED_CALL),
+    )
+    assert status == 1 and out == b""
+    assert len(err) == 1, err
+    assert "cannot connect" in err[0] and deployment.relay in err[0] and "oubliette-server running" in err[0], err
 
 
-async def test_relay_down_tools_call_exits_1_saying_it_is_unavailable(deployment: Deployment) -> None:
-    env = client_env(deployment)
-    listed, listed_status = await run_tools(env, "--connect-wait", "0.3", "list")
-    called, called_status = await run_tools(env, "--connect-wait", "0.3", "call", "ext.echo_external", '{"message":"hi"}')
-    assert listed_status == 0 and listed == {"type": "result", "tools": []}
-    assert called_status == 1
-    assert called["type"] == "error" and "unavailable" in called["error"]["message"]
+async def test_relay_down_tools_exits_1_with_one_line_saying_why(deployment: Deployment) -> None:
+    for words in (["list"], ["call", "ext.echo_external", '{"message":"hi"}']):
+        out, err, status = await run_failing(client_env(deployment), "tools", "--connect-wait", "0.3", *words)
+        assert status == 1 and out == b"", (words, out)
+        assert len(err) == 1 and "cannot connect" in err[0] and deployment.relay in err[0], err
 
 
 # -- 8. results are checked against result_schema ------------------------------------------------

@@ -323,7 +323,7 @@ async def test_sigterm_of_the_guest_runtime_ends_the_agent_and_its_children(depl
             guest.send_signal(signal.SIGTERM)
             with trio.fail_after(10):
                 code = await guest.wait()
-            assert code == 128 + signal.SIGTERM
+            assert code == 0  # stopping on request is success
             await wait_gone(pidfd, 5)  # it was ended before the runtime exited
         finally:
             os.close(pidfd)
@@ -352,7 +352,7 @@ async def test_sigint_also_ends_the_turn(deployment: Deployment, signum: int) ->
         try:
             guest.send_signal(signum)
             with trio.fail_after(10):
-                assert await guest.wait() == 128 + signum
+                assert await guest.wait() == 0
             await wait_gone(pidfd, 5)
         finally:
             os.close(pidfd)

@@ -7,8 +7,10 @@ the next call restarts it, up to `max_restarts` times.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,9 @@ from .base import Toolset, ToolResult, ToolSpec
 
 log = logging.getLogger("oubliette.server.toolsets.mcp")
 
+STDERR_TAIL_LINES = 5
+STDERR_GRACE = 1.0
+"""Seconds a failed start waits for the server's last stderr lines, which usually say why."""
 DEFAULT_MAX_RESTARTS = 3
 START_TIMEOUT = 30.0
 DEFAULT_CALL_TIMEOUT = 60.0
@@ -31,6 +36,13 @@ def _content_dicts(content: list[Any]) -> list[dict[str, Any]]:
 
 def _text_of(content: list[Any]) -> str:
     return " ".join(getattr(block, "text", "") for block in content).strip()
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: message` of the first real error, not of the exception groups around it."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 class McpToolset(Toolset):
@@ -71,6 +83,7 @@ class McpToolset(Toolset):
         self._stop: trio.Event | None = None
         self._dead_reason: str | None = None
         self._start_lock = trio.Lock()
+        self._started = False
 
     async def start(self) -> list[ToolSpec]:
         """Start the server (once) and return its tools."""
@@ -90,34 +103,78 @@ class McpToolset(Toolset):
         )
 
     async def _run(self, task_status: trio.TaskStatus[list[types.Tool]] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the server until stopped; its stderr becomes log lines, and the last ones explain a failed start."""
+        read_fd, write_fd = os.pipe()
+        errlog = os.fdopen(write_fd, "w")
+        stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            stderr_done = trio.Event()
+            nursery.start_soon(self._log_stderr, trio.lowlevel.FdStream(read_fd), stderr_tail, stderr_done)
+            try:
+                await self._serve_client(errlog, task_status)
+            except Exception as exc:  # the process died or never started: report it, never crash the server
+                failure = exc
+                errlog.close()
+                with trio.move_on_after(STDERR_GRACE):  # the child's last words explain the failure
+                    await stderr_done.wait()
+            finally:
+                errlog.close()
+                nursery.cancel_scope.cancel()
+        if failure is None:
+            return
+        reason = _describe(failure)
+        if stderr_tail:
+            reason += f" (its stderr: {stderr_tail[-1]})"
+        self._dead_reason = reason
+        log.warning("MCP toolset %s stopped: %s", self.id, reason)
+        if not self._started:
+            raise RuntimeError(f"MCP toolset {self.id!r} could not start {self.command}: {reason}") from failure
+
+    async def _serve_client(self, errlog: Any, task_status: trio.TaskStatus[list[types.Tool]]) -> None:
         from mcp import Client
-        from mcp.client.stdio import StdioServerParameters
+        from mcp.client.stdio import StdioServerParameters, stdio_client
 
         params = StdioServerParameters(command=self.command, args=self.args, env=self.env, cwd=self.cwd)
         stop = self._stop = trio.Event()
-        started = False
+        self._started = False
+        with trio.CancelScope(deadline=trio.current_time() + START_TIMEOUT) as startup:
+            async with Client(
+                stdio_client(params, errlog=errlog), mode="legacy",
+                list_roots_callback=self._list_roots if self.roots else None,
+            ) as client:
+                errlog.close()  # the child has its own copy: at its exit the stderr pipe ends
+                listing = await client.list_tools()
+                startup.deadline = math.inf
+                self._client, self._dead_reason = client, None
+                self._started = True
+                task_status.started(list(listing.tools))
+                try:
+                    await stop.wait()
+                finally:
+                    self._client = None
+        if startup.cancelled_caught:
+            raise TimeoutError(f"no answer within {START_TIMEOUT:g} s")
+
+    async def _log_stderr(self, stream: trio.lowlevel.FdStream, tail: collections.deque[str], done: trio.Event) -> None:
+        """Each stderr line of the server as a log line (it used to go to our stderr raw); keep the last few."""
+        buffer = b""
         try:
-            with trio.CancelScope(deadline=trio.current_time() + START_TIMEOUT) as startup:
-                async with Client(
-                    params, mode="legacy", list_roots_callback=self._list_roots if self.roots else None,
-                ) as client:
-                    listing = await client.list_tools()
-                    startup.deadline = math.inf
-                    self._client, self._dead_reason = client, None
-                    started = True
-                    task_status.started(list(listing.tools))
-                    try:
-                        await stop.wait()
-                    finally:
-                        self._client = None
-            if startup.cancelled_caught:
-                raise TimeoutError(f"no answer within {START_TIMEOUT:g} s")
-        except Exception as exc:  # the process died or never started: report it, never crash the server
-            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            self._dead_reason = reason
-            log.warning("MCP toolset %s stopped: %s", self.id, reason)
-            if not started:
-                raise RuntimeError(f"MCP toolset {self.id!r} could not start {self.command}: {reason}") from exc
+            async with stream:
+                while chunk := await stream.receive_some(65536):
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    for raw in lines:
+                        self._stderr_line(raw, tail)
+            self._stderr_line(buffer, tail)
+        finally:
+            done.set()
+
+    def _stderr_line(self, raw: bytes, tail: collections.deque[str]) -> None:
+        line = raw.decode(errors="replace").rstrip()
+        if line:
+            tail.append(line)
+            log.info("MCP toolset %s: %s", self.id, line)
 
     async def _ensure_running(self) -> Any:
         async with self._start_lock:
