@@ -68,7 +68,13 @@ class BodyTooLarge(RelayError):
 
 
 def error_response(err: RelayError, status: int | None = None) -> JSONResponse:
-    """A JSON error body for `err`, with `status` or the HTTP status its code maps to (400 by default)."""
+    """The JSON error shape `{"error": {code, name, message}}`; a body or value over a limit is 413
+    (size) or 400 (depth), other errors map by code."""
+    if status is None:
+        if isinstance(err, BodyTooLarge):
+            status = 413
+        elif isinstance(err, LimitExceeded):
+            status = 413 if err.is_size else 400
     return JSONResponse(
         {"error": {"code": err.code, "name": errors.ERROR_NAMES.get(err.code, "error"), "message": err.message}},
         status_code=status or HTTP_STATUS.get(err.code, 400),
@@ -237,10 +243,6 @@ class TetherRoutes:
             instance = self.instances.require_known(request.path_params["instance"])
             body = await self._json_body(request)
             frame = await self.tether.ingest(instance, body)
-        except BodyTooLarge as err:
-            return error_response(err, 413)
-        except LimitExceeded as err:
-            return error_response(err, 413 if err.is_size else 400)
         except RelayError as err:
             return error_response(err)
         return JSONResponse(
@@ -352,10 +354,6 @@ class ApprovalRoutes:
             answered = await _unless_disconnected(
                 request, lambda: self.tools.approval_response_over_http(request.path_params["instance"], args),
             )
-        except BodyTooLarge as err:
-            return error_response(err, 413)
-        except LimitExceeded as err:
-            return error_response(err, 413 if err.is_size else 400)
         except RelayError as err:
             return error_response(err)
         if answered is None:
