@@ -40,10 +40,12 @@ class Person:
 
     def __init__(self, reply: Answer | types.ElicitResult) -> None:
         self.asked: list[Any] = []
+        self.was_asked = trio.Event()
         self._reply = reply
 
     async def __call__(self, context: Any, params: Any) -> types.ElicitResult:
         self.asked.append(params)
+        self.was_asked.set()
         if isinstance(self._reply, types.ElicitResult):
             return self._reply
         return await self._reply(context, params)
@@ -61,7 +63,7 @@ async def person_caller(
 async def frames(caller: Client, session_id: str, type_: str, wait_ms: int = 0) -> list[dict[str, Any]]:
     result = await caller.call_tool("session_events", {"session_id": session_id, "types": [type_], "wait_ms": wait_ms})
     assert not result.is_error, text_of(result)
-    return structured(result)["frames"]
+    return [{"seq": f["seq"], **f["payload"]} for f in structured(result)["frames"]]
 
 
 async def gated_turn(caller: Client, session_id: str) -> dict[str, Any]:
@@ -91,6 +93,7 @@ async def test_accept_and_approve_runs_the_tool(deployment: Deployment, mode: st
         async with trio.open_nursery() as nursery:
             nursery.start_soon(turn)
             with trio.fail_after(EVENT_TIMEOUT):
+                await person.was_asked.wait()  # the session exists from here on
                 relayed: list[dict[str, Any]] = []
                 while not relayed:  # a long poll on the log, woken by the append
                     relayed = await frames(caller, "s-el-ok", "caller_tool_request", wait_ms=5000)
