@@ -15,6 +15,7 @@ from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_addr
 from protocol.limits import Limits
 
 from .approvals import ApprovalElicitation, ApprovalService
+from .approvals.toolset_forms import ToolsetForms
 from .auth import TokenAuthority, ensure_private_dir
 from .caller_api import CallerTools, serve_stdio_caller
 from .caller_tool_relay import CallerCallRegistry, CallerToolRelay, cancel_unanswered_requests
@@ -78,7 +79,8 @@ class OublietteServer:
         self.elicitation = ApprovalElicitation(self.approvals, config.approval_delivery)
         self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls, self.approvals)
         self.callers = CallerRegistry(on_closed=self._caller_closed)
-        self.toolsets = ToolsetService(config.tool_separator, self.clients)
+        self.toolset_forms = ToolsetForms(self.sessions, self.approvals)
+        self.toolsets = ToolsetService(config.tool_separator, self.clients, ask_caller=self.toolset_forms.ask)
         # The toolset embedding API (docs/TOOLSETS.md) is the toolset service's own methods.
         self.register_toolset = self.toolsets.register_toolset
         self.register_mcp_toolset = self.toolsets.register_mcp_toolset

@@ -212,3 +212,75 @@ async def test_the_person_first_wins_over_the_tool_answer(deployment: Deployment
             })
             assert late.is_error and "already resolved" in text_of(late), text_of(late)
         assert len(await frames(caller, "s-el-race2", "approval_resolved")) == 1
+
+
+# -- a toolset's own elicitation (issue 9 item 6) ----------------------------------------
+
+
+def forms_config(deployment: Deployment) -> Path:
+    server = Path(__file__).with_name("elicit_toolset_server.py")
+    path = deployment.root / "forms.toml"
+    path.write_text(
+        '[instances.box1]\n'
+        f'[toolsets.forms]\nkind = "mcp"\nprefix = "forms"\ncommand = "{sys.executable}"\nargs = ["{server}"]\n'
+        '[allowlists]\nbox1 = ["forms"]\n'
+    )
+    return path
+
+
+BOOK = 'Please call forms.book {"place": "Chez Oubliette"}'
+
+
+async def book_turn(caller: Client, session_id: str) -> dict[str, Any]:
+    with trio.fail_after(TURN):
+        result = await caller.call_tool("session_message", {
+            "instance": "box1", "session_id": session_id, "message": BOOK, "wait": TURN,
+        })
+    assert not result.is_error, text_of(result)
+    return structured(result)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_toolsets_elicitation_is_answered_by_the_person(deployment: Deployment, mode: str) -> None:
+    person = Person(types.ElicitResult(action="accept", content={"seats": 4}))
+    config = forms_config(deployment)
+    async with person_caller(deployment, person, "--config", str(config), mode=mode) as caller, \
+            deployment.guest("box1", DEMO_AGENT):
+        ended = await book_turn(caller, "s-el-forms")
+        assert ended["stop_reason"] == "end_turn", ended
+        assert '"action": "accept"' in ended["text"] and '"seats": 4' in ended["text"], ended["text"]
+        message, schema = form_of(person)
+        assert "How many seats at Chez Oubliette?" in message and schema["properties"]["seats"]["type"] == "integer"
+        [request] = await frames(caller, "s-el-forms", "approval_request")
+        assert request["origin"] == "toolset" and request["tool_name"] == "forms.book"
+        assert request["elicitation"]["requestedSchema"] == schema
+        [resolved] = await frames(caller, "s-el-forms", "approval_resolved")
+        assert (resolved["approve"], resolved["content"], resolved["who"]) == (True, {"seats": 4}, "elicitation")
+
+
+async def test_a_toolsets_elicitation_answered_with_approval_response(deployment: Deployment) -> None:
+    config = forms_config(deployment)
+    async with person_caller(deployment, None, "--config", str(config)) as caller, deployment.guest("box1", DEMO_AGENT):
+        stopped = await book_turn(caller, "s-el-forms2")
+        assert stopped["stop_reason"] == "requires_approval", stopped
+        [request] = stopped["approval_requests"]
+        assert request["origin"] == "toolset" and "elicitation" in request
+        wrong = await caller.call_tool("approval_response", {
+            "session_id": "s-el-forms2", "request_id": request["request_id"], "approve": True, "content": {"seats": "many"},
+        })
+        assert wrong.is_error and "still pending" in text_of(wrong), text_of(wrong)
+        answered = await caller.call_tool("approval_response", {
+            "session_id": "s-el-forms2", "request_id": request["request_id"], "approve": True, "content": {"seats": 2},
+            "wait": TURN,
+        })
+        ended = structured(answered)
+        assert ended["stop_reason"] == "end_turn", ended
+        assert '"action": "accept"' in ended["text"] and '"seats": 2' in ended["text"], ended["text"]
+
+
+async def test_a_toolsets_elicitation_declined_goes_back_as_decline(deployment: Deployment) -> None:
+    person = Person(types.ElicitResult(action="decline"))
+    config = forms_config(deployment)
+    async with person_caller(deployment, person, "--config", str(config)) as caller, deployment.guest("box1", DEMO_AGENT):
+        ended = await book_turn(caller, "s-el-forms3")
+        assert '"action": "decline"' in ended["text"], ended["text"]

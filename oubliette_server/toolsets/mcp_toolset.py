@@ -16,6 +16,7 @@ import mcp_types as types
 import trio
 
 from .base import Toolset, ToolResult, ToolSpec
+from .elicit import Asker, current_asker
 
 log = logging.getLogger("oubliette.server.toolsets.mcp")
 
@@ -71,6 +72,8 @@ class McpToolset(Toolset):
         self._stop: trio.Event | None = None
         self._dead_reason: str | None = None
         self._start_lock = trio.Lock()
+        self._askers: list[Asker] = []  # one per call in flight that can put a form to its session's caller
+        self._calls_in_flight = 0
 
     async def start(self) -> list[ToolSpec]:
         """Start the server (once) and return its tools."""
@@ -89,6 +92,19 @@ class McpToolset(Toolset):
             roots=[types.Root(uri=Path(root).resolve().as_uri(), name=Path(root).name) for root in self.roots]
         )
 
+    async def _elicit(self, context: Any, params: Any) -> types.ElicitResult:
+        """The server asks during a call: forward the form to the calling session's caller.
+
+        A shared server's `elicitation/create` does not say which call it belongs to: it is
+        forwarded only while exactly one call is in flight, and cancelled otherwise (fail closed).
+        """
+        if getattr(params, "mode", "form") != "form" or self._calls_in_flight != 1 or len(self._askers) != 1:
+            log.warning("MCP toolset %s asked for input with %d call(s) in flight; cancelled (cannot tell whose)",
+                        self.id, self._calls_in_flight)
+            return types.ElicitResult(action="cancel")
+        answer = await self._askers[0](params.message, dict(params.requested_schema))
+        return types.ElicitResult(action=answer["action"], content=answer.get("content"))
+
     async def _run(self, task_status: trio.TaskStatus[list[types.Tool]] = trio.TASK_STATUS_IGNORED) -> None:
         from mcp import Client
         from mcp.client.stdio import StdioServerParameters
@@ -100,6 +116,7 @@ class McpToolset(Toolset):
             with trio.CancelScope(deadline=trio.current_time() + START_TIMEOUT) as startup:
                 async with Client(
                     params, mode="legacy", list_roots_callback=self._list_roots if self.roots else None,
+                    elicitation_callback=self._elicit,
                 ) as client:
                     listing = await client.list_tools()
                     startup.deadline = math.inf
@@ -142,6 +159,10 @@ class McpToolset(Toolset):
             client = await self._ensure_running()
         except Exception as exc:
             return ToolResult.failure(str(exc))
+        asker = current_asker.get()
+        self._calls_in_flight += 1
+        if asker is not None:
+            self._askers.append(asker)
         try:
             with trio.move_on_after(self.call_timeout) as deadline:
                 result = await client.call_tool(tool, arguments)
@@ -151,6 +172,10 @@ class McpToolset(Toolset):
                 f"MCP toolset '{self.id}' failed during '{tool}' ({exc or type(exc).__name__}); "
                 "it will be restarted on the next call"
             )
+        finally:
+            self._calls_in_flight -= 1
+            if asker is not None:
+                self._askers.remove(asker)
         if deadline.cancelled_caught:
             return ToolResult.failure(
                 f"MCP toolset '{self.id}' did not answer '{tool}' within {self.call_timeout:g} s (its call timeout)"
