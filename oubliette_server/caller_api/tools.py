@@ -132,7 +132,8 @@ class CallerTools:
             "Decide an approval_request: approve (optionally with updated_arguments) or deny with a reason. "
             "Or answer every pending approval of the session at once with approvals: [{type: 'approval', "
             "tool_call_id, approve, reason?} | {type: 'tool', tool_call_id, tool_return, status}] (a tool "
-            "return is a client-side tool's result). With wait, continue waiting on the turn.",
+            "return is a client-side tool's result). A toolset's form (origin 'toolset') is answered with approve and "
+            "content. With wait, continue waiting on the turn.",
             schemas.APPROVAL_RESPONSE, self.approval_response,
         )
         self.add(
