@@ -14,7 +14,8 @@ import trio
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
 from protocol.limits import Limits
 
-from .approvals import ApprovalService
+from .approvals import ApprovalElicitation, ApprovalService
+from .approvals.toolset_forms import ToolsetForms
 from .auth import TokenAuthority, ensure_private_dir
 from .caller_api import CallerTools, serve_stdio_caller
 from .caller_tool_relay import CallerCallRegistry, CallerToolRelay, cancel_unanswered_requests
@@ -75,9 +76,11 @@ class OublietteServer:
         self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
         self.calls = CallerCallRegistry(self.frame_log.append, config.caller_timeout)
         self.approvals = ApprovalService(self.frame_log.append, config.approval_timeout)
+        self.elicitation = ApprovalElicitation(self.approvals, config.approval_delivery)
         self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls, self.approvals)
         self.callers = CallerRegistry(on_closed=self._caller_closed)
-        self.toolsets = ToolsetService(config.tool_separator, self.clients)
+        self.toolset_forms = ToolsetForms(self.sessions, self.approvals)
+        self.toolsets = ToolsetService(config.tool_separator, self.clients, ask_caller=self.toolset_forms.ask)
         # The toolset embedding API (docs/TOOLSETS.md) is the toolset service's own methods.
         self.register_toolset = self.toolsets.register_toolset
         self.register_mcp_toolset = self.toolsets.register_mcp_toolset
@@ -130,7 +133,7 @@ class OublietteServer:
         return CallerTools(
             instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools,
             frame_log=self.frame_log, store=self.store, tether=self.tether, approvals=self.approvals,
-            session_wait_limit=self.config.session_wait_limit, limits=self.limits,
+            session_wait_limit=self.config.session_wait_limit, limits=self.limits, elicitation=self.elicitation,
         )
 
     async def serve_stdio_caller(self) -> None:

@@ -1,7 +1,7 @@
 """`oubliette-server`: serve callers on stdio and sandboxes on the relay socket; or print a token.
 
     oubliette-server [serve] [--relay unix:PATH|tcp:HOST:PORT] [--data-dir DIR] [--caller-timeout SECONDS]
-                     [--approval-timeout SECONDS]
+                     [--approval-timeout SECONDS] [--approval-delivery auto|elicitation|tool]
     oubliette-server [serve] [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE]
     oubliette-server token INSTANCE [--data-dir DIR]
     oubliette-server http-token [--data-dir DIR]
@@ -25,7 +25,7 @@ from typing import Iterator, NoReturn
 from protocol import parse_relay_address
 
 from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
-from .approvals import DEFAULT_APPROVAL_TIMEOUT
+from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
 from .config import DEFAULT_CALLER_TIMEOUT, ServerConfig, default_data_dir, load_config_file
 from .relay import SERVER_VERSION
 
@@ -89,6 +89,11 @@ def _serve_parser() -> argparse.ArgumentParser:
         "--approval-timeout", type=_positive_seconds, default=None,
         help=f"seconds a gated call waits for its approval before it is denied (default {DEFAULT_APPROVAL_TIMEOUT:g}; "
         "per tool: approval_timeout_ms)",
+    )
+    parser.add_argument(
+        "--approval-delivery", choices=DELIVERIES, default=None,
+        help="how approvals reach a caller: elicitation (a form for the person at the caller's MCP client), "
+        "tool (the requires_approval stop and approval_response), or auto (default: elicitation where offered)",
     )
     parser.add_argument(
         "--http", action="append", default=None, metavar="HOST:PORT|unix:PATH",
@@ -164,6 +169,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     )
     if args.approval_timeout is not None:
         settings["approval_timeout"] = float(args.approval_timeout)
+    if args.approval_delivery is not None:
+        settings["approval_delivery"] = args.approval_delivery
     if args.http:
         settings["http"] = args.http
     if args.allowed_host:

@@ -12,7 +12,7 @@ import attrs
 
 from protocol.limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_PAYLOAD_BYTES, Limits
 
-from .approvals import DEFAULT_APPROVAL_TIMEOUT
+from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
 
 DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
@@ -40,6 +40,16 @@ class ServerConfig:
     """Seconds a relayed caller tool call waits for the caller (per tool: `timeout_ms`)."""
     approval_timeout: float = DEFAULT_APPROVAL_TIMEOUT
     """Seconds a gated call waits for its approval before it is denied (per tool: `approval_timeout_ms`)."""
+    approval_delivery: str = attrs.field(default="auto")
+    """How approvals reach a caller: `elicitation` (a form for the person at the caller's MCP client while
+    a `wait` call is in flight), `tool` (the `requires_approval` stop and `approval_response`), or `auto`
+    (elicitation where the caller's client offers it, else tool)."""
+
+    @approval_delivery.validator
+    def _check_delivery(self, attribute: Any, value: str) -> None:
+        if value not in DELIVERIES:
+            raise ValueError(f"approval_delivery must be one of {', '.join(DELIVERIES)}; got {value!r}")
+
     store_path: str | None = None
     """SQLite file of the frame log; None means `<data_dir>/frames.sqlite3`."""
     retention_frames: int | None = 100_000
@@ -105,7 +115,7 @@ class ServerConfig:
 
 
 SERVER_KEYS = {
-    "relay": str, "data_dir": str, "caller_timeout": (int, float), "approval_timeout": (int, float), "store_path": str,
+    "relay": str, "data_dir": str, "caller_timeout": (int, float), "approval_timeout": (int, float), "approval_delivery": str, "store_path": str,
     "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
     "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
     "max_payload_bytes": int, "max_payload_depth": int,

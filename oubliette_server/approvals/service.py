@@ -36,6 +36,8 @@ log = logging.getLogger("oubliette.server.approvals")
 
 DEFAULT_APPROVAL_TIMEOUT = 600.0
 RESOLVED_MEMORY = 10_000
+ELICITATION_WHO = "elicitation"
+"""`Decision.who` of an answer the person gave in the caller's MCP client."""
 
 Origin = Literal["caller", "toolset", "agent"]
 AppendFn = Callable[..., Awaitable[Any]]
@@ -52,6 +54,10 @@ class Decision:
     updated_arguments: dict[str, Any] | None = None
     tool_return: Any = None
     status: Literal["success", "error"] | None = None
+    content: dict[str, Any] | None = None
+    """A toolset elicitation's answer: the form's content (on approve)."""
+    action: str | None = None
+    """How a person answered an elicitation form (`accept`, `decline`, `cancel`); None otherwise."""
 
     def describe(self) -> str:
         """The decision in words, as refusals of a contradicting re-answer quote it."""
@@ -81,6 +87,8 @@ class PendingApproval:
     expires_at: str
     input_schema: dict[str, Any] | None = None
     allows_tool_return: bool = False
+    form: dict[str, Any] | None = None
+    """A toolset's own elicitation (`message`, `requestedSchema`): answered with `content`."""
     frame_seq: int = 0
     decision: Decision | None = None
     done: trio.Event = attrs.field(factory=trio.Event)
@@ -88,10 +96,13 @@ class PendingApproval:
 
     def summary(self) -> dict[str, Any]:
         """What a caller must answer: the `approval_requests` entry of a turn stop."""
-        return {
+        summary = {
             "request_id": self.request_id, "tool_name": self.tool_name, "arguments": self.arguments,
             "origin": self.origin, "expires_at": self.expires_at,
         }
+        if self.form is not None:
+            summary["elicitation"] = self.form
+        return summary
 
 
 @attrs.frozen
@@ -149,6 +160,13 @@ class ApprovalService:
                 event = self._changed[id(session)] = trio.Event()
             await event.wait()
 
+    async def wait_changed(self, session: Session) -> None:
+        """Return at the session's next change: an approval requested or decided."""
+        event = self._changed.get(id(session))
+        if event is None:
+            event = self._changed[id(session)] = trio.Event()
+        await event.wait()
+
     def _notify(self, session: Session) -> None:
         event = self._changed.pop(id(session), None)
         if event is not None:
@@ -167,6 +185,7 @@ class ApprovalService:
         timeout: float | None = None,
         input_schema: dict[str, Any] | None = None,
         allows_tool_return: bool = False,
+        form: dict[str, Any] | None = None,
     ) -> Decision:
         """Ask `caller` to decide on the call and wait for exactly one decision.
 
@@ -177,7 +196,7 @@ class ApprovalService:
         entry = PendingApproval(
             request_id="apr-" + secrets.token_hex(8), session=session, tool_name=tool_name,
             arguments=arguments, origin=origin, caller=caller, expires_at=_iso_in(seconds),
-            input_schema=input_schema, allows_tool_return=allows_tool_return,
+            input_schema=input_schema, allows_tool_return=allows_tool_return, form=form,
         )
         self._pending[entry.request_id] = entry
         try:
@@ -242,6 +261,10 @@ class ApprovalService:
             payload["updated_arguments"] = decision.updated_arguments
         if decision.kind == "tool":
             payload.update(tool_return=decision.tool_return, status=decision.status)
+        if decision.content is not None:
+            payload["content"] = decision.content
+        if decision.action is not None:
+            payload["action"] = decision.action
         try:
             await self._append_frame(entry.session, "approval_resolved", payload)
         finally:
@@ -307,7 +330,9 @@ class ApprovalService:
             if finished is None:
                 raise RelayError(errors.NOT_FOUND, f"unknown approval request_id '{request_id}'")
             self._check_owner(caller, finished.caller, finished.session_id, session_id, request_id)
-            if finished.decision.same_answer_as(decision):
+            # The person's answer and the caller's are one decision: the second one is refused.
+            one_path = (finished.decision.who == ELICITATION_WHO) == (decision.who == ELICITATION_WHO)
+            if one_path and finished.decision.same_answer_as(decision):
                 return finished
             raise RelayError(
                 errors.INVALID_REQUEST,
@@ -319,6 +344,20 @@ class ApprovalService:
                 errors.INVALID_PARAMS,
                 f"approval '{request_id}' ({entry.origin} '{entry.tool_name}') cannot be answered with a tool return",
             )
+        if decision.content is not None:
+            if entry.form is None:
+                raise RelayError(
+                    errors.INVALID_PARAMS,
+                    f"approval '{request_id}' is not a toolset's elicitation; 'content' answers only those",
+                )
+            if not decision.approve:
+                raise RelayError(errors.INVALID_PARAMS, "content is only for an acceptance (approve: true)")
+            problem = schema_problem(
+                entry.form.get("requestedSchema") or {"type": "object"}, decision.content,
+                f"content does not match the form of '{entry.tool_name}'",
+            )
+            if problem:
+                raise RelayError(errors.INVALID_PARAMS, f"{problem}; approval '{request_id}' is still pending")
         if decision.updated_arguments is not None:
             if not decision.approve:
                 raise RelayError(errors.INVALID_PARAMS, "updated_arguments are only for an approval (approve: true)")

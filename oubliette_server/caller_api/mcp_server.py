@@ -8,10 +8,15 @@ import mcp_types as types
 from mcp.server import Server
 from mcp.server.lowlevel.server import NotificationOptions
 from mcp.server.models import InitializationOptions
+from mcp.server.request_state import RequestStateBoundary, RequestStateSecurity
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
 from ..callers import CallerConnection
 from .tools import CallerTools
+
+REQUEST_STATE_TTL = 24 * 3600.0
+"""Seconds a 2026-07-28 caller has to retry an `input_required` wait (longer than any wait plus approval)."""
+SERVER_NAME = "oubliette-server"
 
 ResolveCaller = Callable[[Any, "dict[str, Any] | None"], "CallerConnection | None"]
 """`(ctx, tool arguments or None) -> caller`: who sends this request (docs/SECURITY.md,
@@ -32,20 +37,26 @@ def build_caller_server(
         resolve_caller(ctx, None)
         return types.ListToolsResult(tools=[tool for tool, _ in tools.tools.values()])
 
-    async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+    async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult | types.InputRequiredResult:
         arguments = dict(params.arguments or {})
         caller = resolve_caller(ctx, arguments)
         assert caller is not None
+        resume = (params.request_state, params.input_responses) if params.request_state else None
         try:
-            return await tools.call(ctx, caller, params.name, arguments)
+            return await tools.call(ctx, caller, params.name, arguments, resume)
         finally:
             release_caller(caller)
 
-    return CallerMcpServer(
-        "oubliette-server", version="0.1.0", on_list_tools=list_tools, on_call_tool=call_tool,
+    server = CallerMcpServer(
+        SERVER_NAME, version="0.1.0", on_list_tools=list_tools, on_call_tool=call_tool,
         # Served so 2026-07-28 callers see tools.listChanged too (as handshake-era ones do).
         on_subscriptions_listen=ListenHandler(InMemorySubscriptionBus()),
     )
+    # 2026-07-28 `input_required` waits (approvals put to a person): the SDK seals the state we
+    # hand out and checks it on the retry (bound to the tool, its arguments and this server).
+    security = RequestStateSecurity.ephemeral(ttl=REQUEST_STATE_TTL)
+    server.middleware.append(RequestStateBoundary(security, default_audience=SERVER_NAME))
+    return server
 
 
 class CallerMcpServer(Server):

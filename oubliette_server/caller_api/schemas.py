@@ -99,6 +99,11 @@ APPROVAL_RESPONSE: dict[str, Any] = {
         "approve": {"type": "boolean"},
         "reason": _REASON,
         "updated_arguments": {"type": "object", "description": "On approve: the arguments to run the tool with instead."},
+        "content": {
+            "type": "object",
+            "description": "A toolset's elicitation (origin 'toolset', with an 'elicitation' form): on approve, the "
+            "form's answer, checked against its requestedSchema; approve false declines the form.",
+        },
         "approvals": {
             "type": "array", "minItems": 1,
             "description": "Letta's batch form: one answer for each pending approval of the session.",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
@@ -23,7 +24,7 @@ from protocol.descriptors import DESCRIPTOR_META_KEY, build_descriptor
 from protocol.limits import Limits
 from protocol.schema_check import first_problem
 
-from ..approvals import ApprovalService, Decision
+from ..approvals import ApprovalElicitation, ApprovalService, Decision, InputRequired
 from ..caller_tool_relay import CallerToolRelay
 from ..callers import CallerConnection, RequestScopedSink
 from ..frame_log import FrameLog
@@ -100,6 +101,7 @@ class CallerTools:
         approvals: ApprovalService,
         session_wait_limit: float,
         limits: Limits | None = None,
+        elicitation: ApprovalElicitation | None = None,
     ) -> None:
         self.instances = instances
         self.sessions = sessions
@@ -108,6 +110,7 @@ class CallerTools:
         self.store = store
         self.tether = tether
         self.approvals = approvals
+        self.elicitation = elicitation or ApprovalElicitation(approvals)
         self.session_wait_limit = session_wait_limit
         self.limits = limits or Limits()
         self.tools: dict[str, tuple[types.Tool, ToolHandler]] = {}
@@ -129,7 +132,8 @@ class CallerTools:
             "Decide an approval_request: approve (optionally with updated_arguments) or deny with a reason. "
             "Or answer every pending approval of the session at once with approvals: [{type: 'approval', "
             "tool_call_id, approve, reason?} | {type: 'tool', tool_call_id, tool_return, status}] (a tool "
-            "return is a client-side tool's result). With wait, continue waiting on the turn.",
+            "return is a client-side tool's result). A toolset's form (origin 'toolset') is answered with approve and "
+            "content. With wait, continue waiting on the turn.",
             schemas.APPROVAL_RESPONSE, self.approval_response,
         )
         self.add(
@@ -151,8 +155,15 @@ class CallerTools:
         self.tools[name] = (tool, handler)
         self._validators[name] = strict_validator(schema)  # compiled once; `$` is the end of the string
 
-    async def call(self, ctx: Any, caller: CallerConnection, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
+    async def call(
+        self, ctx: Any, caller: CallerConnection, name: str, arguments: dict[str, Any],
+        resume: tuple[str, dict[str, Any] | None] | None = None,
+    ) -> types.CallToolResult | types.InputRequiredResult:
         """Run the tool `name` for `caller`: arguments checked against its schema, then its handler.
+
+        `resume` (2026-07-28) is a retry's `(requestState, inputResponses)`: the person's answers
+        are applied and the interrupted `wait` goes on, instead of running the tool again. A wait
+        that stops for approvals the person decides returns an `input_required` result.
 
         Raises: nothing for a caller's mistake: an unknown tool, invalid arguments or a handler's
         `RelayError` (limits included) come back as an MCP tool error; anything else is a bug.
@@ -166,9 +177,35 @@ class CallerTools:
         if problem:
             return tool_error(f"{name}: {problem}")
         try:
+            if resume is not None:
+                return tool_result(await self._resume_wait(ctx, caller, *resume))
             return tool_result(await handler(ctx, caller, arguments))
+        except InputRequired as need:
+            return self.elicitation.result(need)
         except RelayError as err:
             return tool_error(f"{name}: {err.message}")
+
+    async def _resume_wait(
+        self, ctx: Any, caller: CallerConnection, request_state: str, responses: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """A 2026-07-28 retry: apply the person's answers, then wait on the same turn again."""
+        state = self.elicitation.read_state(request_state)
+        if state is None:
+            raise RelayError(errors.INVALID_PARAMS, "requestState is not one this server issued")
+        session = self.sessions.get(state["instance"], state["channel"], state["session_id"])
+        if session is None:
+            raise RelayError(errors.NOT_FOUND, f"unknown session '{state['session_id']}'")
+        session.check_owner(caller)
+        await self.elicitation.apply_responses(caller, state, responses)
+        result = dict(state.get("base") or {})
+        try:
+            result.update(await self._wait_for_turn(
+                ctx, caller, session, state.get("msg_id"), int(state["after_seq"]), self.elicitation.seconds_left(state),
+            ))
+        except InputRequired as need:
+            need.base = dict(state.get("base") or {})
+            raise
+        return result
 
     # -- session_message -----------------------------------------------------------------
 
@@ -243,7 +280,11 @@ class CallerTools:
             return result
         limit = self.session_wait_limit
         seconds = limit if wait is True else min(float(wait), limit)
-        result.update(await self._wait_for_turn(ctx, caller, session, frame.msg_id, frame.seq, seconds))
+        try:
+            result.update(await self._wait_for_turn(ctx, caller, session, frame.msg_id, frame.seq, seconds))
+        except InputRequired as need:
+            need.base = result
+            raise
         return result
 
     def _wait_seconds(self, wait: Any) -> float:
@@ -271,6 +312,7 @@ class CallerTools:
             types=TURN_END_TYPES, reply_to=msg_id, limit=1,
         )
         modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+        deadline = time.time() + seconds
         gone = stream_gone(ctx)
         dropped = False
         frames: list[Any] | None = []
@@ -295,7 +337,7 @@ class CallerTools:
 
                     nursery.start_soon(watch)
                 try:
-                    frames = await self._first_stop(session, query, seconds)
+                    frames = await self._first_stop(ctx, caller, session, query, seconds)
                 finally:
                     if sink is not None:
                         session.sinks.discard(follower)
@@ -313,6 +355,8 @@ class CallerTools:
         ]
         approvals = [p.summary() for p in self.approvals.pending_for(session)]
         pending.extend({"kind": "approval", **a} for a in approvals)
+        if frames is None and self.elicitation.route(ctx) == "input_required":
+            raise InputRequired(session, self.approvals.pending_for(session), msg_id, after_seq, deadline)
         if frames is None:
             return {"stop_reason": "requires_approval", "text": "", "pending": pending, "approval_requests": approvals}
         if not frames:
@@ -323,8 +367,11 @@ class CallerTools:
             return {"stop_reason": "error", "text": end.payload.get("message", ""), "pending": pending, **turn}
         return {"stop_reason": "end_turn", "text": end.payload.get("text", ""), "pending": pending, **turn}
 
-    async def _first_stop(self, session: Session, query: FrameQuery, seconds: float) -> list[Any] | None:
-        """The turn's end frames ([] on timeout), or None when an approval became pending first."""
+    async def _first_stop(
+        self, ctx: Any, caller: CallerConnection, session: Session, query: FrameQuery, seconds: float
+    ) -> list[Any] | None:
+        """The turn's end frames ([] on timeout), or None when an approval stops the wait first
+        (approvals the person decides in the caller's client do not: `ApprovalElicitation`)."""
         stop: list[Any] = []
         async with trio.open_nursery() as race:
 
@@ -334,7 +381,7 @@ class CallerTools:
                 race.cancel_scope.cancel()
 
             async def approval() -> None:
-                await self.approvals.wait_pending(session)
+                await self.elicitation.approval_stop(ctx, caller, session)
                 stop.append(None)
                 race.cancel_scope.cancel()
 
@@ -400,7 +447,7 @@ class CallerTools:
             raise RelayError(
                 errors.INVALID_PARAMS, "give either 'request_id' and 'approve' (one decision) or 'approvals' (all of them)",
             )
-        for field in ("reason", "updated_arguments", "approvals"):
+        for field in ("reason", "updated_arguments", "content", "approvals"):
             if args.get(field) is not None:
                 self.limits.check_value(args[field], field)
 
@@ -413,7 +460,7 @@ class CallerTools:
                 raise RelayError(errors.INVALID_PARAMS, "the single form needs both 'request_id' and 'approve'")
             decision = Decision(
                 approve=args["approve"], who=who, reason=args.get("reason"),
-                updated_arguments=args.get("updated_arguments"),
+                updated_arguments=args.get("updated_arguments"), content=args.get("content"),
             )
             answered = await self.approvals.answer(caller, session.id, args["request_id"], decision)
         else:
@@ -423,7 +470,11 @@ class CallerTools:
         wait = args.get("wait", False)
         if wait is False:
             return answered
-        answered.update(await self._wait_for_turn(ctx, caller, session, None, after_seq, self._wait_seconds(wait)))
+        try:
+            answered.update(await self._wait_for_turn(ctx, caller, session, None, after_seq, self._wait_seconds(wait)))
+        except InputRequired as need:
+            need.base = answered
+            raise
         return answered
 
     @staticmethod

@@ -18,6 +18,7 @@ import mcp_types as types
 import trio
 
 from .base import Toolset, ToolResult, ToolSpec
+from .elicit import Asker, current_asker
 
 log = logging.getLogger("oubliette.server.toolsets.mcp")
 
@@ -84,6 +85,8 @@ class McpToolset(Toolset):
         self._dead_reason: str | None = None
         self._start_lock = trio.Lock()
         self._started = False
+        self._askers: list[Asker] = []  # one per call in flight that can put a form to its session's caller
+        self._calls_in_flight = 0
 
     async def start(self) -> list[ToolSpec]:
         """Start the server (once) and return its tools."""
@@ -101,6 +104,19 @@ class McpToolset(Toolset):
         return types.ListRootsResult(
             roots=[types.Root(uri=Path(root).resolve().as_uri(), name=Path(root).name) for root in self.roots]
         )
+
+    async def _elicit(self, context: Any, params: Any) -> types.ElicitResult:
+        """The server asks during a call: forward the form to the calling session's caller.
+
+        A shared server's `elicitation/create` does not say which call it belongs to: it is
+        forwarded only while exactly one call is in flight, and cancelled otherwise (fail closed).
+        """
+        if getattr(params, "mode", "form") != "form" or self._calls_in_flight != 1 or len(self._askers) != 1:
+            log.warning("MCP toolset %s asked for input with %d call(s) in flight; cancelled (cannot tell whose)",
+                        self.id, self._calls_in_flight)
+            return types.ElicitResult(action="cancel")
+        answer = await self._askers[0](params.message, dict(params.requested_schema))
+        return types.ElicitResult(action=answer["action"], content=answer.get("content"))
 
     async def _run(self, task_status: trio.TaskStatus[list[types.Tool]] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the server until stopped; its stderr becomes log lines, and the last ones explain a failed start."""
@@ -142,6 +158,7 @@ class McpToolset(Toolset):
             async with Client(
                 stdio_client(params, errlog=errlog), mode="legacy",
                 list_roots_callback=self._list_roots if self.roots else None,
+                elicitation_callback=self._elicit,
             ) as client:
                 errlog.close()  # the child has its own copy: at its exit the stderr pipe ends
                 listing = await client.list_tools()
@@ -199,6 +216,10 @@ class McpToolset(Toolset):
             client = await self._ensure_running()
         except Exception as exc:
             return ToolResult.failure(str(exc))
+        asker = current_asker.get()
+        self._calls_in_flight += 1
+        if asker is not None:
+            self._askers.append(asker)
         try:
             with trio.move_on_after(self.call_timeout) as deadline:
                 result = await client.call_tool(tool, arguments)
@@ -208,6 +229,10 @@ class McpToolset(Toolset):
                 f"MCP toolset '{self.id}' failed during '{tool}' ({exc or type(exc).__name__}); "
                 "it will be restarted on the next call"
             )
+        finally:
+            self._calls_in_flight -= 1
+            if asker is not None:
+                self._askers.remove(asker)
         if deadline.cancelled_caught:
             return ToolResult.failure(
                 f"MCP toolset '{self.id}' did not answer '{tool}' within {self.call_timeout:g} s (its call timeout)"

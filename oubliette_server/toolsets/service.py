@@ -7,7 +7,7 @@ changes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -15,12 +15,18 @@ from protocol import RelayError, errors, messages
 
 from ..client_connections import ClientConnections, ClientPeer
 from .base import Toolset, ToolsetFactory, ToolSpec
+from .elicit import current_asker
 from .command_toolset import CommandToolset
 from .mcp_toolset import DEFAULT_CALL_TIMEOUT, McpToolset
 from .registry import ToolsetDefinition, ToolsetRegistry
 from .router import ToolRouter
 from .sessions import ToolsetSessions
 from ..task_host import TaskHost
+
+
+AskCaller = Callable[[ClientPeer, str, dict[str, Any], str, dict[str, Any]], Awaitable[dict[str, Any]]]
+"""`(connection, tool name, arguments, message, requestedSchema) -> {"action", "content"?}`: a toolset's
+form put to the caller that owns the calling session."""
 
 
 def toolsets_config(router: ToolRouter) -> dict[str, Any]:
@@ -38,7 +44,8 @@ class ToolsetService:
     server cannot start; `ValueError` for a bad registration; `RelayError` from `call`.
     """
 
-    def __init__(self, separator: str, clients: ClientConnections) -> None:
+    def __init__(self, separator: str, clients: ClientConnections, ask_caller: AskCaller | None = None) -> None:
+        self.ask_caller = ask_caller
         self.registry = ToolsetRegistry()
         self.clients = clients
         self.sessions = ToolsetSessions(self.registry, separator, self._push)
@@ -152,6 +159,13 @@ class ToolsetService:
         """The `toolset_call` relay method."""
         if connection.router is None:
             raise RelayError(errors.NOT_FOUND, "no toolsets are bound to this connection")
+        ask = self.ask_caller
+        if ask is not None:
+
+            async def asker(message: str, schema: dict[str, Any]) -> dict[str, Any]:
+                return await ask(connection, call.name, call.arguments, message, schema)
+
+            current_asker.set(asker)  # this task's context only: the call's own toolset reads it
         outcome = await connection.router.call(call.name, call.arguments)
         if outcome.is_error:
             raise RelayError(errors.TOOL_ERROR, outcome.error or f"{call.name} failed")
