@@ -235,7 +235,7 @@ class RelayListener:
             os.unlink(path)
             return
         await probe.aclose()
-        raise OSError(f"in use by another server (stop it, or pass another --relay or --data-dir)")
+        raise OSError("in use by another server (stop it, or pass another --relay or --data-dir)")
 
     async def _handle(self, stream: trio.abc.Stream) -> None:
         peer = "unix" if self.address.kind == "unix" else _peer_name(stream)

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shlex
-import subprocess
 from typing import Any
 
 import trio
