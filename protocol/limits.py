@@ -220,7 +220,7 @@ class Limits:
             )
 
     @max_depth.validator
-    def _check_depth(self, attribute: Any, value: int) -> None:
+    def _validate_max_depth(self, attribute: Any, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_DEPTH_CEILING:
             raise ValueError(f"max_payload_depth must be between 1 and {MAX_DEPTH_CEILING}, got {value!r}")
 
