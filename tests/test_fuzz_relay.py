@@ -441,7 +441,10 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
                                           "token": token_for(case.instance)}
                 if case.phase == "client_session":
                     params["session"] = SESSION_KEY
-                await stream.send_all(encode({"jsonrpc": "2.0", "id": "hello-0", "method": "hello", "params": params}) + b"\n")
+                try:
+                    await stream.send_all(encode({"jsonrpc": "2.0", "id": "hello-0", "method": "hello", "params": params}) + b"\n")
+                except trio.BrokenResourceError as exc:
+                    return f"closed before a valid hello was read: {exc}"
                 while not any(m.get("id") == "hello-0" for m in await messages_so_far()):
                     try:
                         chunk = await stream.receive_some(65536)
