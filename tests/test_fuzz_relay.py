@@ -45,6 +45,7 @@ HELLO_TIMEOUT = 10.0  # the server's (oubliette_server.relay.HELLO_TIMEOUT)
 
 GENERATED = 2000  # seeded generated cases; the hand-made ones come on top
 POOL = 16  # raw connections at a time
+HEALTHY_EVERY = 40  # finished cases between two healthy calls (the calls overlap the cases in flight)
 DEADLINE = 10.0  # for a connection that sends EOF (or a line over the limit): answered or closed by then
 HELD_OPEN_DEADLINE = HELLO_TIMEOUT + 10.0  # a half line held open before hello waits out the hello timeout
 TEST_DEADLINE = 300.0  # the whole test, so that no failure mode can hang the run
@@ -65,9 +66,9 @@ class Case:
     `phase` is "pre" (no hello), "client", "client_session" (bound to the healthy session), or
     "guest", each of `instance` (the healthy session's by default). Guests of one instance replace
     each other, so a case that must see its own answer plays a guest of an instance of its own.
-    `pace` seconds between chunks make a
-    slow sender. `expect_error`: an error object must come before the close; `expect_code`:
-    that error's code.
+    `pace` seconds between chunks make a slow sender. `expect_error`: an error object must come
+    before the close; `expect_code`: that error's code. `deadline`: seconds from connecting to
+    the close.
     """
 
     kind: str
@@ -270,7 +271,7 @@ def explicit_cases(token: str) -> list[Case]:
     for phase in ("pre", "client", "client_session", "guest"):
         for data in (b'{"jsonrpc":"2.0","id":3,"method":"caller_tool","params":{"tool":"send_notif', b'{"a":', b"\xff\xfe"):
             out.append(Case("half-eof", phase, (data,), expect_error=phase == "pre"))
-        # A slow valid message after a slow hello-phase start.
+        # A message dribbled in 3 bytes at a time.
         slow = request(4, "caller_tool", '{"tool":"nope","arguments":{}}')
         out.append(Case("slow-line", phase, tuple(slow[i:i + 3] for i in range(0, len(slow), 3)),
                         pace=0.001, expect_error=phase == "pre"))
@@ -557,10 +558,27 @@ async def test_relay_fuzz_keeps_server_and_healthy_session_alive(deployment: Dep
         await fuzz_against_a_healthy_session(deployment, token_for, all_cases, failures, replaced, healthy_calls)
 
     assert not failures, f"{len(failures)} of {len(all_cases)} bad connections misbehaved:\n" + "\n".join(failures[:40])
-    assert healthy_calls["during"] >= 3, healthy_calls
+    assert healthy_calls["during"] >= 10, healthy_calls  # the session was used throughout, not just before and after
     # Concurrent guests of one instance replace each other; most must still have been played.
     guests = sum(1 for c in all_cases if c.phase == "guest")
     assert len(replaced) < guests / 2, f"{len(replaced)} of {guests} guest cases were replaced before playing"
+
+
+class Progress:
+    """How many cases have finished; awaitable, so the healthy session paces itself on it."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self._changed = trio.Event()
+
+    def advance(self) -> None:
+        self.done += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def reach(self, count: int) -> None:
+        while self.done < count:
+            await self._changed.wait()
 
 
 async def fuzz_against_a_healthy_session(
@@ -572,14 +590,16 @@ async def fuzz_against_a_healthy_session(
         await declare(caller)
         async with deployment.agent(INSTANCE, SESSION_KEY) as agent:
             await healthy_call(agent, caller, events, "healthy-before")
-            fuzz_done = trio.Event()
+            progress = Progress()
 
             async def keep_calling() -> None:
+                """A healthy call every HEALTHY_EVERY finished cases, until the last case is done."""
                 n = 0
-                while not fuzz_done.is_set():
+                while progress.done < len(all_cases):
                     await healthy_call(agent, caller, events, f"healthy-during-{n}")
                     n += 1
                     healthy_calls["during"] = n
+                    await progress.reach(min(progress.done + HEALTHY_EVERY, len(all_cases)))
 
             async def fuzz() -> None:
                 limiter = trio.CapacityLimiter(POOL)
@@ -597,11 +617,11 @@ async def fuzz_against_a_healthy_session(
                         replaced.append(case)
                     elif problem:
                         failures.append(f"{case.describe()}\n    -> {problem}")
+                    progress.advance()
 
                 async with trio.open_nursery() as pool:
                     for case in all_cases:
                         pool.start_soon(one, case)
-                fuzz_done.set()
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(keep_calling)
