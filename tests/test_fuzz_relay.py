@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 import subprocess
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
@@ -337,15 +338,18 @@ async def stdio_transport(process: trio.Process) -> AsyncIterator[tuple[Any, Any
             nursery.cancel_scope.cancel()
 
 
-def stderr_excerpt(path: Any, lines: int = 40) -> str:
-    """The server's first error (where a crash shows its cause) and its last lines."""
+def stderr_excerpt(path: Any, lines: int = 30) -> str:
+    """The server's distinct exception lines (where a crash names its cause), its first error and
+    its last lines."""
     try:
         text = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
+    causes = list(dict.fromkeys(
+        line.strip() for line in text if re.search(r"\b\w*(Error|Exception)\b[^:]*:|raised exception", line)))
     first = next((i for i, line in enumerate(text) if " ERROR " in line or line.startswith("Traceback")), None)
     head = text[first: first + lines] if first is not None else []
-    return "\n".join([*head, "…", *text[-lines:]])
+    return "\n".join(["exception lines:", *causes[:12], "first error:", *head, "last lines:", *text[-lines:]])
 
 
 @attrs.define
@@ -355,9 +359,12 @@ class Server:
     process: trio.Process
     stderr_path: Any
 
+    def diagnosis(self) -> str:
+        state = "still runs" if self.process.returncode is None else f"exited with {self.process.returncode}"
+        return f"oubliette-server {state}; stderr:\n{stderr_excerpt(self.stderr_path)}"
+
     def check_alive(self) -> None:
-        assert self.process.returncode is None, (
-            f"oubliette-server exited with {self.process.returncode}; stderr:\n{stderr_excerpt(self.stderr_path)}")
+        assert self.process.returncode is None, self.diagnosis()
 
 
 @asynccontextmanager
@@ -510,8 +517,16 @@ async def declare(caller: Client) -> None:
     assert not result.is_error, text_of(result)
 
 
-async def healthy_call(agent: Client, caller: Client, events: EventLog, label: str) -> None:
+async def healthy_call(server: Server, agent: Client, caller: Client, events: EventLog, label: str) -> None:
     """One relayed call, answered by the caller from its events; the agent must get exactly its result."""
+    try:
+        await _healthy_call(agent, caller, events, label)
+    except Exception as exc:  # TooSlowError, an MCP error, an exception group of those, a wrong result
+        raise AssertionError(f"healthy call {label} failed ({exc!r}, within {EVENT_TIMEOUT:g} s); "
+                             f"{server.diagnosis()}") from exc
+
+
+async def _healthy_call(agent: Client, caller: Client, events: EventLog, label: str) -> None:
     outcome: dict[str, Any] = {}
 
     async def call() -> None:
@@ -589,30 +604,30 @@ async def fuzz_against_a_healthy_session(
     async with running_server(deployment) as (server, caller, events):
         await declare(caller)
         async with deployment.agent(INSTANCE, SESSION_KEY) as agent:
-            await healthy_call(agent, caller, events, "healthy-before")
+            await healthy_call(server, agent, caller, events, "healthy-before")
             progress = Progress()
 
             async def keep_calling() -> None:
                 """A healthy call every HEALTHY_EVERY finished cases, until the last case is done."""
                 n = 0
                 while progress.done < len(all_cases):
-                    await healthy_call(agent, caller, events, f"healthy-during-{n}")
+                    await healthy_call(server, agent, caller, events, f"healthy-during-{n}")
                     n += 1
                     healthy_calls["during"] = n
                     await progress.reach(min(progress.done + HEALTHY_EVERY, len(all_cases)))
 
             async def fuzz() -> None:
                 limiter = trio.CapacityLimiter(POOL)
+                relay_gone: list[str] = []
 
-                async def one(case: Case) -> None:
+                async def one(case: Case, pool: trio.Nursery) -> None:
                     async with limiter:
                         try:
                             problem = await run_case(case, deployment, token_for)
                         except OSError as exc:  # the relay listener is gone: nothing else can pass
-                            raise AssertionError(
-                                f"cannot connect to the relay ({exc}) at {case.describe()}; the server "
-                                f"{'exited with ' + str(server.process.returncode) if server.process.returncode is not None else 'still runs'}"
-                                f"; stderr:\n{stderr_excerpt(server.stderr_path)}") from None
+                            relay_gone.append(f"cannot connect to the relay ({exc}) at {case.describe()}")
+                            pool.cancel_scope.cancel()
+                            return
                     if problem == REPLACED:
                         replaced.append(case)
                     elif problem:
@@ -621,7 +636,11 @@ async def fuzz_against_a_healthy_session(
 
                 async with trio.open_nursery() as pool:
                     for case in all_cases:
-                        pool.start_soon(one, case)
+                        pool.start_soon(one, case, pool)
+                if relay_gone:
+                    with trio.move_on_after(EVENT_TIMEOUT):  # a dying server prints its cause on the way out
+                        await server.process.wait()
+                    raise AssertionError(f"{relay_gone[0]}; {server.diagnosis()}")
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(keep_calling)
@@ -629,6 +648,6 @@ async def fuzz_against_a_healthy_session(
 
             server.check_alive()
             for n in range(5):
-                await healthy_call(agent, caller, events, f"healthy-after-{n}")
+                await healthy_call(server, agent, caller, events, f"healthy-after-{n}")
                 healthy_calls["after"] += 1
         server.check_alive()
