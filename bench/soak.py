@@ -395,7 +395,8 @@ def report(calls: dict[str, Any] | None, frames: dict[str, Any] | None, rss: dic
             r = f[reader]
             lag = r["caught_up_after_last_post"]
             print(f"    {label:<17} saw {r['seen']}; lost: {r['lost']}   duplicated: {r['duplicated']}   "
-                  f"out of order: {r['out_of_order']}   caught up {'%.2f s' % lag if lag is not None else 'NEVER'} after the last post")
+                  f"out of order: {r['out_of_order']}   "
+                  + (f"had every frame {lag:+.2f} s from the last post's answer" if lag is not None else "NEVER caught up"))
             if r["lost"] or r["duplicated"] or r["out_of_order"] or lag is None:
                 ok = False
     print()
