@@ -1,0 +1,653 @@
+"""Relay fuzz: thousands of hostile inputs against one running server, a healthy session beside them.
+
+One real `oubliette-server` process serves a caller over stdio (this test owns the process, so it
+can tell the moment it dies). The caller declares a tool in session `s1` of `box1`, and an agent
+(the SDK's `Client` spawning the real `oubliette-client`) keeps calling it while the caller
+answers from its events. Meanwhile more than 2,000 generated inputs (a seeded generator, so the
+same set every run) go to the relay socket over a pool of concurrent raw connections: random
+bytes, truncated and mis-shaped JSON-RPC, wrong types, deep nesting, lines over the 1 MiB limit,
+slow and half lines, a valid `hello` then garbage, wrong roles and methods, someone else's
+request ids, cancels of unknown ids, acks out of range. A list of hand-made cases makes sure the
+rare ones (deep, oversize, held-open half lines) are surely in the set.
+
+Asserted: the server never exits; each bad connection is answered or closed within its deadline
+(a connection that is neither answered nor closed in time fails the test), and a connection
+whose first line is not a valid `hello` always gets an error object before the close; every
+line the server sends is a JSON-RPC object; every healthy call returns its own result, during
+the fuzz and after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import re
+import subprocess
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+import attrs
+import mcp_types as types
+import trio
+from mcp import Client
+from mcp.shared.message import SessionMessage
+
+from harness import EVENT_TIMEOUT, PYTHON, Deployment, EventLog, structured, text_of
+
+INSTANCE = "box1"
+OTHER_INSTANCE = "box2"
+SESSION = "s1"
+SESSION_KEY = f"mcp:{SESSION}"
+PROTOCOL = "oubliette-relay/1"
+MAX_FRAME_BYTES = 1024 * 1024
+HELLO_TIMEOUT = 10.0  # the server's (oubliette_server.relay.HELLO_TIMEOUT)
+
+GENERATED = 2000  # seeded generated cases; the hand-made ones come on top
+POOL = 16  # raw connections at a time
+HEALTHY_EVERY = 40  # finished cases between two healthy calls (the calls overlap the cases in flight)
+DEADLINE = 15.0  # for a connection that sends EOF (or a line over the limit): answered or closed by then (margin for a loaded machine)
+HELD_OPEN_DEADLINE = HELLO_TIMEOUT + 15.0  # a half line held open before hello waits out the hello timeout
+TEST_DEADLINE = 300.0  # the whole test, so that no failure mode can hang the run
+
+NOTIFY = {
+    "name": "send_notification",
+    "description": "Send notification",
+    "inputSchema": {"type": "object", "properties": {"message": {"type": "string"}}},
+}
+METHODS = ["hello", "caller_tool", "toolset_call", "append_frame", "ack", "cancel", "user_message",
+           "caller_tools_config", "toolsets_config", "no_such_method", ""]
+
+
+@attrs.frozen
+class Case:
+    """One bad connection: an optional valid `hello`, then `chunks`, then EOF (unless `eof` is False).
+
+    `phase` is "pre" (no hello), "client", "client_session" (bound to the healthy session), or
+    "guest", each of `instance` (the healthy session's by default). Guests of one instance replace
+    each other, so a case that must see its own answer plays a guest of an instance of its own.
+    `pace` seconds between chunks make a slow sender. `expect_error`: an error object must come
+    before the close; `expect_code`: that error's code. `deadline`: seconds from connecting to
+    the close.
+    """
+
+    kind: str
+    phase: str
+    chunks: tuple[bytes, ...]
+    eof: bool = True
+    pace: float = 0.0
+    expect_error: bool = False
+    expect_code: int | None = None
+    deadline: float = DEADLINE
+    instance: str = INSTANCE
+
+    def describe(self) -> str:
+        data = b"".join(self.chunks)
+        shown = repr(data[:160]) + (f"… ({len(data)} bytes)" if len(data) > 160 else "")
+        return f"{self.kind}/{self.phase}@{self.instance} eof={self.eof} pace={self.pace} chunks={len(self.chunks)}: {shown}"
+
+
+# -- generated inputs ---------------------------------------------------------------------
+# A seeded generator rather than hypothesis: hypothesis's engine takes ~15 ms an example on this
+# machine, 30 s for the set alone; this one makes the same 2,000 cases every run in well under 1 s.
+
+SEED = 20261122
+PARAM_FIELDS = {
+    "hello": ["protocol", "role", "instance", "token", "session"],
+    "caller_tool": ["tool", "arguments", "caller_id"],
+    "toolset_call": ["name", "arguments"],
+    "append_frame": ["session", "type", "payload", "reply_to"],
+    "ack": ["seq"],
+    "cancel": ["id"],
+}
+GOOD_FIELD_VALUES: dict[str, list[Any]] = {
+    "protocol": [PROTOCOL, "oubliette-relay/2"], "role": ["client", "guest", "caller", "admin"],
+    "instance": [INSTANCE, OTHER_INSTANCE, "boxA\n", "", "a" * 65], "token": ["0" * 64, "tøken", "\ud800"],
+    "session": [SESSION_KEY, "", ":", "mcp:", "a@b", "\ud800", {"channel": "mcp", "id": SESSION}],
+    "tool": ["send_notification", "nope", ""], "name": ["ext.echo", "nope"],
+    "type": ["assistant.delta", "user.message", "caller_tool_result", "session.error", "x"],
+    "seq": [0, 1, -1, 2**63, 2**70, 1.5], "id": [0, 1, 2, 7, 2**63, -1, "1"],
+    "caller_id": ["myapp", "someone_else", ""], "arguments": [{}, {"message": "fuzz"}],
+    "payload": [{}, {"text": "fuzz"}], "reply_to": ["m-1", ""],
+}
+TEXT_ALPHABET = "ab:_.-@ \n\t\"\\{}[]é€\u0000\u0001\u2028\ud800\U0001F600"
+
+
+class Generator:
+    """Seeded random JSON-RPC-ish inputs: values, envelopes, lines, cases."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def text(self, size: int = 8) -> str:
+        return "".join(self.rng.choice(TEXT_ALPHABET) for _ in range(self.rng.randint(0, size)))
+
+    def scalar(self) -> Any:
+        r = self.rng
+        return r.choice([
+            lambda: None, lambda: r.random() < 0.5, lambda: r.randint(-5, 5), lambda: r.randint(-(2**70), 2**70),
+            lambda: r.uniform(-1e300, 1e300), lambda: self.text(),
+        ])()
+
+    def value(self, depth: int = 0) -> Any:
+        r = self.rng
+        kind = r.random()
+        if depth > 3 or kind < 0.5:
+            return self.scalar()
+        if kind < 0.75:
+            return [self.value(depth + 1) for _ in range(r.randint(0, 3))]
+        return {self.text(5): self.value(depth + 1) for _ in range(r.randint(0, 3))}
+
+    def envelope(self) -> dict[str, Any]:
+        """Each JSON-RPC member present or not, of the right type or not."""
+        r = self.rng
+        method = r.choice(METHODS) if r.random() < 0.8 else self.value()
+        message: dict[str, Any] = {}
+        if r.random() < 0.8:
+            message["jsonrpc"] = r.choice(["2.0", "2.0", "2.0", "1.0", 2.0, None, ""]) if r.random() < 0.9 else self.value()
+        if r.random() < 0.6:
+            message["id"] = r.choice([r.randint(0, 50), r.randint(-(2**70), 2**70), self.text(), True, 1.0, None, [1]])
+        if r.random() < 0.85:
+            message["method"] = method
+        if r.random() < 0.8:
+            fields = PARAM_FIELDS.get(method if isinstance(method, str) else "", [])
+            if fields and r.random() < 0.7:
+                message["params"] = {
+                    field: r.choice(GOOD_FIELD_VALUES[field]) if r.random() < 0.6 else self.value()
+                    for field in fields if r.random() < 0.7
+                }
+            else:
+                message["params"] = self.value()
+        for extra in ("result", "error"):
+            if r.random() < 0.15:
+                message[extra] = self.value() if r.random() < 0.5 else {"code": self.value(), "message": self.value()}
+        return message
+
+    def line(self) -> bytes:
+        """One input line (maybe without its newline): random bytes, a mis-shaped message, or a truncated one."""
+        r = self.rng
+        how = r.choice(["bytes", "envelope", "envelope", "truncated", "value"])
+        if how == "bytes":
+            return r.randbytes(r.randint(0, 200))
+        if how == "value":
+            return encode(self.value()) + b"\n"
+        body = encode(self.envelope())
+        if how == "truncated":
+            return body[: r.randint(0, max(len(body) - 1, 0))] + r.choice([b"\n", b""])
+        return body + b"\n"
+
+    def split(self, data: bytes) -> tuple[bytes, ...]:
+        """`data` cut at a few random points (a sender whose lines arrive in pieces)."""
+        cuts = sorted({self.rng.randint(0, len(data)) for _ in range(self.rng.randint(1, 12))})
+        pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+        return tuple(p for p in pieces if p) or (data,)
+
+    def case(self) -> Case:
+        r = self.rng
+        phase = r.choice(["pre", "pre", "client", "client_session", "guest", "other"])
+        instance = INSTANCE
+        if phase == "other":
+            phase, instance = "client", OTHER_INSTANCE
+        data = b"".join(self.line() for _ in range(r.randint(1, 4)))
+        delivery = r.choice(["whole", "split", "slow"])
+        chunks = (data,) if delivery == "whole" else self.split(data)
+        # Slow: a sender that dribbles its pieces; the pause is the input's pacing, not a wait for an event.
+        pace = 0.002 if delivery == "slow" else 0.0
+        # Before hello, anything but EOF alone must be refused with an error object.
+        return Case("generated", phase, chunks, pace=pace, expect_error=phase == "pre" and bool(data), instance=instance)
+
+
+def encode(message: Any) -> bytes:
+    """JSON as a careless peer writes it: not ASCII-escaped, lone surrogates passed through as bytes."""
+    return json.dumps(message, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+def generated_cases(count: int, seed: int = SEED) -> list[Case]:
+    """`count` cases, the same ones for the same seed."""
+    generator = Generator(seed)
+    return [generator.case() for _ in range(count)]
+
+
+# -- hand-made cases: the rare ones, surely in the set --------------------------------------
+
+
+def nested(depth: int, leaf: Any = 0) -> str:
+    """JSON text of `depth` nested arrays and objects around `leaf`."""
+    opening = "".join('{"a":' if i % 2 else "[" for i in range(depth))
+    closing = "".join("}" if i % 2 else "]" for i in reversed(range(depth)))
+    return opening + json.dumps(leaf) + closing
+
+
+def request(request_id: Any, method: str, params_text: str) -> bytes:
+    return f'{{"jsonrpc":"2.0","id":{json.dumps(request_id)},"method":"{method}","params":{params_text}}}\n'.encode()
+
+
+def notification(method: str, params: Any) -> bytes:
+    return encode({"jsonrpc": "2.0", "method": method, "params": params}) + b"\n"
+
+
+def explicit_cases(token: str) -> list[Case]:
+    out: list[Case] = []
+    # Deep nesting, in every place a peer can put it (issue 8, item 1 is about depth >= 256).
+    for depth in (63, 64, 65, 128, 255, 256, 300, 500, 990, 5000, 100_000):
+        value = nested(depth)
+        out += [
+            Case(f"deep{depth}-line", "pre", (value.encode() + b"\n",), expect_error=True),
+            Case(f"deep{depth}-hello", "pre", (request(0, "hello", f'{{"protocol":"{PROTOCOL}","role":"client",'
+                 f'"instance":"{INSTANCE}","token":"{token}","session":{value}}}'),), expect_error=True),
+            Case(f"deep{depth}-caller_tool", "client_session",
+                 (request(1, "caller_tool", f'{{"tool":"send_notification","arguments":{{"message":{value}}}}}'),)),
+            Case(f"deep{depth}-caller_tool-args", "client",
+                 (request(1, "caller_tool", f'{{"tool":"send_notification","arguments":{{"x":{value}}}}}'),)),
+            Case(f"deep{depth}-append_frame", "guest", (request(
+                1, "append_frame", f'{{"session":{{"channel":"mcp","id":"{SESSION}"}},"type":"assistant.delta",'
+                f'"payload":{{"text":"deep","x":{value}}}}}'),)),
+            Case(f"deep{depth}-cancel", "client", (f'{{"jsonrpc":"2.0","method":"cancel","params":{{"id":{value}}}}}\n'.encode(),)),
+            Case(f"deep{depth}-ack", "guest", (f'{{"jsonrpc":"2.0","method":"ack","params":{{"seq":{value}}}}}\n'.encode(),)),
+            Case(f"deep{depth}-response", "client", (f'{{"jsonrpc":"2.0","id":1,"result":{value}}}\n'.encode(),)),
+        ]
+    # Over the 1 MiB line limit: whole, in pieces, without a newline and held open (the reader
+    # must refuse it as soon as it is too long), just under and just over the limit.
+    big = request(5, "caller_tool", json.dumps({"tool": "send_notification", "arguments": {"message": "x" * (MAX_FRAME_BYTES + 10)}}))
+    for phase, instance in (("pre", INSTANCE), ("client_session", INSTANCE), ("guest", "lone-oversize")):
+        out += [attrs.evolve(case, instance=f"{instance}-{i}" if phase == "guest" else instance) for i, case in enumerate([
+            Case("oversize", phase, (big,), expect_error=True, expect_code=-32600),
+            Case("oversize-pieces", phase, tuple(big[i:i + 100_000] for i in range(0, len(big), 100_000)),
+                 expect_error=True, expect_code=-32600),
+            Case("oversize-held-open", phase, (big[:-1],), eof=False, expect_error=True, expect_code=-32600),
+            Case("oversize-no-newline", phase, (b"y" * (MAX_FRAME_BYTES + 1),), eof=False,
+                 expect_error=True, expect_code=-32600),
+            Case("limit+1", phase, (b" " * (MAX_FRAME_BYTES + 1) + b"\n",), expect_error=True, expect_code=-32600),
+            Case("at-limit", phase, (b" " * MAX_FRAME_BYTES + b"\n",), expect_error=True),
+            # Under the limit as sent (U+0001 escaped), well over it once a caller event carries it.
+            Case("escaped-control-chars", phase, (json.dumps({"jsonrpc": "2.0", "id": 9, "method": "caller_tool", "params": {
+                "tool": "send_notification", "arguments": {"message": "\u0001" * 170_000}}}).encode() + b"\n",)),
+        ])]
+    # Half lines held open before hello: the hello deadline must answer them.
+    for data in (b'{"jsonrpc":"2.0","id":0,"method":"hel', b"{", b"garbage", b" "):
+        out.append(Case("half-held-open", "pre", (data,), eof=False, expect_error=True,
+                        expect_code=-32600, deadline=HELD_OPEN_DEADLINE))
+    # Half lines ended by EOF, in every phase (a final line without a newline still counts).
+    for phase in ("pre", "client", "client_session", "guest"):
+        for data in (b'{"jsonrpc":"2.0","id":3,"method":"caller_tool","params":{"tool":"send_notif', b'{"a":', b"\xff\xfe"):
+            out.append(Case("half-eof", phase, (data,), expect_error=phase == "pre"))
+        # A message dribbled in 3 bytes at a time.
+        slow = request(4, "caller_tool", '{"tool":"nope","arguments":{}}')
+        out.append(Case("slow-line", phase, tuple(slow[i:i + 3] for i in range(0, len(slow), 3)),
+                        pace=0.001, expect_error=phase == "pre"))
+    # Someone else's request ids: cancels and responses for ids the healthy agent uses on its own
+    # connection, and a duplicate id in flight.
+    for request_id in range(0, 40):
+        out.append(Case("cancel-others-id", "client_session", (notification("cancel", {"id": request_id}),)))
+        out.append(Case("response-others-id", "client", (encode({"jsonrpc": "2.0", "id": request_id, "result": {"echo": "forged"}}) + b"\n",)))
+    duplicate = request(7, "caller_tool", '{"tool":"send_notification","arguments":{"message":"dup"}}')
+    out.append(Case("duplicate-id", "client_session", (duplicate, duplicate)))
+    # Cancels of unknown ids, acks out of range, wrong roles and methods.
+    for value in (10**6, -1, 2**63, 2**70, "nope", 1.5, None, [], {}, True):
+        out.append(Case("cancel-unknown", "client", (notification("cancel", {"id": value}),)))
+        out.append(Case("ack-out-of-range", "guest", (notification("ack", {"seq": value}),)))
+        out.append(Case("ack-from-client", "client", (notification("ack", {"seq": value}),)))
+    for phase, instance in (("client", INSTANCE), ("client_session", INSTANCE), ("guest", INSTANCE), ("client", OTHER_INSTANCE)):
+        for method, params in (("append_frame", {"session": {"channel": "mcp", "id": SESSION}, "type": "assistant.delta"}),
+                               ("caller_tool", {"tool": "send_notification", "arguments": {}}),
+                               ("hello", {"protocol": PROTOCOL, "role": "client", "instance": INSTANCE, "token": token}),
+                               ("user_message", {}), ("caller_tools_config", {}), ("no_such_method", {})):
+            out.append(Case("role-method", phase, (encode({"jsonrpc": "2.0", "id": 11, "method": method, "params": params}) + b"\n",),
+                            instance=instance))
+    return out
+
+
+# -- the running server, owned by the test -----------------------------------------------
+
+
+@asynccontextmanager
+async def stdio_transport(process: trio.Process) -> AsyncIterator[tuple[Any, Any]]:
+    """An MCP client transport over a process's stdin/stdout (what `stdio_client` does, but the
+    test keeps the process, so it can see the server exit)."""
+    assert process.stdin is not None and process.stdout is not None
+    stdin, stdout = process.stdin, process.stdout
+    to_client, from_server = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    to_server, from_client = anyio.create_memory_object_stream[SessionMessage](0)
+
+    async def read() -> None:
+        async with to_client:
+            buffer = b""
+            while chunk := await stdout.receive_some(65536):
+                *complete, buffer = (buffer + chunk).split(b"\n")
+                for line in complete:
+                    try:
+                        message: SessionMessage | Exception = SessionMessage(
+                            types.jsonrpc_message_adapter.validate_json(line, by_name=False))
+                    except ValueError as exc:  # as the SDK's stdio transport: a bad line is an error value
+                        message = exc
+                    await to_client.send(message)
+
+    async def write() -> None:
+        async with from_client:
+            async for message in from_client:
+                data = message.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n"
+                await stdin.send_all(data.encode())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        nursery.start_soon(write)
+        try:
+            yield from_server, to_server
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def stderr_excerpt(path: Any, lines: int = 30) -> str:
+    """The server's distinct exception lines (where a crash names its cause), its first error and
+    its last lines."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    causes = list(dict.fromkeys(
+        line.strip() for line in text if re.search(r"\b\w*(Error|Exception)\b[^:]*:|raised exception", line)))
+    first = next((i for i, line in enumerate(text) if " ERROR " in line or line.startswith("Traceback")), None)
+    head = text[first: first + lines] if first is not None else []
+    return "\n".join(["exception lines:", *causes[:12], "first error:", *head, "last lines:", *text[-lines:]])
+
+
+@attrs.define
+class Server:
+    """The server process and where its stderr goes."""
+
+    process: trio.Process
+    stderr_path: Any
+
+    def diagnosis(self) -> str:
+        state = "still runs" if self.process.returncode is None else f"exited with {self.process.returncode}"
+        return f"oubliette-server {state}; stderr:\n{stderr_excerpt(self.stderr_path)}"
+
+    def check_alive(self) -> None:
+        assert self.process.returncode is None, self.diagnosis()
+
+
+@asynccontextmanager
+async def running_server(deployment: Deployment) -> AsyncIterator[tuple[Server, Client, EventLog]]:
+    """The real oubliette-server with this test as its stdio caller; a watcher fails the test at
+    once if the process exits while the test runs."""
+    stderr_path = deployment.root / "server.stderr"
+    with open(stderr_path, "wb") as stderr:
+        process = await trio.lowlevel.open_process(
+            [PYTHON, "-m", "oubliette_server", "--relay", deployment.relay, "--data-dir", str(deployment.data_dir),
+             "--log-level", "WARNING"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+        )
+    server = Server(process, stderr_path)
+    stopping = False
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                await process.wait()
+                if not stopping:
+                    server.check_alive()
+
+            nursery.start_soon(watch)
+            log = EventLog()
+            async with Client(stdio_transport(process), mode="legacy", logging_callback=log.on_log) as client:
+                yield server, client, log
+                server.check_alive()
+                stopping = True
+            nursery.cancel_scope.cancel()
+    finally:
+        stopping = True
+        # As an MCP client ends a stdio server: close its stdin, then a signal if it lingers.
+        # (today SIGTERM alone does not stop a server whose stdin is still open: its stdin read blocks.)
+        with trio.CancelScope(shield=True):
+            assert process.stdin is not None
+            await process.stdin.aclose()
+            with trio.move_on_after(10):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+# -- one bad connection ------------------------------------------------------------------
+
+
+REPLACED = "replaced"
+
+
+async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str], str]) -> str | None:
+    """Play `case` on a fresh connection; None if the server behaved, `REPLACED` if a guest was
+    replaced by a newer one before its input went out, else what went wrong."""
+    with trio.fail_after(case.deadline):  # a listener that stops accepting fails here
+        stream = await trio.open_unix_socket(str(deployment.socket))
+    received = bytearray()
+    closed = False
+
+    async def receive_until_close() -> None:
+        nonlocal closed
+        while True:
+            try:
+                chunk = await stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                chunk = b""
+            if not chunk:
+                closed = True
+                return
+            received.extend(chunk)
+
+    async def messages_so_far() -> list[dict[str, Any]]:
+        out = []
+        for line in bytes(received).split(b"\n")[:-1]:
+            out.append(json.loads(line))
+        return out
+
+    try:
+        with trio.move_on_after(case.deadline) as scope:
+            if case.phase != "pre":
+                role = "guest" if case.phase == "guest" else "client"
+                params: dict[str, Any] = {"protocol": PROTOCOL, "role": role, "instance": case.instance,
+                                          "token": token_for(case.instance)}
+                if case.phase == "client_session":
+                    params["session"] = SESSION_KEY
+                try:
+                    await stream.send_all(encode({"jsonrpc": "2.0", "id": "hello-0", "method": "hello", "params": params}) + b"\n")
+                except trio.BrokenResourceError as exc:
+                    return f"closed before a valid hello was read: {exc}"
+                while not any(m.get("id") == "hello-0" for m in await messages_so_far()):
+                    try:
+                        chunk = await stream.receive_some(65536)
+                    except trio.BrokenResourceError:
+                        chunk = b""
+                    if not chunk:
+                        if case.phase == "guest" and case.instance == INSTANCE:
+                            return REPLACED  # a newer guest of the instance took over: the server's rule
+                        return f"closed during a valid hello: {bytes(received)[:300]!r}"
+                    received.extend(chunk)
+                hello = next(m for m in await messages_so_far() if m.get("id") == "hello-0")
+                if "result" not in hello:
+                    return f"valid hello refused: {hello}"
+                del received[: received.rindex(b"\n") + 1]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receive_until_close)
+
+                async def send() -> None:
+                    try:
+                        for i, chunk in enumerate(case.chunks):
+                            if i and case.pace:
+                                await trio.sleep(case.pace)
+                            await stream.send_all(chunk)
+                        if case.eof:
+                            await stream.send_eof()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass  # the server may close before it has read everything
+
+                nursery.start_soon(send)
+        if scope.cancelled_caught and not closed:
+            return f"neither answered nor closed within {case.deadline:g} s; got {bytes(received)[:300]!r}"
+    finally:
+        await stream.aclose()
+
+    try:
+        answers = await messages_so_far()
+    except ValueError as exc:
+        return f"server sent a line that is not JSON ({exc}): {bytes(received)[:300]!r}"
+    for message in answers:
+        if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+            return f"server sent a non-JSON-RPC message: {message!r}"
+        if "error" in message:
+            error = message["error"]
+            if not (isinstance(error.get("code"), int) and isinstance(error.get("message"), str)):
+                return f"malformed error object: {message!r}"
+    errors = [m for m in answers if "error" in m]
+    if case.expect_error and not errors:
+        return f"closed without an error object; got {answers!r}"
+    if case.expect_code is not None and not any(e["error"]["code"] == case.expect_code for e in errors):
+        return f"expected error {case.expect_code}, got {answers!r}"
+    return None
+
+
+# -- the test ------------------------------------------------------------------------------
+
+
+async def declare(caller: Client) -> None:
+    result = await caller.call_tool("session_message", {
+        "instance": INSTANCE, "session_id": SESSION, "message": "hi",
+        "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
+    })
+    assert not result.is_error, text_of(result)
+
+
+async def healthy_call(server: Server, agent: Client, caller: Client, events: EventLog, label: str) -> None:
+    """One relayed call, answered by the caller from its events; the agent must get exactly its result."""
+    try:
+        await _healthy_call(agent, caller, events, label)
+    except Exception as exc:  # TooSlowError, an MCP error, an exception group of those, a wrong result
+        raise AssertionError(f"healthy call {label} failed ({exc!r}, within {EVENT_TIMEOUT:g} s); "
+                             f"{server.diagnosis()}") from exc
+
+
+async def _healthy_call(agent: Client, caller: Client, events: EventLog, label: str) -> None:
+    outcome: dict[str, Any] = {}
+
+    async def call() -> None:
+        outcome["result"] = await agent.call_tool("myapp_send_notification", {"message": label})
+
+    with trio.fail_after(EVENT_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            request = await events.wait_for(
+                lambda e: e.get("type") == "caller_tool_request" and e.get("arguments") == {"message": label})
+            reply = await caller.call_tool("caller_tool_response", {
+                "session_id": SESSION, "request_id": request["request_id"], "result": {"echo": label},
+            })
+            assert not reply.is_error, text_of(reply)
+            assert structured(reply) == {"resolved": True}
+    result = outcome["result"]
+    assert not result.is_error, f"healthy call {label} failed: {text_of(result)}"
+    assert result.structured_content == {"echo": label}
+
+
+def test_the_generated_set_is_large_and_varied() -> None:
+    """The fuzz set is what the issue asks for, and the same every run."""
+    first = generated_cases(GENERATED)
+    assert len(first) == GENERATED
+    assert first == generated_cases(GENERATED), "the generated set must be deterministic"
+    assert {(c.phase, c.instance) for c in first} == {
+        ("pre", INSTANCE), ("client", INSTANCE), ("client_session", INSTANCE), ("guest", INSTANCE), ("client", OTHER_INSTANCE)}
+    assert any(c.pace for c in first) and any(len(c.chunks) > 1 for c in first)
+    explicit = explicit_cases("t" * 64)
+    kinds = {c.kind.split("-")[0] for c in explicit}
+    assert {"deep256", "oversize", "half", "cancel", "ack", "role"} <= kinds
+
+
+async def test_relay_fuzz_keeps_server_and_healthy_session_alive(deployment: Deployment) -> None:
+    token_for = functools.cache(deployment.token)
+    token = token_for(INSTANCE)
+    all_cases = explicit_cases(token) + generated_cases(GENERATED)
+    assert len(all_cases) >= 2000
+    failures: list[str] = []
+    replaced: list[Case] = []
+    healthy_calls = {"during": 0, "after": 0}
+
+    with trio.fail_after(TEST_DEADLINE):
+        await fuzz_against_a_healthy_session(deployment, token_for, all_cases, failures, replaced, healthy_calls)
+
+    assert not failures, f"{len(failures)} of {len(all_cases)} bad connections misbehaved:\n" + "\n".join(failures[:40])
+    assert healthy_calls["during"] >= 10, healthy_calls  # the session was used throughout, not just before and after
+    # Concurrent guests of one instance replace each other; most must still have been played.
+    guests = sum(1 for c in all_cases if c.phase == "guest")
+    assert len(replaced) < guests / 2, f"{len(replaced)} of {guests} guest cases were replaced before playing"
+
+
+class Progress:
+    """How many cases have finished; awaitable, so the healthy session paces itself on it."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self._changed = trio.Event()
+
+    def advance(self) -> None:
+        self.done += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def reach(self, count: int) -> None:
+        while self.done < count:
+            await self._changed.wait()
+
+
+async def fuzz_against_a_healthy_session(
+    deployment: Deployment, token_for: Callable[[str], str], all_cases: list[Case],
+    failures: list[str], replaced: list[Case], healthy_calls: dict[str, int],
+) -> None:
+    """Start the server and the healthy session, play every case beside it, then call again."""
+    async with running_server(deployment) as (server, caller, events):
+        await declare(caller)
+        async with deployment.agent(INSTANCE, SESSION_KEY) as agent:
+            await healthy_call(server, agent, caller, events, "healthy-before")
+            progress = Progress()
+
+            async def keep_calling() -> None:
+                """A healthy call every HEALTHY_EVERY finished cases, until the last case is done."""
+                n = 0
+                while progress.done < len(all_cases):
+                    await healthy_call(server, agent, caller, events, f"healthy-during-{n}")
+                    n += 1
+                    healthy_calls["during"] = n
+                    await progress.reach(min(progress.done + HEALTHY_EVERY, len(all_cases)))
+
+            async def fuzz() -> None:
+                limiter = trio.CapacityLimiter(POOL)
+                relay_gone: list[str] = []
+
+                async def one(case: Case, pool: trio.Nursery) -> None:
+                    async with limiter:
+                        try:
+                            problem = await run_case(case, deployment, token_for)
+                        except OSError as exc:  # the relay listener is gone: nothing else can pass
+                            relay_gone.append(f"cannot connect to the relay ({exc}) at {case.describe()}")
+                            pool.cancel_scope.cancel()
+                            return
+                    if problem == REPLACED:
+                        replaced.append(case)
+                    elif problem:
+                        failures.append(f"{case.describe()}\n    -> {problem}")
+                    progress.advance()
+
+                async with trio.open_nursery() as pool:
+                    for case in all_cases:
+                        pool.start_soon(one, case, pool)
+                if relay_gone:
+                    with trio.move_on_after(EVENT_TIMEOUT):  # a dying server prints its cause on the way out
+                        await server.process.wait()
+                    raise AssertionError(f"{relay_gone[0]}; {server.diagnosis()}")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keep_calling)
+                nursery.start_soon(fuzz)
+
+            server.check_alive()
+            for n in range(5):
+                await healthy_call(server, agent, caller, events, f"healthy-after-{n}")
+                healthy_calls["after"] += 1
+        server.check_alive()
