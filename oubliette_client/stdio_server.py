@@ -23,6 +23,7 @@ from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, Too
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol.descriptors import DESCRIPTOR_META_KEY
+from protocol.stdio_streams import claimed_stdio
 
 from .sandbox_tools import CallOutcome, SandboxTools
 from .settings import RelaySettings
@@ -131,9 +132,10 @@ class SandboxToolServer:
                 await self.link.attempted.wait()
             if not self.link.connected:
                 log.warning("relay not available yet (%s); serving MCP anyway", self.link.last_error)
-            async with mcp.server.stdio.stdio_server() as (read_stream, write_stream):
-                await self.server.run(
-                    read_stream, write_stream,
-                    self.server.create_initialization_options(NotificationOptions(tools_changed=True)),
-                )
+            with claimed_stdio() as (stdin, stdout):  # cancellable, no thread per line
+                async with mcp.server.stdio.stdio_server(stdin=stdin, stdout=stdout) as (read_stream, write_stream):  # type: ignore[arg-type]
+                    await self.server.run(
+                        read_stream, write_stream,
+                        self.server.create_initialization_options(NotificationOptions(tools_changed=True)),
+                    )
             nursery.cancel_scope.cancel()

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator
@@ -267,3 +268,28 @@ async def test_the_readmes_running_it_works_when_pasted(deployment: Deployment) 
     assert token == deployment.token("box1") and len(http_token) == 64
     assert json.loads("\n".join(listing)) == {"type": "result", "tools": []}
     assert not (deployment.data_dir / "relay.sock").exists()
+
+
+async def test_sigterm_stops_a_stdio_server_whose_caller_keeps_stdin_open(deployment: Deployment) -> None:
+    """The stdio transport reads on Trio, not in a thread: SIGTERM ends the server even while its
+    caller holds stdin open (found by the relay fuzz test: it used to hang until stdin closed)."""
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "oubliette_server", "--relay", deployment.relay, "--data-dir", str(deployment.data_dir)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        stderr = b""
+        assert process.stderr is not None
+        with trio.fail_after(30):
+            while b"oubliette-server ready" not in stderr:
+                chunk = await process.stderr.receive_some(4096)
+                assert chunk, stderr
+                stderr += chunk
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            code = await process.wait()
+        assert code == 0
+    finally:
+        process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()

@@ -6,6 +6,8 @@ from typing import Any
 
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
+from protocol.stdio_streams import claimed_stdio
+
 from ..callers import CallerConnection, CallerRegistry
 from .mcp_server import build_caller_server, initialization_options
 from .tools import CallerTools
@@ -25,8 +27,9 @@ async def serve_stdio_caller(callers: CallerRegistry, tools: CallerTools) -> Non
 
     server = build_caller_server(tools, resolve)
     try:
-        async with mcp.server.stdio.stdio_server() as (read_stream, write_stream):
-            await server.run(read_stream, write_stream, initialization_options(server))
+        with claimed_stdio() as (stdin, stdout):  # cancellable (SIGTERM), no thread per line
+            async with mcp.server.stdio.stdio_server(stdin=stdin, stdout=stdout) as (read_stream, write_stream):  # type: ignore[arg-type]
+                await server.run(read_stream, write_stream, initialization_options(server))
     finally:
         callers.close(caller)
 
