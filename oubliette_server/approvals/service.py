@@ -81,6 +81,7 @@ class PendingApproval:
     expires_at: str
     input_schema: dict[str, Any] | None = None
     allows_tool_return: bool = False
+    tool_use_id: str | None = None
     frame_seq: int = 0
     decision: Decision | None = None
     done: trio.Event = attrs.field(factory=trio.Event)
@@ -88,10 +89,13 @@ class PendingApproval:
 
     def summary(self) -> dict[str, Any]:
         """What a caller must answer: the `approval_requests` entry of a turn stop."""
-        return {
+        summary = {
             "request_id": self.request_id, "tool_name": self.tool_name, "arguments": self.arguments,
             "origin": self.origin, "expires_at": self.expires_at,
         }
+        if self.tool_use_id is not None:
+            summary["tool_use_id"] = self.tool_use_id  # the agent's own id of the action (origin "agent")
+        return summary
 
 
 @attrs.frozen
@@ -167,6 +171,7 @@ class ApprovalService:
         timeout: float | None = None,
         input_schema: dict[str, Any] | None = None,
         allows_tool_return: bool = False,
+        tool_use_id: str | None = None,
     ) -> Decision:
         """Ask `caller` to decide on the call and wait for exactly one decision.
 
@@ -177,7 +182,7 @@ class ApprovalService:
         entry = PendingApproval(
             request_id="apr-" + secrets.token_hex(8), session=session, tool_name=tool_name,
             arguments=arguments, origin=origin, caller=caller, expires_at=_iso_in(seconds),
-            input_schema=input_schema, allows_tool_return=allows_tool_return,
+            input_schema=input_schema, allows_tool_return=allows_tool_return, tool_use_id=tool_use_id,
         )
         self._pending[entry.request_id] = entry
         try:

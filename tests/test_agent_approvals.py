@@ -1,0 +1,156 @@
+"""The agent's own actions and waiting well (issue 9 items 4, 5 progress, 1 toolsets).
+
+In process: `OublietteServer` in the test's nursery with the caller API driven directly (as
+test_approvals.py), and the agent is the MCP SDK's client talking to oubliette-client's
+stdio MCP server (`deployment.agent`, bound to the session as the guest runtime binds it).
+The permission prompt's answers are checked byte for byte against Claude Code's contract.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Callable
+
+import mcp_types as types
+import pytest
+import trio
+import trio.testing
+from contextlib import asynccontextmanager
+
+from harness import EVENT_TIMEOUT, Deployment, structured, text_of
+from oubliette_server.toolsets.base import FunctionToolset, ToolSpec
+from test_approvals import answer, stored
+from test_caller_responses import INSTANCE, SESSION, InProcess, in_process
+
+pytestmark = pytest.mark.in_process
+
+BASH_INPUT = {"command": "rm -rf build", "description": "Remove the build output"}
+PROMPT = {"tool_name": "Bash", "input": BASH_INPUT, "tool_use_id": "toolu_01AbC"}
+
+
+class AgentToolCall:
+    """One `tools/call` of the agent, in flight in the test's nursery (with a progress callback when asked)."""
+
+    def __init__(
+        self, nursery: trio.Nursery, agent: Any, name: str, arguments: dict[str, Any], *, progress: bool = False,
+    ) -> None:
+        self.result: Any = None
+        self.progress: list[tuple[float, float | None, str | None]] = []
+        self.progress_changed = trio.Event()
+        self.finished = trio.Event()
+        self.progress_after_result = 0
+        nursery.start_soon(self._run, agent, name, arguments, progress)
+
+    async def _on_progress(self, progress: float, total: float | None, message: str | None) -> None:
+        if self.finished.is_set():
+            self.progress_after_result += 1
+        self.progress.append((progress, total, message))
+        self.progress_changed.set()
+        self.progress_changed = trio.Event()
+
+    async def _run(self, agent: Any, name: str, arguments: dict[str, Any], progress: bool) -> None:
+        self.result = await agent.call_tool(name, arguments, progress_callback=self._on_progress if progress else None)
+        self.finished.set()
+
+    async def outcome(self) -> Any:
+        with trio.fail_after(EVENT_TIMEOUT):
+            await self.finished.wait()
+        return self.result
+
+    async def wait_progress(self, predicate: Callable[[list[tuple[float, float | None, str | None]]], bool]) -> None:
+        with trio.fail_after(EVENT_TIMEOUT):
+            while not predicate(self.progress):
+                await self.progress_changed.wait()
+
+
+def only_text(result: Any) -> str:
+    """The one text block Claude Code reads; anything else breaks its contract."""
+    assert not result.is_error, text_of(result)
+    assert len(result.content) == 1 and result.content[0].type == "text", result.content
+    return result.content[0].text
+
+
+@asynccontextmanager
+async def owned_session(deployment: Deployment, *extra: str) -> AsyncIterator[tuple[InProcess, Any, Any, Any]]:
+    """A session opened by its owner, and the agent's oubliette-client bound to it: (proc, owner, events, agent)."""
+    async with in_process(deployment) as proc:
+        owner, events = proc.open_caller()
+        await proc.declare(owner, [])
+        async with deployment.agent(INSTANCE, f"mcp:{SESSION}", extra_args=extra) as agent:
+            yield proc, owner, events, agent
+
+
+# -- item 4: the permission prompt -----------------------------------------------------------
+
+
+async def test_the_permission_prompt_is_offered_with_its_contract(deployment: Deployment) -> None:
+    async with owned_session(deployment) as (_proc, _owner, _events, agent):
+        tools = {t.name: t for t in (await agent.list_tools()).tools}
+        prompt = tools["permission_prompt"]
+        assert prompt.input_schema["required"] == ["tool_name", "input"]
+        assert prompt.input_schema["additionalProperties"] is True
+
+
+async def test_allow_answers_with_the_full_input(deployment: Deployment) -> None:
+    async with owned_session(deployment) as (proc, owner, events, agent):
+        call = AgentToolCall(proc.nursery, agent, "permission_prompt", {**PROMPT, "extra_key": "accepted"})
+        request = await events.wait_type("approval_request")
+        assert (request["origin"], request["tool_name"], request["arguments"]) == ("agent", "Bash", BASH_INPUT)
+        assert request["tool_use_id"] == "toolu_01AbC"
+        await trio.testing.wait_all_tasks_blocked()
+        assert not call.finished.is_set(), "the agent waits for the decision"
+        assert structured(await answer(proc, owner, request_id=request["request_id"], approve=True)) == {"resolved": True}
+        text = only_text(await call.outcome())
+        assert text == '{"behavior":"allow","updatedInput":{"command":"rm -rf build","description":"Remove the build output"}}'
+        resolved = await events.wait_type("approval_resolved", request_id=request["request_id"])
+        assert (resolved["approve"], resolved["who"]) == (True, owner.id)
+
+
+async def test_allow_with_a_rewrite_answers_with_the_updated_input(deployment: Deployment) -> None:
+    async with owned_session(deployment) as (proc, owner, events, agent):
+        call = AgentToolCall(proc.nursery, agent, "permission_prompt", PROMPT)
+        request = await events.wait_type("approval_request")
+        await answer(proc, owner, request_id=request["request_id"], approve=True,
+                     updated_arguments={"command": "rm -rf build/tmp"})
+        text = only_text(await call.outcome())
+        assert text == '{"behavior":"allow","updatedInput":{"command":"rm -rf build/tmp"}}'
+        assert json.loads(text) == {"behavior": "allow", "updatedInput": {"command": "rm -rf build/tmp"}}
+
+
+async def test_deny_answers_with_the_reason(deployment: Deployment) -> None:
+    async with owned_session(deployment) as (proc, owner, events, agent):
+        call = AgentToolCall(proc.nursery, agent, "permission_prompt", PROMPT)
+        request = await events.wait_type("approval_request")
+        await answer(proc, owner, request_id=request["request_id"], approve=False, reason="keep the build output")
+        text = only_text(await call.outcome())
+        assert text == '{"behavior":"deny","message":"\'Bash\' was denied: keep the build output"}'
+        assert set(json.loads(text)) == {"behavior", "message"}
+
+
+async def test_no_owning_caller_connected_denies_at_once(deployment: Deployment) -> None:
+    async with owned_session(deployment) as (proc, owner, _events, agent):
+        proc.server.close_caller(owner)
+        text = only_text(await agent.call_tool("permission_prompt", PROMPT))
+        decision = json.loads(text)
+        assert decision["behavior"] == "deny" and set(decision) == {"behavior", "message"}
+        assert "is not connected; nobody can approve it" in decision["message"], decision
+        resolved = stored(proc, "approval_resolved")
+        assert [(r["approve"], r["who"]) for r in resolved] == [(False, "disconnect")]
+
+
+async def test_a_session_nobody_opened_denies(deployment: Deployment) -> None:
+    async with in_process(deployment) as _proc, deployment.agent(INSTANCE, "mcp:s-nobody") as agent:
+        decision = json.loads(only_text(await agent.call_tool("permission_prompt", PROMPT)))
+        assert decision == {
+            "behavior": "deny",
+            "message": "'Bash' was denied: session 'mcp:s-nobody' has not been opened by any caller; nobody can approve 'Bash'",
+        }
+
+
+async def test_malformed_prompts_are_denied_never_allowed(deployment: Deployment) -> None:
+    async with owned_session(deployment) as (proc, _owner, _events, agent):
+        for bad in ({"tool_name": "Bash"}, {"tool_name": "Bash", "input": "ls"}):
+            result = await agent.call_tool("permission_prompt", bad)
+            # The SDK may refuse the schema itself (an MCP error) or the tool denies: never an allow.
+            assert result.is_error or json.loads(result.content[0].text)["behavior"] == "deny", result
+        assert stored(proc, "approval_request") == []
