@@ -79,7 +79,7 @@ class OublietteServer:
         self.connection_approvals = ConnectionApprovals(self.sessions, self.approvals)
         self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls, self.approvals)
         self.callers = CallerRegistry(on_closed=self._caller_closed)
-        self.toolsets = ToolsetService(config.tool_separator, self.clients)
+        self.toolsets = ToolsetService(config.tool_separator, self.clients, self.connection_approvals)
         # The toolset embedding API (docs/TOOLSETS.md) is the toolset service's own methods.
         self.register_toolset = self.toolsets.register_toolset
         self.register_mcp_toolset = self.toolsets.register_mcp_toolset

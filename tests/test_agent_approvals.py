@@ -154,3 +154,91 @@ async def test_malformed_prompts_are_denied_never_allowed(deployment: Deployment
             # The SDK may refuse the schema itself (an MCP error) or the tool denies: never an allow.
             assert result.is_error or json.loads(result.content[0].text)["behavior"] == "deny", result
         assert stored(proc, "approval_request") == []
+
+
+# -- item 1 (toolsets): gated toolset tools ------------------------------------------------------
+
+RM_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+
+
+@asynccontextmanager
+async def gated_toolset(deployment: Deployment, requires_approval: Any) -> AsyncIterator[tuple[InProcess, Any, Any, Any, list]]:
+    """Toolset `files` (prefix `fs`: `rm`, `ls`) allowed for the instance, gated as asked: (proc, owner, events, agent, ran)."""
+    ran: list[tuple[str, dict[str, Any]]] = []
+
+    async def rm(arguments: dict[str, Any]) -> dict[str, Any]:
+        ran.append(("rm", arguments))
+        return {"removed": arguments["path"]}
+
+    async def ls(arguments: dict[str, Any]) -> dict[str, Any]:
+        ran.append(("ls", arguments))
+        return {"files": ["a"]}
+
+    async with in_process(deployment) as proc:
+        await proc.server.register_toolset(
+            "files", "fs", [ToolSpec(name="rm", input_schema=RM_SCHEMA), ToolSpec(name="ls")],
+            ref=FunctionToolset({"rm": rm, "ls": ls}), requires_approval=requires_approval,
+        )
+        await proc.server.update_allowed_toolsets(INSTANCE, ["files"])
+        owner, events = proc.open_caller()
+        await proc.declare(owner, [])
+        async with deployment.agent(INSTANCE, f"mcp:{SESSION}") as agent:
+            yield proc, owner, events, agent, ran
+
+
+async def test_a_gated_toolset_tool_runs_once_approved(deployment: Deployment) -> None:
+    async with gated_toolset(deployment, {"rm"}) as (proc, owner, events, agent, ran):
+        call = AgentToolCall(proc.nursery, agent, "fs.rm", {"path": "/tmp/a"})
+        request = await events.wait_type("approval_request")
+        assert (request["origin"], request["tool_name"], request["arguments"]) == ("toolset", "fs.rm", {"path": "/tmp/a"})
+        await trio.testing.wait_all_tasks_blocked()
+        assert ran == [] and not call.finished.is_set(), "nothing runs before the decision"
+        await answer(proc, owner, request_id=request["request_id"], approve=True, updated_arguments={"path": "/tmp/b"})
+        result = await call.outcome()
+        assert not result.is_error, text_of(result)
+        assert result.structured_content == {"removed": "/tmp/b"}
+        assert ran == [("rm", {"path": "/tmp/b"})]
+        # The tool not named in requires_approval runs without asking.
+        listing = await agent.call_tool("fs.ls", {})
+        assert listing.structured_content == {"files": ["a"]}
+        assert len(stored(proc, "approval_request")) == 1
+
+
+async def test_a_gated_toolset_tool_denied_never_runs(deployment: Deployment) -> None:
+    async with gated_toolset(deployment, True) as (proc, owner, events, agent, ran):
+        call = AgentToolCall(proc.nursery, agent, "fs.ls", {})
+        request = await events.wait_type("approval_request")
+        assert request["tool_name"] == "fs.ls"
+        await answer(proc, owner, request_id=request["request_id"], approve=False, reason="not now")
+        result = await call.outcome()
+        assert result.is_error and "'fs.ls' was denied: not now" in text_of(result), text_of(result)
+        assert ran == []
+
+
+async def test_a_gated_toolset_tool_without_an_owner_is_denied(deployment: Deployment) -> None:
+    async with gated_toolset(deployment, ["rm"]) as (proc, owner, _events, agent, ran):
+        proc.server.close_caller(owner)
+        result = await agent.call_tool("fs.rm", {"path": "/tmp/a"})
+        assert result.is_error and "is not connected; nobody can approve it" in text_of(result), text_of(result)
+        assert ran == []
+
+
+async def test_gated_toolset_tools_tell_the_client_their_approval_timeout(deployment: Deployment) -> None:
+    async with gated_toolset(deployment, {"rm"}) as (proc, _owner, _events, _agent, _ran):
+        router = next(iter(proc.server.toolsets.sessions._routers.values()))
+        published = {tool["name"]: tool for tool in router.published()}
+        assert published["fs.rm"]["approval_timeout_ms"] == round(proc.server.approvals.default_timeout * 1000)
+        assert "approval_timeout_ms" not in published["fs.ls"]
+
+
+def test_requires_approval_in_the_config_file() -> None:
+    from oubliette_server.toolsets.from_config import parse_toolsets
+
+    entries = parse_toolsets({
+        "a": {"kind": "command", "prefix": "a", "command": "x", "requires_approval": True},
+        "b": {"kind": "command", "prefix": "b", "command": "x", "requires_approval": ["rm"]},
+        "c": {"kind": "command", "prefix": "c", "command": "x"},
+    }, "test.toml")
+    assert [e.requires_approval for e in entries] == [True, ["rm"], False]
+    with pytest.raises(ValueError, match="requires_approval must be true, false or a list of tool names"):
+        parse_toolsets({"d": {"kind": "command", "prefix": "d", "command": "x", "requires_approval": "yes"}}, "t")
