@@ -242,3 +242,90 @@ def test_requires_approval_in_the_config_file() -> None:
     assert [e.requires_approval for e in entries] == [True, ["rm"], False]
     with pytest.raises(ValueError, match="requires_approval must be true, false or a list of tool names"):
         parse_toolsets({"d": {"kind": "command", "prefix": "d", "command": "x", "requires_approval": "yes"}}, "t")
+
+
+# -- item 5: waiting well ----------------------------------------------------------------------------
+
+NOTIFY = {"name": "send_notification", "inputSchema": {"type": "object", "properties": {"message": {"type": "string"}}}}
+
+
+def strictly_increasing(values: list[float]) -> bool:
+    return all(a < b for a, b in zip(values, values[1:]))
+
+
+async def test_heartbeats_reach_the_agent_while_it_waits_and_stop_with_the_response(deployment: Deployment) -> None:
+    async with owned_session(deployment, "--progress-interval", "0.05") as (proc, owner, events, agent):
+        call = AgentToolCall(proc.nursery, agent, "permission_prompt", PROMPT, progress=True)
+        request = await events.wait_type("approval_request")
+        await call.wait_progress(lambda seen: len(seen) >= 3)
+        assert not call.finished.is_set()
+        await answer(proc, owner, request_id=request["request_id"], approve=True)
+        assert json.loads(only_text(await call.outcome()))["behavior"] == "allow"
+        values = [value for value, _total, _message in call.progress]
+        assert strictly_increasing(values), values
+        assert all(message == "waiting for the caller's decision" for _v, _t, message in call.progress)
+        sent = len(call.progress)
+        await trio.sleep(0.3)  # six heartbeat intervals: none may come after the response
+        assert len(call.progress) == sent and call.progress_after_result == 0
+
+
+async def test_no_progress_without_a_progress_token(deployment: Deployment) -> None:
+    seen: list[Any] = []
+
+    async def on_message(message: Any) -> None:
+        if isinstance(message, types.ProgressNotification):
+            seen.append(message)
+
+    async with in_process(deployment) as proc:
+        owner, events = proc.open_caller()
+        await proc.declare(owner, [])
+        async with deployment.agent(INSTANCE, f"mcp:{SESSION}", extra_args=("--progress-interval", "0.05"),
+                                    message_handler=on_message) as agent:
+            call = AgentToolCall(proc.nursery, agent, "permission_prompt", PROMPT)
+            request = await events.wait_type("approval_request")
+            await trio.sleep(0.3)  # six heartbeat intervals
+            await answer(proc, owner, request_id=request["request_id"], approve=False)
+            await call.outcome()
+    assert seen == []
+
+
+async def test_caller_progress_is_forwarded_to_the_agent(deployment: Deployment) -> None:
+    async with in_process(deployment) as proc:
+        owner, events = proc.open_caller()
+        await proc.declare(owner, [NOTIFY])
+        async with deployment.agent(INSTANCE, f"mcp:{SESSION}", extra_args=("--progress-interval", "600")) as agent:
+            call = AgentToolCall(proc.nursery, agent, "myapp_send_notification", {"message": "hi"}, progress=True)
+            request = await events.wait_type("caller_tool_request")
+            report = {"session_id": SESSION, "request_id": request["request_id"]}
+            forwarded = await proc.call(owner, "caller_tool_progress", {**report, "progress": 5, "total": 10, "message": "half"})
+            assert structured(forwarded) == {"forwarded": True}
+            await call.wait_progress(lambda seen: len(seen) >= 1)
+            assert call.progress == [(5.0, 10.0, "half")]
+            # A report that does not advance is still sent, strictly above the last value, without a total.
+            await proc.call(owner, "caller_tool_progress", {**report, "progress": 2, "message": "retrying"})
+            await call.wait_progress(lambda seen: len(seen) >= 2)
+            assert call.progress[1] == (6.0, None, "retrying")
+
+            other, _ = proc.open_caller()
+            refused = await proc.call(other, "caller_tool_progress", {**report, "progress": 7})
+            assert refused.is_error and "belongs to another caller" in text_of(refused), text_of(refused)
+
+            await proc.call(owner, "caller_tool_response", {**report, "result": {"sent": True}})
+            result = await call.outcome()
+            assert result.structured_content == {"sent": True}
+            late = await proc.call(owner, "caller_tool_progress", {**report, "progress": 9})
+            assert late.is_error and "no longer pending" in text_of(late), text_of(late)
+            assert len(call.progress) == 2
+
+
+async def test_caller_progress_on_a_call_that_asked_for_none_is_not_forwarded(deployment: Deployment) -> None:
+    async with in_process(deployment) as proc:
+        owner, events = proc.open_caller()
+        await proc.declare(owner, [NOTIFY])
+        async with deployment.agent(INSTANCE, f"mcp:{SESSION}") as agent:
+            call = AgentToolCall(proc.nursery, agent, "myapp_send_notification", {"message": "hi"})
+            request = await events.wait_type("caller_tool_request")
+            report = {"session_id": SESSION, "request_id": request["request_id"]}
+            assert structured(await proc.call(owner, "caller_tool_progress", {**report, "progress": 1})) == {"forwarded": False}
+            await proc.call(owner, "caller_tool_response", {**report, "result": "ok"})
+            await call.outcome()

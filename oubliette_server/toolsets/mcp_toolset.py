@@ -15,7 +15,7 @@ from typing import Any
 import mcp_types as types
 import trio
 
-from .base import Toolset, ToolResult, ToolSpec
+from .base import Toolset, ToolResult, ToolSpec, call_progress
 
 log = logging.getLogger("oubliette.server.toolsets.mcp")
 
@@ -23,6 +23,18 @@ DEFAULT_MAX_RESTARTS = 3
 START_TIMEOUT = 30.0
 DEFAULT_CALL_TIMEOUT = 60.0
 """Seconds one tool call may take before the agent gets a timeout error (`timeout` in the config)."""
+
+
+def _forward_progress() -> Any:
+    """The SDK progress callback that hands the server's reports to the agent's call (None if it wants none)."""
+    report = call_progress.get()
+    if report is None:
+        return None
+
+    async def forward(progress: float, total: float | None, message: str | None) -> None:
+        report(progress, total, message)
+
+    return forward
 
 
 def _content_dicts(content: list[Any]) -> list[dict[str, Any]]:
@@ -144,7 +156,7 @@ class McpToolset(Toolset):
             return ToolResult.failure(str(exc))
         try:
             with trio.move_on_after(self.call_timeout) as deadline:
-                result = await client.call_tool(tool, arguments)
+                result = await client.call_tool(tool, arguments, progress_callback=_forward_progress())
         except Exception as exc:
             self._mark_dead(exc)
             return ToolResult.failure(

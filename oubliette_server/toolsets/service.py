@@ -14,8 +14,8 @@ import trio
 from protocol import RelayError, errors, messages
 
 from ..approvals import ConnectionApprovals
-from ..client_connections import ClientConnections, ClientPeer
-from .base import Toolset, ToolsetFactory, ToolSpec
+from ..client_connections import ClientConnections, ClientPeer, progress_sink
+from .base import Toolset, ToolsetFactory, ToolSpec, call_progress
 from .command_toolset import CommandToolset
 from .mcp_toolset import DEFAULT_CALL_TIMEOUT, McpToolset
 from .registry import ToolsetDefinition, ToolsetRegistry
@@ -182,7 +182,11 @@ class ToolsetService:
         arguments = call.arguments
         if entry.binding.definition.gates(entry.spec.name):
             arguments = await self._approved_arguments(connection, call.name, arguments, entry.spec.input_schema)
-        outcome = await connection.router.call(call.name, arguments)
+        token = call_progress.set(progress_sink(connection, call.progress_ref))
+        try:
+            outcome = await connection.router.call(call.name, arguments)
+        finally:
+            call_progress.reset(token)
         if outcome.is_error:
             raise RelayError(errors.TOOL_ERROR, outcome.error or f"{call.name} failed")
         return messages.ToolsetCallResult(result=outcome.result, content=outcome.content)
