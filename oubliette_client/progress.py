@@ -71,10 +71,23 @@ class AgentProgress:
                 report = await self._out.receive()
             if report is None:
                 await self._emit(self.last + 1, None, self.waiting_for or None)
-            elif report.progress > self.last:
-                await self._emit(report.progress, report.total, report.message)
             else:
-                await self._emit(self.last + 1, None, report.message)
+                await self._forward(report)
+
+    async def drain(self) -> None:
+        """Send the reports still queued (the call answered right after them); call it once `run` has stopped."""
+        while True:
+            try:
+                report = self._out.receive_nowait()
+            except trio.WouldBlock:
+                return
+            await self._forward(report)
+
+    async def _forward(self, report: _Report) -> None:
+        if report.progress > self.last:
+            await self._emit(report.progress, report.total, report.message)
+        else:  # strictly increasing for the agent; no total, which this value could exceed
+            await self._emit(self.last + 1, None, report.message)
 
     async def _emit(self, value: float, total: float | None, message: str | None) -> None:
         self.last = value

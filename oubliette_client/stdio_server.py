@@ -157,9 +157,11 @@ class SandboxToolServer:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(progress.run)
             try:
-                return await run(progress)
+                outcome = await run(progress)
             finally:
                 nursery.cancel_scope.cancel()  # no progress after the response
+        await progress.drain()  # reports that arrived just before the answer still come before it
+        return outcome
 
     async def run_stdio(self) -> None:
         """Serve the agent on stdin/stdout until it closes them.

@@ -329,3 +329,22 @@ async def test_caller_progress_on_a_call_that_asked_for_none_is_not_forwarded(de
             assert structured(await proc.call(owner, "caller_tool_progress", {**report, "progress": 1})) == {"forwarded": False}
             await proc.call(owner, "caller_tool_response", {**report, "result": "ok"})
             await call.outcome()
+
+
+async def test_an_mcp_toolsets_progress_is_forwarded_to_the_agent(deployment: Deployment) -> None:
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).with_name("progress_mcp_server.py"))
+    async with in_process(deployment) as proc:
+        await proc.server.register_mcp_toolset("progress", "pg", sys.executable, [script])
+        await proc.server.update_allowed_toolsets(INSTANCE, ["progress"])
+        owner, _events = proc.open_caller()
+        await proc.declare(owner, [])
+        async with deployment.agent(INSTANCE, f"mcp:{SESSION}", extra_args=("--progress-interval", "600")) as agent:
+            call = AgentToolCall(proc.nursery, agent, "pg.count", {"steps": 3}, progress=True)
+            result = await call.outcome()
+            assert not result.is_error, text_of(result)
+            assert "counted 3" in text_of(result)
+            # Forwarded in order before the response (the relay keeps one connection's messages in order).
+            assert call.progress == [(1.0, 3.0, "step 1"), (2.0, 3.0, "step 2"), (3.0, 3.0, "step 3")]
