@@ -22,7 +22,7 @@ import os
 import sys
 import traceback
 from importlib import metadata
-from typing import Iterator, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import trio
 
@@ -92,14 +92,35 @@ def _serve_main(argv: list[str]) -> int:
     )
     add_relay_arguments(parser)
     parser.add_argument("--connect-wait", type=float, default=3.0, help="seconds to wait for the relay before serving (default 3)")
+    parser.add_argument(
+        "--progress-interval", type=float, default=None,
+        help="seconds between progress heartbeats while a call waits (env OUBLIETTE_PROGRESS_INTERVAL; default 15)",
+    )
     _add_common(parser, "WARNING")
     args = parser.parse_args(argv)
     _logging(args.log_level)
     from .stdio_server import SandboxToolServer
 
-    server = SandboxToolServer(settings_from_args(parser, args), connect_wait=args.connect_wait)
+    server = SandboxToolServer(
+        settings_from_args(parser, args), connect_wait=args.connect_wait,
+        progress_interval=_progress_interval(parser, args.progress_interval),
+    )
     trio.run(server.run_stdio)
     return 0
+
+
+def _progress_interval(parser: argparse.ArgumentParser, flag: float | None) -> float:
+    """`--progress-interval`, else `OUBLIETTE_PROGRESS_INTERVAL`, else 15 s; a positive number."""
+    from .progress import DEFAULT_PROGRESS_INTERVAL
+
+    value: Any = flag if flag is not None else os.environ.get("OUBLIETTE_PROGRESS_INTERVAL") or DEFAULT_PROGRESS_INTERVAL
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        parser.error(f"the progress interval must be a positive number of seconds, not {value!r}")
+    return seconds
 
 
 def _run_main(argv: list[str]) -> int:

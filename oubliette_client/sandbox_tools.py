@@ -16,6 +16,8 @@ import attrs
 
 from protocol import CallerToolSpec, RelayError, ToolsetToolSpec, errors, messages
 
+from .permission_prompt import APPROVAL_MARGIN, APPROVAL_WAIT, permission_prompt
+from .progress import AgentProgress
 from .relay_link import RelayLink
 from .settings import RelaySettings
 from .tool_registry import PublishedTool, ToolRegistry
@@ -68,6 +70,7 @@ class SandboxTools:
         self._staged_callers: dict[str, list[CallerToolSpec]] = {}
         self._staged_toolsets: list[ToolsetToolSpec] | None = None
         self.separator = "."
+        self._progress: dict[str, AgentProgress] = {}
         self.link = RelayLink(
             settings, "client", self._on_relay_notification, self._commit_handshake_config,
             request_timeout=settings.request_timeout,
@@ -86,6 +89,10 @@ class SandboxTools:
                 self.registry.set_toolset_tools(params.tools)
             else:
                 self._staged_toolsets = params.tools
+        elif isinstance(params, messages.Progress):
+            waiting = self._progress.get(params.ref)
+            if waiting is not None:  # a report for a call that has ended is dropped
+                waiting.report(params.progress, params.total, params.message)
         else:
             log.debug("ignoring relay notification %s", method)
 
@@ -118,24 +125,61 @@ class SandboxTools:
             return self.link.request_timeout + approval
         return max(self.link.request_timeout, tool.timeout_ms / 1000 + CALLER_TOOL_MARGIN) + approval
 
-    async def call(self, name: str, arguments: Any) -> CallOutcome:
-        """Validate and relay one call; every failure comes back as an outcome with a clear text."""
+    def _toolset_deadline(self, tool: PublishedTool) -> float:
+        """The link's request deadline, plus a gated tool's approval timeout (waited for first)."""
+        return self.link.request_timeout + (tool.approval_timeout_ms or 0) / 1000
+
+    async def ask_permission(self, arguments: Any, progress: AgentProgress | None = None) -> str:
+        """The `permission_prompt` tool: the answer text in Claude Code's JSON (a denial on any failure)."""
+        ref = self._track(progress)
+        try:
+            return await permission_prompt(
+                self.link.request, arguments, progress_ref=ref,
+                timeout=max(self.link.request_timeout, APPROVAL_WAIT) + APPROVAL_MARGIN,
+            )
+        finally:
+            self._untrack(ref)
+
+    def _track(self, progress: AgentProgress | None) -> str | None:
+        if progress is None:
+            return None
+        self._progress[progress.ref] = progress
+        return progress.ref
+
+    def _untrack(self, ref: str | None) -> None:
+        if ref is not None:
+            self._progress.pop(ref, None)
+
+    async def call(self, name: str, arguments: Any, progress: AgentProgress | None = None) -> CallOutcome:
+        """Validate and relay one call; every failure comes back as an outcome with a clear text.
+
+        With `progress`, the server's progress reports on the call (the caller's, a toolset's)
+        are handed to it while the call is in flight.
+        """
         tool = self.registry.resolve(name)
         if tool is None:
             return CallOutcome(error=self.unknown_tool_text(name), category="not_found")
         problem = tool.validation_error(arguments)
         if problem:
             return CallOutcome(error=problem, category="usage")
+        ref = self._track(progress)
+        extra = {"progress_ref": ref} if ref is not None else {}
         try:
             if tool.kind == "caller":
                 reply = await self.link.request(
-                    messages.CALLER_TOOL, {"tool": tool.tool, "arguments": arguments, "caller_id": tool.owner},
+                    messages.CALLER_TOOL,
+                    {"tool": tool.tool, "arguments": arguments, "caller_id": tool.owner, **extra},
                     timeout=self._caller_tool_deadline(tool),
                 )
             else:
-                reply = await self.link.request(messages.TOOLSET_CALL, {"name": tool.name, "arguments": arguments})
+                reply = await self.link.request(
+                    messages.TOOLSET_CALL, {"name": tool.name, "arguments": arguments, **extra},
+                    timeout=self._toolset_deadline(tool),
+                )
         except RelayError as err:
             return CallOutcome(error=relay_error_text(tool, err), category=err.category)
+        finally:
+            self._untrack(ref)
         reply = reply if isinstance(reply, dict) else {"result": reply}
         result = reply.get("result")
         problem = tool.result_error(result)

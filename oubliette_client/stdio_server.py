@@ -25,6 +25,10 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from protocol.descriptors import DESCRIPTOR_META_KEY
 from protocol.stdio_streams import claimed_stdio
 
+from .permission_prompt import DESCRIPTION as PERMISSION_DESCRIPTION
+from .permission_prompt import INPUT_SCHEMA as PERMISSION_SCHEMA
+from .permission_prompt import PERMISSION_PROMPT
+from .progress import DEFAULT_PROGRESS_INTERVAL, AgentProgress
 from .sandbox_tools import CallOutcome, SandboxTools
 from .settings import RelaySettings
 
@@ -49,17 +53,34 @@ def result_content(outcome: CallOutcome) -> types.CallToolResult:
     return types.CallToolResult(content=content, structured_content=result if isinstance(result, dict) else None)
 
 
+def _progress_token(ctx: Any) -> str | int | None:
+    """The agent's `_meta.progressToken` for this request, or None when it asked for no progress."""
+    meta = getattr(ctx, "meta", None) or {}
+    token = meta.get("progress_token", meta.get("progressToken"))
+    return None if isinstance(token, bool) else token
+
+
 class SandboxToolServer:
     """The MCP server the agent talks to, fed by a `RelayLink`.
 
+    Besides the relayed tools it always offers `permission_prompt` (Claude Code's
+    `--permission-prompt-tool`, see `permission_prompt.py`). While a call waits and the agent
+    gave a `progressToken`, it sends progress on it (`progress.py`): a heartbeat every
+    `progress_interval` seconds, and the caller's or toolset's own reports.
+
     Owns: the `SandboxTools` (its registry and `client`-role link) and, inside `run_stdio`,
-    the link's task and the task announcing list changes. Needs: `RelaySettings`.
+    the link's task and the task announcing list changes; one progress task per waiting call.
+    Needs: `RelaySettings`.
     Raises: nothing for a tool call: failures reach the agent as MCP tool errors.
     """
 
-    def __init__(self, settings: RelaySettings, *, connect_wait: float = DEFAULT_CONNECT_WAIT) -> None:
+    def __init__(
+        self, settings: RelaySettings, *, connect_wait: float = DEFAULT_CONNECT_WAIT,
+        progress_interval: float = DEFAULT_PROGRESS_INTERVAL,
+    ) -> None:
         self.settings = settings
         self.connect_wait = connect_wait
+        self.progress_interval = progress_interval
         self.tools = SandboxTools(settings)
         self.registry = self.tools.registry
         self.link = self.tools.link
@@ -102,20 +123,46 @@ class SandboxToolServer:
 
     async def _list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
         self._remember(ctx)
+        relayed = [t for t in self.registry.tools if t.name != PERMISSION_PROMPT]
+        if len(relayed) < len(self.registry.tools):
+            log.warning("a relayed tool is named %s; the built-in permission prompt hides it", PERMISSION_PROMPT)
         return types.ListToolsResult(tools=[
-            types.Tool(
-                name=t.name, description=t.description, input_schema=t.input_schema,
-                meta={DESCRIPTOR_META_KEY: t.descriptor},
-            )
-            for t in self.registry.tools
+            *(
+                types.Tool(
+                    name=t.name, description=t.description, input_schema=t.input_schema,
+                    meta={DESCRIPTOR_META_KEY: t.descriptor},
+                )
+                for t in relayed
+            ),
+            types.Tool(name=PERMISSION_PROMPT, description=PERMISSION_DESCRIPTION, input_schema=PERMISSION_SCHEMA),
         ])
 
     async def _call_tool(self, ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         self._remember(ctx)
-        outcome = await self.tools.call(params.name, dict(params.arguments or {}))
+        arguments = dict(params.arguments or {})
+        if params.name == PERMISSION_PROMPT:
+            answer = await self._with_progress(ctx, "waiting for the caller's decision",
+                                               lambda progress: self.tools.ask_permission(arguments, progress))
+            return types.CallToolResult(content=[types.TextContent(text=answer)])
+        outcome = await self._with_progress(ctx, f"waiting for {params.name}",
+                                            lambda progress: self.tools.call(params.name, arguments, progress))
         if outcome.is_error:
             return tool_error(outcome.error or "failed")
         return result_content(outcome)
+
+    async def _with_progress(self, ctx: Any, waiting_for: str, run: Any) -> Any:
+        """`run(progress)`, with progress on the agent's token while it waits (none after it returns)."""
+        if _progress_token(ctx) is None:
+            return await run(None)
+        progress = AgentProgress(ctx.session.report_progress, self.progress_interval, waiting_for)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(progress.run)
+            try:
+                outcome = await run(progress)
+            finally:
+                nursery.cancel_scope.cancel()  # no progress after the response
+        await progress.drain()  # reports that arrived just before the answer still come before it
+        return outcome
 
     async def run_stdio(self) -> None:
         """Serve the agent on stdin/stdout until it closes them.

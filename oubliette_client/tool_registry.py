@@ -44,7 +44,7 @@ class PublishedTool:
     timeout_ms: int | None = None
     """A caller tool's own timeout (the caller's `timeout_ms`), so the relay request waits long enough."""
     approval_timeout_ms: int | None = None
-    """A gated caller tool's approval timeout (the server sends its effective value): waited for first."""
+    """A gated caller or toolset tool's approval timeout (the server sends its effective value): waited for first."""
 
     @property
     def caller_id(self) -> str:
@@ -172,6 +172,7 @@ class ToolRegistry:
         return PublishedTool(
             name=spec.name, description=spec.description or descriptor["description"], input_schema=schema,
             kind="toolset", tool=spec.tool, owner=spec.toolset, descriptor=descriptor, validator=validators[0],
+            approval_timeout_ms=spec.approval_timeout_ms,
         )
 
     def _republish(self) -> None:

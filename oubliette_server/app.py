@@ -14,7 +14,7 @@ import trio
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
 from protocol.limits import Limits
 
-from .approvals import ApprovalElicitation, ApprovalService
+from .approvals import ApprovalElicitation, ApprovalService, ConnectionApprovals
 from .approvals.toolset_forms import ToolsetForms
 from .auth import TokenAuthority, ensure_private_dir
 from .caller_api import CallerTools, serve_stdio_caller
@@ -45,7 +45,8 @@ class OublietteServer:
     Raises: `OSError` from `serve` when the relay address cannot be bound.
 
     The services are attributes, for embedding and tests: `store`, `sessions`, `frame_log`,
-    `callers`, `caller_tools` (with `calls`, its pending calls), `approvals`, `toolsets`, `guests`, `orphans`,
+    `callers`, `caller_tools` (with `calls`, its pending calls), `approvals` (and `connection_approvals`, the
+    agent's own actions and gated toolsets), `toolsets`, `guests`, `orphans`,
     `starter`, `tether`, `instances`, `tokens`. The toolset embedding API — `register_toolset`,
     `register_mcp_toolset`, `register_command_toolset`, `unregister_toolset`,
     `update_allowed_toolsets` — is `ToolsetService`'s (see its docstrings and docs/TOOLSETS.md).
@@ -77,10 +78,13 @@ class OublietteServer:
         self.calls = CallerCallRegistry(self.frame_log.append, config.caller_timeout)
         self.approvals = ApprovalService(self.frame_log.append, config.approval_timeout)
         self.elicitation = ApprovalElicitation(self.approvals, config.approval_delivery)
+        self.connection_approvals = ConnectionApprovals(self.sessions, self.approvals)
         self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls, self.approvals)
         self.callers = CallerRegistry(on_closed=self._caller_closed)
         self.toolset_forms = ToolsetForms(self.sessions, self.approvals)
-        self.toolsets = ToolsetService(config.tool_separator, self.clients, ask_caller=self.toolset_forms.ask)
+        self.toolsets = ToolsetService(
+            config.tool_separator, self.clients, self.connection_approvals, ask_caller=self.toolset_forms.ask,
+        )
         # The toolset embedding API (docs/TOOLSETS.md) is the toolset service's own methods.
         self.register_toolset = self.toolsets.register_toolset
         self.register_mcp_toolset = self.toolsets.register_mcp_toolset
@@ -98,6 +102,9 @@ class OublietteServer:
                 messages.CallerToolCall, self._limited(self.caller_tools.call, messages.CALLER_TOOL, "arguments")),
             ("client", messages.TOOLSET_CALL): HandlerEntry(
                 messages.ToolsetCall, self._limited(self.toolsets.call, messages.TOOLSET_CALL, "arguments")),
+            ("client", messages.APPROVAL): HandlerEntry(
+                messages.AgentApproval,
+                self._limited(self.connection_approvals.agent_approval, messages.APPROVAL, "arguments")),
             ("guest", messages.APPEND_FRAME): HandlerEntry(
                 messages.AppendFrame, self._limited(self.guest_frames.append_frame, messages.APPEND_FRAME, "payload")),
             ("guest", messages.ACK): HandlerEntry(messages.Ack, self.guest_frames.ack),

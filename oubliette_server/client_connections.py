@@ -6,7 +6,12 @@ connection of an instance is tracked by guest delivery instead.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
+
+from protocol import messages, unstructure
+
+#: Hands one progress report (progress, total, message) to the agent's waiting call; never waits.
+ProgressFn = Callable[[float, "float | None", "str | None"], None]
 
 
 class ClientPeer(Protocol):
@@ -47,3 +52,15 @@ class ClientConnections:
     def instances(self) -> list[str]:
         """Instances with at least one live client connection."""
         return [name for name, conns in self._by_instance.items() if conns]
+
+
+def progress_sink(connection: ClientPeer, ref: str | None) -> ProgressFn | None:
+    """Progress reports for the client's request `ref`, as `progress` notifications (None without a ref)."""
+    if ref is None:
+        return None
+
+    def send(progress: float, total: float | None, message: str | None) -> None:
+        report = messages.Progress(ref=ref, progress=progress, total=total, message=message)
+        connection.notify(messages.PROGRESS, unstructure(report))  # queued: never waits on a socket
+
+    return send

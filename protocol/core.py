@@ -91,6 +91,8 @@ METHOD_RULES: Mapping[str, MethodRule] = {
     messages.TOOLSETS_CONFIG: MethodRule("notification", frozenset({(ROLE_SERVER, _CLIENT)}), before_hello=True),
     messages.CALLER_TOOL: MethodRule("request", frozenset({(_CLIENT, ROLE_SERVER)})),
     messages.TOOLSET_CALL: MethodRule("request", frozenset({(_CLIENT, ROLE_SERVER)})),
+    messages.APPROVAL: MethodRule("request", frozenset({(_CLIENT, ROLE_SERVER)})),
+    messages.PROGRESS: MethodRule("notification", frozenset({(ROLE_SERVER, _CLIENT)})),
     messages.APPEND_FRAME: MethodRule("request", frozenset({(_GUEST, ROLE_SERVER)})),
     messages.ACK: MethodRule("notification", frozenset({(_GUEST, ROLE_SERVER)})),
     messages.USER_MESSAGE: MethodRule("notification", frozenset({(ROLE_SERVER, _GUEST)})),

@@ -26,6 +26,8 @@ __all__ = [
     "APPEND_FRAME",
     "TOOLSETS_CONFIG",
     "TOOLSET_CALL",
+    "APPROVAL",
+    "PROGRESS",
     "METHODS",
     "ROLE_CLIENT",
     "ROLE_GUEST",
@@ -41,6 +43,9 @@ __all__ = [
     "ToolsetsConfig",
     "ToolsetCall",
     "ToolsetCallResult",
+    "AgentApproval",
+    "AgentApprovalResult",
+    "Progress",
     "UserMessageDelivery",
     "Ack",
     "AppendFrame",
@@ -62,6 +67,8 @@ ACK = "ack"  # notification, guest -> server
 APPEND_FRAME = "append_frame"  # request, guest -> server
 TOOLSETS_CONFIG = "toolsets_config"  # notification, server -> client
 TOOLSET_CALL = "toolset_call"  # request, client -> server
+APPROVAL = "approval"  # request, client -> server: the agent asks the session's caller to allow an action
+PROGRESS = "progress"  # notification, server -> client: progress of a request the client has in flight
 
 #: Every method of the protocol.
 METHODS: tuple[str, ...] = (
@@ -74,6 +81,8 @@ METHODS: tuple[str, ...] = (
     APPEND_FRAME,
     TOOLSETS_CONFIG,
     TOOLSET_CALL,
+    APPROVAL,
+    PROGRESS,
 )
 
 ROLE_CLIENT = "client"
@@ -150,6 +159,7 @@ class CallerToolCall:
     tool: str
     arguments: dict[str, Any] = attrs.field(factory=dict)
     caller_id: str | None = None
+    progress_ref: str | None = None  # names this call in the server's `progress` notifications
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -185,6 +195,7 @@ class ToolsetToolSpec:
     description: str = ""
     inputSchema: dict[str, Any] = attrs.field(factory=_default_input_schema)
     descriptor: ToolDescriptor | None = None  # seed 001 descriptor, when the toolset has one
+    approval_timeout_ms: int | None = None  # set for a gated tool: how long its approval may take
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -205,6 +216,7 @@ class ToolsetCall:
 
     name: str
     arguments: dict[str, Any] = attrs.field(factory=dict)
+    progress_ref: str | None = None  # names this call in the server's `progress` notifications
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -215,6 +227,44 @@ class ToolsetCallResult:
 
     result: Any = None
     content: list[dict[str, Any]] | None = None
+
+
+# --- the agent's own actions and progress -------------------------------------------
+
+
+@attrs.define(frozen=True, kw_only=True)
+class AgentApproval:
+    """``approval`` params: the agent asks whether it may take one of its own actions (a permission prompt)."""
+
+    wire_label: ClassVar[str] = "approval params"
+
+    tool_name: str  # the agent's own tool, e.g. "Bash"
+    arguments: dict[str, Any] = attrs.field(factory=dict)
+    tool_use_id: str | None = None
+    progress_ref: str | None = None
+
+
+@attrs.define(frozen=True, kw_only=True)
+class AgentApprovalResult:
+    """``approval`` result: the decision; a denial is a result too (with its reason), not an error."""
+
+    wire_label: ClassVar[str] = "approval result"
+
+    approve: bool
+    reason: str | None = None
+    updated_arguments: dict[str, Any] | None = None
+
+
+@attrs.define(frozen=True, kw_only=True)
+class Progress:
+    """``progress`` params: how far a request the client has in flight has come (a caller's or a toolset's report)."""
+
+    wire_label: ClassVar[str] = "progress params"
+
+    ref: str  # the request's `progress_ref`
+    progress: float
+    total: float | None = None
+    message: str | None = None
 
 
 # --- frames ----------------------------------------------------------------------------
@@ -271,6 +321,8 @@ PARAMS_TYPES: dict[str, type[Any]] = {
     APPEND_FRAME: AppendFrame,
     TOOLSETS_CONFIG: ToolsetsConfig,
     TOOLSET_CALL: ToolsetCall,
+    APPROVAL: AgentApproval,
+    PROGRESS: Progress,
 }
 
 #: The result class of each request method (notifications have none).
@@ -279,4 +331,5 @@ RESULT_TYPES: dict[str, type[Any]] = {
     CALLER_TOOL: CallerToolResult,
     APPEND_FRAME: AppendFrameResult,
     TOOLSET_CALL: ToolsetCallResult,
+    APPROVAL: AgentApprovalResult,
 }

@@ -21,12 +21,14 @@ from .frames import FRAME_SCHEMA, SESSION_REF_SCHEMA
 from .messages import (
     ACK,
     APPEND_FRAME,
+    APPROVAL,
     CALLER_TOOL,
     CALLER_TOOLS_CONFIG,
     CANCEL,
     HELLO,
     METHODS,
     PARAMS_TYPES,
+    PROGRESS,
     ROLES,
     TOOLSET_CALL,
     TOOLSETS_CONFIG,
@@ -84,8 +86,13 @@ _TOOLSET_TOOL_SPEC = obj(
         "description": STRING,
         "inputSchema": OBJECT,
         "descriptor": {"oneOf": [{"type": "null"}, TOOL_DESCRIPTOR_SCHEMA]},
+        "approval_timeout_ms": {"type": ["integer", "null"], "minimum": 1},
     },
 )
+
+#: A progress reference: names one request in flight for the server's `progress` notifications.
+_PROGRESS_REF = {"type": ["string", "null"], "minLength": 1, "maxLength": 128}
+_NUMBER = {"type": "number"}
 
 
 #: Schema name -> JSON Schema. Method names hold that method's params; ``frame``,
@@ -134,7 +141,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "caller_tool params",
         obj(
             ["tool"],
-            {"tool": NON_EMPTY, "arguments": OBJECT, "caller_id": OPT_STRING},
+            {"tool": NON_EMPTY, "arguments": OBJECT, "caller_id": OPT_STRING, "progress_ref": _PROGRESS_REF},
         ),
     ),
     "caller_tool_result": document("caller_tool result", obj(["result"], {"result": {}})),
@@ -174,7 +181,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "toolset_tool_spec": document("toolset tool spec", _TOOLSET_TOOL_SPEC),
     TOOLSET_CALL: document(
         "toolset_call params",
-        obj(["name"], {"name": NON_EMPTY, "arguments": OBJECT}),
+        obj(["name"], {"name": NON_EMPTY, "arguments": OBJECT, "progress_ref": _PROGRESS_REF}),
     ),
     "toolset_call_result": document(
         "toolset_call result",
@@ -184,6 +191,25 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                 "result": {},
                 "content": {"type": ["array", "null"], "items": OBJECT},
             },
+        ),
+    ),
+    APPROVAL: document(
+        "approval params",
+        obj(
+            ["tool_name"],
+            {"tool_name": NON_EMPTY, "arguments": OBJECT, "tool_use_id": OPT_STRING, "progress_ref": _PROGRESS_REF},
+        ),
+    ),
+    "approval_result": document(
+        "approval result",
+        obj(["approve"], {"approve": {"type": "boolean"}, "reason": OPT_STRING, "updated_arguments": OPT_OBJECT}),
+    ),
+    PROGRESS: document(
+        "progress params",
+        obj(
+            ["ref", "progress"],
+            {"ref": {"type": "string", "minLength": 1, "maxLength": 128}, "progress": _NUMBER,
+             "total": {"type": ["number", "null"]}, "message": OPT_STRING},
         ),
     ),
     "tool_descriptor": document("tool descriptor", TOOL_DESCRIPTOR_SCHEMA),

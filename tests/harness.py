@@ -575,16 +575,19 @@ class InProcessDeployment(Deployment):
 
         from mcp.server.lowlevel.server import NotificationOptions
 
+        from oubliette_client.progress import DEFAULT_PROGRESS_INTERVAL
         from oubliette_client.settings import RelaySettings
         from oubliette_client.stdio_server import DEFAULT_CONNECT_WAIT, SandboxToolServer
 
         flags = argparse.ArgumentParser()
         flags.add_argument("--connect-wait", type=float, default=DEFAULT_CONNECT_WAIT)
+        flags.add_argument("--progress-interval", type=float, default=DEFAULT_PROGRESS_INTERVAL)
+        parsed = flags.parse_args(list(extra_args))
         settings = RelaySettings(
             relay=self.relay, instance=instance, session=session,
             token=token if token is not None else self.token(instance),
         )
-        sandbox = SandboxToolServer(settings, connect_wait=flags.parse_args(list(extra_args)).connect_wait)
+        sandbox = SandboxToolServer(settings, connect_wait=parsed.connect_wait, progress_interval=parsed.progress_interval)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sandbox.link.run)
             nursery.start_soon(sandbox._announce_changes)

@@ -52,7 +52,8 @@ async def respond(caller: Any, session_id: str, request_id: str, **answer: Any) 
 
 
 def tool_names(listing: types.ListToolsResult) -> set[str]:
-    return {tool.name for tool in listing.tools}
+    """The relayed tools listed (without the client's built-in `permission_prompt`, test_agent_approvals.py)."""
+    return {tool.name for tool in listing.tools} - {"permission_prompt"}
 
 
 async def call_and_answer(
@@ -84,7 +85,7 @@ async def test_declared_tools_are_listed_with_their_input_schema(deployment: Dep
         async with deployment.agent("box1", "mcp:s1") as agent:
             listing = await agent.list_tools()
     tools = {tool.name: tool for tool in listing.tools}
-    assert set(tools) == {"myapp_send_notification", "myapp_ping"}
+    assert set(tools) == {"myapp_send_notification", "myapp_ping", "permission_prompt"}
     assert tools["myapp_send_notification"].input_schema == NOTIFY_SCHEMA
     assert tools["myapp_send_notification"].description == "Send notification"
     assert tools["myapp_ping"].input_schema == {"type": "object"}
@@ -230,7 +231,7 @@ async def test_client_started_before_the_server_picks_up_tools_later(deployment:
     async with deployment.agent("box1", "mcp:s1", extra_args=("--connect-wait", "0.5"),
                                 message_handler=changes) as agent:
         listing = await agent.list_tools()
-        assert listing.tools == []
+        assert tool_names(listing) == set()
         early = await agent.call_tool("myapp_send_notification", {"message": "too early"})
         assert early.is_error
         assert "unknown tool 'myapp_send_notification'" in text_of(early)
@@ -252,7 +253,7 @@ async def test_call_while_the_relay_is_down_says_it_is_unavailable(deployment: D
     changes = ListChanged()
     async with deployment.agent("box1", "mcp:s1", extra_args=("--connect-wait", "0.5"),
                                 message_handler=changes) as agent:
-        assert (await agent.list_tools()).tools == []
+        assert tool_names(await agent.list_tools()) == set()
         async with deployment.caller() as (caller, _events):
             await declare(caller, "box1", "s1", [NOTIFY])
             await changes.wait_beyond(0, timeout=RECONNECT_BOUND)
@@ -274,7 +275,7 @@ async def test_legacy_agent_is_told_of_every_tool_list_change(deployment: Deploy
     changes = ListChanged()
     async with deployment.caller() as (caller, _events):
         async with deployment.agent("box1", "mcp:s1", message_handler=changes) as agent:
-            assert (await agent.list_tools()).tools == []
+            assert tool_names(await agent.list_tools()) == set()
 
             await declare(caller, "box1", "s1", [NOTIFY])
             seen = await changes.wait_beyond(0)
@@ -286,7 +287,7 @@ async def test_legacy_agent_is_told_of_every_tool_list_change(deployment: Deploy
 
             await declare(caller, "box1", "s1", [])
             seen = await changes.wait_beyond(seen)
-            assert (await agent.list_tools()).tools == []
+            assert tool_names(await agent.list_tools()) == set()
     assert changes.count == 3
 
 
@@ -306,7 +307,7 @@ async def test_modern_agent_receives_tools_list_changed_events(deployment: Deplo
     async with deployment.caller() as (caller, _events):
         async with deployment.agent("box1", "mcp:s1", mode="auto") as agent:
             assert agent.protocol_version == "2026-07-28"
-            assert (await agent.list_tools()).tools == []
+            assert tool_names(await agent.list_tools()) == set()
             async with agent.listen(tools_list_changed=True) as subscription:
                 await declare(caller, "box1", "s1", [NOTIFY])
                 with trio.fail_after(10):

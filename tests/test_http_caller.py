@@ -190,7 +190,7 @@ async def test_http_caller_declared_tools_reach_the_agent_with_their_input_schem
             _request, _reply, result = await call_and_answer(
                 agent, caller, events, "s1", "myapp_ping", {}, {"result": "pong"},
             )
-    assert set(tools) == {"myapp_send_notification", "myapp_ping"}
+    assert set(tools) == {"myapp_send_notification", "myapp_ping", "permission_prompt"}
     assert tools["myapp_send_notification"].input_schema == NOTIFY_SCHEMA
     assert tools["myapp_send_notification"].description == "Send notification"
     assert tools["myapp_ping"].input_schema == {"type": "object"}

@@ -230,6 +230,17 @@ SAMPLES: dict[str, Any] = {
         result=[1, "two"], content=[{"type": "text", "text": "[1, \"two\"]"}]
     ),
     "toolset_call_result-empty": ToolsetCallResult(),
+    "toolset_tool_spec-gated": ToolsetToolSpec(name="fs.rm", toolset="files", tool="rm", approval_timeout_ms=600000),
+    "toolset_call-progress": ToolsetCall(name="ext.list", progress_ref="p-3"),
+    "caller_tool-progress": CallerToolCall(tool="x", progress_ref="p-1"),
+    "approval": protocol.AgentApproval(
+        tool_name="Bash", arguments={"command": "ls"}, tool_use_id="toolu_01", progress_ref="p-2",
+    ),
+    "approval-minimal": protocol.AgentApproval(tool_name="Edit"),
+    "approval_result": protocol.AgentApprovalResult(approve=True, updated_arguments={"command": "ls -l"}),
+    "approval_result-deny": protocol.AgentApprovalResult(approve=False, reason="not on this host"),
+    "progress": protocol.Progress(ref="p-1", progress=0.5, total=1.0, message="halfway"),
+    "progress-minimal": protocol.Progress(ref="p-1", progress=3),
 }
 
 
@@ -840,6 +851,7 @@ def test_schemas_defaults_match_classes() -> None:
         session_ref=SessionRef,
         toolset_tool_spec=ToolsetToolSpec,
         toolset_call_result=ToolsetCallResult,
+        approval_result=protocol.AgentApprovalResult,
         tool_descriptor=ToolDescriptor,
         action_request=protocol.ActionRequest,
     )

@@ -89,6 +89,7 @@ class PendingApproval:
     allows_tool_return: bool = False
     form: dict[str, Any] | None = None
     """A toolset's own elicitation (`message`, `requestedSchema`): answered with `content`."""
+    tool_use_id: str | None = None
     frame_seq: int = 0
     decision: Decision | None = None
     done: trio.Event = attrs.field(factory=trio.Event)
@@ -102,6 +103,8 @@ class PendingApproval:
         }
         if self.form is not None:
             summary["elicitation"] = self.form
+        if self.tool_use_id is not None:
+            summary["tool_use_id"] = self.tool_use_id  # the agent's own id of the action (origin "agent")
         return summary
 
 
@@ -186,6 +189,7 @@ class ApprovalService:
         input_schema: dict[str, Any] | None = None,
         allows_tool_return: bool = False,
         form: dict[str, Any] | None = None,
+        tool_use_id: str | None = None,
     ) -> Decision:
         """Ask `caller` to decide on the call and wait for exactly one decision.
 
@@ -196,7 +200,7 @@ class ApprovalService:
         entry = PendingApproval(
             request_id="apr-" + secrets.token_hex(8), session=session, tool_name=tool_name,
             arguments=arguments, origin=origin, caller=caller, expires_at=_iso_in(seconds),
-            input_schema=input_schema, allows_tool_return=allows_tool_return, form=form,
+            input_schema=input_schema, allows_tool_return=allows_tool_return, form=form, tool_use_id=tool_use_id,
         )
         self._pending[entry.request_id] = entry
         try:

@@ -63,6 +63,20 @@ CALLER_TOOL_RESPONSE: dict[str, Any] = {
     "additionalProperties": False,
 }
 
+CALLER_TOOL_PROGRESS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "session_id": SESSION_ID,
+        "request_id": {"type": "string", "minLength": 1, "description": "The caller_tool_request's request_id."},
+        "progress": {"type": "number", "description": "How far the tool has come (should increase)."},
+        "total": {"type": ["number", "null"], "description": "The value `progress` reaches when done, if known."},
+        "message": {"type": ["string", "null"], "maxLength": 1000, "description": "A short status line for the agent."},
+        "owner_key": OWNER_KEY,
+    },
+    "required": ["session_id", "request_id", "progress"],
+    "additionalProperties": False,
+}
+
 _WAIT: dict[str, Any] = {
     "description": "true: wait until the turn ends; a number: wait at most that many seconds.",
     "oneOf": [{"type": "boolean"}, {"type": "number", "minimum": 0}],
@@ -218,6 +232,9 @@ RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
     "caller_tool_response": {
         "type": "object", "properties": {"resolved": {"const": True}}, "required": ["resolved"],
     },
+    "caller_tool_progress": {
+        "type": "object", "properties": {"forwarded": {"type": "boolean"}}, "required": ["forwarded"],
+    },
     "approval_response": {
         "type": "object",
         "properties": {
@@ -240,6 +257,7 @@ RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
 SAFETY: dict[str, str] = {
     "session_message": "appends a user.message to the instance's log and may wake the instance",
     "caller_tool_response": "resolves one pending caller tool request of your own session",
+    "caller_tool_progress": "tells the agent how far one pending caller tool request of your own session has come",
     "approval_response": "decides pending approval requests of your own session: an approval lets the agent's call run",
     "session_events": "read-only",
     "tether_send": "appends a user.message on channel host and may wake the instance",

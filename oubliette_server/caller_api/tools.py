@@ -128,6 +128,12 @@ class CallerTools:
             schemas.CALLER_TOOL_RESPONSE, self.caller_tool_response,
         )
         self.add(
+            "caller_tool_progress",
+            "Report progress on a pending caller_tool_request you are still working on: the agent gets it as "
+            "MCP progress (which keeps its call from timing out for inactivity).",
+            schemas.CALLER_TOOL_PROGRESS, self.caller_tool_progress,
+        )
+        self.add(
             "approval_response",
             "Decide an approval_request: approve (optionally with updated_arguments) or deny with a reason. "
             "Or answer every pending approval of the session at once with approvals: [{type: 'approval', "
@@ -415,6 +421,19 @@ class CallerTools:
             caller, args["session_id"], args["request_id"], result=args.get("result"), error=args.get("error"),
         )
         return {"resolved": True}
+
+    async def caller_tool_progress(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        """Forward a progress report on a pending `caller_tool_request` to the agent's waiting call.
+
+        `forwarded` is false when the agent's client asked for no progress on that call.
+        Raises: `RelayError` for a request id that is not pending for this caller (as `caller_tool_response`).
+        """
+        self._owned(caller, args["session_id"])
+        forwarded = self.caller_tools.pending.progress(
+            caller, args["session_id"], args["request_id"],
+            args["progress"], args.get("total"), args.get("message"),
+        )
+        return {"forwarded": forwarded}
 
     # -- approval_response ---------------------------------------------------------------
 

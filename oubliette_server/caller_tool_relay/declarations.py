@@ -18,7 +18,7 @@ from protocol import CallerToolSpec, RelayError, SessionRef, errors, messages, u
 
 from ..approvals import ApprovalService
 from ..callers import CallerConnection
-from ..client_connections import ClientConnections, ClientPeer
+from ..client_connections import ClientConnections, ClientPeer, progress_sink
 from ..sessions import Session, SessionRegistry
 from .pending import CallerCallRegistry
 
@@ -113,7 +113,7 @@ class CallerToolRelay:
                 raise RelayError(errors.DENIED, f"'{published}' was denied: {decision.reason or 'no reason given'}")
             if decision.updated_arguments is not None:
                 arguments = decision.updated_arguments
-        result = await self.pending.relay(session, spec, arguments)
+        result = await self.pending.relay(session, spec, arguments, progress_sink(connection, call.progress_ref))
         return messages.CallerToolResult(result=result)
 
     def _find(self, connection: ClientPeer, call: messages.CallerToolCall) -> tuple[Session, CallerToolSpec]:

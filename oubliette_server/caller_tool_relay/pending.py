@@ -30,6 +30,8 @@ log = logging.getLogger("oubliette.server.calls")
 RESOLVED_MEMORY = 10_000
 
 AppendFn = Callable[..., Awaitable[Any]]
+#: Hands a progress report (progress, total, message) to the agent's waiting call; never waits.
+ProgressFn = Callable[[float, "float | None", "str | None"], None]
 
 
 @attrs.define(eq=False)
@@ -40,6 +42,7 @@ class PendingCall:
     session: Session
     caller: CallerConnection | None
     tool: str
+    progress: ProgressFn | None = None
     done: trio.Event = attrs.field(factory=trio.Event)
     result: Any = None
     error: RelayError | None = None
@@ -63,11 +66,16 @@ class CallerCallRegistry:
         """The calls waiting now in `session`."""
         return [p for p in self._pending.values() if p.session is session]
 
-    async def relay(self, session: Session, spec: CallerToolSpec, arguments: dict) -> Any:
-        """Ask the session's caller to run `spec` and wait for exactly one outcome."""
+    async def relay(
+        self, session: Session, spec: CallerToolSpec, arguments: dict, progress: ProgressFn | None = None,
+    ) -> Any:
+        """Ask the session's caller to run `spec` and wait for exactly one outcome.
+
+        `progress` gets the caller's progress reports on the call while it waits (`progress`).
+        """
         request_id = "ctr-" + secrets.token_hex(8)
         caller = session.owner
-        call = PendingCall(request_id=request_id, session=session, caller=caller, tool=spec.name)
+        call = PendingCall(request_id=request_id, session=session, caller=caller, tool=spec.name, progress=progress)
         self._pending[request_id] = call
         timeout = spec.timeout_ms / 1000 if spec.timeout_ms else self.default_timeout
         try:
@@ -145,15 +153,22 @@ class CallerCallRegistry:
         while len(self._finished) > RESOLVED_MEMORY:
             self._finished.popitem(last=False)
 
-    async def respond(
-        self,
-        caller: CallerConnection,
-        session_id: str,
-        request_id: str,
-        result: Any = None,
-        error: str | None = None,
-    ) -> None:
-        """Resolve a pending call with the caller's answer; refuse anything else clearly."""
+    def progress(
+        self, caller: CallerConnection, session_id: str, request_id: str,
+        progress: float, total: float | None = None, message: str | None = None,
+    ) -> bool:
+        """Hand the caller's progress report on a pending call to the agent; False if it asked for none.
+
+        Raises: `RelayError` as `respond` does for a call that is not pending, in another session,
+        or another caller's.
+        """
+        call = self._pending_of(caller, session_id, request_id)
+        if call.progress is None:
+            return False
+        call.progress(progress, total, message)
+        return True
+
+    def _pending_of(self, caller: CallerConnection, session_id: str, request_id: str) -> PendingCall:
         call = self._pending.get(request_id)
         if call is None or call.done.is_set():
             how = self._finished.get(request_id)
@@ -171,6 +186,18 @@ class CallerCallRegistry:
                 f"session '{session_id}' belongs to another caller: request_id '{request_id}' may only be answered by the caller that declared "
                 f"'{call.session.caller_id}' tools in session '{session_id}'",
             )
+        return call
+
+    async def respond(
+        self,
+        caller: CallerConnection,
+        session_id: str,
+        request_id: str,
+        result: Any = None,
+        error: str | None = None,
+    ) -> None:
+        """Resolve a pending call with the caller's answer; refuse anything else clearly."""
+        call = self._pending_of(caller, session_id, request_id)
         if error is not None:
             self._finish(call, "resolved with an error", error=RelayError(errors.TOOL_ERROR, str(error)))
             payload: dict[str, Any] = {"request_id": request_id, "tool": call.tool, "error": str(error)}

@@ -8,11 +8,20 @@ toolset's text), never exceptions across the router.
 from __future__ import annotations
 
 import abc
+import contextvars
 from typing import Any, Awaitable, Callable, Union
 
 import attrs
 
 DEFAULT_SAFETY = "runs on the host, outside the sandbox"
+
+#: Where a toolset may report progress on the call it is running (progress, total, message), or
+#: None when the agent asked for none. Set by the toolset service around each call, so the
+#: `Toolset.call` signature stays the same for every toolset; `McpToolset` forwards its server's
+#: `notifications/progress` here. Never waits.
+call_progress: contextvars.ContextVar[Callable[[float, "float | None", "str | None"], None] | None] = (
+    contextvars.ContextVar("oubliette_toolset_call_progress", default=None)
+)
 
 
 def _object_schema() -> dict[str, Any]:

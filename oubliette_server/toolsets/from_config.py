@@ -27,6 +27,8 @@ class ToolsetEntry:
     cwd: str | None = None
     roots: list[str] = attrs.field(factory=list)
     timeout: float | None = None
+    requires_approval: bool | list[str] = False
+    """true gates every tool of the toolset; a list gates those tools (their own names)."""
 
 
 def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
@@ -34,7 +36,7 @@ def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
     if not isinstance(tables, dict):
         raise ValueError(f"{where}: [toolsets] must be a table of tables")
     entries = []
-    allowed_keys = {"kind", "prefix", "command", "args", "env", "cwd", "roots", "timeout"}
+    allowed_keys = {"kind", "prefix", "command", "args", "env", "cwd", "roots", "timeout", "requires_approval"}
     for toolset_id, table in tables.items():
         here = f"{where}: [toolsets.{toolset_id}]"
         if not isinstance(table, dict):
@@ -58,12 +60,16 @@ def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
         for key, expected in (("args", list), ("env", dict), ("cwd", str), ("roots", list), ("timeout", (int, float))):
             if key in table and not isinstance(table[key], expected):
                 raise ValueError(f"{here}: {key} has the wrong type")
+        gate = table.get("requires_approval", False)
+        if not isinstance(gate, bool) and not (isinstance(gate, list) and all(isinstance(t, str) and t for t in gate)):
+            raise ValueError(f"{here}: requires_approval must be true, false or a list of tool names")
         entries.append(ToolsetEntry(
             id=toolset_id, kind=kind, prefix=prefix, command=command,
             args=[str(a) for a in table.get("args", [])],
             env={str(k): str(v) for k, v in table["env"].items()} if "env" in table else None,
             cwd=table.get("cwd"), roots=[str(r) for r in table.get("roots", [])],
             timeout=float(table["timeout"]) if "timeout" in table else None,
+            requires_approval=gate,
         ))
     return entries
 
@@ -74,13 +80,14 @@ class ToolsetRegistrar(Protocol):
     async def register_mcp_toolset(
         self, toolset_id: str, prefix: str, command: str, args: list[str] | None = ...,
         env: dict[str, str] | None = ..., cwd: str | None = ..., roots: list[str] | None = ...,
-        *, call_timeout: float | None = ...,
+        *, call_timeout: float | None = ..., requires_approval: bool | list[str] = ...,
     ) -> Any:
         """Start and register a shared stdio MCP toolset (see `ToolsetService.register_mcp_toolset`)."""
 
     async def register_command_toolset(
         self, toolset_id: str, prefix: str, command: str | list[str], *,
         timeout: float | None = ..., env: dict[str, str] | None = ..., cwd: str | None = ...,
+        requires_approval: bool | list[str] = ...,
     ) -> Any:
         """Register an action-contract command toolset (see `ToolsetService.register_command_toolset`)."""
 
@@ -114,12 +121,13 @@ async def register_from_config(
                 assert isinstance(entry.command, str)
                 await server.register_mcp_toolset(
                     entry.id, entry.prefix, entry.command, entry.args, entry.env, entry.cwd, entry.roots,
-                    call_timeout=entry.timeout,
+                    call_timeout=entry.timeout, requires_approval=entry.requires_approval,
                 )
             else:
                 command = [*command_list(entry.command), *entry.args]
                 await server.register_command_toolset(
                     entry.id, entry.prefix, command, timeout=entry.timeout, env=entry.env, cwd=entry.cwd,
+                    requires_approval=entry.requires_approval,
                 )
             registered.add(entry.id)
         except Exception as exc:

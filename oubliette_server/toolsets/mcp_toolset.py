@@ -17,7 +17,7 @@ from typing import Any
 import mcp_types as types
 import trio
 
-from .base import Toolset, ToolResult, ToolSpec
+from .base import Toolset, ToolResult, ToolSpec, call_progress
 from .elicit import Asker, current_asker
 
 log = logging.getLogger("oubliette.server.toolsets.mcp")
@@ -29,6 +29,18 @@ DEFAULT_MAX_RESTARTS = 3
 START_TIMEOUT = 30.0
 DEFAULT_CALL_TIMEOUT = 60.0
 """Seconds one tool call may take before the agent gets a timeout error (`timeout` in the config)."""
+
+
+def _forward_progress() -> Any:
+    """The SDK progress callback that hands the server's reports to the agent's call (None if it wants none)."""
+    report = call_progress.get()
+    if report is None:
+        return None
+
+    async def forward(progress: float, total: float | None, message: str | None) -> None:
+        report(progress, total, message)
+
+    return forward
 
 
 def _content_dicts(content: list[Any]) -> list[dict[str, Any]]:
@@ -222,7 +234,7 @@ class McpToolset(Toolset):
             self._askers.append(asker)
         try:
             with trio.move_on_after(self.call_timeout) as deadline:
-                result = await client.call_tool(tool, arguments)
+                result = await client.call_tool(tool, arguments, progress_callback=_forward_progress())
         except Exception as exc:
             self._mark_dead(exc)
             return ToolResult.failure(

@@ -28,11 +28,21 @@ class ToolsetDefinition:
     factory: ToolsetFactory | None = None
     ref: Toolset | None = None
     kind: str = "code"
+    requires_approval: bool | frozenset[str] = False
+    """True: every tool is gated; a set: those tools are (by their own names). See `gates`."""
+    approval_timeout_ms: int | None = None
+    """How long a gated call waits for its decision (the clients add it to their deadline)."""
 
     @property
     def per_session(self) -> bool:
         """True when each agent session gets its own toolset from `factory`."""
         return self.factory is not None
+
+    def gates(self, tool: str) -> bool:
+        """Whether a call of `tool` (its own name) waits for the owning caller's approval first."""
+        if isinstance(self.requires_approval, frozenset):
+            return tool in self.requires_approval
+        return bool(self.requires_approval)
 
 
 class ToolsetRegistry:
@@ -66,6 +76,11 @@ class ToolsetRegistry:
         for tool in definition.tools:
             if not TOOL_NAME_PATTERN.match(tool.name):
                 raise ValueError(f"toolset {definition.id!r}: tool name {tool.name!r} must be 1-128 of A-Z a-z 0-9 _ . -")
+        if isinstance(definition.requires_approval, frozenset):
+            missing = sorted(definition.requires_approval - {tool.name for tool in definition.tools})
+            if missing:  # an MCP server may add them later; the gate holds whenever they appear
+                log.warning("toolset %s: requires_approval names tools it does not have (yet): %s",
+                            definition.id, ", ".join(missing))
         self._definitions[definition.id] = definition
         log.info("toolset %s registered (prefix %r, %d tools)", definition.id, definition.prefix, len(definition.tools))
 

@@ -47,7 +47,10 @@ class PublishedToolsetTool:
     def wire(self) -> dict[str, Any]:
         """The `toolsets_config` entry the client lists (with its seed 001 descriptor)."""
         spec = self.spec
+        definition = self.binding.definition
+        gated = {"approval_timeout_ms": definition.approval_timeout_ms} if definition.gates(spec.name) else {}
         return {
+            **gated,
             "name": self.name,
             "toolset": self.binding.definition.id,
             "tool": spec.name,
@@ -151,14 +154,19 @@ class ToolRouter:
         prefix = name.split(self.separator, 1)[0]
         return RelayError(errors.NOT_FOUND, f"Toolset not found: '{prefix}'")
 
-    async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
-        """Route a published name to its toolset with the prefix stripped."""
+    def checked(self, name: str, arguments: dict[str, Any]) -> PublishedToolsetTool:
+        """The published tool `name`, once `arguments` match its schema (`RelayError` otherwise)."""
         entry = self._published.get(name)
         if entry is None:
             raise self._not_found(name)
         problem = schema_problem(entry.spec.input_schema, arguments, f"invalid arguments for {name}")
         if problem:
             raise RelayError(errors.INVALID_PARAMS, problem)
+        return entry
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        """Route a published name to its toolset with the prefix stripped."""
+        entry = self.checked(name, arguments)
         result = await entry.binding.toolset.call(entry.spec.name, arguments)
         if result.is_error:
             return result

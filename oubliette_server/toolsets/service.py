@@ -7,14 +7,15 @@ changes.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 import trio
 
 from protocol import RelayError, errors, messages
 
-from ..client_connections import ClientConnections, ClientPeer
-from .base import Toolset, ToolsetFactory, ToolSpec
+from ..approvals import ConnectionApprovals
+from ..client_connections import ClientConnections, ClientPeer, progress_sink
+from .base import Toolset, ToolsetFactory, ToolSpec, call_progress
 from .elicit import current_asker
 from .command_toolset import CommandToolset
 from .mcp_toolset import DEFAULT_CALL_TIMEOUT, McpToolset
@@ -38,16 +39,25 @@ class ToolsetService:
     """Host toolsets for the agents: what is registered, who may see it, and calls to it.
 
     Owns: a nursery (start it with `await nursery.start(service.serve)`) that runs the shared
-    MCP toolsets and stops routers of sessions that ended. Needs: the tool-name separator and
-    the client connections to push lists to.
+    MCP toolsets and stops routers of sessions that ended. Needs: the tool-name separator,
+    the client connections to push lists to, and the connection approvals (gated tools ask the
+    owning caller of the calling connection's session; without them a gated call is denied).
     Raises: `RuntimeError` from `register_mcp_toolset` before `serve` started or when the MCP
-    server cannot start; `ValueError` for a bad registration; `RelayError` from `call`.
+    server cannot start; `ValueError` for a bad registration; `RelayError` from `call`
+    (`DENIED` with the reason for a gated call that was not approved).
     """
 
-    def __init__(self, separator: str, clients: ClientConnections, ask_caller: AskCaller | None = None) -> None:
+    def __init__(
+        self,
+        separator: str,
+        clients: ClientConnections,
+        approvals: ConnectionApprovals | None = None,
+        ask_caller: AskCaller | None = None,
+    ) -> None:
         self.ask_caller = ask_caller
         self.registry = ToolsetRegistry()
         self.clients = clients
+        self.approvals = approvals
         self.sessions = ToolsetSessions(self.registry, separator, self._push)
         self._tasks = TaskHost()
 
@@ -66,9 +76,18 @@ class ToolsetService:
         factory: ToolsetFactory | None = None,
         ref: Toolset | None = None,
         kind: str = "code",
+        requires_approval: bool | Iterable[str] = False,
     ) -> ToolsetDefinition:
-        """Register a toolset: `factory` makes one per session (stopped with it), `ref` is one shared toolset."""
-        definition = ToolsetDefinition(toolset_id, prefix, list(tools), factory=factory, ref=ref, kind=kind)
+        """Register a toolset: `factory` makes one per session (stopped with it), `ref` is one shared toolset.
+
+        `requires_approval`: True gates every tool, a collection of tool names (their own names,
+        without the prefix) gates those: each call waits for the owning caller's decision first.
+        """
+        gate = requires_approval if isinstance(requires_approval, bool) else frozenset(requires_approval)
+        definition = ToolsetDefinition(
+            toolset_id, prefix, list(tools), factory=factory, ref=ref, kind=kind, requires_approval=gate,
+            approval_timeout_ms=self._approval_timeout_ms() if gate else None,
+        )
         self.registry.register(definition)
         await self.refresh()
         return definition
@@ -84,6 +103,7 @@ class ToolsetService:
         roots: list[str] | None = None,
         *,
         call_timeout: float | None = None,
+        requires_approval: bool | Iterable[str] = False,
     ) -> ToolsetDefinition:
         """Start a stdio MCP server with the SDK's client, list its tools, and register them (shared)."""
         if self._tasks.nursery is None:
@@ -94,7 +114,9 @@ class ToolsetService:
         )
         tools = await toolset.start()
         try:
-            return await self.register_toolset(toolset_id, prefix, tools, ref=toolset, kind="mcp")
+            return await self.register_toolset(
+                toolset_id, prefix, tools, ref=toolset, kind="mcp", requires_approval=requires_approval,
+            )
         except Exception:
             await toolset.aclose()
             raise
@@ -108,6 +130,7 @@ class ToolsetService:
         timeout: float | None = None,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
+        requires_approval: bool | Iterable[str] = False,
     ) -> ToolsetDefinition:
         """Register an endpoint speaking seed 001's action contract; discovery failures leave it empty."""
         options: dict[str, Any] = {"env": env, "cwd": cwd}
@@ -115,7 +138,9 @@ class ToolsetService:
             options["timeout"] = timeout
         toolset = CommandToolset(toolset_id, command, **options)
         tools = await toolset.discover()
-        return await self.register_toolset(toolset_id, prefix, tools, ref=toolset, kind="command")
+        return await self.register_toolset(
+            toolset_id, prefix, tools, ref=toolset, kind="command", requires_approval=requires_approval,
+        )
 
     async def unregister_toolset(self, toolset_id: str) -> None:
         """Remove a toolset: every session's router drops it (the agents are told), then a shared one is closed.
@@ -155,18 +180,44 @@ class ToolsetService:
         """
         self.sessions.detach(connection, self._tasks.nursery)
 
+    def _approval_timeout_ms(self) -> int | None:
+        if self.approvals is None:
+            return None
+        return max(1, round(self.approvals.approvals.default_timeout * 1000))
+
     async def call(self, connection: ClientPeer, call: messages.ToolsetCall) -> messages.ToolsetCallResult:
-        """The `toolset_call` relay method."""
+        """The `toolset_call` relay method; a gated tool runs only once the owning caller approved it."""
         if connection.router is None:
             raise RelayError(errors.NOT_FOUND, "no toolsets are bound to this connection")
+        entry = connection.router.checked(call.name, call.arguments)
+        arguments = call.arguments
+        if entry.binding.definition.gates(entry.spec.name):
+            arguments = await self._approved_arguments(connection, call.name, arguments, entry.spec.input_schema)
         ask = self.ask_caller
         if ask is not None:
 
             async def asker(message: str, schema: dict[str, Any]) -> dict[str, Any]:
-                return await ask(connection, call.name, call.arguments, message, schema)
+                return await ask(connection, call.name, arguments, message, schema)
 
             current_asker.set(asker)  # this task's context only: the call's own toolset reads it
-        outcome = await connection.router.call(call.name, call.arguments)
+        token = call_progress.set(progress_sink(connection, call.progress_ref))
+        try:
+            outcome = await connection.router.call(call.name, arguments)
+        finally:
+            call_progress.reset(token)
         if outcome.is_error:
             raise RelayError(errors.TOOL_ERROR, outcome.error or f"{call.name} failed")
         return messages.ToolsetCallResult(result=outcome.result, content=outcome.content)
+
+    async def _approved_arguments(
+        self, connection: ClientPeer, name: str, arguments: dict[str, Any], schema: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Wait for the decision on a gated call: the arguments to run with, or `RelayError(DENIED)`."""
+        if self.approvals is None:
+            raise RelayError(errors.DENIED, f"'{name}' requires approval and this server has nobody to ask")
+        decision = await self.approvals.decide(
+            connection, name, arguments, origin="toolset", input_schema=schema,
+        )
+        if not decision.approve:
+            raise RelayError(errors.DENIED, f"'{name}' was denied: {decision.reason or 'no reason given'}")
+        return decision.updated_arguments if decision.updated_arguments is not None else arguments
