@@ -326,6 +326,7 @@ class HttpApi:
             ),
             custom_starlette_routes=TetherRoutes(self.tether, self.instances).routes(),
         )
+        starlette.router.default = _not_found  # unknown paths answer the JSON error shape too
         return BearerAuth(starlette, self.verify_token)
 
     async def serve(self, binds: list[str], *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -357,6 +358,12 @@ class HttpApi:
             await hypercorn.trio.serve(self.asgi_app(), config, task_status=lock_down)
         finally:
             lock_down.restore()
+
+
+async def _not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The router's answer for a path no route serves: the documented JSON error, 404."""
+    err = RelayError(errors.NOT_FOUND, f"no such endpoint: {scope.get('method', '')} {scope.get('path', '')}".strip())
+    await error_response(err, 404)(scope, receive, send)
 
 
 class _UmaskUntilStarted:
