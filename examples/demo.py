@@ -2,9 +2,18 @@
 
 It starts, all on this machine:
   1. `oubliette-server` as the caller's stdio MCP server (this script is the caller, using the MCP SDK),
-  2. a guest runtime, `oubliette-client run -- <demo agent>`, standing in for the sandbox,
+  2. a guest runtime for instance `demo` (`GuestRuntime`, what `oubliette-client run` runs), in this
+     process, whose agent command is the bundled demo agent (`oubliette-client demo-agent`),
   3. then sends a message asking the agent to call `myapp_send_notification({"message": "hello"})`,
      answers the `caller_tool_request` event it receives, and prints the flow and the final answer.
+
+The output is the same every run (the README shows it verbatim; tests/test_demo.py compares):
+events arrive in an order that depends on timing (the agent's output lines and its tool call
+race to the log), so the demo prints the steps of the flow in their causal order, waiting for
+each event before it prints it, and leaves out ids that change between runs.
+
+It runs as few Python processes as the flow needs (each spends about a second importing the
+MCP SDK): this script, the server, the demo agent and the `oubliette-client` it spawns.
 
 Run:  python examples/demo.py
 """
@@ -12,15 +21,17 @@ Run:  python examples/demo.py
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import trio
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+from oubliette_client import GuestRuntime, RelaySettings
+from oubliette_server.auth import TokenAuthority
 
 CALLER_TOOLS = [{
     "name": "send_notification",
@@ -28,72 +39,100 @@ CALLER_TOOLS = [{
     "inputSchema": {"type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]},
 }]
 MESSAGE = 'Please call myapp_send_notification {"message": "hello"}'
+INSTANCE = "demo"
+STEP_TIMEOUT = 60.0
 
 
 def say(who: str, text: str) -> None:
     print(f"[{who:>6}] {text}", flush=True)
 
 
+class Events:
+    """The caller's events (`notifications/message` from the `oubliette` logger), awaitable in any order."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self._changed = trio.Event()
+
+    async def on_log(self, params: Any) -> None:
+        if params.logger == "oubliette" and isinstance(params.data, dict):
+            self.seen.append(params.data)
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def first(self, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """The first event, already seen or still to come, that satisfies `predicate`."""
+        with trio.fail_after(STEP_TIMEOUT):
+            while True:
+                for event in self.seen:
+                    if predicate(event):
+                        return event
+                await self._changed.wait()
+
+    async def of_type(self, type_: str) -> dict[str, Any]:
+        return await self.first(lambda event: event.get("type") == type_)
+
+
 async def demo(workdir: Path) -> int:
     data_dir, relay = workdir / "data", f"unix:{workdir / 'relay.sock'}"
-    token = subprocess.run(
-        [sys.executable, "-m", "oubliette_server", "token", "demo", "--data-dir", str(data_dir)],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()
-    events: trio.MemorySendChannel[dict[str, Any]]
-    events, incoming = trio.open_memory_channel[dict[str, Any]](100)
-
-    async def on_log(params: Any) -> None:
-        if params.logger == "oubliette" and isinstance(params.data, dict):
-            await events.send(params.data)
-
+    # What `oubliette-server token demo --data-dir DIR` prints, without starting another Python.
+    token = TokenAuthority.for_data_dir(data_dir).token_for(INSTANCE)
+    events = Events()
     server = StdioServerParameters(
         command=sys.executable,
         args=["-m", "oubliette_server", "--relay", relay, "--data-dir", str(data_dir), "--log-level", "WARNING"],
     )
-    async with Client(server, mode="legacy", logging_callback=on_log) as caller:
-        say("caller", "started oubliette-server")
-        guest = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "oubliette_client", "run", "--relay", relay, "--instance", "demo",
-             "--token", token, "--log-level", "WARNING", "--",
-             sys.executable, "-m", "oubliette_client.demo_agent", "--mcp-config", "{mcp_config}"],
-        )
-        say("caller", "started the guest runtime for instance 'demo' (the demo agent stands in for an LLM)")
-        try:
-            async with trio.open_nursery() as nursery:
+    guest = GuestRuntime(
+        RelaySettings(relay=relay, instance=INSTANCE, token=token),
+        [sys.executable, "-m", "oubliette_client", "demo-agent", "--mcp-config", "{mcp_config}"],
+    )
+    with open(workdir / "server.log", "w") as server_log:
+        async with trio.open_nursery() as nursery, \
+                Client(stdio_client(server, errlog=server_log), mode="legacy", logging_callback=events.on_log) as caller:
+            nursery.start_soon(guest.run)
+            say("caller", f"started oubliette-server and a guest runtime for instance '{INSTANCE}'")
+            answered = trio.Event()
 
-                async def answer_requests() -> None:
-                    async for event in incoming:
-                        if event["type"] == "caller_tool_request":
-                            say("event", f"caller_tool_request {event['tool']}({json.dumps(event['arguments'])}) "
-                                         f"request_id={event['request_id']}")
-                            say("caller", f"running send_notification: {event['arguments'].get('message')!r}")
-                            await caller.call_tool("caller_tool_response", {
-                                "session_id": event["session_id"], "request_id": event["request_id"],
-                                "result": {"status": "sent"},
-                            })
-                        elif event["type"] == "assistant.delta":
-                            say("agent", event.get("text", ""))
-                        elif event["type"] != "user.message":
-                            say("event", event["type"])
+            async def answer_request() -> None:
+                request = await events.of_type("caller_tool_request")
+                await caller.call_tool("caller_tool_response", {
+                    "session_id": request["session_id"], "request_id": request["request_id"],
+                    "result": {"status": "sent"},
+                })
+                answered.set()
 
-                nursery.start_soon(answer_requests)
-                say("caller", f"session_message: {MESSAGE}")
-                with trio.fail_after(60):
-                    reply = await caller.call_tool("session_message", {
-                        "instance": "demo", "message": MESSAGE, "wait": True,
+            nursery.start_soon(answer_request)
+            say("caller", f"session_message: {MESSAGE}")
+            reply: list[Any] = []
+
+            async def send_message() -> None:
+                with trio.fail_after(STEP_TIMEOUT):
+                    reply.append(await caller.call_tool("session_message", {
+                        "instance": INSTANCE, "message": MESSAGE, "wait": True,
                         "context": {"caller_id": "myapp", "caller_tools": CALLER_TOOLS},
-                    })
-                nursery.cancel_scope.cancel()
-            outcome = reply.structured_content or {}
+                    }))
+
+            async with trio.open_nursery() as turn:
+                turn.start_soon(send_message)
+                presence = await events.of_type("status.presence")
+                say("event", f"status.presence ({presence.get('state')})")
+                request = await events.of_type("caller_tool_request")
+                say("event", f"caller_tool_request {request['tool']}({json.dumps(request['arguments'])})")
+                with trio.fail_after(STEP_TIMEOUT):
+                    await answered.wait()
+                say("caller", 'caller_tool_response {"status": "sent"}')
+                await events.of_type("caller_tool_result")
+                say("event", "caller_tool_result")
+                done = await events.of_type("assistant.done")
+                say("event", "assistant.done")
+            outcome = reply[0].structured_content or {}
             say("caller", f"turn ended: {outcome.get('stop_reason')}")
-            print("\nAgent's final answer:\n" + str(outcome.get("text", "")), flush=True)
-            ok = outcome.get("stop_reason") == "end_turn" and "returned" in str(outcome.get("text"))
-            return 0 if ok else 1
-        finally:
-            guest.terminate()
-            with trio.CancelScope(shield=True):
-                await guest.wait()
+            print("\nAgent's final answer:\n" + str(done.get("text", "")).rstrip("\n"), flush=True)
+            nursery.cancel_scope.cancel()
+    ok = outcome.get("stop_reason") == "end_turn" and "returned" in str(outcome.get("text"))
+    if not ok:
+        print((workdir / "server.log").read_text(), file=sys.stderr)
+    return 0 if ok else 1
 
 
 def main() -> int:

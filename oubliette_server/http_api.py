@@ -473,6 +473,7 @@ class HttpApi:
                 *ApprovalRoutes(self.tools, self.verify_token).routes(),
             ],
         )
+        starlette.router.default = _not_found  # unknown paths answer the JSON error shape too
         return BearerAuth(StreamWatch(starlette, self._standalone_stream_dropped), self.verify_token)
 
     async def serve(self, binds: list[str], *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -522,6 +523,12 @@ def _only_os_error(exc: BaseException) -> OSError | None:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc if isinstance(exc, OSError) else None
+
+
+async def _not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The router's answer for a path no route serves: the documented JSON error, 404."""
+    err = RelayError(errors.NOT_FOUND, f"no such endpoint: {scope.get('method', '')} {scope.get('path', '')}".strip())
+    await error_response(err, 404)(scope, receive, send)
 
 
 class _UmaskUntilStarted:

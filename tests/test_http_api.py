@@ -583,3 +583,18 @@ async def test_long_poll_wakes_when_a_frame_is_appended(deployment: Deployment) 
         assert outcome["result"] == {"frames": [stored["frame"]], "next_seq": stored["ingress_seq"], "timed_out": False}
         assert time.monotonic() - appended_at < 5
         assert outcome["elapsed"] < 15
+
+
+async def test_unknown_paths_answer_the_json_error_shape(deployment: Deployment) -> None:
+    async with deployment.http_server() as server:
+        async with server.rest() as admin:
+            for path in ("/nowhere", "/v1/instances/box1/other", "/v1"):
+                response = await admin.get(path)
+                assert response.status_code == 404, (path, response.text)
+                assert response.headers["content-type"].startswith("application/json")
+                error = response.json()["error"]
+                assert error["code"] == -32005 and error["name"] == "not_found"
+                assert path in error["message"]
+            assert (await admin.get("/v1/health")).status_code == 200
+        async with server.rest(token=None) as anonymous:
+            assert (await anonymous.get("/nowhere")).status_code == 401  # auth first: paths are not probed

@@ -1,0 +1,52 @@
+#!/bin/sh
+# Run CMD in a bubblewrap sandbox shaped like the Docker image in this directory: a read-only
+# system, no network, its own PID namespace, a private /tmp, and nothing of the host's files
+# but the relay socket, at /oubliette/relay.sock.
+#
+#   OUBLIETTE_INSTANCE=box1 OUBLIETTE_TOKEN=… bwrap-run.sh HOST_RELAY_SOCKET [--ro PATH]... -- CMD [ARGS...]
+#
+# --ro PATH binds one more host path read-only at the same place (a virtualenv, the Python it was
+# made from, a source checkout). The environment is cleared: CMD sees PATH, HOME=/tmp,
+# OUBLIETTE_RELAY=unix:/oubliette/relay.sock, OUBLIETTE_INSTANCE and OUBLIETTE_TOKEN.
+# tests/test_sandbox_bwrap.py runs the guest runtime through this script.
+# As root, bwrap needs no setuid bit and no user namespace; these flags work on Debian 12.
+set -eu
+if [ $# -lt 3 ]; then
+    echo "usage: bwrap-run.sh HOST_RELAY_SOCKET [--ro PATH]... -- CMD [ARGS...]" >&2
+    exit 2
+fi
+sock=$1
+shift
+extra=""
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+    if [ "$1" != "--ro" ] || [ $# -lt 2 ]; then
+        echo "bwrap-run.sh: expected --ro PATH or --, got $1" >&2
+        exit 2
+    fi
+    extra="$extra $2"
+    shift 2
+done
+[ $# -gt 0 ] && shift  # the --
+ro=""
+for path in $extra; do
+    ro="$ro --ro-bind $path $path"
+done
+# $ro is split on spaces on purpose: the paths must not contain any.
+# bwrap runs as this shell's child, not in its place (no exec): --die-with-parent kills the sandbox
+# when the *thread* that started bwrap ends, and a launcher may start it from a worker thread that
+# ends long before the sandbox should (trio's open_process does). This shell lives as long as bwrap.
+# shellcheck disable=SC2086
+bwrap \
+    --ro-bind /usr /usr --ro-bind-try /lib /lib --ro-bind-try /lib64 /lib64 \
+    --ro-bind-try /bin /bin --ro-bind-try /sbin /sbin --ro-bind /etc /etc \
+    $ro \
+    --proc /proc --dev /dev --tmpfs /tmp \
+    --tmpfs /oubliette --bind "$sock" /oubliette/relay.sock --remount-ro /oubliette \
+    --unshare-net --unshare-pid --unshare-ipc --unshare-uts \
+    --die-with-parent --new-session --chdir /tmp \
+    --clearenv --setenv PATH "${SANDBOX_PATH:-/usr/local/bin:/usr/bin:/bin}" --setenv HOME /tmp \
+    --setenv OUBLIETTE_RELAY unix:/oubliette/relay.sock \
+    --setenv OUBLIETTE_INSTANCE "${OUBLIETTE_INSTANCE:?set OUBLIETTE_INSTANCE}" \
+    --setenv OUBLIETTE_TOKEN "${OUBLIETTE_TOKEN:?set OUBLIETTE_TOKEN}" \
+    -- "$@"
+exit $?
