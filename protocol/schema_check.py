@@ -10,6 +10,8 @@ nothing from the rest of `protocol/`, so every model module may use it.
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 import jsonschema
@@ -50,7 +52,18 @@ class InvalidSchema(ValueError):
 
 
 def compile_schema(schema: dict[str, Any]) -> Any:
-    """A validator for `schema`; `InvalidSchema` when the schema is broken."""
+    """A validator for `schema`; `InvalidSchema` when the schema is broken.
+
+    Compiled once per distinct schema (checking a schema against its metaschema costs
+    milliseconds; a tool's schema is used for every call): validators are cached by the
+    schema's canonical JSON text.
+    """
+    return _compile_text(json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+
+@functools.lru_cache(maxsize=1024)
+def _compile_text(text: str) -> Any:
+    schema = json.loads(text)
     validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator_class.check_schema(schema)

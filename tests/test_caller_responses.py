@@ -338,3 +338,18 @@ async def test_default_timeout_ends_a_call_after_60_seconds(deployment: Deployme
         assert "60 s" in outcome["error"].message
         assert proc.server.calls.pending == {}
 
+
+
+async def test_a_caller_tool_with_an_invalid_schema_is_refused_when_declared(deployment: Deployment) -> None:
+    """Issue 8 item 10: `{"type": 5}` is not a JSON Schema; it used to be stored and quietly not published."""
+    async with in_process(deployment) as proc:
+        caller, _ = proc.open_caller()
+        for field in ("inputSchema", "resultSchema"):
+            broken = dict(NOTIFY, **{field: {"type": 5}})
+            result = await proc.call(caller, "session_message", {
+                "instance": INSTANCE, "session_id": SESSION, "message": "hi",
+                "context": {"caller_id": "myapp", "caller_tools": [broken]},
+            })
+            assert result.is_error
+            assert f"caller tool 'send_notification': {field} is not a valid JSON Schema" in text_of(result), text_of(result)
+        assert proc.server.store.last_seq(INSTANCE) == 0, "nothing was stored for the refused declarations"

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from protocol import CallerToolSpec, RelayError, SessionRef, errors, messages, unstructure
+from protocol.schema_check import InvalidSchema, compile_schema
 
 from ..approvals import ApprovalService
 from ..callers import CallerConnection
@@ -51,12 +52,28 @@ class CallerToolRelay:
         A tool with `requires_approval` is gated (see `call`); the clients get its effective
         approval timeout, so they wait for the decision as long as the server does.
         """
+        for tool in tools:
+            self._check_schemas(tool)
         tools = [self._with_approval_timeout(tool) for tool in tools]
         session.declare_caller_tools(caller, caller_id, tools)
         config = unstructure(messages.CallerToolsConfig(session_id=session.id, caller_id=caller_id, tools=tools))
         for connection in self.clients.of_instance(session.instance):
             if self._client_sees(connection, session):
                 connection.notify(messages.CALLER_TOOLS_CONFIG, config)  # queued: never waits on a socket
+
+    @staticmethod
+    def _check_schemas(tool: CallerToolSpec) -> None:
+        """Refuse a tool whose inputSchema or resultSchema is not a valid JSON Schema (checked against
+        its metaschema once, here): the client could not publish it, and calls to it could never work."""
+        for field, schema in (("inputSchema", tool.inputSchema), ("resultSchema", tool.resultSchema)):
+            if schema is None:
+                continue
+            try:
+                compile_schema(schema)
+            except InvalidSchema as exc:
+                raise RelayError(
+                    errors.INVALID_PARAMS, f"caller tool '{tool.name}': {field} is not a valid JSON Schema ({exc}); nothing was declared",
+                ) from None
 
     def _client_sees(self, connection: ClientPeer, session: Session) -> bool:
         if connection.session_key is not None:
