@@ -51,6 +51,10 @@ class EventLog:
             self._changed.set()
             self._changed = trio.Event()
 
+    def callback_if(self, events: bool) -> dict[str, Any]:
+        """The `Client` keyword that delivers events here, or none (a caller that reads no events)."""
+        return {"logging_callback": self.on_log} if events else {}
+
     def of_type(self, type_: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("type") == type_]
 
@@ -217,10 +221,13 @@ class Deployment:
                 nursery.cancel_scope.cancel()
 
     @asynccontextmanager
-    async def caller(self, *extra: str, mode: str = "legacy") -> AsyncIterator[tuple[Client, EventLog]]:
-        """Start oubliette-server as this caller's stdio MCP server."""
+    async def caller(self, *extra: str, mode: str = "legacy", events: bool = True) -> AsyncIterator[tuple[Client, EventLog]]:
+        """Start oubliette-server as this caller's stdio MCP server.
+
+        `events=False`: a caller with no logging callback, which acts on tool results only (its
+        EventLog stays empty)."""
         log = EventLog()
-        async with Client(self.server_parameters(*extra), mode=mode, logging_callback=log.on_log) as client:
+        async with Client(self.server_parameters(*extra), mode=mode, **log.callback_if(events)) as client:
             # The server binds the relay socket before it serves stdio, so it is ready now.
             yield client, log
 
@@ -326,15 +333,17 @@ class HttpServer:
         )
 
     @asynccontextmanager
-    async def caller(self, *, mode: str = "legacy") -> AsyncIterator[tuple[Client, EventLog]]:
-        """An MCP caller over Streamable HTTP with the server's bearer token."""
+    async def caller(self, *, mode: str = "legacy", events: bool = True) -> AsyncIterator[tuple[Client, EventLog]]:
+        """An MCP caller over Streamable HTTP with the server's bearer token (`events=False`: no
+        logging callback and no log level asked for; it acts on tool results only)."""
         import httpx2
         from mcp.client.streamable_http import streamable_http_client
 
         log = EventLog()
         http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {self.token}"}, timeout=60)
         transport = streamable_http_client(self.mcp_url, http_client=http)
-        async with http, Client(transport, mode=mode, logging_callback=log.on_log, log_level="info") as client:
+        logging: dict[str, Any] = {"logging_callback": log.on_log, "log_level": "info"} if events else {}
+        async with http, Client(transport, mode=mode, **logging) as client:
             yield client, log
 
 
@@ -496,15 +505,17 @@ class InProcessDeployment(Deployment):
     oubliette_server.runner and oubliette_client.stdio_server do it)."""
 
     @asynccontextmanager
-    async def caller(self, *extra: str, mode: str = "legacy") -> AsyncIterator[tuple[Client, EventLog]]:
+    async def caller(self, *extra: str, mode: str = "legacy", events: bool = True) -> AsyncIterator[tuple[Client, EventLog]]:
         """The server, configured from the same flags as `Deployment.caller`, with one caller
-        connected as on stdio; the server stops when the caller leaves (as the program does)."""
+        connected as on stdio; the server stops when the caller leaves (as the program does).
+        The running server is `self.app` meanwhile, for tests that watch its state."""
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
         from oubliette_server.caller_api.mcp_server import build_caller_server, initialization_options
         from oubliette_server.runner import SHUTDOWN_DRAIN_SECONDS
 
         async with self.embedded_server(*extra) as (app, _urls):
+            self.app = app
             caller = app.open_caller("stdio")
 
             def resolve(ctx: Any, arguments: Any = None) -> Any:
@@ -516,7 +527,7 @@ class InProcessDeployment(Deployment):
             log = EventLog()
             try:
                 transport = memory_transport(server, initialization_options(server))
-                async with Client(transport, mode=mode, logging_callback=log.on_log) as client:
+                async with Client(transport, mode=mode, **log.callback_if(events)) as client:
                     yield client, log
             finally:
                 app.close_caller(caller)

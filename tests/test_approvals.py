@@ -283,7 +283,7 @@ async def test_turn_stops_on_requires_approval_and_continues_after_the_answer(de
         [request] = stopped["approval_requests"]
         assert request["tool_name"] == PUBLISHED and request["arguments"] == {"path": "/tmp/x"}
         assert request["origin"] == "caller" and request["request_id"].startswith("apr-")
-        assert stopped["pending"] == [{"kind": "approval", **request}]
+        assert stopped["pending"] == [{"kind": "approval", "tool": PUBLISHED, **request}]
 
         blocked = await proc.call(owner, "session_message", {
             "instance": INSTANCE, "session_id": SESSION, "message": "anything else?"})

@@ -163,8 +163,12 @@ async def test_agent_cancel_reaches_the_caller_and_leaves_nothing_pending(deploy
                 # While the call is in flight the server reports it as pending for the session.
                 waited = await caller.call_tool("session_message", {
                     "session_id": "s1", "instance": "box1", "message": "busy?", "wait": 0.1})
-                assert structured(waited)["pending"] == [
-                    {"request_id": request["request_id"], "tool": "send_notification"}]
+                stop = structured(waited)
+                assert stop["stop_reason"] == "requires_action"
+                [entry] = stop["pending"]
+                assert entry.pop("expires_at").endswith("Z")
+                assert entry == {"kind": "caller_tool", "request_id": request["request_id"], "tool": "send_notification",
+                                 "arguments": {"message": "never"}, "caller_id": "myapp"}
                 scope.cancel()  # the SDK client sends notifications/cancelled for the call
             assert "result" not in outcome
             cancelled = await events.wait_type("caller_tool_cancelled", request_id=request["request_id"])

@@ -273,35 +273,41 @@ async def test_mcp_endpoint_advertises_tools_list_changed_in_both_eras(deploymen
 
 @asynccontextmanager
 async def demo_turn(server: HttpServer, deployment: Deployment, mode: str) -> AsyncIterator[tuple[dict, EventLog, Any]]:
-    """session_message(wait) with the demo message; answer the request while the call waits.
+    """session_message(wait) with the demo message stops at `requires_action` (issue 13); the caller
+    answers the request with wait, which returns the turn's end.
 
-    Yields (session_message's result, the caller's events, the caller_tool_response reply),
-    with the caller still connected.
+    Yields (session_message's result with the end's stop fields, the caller's events, the
+    caller_tool_response reply), with the caller still connected.
     """
     async with deployment.guest("box1", DEMO_AGENT), server.caller(mode=mode) as (caller, events):
-        outcome: dict[str, Any] = {}
-        async with trio.open_nursery() as nursery:
-            async def converse() -> None:
-                with trio.fail_after(TURN_TIMEOUT):
-                    outcome["turn"] = await caller.call_tool("session_message", {
-                        "instance": "box1", "session_id": "demo-1", "message": DEMO_MESSAGE, "wait": TURN_TIMEOUT,
-                        "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
-                    })
-
-            nursery.start_soon(converse)
-            request = await events.wait_type("caller_tool_request", timeout=TURN_TIMEOUT)
-            assert "turn" not in outcome, "the event arrives while session_message is still waiting"
-            # A 2026-07-28 caller is named by its owner_key, which its own request-scoped events carry.
-            key = {"owner_key": request["owner_key"]} if mode != "legacy" else {}
-            outcome["reply"] = await respond(caller, request["session_id"], request["request_id"],
-                                             result={"status": "sent"}, **key)
-        turn = outcome["turn"]
-        assert not turn.is_error, text_of(turn)
-        yield structured(turn), events, outcome["reply"]
+        with trio.fail_after(TURN_TIMEOUT):
+            first = await caller.call_tool("session_message", {
+                "instance": "box1", "session_id": "demo-1", "message": DEMO_MESSAGE, "wait": TURN_TIMEOUT,
+                "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
+            })
+        assert not first.is_error, text_of(first)
+        stop = structured(first)
+        assert stop["stop_reason"] == "requires_action", stop
+        [entry] = stop["pending"]
+        # The event came too: on the SSE stream (legacy), or on the waiting request itself (2026-07-28).
+        request = await events.wait_type("caller_tool_request", timeout=TURN_TIMEOUT)
+        assert request["request_id"] == entry["request_id"]
+        # A 2026-07-28 caller is named by its owner_key, which its result (and its request-scoped events) carry.
+        key = {"owner_key": stop["owner_key"]} if mode != "legacy" else {}
+        if key:
+            assert request["owner_key"] == stop["owner_key"]
+        with trio.fail_after(TURN_TIMEOUT):
+            reply = await respond(caller, "demo-1", entry["request_id"], result={"status": "sent"},
+                                  wait=TURN_TIMEOUT, **key)
+        assert not reply.is_error, text_of(reply)
+        ended = structured(reply)
+        turn = {**stop, **{k: ended[k] for k in ("stop_reason", "text", "pending")}}
+        yield turn, events, reply
 
 
 async def test_modern_http_caller_gets_events_during_its_waiting_session_message(deployment: Deployment) -> None:
-    """2026-07-28: no standalone stream; the request event rides the caller's own session_message(wait)."""
+    """2026-07-28: no standalone stream; the request event rides the caller's own session_message(wait),
+    which returns requires_action with the same request."""
     async with deployment.http_server() as server:
         async with server.caller(mode="auto") as (probe, _events):
             assert probe.protocol_version == "2026-07-28"
@@ -312,7 +318,7 @@ async def test_modern_http_caller_gets_events_during_its_waiting_session_message
     assert request["tool"] == "send_notification"
     assert request["arguments"] == {"message": "hi"}
     assert request["request_id"] and request["session_id"] == "demo-1"
-    assert not reply.is_error and structured(reply) == {"resolved": True}
+    assert not reply.is_error and structured(reply)["resolved"] is True
     assert turn["stop_reason"] == "end_turn"
     assert turn["session_id"] == "demo-1" and turn["instance"] == "box1"
     assert turn["msg_id"] and isinstance(turn["ingress_seq"], int)
@@ -330,7 +336,7 @@ async def test_legacy_http_caller_demo_flow_ends_the_turn_with_the_result(deploy
             presence = events.of_type("status.presence")
     request = events.of_type("caller_tool_request")[0]
     assert request["tool"] == "send_notification" and request["arguments"] == {"message": "hi"}
-    assert not reply.is_error and structured(reply) == {"resolved": True}
+    assert not reply.is_error and structured(reply)["resolved"] is True
     assert turn["stop_reason"] == "end_turn"
     assert turn["pending"] == []
     assert 'myapp_send_notification returned {"status": "sent"}' in turn["text"]

@@ -134,6 +134,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 url, token, mode = sys.argv[1:4]
+TIMEOUT_MS = int(sys.argv[4])
 
 async def main():
     http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60)
@@ -141,15 +142,17 @@ async def main():
     async with http, Client(transport, mode=mode, log_level="info") as client:
         args = {"instance": "box1", "session_id": "k1", "message": "hi",
                 "context": {"caller_id": "myapp", "caller_tools": [
-                    {"name": "send_notification", "inputSchema": {"type": "object"}}]}}
+                    {"name": "send_notification", "inputSchema": {"type": "object"}, "timeout_ms": TIMEOUT_MS}]}}
         if mode == "legacy":
             await client.call_tool("session_message", args)
             print("declared", flush=True)
             await trio.sleep_forever()
         else:
-            # 2026-07-28: no standalone stream; this waiting request is the caller's only stream.
+            # 2026-07-28: no standalone stream; the wait returns as soon as the agent's call is pending.
             print("declared", flush=True)
-            await client.call_tool("session_message", dict(args, wait=True))
+            stop = await client.call_tool("session_message", dict(args, wait=True))
+            print("stopped", stop.structured_content["stop_reason"], flush=True)
+            await trio.sleep_forever()
 
 trio.run(main)
 """
@@ -168,12 +171,21 @@ async def poll_frames(server: HttpServer, session_id: str, type_: str, count: in
                     return frames
 
 
+MODERN_TIMEOUT_MS = 3000
+"""The 2026-07-28 caller's tool timeout: with no request in flight, nothing else can notice it is gone."""
+
+
 @pytest.mark.parametrize("mode", ["legacy", "auto"])
 async def test_killed_http_caller_fails_the_agents_call_at_once(deployment: Deployment, mode: str) -> None:
-    """Handshake era: its standalone GET stream drops; 2026-07-28: its waiting request's stream closes."""
+    """Handshake era: its standalone GET stream drops, and the call fails at once.
+
+    2026-07-28: the caller's `session_message` with wait returned `requires_action` as soon as the
+    call was pending (issue 13), so no request of it is in flight when it is killed: nothing can
+    see it go, and the call ends at the tool's timeout (`expires_at`), never hanging."""
+    modern = mode != "legacy"
     async with deployment.http_server() as server:
         caller = await trio.lowlevel.open_process(
-            [PYTHON, "-c", CALLER_PROGRAM, server.mcp_url, server.token, mode],
+            [PYTHON, "-c", CALLER_PROGRAM, server.mcp_url, server.token, mode, str(MODERN_TIMEOUT_MS if modern else 60000)],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
         )
         try:
@@ -191,6 +203,9 @@ async def test_killed_http_caller_fails_the_agents_call_at_once(deployment: Depl
 
                 nursery.start_soon(agent_call)
                 request = (await poll_frames(server, "k1", "caller_tool_request"))[0]
+                if modern:
+                    with trio.fail_after(30):
+                        assert b"stopped requires_action" in await caller.stdout.receive_some(100)
                 caller.kill()
                 killed_at = time.monotonic()
                 with trio.fail_after(30):
@@ -201,8 +216,15 @@ async def test_killed_http_caller_fails_the_agents_call_at_once(deployment: Depl
             await caller.wait()
         cancelled = await poll_frames(server, "k1", "caller_tool_cancelled")
     result = outcome["result"]
-    assert result.is_error and "disconnected" in text_of(result), text_of(result)
-    assert outcome["at"] - killed_at < KILL_BOUND, f"took {outcome['at'] - killed_at:.1f} s, not at once"
+    took = outcome["at"] - killed_at
+    if modern:
+        assert result.is_error and "timed out after 3 s" in text_of(result), text_of(result)
+        assert took < MODERN_TIMEOUT_MS / 1000 + KILL_BOUND, f"took {took:.1f} s"
+        reason = "timeout"
+    else:
+        assert result.is_error and "disconnected" in text_of(result), text_of(result)
+        assert took < KILL_BOUND, f"took {took:.1f} s, not at once"
+        reason = "caller disconnected"
     assert [(f["payload"]["request_id"], f["payload"]["reason"]) for f in cancelled] == [
-        (request["payload"]["request_id"], "caller disconnected")
+        (request["payload"]["request_id"], reason)
     ]

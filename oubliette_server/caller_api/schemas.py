@@ -21,6 +21,46 @@ OWNER_KEY = {
     "Ignored on stdio and handshake-era HTTP, where your connection names you.",
 }
 
+# Descriptions a model reads: each says what every stop means and what to call next, so a model
+# follows the loop (message -> requires_action -> caller_tool_response with wait -> ... -> end_turn)
+# from tool results alone, with no event read and no extra prompting.
+_STOPS = (
+    "stop_reason says what to do next: "
+    "'end_turn': the turn is over and text is the agent's answer. "
+    "'requires_action': the agent called your caller tools and waits for you; each pending entry with kind "
+    "'caller_tool' has request_id, tool, arguments and expires_at: run the tool yourself and answer each one with "
+    "caller_tool_response (session_id, request_id, result or error, wait: true) before expires_at. "
+    "'requires_approval': the agent wants to run a tool that needs your decision; each pending entry with kind "
+    "'approval' has request_id, tool, arguments: answer with approval_response (session_id, request_id, approve, "
+    "reason, wait: true). "
+    "'error': the turn failed and text says why. "
+    "'timeout': the wait ran out while the turn goes on; answer what is pending, or read the turn's end with "
+    "session_events (types ['assistant.done', 'session.error'], wait_ms)."
+)
+SESSION_MESSAGE_DESCRIPTION = (
+    "Send a message to the agent in a sandboxed instance. Optionally declare your own tools in "
+    "context.caller_tools (caller_id, caller_tools: [{name, description, inputSchema, timeout_ms}]): the agent sees "
+    "them as {caller_id}_{name}, and each call it makes comes back to you to run. With wait (true, or seconds) the "
+    "result comes when the turn ends or needs you; " + _STOPS + " Keep the result's session_id (and owner_key, if "
+    "it has one) for the calls that follow."
+)
+CALLER_TOOL_RESPONSE_DESCRIPTION = (
+    "Answer a caller tool request (a pending entry with kind 'caller_tool' of a requires_action stop) with result "
+    "(any JSON: the agent gets it as the tool's result) or error (text: the agent gets a tool error). Pass wait: true "
+    "to go on waiting on the same turn; the result then also has the turn's next stop, as session_message's: if "
+    "other requests are still pending it returns at once listing them. " + _STOPS + " An answer after expires_at "
+    "is too late: the agent already got a timeout error; with wait you get resolved: false, not_pending, and the "
+    "turn's next stop."
+)
+APPROVAL_RESPONSE_DESCRIPTION = (
+    "Decide an approval request (a pending entry with kind 'approval' of a requires_approval stop): approve "
+    "(optionally with updated_arguments) or deny with a reason the agent sees. Or answer every pending approval "
+    "of the session at once with approvals: [{type: 'approval', tool_call_id, approve, reason?} | {type: 'tool', "
+    "tool_call_id, tool_return, status}] (a tool return is a client-side tool's result). A toolset's form "
+    "(origin 'toolset') is answered with approve and content. Pass wait: true to go on "
+    "waiting on the same turn; the result then also has the turn's next stop, as session_message's: " + _STOPS
+)
+
 SESSION_ID: dict[str, Any] = {**SESSION_ID_SCHEMA, "description": "Session id."}
 INSTANCE = {"type": "string", "description": "Instance id; defaults to the only connected instance."}
 CALLER_TOOL_SPEC: dict[str, Any] = CALLER_TOOL_SPEC_SCHEMA
@@ -57,6 +97,10 @@ CALLER_TOOL_RESPONSE: dict[str, Any] = {
         "request_id": {"type": "string", "minLength": 1},
         "result": {"description": "The tool's result (any JSON)."},
         "error": {"type": ["string", "null"], "description": "The tool's error text."},
+        "wait": {
+            "description": "true: after answering, wait on the turn until its next stop; a number: at most that many seconds.",
+            "oneOf": [{"type": "boolean"}, {"type": "number", "minimum": 0}],
+        },
         "owner_key": OWNER_KEY,
     },
     "required": ["session_id", "request_id"],
@@ -205,6 +249,10 @@ TETHER_READ: dict[str, Any] = {
     "required": ["instance"],
 }
 
+#: Why a `wait` returned: the turn ended, it needs the caller (a caller tool request, an approval),
+#: it failed, or the wait ran out while it goes on.
+STOP_REASONS = ["end_turn", "requires_action", "requires_approval", "error", "timeout"]
+
 # Result schemas: the seed 001 descriptors of the server's own tools carry them.
 _FRAMES_RESULT: dict[str, Any] = {
     "type": "object",
@@ -222,7 +270,7 @@ RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
             "session_id": {"type": "string"}, "instance": {"type": "string"}, "msg_id": {"type": "string"},
             "ingress_seq": {"type": "integer"},
             "owner_key": {"type": "string"},
-            "stop_reason": {"enum": ["end_turn", "requires_approval", "error", "timeout"]},
+            "stop_reason": {"enum": STOP_REASONS},
             "text": {"type": "string"},
             "pending": {"type": "array", "items": {"type": "object"}},
             "approval_requests": {"type": "array", "items": {"type": "object"}},
@@ -230,7 +278,15 @@ RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
         "required": ["session_id", "instance", "msg_id", "ingress_seq"],
     },
     "caller_tool_response": {
-        "type": "object", "properties": {"resolved": {"const": True}}, "required": ["resolved"],
+        "type": "object",
+        "properties": {
+            "resolved": {"type": "boolean"}, "not_pending": {"type": "string"}, "msg_id": {"type": "string"},
+            "stop_reason": {"enum": STOP_REASONS},
+            "text": {"type": "string"},
+            "pending": {"type": "array", "items": {"type": "object"}},
+            "approval_requests": {"type": "array", "items": {"type": "object"}},
+        },
+        "required": ["resolved"],
     },
     "caller_tool_progress": {
         "type": "object", "properties": {"forwarded": {"type": "boolean"}}, "required": ["forwarded"],
@@ -239,7 +295,7 @@ RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object",
         "properties": {
             "resolved": {"const": True}, "already_resolved": {"type": "boolean"}, "msg_id": {"type": "string"},
-            "stop_reason": {"enum": ["end_turn", "requires_approval", "error", "timeout"]},
+            "stop_reason": {"enum": STOP_REASONS},
             "text": {"type": "string"},
             "pending": {"type": "array", "items": {"type": "object"}},
             "approval_requests": {"type": "array", "items": {"type": "object"}},

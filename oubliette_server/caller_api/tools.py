@@ -25,7 +25,7 @@ from protocol.limits import Limits
 from protocol.schema_check import first_problem
 
 from ..approvals import ApprovalElicitation, ApprovalService, Decision, InputRequired
-from ..caller_tool_relay import CallerToolRelay
+from ..caller_tool_relay import CallerToolRelay, NoLongerPending
 from ..callers import CallerConnection, RequestScopedSink
 from ..frame_log import FrameLog
 from ..ids import channel_problem, strict_validator
@@ -41,6 +41,8 @@ ToolHandler = Callable[[Any, CallerConnection, dict[str, Any]], Awaitable[dict[s
 
 TURN_END_TYPES = ("assistant.done", "session.error")
 SESSION_CHANNEL = "mcp"
+EVENT_DRAIN_SECONDS = 2.0
+"""How long a 2026-07-28 wait lets its request-scoped events go out before it returns its stop."""
 STREAM_GONE_STATE = "oubliette_stream_gone"
 """Key of the `trio.Event` the HTTP layer sets in a request's scope state when its client goes away."""
 
@@ -116,16 +118,11 @@ class CallerTools:
         self.tools: dict[str, tuple[types.Tool, ToolHandler]] = {}
         self._validators: dict[str, Any] = {}
         self.add(
-            "session_message",
-            "Send a message to the agent of an instance. Optionally declare your caller tools "
-            "(context.caller_tools) that the agent may call back; their requests reach you as "
-            "caller_tool_request events. With wait, return when the turn ends.",
-            schemas.SESSION_MESSAGE, self.session_message,
+            "session_message", schemas.SESSION_MESSAGE_DESCRIPTION, schemas.SESSION_MESSAGE, self.session_message,
         )
         self.add(
-            "caller_tool_response",
-            "Answer a caller_tool_request with its result, or with error text.",
-            schemas.CALLER_TOOL_RESPONSE, self.caller_tool_response,
+            "caller_tool_response", schemas.CALLER_TOOL_RESPONSE_DESCRIPTION, schemas.CALLER_TOOL_RESPONSE,
+            self.caller_tool_response,
         )
         self.add(
             "caller_tool_progress",
@@ -134,13 +131,7 @@ class CallerTools:
             schemas.CALLER_TOOL_PROGRESS, self.caller_tool_progress,
         )
         self.add(
-            "approval_response",
-            "Decide an approval_request: approve (optionally with updated_arguments) or deny with a reason. "
-            "Or answer every pending approval of the session at once with approvals: [{type: 'approval', "
-            "tool_call_id, approve, reason?} | {type: 'tool', tool_call_id, tool_return, status}] (a tool "
-            "return is a client-side tool's result). A toolset's form (origin 'toolset') is answered with approve and "
-            "content. With wait, continue waiting on the turn.",
-            schemas.APPROVAL_RESPONSE, self.approval_response,
+            "approval_response", schemas.APPROVAL_RESPONSE_DESCRIPTION, schemas.APPROVAL_RESPONSE, self.approval_response,
         )
         self.add(
             "session_events",
@@ -321,18 +312,26 @@ class CallerTools:
         deadline = time.time() + seconds
         gone = stream_gone(ctx)
         dropped = False
-        frames: list[Any] | None = []
+        stop: dict[str, Any] = {}
         ended = False
         try:
             async with trio.open_nursery() as nursery:
                 sink = None
                 follower: Any = None
+                delivered = trio.Event()
                 if modern:
                     # 2026-07-28 callers have no standalone stream: events ride this request.
                     sink = RequestScopedSink(ctx.session, ctx.request_id)
                     follower = OwnerKeyedSink(sink, caller.owner_key) if caller.owner_key else sink
+
+                    async def deliver(sink: RequestScopedSink = sink) -> None:
+                        try:
+                            await sink.run()
+                        finally:
+                            delivered.set()
+
                     session.sinks.add(follower)
-                    nursery.start_soon(sink.run)
+                    nursery.start_soon(deliver)
                 if gone is not None:
 
                     async def watch(gone: trio.Event = gone) -> None:
@@ -343,11 +342,15 @@ class CallerTools:
 
                     nursery.start_soon(watch)
                 try:
-                    frames = await self._first_stop(ctx, caller, session, query, seconds)
+                    stop = await self._first_stop(ctx, caller, session, query, msg_id, seconds)
                 finally:
                     if sink is not None:
                         session.sinks.discard(follower)
                         sink.close()
+                if sink is not None:
+                    # The events that led to this stop go out before the result that reports it.
+                    with trio.move_on_after(EVENT_DRAIN_SECONDS):
+                        await delivered.wait()
                 nursery.cancel_scope.cancel()
             ended = True
         finally:
@@ -356,15 +359,27 @@ class CallerTools:
         if dropped:
             self._waiting_caller_left(caller, session)
             return {"stop_reason": "error", "text": "the caller's stream closed", "pending": []}
-        pending = [
-            {"request_id": p.request_id, "tool": p.tool} for p in self.caller_tools.pending.pending_for(session)
-        ]
-        approvals = [p.summary() for p in self.approvals.pending_for(session)]
-        pending.extend({"kind": "approval", **a} for a in approvals)
-        if frames is None and self.elicitation.route(ctx) == "input_required":
+        if stop.get("stop_reason") == "requires_approval" and self.elicitation.route(ctx) == "input_required":
+            # 2026-07-28 with elicitation: the call returns an input_required result, resumed on retry.
             raise InputRequired(session, self.approvals.pending_for(session), msg_id, after_seq, deadline)
+        return stop
+
+    def _stop(
+        self, session: Session, frames: list[Any] | None, msg_id: str | None, approvals_stop: bool = True,
+    ) -> dict[str, Any] | None:
+        """The fields of a turn stop: `stop_reason`, `text`, and `pending`, everything the caller must
+        answer now (caller tool requests, then approvals), read from the services, not from events.
+        None when `frames` is None (the turn needs the caller) but nothing is pending any more.
+        With `approvals_stop` False (they are being put to the person), approvals do not stop the turn."""
+        calls = [c.summary() for c in self.caller_tools.pending.pending_for(session)]
+        approvals = [p.summary() for p in self.approvals.pending_for(session)]
+        pending = calls + [{"kind": "approval", "tool": a["tool_name"], **a} for a in approvals]
         if frames is None:
-            return {"stop_reason": "requires_approval", "text": "", "pending": pending, "approval_requests": approvals}
+            if approvals and approvals_stop:
+                return {"stop_reason": "requires_approval", "text": "", "pending": pending, "approval_requests": approvals}
+            if calls:
+                return {"stop_reason": "requires_action", "text": "", "pending": pending}
+            return None
         if not frames:
             return {"stop_reason": "timeout", "text": "", "pending": pending}
         end = frames[0]
@@ -374,26 +389,36 @@ class CallerTools:
         return {"stop_reason": "end_turn", "text": end.payload.get("text", ""), "pending": pending, **turn}
 
     async def _first_stop(
-        self, ctx: Any, caller: CallerConnection, session: Session, query: FrameQuery, seconds: float
-    ) -> list[Any] | None:
-        """The turn's end frames ([] on timeout), or None when an approval stops the wait first
-        (approvals the person decides in the caller's client do not: `ApprovalElicitation`)."""
-        stop: list[Any] = []
+        self, ctx: Any, caller: CallerConnection, session: Session, query: FrameQuery, msg_id: str | None, seconds: float,
+    ) -> dict[str, Any]:
+        """The turn's first stop within `seconds`: its end (or `timeout`), or, sooner, the moment it
+        needs the caller: a caller tool request or an approval of the session is pending (one already
+        pending counts). The pending list is read at that moment, so nothing resolved is listed.
+        Approvals put to the person in the caller's client (`ApprovalElicitation`) do not stop it."""
+        stops: list[dict[str, Any]] = []
+        approvals_stop = self.elicitation.route(ctx) in ("tool", "input_required")
         async with trio.open_nursery() as race:
 
             async def turn_end() -> None:
                 frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
-                stop.append(frames)
+                stops.append(self._stop(session, frames, msg_id, approvals_stop) or {})
                 race.cancel_scope.cancel()
 
             async def approval() -> None:
                 await self.elicitation.approval_stop(ctx, caller, session)
-                stop.append(None)
+                # No checkpoint since approval_stop saw a pending entry: the stop lists it.
+                stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
+                race.cancel_scope.cancel()
+
+            async def caller_tool() -> None:
+                await self.caller_tools.pending.wait_pending(session)
+                stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
                 race.cancel_scope.cancel()
 
             race.start_soon(turn_end)
             race.start_soon(approval)
-        return stop[0]
+            race.start_soon(caller_tool)
+        return stops[0]
 
     def _waiting_caller_left(self, caller: CallerConnection, session: Session) -> None:
         failed = self.caller_gone(caller, session)
@@ -402,10 +427,14 @@ class CallerTools:
     # -- caller_tool_response ------------------------------------------------------------
 
     async def caller_tool_response(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
-        """Answer a pending `caller_tool_request` with `result` or `error`.
+        """Answer a pending `caller_tool_request` with `result` or `error`; with `wait`, go on waiting
+        on the same turn and return its next stop, as `session_message` does.
 
+        With `wait`, an answer to one of the caller's own requests that already ended (timed out,
+        cancelled by the agent, answered before) records nothing and returns `resolved: false`,
+        `not_pending` (what happened to it) and the turn's next stop: the loop goes on.
         Raises: `RelayError` for both or neither, a value over the limits (the call stays pending),
-        or a request id that is not pending for this caller.
+        or a request id that is not pending for this caller (without `wait`: also one that ended).
         """
         if args.get("error") is None and "result" not in args:
             raise RelayError(errors.INVALID_PARAMS, "give either 'result' or 'error'")
@@ -417,10 +446,24 @@ class CallerTools:
             self.limits.check_value(args["error"], "error")
         else:
             self.limits.check_value(args.get("result"), "result")
-        await self.caller_tools.pending.respond(
-            caller, args["session_id"], args["request_id"], result=args.get("result"), error=args.get("error"),
-        )
-        return {"resolved": True}
+        wait = args.get("wait", False)
+        try:
+            call = await self.caller_tools.pending.respond(
+                caller, args["session_id"], args["request_id"], result=args.get("result"), error=args.get("error"),
+            )
+        except NoLongerPending as late:
+            finished = late.finished
+            if wait is False or finished.caller is not caller or finished.session.id != args["session_id"]:
+                raise
+            answered: dict[str, Any] = {"resolved": False, "not_pending": late.message}
+            session, after_seq = finished.session, finished.frame_seq
+        else:
+            answered = {"resolved": True}
+            session, after_seq = call.session, call.frame_seq
+        if wait is False:
+            return answered
+        answered.update(await self._wait_for_turn(ctx, caller, session, None, after_seq, self._wait_seconds(wait)))
+        return answered
 
     async def caller_tool_progress(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
         """Forward a progress report on a pending `caller_tool_request` to the agent's waiting call.

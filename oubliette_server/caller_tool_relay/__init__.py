@@ -7,7 +7,9 @@
 """
 
 from .declarations import CallerToolRelay
-from .pending import CallerCallRegistry, PendingCall
+from .pending import CallerCallRegistry, Finished, NoLongerPending, PendingCall
 from .restart import cancel_unanswered_requests
 
-__all__ = ["CallerCallRegistry", "CallerToolRelay", "PendingCall", "cancel_unanswered_requests"]
+__all__ = [
+    "CallerCallRegistry", "CallerToolRelay", "Finished", "NoLongerPending", "PendingCall", "cancel_unanswered_requests",
+]

@@ -5,11 +5,16 @@ these ends it (DESIGN.md, "Caller tool relay"): the caller's result or error,
 the timeout, the caller's connection ending, or the agent cancelling (which
 cancels the waiting task itself). A late or second answer finds no pending
 entry and is refused with a message that says what happened to the request.
+
+A session's turn waits (`session_message` with `wait`) learn of a new pending request
+through `wait_pending`, woken by a per-session `trio.Event` (as approvals do), never by
+polling: a caller that reads no events still hears of every request.
 """
 
 from __future__ import annotations
 
 import collections
+import datetime
 import logging
 import secrets
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -18,6 +23,7 @@ import attrs
 import trio
 
 from protocol import CallerToolSpec, RelayError, errors
+from protocol.frames import utc_timestamp
 from protocol.schema_check import schema_problem
 
 from ..sessions import Session
@@ -43,9 +49,40 @@ class PendingCall:
     caller: CallerConnection | None
     tool: str
     progress: ProgressFn | None = None
+    arguments: Any = None
+    expires_at: str = ""
+    frame_seq: int = 0
+    """The seq of its `caller_tool_request` frame; 0 until stored (not yet listed as pending)."""
     done: trio.Event = attrs.field(factory=trio.Event)
     result: Any = None
     error: RelayError | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """What a caller must answer: its entry in a turn stop's `pending` list."""
+        return {
+            "kind": "caller_tool", "request_id": self.request_id, "tool": self.tool,
+            "arguments": self.arguments, "caller_id": self.session.caller_id, "expires_at": self.expires_at,
+        }
+
+
+@attrs.frozen
+class Finished:
+    """A request that is no longer pending: how it ended, and where, for late answers."""
+
+    how: str
+    session: Session
+    caller: Any
+    frame_seq: int
+
+
+class NoLongerPending(RelayError):
+    """An answer to a request that already ended (`finished` says how and where)."""
+
+    def __init__(self, request_id: str, finished: Finished) -> None:
+        super().__init__(
+            errors.INVALID_REQUEST, f"request_id '{request_id}' is no longer pending: it was already {finished.how}",
+        )
+        self.finished = finished
 
 
 class CallerCallRegistry:
@@ -55,7 +92,8 @@ class CallerCallRegistry:
         self._append_frame = append_frame
         self.default_timeout = default_timeout
         self._pending: dict[str, PendingCall] = {}
-        self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._finished: collections.OrderedDict[str, Finished] = collections.OrderedDict()
+        self._changed: dict[int, trio.Event] = {}
 
     @property
     def pending(self) -> dict[str, PendingCall]:
@@ -63,8 +101,24 @@ class CallerCallRegistry:
         return self._pending
 
     def pending_for(self, session: Session) -> list[PendingCall]:
-        """The calls waiting now in `session`."""
-        return [p for p in self._pending.values() if p.session is session]
+        """The calls of `session` waiting now for their caller, oldest first (stored, not yet ended)."""
+        return [p for p in self._pending.values() if p.session is session and p.frame_seq and not p.done.is_set()]
+
+    async def wait_pending(self, session: Session) -> list[PendingCall]:
+        """Return the session's pending calls as soon as there is at least one."""
+        while True:
+            pending = self.pending_for(session)
+            if pending:
+                return pending
+            event = self._changed.get(id(session))
+            if event is None:
+                event = self._changed[id(session)] = trio.Event()
+            await event.wait()
+
+    def _notify(self, session: Session) -> None:
+        event = self._changed.pop(id(session), None)
+        if event is not None:
+            event.set()
 
     async def relay(
         self, session: Session, spec: CallerToolSpec, arguments: dict, progress: ProgressFn | None = None,
@@ -75,15 +129,22 @@ class CallerCallRegistry:
         """
         request_id = "ctr-" + secrets.token_hex(8)
         caller = session.owner
-        call = PendingCall(request_id=request_id, session=session, caller=caller, tool=spec.name, progress=progress)
-        self._pending[request_id] = call
         timeout = spec.timeout_ms / 1000 if spec.timeout_ms else self.default_timeout
+        # The clock runs from here, while the caller decides: `expires_at` tells it how long it has.
+        expires_at = utc_timestamp(datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=timeout))
+        call = PendingCall(
+            request_id=request_id, session=session, caller=caller, tool=spec.name,
+            arguments=arguments, expires_at=expires_at, progress=progress,
+        )
+        self._pending[request_id] = call
         try:
-            await self._append_frame(
+            frame = await self._append_frame(
                 session,
                 "caller_tool_request",
                 {"request_id": request_id, "tool": spec.name, "arguments": arguments, "caller_id": session.caller_id},
             )
+            call.frame_seq = frame.seq
+            self._notify(session)
             if caller is None or caller.closed.is_set():
                 self._finish(call, "closed: the caller disconnected", error=RelayError(
                     errors.PEER_DISCONNECTED,
@@ -149,9 +210,10 @@ class CallerCallRegistry:
         call.result = result
         call.error = error
         call.done.set()
-        self._finished[call.request_id] = how
+        self._finished[call.request_id] = Finished(how, call.session, call.caller, call.frame_seq)
         while len(self._finished) > RESOLVED_MEMORY:
             self._finished.popitem(last=False)
+        self._notify(call.session)
 
     def progress(
         self, caller: CallerConnection, session_id: str, request_id: str,
@@ -169,11 +231,16 @@ class CallerCallRegistry:
         return True
 
     def _pending_of(self, caller: CallerConnection, session_id: str, request_id: str) -> PendingCall:
+        """The pending call `request_id` of `caller` in `session_id`.
+
+        Raises: `NoLongerPending` for a request that already ended; `RelayError` for an unknown
+        id, the wrong session or another caller.
+        """
         call = self._pending.get(request_id)
         if call is None or call.done.is_set():
-            how = self._finished.get(request_id)
-            if how is not None:
-                raise RelayError(errors.INVALID_REQUEST, f"request_id '{request_id}' is no longer pending: it was already {how}")
+            finished = self._finished.get(request_id)
+            if finished is not None:
+                raise NoLongerPending(request_id, finished)
             raise RelayError(errors.NOT_FOUND, f"unknown request_id '{request_id}'")
         if call.session.id != session_id:
             raise RelayError(
@@ -195,8 +262,12 @@ class CallerCallRegistry:
         request_id: str,
         result: Any = None,
         error: str | None = None,
-    ) -> None:
-        """Resolve a pending call with the caller's answer; refuse anything else clearly."""
+    ) -> PendingCall:
+        """Resolve a pending call with the caller's answer; refuse anything else clearly.
+
+        Returns the resolved call (its session and `frame_seq` say where its turn goes on).
+        Raises: as `_pending_of`.
+        """
         call = self._pending_of(caller, session_id, request_id)
         if error is not None:
             self._finish(call, "resolved with an error", error=RelayError(errors.TOOL_ERROR, str(error)))
@@ -205,3 +276,4 @@ class CallerCallRegistry:
             self._finish(call, "resolved", result=result)
             payload = {"request_id": request_id, "tool": call.tool, "result": result}
         await self._append_frame(call.session, "caller_tool_result", payload)
+        return call
