@@ -3,8 +3,10 @@
 It starts, all on this machine:
   1. `oubliette-server` as the caller's stdio MCP server (this script is the caller, using the MCP SDK),
   2. a guest runtime, `oubliette-client run -- <demo agent>`, standing in for the sandbox,
-  3. then sends a message asking the agent to call `myapp_send_notification({"message": "hello"})`,
-     answers the `caller_tool_request` event it receives, and prints the flow and the final answer.
+  3. then sends a message asking the agent to call `myapp_send_notification({"message": "hello"})`
+     with `wait`: the wait stops with `requires_action` and the request, the caller runs the tool
+     and answers with `caller_tool_response` and `wait`, which returns the turn's end. Only tool
+     results drive it, as for a model; the events printed alongside are an addition for programs.
 
 Run:  python examples/demo.py
 """
@@ -62,30 +64,32 @@ async def demo(workdir: Path) -> int:
         try:
             async with trio.open_nursery() as nursery:
 
-                async def answer_requests() -> None:
+                async def show_events() -> None:
                     async for event in incoming:
-                        if event["type"] == "caller_tool_request":
-                            say("event", f"caller_tool_request {event['tool']}({json.dumps(event['arguments'])}) "
-                                         f"request_id={event['request_id']}")
-                            say("caller", f"running send_notification: {event['arguments'].get('message')!r}")
-                            await caller.call_tool("caller_tool_response", {
-                                "session_id": event["session_id"], "request_id": event["request_id"],
-                                "result": {"status": "sent"},
-                            })
-                        elif event["type"] == "assistant.delta":
+                        if event["type"] == "assistant.delta":
                             say("agent", event.get("text", ""))
                         elif event["type"] != "user.message":
                             say("event", event["type"])
 
-                nursery.start_soon(answer_requests)
+                nursery.start_soon(show_events)
                 say("caller", f"session_message: {MESSAGE}")
                 with trio.fail_after(60):
                     reply = await caller.call_tool("session_message", {
                         "instance": "demo", "message": MESSAGE, "wait": True,
                         "context": {"caller_id": "myapp", "caller_tools": CALLER_TOOLS},
                     })
+                    outcome = reply.structured_content or {}
+                    while outcome.get("stop_reason") == "requires_action":
+                        for request in outcome["pending"]:
+                            say("stop", f"requires_action: caller_tool_request {request['tool']}"
+                                        f"({json.dumps(request['arguments'])}) request_id={request['request_id']}")
+                            say("caller", f"running send_notification: {request['arguments'].get('message')!r}")
+                            reply = await caller.call_tool("caller_tool_response", {
+                                "session_id": outcome["session_id"], "request_id": request["request_id"],
+                                "result": {"status": "sent"}, "wait": True,
+                            })
+                            outcome = {"session_id": outcome["session_id"], **(reply.structured_content or {})}
                 nursery.cancel_scope.cancel()
-            outcome = reply.structured_content or {}
             say("caller", f"turn ended: {outcome.get('stop_reason')}")
             print("\nAgent's final answer:\n" + str(outcome.get("text", "")), flush=True)
             ok = outcome.get("stop_reason") == "end_turn" and "returned" in str(outcome.get("text"))
