@@ -4,8 +4,10 @@ It starts, all on this machine:
   1. `oubliette-server` as the caller's stdio MCP server (this script is the caller, using the MCP SDK),
   2. a guest runtime for instance `demo` (`GuestRuntime`, what `oubliette-client run` runs), in this
      process, whose agent command is the bundled demo agent (`oubliette-client demo-agent`),
-  3. then sends a message asking the agent to call `myapp_send_notification({"message": "hello"})`,
-     answers the `caller_tool_request` event it receives, and prints the flow and the final answer.
+  3. then sends a message asking the agent to call `myapp_send_notification({"message": "hello"})`
+     with `wait`: the wait stops with `requires_action` and the request, the caller runs the tool
+     and answers with `caller_tool_response` and `wait`, which returns the turn's end. Only tool
+     results drive it, as for a model; the events printed alongside are an addition for programs.
 
 The output is the same every run (the README shows it verbatim; tests/test_demo.py compares):
 events arrive in an order that depends on timing (the agent's output lines and its tool call
@@ -91,41 +93,33 @@ async def demo(workdir: Path) -> int:
                 Client(stdio_client(server, errlog=server_log), mode="legacy", logging_callback=events.on_log) as caller:
             nursery.start_soon(guest.run)
             say("caller", f"started oubliette-server and a guest runtime for instance '{INSTANCE}'")
-            answered = trio.Event()
 
-            async def answer_request() -> None:
-                request = await events.of_type("caller_tool_request")
-                await caller.call_tool("caller_tool_response", {
-                    "session_id": request["session_id"], "request_id": request["request_id"],
-                    "result": {"status": "sent"},
-                })
-                answered.set()
-
-            nursery.start_soon(answer_request)
             say("caller", f"session_message: {MESSAGE}")
-            reply: list[Any] = []
-
-            async def send_message() -> None:
-                with trio.fail_after(STEP_TIMEOUT):
-                    reply.append(await caller.call_tool("session_message", {
-                        "instance": INSTANCE, "message": MESSAGE, "wait": True,
-                        "context": {"caller_id": "myapp", "caller_tools": CALLER_TOOLS},
-                    }))
-
-            async with trio.open_nursery() as turn:
-                turn.start_soon(send_message)
-                presence = await events.of_type("status.presence")
-                say("event", f"status.presence ({presence.get('state')})")
-                request = await events.of_type("caller_tool_request")
-                say("event", f"caller_tool_request {request['tool']}({json.dumps(request['arguments'])})")
-                with trio.fail_after(STEP_TIMEOUT):
-                    await answered.wait()
-                say("caller", 'caller_tool_response {"status": "sent"}')
-                await events.of_type("caller_tool_result")
-                say("event", "caller_tool_result")
-                done = await events.of_type("assistant.done")
-                say("event", "assistant.done")
-            outcome = reply[0].structured_content or {}
+            with trio.fail_after(STEP_TIMEOUT):
+                reply = await caller.call_tool("session_message", {
+                    "instance": INSTANCE, "message": MESSAGE, "wait": True,
+                    "context": {"caller_id": "myapp", "caller_tools": CALLER_TOOLS},
+                })
+            outcome = reply.structured_content or {}
+            presence = await events.of_type("status.presence")
+            say("event", f"status.presence ({presence.get('state')})")
+            while outcome.get("stop_reason") == "requires_action":
+                session_id = outcome["session_id"]
+                for request in outcome["pending"]:
+                    await events.of_type("caller_tool_request")
+                    say("event", f"caller_tool_request {request['tool']}({json.dumps(request['arguments'])})")
+                    say("stop", f"requires_action: {request['tool']}({json.dumps(request['arguments'])})")
+                    say("caller", 'caller_tool_response {"status": "sent"} (wait)')
+                    with trio.fail_after(STEP_TIMEOUT):
+                        reply = await caller.call_tool("caller_tool_response", {
+                            "session_id": session_id, "request_id": request["request_id"],
+                            "result": {"status": "sent"}, "wait": True,
+                        })
+                    outcome = {"session_id": session_id, **(reply.structured_content or {})}
+            await events.of_type("caller_tool_result")
+            say("event", "caller_tool_result")
+            done = await events.of_type("assistant.done")
+            say("event", "assistant.done")
             say("caller", f"turn ended: {outcome.get('stop_reason')}")
             print("\nAgent's final answer:\n" + str(done.get("text", "")).rstrip("\n"), flush=True)
             nursery.cancel_scope.cancel()

@@ -431,23 +431,21 @@ async def test_demo_agent_calls_a_caller_tool(deployment: Deployment) -> None:
     }]
     message = 'Please call myapp_send_notification {"message": "hello"}'
     async with deployment.caller() as (caller, events), deployment.guest("box1", DEMO_AGENT):
-        async with trio.open_nursery() as nursery:
-            answered: dict[str, Any] = {}
-
-            async def answer() -> None:
-                request = await events.wait_type("caller_tool_request", timeout=TURN_TIMEOUT)
-                answered["request"] = request
-                response = await caller.call_tool("caller_tool_response", {
-                    "session_id": request["session_id"], "request_id": request["request_id"],
-                    "result": {"status": "sent", "id": 42},
-                })
-                assert structured(response) == {"resolved": True}
-
-            nursery.start_soon(answer)
-            reply = await send_and_wait(
-                caller, "s-demo", message, context={"caller_id": "myapp", "caller_tools": tools},
-            )
-        request = answered["request"]
+        stop = await send_and_wait(caller, "s-demo", message, context={"caller_id": "myapp", "caller_tools": tools})
+        # The wait stops as soon as the agent calls (requires_action), with the request in the result;
+        # the event says the same to programs that follow the session.
+        assert stop["stop_reason"] == "requires_action", stop
+        [pending] = stop["pending"]
+        request = await events.wait_type("caller_tool_request", timeout=TURN_TIMEOUT)
+        assert pending["request_id"] == request["request_id"]
+        assert pending["arguments"] == request["arguments"]
+        with trio.fail_after(TURN_TIMEOUT):
+            response = await caller.call_tool("caller_tool_response", {
+                "session_id": "s-demo", "request_id": pending["request_id"],
+                "result": {"status": "sent", "id": 42}, "wait": True,
+            })
+        reply = structured(response)
+        assert reply["resolved"] is True
         assert request["tool"] == "send_notification"
         assert request["arguments"] == {"message": "hello"}
         assert request["session_id"] == "s-demo"
