@@ -30,22 +30,33 @@ def ensure_private_dir(path: Path) -> Path:
 
 
 def load_or_create_secret(data_dir: Path) -> bytes:
-    """Return the server secret, creating it (0600) on first use."""
+    """Return the server secret, creating it (0600) on first use.
+
+    The secret is written to a private temporary file and linked into place whole, so a second
+    process starting at the same moment (a server and `oubliette-server token`) reads either no
+    file or the complete secret, never a half-written one; whoever links first wins.
+    """
     ensure_private_dir(data_dir)
     secret_path = data_dir / SECRET_FILE_NAME
-    try:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        fd = os.open(secret_path, flags, 0o600)
-    except FileExistsError:
-        secret = secret_path.read_bytes().strip()
-        if len(secret) < 32:
-            raise ValueError(f"server secret {secret_path} is too short; delete it to make a new one")
-        return secret
-    secret = secrets.token_hex(32).encode()
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(secret + b"\n")
+    if not secret_path.exists():
+        secret = secrets.token_hex(32).encode()
+        temporary = data_dir / f".{SECRET_FILE_NAME}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(secret + b"\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(temporary, secret_path)
+            except FileExistsError:
+                pass  # another process created it first: use theirs
+        finally:
+            os.unlink(temporary)
+    secret = secret_path.read_bytes().strip()
+    if len(secret) < 32:
+        raise ValueError(f"server secret {secret_path} is too short; delete it to make a new one")
     return secret
-
 
 def check_instance_id(instance: object) -> str | None:
     """Return a reason why `instance` is not a valid instance id (full match), or None."""

@@ -128,3 +128,16 @@ async def test_token_of_another_instance_is_refused(deployment: Deployment) -> N
 
 async def _ignore(method: str, params: dict) -> None:
     pass
+
+
+def test_processes_creating_the_secret_at_once_all_read_the_same_whole_secret(tmp_path: Path) -> None:
+    """A server and `oubliette-server token` starting together on a new data dir: no one reads a half-written file."""
+    import concurrent.futures
+
+    from oubliette_server.auth import load_or_create_secret
+
+    data_dir = tmp_path / "data"
+    with concurrent.futures.ProcessPoolExecutor(max_workers=8) as pool:
+        secrets_read = list(pool.map(load_or_create_secret, [data_dir] * 32))
+    assert len(set(secrets_read)) == 1 and len(secrets_read[0]) == 64
+    assert sorted(os.listdir(data_dir)) == ["secret"], "no temporary file is left behind"

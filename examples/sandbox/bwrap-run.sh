@@ -31,7 +31,8 @@ ro=""
 for path in $extra; do
     ro="$ro --ro-bind $path $path"
 done
-# $ro is split on spaces on purpose: the paths must not contain any.
+# $ro is split on spaces on purpose: the paths must not contain any. It comes after the private
+# /tmp, so a checkout or venv that lives under /tmp is bound on top of it, not hidden by it.
 # bwrap runs as this shell's child, not in its place (no exec): --die-with-parent kills the sandbox
 # when the *thread* that started bwrap ends, and a launcher may start it from a worker thread that
 # ends long before the sandbox should (trio's open_process does). This shell lives as long as bwrap.
@@ -39,8 +40,8 @@ done
 bwrap \
     --ro-bind /usr /usr --ro-bind-try /lib /lib --ro-bind-try /lib64 /lib64 \
     --ro-bind-try /bin /bin --ro-bind-try /sbin /sbin --ro-bind /etc /etc \
-    $ro \
     --proc /proc --dev /dev --tmpfs /tmp \
+    $ro \
     --tmpfs /oubliette --bind "$sock" /oubliette/relay.sock --remount-ro /oubliette \
     --unshare-net --unshare-pid --unshare-ipc --unshare-uts \
     --die-with-parent --new-session --chdir /tmp \

@@ -1,0 +1,108 @@
+"""Docs that run: every ```sh block of README.md and docs/*.md is executed here, or says why not.
+
+A block preceded by `<!-- run by tests/test_docs_run.py[, output contains: TEXT] -->` is run
+with bash, as pasted, in an empty directory with a data directory, `HOME` and `PORT` of its
+own; it must exit 0, stop what it started, print no traceback, and print TEXT. A block preceded by
+`<!-- not run here: REASON -->` is not run. Any other ```sh block fails the test, so a new shell
+session in the docs is either checked or visibly excused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUN = re.compile(r"<!-- run by tests/test_docs_run\.py(?:, output contains: (?P<expect>.+?))? -->")
+NOT_RUN = re.compile(r"<!-- not run here: \S.*? -->")
+BLOCK = re.compile(r"^```sh\n(.*?)^```$", re.S | re.M)
+#: Seconds one block may take: servers start in about a second, a demo turn in a few.
+BLOCK_TIMEOUT = 120
+
+
+@attrs.frozen
+class ShellBlock:
+    """One ```sh block: where it is, its text, and the marker line just before it ('' if none)."""
+
+    where: str
+    text: str
+    marker: str
+
+
+def shell_blocks() -> list[ShellBlock]:
+    blocks = []
+    for path in DOCS:
+        source = path.read_text()
+        for match in BLOCK.finditer(source):
+            before = source[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+            line = source.count("\n", 0, match.start()) + 1
+            blocks.append(ShellBlock(f"{path.relative_to(ROOT)}:{line}", match.group(1), before))
+    return blocks
+
+
+BLOCKS = shell_blocks()
+RUNNABLE = [b for b in BLOCKS if RUN.fullmatch(b.marker)]
+
+
+def test_every_shell_block_is_run_or_says_why_not() -> None:
+    unmarked = [b.where for b in BLOCKS if not (RUN.fullmatch(b.marker) or NOT_RUN.fullmatch(b.marker))]
+    assert not unmarked, f"```sh blocks with neither a run marker nor '<!-- not run here: why -->': {unmarked}"
+    where = {b.where.split(":")[0] for b in RUNNABLE}
+    assert {"README.md", "docs/TETHER.md"} <= where
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=[b.where for b in RUNNABLE])
+def test_the_block_runs_as_written(block: ShellBlock, tmp_path: Path) -> None:
+    expect = RUN.fullmatch(block.marker).group("expect")  # type: ignore[union-attr]
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        key: value for key, value in os.environ.items()
+        if not key.startswith("OUBLIETTE_") and key not in {"XDG_DATA_HOME", "PORT"}
+    }
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", HOME=str(home),
+        OUBLIETTE_DATA_DIR=str(tmp_path / "data"), PORT=str(_free_port()),
+    )
+    script = tmp_path / "block.sh"
+    # `wait`: the block's own `kill` must stop what it started in the background.
+    script.write_text(block.text + "\nwait\n")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    # Output goes to files, not pipes: a background process the block failed to stop would
+    # otherwise hold the pipe open; the process group is ended below whatever happened.
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        process = subprocess.Popen(
+            ["bash", str(script)], cwd=work, env=env, stdout=out, stderr=err, start_new_session=True,
+        )
+        leftovers = True
+        try:
+            code = process.wait(timeout=BLOCK_TIMEOUT)
+        finally:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                leftovers = False
+            process.wait()
+    stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    report = f"{block.where}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+    assert code == 0, report
+    assert not leftovers, f"the block left processes running\n{report}"
+    assert "Traceback" not in stdout + stderr, report
+    if expect:
+        assert expect in stdout, report
