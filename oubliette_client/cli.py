@@ -22,12 +22,12 @@ import os
 import sys
 import traceback
 from importlib import metadata
-from typing import Any, Iterator, NoReturn
+from typing import Iterator, NoReturn
 
 import trio
 
 from .relay_link import RelayUnavailable
-from .settings import add_relay_arguments, settings_from_args
+from .settings import add_relay_arguments, positive_seconds, settings_from_args
 
 PROG = "oubliette-client"
 SUBCOMMANDS = ("run", "endpoint", "tools", "demo-agent")
@@ -113,14 +113,8 @@ def _progress_interval(parser: argparse.ArgumentParser, flag: float | None) -> f
     """`--progress-interval`, else `OUBLIETTE_PROGRESS_INTERVAL`, else 15 s; a positive number."""
     from .progress import DEFAULT_PROGRESS_INTERVAL
 
-    value: Any = flag if flag is not None else os.environ.get("OUBLIETTE_PROGRESS_INTERVAL") or DEFAULT_PROGRESS_INTERVAL
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = 0.0
-    if not seconds > 0:
-        parser.error(f"the progress interval must be a positive number of seconds, not {value!r}")
-    return seconds
+    value = flag if flag is not None else os.environ.get("OUBLIETTE_PROGRESS_INTERVAL")
+    return positive_seconds(parser, value, DEFAULT_PROGRESS_INTERVAL, "the progress interval")
 
 
 def _run_main(argv: list[str]) -> int:
@@ -142,14 +136,8 @@ def _run_main(argv: list[str]) -> int:
     _logging(args.log_level)
     from .guest import DEFAULT_TURN_TIMEOUT, GuestRuntime, run_until_signalled
 
-    turn_timeout = args.turn_timeout
-    if turn_timeout is None:
-        try:
-            turn_timeout = float(os.environ.get("OUBLIETTE_TURN_TIMEOUT") or DEFAULT_TURN_TIMEOUT)
-        except ValueError:
-            parser.error("OUBLIETTE_TURN_TIMEOUT must be a number of seconds")
-    if not turn_timeout > 0:
-        parser.error("the turn timeout must be a positive number of seconds")
+    value = args.turn_timeout if args.turn_timeout is not None else os.environ.get("OUBLIETTE_TURN_TIMEOUT")
+    turn_timeout = positive_seconds(parser, value, DEFAULT_TURN_TIMEOUT, "the turn timeout")
     runtime = GuestRuntime(settings_from_args(parser, args), command, turn_timeout=turn_timeout)
     runtime.link.give_up_on_refusal = True  # a refused token stays refused: exit instead of retrying forever
     # SIGTERM and SIGINT cancel the runtime, which ends every turn's process group first.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 from collections.abc import Mapping
 
 from pathlib import Path
@@ -107,13 +108,19 @@ def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     )
 
 
-def _request_timeout(parser: argparse.ArgumentParser, value: str | None) -> float:
-    if not value:
-        return DEFAULT_REQUEST_TIMEOUT
+def positive_seconds(parser: argparse.ArgumentParser, value: Any, default: float, name: str) -> float:
+    """`value` (a flag's or an environment variable's), else `default`, as positive seconds; a usage
+    error naming `name` otherwise. One rule for every duration the client reads."""
+    if value is None or value == "":
+        return default
     try:
         seconds = float(value)
     except ValueError:
         seconds = 0.0
     if not seconds > 0:
-        parser.error(f"OUBLIETTE_REQUEST_TIMEOUT must be a positive number of seconds, not {value!r}")
+        parser.error(f"{name} must be a positive number of seconds, not {value!r}")
     return seconds
+
+
+def _request_timeout(parser: argparse.ArgumentParser, value: str | None) -> float:
+    return positive_seconds(parser, value, DEFAULT_REQUEST_TIMEOUT, "OUBLIETTE_REQUEST_TIMEOUT")
