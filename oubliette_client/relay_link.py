@@ -156,7 +156,10 @@ class RelayLink:
         `cancel`), `PEER_DISCONNECTED` when the link is or goes down, the server's error.
         """
         if wait_for_connection:
-            await self.wait_connected()
+            # A peer that has closed while the link has not yet noticed counts as down: wait for
+            # the link to change state, so a retry loop around this call never spins.
+            while not self.connected or self._peer is None or self._peer.is_closed:
+                await self._state_changed.wait()
         peer = self._peer
         if not self.connected or peer is None:
             raise self.unavailable_error()

@@ -190,8 +190,18 @@ async def test_killed_http_caller_fails_the_agents_call_at_once(deployment: Depl
         )
         try:
             assert caller.stdout is not None
-            with trio.fail_after(30):
-                assert b"declared" in await caller.stdout.receive_some(100)
+            output = bytearray()
+
+            async def printed(needle: bytes) -> None:
+                """Until the caller program has printed `needle` (its output may come in pieces)."""
+                assert caller.stdout is not None
+                with trio.fail_after(30):
+                    while needle not in output:
+                        chunk = await caller.stdout.receive_some(100)
+                        assert chunk, f"the caller program exited: {bytes(output)!r}"
+                        output.extend(chunk)
+
+            await printed(b"declared")
             async with deployment.agent("box1", "mcp:k1") as agent, trio.open_nursery() as nursery:
                 outcome: dict[str, Any] = {}
                 finished = trio.Event()
@@ -204,8 +214,7 @@ async def test_killed_http_caller_fails_the_agents_call_at_once(deployment: Depl
                 nursery.start_soon(agent_call)
                 request = (await poll_frames(server, "k1", "caller_tool_request"))[0]
                 if modern:
-                    with trio.fail_after(30):
-                        assert b"stopped requires_action" in await caller.stdout.receive_some(100)
+                    await printed(b"stopped requires_action")
                 caller.kill()
                 killed_at = time.monotonic()
                 with trio.fail_after(30):
