@@ -85,23 +85,20 @@ def form_of(person: Person) -> tuple[str, dict[str, Any]]:
 async def test_accept_and_approve_runs_the_tool(deployment: Deployment, mode: str) -> None:
     person = Person(types.ElicitResult(action="accept", content={"approve": True}))
     async with person_caller(deployment, person, mode=mode) as caller, deployment.guest("box1", DEMO_AGENT):
-        turns: list[dict[str, Any]] = []
-
-        async def turn() -> None:
-            turns.append(await gated_turn(caller, "s-el-ok"))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(turn)
-            with trio.fail_after(EVENT_TIMEOUT):
-                await person.was_asked.wait()  # the session exists from here on
-                relayed: list[dict[str, Any]] = []
-                while not relayed:  # a long poll on the log, woken by the append
-                    relayed = await frames(caller, "s-el-ok", "caller_tool_request", wait_ms=5000)
+        stopped = await gated_turn(caller, "s-el-ok")
+        # Approved by the person, the call reaches the caller: the turn stops for it (issue 13).
+        assert stopped["stop_reason"] == "requires_action", stopped
+        [request] = stopped["pending"]
+        assert (request["kind"], request["tool"]) == ("caller_tool", "delete_file"), request
+        [relayed] = await frames(caller, "s-el-ok", "caller_tool_request")
+        assert relayed["request_id"] == request["request_id"]
+        with trio.fail_after(TURN):
             done = await caller.call_tool("caller_tool_response", {
-                "session_id": "s-el-ok", "request_id": relayed[0]["request_id"], "result": {"deleted": "/tmp/x"},
+                "session_id": "s-el-ok", "request_id": request["request_id"], "result": {"deleted": "/tmp/x"},
+                "wait": TURN,
             })
-            assert not done.is_error, text_of(done)
-        [ended] = turns
+        assert not done.is_error, text_of(done)
+        ended = structured(done)
         assert ended["stop_reason"] == "end_turn", ended
         assert "deleted" in ended["text"] and "/tmp/x" in ended["text"], ended["text"]
         message, schema = form_of(person)
