@@ -3,18 +3,21 @@
 - SIGKILL of the guest runtime mid-turn: the server ends the turn with `session.error`
   and a waiting `session_message` returns `stop_reason: "error"` at once;
 - kill -9 of the server with a caller tool request pending: after a restart the log
-  has a `caller_tool_cancelled` frame (reason "server restarted") for it.
+  has a `caller_tool_cancelled` frame (reason "server restarted") for it;
+- kill -9 of the server mid-turn, seen from the guest runtime: it waits for the relay to come
+  back without spinning (its CPU stays low) and still stops at once on SIGTERM.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
 
 import trio
 
-from harness import EVENT_TIMEOUT, Deployment, structured, text_of
+from harness import DEMO_AGENT, EVENT_TIMEOUT, Deployment, structured, text_of
 from test_ownership import poll_frames
 
 GUEST_GONE_BOUND = 5.0
@@ -22,6 +25,17 @@ GUEST_GONE_BOUND = 5.0
 
 BLOCKING_AGENT = ["-c", "import sys, time; sys.stdin.read(); print('started', flush=True); time.sleep(120)"]
 NOTIFY = {"name": "send_notification", "inputSchema": {"type": "object"}}
+IDLE_WINDOW = 3.0
+"""How long the guest's CPU is watched after its server died (a spinning loop burns ~all of it)."""
+IDLE_CPU_SHARE = 0.25
+"""The most of IDLE_WINDOW the guest may spend on a CPU while its relay is gone."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def test_killed_guest_ends_the_turn_with_an_error_at_once(deployment: Deployment) -> None:
@@ -80,3 +94,26 @@ async def test_a_request_left_open_by_a_killed_server_is_cancelled_on_restart(de
         (request["request_id"], "server restarted")
     ]
     assert [f["payload"]["request_id"] for f in requests] == [request["request_id"]]
+
+
+async def test_a_guest_whose_server_died_mid_turn_waits_quietly_and_stops_on_sigterm(deployment: Deployment) -> None:
+    async with deployment.http_server() as server, server.caller() as (caller, events):
+        async with deployment.guest("box1", DEMO_AGENT) as guest:
+            sent = await caller.call_tool("session_message", {
+                "instance": "box1", "session_id": "spin", "message": 'Please call myapp_send_notification {"text": "hi"}',
+                "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
+            })
+            assert not sent.is_error, text_of(sent)
+            await events.wait_type("caller_tool_request", timeout=EVENT_TIMEOUT)
+            server.process.kill()  # the agent's call fails; the guest's frames have nowhere to go
+            with trio.fail_after(10):
+                await server.process.wait()
+            before = cpu_seconds(guest.pid)
+            await trio.sleep(IDLE_WINDOW)  # a measurement window, not a wait for an event
+            assert guest.returncode is None, "the guest runtime should keep waiting for its relay"
+            burnt = cpu_seconds(guest.pid) - before
+            assert burnt < IDLE_CPU_SHARE * IDLE_WINDOW, f"the guest spent {burnt:.2f} s of CPU in {IDLE_WINDOW} s"
+            guest.terminate()
+            with trio.fail_after(10):
+                code = await guest.wait()
+            assert code in (0, 143, -15), code

@@ -663,6 +663,48 @@ async def test_relay_link_request_deadline(deployment: Deployment) -> None:
         assert proc.server.calls.pending == {}
 
 
+async def test_a_request_waiting_for_the_connection_waits_while_the_peer_has_closed() -> None:
+    """The link still says connected but its peer has closed (the server died a moment ago):
+    a request that waits for the connection waits for the link's state to change, instead of
+    failing at once; a retry loop around it (the guest's frame appends) must never spin."""
+    from oubliette_client.relay_link import RelayLink
+    from oubliette_client.settings import RelaySettings
+
+    async def ignore(method: str, params: Any) -> None:
+        pass
+
+    class ClosedPeer:
+        is_closed = True
+
+        async def request(self, method: str, params: Any, timeout: float) -> Any:
+            raise RelayError(PEER_DISCONNECTED, "closed")
+
+    class OpenPeer:
+        is_closed = False
+
+        async def request(self, method: str, params: Any, timeout: float) -> Any:
+            return {"sent": method}
+
+    link = RelayLink(RelaySettings(relay="unix:/nonexistent/relay.sock", instance=INSTANCE, token="t"), "client", ignore)
+    link._peer = ClosedPeer()  # type: ignore[assignment]
+    link._set_state(True)
+    with trio.move_on_after(0.2) as waited:
+        await link.request("append_frame", {}, wait_for_connection=True)
+    assert waited.cancelled_caught, "the request should wait while the peer is closed"
+
+    async with trio.open_nursery() as nursery:
+        answers: list[Any] = []
+
+        async def waiting_request() -> None:
+            answers.append(await link.request("append_frame", {}, wait_for_connection=True))
+
+        nursery.start_soon(waiting_request)
+        await trio.testing.wait_all_tasks_blocked()
+        link._peer = OpenPeer()  # type: ignore[assignment]  # the link reconnected
+        link._set_state(True)
+    assert answers == [{"sent": "append_frame"}]
+
+
 # == end to end: one sandbox that stops reading ========================================================
 
 INSTANCE = "box1"

@@ -119,20 +119,17 @@ print(__import__("json").dumps(out))
 async def test_relayed_call_and_tether_turn_through_the_sandbox(deployment: Deployment) -> None:
     async with deployment.caller() as (caller, log), sandboxed_guest(deployment, "box1") as guest:
 
-        async def answer() -> None:
-            request = await log.wait_type("caller_tool_request")
-            await caller.call_tool("caller_tool_response", {
-                "session_id": request["session_id"], "request_id": request["request_id"],
-                "result": {"status": "sent"},
-            })
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(answer)
-            with trio.fail_after(60):
-                reply = structured(await caller.call_tool("session_message", {
-                    "instance": "box1", "message": 'Please call myapp_send_notification {"message": "hello"}',
-                    "wait": True, "context": {"caller_id": "myapp", "caller_tools": CALLER_TOOLS},
-                }))
+        with trio.fail_after(60):
+            stopped = structured(await caller.call_tool("session_message", {
+                "instance": "box1", "message": 'Please call myapp_send_notification {"message": "hello"}',
+                "wait": True, "context": {"caller_id": "myapp", "caller_tools": CALLER_TOOLS},
+            }))
+            assert stopped["stop_reason"] == "requires_action", stopped
+            [pending] = stopped["pending"]
+            reply = structured(await caller.call_tool("caller_tool_response", {
+                "session_id": stopped["session_id"], "request_id": pending["request_id"],
+                "result": {"status": "sent"}, "wait": True,
+            }))
         assert reply["stop_reason"] == "end_turn", reply
         assert 'myapp_send_notification returned {"status": "sent"}' in reply["text"]
         request = log.of_type("caller_tool_request")

@@ -40,16 +40,25 @@ class OrphanedTurns:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the nursery until cancelled."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            # The server is shutting down: guests that close after this are not orphaning turns
+            # we could still end (there is nobody left to append for them).
+            self._nursery = None
 
     def guest_gone(self, connection: GuestPeer) -> None:
         """Called when a guest connection closes (synchronously, from its connection's teardown)."""
         orphans = self.delivery.orphaned_turns(connection)
-        if orphans and connection.instance is not None and self._nursery is not None:
-            self._nursery.start_soon(self._close, connection.instance, orphans)
+        if not orphans or connection.instance is None:
+            return
+        if self._nursery is None:
+            log.info("server stopping: %d turn(s) of %s left open by its guest", len(orphans), connection.instance)
+            return
+        self._nursery.start_soon(self._close, connection.instance, orphans)
 
     async def _close(self, instance: str, orphans: list[tuple[str, str, str]]) -> None:
         try:
