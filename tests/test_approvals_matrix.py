@@ -353,3 +353,52 @@ async def test_toolset_elicitation_answered_by_approval_response(deployment: Dep
         end = ends_with(await decide(caller, "s6", request_id=request["request_id"], approve=True,
                                      content={"seats": 2}, wait=True), "end_turn")
     assert '"action": "accept"' in end["text"] and '"seats": 2' in end["text"], end["text"]
+
+
+# -- the operator's HTTP doors (tether users) ----------------------------------------------------
+
+
+async def test_the_operator_answers_over_http(deployment: Deployment) -> None:
+    """`POST …/caller_tool_progress`, `…/caller_tool_response` and `…/approvals` answer for the
+    session's caller with the server's HTTP token (`wait` too); the instance's own token is refused."""
+    message = json.dumps({"steps": [
+        [call("myapp_notify", arguments={"n": 1}, progress=True)], [call(GATED, arguments={"path": "/tmp/x"})],
+    ]})
+    async with world(deployment, "http", "legacy") as w:
+        caller = w.caller
+        stopped = ends_with(await caller.message("s7", message, [DELETE, tool("notify")], wait=True), "requires_action")
+        [notify] = stopped["pending"]
+        route = f"/v1/instances/{INSTANCE}/sessions/s7"
+        async with w.server.rest(token=deployment.token(INSTANCE)) as sandbox:
+            for door in ("caller_tool_progress", "caller_tool_response", "approvals"):
+                refused = await sandbox.post(f"{route}/{door}", json={"request_id": notify["request_id"], "result": "x"})
+                assert refused.status_code == 403, refused.text
+                assert "only the HTTP admin token" in refused.json()["error"]["message"]
+        async with w.server.rest() as admin:
+            progress = await admin.post(f"{route}/caller_tool_progress", json={
+                "request_id": notify["request_id"], "progress": 3, "total": 4, "message": "three of four"})
+            assert progress.status_code == 200 and progress.json() == {"forwarded": True}, progress.text
+            await frames(caller, "s7", "assistant.delta", 1, text="myapp_notify progress 3/4 three of four")
+            bad = await admin.post(f"{route}/caller_tool_response", json={"request_id": notify["request_id"]})
+            assert bad.status_code == 400 and "give either 'result' or 'error'" in bad.json()["error"]["message"]
+            unknown = await admin.post(f"/v1/instances/{INSTANCE}/sessions/s-nope/caller_tool_response",
+                                       json={"request_id": notify["request_id"], "result": "x"})
+            assert unknown.status_code == 404, unknown.text
+
+            answered = await admin.post(f"{route}/caller_tool_response", json={
+                "request_id": notify["request_id"], "result": {"sent": True}, "wait": 30})
+            assert answered.status_code == 200, answered.text
+            gated = answered.json()
+            assert gated["resolved"] is True and gated["stop_reason"] == "requires_approval", gated
+            [request] = gated["approval_requests"]
+            late = await admin.post(f"{route}/caller_tool_response", json={"request_id": notify["request_id"], "result": "again"})
+            assert late.status_code == 400 and "no longer pending" in late.json()["error"]["message"], late.text
+
+            denied = await admin.post(f"{route}/approvals", json={
+                "request_id": request["request_id"], "approve": False, "reason": "ops says no", "wait": 30})
+            assert denied.status_code == 200, denied.text
+            end = denied.json()
+        [resolved] = await frames(caller, "s7", "approval_resolved")
+    assert end["stop_reason"] == "end_turn", end
+    assert 'myapp_notify -> {"sent": true}' in end["text"] and "ops says no" in end["text"], end["text"]
+    assert (resolved["who"], resolved["approve"]) == ("http", False)
