@@ -9,36 +9,39 @@ model would. Eras: `mode="legacy"` (the handshake era) and the SDK's default (20
 
 Which test covers which cell (S = stdio caller, H = Streamable HTTP caller; L = legacy,
 M = 2026-07-28; "-" = not applicable). Every flow runs in both eras on stdio; on HTTP a
-representative subset (approve, deny, direct return, timeout, plus the updated arguments and
-another caller, which ride along in the same turn), because each test costs a server, a guest
-and an agent process (~5 s of CPU; the module's 11 tests take ~55 s of CPU), and the HTTP
+representative subset (approve, deny, direct return, timeout, plus the updated arguments, the
+permission prompt and another caller, which ride along in the same turn), because each test costs a server, a guest
+and an agent process (~5 s of CPU; the module's 12 tests take ~60 s of CPU), and the HTTP
 door does not change what the approvals service does once a call reached it. To keep that
 cost down one turn carries several flows (one scripted call each, decided in turn).
 
-| flow                                   | S/L | S/M | H/L | H/M | test (this module unless named) |
-|----------------------------------------|-----|-----|-----|-----|---------------------------------|
-| approve (the tool is then relayed)     |  x  |  x  |  x  |  x  | test_decisions_in_one_turn; also test_approvals_e2e (S/L) |
-| deny with a reason                     |  x  |  x  |  x  |  x  | test_decisions_in_one_turn |
-| direct tool return (`type: tool`)      |  x  |  x  |  x  |  x  | test_decisions_in_one_turn |
-| updated arguments, bad then good       |  x  |  x  |  x  |  x  | test_decisions_in_one_turn |
-| batch with mixed decisions             |  x  |  x  |     |     | test_batch_mismatched_ids_and_re_answers |
-| mismatched / unknown ids               |  x  |  x  |     |     | test_batch_mismatched_ids_and_re_answers |
-| idempotent and contradicting re-answer |  x  |  x  |     |     | test_batch_mismatched_ids_and_re_answers |
-| another caller answering               |  -  |  -  |  x  |  x  | test_decisions_in_one_turn (HTTP: a stdio server has one caller) |
-| a new message while pending            |  x  |  x  |     |     | test_batch_mismatched_ids_and_re_answers |
-| approval timeout (per tool)            |  x  |  x  |  x  |  x  | test_decisions_in_one_turn |
-| caller disconnect while pending        |  x  |  x  |     |     | test_caller_disconnect_denies |
-| agent cancel while pending             |  x  |  x  |     |     | test_waiting_well |
-| heartbeats reach the agent (its token) |  x  |  x  |     |     | test_waiting_well |
-| caller progress forwarded              |  x  |  x  |     |     | test_waiting_well |
-| a toolset's elicitation answered       |  x  |  x  |     |     | S/L: test_elicitation (person, and approval_response); S/M: test_elicitation (person), test_toolset_elicitation_answered_by_approval_response |
+| flow                                       | S/L | S/M | H/L | H/M | test (this module unless named) |
+|--------------------------------------------|-----|-----|-----|-----|---------------------------------|
+| approve (the tool is then relayed)         |  x  |  x  |  x  |  x  | test_decisions_in_one_turn; also test_approvals_e2e (S/L) |
+| deny with a reason                         |  x  |  x  |  x  |  x  | test_decisions_in_one_turn |
+| direct tool return (`type: tool`)          |  x  |  x  |  x  |  x  | test_decisions_in_one_turn |
+| updated arguments, bad then good           |  x  |  x  |  x  |  x  | test_decisions_in_one_turn |
+| the agent's own action (permission prompt) |  x  |  x  |  x  |  x  | test_decisions_in_one_turn (Claude Code's JSON byte for byte) |
+| batch with mixed decisions                 |  x  |  x  |     |     | test_batch_mismatched_ids_and_re_answers |
+| mismatched / unknown ids                   |  x  |  x  |     |     | test_batch_mismatched_ids_and_re_answers |
+| idempotent and contradicting re-answers    |  x  |  x  |     |     | test_batch_mismatched_ids_and_re_answers |
+| another caller answering                   |  -  |  -  |  x  |  x  | test_decisions_in_one_turn (a stdio server has exactly one caller) |
+| the operator answering over HTTP           |  -  |  -  |  x  |     | test_the_operator_answers_over_http (all three routes) |
+| a new message while pending                |  x  |  x  |     |     | test_batch_mismatched_ids_and_re_answers |
+| approval timeout (a tool's own)            |  x  |  x  |  x  |  x  | test_decisions_in_one_turn |
+| caller disconnect while pending            |  x  |  x  |     |     | test_caller_disconnect_denies |
+| agent cancel while pending                 |  x  |  x  |     |     | test_waiting_well |
+| heartbeats reach the agent (its token)     |  x  |  x  |     |     | test_waiting_well |
+| caller progress forwarded                  |  x  |  x  |     |     | test_waiting_well; over HTTP: test_the_operator_answers_over_http |
+| a toolset's elicitation answered           |  x  |  x  |     |     | S/L: test_elicitation.py (by the person, and by approval_response); S/M: test_elicitation.py (by the person) and test_toolset_elicitation_answered_by_approval_response |
 
 The agent's side is the real SDK client: the loop agent prints each outcome, so the turn's text
 (`assistant.done`) shows what the agent got; heartbeats it receives are printed at once (an
 `assistant.delta` each), so the caller sees them while the call still waits. In process, the
 same flows are checked against the service's internals in test_approvals.py,
 test_agent_approvals.py (the permission prompt byte for byte, gated toolsets) and
-test_elicitation.py (approvals put to a person).
+test_elicitation.py (approvals put to a person); a toolset's own approval timeout in
+test_agent_approvals.py.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ DELETE = {
     "requires_approval": True,
 }
 GATED = "myapp_delete_file"
+BASH_INPUT = {"command": "rm -rf build", "description": "Remove the build output"}
+PROMPT = {"tool_name": "Bash", "input": BASH_INPUT, "tool_use_id": "toolu_01AbC"}
+"""What Claude Code sends its `--permission-prompt-tool` for an action of its own."""
 ERAS = pytest.mark.parametrize("mode", ["legacy", "auto"])
 TRANSPORTS = pytest.mark.parametrize("transport", ["stdio", "http"])
 
@@ -129,14 +135,28 @@ def call(tool_name: str, **options: Any) -> dict[str, Any]:
 @TRANSPORTS
 @ERAS
 async def test_decisions_in_one_turn(deployment: Deployment, transport: str, mode: str) -> None:
-    """One turn, five gated calls one after the other, each decided differently with `wait`; the last
-    one's own `approval_timeout_ms` passes while the caller decides."""
+    """One turn, seven gated calls one after the other, each decided differently with `wait`: two of
+    the agent's own actions through Claude Code's permission-prompt contract, then five caller tool
+    calls; the last one's own `approval_timeout_ms` passes while the caller decides."""
     paths = ["/tmp/a", "/tmp/b", "/tmp/c", "/tmp/everything"]
-    message = script(*[[(GATED, {"path": p})] for p in paths], [("myapp_wipe", {"path": "/tmp/z"})])
+    message = script(
+        [("permission_prompt", PROMPT)], [("permission_prompt", PROMPT)],
+        *[[(GATED, {"path": p})] for p in paths], [("myapp_wipe", {"path": "/tmp/z"})],
+    )
     tools = [DELETE, dict(DELETE, name="wipe", approval_timeout_ms=1000)]
     async with world(deployment, transport, mode) as w:
         caller = w.caller
-        first = ends_with(await caller.message("s1", message, tools, wait=True), "requires_approval")
+        # The agent's own action (origin "agent"): allowed with a rewrite, then denied with a reason.
+        asked = ends_with(await caller.message("s1", message, tools, wait=True), "requires_approval")
+        [p1] = asked["approval_requests"]
+        assert (p1["tool_name"], p1["arguments"], p1["origin"]) == ("Bash", BASH_INPUT, "agent")
+        assert p1["tool_use_id"] == "toolu_01AbC"
+        asked = ends_with(await decide(caller, "s1", request_id=p1["request_id"], approve=True,
+                                       updated_arguments={"command": "rm -rf build/tmp"}, wait=True), "requires_approval")
+        [p2] = asked["approval_requests"]
+        assert p2["origin"] == "agent" and p2["request_id"] != p1["request_id"]
+        first = ends_with(await decide(caller, "s1", request_id=p2["request_id"], approve=False,
+                                       reason="keep the build output", wait=True), "requires_approval")
         [a] = first["approval_requests"]
         assert (a["tool_name"], a["arguments"], a["origin"]) == (GATED, {"path": "/tmp/a"}, "caller")
         assert first["pending"] == [{"kind": "approval", "tool": GATED, **a}]
@@ -189,9 +209,16 @@ async def test_decisions_in_one_turn(deployment: Deployment, transport: str, mod
         late = await decide(caller, "s1", request_id=e["request_id"], approve=True)
         assert "already resolved: denied (timeout)" in late["error"], late
         [end] = await frames(caller, "s1", "assistant.done")
-        resolved = await frames(caller, "s1", "approval_resolved", 5)
+        resolved = await frames(caller, "s1", "approval_resolved", 7)
 
-    lines = end["text"].splitlines()
+    # Claude Code's contract, byte for byte, as the agent received it: one text block of compact JSON.
+    prompts, lines = end["text"].splitlines()[:2], end["text"].splitlines()[2:]
+    assert prompts == [
+        'permission_prompt -> {"behavior":"allow","updatedInput":{"command":"rm -rf build/tmp"}}',
+        'permission_prompt -> {"behavior":"deny","message":"\'Bash\' was denied: keep the build output"}',
+    ], prompts
+    assert [(r["request_id"], r["approve"]) for r in resolved[:2]] == [(p1["request_id"], True), (p2["request_id"], False)]
+    resolved = resolved[2:]
     assert lines[0] == f'{GATED} -> {{"deleted": "/tmp/a"}}', lines
     assert lines[1].startswith(f"{GATED} failed:") and "keep b" in lines[1], lines
     assert lines[2] == f'{GATED} -> {{"deleted": "c"}}', lines
