@@ -326,7 +326,7 @@ async def test_waiting_well(deployment: Deployment, mode: str) -> None:
         first = ends_with(await caller.message("s5", message, [DELETE, tool("notify")], wait=True), "requires_approval")
         [a] = first["approval_requests"]
         beats = progress_lines(await frames(caller, "s5", "assistant.delta", 3), GATED)
-        assert len(beats) == 3 and all(line.endswith(f"waiting for {GATED}") for line in beats), beats
+        assert len(beats) >= 3 and all(line.endswith(f"waiting for {GATED}") for line in beats), beats
         values = [float(line.split()[2].split("/")[0]) for line in beats]
         assert values == sorted(set(values)), values
 
