@@ -29,7 +29,7 @@ cost down one turn carries several flows (one scripted call each, decided in tur
 | the operator answering over HTTP           |  -  |  -  |  x  |     | test_the_operator_answers_over_http (all three routes) |
 | a new message while pending                |  x  |  x  |     |     | test_batch_mismatched_ids_and_re_answers |
 | approval timeout (a tool's own)            |  x  |  x  |  x  |  x  | test_decisions_in_one_turn |
-| caller disconnect while pending            |  x  |  x  |     |     | test_caller_disconnect_denies |
+| caller disconnect while pending            |  x  |  x  |  x  |     | test_caller_disconnect_denies; H/L: test_the_operator_answers_over_http |
 | agent cancel while pending                 |  x  |  x  |     |     | test_waiting_well |
 | heartbeats reach the agent (its token)     |  x  |  x  |     |     | test_waiting_well |
 | caller progress forwarded                  |  x  |  x  |     |     | test_waiting_well; over HTTP: test_the_operator_answers_over_http |
@@ -387,7 +387,8 @@ async def test_toolset_elicitation_answered_by_approval_response(deployment: Dep
 
 async def test_the_operator_answers_over_http(deployment: Deployment) -> None:
     """`POST …/caller_tool_progress`, `…/caller_tool_response` and `…/approvals` answer for the
-    session's caller with the server's HTTP token (`wait` too); the instance's own token is refused."""
+    session's caller with the server's HTTP token (`wait` too); the instance's own token is refused.
+    Then a caller leaves while its approval is pending, and the operator reads the denial."""
     message = json.dumps({"steps": [
         [call("myapp_notify", arguments={"n": 1}, progress=True)], [call(GATED, arguments={"path": "/tmp/x"})],
     ]})
@@ -426,6 +427,29 @@ async def test_the_operator_answers_over_http(deployment: Deployment) -> None:
             assert denied.status_code == 200, denied.text
             end = denied.json()
         [resolved] = await frames(caller, "s7", "approval_resolved")
+
+        # A handshake-era HTTP caller that leaves (its MCP session ends) while an approval of its
+        # session is pending: denied at once; the operator reads the outcome over the tether.
+        async with w.other_caller() as leaving:
+            stopped = ends_with(await leaving.message("s8", script([(GATED, {"path": "/tmp/x"})]), [DELETE], wait=True),
+                                "requires_approval")
+            [pending] = stopped["approval_requests"]
+        async with w.server.rest() as admin:
+            left = await tether_frames(admin, "s8", "approval_resolved")
+            [done] = await tether_frames(admin, "s8", "assistant.done")
     assert end["stop_reason"] == "end_turn", end
     assert 'myapp_notify -> {"sent": true}' in end["text"] and "ops says no" in end["text"], end["text"]
     assert (resolved["who"], resolved["approve"]) == ("http", False)
+    assert [(r["request_id"], r["who"], r["approve"]) for r in left] == [(pending["request_id"], "disconnect", False)]
+    assert f"{GATED} failed:" in done["text"] and "the caller disconnected before deciding" in done["text"], done
+
+
+async def tether_frames(admin: Any, session_id: str, type_: str) -> list[dict[str, Any]]:
+    """The operator's view over the tether's long poll: the payloads of the first frames of `type_`."""
+    with trio.fail_after(TURN_TIMEOUT):
+        while True:
+            response = await admin.get(f"/v1/instances/{INSTANCE}/tether/poll", params={
+                "channel": "mcp", "session_id": session_id, "types": type_, "wait_ms": 10_000})
+            assert response.status_code == 200, response.text
+            if found := response.json()["frames"]:
+                return [f["payload"] for f in found]
