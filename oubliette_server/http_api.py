@@ -5,6 +5,8 @@ One hypercorn (Trio worker) server serves one Starlette app:
 - `POST /v1/instances/{id}/tether`: ingress of a frame (a `user.message` wakes the instance);
 - `GET  /v1/instances/{id}/tether/poll`: `{frames, next_seq, timed_out}`, long poll up to `wait_ms`;
 - `GET  /v1/instances/{id}/tether/stream`: SSE, each event's id is its `seq`; `Last-Event-ID` resumes;
+- `POST /v1/instances/{id}/sessions/{sid}/approvals`, `…/caller_tool_response`,
+  `…/caller_tool_progress`: the operator answers for a session's caller (`AnswerRoutes`);
 - `/mcp`: the caller's MCP (Streamable HTTP, SSE responses, `tools.listChanged` advertised).
 
 Auth: on TCP every request needs `Authorization: Bearer <token>`: the server's
@@ -324,36 +326,53 @@ class TetherRoutes:
         )
 
 
-class ApprovalRoutes:
-    """`POST /v1/instances/{id}/sessions/{session_id}/approvals`: `approval_response` over HTTP.
+class AnswerRoutes:
+    """The operator's answers over HTTP, for tether users whose program holds no MCP session:
 
-    The body is the tool's (the single form or the `approvals` batch, `wait` too) without
-    `session_id`. Only the operator answers here: the HTTP admin token on TCP, or a Unix socket
-    listener (file mode 0600). An instance token, which its sandbox holds, is refused: an agent
-    must never approve its own calls.
+    - `POST /v1/instances/{id}/sessions/{session_id}/approvals`: `approval_response`;
+    - `POST /v1/instances/{id}/sessions/{session_id}/caller_tool_response`: `caller_tool_response`;
+    - `POST /v1/instances/{id}/sessions/{session_id}/caller_tool_progress`: `caller_tool_progress`.
+
+    Each body is the tool's arguments without `session_id` (`wait` too, where the tool takes it);
+    the answer is given for the session's owning caller and is refused like the tool's. Only the
+    operator answers here: the HTTP admin token on TCP, or a Unix socket listener (file mode
+    0600). An instance token, which its sandbox holds, is refused: an agent must never approve
+    its own calls nor make up the caller's results.
     """
 
     def __init__(self, tools: CallerTools, verify_token: VerifyToken) -> None:
         self.tools = tools
         self.verify_token = verify_token
+        self._doors = {
+            "approvals": tools.approval_response_over_http,
+            "caller_tool_response": tools.caller_tool_response_over_http,
+            "caller_tool_progress": tools.caller_tool_progress_over_http,
+        }
 
     def routes(self) -> list[Route]:
         """The routes this adapter serves."""
-        return [Route("/v1/instances/{instance}/sessions/{session_id}/approvals", self.answer, methods=["POST"])]
+        return [
+            Route(f"/v1/instances/{{instance}}/sessions/{{session_id}}/{name}", self._answer_with(door), methods=["POST"])
+            for name, door in self._doors.items()
+        ]
 
-    async def answer(self, request: Request) -> Response:
-        """POST the approval_response body for a session; answers as the tool does, or a JSON error."""
+    def _answer_with(self, door: Callable[[str, dict[str, Any]], Any]) -> Callable[[Request], Any]:
+        async def answer(request: Request) -> Response:
+            return await self.answer(request, door)
+
+        return answer
+
+    async def answer(self, request: Request, door: Callable[[str, dict[str, Any]], Any]) -> Response:
+        """POST a tool's body for a session to `door`; answers as the tool does, or a JSON error."""
         token = request.scope.get("state", {}).get("oubliette_token")
         if request.scope.get("server") is not None and not (token and self.verify_token(HTTP_ADMIN, token)):
-            return error_response(RelayError(errors.DENIED, "only the HTTP admin token may answer approvals"))
+            return error_response(RelayError(errors.DENIED, "only the HTTP admin token may answer for a caller"))
         try:
             body = await TetherRoutes._json_body(request)
             if not isinstance(body, dict):
                 raise RelayError(errors.INVALID_PARAMS, "the body must be a JSON object")
             args = {**body, "session_id": request.path_params["session_id"]}
-            answered = await _unless_disconnected(
-                request, lambda: self.tools.approval_response_over_http(request.path_params["instance"], args),
-            )
+            answered = await _unless_disconnected(request, lambda: door(request.path_params["instance"], args))
         except RelayError as err:
             return error_response(err)
         if answered is None:
@@ -470,7 +489,7 @@ class HttpApi:
             ),
             custom_starlette_routes=[
                 *TetherRoutes(self.tether, self.instances).routes(),
-                *ApprovalRoutes(self.tools, self.verify_token).routes(),
+                *AnswerRoutes(self.tools, self.verify_token).routes(),
             ],
         )
         starlette.router.default = _not_found  # unknown paths answer the JSON error shape too

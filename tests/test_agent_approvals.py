@@ -162,7 +162,9 @@ RM_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "requ
 
 
 @asynccontextmanager
-async def gated_toolset(deployment: Deployment, requires_approval: Any) -> AsyncIterator[tuple[InProcess, Any, Any, Any, list]]:
+async def gated_toolset(
+    deployment: Deployment, requires_approval: Any, approval_timeout: Any = None,
+) -> AsyncIterator[tuple[InProcess, Any, Any, Any, list]]:
     """Toolset `files` (prefix `fs`: `rm`, `ls`) allowed for the instance, gated as asked: (proc, owner, events, agent, ran)."""
     ran: list[tuple[str, dict[str, Any]]] = []
 
@@ -178,6 +180,7 @@ async def gated_toolset(deployment: Deployment, requires_approval: Any) -> Async
         await proc.server.register_toolset(
             "files", "fs", [ToolSpec(name="rm", input_schema=RM_SCHEMA), ToolSpec(name="ls")],
             ref=FunctionToolset({"rm": rm, "ls": ls}), requires_approval=requires_approval,
+            approval_timeout=approval_timeout,
         )
         await proc.server.update_allowed_toolsets(INSTANCE, ["files"])
         owner, events = proc.open_caller()
@@ -231,6 +234,37 @@ async def test_gated_toolset_tools_tell_the_client_their_approval_timeout(deploy
         assert "approval_timeout_ms" not in published["fs.ls"]
 
 
+@pytest.mark.parametrize("where", ["toolset", "tool"])
+async def test_a_gated_toolset_tools_own_approval_timeout_denies(deployment: Deployment, where: str) -> None:
+    """`approval_timeout` per toolset (seconds) or per tool (a mapping); the rest keep the server's; fail closed."""
+    timeout = 0.3 if where == "toolset" else {"rm": 0.3}
+    async with gated_toolset(deployment, True, approval_timeout=timeout) as (proc, owner, events, agent, ran):
+        router = next(iter(proc.server.toolsets.sessions._routers.values()))
+        published = {tool["name"]: tool["approval_timeout_ms"] for tool in router.published()}
+        assert published == {"fs.rm": 300, "fs.ls": 300 if where == "toolset" else 600_000}
+        call = AgentToolCall(proc.nursery, agent, "fs.rm", {"path": "/tmp/a"})
+        request = await events.wait_type("approval_request")
+        result = await call.outcome()
+        assert result.is_error, text_of(result)
+        assert "'fs.rm' was denied: no decision within 0.3 s (approval timeout)" in text_of(result), text_of(result)
+        resolved = await events.wait_type("approval_resolved", request_id=request["request_id"])
+        assert (resolved["approve"], resolved["who"]) == (False, "timeout")
+        late = await answer(proc, owner, request_id=request["request_id"], approve=True)
+        assert late.is_error and "already resolved: denied (timeout)" in text_of(late)
+        assert ran == [], "nothing runs without a decision"
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "10", float("inf"), {"rm": 0}])
+async def test_a_bad_toolset_approval_timeout_is_refused(deployment: Deployment, bad: Any) -> None:
+    async with in_process(deployment) as proc:
+        with pytest.raises(ValueError, match="approval_timeout.* must be a positive number of seconds"):
+            await proc.server.register_toolset(
+                "files", "fs", [ToolSpec(name="rm")], ref=FunctionToolset({}), requires_approval=True,
+                approval_timeout=bad,
+            )
+        assert "files" not in proc.server.toolsets.registry.definitions
+
+
 def test_requires_approval_in_the_config_file() -> None:
     from oubliette_server.toolsets.from_config import parse_toolsets
 
@@ -242,6 +276,21 @@ def test_requires_approval_in_the_config_file() -> None:
     assert [e.requires_approval for e in entries] == [True, ["rm"], False]
     with pytest.raises(ValueError, match="requires_approval must be true, false or a list of tool names"):
         parse_toolsets({"d": {"kind": "command", "prefix": "d", "command": "x", "requires_approval": "yes"}}, "t")
+
+
+def test_approval_timeout_in_the_config_file() -> None:
+    from oubliette_server.toolsets.from_config import parse_toolsets
+
+    entries = parse_toolsets({
+        "a": {"kind": "command", "prefix": "a", "command": "x", "requires_approval": True, "approval_timeout": 120},
+        "b": {"kind": "command", "prefix": "b", "command": "x", "requires_approval": ["rm"],
+              "approval_timeout": {"rm": 30.5}},
+        "c": {"kind": "command", "prefix": "c", "command": "x"},
+    }, "test.toml")
+    assert [e.approval_timeout for e in entries] == [120, {"rm": 30.5}, None]
+    for bad in (0, "ten", {"rm": -1}, {}, False):
+        with pytest.raises(ValueError, match="approval_timeout must be a positive number of seconds, or a table"):
+            parse_toolsets({"d": {"kind": "command", "prefix": "d", "command": "x", "approval_timeout": bad}}, "t")
 
 
 # -- item 5: waiting well ----------------------------------------------------------------------------
@@ -348,3 +397,21 @@ async def test_an_mcp_toolsets_progress_is_forwarded_to_the_agent(deployment: De
             assert "counted 3" in text_of(result)
             # Forwarded in order before the response (the relay keeps one connection's messages in order).
             assert call.progress == [(1.0, 3.0, "step 1"), (2.0, 3.0, "step 2"), (3.0, 3.0, "step 3")]
+
+
+async def test_a_configured_toolsets_approval_timeout_reaches_its_definition(deployment: Deployment) -> None:
+    import sys
+    from pathlib import Path
+
+    from oubliette_server.toolsets.from_config import parse_toolsets, register_from_config
+
+    echo = str(Path(__file__).parents[1] / "examples" / "mcp_echo.py")
+    entries = parse_toolsets({"echo": {
+        "kind": "command", "prefix": "ex", "command": [sys.executable, echo],
+        "requires_approval": True, "approval_timeout": {"echo_external": 5},
+    }}, "test.toml")
+    async with in_process(deployment) as proc:
+        await register_from_config(proc.server, entries, {})
+        definition = proc.server.toolsets.registry.definitions["echo"]
+        assert definition.approval_timeout_ms_for("echo_external") == 5000
+        assert definition.approval_timeout_ms == 600_000, "the tools not named keep the server's"

@@ -70,6 +70,11 @@ class OwnerKeyedSink:
         self._sink.push({**event, "owner_key": self._owner_key})
 
 
+def _http_context() -> Any:
+    """The request context of an HTTP door: no MCP session, so no elicitation and no stream to watch."""
+    return SimpleNamespace(protocol_version=None)
+
+
 def tool_result(payload: dict[str, Any]) -> types.CallToolResult:
     """An MCP tool result carrying `payload` both as JSON text and as structured content."""
     return types.CallToolResult(
@@ -491,18 +496,41 @@ class CallerTools:
 
         `args` is the tool's body with `session_id`; refused like the tool, with the same messages.
         """
-        problem = first_problem(self._validators["approval_response"], args, "invalid body")
+        session = self._http_session("approval_response", instance, args, "has no approvals")
+        self._check_answer_form(args)
+        assert session.owner is not None
+        return await self._answer_approvals(_http_context(), session.owner, "http", session, args)
+
+    async def caller_tool_response_over_http(self, instance: str, args: dict[str, Any]) -> dict[str, Any]:
+        """The HTTP door for `caller_tool_response`: the operator answers for the session's owning caller.
+
+        Tether users whose program cannot hold an MCP session answer the requests it relayed here;
+        refused like the tool, with the same messages.
+        """
+        session = self._http_session("caller_tool_response", instance, args, "has no caller tool requests")
+        assert session.owner is not None
+        return await self.caller_tool_response(_http_context(), session.owner, args)
+
+    async def caller_tool_progress_over_http(self, instance: str, args: dict[str, Any]) -> dict[str, Any]:
+        """The HTTP door for `caller_tool_progress`, as `caller_tool_response_over_http`."""
+        session = self._http_session("caller_tool_progress", instance, args, "has no caller tool requests")
+        assert session.owner is not None
+        return await self.caller_tool_progress(_http_context(), session.owner, args)
+
+    def _http_session(self, tool: str, instance: str, args: dict[str, Any], none: str) -> Session:
+        """The owned `mcp` session an HTTP answer (`args`, the tool's body with `session_id`) is for.
+
+        Raises: `RelayError` for a body the tool's schema refuses, or a session of `instance`
+        that no connected caller owns (`NOT_FOUND`, "… `none`").
+        """
+        problem = first_problem(self._validators[tool], args, "invalid body")
         if problem:
             raise RelayError(errors.INVALID_PARAMS, problem)
-        self._check_answer_form(args)
         matches = self.sessions.find_by_id(args["session_id"], instance)
         owned = [s for s in matches if s.owner is not None]
         if not owned:
-            raise RelayError(errors.NOT_FOUND, f"session '{args['session_id']}' of instance '{instance}' has no approvals")
-        session = owned[0]
-        assert session.owner is not None
-        ctx = SimpleNamespace(protocol_version=None)
-        return await self._answer_approvals(ctx, session.owner, "http", session, args)
+            raise RelayError(errors.NOT_FOUND, f"session '{args['session_id']}' of instance '{instance}' {none}")
+        return owned[0]
 
     def _check_answer_form(self, args: dict[str, Any]) -> None:
         if ("request_id" in args or "approve" in args) == ("approvals" in args):

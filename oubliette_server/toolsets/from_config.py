@@ -29,6 +29,8 @@ class ToolsetEntry:
     timeout: float | None = None
     requires_approval: bool | list[str] = False
     """true gates every tool of the toolset; a list gates those tools (their own names)."""
+    approval_timeout: float | dict[str, float] | None = None
+    """Seconds a gated call waits for its decision: one number, or a table of tool names to seconds."""
 
 
 def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
@@ -36,7 +38,7 @@ def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
     if not isinstance(tables, dict):
         raise ValueError(f"{where}: [toolsets] must be a table of tables")
     entries = []
-    allowed_keys = {"kind", "prefix", "command", "args", "env", "cwd", "roots", "timeout", "requires_approval"}
+    allowed_keys = {"kind", "prefix", "command", "args", "env", "cwd", "roots", "timeout", "requires_approval", "approval_timeout"}
     for toolset_id, table in tables.items():
         here = f"{where}: [toolsets.{toolset_id}]"
         if not isinstance(table, dict):
@@ -63,6 +65,13 @@ def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
         gate = table.get("requires_approval", False)
         if not isinstance(gate, bool) and not (isinstance(gate, list) and all(isinstance(t, str) and t for t in gate)):
             raise ValueError(f"{here}: requires_approval must be true, false or a list of tool names")
+        approval_timeout = table.get("approval_timeout")
+        if approval_timeout is not None and not _seconds(approval_timeout) and not (
+            isinstance(approval_timeout, dict) and approval_timeout and all(map(_seconds, approval_timeout.values()))
+        ):
+            raise ValueError(
+                f"{here}: approval_timeout must be a positive number of seconds, or a table of tool names to seconds"
+            )
         entries.append(ToolsetEntry(
             id=toolset_id, kind=kind, prefix=prefix, command=command,
             args=[str(a) for a in table.get("args", [])],
@@ -70,8 +79,13 @@ def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
             cwd=table.get("cwd"), roots=[str(r) for r in table.get("roots", [])],
             timeout=float(table["timeout"]) if "timeout" in table else None,
             requires_approval=gate,
+            approval_timeout=dict(approval_timeout) if isinstance(approval_timeout, dict) else approval_timeout,
         ))
     return entries
+
+
+def _seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
 class ToolsetRegistrar(Protocol):
@@ -81,6 +95,7 @@ class ToolsetRegistrar(Protocol):
         self, toolset_id: str, prefix: str, command: str, args: list[str] | None = ...,
         env: dict[str, str] | None = ..., cwd: str | None = ..., roots: list[str] | None = ...,
         *, call_timeout: float | None = ..., requires_approval: bool | list[str] = ...,
+        approval_timeout: float | dict[str, float] | None = ...,
     ) -> Any:
         """Start and register a shared stdio MCP toolset (see `ToolsetService.register_mcp_toolset`)."""
 
@@ -88,6 +103,7 @@ class ToolsetRegistrar(Protocol):
         self, toolset_id: str, prefix: str, command: str | list[str], *,
         timeout: float | None = ..., env: dict[str, str] | None = ..., cwd: str | None = ...,
         requires_approval: bool | list[str] = ...,
+        approval_timeout: float | dict[str, float] | None = ...,
     ) -> Any:
         """Register an action-contract command toolset (see `ToolsetService.register_command_toolset`)."""
 
@@ -122,12 +138,13 @@ async def register_from_config(
                 await server.register_mcp_toolset(
                     entry.id, entry.prefix, entry.command, entry.args, entry.env, entry.cwd, entry.roots,
                     call_timeout=entry.timeout, requires_approval=entry.requires_approval,
+                    approval_timeout=entry.approval_timeout,
                 )
             else:
                 command = [*command_list(entry.command), *entry.args]
                 await server.register_command_toolset(
                     entry.id, entry.prefix, command, timeout=entry.timeout, env=entry.env, cwd=entry.cwd,
-                    requires_approval=entry.requires_approval,
+                    requires_approval=entry.requires_approval, approval_timeout=entry.approval_timeout,
                 )
             registered.add(entry.id)
         except Exception as exc:

@@ -32,6 +32,8 @@ class ToolsetDefinition:
     """True: every tool is gated; a set: those tools are (by their own names). See `gates`."""
     approval_timeout_ms: int | None = None
     """How long a gated call waits for its decision (the clients add it to their deadline)."""
+    approval_timeouts_ms: dict[str, int] = attrs.field(factory=dict)
+    """Per tool (its own name), overriding `approval_timeout_ms`."""
 
     @property
     def per_session(self) -> bool:
@@ -43,6 +45,12 @@ class ToolsetDefinition:
         if isinstance(self.requires_approval, frozenset):
             return tool in self.requires_approval
         return bool(self.requires_approval)
+
+    def approval_timeout_ms_for(self, tool: str) -> int | None:
+        """How long a call of `tool` (its own name) waits for its decision; None for a tool that is not gated."""
+        if not self.gates(tool):
+            return None
+        return self.approval_timeouts_ms.get(tool, self.approval_timeout_ms)
 
 
 class ToolsetRegistry:

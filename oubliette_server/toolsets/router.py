@@ -48,7 +48,8 @@ class PublishedToolsetTool:
         """The `toolsets_config` entry the client lists (with its seed 001 descriptor)."""
         spec = self.spec
         definition = self.binding.definition
-        gated = {"approval_timeout_ms": definition.approval_timeout_ms} if definition.gates(spec.name) else {}
+        timeout_ms = definition.approval_timeout_ms_for(spec.name)
+        gated = {"approval_timeout_ms": timeout_ms} if definition.gates(spec.name) else {}
         return {
             **gated,
             "name": self.name,

@@ -7,7 +7,8 @@ changes.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Iterable
+import math
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import trio
 
@@ -28,6 +29,10 @@ from ..task_host import TaskHost
 AskCaller = Callable[[ClientPeer, str, dict[str, Any], str, dict[str, Any]], Awaitable[dict[str, Any]]]
 """`(connection, tool name, arguments, message, requestedSchema) -> {"action", "content"?}`: a toolset's
 form put to the caller that owns the calling session."""
+
+
+ApprovalTimeout = float | Mapping[str, float] | None
+"""A toolset's `approval_timeout`: seconds for every gated tool, per tool name, or None (the server's)."""
 
 
 def toolsets_config(router: ToolRouter) -> dict[str, Any]:
@@ -77,16 +82,22 @@ class ToolsetService:
         ref: Toolset | None = None,
         kind: str = "code",
         requires_approval: bool | Iterable[str] = False,
+        approval_timeout: ApprovalTimeout = None,
     ) -> ToolsetDefinition:
         """Register a toolset: `factory` makes one per session (stopped with it), `ref` is one shared toolset.
 
         `requires_approval`: True gates every tool, a collection of tool names (their own names,
         without the prefix) gates those: each call waits for the owning caller's decision first.
+        `approval_timeout`: seconds a gated call waits for it before it is denied: one number for
+        every gated tool, or a mapping of tool names (their own) to seconds; the server's
+        `approval_timeout` for the rest.
+        Raises: `ValueError` for a timeout that is not a positive number, and as `ToolsetRegistry.register`.
         """
         gate = requires_approval if isinstance(requires_approval, bool) else frozenset(requires_approval)
+        default_ms, per_tool_ms = self._approval_timeouts_ms(toolset_id, approval_timeout)
         definition = ToolsetDefinition(
             toolset_id, prefix, list(tools), factory=factory, ref=ref, kind=kind, requires_approval=gate,
-            approval_timeout_ms=self._approval_timeout_ms() if gate else None,
+            approval_timeout_ms=default_ms if gate else None, approval_timeouts_ms=per_tool_ms,
         )
         self.registry.register(definition)
         await self.refresh()
@@ -104,6 +115,7 @@ class ToolsetService:
         *,
         call_timeout: float | None = None,
         requires_approval: bool | Iterable[str] = False,
+        approval_timeout: ApprovalTimeout = None,
     ) -> ToolsetDefinition:
         """Start a stdio MCP server with the SDK's client, list its tools, and register them (shared)."""
         if self._tasks.nursery is None:
@@ -116,6 +128,7 @@ class ToolsetService:
         try:
             return await self.register_toolset(
                 toolset_id, prefix, tools, ref=toolset, kind="mcp", requires_approval=requires_approval,
+                approval_timeout=approval_timeout,
             )
         except Exception:
             await toolset.aclose()
@@ -131,6 +144,7 @@ class ToolsetService:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         requires_approval: bool | Iterable[str] = False,
+        approval_timeout: ApprovalTimeout = None,
     ) -> ToolsetDefinition:
         """Register an endpoint speaking seed 001's action contract; discovery failures leave it empty."""
         options: dict[str, Any] = {"env": env, "cwd": cwd}
@@ -140,6 +154,7 @@ class ToolsetService:
         tools = await toolset.discover()
         return await self.register_toolset(
             toolset_id, prefix, tools, ref=toolset, kind="command", requires_approval=requires_approval,
+            approval_timeout=approval_timeout,
         )
 
     async def unregister_toolset(self, toolset_id: str) -> None:
@@ -180,10 +195,24 @@ class ToolsetService:
         """
         self.sessions.detach(connection, self._tasks.nursery)
 
-    def _approval_timeout_ms(self) -> int | None:
-        if self.approvals is None:
-            return None
-        return max(1, round(self.approvals.approvals.default_timeout * 1000))
+    def _approval_timeouts_ms(self, toolset_id: str, timeout: ApprovalTimeout) -> tuple[int | None, dict[str, int]]:
+        """`approval_timeout` as milliseconds: (the toolset's default, per tool); the server's default if not given."""
+        default = None if self.approvals is None else self.approvals.approvals.default_timeout
+        per_tool: dict[str, float] = {}
+        if isinstance(timeout, Mapping):
+            per_tool = dict(timeout)
+        elif timeout is not None:
+            default = timeout
+        for name, seconds in [("", default), *per_tool.items()]:
+            if seconds is not None and not (
+                isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 < seconds < math.inf
+            ):
+                where = f" of tool {name!r}" if name else ""
+                raise ValueError(f"toolset {toolset_id!r}: approval_timeout{where} must be a positive number of seconds")
+        return (
+            None if default is None else max(1, round(default * 1000)),
+            {name: max(1, round(seconds * 1000)) for name, seconds in per_tool.items()},
+        )
 
     async def call(self, connection: ClientPeer, call: messages.ToolsetCall) -> messages.ToolsetCallResult:
         """The `toolset_call` relay method; a gated tool runs only once the owning caller approved it."""
@@ -191,8 +220,13 @@ class ToolsetService:
             raise RelayError(errors.NOT_FOUND, "no toolsets are bound to this connection")
         entry = connection.router.checked(call.name, call.arguments)
         arguments = call.arguments
-        if entry.binding.definition.gates(entry.spec.name):
-            arguments = await self._approved_arguments(connection, call.name, arguments, entry.spec.input_schema)
+        definition = entry.binding.definition
+        if definition.gates(entry.spec.name):
+            timeout_ms = definition.approval_timeout_ms_for(entry.spec.name)
+            arguments = await self._approved_arguments(
+                connection, call.name, arguments, entry.spec.input_schema,
+                None if timeout_ms is None else timeout_ms / 1000,
+            )
         ask = self.ask_caller
         if ask is not None:
 
@@ -211,12 +245,13 @@ class ToolsetService:
 
     async def _approved_arguments(
         self, connection: ClientPeer, name: str, arguments: dict[str, Any], schema: dict[str, Any],
+        timeout: float | None,
     ) -> dict[str, Any]:
         """Wait for the decision on a gated call: the arguments to run with, or `RelayError(DENIED)`."""
         if self.approvals is None:
             raise RelayError(errors.DENIED, f"'{name}' requires approval and this server has nobody to ask")
         decision = await self.approvals.decide(
-            connection, name, arguments, origin="toolset", input_schema=schema,
+            connection, name, arguments, origin="toolset", input_schema=schema, timeout=timeout,
         )
         if not decision.approve:
             raise RelayError(errors.DENIED, f"'{name}' was denied: {decision.reason or 'no reason given'}")
