@@ -61,7 +61,13 @@ def result_text(block: Block) -> str:
 
 def last_result_json(request: dict[str, Any]) -> Any:
     """The newest tool result of a request, parsed as JSON (what a model would read in it)."""
-    return json.loads(result_text(tool_results(request)[-1]))
+    results = tool_results(request)
+    assert results, "the request holds no tool result"
+    body = result_text(results[-1])
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise AssertionError(f"the tool result is not JSON: {results[-1]!r}") from None
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
@@ -112,6 +118,8 @@ class FakeAnthropic:
         """Every POST /v1/messages body, in arrival order."""
         self.main_requests: list[dict[str, Any]] = []
         """The requests that consumed a scripted reply (they offered tools)."""
+        self.errors: list[Exception] = []
+        """What the script's reply functions raised (their assertions on what the model saw)."""
         self.url = ""
 
     def _reply_for(self, body: dict[str, Any]) -> list[Block]:
@@ -122,7 +130,13 @@ class FakeAnthropic:
         if not self.replies:
             return [text("(script exhausted)")]
         reply = self.replies.pop(0)
-        return reply(body) if callable(reply) else reply
+        if not callable(reply):
+            return reply
+        try:
+            return reply(body)
+        except Exception as error:  # a failed expectation of the test's script: kept for the test
+            self.errors.append(error)
+            return [text(f"(script failed: {error!r})")]
 
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on 127.0.0.1 (a free port) until cancelled; `task_status.started(url)`."""

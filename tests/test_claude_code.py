@@ -1,0 +1,278 @@
+"""The real Claude Code CLI as the MCP host, on both sides, with its model replaced by a script.
+
+Claude Code 2.1.197 (installed into .claude-code/ by tests/tools/install-claude-code.sh, which
+README command 2 and .ci/run call) runs offline against `FakeAnthropic`, a scripted stand-in of
+the Messages API on 127.0.0.1 (tests/fake_anthropic.py). Each test scripts the "model"'s
+replies (tool_use blocks, then text) and asserts on what the stand-in was sent: the
+`tool_result` blocks are exactly what a real model would have read. Everything else is real:
+`oubliette-server`, the guest runtime, `oubliette-client`, and Claude Code's own MCP client,
+permission checks and Bash tool.
+
+- On the host, Claude Code is the *caller*: it spawns `oubliette-server` over stdio and drives
+  an agent (the scripted demo agent under the guest runtime) with issue 13's loop:
+  `session_message` with `wait` → `requires_action` → `caller_tool_response` with `wait` →
+  `end_turn`.
+- In the sandbox, Claude Code is the *agent*: the guest runtime runs `claude -p --mcp-config
+  {mcp_config}` per message, and the test's SDK caller answers its relayed caller tool calls,
+  and its permission prompts (`--permission-prompt-tool mcp__oubliette__permission_prompt`).
+
+Each Claude Code run gets a temporary HOME and working directory (no CLAUDE.md, no .mcp.json)
+and `--strict-mcp-config`. A missing CLI fails these tests: it is part of the test setup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+import trio
+
+from fake_anthropic import FakeAnthropic, last_result_json, result_text, text, tool_results, tool_use
+from harness import DEMO_AGENT, PYTHON, Deployment, structured, text_of
+
+ROOT = Path(__file__).resolve().parent.parent
+CLAUDE = ROOT / ".claude-code" / "claude"
+INSTALL = "tests/tools/install-claude-code.sh"
+OUBLIETTE_SERVER = str(Path(PYTHON).with_name("oubliette-server"))
+INSTANCE = "box1"
+RUN_TIMEOUT = 90.0
+"""One whole Claude Code run (it starts in about 1 s; each MCP server in 1-2 s more)."""
+WAIT = 60
+"""The `wait` (seconds) every caller call passes: longer than any step takes here."""
+
+NOTIFY_TOOL = {
+    "name": "send_notification", "description": "Tell the person at the host",
+    "inputSchema": {"type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]},
+    "timeout_ms": 60000,
+}
+CONTEXT = {"caller_id": "myapp", "caller_tools": [NOTIFY_TOOL]}
+
+
+def claude_binary() -> str:
+    """The installed CLI's path; the test fails (never skips) when it is not there."""
+    if not os.access(CLAUDE, os.X_OK):
+        pytest.fail(f"Claude Code is not installed at {CLAUDE}: run {INSTALL} (README command 2 and .ci/run do)")
+    return str(CLAUDE)
+
+
+def claude_env(fake_url: str, home: Path) -> dict[str, str]:
+    """A clean environment for Claude Code: the stand-in model, a temporary HOME, no traffic
+    elsewhere, and none of the host's Claude or Oubliette settings."""
+    env = {key: os.environ[key] for key in ("PATH", "LANG", "LC_ALL", "TMPDIR") if key in os.environ}
+    env.update({
+        "HOME": str(home), "ANTHROPIC_BASE_URL": fake_url, "ANTHROPIC_API_KEY": "sk-ant-test-stand-in",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+        # -p mode connects MCP servers in the background: the first request could go out before
+        # oubliette-server or oubliette-client is connected. Wait for them, as docs/CLAUDE_CODE.md says.
+        "MCP_CONNECTION_NONBLOCKING": "false",
+    })
+    return env
+
+
+@asynccontextmanager
+async def stand_in(replies: list[Any]) -> AsyncIterator[FakeAnthropic]:
+    """The scripted model, serving until the block ends."""
+    fake = FakeAnthropic(replies)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(fake.serve)
+        yield fake
+        nursery.cancel_scope.cancel()
+    if fake.errors:
+        raise fake.errors[0]
+
+
+def scratch(deployment: Deployment, name: str) -> Path:
+    """An empty directory under the test's root (removed with it): a HOME or a working directory."""
+    path = deployment.root / name
+    path.mkdir()
+    return path
+
+
+def results_seen(fake: FakeAnthropic) -> list[dict[str, Any]]:
+    """The tool_result blocks of the last request the model got: every result of the run, in order."""
+    return tool_results(fake.main_requests[-1])
+
+
+# -- the host: Claude Code as the caller ----------------------------------------------------------
+
+
+async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment) -> None:
+    """Issue 13's basic loop with the real CLI as the caller: its model sees `requires_action` with
+    the request's arguments in a tool result, answers with `caller_tool_response` and `wait`, and
+    sees `end_turn` with the caller tool's result in the agent's text."""
+    claude = claude_binary()
+    session = "cc-host"
+    message = 'Please call myapp_send_notification {"message": "tests pass"}'
+
+    def answer(request: dict[str, Any]) -> list[dict[str, Any]]:
+        stop = last_result_json(request)
+        assert stop.get("stop_reason") == "requires_action", stop
+        pending = stop["pending"][0]
+        return [tool_use("mcp__oubliette__caller_tool_response", {
+            "session_id": session, "request_id": pending["request_id"],
+            "result": {"status": "sent", "to": "the person"}, "wait": WAIT})]
+
+    script = [
+        [text("Handing it to the sandbox."), tool_use("mcp__oubliette__session_message", {
+            "instance": INSTANCE, "session_id": session, "message": message, "context": CONTEXT, "wait": WAIT})],
+        answer,
+        [text("The agent notified the person.")],
+    ]
+    config = deployment.root / "host-mcp.json"
+    config.write_text(json.dumps({"mcpServers": {"oubliette": {
+        "command": OUBLIETTE_SERVER,
+        "args": ["--relay", deployment.relay, "--data-dir", str(deployment.data_dir), "--log-level", "warning"],
+        "env": {},
+    }}}))
+    home, work = scratch(deployment, "home"), scratch(deployment, "work")
+    async with stand_in(script) as fake, deployment.guest(INSTANCE, DEMO_AGENT):
+        with trio.fail_after(RUN_TIMEOUT):
+            run = await trio.run_process(
+                [claude, "-p", "--mcp-config", str(config), "--strict-mcp-config",
+                 "--allowedTools", "mcp__oubliette__*", "--output-format", "text"],
+                stdin=b"Notify me through the sandboxed agent.", env=claude_env(fake.url, home), cwd=work,
+                capture_stdout=True, capture_stderr=True, check=False)
+    assert run.returncode == 0, run.stderr.decode(errors="replace")
+    assert run.stdout.decode().strip().endswith("The agent notified the person.")
+
+    first = fake.main_requests[0]
+    offered = {tool["name"] for tool in first["tools"]}
+    assert {"mcp__oubliette__session_message", "mcp__oubliette__caller_tool_response",
+            "mcp__oubliette__approval_response"} <= offered
+
+    assert len(fake.main_requests) == 3, [len(tool_results(r)) for r in fake.main_requests]
+    stopped, ended = results_seen(fake)
+    assert not stopped.get("is_error") and not ended.get("is_error"), (stopped, ended)
+    stop = json.loads(result_text(stopped))
+    assert stop["stop_reason"] == "requires_action" and stop["session_id"] == session, stop
+    [pending] = stop["pending"]
+    assert pending["kind"] == "caller_tool" and pending["tool"] == "send_notification", pending
+    assert pending["arguments"] == {"message": "tests pass"} and pending["expires_at"], pending
+
+    end = json.loads(result_text(ended))
+    assert end["stop_reason"] == "end_turn" and end["resolved"] is True and end["pending"] == [], end
+    assert 'myapp_send_notification returned {"status": "sent", "to": "the person"}' in end["text"], end["text"]
+
+
+# -- the sandbox: Claude Code as the agent --------------------------------------------------------
+
+
+@asynccontextmanager
+async def claude_agent(deployment: Deployment, fake: FakeAnthropic, *flags: str) -> AsyncIterator[Path]:
+    """The guest runtime for INSTANCE running Claude Code per message (`{mcp_config}` is the
+    runtime's per-session config); yields the agent's working directory."""
+    claude = claude_binary()
+    work = scratch(deployment, "work")
+    command = [claude, "-p", "--mcp-config", "{mcp_config}", "--strict-mcp-config", "--output-format", "text", *flags]
+    process = await trio.lowlevel.open_process(
+        [PYTHON, "-m", "oubliette_client", "run", "--relay", deployment.relay, "--instance", INSTANCE,
+         "--token", deployment.token(INSTANCE), "--log-level", "WARNING", "--", *command],
+        env=claude_env(fake.url, scratch(deployment, "home")), cwd=work, stdin=subprocess.DEVNULL,
+    )
+    try:
+        yield work
+    finally:
+        process.terminate()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+
+
+async def call(caller: Any, name: str, **arguments: Any) -> dict[str, Any]:
+    """One caller tool call, acting on its result only (as a model would)."""
+    with trio.fail_after(RUN_TIMEOUT):
+        result = await caller.call_tool(name, arguments)
+    assert not result.is_error, text_of(result)
+    return structured(result)
+
+
+ALLOWED = ("--allowedTools", "mcp__oubliette__*")
+PERMISSION = ("--permission-mode", "default", "--permission-prompt-tool", "mcp__oubliette__permission_prompt")
+"""The flags docs/CLAUDE_CODE.md and docs/APPROVALS.md (flow 8) give the agent command."""
+
+
+async def test_claude_code_as_the_agent_calls_a_caller_tool(deployment: Deployment) -> None:
+    """Claude Code in the sandbox calls the session's caller tool through oubliette-client; the
+    caller answers it from the `requires_action` stop, and the model sees that answer."""
+    session = "cc-agent"
+    script = [
+        [tool_use("mcp__oubliette__myapp_send_notification", {"message": "build is green"})],
+        [text("Told the host: build is green.")],
+    ]
+    async with stand_in(script) as fake, claude_agent(deployment, fake, *ALLOWED), \
+            deployment.caller(events=False) as (caller, _events):
+        stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
+                          message="Tell the host the build is green.", context=CONTEXT, wait=WAIT)
+        assert stop["stop_reason"] == "requires_action", stop
+        [pending] = stop["pending"]
+        assert (pending["tool"], pending["arguments"]) == ("send_notification", {"message": "build is green"})
+        end = await call(caller, "caller_tool_response", session_id=session, request_id=pending["request_id"],
+                         result={"status": "sent", "id": 7}, wait=WAIT)
+    assert end["stop_reason"] == "end_turn", end
+    assert end["text"].strip() == "Told the host: build is green."
+
+    offered = {tool["name"] for tool in fake.main_requests[0]["tools"]}
+    assert {"mcp__oubliette__myapp_send_notification", "mcp__oubliette__permission_prompt"} <= offered
+    [seen] = results_seen(fake)
+    assert not seen.get("is_error"), seen
+    assert json.loads(result_text(seen)) == {"status": "sent", "id": 7}
+
+
+BASH = {"command": "touch ran-by-bash && echo approved-$((40 + 2))", "description": "Mark the run"}
+
+
+async def permission_turn(deployment: Deployment, session: str, decision: dict[str, Any]) -> tuple[FakeAnthropic, Path, dict, dict]:
+    """Claude Code (permission-prompt flags) is scripted to run Bash; the caller gets the
+    `requires_approval` stop and answers with `decision` and `wait`. Returns the stand-in, the
+    agent's working directory, the stop and the turn's end."""
+    script = [
+        [tool_use("Bash", BASH, id="toolu_bash_1")],
+        [text("Finished.")],
+    ]
+    async with stand_in(script) as fake, claude_agent(deployment, fake, *ALLOWED, *PERMISSION) as work, \
+            deployment.caller(events=False) as (caller, _events):
+        stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
+                          message="Mark the run.", context=CONTEXT, wait=WAIT)
+        assert stop["stop_reason"] == "requires_approval", stop
+        [pending] = stop["pending"]
+        assert not (work / "ran-by-bash").exists(), "Bash ran before the decision"
+        end = await call(caller, "approval_response", session_id=session, request_id=pending["request_id"],
+                         wait=WAIT, **decision)
+    return fake, work, stop, end
+
+
+def check_agent_request(stop: dict[str, Any]) -> None:
+    """The approval request of Claude Code's Bash call, as the caller sees it (origin agent)."""
+    [pending] = stop["pending"]
+    assert pending["kind"] == "approval" and pending["tool"] == "Bash", pending
+    assert pending["origin"] == "agent" and pending["arguments"] == BASH, pending
+
+
+async def test_permission_prompt_approved_runs_the_agents_bash(deployment: Deployment) -> None:
+    """Claude Code asks the caller through `mcp__oubliette__permission_prompt` before it runs
+    Bash; approved, the command runs and the model sees its output."""
+    fake, work, stop, end = await permission_turn(deployment, "cc-allow", {"approve": True})
+    check_agent_request(stop)
+    assert end["stop_reason"] == "end_turn" and end["text"].strip() == "Finished.", end
+    assert (work / "ran-by-bash").exists()
+    [seen] = results_seen(fake)
+    assert seen["tool_use_id"] == "toolu_bash_1" and not seen.get("is_error"), seen
+    assert "approved-42" in result_text(seen)
+
+
+async def test_permission_prompt_denied_tells_the_model_why(deployment: Deployment) -> None:
+    """Denied, Bash never runs and the model gets the caller's reason as the tool's error."""
+    fake, work, stop, end = await permission_turn(
+        deployment, "cc-deny", {"approve": False, "reason": "not on this machine"})
+    check_agent_request(stop)
+    assert end["stop_reason"] == "end_turn", end
+    assert not (work / "ran-by-bash").exists()
+    [seen] = results_seen(fake)
+    assert seen["tool_use_id"] == "toolu_bash_1" and seen.get("is_error") is True, seen
+    assert "'Bash' was denied: not on this machine" in result_text(seen)
