@@ -41,6 +41,7 @@ CLAUDE = ROOT / ".claude-code" / "claude"
 INSTALL = "tests/tools/install-claude-code.sh"
 OUBLIETTE_SERVER = str(Path(PYTHON).with_name("oubliette-server"))
 INSTANCE = "box1"
+ECHO_ENDPOINT = str(ROOT / "examples" / "mcp_echo.py")
 RUN_TIMEOUT = 90.0
 """One whole Claude Code run (it starts in about 1 s; each MCP server in 1-2 s more)."""
 WAIT = 60
@@ -197,16 +198,30 @@ PERMISSION = ("--permission-mode", "default", "--permission-prompt-tool", "mcp__
 """The flags docs/CLAUDE_CODE.md and docs/APPROVALS.md (flow 8) give the agent command."""
 
 
-async def test_claude_code_as_the_agent_calls_a_caller_tool(deployment: Deployment) -> None:
-    """Claude Code in the sandbox calls the session's caller tool through oubliette-client; the
-    caller answers it from the `requires_action` stop, and the model sees that answer."""
+def toolset_config(deployment: Deployment) -> Path:
+    """A server config: the reference command endpoint as toolset `ext` for INSTANCE, with the
+    `_` separator Claude Code needs (docs/CLAUDE_CODE.md, "Tool names")."""
+    path = deployment.root / "oubliette.toml"
+    path.write_text(
+        '[server]\ntool_separator = "_"\n\n'
+        f'[toolsets.ext]\nkind = "command"\nprefix = "ext"\ncommand = {json.dumps([PYTHON, ECHO_ENDPOINT])}\n\n'
+        f'[allowlists]\n{INSTANCE} = ["ext"]\n'
+    )
+    return path
+
+
+async def test_claude_code_as_the_agent_calls_a_host_toolset_and_a_caller_tool(deployment: Deployment) -> None:
+    """Claude Code in the sandbox calls a host toolset tool and then the session's caller tool
+    through oubliette-client; the caller answers the latter from the `requires_action` stop, and
+    the model sees both results."""
     session = "cc-agent"
     script = [
+        [tool_use("mcp__oubliette__ext_echo_external", {"message": "hello from the sandbox"})],
         [tool_use("mcp__oubliette__myapp_send_notification", {"message": "build is green"})],
         [text("Told the host: build is green.")],
     ]
     async with stand_in(script) as fake, claude_agent(deployment, fake, *ALLOWED), \
-            deployment.caller(events=False) as (caller, _events):
+            deployment.caller("--config", str(toolset_config(deployment)), events=False) as (caller, _events):
         stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
                           message="Tell the host the build is green.", context=CONTEXT, wait=WAIT)
         assert stop["stop_reason"] == "requires_action", stop
@@ -218,10 +233,12 @@ async def test_claude_code_as_the_agent_calls_a_caller_tool(deployment: Deployme
     assert end["text"].strip() == "Told the host: build is green."
 
     offered = {tool["name"] for tool in fake.main_requests[0]["tools"]}
-    assert {"mcp__oubliette__myapp_send_notification", "mcp__oubliette__permission_prompt"} <= offered
-    [seen] = results_seen(fake)
-    assert not seen.get("is_error"), seen
-    assert json.loads(result_text(seen)) == {"status": "sent", "id": 7}
+    assert {"mcp__oubliette__ext_echo_external", "mcp__oubliette__myapp_send_notification",
+            "mcp__oubliette__permission_prompt"} <= offered, sorted(offered)
+    echoed, answered = results_seen(fake)
+    assert not echoed.get("is_error") and not answered.get("is_error"), (echoed, answered)
+    assert json.loads(result_text(echoed)) == {"echo": "hello from the sandbox"}
+    assert json.loads(result_text(answered)) == {"status": "sent", "id": 7}
 
 
 BASH = {"command": "touch ran-by-bash && echo approved-$((40 + 2))", "description": "Mark the run"}
@@ -276,3 +293,52 @@ async def test_permission_prompt_denied_tells_the_model_why(deployment: Deployme
     [seen] = results_seen(fake)
     assert seen["tool_use_id"] == "toolu_bash_1" and seen.get("is_error") is True, seen
     assert "'Bash' was denied: not on this machine" in result_text(seen)
+
+
+async def test_permission_prompt_rewrite_runs_the_updated_input(deployment: Deployment) -> None:
+    """Approved with `updated_arguments`, Claude Code runs the caller's rewrite (its
+    `updatedInput`), not what the model asked for."""
+    rewrite = {"command": "touch rewritten && echo rewritten-$((6 * 7))", "description": "Mark the run"}
+    fake, work, stop, end = await permission_turn(
+        deployment, "cc-rewrite", {"approve": True, "updated_arguments": rewrite})
+    check_agent_request(stop)
+    assert end["stop_reason"] == "end_turn", end
+    assert (work / "rewritten").exists() and not (work / "ran-by-bash").exists()
+    [seen] = results_seen(fake)
+    assert not seen.get("is_error") and "rewritten-42" in result_text(seen), seen
+
+
+PROMPT_INPUT = {"command": "rm -rf build", "description": "Remove the build output"}
+
+
+async def test_permission_prompt_answers_are_claude_codes_json_byte_for_byte(deployment: Deployment) -> None:
+    """The model calls `mcp__oubliette__permission_prompt` itself, with the arguments Claude Code
+    passes it, so the tool's text reaches the stand-in untouched: compact JSON in Claude Code's
+    contract, allow with the full input and deny with the reason."""
+    session = "cc-bytes"
+
+    def prompt(tool_use_id: str) -> list[dict[str, Any]]:
+        return [tool_use("mcp__oubliette__permission_prompt",
+                         {"tool_name": "Bash", "input": PROMPT_INPUT, "tool_use_id": tool_use_id})]
+
+    script = [prompt("toolu_01AbC"), prompt("toolu_02XyZ"), [text("Both asked.")]]
+    async with stand_in(script) as fake, claude_agent(deployment, fake, *ALLOWED), \
+            deployment.caller(events=False) as (caller, _events):
+        stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
+                          message="Ask twice.", context=CONTEXT, wait=WAIT)
+        assert stop["stop_reason"] == "requires_approval", stop
+        [first] = stop["pending"]
+        assert (first["tool"], first["arguments"], first["origin"]) == ("Bash", PROMPT_INPUT, "agent"), first
+        stop = await call(caller, "approval_response", session_id=session, request_id=first["request_id"],
+                          approve=True, wait=WAIT)
+        assert stop["stop_reason"] == "requires_approval", stop
+        [second] = stop["pending"]
+        assert second["request_id"] != first["request_id"], stop
+        end = await call(caller, "approval_response", session_id=session, request_id=second["request_id"],
+                         approve=False, reason="keep the build output", wait=WAIT)
+    assert end["stop_reason"] == "end_turn" and end["text"].strip() == "Both asked.", end
+    allowed, denied = results_seen(fake)
+    assert result_text(allowed) == (
+        '{"behavior":"allow","updatedInput":{"command":"rm -rf build","description":"Remove the build output"}}')
+    assert result_text(denied) == '{"behavior":"deny","message":"\'Bash\' was denied: keep the build output"}'
+    assert not allowed.get("is_error") and not denied.get("is_error"), (allowed, denied)
