@@ -17,13 +17,17 @@ permission checks and Bash tool.
   and its permission prompts (`--permission-prompt-tool mcp__oubliette__permission_prompt`).
 
 Each Claude Code run gets a temporary HOME and working directory (no CLAUDE.md, no .mcp.json)
-and `--strict-mcp-config`. A missing CLI fails these tests: it is part of the test setup.
+and `--strict-mcp-config`. The Claude Code command lines, their environment and the host's MCP
+config are read from docs/CLAUDE_CODE.md, so the doc shows what runs here. A missing CLI fails
+these tests: it is part of the test setup.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import tempfile
 from contextlib import asynccontextmanager
@@ -39,7 +43,7 @@ from harness import DEMO_AGENT, PYTHON, Deployment, structured, text_of
 ROOT = Path(__file__).resolve().parent.parent
 CLAUDE = ROOT / ".claude-code" / "claude"
 INSTALL = "tests/tools/install-claude-code.sh"
-OUBLIETTE_SERVER = str(Path(PYTHON).with_name("oubliette-server"))
+DOC = ROOT / "docs" / "CLAUDE_CODE.md"
 INSTANCE = "box1"
 ECHO_ENDPOINT = str(ROOT / "examples" / "mcp_echo.py")
 RUN_TIMEOUT = 90.0
@@ -62,19 +66,73 @@ def claude_binary() -> str:
     return str(CLAUDE)
 
 
-def claude_env(fake_url: str, home: Path) -> dict[str, str]:
+def claude_env(fake_url: str, home: Path, documented: dict[str, str]) -> dict[str, str]:
     """A clean environment for Claude Code: the stand-in model, a temporary HOME, no traffic
-    elsewhere, and none of the host's Claude or Oubliette settings."""
-    env = {key: os.environ[key] for key in ("PATH", "LANG", "LC_ALL", "TMPDIR") if key in os.environ}
+    elsewhere, none of the host's Claude or Oubliette settings, the venv's programs first on
+    PATH (the doc's configs name `oubliette-server` and `oubliette-client`), and the variables
+    the doc's command line sets."""
+    env = {key: os.environ[key] for key in ("LANG", "LC_ALL", "TMPDIR") if key in os.environ}
     env.update({
+        "PATH": os.pathsep.join([str(Path(PYTHON).parent), os.environ.get("PATH", os.defpath)]),
         "HOME": str(home), "ANTHROPIC_BASE_URL": fake_url, "ANTHROPIC_API_KEY": "sk-ant-test-stand-in",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
         "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
-        # -p mode connects MCP servers in the background: the first request could go out before
-        # oubliette-server or oubliette-client is connected. Wait for them, as docs/CLAUDE_CODE.md says.
-        "MCP_CONNECTION_NONBLOCKING": "false",
     })
+    env.update(documented)
     return env
+
+
+# -- what docs/CLAUDE_CODE.md shows ---------------------------------------------------------------
+
+
+def doc_blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```$", DOC.read_text(), re.S | re.M)
+
+
+def documented_lines() -> list[tuple[dict[str, str], list[str]]]:
+    """Each shell line of the doc (continuations joined): its leading `NAME=value`s, and its words."""
+    lines = []
+    for block in doc_blocks("sh"):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            env: dict[str, str] = {}
+            while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+                name, _, value = words.pop(0).partition("=")
+                env[name] = value
+            if words:
+                lines.append((env, words))
+    return lines
+
+
+def documented_host_run() -> tuple[dict[str, str], list[str]]:
+    """The doc's `claude -p` line on the host (Claude Code spawning oubliette-server): env, argv."""
+    for env, words in documented_lines():
+        if words[:2] == ["claude", "-p"]:
+            return env, [claude_binary(), *words[1:]]
+    pytest.fail(f"{DOC.name} shows no `claude -p` line for the host")
+
+
+def documented_host_config(data_dir: Path) -> dict[str, Any]:
+    """The doc's stdio MCP config for oubliette-server, with this test's data directory."""
+    for block in doc_blocks("json"):
+        config = json.loads(block)
+        server = config["mcpServers"].get("oubliette", {})
+        if server.get("command") == "oubliette-server":
+            server["env"]["OUBLIETTE_DATA_DIR"] = str(data_dir)
+            return config
+    pytest.fail(f"{DOC.name} shows no stdio MCP config that starts oubliette-server")
+
+
+def documented_agent_command(*, permission_prompt: bool) -> tuple[dict[str, str], list[str]]:
+    """The doc's agent command after `oubliette-client run --` (with or without the permission
+    prompt flags), and the non-OUBLIETTE variables the line sets."""
+    for env, words in documented_lines():
+        if words[:2] == ["oubliette-client", "run"] and "--" in words:
+            command = words[words.index("--") + 1:]
+            if ("--permission-prompt-tool" in command) == permission_prompt and command[:2] == ["claude", "-p"]:
+                return ({k: v for k, v in env.items() if not k.startswith("OUBLIETTE_")},
+                        [claude_binary(), *command[1:]])
+    pytest.fail(f"{DOC.name} shows no guest runtime line (permission prompt: {permission_prompt})")
 
 
 @asynccontextmanager
@@ -108,7 +166,7 @@ async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment) -
     """Issue 13's basic loop with the real CLI as the caller: its model sees `requires_action` with
     the request's arguments in a tool result, answers with `caller_tool_response` and `wait`, and
     sees `end_turn` with the caller tool's result in the agent's text."""
-    claude = claude_binary()
+    documented_env, argv = documented_host_run()
     session = "cc-host"
     message = 'Please call myapp_send_notification {"message": "tests pass"}'
 
@@ -126,20 +184,17 @@ async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment) -
         answer,
         [text("The agent notified the person.")],
     ]
-    config = deployment.root / "host-mcp.json"
-    config.write_text(json.dumps({"mcpServers": {"oubliette": {
-        "command": OUBLIETTE_SERVER,
-        "args": ["--relay", deployment.relay, "--data-dir", str(deployment.data_dir), "--log-level", "warning"],
-        "env": {},
-    }}}))
     home, work = scratch(deployment, "home"), scratch(deployment, "work")
+    config = documented_host_config(deployment.data_dir)
+    (work / argv[argv.index("--mcp-config") + 1]).write_text(json.dumps(config))
+    # The documented config sets only the data directory: the relay is its default socket there.
+    deployment.socket = deployment.data_dir / "relay.sock"
+    deployment.relay = f"unix:{deployment.socket}"
     async with stand_in(script) as fake, deployment.guest(INSTANCE, DEMO_AGENT):
         with trio.fail_after(RUN_TIMEOUT):
             run = await trio.run_process(
-                [claude, "-p", "--mcp-config", str(config), "--strict-mcp-config",
-                 "--allowedTools", "mcp__oubliette__*", "--output-format", "text"],
-                stdin=b"Notify me through the sandboxed agent.", env=claude_env(fake.url, home), cwd=work,
-                capture_stdout=True, capture_stderr=True, check=False)
+                argv, stdin=b"Notify me through the sandboxed agent.", env=claude_env(fake.url, home, documented_env),
+                cwd=work, capture_stdout=True, capture_stderr=True, check=False)
     assert run.returncode == 0, run.stderr.decode(errors="replace")
     assert run.stdout.decode().strip().endswith("The agent notified the person.")
 
@@ -166,16 +221,17 @@ async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment) -
 
 
 @asynccontextmanager
-async def claude_agent(deployment: Deployment, fake: FakeAnthropic, *flags: str) -> AsyncIterator[Path]:
-    """The guest runtime for INSTANCE running Claude Code per message (`{mcp_config}` is the
-    runtime's per-session config); yields the agent's working directory."""
-    claude = claude_binary()
+async def claude_agent(deployment: Deployment, fake: FakeAnthropic, *, permission_prompt: bool = False) -> AsyncIterator[Path]:
+    """The guest runtime for INSTANCE running the doc's Claude Code line per message (with or
+    without the permission prompt; `{mcp_config}` is the runtime's per-session config); yields
+    the agent's working directory."""
+    documented_env, command = documented_agent_command(permission_prompt=permission_prompt)
+    assert "{mcp_config}" in command and "--strict-mcp-config" in command, command
     work = scratch(deployment, "work")
-    command = [claude, "-p", "--mcp-config", "{mcp_config}", "--strict-mcp-config", "--output-format", "text", *flags]
     process = await trio.lowlevel.open_process(
         [PYTHON, "-m", "oubliette_client", "run", "--relay", deployment.relay, "--instance", INSTANCE,
          "--token", deployment.token(INSTANCE), "--log-level", "WARNING", "--", *command],
-        env=claude_env(fake.url, scratch(deployment, "home")), cwd=work, stdin=subprocess.DEVNULL,
+        env=claude_env(fake.url, scratch(deployment, "home"), documented_env), cwd=work, stdin=subprocess.DEVNULL,
     )
     try:
         yield work
@@ -191,11 +247,6 @@ async def call(caller: Any, name: str, **arguments: Any) -> dict[str, Any]:
         result = await caller.call_tool(name, arguments)
     assert not result.is_error, text_of(result)
     return structured(result)
-
-
-ALLOWED = ("--allowedTools", "mcp__oubliette__*")
-PERMISSION = ("--permission-mode", "default", "--permission-prompt-tool", "mcp__oubliette__permission_prompt")
-"""The flags docs/CLAUDE_CODE.md and docs/APPROVALS.md (flow 8) give the agent command."""
 
 
 def toolset_config(deployment: Deployment) -> Path:
@@ -220,7 +271,7 @@ async def test_claude_code_as_the_agent_calls_a_host_toolset_and_a_caller_tool(d
         [tool_use("mcp__oubliette__myapp_send_notification", {"message": "build is green"})],
         [text("Told the host: build is green.")],
     ]
-    async with stand_in(script) as fake, claude_agent(deployment, fake, *ALLOWED), \
+    async with stand_in(script) as fake, claude_agent(deployment, fake), \
             deployment.caller("--config", str(toolset_config(deployment)), events=False) as (caller, _events):
         stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
                           message="Tell the host the build is green.", context=CONTEXT, wait=WAIT)
@@ -252,7 +303,7 @@ async def permission_turn(deployment: Deployment, session: str, decision: dict[s
         [tool_use("Bash", BASH, id="toolu_bash_1")],
         [text("Finished.")],
     ]
-    async with stand_in(script) as fake, claude_agent(deployment, fake, *ALLOWED, *PERMISSION) as work, \
+    async with stand_in(script) as fake, claude_agent(deployment, fake, permission_prompt=True) as work, \
             deployment.caller(events=False) as (caller, _events):
         stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
                           message="Mark the run.", context=CONTEXT, wait=WAIT)
@@ -322,7 +373,7 @@ async def test_permission_prompt_answers_are_claude_codes_json_byte_for_byte(dep
                          {"tool_name": "Bash", "input": PROMPT_INPUT, "tool_use_id": tool_use_id})]
 
     script = [prompt("toolu_01AbC"), prompt("toolu_02XyZ"), [text("Both asked.")]]
-    async with stand_in(script) as fake, claude_agent(deployment, fake, *ALLOWED), \
+    async with stand_in(script) as fake, claude_agent(deployment, fake), \
             deployment.caller(events=False) as (caller, _events):
         stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
                           message="Ask twice.", context=CONTEXT, wait=WAIT)
@@ -342,3 +393,19 @@ async def test_permission_prompt_answers_are_claude_codes_json_byte_for_byte(dep
         '{"behavior":"allow","updatedInput":{"command":"rm -rf build","description":"Remove the build output"}}')
     assert result_text(denied) == '{"behavior":"deny","message":"\'Bash\' was denied: keep the build output"}'
     assert not allowed.get("is_error") and not denied.get("is_error"), (allowed, denied)
+
+
+# -- the setup ------------------------------------------------------------------------------------
+
+
+def test_the_suite_command_installs_the_claude_code_these_tests_run() -> None:
+    """README command 2 is .ci/run's command, it runs the install script, and the installed CLI
+    is the version that script pins."""
+    ci_line = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                   if "pytest" in line and not line.startswith("#"))
+    assert ci_line in (ROOT / "README.md").read_text().splitlines()
+    assert f"(bash {INSTALL})" in ci_line
+    pinned = re.search(r"^VERSION=(\S+)$", (ROOT / INSTALL).read_text(), re.M)
+    assert pinned is not None
+    done = subprocess.run([claude_binary(), "--version"], capture_output=True, text=True, timeout=60)
+    assert done.stdout.startswith(f"{pinned.group(1)} (Claude Code)"), done
