@@ -112,15 +112,16 @@ def documented_host_run() -> tuple[dict[str, str], list[str]]:
     pytest.fail(f"{DOC.name} shows no `claude -p` line for the host")
 
 
-def documented_host_config(data_dir: Path) -> dict[str, Any]:
-    """The doc's stdio MCP config for oubliette-server, with this test's data directory."""
+def documented_host_config(data_dir: Path, *, for_print_mode: bool = True) -> dict[str, Any]:
+    """The doc's stdio MCP config for oubliette-server, with this test's data directory: the one
+    for `claude -p` (approvals as tool results, `--approval-delivery tool`) or the plain one."""
     for block in doc_blocks("json"):
         config = json.loads(block)
         server = config["mcpServers"].get("oubliette", {})
-        if server.get("command") == "oubliette-server":
+        if server.get("command") == "oubliette-server" and ("--approval-delivery" in server["args"]) == for_print_mode:
             server["env"]["OUBLIETTE_DATA_DIR"] = str(data_dir)
             return config
-    pytest.fail(f"{DOC.name} shows no stdio MCP config that starts oubliette-server")
+    pytest.fail(f"{DOC.name} shows no stdio MCP config that starts oubliette-server (for -p: {for_print_mode})")
 
 
 def documented_agent_command(*, permission_prompt: bool) -> tuple[dict[str, str], list[str]]:
@@ -162,11 +163,31 @@ def results_seen(fake: FakeAnthropic) -> list[dict[str, Any]]:
 # -- the host: Claude Code as the caller ----------------------------------------------------------
 
 
+async def claude_on_the_host(
+    deployment: Deployment, script: list[Any], *, for_print_mode: bool = True,
+) -> tuple[subprocess.CompletedProcess[bytes], FakeAnthropic]:
+    """One documented `claude -p` run on the host, spawning oubliette-server from the documented
+    config, with a guest running the demo agent; the finished run and the stand-in."""
+    documented_env, argv = documented_host_run()
+    home, work = scratch(deployment, "home"), scratch(deployment, "work")
+    config = documented_host_config(deployment.data_dir, for_print_mode=for_print_mode)
+    (work / argv[argv.index("--mcp-config") + 1]).write_text(json.dumps(config))
+    # The documented config sets only the data directory: the relay is its default socket there.
+    deployment.socket = deployment.data_dir / "relay.sock"
+    deployment.relay = f"unix:{deployment.socket}"
+    async with stand_in(script) as fake, deployment.guest(INSTANCE, DEMO_AGENT):
+        with trio.fail_after(RUN_TIMEOUT):
+            run = await trio.run_process(
+                argv, stdin=b"Notify me through the sandboxed agent.", env=claude_env(fake.url, home, documented_env),
+                cwd=work, capture_stdout=True, capture_stderr=True, check=False)
+    assert run.returncode == 0, run.stderr.decode(errors="replace")
+    return run, fake
+
+
 async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment) -> None:
     """Issue 13's basic loop with the real CLI as the caller: its model sees `requires_action` with
     the request's arguments in a tool result, answers with `caller_tool_response` and `wait`, and
     sees `end_turn` with the caller tool's result in the agent's text."""
-    documented_env, argv = documented_host_run()
     session = "cc-host"
     message = 'Please call myapp_send_notification {"message": "tests pass"}'
 
@@ -184,17 +205,7 @@ async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment) -
         answer,
         [text("The agent notified the person.")],
     ]
-    home, work = scratch(deployment, "home"), scratch(deployment, "work")
-    config = documented_host_config(deployment.data_dir)
-    (work / argv[argv.index("--mcp-config") + 1]).write_text(json.dumps(config))
-    # The documented config sets only the data directory: the relay is its default socket there.
-    deployment.socket = deployment.data_dir / "relay.sock"
-    deployment.relay = f"unix:{deployment.socket}"
-    async with stand_in(script) as fake, deployment.guest(INSTANCE, DEMO_AGENT):
-        with trio.fail_after(RUN_TIMEOUT):
-            run = await trio.run_process(
-                argv, stdin=b"Notify me through the sandboxed agent.", env=claude_env(fake.url, home, documented_env),
-                cwd=work, capture_stdout=True, capture_stderr=True, check=False)
+    run, fake = await claude_on_the_host(deployment, script)
     assert run.returncode == 0, run.stderr.decode(errors="replace")
     assert run.stdout.decode().strip().endswith("The agent notified the person.")
 
@@ -215,6 +226,61 @@ async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment) -
     end = json.loads(result_text(ended))
     assert end["stop_reason"] == "end_turn" and end["resolved"] is True and end["pending"] == [], end
     assert 'myapp_send_notification returned {"status": "sent", "to": "the person"}' in end["text"], end["text"]
+
+
+GATED_CONTEXT = {"caller_id": "myapp", "caller_tools": [dict(NOTIFY_TOOL, requires_approval=True)]}
+
+
+async def test_claude_code_on_the_host_approves_a_gated_tool_as_the_model(deployment: Deployment) -> None:
+    """With the documented `-p` config (`--approval-delivery tool`) a gated caller tool stops the
+    turn with `requires_approval`; the model approves with `approval_response` and `wait`, gets
+    `requires_action`, answers, and gets `end_turn`."""
+    session = "cc-gated"
+    message = 'Please call myapp_send_notification {"message": "deploy?"}'
+
+    def approve(request: dict[str, Any]) -> list[dict[str, Any]]:
+        stop = last_result_json(request)
+        assert stop.get("stop_reason") == "requires_approval", stop
+        [pending] = stop["pending"]
+        assert (pending["kind"], pending["tool"], pending["origin"]) == ("approval", "myapp_send_notification", "caller"), pending
+        assert pending["arguments"] == {"message": "deploy?"}, pending
+        return [tool_use("mcp__oubliette__approval_response", {
+            "session_id": session, "request_id": pending["request_id"], "approve": True, "wait": WAIT})]
+
+    def answer(request: dict[str, Any]) -> list[dict[str, Any]]:
+        stop = last_result_json(request)
+        assert stop.get("stop_reason") == "requires_action", stop
+        [pending] = stop["pending"]
+        return [tool_use("mcp__oubliette__caller_tool_response", {
+            "session_id": session, "request_id": pending["request_id"], "result": {"status": "sent"}, "wait": WAIT})]
+
+    script = [
+        [tool_use("mcp__oubliette__session_message", {
+            "instance": INSTANCE, "session_id": session, "message": message, "context": GATED_CONTEXT, "wait": WAIT})],
+        approve, answer, [text("Approved and sent.")],
+    ]
+    run, fake = await claude_on_the_host(deployment, script)
+    assert run.stdout.decode().strip() == "Approved and sent."
+    end = json.loads(result_text(results_seen(fake)[-1]))
+    assert end["stop_reason"] == "end_turn", end
+    assert 'myapp_send_notification returned {"status": "sent"}' in end["text"], end["text"]
+
+
+async def test_claude_code_p_turns_down_approval_forms(deployment: Deployment) -> None:
+    """Why the `-p` config sets `--approval-delivery tool`: with the default (`auto`) the server
+    puts the approval to Claude Code's person as an elicitation form, `-p` has nobody to show it
+    to, and the gated tool is denied at once; the model only sees the agent's failure."""
+    message = 'Please call myapp_send_notification {"message": "deploy?"}'
+    script = [
+        [tool_use("mcp__oubliette__session_message", {
+            "instance": INSTANCE, "session_id": "cc-form", "message": message, "context": GATED_CONTEXT, "wait": WAIT})],
+        [text("It was declined.")],
+    ]
+    run, fake = await claude_on_the_host(deployment, script, for_print_mode=False)
+    [seen] = results_seen(fake)
+    end = json.loads(result_text(seen))
+    assert end["stop_reason"] == "end_turn" and end["pending"] == [], end
+    assert "'myapp_send_notification' was denied: declined by the user" in end["text"], end["text"]
 
 
 # -- the sandbox: Claude Code as the agent --------------------------------------------------------
