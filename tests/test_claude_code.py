@@ -475,3 +475,11 @@ def test_the_suite_command_installs_the_claude_code_these_tests_run() -> None:
     assert pinned is not None
     done = subprocess.run([claude_binary(), "--version"], capture_output=True, text=True, timeout=60)
     assert done.stdout.startswith(f"{pinned.group(1)} (Claude Code)"), done
+
+
+def test_the_doc_lists_every_test_here() -> None:
+    """docs/CLAUDE_CODE.md's "Tested with the real CLI" table names each Claude Code test."""
+    names = re.findall(r"^async def (test_\w+)", Path(__file__).read_text(), re.M)
+    doc = DOC.read_text()
+    assert len(names) >= 8
+    assert [name for name in names if f"`{name}`" not in doc] == []
