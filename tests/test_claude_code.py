@@ -30,7 +30,7 @@ import re
 import shlex
 import subprocess
 import tempfile
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -163,19 +163,41 @@ def results_seen(fake: FakeAnthropic) -> list[dict[str, Any]]:
 # -- the host: Claude Code as the caller ----------------------------------------------------------
 
 
+def documented_http_config(url: str) -> dict[str, Any]:
+    """The doc's Streamable HTTP MCP config, pointed at this test's server (`url`, no path)."""
+    for block in doc_blocks("json"):
+        config = json.loads(block)
+        server = config["mcpServers"].get("oubliette", {})
+        if server.get("type") == "http":
+            assert server["headers"] == {"Authorization": "Bearer ${OUBLIETTE_HTTP_TOKEN}"}, server
+            server["url"] = re.sub(r"^http://[^/]+", url, server["url"])
+            return config
+    pytest.fail(f"{DOC.name} shows no HTTP MCP config")
+
+
 async def claude_on_the_host(
-    deployment: Deployment, script: list[Any], *, for_print_mode: bool = True,
+    deployment: Deployment, script: list[Any], *, config: str = "print",
 ) -> tuple[subprocess.CompletedProcess[bytes], FakeAnthropic]:
-    """One documented `claude -p` run on the host, spawning oubliette-server from the documented
-    config, with a guest running the demo agent; the finished run and the stand-in."""
+    """One documented `claude -p` run on the host with a guest running the demo agent; the
+    finished run and the stand-in. `config`: the doc's stdio config for `-p` ("print", Claude
+    Code spawns oubliette-server), its plain stdio config ("interactive"), or its HTTP config
+    ("http", a running server daemon and its token in `OUBLIETTE_HTTP_TOKEN`)."""
     documented_env, argv = documented_host_run()
     home, work = scratch(deployment, "home"), scratch(deployment, "work")
-    config = documented_host_config(deployment.data_dir, for_print_mode=for_print_mode)
-    (work / argv[argv.index("--mcp-config") + 1]).write_text(json.dumps(config))
-    # The documented config sets only the data directory: the relay is its default socket there.
-    deployment.socket = deployment.data_dir / "relay.sock"
-    deployment.relay = f"unix:{deployment.socket}"
-    async with stand_in(script) as fake, deployment.guest(INSTANCE, DEMO_AGENT):
+    config_file = work / argv[argv.index("--mcp-config") + 1]
+    async with AsyncExitStack() as stack:
+        if config == "http":
+            server = await stack.enter_async_context(deployment.http_server())
+            config_file.write_text(json.dumps(documented_http_config(server.url)))
+            documented_env = {**documented_env, "OUBLIETTE_HTTP_TOKEN": server.token}
+        else:
+            stdio = documented_host_config(deployment.data_dir, for_print_mode=config == "print")
+            config_file.write_text(json.dumps(stdio))
+            # The documented config sets only the data directory: the relay is its default socket there.
+            deployment.socket = deployment.data_dir / "relay.sock"
+            deployment.relay = f"unix:{deployment.socket}"
+        fake = await stack.enter_async_context(stand_in(script))
+        await stack.enter_async_context(deployment.guest(INSTANCE, DEMO_AGENT))
         with trio.fail_after(RUN_TIMEOUT):
             run = await trio.run_process(
                 argv, stdin=b"Notify me through the sandboxed agent.", env=claude_env(fake.url, home, documented_env),
@@ -184,9 +206,11 @@ async def claude_on_the_host(
     return run, fake
 
 
-async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment) -> None:
-    """Issue 13's basic loop with the real CLI as the caller: its model sees `requires_action` with
-    the request's arguments in a tool result, answers with `caller_tool_response` and `wait`, and
+@pytest.mark.parametrize("config", ["print", "http"])
+async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment, config: str) -> None:
+    """Issue 13's basic loop with the real CLI as the caller (spawning the server over stdio, or
+    over Streamable HTTP with the bearer header): its model sees `requires_action` with the
+    request's arguments in a tool result, answers with `caller_tool_response` and `wait`, and
     sees `end_turn` with the caller tool's result in the agent's text."""
     session = "cc-host"
     message = 'Please call myapp_send_notification {"message": "tests pass"}'
@@ -195,9 +219,10 @@ async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment) -
         stop = last_result_json(request)
         assert stop.get("stop_reason") == "requires_action", stop
         pending = stop["pending"][0]
+        owner = {"owner_key": stop["owner_key"]} if stop.get("owner_key") else {}
         return [tool_use("mcp__oubliette__caller_tool_response", {
             "session_id": session, "request_id": pending["request_id"],
-            "result": {"status": "sent", "to": "the person"}, "wait": WAIT})]
+            "result": {"status": "sent", "to": "the person"}, "wait": WAIT, **owner})]
 
     script = [
         [text("Handing it to the sandbox."), tool_use("mcp__oubliette__session_message", {
@@ -205,8 +230,7 @@ async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment) -
         answer,
         [text("The agent notified the person.")],
     ]
-    run, fake = await claude_on_the_host(deployment, script)
-    assert run.returncode == 0, run.stderr.decode(errors="replace")
+    run, fake = await claude_on_the_host(deployment, script, config=config)
     assert run.stdout.decode().strip().endswith("The agent notified the person.")
 
     first = fake.main_requests[0]
@@ -276,7 +300,7 @@ async def test_claude_code_p_turns_down_approval_forms(deployment: Deployment) -
             "instance": INSTANCE, "session_id": "cc-form", "message": message, "context": GATED_CONTEXT, "wait": WAIT})],
         [text("It was declined.")],
     ]
-    run, fake = await claude_on_the_host(deployment, script, for_print_mode=False)
+    run, fake = await claude_on_the_host(deployment, script, config="interactive")
     [seen] = results_seen(fake)
     end = json.loads(result_text(seen))
     assert end["stop_reason"] == "end_turn" and end["pending"] == [], end
