@@ -8,10 +8,11 @@ replies (tool_use blocks, then text) and asserts on what the stand-in was sent: 
 `oubliette-server`, the guest runtime, `oubliette-client`, and Claude Code's own MCP client,
 permission checks and Bash tool.
 
-- On the host, Claude Code is the *caller*: it spawns `oubliette-server` over stdio and drives
-  an agent (the scripted demo agent under the guest runtime) with issue 13's loop:
-  `session_message` with `wait` → `requires_action` → `caller_tool_response` with `wait` →
-  `end_turn`.
+- On the host, Claude Code is the *caller*: it spawns `oubliette-server` over stdio (or reaches
+  a daemon over Streamable HTTP) and drives an agent (the scripted demo agent under the guest
+  runtime) with issue 13's loop: `session_message` with `wait` → `requires_action` →
+  `caller_tool_response` with `wait` → `end_turn`; gated tools through `requires_approval` and
+  `approval_response` (and what `-p` does with an approval form instead).
 - In the sandbox, Claude Code is the *agent*: the guest runtime runs `claude -p --mcp-config
   {mcp_config}` per message, and the test's SDK caller answers its relayed caller tool calls,
   and its permission prompts (`--permission-prompt-tool mcp__oubliette__permission_prompt`).
@@ -29,7 +30,6 @@ import os
 import re
 import shlex
 import subprocess
-import tempfile
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
