@@ -233,10 +233,13 @@ class ApprovalService:
         assert entry.decision is not None
         return entry.decision
 
-    def fail_caller(self, caller: CallerConnection) -> int:
-        """The caller's connection ended: every approval it owns is denied now."""
+    def fail_caller(self, caller: CallerConnection, session: Session | None = None) -> int:
+        """The caller's connection (or, with `session`, its wait on that session) ended: every
+        approval it owns (of `session`, if given) is denied now, as it fails closed."""
         failed = 0
         for entry in list(self._pending.values()):
+            if session is not None and entry.session is not session:
+                continue
             if entry.caller is caller and entry.decision is None:
                 self._decide(entry, Decision(
                     approve=False, who="disconnect", reason="the caller disconnected before deciding",

@@ -250,8 +250,9 @@ class CallerTools:
         return mine
 
     def caller_gone(self, caller: CallerConnection, session: Session | None = None) -> int:
-        """The caller's stream ended (HTTP): its pending calls (of `session`, if given) fail now."""
-        return self.caller_tools.pending.fail_caller(caller, session)
+        """The caller's stream ended (HTTP): its pending calls (of `session`, if given) fail now and
+        its pending approvals are denied (fail closed). Returns how many of both ended."""
+        return self.caller_tools.pending.fail_caller(caller, session) + self.approvals.fail_caller(caller, session)
 
     async def session_message(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
         """Send a message to an instance's agent, declaring the caller's tools first if given; with `wait`,
@@ -427,7 +428,7 @@ class CallerTools:
 
     def _waiting_caller_left(self, caller: CallerConnection, session: Session) -> None:
         failed = self.caller_gone(caller, session)
-        log.info("%r left while waiting in session %s; %d pending call(s) failed", caller, session.id, failed)
+        log.info("%r left while waiting in session %s; %d pending call(s) and approval(s) ended", caller, session.id, failed)
 
     # -- caller_tool_response ------------------------------------------------------------
 
