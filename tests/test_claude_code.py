@@ -104,11 +104,19 @@ def documented_lines() -> list[tuple[dict[str, str], list[str]]]:
     return lines
 
 
+def waits_for_mcp(env: dict[str, str]) -> dict[str, str]:
+    """`env`, checked to make `claude -p` wait for its MCP servers before the first request (it
+    waits at most MCP_CONNECT_TIMEOUT_MS, 5 s by default: too short on a busy machine)."""
+    assert env.get("MCP_CONNECTION_NONBLOCKING") == "false", env
+    assert int(env.get("MCP_CONNECT_TIMEOUT_MS", "0")) >= 30000, env
+    return env
+
+
 def documented_host_run() -> tuple[dict[str, str], list[str]]:
     """The doc's `claude -p` line on the host (Claude Code spawning oubliette-server): env, argv."""
     for env, words in documented_lines():
         if words[:2] == ["claude", "-p"]:
-            return env, [claude_binary(), *words[1:]]
+            return waits_for_mcp(env), [claude_binary(), *words[1:]]
     pytest.fail(f"{DOC.name} shows no `claude -p` line for the host")
 
 
@@ -131,7 +139,7 @@ def documented_agent_command(*, permission_prompt: bool) -> tuple[dict[str, str]
         if words[:2] == ["oubliette-client", "run"] and "--" in words:
             command = words[words.index("--") + 1:]
             if ("--permission-prompt-tool" in command) == permission_prompt and command[:2] == ["claude", "-p"]:
-                return ({k: v for k, v in env.items() if not k.startswith("OUBLIETTE_")},
+                return (waits_for_mcp({k: v for k, v in env.items() if not k.startswith("OUBLIETTE_")}),
                         [claude_binary(), *command[1:]])
     pytest.fail(f"{DOC.name} shows no guest runtime line (permission prompt: {permission_prompt})")
 
