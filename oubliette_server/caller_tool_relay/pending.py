@@ -275,5 +275,8 @@ class CallerCallRegistry:
         else:
             self._finish(call, "resolved", result=result)
             payload = {"request_id": request_id, "tool": call.tool, "result": result}
-        await self._append_frame(call.session, "caller_tool_result", payload)
+        # The answering caller knows its answer: the event goes to the session's other sinks
+        # only, unless the session asked for it (`context.echo_own_answers`); the log has it.
+        echo = call.session.echo_own_answers
+        await self._append_frame(call.session, "caller_tool_result", payload, skip=None if echo else caller)
         return call
