@@ -137,7 +137,8 @@ async def run_as_caller(workdir: Path) -> None:
     responder = Responder()
     server_params = StdioServerParameters(
         command=PYTHON,
-        args=["-m", "oubliette_server", "--relay", relay, "--data-dir", str(data_dir), "--log-level", "WARNING"],
+        args=[*profiled("server"), "-m", "oubliette_server", "--relay", relay, "--data-dir", str(data_dir),
+              "--log-level", "WARNING"],
     )
     stdin = trio.lowlevel.FdStream(os.dup(0))
     async with Client(server_params, mode="legacy", logging_callback=responder.on_log) as caller, \
@@ -155,6 +156,13 @@ async def run_as_caller(workdir: Path) -> None:
             pass
         nursery.cancel_scope.cancel()
     print(json.dumps({"answered": responder.answered, "failures": responder.failures}), flush=True)
+
+
+def profiled(name: str) -> list[str]:
+    """`-m cProfile -o DIR/NAME.prof` when BENCH_PROFILE_DIR is set (the program's profile, written
+    when it exits at the end of the run; read it with `python -m pstats`), else nothing."""
+    where = os.environ.get("BENCH_PROFILE_DIR")
+    return ["-m", "cProfile", "-o", str(Path(where) / f"{name}.prof")] if where else []
 
 
 # -- CPU time of the processes --------------------------------------------------------------------
@@ -387,7 +395,7 @@ async def bench(workdir: Path, args: argparse.Namespace) -> None:
     relay = f"unix:{workdir / 'relay.sock'}"
     token = token_for(data_dir, INSTANCE)
     agent_params = StdioServerParameters(
-        command=PYTHON, args=["-m", "oubliette_client", "--log-level", "WARNING"],
+        command=PYTHON, args=[*profiled("client"), "-m", "oubliette_client", "--log-level", "WARNING"],
         env={"OUBLIETTE_RELAY": relay, "OUBLIETTE_INSTANCE": INSTANCE, "OUBLIETTE_TOKEN": token,
              "OUBLIETTE_SESSION": f"mcp:{SESSION_ID}"},
     )
