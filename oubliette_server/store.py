@@ -555,7 +555,8 @@ class FrameStore:
         created: list[str] = []
         try:
             db = self._db
-            with self._transaction():
+            # A deferred BEGIN: this process is the only writer, so the write lock is free.
+            with _Transaction(db, "BEGIN"):
                 for instance in group.base:
                     if instance not in self._iids:
                         self._iids[instance] = db.execute(_NEW_INSTANCE, (instance,)).lastrowid
@@ -822,15 +823,16 @@ class _Group:
 
 
 class _Transaction:
-    """``BEGIN IMMEDIATE`` … ``COMMIT``, or ``ROLLBACK`` on any exception."""
+    """``BEGIN IMMEDIATE`` (or the given ``begin``) … ``COMMIT``, or ``ROLLBACK`` on any exception."""
 
-    __slots__ = ("_db",)
+    __slots__ = ("_begin", "_db")
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> None:
         self._db = db
+        self._begin = begin
 
     def __enter__(self) -> None:
-        self._db.execute("BEGIN IMMEDIATE")
+        self._db.execute(self._begin)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is None:
