@@ -22,6 +22,7 @@ This module uses no Trio; it imports only the error type and the frame types.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -99,10 +100,14 @@ def _guest_delivery(frame: dict[str, Any]) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "method": "user_message", "params": {"frame": frame}}
 
 
+@functools.lru_cache(maxsize=4096)
 def _frame_overhead(
     instance: str, channel: str, session_id: str, type: str, msg_id: str | None, reply_to: str | None
 ) -> int:
-    """Bytes of a delivered frame's line besides its payload's own encoding (no newline)."""
+    """Bytes of a delivered frame's line besides its payload's own encoding (no newline).
+
+    Cached: every frame of a session has the same envelope but for its ids, and `FrameLog.append`
+    asks for each frame it stores (it need not encode the envelope again each time)."""
     frame = _frame_wire(instance, channel, session_id, type, msg_id or _GENERATED_MSG_ID, reply_to, {})
     return _bytes(_guest_delivery(frame)) - len("{}")
 
