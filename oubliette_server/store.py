@@ -107,7 +107,6 @@ import math
 import os
 import sqlite3
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -464,7 +463,7 @@ class FrameStore:
         if not isinstance(payload, dict):
             raise TypeError(f"payload must be a dict, got {payload.__class__.__name__}")
         if msg_id is None:
-            msg_id = "m-" + uuid.uuid4().hex
+            msg_id = "m-" + os.urandom(16).hex()  # 128 random bits, as uuid4().hex, at a quarter of its cost
         elif not isinstance(msg_id, str) or not msg_id:
             raise ValueError(f"msg_id must be a non-empty string or None, got {msg_id!r}")
         if reply_to is not None and not isinstance(reply_to, str):
@@ -486,7 +485,7 @@ class FrameStore:
         reply_to: str | None = None,
     ) -> Frame:
         """Append one frame; its seq is the next after the highest ever assigned for the
-        instance.  ``msg_id`` defaults to ``"m-" + uuid4().hex``.  Wakes the instance's
+        instance.  ``msg_id`` defaults to ``"m-"`` and 32 random hex digits.  Wakes the instance's
         waiters.  The frame is committed when this returns (see the module docstring for
         what that means for durability); if it raises, nothing was stored."""
         prepared = [self._prepare(channel, session_id, type, payload, msg_id, reply_to)]
@@ -535,10 +534,13 @@ class FrameStore:
         group.base.setdefault(instance, last)
         group.parts.append((instance, first, ts, prepared))
         if leader:
-            # Let the appends of other ready tasks join this commit; nothing may stop it now.
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            self._group = None
-            self._commit(group)
+            # Let the appends of other ready tasks join this commit; nothing may stop it now
+            # (the others wait for it, shielded).
+            try:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            finally:
+                self._group = None
+                self._commit(group)
         else:
             with trio.CancelScope(shield=True):
                 await group.done.wait()

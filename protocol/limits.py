@@ -68,7 +68,7 @@ _MAX_CALLER_ID = 32  # context.caller_id
 _MAX_RPC_ID = 64  # a relay request id (oubliette-client sends small integers)
 _MAX_SEQ = 2**63 - 1  # seq is a SQLite integer
 _TS = "2026-11-22T10:00:00.123Z"  # store.format_ts: fixed width
-_GENERATED_MSG_ID = "m-" + "0" * 32  # store: "m-" + uuid4().hex
+_GENERATED_MSG_ID = "m-" + "0" * 32  # store: "m-" + 32 random hex digits
 _REQUEST_ID = "ctr-" + "0" * 16  # caller_tool_relay.pending
 
 
