@@ -142,6 +142,9 @@ SCHEMA_VERSION = 1
 # type; it is checked row by row along the primary key instead.
 _MAX_TYPE_UNION = 16
 
+# One encoder for every payload (json.dumps with options builds a new one per call).
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
 _APPEND_KEYS = frozenset({"channel", "session_id", "type", "payload", "msg_id", "reply_to"})
 _REQUIRED_KEYS = frozenset({"channel", "session_id", "type", "payload"})
 
@@ -470,7 +473,7 @@ class FrameStore:
             raise TypeError(f"reply_to must be a string or None, got {reply_to!r}")
         # allow_nan=False: NaN/Infinity are not JSON.  Round-trip so the returned frame holds
         # exactly what a later query returns (and is not shared with the caller).
-        text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        text = _ENCODE(payload)
         return channel, session_id, type, msg_id, reply_to, text, json.loads(text)
 
     async def append(
