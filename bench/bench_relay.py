@@ -22,7 +22,18 @@ and measures:
    and the ratio relayed/direct;
 2. throughput (calls/s) with 1 call in flight (the wall time of the sequential run of 1.) and
    with 64 calls in flight (64 tasks sharing the one agent client, M calls in all), both paths,
-   and the ratio relayed/direct.
+   and the ratio relayed/direct;
+3. CPU time per call of every process taking part, over the sequential run of 1.: the agent
+   (this process), oubliette-client, oubliette-server and the caller (a process of its own,
+   this script with ``--as-caller``), and for the direct path the agent and echo_server;
+   read from ``/proc/PID/stat`` (utime + stime) before and after the run (this process:
+   ``time.process_time``);
+4. the machine's load average before and after, since the figures are only comparable on a
+   similarly quiet machine.
+
+The caller runs in its own process so that its CPU time is not mixed with the agent's; it
+spawns oubliette-server, declares the tool, prints one JSON line ``{"server_pid": …}`` and
+answers events until its stdin closes, then prints ``{"answered": …, "failures": […]}``.
 
 The frame store lives in a temporary directory; every process and the directory are removed
 at the end.  Not part of the test suite.
@@ -31,6 +42,7 @@ at the end.  Not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -117,6 +129,88 @@ def token_for(data_dir: Path, instance: str) -> str:
     return out.stdout.strip()
 
 
+
+async def run_as_caller(workdir: Path) -> None:
+    """The caller process: spawn the server, declare the tool, answer events until stdin closes."""
+    data_dir = workdir / "data"
+    relay = f"unix:{workdir / 'relay.sock'}"
+    responder = Responder()
+    server_params = StdioServerParameters(
+        command=PYTHON,
+        args=[*profiled("server"), "-m", "oubliette_server", "--relay", relay, "--data-dir", str(data_dir),
+              "--log-level", "WARNING"],
+    )
+    stdin = trio.lowlevel.FdStream(os.dup(0))
+    async with Client(server_params, mode="legacy", logging_callback=responder.on_log) as caller, \
+            trio.open_nursery() as nursery:
+        nursery.start_soon(responder.run, caller)
+        declared = await caller.call_tool("session_message", {
+            "instance": INSTANCE, "session_id": SESSION_ID, "message": "benchmark",
+            "context": {"caller_id": CALLER_ID, "caller_tools": [CALLER_TOOL]},
+        })
+        if declared.is_error:
+            raise BenchError("session_message failed: " + " ".join(getattr(b, "text", "") for b in declared.content))
+        servers = [pid for pid in child_pids(os.getpid()) if "oubliette_server" in cmdline(pid)]
+        print(json.dumps({"server_pid": servers[0] if servers else None}), flush=True)
+        while await stdin.receive_some(4096):
+            pass
+        nursery.cancel_scope.cancel()
+    print(json.dumps({"answered": responder.answered, "failures": responder.failures}), flush=True)
+
+
+def profiled(name: str) -> list[str]:
+    """`-m cProfile -o DIR/NAME.prof` when BENCH_PROFILE_DIR is set (the program's profile, written
+    when it exits at the end of the run; read it with `python -m pstats`), else nothing."""
+    where = os.environ.get("BENCH_PROFILE_DIR")
+    return ["-m", "cProfile", "-o", str(Path(where) / f"{name}.prof")] if where else []
+
+
+# -- CPU time of the processes --------------------------------------------------------------------
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid` (all its threads'), from /proc."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """utime + stime of a process (its own threads, not its children); this process precisely."""
+    if pid is None or pid == os.getpid():
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+class CpuMeter:
+    """CPU seconds used by named processes between `start()` and `stop()`."""
+
+    def __init__(self, pids: dict[str, int | None]) -> None:
+        self.pids = pids
+        self.used: dict[str, float] = {}
+        self._at: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._at = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def stop(self) -> None:
+        self.used = {name: cpu_seconds(pid) - self._at[name] for name, pid in self.pids.items()}
+
+
 # -- measuring -------------------------------------------------------------------------------
 
 
@@ -171,6 +265,8 @@ class Figures:
         self.seq_calls = 0
         self.conc_wall = 0.0
         self.conc_calls = 0
+        self.cpu = CpuMeter({})
+        self.cpu_conc = CpuMeter({})
 
     @property
     def median(self) -> float:
@@ -197,24 +293,32 @@ async def measure(paths: list[Figures], args: argparse.Namespace) -> None:
         await concurrent(p.call, 2 * CONCURRENCY, CONCURRENCY)
     for p in paths:
         print(f"  latency {p.name}: {args.calls} sequential calls", file=sys.stderr, flush=True)
+        p.cpu.start()
         p.latencies, p.seq_wall = await sequential(p.call, args.calls)
+        p.cpu.stop()
         p.seq_calls = args.calls
     for p in paths:
         print(f"  throughput {p.name}: {args.throughput_calls} calls, {CONCURRENCY} in flight",
               file=sys.stderr, flush=True)
+        p.cpu_conc.start()
         p.conc_wall = await concurrent(p.call, args.throughput_calls, CONCURRENCY)
+        p.cpu_conc.stop()
         p.conc_calls = args.throughput_calls
 
 
 # -- report ----------------------------------------------------------------------------------
 
 
-def report(relayed: Figures, direct: Figures, args: argparse.Namespace, responder: Responder) -> None:
+def report(relayed: Figures, direct: Figures, args: argparse.Namespace, caller_summary: dict[str, Any],
+           load_before: tuple[float, ...], load_after: tuple[float, ...]) -> None:
     def ms(x: float) -> str:
         return f"{x * 1e3:10.3f} ms"
 
     def rate(x: float) -> str:
         return f"{x:10.0f} /s "
+
+    def cpu_ms(f: Figures, meter: CpuMeter, calls: int) -> float:
+        return sum(meter.used.values()) / calls * 1e3
 
     rows = [
         ("latency, median", ms(relayed.median), ms(direct.median), relayed.median / direct.median, "×"),
@@ -222,6 +326,12 @@ def report(relayed: Figures, direct: Figures, args: argparse.Namespace, responde
         ("throughput, 1 in flight", rate(relayed.rate_1), rate(direct.rate_1), relayed.rate_1 / direct.rate_1, ""),
         (f"throughput, {CONCURRENCY} in flight", rate(relayed.rate_n), rate(direct.rate_n),
          relayed.rate_n / direct.rate_n, ""),
+        ("CPU per call, 1 in flight", ms(cpu_ms(relayed, relayed.cpu, relayed.seq_calls) / 1e3),
+         ms(cpu_ms(direct, direct.cpu, direct.seq_calls) / 1e3),
+         cpu_ms(relayed, relayed.cpu, relayed.seq_calls) / cpu_ms(direct, direct.cpu, direct.seq_calls), "×"),
+        (f"CPU per call, {CONCURRENCY} in flight", ms(cpu_ms(relayed, relayed.cpu_conc, relayed.conc_calls) / 1e3),
+         ms(cpu_ms(direct, direct.cpu_conc, direct.conc_calls) / 1e3),
+         cpu_ms(relayed, relayed.cpu_conc, relayed.conc_calls) / cpu_ms(direct, direct.cpu_conc, direct.conc_calls), "×"),
     ]
     try:
         mcp_version = metadata.version("mcp")
@@ -231,68 +341,105 @@ def report(relayed: Figures, direct: Figures, args: argparse.Namespace, responde
     print("Oubliette relay benchmark")
     print(f"  python {platform.python_version()}, trio {trio.__version__}, mcp {mcp_version}, "
           f"{os.cpu_count()} CPUs, {platform.system()} {platform.machine()}")
+    print(f"  load average (1, 5, 15 min): before {', '.join(f'{x:.2f}' for x in load_before)}; "
+          f"after {', '.join(f'{x:.2f}' for x in load_after)}")
     print(f"  latency: {args.calls} sequential calls after {args.warmup} warm-up calls; "
           f"throughput: 1 in flight = the sequential run, {CONCURRENCY} in flight = {args.throughput_calls} calls")
     print("  relayed: agent → oubliette-client → oubliette-server → caller → back (caller_tool_response)")
     print("  direct:  agent → bench/echo_server.py (low-level mcp.server.Server over stdio)")
     print()
-    header = f"  {'':<28}{'relayed':>14}{'direct':>14}{'relayed/direct':>17}"
+    header = f"  {'':<30}{'relayed':>14}{'direct':>14}{'relayed/direct':>17}"
     print(header)
     print("  " + "-" * (len(header) - 2))
     for label, r, d, ratio, unit in rows:
         ratio_text = f"{ratio:.2f}{unit}" if unit else f"{ratio:.3f}"
-        print(f"  {label:<28}{r:>14}{d:>14}{ratio_text:>17}")
+        print(f"  {label:<30}{r:>14}{d:>14}{ratio_text:>17}")
+    print()
+    print(f"  CPU ms per call by process (utime + stime; 1 in flight | {CONCURRENCY} in flight):")
+    for f in (relayed, direct):
+        parts = [f"{name} {f.cpu.used[name] / f.seq_calls * 1e3:.3f} | {f.cpu_conc.used[name] / f.conc_calls * 1e3:.3f}"
+                 for name in f.cpu.pids]
+        print(f"    {f.name:<8} " + "; ".join(parts))
     print()
     print(f"  relayed per-call extra, median: {(relayed.median - direct.median) * 1e3:.3f} ms; "
           f"latency min/max relayed {min(relayed.latencies) * 1e3:.3f}/{max(relayed.latencies) * 1e3:.3f} ms, "
           f"direct {min(direct.latencies) * 1e3:.3f}/{max(direct.latencies) * 1e3:.3f} ms")
-    print(f"  caller answered {responder.answered} caller_tool_request events, "
-          f"{len(responder.failures)} caller_tool_response errors")
+    print(f"  caller answered {caller_summary.get('answered')} caller_tool_request events, "
+          f"{len(caller_summary.get('failures', []))} caller_tool_response errors")
 
 
 # -- main ------------------------------------------------------------------------------------
+
+
+async def read_json_line(stream: trio.abc.ReceiveStream, buffer: bytearray) -> dict[str, Any]:
+    """The next line of `stream` that is a JSON object (the caller process's reports)."""
+    while True:
+        if b"\n" in buffer:
+            line, _, rest = bytes(buffer).partition(b"\n")
+            buffer[:] = rest
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                return value
+            continue
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            raise BenchError("the caller process ended early (see its stderr above)")
+        buffer += chunk
 
 
 async def bench(workdir: Path, args: argparse.Namespace) -> None:
     data_dir = workdir / "data"
     relay = f"unix:{workdir / 'relay.sock'}"
     token = token_for(data_dir, INSTANCE)
-    responder = Responder()
-    server_params = StdioServerParameters(
-        command=PYTHON,
-        args=["-m", "oubliette_server", "--relay", relay, "--data-dir", str(data_dir), "--log-level", "WARNING"],
-    )
     agent_params = StdioServerParameters(
-        command=PYTHON, args=["-m", "oubliette_client", "--log-level", "WARNING"],
+        command=PYTHON, args=[*profiled("client"), "-m", "oubliette_client", "--log-level", "WARNING"],
         env={"OUBLIETTE_RELAY": relay, "OUBLIETTE_INSTANCE": INSTANCE, "OUBLIETTE_TOKEN": token,
              "OUBLIETTE_SESSION": f"mcp:{SESSION_ID}"},
     )
     echo_params = StdioServerParameters(command=PYTHON, args=[str(HERE / "echo_server.py")])
 
-    print("  starting oubliette-server (caller), oubliette-client (agent), echo_server (direct)",
+    print("  starting the caller (with oubliette-server), oubliette-client (agent), echo_server (direct)",
           file=sys.stderr, flush=True)
+    load_before = os.getloadavg()
     with trio.fail_after(SETUP_TIMEOUT + RUN_TIMEOUT):
-        async with Client(server_params, mode="legacy", logging_callback=responder.on_log) as caller, \
-                trio.open_nursery() as nursery:
-            nursery.start_soon(responder.run, caller)
-            declared = await caller.call_tool("session_message", {
-                "instance": INSTANCE, "session_id": SESSION_ID, "message": "benchmark",
-                "context": {"caller_id": CALLER_ID, "caller_tools": [CALLER_TOOL]},
-            })
-            if declared.is_error:
-                raise BenchError("session_message failed: " + " ".join(getattr(b, "text", "") for b in declared.content))
+        caller_proc = await trio.lowlevel.open_process(
+            [PYTHON, str(Path(__file__).resolve()), "--as-caller", str(workdir)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )
+        try:
+            buffer = bytearray()
+            assert caller_proc.stdout is not None and caller_proc.stdin is not None
+            ready = await read_json_line(caller_proc.stdout, buffer)
             async with Client(agent_params, mode="legacy") as agent, Client(echo_params, mode="legacy") as direct_client:
                 tools = [t.name for t in (await agent.list_tools()).tools]
                 if RELAYED_NAME not in tools:
                     raise BenchError(f"the agent does not see {RELAYED_NAME}; it sees {tools}")
                 await direct_client.list_tools()
+                mine = child_pids(os.getpid())
+                client_pid = next(pid for pid in mine if "oubliette_client" in cmdline(pid))
+                echo_pid = next(pid for pid in mine if "echo_server.py" in cmdline(pid))
                 relayed = Figures("relayed", checked_call(agent, RELAYED_NAME))
+                relayed.cpu.pids = relayed.cpu_conc.pids = {
+                    "agent": os.getpid(), "client": client_pid, "server": ready["server_pid"], "caller": caller_proc.pid,
+                }
                 direct = Figures("direct", checked_call(direct_client, "echo"))
+                direct.cpu.pids = direct.cpu_conc.pids = {"agent": os.getpid(), "echo_server": echo_pid}
                 await measure([direct, relayed], args)
-            nursery.cancel_scope.cancel()
-    if responder.failures:
-        raise BenchError(f"caller_tool_response failed {len(responder.failures)} times: {responder.failures[0]}")
-    report(relayed, direct, args, responder)
+            await caller_proc.stdin.aclose()
+            summary = await read_json_line(caller_proc.stdout, buffer)
+            await caller_proc.wait()
+        finally:
+            if caller_proc.returncode is None:
+                caller_proc.kill()
+                with trio.CancelScope(shield=True):
+                    await caller_proc.wait()
+    load_after = os.getloadavg()
+    if summary.get("failures"):
+        raise BenchError(f"caller_tool_response failed {len(summary['failures'])} times: {summary['failures'][0]}")
+    report(relayed, direct, args, summary, load_before, load_after)
 
 
 def bench_error_in(exc: BaseException) -> BenchError | None:
@@ -313,7 +460,11 @@ def main() -> int:
                         help=f"calls for the {CONCURRENCY}-in-flight figures (default 2000; 400 with --quick)")
     parser.add_argument("--warmup", type=int, help="sequential warm-up calls per path (default 50; 20 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smaller counts, for a smoke run")
+    parser.add_argument("--as-caller", metavar="WORKDIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.as_caller:
+        trio.run(run_as_caller, Path(args.as_caller))
+        return 0
     if args.calls is None:
         args.calls = 100 if args.quick else 500
     if args.throughput_calls is None:

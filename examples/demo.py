@@ -116,8 +116,6 @@ async def demo(workdir: Path) -> int:
                             "result": {"status": "sent"}, "wait": True,
                         })
                     outcome = {"session_id": session_id, **(reply.structured_content or {})}
-            await events.of_type("caller_tool_result")
-            say("event", "caller_tool_result")
             done = await events.of_type("assistant.done")
             say("event", "assistant.done")
             say("caller", f"turn ended: {outcome.get('stop_reason')}")

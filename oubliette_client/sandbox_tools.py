@@ -181,8 +181,5 @@ class SandboxTools:
         finally:
             self._untrack(ref)
         reply = reply if isinstance(reply, dict) else {"result": reply}
-        result = reply.get("result")
-        problem = tool.result_error(result)
-        if problem:
-            return CallOutcome(error=problem, category="tool")
-        return CallOutcome(result=result, content=reply.get("content"))
+        # A caller tool's resultSchema was enforced by the server before it answered.
+        return CallOutcome(result=reply.get("result"), content=reply.get("content"))

@@ -29,7 +29,9 @@ DEFAULT_INPUT_SCHEMA: dict[str, Any] = {"type": "object"}
 class PublishedTool:
     """One tool as the agent sees it: its published name, schema and descriptor, and where a call goes.
 
-    Immutable; `validator`/`result_validator` are compiled schemas, excluded from equality.
+    Immutable; `validator` is the compiled input schema, excluded from equality. A caller tool's
+    `resultSchema` is not checked here: the server enforces it before it answers (the trust
+    boundary for the caller's results), so the client does not check it a second time.
     """
 
     name: str
@@ -40,7 +42,6 @@ class PublishedTool:
     owner: str  # caller id, or toolset id
     descriptor: dict[str, Any]
     validator: Any = attrs.field(eq=False, repr=False)
-    result_validator: Any = attrs.field(default=None, eq=False, repr=False)
     timeout_ms: int | None = None
     """A caller tool's own timeout (the caller's `timeout_ms`), so the relay request waits long enough."""
     approval_timeout_ms: int | None = None
@@ -56,12 +57,6 @@ class PublishedTool:
         if not isinstance(arguments, dict):
             return f"arguments for {self.name} must be a JSON object"
         return first_problem(self.validator, arguments, f"invalid arguments for {self.name}")
-
-    def result_error(self, result: Any) -> str | None:
-        """The first problem with `result` against the tool's result schema, or None (also when it has none)."""
-        if self.result_validator is None:
-            return None
-        return first_problem(self.result_validator, result, f"the result of {self.name} does not match its result_schema")
 
 
 def caller_descriptor(name: str, caller_id: str, spec: CallerToolSpec, schema: dict[str, Any]) -> dict[str, Any]:
@@ -140,9 +135,10 @@ class ToolRegistry:
         published[tool.name] = tool
 
     @staticmethod
-    def _validators(name: str, schema: dict[str, Any], result_schema: dict[str, Any] | None) -> tuple[Any, Any] | None:
+    def _validator(name: str, schema: dict[str, Any]) -> Any:
+        """The compiled input schema, or None (the tool is not published) when it is broken."""
         try:
-            return compile_schema(schema), (compile_schema(result_schema) if result_schema else None)
+            return compile_schema(schema)
         except InvalidSchema as exc:
             log.warning("tool %s is not published: %s", name, exc)
             return None
@@ -150,28 +146,28 @@ class ToolRegistry:
     def _caller_tool(self, caller_id: str, spec: CallerToolSpec) -> PublishedTool | None:
         name = f"{caller_id}_{spec.name}"
         schema = spec.inputSchema or DEFAULT_INPUT_SCHEMA
-        validators = self._validators(name, schema, spec.resultSchema)
-        if validators is None:
+        validator = self._validator(name, schema)
+        if validator is None:
             return None
         descriptor = caller_descriptor(name, caller_id, spec, schema)
         return PublishedTool(
             name=name, description=descriptor["description"], input_schema=schema, kind="caller",
             tool=spec.name, owner=caller_id, descriptor=descriptor,
-            validator=validators[0], result_validator=validators[1], timeout_ms=spec.timeout_ms,
+            validator=validator, timeout_ms=spec.timeout_ms,
             approval_timeout_ms=spec.approval_timeout_ms if spec.requires_approval else None,
         )
 
     def _toolset_tool(self, spec: ToolsetToolSpec) -> PublishedTool | None:
         schema = spec.inputSchema or DEFAULT_INPUT_SCHEMA
-        validators = self._validators(spec.name, schema, None)
-        if validators is None:
+        validator = self._validator(spec.name, schema)
+        if validator is None:
             return None
         descriptor = (spec.descriptor or build_descriptor(
             spec.name, description=spec.description, safety="runs on the host, outside the sandbox", input_schema=schema,
         )).to_dict()
         return PublishedTool(
             name=spec.name, description=spec.description or descriptor["description"], input_schema=schema,
-            kind="toolset", tool=spec.tool, owner=spec.toolset, descriptor=descriptor, validator=validators[0],
+            kind="toolset", tool=spec.tool, owner=spec.toolset, descriptor=descriptor, validator=validator,
             approval_timeout_ms=spec.approval_timeout_ms,
         )
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from protocol.limits import Limits
 
-from .sessions import Session, SessionRegistry
+from .sessions import EventSink, Session, SessionRegistry
 from protocol import Frame
 
 from .store import FrameStore
@@ -53,8 +53,10 @@ class FrameLog:
         *,
         reply_to: str | None = None,
         msg_id: str | None = None,
+        skip: EventSink | None = None,
     ) -> Frame:
-        """Store a frame of `session` and push it to everyone following the session."""
+        """Store a frame of `session` and push it to everyone following the session but `skip`
+        (the caller whose own answer the frame records, which needs no event of it)."""
         self.limits.check_frame(
             payload, instance=session.instance, channel=session.channel, session_id=session.id,
             type=type, msg_id=msg_id, reply_to=reply_to,
@@ -66,7 +68,8 @@ class FrameLog:
         if session.sinks:
             event = frame.to_event()
             for sink in list(session.sinks):
-                sink.push(event)
+                if sink is not skip:
+                    sink.push(event)
         return frame
 
     async def ingress(

@@ -51,6 +51,9 @@ class Session:
     owner: CallerConnection | None = None
     declared_at: int = 0
     sinks: set[EventSink] = attrs.field(factory=set)
+    #: Whether the owner also gets the `caller_tool_result` event of its own answers
+    #: (`context.echo_own_answers`); by default it does not: it knows what it answered.
+    echo_own_answers: bool = False
 
     @property
     def key(self) -> str:

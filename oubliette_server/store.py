@@ -10,8 +10,8 @@ Storage decisions
 
 Engine and durability
     One SQLite database file in WAL mode.  The default ``durability="normal"`` runs with
-    ``PRAGMA synchronous=NORMAL``: when :meth:`FrameStore.append` returns, its transaction is
-    committed to the WAL file, i.e. it sits in the OS page cache.  A crash of the server
+    ``PRAGMA synchronous=NORMAL``: when :meth:`FrameStore.append` returns, its frames are
+    committed to the WAL file, i.e. they sit in the OS page cache.  A crash of the server
     *process* loses nothing; only an OS crash or a power loss can lose the last few commits
     (the WAL is fsynced at checkpoints).  ``durability="full"`` runs with
     ``synchronous=FULL`` and fsyncs the WAL on every commit, so an append that returned
@@ -30,15 +30,25 @@ Threads
     automatic WAL checkpoint (every ~4 MiB of WAL) copies pages back into the database file.  Because everything happens on one thread, a query and the ``last_seq`` it
     sees are never interleaved with an append, which the long poll relies on.
 
-    One server process owns a store file.  Another process may read the file (WAL allows it),
-    and ``seq`` stays correct even if a second process appends (it is incremented inside the
-    append's transaction), but long-poll wakeups are in-process only.
+    One server process owns a store file and is its only writer.  Another process may read the
+    file (WAL allows it), but long-poll wakeups are in-process only.
+
+Group commit
+    The store's single writer hands out ``seq`` in memory (the highest assigned seq of each
+    instance is read once from the file, then kept) and commits appends in groups: the first
+    append of a burst yields once to the scheduler, so the appends of other tasks that are
+    ready to run join it, then one transaction stores them all; every append of the group
+    returns (is acknowledged) only after that commit.  A lone append costs one transaction, as
+    before, minus the per-append update of ``instances.last_seq`` (see "Schema").  If the
+    commit fails, every append of the group raises and their seqs are handed out again.  An
+    append whose task is cancelled while its group commits still completes (the cancellation
+    is seen at the caller's next checkpoint), so "if it raises, nothing was stored" holds.
 
 Schema (``PRAGMA user_version = 1``)
-    ``instances(iid INTEGER PRIMARY KEY, name UNIQUE, last_seq, pruned_below)`` —
-    ``last_seq`` is the highest ``seq`` ever assigned for the instance; it is incremented in
-    the same transaction as the insert and is never derived from the retained frames, so
-    pruning (even of every frame) never resets ``seq``.  ``pruned_below`` says that every
+    ``instances(iid INTEGER PRIMARY KEY, name UNIQUE, last_seq, pruned_below)`` — the highest
+    ``seq`` ever committed for the instance is ``max(last_seq, MAX(frames.seq))``: appends
+    do not update ``last_seq`` (one row write fewer per commit); retention writes it in the
+    transaction that deletes frames, so pruning (even of every frame) never resets ``seq``.  ``pruned_below`` says that every
     frame with ``seq <= pruned_below`` has been deleted by retention; the retained log of an
     instance is always the contiguous range ``pruned_below+1 .. last_seq``.
 
@@ -97,7 +107,6 @@ import math
 import os
 import sqlite3
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -132,6 +141,9 @@ SCHEMA_VERSION = 1
 # A ``types`` filter with more distinct types than this is not split into one index scan per
 # type; it is checked row by row along the primary key instead.
 _MAX_TYPE_UNION = 16
+
+# One encoder for every payload (json.dumps with options builds a new one per call).
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
 _APPEND_KEYS = frozenset({"channel", "session_id", "type", "payload", "msg_id", "reply_to"})
 _REQUIRED_KEYS = frozenset({"channel", "session_id", "type", "payload"})
@@ -280,13 +292,8 @@ _INSERT_FRAME = (
     "INSERT INTO frames (iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-# Create the instance row or add to its last_seq, in the append's transaction.  RETURNING
-# needs SQLite 3.35; older libraries read the row back with a second statement.
-_BUMP_SEQ = (
-    "INSERT INTO instances (name, last_seq, pruned_below) VALUES (?, ?, 0) "
-    "ON CONFLICT (name) DO UPDATE SET last_seq = last_seq + excluded.last_seq"
-)
-_HAVE_RETURNING = sqlite3.sqlite_version_info >= (3, 35, 0)
+# A new instance's row, created in the transaction of its first frames.
+_NEW_INSTANCE = "INSERT INTO instances (name, last_seq, pruned_below) VALUES (?, 0, 0)"
 
 _DURABILITY = {"normal": "NORMAL", "full": "FULL"}
 
@@ -338,6 +345,10 @@ class FrameStore:
             raise
 
         self._iids: dict[str, int] = {}
+        # Per instance: the highest seq handed out, and the highest committed (see "Group commit").
+        self._assigned: dict[str, int] = {}
+        self._committed: dict[str, int] = {}
+        self._group: _Group | None = None
         self._appends_since_prune: dict[str, int] = {}
         self._wake: dict[str, trio.Event] = {}
         self._waiters: dict[str, int] = {}
@@ -414,9 +425,22 @@ class FrameStore:
         return [r[0] for r in self._db.execute("SELECT name FROM instances ORDER BY name")]
 
     def last_seq(self, instance: str) -> int:
-        """The highest seq ever assigned for ``instance`` (0 if none)."""
-        row = self._db.execute("SELECT last_seq FROM instances WHERE name = ?", (instance,)).fetchone()
-        return 0 if row is None else row[0]
+        """The highest seq ever committed for ``instance`` (0 if none)."""
+        return self._committed_seq(instance)
+
+    def _committed_seq(self, instance: str) -> int:
+        """The highest committed seq of ``instance``, read from the file once, then kept in memory."""
+        last = self._committed.get(instance)
+        if last is None:
+            row = self._db.execute("SELECT iid, last_seq FROM instances WHERE name = ?", (instance,)).fetchone()
+            if row is None:
+                return 0  # not cached: the instance's first commit creates it
+            iid, last = row
+            top = self._db.execute("SELECT MAX(seq) FROM frames WHERE iid = ?", (iid,)).fetchone()[0]
+            last = max(last, top or 0)
+            self._iids[instance] = iid
+            self._committed[instance] = self._assigned[instance] = last
+        return last
 
     def pruned_below(self, instance: str) -> int:
         """Every frame of ``instance`` with ``seq <=`` this has been deleted by retention (0 if
@@ -442,14 +466,14 @@ class FrameStore:
         if not isinstance(payload, dict):
             raise TypeError(f"payload must be a dict, got {payload.__class__.__name__}")
         if msg_id is None:
-            msg_id = "m-" + uuid.uuid4().hex
+            msg_id = "m-" + os.urandom(16).hex()  # 128 random bits, as uuid4().hex, at a quarter of its cost
         elif not isinstance(msg_id, str) or not msg_id:
             raise ValueError(f"msg_id must be a non-empty string or None, got {msg_id!r}")
         if reply_to is not None and not isinstance(reply_to, str):
             raise TypeError(f"reply_to must be a string or None, got {reply_to!r}")
         # allow_nan=False: NaN/Infinity are not JSON.  Round-trip so the returned frame holds
         # exactly what a later query returns (and is not shared with the caller).
-        text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        text = _ENCODE(payload)
         return channel, session_id, type, msg_id, reply_to, text, json.loads(text)
 
     async def append(
@@ -464,7 +488,7 @@ class FrameStore:
         reply_to: str | None = None,
     ) -> Frame:
         """Append one frame; its seq is the next after the highest ever assigned for the
-        instance.  ``msg_id`` defaults to ``"m-" + uuid4().hex``.  Wakes the instance's
+        instance.  ``msg_id`` defaults to ``"m-"`` and 32 random hex digits.  Wakes the instance's
         waiters.  The frame is committed when this returns (see the module docstring for
         what that means for durability); if it raises, nothing was stored."""
         prepared = [self._prepare(channel, session_id, type, payload, msg_id, reply_to)]
@@ -497,48 +521,87 @@ class FrameStore:
         if not prepared:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return []
+        if self._conn is None:  # a closed store refuses before a seq is handed out
+            raise RuntimeError("the frame store is closed")
         n = len(prepared)
+        last = self._assigned.get(instance)
+        if last is None:
+            last = self._committed_seq(instance)
+        first = last + 1
+        self._assigned[instance] = last + n
         ts = format_ts(self._clock())
-        db = self._db
-        with self._transaction():
-            if _HAVE_RETURNING:
-                iid, last = db.execute(_BUMP_SEQ + " RETURNING iid, last_seq", (instance, n)).fetchone()
-            else:  # SQLite < 3.35
-                db.execute(_BUMP_SEQ, (instance, n))
-                iid, last = db.execute("SELECT iid, last_seq FROM instances WHERE name = ?", (instance,)).fetchone()
-            first = last - n + 1
-            if n == 1:
-                ch, sid, typ, mid, rt, text, _ = prepared[0]
-                db.execute(_INSERT_FRAME, (iid, first, ts, ch, sid, typ, mid, rt, text))
-            else:
-                db.executemany(
-                    _INSERT_FRAME,
-                    [
-                        (iid, first + i, ts, ch, sid, typ, mid, rt, text)
-                        for i, (ch, sid, typ, mid, rt, text, _) in enumerate(prepared)
-                    ],
-                )
-        self._iids[instance] = iid
-        stored = [
+        group = self._group
+        leader = group is None
+        if group is None:
+            group = self._group = _Group()
+        group.base.setdefault(instance, last)
+        group.parts.append((instance, first, ts, prepared))
+        if leader:
+            # Let the appends of other ready tasks join this commit; nothing may stop it now
+            # (the others wait for it, shielded).
+            try:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            finally:
+                self._group = None
+                self._commit(group)
+        else:
+            with trio.CancelScope(shield=True):
+                await group.done.wait()
+        if group.error is not None:
+            raise group.error
+        return [
             _frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
             for i, (ch, sid, typ, mid, rt, _, obj) in enumerate(prepared)
         ]
-        event = self._wake.pop(instance, None)
-        if event is not None:
-            event.set()
-        count = self._appends_since_prune.get(instance, 0) + n
-        if count >= self.prune_every:
-            self._appends_since_prune[instance] = 0
-            try:
-                self._prune_instance(instance, iid)
-            except sqlite3.Error:
-                # The append itself is committed; retention will be retried next time.
-                log.exception("frame store: retention for instance %r failed", instance)
-        else:
-            self._appends_since_prune[instance] = count
-        # The append happened: do not let a cancellation at this checkpoint hide that.
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return stored
+
+    def _commit(self, group: _Group) -> None:
+        """Store a group's frames in one transaction, then wake waiters and apply retention;
+        on failure, hand the group's seqs out again.  Sets ``group.done`` either way."""
+        created: list[str] = []
+        try:
+            db = self._db
+            # A deferred BEGIN: this process is the only writer, so the write lock is free.
+            with _Transaction(db, "BEGIN"):
+                for instance in group.base:
+                    if instance not in self._iids:
+                        self._iids[instance] = db.execute(_NEW_INSTANCE, (instance,)).lastrowid
+                        created.append(instance)
+                rows = [
+                    (self._iids[instance], first + i, ts, ch, sid, typ, mid, rt, text)
+                    for instance, first, ts, prepared in group.parts
+                    for i, (ch, sid, typ, mid, rt, text, _) in enumerate(prepared)
+                ]
+                if len(rows) == 1:
+                    db.execute(_INSERT_FRAME, rows[0])
+                else:
+                    db.executemany(_INSERT_FRAME, rows)
+        except BaseException as exc:
+            for instance, base in group.base.items():
+                self._assigned[instance] = base
+            for instance in created:
+                del self._iids[instance]
+            group.error = exc
+            group.done.set()
+            return
+        group.done.set()
+        for instance, _, _, prepared in group.parts:
+            self._committed[instance] = max(self._committed.get(instance, 0), self._assigned[instance])
+        for instance in group.base:
+            event = self._wake.pop(instance, None)
+            if event is not None:
+                event.set()
+            count = self._appends_since_prune.get(instance, 0) + sum(
+                len(prepared) for inst, _, _, prepared in group.parts if inst == instance
+            )
+            if count >= self.prune_every:
+                self._appends_since_prune[instance] = 0
+                try:
+                    self._prune_instance(instance, self._iids[instance])
+                except sqlite3.Error:
+                    # The frames are committed; retention will be retried next time.
+                    log.exception("frame store: retention for instance %r failed", instance)
+            else:
+                self._appends_since_prune[instance] = count
 
     # -- query ---------------------------------------------------------------------------
 
@@ -617,10 +680,11 @@ class FrameStore:
         if not isinstance(q, FrameQuery):
             raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
         db = self._db
-        row = db.execute("SELECT iid, last_seq, pruned_below FROM instances WHERE name = ?", (instance,)).fetchone()
+        last = self._committed_seq(instance)
+        row = db.execute("SELECT iid, pruned_below FROM instances WHERE name = ?", (instance,)).fetchone()
         if row is None:
             return []
-        iid, last, pruned = row
+        iid, pruned = row
         if q.after_seq < pruned:
             raise CursorPruned(instance, q.after_seq, pruned + 1, empty=pruned >= last)
         if q.after_seq >= last:
@@ -728,8 +792,9 @@ class FrameStore:
         if self.retention_frames is None and self.retention_seconds is None:
             return 0
         db = self._db
+        last = self._committed_seq(instance)
         with self._transaction():
-            last, pruned = db.execute("SELECT last_seq, pruned_below FROM instances WHERE iid = ?", (iid,)).fetchone()
+            (pruned,) = db.execute("SELECT pruned_below FROM instances WHERE iid = ?", (iid,)).fetchone()
             cut = pruned
             if self.retention_frames is not None:
                 cut = max(cut, last - self.retention_frames)
@@ -744,22 +809,35 @@ class FrameStore:
             if cut <= pruned:
                 return 0
             deleted = db.execute("DELETE FROM frames WHERE iid = ? AND seq <= ?", (iid, cut)).rowcount
-            db.execute("UPDATE instances SET pruned_below = ? WHERE iid = ?", (cut, iid))
+            # last_seq with the deletion: the frames that held the highest seq may be gone now.
+            db.execute("UPDATE instances SET pruned_below = ?, last_seq = ? WHERE iid = ?", (cut, last, iid))
         if deleted:
             log.debug("frame store: pruned %d frames of instance %r (seq <= %d)", deleted, instance, cut)
         return deleted
 
 
+@attrs.define(eq=False)
+class _Group:
+    """Appends committed together (see "Group commit"): their frames, the seq each instance had
+    before them (to hand out again if the commit fails), and the commit's outcome."""
+
+    parts: list[tuple[str, int, str, list[tuple]]] = attrs.field(factory=list)
+    base: dict[str, int] = attrs.field(factory=dict)
+    done: trio.Event = attrs.field(factory=trio.Event)
+    error: BaseException | None = None
+
+
 class _Transaction:
-    """``BEGIN IMMEDIATE`` … ``COMMIT``, or ``ROLLBACK`` on any exception."""
+    """``BEGIN IMMEDIATE`` (or the given ``begin``) … ``COMMIT``, or ``ROLLBACK`` on any exception."""
 
-    __slots__ = ("_db",)
+    __slots__ = ("_begin", "_db")
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> None:
         self._db = db
+        self._begin = begin
 
     def __enter__(self) -> None:
-        self._db.execute("BEGIN IMMEDIATE")
+        self._db.execute(self._begin)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is None:

@@ -22,6 +22,7 @@ This module uses no Trio; it imports only the error type and the frame types.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -67,7 +68,7 @@ _MAX_CALLER_ID = 32  # context.caller_id
 _MAX_RPC_ID = 64  # a relay request id (oubliette-client sends small integers)
 _MAX_SEQ = 2**63 - 1  # seq is a SQLite integer
 _TS = "2026-11-22T10:00:00.123Z"  # store.format_ts: fixed width
-_GENERATED_MSG_ID = "m-" + "0" * 32  # store: "m-" + uuid4().hex
+_GENERATED_MSG_ID = "m-" + "0" * 32  # store: "m-" + 32 random hex digits
 _REQUEST_ID = "ctr-" + "0" * 16  # caller_tool_relay.pending
 
 
@@ -99,10 +100,14 @@ def _guest_delivery(frame: dict[str, Any]) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "method": "user_message", "params": {"frame": frame}}
 
 
+@functools.lru_cache(maxsize=4096)
 def _frame_overhead(
     instance: str, channel: str, session_id: str, type: str, msg_id: str | None, reply_to: str | None
 ) -> int:
-    """Bytes of a delivered frame's line besides its payload's own encoding (no newline)."""
+    """Bytes of a delivered frame's line besides its payload's own encoding (no newline).
+
+    Cached: every frame of a session has the same envelope but for its ids, and `FrameLog.append`
+    asks for each frame it stores (it need not encode the envelope again each time)."""
     frame = _frame_wire(instance, channel, session_id, type, msg_id or _GENERATED_MSG_ID, reply_to, {})
     return _bytes(_guest_delivery(frame)) - len("{}")
 

@@ -6,7 +6,9 @@ a server whose caller keeps stdin open, and every line costs a thread hop. `clai
 gives the SDK's `stdio_server(stdin=..., stdout=...)` the two objects it uses — `async for line
 in stdin`, `await stdout.write(text)` and `await stdout.flush()` — on Trio `FdStream`s over
 private duplicates of fd 0 and 1, and diverts fd 0 (to the null device) and fd 1 (to stderr)
-while serving, so a stray print or a child process never writes into the MCP stream.
+while serving, so a stray print or a child process never writes into the MCP stream.  EOF on stdin ends the
+server; so does a broken stdout (the reader went away): stdin is then closed, which the reader
+sees as EOF.
 
 Owns: the two duplicated descriptors (closed on exit; fd 0 and 1 are restored).
 Needs: a running Trio loop for the streams (anyio on the Trio backend is the same loop).
@@ -16,7 +18,7 @@ Cancellation: a read or write in progress is cancelled like any Trio stream oper
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 
 import anyio
@@ -54,16 +56,22 @@ class StdinLines:
 
 
 class StdoutText:
-    """`await stdout.write(text)`: UTF-8 text to a byte stream, written whole (no buffering to flush)."""
+    """`await stdout.write(text)`: UTF-8 text to a byte stream, written whole (no buffering to flush).
 
-    def __init__(self, stream: trio.lowlevel.FdStream) -> None:
+    `on_broken` runs when the reader has gone away (broken pipe): `claimed_stdio` closes stdin
+    with it, so the server sees EOF and ends, instead of reading requests it can never answer."""
+
+    def __init__(self, stream: trio.lowlevel.FdStream, on_broken: Callable[[], None] | None = None) -> None:
         self._stream = stream
+        self._on_broken = on_broken
 
     async def write(self, text: str) -> None:
         """Write `text`; a reader that has gone away ends the writer as the SDK expects (closed stream)."""
         try:
             await self._stream.send_all(text.encode("utf-8"))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
+            if self._on_broken is not None:
+                self._on_broken()
             raise anyio.ClosedResourceError from None
 
     async def flush(self) -> None:
@@ -83,7 +91,7 @@ def claimed_stdio() -> Iterator[tuple[StdinLines, StdoutText]]:
     stdin_stream = trio.lowlevel.FdStream(wire_in)
     stdout_stream = trio.lowlevel.FdStream(wire_out)
     try:
-        yield StdinLines(stdin_stream), StdoutText(stdout_stream)
+        yield StdinLines(stdin_stream), StdoutText(stdout_stream, on_broken=stdin_stream.close)
     finally:
         stdin_stream.close()
         stdout_stream.close()

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import trio
+import trio.testing
 
 from harness import Deployment, structured, text_of
 
@@ -158,3 +159,44 @@ async def test_result_not_matching_result_schema_is_a_tool_error(deployment: Dep
     bad, good = outcomes
     assert bad.is_error and "resultSchema" in text_of(bad) and "temp_c" in text_of(bad)
     assert not good.is_error and good.structured_content == {"temp_c": 21.5}
+
+
+async def test_the_agent_is_answered_only_once_the_result_frame_is_stored() -> None:
+    """What the agent got is in the log: a caller's answer wakes the agent's call only after the
+    `caller_tool_result` frame is committed, so a server that dies in between leaves no result
+    the log does not know (it would record the request as cancelled on restart)."""
+    from types import SimpleNamespace
+
+    from oubliette_server.caller_tool_relay.pending import CallerCallRegistry
+    from oubliette_server.callers import CallerConnection
+    from oubliette_server.sessions import Session
+    from protocol.messages import CallerToolSpec
+
+    stored: list[str] = []
+    result_commit = trio.Event()
+    seq = iter(range(1, 100))
+
+    async def append_frame(session: Session, type_: str, payload: dict, **_: object) -> SimpleNamespace:
+        if type_ == "caller_tool_result":
+            await result_commit.wait()  # the commit, held back by the test
+        stored.append(type_)
+        return SimpleNamespace(seq=next(seq))
+
+    registry = CallerCallRegistry(append_frame, default_timeout=10)
+    caller = CallerConnection("stdio")
+    session = Session(instance="box1", channel="mcp", id="s1", caller_id="myapp", owner=caller)
+    answered: list[object] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+
+            async def agent_call() -> None:
+                answered.append(await registry.relay(session, CallerToolSpec(name="notify"), {}))
+
+            nursery.start_soon(agent_call)
+            [call] = await registry.wait_pending(session)
+            nursery.start_soon(registry.respond, caller, "s1", call.request_id, {"ok": True})
+            await trio.testing.wait_all_tasks_blocked()
+            assert answered == [], "the agent was answered before its result frame was stored"
+            result_commit.set()
+    assert answered == [{"ok": True}]
+    assert stored == ["caller_tool_request", "caller_tool_result"]

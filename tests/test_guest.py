@@ -431,7 +431,9 @@ async def test_demo_agent_calls_a_caller_tool(deployment: Deployment) -> None:
     }]
     message = 'Please call myapp_send_notification {"message": "hello"}'
     async with deployment.caller() as (caller, events), deployment.guest("box1", DEMO_AGENT):
-        stop = await send_and_wait(caller, "s-demo", message, context={"caller_id": "myapp", "caller_tools": tools})
+        stop = await send_and_wait(caller, "s-demo", message, context={
+            "caller_id": "myapp", "caller_tools": tools, "echo_own_answers": True,  # the result event is checked below
+        })
         # The wait stops as soon as the agent calls (requires_action), with the request in the result;
         # the event says the same to programs that follow the session.
         assert stop["stop_reason"] == "requires_action", stop

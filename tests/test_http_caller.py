@@ -34,7 +34,8 @@ TURN_TIMEOUT = 60.0
 async def declare(caller: Any, instance: str, session_id: str, tools: list[dict], message: str = "hi") -> dict:
     result = await caller.call_tool("session_message", {
         "instance": instance, "session_id": session_id, "message": message,
-        "context": {"caller_id": "myapp", "caller_tools": tools},
+        # echo_own_answers: these tests also check that the caller_tool_result event reaches the caller.
+        "context": {"caller_id": "myapp", "caller_tools": tools, "echo_own_answers": True},
     })
     assert not result.is_error, text_of(result)
     return structured(result)

@@ -141,13 +141,47 @@ async def test_bad_input_consumes_no_seq(store):
     assert len(store.query("box1", FrameQuery())) == 2
 
 
-async def test_seq_without_returning_clause(store, monkeypatch):
-    # SQLite < 3.35 has no RETURNING; the store then reads the row back.
+async def test_appends_of_a_burst_share_one_commit(store):
+    """Group commit: appends from tasks that run together are stored by one transaction, seqs gapless in order."""
     await add(store)
-    monkeypatch.setattr("oubliette_server.store._HAVE_RETURNING", False)
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    results: dict[int, int] = {}
+
+    async def one(i: int) -> None:
+        results[i] = (await store.append("box1", channel="host", session_id="s", type="t", payload={"i": i})).seq
+
+    async with trio.open_nursery() as nursery:
+        for i in range(10):
+            nursery.start_soon(one, i)
+    store._db.set_trace_callback(None)
+    assert sorted(results.values()) == list(range(2, 12))
+    assert statements.count("COMMIT") == 1, statements
+    assert [f.payload["i"] for f in store.query("box1", FrameQuery(after_seq=1))] == [
+        i for i, _ in sorted(results.items(), key=lambda kv: kv[1])
+    ]
+    assert store.last_seq("box1") == 11
+
+
+async def test_a_failed_group_commit_fails_every_append_and_reuses_the_seqs(store):
+    await add(store)
+    # Another writer took seq 2 behind the store's back: the next commit fails as a whole.
+    store._db.execute("INSERT INTO frames VALUES (1, 2, 'ts', 'host', 's', 't', 'rogue', NULL, '{}')")
+    failures: list[BaseException] = []
+
+    async def one() -> None:
+        try:
+            await add(store)
+        except sqlite3.IntegrityError as exc:
+            failures.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(one)
+    assert len(failures) == 3
+    assert store.last_seq("box1") == 1
+    store._db.execute("DELETE FROM frames WHERE msg_id = 'rogue'")
     assert (await add(store)).seq == 2
-    assert (await add(store, "new")).seq == 1
-    assert [f.seq for f in await store.append_many("box1", [{"channel": "h", "session_id": "s", "type": "t", "payload": {}}] * 3)] == [3, 4, 5]
 
 
 async def test_append_when_already_cancelled_stores_nothing(store):

@@ -7,13 +7,45 @@
   caller's MCP client while a `wait` call is in flight (`approval_delivery`).
 - `gate`: `ConnectionApprovals`, approvals a sandbox connection asks for (the agent's own
   actions, gated toolset tools), decided by the owning caller of the connection's session.
+
+The names below are imported on first use (PEP 562): `elicitation` needs the MCP SDK, which the
+command line's `--help` and `token` must not pay for.
 """
 
-from .elicitation import DELIVERIES, ApprovalElicitation, InputRequired
-from .gate import ConnectionApprovals
-from .service import DEFAULT_APPROVAL_TIMEOUT, ELICITATION_WHO, ApprovalService, Decision, PendingApproval
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .elicitation import ApprovalElicitation, InputRequired
+    from .gate import ConnectionApprovals
+    from .service import (
+        DEFAULT_APPROVAL_TIMEOUT, DELIVERIES, ELICITATION_WHO, ApprovalService, Decision, PendingApproval,
+    )
 
 __all__ = [
     "DEFAULT_APPROVAL_TIMEOUT", "DELIVERIES", "ELICITATION_WHO", "ApprovalElicitation", "ApprovalService",
     "ConnectionApprovals", "Decision", "InputRequired", "PendingApproval",
 ]
+
+_MODULE_OF = {
+    "ApprovalElicitation": ".elicitation", "InputRequired": ".elicitation", "ConnectionApprovals": ".gate",
+    **{name: ".service" for name in (
+        "DEFAULT_APPROVAL_TIMEOUT", "DELIVERIES", "ELICITATION_WHO", "ApprovalService", "Decision", "PendingApproval",
+    )},
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The package's public names, imported from their module when first asked for."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -29,7 +29,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol import RelayError
 
-from .service import ELICITATION_WHO, ApprovalService, Decision, PendingApproval
+from .service import DELIVERIES, ELICITATION_WHO, ApprovalService, Decision, PendingApproval
 
 if TYPE_CHECKING:
     from ..callers import CallerConnection
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("oubliette.server.approvals.elicitation")
 
 Delivery = Literal["auto", "elicitation", "tool"]
-DELIVERIES: tuple[str, ...] = ("auto", "elicitation", "tool")
 DECLINED = "declined by the user"
 STATE_KIND = "oubliette-turn-wait/1"
 NO_ELICITATION = (

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("oubliette.server.approvals")
 
 DEFAULT_APPROVAL_TIMEOUT = 600.0
+#: How approvals reach a person (`approval_delivery`; see elicitation.py). Here, not there, so
+#: the command line can list them without importing the MCP SDK.
+DELIVERIES: tuple[str, ...] = ("auto", "elicitation", "tool")
 RESOLVED_MEMORY = 10_000
 ELICITATION_WHO = "elicitation"
 """`Decision.who` of an answer the person gave in the caller's MCP client."""

@@ -77,6 +77,11 @@ SESSION_MESSAGE: dict[str, Any] = {
             "properties": {
                 "caller_id": CALLER_ID_SCHEMA,
                 "caller_tools": {"type": "array", "items": CALLER_TOOL_SPEC},
+                "echo_own_answers": {
+                    "type": "boolean",
+                    "description": "Also send me the caller_tool_result event of my own caller_tool_response "
+                                   "(default false: the answer is in the log, other followers get the event).",
+                },
             },
             "required": ["caller_id"],
         },

@@ -271,6 +271,7 @@ class CallerTools:
         if context is not None:
             tools = [structure(tool, CallerToolSpec) for tool in context.get("caller_tools", [])]
             await self.caller_tools.declare(session, caller, context["caller_id"], tools)
+            session.echo_own_answers = bool(context.get("echo_own_answers", False))
         session.sinks.add(caller)
         frame = await self.frame_log.ingress(instance, session.channel, session.id, "user.message", {"text": args["message"]})
         result: dict[str, Any] = {

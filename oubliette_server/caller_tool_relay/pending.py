@@ -54,6 +54,8 @@ class PendingCall:
     frame_seq: int = 0
     """The seq of its `caller_tool_request` frame; 0 until stored (not yet listed as pending)."""
     done: trio.Event = attrs.field(factory=trio.Event)
+    recorded: trio.Event = attrs.field(factory=trio.Event)
+    """Set once the outcome's frame is stored (or its append failed): the agent is answered after it."""
     result: Any = None
     error: RelayError | None = None
 
@@ -153,6 +155,8 @@ class CallerCallRegistry:
             else:
                 with trio.move_on_after(timeout):
                     await call.done.wait()
+                if call.done.is_set():
+                    await call.recorded.wait()
                 if call.error is not None and call.error.code == errors.PEER_DISCONNECTED:
                     await self._append_frame(
                         session, "caller_tool_cancelled",
@@ -206,10 +210,17 @@ class CallerCallRegistry:
                 failed += 1
         return failed
 
-    def _finish(self, call: PendingCall, how: str, *, result: Any = None, error: RelayError | None = None) -> None:
+    def _finish(
+        self, call: PendingCall, how: str, *, result: Any = None, error: RelayError | None = None,
+        record_follows: bool = False,
+    ) -> None:
+        """Claim `call`'s one outcome. With `record_follows`, the claimer stores the outcome's frame
+        and sets `call.recorded`; otherwise nothing is left to wait for."""
         call.result = result
         call.error = error
         call.done.set()
+        if not record_follows:
+            call.recorded.set()
         self._finished[call.request_id] = Finished(how, call.session, call.caller, call.frame_seq)
         while len(self._finished) > RESOLVED_MEMORY:
             self._finished.popitem(last=False)
@@ -270,10 +281,18 @@ class CallerCallRegistry:
         """
         call = self._pending_of(caller, session_id, request_id)
         if error is not None:
-            self._finish(call, "resolved with an error", error=RelayError(errors.TOOL_ERROR, str(error)))
+            self._finish(call, "resolved with an error", error=RelayError(errors.TOOL_ERROR, str(error)), record_follows=True)
             payload: dict[str, Any] = {"request_id": request_id, "tool": call.tool, "error": str(error)}
         else:
-            self._finish(call, "resolved", result=result)
+            self._finish(call, "resolved", result=result, record_follows=True)
             payload = {"request_id": request_id, "tool": call.tool, "result": result}
-        await self._append_frame(call.session, "caller_tool_result", payload)
+        # The answering caller knows its answer: the event goes to the session's other sinks
+        # only, unless the session asked for it (`context.echo_own_answers`); the log has it.
+        # The agent is answered only once the result frame is stored (`recorded`): what the
+        # agent got is in the log, even if the server dies right after.
+        echo = call.session.echo_own_answers
+        try:
+            await self._append_frame(call.session, "caller_tool_result", payload, skip=None if echo else caller)
+        finally:
+            call.recorded.set()
         return call

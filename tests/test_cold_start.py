@@ -1,0 +1,56 @@
+"""Cold start (issue 11 item 6): what each command loads before it can answer.
+
+Importing the MCP SDK takes about a second per process; `--help` of both programs (and
+`oubliette-server token`) must not pay for it, and the stdio MCP server the agent spawns must
+not load the guest runtime. Checked in a fresh interpreter: `python -X importtime` lists every
+module a run imported, on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import fresh_dir
+
+PYTHON = sys.executable
+SDK = ("mcp", "mcp_types")
+
+
+def imported(args: list[str], env: dict[str, str] | None = None, stdin: int | None = subprocess.DEVNULL) -> set[str]:
+    """The modules `python -X importtime ARGS` imported (it must exit 0)."""
+    run = subprocess.run(
+        [PYTHON, "-X", "importtime", *args], capture_output=True, text=True, timeout=120, stdin=stdin,
+        env={**os.environ, **(env or {})},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return {
+        line.rsplit("|", 1)[1].strip()
+        for line in run.stderr.splitlines() if line.startswith("import time:") and "|" in line
+    }
+
+
+@pytest.mark.parametrize("program", ["oubliette_client", "oubliette_server"])
+def test_help_does_not_import_the_sdk(program: str) -> None:
+    modules = imported(["-m", program, "--help"])
+    assert f"{program}.cli" in modules, "the check saw the program's own imports"
+    assert not {m for m in modules if m.split(".")[0] in SDK}, "--help imported the MCP SDK"
+
+
+def test_server_token_does_not_import_the_sdk() -> None:
+    modules = imported(["-m", "oubliette_server", "token", "box1", "--data-dir", str(fresh_dir() / "data")])
+    assert not {m for m in modules if m.split(".")[0] in SDK}
+
+
+def test_the_stdio_server_does_not_load_the_guest_runtime() -> None:
+    """`oubliette-client` (stdio MCP server) runs until stdin closes, without the guest runtime's modules."""
+    tmp = fresh_dir()
+    modules = imported(
+        ["-m", "oubliette_client", "--connect-wait", "0.1"],
+        env={"OUBLIETTE_RELAY": f"unix:{tmp / 'none.sock'}", "OUBLIETTE_INSTANCE": "box1", "OUBLIETTE_TOKEN": "t"},
+    )
+    assert "oubliette_client.stdio_server" in modules, "the check saw the stdio server start"
+    assert not {"oubliette_client.guest", "oubliette_client.mcp_config", "oubliette_client.demo_agent"} & modules
