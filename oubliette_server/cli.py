@@ -2,7 +2,7 @@
 
     oubliette-server [serve] [--relay unix:PATH|tcp:HOST:PORT] [--data-dir DIR] [--caller-timeout SECONDS]
                      [--approval-timeout SECONDS] [--approval-delivery auto|elicitation|tool]
-    oubliette-server [serve] [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE]
+    oubliette-server [serve] [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE] [--store postgresql://…]
     oubliette-server token INSTANCE [--data-dir DIR]
     oubliette-server http-token [--data-dir DIR]
 
@@ -28,11 +28,13 @@ from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
 from .config import DEFAULT_CALLER_TIMEOUT, ServerConfig, default_data_dir, load_config_file
 from .relay import SERVER_VERSION
+from .store_api import StoreUnavailable
+from .store_open import StoreConfigError
 
 PROG = "oubliette-server"
 SUBCOMMANDS = ("serve", "token", "http-token")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
-VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--allowed-host", "--config", "--log-level"}
+VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--allowed-host", "--config", "--log-level", "--store"}
 EPILOG = """subcommands:
   serve                 serve callers and sandboxes (the default)
   token INSTANCE        print an instance's relay token
@@ -103,6 +105,10 @@ def _serve_parser() -> argparse.ArgumentParser:
         "--allowed-host", action="append", default=None, metavar="HOST[:PORT]",
         help="accept this Host header on /mcp besides loopback names (e.g. inside a container network)",
     )
+    parser.add_argument(
+        "--store", metavar="postgresql://…",
+        help="keep the frame log in PostgreSQL (a libpq URI, docs/SCALING.md) instead of SQLite in the data directory",
+    )
     parser.add_argument("--no-stdio", action="store_true", help="do not serve a caller on stdin/stdout")
     parser.add_argument("--config", type=Path, help="TOML config file (see docs/CONFIG.md); flags override it")
     return parser
@@ -171,6 +177,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         settings["approval_timeout"] = float(args.approval_timeout)
     if args.approval_delivery is not None:
         settings["approval_delivery"] = args.approval_delivery
+    if args.store is not None:
+        settings["store_url"] = args.store
     if args.http:
         settings["http"] = args.http
     if args.allowed_host:
@@ -193,10 +201,14 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
 def describe_failure(exc: BaseException) -> str | None:
     """One line for an operator's mistake found at run time, else None (a bug: keep its traceback).
 
-    The mistake is an `OSError` (a port or socket in use, permission denied), possibly inside
-    the exception groups of Trio nurseries.
+    The mistake is an `OSError` (a port or socket in use, permission denied), or the store's
+    (`StoreConfigError`: the PostgreSQL extra is missing; `StoreUnavailable`: the database
+    cannot be reached at start), possibly inside the exception groups of Trio nurseries.
     """
     leaves = [leaf for leaf in _leaves(exc) if not _is_cancel(leaf)]
+    for leaf in leaves:
+        if isinstance(leaf, (StoreConfigError, StoreUnavailable)):
+            return str(leaf)  # the store's own one line (missing extra, database unreachable)
     if not leaves or not all(isinstance(leaf, OSError) for leaf in leaves):
         return None
     first = leaves[0]

@@ -240,7 +240,7 @@ class TetherRoutes:
         rest (by error code).
         """
         try:
-            instance = self.instances.require_known(request.path_params["instance"])
+            instance = await self.instances.require_known(request.path_params["instance"])
             body = await self._json_body(request)
             frame = await self.tether.ingest(instance, body)
         except RelayError as err:
@@ -269,7 +269,7 @@ class TetherRoutes:
     async def poll(self, request: Request) -> Response:
         """`GET …/tether/poll`: frames after `after_seq`, long-polling up to `wait_ms`; 499 when the client left first."""
         try:
-            instance = self.instances.require_known(request.path_params["instance"])
+            instance = await self.instances.require_known(request.path_params["instance"])
             filters = dict(
                 channel=request.query_params.get("channel") or None,
                 session_id=request.query_params.get("session_id") or None,
@@ -292,7 +292,7 @@ class TetherRoutes:
         Ends when the client disconnects; errors found before the stream starts are JSON responses.
         """
         try:
-            instance = self.instances.require_known(request.path_params["instance"])
+            instance = await self.instances.require_known(request.path_params["instance"])
             last_event_id = request.headers.get("last-event-id")
             if last_event_id is not None:
                 try:

@@ -32,7 +32,7 @@ from protocol import RelayError, messages
 
 from protocol import Frame
 
-from ..store import CursorPruned, FrameQuery, FrameStore
+from ..store_api import CursorPruned, FrameQuery, FrameStoreAPI
 
 log = logging.getLogger("oubliette.server.guests")
 
@@ -70,7 +70,7 @@ class GuestDelivery:
     cursor at the last acknowledged seq, so nothing is lost.
     """
 
-    def __init__(self, store: FrameStore, on_undeliverable: Undeliverable = _log_only) -> None:
+    def __init__(self, store: FrameStoreAPI, on_undeliverable: Undeliverable = _log_only) -> None:
         self.store = store
         self.on_undeliverable = on_undeliverable
         self._guests: dict[str, GuestPeer] = {}
@@ -108,12 +108,12 @@ class GuestDelivery:
             channel, session_id, _ = turns[msg_id]
             turns[msg_id] = (channel, session_id, True)
 
-    def turn_ended(self, connection: GuestPeer, msg_id: str) -> bool:
+    async def turn_ended(self, connection: GuestPeer, msg_id: str) -> bool:
         """Record the end of the turn of `msg_id`; False if it had ended already (refuse a second end)."""
         assert connection.instance is not None
         for turns in self._in_flight.values():
             turns.pop(msg_id, None)
-        if msg_id in self._ended.get(connection.instance, ()) or self._answered(connection.instance, msg_id):
+        if msg_id in self._ended.get(connection.instance, ()) or await self._answered(connection.instance, msg_id):
             return False
         return True
 
@@ -145,7 +145,7 @@ class GuestDelivery:
         self.connected_changed.set()
         self.connected_changed = trio.Event()
 
-    def acknowledge(self, connection: GuestPeer, seq: int) -> None:
+    async def acknowledge(self, connection: GuestPeer, seq: int) -> None:
         """Move the guest's cursor forward to `seq`; an ack past the end of the log is refused.
 
         An ack beyond the instance's last `seq` names frames that do not exist yet: storing
@@ -154,37 +154,38 @@ class GuestDelivery:
         """
         assert connection.instance is not None
         store = self.store
-        last = store.last_seq(connection.instance)
+        last = await store.last_seq(connection.instance)
         if not 0 <= seq <= last:
             log.warning(
                 "%r: ignoring ack of seq %d: the last seq of instance %r is %d",
                 connection, seq, connection.instance, last,
             )
             return
-        if seq > store.get_cursor(connection.instance, GUEST_CURSOR):
-            store.set_cursor(connection.instance, GUEST_CURSOR, seq)
+        # One statement: two acks racing (or two servers) never move the cursor back.
+        await store.advance_cursor(connection.instance, GUEST_CURSOR, seq)
 
-    def has_undelivered(self, instance: str) -> bool:
+    async def has_undelivered(self, instance: str) -> bool:
         """Whether a `user.message` after the guest's acknowledged cursor is waiting."""
-        query = FrameQuery(after_seq=self.store.get_cursor(instance, GUEST_CURSOR), types=("user.message",), limit=1)
+        cursor = await self.store.get_cursor(instance, GUEST_CURSOR)
+        query = FrameQuery(after_seq=cursor, types=("user.message",), limit=1)
         try:
-            return bool(self.store.query(instance, query))
+            return bool(await self.store.query(instance, query))
         except CursorPruned:
             return True
 
-    def _answered(self, instance: str, msg_id: str) -> bool:
+    async def _answered(self, instance: str, msg_id: str) -> bool:
         """A turn that ended but whose acknowledgement was lost (the guest died right after) is not rerun."""
         if msg_id in self._ended.get(instance, ()):
             return True
         query = FrameQuery(types=TURN_END_TYPES, reply_to=msg_id, limit=1)
-        return bool(self.store.query(instance, query))
+        return bool(await self.store.query(instance, query))
 
     async def deliver(self, connection: GuestPeer) -> None:
         """Push every unacknowledged and every new `user.message` to the guest."""
         assert connection.instance is not None
         instance = connection.instance
         store = self.store
-        cursor = store.get_cursor(instance, GUEST_CURSOR)
+        cursor = await store.get_cursor(instance, GUEST_CURSOR)
         in_flight = self._in_flight.setdefault(connection, {})
         while True:
             query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)
@@ -195,7 +196,7 @@ class GuestDelivery:
                 cursor = exc.first_seq - 1
                 continue
             for frame in frames:
-                if not self._answered(instance, frame.msg_id):
+                if not await self._answered(instance, frame.msg_id):
                     in_flight[frame.msg_id] = (frame.channel, frame.session_id, False)
                     await self._send(connection, instance, frame)
                 cursor = frame.seq

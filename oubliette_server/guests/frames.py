@@ -40,7 +40,7 @@ class GuestFrames:
             )
         assert connection.instance is not None
         if request.type in TURN_END_TYPES and request.reply_to is not None:
-            if not self.delivery.turn_ended(connection, request.reply_to):
+            if not await self.delivery.turn_ended(connection, request.reply_to):
                 raise RelayError(
                     errors.INVALID_REQUEST,
                     f"the turn of message {request.reply_to!r} has ended already (a turn ends once; the server "
@@ -54,4 +54,4 @@ class GuestFrames:
 
     async def ack(self, connection: GuestPeer, ack: messages.Ack) -> None:
         """The `ack` relay notification: move the guest's delivery cursor (see `GuestDelivery.acknowledge`)."""
-        self.delivery.acknowledge(connection, ack.seq)
+        await self.delivery.acknowledge(connection, ack.seq)
