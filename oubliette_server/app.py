@@ -8,6 +8,9 @@ The path of one relayed call through the rooms is in docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import socket
 from typing import Any, Awaitable, Callable
 import trio
 
@@ -26,7 +29,7 @@ from .frame_log import FrameLog
 from .guests import GuestDelivery, GuestFrames, InstanceStarter, OrphanedTurns
 from .http_api import HttpApi
 from .instances import InstanceDirectory
-from .relay import RelayConnection, RelayHandlers, RelayListener
+from .relay import SERVER_VERSION, RelayConnection, RelayHandlers, RelayListener
 from .sessions import SessionRegistry
 from .store_api import FrameStoreAPI
 from .store_open import open_store
@@ -63,6 +66,8 @@ class OublietteServer:
             pool_size=config.store_pool_size, connect_timeout=config.store_connect_timeout,
         )
         self.limits: Limits = config.limits
+        self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        """Which server of a deployment this is (host, process, a random tag)."""
         self.sessions = SessionRegistry()
         self.clients = ClientConnections()
         self.instances = InstanceDirectory(
@@ -125,6 +130,9 @@ class OublietteServer:
         """
         address = parse_relay_address(self.config.relay_address)
         async with self.store.running():
+            shared = await self.store.shared_secret(self.tokens.secret)
+            if shared is not None:
+                self.tokens.use_secret(shared)  # every server of the deployment accepts the same tokens
             await cancel_unanswered_requests(self.store, self.sessions, self.frame_log.append)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.orphans.serve)
@@ -150,8 +158,12 @@ class OublietteServer:
         """The HTTP listener (tether routes and /mcp); start its `serve` with `nursery.start`."""
         return HttpApi(
             callers=self.callers, tools=self.caller_api(), tether=self.tether, instances=self.instances,
-            verify_token=self.tokens.verify, allowed_hosts=self.config.allowed_hosts,
+            verify_token=self.tokens.verify, allowed_hosts=self.config.allowed_hosts, identity=self.identity(),
         )
+
+    def identity(self) -> dict[str, Any]:
+        """This server and its store, as `/v1/health` reports them (no secrets)."""
+        return {"server": {"id": self.server_id, "version": SERVER_VERSION}, "store": self.store.describe()}
 
     def relay_request_started(self) -> None:
         """Count a relay request in flight (called by each `RelayConnection`); `drain` waits for the count to reach zero."""

@@ -3,8 +3,8 @@
     oubliette-server [serve] [--relay unix:PATH|tcp:HOST:PORT] [--data-dir DIR] [--caller-timeout SECONDS]
                      [--approval-timeout SECONDS] [--approval-delivery auto|elicitation|tool]
     oubliette-server [serve] [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE] [--store postgresql://…]
-    oubliette-server token INSTANCE [--data-dir DIR]
-    oubliette-server http-token [--data-dir DIR]
+    oubliette-server token INSTANCE [--data-dir DIR | --store postgresql://…]
+    oubliette-server http-token [--data-dir DIR | --store postgresql://…]
 
 Logs go to stderr; stdout carries the caller's MCP. Options may come before or after the
 subcommand. An operator mistake is one line on stderr: exit status 2 for a usage error, 1 for
@@ -26,7 +26,7 @@ from protocol import parse_relay_address
 
 from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
-from .config import DEFAULT_CALLER_TIMEOUT, ServerConfig, default_data_dir, load_config_file
+from .config import DEFAULT_CALLER_TIMEOUT, STORE_URL_SCHEMES, ServerConfig, default_data_dir, load_config_file
 from .relay import SERVER_VERSION
 from .store_api import StoreUnavailable
 from .store_open import StoreConfigError
@@ -121,6 +121,10 @@ def _token_parser(http: bool) -> argparse.ArgumentParser:
         parser = OneLineParser(prog=f"{PROG} token", description="Print an instance's relay token.")
         parser.add_argument("instance")
     _add_common(parser)
+    parser.add_argument(
+        "--store", metavar="postgresql://…",
+        help="the deployment's PostgreSQL store: print the token every server on it accepts (docs/SCALING.md)",
+    )
     return parser
 
 
@@ -256,12 +260,15 @@ def _run(argv: list[str]) -> int:
         data_dir = config.data_dir
     else:
         data_dir = args.data_dir or default_data_dir()
-    problem = _writable_data_dir(data_dir)
+    problem = None if command != "serve" and args.store else _writable_data_dir(data_dir)
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 1
     if command != "serve":
-        authority = TokenAuthority.for_data_dir(data_dir)
+        if args.store:
+            authority = _shared_authority(args.store)
+        else:
+            authority = TokenAuthority.for_data_dir(data_dir)
         print(authority.token_for(HTTP_ADMIN if command == "http-token" else args.instance))
         return 0
     import trio
@@ -274,6 +281,30 @@ def _run(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _shared_authority(url: str) -> TokenAuthority:
+    """The token authority of a PostgreSQL deployment: its secret is in the database (created
+    now if no server has started yet, and then adopted by every server)."""
+    import secrets
+
+    import trio
+
+    from .store_open import MISSING_EXTRA, StoreConfigError
+
+    if not url.startswith(STORE_URL_SCHEMES):
+        raise StoreConfigError(f"--store must be a postgresql:// libpq URI; got {url!r}")
+    try:
+        from .store_pg import PostgresFrameStore
+    except ImportError:
+        raise StoreConfigError(MISSING_EXTRA) from None
+
+    async def read() -> bytes:
+        store = PostgresFrameStore(url, pool_size=1)
+        async with store.running():
+            return await store.shared_secret(secrets.token_hex(32).encode())
+
+    return TokenAuthority(trio.run(read))
 
 
 def main(argv: list[str] | None = None) -> int:

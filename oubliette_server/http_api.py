@@ -216,9 +216,10 @@ async def _unless_disconnected(request: Request, wait: Any) -> Any:
 class TetherRoutes:
     """The `/v1/instances/{id}/tether…` endpoints: HTTP adapters over `Tether`."""
 
-    def __init__(self, tether: Tether, instances: InstanceDirectory) -> None:
+    def __init__(self, tether: Tether, instances: InstanceDirectory, identity: dict[str, Any] | None = None) -> None:
         self.tether = tether
         self.instances = instances
+        self.identity = identity or {}
 
     def routes(self) -> list[Route]:
         """The Starlette routes: tether ingress, poll, stream, and `/v1/health`."""
@@ -230,8 +231,9 @@ class TetherRoutes:
         ]
 
     async def health(self, request: Request) -> Response:
-        """`GET /v1/health`: `ok` and the connected instances."""
-        return JSONResponse({"ok": True, "connected_instances": self.instances.connected_instances()})
+        """`GET /v1/health`: `ok`, the connected instances, and which server and store answered
+        (`server`, `store`: behind a load balancer, the identity tells the servers apart)."""
+        return JSONResponse({"ok": True, "connected_instances": self.instances.connected_instances(), **self.identity})
 
     async def ingress(self, request: Request) -> Response:
         """`POST /v1/instances/{id}/tether`: store one frame; 201 with its `msg_id` and `seq`.
@@ -379,7 +381,10 @@ class HttpApi:
         instances: InstanceDirectory,
         verify_token: VerifyToken,
         allowed_hosts: list[str],
+        identity: dict[str, Any] | None = None,
     ) -> None:
+        self.identity = identity or {}
+        """What `/v1/health` says of this server: `{"server": {...}, "store": "..."}`."""
         self.callers = callers
         self.tools = tools
         self.tether = tether
@@ -469,7 +474,7 @@ class HttpApi:
                 allowed_origins=[f"http://{host}" for host in allowed] + [f"https://{host}" for host in allowed],
             ),
             custom_starlette_routes=[
-                *TetherRoutes(self.tether, self.instances).routes(),
+                *TetherRoutes(self.tether, self.instances, self.identity).routes(),
                 *ApprovalRoutes(self.tools, self.verify_token).routes(),
             ],
         )

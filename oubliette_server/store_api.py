@@ -330,3 +330,8 @@ class FrameStoreAPI(Protocol):
     def waiter_count(self, instance: str | None = None) -> int:
         """How many tasks of this process wait in `wait_for_frames` for `instance` (or for all)."""
         ...
+
+    async def shared_secret(self, candidate: bytes) -> bytes | None:
+        """The deployment's token secret kept in the store, `candidate` stored if it has none
+        (the first server wins); None if this store keeps no secret (SQLite: the data dir does)."""
+        ...

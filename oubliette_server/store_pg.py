@@ -118,6 +118,12 @@ CREATE TABLE cursors (
     PRIMARY KEY (instance, name)
 );
 """),
+    (2, """
+CREATE TABLE oubliette_secrets (
+    name  text PRIMARY KEY,
+    value text NOT NULL
+);
+"""),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -208,6 +214,10 @@ class PostgresFrameStore:
         Raises: `StoreUnavailable` (one line) when the database cannot be reached in
         `connect_timeout` seconds; `RuntimeError` for a schema newer than this program.
         """
+        try:  # one plain connection first: its error is the clearest, and the pool logs none
+            await trio.to_thread.run_sync(self._probe)
+        except psycopg.Error as exc:
+            raise StoreUnavailable(f"cannot reach the PostgreSQL store {self.describe()}: {_first_line(exc)}") from None
         pool = psycopg_pool.ConnectionPool(
             self.url, min_size=self.pool_size, max_size=self.pool_size, open=False,
             timeout=self.connect_timeout, name="oubliette-store",
@@ -222,8 +232,7 @@ class PostgresFrameStore:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(pool.close)
             raise StoreUnavailable(
-                f"cannot reach the PostgreSQL store {self.describe()} within {self.connect_timeout:g} s: "
-                f"{self._why_unreachable()}"
+                f"cannot reach the PostgreSQL store {self.describe()}: no connection within {self.connect_timeout:g} s"
             ) from None
         self._pool = pool
         self._closed = False
@@ -242,13 +251,8 @@ class PostgresFrameStore:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(lambda: pool.close(timeout=5.0))
 
-    def _why_unreachable(self) -> str:
-        """The driver's own reason, for the one-line error at start."""
-        try:
-            psycopg.connect(self.url, connect_timeout=max(1, math.ceil(self.connect_timeout))).close()
-        except psycopg.Error as exc:
-            return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return "no connection in time"
+    def _probe(self) -> None:
+        psycopg.connect(self.url, connect_timeout=max(1, math.ceil(self.connect_timeout))).close()
 
     async def _run(self, work: Callable[..., _T], *args: Any) -> _T:
         """Run `work(conn, *args)` in a worker thread on a pooled connection, in one transaction."""
@@ -547,6 +551,22 @@ class PostgresFrameStore:
                 (instance, name, seq),
             )
             return cur.rowcount
+
+    # -- the deployment's secret ----------------------------------------------------------
+
+    async def shared_secret(self, candidate: bytes) -> bytes:
+        """The token secret every server of the deployment uses: `candidate` if none is stored
+        yet (the first server to start stores its own), else the stored one."""
+        def read(conn: psycopg.Connection) -> bytes:
+            with conn.transaction():
+                conn.execute(
+                    "INSERT INTO oubliette_secrets (name, value) VALUES ('server', %s) ON CONFLICT (name) DO NOTHING",
+                    (candidate.decode("ascii"),),
+                )
+                row = conn.execute("SELECT value FROM oubliette_secrets WHERE name = 'server'").fetchone()
+            assert row is not None
+            return str(row[0]).encode("ascii")
+        return await self._run(read)
 
     # -- retention -----------------------------------------------------------------------
 
