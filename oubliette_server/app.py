@@ -133,7 +133,10 @@ class OublietteServer:
             shared = await self.store.shared_secret(self.tokens.secret)
             if shared is not None:
                 self.tokens.use_secret(shared)  # every server of the deployment accepts the same tokens
-            await cancel_unanswered_requests(self.store, self.sessions, self.frame_log.append)
+            if not self.store.shared:
+                # With a shared store, another live server may own an open request: only a server
+                # that is alone on its log can tell which requests a previous run left (docs/SCALING.md).
+                await cancel_unanswered_requests(self.store, self.sessions, self.frame_log.append)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.orphans.serve)
                 await nursery.start(self.callers.serve)

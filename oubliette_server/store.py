@@ -291,6 +291,11 @@ class FrameStore:
         finally:
             self.close()
 
+    @property
+    def shared(self) -> bool:
+        """False: one server process owns a SQLite store file."""
+        return False
+
     async def shared_secret(self, candidate: bytes) -> bytes | None:
         """None: one server per SQLite file, whose secret stays in its data directory."""
         await trio.lowlevel.checkpoint()

@@ -280,6 +280,11 @@ class FrameStoreAPI(Protocol):
         """Whether the store is closed."""
         ...
 
+    @property
+    def shared(self) -> bool:
+        """Whether other servers may append to the same log (PostgreSQL) or this one is alone (SQLite)."""
+        ...
+
     async def append(
         self, instance: str, *, channel: str, session_id: str, type: str, payload: dict,
         msg_id: str | None = None, reply_to: str | None = None,

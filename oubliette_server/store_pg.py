@@ -207,6 +207,11 @@ class PostgresFrameStore:
         """Whether `running()` has ended (or never connected)."""
         return self._closed or self._pool is None
 
+    @property
+    def shared(self) -> bool:
+        """True: every server of the deployment appends to this log."""
+        return True
+
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         """Connect (pool and listener), apply migrations and retention; close on exit.

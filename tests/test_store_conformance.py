@@ -345,3 +345,35 @@ async def test_migrations_are_idempotent_with_servers_starting_together(pg_url: 
 
     with psycopg.connect(pg_url) as conn:
         assert conn.execute("SELECT version FROM oubliette_schema").fetchall() == [(1,)]
+
+
+async def test_postgres_recovers_after_its_connections_are_cut(pg_url: str) -> None:
+    """Every connection of the store is killed (as when the database restarts): the listener
+    reconnects and its waiters re-query, so an append made meanwhile is not missed; the pool
+    replaces its broken connections, so the next calls work without a restart."""
+    import psycopg
+
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as a, backend.open() as b:
+        await add(a)
+        got: list[Any] = []
+
+        async def waiter() -> None:
+            got.append(await b.wait_for_frames("box1", FrameQuery(after_seq=1), 30))
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter)
+                while b.waiter_count("box1") != 1:
+                    await trio.testing.wait_all_tasks_blocked()
+                dbname = psycopg.conninfo.conninfo_to_dict(pg_url)["dbname"]
+                with psycopg.connect(pg_url, autocommit=True) as admin:
+                    killed = admin.execute(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = %s AND pid <> pg_backend_pid()", (dbname,),
+                    ).fetchone()
+                assert killed is not None and killed[0] >= 2
+                frame = await add(a)  # through a pool whose connections were all cut
+        [(frames, timed_out)] = got
+        assert frames == [frame] and not timed_out
+        assert await b.last_seq("box1") == 2
