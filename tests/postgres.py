@@ -38,7 +38,9 @@ START_TIMEOUT = 60.0
 class PostgresServer:
     """One running PostgreSQL; `url(db)` is a libpq URI for database `db` over its socket."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, fsync: bool = False) -> None:
+        self.fsync = fsync
+        """Whether the server fsyncs (off for tests; on for the benchmark's honest commits)."""
         if not (PG_BIN / "postgres").exists():
             raise RuntimeError(
                 f"PostgreSQL binaries are missing from {PG_BIN}: apt-get install -y postgresql-15 "
@@ -68,7 +70,7 @@ class PostgresServer:
         )
         self.process = subprocess.Popen(
             [*self._prefix, str(PG_BIN / "postgres"), "-D", str(self.data), "-k", str(self.socket_dir),
-             "-c", "listen_addresses=", "-c", "fsync=off", "-c", "max_connections=200"],
+             "-c", "listen_addresses=", "-c", f"fsync={'on' if self.fsync else 'off'}", "-c", "max_connections=200"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         self._drainer = threading.Thread(target=self._drain, daemon=True)
