@@ -42,6 +42,7 @@ from .caller_api.schemas import OWNER_KEY_PATTERN
 from .caller_api.tools import STREAM_GONE_STATE
 from .callers import CallerConnection, CallerRegistry
 from .instances import InstanceDirectory
+from .store_api import StoreUnavailable
 from .tether import Tether
 
 VerifyToken = Callable[[str, str], bool]
@@ -75,6 +76,8 @@ def error_response(err: RelayError, status: int | None = None) -> JSONResponse:
             status = 413
         elif isinstance(err, LimitExceeded):
             status = 413 if err.is_size else 400
+        elif isinstance(err, StoreUnavailable):
+            status = 503  # the database is down: try again later (the server recovers by itself)
     return JSONResponse(
         {"error": {"code": err.code, "name": errors.ERROR_NAMES.get(err.code, "error"), "message": err.message}},
         status_code=status or HTTP_STATUS.get(err.code, 400),

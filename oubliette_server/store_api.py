@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from protocol import RelayError, errors
 from protocol.frames import FRAME_VERSION, Frame, SessionRef
 
 __all__ = [
@@ -161,11 +162,21 @@ def _rebuild_cursor_pruned(instance: str, after_seq: int, first_seq: int, messag
     return exc
 
 
-class StoreUnavailable(Exception):
+class StoreUnavailable(RelayError):
     """The store's database cannot be reached (PostgreSQL down, pool exhausted past its timeout).
 
-    Raised instead of the driver's own errors so the doors (relay, caller API, HTTP) can give
-    one clear message; the store recovers by itself when the database returns."""
+    Raised instead of the driver's own errors, as a `RelayError` (INTERNAL_ERROR) so every door
+    gives its peer this one clear message: a caller's tool error, a sandbox's error response,
+    HTTP 503. The store recovers by itself when the database returns."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errors.INTERNAL_ERROR, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> Any:  # keep pickling (and copying) working
+        return (StoreUnavailable, (self.message,))
 
 
 # --------------------------------------------------------------------------------------------

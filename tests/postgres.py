@@ -62,18 +62,16 @@ class PostgresServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        """initdb, start the server, wait until it accepts connections."""
-        subprocess.run(
-            [*self._prefix, str(PG_BIN / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
-             "--no-sync", "--locale=C", "-E", "UTF8"],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
+        """initdb (the first time), start the server, wait until it accepts connections."""
+        if not (self.data / "PG_VERSION").exists():
+            self._initdb()
+        self._ready = threading.Event()
         self.process = subprocess.Popen(
             [*self._prefix, str(PG_BIN / "postgres"), "-D", str(self.data), "-k", str(self.socket_dir),
              "-c", "listen_addresses=", "-c", f"fsync={'on' if self.fsync else 'off'}", "-c", "max_connections=200"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
-        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer = threading.Thread(target=self._drain, args=(self.process,), daemon=True)
         self._drainer.start()
         if not self._ready.wait(START_TIMEOUT):
             self.stop()
@@ -83,10 +81,17 @@ class PostgresServer:
             check=True, stdout=subprocess.DEVNULL,
         )
 
-    def _drain(self) -> None:
+    def _initdb(self) -> None:
+        subprocess.run(
+            [*self._prefix, str(PG_BIN / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
+             "--no-sync", "--locale=C", "-E", "UTF8"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+
+    def _drain(self, process: subprocess.Popen[bytes]) -> None:
         """Keep reading the server's stderr (a full pipe would stall it); note the ready line."""
-        assert self.process is not None and self.process.stderr is not None
-        for line in self.process.stderr:
+        assert process.stderr is not None
+        for line in process.stderr:
             self.log.append(line)
             if READY_LINE in line:
                 self._ready.set()
@@ -105,8 +110,9 @@ class PostgresServer:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
 
-    def stop(self) -> None:
-        """Fast shutdown (SIGINT), then remove the directory."""
+    def halt(self) -> None:
+        """Stop the server (fast shutdown, SIGINT) and keep its data: `start()` brings it back,
+        as a database outage and its end look to the programs using it."""
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
@@ -117,4 +123,9 @@ class PostgresServer:
         if self.process is not None and self.process.stderr is not None:
             self._drainer.join(10)  # it ends at EOF, now that the server is gone
             self.process.stderr.close()
+        self.process = None
+
+    def stop(self) -> None:
+        """`halt`, then remove the directory."""
+        self.halt()
         shutil.rmtree(self.root, ignore_errors=True)

@@ -112,3 +112,33 @@ async def test_two_servers_on_one_database_share_tokens_log_and_wake_ups(pg_url:
     finally:
         a.cleanup()
         b.cleanup()
+
+
+async def test_a_database_outage_is_a_clear_error_and_the_server_recovers(
+    pg_deployment: Deployment, postgres_server: Any,
+) -> None:
+    """The database stops under a running server: a caller gets HTTP 503 naming the store, not
+    a traceback; the server stays up, and once the database is back the same request works."""
+    config = pg_deployment.root / "outage.toml"
+    pg_deployment.root.mkdir(parents=True, exist_ok=True)
+    config.write_text('[store]\nconnect_timeout = 2\n[instances.box1]\n')
+    async with pg_deployment.http_server("--config", str(config)) as server, server.rest() as rest:
+        await post(rest, "box1", frame_body("host", "s1", text="before"))
+        await trio.to_thread.run_sync(postgres_server.halt)
+        try:
+            with trio.fail_after(30):
+                response = await rest.post("/v1/instances/box1/tether", json=frame_body("host", "s1", text="during"))
+            assert response.status_code == 503, response.text
+            message = response.json()["error"]["message"]
+            assert message.startswith(f"the PostgreSQL store {safe_url(pg_deployment.store or '')} is unavailable"), message
+        finally:
+            await trio.to_thread.run_sync(postgres_server.start)
+        with trio.fail_after(30):
+            while True:  # the pool reconnects in the background: the first calls may still fail
+                response = await rest.post("/v1/instances/box1/tether", json=frame_body("host", "s1", text="after"))
+                if response.status_code != 503:
+                    break
+                await trio.sleep(0.2)
+        assert response.status_code == 201, response.text
+        assert response.json()["frame"]["seq"] == 2, "nothing was stored during the outage; seq goes on"
+        assert server.process.returncode is None

@@ -77,6 +77,9 @@ class GuestDelivery:
         self._in_flight: dict[GuestPeer, dict[str, tuple[str, str, bool]]] = {}
         """Per guest connection: msg_id -> (channel, session_id, started) of its delivered, unanswered messages."""
         self._ended: dict[str, set[str]] = {}
+        self._ending: set[tuple[str, str]] = set()
+        """(instance, msg_id) of turn ends being checked and stored now: a second one is refused
+        while the first awaits the store (see `turn_ended`, `turn_end_stored`)."""
         self.connected_changed = trio.Event()
 
     def guest_for(self, instance: str) -> GuestPeer | None:
@@ -109,13 +112,32 @@ class GuestDelivery:
             turns[msg_id] = (channel, session_id, True)
 
     async def turn_ended(self, connection: GuestPeer, msg_id: str) -> bool:
-        """Record the end of the turn of `msg_id`; False if it had ended already (refuse a second end)."""
+        """Record the end of the turn of `msg_id`; False if it had ended already (refuse a second end).
+
+        True claims the end until `turn_end_stored` is called (after its frame is appended, or
+        failed to be): a second end arriving meanwhile is refused, though the log has no end yet.
+        """
         assert connection.instance is not None
+        key = (connection.instance, msg_id)
         for turns in self._in_flight.values():
             turns.pop(msg_id, None)
-        if msg_id in self._ended.get(connection.instance, ()) or await self._answered(connection.instance, msg_id):
+        if key in self._ending or msg_id in self._ended.get(connection.instance, ()):
+            return False
+        self._ending.add(key)
+        try:
+            answered = await self._answered(connection.instance, msg_id)
+        except BaseException:
+            self._ending.discard(key)
+            raise
+        if answered:
+            self._ending.discard(key)
             return False
         return True
+
+    def turn_end_stored(self, connection: GuestPeer, msg_id: str) -> None:
+        """The end claimed by `turn_ended` is in the log now (or was not stored): release the claim."""
+        assert connection.instance is not None
+        self._ending.discard((connection.instance, msg_id))
 
     def orphaned_turns(self, connection: GuestPeer) -> list[tuple[str, str, str]]:
         """The guest is gone: its turns in flight, `(msg_id, channel, session_id)`, now ended by the caller of this.
