@@ -142,3 +142,39 @@ async def test_a_database_outage_is_a_clear_error_and_the_server_recovers(
         assert response.status_code == 201, response.text
         assert response.json()["frame"]["seq"] == 2, "nothing was stored during the outage; seq goes on"
         assert server.process.returncode is None
+
+
+async def test_a_guest_stays_through_an_outage_and_gets_the_next_message(
+    pg_deployment: Deployment, postgres_server: Any,
+) -> None:
+    """The database stops while a guest waits for messages: the server keeps the guest (its
+    delivery retries), and the first message after the database is back gets its turn."""
+    config = pg_deployment.root / "outage.toml"
+    pg_deployment.root.mkdir(parents=True, exist_ok=True)
+    config.write_text('[store]\nconnect_timeout = 2\n[instances.box1]\n')
+    async with pg_deployment.http_server("--config", str(config)) as server, server.rest() as rest, \
+            pg_deployment.guest("box1", LOOP_AGENT):
+        await server.wait_connected("box1")
+        await trio.to_thread.run_sync(postgres_server.halt)
+        try:
+            # The delivery loop is woken by the lost LISTEN connection and finds the store down.
+            await server.wait_stderr("guest of box1", "retrying delivery", timeout=30)
+        finally:
+            await trio.to_thread.run_sync(postgres_server.start)
+        with trio.fail_after(30):
+            while True:  # the pool reconnects in the background: the first calls may still fail
+                response = await rest.post("/v1/instances/box1/tether", json={
+                    "type": "user.message", "session": {"channel": "host", "id": "after"}, "payload": {"text": script()},
+                })
+                if response.status_code != 503:
+                    break
+                await trio.sleep(0.2)
+        assert response.status_code == 201, response.text
+        msg_id = response.json()["msg_id"]
+        with trio.fail_after(60):
+            done = await poll(rest, "box1", {
+                "channel": "host", "session_id": "after", "types": "assistant.done",
+                "reply_to_msg_id": msg_id, "wait_ms": 30_000,
+            })
+        assert [f["type"] for f in done["frames"]] == ["assistant.done"], done
+        assert "box1" in (await rest.get("/v1/health")).json()["connected_instances"]

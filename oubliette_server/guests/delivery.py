@@ -32,12 +32,14 @@ from protocol import RelayError, messages
 
 from protocol import Frame
 
-from ..store_api import CursorPruned, FrameQuery, FrameStoreAPI
+from ..store_api import CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
 
 log = logging.getLogger("oubliette.server.guests")
 
 GUEST_CURSOR = "guest.delivered"
 DELIVERY_BATCH = 200
+#: Backoff (first, longest; seconds) of a delivery loop whose store is unavailable (a database outage).
+STORE_RETRY = (0.2, 5.0)
 TURN_END_TYPES = ("assistant.done", "session.error")
 
 #: `(instance, frame, reason)`: record that a frame could not be delivered (ends its turn).
@@ -207,21 +209,32 @@ class GuestDelivery:
         assert connection.instance is not None
         instance = connection.instance
         store = self.store
-        cursor = await store.get_cursor(instance, GUEST_CURSOR)
+        cursor: int | None = None
         in_flight = self._in_flight.setdefault(connection, {})
+        backoff = STORE_RETRY[0]
         while True:
-            query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)
             try:
-                frames, _ = await store.wait_for_frames(instance, query, timeout=math.inf)
-            except CursorPruned as exc:
-                log.warning("guest of %s: %s; delivering from there", instance, exc)
-                cursor = exc.first_seq - 1
-                continue
-            for frame in frames:
-                if not await self._answered(instance, frame.msg_id):
-                    in_flight[frame.msg_id] = (frame.channel, frame.session_id, False)
-                    await self._send(connection, instance, frame)
-                cursor = frame.seq
+                if cursor is None:
+                    cursor = await store.get_cursor(instance, GUEST_CURSOR)
+                query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)
+                try:
+                    frames, _ = await store.wait_for_frames(instance, query, timeout=math.inf)
+                except CursorPruned as exc:
+                    log.warning("guest of %s: %s; delivering from there", instance, exc)
+                    cursor = exc.first_seq - 1
+                    continue
+                for frame in frames:
+                    if not await self._answered(instance, frame.msg_id):
+                        in_flight[frame.msg_id] = (frame.channel, frame.session_id, False)
+                        await self._send(connection, instance, frame)
+                    cursor = frame.seq
+                backoff = STORE_RETRY[0]
+            except StoreUnavailable as exc:
+                # The database is down (PostgreSQL store): keep the guest, try again with backoff;
+                # the cursor in memory says where delivery stands.
+                log.warning("guest of %s: %s; retrying delivery in %.1f s", instance, exc, backoff)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, STORE_RETRY[1])
 
     async def _send(self, connection: GuestPeer, instance: str, frame: Frame) -> None:
         """Send one frame; one that cannot be sent is reported and skipped, never retried."""
