@@ -28,9 +28,10 @@ Wake-ups
     object wake its waiters directly as well.
 
 Queries
-    A query reads the frames first, then its instance's `pruned_below`: frames deleted by
-    retention before the frames were read always show in the later `pruned_below`, so a
-    gap raises `CursorPruned` instead of being skipped.
+    A query is one statement, so one snapshot: the instance's `last_seq` and `pruned_below`
+    with the matching frames (a LATERAL join).  Frames deleted by retention show in that
+    `pruned_below`, so a gap raises `CursorPruned` instead of being skipped; and every frame
+    up to that `last_seq` is visible in it, so a long poll examines each frame once.
 
 Schema and migrations
     Versioned migrations (`MIGRATIONS`) are applied at start in one transaction holding a
@@ -127,7 +128,6 @@ CREATE TABLE oubliette_secrets (
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
-_COLS = "seq, ts, channel, session_id, type, msg_id, reply_to, payload"
 _BUMP_SEQ = (
     "INSERT INTO instances (name, last_seq) VALUES (%s, %s) "
     "ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + EXCLUDED.last_seq RETURNING last_seq"
@@ -259,18 +259,30 @@ class PostgresFrameStore:
     def _probe(self) -> None:
         psycopg.connect(self.url, connect_timeout=max(1, math.ceil(self.connect_timeout))).close()
 
-    async def _run(self, work: Callable[..., _T], *args: Any) -> _T:
-        """Run `work(conn, *args)` in a worker thread on a pooled connection, in one transaction."""
+    async def _run(self, work: Callable[..., _T], *args: Any, read_only: bool = False) -> _T:
+        """Run `work(conn, *args)` in a worker thread on a pooled connection, in one transaction.
+
+        A read (`read_only`) that loses its connection is tried once more on another one: a
+        connection the database dropped can pass the pool's check and fail just after. A write
+        is not retried (it may have committed)."""
         pool = self._pool
         if pool is None or self._closed:
             raise RuntimeError("the frame store is closed")
 
         def call() -> _T:
-            try:
-                with pool.connection() as conn:
-                    return work(conn, *args)
-            except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
-                raise StoreUnavailable(f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
+            for attempt in (1, 2):
+                try:
+                    with pool.connection() as conn:
+                        return work(conn, *args)
+                except psycopg.OperationalError as exc:
+                    if read_only and attempt == 1:
+                        continue
+                    raise StoreUnavailable(
+                        f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
+                except psycopg_pool.PoolTimeout as exc:
+                    raise StoreUnavailable(
+                        f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
+            raise AssertionError("unreachable")
 
         return await trio.to_thread.run_sync(call, limiter=self._limiter)
 
@@ -360,15 +372,15 @@ class PostgresFrameStore:
         """Names of every instance that has ever had a frame appended, sorted."""
         def read(conn: psycopg.Connection) -> list[str]:
             return [r[0] for r in conn.execute('SELECT name FROM instances ORDER BY name COLLATE "C"')]
-        return await self._run(read)
+        return await self._run(read, read_only=True)
 
     async def last_seq(self, instance: str) -> int:
         """The highest seq ever assigned for `instance` (0 if none)."""
-        return (await self._run(self._instance_row, instance))[0]
+        return (await self._run(self._instance_row, instance, read_only=True))[0]
 
     async def pruned_below(self, instance: str) -> int:
         """Every frame of `instance` with `seq <=` this has been deleted by retention (0 if none)."""
-        return (await self._run(self._instance_row, instance))[1]
+        return (await self._run(self._instance_row, instance, read_only=True))[1]
 
     @staticmethod
     def _instance_row(conn: psycopg.Connection, instance: str) -> tuple[int, int]:
@@ -446,32 +458,44 @@ class PostgresFrameStore:
 
     @staticmethod
     def _build(instance: str, q: FrameQuery) -> tuple[str, list[Any]]:
-        sql = f"SELECT {_COLS} FROM frames WHERE instance = %s AND seq > %s"
-        params: list[Any] = [instance, q.after_seq]
+        """One statement, so one snapshot: the instance's `last_seq` and `pruned_below`, and the
+        matching frames (none: one row of NULLs; unknown instance: no row)."""
+        where = "f.instance = i.name AND f.seq > %s"
+        params: list[Any] = [q.after_seq]
         for name in ("session_id", "channel", "reply_to"):
             value = getattr(q, name)
             if value is not None:
-                sql += f" AND {name} = %s"
+                where += f" AND f.{name} = %s"
                 params.append(value)
         if q.types is not None:
-            sql += " AND type = ANY(%s)"
+            where += " AND f.type = ANY(%s)"
             params.append(list(q.types))
-        sql += " ORDER BY seq LIMIT %s"
         params.append(q.limit)
+        params.append(instance)
+        sql = (
+            "SELECT i.last_seq, i.pruned_below, f.seq, f.ts, f.channel, f.session_id, f.type, f.msg_id, "
+            "f.reply_to, f.payload FROM instances i LEFT JOIN LATERAL ("
+            f"SELECT * FROM frames f WHERE {where} ORDER BY f.seq LIMIT %s"
+            ") f ON true WHERE i.name = %s ORDER BY f.seq"
+        )
         return sql, params
 
-    def _query(self, conn: psycopg.Connection, instance: str, q: FrameQuery) -> list[Frame]:
+    def _read(self, conn: psycopg.Connection, instance: str, q: FrameQuery) -> tuple[int, list[Frame]]:
+        """`(last_seq, frames)` of one snapshot; `CursorPruned` if retention deleted frames after
+        `q.after_seq` (in that same snapshot, so no gap is ever skipped)."""
         sql, params = self._build(instance, q)
         rows = conn.execute(sql, params).fetchall()  # type: ignore[call-overload]
-        # Read after the frames: a prune that removed frames we should have seen shows here.
-        last, pruned = self._instance_row(conn, instance)
+        if not rows:
+            return 0, []
+        last, pruned = rows[0][0], rows[0][1]
         if q.after_seq < pruned:
             raise CursorPruned(instance, q.after_seq, pruned + 1, empty=pruned >= last)
         loads = json.loads
-        return [
+        frames = [
             make_frame(seq, ts, instance, ch, sid, typ, mid, rt, loads(payload))
-            for seq, ts, ch, sid, typ, mid, rt, payload in rows
+            for _, _, seq, ts, ch, sid, typ, mid, rt, payload in rows if seq is not None
         ]
+        return last, frames
 
     async def query(self, instance: str, q: FrameQuery) -> list[Frame]:
         """Frames of `instance` matching `q`, by seq ascending, at most `q.limit`.
@@ -479,13 +503,7 @@ class PostgresFrameStore:
         Raises `CursorPruned` if `q.after_seq` is below the retained log."""
         if not isinstance(q, FrameQuery):
             raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
-        return await self._run(self._query, instance, q)
-
-    def _seen_and_query(self, conn: psycopg.Connection, instance: str, q: FrameQuery) -> tuple[int, list[Frame]]:
-        # last_seq first: every frame up to it has committed (seq is commit-ordered), so the
-        # query that follows examines all of them.
-        seen = self._instance_row(conn, instance)[0]
-        return seen, self._query(conn, instance, q)
+        return (await self._run(self._read, instance, q, read_only=True))[1]
 
     # -- long poll -----------------------------------------------------------------------
 
@@ -505,7 +523,8 @@ class PostgresFrameStore:
                 event = self._wake.get(instance)
                 if event is None:
                     event = self._wake[instance] = trio.Event()
-                seen, frames = await self._run(self._seen_and_query, instance, q)
+                # One snapshot: every frame up to `seen` is visible in it (seq is commit-ordered).
+                seen, frames = await self._run(self._read, instance, q, read_only=True)
                 if frames or timeout == 0:
                     return frames, False
                 if seen > q.after_seq:
@@ -535,7 +554,7 @@ class PostgresFrameStore:
         def read(conn: psycopg.Connection) -> int:
             row = conn.execute("SELECT seq FROM cursors WHERE instance = %s AND name = %s", (instance, name)).fetchone()
             return 0 if row is None else row[0]
-        return await self._run(read)
+        return await self._run(read, read_only=True)
 
     async def set_cursor(self, instance: str, name: str, seq: int) -> None:
         """Set (and commit) the durable cursor `name` of `instance`."""

@@ -50,7 +50,6 @@ async def test_a_relayed_call_with_the_log_in_postgres(pg_deployment: Deployment
         assert {"caller_tool_request", "caller_tool_result", "assistant.done"} <= set(types)
         assert [f.seq for f in frames] == sorted(f.seq for f in frames)
         last = await store.last_seq(INSTANCE)
-        assert await store.get_cursor(INSTANCE, "guest.delivered") == frames[0].seq, "the guest's ack is stored"
 
     # A second run of the server on the same database: the log and its seq go on.
     async with pg_deployment.caller(events=False) as (client, _):

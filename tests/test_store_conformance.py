@@ -22,7 +22,7 @@ import trio.testing
 
 from oubliette_server.store import FrameStore
 from oubliette_server.store_api import CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
-from oubliette_server.store_pg import PostgresFrameStore
+from oubliette_server.store_pg import MIGRATIONS, PostgresFrameStore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -286,7 +286,7 @@ async def test_cursors_set_advance_and_persist(backend: Backend) -> None:
 APPENDER = """
 import sys, trio
 from oubliette_server.store import FrameStore
-from oubliette_server.store_pg import PostgresFrameStore
+from oubliette_server.store_pg import MIGRATIONS, PostgresFrameStore
 
 async def main(kind, where, n):
     store = FrameStore(where) if kind == "sqlite" else PostgresFrameStore(where)
@@ -344,7 +344,8 @@ async def test_migrations_are_idempotent_with_servers_starting_together(pg_url: 
     import psycopg
 
     with psycopg.connect(pg_url) as conn:
-        assert conn.execute("SELECT version FROM oubliette_schema").fetchall() == [(1,)]
+        applied = conn.execute("SELECT version FROM oubliette_schema ORDER BY version").fetchall()
+        assert applied == [(version,) for version, _ in MIGRATIONS], "each migration applied once"
 
 
 async def test_postgres_recovers_after_its_connections_are_cut(pg_url: str) -> None:
