@@ -141,7 +141,8 @@ _T = TypeVar("_T")
 
 
 def safe_url(url: str) -> str:
-    """`postgresql://user@host:port/dbname` of a libpq URI, without its password or options."""
+    """`postgresql://user@host:port/dbname` (or `…/dbname?host=/socket/dir`) of a libpq URI,
+    without its password or other options."""
     try:
         info = psycopg.conninfo.conninfo_to_dict(url)
     except psycopg.ProgrammingError:
@@ -149,7 +150,10 @@ def safe_url(url: str) -> str:
     user = f"{info['user']}@" if info.get("user") else ""
     host = str(info.get("host") or "")
     port = f":{info['port']}" if info.get("port") else ""
-    return f"postgresql://{user}{host}{port}/{info.get('dbname') or ''}"
+    dbname = info.get("dbname") or ""
+    if host.startswith("/"):  # a Unix socket directory
+        return f"postgresql://{user}{port}/{dbname}?host={host}"
+    return f"postgresql://{user}{host}{port}/{dbname}"
 
 
 def _no_nul(prepared: tuple) -> None:

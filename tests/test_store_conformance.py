@@ -9,6 +9,7 @@ PostgreSQL promise (SQLite's wake-ups are in-process, docs/TETHER.md).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 import trio
 import trio.testing
 
+from oubliette_server.config import ServerConfig
 from oubliette_server.store import FrameStore
 from oubliette_server.store_api import CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
 from oubliette_server.store_pg import MIGRATIONS, PostgresFrameStore
@@ -285,6 +287,7 @@ async def test_cursors_set_advance_and_persist(backend: Backend) -> None:
 
 APPENDER = """
 import sys, trio
+from oubliette_server.config import ServerConfig
 from oubliette_server.store import FrameStore
 from oubliette_server.store_pg import MIGRATIONS, PostgresFrameStore
 
@@ -378,3 +381,40 @@ async def test_postgres_recovers_after_its_connections_are_cut(pg_url: str) -> N
         [(frames, timed_out)] = got
         assert frames == [frame] and not timed_out
         assert await b.last_seq("box1") == 2
+
+
+# -- selection: --store and [store] ---------------------------------------------------------
+
+
+def test_store_settings_from_the_config_file_and_flags(tmp_path: Path) -> None:
+    from oubliette_server.cli import _serve_parser, build_config
+    from oubliette_server.config import load_config_file
+    from oubliette_server.store_open import open_store
+
+    config = tmp_path / "oubliette.toml"
+    config.write_text('[store]\nurl = "postgresql://a@db/x"\npool_size = 7\nconnect_timeout = 3.5\n')
+    loaded = load_config_file(config)
+    assert {k: loaded[k] for k in ("store_url", "store_pool_size", "store_connect_timeout")} == {
+        "store_url": "postgresql://a@db/x", "store_pool_size": 7, "store_connect_timeout": 3.5,
+    }
+    settings = build_config(_serve_parser().parse_args(["--config", str(config), "--store", "postgresql://b@/y?host=/s"]))
+    assert settings.store_url == "postgresql://b@/y?host=/s", "--store overrides [store] url"
+    assert settings.store_pool_size == 7
+    store = open_store(settings.store_url, settings.frame_store_path, retention_frames=10, retention_seconds=None,
+                       pool_size=settings.store_pool_size, connect_timeout=settings.store_connect_timeout)
+    assert isinstance(store, PostgresFrameStore) and store.describe() == "postgresql://b@/y?host=/s"
+    assert PostgresFrameStore("postgresql://u:secret@db.internal:5433/x?sslmode=require").describe() == (
+        "postgresql://u@db.internal:5433/x"), "never the password"
+    default = build_config(_serve_parser().parse_args(["--data-dir", str(tmp_path / "d")]))
+    sqlite_store = open_store(default.store_url, default.frame_store_path, retention_frames=10, retention_seconds=None,
+                              pool_size=1, connect_timeout=1)
+    assert isinstance(sqlite_store, FrameStore) and sqlite_store.describe() == f"sqlite:{tmp_path / 'd' / 'frames.sqlite3'}"
+    sqlite_store.close()
+    for bad, message in (
+        ('[store]\nurl = "mysql://x"\n', "must start with postgresql://"),
+        ('[store]\nhost = "x"\n', "unknown [store] key 'host'"),
+        ('[store]\npool_size = "4"\n', "[store] pool_size has the wrong type"),
+    ):
+        config.write_text(bad)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ServerConfig(**load_config_file(config))
