@@ -1,6 +1,6 @@
-"""Benchmark of the frame store (oubliette_server/store.py).
+"""Benchmark of the frame stores (oubliette_server/store.py, and store_pg.py in section 4).
 
-    python bench/bench_store.py [--frames N] [--appends N] [--rounds N] [--dir DIR]
+    python bench/bench_store.py [--frames N] [--appends N] [--rounds N] [--dir DIR] [--pg URL] [--skip-sqlite]
 
 Every figure is printed next to a baseline measured in the same run, on the same machine:
 
@@ -15,6 +15,12 @@ Every figure is printed next to a baseline measured in the same run, on the same
    are generated with ``executemany`` in big transactions.
 3. Long-poll wake latency: one task in ``wait_for_frames``, another appends; append start →
    waiter returns (median, p99), against a bare ``trio.Event`` set → wait wakeup.
+4. PostgreSQL column (store_pg.py), beside SQLite in the same run: single durable appends
+   (PostgreSQL ``synchronous_commit=on`` with fsync on, against SQLite ``synchronous=FULL``;
+   target ratio >= 0.5), and the wake across processes: another process appends through its
+   own store object, this one waits in ``wait_for_frames`` (NOTIFY → LISTEN; target median
+   < 1 ms).  ``--pg URL`` uses your database; by default a throwaway PostgreSQL 15 is started
+   as in the tests (tests/postgres.py, fsync on).  ``--skip-sqlite`` runs section 4 only.
 
 Not part of the test suite.
 """
@@ -28,10 +34,12 @@ import random
 import shutil
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import trio
 import trio.testing
@@ -230,8 +238,8 @@ def bench_query(workdir: Path, n: int, iters: int) -> None:
     print(f"{'BASELINE raw SELECT iid=? AND seq>? LIMIT 50':45} {us(bm)} {us(pct(baseline, 99))}   "
           f"{sum(len(db.execute(base_sql, a).fetchall()) for a in base_args[:100]) / 100:10.1f}")
     for name, qs in cases.items():
-        lat = timed(lambda q: st.query(INSTANCE, q), [(q,) for q in qs])
-        rows = sum(len(st.query(INSTANCE, q)) for q in qs[:100]) / 100
+        lat = timed(lambda q: st._query(INSTANCE, q), [(q,) for q in qs])  # the SQLite work itself, as before the async interface
+        rows = sum(len(st._query(INSTANCE, q)) for q in qs[:100]) / 100
         print(f"{name:45} {us(statistics.median(lat))} {us(pct(lat, 99))}   {rows:10.1f}  x{statistics.median(lat) / bm:.2f}")
     print("plans:")
     for name, qs in cases.items():
@@ -300,11 +308,131 @@ async def bench_wake(workdir: Path, rounds: int) -> None:
     print(f"ratio (medians) {statistics.median(lat) / statistics.median(base):.1f}")
 
 
+# -- 4. PostgreSQL beside SQLite ----------------------------------------------------------------
+
+APPENDER = """
+import sys, time, json, trio
+from oubliette_server.store_pg import PostgresFrameStore
+
+async def main(url):
+    store = PostgresFrameStore(url, pool_size=1)
+    returned = []
+    async with store.running():
+        print("ready", flush=True)
+        while (await trio.to_thread.run_sync(sys.stdin.readline)).strip() == "go":
+            t0 = time.perf_counter()
+            await store.append("wake", channel="host", session_id="s1", type="assistant.delta", payload={"t0": t0})
+            returned.append(time.perf_counter())
+    print(json.dumps(returned), flush=True)
+
+trio.run(main, sys.argv[1])
+"""
+
+
+async def bench_postgres(workdir: Path, url: str, n: int, rounds: int) -> None:
+    from oubliette_server.store_pg import PostgresFrameStore
+
+    print(f"\n== PostgreSQL beside SQLite: durable single appends ({n}) ==")
+    kws = [frame_kwargs(i) for i in range(n)]
+    sq = FrameStore(workdir / "pg-vs-sqlite.db", durability="full")
+    t0 = time.perf_counter()
+    lat_sq = []
+    for k in kws:
+        a = time.perf_counter()
+        await sq.append(INSTANCE, **k)
+        lat_sq.append(time.perf_counter() - a)
+    rate_sq = n / (time.perf_counter() - t0)
+    sq.close()
+    pg = PostgresFrameStore(url)
+    async with pg.running():
+        t0 = time.perf_counter()
+        lat_pg = []
+        for k in kws:
+            a = time.perf_counter()
+            await pg.append(INSTANCE, **k)
+            lat_pg.append(time.perf_counter() - a)
+        rate_pg = n / (time.perf_counter() - t0)
+    print(f"{'':34} {'frames/s':>10} {'median':>11} {'p99':>11}")
+    print(f"{'SQLite synchronous=FULL':34} {rate_sq:10,.0f} {us(statistics.median(lat_sq))} {us(pct(lat_sq, 99))}")
+    print(f"{'PostgreSQL synchronous_commit=on':34} {rate_pg:10,.0f} {us(statistics.median(lat_pg))} {us(pct(lat_pg, 99))}")
+    print(f"ratio PostgreSQL/SQLite (frames/s) {rate_pg / rate_sq:.2f}   (target >= 0.5)")
+
+    print(f"\n== PostgreSQL wake across processes ({rounds} rounds) ==")
+    root = Path(__file__).resolve().parent.parent
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-c", APPENDER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    lines = LineReader(proc.stdout)
+    assert await lines.next() == "ready"
+    woken: list[tuple[float, float]] = []
+    waiter_store = PostgresFrameStore(url)
+    async with waiter_store.running():
+        after = await waiter_store.last_seq("wake")
+        for _ in range(rounds):
+            got: list[Any] = []
+
+            async def wait() -> None:
+                got.extend((await waiter_store.wait_for_frames("wake", FrameQuery(after_seq=after), 10))[0])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait)
+                while waiter_store.waiter_count("wake") != 1:
+                    await trio.testing.wait_all_tasks_blocked()
+                await trio.testing.wait_all_tasks_blocked()
+                await proc.stdin.send_all(b"go\n")
+            t1 = time.perf_counter()
+            woken.append((got[0].payload["t0"], t1))
+            after = got[-1].seq
+        await proc.stdin.send_all(b"stop\n")
+        returned = json.loads(await lines.next())
+    await proc.wait()
+    from_start = [t1 - t0 for t0, t1 in woken]
+    from_return = [t1 - r for (_, t1), r in zip(woken, returned)]
+    print(f"{'':40} {'median':>11} {'p99':>11}")
+    print(f"{'append start (A) → waiter returns (B)':40} {us(statistics.median(from_start))} {us(pct(from_start, 99))}")
+    print(f"{'append returned (A) → waiter returns (B)':40} {us(statistics.median(from_return))} {us(pct(from_return, 99))}")
+    print("(B's return includes its re-query after the NOTIFY; target: median < 1 ms from the commit)")
+
+
+class LineReader:
+    """Lines of a child's stdout."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.buffer = b""
+
+    async def next(self) -> str:
+        while b"\n" not in self.buffer:
+            chunk = await self.stream.receive_some(65536)
+            if not chunk:
+                raise RuntimeError("the appender process ended")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+
 async def amain(args: argparse.Namespace, workdir: Path) -> None:
-    await bench_append(workdir, args.appends, args.appends * 10, 100, "normal")
-    await bench_append(workdir, args.full_appends, args.full_appends * 10, 100, "full")
-    bench_query(workdir, args.frames, args.iters)
-    await bench_wake(workdir, args.rounds)
+    if not args.skip_sqlite:
+        await bench_append(workdir, args.appends, args.appends * 10, 100, "normal")
+        await bench_append(workdir, args.full_appends, args.full_appends * 10, 100, "full")
+        bench_query(workdir, args.frames, args.iters)
+        await bench_wake(workdir, args.rounds)
+    server = None
+    url = args.pg
+    if url is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from postgres import PostgresServer
+
+        server = PostgresServer(fsync=True)
+        server.start()
+        url = server.new_database()
+    try:
+        await bench_postgres(workdir, url, args.pg_appends, args.pg_rounds)
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def main() -> None:
@@ -314,6 +442,10 @@ def main() -> None:
     p.add_argument("--full-appends", type=int, default=300, help="single appends, durability full (batched: 10x)")
     p.add_argument("--iters", type=int, default=2000, help="queries per case")
     p.add_argument("--rounds", type=int, default=2000, help="long-poll wake rounds")
+    p.add_argument("--pg", default=None, help="PostgreSQL URI for section 4 (default: a throwaway server)")
+    p.add_argument("--pg-appends", type=int, default=2000, help="durable single appends, PostgreSQL vs SQLite")
+    p.add_argument("--pg-rounds", type=int, default=500, help="cross-process wake rounds")
+    p.add_argument("--skip-sqlite", action="store_true", help="run only section 4")
     p.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one, removed)")
     args = p.parse_args()
     print(f"python {sys.version.split()[0]}, sqlite {sqlite3.sqlite_version}, trio {trio.__version__}, "

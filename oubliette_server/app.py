@@ -8,6 +8,9 @@ The path of one relayed call through the rooms is in docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import socket
 from typing import Any, Awaitable, Callable
 import trio
 
@@ -26,9 +29,10 @@ from .frame_log import FrameLog
 from .guests import GuestDelivery, GuestFrames, InstanceStarter, OrphanedTurns
 from .http_api import HttpApi
 from .instances import InstanceDirectory
-from .relay import RelayConnection, RelayHandlers, RelayListener
+from .relay import SERVER_VERSION, RelayConnection, RelayHandlers, RelayListener
 from .sessions import SessionRegistry
-from .store import FrameStore
+from .store_api import FrameStoreAPI
+from .store_open import open_store
 from .tether import Tether
 from .toolsets import ToolsetService
 
@@ -38,7 +42,7 @@ log = logging.getLogger("oubliette.server")
 class OublietteServer:
     """The host daemon as a library: run it in your nursery with `await nursery.start(server.serve)`.
 
-    Owns: the frame store (closed when `serve` ends), the relay listener, and the nurseries of
+    Owns: the frame store (run by `serve`, closed when it ends), the relay listener, and the nurseries of
     its services (callers' event senders, toolsets, start commands). `serve` reports started once
     the relay socket is bound; cancelling it closes every connection and stops every child.
     Needs: a `ServerConfig`; the data directory is created (mode 0700) with the token secret.
@@ -52,16 +56,18 @@ class OublietteServer:
     `update_allowed_toolsets` — is `ToolsetService`'s (see its docstrings and docs/TOOLSETS.md).
     """
 
-    def __init__(self, config: ServerConfig, *, store: FrameStore | None = None) -> None:
+    def __init__(self, config: ServerConfig, *, store: FrameStoreAPI | None = None) -> None:
         self.config = config
         ensure_private_dir(config.data_dir)
         self.tokens = TokenAuthority.for_data_dir(config.data_dir)
-        self.store = store or FrameStore(
-            config.frame_store_path,
-            retention_frames=config.retention_frames,
-            retention_seconds=config.retention_seconds,
+        self.store: FrameStoreAPI = store or open_store(
+            config.store_url, config.frame_store_path,
+            retention_frames=config.retention_frames, retention_seconds=config.retention_seconds,
+            pool_size=config.store_pool_size, connect_timeout=config.store_connect_timeout,
         )
         self.limits: Limits = config.limits
+        self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        """Which server of a deployment this is (host, process, a random tag)."""
         self.sessions = SessionRegistry()
         self.clients = ClientConnections()
         self.instances = InstanceDirectory(
@@ -123,8 +129,14 @@ class OublietteServer:
         Cancellation: every relay connection and service task ends, then the store is closed.
         """
         address = parse_relay_address(self.config.relay_address)
-        try:
-            await cancel_unanswered_requests(self.store, self.sessions, self.frame_log.append)
+        async with self.store.running():
+            shared = await self.store.shared_secret(self.tokens.secret)
+            if shared is not None:
+                self.tokens.use_secret(shared)  # every server of the deployment accepts the same tokens
+            if not self.store.shared:
+                # With a shared store, another live server may own an open request: only a server
+                # that is alone on its log can tell which requests a previous run left (docs/SCALING.md).
+                await cancel_unanswered_requests(self.store, self.sessions, self.frame_log.append)
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.orphans.serve)
                 await nursery.start(self.callers.serve)
@@ -132,8 +144,6 @@ class OublietteServer:
                 await nursery.start(self.starter.serve)
                 await nursery.start(RelayListener(address, self._relay_connection).serve)
                 task_status.started()
-        finally:
-            self.store.close()
 
     def caller_api(self) -> CallerTools:
         """The caller-facing tools, bound to this server's services (one per transport)."""
@@ -151,8 +161,12 @@ class OublietteServer:
         """The HTTP listener (tether routes and /mcp); start its `serve` with `nursery.start`."""
         return HttpApi(
             callers=self.callers, tools=self.caller_api(), tether=self.tether, instances=self.instances,
-            verify_token=self.tokens.verify, allowed_hosts=self.config.allowed_hosts,
+            verify_token=self.tokens.verify, allowed_hosts=self.config.allowed_hosts, identity=self.identity(),
         )
+
+    def identity(self) -> dict[str, Any]:
+        """This server and its store, as `/v1/health` reports them (no secrets)."""
+        return {"server": {"id": self.server_id, "version": SERVER_VERSION}, "store": self.store.describe()}
 
     def relay_request_started(self) -> None:
         """Count a relay request in flight (called by each `RelayConnection`); `drain` waits for the count to reach zero."""
@@ -237,9 +251,8 @@ class OublietteServer:
         if connection.role == "guest":
             self.guests.detach(connection)
             self.orphans.guest_gone(connection)
-            if self.guests.has_undelivered(connection.instance):
-                # A message may have arrived after the guest died but before we noticed: wake it now.
-                self.starter.wake(connection.instance)
+            # A message may have arrived after the guest died but before we noticed: wake it now.
+            self.starter.wake_if(connection.instance, self.guests.has_undelivered)
         else:
             self.clients.discard(connection)
             self.toolsets.detach(connection)

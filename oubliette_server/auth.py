@@ -78,6 +78,17 @@ class TokenAuthority:
         """
         return cls(load_or_create_secret(data_dir))
 
+    @property
+    def secret(self) -> bytes:
+        """The secret tokens are derived from (offered to a shared store by the first server)."""
+        return self._secret
+
+    def use_secret(self, secret: bytes) -> None:
+        """Derive tokens from `secret` from now on (the deployment's shared one, kept by the PostgreSQL store)."""
+        if len(secret) < 32:
+            raise ValueError("the shared server secret is too short")
+        self._secret = secret
+
     def token_for(self, instance: str) -> str:
         """The instance's token: hex HMAC-SHA256 of its id under the secret (the same every time)."""
         return hmac.new(self._secret, instance.encode(), hashlib.sha256).hexdigest()

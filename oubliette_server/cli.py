@@ -2,9 +2,9 @@
 
     oubliette-server [serve] [--relay unix:PATH|tcp:HOST:PORT] [--data-dir DIR] [--caller-timeout SECONDS]
                      [--approval-timeout SECONDS] [--approval-delivery auto|elicitation|tool]
-    oubliette-server [serve] [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE]
-    oubliette-server token INSTANCE [--data-dir DIR]
-    oubliette-server http-token [--data-dir DIR]
+    oubliette-server [serve] [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE] [--store postgresql://…]
+    oubliette-server token INSTANCE [--data-dir DIR | --store postgresql://…]
+    oubliette-server http-token [--data-dir DIR | --store postgresql://…]
 
 Logs go to stderr; stdout carries the caller's MCP. Options may come before or after the
 subcommand. An operator mistake is one line on stderr: exit status 2 for a usage error, 1 for
@@ -26,13 +26,15 @@ from protocol import parse_relay_address
 
 from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
-from .config import DEFAULT_CALLER_TIMEOUT, ServerConfig, default_data_dir, load_config_file
+from .config import DEFAULT_CALLER_TIMEOUT, STORE_URL_SCHEMES, ServerConfig, default_data_dir, load_config_file
 from .relay import SERVER_VERSION
+from .store_api import StoreUnavailable
+from .store_open import StoreConfigError
 
 PROG = "oubliette-server"
 SUBCOMMANDS = ("serve", "token", "http-token")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
-VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--allowed-host", "--config", "--log-level"}
+VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--allowed-host", "--config", "--log-level", "--store"}
 EPILOG = """subcommands:
   serve                 serve callers and sandboxes (the default)
   token INSTANCE        print an instance's relay token
@@ -103,6 +105,10 @@ def _serve_parser() -> argparse.ArgumentParser:
         "--allowed-host", action="append", default=None, metavar="HOST[:PORT]",
         help="accept this Host header on /mcp besides loopback names (e.g. inside a container network)",
     )
+    parser.add_argument(
+        "--store", metavar="postgresql://…",
+        help="keep the frame log in PostgreSQL (a libpq URI, docs/SCALING.md) instead of SQLite in the data directory",
+    )
     parser.add_argument("--no-stdio", action="store_true", help="do not serve a caller on stdin/stdout")
     parser.add_argument("--config", type=Path, help="TOML config file (see docs/CONFIG.md); flags override it")
     return parser
@@ -115,6 +121,10 @@ def _token_parser(http: bool) -> argparse.ArgumentParser:
         parser = OneLineParser(prog=f"{PROG} token", description="Print an instance's relay token.")
         parser.add_argument("instance")
     _add_common(parser)
+    parser.add_argument(
+        "--store", metavar="postgresql://…",
+        help="the deployment's PostgreSQL store: print the token every server on it accepts (docs/SCALING.md)",
+    )
     return parser
 
 
@@ -171,6 +181,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         settings["approval_timeout"] = float(args.approval_timeout)
     if args.approval_delivery is not None:
         settings["approval_delivery"] = args.approval_delivery
+    if args.store is not None:
+        settings["store_url"] = args.store
     if args.http:
         settings["http"] = args.http
     if args.allowed_host:
@@ -193,10 +205,14 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
 def describe_failure(exc: BaseException) -> str | None:
     """One line for an operator's mistake found at run time, else None (a bug: keep its traceback).
 
-    The mistake is an `OSError` (a port or socket in use, permission denied), possibly inside
-    the exception groups of Trio nurseries.
+    The mistake is an `OSError` (a port or socket in use, permission denied), or the store's
+    (`StoreConfigError`: the PostgreSQL extra is missing; `StoreUnavailable`: the database
+    cannot be reached at start), possibly inside the exception groups of Trio nurseries.
     """
     leaves = [leaf for leaf in _leaves(exc) if not _is_cancel(leaf)]
+    for leaf in leaves:
+        if isinstance(leaf, (StoreConfigError, StoreUnavailable)):
+            return str(leaf)  # the store's own one line (missing extra, database unreachable)
     if not leaves or not all(isinstance(leaf, OSError) for leaf in leaves):
         return None
     first = leaves[0]
@@ -244,12 +260,15 @@ def _run(argv: list[str]) -> int:
         data_dir = config.data_dir
     else:
         data_dir = args.data_dir or default_data_dir()
-    problem = _writable_data_dir(data_dir)
+    problem = None if command != "serve" and args.store else _writable_data_dir(data_dir)
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 1
     if command != "serve":
-        authority = TokenAuthority.for_data_dir(data_dir)
+        if args.store:
+            authority = _shared_authority(args.store)
+        else:
+            authority = TokenAuthority.for_data_dir(data_dir)
         print(authority.token_for(HTTP_ADMIN if command == "http-token" else args.instance))
         return 0
     import trio
@@ -262,6 +281,30 @@ def _run(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _shared_authority(url: str) -> TokenAuthority:
+    """The token authority of a PostgreSQL deployment: its secret is in the database (created
+    now if no server has started yet, and then adopted by every server)."""
+    import secrets
+
+    import trio
+
+    from .store_open import MISSING_EXTRA, StoreConfigError
+
+    if not url.startswith(STORE_URL_SCHEMES):
+        raise StoreConfigError(f"--store must be a postgresql:// libpq URI; got {url!r}")
+    try:
+        from .store_pg import PostgresFrameStore
+    except ImportError:
+        raise StoreConfigError(MISSING_EXTRA) from None
+
+    async def read() -> bytes:
+        store = PostgresFrameStore(url, pool_size=1)
+        async with store.running():
+            return await store.shared_secret(secrets.token_hex(32).encode())
+
+    return TokenAuthority(trio.run(read))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,9 @@ DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
 DEFAULT_START_TIMEOUT = 60.0
 DEFAULT_RELAY_WRITE_TIMEOUT = 10.0
+DEFAULT_STORE_POOL_SIZE = 4
+DEFAULT_STORE_CONNECT_TIMEOUT = 10.0
+STORE_URL_SCHEMES = ("postgresql://", "postgres://")
 
 
 def default_data_dir() -> Path:
@@ -52,6 +55,23 @@ class ServerConfig:
 
     store_path: str | None = None
     """SQLite file of the frame log; None means `<data_dir>/frames.sqlite3`."""
+    store_url: str | None = attrs.field(default=None)
+    """The frame store: None (SQLite at `store_path`) or a libpq URI `postgresql://…` (docs/SCALING.md)."""
+
+    @store_url.validator
+    def _check_store_url(self, attribute: Any, value: str | None) -> None:
+        if value is not None and not value.startswith(STORE_URL_SCHEMES):
+            raise ValueError(f"store url must start with postgresql:// or postgres:// (a libpq URI); got {value!r}")
+
+    store_pool_size: int = attrs.field(default=DEFAULT_STORE_POOL_SIZE)
+    """PostgreSQL store: connections in the pool (and worker threads that use them)."""
+    store_connect_timeout: float = DEFAULT_STORE_CONNECT_TIMEOUT
+    """PostgreSQL store: seconds to wait for a connection (at start, and from the pool per call)."""
+
+    @store_pool_size.validator
+    def _check_pool(self, attribute: Any, value: int) -> None:
+        if not 1 <= value <= 100:
+            raise ValueError(f"store pool_size must be between 1 and 100; got {value!r}")
     retention_frames: int | None = 100_000
     """Frames kept per instance (the oldest are pruned); None keeps all."""
     retention_seconds: float | None = None
@@ -122,6 +142,9 @@ SERVER_KEYS = {
 }
 
 
+STORE_KEYS = {"url": str, "pool_size": int, "connect_timeout": (int, float)}
+
+
 def load_config_file(path: Path) -> dict[str, Any]:
     """Read a TOML config file into `ServerConfig` keyword arguments, with clear errors."""
     try:
@@ -131,7 +154,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
-    unknown = set(document) - {"server", "instances", "toolsets", "allowlists"}
+    unknown = set(document) - {"server", "store", "instances", "toolsets", "allowlists"}
     if unknown:
         raise ValueError(f"config file {path}: unknown section(s) {', '.join(sorted(unknown))}")
     settings: dict[str, Any] = {}
@@ -144,6 +167,13 @@ def load_config_file(path: Path) -> dict[str, Any]:
         if isinstance(value, list) and not all(isinstance(item, str) for item in value):
             raise ValueError(f"config file {path}: [server] {key} must be a list of strings")
         settings[key] = value
+    for key, value in document.get("store", {}).items():
+        expected = STORE_KEYS.get(key)
+        if expected is None:
+            raise ValueError(f"config file {path}: unknown [store] key {key!r}")
+        if not isinstance(value, expected) or isinstance(value, bool):
+            raise ValueError(f"config file {path}: [store] {key} has the wrong type")
+        settings[f"store_{key}"] = value
     instances = document.get("instances", {})
     for name, table in instances.items():
         if not isinstance(table, dict):

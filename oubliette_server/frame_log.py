@@ -21,7 +21,7 @@ from protocol.limits import Limits
 from .sessions import EventSink, Session, SessionRegistry
 from protocol import Frame
 
-from .store import FrameStore
+from .store_api import FrameStoreAPI
 
 
 class FrameLog:
@@ -35,7 +35,7 @@ class FrameLog:
 
     def __init__(
         self,
-        store: FrameStore,
+        store: FrameStoreAPI,
         sessions: SessionRegistry,
         on_user_message: Callable[[str], object] = lambda instance: None,
         limits: Limits | None = None,

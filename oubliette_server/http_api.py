@@ -44,6 +44,7 @@ from .caller_api.schemas import OWNER_KEY_PATTERN
 from .caller_api.tools import STREAM_GONE_STATE
 from .callers import CallerConnection, CallerRegistry
 from .instances import InstanceDirectory
+from .store_api import StoreUnavailable
 from .tether import Tether
 
 VerifyToken = Callable[[str, str], bool]
@@ -77,6 +78,8 @@ def error_response(err: RelayError, status: int | None = None) -> JSONResponse:
             status = 413
         elif isinstance(err, LimitExceeded):
             status = 413 if err.is_size else 400
+        elif isinstance(err, StoreUnavailable):
+            status = 503  # the database is down: try again later (the server recovers by itself)
     return JSONResponse(
         {"error": {"code": err.code, "name": errors.ERROR_NAMES.get(err.code, "error"), "message": err.message}},
         status_code=status or HTTP_STATUS.get(err.code, 400),
@@ -218,9 +221,10 @@ async def _unless_disconnected(request: Request, wait: Any) -> Any:
 class TetherRoutes:
     """The `/v1/instances/{id}/tether…` endpoints: HTTP adapters over `Tether`."""
 
-    def __init__(self, tether: Tether, instances: InstanceDirectory) -> None:
+    def __init__(self, tether: Tether, instances: InstanceDirectory, identity: dict[str, Any] | None = None) -> None:
         self.tether = tether
         self.instances = instances
+        self.identity = identity or {}
 
     def routes(self) -> list[Route]:
         """The Starlette routes: tether ingress, poll, stream, and `/v1/health`."""
@@ -232,8 +236,9 @@ class TetherRoutes:
         ]
 
     async def health(self, request: Request) -> Response:
-        """`GET /v1/health`: `ok` and the connected instances."""
-        return JSONResponse({"ok": True, "connected_instances": self.instances.connected_instances()})
+        """`GET /v1/health`: `ok`, the connected instances, and which server and store answered
+        (`server`, `store`: behind a load balancer, the identity tells the servers apart)."""
+        return JSONResponse({"ok": True, "connected_instances": self.instances.connected_instances(), **self.identity})
 
     async def ingress(self, request: Request) -> Response:
         """`POST /v1/instances/{id}/tether`: store one frame; 201 with its `msg_id` and `seq`.
@@ -242,7 +247,7 @@ class TetherRoutes:
         rest (by error code).
         """
         try:
-            instance = self.instances.require_known(request.path_params["instance"])
+            instance = await self.instances.require_known(request.path_params["instance"])
             body = await self._json_body(request)
             frame = await self.tether.ingest(instance, body)
         except RelayError as err:
@@ -271,7 +276,7 @@ class TetherRoutes:
     async def poll(self, request: Request) -> Response:
         """`GET …/tether/poll`: frames after `after_seq`, long-polling up to `wait_ms`; 499 when the client left first."""
         try:
-            instance = self.instances.require_known(request.path_params["instance"])
+            instance = await self.instances.require_known(request.path_params["instance"])
             filters = dict(
                 channel=request.query_params.get("channel") or None,
                 session_id=request.query_params.get("session_id") or None,
@@ -294,7 +299,7 @@ class TetherRoutes:
         Ends when the client disconnects; errors found before the stream starts are JSON responses.
         """
         try:
-            instance = self.instances.require_known(request.path_params["instance"])
+            instance = await self.instances.require_known(request.path_params["instance"])
             last_event_id = request.headers.get("last-event-id")
             if last_event_id is not None:
                 try:
@@ -398,7 +403,10 @@ class HttpApi:
         instances: InstanceDirectory,
         verify_token: VerifyToken,
         allowed_hosts: list[str],
+        identity: dict[str, Any] | None = None,
     ) -> None:
+        self.identity = identity or {}
+        """What `/v1/health` says of this server: `{"server": {...}, "store": "..."}`."""
         self.callers = callers
         self.tools = tools
         self.tether = tether
@@ -488,7 +496,7 @@ class HttpApi:
                 allowed_origins=[f"http://{host}" for host in allowed] + [f"https://{host}" for host in allowed],
             ),
             custom_starlette_routes=[
-                *TetherRoutes(self.tether, self.instances).routes(),
+                *TetherRoutes(self.tether, self.instances, self.identity).routes(),
                 *AnswerRoutes(self.tools, self.verify_token).routes(),
             ],
         )

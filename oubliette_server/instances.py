@@ -8,7 +8,7 @@ instances) and knows nothing about connections themselves.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 from protocol import RelayError, errors
 
@@ -26,7 +26,7 @@ class InstanceDirectory:
     def __init__(
         self,
         configured: Iterable[str],
-        last_seq: Callable[[str], int],
+        last_seq: Callable[[str], Awaitable[int]],
         connected: Callable[[], Iterable[str]],
     ) -> None:
         self._configured = set(configured)
@@ -38,20 +38,20 @@ class InstanceDirectory:
         """An instance connected (it stays known for the life of the process)."""
         self._seen.add(instance)
 
-    def known(self, instance: str) -> bool:
+    async def known(self, instance: str) -> bool:
         """Whether the server has heard of `instance`: configured, connected since start, or with frames."""
-        return instance in self._configured or instance in self._seen or self._last_seq(instance) > 0
+        return instance in self._configured or instance in self._seen or await self._last_seq(instance) > 0
 
     def connected_instances(self) -> list[str]:
         """The instances with a live connection, sorted."""
         return sorted(set(self._connected()))
 
-    def require_known(self, instance: str) -> str:
+    async def require_known(self, instance: str) -> str:
         """`instance` if it is a valid id the server knows; otherwise a clear error."""
         reason = check_instance_id(instance)
         if reason:
             raise RelayError(errors.INVALID_PARAMS, reason)
-        if not self.known(instance):
+        if not await self.known(instance):
             raise RelayError(
                 errors.NOT_FOUND,
                 f"unknown instance '{instance}': it is not configured, has not connected, and has no frames",

@@ -1,9 +1,11 @@
-"""The frame store: the per-instance tether log, kept in SQLite.
+"""The frame store: the per-instance tether log, kept in SQLite (the default store).
 
 Every message and event of every session is a *frame* (see DESIGN.md, "Frames", and seed 004
 section 3).  This module stores frames, hands out the per-instance ``seq``, answers filtered
 queries and wakes long-poll waiters.  It returns the protocol's one frame model,
 :class:`protocol.frames.Frame`, so every view of a frame (wire, caller event) comes from it.
+Its interface is :class:`store_api.FrameStoreAPI`, which the PostgreSQL store
+(``store_pg.py``) implements too.
 
 Storage decisions
 =================
@@ -103,24 +105,43 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
 
-from protocol.frames import FRAME_VERSION, Frame, SessionRef
+from protocol.frames import Frame
+
+from .store_api import APPEND_KEYS as _APPEND_KEYS
+from .store_api import REQUIRED_KEYS as _REQUIRED_KEYS
+from .store_api import (
+    DEFAULT_LIMIT,
+    DEFAULT_PRUNE_EVERY,
+    DEFAULT_RETENTION_FRAMES,
+    MAX_LIMIT,
+    MAX_SEQ,
+    CursorPruned,
+    FrameQuery,
+    check_cursor_args,
+    check_retention,
+    check_timeout,
+    format_ts,
+    prepare_frame,
+)
+from .store_api import make_frame as _frame
 
 __all__ = [
     "DEFAULT_LIMIT",
     "DEFAULT_PRUNE_EVERY",
     "DEFAULT_RETENTION_FRAMES",
     "MAX_LIMIT",
+    "MAX_SEQ",
     "CursorPruned",
     "FrameQuery",
     "FrameStore",
@@ -129,129 +150,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAX_LIMIT = 200
-#: The largest seq SQLite can hold (a signed 64-bit INTEGER); numbers from outside are
-#: range-checked against it before they reach a query, which would raise OverflowError.
-MAX_SEQ = 2**63 - 1
-DEFAULT_LIMIT = 50
-DEFAULT_RETENTION_FRAMES = 100_000
-DEFAULT_PRUNE_EVERY = 1000
 SCHEMA_VERSION = 1
 
 # A ``types`` filter with more distinct types than this is not split into one index scan per
 # type; it is checked row by row along the primary key instead.
 _MAX_TYPE_UNION = 16
-
-# One encoder for every payload (json.dumps with options builds a new one per call).
-_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
-
-_APPEND_KEYS = frozenset({"channel", "session_id", "type", "payload", "msg_id", "reply_to"})
-_REQUIRED_KEYS = frozenset({"channel", "session_id", "type", "payload"})
-
-
-_ts_cache: tuple[int, str] = (-1, "")
-
-
-def format_ts(epoch: float) -> str:
-    """ISO-8601 UTC with milliseconds and ``Z``: ``2026-11-22T10:00:00.123Z``."""
-    global _ts_cache
-    secs, ms = divmod(round(epoch * 1000), 1000)
-    cached_secs, prefix = _ts_cache
-    if secs != cached_secs:
-        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(secs))
-        _ts_cache = (secs, prefix)
-    return f"{prefix}.{ms:03d}Z"
-
-
-# --------------------------------------------------------------------------------------------
-# Records
-
-
-def _frame(seq: int, ts: str, instance: str, channel: str, session_id: str, type: str, msg_id: str,
-           reply_to: str | None, payload: dict[str, Any]) -> Frame:
-    return Frame(
-        v=FRAME_VERSION, seq=seq, ts=ts, instance=instance, session=SessionRef(channel=channel, id=session_id),
-        type=type, msg_id=msg_id, reply_to=reply_to, payload=payload,
-    )
-
-
-def _types_converter(value: Any) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"types must be a sequence of strings, not a single {type(value).__name__}")
-    types = tuple(dict.fromkeys(value))  # dedupe, keep order
-    # An empty list means "no filter" (tether_read: "Default: all types").
-    return types or None
-
-
-@attrs.define(frozen=True)
-class FrameQuery:
-    """Filters for :meth:`FrameStore.query` and :meth:`FrameStore.wait_for_frames`.
-
-    Frames with ``seq > after_seq`` that match every given filter, oldest first, at most
-    ``limit`` (1..200, default 50).  ``types`` is any iterable of type names (stored as a
-    tuple; an empty one means no filter)."""
-
-    channel: str | None = None
-    session_id: str | None = None
-    after_seq: int = 0
-    types: tuple[str, ...] | None = attrs.field(default=None, converter=_types_converter)
-    reply_to: str | None = None
-    limit: int = DEFAULT_LIMIT
-
-    def __attrs_post_init__(self) -> None:
-        if not _is_int(self.limit):
-            raise TypeError(f"limit must be an integer, got {self.limit!r}")
-        if not 1 <= self.limit <= MAX_LIMIT:
-            raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {self.limit}")
-        if not _is_int(self.after_seq):
-            raise TypeError(f"after_seq must be an integer, got {self.after_seq!r}")
-        if self.after_seq < 0:
-            raise ValueError(f"after_seq must be >= 0, got {self.after_seq}")
-        if self.after_seq > MAX_SEQ:
-            raise ValueError(f"after_seq must be <= {MAX_SEQ} (2^63 - 1), got {self.after_seq}")
-        for name in ("channel", "session_id", "reply_to"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise TypeError(f"{name} must be a string or None, got {value!r}")
-        if self.types is not None:
-            for t in self.types:
-                if not isinstance(t, str):
-                    raise TypeError(f"types must contain strings only, got {t!r}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-class CursorPruned(Exception):
-    """``after_seq`` points below the retained log of the instance: frames the reader has
-    not seen were deleted by retention.  ``first_seq`` is the oldest seq that may still be
-    kept; read again from ``after_seq = first_seq - 1`` (accepting the gap)."""
-
-    def __init__(self, instance: str, after_seq: int, first_seq: int, *, empty: bool = False) -> None:
-        self.instance = instance
-        self.after_seq = after_seq
-        self.first_seq = first_seq
-        if empty:
-            where = f"every frame up to seq {first_seq - 1} has been pruned"
-        else:
-            where = f"oldest kept frame is seq {first_seq}"
-        super().__init__(
-            f"cursor after_seq={after_seq} is older than the retained log of instance "
-            f"{instance!r} ({where}); read from after_seq={first_seq - 1}"
-        )
-
-    def __reduce__(self) -> Any:  # keep pickling (and copying) working
-        return (_rebuild_cursor_pruned, (self.instance, self.after_seq, self.first_seq, str(self)))
-
-
-def _rebuild_cursor_pruned(instance: str, after_seq: int, first_seq: int, message: str) -> CursorPruned:
-    exc = CursorPruned(instance, after_seq, first_seq)
-    exc.args = (message,)
-    return exc
-
 
 # --------------------------------------------------------------------------------------------
 # The store
@@ -301,9 +204,10 @@ _DURABILITY = {"normal": "NORMAL", "full": "FULL"}
 class FrameStore:
     """The tether log of every instance, in one SQLite database (see the module docstring).
 
-    Use it from one Trio thread.  ``append``/``append_many``/``wait_for_frames`` are async
-    (they are Trio checkpoints and ``wait_for_frames`` blocks); the other methods are plain
-    synchronous calls that take microseconds."""
+    Use it from one Trio thread.  It implements :class:`store_api.FrameStoreAPI`: every method
+    that reads or writes the database is async (a Trio checkpoint) although its SQLite work
+    runs right on the Trio thread in microseconds; ``close``, ``query_plan`` and
+    ``waiter_count`` stay synchronous."""
 
     def __init__(
         self,
@@ -315,16 +219,9 @@ class FrameStore:
         prune_every: int = DEFAULT_PRUNE_EVERY,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if retention_frames is not None and (not _is_int(retention_frames) or retention_frames < 1):
-            raise ValueError(f"retention_frames must be a positive integer or None, got {retention_frames!r}")
-        if retention_seconds is not None and not (
-            isinstance(retention_seconds, (int, float)) and retention_seconds > 0 and math.isfinite(retention_seconds)
-        ):
-            raise ValueError(f"retention_seconds must be a positive number or None, got {retention_seconds!r}")
+        check_retention(retention_frames, retention_seconds, prune_every)
         if durability not in _DURABILITY:
             raise ValueError(f"durability must be one of {sorted(_DURABILITY)}, got {durability!r}")
-        if not _is_int(prune_every) or prune_every < 1:
-            raise ValueError(f"prune_every must be a positive integer, got {prune_every!r}")
         self.retention_frames = retention_frames
         self.retention_seconds = retention_seconds
         self.durability = durability
@@ -352,7 +249,7 @@ class FrameStore:
         self._appends_since_prune: dict[str, int] = {}
         self._wake: dict[str, trio.Event] = {}
         self._waiters: dict[str, int] = {}
-        self.prune()
+        self._prune_all()
 
     @classmethod
     def in_memory(cls, **kw: Any) -> FrameStore:
@@ -390,6 +287,33 @@ class FrameStore:
     def _transaction(self) -> _Transaction:
         return _Transaction(self._db)
 
+    def describe(self) -> str:
+        """`sqlite:PATH` (for /v1/health and logs)."""
+        return f"sqlite:{self.path}"
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Nothing runs in the background (every call is on the Trio thread); close on exit."""
+        try:
+            yield
+        finally:
+            self.close()
+
+    @property
+    def shared(self) -> bool:
+        """False: one server process owns a SQLite store file."""
+        return False
+
+    async def shared_secret(self, candidate: bytes) -> bytes | None:
+        """None: one server per SQLite file, whose secret stays in its data directory."""
+        await trio.lowlevel.checkpoint()
+        return None
+
+    async def aclose(self) -> None:
+        """`close`, as the async interface has it."""
+        self.close()
+        await trio.lowlevel.checkpoint()
+
     def close(self) -> None:
         """Close the database.  Idempotent."""
         if self._conn is not None:
@@ -420,13 +344,13 @@ class FrameStore:
             iid = self._iids[instance] = row[0]
         return iid
 
-    def instances(self) -> list[str]:
+    async def instances(self) -> list[str]:
         """Names of every instance that has ever had a frame appended, sorted."""
-        return [r[0] for r in self._db.execute("SELECT name FROM instances ORDER BY name")]
+        return await _on_loop(lambda: [r[0] for r in self._db.execute("SELECT name FROM instances ORDER BY name")])
 
-    def last_seq(self, instance: str) -> int:
+    async def last_seq(self, instance: str) -> int:
         """The highest seq ever committed for ``instance`` (0 if none)."""
-        return self._committed_seq(instance)
+        return await _on_loop(self._committed_seq, instance)
 
     def _committed_seq(self, instance: str) -> int:
         """The highest committed seq of ``instance``, read from the file once, then kept in memory."""
@@ -442,12 +366,14 @@ class FrameStore:
             self._committed[instance] = self._assigned[instance] = last
         return last
 
-    def pruned_below(self, instance: str) -> int:
+    async def pruned_below(self, instance: str) -> int:
         """Every frame of ``instance`` with ``seq <=`` this has been deleted by retention (0 if
         none).  Reading from ``after_seq = pruned_below(instance)`` never raises
         :class:`CursorPruned` (until retention runs again)."""
-        row = self._db.execute("SELECT pruned_below FROM instances WHERE name = ?", (instance,)).fetchone()
-        return 0 if row is None else row[0]
+        def read() -> int:
+            row = self._db.execute("SELECT pruned_below FROM instances WHERE name = ?", (instance,)).fetchone()
+            return 0 if row is None else row[0]
+        return await _on_loop(read)
 
     # -- append --------------------------------------------------------------------------
 
@@ -460,21 +386,7 @@ class FrameStore:
         msg_id: Any,
         reply_to: Any,
     ) -> tuple[str, str, str, str, str | None, str, dict]:
-        for name, value in (("channel", channel), ("session_id", session_id), ("type", type)):
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-        if not isinstance(payload, dict):
-            raise TypeError(f"payload must be a dict, got {payload.__class__.__name__}")
-        if msg_id is None:
-            msg_id = "m-" + os.urandom(16).hex()  # 128 random bits, as uuid4().hex, at a quarter of its cost
-        elif not isinstance(msg_id, str) or not msg_id:
-            raise ValueError(f"msg_id must be a non-empty string or None, got {msg_id!r}")
-        if reply_to is not None and not isinstance(reply_to, str):
-            raise TypeError(f"reply_to must be a string or None, got {reply_to!r}")
-        # allow_nan=False: NaN/Infinity are not JSON.  Round-trip so the returned frame holds
-        # exactly what a later query returns (and is not shared with the caller).
-        text = _ENCODE(payload)
-        return channel, session_id, type, msg_id, reply_to, text, json.loads(text)
+        return prepare_frame(channel, session_id, type, payload, msg_id, reply_to)
 
     async def append(
         self,
@@ -672,11 +584,14 @@ class FrameStore:
         params.append(q.limit)
         return sql, params
 
-    def query(self, instance: str, q: FrameQuery) -> list[Frame]:
+    async def query(self, instance: str, q: FrameQuery) -> list[Frame]:
         """Frames of ``instance`` matching ``q``, by seq ascending, at most ``q.limit``.
 
         Raises :class:`CursorPruned` if ``q.after_seq`` is below the retained log (frames
         after it were deleted by retention).  An unknown instance has no frames."""
+        return await _on_loop(self._query, instance, q)
+
+    def _query(self, instance: str, q: FrameQuery) -> list[Frame]:
         if not isinstance(q, FrameQuery):
             raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
         db = self._db
@@ -711,13 +626,12 @@ class FrameStore:
         Returns ``(frames, timed_out)``.  ``timed_out`` is True only when it waited and got
         nothing; with ``timeout == 0`` it returns at once with ``timed_out=False``.
         Cancellation propagates as usual (``trio.Cancelled``) and leaves nothing behind."""
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or math.isnan(timeout) or timeout < 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        check_timeout(timeout)
         await trio.lowlevel.checkpoint_if_cancelled()
         # No await between reading last_seq and querying: no append can slip in between, so
         # every frame with seq <= seen has been examined.
-        seen = self.last_seq(instance)
-        frames = self.query(instance, q)
+        seen = self._committed_seq(instance)
+        frames = self._query(instance, q)
         if frames or timeout == 0:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return frames, False
@@ -734,8 +648,8 @@ class FrameStore:
                     event = self._wake[instance] = trio.Event()
                 with trio.move_on_at(deadline) as scope:
                     await event.wait()
-                seen = self.last_seq(instance)
-                frames = self.query(instance, q)
+                seen = self._committed_seq(instance)
+                frames = self._query(instance, q)
                 if frames:
                     return frames, False
                 if scope.cancelled_caught:
@@ -756,32 +670,40 @@ class FrameStore:
 
     # -- named cursors -------------------------------------------------------------------
 
-    def get_cursor(self, instance: str, name: str) -> int:
+    async def get_cursor(self, instance: str, name: str) -> int:
         """The durable cursor ``name`` of ``instance`` (0 if never set)."""
-        row = self._db.execute(
-            "SELECT seq FROM cursors WHERE instance = ? AND name = ?", (instance, name)
-        ).fetchone()
-        return 0 if row is None else row[0]
+        def read() -> int:
+            row = self._db.execute(
+                "SELECT seq FROM cursors WHERE instance = ? AND name = ?", (instance, name)
+            ).fetchone()
+            return 0 if row is None else row[0]
+        return await _on_loop(read)
 
-    def set_cursor(self, instance: str, name: str, seq: int) -> None:
+    async def set_cursor(self, instance: str, name: str, seq: int) -> None:
         """Set (and commit) the durable cursor ``name`` of ``instance``."""
-        if not isinstance(instance, str) or not instance or not isinstance(name, str) or not name:
-            raise ValueError("instance and cursor name must be non-empty strings")
-        if not _is_int(seq) or seq < 0:
-            raise ValueError(f"cursor seq must be an integer >= 0, got {seq!r}")
-        if seq > MAX_SEQ:
-            raise ValueError(f"cursor seq must be <= {MAX_SEQ} (2^63 - 1), got {seq}")
+        check_cursor_args(instance, name, seq)
+        await _on_loop(self._write_cursor, instance, name, seq, "excluded.seq")
+
+    async def advance_cursor(self, instance: str, name: str, seq: int) -> bool:
+        """Move the cursor ``name`` forward to ``seq`` (never back), in one statement; True if it moved."""
+        check_cursor_args(instance, name, seq)
+        return await _on_loop(self._write_cursor, instance, name, seq, "max(seq, excluded.seq)") > 0
+
+    def _write_cursor(self, instance: str, name: str, seq: int, new_seq: str) -> int:
         with self._transaction():
-            self._db.execute(
+            return self._db.execute(
                 "INSERT INTO cursors (instance, name, seq) VALUES (?, ?, ?) "
-                "ON CONFLICT (instance, name) DO UPDATE SET seq = excluded.seq",
+                f"ON CONFLICT (instance, name) DO UPDATE SET seq = {new_seq} WHERE {new_seq} != seq",
                 (instance, name, seq),
-            )
+            ).rowcount
 
     # -- retention -----------------------------------------------------------------------
 
-    def prune(self) -> int:
+    async def prune(self) -> int:
         """Apply retention to every instance now; return how many frames were deleted."""
+        return await _on_loop(self._prune_all)
+
+    def _prune_all(self) -> int:
         total = 0
         for instance, iid in self._db.execute("SELECT name, iid FROM instances").fetchall():
             total += self._prune_instance(instance, iid)
@@ -825,6 +747,18 @@ class _Group:
     base: dict[str, int] = attrs.field(factory=dict)
     done: trio.Event = attrs.field(factory=trio.Event)
     error: BaseException | None = None
+
+
+_T = TypeVar("_T")
+
+
+async def _on_loop(work: Callable[..., _T], *args: Any) -> _T:
+    """Run one short SQLite call on the Trio thread as a checkpoint: a cancellation is seen
+    before the work starts, never after it is done (its result is not lost)."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    result = work(*args)
+    await trio.lowlevel.cancel_shielded_checkpoint()
+    return result
 
 
 class _Transaction:

@@ -18,7 +18,7 @@ from protocol.schema_check import first_problem
 from .frame_log import FrameLog
 from .ids import session_id_problem, strict_validator
 from .instances import InstanceDirectory
-from .store import CursorPruned, FrameQuery, FrameStore
+from .store_api import CursorPruned, FrameQuery, FrameStoreAPI
 
 TETHER_CHANNEL = "host"
 """The channel of sessions opened with `tether_send` (`mcp` is session_message's)."""
@@ -58,7 +58,7 @@ class Tether:
     """
 
     def __init__(
-        self, store: FrameStore, frame_log: FrameLog, instances: InstanceDirectory, limits: Limits | None = None,
+        self, store: FrameStoreAPI, frame_log: FrameLog, instances: InstanceDirectory, limits: Limits | None = None,
     ) -> None:
         self.store = store
         self.frame_log = frame_log
@@ -68,7 +68,7 @@ class Tether:
     async def send(self, instance: str, text: str, session_id: str | None = None) -> dict[str, Any]:
         """`tether_send`: a `user.message` on the `host` channel; `{msg_id, session_id, ingress_seq}`."""
         self.limits.check_value(text, "text")
-        instance = self.instances.require_known(instance)
+        instance = await self.instances.require_known(instance)
         session_id = session_id or DEFAULT_TETHER_SESSION
         check_session_id(session_id)
         frame = await self.frame_log.ingress(
@@ -78,7 +78,7 @@ class Tether:
 
     async def ingest(self, instance: str, body: Any) -> Frame:
         """HTTP ingress: validate a frame a program outside the sandbox posts, and append it."""
-        instance = self.instances.require_known(instance)
+        instance = await self.instances.require_known(instance)
         if isinstance(body, dict) and "payload" in body:
             self.limits.check_value(body["payload"], "payload")
         problem = first_problem(_ingress_validator, body, "invalid frame")

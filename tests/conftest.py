@@ -1,10 +1,13 @@
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 
 from harness import Deployment, InProcessDeployment
+
+if TYPE_CHECKING:
+    from postgres import PostgresServer
 
 
 @pytest.fixture
@@ -18,3 +21,22 @@ def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
         yield d
     finally:
         d.cleanup()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator["PostgresServer"]:
+    """A real PostgreSQL for this pytest process (one per xdist worker; tests/postgres.py)."""
+    from postgres import PostgresServer
+
+    server = PostgresServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pg_url(postgres_server: "PostgresServer") -> str:
+    """A fresh, empty database on the test PostgreSQL: its libpq URI."""
+    return postgres_server.new_database()

@@ -110,7 +110,9 @@ def text_of(result: Any) -> str:
 class Deployment:
     """One server's files: data dir, relay address, tokens."""
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, store: str | None = None) -> None:
+        self.store = store
+        """The server's `--store` (a PostgreSQL URI), or None for SQLite in the data dir."""
         self.root = root or fresh_dir()
         self.data_dir = self.root / "data"
         self.socket = self.root / "relay.sock"
@@ -118,12 +120,26 @@ class Deployment:
 
     def token(self, instance: str) -> str:
         """The instance's relay token, computed in process as `oubliette-server token INSTANCE` does
-        (test_auth.py checks that the command prints the same value)."""
+        (test_auth.py checks that the command prints the same value). With a PostgreSQL store the
+        secret is the deployment's, in the database: the command itself is asked."""
+        if self.store:
+            return self._store_token("token", instance)
         return TokenAuthority.for_data_dir(self.data_dir).token_for(instance)
 
     def http_token(self) -> str:
         """The HTTP API's bearer token, computed in process as `oubliette-server http-token` does."""
+        if self.store:
+            return self._store_token("http-token")
         return TokenAuthority.for_data_dir(self.data_dir).token_for(HTTP_TOKEN_NAME)
+
+    def _store_token(self, *command: str) -> str:
+        """`oubliette-server token|http-token … --store URL`: the token every server of the deployment accepts."""
+        assert self.store is not None
+        done = subprocess.run(
+            [PYTHON, "-m", "oubliette_server", *command, "--store", self.store],
+            capture_output=True, text=True, timeout=60, check=True,
+        )
+        return done.stdout.strip()
 
     @asynccontextmanager
     async def http_server(self, *extra: str) -> AsyncIterator["HttpServer"]:
@@ -135,7 +151,7 @@ class Deployment:
         process = await trio.lowlevel.open_process(
             [PYTHON, "-m", "oubliette_server", "--relay", self.relay, "--data-dir", str(self.data_dir),
              "--http", "127.0.0.1:0", "--http", f"unix:{self.root / 'http.sock'}", "--no-stdio",
-             "--log-level", "WARNING", *extra],
+             "--log-level", "WARNING", *self.store_args(), *extra],
             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         assert process.stderr is not None
@@ -170,8 +186,12 @@ class Deployment:
         return StdioServerParameters(
             command=PYTHON,
             args=["-m", "oubliette_server", "--relay", self.relay, "--data-dir", str(self.data_dir),
-                  "--log-level", "WARNING", *extra],
+                  "--log-level", "WARNING", *self.store_args(), *extra],
         )
+
+    def store_args(self) -> list[str]:
+        """`--store URL` when this deployment's server keeps its log in PostgreSQL."""
+        return ["--store", self.store] if self.store else []
 
     def client_env(self, instance: str, session: str | None = None, token: str | None = None) -> dict[str, str]:
         env = {"OUBLIETTE_RELAY": self.relay, "OUBLIETTE_INSTANCE": instance,

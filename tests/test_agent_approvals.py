@@ -134,7 +134,7 @@ async def test_no_owning_caller_connected_denies_at_once(deployment: Deployment)
         decision = json.loads(text)
         assert decision["behavior"] == "deny" and set(decision) == {"behavior", "message"}
         assert "is not connected; nobody can approve it" in decision["message"], decision
-        resolved = stored(proc, "approval_resolved")
+        resolved = await stored(proc, "approval_resolved")
         assert [(r["approve"], r["who"]) for r in resolved] == [(False, "disconnect")]
 
 
@@ -153,7 +153,7 @@ async def test_malformed_prompts_are_denied_never_allowed(deployment: Deployment
             result = await agent.call_tool("permission_prompt", bad)
             # The SDK may refuse the schema itself (an MCP error) or the tool denies: never an allow.
             assert result.is_error or json.loads(result.content[0].text)["behavior"] == "deny", result
-        assert stored(proc, "approval_request") == []
+        assert await stored(proc, "approval_request") == []
 
 
 # -- item 1 (toolsets): gated toolset tools ------------------------------------------------------
@@ -204,7 +204,7 @@ async def test_a_gated_toolset_tool_runs_once_approved(deployment: Deployment) -
         # The tool not named in requires_approval runs without asking.
         listing = await agent.call_tool("fs.ls", {})
         assert listing.structured_content == {"files": ["a"]}
-        assert len(stored(proc, "approval_request")) == 1
+        assert len(await stored(proc, "approval_request")) == 1
 
 
 async def test_a_gated_toolset_tool_denied_never_runs(deployment: Deployment) -> None:

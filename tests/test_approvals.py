@@ -71,10 +71,10 @@ async def answer(proc: InProcess, caller: CallerConnection, **fields: Any) -> An
     return await proc.call(caller, "approval_response", {"session_id": SESSION, **fields})
 
 
-def stored(proc: InProcess, type_: str) -> list[dict[str, Any]]:
+async def stored(proc: InProcess, type_: str) -> list[dict[str, Any]]:
     from oubliette_server.store import FrameQuery
 
-    return [f.to_event() for f in proc.server.store.query(INSTANCE, FrameQuery(session_id=SESSION, types=(type_,), limit=200))]
+    return [f.to_event() for f in await proc.server.store.query(INSTANCE, FrameQuery(session_id=SESSION, types=(type_,), limit=200))]
 
 
 # -- one decision -----------------------------------------------------------------------
@@ -89,7 +89,7 @@ async def test_approve_then_the_call_is_relayed(deployment: Deployment) -> None:
         assert request["tool_name"] == PUBLISHED and request["arguments"] == {"path": "/tmp/x"}
         assert request["origin"] == "caller" and request["expires_at"].endswith("Z")
         await trio.testing.wait_all_tasks_blocked()
-        assert stored(proc, "caller_tool_request") == [], "nothing runs before the decision"
+        assert await stored(proc, "caller_tool_request") == [], "nothing runs before the decision"
 
         approved = await answer(proc, owner, request_id=request["request_id"], approve=True)
         assert structured(approved) == {"resolved": True}
@@ -119,7 +119,7 @@ async def test_deny_with_a_reason_reaches_the_agent_and_nothing_runs(deployment:
         assert "not today" in call.error.message and PUBLISHED in call.error.message
         resolved = await events.wait_type("approval_resolved")
         assert (resolved["approve"], resolved["reason"], resolved["who"]) == (False, "not today", owner.id)
-        assert stored(proc, "caller_tool_request") == []
+        assert await stored(proc, "caller_tool_request") == []
 
 
 @pytest.mark.parametrize("status", ["success", "error"])
@@ -141,7 +141,7 @@ async def test_a_tool_return_answers_the_call_directly(deployment: Deployment, s
             assert call.error.message == "disk is read-only"
         resolved = await events.wait_type("approval_resolved")
         assert (resolved["kind"], resolved["tool_return"], resolved["status"]) == ("tool", tool_return, status)
-        assert stored(proc, "caller_tool_request") == [], "no caller_tool_request round trip"
+        assert await stored(proc, "caller_tool_request") == [], "no caller_tool_request round trip"
 
 
 async def test_updated_arguments_are_checked_against_the_schema_then_used(deployment: Deployment) -> None:
@@ -202,7 +202,7 @@ async def test_batch_must_cover_exactly_the_pending_ids_and_takes_mixed_decision
         await second.outcome()
         assert first.error is not None and first.error.code == errors.DENIED and "keep a" in first.error.message
         assert second.result == {"result": {"deleted": "b"}}
-        assert len(stored(proc, "approval_resolved")) == 2
+        assert len(await stored(proc, "approval_resolved")) == 2
 
 
 async def test_identical_re_answer_is_idempotent_and_a_contradicting_one_is_refused(deployment: Deployment) -> None:
@@ -223,7 +223,7 @@ async def test_identical_re_answer_is_idempotent_and_a_contradicting_one_is_refu
         contradicting = await answer(proc, owner, request_id=request["request_id"], approve=True)
         assert contradicting.is_error
         assert f"approval '{request['request_id']}' is already resolved: denied" in text_of(contradicting)
-        assert len(stored(proc, "approval_resolved")) == 1, "nothing is decided twice"
+        assert len(await stored(proc, "approval_resolved")) == 1, "nothing is decided twice"
 
 
 async def test_only_the_owning_caller_may_answer(deployment: Deployment) -> None:
@@ -359,7 +359,7 @@ async def test_caller_disconnect_denies_at_once(deployment: Deployment) -> None:
         assert call.error is not None and call.error.code == errors.DENIED
         assert "disconnected" in call.error.message
         # The decision is in the log (the owner is gone; nobody else may follow its session).
-        [resolved] = stored(proc, "approval_resolved")
+        [resolved] = await stored(proc, "approval_resolved")
         assert (resolved["approve"], resolved["who"]) == (False, "disconnect")
         assert proc.server.approvals.pending == {}
 
@@ -375,7 +375,7 @@ async def test_agent_cancel_withdraws_the_request(deployment: Deployment) -> Non
         assert proc.server.approvals.pending == {}
         late = await answer(proc, owner, request_id=request["request_id"], approve=True)
         assert late.is_error and "already resolved: denied (cancelled)" in text_of(late)
-        assert stored(proc, "caller_tool_request") == []
+        assert await stored(proc, "caller_tool_request") == []
 
 
 async def test_clients_learn_the_effective_approval_timeout(deployment: Deployment) -> None:

@@ -293,7 +293,7 @@ async def test_caller_disconnect_denies(deployment: Deployment, mode: str) -> No
             [request] = stopped["approval_requests"]
     store = FrameStore(deployment.data_dir / "frames.sqlite3")
     try:
-        stored = store.query(INSTANCE, FrameQuery(session_id="s4", types=("approval_resolved",)))
+        stored = await store.query(INSTANCE, FrameQuery(session_id="s4", types=("approval_resolved",)))
     finally:
         store.close()
     [resolved] = [frame.payload for frame in stored]

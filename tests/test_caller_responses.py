@@ -352,4 +352,4 @@ async def test_a_caller_tool_with_an_invalid_schema_is_refused_when_declared(dep
             })
             assert result.is_error
             assert f"caller tool 'send_notification': {field} is not a valid JSON Schema" in text_of(result), text_of(result)
-        assert proc.server.store.last_seq(INSTANCE) == 0, "nothing was stored for the refused declarations"
+        assert await proc.server.store.last_seq(INSTANCE) == 0, "nothing was stored for the refused declarations"

@@ -148,7 +148,7 @@ async def test_deep_values_are_refused_at_the_caller_tools(deployment: Deploymen
         owner, events = proc.open_caller()
         await proc.declare(owner, [NOTIFY])
         link = await proc.connect_agent(deployment)
-        before = proc.server.store.last_seq(INSTANCE)
+        before = await proc.server.store.last_seq(INSTANCE)
 
         deep_tool = dict(NOTIFY, inputSchema={"type": "object", "properties": {"x": {"default": nest(depth)}}})
         refused = await proc.call(owner, "session_message", {
@@ -156,7 +156,7 @@ async def test_deep_values_are_refused_at_the_caller_tools(deployment: Deploymen
             "context": {"caller_id": "myapp", "caller_tools": [deep_tool]},
         })
         assert refused.is_error and "context is nested more than 64 levels deep" in text_of(refused), text_of(refused)
-        assert proc.server.store.last_seq(INSTANCE) == before
+        assert await proc.server.store.last_seq(INSTANCE) == before
 
         outcome, finished, _ = start_agent_call(proc.nursery, link)
         request = await events.wait_type("caller_tool_request")
@@ -182,7 +182,7 @@ async def test_deep_values_are_refused_at_the_relay(deployment: Deployment) -> N
         await proc.declare(owner, [NOTIFY])
         link = await proc.connect_agent(deployment)
         token = proc.server.tokens.token_for(INSTANCE)
-        before = proc.server.store.last_seq(INSTANCE)
+        before = await proc.server.store.last_seq(INSTANCE)
         async with RawRelay.connect(deployment) as raw:
             _, hello = await handshake(raw, token)
             assert "error" not in hello, hello
@@ -202,7 +202,7 @@ async def test_deep_values_are_refused_at_the_relay(deployment: Deployment) -> N
             }})
             answer = await response_to(guest, 1)
             assert answer["error"]["data"]["limit"] == "max_payload_depth", answer
-        assert proc.server.store.last_seq(INSTANCE) == before
+        assert await proc.server.store.last_seq(INSTANCE) == before
         assert not events.of_type("assistant.delta")
         await complete_a_call(proc, owner, events, link)
 
@@ -221,7 +221,7 @@ async def test_oversized_messages_are_refused_and_nothing_is_stored(deployment: 
         caller, _ = proc.open_caller()
         async with RawRelay.connect(deployment) as guest:
             assert "error" not in await guest.hello(INSTANCE, proc.server.tokens.token_for(INSTANCE), role="guest")
-            before = proc.server.store.last_seq(INSTANCE)
+            before = await proc.server.store.last_seq(INSTANCE)
             for tool, args in (
                 ("session_message", {"instance": INSTANCE, "session_id": SESSION, "message": text}),
                 ("tether_send", {"instance": INSTANCE, "text": text}),
@@ -229,7 +229,7 @@ async def test_oversized_messages_are_refused_and_nothing_is_stored(deployment: 
                 refused = await proc.call(caller, tool, args)
                 assert refused.is_error, tool
                 assert "bytes once encoded; the limit (max_payload_bytes)" in text_of(refused), text_of(refused)
-            assert proc.server.store.last_seq(INSTANCE) == before, "nothing is stored"
+            assert await proc.server.store.last_seq(INSTANCE) == before, "nothing is stored"
             sent = await proc.call(caller, "session_message", {"instance": INSTANCE, "session_id": SESSION, "message": "later"})
             assert not sent.is_error, text_of(sent)
             frame = await next_delivery(guest)
@@ -260,7 +260,7 @@ async def test_an_undeliverable_result_is_refused_and_the_call_stays_pending(dep
 async def proc_result_frames(proc: InProcess, request_id: str) -> list[Any]:
     from oubliette_server.store import FrameQuery
 
-    frames = proc.server.store.query(INSTANCE, FrameQuery(types=("caller_tool_result",), limit=100))
+    frames = await proc.server.store.query(INSTANCE, FrameQuery(types=("caller_tool_result",), limit=100))
     return [f for f in frames if f.payload["request_id"] == request_id]
 
 
@@ -274,7 +274,7 @@ async def test_the_frame_log_refuses_a_frame_that_could_not_be_delivered(deploym
         for payload in ({"text": "x" * (DEFAULT_MAX_FRAME_BYTES - 100)}, {"d": nest(65)}):
             with pytest.raises(LimitExceeded):
                 await proc.server.frame_log.append(session, "user.message", payload)
-        assert proc.server.store.last_seq(INSTANCE) == 0
+        assert await proc.server.store.last_seq(INSTANCE) == 0
 
 
 async def test_delivery_skips_an_undeliverable_frame_with_a_session_error(deployment: Deployment) -> None:
@@ -292,7 +292,7 @@ async def test_delivery_skips_an_undeliverable_frame_with_a_session_error(deploy
                 assert frame["seq"] == small.seq
         from oubliette_server.store import FrameQuery
 
-        errors = store.query(INSTANCE, FrameQuery(types=("session.error",), reply_to=huge.msg_id))
+        errors = await store.query(INSTANCE, FrameQuery(types=("session.error",), reply_to=huge.msg_id))
         assert len(errors) == 1
         assert "cannot be delivered to the guest" in errors[0].payload["message"]
 
@@ -350,7 +350,7 @@ async def test_http_ingress_limits(deployment: Deployment) -> None:
         response = await rest.post(url, json=body)
         assert response.status_code == 413, response.text
         assert "max_payload_bytes" in response.json()["error"]["message"]
-        assert server.app.store.last_seq(INSTANCE) == 0
+        assert await server.app.store.last_seq(INSTANCE) == 0
         response = await rest.post(url, json={"type": "user.message", "session": {"channel": "host", "id": "s"},
                                               "payload": {"text": "fine"}})
         assert response.status_code == 201, response.text

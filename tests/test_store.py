@@ -58,10 +58,10 @@ async def test_seq_strictly_increasing_and_independent_per_instance(store):
     a += [await add(store, "a", channel="telegram", session_id="other") for _ in range(2)]
     assert [f.seq for f in a] == list(range(1, 8))
     assert [f.seq for f in b] == [1, 2, 3]
-    assert store.last_seq("a") == 7
-    assert store.last_seq("b") == 3
-    assert store.last_seq("nope") == 0
-    assert store.instances() == ["a", "b"]
+    assert await store.last_seq("a") == 7
+    assert await store.last_seq("b") == 3
+    assert await store.last_seq("nope") == 0
+    assert await store.instances() == ["a", "b"]
 
 
 async def test_append_returns_protocol_frame(store):
@@ -73,7 +73,7 @@ async def test_append_returns_protocol_frame(store):
     assert f.reply_to is None
     assert TS_RE.match(f.ts)
     assert f.payload == {"text": "hé", "n": [1, 2]}
-    [q] = store.query("box1", FrameQuery())
+    [q] = await store.query("box1", FrameQuery())
     assert q == f
     g = await add(store, msg_id="host-1", reply_to=f.msg_id)
     assert g.msg_id == "host-1" and g.reply_to == f.msg_id
@@ -114,9 +114,9 @@ async def test_append_many_one_batch(store):
     )
     assert [f.seq for f in frames] == [2, 3, 4]
     assert frames[1].msg_id == "x" and frames[2].reply_to == "x"
-    assert store.query("box1", FrameQuery(after_seq=1)) == frames
+    assert await store.query("box1", FrameQuery(after_seq=1)) == frames
     assert await store.append_many("box1", []) == []
-    assert store.last_seq("box1") == 4
+    assert await store.last_seq("box1") == 4
 
 
 async def test_bad_input_consumes_no_seq(store):
@@ -136,9 +136,9 @@ async def test_bad_input_consumes_no_seq(store):
         await store.append_many("box1", [good, {**good, "bogus": 1}])
     with pytest.raises(TypeError, match="missing"):
         await store.append_many("box1", [good, {"channel": "host"}])
-    assert store.last_seq("box1") == 1
+    assert await store.last_seq("box1") == 1
     assert (await add(store)).seq == 2
-    assert len(store.query("box1", FrameQuery())) == 2
+    assert len(await store.query("box1", FrameQuery())) == 2
 
 
 async def test_appends_of_a_burst_share_one_commit(store):
@@ -157,10 +157,10 @@ async def test_appends_of_a_burst_share_one_commit(store):
     store._db.set_trace_callback(None)
     assert sorted(results.values()) == list(range(2, 12))
     assert statements.count("COMMIT") == 1, statements
-    assert [f.payload["i"] for f in store.query("box1", FrameQuery(after_seq=1))] == [
+    assert [f.payload["i"] for f in await store.query("box1", FrameQuery(after_seq=1))] == [
         i for i, _ in sorted(results.items(), key=lambda kv: kv[1])
     ]
-    assert store.last_seq("box1") == 11
+    assert await store.last_seq("box1") == 11
 
 
 async def test_a_failed_group_commit_fails_every_append_and_reuses_the_seqs(store):
@@ -179,7 +179,7 @@ async def test_a_failed_group_commit_fails_every_append_and_reuses_the_seqs(stor
         for _ in range(3):
             nursery.start_soon(one)
     assert len(failures) == 3
-    assert store.last_seq("box1") == 1
+    assert await store.last_seq("box1") == 1
     store._db.execute("DELETE FROM frames WHERE msg_id = 'rogue'")
     assert (await add(store)).seq == 2
 
@@ -189,7 +189,7 @@ async def test_append_when_already_cancelled_stores_nothing(store):
         scope.cancel()
         await add(store)
     assert scope.cancelled_caught
-    assert store.last_seq("box1") == 0
+    assert await store.last_seq("box1") == 0
 
 
 # -- persistence -------------------------------------------------------------------------------
@@ -200,39 +200,39 @@ async def test_restart_keeps_seq_frames_and_cursors(db_path):
     for i in range(3):
         await add(s, payload={"i": i})
     await add(s, "other")
-    s.set_cursor("box1", "delivered", 2)
-    before = s.query("box1", FrameQuery())
+    await s.set_cursor("box1", "delivered", 2)
+    before = await s.query("box1", FrameQuery())
     s.close()
     s.close()  # idempotent
 
     s = FrameStore(db_path)
     try:
-        assert s.last_seq("box1") == 3
-        assert s.query("box1", FrameQuery()) == before
-        assert s.get_cursor("box1", "delivered") == 2
+        assert await s.last_seq("box1") == 3
+        assert await s.query("box1", FrameQuery()) == before
+        assert await s.get_cursor("box1", "delivered") == 2
         assert (await add(s)).seq == 4
         assert (await add(s, "other")).seq == 2
-        assert s.instances() == ["box1", "other"]
+        assert await s.instances() == ["box1", "other"]
     finally:
         s.close()
 
 
 async def test_named_cursors(db_path):
     s = FrameStore(db_path)
-    assert s.get_cursor("box1", "delivered") == 0
-    s.set_cursor("box1", "delivered", 5)
-    s.set_cursor("box1", "delivered", 7)
-    s.set_cursor("box1", "acked", 3)
-    s.set_cursor("box2", "delivered", 1)
+    assert await s.get_cursor("box1", "delivered") == 0
+    await s.set_cursor("box1", "delivered", 5)
+    await s.set_cursor("box1", "delivered", 7)
+    await s.set_cursor("box1", "acked", 3)
+    await s.set_cursor("box2", "delivered", 1)
     with pytest.raises(ValueError):
-        s.set_cursor("box1", "delivered", -1)
+        await s.set_cursor("box1", "delivered", -1)
     s.close()
     s = FrameStore(db_path)
     try:
-        assert s.get_cursor("box1", "delivered") == 7
-        assert s.get_cursor("box1", "acked") == 3
-        assert s.get_cursor("box2", "delivered") == 1
-        assert s.get_cursor("box2", "acked") == 0
+        assert await s.get_cursor("box1", "delivered") == 7
+        assert await s.get_cursor("box1", "acked") == 3
+        assert await s.get_cursor("box2", "delivered") == 1
+        assert await s.get_cursor("box2", "acked") == 0
     finally:
         s.close()
 
@@ -263,11 +263,11 @@ async def test_durability_full(tmp_path):
         FrameStore(tmp_path / "g.db", durability="paranoid")
 
 
-def test_closed_store_refuses(tmp_path):
+async def test_closed_store_refuses(tmp_path):
     s = FrameStore(tmp_path / "f.db")
     s.close()
     with pytest.raises(RuntimeError, match="closed"):
-        s.last_seq("box1")
+        await s.last_seq("box1")
 
 
 def test_newer_schema_refused(tmp_path):
@@ -308,54 +308,54 @@ async def populated(store):
     return store
 
 
-def seqs(store, instance="box1", **kw):
-    return [f.seq for f in store.query(instance, FrameQuery(**kw))]
+async def seqs(store, instance="box1", **kw):
+    return [f.seq for f in await store.query(instance, FrameQuery(**kw))]
 
 
 async def test_query_filters(populated):
     s = populated
-    assert seqs(s) == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert seqs(s, channel="host") == [1, 2, 3, 5, 6, 8]
-    assert seqs(s, channel="mcp") == [4, 7]
-    assert seqs(s, session_id="s1") == [1, 2, 3, 4, 6, 7]
-    assert seqs(s, channel="host", session_id="s1") == [1, 2, 3, 6]
-    assert seqs(s, channel="host", session_id="s1", after_seq=2) == [3, 6]
-    assert seqs(s, types=("assistant.done",)) == [6, 7, 8]
-    assert seqs(s, types=["assistant.done", "user.message"]) == [1, 4, 5, 6, 7, 8]
-    assert seqs(s, types=["assistant.done", "user.message"], after_seq=4, limit=2) == [5, 6]
-    assert seqs(s, types=["assistant.done", "user.message"], channel="mcp") == [4, 7]
-    assert seqs(s, channel="host", session_id="s1", types=["assistant.done", "status.presence"]) == [2, 6]
-    assert seqs(s, reply_to="m-u1") == [2, 3, 6]
-    assert seqs(s, reply_to="m-u1", types=["assistant.done"]) == [6]
-    assert seqs(s, reply_to="m-u1", after_seq=3) == [6]
-    assert seqs(s, reply_to="m-u2", channel="host") == []
-    assert seqs(s, reply_to="m-u3", channel="host", session_id="s2") == [8]
-    assert seqs(s, after_seq=6) == [7, 8]
-    assert seqs(s, after_seq=8) == []
-    assert seqs(s, after_seq=100) == []
-    assert seqs(s, limit=3) == [1, 2, 3]
-    assert seqs(s, after_seq=2, limit=1) == [3]
-    assert seqs(s, types=[]) == seqs(s)  # empty types list = no filter
-    assert seqs(s, types=["nope"]) == []
-    assert seqs(s, "box2") == [1]
-    assert seqs(s, "box3") == []
-    assert s.query("box1", FrameQuery(reply_to="m-u1"))[0].to_wire()["reply_to"] == "m-u1"
+    assert await seqs(s) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert await seqs(s, channel="host") == [1, 2, 3, 5, 6, 8]
+    assert await seqs(s, channel="mcp") == [4, 7]
+    assert await seqs(s, session_id="s1") == [1, 2, 3, 4, 6, 7]
+    assert await seqs(s, channel="host", session_id="s1") == [1, 2, 3, 6]
+    assert await seqs(s, channel="host", session_id="s1", after_seq=2) == [3, 6]
+    assert await seqs(s, types=("assistant.done",)) == [6, 7, 8]
+    assert await seqs(s, types=["assistant.done", "user.message"]) == [1, 4, 5, 6, 7, 8]
+    assert await seqs(s, types=["assistant.done", "user.message"], after_seq=4, limit=2) == [5, 6]
+    assert await seqs(s, types=["assistant.done", "user.message"], channel="mcp") == [4, 7]
+    assert await seqs(s, channel="host", session_id="s1", types=["assistant.done", "status.presence"]) == [2, 6]
+    assert await seqs(s, reply_to="m-u1") == [2, 3, 6]
+    assert await seqs(s, reply_to="m-u1", types=["assistant.done"]) == [6]
+    assert await seqs(s, reply_to="m-u1", after_seq=3) == [6]
+    assert await seqs(s, reply_to="m-u2", channel="host") == []
+    assert await seqs(s, reply_to="m-u3", channel="host", session_id="s2") == [8]
+    assert await seqs(s, after_seq=6) == [7, 8]
+    assert await seqs(s, after_seq=8) == []
+    assert await seqs(s, after_seq=100) == []
+    assert await seqs(s, limit=3) == [1, 2, 3]
+    assert await seqs(s, after_seq=2, limit=1) == [3]
+    assert await seqs(s, types=[]) == await seqs(s)  # empty types list = no filter
+    assert await seqs(s, types=["nope"]) == []
+    assert await seqs(s, "box2") == [1]
+    assert await seqs(s, "box3") == []
+    assert (await s.query("box1", FrameQuery(reply_to="m-u1")))[0].to_wire()["reply_to"] == "m-u1"
 
 
 async def test_many_types_fall_back_to_row_filter(populated):
     many = ["assistant.done"] + [f"t{i}" for i in range(30)]
-    assert seqs(populated, types=many) == [6, 7, 8]
-    assert seqs(populated, types=many, channel="host") == [6, 8]
+    assert await seqs(populated, types=many) == [6, 7, 8]
+    assert await seqs(populated, types=many, channel="host") == [6, 8]
 
 
 async def test_limit_caps_results(store):
     await store.append_many(
         "box1", [{"channel": "host", "session_id": "s", "type": "t", "payload": {}} for _ in range(250)]
     )
-    assert len(store.query("box1", FrameQuery())) == DEFAULT_LIMIT
-    got = store.query("box1", FrameQuery(limit=MAX_LIMIT))
+    assert len(await store.query("box1", FrameQuery())) == DEFAULT_LIMIT
+    got = await store.query("box1", FrameQuery(limit=MAX_LIMIT))
     assert [f.seq for f in got] == list(range(1, 201))
-    got = store.query("box1", FrameQuery(limit=MAX_LIMIT, after_seq=200))
+    got = await store.query("box1", FrameQuery(limit=MAX_LIMIT, after_seq=200))
     assert [f.seq for f in got] == list(range(201, 251))
 
 
@@ -562,12 +562,12 @@ async def test_retention_frames_prunes_oldest():
     s = FrameStore.in_memory(retention_frames=10, prune_every=5)
     for _ in range(25):
         await add(s)
-    assert s.last_seq("box1") == 25
-    assert s.pruned_below("box1") == 15
-    assert seqs(s, after_seq=15) == list(range(16, 26))
+    assert await s.last_seq("box1") == 25
+    assert await s.pruned_below("box1") == 15
+    assert await seqs(s, after_seq=15) == list(range(16, 26))
     assert s._db.execute("SELECT count(*) FROM frames").fetchone()[0] == 10
     with pytest.raises(CursorPruned) as info:
-        s.query("box1", FrameQuery(after_seq=3))
+        await s.query("box1", FrameQuery(after_seq=3))
     exc = info.value
     assert (exc.instance, exc.after_seq, exc.first_seq) == ("box1", 3, 16)
     assert str(exc) == (
@@ -576,7 +576,7 @@ async def test_retention_frames_prunes_oldest():
     )
     # Another instance is not affected.
     await add(s, "box2")
-    assert seqs(s, "box2") == [1]
+    assert await seqs(s, "box2") == [1]
     s.close()
 
 
@@ -585,9 +585,9 @@ async def test_cursor_pruned_message_matches_contract():
     batch = [{"channel": "host", "session_id": "s", "type": "t", "payload": {}}] * 500
     for _ in range(4):
         await s.append_many("box1", batch)
-    assert s.prune() == 0  # already applied automatically every 1000 appends
+    assert await s.prune() == 0  # already applied automatically every 1000 appends
     with pytest.raises(CursorPruned) as info:
-        s.query("box1", FrameQuery(after_seq=3))
+        await s.query("box1", FrameQuery(after_seq=3))
     assert str(info.value) == (
         "cursor after_seq=3 is older than the retained log of instance 'box1' "
         "(oldest kept frame is seq 1001); read from after_seq=1000"
@@ -595,7 +595,7 @@ async def test_cursor_pruned_message_matches_contract():
     with pytest.raises(CursorPruned):
         await s.wait_for_frames("box1", FrameQuery(after_seq=999), 1)
     assert s.waiter_count() == 0
-    assert seqs(s, after_seq=1000, limit=1) == [1001]
+    assert await seqs(s, after_seq=1000, limit=1) == [1001]
     s.close()
 
 
@@ -603,15 +603,15 @@ async def test_manual_prune_and_no_retention():
     s = FrameStore.in_memory(retention_frames=5, prune_every=1000)
     for _ in range(12):
         await add(s)
-    assert len(seqs(s)) == 12  # not yet applied
-    assert s.prune() == 7
-    assert seqs(s, after_seq=7) == [8, 9, 10, 11, 12]
-    assert s.prune() == 0
+    assert len(await seqs(s)) == 12  # not yet applied
+    assert await s.prune() == 7
+    assert await seqs(s, after_seq=7) == [8, 9, 10, 11, 12]
+    assert await s.prune() == 0
     s.close()
     s = FrameStore.in_memory(retention_frames=None, prune_every=1)
     for _ in range(20):
         await add(s)
-    assert s.prune() == 0 and len(seqs(s)) == 20
+    assert await s.prune() == 0 and len(await seqs(s)) == 20
     s.close()
 
 
@@ -624,13 +624,13 @@ async def test_retention_seconds_prunes_everything_and_seq_never_resets(db_path)
     for _ in range(2):
         await add(s)
     clock.now += 45  # the first three are 75 s old, the last two 45 s
-    assert s.prune() == 3
-    assert seqs(s, after_seq=3) == [4, 5]
+    assert await s.prune() == 3
+    assert await seqs(s, after_seq=3) == [4, 5]
     clock.now += 100
-    assert s.prune() == 2
-    assert seqs(s, after_seq=5) == []
+    assert await s.prune() == 2
+    assert await seqs(s, after_seq=5) == []
     with pytest.raises(CursorPruned) as info:
-        s.query("box1", FrameQuery(after_seq=0))
+        await s.query("box1", FrameQuery(after_seq=0))
     assert str(info.value) == (
         "cursor after_seq=0 is older than the retained log of instance 'box1' "
         "(every frame up to seq 5 has been pruned); read from after_seq=5"
@@ -640,10 +640,10 @@ async def test_retention_seconds_prunes_everything_and_seq_never_resets(db_path)
 
     s = FrameStore(db_path, retention_seconds=60, clock=clock)
     try:
-        assert s.last_seq("box1") == 6
-        assert s.pruned_below("box1") == 5
+        assert await s.last_seq("box1") == 6
+        assert await s.pruned_below("box1") == 5
         assert (await add(s)).seq == 7
-        assert seqs(s, after_seq=5) == [6, 7]
+        assert await seqs(s, after_seq=5) == [6, 7]
     finally:
         s.close()
 
@@ -654,8 +654,8 @@ async def test_retention_applied_on_open(db_path):
     s.close()
     s = FrameStore(db_path, retention_frames=10)
     try:
-        assert s.pruned_below("box1") == 20
-        assert seqs(s, after_seq=20) == list(range(21, 31))
+        assert await s.pruned_below("box1") == 20
+        assert await seqs(s, after_seq=20) == list(range(21, 31))
     finally:
         s.close()
 

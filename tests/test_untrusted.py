@@ -137,7 +137,7 @@ async def test_http_refuses_instance_and_session_with_trailing_newline(deploymen
             "type": "user.message\n", "session": {"channel": "host", "id": "s"}, "payload": {"text": "x"},
         })
         assert response.status_code == 400
-        assert server.app.store.last_seq("boxA") == 0  # nothing stored
+        assert await server.app.store.last_seq("boxA") == 0  # nothing stored
 
 
 # -- item 7: every bad hello is answered ---------------------------------------------------------

@@ -31,7 +31,7 @@ from ..frame_log import FrameLog
 from ..ids import channel_problem, strict_validator
 from ..instances import InstanceDirectory
 from ..sessions import Session, SessionRegistry, new_session_id, not_yours
-from ..store import CursorPruned, FrameQuery, FrameStore
+from ..store_api import CursorPruned, FrameQuery, FrameStoreAPI
 from ..tether import EGRESS_TYPES, TETHER_CHANNEL, Tether, check_session_id
 from . import schemas
 
@@ -103,7 +103,7 @@ class CallerTools:
         sessions: SessionRegistry,
         caller_tools: CallerToolRelay,
         frame_log: FrameLog,
-        store: FrameStore,
+        store: FrameStoreAPI,
         tether: Tether,
         approvals: ApprovalService,
         session_wait_limit: float,
@@ -211,7 +211,7 @@ class CallerTools:
 
     # -- session_message -----------------------------------------------------------------
 
-    def _open_session(self, instance: str, session_id: str | None, caller: CallerConnection) -> Session:
+    async def _open_session(self, instance: str, session_id: str | None, caller: CallerConnection) -> Session:
         """The caller's session `session_id`, claimed for it if nobody opened it; else `not_yours`.
 
         A session with no owner in this process but with frames in the log (opened before a
@@ -226,18 +226,24 @@ class CallerTools:
         if session is not None and session.owner is not None:
             session.check_owner(caller)
             return session
-        if self._has_frames(instance, session_id):
+        has_frames = await self._has_frames(instance, session_id)
+        # Another call may have claimed it while the log was read: look again.
+        session = self.sessions.get(instance, SESSION_CHANNEL, session_id)
+        if session is not None and session.owner is not None:
+            session.check_owner(caller)
+            return session
+        if has_frames:
             raise not_yours(session_id)
         session = self.sessions.get_or_create(instance, SESSION_CHANNEL, session_id)
         session.owner = caller
         return session
 
-    def _has_frames(self, instance: str, session_id: str) -> bool:
+    async def _has_frames(self, instance: str, session_id: str) -> bool:
         query = FrameQuery(
-            channel=SESSION_CHANNEL, session_id=session_id, after_seq=self.store.pruned_below(instance), limit=1,
+            channel=SESSION_CHANNEL, session_id=session_id, after_seq=await self.store.pruned_below(instance), limit=1,
         )
         try:
-            return bool(self.store.query(instance, query))
+            return bool(await self.store.query(instance, query))
         except CursorPruned:
             return True
 
@@ -265,7 +271,7 @@ class CallerTools:
         if args.get("context") is not None:
             self.limits.check_value(args["context"], "context")
         instance = self.instances.resolve(args.get("instance"))
-        session = self._open_session(instance, args.get("session_id"), caller)
+        session = await self._open_session(instance, args.get("session_id"), caller)
         self._refuse_while_approval_pending(session)
         context = args.get("context")
         if context is not None:
@@ -601,7 +607,8 @@ class CallerTools:
         if channel == SESSION_CHANNEL:
             # Sessions of session_message are read by their owner only; other channels are the
             # tether's, which tether_read serves to every caller anyway.
-            mine = self._owned(caller, session_id, self.instances.require_known(args["instance"]) if args.get("instance") else None)
+            known = await self.instances.require_known(args["instance"]) if args.get("instance") else None
+            mine = self._owned(caller, session_id, known)
             if not mine:
                 raise RelayError(errors.NOT_FOUND, f"unknown session '{session_id}'")
             if len(mine) > 1:
@@ -609,7 +616,7 @@ class CallerTools:
             instance = mine[0].instance
         elif args.get("instance"):
             # Like tether_read: an instance the server has never heard of is an error, not an empty log.
-            instance = self.instances.require_known(args["instance"])
+            instance = await self.instances.require_known(args["instance"])
         else:
             matches = [s for s in self.sessions.find_by_id(session_id) if s.channel == channel]
             if len(matches) != 1:
@@ -634,7 +641,7 @@ class CallerTools:
 
         Raises: `RelayError` for an unknown instance or a bad session id.
         """
-        instance = self.instances.require_known(args["instance"])
+        instance = await self.instances.require_known(args["instance"])
         session_id = args.get("session_id") or "default"
         check_session_id(session_id)
         return await self.tether.read(

@@ -13,7 +13,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from ..sessions import SessionRegistry
-from ..store import MAX_LIMIT, CursorPruned, FrameQuery, FrameStore
+from ..store_api import MAX_LIMIT, CursorPruned, FrameQuery, FrameStoreAPI
 
 log = logging.getLogger("oubliette.server.calls")
 
@@ -23,13 +23,13 @@ REQUEST_TYPES = ("caller_tool_request", "caller_tool_result", "caller_tool_cance
 Append = Callable[..., Awaitable[Any]]
 
 
-def unanswered_requests(store: FrameStore, instance: str) -> list[Any]:
+async def unanswered_requests(store: FrameStoreAPI, instance: str) -> list[Any]:
     """The `caller_tool_request` frames of `instance` with no outcome frame in the retained log."""
     open_requests: dict[str, Any] = {}
-    after = store.pruned_below(instance)
+    after = await store.pruned_below(instance)
     while True:
         try:
-            frames = store.query(instance, FrameQuery(after_seq=after, types=REQUEST_TYPES, limit=MAX_LIMIT))
+            frames = await store.query(instance, FrameQuery(after_seq=after, types=REQUEST_TYPES, limit=MAX_LIMIT))
         except CursorPruned as exc:  # pruned while we read: go on from what is left
             after = exc.first_seq - 1
             continue
@@ -46,11 +46,11 @@ def unanswered_requests(store: FrameStore, instance: str) -> list[Any]:
         after = frames[-1].seq
 
 
-async def cancel_unanswered_requests(store: FrameStore, sessions: SessionRegistry, append: Append) -> int:
+async def cancel_unanswered_requests(store: FrameStoreAPI, sessions: SessionRegistry, append: Append) -> int:
     """Append `caller_tool_cancelled` (reason "server restarted") for each request left open; how many."""
     closed = 0
-    for instance in store.instances():
-        for frame in unanswered_requests(store, instance):
+    for instance in await store.instances():
+        for frame in await unanswered_requests(store, instance):
             session = sessions.get_or_create(instance, frame.channel, frame.session_id)
             await append(session, "caller_tool_cancelled", {
                 "request_id": frame.payload["request_id"], "tool": frame.payload.get("tool"), "reason": RESTART_REASON,

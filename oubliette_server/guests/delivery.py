@@ -32,12 +32,14 @@ from protocol import RelayError, messages
 
 from protocol import Frame
 
-from ..store import CursorPruned, FrameQuery, FrameStore
+from ..store_api import CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
 
 log = logging.getLogger("oubliette.server.guests")
 
 GUEST_CURSOR = "guest.delivered"
 DELIVERY_BATCH = 200
+#: Backoff (first, longest; seconds) of a delivery loop whose store is unavailable (a database outage).
+STORE_RETRY = (0.2, 5.0)
 TURN_END_TYPES = ("assistant.done", "session.error")
 
 #: `(instance, frame, reason)`: record that a frame could not be delivered (ends its turn).
@@ -70,13 +72,16 @@ class GuestDelivery:
     cursor at the last acknowledged seq, so nothing is lost.
     """
 
-    def __init__(self, store: FrameStore, on_undeliverable: Undeliverable = _log_only) -> None:
+    def __init__(self, store: FrameStoreAPI, on_undeliverable: Undeliverable = _log_only) -> None:
         self.store = store
         self.on_undeliverable = on_undeliverable
         self._guests: dict[str, GuestPeer] = {}
         self._in_flight: dict[GuestPeer, dict[str, tuple[str, str, bool]]] = {}
         """Per guest connection: msg_id -> (channel, session_id, started) of its delivered, unanswered messages."""
         self._ended: dict[str, set[str]] = {}
+        self._ending: set[tuple[str, str]] = set()
+        """(instance, msg_id) of turn ends being checked and stored now: a second one is refused
+        while the first awaits the store (see `turn_ended`, `turn_end_stored`)."""
         self.connected_changed = trio.Event()
 
     def guest_for(self, instance: str) -> GuestPeer | None:
@@ -108,14 +113,33 @@ class GuestDelivery:
             channel, session_id, _ = turns[msg_id]
             turns[msg_id] = (channel, session_id, True)
 
-    def turn_ended(self, connection: GuestPeer, msg_id: str) -> bool:
-        """Record the end of the turn of `msg_id`; False if it had ended already (refuse a second end)."""
+    async def turn_ended(self, connection: GuestPeer, msg_id: str) -> bool:
+        """Record the end of the turn of `msg_id`; False if it had ended already (refuse a second end).
+
+        True claims the end until `turn_end_stored` is called (after its frame is appended, or
+        failed to be): a second end arriving meanwhile is refused, though the log has no end yet.
+        """
         assert connection.instance is not None
+        key = (connection.instance, msg_id)
         for turns in self._in_flight.values():
             turns.pop(msg_id, None)
-        if msg_id in self._ended.get(connection.instance, ()) or self._answered(connection.instance, msg_id):
+        if key in self._ending or msg_id in self._ended.get(connection.instance, ()):
+            return False
+        self._ending.add(key)
+        try:
+            answered = await self._answered(connection.instance, msg_id)
+        except BaseException:
+            self._ending.discard(key)
+            raise
+        if answered:
+            self._ending.discard(key)
             return False
         return True
+
+    def turn_end_stored(self, connection: GuestPeer, msg_id: str) -> None:
+        """The end claimed by `turn_ended` is in the log now (or was not stored): release the claim."""
+        assert connection.instance is not None
+        self._ending.discard((connection.instance, msg_id))
 
     def orphaned_turns(self, connection: GuestPeer) -> list[tuple[str, str, str]]:
         """The guest is gone: its turns in flight, `(msg_id, channel, session_id)`, now ended by the caller of this.
@@ -145,7 +169,7 @@ class GuestDelivery:
         self.connected_changed.set()
         self.connected_changed = trio.Event()
 
-    def acknowledge(self, connection: GuestPeer, seq: int) -> None:
+    async def acknowledge(self, connection: GuestPeer, seq: int) -> None:
         """Move the guest's cursor forward to `seq`; an ack past the end of the log is refused.
 
         An ack beyond the instance's last `seq` names frames that do not exist yet: storing
@@ -154,51 +178,63 @@ class GuestDelivery:
         """
         assert connection.instance is not None
         store = self.store
-        last = store.last_seq(connection.instance)
+        last = await store.last_seq(connection.instance)
         if not 0 <= seq <= last:
             log.warning(
                 "%r: ignoring ack of seq %d: the last seq of instance %r is %d",
                 connection, seq, connection.instance, last,
             )
             return
-        if seq > store.get_cursor(connection.instance, GUEST_CURSOR):
-            store.set_cursor(connection.instance, GUEST_CURSOR, seq)
+        # One statement: two acks racing (or two servers) never move the cursor back.
+        await store.advance_cursor(connection.instance, GUEST_CURSOR, seq)
 
-    def has_undelivered(self, instance: str) -> bool:
+    async def has_undelivered(self, instance: str) -> bool:
         """Whether a `user.message` after the guest's acknowledged cursor is waiting."""
-        query = FrameQuery(after_seq=self.store.get_cursor(instance, GUEST_CURSOR), types=("user.message",), limit=1)
+        cursor = await self.store.get_cursor(instance, GUEST_CURSOR)
+        query = FrameQuery(after_seq=cursor, types=("user.message",), limit=1)
         try:
-            return bool(self.store.query(instance, query))
+            return bool(await self.store.query(instance, query))
         except CursorPruned:
             return True
 
-    def _answered(self, instance: str, msg_id: str) -> bool:
+    async def _answered(self, instance: str, msg_id: str) -> bool:
         """A turn that ended but whose acknowledgement was lost (the guest died right after) is not rerun."""
         if msg_id in self._ended.get(instance, ()):
             return True
         query = FrameQuery(types=TURN_END_TYPES, reply_to=msg_id, limit=1)
-        return bool(self.store.query(instance, query))
+        return bool(await self.store.query(instance, query))
 
     async def deliver(self, connection: GuestPeer) -> None:
         """Push every unacknowledged and every new `user.message` to the guest."""
         assert connection.instance is not None
         instance = connection.instance
         store = self.store
-        cursor = store.get_cursor(instance, GUEST_CURSOR)
+        cursor: int | None = None
         in_flight = self._in_flight.setdefault(connection, {})
+        backoff = STORE_RETRY[0]
         while True:
-            query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)
             try:
-                frames, _ = await store.wait_for_frames(instance, query, timeout=math.inf)
-            except CursorPruned as exc:
-                log.warning("guest of %s: %s; delivering from there", instance, exc)
-                cursor = exc.first_seq - 1
-                continue
-            for frame in frames:
-                if not self._answered(instance, frame.msg_id):
-                    in_flight[frame.msg_id] = (frame.channel, frame.session_id, False)
-                    await self._send(connection, instance, frame)
-                cursor = frame.seq
+                if cursor is None:
+                    cursor = await store.get_cursor(instance, GUEST_CURSOR)
+                query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)
+                try:
+                    frames, _ = await store.wait_for_frames(instance, query, timeout=math.inf)
+                except CursorPruned as exc:
+                    log.warning("guest of %s: %s; delivering from there", instance, exc)
+                    cursor = exc.first_seq - 1
+                    continue
+                for frame in frames:
+                    if not await self._answered(instance, frame.msg_id):
+                        in_flight[frame.msg_id] = (frame.channel, frame.session_id, False)
+                        await self._send(connection, instance, frame)
+                    cursor = frame.seq
+                backoff = STORE_RETRY[0]
+            except StoreUnavailable as exc:
+                # The database is down (PostgreSQL store): keep the guest, try again with backoff;
+                # the cursor in memory says where delivery stands.
+                log.warning("guest of %s: %s; retrying delivery in %.1f s", instance, exc, backoff)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, STORE_RETRY[1])
 
     async def _send(self, connection: GuestPeer, instance: str, frame: Frame) -> None:
         """Send one frame; one that cannot be sent is reported and skipped, never retried."""

@@ -39,8 +39,10 @@ class GuestFrames:
                 f"a guest may append {', '.join(sorted(GUEST_FRAME_TYPES))}; not {request.type!r}",
             )
         assert connection.instance is not None
-        if request.type in TURN_END_TYPES and request.reply_to is not None:
-            if not self.delivery.turn_ended(connection, request.reply_to):
+        ends_turn = request.type in TURN_END_TYPES and request.reply_to is not None
+        if ends_turn:
+            assert request.reply_to is not None
+            if not await self.delivery.turn_ended(connection, request.reply_to):
                 raise RelayError(
                     errors.INVALID_REQUEST,
                     f"the turn of message {request.reply_to!r} has ended already (a turn ends once; the server "
@@ -48,10 +50,16 @@ class GuestFrames:
                 )
         elif request.reply_to is not None:
             self.delivery.turn_started(connection, request.reply_to)
-        session: Session = self.sessions.get_or_create(connection.instance, request.session.channel, request.session.id)
-        frame = await self.append(session, request.type, request.payload, reply_to=request.reply_to)
+        try:
+            session: Session = self.sessions.get_or_create(
+                connection.instance, request.session.channel, request.session.id)
+            frame = await self.append(session, request.type, request.payload, reply_to=request.reply_to)
+        finally:
+            if ends_turn:
+                assert request.reply_to is not None
+                self.delivery.turn_end_stored(connection, request.reply_to)
         return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
 
     async def ack(self, connection: GuestPeer, ack: messages.Ack) -> None:
         """The `ack` relay notification: move the guest's delivery cursor (see `GuestDelivery.acknowledge`)."""
-        self.delivery.acknowledge(connection, ack.seq)
+        await self.delivery.acknowledge(connection, ack.seq)

@@ -14,6 +14,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from ..sessions import SessionRegistry
+from ..store_api import StoreUnavailable
 from .delivery import GuestDelivery, GuestPeer
 
 log = logging.getLogger("oubliette.server.guests")
@@ -64,10 +65,13 @@ class OrphanedTurns:
         try:
             for msg_id, channel, session_id in orphans:
                 session = self.sessions.get_or_create(instance, channel, session_id)
-                await self.append(
-                    session, "session.error",
-                    {"message": GUEST_GONE_MESSAGE, "reason": GUEST_GONE_REASON}, reply_to=msg_id,
-                )
+                try:
+                    await self.append(
+                        session, "session.error",
+                        {"message": GUEST_GONE_MESSAGE, "reason": GUEST_GONE_REASON}, reply_to=msg_id,
+                    )
+                except StoreUnavailable as exc:  # a database outage must not take the server down
+                    log.error("could not end turn %s of %s with session.error: %s", msg_id, instance, exc)
             log.warning("the guest of %s disconnected mid-turn; ended %d turn(s) with session.error", instance, len(orphans))
         finally:
             self.delivery.orphans_closed(instance, [msg_id for msg_id, _, _ in orphans])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-from typing import Callable
+from typing import Awaitable, Callable
 
 import trio
 from ..task_host import TaskHost
@@ -84,6 +84,25 @@ class InstanceStarter:
         self.starts[instance] = self.starts.get(instance, 0) + 1
         nursery.start_soon(self._run, instance, command, started, connected)
         return True
+
+    def wake_if(self, instance: str, needed: Callable[[str], Awaitable[bool]]) -> None:
+        """`wake` the instance if it has a start command and `await needed(instance)` says so.
+
+        Why: a sync hook (a connection that closed) cannot read the store; the check runs as a
+        task of this service's nursery, and only for instances that have a start command.
+        """
+        nursery = self._tasks.nursery
+        if nursery is None or not self._start_command(instance):
+            return
+
+        async def check() -> None:
+            try:
+                if await needed(instance):
+                    self.wake(instance)
+            except Exception:  # the store failed: the next message wakes the instance anyway
+                log.exception("could not check whether instance %r has undelivered messages", instance)
+
+        nursery.start_soon(check)
 
     def _start_failed(self, instance: str, started: float) -> None:
         """Allow a new start, unless a later start (begun after this one's guest dropped) is in progress."""

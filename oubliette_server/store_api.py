@@ -1,0 +1,357 @@
+"""The frame store's one interface, and the records every implementation shares.
+
+The tether log (DESIGN.md, "Frames") has two homes: SQLite in the data directory (the
+default, `store.py`) and PostgreSQL for several servers sharing instances (`store_pg.py`).
+The rest of the server sees only `FrameStoreAPI`: every method that touches the database is
+async, so an implementation may hand its work to a thread without blocking the Trio loop.
+The records here (`FrameQuery`, `CursorPruned`, the frame builder, the argument checks) are
+defined once, so both stores refuse the same input with the same message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import os
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from protocol import RelayError, errors
+from protocol.frames import FRAME_VERSION, Frame, SessionRef
+
+__all__ = [
+    "APPEND_KEYS",
+    "DEFAULT_LIMIT",
+    "DEFAULT_PRUNE_EVERY",
+    "DEFAULT_RETENTION_FRAMES",
+    "MAX_LIMIT",
+    "MAX_SEQ",
+    "REQUIRED_KEYS",
+    "CursorPruned",
+    "FrameQuery",
+    "FrameStoreAPI",
+    "StoreUnavailable",
+    "check_cursor_args",
+    "check_instance",
+    "check_retention",
+    "check_timeout",
+    "is_int",
+    "format_ts",
+    "make_frame",
+    "prepare_frame",
+    "prepare_frames",
+]
+
+MAX_LIMIT = 200
+#: The largest seq SQLite can hold (a signed 64-bit INTEGER); numbers from outside are
+#: range-checked against it before they reach a query, which would raise OverflowError.
+MAX_SEQ = 2**63 - 1
+DEFAULT_LIMIT = 50
+DEFAULT_RETENTION_FRAMES = 100_000
+DEFAULT_PRUNE_EVERY = 1000
+APPEND_KEYS = frozenset({"channel", "session_id", "type", "payload", "msg_id", "reply_to"})
+REQUIRED_KEYS = frozenset({"channel", "session_id", "type", "payload"})
+
+
+_ts_cache: tuple[int, str] = (-1, "")
+
+
+def format_ts(epoch: float) -> str:
+    """ISO-8601 UTC with milliseconds and ``Z``: ``2026-11-22T10:00:00.123Z``."""
+    global _ts_cache
+    secs, ms = divmod(round(epoch * 1000), 1000)
+    cached_secs, prefix = _ts_cache
+    if secs != cached_secs:
+        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(secs))
+        _ts_cache = (secs, prefix)
+    return f"{prefix}.{ms:03d}Z"
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+
+
+def make_frame(seq: int, ts: str, instance: str, channel: str, session_id: str, type: str, msg_id: str,
+               reply_to: str | None, payload: dict[str, Any]) -> Frame:
+    """The protocol's frame model for one stored row (the one converter every store uses)."""
+    return Frame(
+        v=FRAME_VERSION, seq=seq, ts=ts, instance=instance, session=SessionRef(channel=channel, id=session_id),
+        type=type, msg_id=msg_id, reply_to=reply_to, payload=payload,
+    )
+
+
+def _types_converter(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"types must be a sequence of strings, not a single {type(value).__name__}")
+    types = tuple(dict.fromkeys(value))  # dedupe, keep order
+    # An empty list means "no filter" (tether_read: "Default: all types").
+    return types or None
+
+
+@attrs.define(frozen=True)
+class FrameQuery:
+    """Filters for :meth:`FrameStore.query` and :meth:`FrameStore.wait_for_frames`.
+
+    Frames with ``seq > after_seq`` that match every given filter, oldest first, at most
+    ``limit`` (1..200, default 50).  ``types`` is any iterable of type names (stored as a
+    tuple; an empty one means no filter)."""
+
+    channel: str | None = None
+    session_id: str | None = None
+    after_seq: int = 0
+    types: tuple[str, ...] | None = attrs.field(default=None, converter=_types_converter)
+    reply_to: str | None = None
+    limit: int = DEFAULT_LIMIT
+
+    def __attrs_post_init__(self) -> None:
+        if not is_int(self.limit):
+            raise TypeError(f"limit must be an integer, got {self.limit!r}")
+        if not 1 <= self.limit <= MAX_LIMIT:
+            raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {self.limit}")
+        if not is_int(self.after_seq):
+            raise TypeError(f"after_seq must be an integer, got {self.after_seq!r}")
+        if self.after_seq < 0:
+            raise ValueError(f"after_seq must be >= 0, got {self.after_seq}")
+        if self.after_seq > MAX_SEQ:
+            raise ValueError(f"after_seq must be <= {MAX_SEQ} (2^63 - 1), got {self.after_seq}")
+        for name in ("channel", "session_id", "reply_to"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a string or None, got {value!r}")
+        if self.types is not None:
+            for t in self.types:
+                if not isinstance(t, str):
+                    raise TypeError(f"types must contain strings only, got {t!r}")
+
+
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON numbers from outside are checked with it)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class CursorPruned(Exception):
+    """``after_seq`` points below the retained log of the instance: frames the reader has
+    not seen were deleted by retention.  ``first_seq`` is the oldest seq that may still be
+    kept; read again from ``after_seq = first_seq - 1`` (accepting the gap)."""
+
+    def __init__(self, instance: str, after_seq: int, first_seq: int, *, empty: bool = False) -> None:
+        self.instance = instance
+        self.after_seq = after_seq
+        self.first_seq = first_seq
+        if empty:
+            where = f"every frame up to seq {first_seq - 1} has been pruned"
+        else:
+            where = f"oldest kept frame is seq {first_seq}"
+        super().__init__(
+            f"cursor after_seq={after_seq} is older than the retained log of instance "
+            f"{instance!r} ({where}); read from after_seq={first_seq - 1}"
+        )
+
+    def __reduce__(self) -> Any:  # keep pickling (and copying) working
+        return (_rebuild_cursor_pruned, (self.instance, self.after_seq, self.first_seq, str(self)))
+
+
+def _rebuild_cursor_pruned(instance: str, after_seq: int, first_seq: int, message: str) -> CursorPruned:
+    exc = CursorPruned(instance, after_seq, first_seq)
+    exc.args = (message,)
+    return exc
+
+
+class StoreUnavailable(RelayError):
+    """The store's database cannot be reached (PostgreSQL down, pool exhausted past its timeout).
+
+    Raised instead of the driver's own errors, as a `RelayError` (INTERNAL_ERROR) so every door
+    gives its peer this one clear message: a caller's tool error, a sandbox's error response,
+    HTTP 503. The store recovers by itself when the database returns."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errors.INTERNAL_ERROR, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> Any:  # keep pickling (and copying) working
+        return (StoreUnavailable, (self.message,))
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks shared by the stores
+
+
+Prepared = tuple[str, str, str, str, "str | None", str, dict]
+
+
+# One encoder for every payload (json.dumps with options builds a new one per call).
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
+
+def prepare_frame(channel: Any, session_id: Any, type: Any, payload: Any, msg_id: Any, reply_to: Any) -> Prepared:
+    """Check one frame's fields and encode its payload: `(channel, session_id, type, msg_id,
+    reply_to, payload_json, payload_copy)`; `ValueError`/`TypeError` name the bad field."""
+    for name, value in (("channel", channel), ("session_id", session_id), ("type", type)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    if not isinstance(payload, dict):
+        raise TypeError(f"payload must be a dict, got {payload.__class__.__name__}")
+    if msg_id is None:
+        msg_id = "m-" + os.urandom(16).hex()  # 128 random bits, as uuid4().hex, at a quarter of its cost
+    elif not isinstance(msg_id, str) or not msg_id:
+        raise ValueError(f"msg_id must be a non-empty string or None, got {msg_id!r}")
+    if reply_to is not None and not isinstance(reply_to, str):
+        raise TypeError(f"reply_to must be a string or None, got {reply_to!r}")
+    # allow_nan=False: NaN/Infinity are not JSON.  Round-trip so the returned frame holds
+    # exactly what a later query returns (and is not shared with the caller).
+    text = _ENCODE(payload)
+    return channel, session_id, type, msg_id, reply_to, text, json.loads(text)
+
+
+def prepare_frames(frames: list[dict]) -> list[Prepared]:
+    """`prepare_frame` for each dict of `append_many` (its keys are `append`'s keyword arguments)."""
+    prepared = []
+    for i, f in enumerate(frames):
+        if not isinstance(f, dict):
+            raise TypeError(f"frames[{i}] must be a dict, got {f.__class__.__name__}")
+        unknown = f.keys() - APPEND_KEYS
+        if unknown:
+            raise TypeError(f"frames[{i}] has unknown keys {sorted(unknown)}")
+        missing = REQUIRED_KEYS - f.keys()
+        if missing:
+            raise TypeError(f"frames[{i}] is missing {sorted(missing)}")
+        prepared.append(
+            prepare_frame(f["channel"], f["session_id"], f["type"], f["payload"], f.get("msg_id"), f.get("reply_to"))
+        )
+    return prepared
+
+
+def check_instance(instance: Any) -> None:
+    """`ValueError` unless `instance` is a non-empty string."""
+    if not isinstance(instance, str) or not instance:
+        raise ValueError(f"instance must be a non-empty string, got {instance!r}")
+
+
+def check_retention(retention_frames: Any, retention_seconds: Any, prune_every: Any) -> None:
+    """`ValueError` naming the first bad retention setting (both stores take the same ones)."""
+    if retention_frames is not None and (not is_int(retention_frames) or retention_frames < 1):
+        raise ValueError(f"retention_frames must be a positive integer or None, got {retention_frames!r}")
+    if retention_seconds is not None and not (
+        isinstance(retention_seconds, (int, float)) and retention_seconds > 0 and math.isfinite(retention_seconds)
+    ):
+        raise ValueError(f"retention_seconds must be a positive number or None, got {retention_seconds!r}")
+    if not is_int(prune_every) or prune_every < 1:
+        raise ValueError(f"prune_every must be a positive integer, got {prune_every!r}")
+
+
+def check_cursor_args(instance: Any, name: Any, seq: Any) -> None:
+    """`ValueError` unless a named cursor's instance, name and seq can be stored."""
+    if not isinstance(instance, str) or not instance or not isinstance(name, str) or not name:
+        raise ValueError("instance and cursor name must be non-empty strings")
+    if not is_int(seq) or seq < 0:
+        raise ValueError(f"cursor seq must be an integer >= 0, got {seq!r}")
+    if seq > MAX_SEQ:
+        raise ValueError(f"cursor seq must be <= {MAX_SEQ} (2^63 - 1), got {seq}")
+
+
+def check_timeout(timeout: Any) -> None:
+    """`ValueError` unless `timeout` is a number of seconds >= 0 (a long poll's wait)."""
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# The interface
+
+
+@runtime_checkable
+class FrameStoreAPI(Protocol):
+    """What the server needs of a frame store (SQLite `store.FrameStore`, PostgreSQL
+    `store_pg.PostgresFrameStore`); `tests/test_store_conformance.py` holds both to it.
+
+    Guarantees (docs/TETHER.md): `seq` per instance is gapless, strictly increasing in commit
+    order and never reset (not by retention, not by a restart); a frame is committed when
+    `append` returns; `wait_for_frames` wakes on any append to the instance, also one made
+    by another store object on the same database.
+
+    Owns: its database connections; `running()` holds whatever runs in the background (the
+    PostgreSQL listener) and closes the store on exit.
+    Raises: `CursorPruned` from `query`/`wait_for_frames`; `ValueError`/`TypeError` for bad
+    arguments (nothing stored); `StoreUnavailable` when the database cannot be reached.
+    """
+
+    def describe(self) -> str:
+        """The store's kind and location without secrets (for /v1/health and logs)."""
+        ...
+
+    def running(self) -> AbstractAsyncContextManager[None]:
+        """Run the store's background work for the body of an `async with`; close it after."""
+        ...
+
+    @property
+    def closed(self) -> bool:
+        """Whether the store is closed."""
+        ...
+
+    @property
+    def shared(self) -> bool:
+        """Whether other servers may append to the same log (PostgreSQL) or this one is alone (SQLite)."""
+        ...
+
+    async def append(
+        self, instance: str, *, channel: str, session_id: str, type: str, payload: dict,
+        msg_id: str | None = None, reply_to: str | None = None,
+    ) -> Frame:
+        """Append one frame with the next seq of `instance`; committed when it returns."""
+        ...
+
+    async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
+        """Append several frames in one transaction (consecutive seqs, one wake-up)."""
+        ...
+
+    async def query(self, instance: str, q: FrameQuery) -> list[Frame]:
+        """Frames of `instance` matching `q`, by seq ascending, at most `q.limit`."""
+        ...
+
+    async def wait_for_frames(self, instance: str, q: FrameQuery, timeout: float) -> tuple[list[Frame], bool]:
+        """Long poll: `query`, waiting up to `timeout` seconds for a match; `(frames, timed_out)`."""
+        ...
+
+    async def last_seq(self, instance: str) -> int:
+        """The highest seq ever assigned for `instance` (0 if none)."""
+        ...
+
+    async def pruned_below(self, instance: str) -> int:
+        """Every frame of `instance` with `seq <=` this was deleted by retention (0 if none)."""
+        ...
+
+    async def instances(self) -> list[str]:
+        """Names of every instance that has ever had a frame appended, sorted."""
+        ...
+
+    async def get_cursor(self, instance: str, name: str) -> int:
+        """The durable cursor `name` of `instance` (0 if never set)."""
+        ...
+
+    async def set_cursor(self, instance: str, name: str, seq: int) -> None:
+        """Set (and commit) the durable cursor `name` of `instance`."""
+        ...
+
+    async def advance_cursor(self, instance: str, name: str, seq: int) -> bool:
+        """Move the cursor forward to `seq` in one statement (never back); True if it moved."""
+        ...
+
+    async def prune(self) -> int:
+        """Apply retention to every instance now; how many frames were deleted."""
+        ...
+
+    def waiter_count(self, instance: str | None = None) -> int:
+        """How many tasks of this process wait in `wait_for_frames` for `instance` (or for all)."""
+        ...
+
+    async def shared_secret(self, candidate: bytes) -> bytes | None:
+        """The deployment's token secret kept in the store, `candidate` stored if it has none
+        (the first server wins); None if this store keeps no secret (SQLite: the data dir does)."""
+        ...

@@ -1,0 +1,47 @@
+"""Pick the frame store a server runs on: SQLite in the data directory, or PostgreSQL.
+
+The choice is the config's `store_url` (`--store`, or the config file's `[store] url`): none
+means the embedded SQLite file, a `postgresql://` libpq URI the shared PostgreSQL store.
+The PostgreSQL driver is an optional extra, imported only when it is asked for, so the
+embedded default installs and imports nothing more.
+"""
+
+from __future__ import annotations
+
+from .store import FrameStore
+from .store_api import FrameStoreAPI
+
+MISSING_EXTRA = (
+    "the PostgreSQL store needs the optional extra: pip install 'oubliette[postgres]' "
+    "(psycopg and psycopg_pool)"
+)
+
+
+class StoreConfigError(ValueError):
+    """The configured store cannot be used (its driver is not installed); the message says what to do."""
+
+
+def open_store(
+    url: str | None,
+    sqlite_path: str,
+    *,
+    retention_frames: int | None,
+    retention_seconds: float | None,
+    pool_size: int,
+    connect_timeout: float,
+) -> FrameStoreAPI:
+    """The store `url` names (None: SQLite at `sqlite_path`); PostgreSQL connects in `running()`.
+
+    Raises: `StoreConfigError` when the PostgreSQL extra is missing; SQLite's own errors
+    (`sqlite3.Error`, `OSError`) for an unusable file.
+    """
+    if url is None:
+        return FrameStore(sqlite_path, retention_frames=retention_frames, retention_seconds=retention_seconds)
+    try:
+        from .store_pg import PostgresFrameStore
+    except ImportError:
+        raise StoreConfigError(MISSING_EXTRA) from None
+    return PostgresFrameStore(
+        url, retention_frames=retention_frames, retention_seconds=retention_seconds,
+        pool_size=pool_size, connect_timeout=connect_timeout,
+    )

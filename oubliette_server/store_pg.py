@@ -1,0 +1,645 @@
+"""The frame store on PostgreSQL: one log shared by several servers (docs/SCALING.md).
+
+Same interface and promises as the SQLite store (`store_api.FrameStoreAPI`); what differs
+is how they are kept.
+
+Driver and threads
+    psycopg 3's async API and asyncpg run on asyncio only, so the store uses psycopg in
+    blocking mode with `psycopg_pool.ConnectionPool`, each call handed to a worker thread by
+    `trio.to_thread.run_sync`, bounded by a `trio.CapacityLimiter` the size of the pool (a
+    thread never waits for a connection another thread holds).  A call in a thread is not
+    abandoned when its task is cancelled: an append that started is committed and reported.
+
+Sequence
+    `instances(name, last_seq, pruned_below)`: an append bumps its instance's row with
+    `INSERT … ON CONFLICT DO UPDATE SET last_seq = last_seq + n RETURNING last_seq` in the same
+    transaction as the frames' insert.  The row lock is held until commit, so seqs are
+    gapless and in commit order: a reader resuming by `after_seq` never skips a frame that
+    commits later with a smaller seq.  (A PostgreSQL SEQUENCE is not commit-ordered.)
+
+Wake-ups
+    Each append sends `NOTIFY oubliette_frames, '<instance>'` inside its transaction
+    (delivered at commit).  Each store object keeps one dedicated LISTEN connection, driven
+    on the Trio thread without a worker: `trio.lowlevel.wait_readable(pgconn.socket)`, then
+    `consume_input()` and drain `notifies()`.  A notification only wakes the instance's
+    waiters, which re-run their own query; NOTIFY is a hint, not a log.  While the listener
+    is disconnected notifications are lost, so on every reconnect (and on every failure)
+    all waiters are woken to re-query by `after_seq`.  Appends made through this store
+    object wake its waiters directly as well.
+
+Queries
+    A query is one statement, so one snapshot: the instance's `last_seq` and `pruned_below`
+    with the matching frames (a LATERAL join).  Frames deleted by retention show in that
+    `pruned_below`, so a gap raises `CursorPruned` instead of being skipped; and every frame
+    up to that `last_seq` is visible in it, so a long poll examines each frame once.
+
+Schema and migrations
+    Versioned migrations (`MIGRATIONS`) are applied at start in one transaction holding a
+    transaction-scoped advisory lock, so several servers starting together apply each
+    migration once; a database with a newer schema than this program knows is refused.
+
+Failures
+    A database that cannot be reached gives `StoreUnavailable` with one clear line (at start,
+    from `running()`; later, from the call that failed).  The pool replaces broken
+    connections and the listener reconnects with backoff, so the store recovers by itself
+    when the database returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import attrs
+import psycopg
+import psycopg.conninfo
+import psycopg_pool
+import trio
+
+from protocol.frames import Frame
+
+from .store_api import (
+    DEFAULT_PRUNE_EVERY,
+    DEFAULT_RETENTION_FRAMES,
+    CursorPruned,
+    FrameQuery,
+    StoreUnavailable,
+    check_cursor_args,
+    check_instance,
+    check_retention,
+    check_timeout,
+    format_ts,
+    make_frame,
+    prepare_frame,
+    prepare_frames,
+)
+
+__all__ = ["MIGRATIONS", "NOTIFY_CHANNEL", "PostgresFrameStore", "safe_url"]
+
+log = logging.getLogger(__name__)
+
+NOTIFY_CHANNEL = "oubliette_frames"
+#: The advisory lock key that serialises migrations between servers ("oubliett" in ASCII).
+MIGRATION_LOCK = 0x6F75626C69657474
+#: Reconnect backoff of the LISTEN connection, seconds.
+LISTEN_BACKOFF = (0.05, 2.0)
+
+#: (version, statements): applied in order, each once, recorded in `oubliette_schema`.
+MIGRATIONS: list[tuple[int, str]] = [
+    (1, """
+CREATE TABLE instances (
+    name         text   PRIMARY KEY,
+    last_seq     bigint NOT NULL,
+    pruned_below bigint NOT NULL DEFAULT 0
+);
+CREATE TABLE frames (
+    instance   text   NOT NULL,
+    seq        bigint NOT NULL,
+    ts         text   NOT NULL,
+    channel    text   NOT NULL,
+    session_id text   NOT NULL,
+    type       text   NOT NULL,
+    msg_id     text   NOT NULL,
+    reply_to   text,
+    payload    text   NOT NULL,
+    PRIMARY KEY (instance, seq)
+);
+CREATE INDEX frames_by_session ON frames (instance, session_id, channel, seq);
+CREATE INDEX frames_by_type ON frames (instance, type, seq);
+CREATE INDEX frames_by_reply ON frames (instance, reply_to, seq) WHERE reply_to IS NOT NULL;
+CREATE TABLE cursors (
+    instance text   NOT NULL,
+    name     text   NOT NULL,
+    seq      bigint NOT NULL,
+    PRIMARY KEY (instance, name)
+);
+"""),
+    (2, """
+CREATE TABLE oubliette_secrets (
+    name  text PRIMARY KEY,
+    value text NOT NULL
+);
+"""),
+]
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+_BUMP_SEQ = (
+    "INSERT INTO instances (name, last_seq) VALUES (%s, %s) "
+    "ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + EXCLUDED.last_seq RETURNING last_seq"
+)
+_INSERT_FRAME = (
+    "INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
+    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
+
+_T = TypeVar("_T")
+
+
+def safe_url(url: str) -> str:
+    """`postgresql://user@host:port/dbname` (or `…/dbname?host=/socket/dir`) of a libpq URI,
+    without its password or other options."""
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "postgresql://(invalid URI)"
+    user = f"{info['user']}@" if info.get("user") else ""
+    host = str(info.get("host") or "")
+    port = f":{info['port']}" if info.get("port") else ""
+    dbname = info.get("dbname") or ""
+    if host.startswith("/"):  # a Unix socket directory
+        return f"postgresql://{user}{port}/{dbname}?host={host}"
+    return f"postgresql://{user}{host}{port}/{dbname}"
+
+
+def _no_nul(prepared: tuple) -> None:
+    """PostgreSQL text cannot hold NUL; refuse it as bad input (SQLite would store it)."""
+    for value in prepared[:5]:
+        if isinstance(value, str) and "\x00" in value:
+            raise ValueError("frame fields must not contain NUL characters")
+
+
+class PostgresFrameStore:
+    """The tether log in PostgreSQL; several servers may share one database (module docstring).
+
+    Owns: a connection pool and a LISTEN connection, both opened by `running()` and closed
+    when it exits. Needs: `async with store.running():` around its use.
+    Raises: as `FrameStoreAPI`; `StoreUnavailable` when the database cannot be reached.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        retention_frames: int | None = DEFAULT_RETENTION_FRAMES,
+        retention_seconds: float | None = None,
+        prune_every: int = DEFAULT_PRUNE_EVERY,
+        pool_size: int = 4,
+        connect_timeout: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        check_retention(retention_frames, retention_seconds, prune_every)
+        psycopg.conninfo.conninfo_to_dict(url)  # a malformed URI fails here, not at first use
+        self.url = url
+        self.retention_frames = retention_frames
+        self.retention_seconds = retention_seconds
+        self.prune_every = prune_every
+        self.pool_size = pool_size
+        self.connect_timeout = connect_timeout
+        self._clock = clock
+        self._pool: psycopg_pool.ConnectionPool | None = None
+        self._limiter = trio.CapacityLimiter(pool_size)
+        self._closed = False
+        self._appends_since_prune: dict[str, int] = {}
+        self._wake: dict[str, trio.Event] = {}
+        self._waiters: dict[str, int] = {}
+        self.listening = False
+        """Whether the LISTEN connection is up (cross-server wake-ups arrive)."""
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """`postgresql://user@host/dbname` (no password)."""
+        return safe_url(self.url)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `running()` has ended (or never connected)."""
+        return self._closed or self._pool is None
+
+    @property
+    def shared(self) -> bool:
+        """True: every server of the deployment appends to this log."""
+        return True
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Connect (pool and listener), apply migrations and retention; close on exit.
+
+        Raises: `StoreUnavailable` (one line) when the database cannot be reached in
+        `connect_timeout` seconds; `RuntimeError` for a schema newer than this program.
+        """
+        try:  # one plain connection first: its error is the clearest, and the pool logs none
+            await trio.to_thread.run_sync(self._probe)
+        except psycopg.Error as exc:
+            raise StoreUnavailable(f"cannot reach the PostgreSQL store {self.describe()}: {_first_line(exc)}") from None
+        pool = psycopg_pool.ConnectionPool(
+            self.url, min_size=self.pool_size, max_size=self.pool_size, open=False,
+            timeout=self.connect_timeout, name="oubliette-store",
+            # Check each connection as it is handed out: after a database restart, broken ones
+            # are replaced instead of failing the first calls.
+            check=psycopg_pool.ConnectionPool.check_connection,
+            kwargs={"connect_timeout": max(1, math.ceil(self.connect_timeout))},
+        )
+        try:
+            await trio.to_thread.run_sync(lambda: pool.open(wait=True, timeout=self.connect_timeout))
+        except psycopg_pool.PoolTimeout:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(pool.close)
+            raise StoreUnavailable(
+                f"cannot reach the PostgreSQL store {self.describe()}: no connection within {self.connect_timeout:g} s"
+            ) from None
+        self._pool = pool
+        self._closed = False
+        try:
+            await self._run(self._migrate)
+            await self._run(self._prune_all)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._listen)
+                try:
+                    yield
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._closed = True
+            self.listening = False
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(lambda: pool.close(timeout=5.0))
+
+    def _probe(self) -> None:
+        psycopg.connect(self.url, connect_timeout=max(1, math.ceil(self.connect_timeout))).close()
+
+    async def _run(self, work: Callable[..., _T], *args: Any, read_only: bool = False) -> _T:
+        """Run `work(conn, *args)` in a worker thread on a pooled connection, in one transaction.
+
+        A read (`read_only`) that loses its connection is tried once more on another one: a
+        connection the database dropped can pass the pool's check and fail just after. A write
+        is not retried (it may have committed)."""
+        pool = self._pool
+        if pool is None or self._closed:
+            raise RuntimeError("the frame store is closed")
+
+        def call() -> _T:
+            for attempt in (1, 2):
+                try:
+                    with pool.connection() as conn:
+                        return work(conn, *args)
+                except psycopg.OperationalError as exc:
+                    if read_only and attempt == 1:
+                        continue
+                    raise StoreUnavailable(
+                        f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
+                except psycopg_pool.PoolTimeout as exc:
+                    raise StoreUnavailable(
+                        f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
+            raise AssertionError("unreachable")
+
+        return await trio.to_thread.run_sync(call, limiter=self._limiter)
+
+    def _migrate(self, conn: psycopg.Connection) -> None:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS oubliette_schema "
+                "(version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            row = conn.execute("SELECT coalesce(max(version), 0) FROM oubliette_schema").fetchone()
+            current = row[0] if row else 0
+            if current > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"frame store {self.describe()} has schema version {current}; this program knows "
+                    f"version {SCHEMA_VERSION} — refusing to open it"
+                )
+            for version, statements in MIGRATIONS:
+                if version > current:
+                    for statement in statements.split(";"):
+                        if statement.strip():
+                            conn.execute(statement)  # type: ignore[arg-type]  # our own constant SQL
+                    conn.execute("INSERT INTO oubliette_schema (version) VALUES (%s)", (version,))
+                    log.info("frame store %s: applied schema migration %d", self.describe(), version)
+
+    # -- LISTEN --------------------------------------------------------------------------
+
+    async def _listen(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep one LISTEN connection; wake an instance's waiters on each notification."""
+        backoff = LISTEN_BACKOFF[0]
+        first = True
+        while True:
+            conn: psycopg.Connection | None = None
+            try:
+                conn = await trio.to_thread.run_sync(self._listen_connection)
+                if first:
+                    task_status.started()
+                    first = False
+                else:
+                    log.info("frame store %s: listening again", self.describe())
+                self.listening = True
+                backoff = LISTEN_BACKOFF[0]
+                self._wake_all()  # notifications sent while we were away are lost: re-query
+                pgconn = conn.pgconn
+                while True:
+                    await trio.lowlevel.wait_readable(pgconn.socket)
+                    pgconn.consume_input()
+                    while (note := pgconn.notifies()) is not None:
+                        self._wake_instance(note.extra.decode("utf-8", "replace"))
+            except (psycopg.Error, OSError) as exc:
+                if first:
+                    raise StoreUnavailable(
+                        f"cannot LISTEN on the PostgreSQL store {self.describe()}: {_first_line(exc)}"
+                    ) from exc
+                if self.listening:
+                    log.warning("frame store %s: lost the LISTEN connection (%s); reconnecting",
+                                self.describe(), _first_line(exc))
+                self.listening = False
+                self._wake_all()
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, LISTEN_BACKOFF[1])
+            finally:
+                if conn is not None:
+                    conn.close()
+
+    def _listen_connection(self) -> psycopg.Connection:
+        conn = psycopg.connect(self.url, autocommit=True, connect_timeout=max(1, math.ceil(self.connect_timeout)))
+        try:
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _wake_instance(self, instance: str) -> None:
+        event = self._wake.pop(instance, None)
+        if event is not None:
+            event.set()
+
+    def _wake_all(self) -> None:
+        for instance in list(self._wake):
+            self._wake_instance(instance)
+
+    # -- instances -----------------------------------------------------------------------
+
+    async def instances(self) -> list[str]:
+        """Names of every instance that has ever had a frame appended, sorted."""
+        def read(conn: psycopg.Connection) -> list[str]:
+            return [r[0] for r in conn.execute('SELECT name FROM instances ORDER BY name COLLATE "C"')]
+        return await self._run(read, read_only=True)
+
+    async def last_seq(self, instance: str) -> int:
+        """The highest seq ever assigned for `instance` (0 if none)."""
+        return (await self._run(self._instance_row, instance, read_only=True))[0]
+
+    async def pruned_below(self, instance: str) -> int:
+        """Every frame of `instance` with `seq <=` this has been deleted by retention (0 if none)."""
+        return (await self._run(self._instance_row, instance, read_only=True))[1]
+
+    @staticmethod
+    def _instance_row(conn: psycopg.Connection, instance: str) -> tuple[int, int]:
+        row = conn.execute("SELECT last_seq, pruned_below FROM instances WHERE name = %s", (instance,)).fetchone()
+        return (0, 0) if row is None else (row[0], row[1])
+
+    # -- append --------------------------------------------------------------------------
+
+    async def append(
+        self,
+        instance: str,
+        *,
+        channel: str,
+        session_id: str,
+        type: str,
+        payload: dict,
+        msg_id: str | None = None,
+        reply_to: str | None = None,
+    ) -> Frame:
+        """Append one frame with the next seq of `instance`; committed (`synchronous_commit` as
+        the database has it, on by default) when it returns; if it raises, nothing was stored."""
+        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
+        return (await self._append(instance, prepared))[0]
+
+    async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
+        """Append several frames in one transaction (consecutive seqs, one commit, one wake-up)."""
+        return await self._append(instance, prepare_frames(frames))
+
+    async def _append(self, instance: str, prepared: list[tuple]) -> list[Frame]:
+        check_instance(instance)
+        for p in prepared:
+            _no_nul(p)
+        if "\x00" in instance:
+            raise ValueError("instance must not contain NUL characters")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not prepared:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return []
+        n = len(prepared)
+        ts = format_ts(self._clock())
+
+        def write(conn: psycopg.Connection) -> int:
+            with conn.transaction():
+                row = conn.execute(_BUMP_SEQ, (instance, n)).fetchone()
+                assert row is not None
+                last = row[0]
+                first = last - n + 1
+                with conn.cursor() as cur:
+                    cur.executemany(_INSERT_FRAME, [
+                        (instance, first + i, ts, ch, sid, typ, mid, rt, text)
+                        for i, (ch, sid, typ, mid, rt, text, _) in enumerate(prepared)
+                    ])
+                conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, instance))
+            return first
+
+        first = await self._run(write)
+        stored = [
+            make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
+            for i, (ch, sid, typ, mid, rt, _, obj) in enumerate(prepared)
+        ]
+        self._wake_instance(instance)
+        count = self._appends_since_prune.get(instance, 0) + n
+        if count >= self.prune_every:
+            self._appends_since_prune[instance] = 0
+            try:
+                await self._run(self._prune_instance, instance)
+            except Exception:
+                # The append itself is committed; retention will be retried next time.
+                log.exception("frame store: retention for instance %r failed", instance)
+        else:
+            self._appends_since_prune[instance] = count
+        return stored
+
+    # -- query ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _build(instance: str, q: FrameQuery) -> tuple[str, list[Any]]:
+        """One statement, so one snapshot: the instance's `last_seq` and `pruned_below`, and the
+        matching frames (none: one row of NULLs; unknown instance: no row)."""
+        where = "f.instance = i.name AND f.seq > %s"
+        params: list[Any] = [q.after_seq]
+        for name in ("session_id", "channel", "reply_to"):
+            value = getattr(q, name)
+            if value is not None:
+                where += f" AND f.{name} = %s"
+                params.append(value)
+        if q.types is not None:
+            where += " AND f.type = ANY(%s)"
+            params.append(list(q.types))
+        params.append(q.limit)
+        params.append(instance)
+        sql = (
+            "SELECT i.last_seq, i.pruned_below, f.seq, f.ts, f.channel, f.session_id, f.type, f.msg_id, "
+            "f.reply_to, f.payload FROM instances i LEFT JOIN LATERAL ("
+            f"SELECT * FROM frames f WHERE {where} ORDER BY f.seq LIMIT %s"
+            ") f ON true WHERE i.name = %s ORDER BY f.seq"
+        )
+        return sql, params
+
+    def _read(self, conn: psycopg.Connection, instance: str, q: FrameQuery) -> tuple[int, list[Frame]]:
+        """`(last_seq, frames)` of one snapshot; `CursorPruned` if retention deleted frames after
+        `q.after_seq` (in that same snapshot, so no gap is ever skipped)."""
+        sql, params = self._build(instance, q)
+        rows = conn.execute(sql, params).fetchall()  # type: ignore[call-overload]
+        if not rows:
+            return 0, []
+        last, pruned = rows[0][0], rows[0][1]
+        if q.after_seq < pruned:
+            raise CursorPruned(instance, q.after_seq, pruned + 1, empty=pruned >= last)
+        loads = json.loads
+        frames = [
+            make_frame(seq, ts, instance, ch, sid, typ, mid, rt, loads(payload))
+            for _, _, seq, ts, ch, sid, typ, mid, rt, payload in rows if seq is not None
+        ]
+        return last, frames
+
+    async def query(self, instance: str, q: FrameQuery) -> list[Frame]:
+        """Frames of `instance` matching `q`, by seq ascending, at most `q.limit`.
+
+        Raises `CursorPruned` if `q.after_seq` is below the retained log."""
+        if not isinstance(q, FrameQuery):
+            raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
+        return (await self._run(self._read, instance, q, read_only=True))[1]
+
+    # -- long poll -----------------------------------------------------------------------
+
+    async def wait_for_frames(self, instance: str, q: FrameQuery, timeout: float) -> tuple[list[Frame], bool]:
+        """Long poll: `query`; if nothing matches, wait up to `timeout` seconds for an append
+        to the instance by any server (NOTIFY) and query again.  `(frames, timed_out)`."""
+        check_timeout(timeout)
+        if not isinstance(q, FrameQuery):
+            raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        deadline = trio.current_time() + timeout
+        self._waiters[instance] = self._waiters.get(instance, 0) + 1
+        try:
+            while True:
+                # Take the event before querying: an append that commits during the query
+                # sets it, and the wait below returns at once.
+                event = self._wake.get(instance)
+                if event is None:
+                    event = self._wake[instance] = trio.Event()
+                # One snapshot: every frame up to `seen` is visible in it (seq is commit-ordered).
+                seen, frames = await self._run(self._read, instance, q, read_only=True)
+                if frames or timeout == 0:
+                    return frames, False
+                if seen > q.after_seq:
+                    q = attrs.evolve(q, after_seq=seen)
+                if trio.current_time() >= deadline:
+                    return [], True
+                with trio.move_on_at(deadline):
+                    await event.wait()
+        finally:
+            left = self._waiters[instance] - 1
+            if left:
+                self._waiters[instance] = left
+            else:
+                del self._waiters[instance]
+                self._wake.pop(instance, None)
+
+    def waiter_count(self, instance: str | None = None) -> int:
+        """How many tasks of this process are in `wait_for_frames` for `instance` (or for all)."""
+        if instance is None:
+            return sum(self._waiters.values())
+        return self._waiters.get(instance, 0)
+
+    # -- named cursors -------------------------------------------------------------------
+
+    async def get_cursor(self, instance: str, name: str) -> int:
+        """The durable cursor `name` of `instance` (0 if never set)."""
+        def read(conn: psycopg.Connection) -> int:
+            row = conn.execute("SELECT seq FROM cursors WHERE instance = %s AND name = %s", (instance, name)).fetchone()
+            return 0 if row is None else row[0]
+        return await self._run(read, read_only=True)
+
+    async def set_cursor(self, instance: str, name: str, seq: int) -> None:
+        """Set (and commit) the durable cursor `name` of `instance`."""
+        check_cursor_args(instance, name, seq)
+        await self._run(self._write_cursor, instance, name, seq, "EXCLUDED.seq")
+
+    async def advance_cursor(self, instance: str, name: str, seq: int) -> bool:
+        """Move the cursor forward to `seq` (never back), in one statement; True if it moved."""
+        check_cursor_args(instance, name, seq)
+        return await self._run(self._write_cursor, instance, name, seq, "GREATEST(cursors.seq, EXCLUDED.seq)") > 0
+
+    @staticmethod
+    def _write_cursor(conn: psycopg.Connection, instance: str, name: str, seq: int, new_seq: str) -> int:
+        with conn.transaction():
+            cur = conn.execute(
+                "INSERT INTO cursors (instance, name, seq) VALUES (%s, %s, %s) "  # type: ignore[arg-type]
+                f"ON CONFLICT (instance, name) DO UPDATE SET seq = {new_seq} WHERE {new_seq} <> cursors.seq",
+                (instance, name, seq),
+            )
+            return cur.rowcount
+
+    # -- the deployment's secret ----------------------------------------------------------
+
+    async def shared_secret(self, candidate: bytes) -> bytes:
+        """The token secret every server of the deployment uses: `candidate` if none is stored
+        yet (the first server to start stores its own), else the stored one."""
+        def read(conn: psycopg.Connection) -> bytes:
+            with conn.transaction():
+                conn.execute(
+                    "INSERT INTO oubliette_secrets (name, value) VALUES ('server', %s) ON CONFLICT (name) DO NOTHING",
+                    (candidate.decode("ascii"),),
+                )
+                row = conn.execute("SELECT value FROM oubliette_secrets WHERE name = 'server'").fetchone()
+            assert row is not None
+            return str(row[0]).encode("ascii")
+        return await self._run(read)
+
+    # -- retention -----------------------------------------------------------------------
+
+    async def prune(self) -> int:
+        """Apply retention to every instance now; return how many frames were deleted."""
+        return await self._run(self._prune_all)
+
+    def _prune_all(self, conn: psycopg.Connection) -> int:
+        total = 0
+        names = [r[0] for r in conn.execute("SELECT name FROM instances")]
+        conn.commit()
+        for instance in names:
+            total += self._prune_instance(conn, instance)
+            self._appends_since_prune[instance] = 0
+        return total
+
+    def _prune_instance(self, conn: psycopg.Connection, instance: str) -> int:
+        if self.retention_frames is None and self.retention_seconds is None:
+            return 0
+        with conn.transaction():
+            row = conn.execute(
+                "SELECT last_seq, pruned_below FROM instances WHERE name = %s FOR UPDATE", (instance,)
+            ).fetchone()
+            if row is None:
+                return 0
+            last, pruned = row
+            cut = pruned
+            if self.retention_frames is not None:
+                cut = max(cut, last - self.retention_frames)
+            if self.retention_seconds is not None:
+                oldest_ts = format_ts(self._clock() - self.retention_seconds)
+                young = conn.execute(
+                    "SELECT seq FROM frames WHERE instance = %s AND seq > %s AND ts >= %s ORDER BY seq LIMIT 1",
+                    (instance, cut, oldest_ts),
+                ).fetchone()
+                cut = last if young is None else max(cut, young[0] - 1)
+            if cut <= pruned:
+                return 0
+            deleted = conn.execute("DELETE FROM frames WHERE instance = %s AND seq <= %s", (instance, cut)).rowcount
+            conn.execute("UPDATE instances SET pruned_below = %s WHERE name = %s", (cut, instance))
+        if deleted:
+            log.debug("frame store: pruned %d frames of instance %r (seq <= %d)", deleted, instance, cut)
+        return deleted
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

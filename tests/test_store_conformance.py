@@ -1,0 +1,420 @@
+"""One suite, both frame stores: SQLite (store.py) and PostgreSQL (store_pg.py) keep the same promises.
+
+Each test runs once per backend (the `backend` fixture). PostgreSQL is a real server started by
+tests/postgres.py, one per pytest worker, with a fresh database per test. What only one backend
+promises is said where it is tested: wake-ups across two store objects on one database are a
+PostgreSQL promise (SQLite's wake-ups are in-process, docs/TETHER.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+
+from oubliette_server.config import ServerConfig
+from oubliette_server.store import FrameStore
+from oubliette_server.store_api import CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
+from oubliette_server.store_pg import MIGRATIONS, PostgresFrameStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Backend:
+    """Where one backend's database lives; `open()` runs a store object on it (as a server would)."""
+
+    def __init__(self, name: str, location: str) -> None:
+        self.name = name
+        self.location = location
+
+    def make(self, **kw: Any) -> FrameStoreAPI:
+        if self.name == "sqlite":
+            return FrameStore(self.location, **kw)
+        return PostgresFrameStore(self.location, **kw)
+
+    @asynccontextmanager
+    async def open(self, **kw: Any) -> AsyncIterator[FrameStoreAPI]:
+        store = self.make(**kw)
+        async with store.running():
+            yield store
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    if request.param == "sqlite":
+        return Backend("sqlite", str(tmp_path / "frames.sqlite3"))
+    return Backend("postgres", request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture
+async def store(backend: Backend) -> AsyncIterator[FrameStoreAPI]:
+    async with backend.open() as s:
+        yield s
+
+
+async def add(store: FrameStoreAPI, instance: str = "box1", **kw: Any) -> Any:
+    kw.setdefault("channel", "host")
+    kw.setdefault("session_id", "s1")
+    kw.setdefault("type", "assistant.delta")
+    kw.setdefault("payload", {})
+    return await store.append(instance, **kw)
+
+
+async def seqs(store: FrameStoreAPI, instance: str = "box1", **kw: Any) -> list[int]:
+    return [f.seq for f in await store.query(instance, FrameQuery(**kw))]
+
+
+def test_both_implement_the_interface(tmp_path: Path) -> None:
+    assert isinstance(FrameStore(tmp_path / "x.db"), FrameStoreAPI)
+    assert isinstance(PostgresFrameStore("postgresql://u@/d?host=/nowhere"), FrameStoreAPI)
+
+
+# -- append and seq ------------------------------------------------------------------------
+
+
+async def test_append_assigns_gapless_seq_per_instance(store: FrameStoreAPI) -> None:
+    a = [await add(store, "a", payload={"i": i, "text": "é ✓"}) for i in range(5)]
+    b = [await add(store, "b") for _ in range(3)]
+    many = await store.append_many("a", [
+        {"channel": "mcp", "session_id": "s2", "type": "user.message", "payload": {"n": n}} for n in range(3)
+    ])
+    assert [f.seq for f in a] == [1, 2, 3, 4, 5]
+    assert [f.seq for f in b] == [1, 2, 3]
+    assert [f.seq for f in many] == [6, 7, 8]
+    assert await store.last_seq("a") == 8 and await store.last_seq("b") == 3 and await store.last_seq("c") == 0
+    assert await store.instances() == ["a", "b"]
+    stored = await store.query("a", FrameQuery(limit=200))
+    assert stored == [*a, *many], "a query returns exactly what append returned"
+    assert stored[0].payload == {"i": 0, "text": "é ✓"}
+
+
+async def test_bad_input_stores_nothing(store: FrameStoreAPI) -> None:
+    await add(store)
+    with pytest.raises(ValueError):
+        await add(store, payload={"x": float("nan")})
+    with pytest.raises(TypeError):
+        await add(store, payload=["not", "a", "dict"])
+    with pytest.raises(ValueError):
+        await add(store, channel="")
+    with pytest.raises(TypeError):
+        await store.append_many("box1", [{"channel": "host"}])
+    assert (await add(store)).seq == 2
+
+
+async def test_concurrent_appends_are_gapless_and_tailing_reader_misses_none(store: FrameStoreAPI) -> None:
+    """Several writers on one instance; a reader following by after_seq sees every seq once."""
+    writers, each = 4, 25
+    seen: list[int] = []
+
+    async def write(w: int) -> None:
+        for i in range(each):
+            await add(store, payload={"w": w, "i": i})
+
+    async def read() -> None:
+        after = 0
+        while after < writers * each:
+            frames, _ = await store.wait_for_frames("box1", FrameQuery(after_seq=after, limit=200), timeout=10)
+            seen.extend(f.seq for f in frames)
+            if frames:
+                after = frames[-1].seq
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            for w in range(writers):
+                nursery.start_soon(write, w)
+    assert seen == list(range(1, writers * each + 1))
+
+
+async def test_seq_survives_restart_and_retention(backend: Backend) -> None:
+    async with backend.open(retention_frames=2, prune_every=1) as s:
+        for _ in range(5):
+            await add(s)
+        await s.set_cursor("box1", "delivered", 4)
+    async with backend.open(retention_frames=2, prune_every=1) as s:
+        assert await s.last_seq("box1") == 5
+        assert await s.pruned_below("box1") == 3
+        assert await seqs(s, after_seq=3) == [4, 5]
+        assert (await add(s)).seq == 6, "seq is never reset, not by a restart nor by pruning"
+        assert await s.get_cursor("box1", "delivered") == 4
+
+
+# -- queries -------------------------------------------------------------------------------
+
+
+async def test_filtered_query(store: FrameStoreAPI) -> None:
+    await add(store, type="user.message", msg_id="m-u1")                           # 1
+    await add(store, type="assistant.delta", reply_to="m-u1")                      # 2
+    await add(store, type="status.presence", reply_to="m-u1")                      # 3
+    await add(store, channel="mcp", type="user.message")                           # 4
+    await add(store, session_id="s2", type="user.message", msg_id="m-u3")          # 5
+    await add(store, type="assistant.done", reply_to="m-u1")                       # 6
+    await add(store, channel="mcp", type="assistant.done")                         # 7
+    await add(store, session_id="s2", type="assistant.done", reply_to="m-u3")      # 8
+    await add(store, "box2")
+    assert await seqs(store) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert await seqs(store, channel="mcp") == [4, 7]
+    assert await seqs(store, session_id="s1") == [1, 2, 3, 4, 6, 7]
+    assert await seqs(store, channel="host", session_id="s1", after_seq=2) == [3, 6]
+    assert await seqs(store, types=["assistant.done", "user.message"]) == [1, 4, 5, 6, 7, 8]
+    assert await seqs(store, types=["assistant.done", "user.message"], after_seq=4, limit=2) == [5, 6]
+    assert await seqs(store, channel="host", session_id="s1", types=["assistant.done", "status.presence"]) == [3, 6]
+    assert await seqs(store, reply_to="m-u1") == [2, 3, 6]
+    assert await seqs(store, reply_to="m-u3", channel="host", session_id="s2") == [8]
+    assert await seqs(store, types=[]) == await seqs(store)
+    assert await seqs(store, after_seq=100) == []
+    assert await seqs(store, "box2") == [1]
+    assert await seqs(store, "nobody") == []
+
+
+# -- long poll -----------------------------------------------------------------------------
+
+
+async def test_wait_wakes_on_append_and_times_out(store: FrameStoreAPI) -> None:
+    await add(store)
+    got: list[Any] = []
+
+    async def waiter() -> None:
+        got.append(await store.wait_for_frames("box1", FrameQuery(after_seq=1, types=("assistant.done",)), 10))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter)
+            while store.waiter_count("box1") != 1:
+                await trio.testing.wait_all_tasks_blocked()
+            await add(store)  # does not match: the waiter keeps waiting
+            done = await add(store, type="assistant.done")
+    [(frames, timed_out)] = got
+    assert [f.seq for f in frames] == [done.seq] and not timed_out
+    assert store.waiter_count() == 0
+    assert await store.wait_for_frames("box1", FrameQuery(after_seq=3), 0.05) == ([], True)
+    assert await store.wait_for_frames("box1", FrameQuery(after_seq=3), 0) == ([], False)
+
+
+async def test_wait_cancelled_leaves_nothing(store: FrameStoreAPI) -> None:
+    with trio.move_on_after(0.05):
+        await store.wait_for_frames("box1", FrameQuery(), 10)
+    assert store.waiter_count() == 0
+    assert (await add(store)).seq == 1
+
+
+async def test_wait_wakes_across_two_store_objects(pg_url: str) -> None:
+    """Two servers on one database: an append through one wakes a waiter of the other
+    (PostgreSQL only: SQLite promises in-process wake-ups, docs/TETHER.md)."""
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as a, backend.open() as b:
+        got: list[Any] = []
+
+        async def waiter() -> None:
+            got.append(await b.wait_for_frames("box1", FrameQuery(), 10))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter)
+                while b.waiter_count("box1") != 1:
+                    await trio.testing.wait_all_tasks_blocked()
+                frame = await add(a)
+        [(frames, timed_out)] = got
+        assert frames == [frame] and not timed_out
+
+
+# -- retention and cursors -----------------------------------------------------------------
+
+
+async def test_retention_and_cursor_pruned(backend: Backend) -> None:
+    async with backend.open(retention_frames=10, prune_every=5) as s:
+        for _ in range(25):
+            await add(s)
+        await add(s, "box2")
+        assert await s.last_seq("box1") == 25
+        assert await s.pruned_below("box1") == 15
+        assert await seqs(s, after_seq=15) == list(range(16, 26))
+        with pytest.raises(CursorPruned) as info:
+            await s.query("box1", FrameQuery(after_seq=3))
+        assert info.value.first_seq == 16 and "after_seq=15" in str(info.value)
+        assert await seqs(s, "box2") == [1]
+    async with backend.open(retention_frames=None) as s:
+        assert await s.prune() == 0
+        assert await seqs(s, after_seq=15) == list(range(16, 26))
+
+
+async def test_retention_seconds(backend: Backend) -> None:
+    now = [1_800_000_000.0]
+    async with backend.open(retention_frames=None, retention_seconds=60, clock=lambda: now[0]) as s:
+        for _ in range(3):
+            await add(s)
+        now[0] += 61
+        await add(s)
+        assert await s.prune() == 3
+        assert await seqs(s, after_seq=3) == [4]
+        now[0] += 61
+        assert await s.prune() == 1
+        with pytest.raises(CursorPruned, match="every frame up to seq 4 has been pruned"):
+            await s.query("box1", FrameQuery())
+        assert (await add(s)).seq == 5
+
+
+async def test_cursors_set_advance_and_persist(backend: Backend) -> None:
+    async with backend.open() as s:
+        assert await s.get_cursor("box1", "delivered") == 0
+        await s.set_cursor("box1", "delivered", 5)
+        assert await s.advance_cursor("box1", "delivered", 3) is False, "an older ack never moves it back"
+        assert await s.advance_cursor("box1", "delivered", 7) is True
+        assert await s.advance_cursor("box2", "delivered", 1) is True
+        await s.set_cursor("box1", "acked", 3)
+        with pytest.raises(ValueError):
+            await s.set_cursor("box1", "delivered", -1)
+        async with trio.open_nursery() as nursery:  # racing acks: the highest wins
+            for n in (20, 11, 15, 12):
+                nursery.start_soon(s.advance_cursor, "box1", "race", n)
+    async with backend.open() as s:
+        assert await s.get_cursor("box1", "delivered") == 7
+        assert await s.get_cursor("box1", "acked") == 3
+        assert await s.get_cursor("box2", "delivered") == 1
+        assert await s.get_cursor("box1", "race") == 20
+
+
+# -- durability (docs/TETHER.md, "Storage and durability") ---------------------------------
+
+APPENDER = """
+import sys, trio
+from oubliette_server.config import ServerConfig
+from oubliette_server.store import FrameStore
+from oubliette_server.store_pg import MIGRATIONS, PostgresFrameStore
+
+async def main(kind, where, n):
+    store = FrameStore(where) if kind == "sqlite" else PostgresFrameStore(where)
+    async with store.running():
+        for i in range(n):
+            await store.append("box1", channel="host", session_id="s1", type="user.message", payload={"i": i})
+        print("appended", flush=True)
+        await trio.sleep_forever()
+
+trio.run(main, sys.argv[1], sys.argv[2], int(sys.argv[3]))
+"""
+
+
+async def test_a_killed_process_loses_no_returned_append(backend: Backend) -> None:
+    """kill -9 of the appending process right after `append` returned: every frame is there."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", APPENDER, backend.name, backend.location, "50"],
+        stdout=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None
+        line = await trio.to_thread.run_sync(proc.stdout.readline)
+        assert line.strip() == b"appended"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    async with backend.open() as s:
+        assert await s.last_seq("box1") == 50
+        frames = await s.query("box1", FrameQuery(limit=200))
+        assert [f.payload["i"] for f in frames] == list(range(50))
+
+
+# -- PostgreSQL only: start-up and outages -------------------------------------------------
+
+
+async def test_unreachable_postgres_is_one_clear_error(tmp_path: Path) -> None:
+    store = PostgresFrameStore(f"postgresql://postgres@/nope?host={tmp_path}", connect_timeout=1)
+    with pytest.raises(StoreUnavailable, match="cannot reach the PostgreSQL store postgresql://postgres@"):
+        async with store.running():
+            pass
+
+
+async def test_migrations_are_idempotent_with_servers_starting_together(pg_url: str) -> None:
+    stores = [PostgresFrameStore(pg_url) for _ in range(4)]
+    async with trio.open_nursery() as nursery:
+        for st in stores:
+            async def run(st: PostgresFrameStore = st) -> None:
+                async with st.running():
+                    await add(st)
+            nursery.start_soon(run)
+    async with Backend("postgres", pg_url).open() as s:
+        assert await s.last_seq("box1") == 4
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        applied = conn.execute("SELECT version FROM oubliette_schema ORDER BY version").fetchall()
+        assert applied == [(version,) for version, _ in MIGRATIONS], "each migration applied once"
+
+
+async def test_postgres_recovers_after_its_connections_are_cut(pg_url: str) -> None:
+    """Every connection of the store is killed (as when the database restarts): the listener
+    reconnects and its waiters re-query, so an append made meanwhile is not missed; the pool
+    replaces its broken connections, so the next calls work without a restart."""
+    import psycopg
+
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as a, backend.open() as b:
+        await add(a)
+        got: list[Any] = []
+
+        async def waiter() -> None:
+            got.append(await b.wait_for_frames("box1", FrameQuery(after_seq=1), 30))
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter)
+                while b.waiter_count("box1") != 1:
+                    await trio.testing.wait_all_tasks_blocked()
+                dbname = psycopg.conninfo.conninfo_to_dict(pg_url)["dbname"]
+                with psycopg.connect(pg_url, autocommit=True) as admin:
+                    killed = admin.execute(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = %s AND pid <> pg_backend_pid()", (dbname,),
+                    ).fetchone()
+                assert killed is not None and killed[0] >= 2
+                frame = await add(a)  # through a pool whose connections were all cut
+        [(frames, timed_out)] = got
+        assert frames == [frame] and not timed_out
+        assert await b.last_seq("box1") == 2
+
+
+# -- selection: --store and [store] ---------------------------------------------------------
+
+
+def test_store_settings_from_the_config_file_and_flags(tmp_path: Path) -> None:
+    from oubliette_server.cli import _serve_parser, build_config
+    from oubliette_server.config import load_config_file
+    from oubliette_server.store_open import open_store
+
+    config = tmp_path / "oubliette.toml"
+    config.write_text('[store]\nurl = "postgresql://a@db/x"\npool_size = 7\nconnect_timeout = 3.5\n')
+    loaded = load_config_file(config)
+    assert {k: loaded[k] for k in ("store_url", "store_pool_size", "store_connect_timeout")} == {
+        "store_url": "postgresql://a@db/x", "store_pool_size": 7, "store_connect_timeout": 3.5,
+    }
+    settings = build_config(_serve_parser().parse_args(["--config", str(config), "--store", "postgresql://b@/y?host=/s"]))
+    assert settings.store_url == "postgresql://b@/y?host=/s", "--store overrides [store] url"
+    assert settings.store_pool_size == 7
+    store = open_store(settings.store_url, settings.frame_store_path, retention_frames=10, retention_seconds=None,
+                       pool_size=settings.store_pool_size, connect_timeout=settings.store_connect_timeout)
+    assert isinstance(store, PostgresFrameStore) and store.describe() == "postgresql://b@/y?host=/s"
+    assert PostgresFrameStore("postgresql://u:secret@db.internal:5433/x?sslmode=require").describe() == (
+        "postgresql://u@db.internal:5433/x"), "never the password"
+    default = build_config(_serve_parser().parse_args(["--data-dir", str(tmp_path / "d")]))
+    sqlite_store = open_store(default.store_url, default.frame_store_path, retention_frames=10, retention_seconds=None,
+                              pool_size=1, connect_timeout=1)
+    assert isinstance(sqlite_store, FrameStore) and sqlite_store.describe() == f"sqlite:{tmp_path / 'd' / 'frames.sqlite3'}"
+    sqlite_store.close()
+    for bad, message in (
+        ('[store]\nurl = "mysql://x"\n', "must start with postgresql://"),
+        ('[store]\nhost = "x"\n', "unknown [store] key 'host'"),
+        ('[store]\npool_size = "4"\n', "[store] pool_size has the wrong type"),
+    ):
+        config.write_text(bad)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ServerConfig(**load_config_file(config))
