@@ -20,11 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "oubliette_server", "oubliette_client")
 LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 
-# Packages that still have an import cycle, expected to fail the no-cycle check until it is
-# removed (oubliette_server's cycle around app.py is being taken apart). Empty this set when
-# a package is free of cycles: the check then holds for it (an unexpected pass fails, so a
-# stale entry is noticed).
-KNOWN_CYCLE_PACKAGES: frozenset[str] = frozenset()
 
 
 def _lint_imports(*args: str) -> subprocess.CompletedProcess[str]:
@@ -124,18 +119,7 @@ def test_package_imports_sees_imports_inside_functions(tmp_path: Path, monkeypat
     assert import_cycles(package_imports("cyclic_pkg")) == [["cyclic_pkg.a", "cyclic_pkg.b"]]
 
 
-@pytest.mark.parametrize(
-    "package",
-    [
-        pytest.param(
-            name,
-            marks=[pytest.mark.xfail(reason="known import cycle, being removed", strict=True)]
-            if name in KNOWN_CYCLE_PACKAGES
-            else [],
-        )
-        for name in PACKAGES
-    ],
-)
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycle_within_package(package: str) -> None:
     cycles = import_cycles(package_imports(package))
     assert cycles == [], "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
