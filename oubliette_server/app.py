@@ -144,6 +144,7 @@ class OublietteServer:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.orphans.serve)
                 await nursery.start(self.callers.serve)
+                await nursery.start(self.calls.serve)
                 await nursery.start(self.toolsets.serve)
                 await nursery.start(self.starter.serve)
                 await nursery.start(RelayListener(address, self._relay_connection).serve)

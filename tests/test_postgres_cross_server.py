@@ -17,29 +17,36 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from harness import Deployment
+from harness import Deployment, HttpServer
 from oubliette_server.store_api import FrameQuery
 from oubliette_server.store_pg import PostgresFrameStore
+from test_http_api import poll
 from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, ends_with, script, tool
 
 TOOL = "myapp_send_notification"
 
 
 @asynccontextmanager
-async def two_servers(pg_url: str) -> AsyncIterator[LoopCaller]:
-    """Servers A and B on `pg_url`; the guest of `box1` on B; a caller (HTTP, tool results only) on A."""
+async def two_servers(pg_url: str) -> AsyncIterator[tuple[HttpServer, HttpServer]]:
+    """Servers A and B on `pg_url`, both knowing `box1`; the guest of `box1` connected to B."""
     a, b = Deployment(store=pg_url), Deployment(store=pg_url)
     try:
         async with a.http_server("--config", str(a.config_file(INSTANCE))) as server_a, \
                 b.http_server("--config", str(b.config_file(INSTANCE))) as server_b, \
                 b.guest(INSTANCE, LOOP_AGENT):
             await server_b.wait_connected(INSTANCE)
-            async with server_a.caller(events=False) as (client, _):
-                yield LoopCaller(client)
+            yield server_a, server_b
             assert server_a.process.returncode is None and server_b.process.returncode is None
     finally:
         a.cleanup()
         b.cleanup()
+
+
+@asynccontextmanager
+async def caller_on_a(pg_url: str) -> AsyncIterator[LoopCaller]:
+    """`two_servers`, and a caller (MCP over HTTP, acting on tool results only) on A."""
+    async with two_servers(pg_url) as (server_a, _), server_a.caller(events=False) as (client, _):
+        yield LoopCaller(client)
 
 
 async def caller_tool_frames(pg_url: str, session_id: str) -> list[Any]:
@@ -64,7 +71,7 @@ def one_outcome_each(frames: list[Any]) -> dict[str, Any]:
 async def test_a_call_relayed_from_b_is_answered_on_a(pg_url: str) -> None:
     """A result and an error answered on A reach the agent on B; the caller that reads no events
     learns of each request from its own `wait` on A (with the arguments and B's deadline)."""
-    async with two_servers(pg_url) as caller:
+    async with caller_on_a(pg_url) as caller:
         first = ends_with(await caller.message(
             "s1", script([(TOOL, {"n": 1})], [(TOOL, {"n": 2})]), [tool("send_notification")], wait=60,
         ), "requires_action")
@@ -85,7 +92,7 @@ async def test_a_call_relayed_from_b_is_answered_on_a(pg_url: str) -> None:
 
 
 async def test_an_unanswered_call_times_out_on_b_and_a_late_answer_on_a_is_refused(pg_url: str) -> None:
-    async with two_servers(pg_url) as caller:
+    async with caller_on_a(pg_url) as caller:
         first = ends_with(await caller.message(
             "s2", script([(TOOL, {"n": 1})]), [tool("send_notification", timeout_ms=1500)], wait=60,
         ), "requires_action")
@@ -106,7 +113,7 @@ async def test_an_answer_on_a_racing_the_timeout_on_b_resolves_each_call_once(pg
     agree on it: a winning answer is what the agent printed; a losing one was refused."""
     offsets = [-0.03, -0.01, 0.0, 0.01, 0.03]
     steps = [[(TOOL, {"n": i})] for i in range(len(offsets))]
-    async with two_servers(pg_url) as caller:
+    async with caller_on_a(pg_url) as caller:
         stop = ends_with(await caller.message(
             "s3", script(*steps), [tool("send_notification", timeout_ms=1000)], wait=60,
         ), "requires_action")
@@ -130,3 +137,23 @@ async def test_an_answer_on_a_racing_the_timeout_on_b_resolves_each_call_once(pg
             assert outcome.type == "caller_tool_result" and line == f'{TOOL} -> {{"won": {i}}}', (line, outcome)
         else:
             assert outcome.type == "caller_tool_cancelled" and "timed out" in line, (line, outcome)
+
+
+async def test_the_caller_leaving_a_fails_the_agents_call_on_b_at_once(pg_url: str) -> None:
+    """The caller's connection to A ends while B's agent waits on its request (timeout 60 s): A
+    stores `caller_tool_cancelled` (caller disconnected) and the agent fails now, not at the timeout."""
+    async with two_servers(pg_url) as (server_a, server_b):
+        async with server_a.caller(events=False) as (client, _):
+            caller = LoopCaller(client)
+            ends_with(await caller.message(
+                "s4", script([(TOOL, {"n": 1})]), [tool("send_notification", timeout_ms=60_000)], wait=60,
+            ), "requires_action")
+        async with server_b.rest() as rest:
+            with trio.fail_after(30):
+                done = await poll(rest, INSTANCE, {
+                    "channel": "mcp", "session_id": "s4", "types": "assistant.done", "wait_ms": 25_000,
+                })
+    [frame] = done["frames"]
+    assert "connection error: caller 'myapp' disconnected before responding" in frame["payload"]["text"], frame
+    [outcome] = one_outcome_each(await caller_tool_frames(pg_url, "s4")).values()
+    assert outcome.type == "caller_tool_cancelled" and outcome.payload["reason"] == "caller disconnected"

@@ -34,6 +34,7 @@ from protocol.frames import utc_timestamp
 from protocol.schema_check import schema_problem
 
 from ..sessions import Session
+from ..task_host import TaskHost
 from .bus import REQUEST, REQUEST_TYPES, LogBus
 
 if TYPE_CHECKING:
@@ -114,6 +115,11 @@ class CallerCallRegistry:
         self._synced: dict[Session, int] = {}
         self._finished: collections.OrderedDict[str, Finished] = collections.OrderedDict()
         self._changed: dict[int, trio.Event] = {}
+        self._tasks = TaskHost()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery in which a departed caller's remote requests are closed (shared store)."""
+        await self._tasks.serve(task_status=task_status)
 
     @property
     def pending(self) -> dict[str, PendingCall]:
@@ -315,7 +321,28 @@ class CallerCallRegistry:
                     f"caller '{call.session.caller_id}' disconnected before responding to '{call.tool}'",
                 ))
                 failed += 1
+        if self.bus is not None:
+            gone = [s for s in self._synced if s.owner is caller and session in (None, s)]
+            failed += sum(1 for call in self._remote.values() if call.session in gone)
+            if gone and self._tasks.nursery is not None:
+                self._tasks.nursery.start_soon(self._close_remote, gone)
         return failed
+
+    async def _close_remote(self, sessions: list[Session]) -> None:
+        """Their caller left: the requests other servers' agents made in `sessions` get
+        `caller_tool_cancelled` (caller disconnected), so those agents fail now, not at their timeout."""
+        for session in sessions:
+            try:
+                await self.sync(session)
+                for call in [c for c in self._remote.values() if c.session is session]:
+                    self._remote.pop(call.request_id, None)
+                    self._remember(call.request_id, Finished("closed: the caller disconnected", session, call.caller, call.frame_seq))
+                    await self._record(session, "caller_tool_cancelled", {
+                        "request_id": call.request_id, "tool": call.tool, "reason": "caller disconnected",
+                    })
+            except Exception:
+                log.exception("session %s: could not close the requests of a departed caller", session.key)
+            self._notify(session)
 
     def _finish(
         self, call: PendingCall, how: str, *, result: Any = None, error: RelayError | None = None,
