@@ -21,7 +21,7 @@ from .approvals import ApprovalElicitation, ApprovalService, ConnectionApprovals
 from .approvals.toolset_forms import ToolsetForms
 from .auth import TokenAuthority, ensure_private_dir
 from .caller_api import CallerTools, serve_stdio_caller
-from .caller_tool_relay import CallerCallRegistry, CallerToolRelay, cancel_unanswered_requests
+from .caller_tool_relay import CallerCallRegistry, CallerToolRelay, LogBus, cancel_unanswered_requests
 from .callers import CallerConnection, CallerRegistry
 from .client_connections import ClientConnections
 from .config import ServerConfig
@@ -81,7 +81,11 @@ class OublietteServer:
         )
         self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self.starter.wake, limits=self.limits)
         self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
-        self.calls = CallerCallRegistry(self.frame_log.append, config.caller_timeout)
+        # With a shared store the log is the bus between servers for caller tool calls.
+        bus = LogBus(self.store, self.frame_log.append_outcome) if self.store.shared else None
+        self.calls = CallerCallRegistry(
+            self.frame_log.append, config.caller_timeout, bus=bus, find_sessions=self.sessions.find_by_id,
+        )
         self.approvals = ApprovalService(self.frame_log.append, config.approval_timeout)
         self.elicitation = ApprovalElicitation(self.approvals, config.approval_delivery)
         self.connection_approvals = ConnectionApprovals(self.sessions, self.approvals)
@@ -140,6 +144,7 @@ class OublietteServer:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.orphans.serve)
                 await nursery.start(self.callers.serve)
+                await nursery.start(self.calls.serve)
                 await nursery.start(self.toolsets.serve)
                 await nursery.start(self.starter.serve)
                 await nursery.start(RelayListener(address, self._relay_connection).serve)
@@ -237,6 +242,7 @@ class OublietteServer:
             return
         self.clients.add(connection)
         await connection.send_notification(messages.TOOLSETS_CONFIG, await self.toolsets.attach(connection))
+        await self.caller_tools.load_declaration(connection)
         for config in self.caller_tools.configs_for(connection):
             await connection.send_notification(messages.CALLER_TOOLS_CONFIG, config)
 

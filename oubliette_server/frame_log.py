@@ -72,6 +72,31 @@ class FrameLog:
                     sink.push(event)
         return frame
 
+    async def append_outcome(
+        self,
+        session: Session,
+        type: str,
+        payload: dict[str, Any],
+        request_id: str,
+        *,
+        skip: EventSink | None = None,
+    ) -> Frame | None:
+        """Store the one outcome frame of `request_id` and push it as `append` does; None (nothing
+        stored, nobody told) when another outcome of it was stored first, by any server."""
+        self.limits.check_frame(
+            payload, instance=session.instance, channel=session.channel, session_id=session.id,
+            type=type, msg_id=None, reply_to=None,
+        )
+        frame = await self.store.append_outcome(
+            session.instance, request_id, channel=session.channel, session_id=session.id, type=type, payload=payload,
+        )
+        if frame is not None and session.sinks:
+            event = frame.to_event()
+            for sink in list(session.sinks):
+                if sink is not skip:
+                    sink.push(event)
+        return frame
+
     async def ingress(
         self,
         instance: str,

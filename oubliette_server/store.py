@@ -103,6 +103,7 @@ Long poll
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -151,6 +152,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+#: How many resolved requests `append_outcome` remembers (older ones ended long before).
+OUTCOME_MEMORY = 100_000
 
 # A ``types`` filter with more distinct types than this is not split into one index scan per
 # type; it is checked row by row along the primary key instead.
@@ -249,6 +252,8 @@ class FrameStore:
         self._appends_since_prune: dict[str, int] = {}
         self._wake: dict[str, trio.Event] = {}
         self._waiters: dict[str, int] = {}
+        # (instance, request_id) of the outcomes `append_outcome` recorded, newest last (bounded).
+        self._outcomes: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._prune_all()
 
     @classmethod
@@ -425,6 +430,39 @@ class FrameStore:
                 )
             )
         return await self._append(instance, prepared)
+
+    async def append_outcome(
+        self,
+        instance: str,
+        request_id: str,
+        *,
+        channel: str,
+        session_id: str,
+        type: str,
+        payload: dict,
+        msg_id: str | None = None,
+        reply_to: str | None = None,
+    ) -> Frame | None:
+        """Append request `request_id`'s one outcome frame, or nothing if one was recorded before:
+        the frame when this call won, None when it lost. This process is the only writer of its
+        log, so the claim is kept in memory (the last `OUTCOME_MEMORY` requests), taken before the
+        append and given back if the append fails."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prepared = [self._prepare(channel, session_id, type, payload, msg_id, reply_to)]
+        key = (instance, request_id)
+        if key in self._outcomes:
+            await trio.lowlevel.checkpoint()
+            return None
+        self._outcomes[key] = None
+        try:
+            frame = (await self._append(instance, prepared))[0]
+        except BaseException:
+            self._outcomes.pop(key, None)
+            raise
+        while len(self._outcomes) > OUTCOME_MEMORY:
+            self._outcomes.popitem(last=False)
+        return frame
 
     async def _append(self, instance: str, prepared: list[tuple]) -> list[Frame]:
         if not isinstance(instance, str) or not instance:

@@ -311,6 +311,18 @@ class FrameStoreAPI(Protocol):
         """Append several frames in one transaction (consecutive seqs, one wake-up)."""
         ...
 
+    async def append_outcome(
+        self, instance: str, request_id: str, *, channel: str, session_id: str, type: str, payload: dict,
+        msg_id: str | None = None, reply_to: str | None = None,
+    ) -> Frame | None:
+        """Append the one outcome frame of request `request_id` of `instance`, or nothing if an
+        outcome was already recorded: the frame when this call won, None when it lost.
+
+        The claim and the frame are one transaction (PostgreSQL: a row of `resolutions`, whose
+        primary key decides between servers racing; SQLite: the claim is in this process, the
+        only one on its log), so a request is resolved once whichever server answers it."""
+        ...
+
     async def query(self, instance: str, q: FrameQuery) -> list[Frame]:
         """Frames of `instance` matching `q`, by seq ascending, at most `q.limit`."""
         ...

@@ -33,6 +33,12 @@ Queries
     `pruned_below`, so a gap raises `CursorPruned` instead of being skipped; and every frame
     up to that `last_seq` is visible in it, so a long poll examines each frame once.
 
+Outcomes
+    `append_outcome` records the one outcome of a request (a caller tool call): a row in
+    `resolutions` (primary key `(instance, request_id)`) is inserted `ON CONFLICT DO NOTHING`
+    in the transaction of the outcome frame, so of two servers racing, the second one's insert
+    waits for the first commit and then finds the row: nothing is written, it lost.
+
 Schema and migrations
     Versioned migrations (`MIGRATIONS`) are applied at start in one transaction holding a
     transaction-scoped advisory lock, so several servers starting together apply each
@@ -125,12 +131,26 @@ CREATE TABLE oubliette_secrets (
     value text NOT NULL
 );
 """),
+    # One row per resolved request (`append_outcome`): its primary key lets exactly one outcome
+    # win whichever servers race; `seq` is the winning frame's (retention deletes both).
+    (3, """
+CREATE TABLE resolutions (
+    instance   text   NOT NULL,
+    request_id text   NOT NULL,
+    seq        bigint NOT NULL,
+    PRIMARY KEY (instance, request_id)
+);
+"""),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 _BUMP_SEQ = (
     "INSERT INTO instances (name, last_seq) VALUES (%s, %s) "
     "ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + EXCLUDED.last_seq RETURNING last_seq"
+)
+_CLAIM = (
+    "INSERT INTO resolutions (instance, request_id, seq) VALUES (%s, %s, 0) "
+    "ON CONFLICT (instance, request_id) DO NOTHING RETURNING request_id"
 )
 _INSERT_FRAME = (
     "INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
@@ -413,7 +433,28 @@ class PostgresFrameStore:
         """Append several frames in one transaction (consecutive seqs, one commit, one wake-up)."""
         return await self._append(instance, prepare_frames(frames))
 
-    async def _append(self, instance: str, prepared: list[tuple]) -> list[Frame]:
+    async def append_outcome(
+        self,
+        instance: str,
+        request_id: str,
+        *,
+        channel: str,
+        session_id: str,
+        type: str,
+        payload: dict,
+        msg_id: str | None = None,
+        reply_to: str | None = None,
+    ) -> Frame | None:
+        """Append request `request_id`'s one outcome frame, or nothing if another (on any server)
+        was recorded first: the claim (a `resolutions` row, primary key `(instance, request_id)`)
+        and the frame commit together. The frame when this call won, None when it lost."""
+        if not isinstance(request_id, str) or not request_id or "\x00" in request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
+        frames = await self._append(instance, prepared, claim=request_id)
+        return frames[0] if frames else None
+
+    async def _append(self, instance: str, prepared: list[tuple], claim: str | None = None) -> list[Frame]:
         check_instance(instance)
         for p in prepared:
             _no_nul(p)
@@ -428,6 +469,8 @@ class PostgresFrameStore:
 
         def write(conn: psycopg.Connection) -> int:
             with conn.transaction():
+                if claim is not None and conn.execute(_CLAIM, (instance, claim)).fetchone() is None:
+                    return 0  # another outcome holds the claim: nothing to write
                 row = conn.execute(_BUMP_SEQ, (instance, n)).fetchone()
                 assert row is not None
                 last = row[0]
@@ -437,10 +480,16 @@ class PostgresFrameStore:
                         (instance, first + i, ts, ch, sid, typ, mid, rt, text)
                         for i, (ch, sid, typ, mid, rt, text, _) in enumerate(prepared)
                     ])
+                if claim is not None:
+                    conn.execute(
+                        "UPDATE resolutions SET seq = %s WHERE instance = %s AND request_id = %s", (first, instance, claim),
+                    )
                 conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, instance))
             return first
 
         first = await self._run(write)
+        if not first:
+            return []
         stored = [
             make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
             for i, (ch, sid, typ, mid, rt, _, obj) in enumerate(prepared)
@@ -634,6 +683,7 @@ class PostgresFrameStore:
             if cut <= pruned:
                 return 0
             deleted = conn.execute("DELETE FROM frames WHERE instance = %s AND seq <= %s", (instance, cut)).rowcount
+            conn.execute("DELETE FROM resolutions WHERE instance = %s AND seq <= %s", (instance, cut))
             conn.execute("UPDATE instances SET pruned_below = %s WHERE name = %s", (cut, instance))
         if deleted:
             log.debug("frame store: pruned %d frames of instance %r (seq <= %d)", deleted, instance, cut)

@@ -227,6 +227,73 @@ async def test_wait_wakes_across_two_store_objects(pg_url: str) -> None:
         assert frames == [frame] and not timed_out
 
 
+# -- outcomes: exactly one per request ----------------------------------------------------
+
+
+def outcome(store: FrameStoreAPI, request_id: str, how: str) -> Any:
+    return store.append_outcome(
+        "box1", request_id, channel="mcp", session_id="s1", type="caller_tool_result",
+        payload={"request_id": request_id, "how": how},
+    )
+
+
+async def test_append_outcome_records_one_outcome_per_request(store: FrameStoreAPI) -> None:
+    """The first outcome of a request is stored and returned; every later one stores nothing and
+    returns None, also when many race; another request (or instance) has its own outcome."""
+    first = await outcome(store, "r1", "first")
+    assert first is not None and first.seq == 1 and first.payload["how"] == "first"
+    assert await outcome(store, "r1", "second") is None
+    won: list[Any] = []
+
+    async def race(i: int) -> None:
+        won.append(await outcome(store, "r2", f"racer {i}"))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(race, i)
+    assert len([f for f in won if f is not None]) == 1
+    assert await seqs(store) == [1, 2], "one frame per request; no seq was spent on a loser"
+    other = await store.append_outcome("box2", "r1", channel="mcp", session_id="s1", type="t", payload={})
+    assert other is not None and other.seq == 1
+    with pytest.raises(ValueError):
+        await store.append_outcome("box1", "", channel="mcp", session_id="s1", type="t", payload={})
+    with pytest.raises(TypeError):  # a bad frame claims nothing: the request can still end
+        await store.append_outcome("box1", "r3", channel="mcp", session_id="s1", type="t", payload=[])  # type: ignore[arg-type]
+    assert await outcome(store, "r3", "after a refused one") is not None
+
+
+async def test_append_outcome_one_winner_across_two_store_objects(pg_url: str) -> None:
+    """Two servers on one database race outcomes for the same requests: each request gets exactly
+    one outcome frame, and the other server's call returns None (PostgreSQL only: a SQLite log
+    has one writer process)."""
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as a, backend.open() as b:
+        results: dict[str, list[Any]] = {}
+
+        async def answer(store: FrameStoreAPI, request_id: str, who: str) -> None:
+            results.setdefault(request_id, []).append(await outcome(store, request_id, who))
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for n in range(20):
+                    nursery.start_soon(answer, a, f"r{n}", "a")
+                    nursery.start_soon(answer, b, f"r{n}", "b")
+        for request_id, got in results.items():
+            assert len([f for f in got if f is not None]) == 1, (request_id, got)
+        frames = await a.query("box1", FrameQuery(limit=200))
+        assert sorted(f.payload["request_id"] for f in frames) == sorted(f"r{n}" for n in range(20))
+        assert [f.seq for f in frames] == list(range(1, 21)), "gapless: a losing claim spends no seq"
+
+
+async def test_retention_drops_old_claims_with_their_frames(pg_url: str) -> None:
+    """A resolved request's claim goes with its frame (PostgreSQL keeps claims in a table)."""
+    async with Backend("postgres", pg_url).open(retention_frames=2, prune_every=1) as s:
+        for n in range(5):
+            assert await outcome(s, f"r{n}", "x") is not None
+        count = await s._run(lambda conn: conn.execute("SELECT count(*) FROM resolutions").fetchone()[0])  # type: ignore[attr-defined]
+        assert count == 2
+
+
 # -- retention and cursors -----------------------------------------------------------------
 
 

@@ -276,10 +276,14 @@ class CallerTools:
         context = args.get("context")
         if context is not None:
             tools = [structure(tool, CallerToolSpec) for tool in context.get("caller_tools", [])]
-            await self.caller_tools.declare(session, caller, context["caller_id"], tools)
+            declared = await self.caller_tools.declare(session, caller, context["caller_id"], tools)
             session.echo_own_answers = bool(context.get("echo_own_answers", False))
+        else:
+            declared = {}
         session.sinks.add(caller)
-        frame = await self.frame_log.ingress(instance, session.channel, session.id, "user.message", {"text": args["message"]})
+        frame = await self.frame_log.ingress(
+            instance, session.channel, session.id, "user.message", {"text": args["message"], **declared},
+        )
         result: dict[str, Any] = {
             "session_id": session.id, "instance": instance, "msg_id": frame.msg_id, "ingress_seq": frame.seq,
         }

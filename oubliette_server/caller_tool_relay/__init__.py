@@ -3,13 +3,16 @@
 - `declarations`: which caller tools each session has and which client connection sees them;
   the `caller_tool` relay method.
 - `pending`: one pending entry per relayed call, ended by exactly one outcome.
+- `bus`: with a shared store (PostgreSQL), the log carries declarations, requests and outcomes
+  between servers.
 - `restart`: on start, requests a previous run left open get `caller_tool_cancelled` (server restarted).
 """
 
+from .bus import LogBus
 from .declarations import CallerToolRelay
 from .pending import CallerCallRegistry, Finished, NoLongerPending, PendingCall
 from .restart import cancel_unanswered_requests
 
 __all__ = [
-    "CallerCallRegistry", "CallerToolRelay", "Finished", "NoLongerPending", "PendingCall", "cancel_unanswered_requests",
+    "CallerCallRegistry", "CallerToolRelay", "Finished", "LogBus", "NoLongerPending", "PendingCall", "cancel_unanswered_requests",
 ]

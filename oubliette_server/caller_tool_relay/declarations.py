@@ -4,6 +4,10 @@ A caller declares its tools for a session with `session_message`'s
 `context.caller_tools`; every client connection that sees that session gets a
 `caller_tools_config`. A client bound to a session sees that session's tools;
 an unbound one sees, per caller id, the session declared last.
+
+With a shared store the declaration also rides in the session's `user.message` frame
+(`declare` returns it), so another server, where the agent's client connects, reads it from
+the log (`load_declaration`) and relays the calls through the log (bus.py).
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ from typing import Any
 
 import attrs
 
-from protocol import CallerToolSpec, RelayError, SessionRef, errors, messages, unstructure
+from protocol import CallerToolSpec, RelayError, SessionRef, errors, messages, structure, unstructure
 from protocol.schema_check import InvalidSchema, compile_schema
 
 from ..approvals import ApprovalService
 from ..callers import CallerConnection
 from ..client_connections import ClientConnections, ClientPeer, progress_sink
-from ..sessions import Session, SessionRegistry
+from ..sessions import Session, SessionRegistry, _declaration_clock
+from .bus import DECLARATION_KEY
 from .pending import CallerCallRegistry
 
 log = logging.getLogger("oubliette.server.caller_tools")
@@ -46,11 +51,13 @@ class CallerToolRelay:
 
     async def declare(
         self, session: Session, caller: CallerConnection, caller_id: str, tools: list[CallerToolSpec]
-    ) -> None:
+    ) -> dict[str, Any]:
         """Make `caller` the owner of `session`'s caller tools and tell the clients that see them.
 
         A tool with `requires_approval` is gated (see `call`); the clients get its effective
         approval timeout, so they wait for the decision as long as the server does.
+        Returns what the `user.message` that follows must carry: with a shared store, the
+        declaration (`caller_tools`: `{caller_id, tools}`) for the other servers; else nothing.
         """
         for tool in tools:
             self._check_schemas(tool)
@@ -60,6 +67,30 @@ class CallerToolRelay:
         for connection in self.clients.of_instance(session.instance):
             if self._client_sees(connection, session):
                 connection.notify(messages.CALLER_TOOLS_CONFIG, config)  # queued: never waits on a socket
+        if self.pending.bus is None:
+            return {}
+        return {DECLARATION_KEY: {"caller_id": caller_id, "tools": [unstructure(tool) for tool in tools]}}
+
+    async def load_declaration(self, connection: ClientPeer) -> None:
+        """Shared store: before a client bound to a session this server has no caller for gets its
+        configuration, read the session's latest declaration from the log (made on another server)."""
+        if self.pending.bus is None or connection.session_key is None or connection.instance is None:
+            return
+        ref = SessionRef.parse_key(connection.session_key)
+        session = self.sessions.get_or_create(connection.instance, ref.channel, ref.id)
+        if session.owner is not None:
+            return  # declared here: memory is current
+        declared = await self.pending.bus.latest_declaration(session)
+        if declared is None:
+            return
+        try:
+            tools = [structure(tool, CallerToolSpec) for tool in declared.get("tools", [])]
+        except Exception as exc:  # written by a server of the deployment; never trusted blindly
+            log.warning("session %s: ignoring a declaration in the log that does not read (%s)", session.key, exc)
+            return
+        session.caller_id = str(declared.get("caller_id") or "")
+        session.caller_tools = {tool.name: tool for tool in tools}
+        session.declared_at = next(_declaration_clock)
 
     @staticmethod
     def _check_schemas(tool: CallerToolSpec) -> None:

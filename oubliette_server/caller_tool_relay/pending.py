@@ -9,6 +9,13 @@ entry and is refused with a message that says what happened to the request.
 A session's turn waits (`session_message` with `wait`) learn of a new pending request
 through `wait_pending`, woken by a per-session `trio.Event` (as approvals do), never by
 polling: a caller that reads no events still hears of every request.
+
+With a shared store (`bus`, docs/SCALING.md) the agent's call and its caller may be on two
+servers. The agent's server, holding no caller for the session, waits for the request's
+outcome frame in the log (its own timeout and the agent's cancel race the caller's answer
+there); the caller's server lists the session's open requests read from the log as *remote*
+pending calls and answers them with `append_outcome`. Every outcome is stored through
+`append_outcome`, so exactly one wins across servers; a loser is told what happened.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import attrs
 import trio
 
-from protocol import CallerToolSpec, RelayError, errors
+from protocol import CallerToolSpec, Frame, RelayError, errors
 from protocol.frames import utc_timestamp
 from protocol.schema_check import schema_problem
 
 from ..sessions import Session
+from ..task_host import TaskHost
+from .bus import REQUEST, REQUEST_TYPES, LogBus
 
 if TYPE_CHECKING:
     from ..callers import CallerConnection
@@ -58,6 +67,8 @@ class PendingCall:
     """Set once the outcome's frame is stored (or its append failed): the agent is answered after it."""
     result: Any = None
     error: RelayError | None = None
+    remote: bool = False
+    """A request another server's agent made, read from the shared log (answered through it)."""
 
     def summary(self) -> dict[str, Any]:
         """What a caller must answer: its entry in a turn stop's `pending` list."""
@@ -90,12 +101,25 @@ class NoLongerPending(RelayError):
 class CallerCallRegistry:
     """Pending caller tool calls of the whole server, by request id."""
 
-    def __init__(self, append_frame: AppendFn, default_timeout: float) -> None:
+    def __init__(
+        self, append_frame: AppendFn, default_timeout: float, bus: LogBus | None = None,
+        find_sessions: Callable[[str], list[Session]] | None = None,
+    ) -> None:
+        """`bus` (a shared store only) and `find_sessions` (sessions by id) make calls work across servers."""
         self._append_frame = append_frame
         self.default_timeout = default_timeout
+        self.bus = bus
+        self._find_sessions = find_sessions or (lambda session_id: [])
         self._pending: dict[str, PendingCall] = {}
+        self._remote: dict[str, PendingCall] = {}
+        self._synced: dict[Session, int] = {}
         self._finished: collections.OrderedDict[str, Finished] = collections.OrderedDict()
         self._changed: dict[int, trio.Event] = {}
+        self._tasks = TaskHost()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery in which a departed caller's remote requests are closed (shared store)."""
+        await self._tasks.serve(task_status=task_status)
 
     @property
     def pending(self) -> dict[str, PendingCall]:
@@ -103,19 +127,76 @@ class CallerCallRegistry:
         return self._pending
 
     def pending_for(self, session: Session) -> list[PendingCall]:
-        """The calls of `session` waiting now for their caller, oldest first (stored, not yet ended)."""
-        return [p for p in self._pending.values() if p.session is session and p.frame_seq and not p.done.is_set()]
+        """The calls of `session` waiting now for their caller, oldest first (stored, not yet ended);
+        with a shared store, also those another server's agent made, as last read from the log."""
+        local = [p for p in self._pending.values() if p.session is session and p.frame_seq and not p.done.is_set()]
+        remote = [p for p in self._remote.values() if p.session is session]
+        return sorted(local + remote, key=lambda p: p.frame_seq) if remote else local
 
     async def wait_pending(self, session: Session) -> list[PendingCall]:
-        """Return the session's pending calls as soon as there is at least one."""
+        """Return the session's pending calls as soon as there is at least one (with a shared
+        store, woken also by a request another server appends)."""
         while True:
+            await self.sync(session)
             pending = self.pending_for(session)
             if pending:
                 return pending
             event = self._changed.get(id(session))
             if event is None:
                 event = self._changed[id(session)] = trio.Event()
-            await event.wait()
+            if self.bus is None or session.owner is None:
+                await event.wait()
+                continue
+            bus = self.bus
+            async with trio.open_nursery() as race:
+
+                async def local(event: trio.Event = event) -> None:
+                    await event.wait()
+                    race.cancel_scope.cancel()
+
+                async def logged() -> None:
+                    await bus.wait_frames(session, REQUEST_TYPES, self._synced[session])
+                    race.cancel_scope.cancel()
+
+                race.start_soon(local)
+                race.start_soon(logged)
+
+    async def sync(self, session: Session) -> None:
+        """Shared store, a session this server's caller owns: read the session's caller tool frames
+        since the last read, and keep the requests of other servers' agents that have no outcome
+        yet as remote pending calls (those that got one are remembered as finished)."""
+        if self.bus is None or session.owner is None:
+            return
+        after = self._synced.get(session)
+        if after is None:
+            after = await self.bus.store.pruned_below(session.instance)
+        frames = await self.bus.frames(session, REQUEST_TYPES, after)
+        changed = False
+        for frame in frames:
+            request_id = frame.payload.get("request_id")
+            if not isinstance(request_id, str):
+                continue
+            if frame.type == REQUEST:
+                if request_id in self._pending or request_id in self._finished or request_id in self._remote:
+                    continue
+                if frame.payload.get("caller_id") != session.caller_id:
+                    continue
+                self._remote[request_id] = PendingCall(
+                    request_id=request_id, session=session, caller=session.owner, tool=str(frame.payload.get("tool")),
+                    arguments=frame.payload.get("arguments"), expires_at=str(frame.payload.get("expires_at", "")),
+                    frame_seq=frame.seq, remote=True,
+                )
+                changed = True
+            else:
+                call = self._remote.pop(request_id, None)
+                if call is not None:
+                    self._remember(request_id, Finished(how_it_ended(frame), session, call.caller, call.frame_seq))
+                    changed = True
+        if frames:
+            after = max(after, frames[-1].seq)
+        self._synced[session] = after
+        if changed:
+            self._notify(session)
 
     def _notify(self, session: Session) -> None:
         event = self._changed.pop(id(session), None)
@@ -140,14 +221,17 @@ class CallerCallRegistry:
         )
         self._pending[request_id] = call
         try:
-            frame = await self._append_frame(
-                session,
-                "caller_tool_request",
-                {"request_id": request_id, "tool": spec.name, "arguments": arguments, "caller_id": session.caller_id},
-            )
+            request: dict[str, Any] = {
+                "request_id": request_id, "tool": spec.name, "arguments": arguments, "caller_id": session.caller_id,
+            }
+            if self.bus is not None:
+                request["expires_at"] = expires_at  # the caller's server lists it with the request
+            frame = await self._append_frame(session, "caller_tool_request", request)
             call.frame_seq = frame.seq
             self._notify(session)
-            if caller is None or caller.closed.is_set():
+            if caller is None and self.bus is not None:
+                await self._wait_in_log(self.bus, call, spec, timeout)
+            elif caller is None or caller.closed.is_set():
                 self._finish(call, "closed: the caller disconnected", error=RelayError(
                     errors.PEER_DISCONNECTED,
                     f"caller '{session.caller_id}' is not connected; caller tool '{spec.name}' cannot run",
@@ -158,17 +242,13 @@ class CallerCallRegistry:
                 if call.done.is_set():
                     await call.recorded.wait()
                 if call.error is not None and call.error.code == errors.PEER_DISCONNECTED:
-                    await self._append_frame(
+                    await self._record(
                         session, "caller_tool_cancelled",
                         {"request_id": request_id, "tool": spec.name, "reason": "caller disconnected"},
                     )
             if not call.done.is_set():
-                self._finish(call, "timed out", error=RelayError(
-                    errors.TIMEOUT,
-                    f"caller tool '{spec.name}' timed out after {timeout:g} s: "
-                    f"caller '{session.caller_id}' did not respond",
-                ))
-                await self._append_frame(
+                self._finish(call, "timed out", error=_timed_out(spec, session, timeout))
+                await self._record(
                     session, "caller_tool_cancelled",
                     {"request_id": request_id, "tool": spec.name, "reason": "timeout"},
                 )
@@ -176,7 +256,7 @@ class CallerCallRegistry:
             if not call.done.is_set():
                 self._finish(call, "cancelled by the agent", error=RelayError(errors.CANCELLED, "cancelled"))
                 with trio.CancelScope(shield=True):
-                    await self._append_frame(
+                    await self._record(
                         session, "caller_tool_cancelled",
                         {"request_id": request_id, "tool": spec.name, "reason": "cancelled by the agent"},
                     )
@@ -186,6 +266,39 @@ class CallerCallRegistry:
         if call.error is not None:
             raise call.error
         return self.check_result(spec, call.result)
+
+    async def _wait_in_log(self, bus: LogBus, call: PendingCall, spec: CallerToolSpec, timeout: float) -> None:
+        """The caller is on another server: wait for the request's outcome frame, whoever appends it.
+
+        At the timeout this server tries to store `caller_tool_cancelled` (timeout); if an answer
+        won the race in the database, the agent gets that answer instead.
+        """
+        session = call.session
+        outcome: Frame | None = None
+        with trio.move_on_after(timeout):
+            outcome = await bus.wait_outcome(session, call.request_id, call.frame_seq)
+        if outcome is None:
+            stored = await self._record(
+                session, "caller_tool_cancelled", {"request_id": call.request_id, "tool": spec.name, "reason": "timeout"},
+            )
+            if stored is not None:
+                self._finish(call, "timed out", error=_timed_out(spec, session, timeout))
+                return
+            outcome = await bus.outcome_of(session, call.request_id, call.frame_seq)
+            if outcome is None:  # the winner is committed before we lost: unreachable but for retention
+                raise RelayError(errors.INTERNAL_ERROR, f"request '{call.request_id}' ended, but its outcome is not in the log")
+        self._finish(call, how_it_ended(outcome), **outcome_of_frame(outcome, session, spec.name))
+
+    async def _record(self, session: Session, type: str, payload: dict[str, Any], *, skip: Any = None) -> Frame | None:
+        """Store an outcome frame: with a shared store through `append_outcome` (None if another won)."""
+        if self.bus is not None:
+            return await self.bus.append_outcome(session, type, payload, payload["request_id"], skip=skip)
+        return await self._append_frame(session, type, payload, skip=skip)
+
+    def _remember(self, request_id: str, finished: Finished) -> None:
+        self._finished[request_id] = finished
+        while len(self._finished) > RESOLVED_MEMORY:
+            self._finished.popitem(last=False)
 
     @staticmethod
     def check_result(spec: CallerToolSpec, result: Any) -> Any:
@@ -208,7 +321,28 @@ class CallerCallRegistry:
                     f"caller '{call.session.caller_id}' disconnected before responding to '{call.tool}'",
                 ))
                 failed += 1
+        if self.bus is not None:
+            gone = [s for s in self._synced if s.owner is caller and session in (None, s)]
+            failed += sum(1 for call in self._remote.values() if call.session in gone)
+            if gone and self._tasks.nursery is not None:
+                self._tasks.nursery.start_soon(self._close_remote, gone)
         return failed
+
+    async def _close_remote(self, sessions: list[Session]) -> None:
+        """Their caller left: the requests other servers' agents made in `sessions` get
+        `caller_tool_cancelled` (caller disconnected), so those agents fail now, not at their timeout."""
+        for session in sessions:
+            try:
+                await self.sync(session)
+                for call in [c for c in self._remote.values() if c.session is session]:
+                    self._remote.pop(call.request_id, None)
+                    self._remember(call.request_id, Finished("closed: the caller disconnected", session, call.caller, call.frame_seq))
+                    await self._record(session, "caller_tool_cancelled", {
+                        "request_id": call.request_id, "tool": call.tool, "reason": "caller disconnected",
+                    })
+            except Exception:
+                log.exception("session %s: could not close the requests of a departed caller", session.key)
+            self._notify(session)
 
     def _finish(
         self, call: PendingCall, how: str, *, result: Any = None, error: RelayError | None = None,
@@ -221,9 +355,7 @@ class CallerCallRegistry:
         call.done.set()
         if not record_follows:
             call.recorded.set()
-        self._finished[call.request_id] = Finished(how, call.session, call.caller, call.frame_seq)
-        while len(self._finished) > RESOLVED_MEMORY:
-            self._finished.popitem(last=False)
+        self._remember(call.request_id, Finished(how, call.session, call.caller, call.frame_seq))
         self._notify(call.session)
 
     def progress(
@@ -247,7 +379,7 @@ class CallerCallRegistry:
         Raises: `NoLongerPending` for a request that already ended; `RelayError` for an unknown
         id, the wrong session or another caller.
         """
-        call = self._pending.get(request_id)
+        call = self._pending.get(request_id) or self._remote.get(request_id)
         if call is None or call.done.is_set():
             finished = self._finished.get(request_id)
             if finished is not None:
@@ -279,7 +411,13 @@ class CallerCallRegistry:
         Returns the resolved call (its session and `frame_seq` say where its turn goes on).
         Raises: as `_pending_of`.
         """
+        if self.bus is not None and request_id not in self._pending and request_id not in self._remote:
+            for session in self._find_sessions(session_id):  # another server's agent may have asked
+                if session.owner is caller:
+                    await self.sync(session)
         call = self._pending_of(caller, session_id, request_id)
+        if call.remote:
+            return await self._respond_remote(call, caller, result, error)
         if error is not None:
             self._finish(call, "resolved with an error", error=RelayError(errors.TOOL_ERROR, str(error)), record_follows=True)
             payload: dict[str, Any] = {"request_id": request_id, "tool": call.tool, "error": str(error)}
@@ -292,7 +430,66 @@ class CallerCallRegistry:
         # agent got is in the log, even if the server dies right after.
         echo = call.session.echo_own_answers
         try:
-            await self._append_frame(call.session, "caller_tool_result", payload, skip=None if echo else caller)
+            await self._record(call.session, "caller_tool_result", payload, skip=None if echo else caller)
         finally:
             call.recorded.set()
         return call
+
+    async def _respond_remote(
+        self, call: PendingCall, caller: CallerConnection, result: Any, error: str | None,
+    ) -> PendingCall:
+        """Answer another server's request: the answer is stored only if no outcome won before it
+        (that server's timeout, the agent's cancel, another answer); else `NoLongerPending`."""
+        assert self.bus is not None
+        payload: dict[str, Any] = {"request_id": call.request_id, "tool": call.tool}
+        if error is not None:
+            payload["error"] = str(error)
+        else:
+            payload["result"] = result
+        session = call.session
+        stored = await self._record(session, "caller_tool_result", payload, skip=None if session.echo_own_answers else caller)
+        self._remote.pop(call.request_id, None)
+        if stored is None:
+            outcome = await self.bus.outcome_of(session, call.request_id, call.frame_seq)
+            finished = Finished(how_it_ended(outcome) if outcome else "ended", session, caller, call.frame_seq)
+            self._remember(call.request_id, finished)
+            self._notify(session)
+            raise NoLongerPending(call.request_id, finished)
+        call.done.set()
+        call.recorded.set()
+        self._remember(call.request_id, Finished(how_it_ended(stored), session, caller, call.frame_seq))
+        self._notify(session)
+        return call
+
+
+def _timed_out(spec: CallerToolSpec, session: Session, timeout: float) -> RelayError:
+    return RelayError(
+        errors.TIMEOUT,
+        f"caller tool '{spec.name}' timed out after {timeout:g} s: caller '{session.caller_id}' did not respond",
+    )
+
+
+def how_it_ended(frame: Frame) -> str:
+    """A request's outcome frame as the words a late answer is refused with ("already …")."""
+    if frame.type == "caller_tool_result":
+        return "resolved with an error" if "error" in frame.payload else "resolved"
+    reason = frame.payload.get("reason")
+    if reason == "timeout":
+        return "timed out"
+    if reason in ("caller disconnected", "cancelled by the agent"):
+        return "closed: the caller disconnected" if reason == "caller disconnected" else "cancelled by the agent"
+    return f"cancelled ({reason})"
+
+
+def outcome_of_frame(frame: Frame, session: Session, tool: str) -> dict[str, Any]:
+    """What the agent gets for an outcome frame another server stored: `result=` or `error=`."""
+    if frame.type == "caller_tool_result":
+        if "error" in frame.payload:
+            return {"error": RelayError(errors.TOOL_ERROR, str(frame.payload["error"]))}
+        return {"result": frame.payload.get("result")}
+    reason = frame.payload.get("reason")
+    if reason == "caller disconnected":
+        return {"error": RelayError(errors.PEER_DISCONNECTED, f"caller '{session.caller_id}' disconnected before responding to '{tool}'")}
+    if reason == "timeout":
+        return {"error": RelayError(errors.TIMEOUT, f"caller tool '{tool}' timed out: caller '{session.caller_id}' did not respond")}
+    return {"error": RelayError(errors.CANCELLED, f"cancelled: {reason}")}

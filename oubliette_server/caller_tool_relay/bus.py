@@ -1,0 +1,103 @@
+"""The frame log as the bus between servers, for caller tool calls (docs/SCALING.md).
+
+With a shared store (PostgreSQL) the caller that declared a session's tools may be on one
+server and the agent's client on another. Nothing passes between the servers but the log:
+
+- a declaration rides in its `user.message` frame (`caller_tools`: `{caller_id, tools}`), so
+  a server with no caller for the session reads the latest one when a client bound to the
+  session connects;
+- the agent's server appends `caller_tool_request` (with `expires_at`) and waits for the
+  request's outcome frame in the log, woken across servers by LISTEN;
+- the caller's server learns of the request from the log and answers it with
+  `append_outcome`, which the database lets win once, whichever server races it.
+
+This module reads and waits on the log; `pending.py` decides what the frames mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from protocol import Frame
+
+from ..sessions import Session
+from ..store_api import MAX_LIMIT, CursorPruned, FrameQuery, FrameStoreAPI
+
+REQUEST = "caller_tool_request"
+OUTCOME_TYPES = ("caller_tool_result", "caller_tool_cancelled")
+REQUEST_TYPES = (REQUEST, *OUTCOME_TYPES)
+#: The key of a declaration in its `user.message` payload.
+DECLARATION_KEY = "caller_tools"
+#: How long one long poll on the log lasts before it is simply asked again (no deadline: the
+#: waits that need one are bounded by their caller's own cancel scope).
+WAIT_SLICE = 3600.0
+
+#: `append_outcome(session, type, payload, request_id, skip=...)`: the frame, or None if another outcome won.
+AppendOutcome = Callable[..., Awaitable["Frame | None"]]
+
+
+class LogBus:
+    """Reads and waits on one session's caller tool frames in a store other servers share.
+
+    Needs: the shared store and the frame log's `append_outcome` (store, then push to the
+    session's followers). Raises: `StoreUnavailable` as the store does.
+    Cancellation: waits hold nothing; cancelling one leaves the log as it was.
+    """
+
+    def __init__(self, store: FrameStoreAPI, append_outcome: AppendOutcome) -> None:
+        self.store = store
+        self.append_outcome = append_outcome
+
+    async def frames(self, session: Session, types: tuple[str, ...], after_seq: int) -> list[Frame]:
+        """Every frame of `session` of `types` after `after_seq` (paged; a pruned start skips to what is kept)."""
+        found: list[Frame] = []
+        after = after_seq
+        while True:
+            try:
+                page = await self.store.query(session.instance, FrameQuery(
+                    channel=session.channel, session_id=session.id, after_seq=after, types=types, limit=MAX_LIMIT,
+                ))
+            except CursorPruned as exc:
+                after = exc.first_seq - 1
+                continue
+            found.extend(page)
+            if len(page) < MAX_LIMIT:
+                return found
+            after = page[-1].seq
+
+    async def wait_frames(self, session: Session, types: tuple[str, ...], after_seq: int) -> list[Frame]:
+        """Wait until `session` has frames of `types` after `after_seq`; at most one page of them."""
+        while True:
+            try:
+                frames, _ = await self.store.wait_for_frames(session.instance, FrameQuery(
+                    channel=session.channel, session_id=session.id, after_seq=after_seq, types=types, limit=MAX_LIMIT,
+                ), WAIT_SLICE)
+            except CursorPruned as exc:
+                after_seq = exc.first_seq - 1
+                continue
+            if frames:
+                return frames
+
+    async def outcome_of(self, session: Session, request_id: str, after_seq: int) -> Frame | None:
+        """The outcome frame of `request_id` (stored after its request at `after_seq`), if any."""
+        for frame in await self.frames(session, OUTCOME_TYPES, after_seq):
+            if frame.payload.get("request_id") == request_id:
+                return frame
+        return None
+
+    async def wait_outcome(self, session: Session, request_id: str, after_seq: int) -> Frame:
+        """Wait for the outcome frame of `request_id`, appended by any server."""
+        while True:
+            for frame in await self.wait_frames(session, OUTCOME_TYPES, after_seq):
+                if frame.payload.get("request_id") == request_id:
+                    return frame
+                after_seq = frame.seq
+
+    async def latest_declaration(self, session: Session) -> dict[str, Any] | None:
+        """The session's last declaration (`{caller_id, tools}`), read from its `user.message` frames."""
+        latest = None
+        for frame in await self.frames(session, ("user.message",), 0):
+            declared = frame.payload.get(DECLARATION_KEY)
+            if isinstance(declared, dict):
+                latest = declared
+        return latest

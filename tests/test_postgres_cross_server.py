@@ -1,0 +1,159 @@
+"""Two servers on one PostgreSQL database: the caller on A, the sandbox on B (docs/SCALING.md).
+
+The caller (MCP over HTTP) talks only to server A; the guest runtime and the agent's
+oubliette-client talk only to server B. Nothing passes between A and B but the log: the
+declaration rides in the `user.message`, B appends the `caller_tool_request` and waits for its
+outcome frame, A lists the request as pending and stores the answer with `append_outcome`,
+which lets exactly one outcome win across servers. Everything is a real program (the servers,
+the guest runtime, tests/loop_agent.py) and a real PostgreSQL (tests/postgres.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import trio
+
+from harness import Deployment, HttpServer
+from oubliette_server.store_api import FrameQuery
+from oubliette_server.store_pg import PostgresFrameStore
+from test_http_api import poll
+from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, ends_with, script, tool
+
+TOOL = "myapp_send_notification"
+
+
+@asynccontextmanager
+async def two_servers(pg_url: str) -> AsyncIterator[tuple[HttpServer, HttpServer]]:
+    """Servers A and B on `pg_url`, both knowing `box1`; the guest of `box1` connected to B."""
+    a, b = Deployment(store=pg_url), Deployment(store=pg_url)
+    try:
+        async with a.http_server("--config", str(a.config_file(INSTANCE))) as server_a, \
+                b.http_server("--config", str(b.config_file(INSTANCE))) as server_b, \
+                b.guest(INSTANCE, LOOP_AGENT):
+            await server_b.wait_connected(INSTANCE)
+            yield server_a, server_b
+            assert server_a.process.returncode is None and server_b.process.returncode is None
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+@asynccontextmanager
+async def caller_on_a(pg_url: str) -> AsyncIterator[LoopCaller]:
+    """`two_servers`, and a caller (MCP over HTTP, acting on tool results only) on A."""
+    async with two_servers(pg_url) as (server_a, _), server_a.caller(events=False) as (client, _):
+        yield LoopCaller(client)
+
+
+async def caller_tool_frames(pg_url: str, session_id: str) -> list[Any]:
+    store = PostgresFrameStore(pg_url)
+    async with store.running():
+        return [f for f in await store.query(INSTANCE, FrameQuery(session_id=session_id, limit=200))
+                if f.type.startswith("caller_tool_")]
+
+
+def one_outcome_each(frames: list[Any]) -> dict[str, Any]:
+    """Every request in `frames` has exactly one outcome frame; the outcomes by request id."""
+    requests = [f.payload["request_id"] for f in frames if f.type == "caller_tool_request"]
+    outcomes: dict[str, list[Any]] = {}
+    for f in frames:
+        if f.type != "caller_tool_request":
+            outcomes.setdefault(f.payload["request_id"], []).append(f)
+    assert sorted(outcomes) == sorted(requests), (requests, outcomes)
+    assert all(len(o) == 1 for o in outcomes.values()), outcomes
+    return {rid: o[0] for rid, o in outcomes.items()}
+
+
+async def test_a_call_relayed_from_b_is_answered_on_a(pg_url: str) -> None:
+    """A result and an error answered on A reach the agent on B; the caller that reads no events
+    learns of each request from its own `wait` on A (with the arguments and B's deadline)."""
+    async with caller_on_a(pg_url) as caller:
+        first = ends_with(await caller.message(
+            "s1", script([(TOOL, {"n": 1})], [(TOOL, {"n": 2})]), [tool("send_notification")], wait=60,
+        ), "requires_action")
+        [call] = first["pending"]
+        assert call["arguments"] == {"n": 1} and call["tool"] == "send_notification" and call["expires_at"]
+        second = ends_with(await caller.answer("s1", call["request_id"], result={"status": "sent"}, wait=60),
+                           "requires_action")
+        assert second["resolved"] is True
+        [call2] = second["pending"]
+        assert call2["arguments"] == {"n": 2}
+        end = ends_with(await caller.answer("s1", call2["request_id"], error="no route to host", wait=60), "end_turn")
+        again = await caller.answer("s1", call2["request_id"], result={"status": "late"})
+    assert f'{TOOL} -> {{"status": "sent"}}' in end["text"], end
+    assert f"{TOOL} failed: no route to host" in end["text"], end
+    assert "no longer pending: it was already resolved with an error" in again["error"], again
+    outcomes = one_outcome_each(await caller_tool_frames(pg_url, "s1"))
+    assert [o.type for o in outcomes.values()] == ["caller_tool_result"] * 2
+
+
+async def test_an_unanswered_call_times_out_on_b_and_a_late_answer_on_a_is_refused(pg_url: str) -> None:
+    async with caller_on_a(pg_url) as caller:
+        first = ends_with(await caller.message(
+            "s2", script([(TOOL, {"n": 1})]), [tool("send_notification", timeout_ms=1500)], wait=60,
+        ), "requires_action")
+        [call] = first["pending"]
+        with trio.fail_after(60):
+            events = await caller.call("session_events", session_id="s2", types=["assistant.done"], wait_ms=30_000)
+        [done] = events["frames"]
+        late = await caller.answer("s2", call["request_id"], result={"status": "too late"})
+    assert f"{TOOL} failed:" in done["payload"]["text"] and "timed out after 1.5 s" in done["payload"]["text"], done
+    assert "no longer pending: it was already timed out" in late["error"], late
+    [outcome] = one_outcome_each(await caller_tool_frames(pg_url, "s2")).values()
+    assert outcome.type == "caller_tool_cancelled" and outcome.payload["reason"] == "timeout"
+
+
+async def test_an_answer_on_a_racing_the_timeout_on_b_resolves_each_call_once(pg_url: str) -> None:
+    """The caller answers on A right at B's deadline, so A's answer and B's timeout race in the
+    database. Whichever wins, each request has one outcome frame, and the agent and the caller
+    agree on it: a winning answer is what the agent printed; a losing one was refused."""
+    offsets = [-0.03, -0.01, 0.0, 0.01, 0.03]
+    steps = [[(TOOL, {"n": i})] for i in range(len(offsets))]
+    async with caller_on_a(pg_url) as caller:
+        stop = ends_with(await caller.message(
+            "s3", script(*steps), [tool("send_notification", timeout_ms=1000)], wait=60,
+        ), "requires_action")
+        answered: dict[int, bool] = {}
+        for i, offset in enumerate(offsets):
+            [call] = stop["pending"]
+            assert call["arguments"] == {"n": i}
+            expires = datetime.datetime.fromisoformat(call["expires_at"].replace("Z", "+00:00")).timestamp()
+            await trio.sleep(max(0.0, expires + offset - time.time()))  # aim the answer at B's deadline: the race
+            stop = await caller.answer("s3", call["request_id"], result={"won": i}, wait=60)
+            assert stop["resolved"] is True or "already timed out" in stop["not_pending"], stop
+            answered[i] = stop["resolved"]
+            if i < len(offsets) - 1:
+                ends_with(stop, "requires_action")
+        end = ends_with(stop, "end_turn")
+    outcomes = one_outcome_each(await caller_tool_frames(pg_url, "s3"))
+    lines = [line for line in end["text"].splitlines() if line.startswith(TOOL)]
+    assert len(lines) == len(offsets) == len(outcomes)
+    for i, (line, outcome) in enumerate(zip(lines, outcomes.values())):
+        if answered[i]:
+            assert outcome.type == "caller_tool_result" and line == f'{TOOL} -> {{"won": {i}}}', (line, outcome)
+        else:
+            assert outcome.type == "caller_tool_cancelled" and "timed out" in line, (line, outcome)
+
+
+async def test_the_caller_leaving_a_fails_the_agents_call_on_b_at_once(pg_url: str) -> None:
+    """The caller's connection to A ends while B's agent waits on its request (timeout 60 s): A
+    stores `caller_tool_cancelled` (caller disconnected) and the agent fails now, not at the timeout."""
+    async with two_servers(pg_url) as (server_a, server_b):
+        async with server_a.caller(events=False) as (client, _):
+            caller = LoopCaller(client)
+            ends_with(await caller.message(
+                "s4", script([(TOOL, {"n": 1})]), [tool("send_notification", timeout_ms=60_000)], wait=60,
+            ), "requires_action")
+        async with server_b.rest() as rest:
+            with trio.fail_after(30):
+                done = await poll(rest, INSTANCE, {
+                    "channel": "mcp", "session_id": "s4", "types": "assistant.done", "wait_ms": 25_000,
+                })
+    [frame] = done["frames"]
+    assert "connection error: caller 'myapp' disconnected before responding" in frame["payload"]["text"], frame
+    [outcome] = one_outcome_each(await caller_tool_frames(pg_url, "s4")).values()
+    assert outcome.type == "caller_tool_cancelled" and outcome.payload["reason"] == "caller disconnected"
