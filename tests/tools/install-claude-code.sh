@@ -14,7 +14,7 @@ if [ -x "$link" ] && "$link" --version 2>/dev/null | grep -q "^$VERSION "; then
   exit 0
 fi
 if ! command -v npm >/dev/null 2>&1; then
-  apt-get update && apt-get install -y nodejs npm
+  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y nodejs npm
 fi
 mkdir -p "$dest"
 npm install --prefix "$dest" --no-save --no-audit --no-fund --loglevel=error \
