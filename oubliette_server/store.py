@@ -119,8 +119,6 @@ import trio
 
 from protocol.frames import Frame
 
-from .store_api import APPEND_KEYS as _APPEND_KEYS
-from .store_api import REQUIRED_KEYS as _REQUIRED_KEYS
 from .store_api import (
     DEFAULT_LIMIT,
     DEFAULT_PRUNE_EVERY,
@@ -134,6 +132,7 @@ from .store_api import (
     check_timeout,
     format_ts,
     prepare_frame,
+    prepare_frames,
 )
 from .store_api import make_frame as _frame
 
@@ -382,17 +381,6 @@ class FrameStore:
 
     # -- append --------------------------------------------------------------------------
 
-    def _prepare(
-        self,
-        channel: Any,
-        session_id: Any,
-        type: Any,
-        payload: Any,
-        msg_id: Any,
-        reply_to: Any,
-    ) -> tuple[str, str, str, str, str | None, str, dict]:
-        return prepare_frame(channel, session_id, type, payload, msg_id, reply_to)
-
     async def append(
         self,
         instance: str,
@@ -408,28 +396,13 @@ class FrameStore:
         instance.  ``msg_id`` defaults to ``"m-"`` and 32 random hex digits.  Wakes the instance's
         waiters.  The frame is committed when this returns (see the module docstring for
         what that means for durability); if it raises, nothing was stored."""
-        prepared = [self._prepare(channel, session_id, type, payload, msg_id, reply_to)]
+        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
         return (await self._append(instance, prepared))[0]
 
     async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
         """Append several frames in one transaction (consecutive seqs, one commit, one
         wakeup).  Each dict holds :meth:`append`'s keyword arguments."""
-        prepared = []
-        for i, f in enumerate(frames):
-            if not isinstance(f, dict):
-                raise TypeError(f"frames[{i}] must be a dict, got {f.__class__.__name__}")
-            unknown = f.keys() - _APPEND_KEYS
-            if unknown:
-                raise TypeError(f"frames[{i}] has unknown keys {sorted(unknown)}")
-            missing = _REQUIRED_KEYS - f.keys()
-            if missing:
-                raise TypeError(f"frames[{i}] is missing {sorted(missing)}")
-            prepared.append(
-                self._prepare(
-                    f["channel"], f["session_id"], f["type"], f["payload"], f.get("msg_id"), f.get("reply_to")
-                )
-            )
-        return await self._append(instance, prepared)
+        return await self._append(instance, prepare_frames(frames))
 
     async def append_outcome(
         self,
@@ -449,7 +422,7 @@ class FrameStore:
         append and given back if the append fails."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        prepared = [self._prepare(channel, session_id, type, payload, msg_id, reply_to)]
+        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
         key = (instance, request_id)
         if key in self._outcomes:
             await trio.lowlevel.checkpoint()
