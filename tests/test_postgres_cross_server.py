@@ -15,6 +15,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
+import pytest
 import trio
 
 from harness import Deployment, HttpServer
@@ -43,9 +44,9 @@ async def two_servers(pg_url: str) -> AsyncIterator[tuple[HttpServer, HttpServer
 
 
 @asynccontextmanager
-async def caller_on_a(pg_url: str) -> AsyncIterator[LoopCaller]:
-    """`two_servers`, and a caller (MCP over HTTP, acting on tool results only) on A."""
-    async with two_servers(pg_url) as (server_a, _), server_a.caller(events=False) as (client, _):
+async def caller_on_a(pg_url: str, mode: str = "legacy") -> AsyncIterator[LoopCaller]:
+    """`two_servers`, and a caller (MCP over HTTP in protocol era `mode`, acting on tool results only) on A."""
+    async with two_servers(pg_url) as (server_a, _), server_a.caller(mode=mode, events=False) as (client, _):
         yield LoopCaller(client)
 
 
@@ -68,10 +69,12 @@ def one_outcome_each(frames: list[Any]) -> dict[str, Any]:
     return {rid: o[0] for rid, o in outcomes.items()}
 
 
-async def test_a_call_relayed_from_b_is_answered_on_a(pg_url: str) -> None:
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_a_call_relayed_from_b_is_answered_on_a(pg_url: str, mode: str) -> None:
     """A result and an error answered on A reach the agent on B; the caller that reads no events
-    learns of each request from its own `wait` on A (with the arguments and B's deadline)."""
-    async with caller_on_a(pg_url) as caller:
+    learns of each request from its own `wait` on A (with the arguments and B's deadline), in
+    both protocol eras (handshake, and 2026-07-28: the SDK's default)."""
+    async with caller_on_a(pg_url, mode) as caller:
         first = ends_with(await caller.message(
             "s1", script([(TOOL, {"n": 1})], [(TOOL, {"n": 2})]), [tool("send_notification")], wait=60,
         ), "requires_action")
