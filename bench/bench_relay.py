@@ -139,6 +139,7 @@ async def run_as_caller(workdir: Path) -> None:
         command=PYTHON,
         args=[*profiled("server"), "-m", "oubliette_server", "--relay", relay, "--data-dir", str(data_dir),
               "--log-level", "WARNING"],
+        env=passed_env() or None,
     )
     stdin = trio.lowlevel.FdStream(os.dup(0))
     async with Client(server_params, mode="legacy", logging_callback=responder.on_log) as caller, \
@@ -156,6 +157,13 @@ async def run_as_caller(workdir: Path) -> None:
             pass
         nursery.cancel_scope.cancel()
     print(json.dumps({"answered": responder.answered, "failures": responder.failures}), flush=True)
+
+
+def passed_env() -> dict[str, str]:
+    """`OUBLIETTE_FAST_CALLS` when set here, for the programs (the SDK gives a child only a minimal
+    environment): `OUBLIETTE_FAST_CALLS=0 python bench/bench_relay.py` measures the SDK's path."""
+    value = os.environ.get("OUBLIETTE_FAST_CALLS")
+    return {} if value is None else {"OUBLIETTE_FAST_CALLS": value}
 
 
 def profiled(name: str) -> list[str]:
@@ -397,7 +405,7 @@ async def bench(workdir: Path, args: argparse.Namespace) -> None:
     agent_params = StdioServerParameters(
         command=PYTHON, args=[*profiled("client"), "-m", "oubliette_client", "--log-level", "WARNING"],
         env={"OUBLIETTE_RELAY": relay, "OUBLIETTE_INSTANCE": INSTANCE, "OUBLIETTE_TOKEN": token,
-             "OUBLIETTE_SESSION": f"mcp:{SESSION_ID}"},
+             "OUBLIETTE_SESSION": f"mcp:{SESSION_ID}", **passed_env()},
     )
     echo_params = StdioServerParameters(command=PYTHON, args=[str(HERE / "echo_server.py")])
 

@@ -23,6 +23,7 @@ from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, Too
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol.descriptors import DESCRIPTOR_META_KEY
+from protocol.fast_tool_calls import FastToolCalls, Handler, call_result, fast_calls_enabled
 from protocol.stdio_streams import claimed_stdio
 
 from .permission_prompt import DESCRIPTION as PERMISSION_DESCRIPTION
@@ -68,17 +69,22 @@ class SandboxToolServer:
     gave a `progressToken`, it sends progress on it (`progress.py`): a heartbeat every
     `progress_interval` seconds, and the caller's or toolset's own reports.
 
+    A handshake-era agent's plain calls of relayed tools are answered off the SDK's dispatcher
+    (`protocol.fast_tool_calls`, through `fast_route`), with the same `answer_call`.
+
     Owns: the `SandboxTools` (its registry and `client`-role link) and, inside `run_stdio`,
-    the link's task and the task announcing list changes; one progress task per waiting call.
+    the link's task, the task announcing list changes and the fast path's calls; one progress
+    task per waiting call.
     Needs: `RelaySettings`.
     Raises: nothing for a tool call: failures reach the agent as MCP tool errors.
     """
 
     def __init__(
         self, settings: RelaySettings, *, connect_wait: float = DEFAULT_CONNECT_WAIT,
-        progress_interval: float = DEFAULT_PROGRESS_INTERVAL,
+        progress_interval: float = DEFAULT_PROGRESS_INTERVAL, fast_calls: bool | None = None,
     ) -> None:
         self.settings = settings
+        self.fast_calls = fast_calls_enabled() if fast_calls is None else fast_calls
         self.connect_wait = connect_wait
         self.progress_interval = progress_interval
         self.tools = SandboxTools(settings)
@@ -86,6 +92,7 @@ class SandboxToolServer:
         self.link = self.tools.link
         self.bus = InMemorySubscriptionBus()
         self._legacy_session: Any = None
+        self._legacy_version: str | None = None  # the handshake-era version the agent negotiated
         self._unannounced = False
         self.server = Server(
             "oubliette-client", version="0.1.0",
@@ -113,6 +120,7 @@ class SandboxToolServer:
     def _remember(self, ctx: Any) -> None:
         if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
             self._legacy_session = ctx.session
+            self._legacy_version = ctx.protocol_version
 
     async def _initialized(self, ctx: Any, params: Any) -> None:
         self._remember(ctx)
@@ -137,24 +145,48 @@ class SandboxToolServer:
             types.Tool(name=PERMISSION_PROMPT, description=PERMISSION_DESCRIPTION, input_schema=PERMISSION_SCHEMA),
         ])
 
+    def fast_route(self, name: str, arguments: dict[str, Any]) -> Handler | None:
+        """The fast path's handler for a relayed tool's call once a handshake-era agent is initialized.
+
+        Everything else (the permission prompt, unknown tools, 2026-07-28 agents) stays with the SDK.
+        """
+        version = self._legacy_version
+        if version is None or name == PERMISSION_PROMPT or self.registry.resolve(name) is None:
+            return None
+
+        async def handle(token: str | int | None, send_progress: Any) -> dict[str, Any]:
+            return call_result(await self.answer_call(name, arguments, token, send_progress), version)
+        return handle
+
     async def _call_tool(self, ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         self._remember(ctx)
-        arguments = dict(params.arguments or {})
-        if params.name == PERMISSION_PROMPT:
-            answer = await self._with_progress(ctx, "waiting for the caller's decision",
+        return await self.answer_call(
+            params.name, dict(params.arguments or {}), _progress_token(ctx), ctx.session.report_progress,
+        )
+
+    async def answer_call(
+        self, name: str, arguments: dict[str, Any], progress_token: str | int | None, send_progress: Any,
+    ) -> types.CallToolResult:
+        """The result of the agent's call of `name`, for the SDK's path and `fast_calls` alike.
+
+        With a `progress_token`, progress goes out through `send_progress(progress, total,
+        message)` while the call waits. Raises: nothing; failures are tool errors.
+        """
+        if name == PERMISSION_PROMPT:
+            answer = await self._with_progress(progress_token, send_progress, "waiting for the caller's decision",
                                                lambda progress: self.tools.ask_permission(arguments, progress))
             return types.CallToolResult(content=[types.TextContent(text=answer)])
-        outcome = await self._with_progress(ctx, f"waiting for {params.name}",
-                                            lambda progress: self.tools.call(params.name, arguments, progress))
+        outcome = await self._with_progress(progress_token, send_progress, f"waiting for {name}",
+                                            lambda progress: self.tools.call(name, arguments, progress))
         if outcome.is_error:
             return tool_error(outcome.error or "failed")
         return result_content(outcome)
 
-    async def _with_progress(self, ctx: Any, waiting_for: str, run: Any) -> Any:
+    async def _with_progress(self, progress_token: str | int | None, send_progress: Any, waiting_for: str, run: Any) -> Any:
         """`run(progress)`, with progress on the agent's token while it waits (none after it returns)."""
-        if _progress_token(ctx) is None:
+        if progress_token is None:
             return await run(None)
-        progress = AgentProgress(ctx.session.report_progress, self.progress_interval, waiting_for)
+        progress = AgentProgress(send_progress, self.progress_interval, waiting_for)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(progress.run)
             try:
@@ -180,9 +212,14 @@ class SandboxToolServer:
             if not self.link.connected:
                 log.warning("relay not available yet (%s); serving MCP anyway", self.link.last_error)
             with claimed_stdio() as (stdin, stdout):  # cancellable, no thread per line
-                async with mcp.server.stdio.stdio_server(stdin=stdin, stdout=stdout) as (read_stream, write_stream):  # type: ignore[arg-type]
+                lines: Any = stdin
+                if self.fast_calls:
+                    fast = FastToolCalls(self.fast_route, stdout.write)
+                    await nursery.start(fast.run)
+                    lines = fast.lines(stdin)
+                async with mcp.server.stdio.stdio_server(stdin=lines, stdout=stdout) as (read_stream, write_stream):
                     await self.server.run(
                         read_stream, write_stream,
                         self.server.create_initialization_options(NotificationOptions(tools_changed=True)),
                     )
-            nursery.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()  # calls still in flight get no answer: the agent has gone

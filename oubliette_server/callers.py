@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import anyio
 import mcp_types as types
 import trio
+
+from protocol.fast_tool_calls import notification_line
+
 from .task_host import TaskHost
 
 log = logging.getLogger("oubliette.server.callers")
@@ -56,6 +59,8 @@ class CallerConnection:
         self.closed = trio.Event()
         self.mcp_session: Any = None  # latest ServerSession; its standalone channel carries events
         self.owner_key: str | None = None  # 2026-07-28 HTTP callers: the key that names this caller
+        #: A stdio caller's line writer: events go out as `notifications/message` lines without the SDK.
+        self.write_line: Callable[[str], Awaitable[None]] | None = None
         self._send, self._receive = trio.open_memory_channel[dict](EVENT_QUEUE_SIZE)
 
     def __repr__(self) -> str:
@@ -78,7 +83,12 @@ class CallerConnection:
                 if session is None:
                     continue
                 try:
-                    await session.send_notification(event_notification(event))
+                    if self.write_line is not None:
+                        await self.write_line(notification_line("notifications/message", {
+                            "level": "info", "logger": EVENT_LOGGER, "data": event,
+                        }))
+                    else:
+                        await session.send_notification(event_notification(event))
                 except _GONE:
                     return
                 except Exception:

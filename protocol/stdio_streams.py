@@ -64,11 +64,15 @@ class StdoutText:
     def __init__(self, stream: trio.lowlevel.FdStream, on_broken: Callable[[], None] | None = None) -> None:
         self._stream = stream
         self._on_broken = on_broken
+        self._lock = trio.StrictFIFOLock()
 
     async def write(self, text: str) -> None:
-        """Write `text`; a reader that has gone away ends the writer as the SDK expects (closed stream)."""
+        """Write `text` whole; safe from several tasks (lines never interleave).
+
+        A reader that has gone away ends the writer as the SDK expects (closed stream)."""
         try:
-            await self._stream.send_all(text.encode("utf-8"))
+            async with self._lock:
+                await self._stream.send_all(text.encode("utf-8"))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if self._on_broken is not None:
                 self._on_broken()
