@@ -145,6 +145,7 @@ class OublietteServer:
                 await nursery.start(self.orphans.serve)
                 await nursery.start(self.callers.serve)
                 await nursery.start(self.calls.serve)
+                await nursery.start(self.approvals.serve)
                 await nursery.start(self.toolsets.serve)
                 await nursery.start(self.starter.serve)
                 await nursery.start(RelayListener(address, self._relay_connection).serve)

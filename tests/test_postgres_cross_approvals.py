@@ -26,7 +26,8 @@ from oubliette_server.store_api import FrameQuery
 from oubliette_server.store_pg import PostgresFrameStore
 from test_approvals_matrix import DELETE, GATED, call, decide, frames
 from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, ends_with, tool
-from test_postgres_cross_server import one_outcome_each
+from test_http_api import poll
+from test_postgres_cross_server import one_outcome_each, two_servers
 
 TOOL = "myapp_send_notification"
 SLOW_DELETE = {**DELETE, "name": "slow_delete", "approval_timeout_ms": 1500}
@@ -242,3 +243,22 @@ async def test_racing_decisions_across_servers_resolve_each_approval_once(pg_url
             assert line.endswith("was denied: B"), line
         else:
             assert decision.payload["who"] == "timeout" and "no decision within 1.5 s" in line, (decision, line)
+
+
+async def test_the_owner_leaving_a_denies_bs_pending_approval_at_once(pg_url: str) -> None:
+    """The owner's connection to A ends while B's gated call waits for its approval (timeout 600 s):
+    A stores the denial (fail closed, `who: disconnect`) and the agent on B fails now."""
+    async with two_servers(pg_url) as (server_a, server_b):
+        async with server_a.caller(events=False) as (client, _):
+            caller = LoopCaller(client)
+            ends_with(await caller.message("s4", steps(call(GATED, arguments={"path": "/tmp/x"})), [DELETE], wait=60),
+                      "requires_approval")
+        async with server_b.rest() as rest:
+            with trio.fail_after(30):
+                done = await poll(rest, INSTANCE, {
+                    "channel": "mcp", "session_id": "s4", "types": "assistant.done", "wait_ms": 25_000,
+                })
+    [frame] = done["frames"]
+    assert "was denied: the caller disconnected before deciding" in frame["payload"]["text"], frame
+    [decision] = one_decision_each(await session_frames(pg_url, "s4", "approval_"))
+    assert (decision.payload["approve"], decision.payload["who"]) == (False, "disconnect")

@@ -37,6 +37,7 @@ from protocol.schema_check import schema_problem
 
 from ..sessions import Session
 from ..store_api import FrameStoreAPI
+from ..task_host import TaskHost
 
 if TYPE_CHECKING:
     from ..callers import CallerConnection
@@ -206,8 +207,13 @@ class ApprovalService:
         self._pending: dict[str, PendingApproval] = {}
         self._remote: dict[str, PendingApproval] = {}
         self._synced: dict[Session, int] = {}
+        self._tasks = TaskHost()
         self._finished: collections.OrderedDict[str, _Finished] = collections.OrderedDict()
         self._changed: dict[int, trio.Event] = {}
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery in which a departed owner's remote approvals are denied (shared store)."""
+        await self._tasks.serve(task_status=task_status)
 
     # -- what is pending ---------------------------------------------------------------
 
@@ -440,7 +446,25 @@ class ApprovalService:
                     approve=False, who="disconnect", reason="the caller disconnected before deciding",
                 ))
                 failed += 1
+        if self.log is not None:
+            gone = [s for s in self._synced if s.owner is caller and session in (None, s)]
+            failed += sum(1 for entry in self._remote.values() if entry.session in gone and entry.decision is None)
+            if gone and self._tasks.nursery is not None:
+                self._tasks.nursery.start_soon(self._deny_remote, gone)
         return failed
+
+    async def _deny_remote(self, sessions: list[Session]) -> None:
+        """Their owner left this server: the approvals other servers' gated calls wait for in
+        `sessions` are denied through the log (fail closed), so those calls end now, not at their timeout."""
+        gone = Decision(approve=False, who="disconnect", reason="the caller disconnected before deciding")
+        for session in sessions:
+            try:
+                await self.sync(session)
+                for entry in [e for e in self._remote.values() if e.session is session and e.decision is None]:
+                    if await self._store_outcome(entry, gone) is not None:
+                        self._settle(entry, gone)
+            except Exception:
+                log.exception("session %s: could not deny the approvals of a departed caller", session.key)
 
     def _decide(self, entry: PendingApproval, decision: Decision) -> None:
         entry.decision = decision
