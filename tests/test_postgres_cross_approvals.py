@@ -187,11 +187,13 @@ async def test_approvals_asked_on_b_are_decided_on_a_on_b_or_by_bs_timeout(pg_ur
 
 
 async def test_racing_decisions_across_servers_resolve_each_approval_once(pg_url: str) -> None:
-    """An approval on A and a denial on B (the operator's HTTP `/approvals` door) sent at once; then
+    """An approval on A and a denial on B (the operator's HTTP `/approvals` door) sent at once (A with
+    a head start of 0 to 50 ms, so that either wins across the rounds); then
     approvals on A aimed at B's approval deadline. Each approval has one decision in the log,
     exactly one of two racing answers is accepted (the other is refused with the winner), and
     the agent got the winner: an approved call is relayed (and answered), a denied one fails."""
     rounds = 3
+    head_starts = [0.0, 0.02, 0.05]  # A's answer goes that much earlier: the winner varies (the HTTP door is quicker)
     offsets = [-0.02, 0.0, 0.02]
     paths = [f"/tmp/{i}" for i in range(rounds)] + [f"/tmp/t{i}" for i in range(len(offsets))]
     message = steps(*[call(GATED if i < rounds else SLOW_GATED, arguments={"path": path}) for i, path in enumerate(paths)])
@@ -205,7 +207,8 @@ async def test_racing_decisions_across_servers_resolve_each_approval_once(pg_url
             async def on_a(ask: dict[str, Any] = ask) -> None:
                 answers["A"] = await decide(w.owner_a, "s3", request_id=ask["request_id"], approve=True)
 
-            async def on_b(ask: dict[str, Any] = ask) -> None:
+            async def on_b(ask: dict[str, Any] = ask, delay: float = head_starts[i % rounds]) -> None:
+                await trio.sleep(delay)
                 response = await admin_b.post(f"/v1/instances/{INSTANCE}/sessions/s3/approvals", json={
                     "request_id": ask["request_id"], "approve": False, "reason": "B"})
                 answers["B"] = response.json() if response.status_code == 200 else {
