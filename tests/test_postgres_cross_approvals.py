@@ -24,7 +24,7 @@ import trio
 from harness import Deployment, HttpServer
 from oubliette_server.store_api import FrameQuery
 from oubliette_server.store_pg import PostgresFrameStore
-from test_approvals_matrix import DELETE, GATED, call, decide, frames
+from test_approvals_matrix import BASH_INPUT, DELETE, GATED, PROMPT, call, decide, frames
 from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, ends_with, tool
 from test_http_api import poll
 from test_postgres_cross_server import one_outcome_each, two_servers
@@ -146,14 +146,20 @@ async def test_the_same_caller_answers_on_either_server_and_nobody_else(pg_url: 
 
 
 async def test_approvals_asked_on_b_are_decided_on_a_on_b_or_by_bs_timeout(pg_url: str) -> None:
-    """B's gated calls: approved on A (then relayed and answered), denied with a reason on B by
-    the same caller, and left to B's approval timeout (a late answer on A is then refused)."""
+    """B's gated calls: the agent's own action (Claude Code's permission prompt) allowed with a
+    rewrite on B by the same caller; a caller tool approved on A (then relayed and answered), one
+    denied with a reason on B, and one left to B's approval timeout (a late answer on A is refused)."""
     message = steps(
+        call("permission_prompt", arguments=PROMPT),
         call(GATED, arguments={"path": "/tmp/a"}), call(GATED, arguments={"path": "/tmp/b"}),
         call(SLOW_GATED, arguments={"path": "/tmp/c"}),
     )
     async with cross(pg_url) as w:
         stop = ends_with(await open_on_a(w, "s2", message, [DELETE, SLOW_DELETE]), "requires_approval")
+        [own] = stop["approval_requests"]
+        assert (own["tool_name"], own["arguments"], own["origin"]) == ("Bash", BASH_INPUT, "agent")
+        stop = ends_with(await decide(w.owner_b, "s2", request_id=own["request_id"], approve=True,
+                                      updated_arguments={"command": "rm -rf build/tmp"}, wait=60), "requires_approval")
         [ask] = stop["approval_requests"]
         assert (ask["tool_name"], ask["arguments"]) == (GATED, {"path": "/tmp/a"})
         stranger = await w.stranger_b.call("approval_response", session_id="s2", request_id=ask["request_id"], approve=True)
@@ -175,6 +181,7 @@ async def test_approvals_asked_on_b_are_decided_on_a_on_b_or_by_bs_timeout(pg_ur
         late = await decide(w.owner_a, "s2", request_id=ask3["request_id"], approve=True)
         again = await decide(w.owner_b, "s2", request_id=ask2["request_id"], approve=False, reason="not that one")
     text = done["text"].splitlines()
+    assert 'permission_prompt -> {"behavior":"allow","updatedInput":{"command":"rm -rf build/tmp"}}' in text, text
     assert f"{GATED} -> deleted" in text, text
     assert any(line.startswith(f"{GATED} failed:") and line.endswith("was denied: not that one") for line in text), text
     assert any(line.startswith(f"{SLOW_GATED} failed:") and "no decision within 1.5 s" in line for line in text), text
@@ -182,8 +189,8 @@ async def test_approvals_asked_on_b_are_decided_on_a_on_b_or_by_bs_timeout(pg_ur
     assert again.get("already_resolved") is True, again  # an identical re-answer is a retry, as on one server
     decisions = one_decision_each(await session_frames(pg_url, "s2", "approval_"))
     assert [(d.payload["approve"], d.payload["who"] == "timeout") for d in decisions] == [
-        (True, False), (False, False), (False, True)]
-    assert decisions[1].payload["reason"] == "not that one"
+        (True, False), (True, False), (False, False), (False, True)]
+    assert decisions[2].payload["reason"] == "not that one"
 
 
 async def test_racing_decisions_across_servers_resolve_each_approval_once(pg_url: str) -> None:
