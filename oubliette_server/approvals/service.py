@@ -188,9 +188,10 @@ def _iso_in(seconds: float) -> str:
 class ApprovalService:
     """The pending approvals of the whole server, by request id.
 
-    Needs: the frame log's `append` (frames go to the store, then to the session's followers)
-    and the default approval timeout in seconds. Long-lived state only; it runs no tasks: each
-    pending approval is waited for by the task of the call it gates.
+    Needs: the frame log's `append` (frames go to the store, then to the session's followers),
+    the default approval timeout in seconds, and with a shared store the log (`SharedLog`). Each
+    pending approval is waited for by the task of the call it gates; `serve` (started with
+    `nursery.start`) holds only the tasks that deny a departed owner's remote approvals.
     Raises (from `answer`, `answer_batch`): `RelayError` with a message naming the request ids
     for an unknown id, another caller, a wrong session, a contradicting re-answer, an answer the
     request cannot take, or updated arguments that fail the tool's schema; the approval then
