@@ -81,12 +81,12 @@ class OublietteServer:
         )
         self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self.starter.wake, limits=self.limits)
         self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
-        # With a shared store the log is the bus between servers for caller tool calls.
+        # With a shared store the log is the bus between servers for caller tool calls and approvals.
         bus = LogBus(self.store, self.frame_log.append_outcome) if self.store.shared else None
         self.calls = CallerCallRegistry(
             self.frame_log.append, config.caller_timeout, bus=bus, find_sessions=self.sessions.find_by_id,
         )
-        self.approvals = ApprovalService(self.frame_log.append, config.approval_timeout)
+        self.approvals = ApprovalService(self.frame_log.append, config.approval_timeout, log=bus)
         self.elicitation = ApprovalElicitation(self.approvals, config.approval_delivery)
         self.connection_approvals = ConnectionApprovals(self.sessions, self.approvals)
         self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls, self.approvals)
@@ -145,6 +145,7 @@ class OublietteServer:
                 await nursery.start(self.orphans.serve)
                 await nursery.start(self.callers.serve)
                 await nursery.start(self.calls.serve)
+                await nursery.start(self.approvals.serve)
                 await nursery.start(self.toolsets.serve)
                 await nursery.start(self.starter.serve)
                 await nursery.start(RelayListener(address, self._relay_connection).serve)

@@ -14,8 +14,10 @@ sink, stops that request's events) and nothing else.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+import secrets
 from typing import Any, Awaitable, Callable
 
 import anyio
@@ -31,6 +33,12 @@ log = logging.getLogger("oubliette.server.callers")
 EVENT_LOGGER = "oubliette"
 EVENT_QUEUE_SIZE = 10_000
 _ids = itertools.count(1)
+
+
+def keyed_identity(principal: str, owner_key: str) -> str:
+    """The identity of a 2026-07-28 caller (token principal + `owner_key`), the same on every server
+    of a deployment; a hash, so the log that records it never holds the key itself."""
+    return "key:" + hashlib.sha256(f"{principal}:{owner_key}".encode()).hexdigest()[:32]
 
 
 def event_notification(event: dict) -> types.LoggingMessageNotification:
@@ -61,6 +69,10 @@ class CallerConnection:
         self.owner_key: str | None = None  # 2026-07-28 HTTP callers: the key that names this caller
         #: A stdio caller's line writer: events go out as `notifications/message` lines without the SDK.
         self.write_line: Callable[[str], Awaitable[None]] | None = None
+        #: Who this caller is for every server sharing the store (docs/SCALING.md): `keyed_identity`
+        #: for a 2026-07-28 caller; a connection (stdio, a handshake-era MCP session) lives on one
+        #: server only, so its identity is random and no other server's caller ever matches it.
+        self.identity = "connection:" + secrets.token_hex(16)
         self._send, self._receive = trio.open_memory_channel[dict](EVENT_QUEUE_SIZE)
 
     def __repr__(self) -> str:

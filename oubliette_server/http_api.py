@@ -42,7 +42,7 @@ from .auth import HTTP_ADMIN
 from .caller_api import CallerTools, build_caller_server
 from .caller_api.schemas import OWNER_KEY_PATTERN
 from .caller_api.tools import STREAM_GONE_STATE
-from .callers import CallerConnection, CallerRegistry
+from .callers import CallerConnection, CallerRegistry, keyed_identity
 from .instances import InstanceDirectory
 from .store_api import StoreUnavailable
 from .tether import Tether
@@ -456,6 +456,7 @@ class HttpApi:
         if caller is None:
             caller = self.callers.open("http", f"http-modern-{principal[:8]}-{owner_key[:6]}")
             caller.owner_key = owner_key
+            caller.identity = keyed_identity(principal, owner_key)
             self._modern_callers[(principal, owner_key)] = caller
             self._modern_names[caller] = (principal, owner_key)
         self._modern_in_flight[caller] = self._modern_in_flight.get(caller, 0) + 1

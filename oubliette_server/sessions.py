@@ -49,6 +49,9 @@ class Session:
     caller_id: str | None = None
     caller_tools: dict[str, CallerToolSpec] = attrs.field(factory=dict)
     owner: CallerConnection | None = None
+    #: Shared store only: the owner's `CallerConnection.identity`, as recorded in the session's
+    #: `user.message` frames, so every server can tell the same caller (None with SQLite).
+    owner_identity: str | None = None
     declared_at: int = 0
     sinks: set[EventSink] = attrs.field(factory=set)
     #: Whether the owner also gets the `caller_tool_result` event of its own answers
@@ -59,6 +62,11 @@ class Session:
     def key(self) -> str:
         """`channel:id`, the session's key within its instance."""
         return f"{self.channel}:{self.id}"
+
+    def same_caller(self, caller: CallerConnection) -> bool:
+        """`caller` is the session's owner by identity (shared store: possibly connected to another
+        server than the one it opened the session on); always False with SQLite."""
+        return self.owner_identity is not None and caller.identity == self.owner_identity
 
     def check_owner(self, caller: CallerConnection) -> None:
         """Raise `not_yours` unless `caller` owns this session."""

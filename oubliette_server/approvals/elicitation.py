@@ -210,7 +210,7 @@ class ApprovalElicitation:
                 continue
             action = getattr(response, "action", None) or (response.get("action") if isinstance(response, dict) else None)
             content = getattr(response, "content", None) if not isinstance(response, dict) else response.get("content")
-            entry = self.approvals.pending.get(request_id)
+            entry = self.approvals.find(request_id)
             if entry is None:
                 log.info("approval %s was decided before the person's answer came back", request_id)
                 continue

@@ -4,7 +4,8 @@ Two gates go through here: the agent's own actions (the `approval` relay method,
 `oubliette-client`'s `permission_prompt` tool sends; origin "agent") and gated toolset tools
 (origin "toolset"). A client connection is bound to one session (`OUBLIETTE_SESSION`); that
 session's owner is the only one who may decide. Everything else fails closed: a connection
-bound to no session, a session nobody opened, an owner that is not connected.
+bound to no session, a session nobody opened, an owner that is not connected (with a shared
+store: not connected to any server; an owner on another server decides through the log).
 """
 
 from __future__ import annotations

@@ -11,6 +11,14 @@ decision lets run. Anything but an answer fails closed: the call is denied with 
 
 A session's turn waits (`session_message` with `wait`) learn of a new pending approval through
 `wait_pending`, woken by a per-session `trio.Event`, never by polling.
+
+With a shared store (`log`, docs/SCALING.md) the gated call may wait on one server while its
+session's owner is connected to another. The waiting server, holding no caller for the session,
+waits for the request's `approval_resolved` frame in the log; the owner's server lists the
+session's open `approval_request`s read from the log as *remote* pending approvals. Every
+decision of such a request (an answer on any server, the waiting server's timeout, the agent's
+cancel) is stored with `append_outcome`, so exactly one wins; a losing answer is refused with
+the decision that won (an identical one is an idempotent success, as on one server).
 """
 
 from __future__ import annotations
@@ -19,15 +27,17 @@ import collections
 import datetime
 import logging
 import secrets
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Protocol
 
 import attrs
 import trio
 
-from protocol import RelayError, errors
+from protocol import Frame, RelayError, errors
 from protocol.schema_check import schema_problem
 
 from ..sessions import Session
+from ..store_api import FrameStoreAPI
+from ..task_host import TaskHost
 
 if TYPE_CHECKING:
     from ..callers import CallerConnection
@@ -44,6 +54,35 @@ ELICITATION_WHO = "elicitation"
 
 Origin = Literal["caller", "toolset", "agent"]
 AppendFn = Callable[..., Awaitable[Any]]
+
+REQUEST = "approval_request"
+RESOLVED = "approval_resolved"
+
+
+class SharedLog(Protocol):
+    """The log other servers share, as approvals use it (`caller_tool_relay.LogBus` is one)."""
+
+    store: FrameStoreAPI
+    append_outcome: Callable[..., Awaitable["Frame | None"]]
+
+    async def frames(self, session: Session, types: tuple[str, ...], after_seq: int) -> list[Frame]:
+        """Every frame of `session` of `types` after `after_seq`."""
+        ...
+
+    async def wait_frames(self, session: Session, types: tuple[str, ...], after_seq: int) -> list[Frame]:
+        """Wait until `session` has frames of `types` after `after_seq`."""
+        ...
+
+    async def wait_outcome(
+        self, session: Session, request_id: str, after_seq: int,
+        on_progress: Callable[[dict[str, Any]], None] | None = None, outcome_types: tuple[str, ...] = (),
+    ) -> Frame:
+        """Wait for the outcome frame of `request_id` (one of `outcome_types`), by any server."""
+        ...
+
+    async def recorded_owner(self, session: Session) -> str | None:
+        """The session owner's identity recorded in the log."""
+        ...
 
 
 @attrs.frozen
@@ -97,6 +136,10 @@ class PendingApproval:
     decision: Decision | None = None
     done: trio.Event = attrs.field(factory=trio.Event)
     recorded: trio.Event = attrs.field(factory=trio.Event)
+    remote: bool = False
+    """Shared store: another server's gated call, read from the log (decided through it)."""
+    in_log: bool = False
+    """Shared store: this server's gated call whose owner is on another server (decided in the log)."""
 
     def summary(self) -> dict[str, Any]:
         """What a caller must answer: the `approval_requests` entry of a turn stop."""
@@ -118,6 +161,23 @@ class _Finished:
     decision: Decision
     frame_seq: int
     recorded: trio.Event
+    session: Session | None = None
+
+
+def decision_of(payload: dict[str, Any]) -> Decision:
+    """The decision an `approval_resolved` frame records (stored by any server of the deployment)."""
+    kind = payload.get("kind")
+    status = payload.get("status")
+    return Decision(
+        approve=payload.get("approve") is True, who=str(payload.get("who") or "unknown"),
+        reason=payload.get("reason") if isinstance(payload.get("reason"), str) else None,
+        kind="tool" if kind == "tool" else "approval",
+        updated_arguments=payload.get("updated_arguments") if isinstance(payload.get("updated_arguments"), dict) else None,
+        tool_return=payload.get("tool_return"),
+        status=status if status in ("success", "error") else None,
+        content=payload.get("content") if isinstance(payload.get("content"), dict) else None,
+        action=payload.get("action") if isinstance(payload.get("action"), str) else None,
+    )
 
 
 def _iso_in(seconds: float) -> str:
@@ -128,21 +188,33 @@ def _iso_in(seconds: float) -> str:
 class ApprovalService:
     """The pending approvals of the whole server, by request id.
 
-    Needs: the frame log's `append` (frames go to the store, then to the session's followers)
-    and the default approval timeout in seconds. Long-lived state only; it runs no tasks: each
-    pending approval is waited for by the task of the call it gates.
+    Needs: the frame log's `append` (frames go to the store, then to the session's followers),
+    the default approval timeout in seconds, and with a shared store the log (`SharedLog`). Each
+    pending approval is waited for by the task of the call it gates; `serve` (started with
+    `nursery.start`) holds only the tasks that deny a departed owner's remote approvals.
     Raises (from `answer`, `answer_batch`): `RelayError` with a message naming the request ids
     for an unknown id, another caller, a wrong session, a contradicting re-answer, an answer the
     request cannot take, or updated arguments that fail the tool's schema; the approval then
     stays pending.
     """
 
-    def __init__(self, append_frame: AppendFn, default_timeout: float = DEFAULT_APPROVAL_TIMEOUT) -> None:
+    def __init__(
+        self, append_frame: AppendFn, default_timeout: float = DEFAULT_APPROVAL_TIMEOUT, log: SharedLog | None = None,
+    ) -> None:
+        """`log` (a shared store only) makes approvals work across servers."""
         self._append_frame = append_frame
         self.default_timeout = default_timeout
+        self.log = log
         self._pending: dict[str, PendingApproval] = {}
+        self._remote: dict[str, PendingApproval] = {}
+        self._synced: dict[Session, int] = {}
+        self._tasks = TaskHost()
         self._finished: collections.OrderedDict[str, _Finished] = collections.OrderedDict()
         self._changed: dict[int, trio.Event] = {}
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery in which a departed owner's remote approvals are denied (shared store)."""
+        await self._tasks.serve(task_status=task_status)
 
     # -- what is pending ---------------------------------------------------------------
 
@@ -152,26 +224,96 @@ class ApprovalService:
         return self._pending
 
     def pending_for(self, session: Session) -> list[PendingApproval]:
-        """Undecided approvals of one session, oldest first."""
-        return [p for p in self._pending.values() if p.session is session and p.decision is None and p.frame_seq]
+        """Undecided approvals of one session, oldest first (with a shared store, also those of
+        other servers' gated calls, as last read from the log)."""
+        local = [p for p in self._pending.values() if p.session is session and p.decision is None and p.frame_seq]
+        remote = [p for p in self._remote.values() if p.session is session and p.decision is None]
+        return sorted(local + remote, key=lambda p: p.frame_seq) if remote else local
+
+    def find(self, request_id: str) -> PendingApproval | None:
+        """The pending approval `request_id`, this server's or (shared store) another's."""
+        return self._pending.get(request_id) or self._remote.get(request_id)
 
     async def wait_pending(self, session: Session) -> list[PendingApproval]:
-        """Return the session's pending approvals as soon as there is at least one."""
+        """Return the session's pending approvals as soon as there is at least one (with a shared
+        store, woken also by a request another server appends)."""
         while True:
+            await self.sync(session)
             pending = self.pending_for(session)
             if pending:
                 return pending
-            event = self._changed.get(id(session))
-            if event is None:
-                event = self._changed[id(session)] = trio.Event()
-            await event.wait()
+            await self._wait_event_or_log(session)
 
     async def wait_changed(self, session: Session) -> None:
-        """Return at the session's next change: an approval requested or decided."""
+        """Return at the session's next change: an approval requested or decided (on any server)."""
+        await self._wait_event_or_log(session)
+
+    async def _wait_event_or_log(self, session: Session) -> None:
         event = self._changed.get(id(session))
         if event is None:
             event = self._changed[id(session)] = trio.Event()
-        await event.wait()
+        log = self.log
+        if log is None or session.owner is None:
+            await event.wait()
+            return
+        after = self._synced.get(session, 0)
+        async with trio.open_nursery() as race:
+
+            async def local() -> None:
+                await event.wait()
+                race.cancel_scope.cancel()
+
+            async def logged() -> None:
+                await log.wait_frames(session, (REQUEST, RESOLVED), after)
+                await self.sync(session)
+                race.cancel_scope.cancel()
+
+            race.start_soon(local)
+            race.start_soon(logged)
+
+    async def sync(self, session: Session) -> None:
+        """Shared store, a session this server's caller owns: read the session's approval frames
+        since the last read; other servers' requests with no decision yet become remote pending
+        approvals, and those decided since are settled."""
+        if self.log is None or session.owner is None:
+            return
+        after = self._synced.get(session)
+        if after is None:
+            after = await self.log.store.pruned_below(session.instance)
+        frames = await self.log.frames(session, (REQUEST, RESOLVED), after)
+        for frame in frames:
+            request_id = frame.payload.get("request_id")
+            if not isinstance(request_id, str):
+                continue
+            if frame.type == REQUEST:
+                if request_id in self._pending or request_id in self._finished or request_id in self._remote:
+                    continue
+                self._remote[request_id] = self._remote_entry(frame, session)
+                self._notify(session)
+            else:
+                entry = self._remote.pop(request_id, None)
+                if entry is not None and entry.decision is None:
+                    self._decide(entry, decision_of(frame.payload))
+                    entry.recorded.set()
+        if frames:
+            after = max(after, frames[-1].seq)
+        self._synced[session] = max(after, self._synced.get(session, 0))
+
+    @staticmethod
+    def _remote_entry(frame: Frame, session: Session) -> PendingApproval:
+        """Another server's `approval_request` frame as a pending approval this server's owner answers."""
+        p = frame.payload
+        origin = p.get("origin") if p.get("origin") in ("caller", "toolset", "agent") else "agent"
+        return PendingApproval(
+            request_id=str(p["request_id"]), session=session, tool_name=str(p.get("tool_name")),
+            arguments=p.get("arguments") if isinstance(p.get("arguments"), dict) else {}, origin=origin,
+            caller=session.owner, expires_at=str(p.get("expires_at", "")),
+            input_schema=p.get("input_schema") if isinstance(p.get("input_schema"), dict) else None,
+            allows_tool_return=p.get("allows_tool_return") is True,
+            form=p.get("elicitation") if isinstance(p.get("elicitation"), dict) else None,
+            tool_use_id=p.get("tool_use_id") if isinstance(p.get("tool_use_id"), str) else None,
+            frame_seq=frame.seq, remote=True,
+        )
 
     def _notify(self, session: Session) -> None:
         event = self._changed.pop(id(session), None)
@@ -207,9 +349,19 @@ class ApprovalService:
         )
         self._pending[entry.request_id] = entry
         try:
-            frame = await self._append_frame(session, "approval_request", entry.summary())
+            entry.in_log = caller is None and await self._owner_elsewhere(session)
+            request = entry.summary()
+            if self.log is not None:  # what the owner's server checks an answer against
+                if input_schema is not None:
+                    request["input_schema"] = input_schema
+                if allows_tool_return:
+                    request["allows_tool_return"] = True
+            frame = await self._append_frame(session, REQUEST, request)
             entry.frame_seq = frame.seq
             self._notify(session)
+            if entry.in_log:
+                await self._wait_in_log(entry, seconds)
+                return self._decided(entry)
             if entry.decision is None and (caller is None or caller.closed.is_set()):
                 self._decide(entry, Decision(
                     approve=False, who="disconnect",
@@ -228,13 +380,60 @@ class ApprovalService:
                 self._decide(entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"))
             if not entry.recorded.is_set():
                 with trio.CancelScope(shield=True):
-                    await self._record(entry)
+                    if entry.in_log:
+                        await self._store_outcome(entry, entry.decision)  # loses to a decision stored first
+                    else:
+                        await self._record(entry)
             raise
         finally:
             self._pending.pop(entry.request_id, None)
             entry.recorded.set()  # never leave an answerer waiting, even if recording failed
+        return self._decided(entry)
+
+    @staticmethod
+    def _decided(entry: PendingApproval) -> Decision:
         assert entry.decision is not None
         return entry.decision
+
+    async def _owner_elsewhere(self, session: Session) -> bool:
+        """Shared store: the session has an owner, recorded in the log, who is not connected here."""
+        if self.log is None:
+            return False
+        if session.owner_identity is None:
+            session.owner_identity = await self.log.recorded_owner(session)
+        return session.owner_identity is not None
+
+    async def _wait_in_log(self, entry: PendingApproval, seconds: float) -> None:
+        """The owner is on another server: wait for the request's `approval_resolved`, whoever stores it.
+
+        At the timeout this server tries to store its own denial (timeout); if an answer won the
+        race in the database, the gated call gets that answer instead.
+        """
+        assert self.log is not None
+        session = entry.session
+        outcome: Frame | None = None
+        with trio.move_on_after(seconds):
+            outcome = await self.log.wait_outcome(session, entry.request_id, entry.frame_seq, outcome_types=(RESOLVED,))
+        if outcome is None:
+            timeout = Decision(approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)")
+            outcome = await self._store_outcome(entry, timeout) or await self._outcome_of(entry)
+        if outcome is None:  # the winner is committed before we lost: unreachable but for retention
+            raise RelayError(errors.INTERNAL_ERROR, f"approval '{entry.request_id}' ended, but its decision is not in the log")
+        if entry.decision is None:
+            self._decide(entry, decision_of(outcome.payload))
+        entry.recorded.set()
+
+    async def _store_outcome(self, entry: PendingApproval, decision: Decision) -> Frame | None:
+        """Store `decision` as the request's one `approval_resolved` (None: another decision won)."""
+        assert self.log is not None
+        return await self.log.append_outcome(entry.session, RESOLVED, _resolved_payload(entry, decision), entry.request_id)
+
+    async def _outcome_of(self, entry: PendingApproval) -> Frame | None:
+        assert self.log is not None
+        for frame in await self.log.frames(entry.session, (RESOLVED,), entry.frame_seq):
+            if frame.payload.get("request_id") == entry.request_id:
+                return frame
+        return None
 
     def fail_caller(self, caller: CallerConnection, session: Session | None = None) -> int:
         """The caller's connection (or, with `session`, its wait on that session) ended: every
@@ -248,12 +447,30 @@ class ApprovalService:
                     approve=False, who="disconnect", reason="the caller disconnected before deciding",
                 ))
                 failed += 1
+        if self.log is not None:
+            gone = [s for s in self._synced if s.owner is caller and session in (None, s)]
+            failed += sum(1 for entry in self._remote.values() if entry.session in gone and entry.decision is None)
+            if gone and self._tasks.nursery is not None:
+                self._tasks.nursery.start_soon(self._deny_remote, gone)
         return failed
+
+    async def _deny_remote(self, sessions: list[Session]) -> None:
+        """Their owner left this server: the approvals other servers' gated calls wait for in
+        `sessions` are denied through the log (fail closed), so those calls end now, not at their timeout."""
+        gone = Decision(approve=False, who="disconnect", reason="the caller disconnected before deciding")
+        for session in sessions:
+            try:
+                await self.sync(session)
+                for entry in [e for e in self._remote.values() if e.session is session and e.decision is None]:
+                    if await self._store_outcome(entry, gone) is not None:
+                        self._settle(entry, gone)
+            except Exception:
+                log.exception("session %s: could not deny the approvals of a departed caller", session.key)
 
     def _decide(self, entry: PendingApproval, decision: Decision) -> None:
         entry.decision = decision
         self._finished[entry.request_id] = _Finished(
-            entry.session.id, entry.caller, decision, entry.frame_seq, entry.recorded,
+            entry.session.id, entry.caller, decision, entry.frame_seq, entry.recorded, entry.session,
         )
         while len(self._finished) > RESOLVED_MEMORY:
             self._finished.popitem(last=False)
@@ -263,20 +480,8 @@ class ApprovalService:
     async def _record(self, entry: PendingApproval) -> None:
         decision = entry.decision
         assert decision is not None
-        payload: dict[str, Any] = {
-            "request_id": entry.request_id, "tool_name": entry.tool_name, "approve": decision.approve,
-            "reason": decision.reason, "who": decision.who, "kind": decision.kind,
-        }
-        if decision.updated_arguments is not None:
-            payload["updated_arguments"] = decision.updated_arguments
-        if decision.kind == "tool":
-            payload.update(tool_return=decision.tool_return, status=decision.status)
-        if decision.content is not None:
-            payload["content"] = decision.content
-        if decision.action is not None:
-            payload["action"] = decision.action
         try:
-            await self._append_frame(entry.session, "approval_resolved", payload)
+            await self._append_frame(entry.session, RESOLVED, _resolved_payload(entry, decision))
         finally:
             entry.recorded.set()
 
@@ -288,8 +493,11 @@ class ApprovalService:
         if outcome is not None:
             await outcome.recorded.wait()
             return {"resolved": True, "already_resolved": True, "after_seq": outcome.frame_seq}
-        entry = self._pending[request_id]
+        entry = self.find(request_id)
+        assert entry is not None
         seq = entry.frame_seq
+        if entry.remote or entry.in_log:
+            return await self._answer_in_log(caller, entry, decision)
         self._decide(entry, decision)
         await entry.recorded.wait()  # the approval_resolved frame is stored when we answer
         return {"resolved": True, "after_seq": seq}
@@ -313,7 +521,9 @@ class ApprovalService:
             if outcome is not None:
                 retries.append(outcome)
             else:
-                fresh.append((self._pending[request_id], decision))
+                entry = self.find(request_id)
+                assert entry is not None
+                fresh.append((entry, decision))
         if sorted(entry.request_id for entry, _ in fresh) != pending_ids:
             listed = ", ".join(pending_ids) or "none"
             raise RelayError(
@@ -323,7 +533,10 @@ class ApprovalService:
             )
         seqs = [entry.frame_seq for entry, _ in fresh] + [r.frame_seq for r in retries]
         for entry, decision in fresh:
-            self._decide(entry, decision)
+            if entry.remote or entry.in_log:
+                await self._answer_in_log(caller, entry, decision)
+            else:
+                self._decide(entry, decision)
         for entry, _ in fresh:
             await entry.recorded.wait()
         for retry in retries:
@@ -334,12 +547,12 @@ class ApprovalService:
         self, caller: CallerConnection, session_id: str, request_id: str, decision: Decision
     ) -> _Finished | None:
         """Refuse an answer that may not be applied; a finished one answered the same way is returned."""
-        entry = self._pending.get(request_id)
+        entry = self.find(request_id)
         if entry is None or entry.decision is not None:
             finished = self._finished.get(request_id)
             if finished is None:
                 raise RelayError(errors.NOT_FOUND, f"unknown approval request_id '{request_id}'")
-            self._check_owner(caller, finished.caller, finished.session_id, session_id, request_id)
+            self._check_owner(caller, finished.caller, finished.session_id, session_id, request_id, finished.session)
             # The person's answer and the caller's are one decision: the second one is refused.
             one_path = (finished.decision.who == ELICITATION_WHO) == (decision.who == ELICITATION_WHO)
             if one_path and finished.decision.same_answer_as(decision):
@@ -348,7 +561,7 @@ class ApprovalService:
                 errors.INVALID_REQUEST,
                 f"approval '{request_id}' is already resolved: {finished.decision.describe()}",
             )
-        self._check_owner(caller, entry.caller, entry.session.id, session_id, request_id)
+        self._check_owner(caller, entry.caller, entry.session.id, session_id, request_id, entry.session)
         if decision.kind == "tool" and not entry.allows_tool_return:
             raise RelayError(
                 errors.INVALID_PARAMS,
@@ -380,15 +593,64 @@ class ApprovalService:
                     raise RelayError(errors.INVALID_PARAMS, f"{problem}; approval '{request_id}' is still pending")
         return None
 
+    async def _answer_in_log(self, caller: Any, entry: PendingApproval, decision: Decision) -> dict[str, Any]:
+        """Decide a request whose call waits in the log (here or on another server): the decision is
+        stored only if none won before it; else the one that won refuses it (or, identical, stands)."""
+        stored = await self._store_outcome(entry, decision)
+        if stored is not None:
+            self._settle(entry, decision)
+            return {"resolved": True, "after_seq": entry.frame_seq}
+        outcome = await self._outcome_of(entry)
+        won = decision_of(outcome.payload) if outcome is not None else None
+        if won is not None:
+            self._settle(entry, won)
+            one_path = (won.who == ELICITATION_WHO) == (decision.who == ELICITATION_WHO)
+            if one_path and won.same_answer_as(decision):
+                return {"resolved": True, "already_resolved": True, "after_seq": entry.frame_seq}
+        raise RelayError(
+            errors.INVALID_REQUEST,
+            f"approval '{entry.request_id}' is already resolved: {won.describe() if won else 'elsewhere'}",
+        )
+
+    def _settle(self, entry: PendingApproval, decision: Decision) -> None:
+        """A decision stored in the log: this server's copy of the request ends with it now."""
+        if entry.remote:
+            self._remote.pop(entry.request_id, None)
+        if entry.decision is None:
+            self._decide(entry, decision)
+        if entry.remote:
+            entry.recorded.set()
+
     @staticmethod
-    def _check_owner(caller: Any, owner: Any, owner_session: str, session_id: str, request_id: str) -> None:
+    def _check_owner(
+        caller: Any, owner: Any, owner_session: str, session_id: str, request_id: str, session: Session | None = None,
+    ) -> None:
         if owner_session != session_id:
             raise RelayError(
                 errors.INVALID_PARAMS,
                 f"approval '{request_id}' belongs to session '{owner_session}', not '{session_id}'",
             )
+        if owner is None and session is not None and session.same_caller(caller):
+            return  # the owner by identity, connected to this server, of a session opened on another
         if owner is not caller:
             raise RelayError(
                 errors.UNAUTHORIZED,
                 f"approval '{request_id}' may only be answered by the caller that owns session '{session_id}'",
             )
+
+
+def _resolved_payload(entry: PendingApproval, decision: Decision) -> dict[str, Any]:
+    """The `approval_resolved` frame's payload for `decision` on `entry`."""
+    payload: dict[str, Any] = {
+        "request_id": entry.request_id, "tool_name": entry.tool_name, "approve": decision.approve,
+        "reason": decision.reason, "who": decision.who, "kind": decision.kind,
+    }
+    if decision.updated_arguments is not None:
+        payload["updated_arguments"] = decision.updated_arguments
+    if decision.kind == "tool":
+        payload.update(tool_return=decision.tool_return, status=decision.status)
+    if decision.content is not None:
+        payload["content"] = decision.content
+    if decision.action is not None:
+        payload["action"] = decision.action
+    return payload

@@ -26,6 +26,7 @@ from protocol.schema_check import first_problem
 
 from ..approvals import ApprovalElicitation, ApprovalService, Decision, InputRequired
 from ..caller_tool_relay import CallerToolRelay, NoLongerPending
+from ..caller_tool_relay.bus import OWNER_KEY
 from ..callers import CallerConnection, RequestScopedSink
 from ..frame_log import FrameLog
 from ..ids import channel_problem, strict_validator
@@ -247,13 +248,27 @@ class CallerTools:
         except CursorPruned:
             return True
 
-    def _owned(self, caller: CallerConnection, session_id: str, instance: str | None = None) -> list[Session]:
-        """The caller's `mcp` sessions with this id; `not_yours` if only other callers have one."""
+    async def _owned(self, caller: CallerConnection, session_id: str, instance: str | None = None) -> list[Session]:
+        """The caller's `mcp` sessions with this id; `not_yours` if only other callers have one.
+
+        Shared store: a session opened on another server is the caller's too when the owner
+        identity its log recorded is the caller's (docs/SCALING.md, "Caller identity").
+        """
         known = [s for s in self.sessions.find_by_id(session_id, instance) if s.channel == SESSION_CHANNEL]
-        mine = [s for s in known if s.owner is caller]
+        await self._load_owners(known)
+        mine = [s for s in known if s.owner is caller or (s.owner is None and s.same_caller(caller))]
         if known and not mine:
             raise not_yours(session_id)
         return mine
+
+    async def _load_owners(self, sessions: list[Session]) -> None:
+        """Shared store: read the recorded owner of each session that has no owner in this process."""
+        bus = self.caller_tools.pending.bus
+        if bus is None:
+            return
+        for session in sessions:
+            if session.owner is None and session.owner_identity is None:
+                session.owner_identity = await bus.recorded_owner(session)
 
     def caller_gone(self, caller: CallerConnection, session: Session | None = None) -> int:
         """The caller's stream ended (HTTP): its pending calls (of `session`, if given) fail now and
@@ -280,6 +295,10 @@ class CallerTools:
             session.echo_own_answers = bool(context.get("echo_own_answers", False))
         else:
             declared = {}
+        if self.store.shared:
+            # The log records who owns the session, so the other servers know the same caller.
+            session.owner_identity = caller.identity
+            declared = {**declared, OWNER_KEY: caller.identity}
         session.sinks.add(caller)
         frame = await self.frame_log.ingress(
             instance, session.channel, session.id, "user.message", {"text": args["message"], **declared},
@@ -457,7 +476,7 @@ class CallerTools:
             raise RelayError(errors.INVALID_PARAMS, "give either 'result' or 'error'")
         if args.get("error") is not None and args.get("result") is not None:
             raise RelayError(errors.INVALID_PARAMS, "give 'result' or 'error', not both")
-        self._owned(caller, args["session_id"])
+        await self._owned(caller, args["session_id"])
         # Checked before the call is touched: a refused answer leaves it pending, to answer again.
         if args.get("error") is not None:
             self.limits.check_value(args["error"], "error")
@@ -470,7 +489,8 @@ class CallerTools:
             )
         except NoLongerPending as late:
             finished = late.finished
-            if wait is False or finished.caller is not caller or finished.session.id != args["session_id"]:
+            mine = finished.caller is caller or finished.session.owner is caller or finished.session.same_caller(caller)
+            if wait is False or not mine or finished.session.id != args["session_id"]:
                 raise
             answered: dict[str, Any] = {"resolved": False, "not_pending": late.message}
             session, after_seq = finished.session, finished.frame_seq
@@ -488,8 +508,8 @@ class CallerTools:
         `forwarded` is false when the agent's client asked for no progress on that call.
         Raises: `RelayError` for a request id that is not pending for this caller (as `caller_tool_response`).
         """
-        self._owned(caller, args["session_id"])
-        forwarded = self.caller_tools.pending.progress(
+        await self._owned(caller, args["session_id"])
+        forwarded = await self.caller_tools.pending.progress(
             caller, args["session_id"], args["request_id"],
             args["progress"], args.get("total"), args.get("message"),
         )
@@ -508,10 +528,9 @@ class CallerTools:
 
         `args` is the tool's body with `session_id`; refused like the tool, with the same messages.
         """
-        session = self._http_session("approval_response", instance, args, "has no approvals")
+        session, owner = await self._http_session("approval_response", instance, args, "has no approvals")
         self._check_answer_form(args)
-        assert session.owner is not None
-        return await self._answer_approvals(_http_context(), session.owner, "http", session, args)
+        return await self._answer_approvals(_http_context(), owner, "http", session, args)
 
     async def caller_tool_response_over_http(self, instance: str, args: dict[str, Any]) -> dict[str, Any]:
         """The HTTP door for `caller_tool_response`: the operator answers for the session's owning caller.
@@ -519,30 +538,41 @@ class CallerTools:
         Tether users whose program cannot hold an MCP session answer the requests it relayed here;
         refused like the tool, with the same messages.
         """
-        session = self._http_session("caller_tool_response", instance, args, "has no caller tool requests")
-        assert session.owner is not None
-        return await self.caller_tool_response(_http_context(), session.owner, args)
+        _, owner = await self._http_session("caller_tool_response", instance, args, "has no caller tool requests")
+        return await self.caller_tool_response(_http_context(), owner, args)
 
     async def caller_tool_progress_over_http(self, instance: str, args: dict[str, Any]) -> dict[str, Any]:
         """The HTTP door for `caller_tool_progress`, as `caller_tool_response_over_http`."""
-        session = self._http_session("caller_tool_progress", instance, args, "has no caller tool requests")
-        assert session.owner is not None
-        return await self.caller_tool_progress(_http_context(), session.owner, args)
+        _, owner = await self._http_session("caller_tool_progress", instance, args, "has no caller tool requests")
+        return await self.caller_tool_progress(_http_context(), owner, args)
 
-    def _http_session(self, tool: str, instance: str, args: dict[str, Any], none: str) -> Session:
-        """The owned `mcp` session an HTTP answer (`args`, the tool's body with `session_id`) is for.
+    async def _http_session(
+        self, tool: str, instance: str, args: dict[str, Any], none: str,
+    ) -> tuple[Session, CallerConnection]:
+        """The owned `mcp` session an HTTP answer (`args`, the tool's body with `session_id`) is for,
+        and the caller the operator answers as: its owner here, or (shared store, a session opened on
+        another server) a stand-in with the owner identity the log recorded.
 
         Raises: `RelayError` for a body the tool's schema refuses, or a session of `instance`
-        that no connected caller owns (`NOT_FOUND`, "… `none`").
+        that no caller owns (`NOT_FOUND`, "… `none`").
         """
         problem = first_problem(self._validators[tool], args, "invalid body")
         if problem:
             raise RelayError(errors.INVALID_PARAMS, problem)
         matches = self.sessions.find_by_id(args["session_id"], instance)
         owned = [s for s in matches if s.owner is not None]
-        if not owned:
+        if owned:
+            assert owned[0].owner is not None
+            return owned[0], owned[0].owner
+        mcp = [s for s in matches if s.channel == SESSION_CHANNEL]
+        await self._load_owners(mcp)
+        recorded = [s for s in mcp if s.owner_identity is not None]
+        if not recorded:
             raise RelayError(errors.NOT_FOUND, f"session '{args['session_id']}' of instance '{instance}' {none}")
-        return owned[0]
+        stand_in = CallerConnection("http", "http-door")
+        stand_in.identity = recorded[0].owner_identity or stand_in.identity
+        stand_in.close()  # it follows nothing and is told nothing: it only answers
+        return recorded[0], stand_in
 
     def _check_answer_form(self, args: dict[str, Any]) -> None:
         if ("request_id" in args or "approve" in args) == ("approvals" in args):
@@ -556,6 +586,8 @@ class CallerTools:
     async def _answer_approvals(
         self, ctx: Any, caller: CallerConnection, who: str, session: Session, args: dict[str, Any]
     ) -> dict[str, Any]:
+        await self._load_owners([session])
+        await self.approvals.sync(session)  # shared store: another server's gated call may be asking
         single = "approvals" not in args
         if single:
             if "request_id" not in args or "approve" not in args:
@@ -612,7 +644,7 @@ class CallerTools:
             # Sessions of session_message are read by their owner only; other channels are the
             # tether's, which tether_read serves to every caller anyway.
             known = await self.instances.require_known(args["instance"]) if args.get("instance") else None
-            mine = self._owned(caller, session_id, known)
+            mine = await self._owned(caller, session_id, known)
             if not mine:
                 raise RelayError(errors.NOT_FOUND, f"unknown session '{session_id}'")
             if len(mine) > 1:

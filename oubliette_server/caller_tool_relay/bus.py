@@ -26,8 +26,12 @@ from ..store_api import MAX_LIMIT, CursorPruned, FrameQuery, FrameStoreAPI
 REQUEST = "caller_tool_request"
 OUTCOME_TYPES = ("caller_tool_result", "caller_tool_cancelled")
 REQUEST_TYPES = (REQUEST, *OUTCOME_TYPES)
+#: A caller's progress report on another server's request; the agent's server forwards it.
+PROGRESS = "caller_tool_progress"
 #: The key of a declaration in its `user.message` payload.
 DECLARATION_KEY = "caller_tools"
+#: The key of the session owner's identity (`CallerConnection.identity`) in its `user.message` payload.
+OWNER_KEY = "owner"
 #: How long one long poll on the log lasts before it is simply asked again (no deadline: the
 #: waits that need one are bounded by their caller's own cancel scope).
 WAIT_SLICE = 3600.0
@@ -85,19 +89,44 @@ class LogBus:
                 return frame
         return None
 
-    async def wait_outcome(self, session: Session, request_id: str, after_seq: int) -> Frame:
-        """Wait for the outcome frame of `request_id`, appended by any server."""
+    async def wait_outcome(
+        self, session: Session, request_id: str, after_seq: int,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        outcome_types: tuple[str, ...] = OUTCOME_TYPES,
+    ) -> Frame:
+        """Wait for the outcome frame of `request_id` (one of `outcome_types`), appended by any server;
+        `on_progress` gets the payload of each progress report on it stored meanwhile."""
+        types = (*outcome_types, PROGRESS) if on_progress is not None else outcome_types
         while True:
-            for frame in await self.wait_frames(session, OUTCOME_TYPES, after_seq):
-                if frame.payload.get("request_id") == request_id:
-                    return frame
+            for frame in await self.wait_frames(session, types, after_seq):
                 after_seq = frame.seq
+                if frame.payload.get("request_id") != request_id:
+                    continue
+                if frame.type != PROGRESS:
+                    return frame
+                if on_progress is not None:
+                    on_progress(frame.payload)
 
     async def latest_declaration(self, session: Session) -> dict[str, Any] | None:
         """The session's last declaration (`{caller_id, tools}`), read from its `user.message` frames."""
+        return (await self.session_record(session))[1]
+
+    async def recorded_owner(self, session: Session) -> str | None:
+        """The identity of the session's owner, as its first `user.message` recorded it (None if none did)."""
+        return (await self.session_record(session))[0]
+
+    async def session_record(self, session: Session) -> tuple[str | None, dict[str, Any] | None]:
+        """`(owner identity, last declaration)` of the session, read from its `user.message` frames.
+
+        The owner is the one the session was opened by, so the first recorded one counts.
+        """
+        owner: str | None = None
         latest = None
         for frame in await self.frames(session, ("user.message",), 0):
             declared = frame.payload.get(DECLARATION_KEY)
             if isinstance(declared, dict):
                 latest = declared
-        return latest
+            recorded = frame.payload.get(OWNER_KEY)
+            if owner is None and isinstance(recorded, str):
+                owner = recorded
+        return owner, latest

@@ -73,14 +73,16 @@ class CallerToolRelay:
 
     async def load_declaration(self, connection: ClientPeer) -> None:
         """Shared store: before a client bound to a session this server has no caller for gets its
-        configuration, read the session's latest declaration from the log (made on another server)."""
+        configuration, read the session's latest declaration and its owner's identity from the log
+        (written on another server): that owner may answer here too."""
         if self.pending.bus is None or connection.session_key is None or connection.instance is None:
             return
         ref = SessionRef.parse_key(connection.session_key)
         session = self.sessions.get_or_create(connection.instance, ref.channel, ref.id)
         if session.owner is not None:
             return  # declared here: memory is current
-        declared = await self.pending.bus.latest_declaration(session)
+        owner, declared = await self.pending.bus.session_record(session)
+        session.owner_identity = owner or session.owner_identity
         if declared is None:
             return
         try:

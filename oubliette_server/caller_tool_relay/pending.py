@@ -35,7 +35,7 @@ from protocol.schema_check import schema_problem
 
 from ..sessions import Session
 from ..task_host import TaskHost
-from .bus import REQUEST, REQUEST_TYPES, LogBus
+from .bus import PROGRESS, REQUEST, REQUEST_TYPES, LogBus
 
 if TYPE_CHECKING:
     from ..callers import CallerConnection
@@ -69,6 +69,8 @@ class PendingCall:
     error: RelayError | None = None
     remote: bool = False
     """A request another server's agent made, read from the shared log (answered through it)."""
+    wants_progress: bool = False
+    """A remote request whose agent asked for progress reports (its request frame says so)."""
 
     def summary(self) -> dict[str, Any]:
         """What a caller must answer: its entry in a turn stop's `pending` list."""
@@ -184,7 +186,7 @@ class CallerCallRegistry:
                 self._remote[request_id] = PendingCall(
                     request_id=request_id, session=session, caller=session.owner, tool=str(frame.payload.get("tool")),
                     arguments=frame.payload.get("arguments"), expires_at=str(frame.payload.get("expires_at", "")),
-                    frame_seq=frame.seq, remote=True,
+                    frame_seq=frame.seq, remote=True, wants_progress=frame.payload.get("progress") is True,
                 )
                 changed = True
             else:
@@ -226,6 +228,8 @@ class CallerCallRegistry:
             }
             if self.bus is not None:
                 request["expires_at"] = expires_at  # the caller's server lists it with the request
+                if progress is not None:
+                    request["progress"] = True  # the caller's server may forward progress reports
             frame = await self._append_frame(session, "caller_tool_request", request)
             call.frame_seq = frame.seq
             self._notify(session)
@@ -275,8 +279,15 @@ class CallerCallRegistry:
         """
         session = call.session
         outcome: Frame | None = None
+        on_progress = None
+        if call.progress is not None:
+            report = call.progress
+
+            def on_progress(payload: dict[str, Any]) -> None:
+                report(*_progress_args(payload))
+
         with trio.move_on_after(timeout):
-            outcome = await bus.wait_outcome(session, call.request_id, call.frame_seq)
+            outcome = await bus.wait_outcome(session, call.request_id, call.frame_seq, on_progress)
         if outcome is None:
             stored = await self._record(
                 session, "caller_tool_cancelled", {"request_id": call.request_id, "tool": spec.name, "reason": "timeout"},
@@ -358,20 +369,41 @@ class CallerCallRegistry:
         self._remember(call.request_id, Finished(how, call.session, call.caller, call.frame_seq))
         self._notify(call.session)
 
-    def progress(
+    async def progress(
         self, caller: CallerConnection, session_id: str, request_id: str,
         progress: float, total: float | None = None, message: str | None = None,
     ) -> bool:
         """Hand the caller's progress report on a pending call to the agent; False if it asked for none.
 
+        Another server's request (shared store): the report is stored as a `caller_tool_progress`
+        frame, which the agent's server forwards to the waiting call.
         Raises: `RelayError` as `respond` does for a call that is not pending, in another session,
         or another caller's.
         """
+        await self._sync_for(caller, session_id, request_id)
         call = self._pending_of(caller, session_id, request_id)
+        if call.remote:
+            if not call.wants_progress:
+                return False
+            report: dict[str, Any] = {"request_id": request_id, "progress": progress}
+            if total is not None:
+                report["total"] = total
+            if message is not None:
+                report["message"] = message
+            await self._append_frame(call.session, PROGRESS, report, skip=caller)
+            return True
         if call.progress is None:
             return False
         call.progress(progress, total, message)
         return True
+
+    async def _sync_for(self, caller: CallerConnection, session_id: str, request_id: str) -> None:
+        """Shared store: read the log of `caller`'s sessions `session_id` when `request_id` is not known
+        here (another server's agent may have made it since the last read)."""
+        if self.bus is not None and request_id not in self._pending and request_id not in self._remote:
+            for session in self._find_sessions(session_id):
+                if session.owner is caller:
+                    await self.sync(session)
 
     def _pending_of(self, caller: CallerConnection, session_id: str, request_id: str) -> PendingCall:
         """The pending call `request_id` of `caller` in `session_id`.
@@ -390,7 +422,7 @@ class CallerCallRegistry:
                 errors.INVALID_PARAMS,
                 f"request_id '{request_id}' belongs to session '{call.session.id}', not '{session_id}'",
             )
-        if call.caller is not caller:
+        if call.caller is not caller and not (call.caller is None and call.session.same_caller(caller)):
             raise RelayError(
                 errors.UNAUTHORIZED,
                 f"session '{session_id}' belongs to another caller: request_id '{request_id}' may only be answered by the caller that declared "
@@ -411,12 +443,11 @@ class CallerCallRegistry:
         Returns the resolved call (its session and `frame_seq` say where its turn goes on).
         Raises: as `_pending_of`.
         """
-        if self.bus is not None and request_id not in self._pending and request_id not in self._remote:
-            for session in self._find_sessions(session_id):  # another server's agent may have asked
-                if session.owner is caller:
-                    await self.sync(session)
+        await self._sync_for(caller, session_id, request_id)  # another server's agent may have asked
         call = self._pending_of(caller, session_id, request_id)
-        if call.remote:
+        if call.remote or (call.caller is None and self.bus is not None):
+            # Another server's request, or one of this server's agent whose caller declared on
+            # another server (it waits in the log): the log decides which outcome wins.
             return await self._respond_remote(call, caller, result, error)
         if error is not None:
             self._finish(call, "resolved with an error", error=RelayError(errors.TOOL_ERROR, str(error)), record_follows=True)
@@ -455,11 +486,26 @@ class CallerCallRegistry:
             self._remember(call.request_id, finished)
             self._notify(session)
             raise NoLongerPending(call.request_id, finished)
-        call.done.set()
-        call.recorded.set()
-        self._remember(call.request_id, Finished(how_it_ended(stored), session, caller, call.frame_seq))
+        if call.remote:
+            call.done.set()
+            call.recorded.set()
+            self._remember(call.request_id, Finished(how_it_ended(stored), session, caller, call.frame_seq))
+        else:  # this server's agent waits in the log: finish its call now (it reads the same frame)
+            self._finish(call, how_it_ended(stored), **outcome_of_frame(stored, session, call.tool))
         self._notify(session)
         return call
+
+
+def _progress_args(payload: dict[str, Any]) -> tuple[float, float | None, str | None]:
+    """A `caller_tool_progress` frame's payload as `(progress, total, message)` (bad values dropped)."""
+    progress = payload.get("progress")
+    total = payload.get("total")
+    message = payload.get("message")
+    return (
+        float(progress) if isinstance(progress, (int, float)) else 0.0,
+        float(total) if isinstance(total, (int, float)) else None,
+        message if isinstance(message, str) else None,
+    )
 
 
 def _timed_out(spec: CallerToolSpec, session: Session, timeout: float) -> RelayError:
