@@ -11,7 +11,7 @@ import logging
 import os
 import secrets
 import socket
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, cast
 import trio
 
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
@@ -26,7 +26,8 @@ from .callers import CallerConnection, CallerRegistry
 from .client_connections import ClientConnections
 from .config import ServerConfig
 from .frame_log import FrameLog
-from .guests import GuestDelivery, GuestFrames, InstanceStarter, OrphanedTurns
+from .abandoned_requests import AbandonedRequests, AbandonedStore
+from .guests import GuestDelivery, GuestFrames, InstanceLeases, InstanceStarter, LeaseStore, OrphanedTurns
 from .http_api import HttpApi
 from .instances import InstanceDirectory
 from .relay import SERVER_VERSION, RelayConnection, RelayHandlers, RelayListener
@@ -81,6 +82,13 @@ class OublietteServer:
         )
         self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self.starter.wake, limits=self.limits)
         self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
+        # With a shared store, which server holds an instance's guest is a lease in the database,
+        # and every server closes the caller tool requests a dead server left open.
+        self.leases: InstanceLeases | None = None
+        self.abandoned: AbandonedRequests | None = None
+        if self.store.shared:
+            self.leases = InstanceLeases(cast(LeaseStore, self.store), self.server_id, config.store_lease_ttl, self.guests)
+            self.guests.holds = self.leases.holds
         # With a shared store the log is the bus between servers for caller tool calls.
         bus = LogBus(self.store, self.frame_log.append_outcome) if self.store.shared else None
         self.calls = CallerCallRegistry(
@@ -101,6 +109,11 @@ class OublietteServer:
         self.register_command_toolset = self.toolsets.register_command_toolset
         self.unregister_toolset = self.toolsets.unregister_toolset
         self.update_allowed_toolsets = self.toolsets.update_allowed_toolsets
+        if self.store.shared:
+            self.abandoned = AbandonedRequests(
+                cast(AbandonedStore, self.store), self.sessions, self.frame_log.append_outcome,
+                period=config.store_lease_ttl, grace=config.store_lease_ttl,
+            )
         self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests)
         self.orphans = OrphanedTurns(self.guests, self.sessions, self.frame_log.append)
         self.tether = Tether(self.store, self.frame_log, self.instances, self.limits)
@@ -147,6 +160,10 @@ class OublietteServer:
                 await nursery.start(self.calls.serve)
                 await nursery.start(self.toolsets.serve)
                 await nursery.start(self.starter.serve)
+                if self.leases is not None:
+                    await nursery.start(self.leases.serve)
+                if self.abandoned is not None:
+                    await nursery.start(self.abandoned.serve)
                 await nursery.start(RelayListener(address, self._relay_connection).serve)
                 task_status.started()
 
@@ -233,6 +250,8 @@ class OublietteServer:
         assert connection.instance is not None
         self.instances.saw(connection.instance)
         if connection.role == "guest":
+            if self.leases is not None:
+                await self.leases.take(connection)  # the database says who holds the instance; fails: hello refused
             previous = self.guests.attach(connection)
             self.starter.guest_connected(connection.instance)
             if previous is not None:
@@ -256,6 +275,8 @@ class OublietteServer:
             return
         if connection.role == "guest":
             self.guests.detach(connection)
+            if self.leases is not None:
+                self.leases.release_soon(connection.instance)
             self.orphans.guest_gone(connection)
             # A message may have arrived after the guest died but before we noticed: wake it now.
             self.starter.wake_if(connection.instance, self.guests.has_undelivered)
