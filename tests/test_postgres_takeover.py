@@ -18,7 +18,7 @@ import trio
 
 from harness import PYTHON, Deployment, HttpServer, RawRelay
 from oubliette_server.store_api import FrameQuery
-from oubliette_server.store_pg import PostgresFrameStore
+from oubliette_server.store_pg import MIGRATIONS, PostgresFrameStore
 from test_caller_loop import IDLE, INSTANCE, LOOP_AGENT, LoopCaller, ends_with, script, tool
 from test_http_api import poll, post
 
@@ -77,6 +77,41 @@ async def guest_of(relays: list[Deployment], token: str) -> AsyncIterator[trio.P
         process.terminate()
         with trio.CancelScope(shield=True):
             await process.wait()
+
+
+async def test_leases_in_the_store(pg_url: str) -> None:
+    """take (over), renew (one statement; a lease another server took is not renewed), release
+    (only one's own), and an expired lease taken without naming a live previous holder."""
+    store = PostgresFrameStore(pg_url, pool_size=1)
+    async with store.running():
+        assert await store.take_lease("box1", "A", 5) is None
+        assert await store.renew_leases("A", ["box1", "box2"], 5) == {"box1", "box2"}  # a missing one is written
+        assert await store.take_lease("box1", "B", 5) == "A"
+        assert await store.renew_leases("A", ["box1", "box2"], 5) == {"box2"}
+        await store.release_lease("box1", "A")
+        assert await store.lease_holder("box1") == "B"
+        await store.release_lease("box1", "B")
+        assert await store.lease_holder("box1") is None
+        assert await store.take_lease("box3", "A", -1) is None  # already expired, as if A died
+        assert await store.take_lease("box3", "B", 5) is None
+        assert await store.lease_holder("box3") == "B"
+
+
+async def test_a_migration_missing_below_the_newest_is_applied(pg_url: str) -> None:
+    """Migrations merged from parallel branches: a database at version 5 without 3 gets 3."""
+    store = PostgresFrameStore(pg_url, pool_size=1)
+    async with store.running():
+        pass
+    import psycopg
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM oubliette_schema WHERE version = 3")
+        conn.execute("DROP TABLE resolutions")
+    async with store.running():
+        assert await store.append_outcome("box1", "r1", channel="mcp", session_id="s", type="caller_tool_result",
+                                          payload={"request_id": "r1"}) is not None
+    with psycopg.connect(pg_url) as conn:
+        assert sorted(r[0] for r in conn.execute("SELECT version FROM oubliette_schema")) == sorted(v for v, _ in MIGRATIONS)
 
 
 async def test_a_guest_that_connects_to_another_server_takes_its_instance_over(pg_url: str) -> None:
