@@ -194,6 +194,8 @@ async def test_kill_9_of_the_guests_server_mid_call(pg_url: str) -> None:
             assert f'{TOOL} -> {{"status": "sent"}}' in end["text"], end
         assert server_a.process.returncode is None
 
+    print(f"kill -9 of B: guest on A after {reconnected:.2f} s, turn ended after {turn_ended:.2f} s, "
+          f"request closed after {request_closed:.2f} s")
     assert reconnected < 5, reconnected
     assert turn_ended < 15, turn_ended
     assert request_closed <= CALL_TIMEOUT_MS / 1000 + 2 * LEASE_TTL + 2, request_closed
