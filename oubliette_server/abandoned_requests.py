@@ -1,8 +1,10 @@
 """Closing the caller tool requests a dead server left open (shared store only).
 
 The server whose agent asked a caller tool waits for the request's outcome and, at the
-request's `expires_at`, stores its timeout itself. A request still without an outcome well
-past its `expires_at` has lost its waiter: that server died (kill -9, a lost host). With one
+request's `expires_at`, stores its timeout itself; the request names that server (`server`),
+which renews its own lease while it lives (guests/leases.py). A request without an outcome
+whose server's lease expired, or well past its `expires_at`, has lost its waiter: that server
+died (kill -9, a lost host). With one
 server the next start closes such requests (`caller_tool_relay/restart.py`); with several on
 one database every surviving server sweeps the log every `period` seconds and stores
 `caller_tool_cancelled` (reason `ABANDONED_REASON`) through `append_outcome`, which lets
@@ -37,11 +39,12 @@ class AbandonedStore(Protocol):
     """What the sweep asks of the store (`store_pg.PostgresFrameStore`)."""
 
     async def abandoned_requests(self, grace: float, limit: int = 100) -> list[Frame]:
-        """Requests without an outcome whose `expires_at` passed more than `grace` seconds ago."""
+        """Requests without an outcome whose server's lease expired, or whose `expires_at` passed more than `grace` seconds ago."""
 
 
 class AbandonedRequests:
-    """Every `period` seconds, closes the requests past `expires_at` + `grace` that have no outcome."""
+    """Every `period` seconds, closes the requests without an outcome whose server died (its lease
+    expired, or `expires_at` + `grace` passed)."""
 
     def __init__(
         self, store: AbandonedStore, sessions: SessionRegistry, append_outcome: AppendOutcome,

@@ -93,6 +93,7 @@ class OublietteServer:
         bus = LogBus(self.store, self.frame_log.append_outcome) if self.store.shared else None
         self.calls = CallerCallRegistry(
             self.frame_log.append, config.caller_timeout, bus=bus, find_sessions=self.sessions.find_by_id,
+            server_id=self.server_id if bus is not None else None,
         )
         self.approvals = ApprovalService(self.frame_log.append, config.approval_timeout)
         self.elicitation = ApprovalElicitation(self.approvals, config.approval_delivery)

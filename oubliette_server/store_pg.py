@@ -42,7 +42,9 @@ Outcomes
 Schema and migrations
     Versioned migrations (`MIGRATIONS`) are applied at start in one transaction holding a
     transaction-scoped advisory lock, so several servers starting together apply each
-    migration once; a database with a newer schema than this program knows is refused.
+    migration once; a database with a newer schema than this program knows is refused. Each
+    version not recorded in `oubliette_schema` is applied, in order, even one below the newest
+    recorded (migrations developed in parallel may be merged in either order).
 
 Failures
     A database that cannot be reached gives `StoreUnavailable` with one clear line (at start,
@@ -142,12 +144,17 @@ CREATE TABLE resolutions (
 );
 """),
     # Instance presence (docs/SCALING.md, "Instance leases"): which server holds an instance's
-    # guest connection, until `expires_at` unless that server renews it. Self-contained: it
+    # guest connection, until `expires_at` unless that server renews it; and each server's own
+    # lease (is it alive: are the requests it waits on still waited on). Self-contained: it
     # depends on no other migration (a parallel branch adds version 4).
     (5, """
 CREATE TABLE instance_leases (
     instance   text        PRIMARY KEY,
     server     text        NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+CREATE TABLE server_leases (
+    server     text        PRIMARY KEY,
     expires_at timestamptz NOT NULL
 );
 """),
@@ -678,14 +685,18 @@ class PostgresFrameStore:
         return await self._run(write)
 
     async def renew_leases(self, server: str, instances: list[str], ttl: float) -> set[str]:
-        """Extend `server`'s leases of `instances` by `ttl` seconds, in one statement; the ones it
-        still holds. A lease another server took is not touched (and not returned); a missing one
-        (released, or never written) is taken again."""
-        if not instances:
-            return set()
-
+        """Extend `server`'s own lease and its leases of `instances` by `ttl` seconds, in one
+        transaction; the instances it still holds. A lease another server took is not touched (and
+        not returned); a missing one (released, or never written) is taken again."""
         def write(conn: psycopg.Connection) -> set[str]:
             with conn.transaction():
+                conn.execute(
+                    "INSERT INTO server_leases (server, expires_at) VALUES (%s, now() + make_interval(secs => %s)) "
+                    "ON CONFLICT (server) DO UPDATE SET expires_at = EXCLUDED.expires_at",
+                    (server, ttl),
+                )
+                if not instances:
+                    return set()
                 rows = conn.execute(
                     "INSERT INTO instance_leases (instance, server, expires_at) "
                     "SELECT name, %s, now() + make_interval(secs => %s) FROM unnest(%s::text[]) AS name "
@@ -711,13 +722,16 @@ class PostgresFrameStore:
         return await self._run(read, read_only=True)
 
     async def abandoned_requests(self, grace: float, limit: int = 100) -> list[Frame]:
-        """`caller_tool_request` frames with no outcome whose `expires_at` passed more than `grace`
-        seconds ago: the server waiting on them died (a live one stores its timeout at the deadline)."""
+        """`caller_tool_request` frames with no outcome whose waiting server died: its lease (the
+        request's `server`) expired, or `expires_at` passed more than `grace` seconds ago (a live
+        waiter stores its timeout at the deadline)."""
         def read(conn: psycopg.Connection) -> list[Frame]:
             rows = conn.execute(
                 "SELECT r.instance, r.seq, r.ts, r.channel, r.session_id, r.type, r.msg_id, r.reply_to, r.payload "
                 "FROM frames r WHERE r.type = 'caller_tool_request' "
-                "AND (r.payload::jsonb ->> 'expires_at')::timestamptz < now() - make_interval(secs => %s) "
+                "AND ((r.payload::jsonb ->> 'expires_at')::timestamptz < now() - make_interval(secs => %s) "
+                "  OR EXISTS (SELECT 1 FROM server_leases l WHERE l.server = r.payload::jsonb ->> 'server' "
+                "    AND l.expires_at < now())) "
                 "AND NOT EXISTS (SELECT 1 FROM resolutions s WHERE s.instance = r.instance "
                 "  AND s.request_id = r.payload::jsonb ->> 'request_id') "
                 "AND NOT EXISTS (SELECT 1 FROM frames o WHERE o.instance = r.instance AND o.session_id = r.session_id "

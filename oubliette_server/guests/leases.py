@@ -8,8 +8,8 @@ its guest at once (`holds`, asked before each delivery) and closes that connecti
 next renewal. A server that died simply stops renewing; the next guest takes the lease.
 
 Owns: a nursery (start it with `await nursery.start(leases.serve)`) with the renewal task,
-which renews every lease of this server in one statement every `ttl / 3` seconds, and the
-short release tasks. Needs: the PostgreSQL store's lease methods, this server's id, and
+which renews every lease of this server (its own, saying it is alive, and its instances') in
+one transaction every `ttl / 3` seconds, and the short release tasks. Needs: the PostgreSQL store's lease methods, this server's id, and
 guest delivery (which knows the guests connected here). Raises: `StoreUnavailable` from
 `take` (the guest's hello is refused: the database decides who holds an instance).
 """
@@ -36,7 +36,7 @@ class LeaseStore(Protocol):
         """Take `instance`'s lease; the previous live holder if another server."""
 
     async def renew_leases(self, server: str, instances: list[str], ttl: float) -> set[str]:
-        """Renew `server`'s leases of `instances`; the ones it still holds."""
+        """Renew `server`'s own lease and its leases of `instances`; the instances it still holds."""
 
     async def release_lease(self, instance: str, server: str) -> None:
         """Drop `server`'s lease of `instance`."""
@@ -59,6 +59,7 @@ class InstanceLeases:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Renew this server's leases every `ttl / 3` seconds until cancelled."""
+        await self.renew()  # this server's own lease exists before any request names it
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
@@ -83,10 +84,9 @@ class InstanceLeases:
         return await self.store.lease_holder(instance) in (self.server_id, None)
 
     async def renew(self) -> None:
-        """Renew every lease of this server in one statement; close the guests whose lease another took."""
+        """Renew this server's own lease and its instances' in one transaction; close the guests
+        whose lease another server took."""
         instances = self.delivery.connected_instances()
-        if not instances:
-            return
         try:
             held = await self.store.renew_leases(self.server_id, instances, self.ttl)
         except StoreUnavailable as exc:
