@@ -80,7 +80,7 @@ class OublietteServer:
             lambda instance: self.guests.guest_for(instance) is not None,
             start_grace=config.start_timeout,
         )
-        self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self.starter.wake, limits=self.limits)
+        self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self._user_message_arrived, limits=self.limits)
         self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
         # With a shared store, which server holds an instance's guest is a lease in the database,
         # and every server closes the caller tool requests a dead server left open.
@@ -280,7 +280,7 @@ class OublietteServer:
                 self.leases.release_soon(connection.instance)
             self.orphans.guest_gone(connection)
             # A message may have arrived after the guest died but before we noticed: wake it now.
-            self.starter.wake_if(connection.instance, self.guests.has_undelivered)
+            self.starter.wake_if(connection.instance, self._start_needed)
         else:
             self.clients.discard(connection)
             self.toolsets.detach(connection)
@@ -296,6 +296,21 @@ class OublietteServer:
             return await handler(connection, params)
 
         return checked
+
+    def _user_message_arrived(self, instance: str) -> None:
+        """Wake the instance (its start command) if its guest is not connected here, nor, with a
+        shared store, to another server (its live lease says so)."""
+        if self.leases is None:
+            self.starter.wake(instance)
+        else:
+            self.starter.wake_if(instance, self.leases.not_held_elsewhere)
+
+    async def _start_needed(self, instance: str) -> bool:
+        """A guest left: start the instance again if a message waits for it, unless (shared store)
+        another server holds it now (the guest moved there)."""
+        if self.leases is not None and not await self.leases.not_held_elsewhere(instance):
+            return False
+        return await self.guests.has_undelivered(instance)
 
     async def _undeliverable(self, instance: str, frame: Frame, reason: str) -> None:
         """Guest delivery's safety net: end the frame's turn with `session.error` so nobody waits on it."""

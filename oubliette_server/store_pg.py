@@ -714,11 +714,14 @@ class PostgresFrameStore:
                 conn.execute("DELETE FROM instance_leases WHERE instance = %s AND server = %s", (instance, server))
         await self._run(write)
 
-    async def lease_holder(self, instance: str) -> str | None:
-        """The server named in `instance`'s lease (expired or not), None when nobody holds it."""
+    async def lease_holder(self, instance: str, *, live: bool = False) -> str | None:
+        """The server named in `instance`'s lease (with `live`, only if it has not expired), None
+        when nobody holds it."""
         def read(conn: psycopg.Connection) -> str | None:
-            row = conn.execute("SELECT server FROM instance_leases WHERE instance = %s", (instance,)).fetchone()
-            return None if row is None else str(row[0])
+            row = conn.execute(
+                "SELECT server, expires_at > now() FROM instance_leases WHERE instance = %s", (instance,),
+            ).fetchone()
+            return None if row is None or (live and not row[1]) else str(row[0])
         return await self._run(read, read_only=True)
 
     async def abandoned_requests(self, grace: float, limit: int = 100) -> list[Frame]:

@@ -145,6 +145,42 @@ async def test_a_guest_that_connects_to_another_server_takes_its_instance_over(p
         await server_b.wait_stderr("another server", "box1")  # the delivery check or the renewal said why
 
 
+async def test_a_message_through_another_server_does_not_start_an_instance_held_elsewhere(pg_url: str) -> None:
+    """A has a start command for box1 (wake on message); box1's guest is on B. Messages posted
+    through A reach the guest on B and do not run A's start command (a second guest would take
+    the instance over). Once the guest left B (its lease released), a message through A does."""
+    a, b = Deployment(store=pg_url), Deployment(store=pg_url)
+    marker = a.root / "started"
+    path = a.config_file(start={INSTANCE: ["sh", "-c", f"echo started >> {marker}"]})
+    path.write_text(path.read_text() + f"[store]\nlease_ttl = {LEASE_TTL}\n")
+    try:
+        async with a.http_server("--config", str(path)) as server_a, \
+                b.http_server("--config", config(b)) as server_b, server_a.rest() as rest:
+            async with RawRelay.connect(b) as guest:
+                assert "result" in await guest.hello(INSTANCE, a.token(INSTANCE), role="guest")
+                for i in range(3):
+                    sent = await post(rest, INSTANCE, {
+                        "type": "user.message", "session": {"channel": "host", "id": "w"}, "payload": {"text": f"m{i}"},
+                    })
+                    delivered = await guest.receive(timeout=10)
+                    assert delivered is not None and delivered["params"]["frame"]["seq"] == sent["ingress_seq"]
+            assert not marker.exists(), "A ran the start command of an instance whose guest is on B"
+            with trio.fail_after(10):
+                while await lease_holder(pg_url) is not None:  # B releases the lease when its guest leaves
+                    await trio.sleep(0.05)
+            await post(rest, INSTANCE, {
+                "type": "user.message", "session": {"channel": "host", "id": "w"}, "payload": {"text": "wake"},
+            })
+            with trio.fail_after(10):
+                while not marker.exists():  # the start command's only trace
+                    await trio.sleep(0.05)
+            assert server_b.process.returncode is None
+        assert marker.read_text() == "started\n"
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
 async def test_kill_9_of_the_guests_server_mid_call(pg_url: str) -> None:
     """Caller on A, guest on B, the agent waiting on a caller tool call; B is killed (SIGKILL).
 

@@ -41,8 +41,8 @@ class LeaseStore(Protocol):
     async def release_lease(self, instance: str, server: str) -> None:
         """Drop `server`'s lease of `instance`."""
 
-    async def lease_holder(self, instance: str) -> str | None:
-        """The server named in `instance`'s lease, or None."""
+    async def lease_holder(self, instance: str, *, live: bool = False) -> str | None:
+        """The server named in `instance`'s lease (with `live`, unexpired only), or None."""
 
 
 class InstanceLeases:
@@ -82,6 +82,12 @@ class InstanceLeases:
     async def holds(self, instance: str) -> bool:
         """Whether this server still holds `instance`'s lease (no other server took it)."""
         return await self.store.lease_holder(instance) in (self.server_id, None)
+
+    async def not_held_elsewhere(self, instance: str) -> bool:
+        """Whether no other server holds a live lease of `instance`: only then may this server run
+        its start command (wake on message), else a second guest would take the instance over."""
+        holder = await self.store.lease_holder(instance, live=True)
+        return holder is None or holder == self.server_id
 
     async def renew(self) -> None:
         """Renew this server's own lease and its instances' in one transaction; close the guests
