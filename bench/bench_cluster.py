@@ -192,56 +192,111 @@ async def soak(url: str, args: argparse.Namespace) -> bool:
         )
         try:
             await server_b.wait_connected(INSTANCE, timeout=30)
-            started = time.perf_counter()
-            answered = trio.Event()
-            third = trio.Event()
-            failover: list[float] = []
+            async with server_a.caller(events=False) as (caller, _), server_a.rest() as rest:
+                # The calls' session, declared on A (its user.message is one more turn for the guest).
+                declared = structured(await caller.call_tool("session_message", {
+                    "instance": INSTANCE, "session_id": "calls", "message": "soak",
+                    "context": {"caller_id": CALLER_ID, "caller_tools": [ECHO]},
+                }))
+                expected = args.messages + 1
+                started = time.perf_counter()
+                answered = trio.Event()
+                third = trio.Event()
+                failover: list[float] = []
+                outcomes: dict[str, bool] = {}  # call text -> the agent got its echo
 
-            async def count_ends() -> None:
-                after, ends = 0, 0
-                while ends < args.messages:
-                    frames, _ = await store.wait_for_frames(INSTANCE, FrameQuery(
-                        after_seq=after, types=("assistant.done", "session.error"), limit=200), timeout=30)
-                    ends += len(frames)
-                    if frames:
-                        after = frames[-1].seq
-                    if ends >= args.messages // 3:
-                        third.set()
-                answered.set()
+                async def count_ends() -> None:
+                    after, ends = 0, 0
+                    while ends < expected:
+                        frames, _ = await store.wait_for_frames(INSTANCE, FrameQuery(
+                            after_seq=after, types=("assistant.done", "session.error"), limit=200), timeout=30)
+                        ends += len(frames)
+                        if frames:
+                            after = frames[-1].seq
+                        if ends >= expected // 3:
+                            third.set()
+                    answered.set()
 
-            async def kill_b() -> None:
-                await third.wait()
-                server_b.process.send_signal(signal.SIGKILL)
-                killed = time.perf_counter()
-                await server_a.wait_connected(INSTANCE, timeout=60)
-                failover.append(time.perf_counter() - killed)
+                async def kill_b() -> None:
+                    await third.wait()
+                    server_b.process.send_signal(signal.SIGKILL)
+                    killed = time.perf_counter()
+                    await server_a.wait_connected(INSTANCE, timeout=60)
+                    failover.append(time.perf_counter() - killed)
 
-            async with server_a.rest() as rest, trio.open_nursery() as nursery:
-                nursery.start_soon(count_ends)
-                nursery.start_soon(kill_b)
-                for i in range(args.messages):
-                    response = await rest.post(f"/v1/instances/{INSTANCE}/tether", json={
-                        "type": "user.message", "session": {"channel": "host", "id": f"s{i % args.sessions}"},
-                        "payload": {"text": f"m{i}"},
-                    })
-                    if response.status_code != 201:
-                        raise RuntimeError(f"POST failed: {response.status_code} {response.text}")
-                with trio.move_on_after(SOAK_TIMEOUT):
-                    await answered.wait()
-                nursery.cancel_scope.cancel()
-            total = time.perf_counter() - started
+                async def calls(client: Client, worker: int) -> None:
+                    i = 0
+                    while not answered.is_set():
+                        text = f"c{worker}-{i}"
+                        i += 1
+                        with trio.move_on_after(90):
+                            result = await client.call_tool(RELAYED_NAME, {"text": text})
+                            ok = not result.is_error and (result.structured_content or {}).get("echo") == text
+                            outcomes[text] = ok
+                            if not ok:
+                                await trio.sleep(0.1)  # the link is down or the server died under the call: pace the retries
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(answer_requests, caller, "calls", declared["ingress_seq"], {})
+                    async with agent_on(relay, token, "calls") as calling_agent:
+                        nursery.start_soon(count_ends)
+                        nursery.start_soon(kill_b)
+                        async with trio.open_nursery() as workers:
+                            for w in range(args.callers):
+                                workers.start_soon(calls, calling_agent, w)
+                            for i in range(args.messages):
+                                response = await rest.post(f"/v1/instances/{INSTANCE}/tether", json={
+                                    "type": "user.message", "session": {"channel": "host", "id": f"s{i % args.sessions}"},
+                                    "payload": {"text": f"m{i}"},
+                                })
+                                if response.status_code != 201:
+                                    raise RuntimeError(f"POST failed: {response.status_code} {response.text}")
+                            with trio.move_on_after(SOAK_TIMEOUT):
+                                await answered.wait()
+                            answered.set()
+                    # The requests B was waiting on are closed by A once B's lease expired.
+                    with trio.move_on_after(3 * args.lease_ttl + 10):
+                        while await open_requests(store):
+                            await trio.sleep(0.2)
+                    nursery.cancel_scope.cancel()
+                total = time.perf_counter() - started
         finally:
             guest.terminate()
             with trio.CancelScope(shield=True):
                 await guest.wait()
-        frames: list[Any] = []
-        after = 0
-        while True:
-            page = await store.query(INSTANCE, FrameQuery(after_seq=after, limit=200))
-            frames += page
-            if len(page) < 200:
-                break
-            after = page[-1].seq
+        frames = await every_frame(store)
+    ok = report_messages(frames, expected, args, failover, total)
+    return report_calls(frames, outcomes) and ok
+
+
+@asynccontextmanager
+async def agent_on(relay: str, token: str, session_id: str) -> AsyncIterator[Client]:
+    """An agent whose oubliette-client is given `relay` (one address or a list)."""
+    deployment = Deployment.__new__(Deployment)
+    deployment.relay = relay
+    async with agent(deployment, token, session_id) as client:
+        yield client
+
+
+async def every_frame(store: PostgresFrameStore) -> list[Any]:
+    frames: list[Any] = []
+    after = 0
+    while True:
+        page = await store.query(INSTANCE, FrameQuery(after_seq=after, limit=200))
+        frames += page
+        if len(page) < 200:
+            return frames
+        after = page[-1].seq
+
+
+async def open_requests(store: PostgresFrameStore) -> int:
+    frames = await every_frame(store)
+    requests = {f.payload["request_id"] for f in frames if f.type == "caller_tool_request"}
+    done = {f.payload["request_id"] for f in frames if f.type in ("caller_tool_result", "caller_tool_cancelled")}
+    return len(requests - done)
+
+
+def report_messages(frames: list[Any], expected: int, args: argparse.Namespace, failover: list[float], total: float) -> bool:
     messages = [f for f in frames if f.type == "user.message"]
     ends: dict[str, int] = {}
     thinking: dict[str, int] = {}
@@ -256,11 +311,36 @@ async def soak(url: str, args: argparse.Namespace) -> bool:
             thinking[f.reply_to] = thinking.get(f.reply_to, 0) + 1
     lost = [m for m in messages if ends.get(m.msg_id, 0) == 0]
     duplicated = [m for m in messages if ends.get(m.msg_id, 0) > 1 or thinking.get(m.msg_id, 0) > 1]
-    wrong = [m for m in messages if m.msg_id in texts and texts[m.msg_id].strip() != m.payload["text"]]
-    print(f"\n2. soak: {len(messages)} messages over {args.sessions} sessions, B killed (SIGKILL) after a third were answered")
+    wrong = [m for m in messages if m.msg_id in texts and texts[m.msg_id].strip() != str(m.payload.get("text"))]
+    print(f"\n2. soak: {len(messages)} messages over {args.sessions + 1} sessions and relayed calls by {args.callers} "
+          "agent tasks (sandbox on B, caller on A); B killed (SIGKILL) after a third of the messages were answered")
     print(f"   failover (kill -> guest connected to A): {failover[0] * 1000:.0f} ms" if failover else "   failover: the guest never reached A")
-    print(f"   total {total:.1f} s; lost {len(lost)}, duplicated {len(duplicated)}, wrong text {len(wrong)}   (target 0 and 0)")
-    return not lost and not duplicated and not wrong and len(messages) == args.messages
+    print(f"   messages: total {total:.1f} s; lost {len(lost)}, duplicated {len(duplicated)}, wrong text {len(wrong)}   (target 0 and 0)")
+    return not lost and not duplicated and not wrong and len(messages) == expected
+
+
+def report_calls(frames: list[Any], outcomes: dict[str, bool]) -> bool:
+    """Every request one outcome; every call the agent saw answered has its `caller_tool_result`."""
+    requests = {f.payload["request_id"]: f.payload["arguments"]["text"] for f in frames if f.type == "caller_tool_request"}
+    ends: dict[str, list[Any]] = {}
+    for f in frames:
+        if f.type in ("caller_tool_result", "caller_tool_cancelled"):
+            ends.setdefault(f.payload["request_id"], []).append(f)
+    lost = [r for r in requests if not ends.get(r)]
+    duplicated = [r for r in requests if len(ends.get(r, [])) > 1]
+    answered_in_log = {requests[r] for r, e in ends.items() if r in requests and e[0].type == "caller_tool_result"
+                       and (e[0].payload.get("result") or {}).get("echo") == requests[r]}
+    disagree = [t for t, ok in outcomes.items() if ok and t not in answered_in_log]
+    # Answered in the log, but the agent's call had failed: B (its waiter) died before passing the answer on.
+    died_waiting = [t for t, ok in outcomes.items() if not ok and t in answered_in_log]
+    abandoned = sum(1 for e in ends.values() if e[0].type == "caller_tool_cancelled")
+    succeeded = sum(outcomes.values())
+    print(f"   calls: {len(outcomes)} made, {succeeded} answered, {len(outcomes) - succeeded} failed with an error "
+          f"(link down, or the server died under them); {len(requests)} requests stored; of the failed ones "
+          f"{len(died_waiting)} were answered by the caller after B died, {abandoned} closed as cancelled by A's sweep")
+    print(f"   requests: lost {len(lost)} (no outcome), duplicated {len(duplicated)} (two outcomes), "
+          f"agent and log disagree {len(disagree)}   (target 0, 0, 0)")
+    return not lost and not duplicated and not disagree
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -293,6 +373,7 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=20, help="calls per chunk, alternating paths (default 20)")
     parser.add_argument("--messages", type=int, default=300, help="soak: user messages (default 300)")
     parser.add_argument("--sessions", type=int, default=8, help="soak: sessions they are spread over (default 8)")
+    parser.add_argument("--callers", type=int, default=4, help="soak: agent tasks making relayed calls meanwhile (default 4)")
     parser.add_argument("--lease-ttl", type=float, default=2.0, help="the servers' [store] lease_ttl (default 2 s)")
     parser.add_argument("--pg", help="a libpq URI of a PostgreSQL to use (its databases are not created: use an empty one)")
     parser.add_argument("--skip-calls", action="store_true", help="run only the soak")
