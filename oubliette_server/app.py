@@ -17,6 +17,7 @@ import trio
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
 from protocol.limits import Limits
 
+from .abandoned_requests import AbandonedRequests, AbandonedStore
 from .approvals import ApprovalElicitation, ApprovalService, ConnectionApprovals
 from .approvals.toolset_forms import ToolsetForms
 from .auth import TokenAuthority, ensure_private_dir
@@ -26,7 +27,6 @@ from .callers import CallerConnection, CallerRegistry
 from .client_connections import ClientConnections
 from .config import ServerConfig
 from .frame_log import FrameLog
-from .abandoned_requests import AbandonedRequests, AbandonedStore
 from .guests import GuestDelivery, GuestFrames, InstanceLeases, InstanceStarter, LeaseStore, OrphanedTurns
 from .http_api import HttpApi
 from .instances import InstanceDirectory
