@@ -70,9 +70,9 @@ class ServerConfig:
     """PostgreSQL store: seconds to wait for a connection (at start, and from the pool per call)."""
 
     store_lease_ttl: float = attrs.field(default=DEFAULT_STORE_LEASE_TTL)
-    """PostgreSQL store: seconds an instance lease lasts unless its server renews it (every third
-    of it); a server that died loses its instances' leases, and its callers' open requests are
-    closed, within about this long (docs/SCALING.md, "Instance leases")."""
+    """PostgreSQL store: seconds a server's leases (its own and its instances') last unless it renews
+    them (every third of it); the requests a dead server waited on are closed within about twice
+    this (docs/SCALING.md, "Instance leases")."""
 
     @store_pool_size.validator
     def _check_pool(self, attribute: Any, value: int) -> None:
