@@ -3,7 +3,9 @@
 Each connection is one `protocol.RelayPeer` (requests multiplexed by id, each with a
 deadline; `cancel` on timeout or cancellation; one writer with a write deadline). This
 module adds only reconnection: when a connection drops, every waiting request fails at
-once with `PEER_DISCONNECTED`, and the link reconnects with exponential backoff. While it
+once with `PEER_DISCONNECTED`, and the link reconnects with exponential backoff, to the next
+address when the relay setting lists several (servers of one deployment sharing a PostgreSQL
+store: the instance moves to whichever one answers, docs/SCALING.md). While it
 is down, `request` fails at once saying why (or, with `wait_for_connection`, waits for the
 link to come back).
 
@@ -39,7 +41,7 @@ from protocol import (
     parse_relay_address,
 )
 
-from .settings import DEFAULT_REQUEST_TIMEOUT, RelaySettings
+from .settings import DEFAULT_REQUEST_TIMEOUT, RelaySettings, relay_addresses
 
 log = logging.getLogger("oubliette.client.relay")
 
@@ -98,11 +100,15 @@ class RelayLink:
             if rule.kind == "notification" and (ROLE_SERVER, role) in rule.routes and method != messages.CANCEL
         }
         self._peer: RelayPeer | None = None
+        self.addresses = relay_addresses(settings.relay)
+        """Where the link connects: one relay address, or several servers of a deployment tried in turn."""
+        self.address = self.addresses[0]
+        """The address the link uses now (it moves to the next one after a failure)."""
         self.last_error = "not connected yet"
         self.connected = False
         self._state_changed = trio.Event()
         self.attempted = trio.Event()
-        """Set after the first connection attempt, whatever its outcome."""
+        """Set after the first connection attempt (to each address of a list), whatever its outcome."""
         self.refused: str | None = None
         """Why the relay refused the last hello for good (None while it has not)."""
         self.give_up_on_refusal = give_up_on_refusal
@@ -133,7 +139,7 @@ class RelayLink:
         """One line for a person: why the link is not up (unreachable relay, or refused)."""
         if self.refused is not None:
             return (
-                f"the relay at {self.settings.relay} refused instance {self.settings.instance!r}: {self.refused} "
+                f"the relay at {self.address} refused instance {self.settings.instance!r}: {self.refused} "
                 f"(check OUBLIETTE_TOKEN: `oubliette-server token {self.settings.instance}` prints it)"
             )
         return f"{self.last_error} ({CONNECT_HINT})"
@@ -142,7 +148,7 @@ class RelayLink:
         """The error requests get while the link is down, with the last reason."""
         return RelayError(
             errors.PEER_DISCONNECTED,
-            f"the Oubliette relay at {self.settings.relay} is unavailable ({self.last_error}); retrying in the background",
+            f"the Oubliette relay at {self.address} is unavailable ({self.last_error}); retrying in the background",
         )
 
     # -- requests ------------------------------------------------------------------------
@@ -185,20 +191,25 @@ class RelayLink:
         Raises: `RelayRefused` when the relay refuses the hello and `give_up_on_refusal` is set.
         """
         backoff = BACKOFF_INITIAL
-        address = parse_relay_address(self.settings.relay)
+        index = 0
         while True:
             fatal = False
+            self.address = self.addresses[index]
             try:
-                stream = await connect_relay(address)
+                stream = await connect_relay(parse_relay_address(self.address))
             except OSError as exc:
                 self.refused = None  # a refusal by a relay that is now gone no longer explains anything
-                self._set_state(False, f"cannot connect to {self.settings.relay}: {exc.strerror or exc}")
+                self._set_state(False, f"cannot connect to {self.address}: {exc.strerror or exc}")
                 self._log_once(logging.WARNING, f"{self.failure_line()}; retrying")
             else:
                 fatal = await self._serve(stream)
                 if not fatal:
                     backoff = BACKOFF_INITIAL
-            self.attempted.set()
+            index = (index + 1) % len(self.addresses)  # several servers: the next one takes over
+            if index == 0 or fatal:
+                self.attempted.set()  # every address was tried (or one refused us for good)
+            else:
+                continue  # the next server of the list, at once; the backoff is between rounds
             if fatal:
                 self.refused = self.last_error
                 self._set_state(False)
@@ -206,7 +217,7 @@ class RelayLink:
                     raise RelayRefused(self.failure_line())
                 self._log_once(logging.ERROR, f"{self.failure_line()}; retrying every {BACKOFF_MAX:g} s")
             delay = (BACKOFF_MAX if fatal else backoff) * random.uniform(0.8, 1.2)
-            log.debug("reconnecting to %s in %.2f s (%s)", self.settings.relay, delay, self.last_error)
+            log.debug("reconnecting to %s in %.2f s (%s)", self.address, delay, self.last_error)
             await trio.sleep(delay)  # backoff between attempts, not a wait for an event
             backoff = min(backoff * 2, BACKOFF_MAX)
 
@@ -218,7 +229,7 @@ class RelayLink:
 
     async def _serve(self, stream: trio.abc.Stream) -> bool:
         """One connection: hello, then serve until it ends. True if the server refused us."""
-        peer = RelayPeer(stream, RelayCore(self.role), name=f"relay {self.settings.relay}", limits=self.limits)
+        peer = RelayPeer(stream, RelayCore(self.role), name=f"relay {self.address}", limits=self.limits)
         hello = messages.Hello(
             protocol=PROTOCOL_VERSION, role=self.role, instance=self.settings.instance,
             token=self.settings.token, session=self.settings.session,
@@ -237,8 +248,8 @@ class RelayLink:
                     self._on_connected()  # the handshake's configuration is complete
                 self._set_state(True, "connected")
                 self.attempted.set()
-                log.info("connected to the relay at %s as %s of %s", self.settings.relay, self.role, self.settings.instance)
-            self._set_state(False, f"connection to {self.settings.relay} lost: {peer.close_reason}")
+                log.info("connected to the relay at %s as %s of %s", self.address, self.role, self.settings.instance)
+            self._set_state(False, f"connection to {self.address} lost: {peer.close_reason}")
             return False
         finally:
             self._peer = None
@@ -248,10 +259,10 @@ class RelayLink:
     def _hello_failed(self, err: RelayError) -> bool:
         if err.code in (errors.TIMEOUT, errors.PEER_DISCONNECTED):
             if err.code == errors.TIMEOUT:
-                self._set_state(False, f"the relay at {self.settings.relay} did not answer hello")
+                self._set_state(False, f"the relay at {self.address} did not answer hello")
             else:
                 self._set_state(
-                    False, f"the relay at {self.settings.relay} closed the connection during the handshake ({err.message})"
+                    False, f"the relay at {self.address} closed the connection during the handshake ({err.message})"
                 )
             self._log_once(logging.WARNING, f"{self.failure_line()}; retrying")
             return False

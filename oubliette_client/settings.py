@@ -69,12 +69,23 @@ class RelaySettings:
         return env
 
 
+def relay_addresses(relay: str) -> list[str]:
+    """The addresses of a relay setting: one, or several separated by commas (several servers of
+    one deployment, docs/SCALING.md), tried in turn. Raises `ValueError` for a malformed one."""
+    addresses = [part.strip() for part in relay.split(",") if part.strip()]
+    if not addresses:
+        raise ValueError(f"no relay address in {relay!r}")
+    for address in addresses:
+        parse_relay_address(address)
+    return addresses
+
+
 def add_relay_arguments(parser: argparse.ArgumentParser, *, session: bool = True) -> None:
     """Add `--relay`, `--instance`, `--token` (and `--session` unless `session=False`) to `parser`."""
     parser.add_argument(
         "--relay",
-        help="relay address unix:PATH or tcp:HOST:PORT (env OUBLIETTE_RELAY; default /oubliette/relay.sock "
-        "if it exists, else the server's default <data dir>/relay.sock)",
+        help="relay address unix:PATH or tcp:HOST:PORT, or several separated by commas, tried in turn "
+        "(env OUBLIETTE_RELAY; default /oubliette/relay.sock if it exists, else the server's default <data dir>/relay.sock)",
     )
     parser.add_argument("--instance", help="instance id (env OUBLIETTE_INSTANCE)")
     parser.add_argument("--token", help="instance token (env OUBLIETTE_TOKEN)")
@@ -96,7 +107,7 @@ def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("missing " + " and ".join(missing))
     relay = args.relay or env.get("OUBLIETTE_RELAY") or default_relay(env)
     try:
-        parse_relay_address(relay)
+        relay_addresses(relay)
     except ValueError as exc:
         parser.error(str(exc))
     return RelaySettings(

@@ -11,12 +11,13 @@ import logging
 import os
 import secrets
 import socket
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, cast
 import trio
 
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
 from protocol.limits import Limits
 
+from .abandoned_requests import AbandonedRequests, AbandonedStore
 from .approvals import ApprovalElicitation, ApprovalService, ConnectionApprovals
 from .approvals.toolset_forms import ToolsetForms
 from .auth import TokenAuthority, ensure_private_dir
@@ -26,7 +27,7 @@ from .callers import CallerConnection, CallerRegistry
 from .client_connections import ClientConnections
 from .config import ServerConfig
 from .frame_log import FrameLog
-from .guests import GuestDelivery, GuestFrames, InstanceStarter, OrphanedTurns
+from .guests import GuestDelivery, GuestFrames, InstanceLeases, InstanceStarter, LeaseStore, OrphanedTurns
 from .http_api import HttpApi
 from .instances import InstanceDirectory
 from .relay import SERVER_VERSION, RelayConnection, RelayHandlers, RelayListener
@@ -79,12 +80,20 @@ class OublietteServer:
             lambda instance: self.guests.guest_for(instance) is not None,
             start_grace=config.start_timeout,
         )
-        self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self.starter.wake, limits=self.limits)
+        self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self._user_message_arrived, limits=self.limits)
         self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
+        # With a shared store, which server holds an instance's guest is a lease in the database,
+        # and every server closes the caller tool requests a dead server left open.
+        self.leases: InstanceLeases | None = None
+        self.abandoned: AbandonedRequests | None = None
+        if self.store.shared:
+            self.leases = InstanceLeases(cast(LeaseStore, self.store), self.server_id, config.store_lease_ttl, self.guests)
+            self.guests.holds = self.leases.holds
         # With a shared store the log is the bus between servers for caller tool calls and approvals.
         bus = LogBus(self.store, self.frame_log.append_outcome) if self.store.shared else None
         self.calls = CallerCallRegistry(
             self.frame_log.append, config.caller_timeout, bus=bus, find_sessions=self.sessions.find_by_id,
+            server_id=self.server_id if bus is not None else None,
         )
         self.approvals = ApprovalService(self.frame_log.append, config.approval_timeout, log=bus)
         self.elicitation = ApprovalElicitation(self.approvals, config.approval_delivery)
@@ -101,6 +110,11 @@ class OublietteServer:
         self.register_command_toolset = self.toolsets.register_command_toolset
         self.unregister_toolset = self.toolsets.unregister_toolset
         self.update_allowed_toolsets = self.toolsets.update_allowed_toolsets
+        if self.store.shared:
+            self.abandoned = AbandonedRequests(
+                cast(AbandonedStore, self.store), self.sessions, self.frame_log.append_outcome,
+                period=config.store_lease_ttl, grace=config.store_lease_ttl,
+            )
         self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests)
         self.orphans = OrphanedTurns(self.guests, self.sessions, self.frame_log.append)
         self.tether = Tether(self.store, self.frame_log, self.instances, self.limits)
@@ -148,6 +162,10 @@ class OublietteServer:
                 await nursery.start(self.approvals.serve)
                 await nursery.start(self.toolsets.serve)
                 await nursery.start(self.starter.serve)
+                if self.leases is not None:
+                    await nursery.start(self.leases.serve)
+                if self.abandoned is not None:
+                    await nursery.start(self.abandoned.serve)
                 await nursery.start(RelayListener(address, self._relay_connection).serve)
                 task_status.started()
 
@@ -234,6 +252,8 @@ class OublietteServer:
         assert connection.instance is not None
         self.instances.saw(connection.instance)
         if connection.role == "guest":
+            if self.leases is not None:
+                await self.leases.take(connection)  # the database says who holds the instance; fails: hello refused
             previous = self.guests.attach(connection)
             self.starter.guest_connected(connection.instance)
             if previous is not None:
@@ -257,9 +277,11 @@ class OublietteServer:
             return
         if connection.role == "guest":
             self.guests.detach(connection)
+            if self.leases is not None:
+                self.leases.release_soon(connection.instance)
             self.orphans.guest_gone(connection)
             # A message may have arrived after the guest died but before we noticed: wake it now.
-            self.starter.wake_if(connection.instance, self.guests.has_undelivered)
+            self.starter.wake_if(connection.instance, self._start_needed)
         else:
             self.clients.discard(connection)
             self.toolsets.detach(connection)
@@ -275,6 +297,21 @@ class OublietteServer:
             return await handler(connection, params)
 
         return checked
+
+    def _user_message_arrived(self, instance: str) -> None:
+        """Wake the instance (its start command) if its guest is not connected here, nor, with a
+        shared store, to another server (its live lease says so)."""
+        if self.leases is None:
+            self.starter.wake(instance)
+        else:
+            self.starter.wake_if(instance, self.leases.not_held_elsewhere)
+
+    async def _start_needed(self, instance: str) -> bool:
+        """A guest left: start the instance again if a message waits for it, unless (shared store)
+        another server holds it now (the guest moved there)."""
+        if self.leases is not None and not await self.leases.not_held_elsewhere(instance):
+            return False
+        return await self.guests.has_undelivered(instance)
 
     async def _undeliverable(self, instance: str, frame: Frame, reason: str) -> None:
         """Guest delivery's safety net: end the frame's turn with `session.error` so nobody waits on it."""

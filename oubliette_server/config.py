@@ -20,6 +20,7 @@ DEFAULT_START_TIMEOUT = 60.0
 DEFAULT_RELAY_WRITE_TIMEOUT = 10.0
 DEFAULT_STORE_POOL_SIZE = 4
 DEFAULT_STORE_CONNECT_TIMEOUT = 10.0
+DEFAULT_STORE_LEASE_TTL = 10.0
 STORE_URL_SCHEMES = ("postgresql://", "postgres://")
 
 
@@ -68,10 +69,20 @@ class ServerConfig:
     store_connect_timeout: float = DEFAULT_STORE_CONNECT_TIMEOUT
     """PostgreSQL store: seconds to wait for a connection (at start, and from the pool per call)."""
 
+    store_lease_ttl: float = attrs.field(default=DEFAULT_STORE_LEASE_TTL)
+    """PostgreSQL store: seconds a server's leases (its own and its instances') last unless it renews
+    them (every third of it); the requests a dead server waited on are closed within about twice
+    this (docs/SCALING.md, "Instance leases")."""
+
     @store_pool_size.validator
     def _check_pool(self, attribute: Any, value: int) -> None:
         if not 1 <= value <= 100:
             raise ValueError(f"store pool_size must be between 1 and 100; got {value!r}")
+
+    @store_lease_ttl.validator
+    def _check_lease_ttl(self, attribute: Any, value: float) -> None:
+        if not 0.3 <= value <= 3600:
+            raise ValueError(f"store lease_ttl must be between 0.3 and 3600 seconds; got {value!r}")
     retention_frames: int | None = 100_000
     """Frames kept per instance (the oldest are pruned); None keeps all."""
     retention_seconds: float | None = None
@@ -142,7 +153,7 @@ SERVER_KEYS = {
 }
 
 
-STORE_KEYS = {"url": str, "pool_size": int, "connect_timeout": (int, float)}
+STORE_KEYS = {"url": str, "pool_size": int, "connect_timeout": (int, float), "lease_ttl": (int, float)}
 
 
 def load_config_file(path: Path) -> dict[str, Any]:

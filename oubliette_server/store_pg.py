@@ -42,7 +42,9 @@ Outcomes
 Schema and migrations
     Versioned migrations (`MIGRATIONS`) are applied at start in one transaction holding a
     transaction-scoped advisory lock, so several servers starting together apply each
-    migration once; a database with a newer schema than this program knows is refused.
+    migration once; a database with a newer schema than this program knows is refused. Each
+    version not recorded in `oubliette_schema` is applied, in order, even one below the newest
+    recorded (migrations developed in parallel may be merged in either order).
 
 Failures
     A database that cannot be reached gives `StoreUnavailable` with one clear line (at start,
@@ -141,8 +143,23 @@ CREATE TABLE resolutions (
     PRIMARY KEY (instance, request_id)
 );
 """),
+    # Instance presence (docs/SCALING.md, "Instance leases"): which server holds an instance's
+    # guest connection, until `expires_at` unless that server renews it; and each server's own
+    # lease (is it alive: are the requests it waits on still waited on). Self-contained: it
+    # depends on no other migration (a parallel branch adds version 4).
+    (5, """
+CREATE TABLE instance_leases (
+    instance   text        PRIMARY KEY,
+    server     text        NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+CREATE TABLE server_leases (
+    server     text        PRIMARY KEY,
+    expires_at timestamptz NOT NULL
+);
+"""),
 ]
-SCHEMA_VERSION = MIGRATIONS[-1][0]
+SCHEMA_VERSION = max(version for version, _ in MIGRATIONS)
 
 _BUMP_SEQ = (
     "INSERT INTO instances (name, last_seq) VALUES (%s, %s) "
@@ -317,15 +334,17 @@ class PostgresFrameStore:
                 "CREATE TABLE IF NOT EXISTS oubliette_schema "
                 "(version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
             )
-            row = conn.execute("SELECT coalesce(max(version), 0) FROM oubliette_schema").fetchone()
-            current = row[0] if row else 0
+            applied = {r[0] for r in conn.execute("SELECT version FROM oubliette_schema")}
+            current = max(applied, default=0)
             if current > SCHEMA_VERSION:
                 raise RuntimeError(
                     f"frame store {self.describe()} has schema version {current}; this program knows "
                     f"version {SCHEMA_VERSION} — refusing to open it"
                 )
-            for version, statements in MIGRATIONS:
-                if version > current:
+            # Each migration not applied yet, in order: one numbered below the newest applied
+            # (merged from a parallel branch after a later one ran) is applied too.
+            for version, statements in sorted(MIGRATIONS):
+                if version not in applied:
                     for statement in statements.split(";"):
                         if statement.strip():
                             conn.execute(statement)  # type: ignore[arg-type]  # our own constant SQL
@@ -644,6 +663,92 @@ class PostgresFrameStore:
             assert row is not None
             return str(row[0]).encode("ascii")
         return await self._run(read)
+
+    # -- instance leases (docs/SCALING.md, "Instance leases") ---------------------------
+
+    async def take_lease(self, instance: str, server: str, ttl: float) -> str | None:
+        """Make `server` the holder of `instance`'s lease for `ttl` seconds, whoever held it: a
+        guest that connects takes its instance over. The previous holder if it was another
+        server whose lease was still live (it drops its guest when it sees the loss), else None."""
+        def write(conn: psycopg.Connection) -> str | None:
+            with conn.transaction():
+                row = conn.execute(
+                    "SELECT server, expires_at > now() FROM instance_leases WHERE instance = %s FOR UPDATE", (instance,),
+                ).fetchone()
+                conn.execute(
+                    "INSERT INTO instance_leases (instance, server, expires_at) "
+                    "VALUES (%s, %s, now() + make_interval(secs => %s)) "
+                    "ON CONFLICT (instance) DO UPDATE SET server = EXCLUDED.server, expires_at = EXCLUDED.expires_at",
+                    (instance, server, ttl),
+                )
+            return row[0] if row is not None and row[0] != server and row[1] else None
+        return await self._run(write)
+
+    async def renew_leases(self, server: str, instances: list[str], ttl: float) -> set[str]:
+        """Extend `server`'s own lease and its leases of `instances` by `ttl` seconds, in one
+        transaction; the instances it still holds. A lease another server took is not touched (and
+        not returned); a missing one (released, or never written) is taken again."""
+        def write(conn: psycopg.Connection) -> set[str]:
+            with conn.transaction():
+                conn.execute(
+                    "INSERT INTO server_leases (server, expires_at) VALUES (%s, now() + make_interval(secs => %s)) "
+                    "ON CONFLICT (server) DO UPDATE SET expires_at = EXCLUDED.expires_at",
+                    (server, ttl),
+                )
+                if not instances:
+                    return set()
+                rows = conn.execute(
+                    "INSERT INTO instance_leases (instance, server, expires_at) "
+                    "SELECT name, %s, now() + make_interval(secs => %s) FROM unnest(%s::text[]) AS name "
+                    "ON CONFLICT (instance) DO UPDATE SET expires_at = EXCLUDED.expires_at "
+                    "WHERE instance_leases.server = EXCLUDED.server RETURNING instance",
+                    (server, ttl, instances),
+                ).fetchall()
+            return {r[0] for r in rows}
+        return await self._run(write)
+
+    async def release_lease(self, instance: str, server: str) -> None:
+        """Drop `server`'s lease of `instance` (its guest left); another server's lease is kept."""
+        def write(conn: psycopg.Connection) -> None:
+            with conn.transaction():
+                conn.execute("DELETE FROM instance_leases WHERE instance = %s AND server = %s", (instance, server))
+        await self._run(write)
+
+    async def lease_holder(self, instance: str, *, live: bool = False) -> str | None:
+        """The server named in `instance`'s lease (with `live`, only if it has not expired), None
+        when nobody holds it."""
+        def read(conn: psycopg.Connection) -> str | None:
+            row = conn.execute(
+                "SELECT server, expires_at > now() FROM instance_leases WHERE instance = %s", (instance,),
+            ).fetchone()
+            return None if row is None or (live and not row[1]) else str(row[0])
+        return await self._run(read, read_only=True)
+
+    async def abandoned_requests(self, grace: float, limit: int = 100) -> list[Frame]:
+        """`caller_tool_request` frames with no outcome whose waiting server died: its lease (the
+        request's `server`) expired, or `expires_at` passed more than `grace` seconds ago (a live
+        waiter stores its timeout at the deadline)."""
+        def read(conn: psycopg.Connection) -> list[Frame]:
+            rows = conn.execute(
+                "SELECT r.instance, r.seq, r.ts, r.channel, r.session_id, r.type, r.msg_id, r.reply_to, r.payload "
+                "FROM frames r WHERE r.type = 'caller_tool_request' "
+                "AND ((r.payload::jsonb ->> 'expires_at')::timestamptz < now() - make_interval(secs => %s) "
+                "  OR EXISTS (SELECT 1 FROM server_leases l WHERE l.server = r.payload::jsonb ->> 'server' "
+                "    AND l.expires_at < now())) "
+                "AND NOT EXISTS (SELECT 1 FROM resolutions s WHERE s.instance = r.instance "
+                "  AND s.request_id = r.payload::jsonb ->> 'request_id') "
+                "AND NOT EXISTS (SELECT 1 FROM frames o WHERE o.instance = r.instance AND o.session_id = r.session_id "
+                "  AND o.channel = r.channel AND o.seq > r.seq "
+                "  AND o.type IN ('caller_tool_result', 'caller_tool_cancelled') "
+                "  AND o.payload::jsonb ->> 'request_id' = r.payload::jsonb ->> 'request_id') "
+                "ORDER BY r.instance, r.seq LIMIT %s",
+                (grace, limit),
+            ).fetchall()
+            return [
+                make_frame(seq, ts, inst, ch, sid, typ, mid, rt, json.loads(payload))
+                for inst, seq, ts, ch, sid, typ, mid, rt, payload in rows
+            ]
+        return await self._run(read, read_only=True)
 
     # -- retention -----------------------------------------------------------------------
 

@@ -847,3 +847,26 @@ def test_client_request_deadline_is_settable_and_covers_a_caller_tools_own_timeo
     assert quick is not None and slow is not None
     assert tools._caller_tool_deadline(quick) == 7.5
     assert tools._caller_tool_deadline(slow) == 310
+
+
+def test_a_relay_setting_may_list_several_servers() -> None:
+    """`--relay A,B` (servers of one deployment): each address is checked, the agents' clients
+    get the same list, and the link starts with the first."""
+    import argparse
+
+    from oubliette_client.relay_link import RelayLink
+    from oubliette_client.settings import add_relay_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_relay_arguments(parser)
+    args = parser.parse_args(["--instance", "box1", "--token", "t", "--relay", "unix:/run/a.sock, tcp:10.0.0.2:7700"])
+    settings = settings_from_args(parser, args)
+    assert settings.environment()["OUBLIETTE_RELAY"] == "unix:/run/a.sock, tcp:10.0.0.2:7700"
+
+    async def ignore(method: str, params: Any) -> None:
+        pass
+
+    link = RelayLink(settings, "guest", ignore)
+    assert link.addresses == ["unix:/run/a.sock", "tcp:10.0.0.2:7700"] and link.address == "unix:/run/a.sock"
+    with pytest.raises(SystemExit):
+        settings_from_args(parser, parser.parse_args(["--instance", "box1", "--token", "t", "--relay", "unix:/a.sock,nowhere"]))

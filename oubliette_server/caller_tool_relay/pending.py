@@ -105,10 +105,12 @@ class CallerCallRegistry:
 
     def __init__(
         self, append_frame: AppendFn, default_timeout: float, bus: LogBus | None = None,
-        find_sessions: Callable[[str], list[Session]] | None = None,
+        find_sessions: Callable[[str], list[Session]] | None = None, server_id: str | None = None,
     ) -> None:
-        """`bus` (a shared store only) and `find_sessions` (sessions by id) make calls work across servers."""
+        """`bus` (a shared store only) and `find_sessions` (sessions by id) make calls work across servers;
+        `server_id` (shared store) is written in each request, so survivors can tell whose wait died."""
         self._append_frame = append_frame
+        self.server_id = server_id
         self.default_timeout = default_timeout
         self.bus = bus
         self._find_sessions = find_sessions or (lambda session_id: [])
@@ -230,6 +232,8 @@ class CallerCallRegistry:
                 request["expires_at"] = expires_at  # the caller's server lists it with the request
                 if progress is not None:
                     request["progress"] = True  # the caller's server may forward progress reports
+                if self.server_id is not None:
+                    request["server"] = self.server_id  # whose lease says this wait is alive (abandoned_requests.py)
             frame = await self._append_frame(session, "caller_tool_request", request)
             call.frame_seq = frame.seq
             self._notify(session)

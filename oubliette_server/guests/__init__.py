@@ -3,12 +3,16 @@
 - `delivery`: the one guest connection of each instance and the `user.message` frames fed to it;
 - `wake`: start an instance's guest when a message arrives and it is not connected;
 - `frames`: the frames a guest may append (`append_frame`) and its `ack`s;
-- `orphans`: a guest that goes away mid-turn: its turns end with `session.error`.
+- `orphans`: a guest that goes away mid-turn: its turns end with `session.error`;
+- `leases`: with a shared store, which server holds each instance's guest (a lease in the database).
 """
 
 from .delivery import GuestDelivery
 from .frames import GUEST_FRAME_TYPES, GuestFrames
+from .leases import InstanceLeases, LeaseStore
 from .orphans import OrphanedTurns
 from .wake import InstanceStarter
 
-__all__ = ["GUEST_FRAME_TYPES", "GuestDelivery", "GuestFrames", "InstanceStarter", "OrphanedTurns"]
+__all__ = [
+    "GUEST_FRAME_TYPES", "GuestDelivery", "GuestFrames", "InstanceLeases", "InstanceStarter", "LeaseStore", "OrphanedTurns",
+]

@@ -44,6 +44,8 @@ TURN_END_TYPES = ("assistant.done", "session.error")
 
 #: `(instance, frame, reason)`: record that a frame could not be delivered (ends its turn).
 Undeliverable = Callable[[str, Frame, str], Awaitable[object]]
+#: `holds(instance)`: whether this server still holds the instance (its lease, PostgreSQL store).
+Holds = Callable[[str], Awaitable[bool]]
 
 
 async def _log_only(instance: str, frame: Frame, reason: str) -> None:
@@ -62,19 +64,25 @@ class GuestPeer(Protocol):
         skips that frame.
         """
 
+    def close_soon(self) -> None:
+        """End the connection (another connection, possibly on another server, took its place)."""
+
 
 class GuestDelivery:
     """Tracks the one guest connection of each instance and feeds it messages.
 
     Needs: the frame store (messages and the durable `guest.delivered` cursor), and
-    `on_undeliverable(instance, frame, reason)` that ends the turn of a frame that cannot be sent.
+    `on_undeliverable(instance, frame, reason)` that ends the turn of a frame that cannot be sent;
+    with a shared store, `holds(instance)` (the instance lease, guests/leases.py), asked before
+    each batch is sent, so a server whose instance another server took over sends nothing more.
     `deliver(connection)` runs for as long as the connection serves; cancelling it leaves the
     cursor at the last acknowledged seq, so nothing is lost.
     """
 
-    def __init__(self, store: FrameStoreAPI, on_undeliverable: Undeliverable = _log_only) -> None:
+    def __init__(self, store: FrameStoreAPI, on_undeliverable: Undeliverable = _log_only, holds: Holds | None = None) -> None:
         self.store = store
         self.on_undeliverable = on_undeliverable
+        self.holds = holds
         self._guests: dict[str, GuestPeer] = {}
         self._in_flight: dict[GuestPeer, dict[str, tuple[str, str, bool]]] = {}
         """Per guest connection: msg_id -> (channel, session_id, started) of its delivered, unanswered messages."""
@@ -223,6 +231,12 @@ class GuestDelivery:
                     log.warning("guest of %s: %s; delivering from there", instance, exc)
                     cursor = exc.first_seq - 1
                     continue
+                if self.holds is not None and not await self.holds(instance):
+                    # Another server took the instance over (its guest reconnected there): it
+                    # delivers from the acknowledged cursor; sending here could run a turn twice.
+                    log.warning("guest of %s: another server holds the instance now; closing %r", instance, connection)
+                    connection.close_soon()
+                    return
                 for frame in frames:
                     if not await self._answered(instance, frame.msg_id):
                         in_flight[frame.msg_id] = (frame.channel, frame.session_id, False)
