@@ -10,8 +10,8 @@ link to come back).
 Why it cannot connect, or that the relay refused it, is logged at WARNING/ERROR once per
 distinct reason (not once per retry), so a misconfigured client says so at its default level.
 
-The peer and the sans-IO core (`protocol.peer`, `protocol.core`) are imported when the link
-first connects, not with this module: `oubliette-client` answers `initialize` without them
+The peer, the sans-IO core and the message models (`protocol.peer`, `protocol.core`,
+`protocol.messages`) are imported when the link first connects, not with this module: `oubliette-client` answers `initialize` without them
 when the relay is down, and imports less before it when it is up (issue 11's cold start).
 
 Owns: the current connection (closed when `run` is cancelled). Needs: `run` in a nursery
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 
-from protocol import PROTOCOL_VERSION, RelayError, connect_relay, errors, messages, parse_relay_address
+from protocol import RelayError, connect_relay, errors, parse_relay_address
 
 if TYPE_CHECKING:
     from protocol import HandlerEntry, PeerLimits, RelayPeer
@@ -205,6 +205,7 @@ class RelayLink:
     def _handlers(self) -> dict[str, HandlerEntry[Any]]:
         """The server notifications this role receives, each with its params class; built on first use."""
         if self._handler_table is None:
+            from protocol import messages
             from protocol.core import METHOD_RULES, ROLE_SERVER
             from protocol.peer import HandlerEntry
 
@@ -223,6 +224,7 @@ class RelayLink:
 
     async def _serve(self, stream: trio.abc.Stream) -> bool:
         """One connection: hello, then serve until it ends. True if the server refused us."""
+        from protocol import messages
         from protocol.core import RelayCore
         from protocol.peer import PeerLimits, RelayPeer
 
@@ -230,7 +232,7 @@ class RelayLink:
         handlers = self._handlers()
         peer = RelayPeer(stream, RelayCore(self.role), name=f"relay {self.settings.relay}", limits=limits)
         hello = messages.Hello(
-            protocol=PROTOCOL_VERSION, role=self.role, instance=self.settings.instance,
+            protocol=messages.PROTOCOL_VERSION, role=self.role, instance=self.settings.instance,
             token=self.settings.token, session=self.settings.session,
         )
         try:

@@ -29,7 +29,6 @@ from typing import Any, ClassVar
 
 import attrs
 
-from .convert import json_type_name, structure, unstructure
 from .errors import NOT_FOUND, TOOL_ERROR, RelayError, error_category
 from .schema_check import best_match, protocol_validator, require_valid
 from .schema_parts import NON_EMPTY, OBJECT, OPT_OBJECT, STRING, obj
@@ -73,7 +72,12 @@ ORIGINS: tuple[str, ...] = ("local", "remote")
 _ACTION_LIST = ", ".join(ACTIONS)
 
 
-_json_type = json_type_name
+def _json_type(value: Any) -> str:
+    """`convert.json_type_name`, imported when an error needs it: `protocol.convert` (cattrs) is
+    loaded on first use, not with this module (oubliette-client's cold start, issue 11)."""
+    from .convert import json_type_name
+
+    return json_type_name(value)
 
 
 # --- descriptors -----------------------------------------------------------------------------
@@ -117,6 +121,8 @@ class ToolDescriptor:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of this descriptor (all seven members)."""
+        from .convert import unstructure
+
         return unstructure(self)  # type: ignore[no-any-return]
 
     @classmethod
@@ -126,6 +132,8 @@ class ToolDescriptor:
         Raises ``RelayError(INVALID_PARAMS)`` naming the problem.
         """
         require_valid(_descriptor_validator(), data, "tool descriptor")
+        from .convert import structure
+
         return structure(data, cls)
 
 
