@@ -1,6 +1,6 @@
 """Benchmark of the frame stores (oubliette_server/store.py, and store_pg.py in section 4).
 
-    python bench/bench_store.py [--frames N] [--appends N] [--rounds N] [--dir DIR] [--pg URL] [--skip-sqlite]
+    python bench/bench_store.py [--frames N] [--appends N] [--rounds N] [--dir DIR] [--pg URL] [--skip-sqlite] [--append-only]
 
 Every figure is printed next to a baseline measured in the same run, on the same machine:
 
@@ -9,6 +9,9 @@ Every figure is printed next to a baseline measured in the same run, on the same
    the same rows (same schema, same pragmas, payload already serialized) — ratio ours/baseline.
    Single appends alternate with the raw baseline in 20 chunks (the ratio of the totals and the
    median of the chunks' ratios), so that a load that drifts during the run hits both alike.
+   A second raw baseline builds each row in the loop from the fields and payload dict ours gets
+   (``json.dumps``, a random ``msg_id``, the timestamp), and the CPU time per append of all three
+   is printed beside the wall-clock ratios.  ``--append-only`` runs this section alone.
 2. Query latency (median, p99) at ``--frames`` (default 1,000,000) frames in one instance, for
    channel+session with ``after_seq`` near the end, a ``types`` filter, a ``reply_to`` filter,
    against a plain ``SELECT … WHERE iid=? AND seq>? ORDER BY seq LIMIT 50`` run raw.  The rows
@@ -94,8 +97,15 @@ async def bench_append(workdir: Path, n_single: int, n_batched: int, batch: int,
 
     # single appends, ours and raw interleaved in chunks: on a shared machine the load drifts
     # within seconds, and a ratio of two runs taken apart measures the drift as much as the store.
+    # Two raw baselines: "prebuilt" stores rows made before the clock starts (payload already
+    # JSON, msg_id and ts fixed); "building" makes each row in the loop from the same fields
+    # and payload dict as ours gets (json.dumps of the payload, a random msg_id, the clock's
+    # timestamp), the least any append of a frame given as a dict must do. Both are
+    # INSERT + COMMIT with the same schema and pragmas. Wall time is the figure; CPU time of
+    # this thread (time.thread_time) is printed beside it, as it moves less with the load.
     st = FrameStore(workdir / f"append-{durability}.db", durability=durability)
     db = raw_connect(workdir / f"raw-{durability}.db", durability)
+    db2 = raw_connect(workdir / f"raw2-{durability}.db", durability)
     ts = format_ts(time.time())
     text = json.dumps(PAYLOAD, separators=(",", ":"))
     rows = [
@@ -103,24 +113,35 @@ async def bench_append(workdir: Path, n_single: int, n_batched: int, batch: int,
         for i, k in enumerate(kws)
     ]
     ins = store_mod._INSERT_FRAME
+    dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
     chunk = max(1, n_single // 20)
-    ours_time = raw_time = 0.0
+    wall = {"ours": 0.0, "prebuilt": 0.0, "building": 0.0}
+    cpu = dict.fromkeys(wall, 0.0)
     chunk_ratios = []
     for start in range(0, n_single, chunk):
-        t0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.thread_time()
         for k in kws[start : start + chunk]:
             await st.append(INSTANCE, **k)
-        t1 = time.perf_counter()
+        w1, c1 = time.perf_counter(), time.thread_time()
         for r in rows[start : start + chunk]:
             db.execute("BEGIN")
             db.execute(ins, r)
             db.execute("COMMIT")
-        t2 = time.perf_counter()
-        ours_time += t1 - t0
-        raw_time += t2 - t1
-        chunk_ratios.append((t2 - t1) / (t1 - t0))
-    ours_single = n_single / ours_time
-    raw_single = n_single / raw_time
+        w2, c2 = time.perf_counter(), time.thread_time()
+        for i, k in enumerate(kws[start : start + chunk], start + 1):
+            row = (1, i, format_ts(time.time()), k["channel"], k["session_id"], k["type"],
+                   "m-" + os.urandom(16).hex(), k["reply_to"], dumps(k["payload"]))
+            db2.execute("BEGIN")
+            db2.execute(ins, row)
+            db2.execute("COMMIT")
+        w3, c3 = time.perf_counter(), time.thread_time()
+        for name, w, c in (("ours", w1 - w0, c1 - c0), ("prebuilt", w2 - w1, c2 - c1), ("building", w3 - w2, c3 - c2)):
+            wall[name] += w
+            cpu[name] += c
+        chunk_ratios.append((w2 - w1) / (w1 - w0))
+    ours_single = n_single / wall["ours"]
+    raw_single = n_single / wall["prebuilt"]
+    building_single = n_single / wall["building"]
     # batches, ours and raw alternating
     rows2 = [(1, n_single + r[1], *r[2:]) for r in rows[:n_batched]]
     ours_time = raw_time = 0.0
@@ -138,10 +159,17 @@ async def bench_append(workdir: Path, n_single: int, n_batched: int, batch: int,
     raw_batch = n_batched / raw_time
     st.close()
     db.close()
+    db2.close()
 
     print(f"single append     ours {ours_single:10,.0f} frames/s   raw {raw_single:10,.0f} frames/s   "
           f"ratio {ours_single / raw_single:.2f}   ({n_single} appends; median of "
           f"{len(chunk_ratios)} interleaved chunks {statistics.median(chunk_ratios):.2f})")
+    print(f"  vs raw building each row (json.dumps, msg_id, ts) {building_single:10,.0f} frames/s   "
+          f"ratio {ours_single / building_single:.2f}")
+    print(f"  CPU µs per append: ours {cpu['ours'] / n_single * 1e6:.1f}, raw prebuilt "
+          f"{cpu['prebuilt'] / n_single * 1e6:.1f} (ratio {cpu['prebuilt'] / cpu['ours']:.2f}), raw building "
+          f"{cpu['building'] / n_single * 1e6:.1f} (ratio {cpu['building'] / cpu['ours']:.2f}); load average "
+          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"append_many({batch:>3}) ours {ours_batch:10,.0f} frames/s   raw {raw_batch:10,.0f} frames/s   "
           f"ratio {ours_batch / raw_batch:.2f}   ({n_batched} frames)")
 
@@ -414,6 +442,10 @@ class LineReader:
 
 
 async def amain(args: argparse.Namespace, workdir: Path) -> None:
+    if args.append_only:
+        await bench_append(workdir, args.appends, args.appends * 10, 100, "normal")
+        await bench_append(workdir, args.full_appends, args.full_appends * 10, 100, "full")
+        return
     if not args.skip_sqlite:
         await bench_append(workdir, args.appends, args.appends * 10, 100, "normal")
         await bench_append(workdir, args.full_appends, args.full_appends * 10, 100, "full")
@@ -446,6 +478,7 @@ def main() -> None:
     p.add_argument("--pg-appends", type=int, default=2000, help="durable single appends, PostgreSQL vs SQLite")
     p.add_argument("--pg-rounds", type=int, default=500, help="cross-process wake rounds")
     p.add_argument("--skip-sqlite", action="store_true", help="run only section 4")
+    p.add_argument("--append-only", action="store_true", help="run only section 1 (append throughput)")
     p.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one, removed)")
     args = p.parse_args()
     print(f"python {sys.version.split()[0]}, sqlite {sqlite3.sqlite_version}, trio {trio.__version__}, "

@@ -26,7 +26,6 @@ from typing import Iterator, NoReturn
 
 import trio
 
-from .relay_link import RelayUnavailable
 from .settings import add_relay_arguments, positive_seconds, settings_from_args
 
 PROG = "oubliette-client"
@@ -210,6 +209,8 @@ def describe_failure(exc: BaseException) -> str | None:
 
     Such a failure is `RelayUnavailable` or an `OSError`, possibly inside Trio's exception groups.
     """
+    from .relay_link import RelayUnavailable  # not at import: `--help` loads no protocol model
+
     leaves = [leaf for leaf in _leaves(exc) if not isinstance(leaf, (trio.Cancelled, KeyboardInterrupt))]
     if not leaves or not all(isinstance(leaf, (RelayUnavailable, OSError)) for leaf in leaves):
         return None

@@ -17,7 +17,7 @@ import json
 import logging
 from typing import Any, Awaitable, Callable
 
-from protocol import RelayError, errors, messages
+from protocol import RelayError, errors
 
 log = logging.getLogger("oubliette.client.permission")
 
@@ -84,6 +84,8 @@ async def permission_prompt(
     if progress_ref is not None:
         params["progress_ref"] = progress_ref
     try:
+        from protocol import messages  # loaded by the relay link by now; not at import (cold start)
+
         reply = await request(messages.APPROVAL, params, timeout=timeout)
     except RelayError as err:
         why = "no decision in time" if err.code == errors.TIMEOUT else err.message

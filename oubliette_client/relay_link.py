@@ -12,6 +12,10 @@ link to come back).
 Why it cannot connect, or that the relay refused it, is logged at WARNING/ERROR once per
 distinct reason (not once per retry), so a misconfigured client says so at its default level.
 
+The peer, the sans-IO core and the message models (`protocol.peer`, `protocol.core`,
+`protocol.messages`) are imported when the link first connects, not with this module: `oubliette-client` answers `initialize` without them
+when the relay is down, and imports less before it when it is up (issue 11's cold start).
+
 Owns: the current connection (closed when `run` is cancelled). Needs: `run` in a nursery
 (`nursery.start_soon(link.run)`). Raises: `request` and `notify` raise only `RelayError`;
 `run` raises `RelayRefused` when the relay refuses the hello and `give_up_on_refusal` is set.
@@ -22,24 +26,14 @@ from __future__ import annotations
 import functools
 import logging
 import random
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 
-from protocol import (
-    METHOD_RULES,
-    PROTOCOL_VERSION,
-    ROLE_SERVER,
-    HandlerEntry,
-    PeerLimits,
-    RelayCore,
-    RelayError,
-    RelayPeer,
-    connect_relay,
-    errors,
-    messages,
-    parse_relay_address,
-)
+from protocol import RelayError, connect_relay, errors, parse_relay_address
+
+if TYPE_CHECKING:
+    from protocol import HandlerEntry, PeerLimits, RelayPeer
 
 from .settings import DEFAULT_REQUEST_TIMEOUT, RelaySettings, relay_addresses
 
@@ -75,7 +69,8 @@ class RelayLink:
     arrives before `on_connected()` is called. `request_timeout` is the default deadline
     of `request` (`DEFAULT_REQUEST_TIMEOUT`, 120 s: a caller tool waits up to the server's
     caller timeout, 60 s by default, and the server answers at that deadline, so this
-    leaves it its full timeout plus a margin); `limits` holds the write and hello deadlines.
+    leaves it its full timeout plus a margin); `limits` holds the write and hello deadlines
+    (None: `PeerLimits()`'s defaults, resolved when connecting).
     """
 
     def __init__(
@@ -86,7 +81,7 @@ class RelayLink:
         on_connected: Callable[[], None] | None = None,
         *,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-        limits: PeerLimits = PeerLimits(),
+        limits: PeerLimits | None = None,
         give_up_on_refusal: bool = False,
     ) -> None:
         self.settings = settings
@@ -94,11 +89,8 @@ class RelayLink:
         self.request_timeout = request_timeout
         self.limits = limits
         self._on_connected = on_connected
-        self._handlers = {
-            method: HandlerEntry(messages.PARAMS_TYPES[method], functools.partial(on_notification, method))
-            for method, rule in METHOD_RULES.items()
-            if rule.kind == "notification" and (ROLE_SERVER, role) in rule.routes and method != messages.CANCEL
-        }
+        self._on_notification = on_notification
+        self._handler_table: dict[str, HandlerEntry[Any]] | None = None
         self._peer: RelayPeer | None = None
         self.addresses = relay_addresses(settings.relay)
         """Where the link connects: one relay address, or several servers of a deployment tried in turn."""
@@ -221,6 +213,20 @@ class RelayLink:
             await trio.sleep(delay)  # backoff between attempts, not a wait for an event
             backoff = min(backoff * 2, BACKOFF_MAX)
 
+    def _handlers(self) -> dict[str, HandlerEntry[Any]]:
+        """The server notifications this role receives, each with its params class; built on first use."""
+        if self._handler_table is None:
+            from protocol import messages
+            from protocol.core import METHOD_RULES, ROLE_SERVER
+            from protocol.peer import HandlerEntry
+
+            self._handler_table = {
+                method: HandlerEntry(messages.PARAMS_TYPES[method], functools.partial(self._on_notification, method))
+                for method, rule in METHOD_RULES.items()
+                if rule.kind == "notification" and (ROLE_SERVER, self.role) in rule.routes and method != messages.CANCEL
+            }
+        return self._handler_table
+
     def _log_once(self, level: int, line: str) -> None:
         """Log why the link is down, once per distinct reason (not on every retry)."""
         if line != self._logged_reason:
@@ -229,16 +235,22 @@ class RelayLink:
 
     async def _serve(self, stream: trio.abc.Stream) -> bool:
         """One connection: hello, then serve until it ends. True if the server refused us."""
-        peer = RelayPeer(stream, RelayCore(self.role), name=f"relay {self.address}", limits=self.limits)
+        from protocol import messages
+        from protocol.core import RelayCore
+        from protocol.peer import PeerLimits, RelayPeer
+
+        limits = self.limits if self.limits is not None else PeerLimits()
+        handlers = self._handlers()
+        peer = RelayPeer(stream, RelayCore(self.role), name=f"relay {self.address}", limits=limits)
         hello = messages.Hello(
-            protocol=PROTOCOL_VERSION, role=self.role, instance=self.settings.instance,
+            protocol=messages.PROTOCOL_VERSION, role=self.role, instance=self.settings.instance,
             token=self.settings.token, session=self.settings.session,
         )
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(peer.serve, self._handlers)
+                await nursery.start(peer.serve, handlers)
                 try:
-                    await peer.request(messages.HELLO, hello, timeout=self.limits.hello_timeout)
+                    await peer.request(messages.HELLO, hello, timeout=limits.hello_timeout)
                 except RelayError as err:
                     nursery.cancel_scope.cancel()
                     return self._hello_failed(err)

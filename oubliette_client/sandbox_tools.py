@@ -10,11 +10,14 @@ handshake completes.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from protocol import CallerToolSpec, RelayError, ToolsetToolSpec, errors, messages
+from protocol import RelayError, errors
+
+if TYPE_CHECKING:
+    from protocol import CallerToolSpec, ToolsetToolSpec
 
 from .permission_prompt import APPROVAL_MARGIN, APPROVAL_WAIT, permission_prompt
 from .progress import AgentProgress
@@ -78,6 +81,8 @@ class SandboxTools:
 
     async def _on_relay_notification(self, method: str, params: Any) -> None:
         """Params come validated and structured by the relay peer."""
+        from protocol import messages  # loaded with the link's first connection (cold start, issue 11)
+
         if isinstance(params, messages.CallerToolsConfig):
             if self.link.connected:
                 self.registry.set_caller_tools(params.caller_id, params.tools)
@@ -162,6 +167,8 @@ class SandboxTools:
         problem = tool.validation_error(arguments)
         if problem:
             return CallOutcome(error=problem, category="usage")
+        from protocol import messages  # loaded with the link's first connection (cold start, issue 11)
+
         ref = self._track(progress)
         extra = {"progress_ref": ref} if ref is not None else {}
         try:

@@ -11,12 +11,15 @@ Every tool carries its seed 001 descriptor.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
-from protocol import CallerToolSpec, ToolsetToolSpec, build_descriptor
+from protocol.descriptors import build_descriptor
+
+if TYPE_CHECKING:
+    from protocol import CallerToolSpec, ToolsetToolSpec
 from protocol.schema_check import InvalidSchema, compile_schema, first_problem
 
 log = logging.getLogger("oubliette.client.tools")

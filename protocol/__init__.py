@@ -9,25 +9,108 @@ program, and its modules form layers (bottom first; each imports only those belo
 ``errors`` and ``schema_parts``; ``convert`` and ``schema_check``; ``jsonrpc``, ``framing``
 and ``descriptors``; ``frames``; ``messages``; ``schemas``. ``pyproject.toml``
 (``[tool.importlinter]``) states them as contracts.
+
+Every public name is importable from the package (``from protocol import RelayPeer``), but a
+module is imported only when one of its names is first asked for (PEP 562): a program loads
+only the layers it uses, which keeps ``oubliette-client``'s cold start (spawn → ``initialize``
+answered) under the SDK's own (issue 11). ``_EXPORTS`` lists each module's ``__all__``;
+tests/test_protocol.py checks that it matches.
 """
 
 from __future__ import annotations
 
-from . import addresses, convert, core, descriptors, errors, frames, framing, jsonrpc, messages, peer, schemas
-from .addresses import *  # noqa: F403 - each module's __all__ is its public API
-from .convert import *  # noqa: F403
-from .core import *  # noqa: F403
-from .descriptors import *  # noqa: F403
-from .errors import *  # noqa: F403
-from .frames import *  # noqa: F403
-from .framing import *  # noqa: F403
-from .jsonrpc import *  # noqa: F403
-from .messages import *  # noqa: F403
-from .peer import *  # noqa: F403
-from .schemas import *  # noqa: F403
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    name
-    for module in (addresses, errors, framing, jsonrpc, frames, messages, descriptors, convert, schemas, core, peer)
-    for name in module.__all__
-]
+if TYPE_CHECKING:
+    from .addresses import *  # noqa: F403
+    from .convert import *  # noqa: F403
+    from .core import *  # noqa: F403
+    from .descriptors import *  # noqa: F403
+    from .errors import *  # noqa: F403
+    from .frames import *  # noqa: F403
+    from .framing import *  # noqa: F403
+    from .jsonrpc import *  # noqa: F403
+    from .messages import *  # noqa: F403
+    from .peer import *  # noqa: F403
+    from .schemas import *  # noqa: F403
+
+#: Each module's public names (its ``__all__``), in the order ``__all__`` lists them.
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "addresses": (
+        'RelayAddress', 'connect_relay', 'parse_relay_address',
+    ),
+    "errors": (
+        'PARSE_ERROR', 'INVALID_REQUEST', 'METHOD_NOT_FOUND', 'INVALID_PARAMS', 'INTERNAL_ERROR',
+        'TIMEOUT', 'PEER_DISCONNECTED', 'CANCELLED', 'TOOL_ERROR', 'NOT_FOUND', 'UNAUTHORIZED',
+        'DENIED', 'ERROR_NAMES', 'CATEGORIES', 'CATEGORY_BY_CODE', 'error_category', 'RelayError',
+    ),
+    "framing": (
+        'MAX_FRAME_BYTES', 'RECEIVE_CHUNK_BYTES', 'encode', 'decode', 'FrameTooLarge', 'LineBuffer',
+        'END_OF_STREAM', 'read_lines',
+    ),
+    "jsonrpc": (
+        'JSONRPC_VERSION', 'Request', 'Response', 'Notification', 'Message', 'parse_message', 'request',
+        'notification', 'result_response', 'error_response',
+    ),
+    "frames": (
+        'DEFAULT_CHANNEL', 'FRAME_VERSION', 'FRAME_TYPES', 'SESSION_CHANNEL_SCHEMA',
+        'SESSION_ID_SCHEMA', 'SESSION_REF_SCHEMA', 'FRAME_SCHEMA', 'INGRESS_FIELDS', 'INGRESS_SCHEMA',
+        'SessionRef', 'Frame', 'utc_timestamp',
+    ),
+    "messages": (
+        'PROTOCOL_VERSION', 'HELLO', 'CALLER_TOOLS_CONFIG', 'CALLER_TOOL', 'CANCEL', 'USER_MESSAGE',
+        'ACK', 'APPEND_FRAME', 'TOOLSETS_CONFIG', 'TOOLSET_CALL', 'APPROVAL', 'PROGRESS', 'METHODS',
+        'ROLE_CLIENT', 'ROLE_GUEST', 'ROLES', 'Hello', 'HelloResult', 'CallerToolSpec',
+        'CallerToolsConfig', 'CallerToolCall', 'CallerToolResult', 'Cancel', 'ToolsetToolSpec',
+        'ToolsetsConfig', 'ToolsetCall', 'ToolsetCallResult', 'AgentApproval', 'AgentApprovalResult',
+        'Progress', 'UserMessageDelivery', 'Ack', 'AppendFrame', 'AppendFrameResult', 'PARAMS_TYPES',
+        'RESULT_TYPES',
+    ),
+    "descriptors": (
+        'DESCRIPTOR_META_KEY', 'ACTIONS', 'LIST_TOOLS', 'DESCRIBE_TOOL', 'CALL_TOOL', 'ORIGINS',
+        'TOOL_DESCRIPTOR_SCHEMA', 'ACTION_REQUEST_SCHEMA', 'ACTION_RESPONSE_SCHEMA', 'ToolDescriptor',
+        'build_descriptor', 'ActionError', 'ActionRequest', 'parse_action_request', 'parse_action_line',
+        'list_tools_response', 'describe_tool_response', 'call_tool_response', 'parse_action_response',
+        'parse_action_response_line',
+    ),
+    "convert": (
+        'converter', 'make_converter', 'structure', 'unstructure', 'wire_label', 'StrictTypeError',
+        'json_type_name',
+    ),
+    "schemas": (
+        'SCHEMA_DIALECT', 'SCHEMAS', 'CALLER_ID_SCHEMA', 'CALLER_TOOL_SPEC_SCHEMA', 'validate_params',
+        'validator_for', 'parse_params',
+    ),
+    "core": (
+        'ROLE_SERVER', 'PEER_ROLES', 'MethodRule', 'METHOD_RULES', 'senders_of', 'ProtocolError',
+        'LocalProtocolError', 'RemoteProtocolError', 'RelayEvent', 'RequestReceived',
+        'NotificationReceived', 'ResponseReceived', 'RequestRejected', 'NotificationRejected',
+        'ConnectionClosed', 'NEED_DATA', 'RelayCore',
+    ),
+    "peer": (
+        'DEFAULT_WRITE_TIMEOUT', 'DEFAULT_QUEUE_FRAMES', 'HELLO_TIMEOUT', 'PeerLimits', 'HandlerEntry',
+        'RelayPeer',
+    ),
+}
+
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = [name for names in _EXPORTS.values() for name in names]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name (or a submodule such as ``protocol.messages``), importing its module on first use."""
+    module = _MODULE_OF.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+    elif name in _EXPORTS:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *_EXPORTS})

@@ -22,17 +22,15 @@ tool they publish.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import attrs
 
-from jsonschema.exceptions import best_match
-
-from .convert import json_type_name, structure, unstructure
 from .errors import NOT_FOUND, TOOL_ERROR, RelayError, error_category
-from .schema_check import protocol_validator, require_valid
+from .schema_check import best_match, protocol_validator, require_valid
 from .schema_parts import NON_EMPTY, OBJECT, OPT_OBJECT, STRING, obj
 
 __all__ = [
@@ -74,7 +72,12 @@ ORIGINS: tuple[str, ...] = ("local", "remote")
 _ACTION_LIST = ", ".join(ACTIONS)
 
 
-_json_type = json_type_name
+def _json_type(value: Any) -> str:
+    """`convert.json_type_name`, imported when an error needs it: `protocol.convert` (cattrs) is
+    loaded on first use, not with this module (oubliette-client's cold start, issue 11)."""
+    from .convert import json_type_name
+
+    return json_type_name(value)
 
 
 # --- descriptors -----------------------------------------------------------------------------
@@ -94,7 +97,12 @@ TOOL_DESCRIPTOR_SCHEMA: dict[str, Any] = obj(
     },
 )
 
-_descriptor_validator = protocol_validator(TOOL_DESCRIPTOR_SCHEMA)
+
+
+@functools.cache
+def _descriptor_validator() -> Any:
+    """The ``tool_descriptor`` validator, compiled when first needed (not at import: cold start)."""
+    return protocol_validator(TOOL_DESCRIPTOR_SCHEMA)
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -113,6 +121,8 @@ class ToolDescriptor:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of this descriptor (all seven members)."""
+        from .convert import unstructure
+
         return unstructure(self)  # type: ignore[no-any-return]
 
     @classmethod
@@ -121,7 +131,9 @@ class ToolDescriptor:
 
         Raises ``RelayError(INVALID_PARAMS)`` naming the problem.
         """
-        require_valid(_descriptor_validator, data, "tool descriptor")
+        require_valid(_descriptor_validator(), data, "tool descriptor")
+        from .convert import structure
+
         return structure(data, cls)
 
 
@@ -358,7 +370,7 @@ def call_tool_response(tool: str, result: Any) -> dict[str, Any]:
 
 
 def _check_descriptor(value: Any, where: str, pipeline: Any) -> None:
-    error = best_match(_descriptor_validator.iter_errors(value))
+    error = best_match(_descriptor_validator().iter_errors(value))
     if error is not None:
         path = error.json_path.removeprefix("$")
         message = error.message if len(error.message) <= 200 else error.message[:199] + "…"

@@ -6,21 +6,24 @@ schema is a clear error) and describe the first problem of a value in one line.
 The protocol's own schemas (next to their models in `protocol/`) compile with
 `protocol_validator`, which is stricter about integers. This module imports
 nothing from the rest of `protocol/`, so every model module may use it.
+
+`jsonschema` (with `referencing`, about 30 ms to import) is imported when a schema is
+first compiled or a value first checked, not with this module: `oubliette-client`
+answers `initialize` before it needs a validator (issue 11's cold start).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from types import ModuleType
 from typing import Any
-
-import jsonschema
-from jsonschema.exceptions import best_match
 
 from .errors import INVALID_PARAMS, RelayError
 
 __all__ = [
     "InvalidSchema",
+    "best_match",
     "compile_schema",
     "first_problem",
     "protocol_validator",
@@ -34,17 +37,36 @@ def _is_strict_integer(checker: Any, instance: Any) -> bool:
     return isinstance(instance, int) and not isinstance(instance, bool)
 
 
-_ProtocolValidator = jsonschema.validators.extend(
-    jsonschema.Draft202012Validator,
-    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_strict_integer),
-)
+@functools.cache
+def _jsonschema() -> ModuleType:
+    """The `jsonschema` package, imported on first use (why: see the module docstring)."""
+    import jsonschema
+
+    return jsonschema
+
+
+@functools.cache
+def _protocol_validator_class() -> Any:
+    jsonschema = _jsonschema()
+    return jsonschema.validators.extend(
+        jsonschema.Draft202012Validator,
+        type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_strict_integer),
+    )
+
+
+def best_match(errors: Any) -> Any:
+    """`jsonschema.exceptions.best_match`: the most relevant of a validator's errors, or None."""
+    from jsonschema.exceptions import best_match as jsonschema_best_match
+
+    return jsonschema_best_match(errors)
 
 
 def protocol_validator(schema: dict[str, Any]) -> Any:
     """A validator for one of the protocol's own schemas: draft 2020-12, and ``1.0`` is not an
     integer (as for the converter). Raises ``jsonschema.SchemaError`` for a broken schema (a bug)."""
-    _ProtocolValidator.check_schema(schema)
-    return _ProtocolValidator(schema)
+    validator_class = _protocol_validator_class()
+    validator_class.check_schema(schema)
+    return validator_class(schema)
 
 
 class InvalidSchema(ValueError):
@@ -64,6 +86,7 @@ def compile_schema(schema: dict[str, Any]) -> Any:
 @functools.lru_cache(maxsize=1024)
 def _compile_text(text: str) -> Any:
     schema = json.loads(text)
+    jsonschema = _jsonschema()
     validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator_class.check_schema(schema)

@@ -54,3 +54,25 @@ def test_the_stdio_server_does_not_load_the_guest_runtime() -> None:
     )
     assert "oubliette_client.stdio_server" in modules, "the check saw the stdio server start"
     assert not {"oubliette_client.guest", "oubliette_client.mcp_config", "oubliette_client.demo_agent"} & modules
+
+
+def test_the_stdio_server_with_the_relay_down_loads_no_validator_and_no_peer() -> None:
+    """Issue 11's cold start: what `initialize` does not need is not imported before it. With the
+    relay down, `oubliette-client` never checks a schema (jsonschema loads on the first check),
+    never builds a relay peer nor a message (protocol.peer, core and messages load on the first
+    connection) and never converts one (protocol.convert and cattrs load on first use)."""
+    tmp = fresh_dir()
+    modules = imported(
+        ["-m", "oubliette_client", "--connect-wait", "0.1"],
+        env={"OUBLIETTE_RELAY": f"unix:{tmp / 'none.sock'}", "OUBLIETTE_INSTANCE": "box1", "OUBLIETTE_TOKEN": "t"},
+    )
+    assert "oubliette_client.stdio_server" in modules, "the check saw the stdio server start"
+    assert not {m for m in modules if m.split(".")[0] in ("jsonschema", "referencing", "cattrs")}
+    assert not {"protocol.peer", "protocol.core", "protocol.schemas", "protocol.messages", "protocol.convert"} & modules
+
+
+def test_client_help_loads_no_protocol_model() -> None:
+    """`oubliette-client --help` parses flags only: no message models, no validator."""
+    modules = imported(["-m", "oubliette_client", "--help"])
+    assert "oubliette_client.cli" in modules
+    assert not {"protocol.messages", "protocol.peer", "jsonschema"} & modules

@@ -6,6 +6,8 @@ import copy
 import json
 import pickle
 import re
+import subprocess
+import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -1026,6 +1028,35 @@ def test_docs_examples_validate(kind: str, body: str) -> None:
 def test_public_names_exist() -> None:
     for name in protocol.__all__:
         assert hasattr(protocol, name), name
+
+
+def test_lazy_export_table_matches_each_modules_all() -> None:
+    """protocol/__init__ imports a module on first use of one of its names, from a table: the table
+    must list exactly each module's `__all__`, and every name must come from its own module."""
+    import importlib
+
+    for module_name, names in protocol._EXPORTS.items():
+        module = importlib.import_module(f"protocol.{module_name}")
+        assert tuple(module.__all__) == names, module_name
+        for name in names:
+            assert getattr(protocol, name) is getattr(module, name), name
+    assert len(protocol.__all__) == len(set(protocol.__all__))
+
+
+def test_importing_the_package_loads_no_layer_and_no_jsonschema() -> None:
+    """Cold start (issue 11): `import protocol` alone imports none of its modules, and the models a
+    client needs before answering `initialize` do not import jsonschema (it loads on first check)."""
+    code = (
+        "import sys, protocol\n"
+        "assert not [m for m in sys.modules if m.startswith('protocol.')], sorted(sys.modules)\n"
+        "from protocol import CallerToolSpec, RelayError, build_descriptor, errors, messages\n"
+        "from protocol.schema_check import compile_schema\n"
+        "assert 'jsonschema' not in sys.modules\n"
+        "assert 'protocol.peer' not in sys.modules and 'protocol.core' not in sys.modules\n"
+        "compile_schema({'type': 'object'})\n"
+        "assert 'jsonschema' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_protocol_imports_neither_program() -> None:
