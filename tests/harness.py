@@ -287,6 +287,35 @@ class Deployment:
 READY_PREFIX = b"oubliette-server ready "
 
 
+class HandMcp:
+    """JSON-RPC lines to and from a stdio MCP server process, one request at a time."""
+
+    def __init__(self, process: trio.Process) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        self.process = process
+        self._buffer = b""
+
+    async def send(self, message: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        await self.process.stdin.send_all(json.dumps(message).encode() + b"\n")
+
+    async def receive(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        while b"\n" not in self._buffer:
+            chunk = await self.process.stdout.receive_some(65536)
+            assert chunk, "the server process closed its stdout"
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    async def response(self, request_id: Any) -> dict[str, Any]:
+        """The response to `request_id` (notifications and other messages before it are skipped)."""
+        while True:
+            message = await self.receive()
+            if message.get("id") == request_id and "method" not in message:
+                return message
+
+
 class HttpServer:
     """A server started with HTTP listeners (and no stdio caller)."""
 

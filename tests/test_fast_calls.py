@@ -18,7 +18,7 @@ import trio.testing
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from harness import PYTHON, Deployment, EventLog, structured, text_of
+from harness import PYTHON, Deployment, EventLog, HandMcp, structured, text_of
 from protocol.fast_tool_calls import FastToolCalls, fast_calls_enabled
 
 TIMEOUT = 20
@@ -172,33 +172,12 @@ def test_the_switch(value: str | None, enabled: bool) -> None:
 TOOL = {"name": "echo", "description": "Echo", "inputSchema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
 
 
-class RawAgent:
+class RawAgent(HandMcp):
     """An agent that speaks MCP to oubliette-client line by line, so the test sees the exact lines."""
 
-    def __init__(self, process: trio.Process) -> None:
-        self.process = process
-        self._buffer = b""
-
-    async def send(self, message: dict[str, Any]) -> None:
-        assert self.process.stdin is not None
-        await self.process.stdin.send_all(json.dumps(message).encode() + b"\n")
-
     async def receive(self) -> dict[str, Any]:
-        assert self.process.stdout is not None
         with trio.fail_after(TIMEOUT):
-            while b"\n" not in self._buffer:
-                chunk = await self.process.stdout.receive_some(65536)
-                assert chunk, "oubliette-client closed stdout"
-                self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
-
-    async def response(self, request_id: Any) -> dict[str, Any]:
-        """The response to `request_id` (list-changed and other notifications are skipped)."""
-        while True:
-            message = await self.receive()
-            if message.get("id") == request_id:
-                return message
+            return await super().receive()
 
     async def initialize(self) -> None:
         await self.send({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {

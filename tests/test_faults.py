@@ -19,40 +19,12 @@ from typing import Any
 
 import trio
 
-from harness import Deployment, structured, text_of
+from harness import Deployment, HandMcp, structured, text_of
 
 KILL_BOUND = 5.0
 """How soon after SIGKILL of the client the caller must be told the request was cancelled."""
 
 NOTIFY = {"name": "send_notification", "inputSchema": {"type": "object", "properties": {"message": {"type": "string"}}}}
-
-
-class HandMcp:
-    """JSON-RPC lines to and from a stdio MCP server process, one request at a time."""
-
-    def __init__(self, process: trio.Process) -> None:
-        assert process.stdin is not None and process.stdout is not None
-        self.process = process
-        self._buffer = b""
-
-    async def send(self, message: dict[str, Any]) -> None:
-        assert self.process.stdin is not None
-        await self.process.stdin.send_all(json.dumps(message).encode() + b"\n")
-
-    async def receive(self) -> dict[str, Any]:
-        assert self.process.stdout is not None
-        while b"\n" not in self._buffer:
-            chunk = await self.process.stdout.receive_some(65536)
-            assert chunk, "the client closed its stdout"
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
-
-    async def response(self, request_id: int) -> dict[str, Any]:
-        while True:
-            message = await self.receive()
-            if message.get("id") == request_id and "method" not in message:
-                return message
 
 
 async def test_killing_the_agents_client_mid_call_withdraws_the_request_at_once(deployment: Deployment) -> None:
