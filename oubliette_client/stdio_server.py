@@ -1,7 +1,9 @@
 """oubliette-client's stdio MCP server: the caller's tools as the agent's native tools.
 
-It connects to the relay before answering `initialize` (bounded by
-`connect_wait`), so the first `tools/list` already has the tools. If the relay
+It answers `initialize` at once and connects to the relay meanwhile; the first
+`tools/list` and the first call wait for that first attempt (bounded by
+`connect_wait` from the start), so they already have the tools, and the relay's
+connect, hello and tool list never delay the handshake. If the relay
 is down it still serves MCP: the tools it last knew stay listed and calls say
 why they cannot run, while the link reconnects in the background. Every
 change of the list is announced in both protocol eras: handshake-era agents
@@ -93,6 +95,7 @@ class SandboxToolServer:
         self.bus = InMemorySubscriptionBus()
         self._legacy_session: Any = None
         self._legacy_version: str | None = None  # the handshake-era version the agent negotiated
+        self._relay_deadline = float("inf")  # set by run_stdio: when lists and calls stop waiting for the relay
         self._unannounced = False
         self.server = Server(
             "oubliette-client", version="0.1.0",
@@ -129,8 +132,16 @@ class SandboxToolServer:
             self._unannounced = False
             await self._legacy_session.send_tool_list_changed()
 
+    async def _first_relay_attempt(self) -> None:
+        """Wait for the link's first attempt, until `connect_wait` after the start at most."""
+        if self.link.attempted.is_set():
+            return
+        with trio.move_on_at(self._relay_deadline):
+            await self.link.attempted.wait()
+
     async def _list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
         self._remember(ctx)
+        await self._first_relay_attempt()
         relayed = [t for t in self.registry.tools if t.name != PERMISSION_PROMPT]
         if len(relayed) < len(self.registry.tools):
             log.warning("a relayed tool is named %s; the built-in permission prompt hides it", PERMISSION_PROMPT)
@@ -172,6 +183,7 @@ class SandboxToolServer:
         With a `progress_token`, progress goes out through `send_progress(progress, total,
         message)` while the call waits. Raises: nothing; failures are tool errors.
         """
+        await self._first_relay_attempt()  # a call made before the relay answered still finds its tool
         if name == PERMISSION_PROMPT:
             answer = await self._with_progress(progress_token, send_progress, "waiting for the caller's decision",
                                                lambda progress: self.tools.ask_permission(arguments, progress))
@@ -196,21 +208,25 @@ class SandboxToolServer:
         await progress.drain()  # reports that arrived just before the answer still come before it
         return outcome
 
+    async def _warn_if_relay_down(self) -> None:
+        await self._first_relay_attempt()
+        if not self.link.connected:
+            log.warning("relay not available yet (%s); serving MCP anyway", self.link.last_error)
+
     async def run_stdio(self) -> None:
         """Serve the agent on stdin/stdout until it closes them.
 
-        Waits up to `connect_wait` for the first relay attempt, then serves even if the relay
-        is down (calls say why). Cancellation: the link closes and MCP serving stops.
+        Serves at once; lists and calls wait up to `connect_wait` (from now) for the first relay
+        attempt, then go on even if the relay is down (calls say why). Cancellation: the link
+        closes and MCP serving stops.
         """
         import mcp.server.stdio
 
         async with trio.open_nursery() as nursery:
+            self._relay_deadline = trio.current_time() + self.connect_wait
             nursery.start_soon(self.link.run)
             nursery.start_soon(self._announce_changes)
-            with trio.move_on_after(self.connect_wait):
-                await self.link.attempted.wait()
-            if not self.link.connected:
-                log.warning("relay not available yet (%s); serving MCP anyway", self.link.last_error)
+            nursery.start_soon(self._warn_if_relay_down)
             with claimed_stdio() as (stdin, stdout):  # cancellable, no thread per line
                 lines: Any = stdin
                 if self.fast_calls:

@@ -376,3 +376,58 @@ async def test_tool_names_over_64_characters_are_warned_about(deployment: Deploy
     assert warnings, stderr
     assert "64" in warnings[0]
     assert not any("myapp_send_notification" in line for line in stderr.splitlines() if "WARNING" in line)
+
+
+async def test_initialize_is_answered_before_a_slow_relay_and_the_first_list_waits_for_it(tmp_path: Any) -> None:
+    """The handshake never waits for the relay; the first `tools/list` does (up to `--connect-wait`).
+
+    The relay here accepts the connection and never answers `hello`, the slowest relay there is.
+    """
+    import subprocess
+    import sys
+    import time
+
+    from harness import HandMcp
+
+    socket_path = str(tmp_path / "silent.sock")
+    listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await listener.bind(socket_path)
+    listener.listen()
+    accepted: list[Any] = []
+
+    async def accept_and_stay_silent() -> None:
+        while True:
+            connection, _ = await listener.accept()
+            accepted.append(connection)
+
+    connect_wait = 4.0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept_and_stay_silent)
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "oubliette_client", "--relay", f"unix:{socket_path}", "--instance", "box1",
+             "--token", "t", "--connect-wait", str(connect_wait)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )
+        try:
+            agent = HandMcp(process)
+            with trio.fail_after(30):
+                started = time.monotonic()
+                await agent.send({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                    "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "hand", "version": "1"}}})
+                assert "result" in await agent.response(1)
+                initialized_after = time.monotonic() - started
+                await agent.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+                await agent.send({"jsonrpc": "2.0", "id": 2, "method": "tools/list"})
+                listed = await agent.response(2)
+                listed_after = time.monotonic() - started
+        finally:
+            process.kill()
+            await process.wait()
+            nursery.cancel_scope.cancel()
+    for connection in accepted:
+        connection.close()
+    listener.close()
+    assert accepted, "the client connected to the relay"
+    assert initialized_after < connect_wait / 2, initialized_after
+    assert listed_after >= connect_wait * 0.9, listed_after  # it waited for the relay's first attempt
+    assert [tool["name"] for tool in listed["result"]["tools"]] == ["permission_prompt"]
