@@ -86,6 +86,7 @@ from .store_api import (
     prepare_frame,
     prepare_frames,
 )
+from .store_pg_loop import LoopStatements
 
 __all__ = ["MIGRATIONS", "NOTIFY_CHANNEL", "PostgresFrameStore", "safe_url"]
 
@@ -165,6 +166,15 @@ _BUMP_SEQ = (
     "INSERT INTO instances (name, last_seq) VALUES (%s, %s) "
     "ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + EXCLUDED.last_seq RETURNING last_seq"
 )
+#: One frame in one statement (autocommit: the bump, the insert and the NOTIFY commit together),
+#: run on the Trio loop by `store_pg_loop` (no worker thread, one round trip).
+_APPEND_ONE = (
+    b"WITH bumped AS (INSERT INTO instances (name, last_seq) VALUES ($1, 1) "
+    b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1 RETURNING last_seq), "
+    b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
+    b"SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8 FROM bumped RETURNING seq) "
+    b"SELECT seq, pg_notify($9, $1) FROM stored"
+)
 _CLAIM = (
     "INSERT INTO resolutions (instance, request_id, seq) VALUES (%s, %s, 0) "
     "ON CONFLICT (instance, request_id) DO NOTHING RETURNING request_id"
@@ -229,6 +239,7 @@ class PostgresFrameStore:
         self.connect_timeout = connect_timeout
         self._clock = clock
         self._pool: psycopg_pool.ConnectionPool | None = None
+        self._statements: LoopStatements | None = None  # single appends, on the Trio loop
         self._limiter = trio.CapacityLimiter(pool_size)
         self._closed = False
         self._appends_since_prune: dict[str, int] = {}
@@ -281,6 +292,7 @@ class PostgresFrameStore:
                 f"cannot reach the PostgreSQL store {self.describe()}: no connection within {self.connect_timeout:g} s"
             ) from None
         self._pool = pool
+        self._statements = LoopStatements(self.url, self.pool_size, self.connect_timeout, self.describe())
         self._closed = False
         try:
             await self._run(self._migrate)
@@ -294,6 +306,9 @@ class PostgresFrameStore:
         finally:
             self._closed = True
             self.listening = False
+            statements, self._statements = self._statements, None
+            if statements is not None:
+                statements.close()
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(lambda: pool.close(timeout=5.0))
 
@@ -486,6 +501,14 @@ class PostgresFrameStore:
         n = len(prepared)
         ts = format_ts(self._clock())
 
+        if claim is None and n == 1 and self._statements is not None:
+            ch, sid, typ, mid, rt, text, _ = prepared[0]
+            rows = await self._statements.rows(_APPEND_ONE, [
+                instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
+                None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
+            ])
+            return await self._appended(instance, prepared, int(rows[0][0] or 0), ts)
+
         def write(conn: psycopg.Connection) -> int:
             with conn.transaction():
                 if claim is not None and conn.execute(_CLAIM, (instance, claim)).fetchone() is None:
@@ -509,6 +532,11 @@ class PostgresFrameStore:
         first = await self._run(write)
         if not first:
             return []
+        return await self._appended(instance, prepared, first, ts)
+
+    async def _appended(self, instance: str, prepared: list[tuple], first: int, ts: str) -> list[Frame]:
+        """The frames just committed from `first` on; wakes this server's waiters, prunes now and then."""
+        n = len(prepared)
         stored = [
             make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
             for i, (ch, sid, typ, mid, rt, _, obj) in enumerate(prepared)
