@@ -99,7 +99,8 @@ def test_every_module_imports_from_the_installed_wheel(installed: Installed) -> 
     # The PostgreSQL store needs the optional extra `postgres`, not installed here (the default
     # installs nothing more); everything else imports.
     assert found.pop("oubliette_server.store_pg") == "missing psycopg"
-    expected_optional = {"oubliette_server.store_pg"}
+    assert found.pop("oubliette_server.store_pg_loop") == "missing psycopg"
+    expected_optional = {"oubliette_server.store_pg", "oubliette_server.store_pg_loop"}
     for name, path in found.items():
         assert path.startswith(venv), f"{name} imported from {path}, not from the fresh venv"
     expected = {
