@@ -1,14 +1,18 @@
-"""Closing the caller tool requests a dead server left open (shared store only).
+"""Closing the caller tool requests and approvals a dead server left open (shared store only).
 
-The server whose agent asked a caller tool waits for the request's outcome and, at the
-request's `expires_at`, stores its timeout itself; the request names that server (`server`),
+The server whose agent asked a caller tool (or whose gated call asked an approval) waits for
+the request's outcome and, at the request's `expires_at`, stores its timeout itself; the
+request names that server (`server`),
 which renews its own lease while it lives (guests/leases.py). A request without an outcome
 whose server's lease expired, or well past its `expires_at`, has lost its waiter: that server
 died (kill -9, a lost host). With one
 server the next start closes such requests (`caller_tool_relay/restart.py`); with several on
 one database every surviving server sweeps the log every `period` seconds and stores
 `caller_tool_cancelled` (reason `ABANDONED_REASON`) through `append_outcome`, which lets
-exactly one outcome win, so the caller is never left with a request nobody waits for.
+exactly one outcome win, so the caller is never left with a request nobody waits for. An
+`approval_request` is closed the same way with an `approval_resolved` denial (`who`
+`SERVER_STOPPED`), shaped as approvals/service.py writes every decision, so the caller's server
+stops listing it and a late answer is refused as already resolved.
 
 Owns: its sweep task (start it with `await nursery.start(sweeper.serve)`). Needs: the
 PostgreSQL store's `abandoned_requests`, the session registry and the frame log's
@@ -18,18 +22,23 @@ PostgreSQL store's `abandoned_requests`, the session registry and the frame log'
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 import trio
 
 from protocol import Frame
 
+from .approvals.service import REQUEST as APPROVAL_REQUEST
+from .approvals.service import RESOLVED as APPROVAL_RESOLVED
+from .approvals.service import Decision, resolved_payload
 from .sessions import SessionRegistry
 from .store_api import StoreUnavailable
 
 log = logging.getLogger("oubliette.server.calls")
 
 ABANDONED_REASON = "its server stopped: no server waits for it"
+SERVER_STOPPED = "server_stopped"
+"""`who` of the denial the sweep stores for an approval whose server died."""
 
 #: `append_outcome(session, type, payload, request_id)`: the frame, or None if another outcome won.
 AppendOutcome = Callable[..., Awaitable["Frame | None"]]
@@ -64,7 +73,7 @@ class AbandonedRequests:
             try:
                 await self.sweep()
             except StoreUnavailable as exc:
-                log.warning("could not look for abandoned caller tool requests: %s", exc)
+                log.warning("could not look for abandoned caller tool or approval requests: %s", exc)
 
     async def sweep(self) -> int:
         """Close every abandoned request now; how many this server closed (others may race it)."""
@@ -78,7 +87,7 @@ class AbandonedRequests:
             if len(frames) < 100 or not won:
                 break
         if closed:
-            log.warning("closed %d caller tool request(s) whose server stopped waiting", closed)
+            log.warning("closed %d caller tool or approval request(s) whose server stopped waiting", closed)
         return closed
 
     async def _close(self, frame: Frame) -> int:
@@ -86,6 +95,11 @@ class AbandonedRequests:
         if not isinstance(request_id, str):
             return 0
         session = self.sessions.get_or_create(frame.instance, frame.channel, frame.session_id)
-        payload: dict[str, Any] = {"request_id": request_id, "tool": frame.payload.get("tool"), "reason": ABANDONED_REASON}
-        stored = await self.append_outcome(session, "caller_tool_cancelled", payload, request_id)
+        if frame.type == APPROVAL_REQUEST:
+            denial = Decision(approve=False, who=SERVER_STOPPED, reason=ABANDONED_REASON)
+            payload = resolved_payload(request_id, str(frame.payload.get("tool_name")), denial)
+            stored = await self.append_outcome(session, APPROVAL_RESOLVED, payload, request_id)
+        else:
+            payload = {"request_id": request_id, "tool": frame.payload.get("tool"), "reason": ABANDONED_REASON}
+            stored = await self.append_outcome(session, "caller_tool_cancelled", payload, request_id)
         return 1 if stored is not None else 0

@@ -95,7 +95,9 @@ class OublietteServer:
             self.frame_log.append, config.caller_timeout, bus=bus, find_sessions=self.sessions.find_by_id,
             server_id=self.server_id if bus is not None else None,
         )
-        self.approvals = ApprovalService(self.frame_log.append, config.approval_timeout, log=bus)
+        self.approvals = ApprovalService(
+            self.frame_log.append, config.approval_timeout, log=bus, server_id=self.server_id if bus is not None else None,
+        )
         self.elicitation = ApprovalElicitation(self.approvals, config.approval_delivery)
         self.connection_approvals = ConnectionApprovals(self.sessions, self.approvals)
         self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls, self.approvals)

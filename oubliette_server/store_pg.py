@@ -753,13 +753,15 @@ class PostgresFrameStore:
         return await self._run(read, read_only=True)
 
     async def abandoned_requests(self, grace: float, limit: int = 100) -> list[Frame]:
-        """`caller_tool_request` frames with no outcome whose waiting server died: its lease (the
-        request's `server`) expired, or `expires_at` passed more than `grace` seconds ago (a live
-        waiter stores its timeout at the deadline)."""
+        """`caller_tool_request` and `approval_request` frames with no outcome whose waiting server
+        died: its lease (the request's `server`) expired, or `expires_at` passed more than `grace`
+        seconds ago (a live waiter stores its timeout at the deadline). An outcome is a
+        `resolutions` row or, as one server records an approval's decision, a frame of the
+        request's outcome types (`approval_resolved` for an approval)."""
         def read(conn: psycopg.Connection) -> list[Frame]:
             rows = conn.execute(
                 "SELECT r.instance, r.seq, r.ts, r.channel, r.session_id, r.type, r.msg_id, r.reply_to, r.payload "
-                "FROM frames r WHERE r.type = 'caller_tool_request' "
+                "FROM frames r WHERE r.type IN ('caller_tool_request', 'approval_request') "
                 "AND ((r.payload::jsonb ->> 'expires_at')::timestamptz < now() - make_interval(secs => %s) "
                 "  OR EXISTS (SELECT 1 FROM server_leases l WHERE l.server = r.payload::jsonb ->> 'server' "
                 "    AND l.expires_at < now())) "
@@ -767,7 +769,7 @@ class PostgresFrameStore:
                 "  AND s.request_id = r.payload::jsonb ->> 'request_id') "
                 "AND NOT EXISTS (SELECT 1 FROM frames o WHERE o.instance = r.instance AND o.session_id = r.session_id "
                 "  AND o.channel = r.channel AND o.seq > r.seq "
-                "  AND o.type IN ('caller_tool_result', 'caller_tool_cancelled') "
+                "  AND o.type IN ('caller_tool_result', 'caller_tool_cancelled', 'approval_resolved') "
                 "  AND o.payload::jsonb ->> 'request_id' = r.payload::jsonb ->> 'request_id') "
                 "ORDER BY r.instance, r.seq LIMIT %s",
                 (grace, limit),

@@ -5,11 +5,13 @@ Which server holds an instance's guest is a lease in the database (docs/SCALING.
 leases"): a guest that connects to another server takes its instance over, the server that
 lost it drops its guest, and a server killed with SIGKILL loses its instances to the server
 the guest reconnects to, which delivers from the acknowledged cursor: nothing lost, nothing
-run twice. A caller tool request the dead server was waiting on is closed by a survivor.
+run twice. A caller tool request, or an approval, the dead server was waiting on is closed by
+a survivor.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -17,8 +19,13 @@ from typing import Any, AsyncIterator
 import trio
 
 from harness import PYTHON, Deployment, HttpServer, RawRelay
+from oubliette_server.abandoned_requests import ABANDONED_REASON, SERVER_STOPPED, AbandonedRequests
+from oubliette_server.approvals.service import decision_of
+from oubliette_server.frame_log import FrameLog
+from oubliette_server.sessions import SessionRegistry
 from oubliette_server.store_api import FrameQuery
 from oubliette_server.store_pg import MIGRATIONS, PostgresFrameStore
+from test_approvals_matrix import DELETE, GATED, call, decide
 from test_caller_loop import IDLE, INSTANCE, LOOP_AGENT, LoopCaller, ends_with, script, tool
 from test_http_api import poll, post
 
@@ -258,3 +265,100 @@ def all_frames_checked(frames: list[Any]) -> int:
     assert sorted(outcomes) == sorted(requests), (requests, outcomes)
     return len(messages)
 
+
+
+async def test_the_sweep_finds_and_denies_an_approval_whose_server_died(pg_url: str) -> None:
+    """Store level: an `approval_request` of a server whose lease expired is abandoned, one of a
+    live server is not; the sweep stores its denial in approvals/service.py's shape (once: a
+    second sweep finds nothing), and an approval a server decided itself (a plain frame) is not."""
+    store = PostgresFrameStore(pg_url, pool_size=2)
+    async with store.running():
+        await store.renew_leases("dead", [], -1)  # its server lease expired, as if `dead` was killed
+        await store.renew_leases("live", [], 60)
+        far = "2999-01-01T00:00:00.000Z"
+
+        async def ask(instance: str, server: str, request_id: str) -> None:
+            await store.append(instance, channel="mcp", session_id="s", type="approval_request", payload={
+                "request_id": request_id, "tool_name": GATED, "arguments": {}, "origin": "caller",
+                "expires_at": far, "server": server,
+            })
+
+        await ask("box-dead", "dead", "apr-dead")
+        await ask("box-dead", "dead", "apr-decided")
+        await store.append("box-dead", channel="mcp", session_id="s", type="approval_resolved", payload={
+            "request_id": "apr-decided", "tool_name": GATED, "approve": True, "reason": None, "who": "caller", "kind": "approval",
+        })
+        await ask("box-live", "live", "apr-live")
+        found = await store.abandoned_requests(grace=LEASE_TTL)
+        assert [f.payload["request_id"] for f in found] == ["apr-dead"], found
+
+        frame_log = FrameLog(store, SessionRegistry())
+        sweeper = AbandonedRequests(store, frame_log.sessions, frame_log.append_outcome, period=LEASE_TTL, grace=LEASE_TTL)
+        assert await sweeper.sweep() == 1
+        assert await sweeper.sweep() == 0
+        assert await store.abandoned_requests(grace=LEASE_TTL) == []
+        [resolved] = [f for f in await store.query("box-dead", FrameQuery(limit=50)) if f.type == "approval_resolved"
+                      and f.payload["request_id"] == "apr-dead"]
+    assert resolved.payload == {
+        "request_id": "apr-dead", "tool_name": GATED, "approve": False, "reason": ABANDONED_REASON,
+        "who": SERVER_STOPPED, "kind": "approval",
+    }
+    assert decision_of(resolved.payload).describe() == "denied (server_stopped)"
+
+
+async def test_kill_9_of_the_guests_server_while_its_approval_is_pending(pg_url: str) -> None:
+    """Caller on A, guest on B, B's gated caller tool waiting for its approval (timeout 600 s); B
+    is killed (SIGKILL). Once B's lease expired, A stores the approval's denial (`who`
+    server_stopped), within `3 × lease_ttl + 3` s; the caller sees it resolved, a late approval is
+    refused as already resolved, and a new message (refused while an approval is pending) is
+    taken and its gated call asked again, through A."""
+    async with servers(pg_url) as (a, server_a, b, server_b):
+        id_b = await server_id(server_b)
+        async with guest_of([b, a], a.token(INSTANCE)), server_a.caller(events=False) as (client, _):
+            await server_b.wait_connected(INSTANCE)
+            caller = LoopCaller(client)
+            ends_with(await caller.message("s1", IDLE, [DELETE], wait=60), "end_turn")  # acknowledged
+            gated = json.dumps({"steps": [[call(GATED, arguments={"path": "/tmp/x"})]]})
+            stop = ends_with(await caller.message("s1", gated, [DELETE], wait=60), "requires_approval")
+            [ask] = stop["approval_requests"]
+            [asked] = [f for f in await all_frames(pg_url) if f.type == "approval_request"]
+            assert asked.payload["server"] == id_b and asked.payload["request_id"] == ask["request_id"], asked.payload
+
+            server_b.process.send_signal(signal.SIGKILL)
+            killed = trio.current_time()
+            with trio.fail_after(CLOSE_BOUND + 10):
+                closed = await caller.call("session_events", session_id="s1", types=["approval_resolved"], wait_ms=30_000)
+            approval_closed = trio.current_time() - killed
+            [resolved] = closed["frames"]
+            late = await decide(caller, "s1", request_id=ask["request_id"], approve=True)
+
+            await server_a.wait_connected(INSTANCE, timeout=10)
+            dones: list[dict[str, Any]] = []
+            after = 0
+            with trio.fail_after(30):
+                while len(dones) < 2:  # the idle turn's, then the interrupted turn's (its call failed)
+                    events = await caller.call(
+                        "session_events", session_id="s1", types=["assistant.done"], after_seq=after, wait_ms=20_000,
+                    )
+                    dones += events["frames"]
+                    after = events["next_seq"]
+            again = ends_with(await caller.message("s1", gated, [DELETE], wait=60), "requires_approval")
+            [ask2] = again["approval_requests"]
+            assert ask2["request_id"] != ask["request_id"]
+            relayed = ends_with(await decide(caller, "s1", request_id=ask2["request_id"], approve=True, wait=60),
+                                "requires_action")
+            [request] = relayed["pending"]
+            end = ends_with(await caller.answer("s1", request["request_id"], result="deleted", wait=60), "end_turn")
+        assert server_a.process.returncode is None
+
+    print(f"kill -9 of B: its pending approval denied after {approval_closed:.2f} s")
+    assert resolved["payload"]["request_id"] == ask["request_id"]
+    assert (resolved["payload"]["approve"], resolved["payload"]["who"], resolved["payload"]["reason"]) == (
+        False, SERVER_STOPPED, ABANDONED_REASON), resolved
+    assert "already resolved: denied (server_stopped)" in late.get("error", ""), late
+    assert f"{GATED} -> deleted" in end["text"], end
+    assert approval_closed <= CLOSE_BOUND, approval_closed
+    frames = await all_frames(pg_url)
+    requests = sorted(f.payload["request_id"] for f in frames if f.type == "approval_request")
+    decisions = sorted(f.payload["request_id"] for f in frames if f.type == "approval_resolved")
+    assert decisions == requests and len(requests) == 2, (requests, decisions)

@@ -200,11 +200,14 @@ class ApprovalService:
 
     def __init__(
         self, append_frame: AppendFn, default_timeout: float = DEFAULT_APPROVAL_TIMEOUT, log: SharedLog | None = None,
+        server_id: str | None = None,
     ) -> None:
-        """`log` (a shared store only) makes approvals work across servers."""
+        """`log` (a shared store only) makes approvals work across servers; `server_id` is written
+        in each request, so survivors can tell whose wait died (abandoned_requests.py)."""
         self._append_frame = append_frame
         self.default_timeout = default_timeout
         self.log = log
+        self.server_id = server_id
         self._pending: dict[str, PendingApproval] = {}
         self._remote: dict[str, PendingApproval] = {}
         self._synced: dict[Session, int] = {}
@@ -356,6 +359,8 @@ class ApprovalService:
                     request["input_schema"] = input_schema
                 if allows_tool_return:
                     request["allows_tool_return"] = True
+                if self.server_id is not None:
+                    request["server"] = self.server_id  # whose lease says this wait is alive
             frame = await self._append_frame(session, REQUEST, request)
             entry.frame_seq = frame.seq
             self._notify(session)
@@ -641,8 +646,14 @@ class ApprovalService:
 
 def _resolved_payload(entry: PendingApproval, decision: Decision) -> dict[str, Any]:
     """The `approval_resolved` frame's payload for `decision` on `entry`."""
+    return resolved_payload(entry.request_id, entry.tool_name, decision)
+
+
+def resolved_payload(request_id: str, tool_name: str, decision: Decision) -> dict[str, Any]:
+    """The `approval_resolved` frame's payload for `decision` on request `request_id` (also the
+    sweep's, which closes a dead server's request without its entry)."""
     payload: dict[str, Any] = {
-        "request_id": entry.request_id, "tool_name": entry.tool_name, "approve": decision.approve,
+        "request_id": request_id, "tool_name": tool_name, "approve": decision.approve,
         "reason": decision.reason, "who": decision.who, "kind": decision.kind,
     }
     if decision.updated_arguments is not None:
