@@ -362,3 +362,49 @@ async def test_kill_9_of_the_guests_server_while_its_approval_is_pending(pg_url:
     requests = sorted(f.payload["request_id"] for f in frames if f.type == "approval_request")
     decisions = sorted(f.payload["request_id"] for f in frames if f.type == "approval_resolved")
     assert decisions == requests and len(requests) == 2, (requests, decisions)
+
+
+async def test_a_decision_taken_after_another_servers_sweep_denied_the_approval_loses_to_that_denial(pg_url: str) -> None:
+    """A server stalled past its lease: another server's sweep denied its pending approval (as if
+    it were dead). The owner's answer arriving afterwards on the stalled server must not become a
+    second decision: it is refused as already resolved, the gated call gets the stored denial,
+    and the log holds one `approval_resolved`."""
+    from oubliette_server.approvals.service import ApprovalService, Decision, resolved_payload
+    from oubliette_server.caller_tool_relay.bus import LogBus
+    from oubliette_server.callers import CallerConnection
+    from protocol.errors import RelayError
+
+    store = PostgresFrameStore(pg_url, pool_size=2)
+    async with store.running():
+        frame_log = FrameLog(store, SessionRegistry())
+        approvals = ApprovalService(frame_log.append, 600, log=LogBus(store, frame_log.append_outcome), server_id="me")
+        caller = CallerConnection("test")
+        session = frame_log.sessions.get_or_create(INSTANCE, "mcp", "s1")
+        decided: list[Decision] = []
+        returned = trio.Event()
+
+        async def gated_call() -> None:
+            decided.append(await approvals.request(session, GATED, {}, origin="caller", caller=caller))
+            returned.set()
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(approvals.serve)
+                nursery.start_soon(gated_call)
+                [asked], _ = await store.wait_for_frames(INSTANCE, FrameQuery(types=("approval_request",)), 20)
+                request_id = asked.payload["request_id"]
+                sweep = Decision(approve=False, who=SERVER_STOPPED, reason=ABANDONED_REASON)
+                assert await frame_log.append_outcome(
+                    session, "approval_resolved", resolved_payload(request_id, GATED, sweep), request_id,
+                ) is not None
+                try:
+                    await approvals.answer(caller, "s1", request_id, Decision(approve=True, who="caller"))
+                except RelayError as refused:
+                    assert "already resolved: denied (server_stopped)" in refused.message, refused.message
+                else:
+                    raise AssertionError("the late local answer was accepted as a second decision")
+                await returned.wait()
+                nursery.cancel_scope.cancel()
+        assert decided[0].approve is False and decided[0].who == SERVER_STOPPED
+        resolved = [f for f in await store.query(INSTANCE, FrameQuery(types=("approval_resolved",), limit=50))]
+        assert [f.payload["request_id"] for f in resolved] == [request_id]

@@ -483,12 +483,31 @@ class ApprovalService:
         self._notify(entry.session)
 
     async def _record(self, entry: PendingApproval) -> None:
+        """Store this server's decision of its own approval.
+
+        With a shared store it is stored with `append_outcome` too, so it can never be a second
+        decision: if another server stored one first (its sweep took this server for dead, after a
+        stall longer than `lease_ttl`), that decision is the approval's, here as everywhere."""
         decision = entry.decision
         assert decision is not None
         try:
-            await self._append_frame(entry.session, RESOLVED, _resolved_payload(entry, decision))
+            if self.log is None:
+                await self._append_frame(entry.session, RESOLVED, _resolved_payload(entry, decision))
+            elif await self._store_outcome(entry, decision) is None:
+                winner = await self._outcome_of(entry)
+                if winner is not None:
+                    self._overrule(entry, decision_of(winner.payload))
         finally:
             entry.recorded.set()
+
+    def _overrule(self, entry: PendingApproval, decision: Decision) -> None:
+        """Another server's stored decision replaces the one taken here (see `_record`)."""
+        entry.decision = decision
+        finished = self._finished.get(entry.request_id)
+        if finished is not None:
+            self._finished[entry.request_id] = _Finished(
+                finished.session_id, finished.caller, decision, finished.frame_seq, finished.recorded, finished.session,
+            )
 
     # -- the caller's side ---------------------------------------------------------------
 
@@ -505,6 +524,10 @@ class ApprovalService:
             return await self._answer_in_log(caller, entry, decision)
         self._decide(entry, decision)
         await entry.recorded.wait()  # the approval_resolved frame is stored when we answer
+        if entry.decision is not decision:  # another server's decision was stored first
+            raise RelayError(
+                errors.INVALID_REQUEST, f"approval '{request_id}' is already resolved: {entry.decision.describe()}",
+            )
         return {"resolved": True, "after_seq": seq}
 
     async def answer_batch(
