@@ -270,11 +270,13 @@ class Deployment:
             yield client
 
     @asynccontextmanager
-    async def guest(self, instance: str, command: list[str]) -> AsyncIterator[trio.Process]:
-        """`oubliette-client run -- command` for `instance`."""
+    async def guest(
+        self, instance: str, command: list[str], *, relay: str | None = None, token: str | None = None,
+    ) -> AsyncIterator[trio.Process]:
+        """`oubliette-client run -- command` for `instance` (`relay`: another address, or a list)."""
         process = await trio.lowlevel.open_process(
-            [PYTHON, "-m", "oubliette_client", "run", "--relay", self.relay, "--instance", instance,
-             "--token", self.token(instance), "--log-level", "WARNING", "--", *command],
+            [PYTHON, "-m", "oubliette_client", "run", "--relay", relay or self.relay, "--instance", instance,
+             "--token", token or self.token(instance), "--log-level", "WARNING", "--", *command],
         )
         try:
             yield process

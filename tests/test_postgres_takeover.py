@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from harness import PYTHON, Deployment, HttpServer, RawRelay
+from harness import Deployment, HttpServer, RawRelay
 from oubliette_server.abandoned_requests import ABANDONED_REASON, SERVER_STOPPED, AbandonedRequests
 from oubliette_server.approvals.service import decision_of
 from oubliette_server.frame_log import FrameLog
@@ -77,17 +77,8 @@ async def all_frames(pg_url: str) -> list[Any]:
 @asynccontextmanager
 async def guest_of(relays: list[Deployment], token: str) -> AsyncIterator[trio.Process]:
     """`oubliette-client run` of box1 given several servers' relay addresses, tried in turn."""
-    relay = ",".join(d.relay for d in relays)
-    process = await trio.lowlevel.open_process(
-        [PYTHON, "-m", "oubliette_client", "run", "--relay", relay, "--instance", INSTANCE,
-         "--token", token, "--log-level", "WARNING", "--", *LOOP_AGENT],
-    )
-    try:
+    async with relays[0].guest(INSTANCE, LOOP_AGENT, relay=",".join(d.relay for d in relays), token=token) as process:
         yield process
-    finally:
-        process.terminate()
-        with trio.CancelScope(shield=True):
-            await process.wait()
 
 
 async def test_leases_in_the_store(pg_url: str) -> None:
