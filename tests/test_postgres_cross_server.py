@@ -160,3 +160,72 @@ async def test_the_caller_leaving_a_fails_the_agents_call_on_b_at_once(pg_url: s
     assert "connection error: caller 'myapp' disconnected before responding" in frame["payload"]["text"], frame
     [outcome] = one_outcome_each(await caller_tool_frames(pg_url, "s4")).values()
     assert outcome.type == "caller_tool_cancelled" and outcome.payload["reason"] == "caller disconnected"
+
+
+async def test_the_agents_cancel_on_b_ends_the_request_the_caller_sees_on_a(pg_url: str) -> None:
+    """An agent on B (its own oubliette-client, bound to the session) cancels its call: B stores
+    `caller_tool_cancelled` ("cancelled by the agent"); the caller on A stops seeing it pending, a
+    late answer on A is refused as cancelled, and the request has exactly one outcome."""
+    from test_caller_loop import IDLE
+
+    a, b = Deployment(store=pg_url), Deployment(store=pg_url)
+    try:
+        async with a.http_server("--config", str(a.config_file(INSTANCE))) as server_a, \
+                b.http_server("--config", str(b.config_file(INSTANCE))) as server_b, \
+                b.guest(INSTANCE, LOOP_AGENT), server_a.caller(events=False) as (client, _):
+            await server_b.wait_connected(INSTANCE)
+            caller = LoopCaller(client)
+            ends_with(await caller.message("s6", IDLE, [tool("send_notification", timeout_ms=60_000)], wait=60), "end_turn")
+            async with b.agent(INSTANCE, "mcp:s6") as agent, trio.open_nursery() as nursery:
+                scope = trio.CancelScope()
+                outcome: dict[str, Any] = {}
+
+                async def agent_call() -> None:
+                    with scope:
+                        outcome["result"] = await agent.call_tool(TOOL, {"n": 7})
+
+                nursery.start_soon(agent_call)
+                with trio.fail_after(30):  # A learns of B's request from the log (a long poll on A)
+                    asked = await caller.call("session_events", session_id="s6", types=["caller_tool_request"], wait_ms=20_000)
+                [frame] = asked["frames"]
+                request = frame["payload"]
+                assert request["arguments"] == {"n": 7}
+                scope.cancel()  # the SDK client sends notifications/cancelled to oubliette-client on B
+            assert "result" not in outcome
+            with trio.fail_after(30):
+                ended = await caller.call("session_events", session_id="s6", types=["caller_tool_cancelled"], wait_ms=20_000)
+            [cancelled] = [f["payload"] for f in ended["frames"]]
+            assert cancelled["request_id"] == request["request_id"] and cancelled["reason"] == "cancelled by the agent"
+            late = await caller.answer("s6", request["request_id"], result={"status": "late"})
+            assert "no longer pending" in late["error"] and "cancelled" in late["error"], late
+    finally:
+        a.cleanup()
+        b.cleanup()
+    [outcome_frame] = one_outcome_each(await caller_tool_frames(pg_url, "s6")).values()
+    assert outcome_frame.type == "caller_tool_cancelled"
+
+
+async def test_a_turn_on_b_is_read_on_a_by_sse_and_by_long_poll(pg_url: str) -> None:
+    """The caller's message goes in on A, the guest on B answers it: A's SSE stream and a long
+    poll on A both get the turn's `assistant.done`, which B stored (woken by LISTEN on A)."""
+    from test_caller_loop import IDLE
+    from test_http_api import sse
+
+    async with two_servers(pg_url) as (server_a, _), server_a.rest() as rest, server_a.rest() as poller, \
+            server_a.caller(events=False) as (client, _):
+        caller = LoopCaller(client)
+        filters = {"channel": "mcp", "session_id": "s7", "types": "assistant.done"}
+        async with sse(rest, INSTANCE, params=filters) as stream, trio.open_nursery() as nursery:
+            polled: dict[str, Any] = {}
+
+            async def long_poll() -> None:
+                polled.update(await poll(poller, INSTANCE, {**filters, "wait_ms": 25_000}))
+
+            nursery.start_soon(long_poll)
+            sent = await caller.message("s7", IDLE, [tool("send_notification")])
+            assert "error" not in sent, sent
+            with trio.fail_after(30):
+                event = await stream.next(timeout=30)
+        assert event["event"] == "frame" and event["data"]["type"] == "assistant.done"
+        assert event["data"]["session"] == {"channel": "mcp", "id": "s7"}
+        assert polled["frames"] == [event["data"]] and not polled["timed_out"]
