@@ -129,6 +129,7 @@ import trio
 from protocol.frames import FRAME_VERSION, Frame, SessionRef
 
 from .store_api import (
+    LongPollWaiters,
     DEFAULT_LIMIT,
     DEFAULT_PRUNE_EVERY,
     DEFAULT_RETENTION_FRAMES,
@@ -212,7 +213,7 @@ _NEW_INSTANCE = "INSERT INTO instances (name, last_seq, pruned_below) VALUES (?,
 _DURABILITY = {"normal": "NORMAL", "full": "FULL"}
 
 
-class FrameStore:
+class FrameStore(LongPollWaiters):
     """The tether log of every instance, in one SQLite database (see the module docstring).
 
     Use it from one Trio thread.  It implements :class:`store_api.FrameStoreAPI`: every method
@@ -258,8 +259,7 @@ class FrameStore:
         self._committed: dict[str, int] = {}
         self._group: _Group | None = None
         self._appends_since_prune: dict[str, int] = {}
-        self._wake: dict[str, trio.Event] = {}
-        self._waiters: dict[str, int] = {}
+        LongPollWaiters.__init__(self)
         # (instance, request_id) of the outcomes `append_outcome` recorded, newest last (bounded).
         self._outcomes: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._prune_all()
@@ -538,9 +538,7 @@ class FrameStore:
             assigned = self._assigned[instance]
             if self._committed.get(instance, 0) < assigned:
                 self._committed[instance] = assigned
-            event = self._wake.pop(instance, None)
-            if event is not None:
-                event.set()
+            self._wake_instance(instance)
             count += self._appends_since_prune.get(instance, 0)
             if count >= self.prune_every:
                 self._appends_since_prune[instance] = 0
@@ -673,16 +671,13 @@ class FrameStore:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return frames, False
         deadline = trio.current_time() + timeout
-        self._waiters[instance] = self._waiters.get(instance, 0) + 1
-        try:
+        with self._waiting(instance):
             while True:
                 if seen > q.after_seq:
                     # Frames up to ``seen`` did not match and never will (frames are
                     # immutable), so only look at newer ones.
                     q = attrs.evolve(q, after_seq=seen)
-                event = self._wake.get(instance)
-                if event is None:
-                    event = self._wake[instance] = trio.Event()
+                event = self._wake_event(instance)
                 with trio.move_on_at(deadline) as scope:
                     await event.wait()
                 seen = self._committed_seq(instance)
@@ -691,19 +686,6 @@ class FrameStore:
                     return frames, False
                 if scope.cancelled_caught:
                     return [], True
-        finally:
-            left = self._waiters[instance] - 1
-            if left:
-                self._waiters[instance] = left
-            else:
-                del self._waiters[instance]
-                self._wake.pop(instance, None)
-
-    def waiter_count(self, instance: str | None = None) -> int:
-        """How many tasks are in :meth:`wait_for_frames` for ``instance`` (or for all)."""
-        if instance is None:
-            return sum(self._waiters.values())
-        return self._waiters.get(instance, 0)
 
     # -- named cursors -------------------------------------------------------------------
 

@@ -14,10 +14,12 @@ import json
 import math
 import time
 import os
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
+import trio
 
 from protocol import RelayError, errors
 from protocol.frames import FRAME_VERSION, Frame, SessionRef
@@ -272,6 +274,54 @@ def check_timeout(timeout: Any) -> None:
 
 # --------------------------------------------------------------------------------------------
 # The interface
+
+
+class LongPollWaiters:
+    """The wake-ups of this process's long polls, one `trio.Event` per instance (both stores).
+
+    A waiter takes `_wake_event(instance)` before it looks at the log and waits on it; an append
+    (or a NOTIFY from another server) calls `_wake_instance`, which sets it and drops it, so the
+    next waiter takes a fresh one. `_waiting(instance)` counts the waiters and drops the event
+    when the last one leaves, so an instance nobody waits on holds nothing.
+    """
+
+    def __init__(self) -> None:
+        self._wake: dict[str, trio.Event] = {}
+        self._waiters: dict[str, int] = {}
+
+    def _wake_event(self, instance: str) -> trio.Event:
+        event = self._wake.get(instance)
+        if event is None:
+            event = self._wake[instance] = trio.Event()
+        return event
+
+    def _wake_instance(self, instance: str) -> None:
+        event = self._wake.pop(instance, None)
+        if event is not None:
+            event.set()
+
+    def _wake_all(self) -> None:
+        for instance in list(self._wake):
+            self._wake_instance(instance)
+
+    @contextmanager
+    def _waiting(self, instance: str) -> Iterator[None]:
+        self._waiters[instance] = self._waiters.get(instance, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._waiters[instance] - 1
+            if left:
+                self._waiters[instance] = left
+            else:
+                del self._waiters[instance]
+                self._wake.pop(instance, None)
+
+    def waiter_count(self, instance: str | None = None) -> int:
+        """How many tasks of this process are in `wait_for_frames` for `instance` (or for all)."""
+        if instance is None:
+            return sum(self._waiters.values())
+        return self._waiters.get(instance, 0)
 
 
 @runtime_checkable

@@ -72,6 +72,7 @@ import trio
 from protocol.frames import Frame
 
 from .store_api import (
+    LongPollWaiters,
     DEFAULT_PRUNE_EVERY,
     DEFAULT_RETENTION_FRAMES,
     CursorPruned,
@@ -210,7 +211,7 @@ def _no_nul(prepared: tuple) -> None:
             raise ValueError("frame fields must not contain NUL characters")
 
 
-class PostgresFrameStore:
+class PostgresFrameStore(LongPollWaiters):
     """The tether log in PostgreSQL; several servers may share one database (module docstring).
 
     Owns: a connection pool and a LISTEN connection, both opened by `running()` and closed
@@ -243,8 +244,7 @@ class PostgresFrameStore:
         self._limiter = trio.CapacityLimiter(pool_size)
         self._closed = False
         self._appends_since_prune: dict[str, int] = {}
-        self._wake: dict[str, trio.Event] = {}
-        self._waiters: dict[str, int] = {}
+        LongPollWaiters.__init__(self)
         self.listening = False
         """Whether the LISTEN connection is up (cross-server wake-ups arrive)."""
 
@@ -414,15 +414,6 @@ class PostgresFrameStore:
             conn.close()
             raise
         return conn
-
-    def _wake_instance(self, instance: str) -> None:
-        event = self._wake.pop(instance, None)
-        if event is not None:
-            event.set()
-
-    def _wake_all(self) -> None:
-        for instance in list(self._wake):
-            self._wake_instance(instance)
 
     # -- instances -----------------------------------------------------------------------
 
@@ -615,14 +606,11 @@ class PostgresFrameStore:
             raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
         await trio.lowlevel.checkpoint_if_cancelled()
         deadline = trio.current_time() + timeout
-        self._waiters[instance] = self._waiters.get(instance, 0) + 1
-        try:
+        with self._waiting(instance):
             while True:
                 # Take the event before querying: an append that commits during the query
                 # sets it, and the wait below returns at once.
-                event = self._wake.get(instance)
-                if event is None:
-                    event = self._wake[instance] = trio.Event()
+                event = self._wake_event(instance)
                 # One snapshot: every frame up to `seen` is visible in it (seq is commit-ordered).
                 seen, frames = await self._run(self._read, instance, q, read_only=True)
                 if frames or timeout == 0:
@@ -633,19 +621,6 @@ class PostgresFrameStore:
                     return [], True
                 with trio.move_on_at(deadline):
                     await event.wait()
-        finally:
-            left = self._waiters[instance] - 1
-            if left:
-                self._waiters[instance] = left
-            else:
-                del self._waiters[instance]
-                self._wake.pop(instance, None)
-
-    def waiter_count(self, instance: str | None = None) -> int:
-        """How many tasks of this process are in `wait_for_frames` for `instance` (or for all)."""
-        if instance is None:
-            return sum(self._waiters.values())
-        return self._waiters.get(instance, 0)
 
     # -- named cursors -------------------------------------------------------------------
 
