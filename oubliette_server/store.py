@@ -130,6 +130,7 @@ from protocol.frames import FRAME_VERSION, Frame, SessionRef
 
 from .store_api import (
     LongPollWaiters,
+    retention_cut,
     DEFAULT_LIMIT,
     DEFAULT_PRUNE_EVERY,
     DEFAULT_RETENTION_FRAMES,
@@ -736,17 +737,15 @@ class FrameStore(LongPollWaiters):
         last = self._committed_seq(instance)
         with self._transaction():
             (pruned,) = db.execute("SELECT pruned_below FROM instances WHERE iid = ?", (iid,)).fetchone()
-            cut = pruned
-            if self.retention_frames is not None:
-                cut = max(cut, last - self.retention_frames)
-            if self.retention_seconds is not None:
-                oldest_ts = format_ts(self._clock() - self.retention_seconds)
-                # The first retained frame that is young enough; everything before it goes.
+
+            def first_young(after: int, oldest_ts: str) -> int | None:
                 row = db.execute(
                     "SELECT seq FROM frames WHERE iid = ? AND seq > ? AND ts >= ? ORDER BY seq LIMIT 1",
-                    (iid, cut, oldest_ts),
+                    (iid, after, oldest_ts),
                 ).fetchone()
-                cut = last if row is None else max(cut, row[0] - 1)
+                return None if row is None else row[0]
+
+            cut = retention_cut(pruned, last, self.retention_frames, self.retention_seconds, self._clock(), first_young)
             if cut <= pruned:
                 return 0
             deleted = db.execute("DELETE FROM frames WHERE iid = ? AND seq <= ?", (iid, cut)).rowcount

@@ -16,7 +16,7 @@ import time
 import os
 from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import attrs
 import trio
@@ -236,6 +236,25 @@ def prepare_frames(frames: list[dict]) -> list[Prepared]:
             prepare_frame(f["channel"], f["session_id"], f["type"], f["payload"], f.get("msg_id"), f.get("reply_to"))
         )
     return prepared
+
+
+def retention_cut(
+    pruned: int, last: int, retention_frames: int | None, retention_seconds: float | None, now: float,
+    first_young: Callable[[int, str], "int | None"],
+) -> int:
+    """The seq retention deletes up to (inclusive), both stores' one rule: keep the last
+    `retention_frames` frames, and only frames not older than `retention_seconds`.
+
+    `first_young(after_seq, oldest_ts)` is the store's lookup of the first frame after
+    `after_seq` stamped at or after `oldest_ts` (None: there is none). Nothing to delete: `pruned`.
+    """
+    cut = pruned
+    if retention_frames is not None:
+        cut = max(cut, last - retention_frames)
+    if retention_seconds is not None:
+        young = first_young(cut, format_ts(now - retention_seconds))
+        cut = last if young is None else max(cut, young - 1)
+    return cut
 
 
 def check_instance(instance: Any) -> None:

@@ -73,6 +73,7 @@ from protocol.frames import Frame
 
 from .store_api import (
     LongPollWaiters,
+    retention_cut,
     DEFAULT_PRUNE_EVERY,
     DEFAULT_RETENTION_FRAMES,
     CursorPruned,
@@ -780,16 +781,15 @@ class PostgresFrameStore(LongPollWaiters):
             if row is None:
                 return 0
             last, pruned = row
-            cut = pruned
-            if self.retention_frames is not None:
-                cut = max(cut, last - self.retention_frames)
-            if self.retention_seconds is not None:
-                oldest_ts = format_ts(self._clock() - self.retention_seconds)
+
+            def first_young(after: int, oldest_ts: str) -> int | None:
                 young = conn.execute(
                     "SELECT seq FROM frames WHERE instance = %s AND seq > %s AND ts >= %s ORDER BY seq LIMIT 1",
-                    (instance, cut, oldest_ts),
+                    (instance, after, oldest_ts),
                 ).fetchone()
-                cut = last if young is None else max(cut, young[0] - 1)
+                return None if young is None else young[0]
+
+            cut = retention_cut(pruned, last, self.retention_frames, self.retention_seconds, self._clock(), first_young)
             if cut <= pruned:
                 return 0
             deleted = conn.execute("DELETE FROM frames WHERE instance = %s AND seq <= %s", (instance, cut)).rowcount
