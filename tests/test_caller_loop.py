@@ -276,17 +276,22 @@ async def test_another_caller_sees_and_answers_nothing(deployment: Deployment, m
 # -- the real program on stdio ------------------------------------------------------------------
 
 
+async def one_answered_call(caller: LoopCaller) -> dict:
+    """The loop once, in session s7: requires_action with the arguments as soon as the agent
+    calls, the answer with wait, then end_turn; returns the end_turn stop."""
+    first = ends_with(await caller.message(
+        "s7", script([("myapp_send_notification", {"n": 7})]), [tool("send_notification")], wait=30,
+    ), "requires_action")
+    [a] = first["pending"]
+    assert a["arguments"] == {"n": 7}
+    return ends_with(await caller.answer("s7", a["request_id"], result={"status": "sent"}, wait=30), "end_turn")
+
+
 @pytest.mark.real_programs
 async def test_the_loop_with_the_real_server_on_stdio(deployment: Deployment) -> None:
     """The issue's case: a tool-results-only caller, a caller tool, wait: requires_action with the
     arguments as soon as the agent calls, the answer with wait, end_turn with the result."""
     async with deployment.guest(INSTANCE, LOOP_AGENT), deployment.caller(events=False) as (client, events):
-        caller = LoopCaller(client)
-        first = ends_with(await caller.message(
-            "s7", script([("myapp_send_notification", {"n": 7})]), [tool("send_notification")], wait=30,
-        ), "requires_action")
-        [a] = first["pending"]
-        assert a["arguments"] == {"n": 7}
-        end = ends_with(await caller.answer("s7", a["request_id"], result={"status": "sent"}, wait=30), "end_turn")
+        end = await one_answered_call(LoopCaller(client))
     assert events.events == []
     assert 'myapp_send_notification -> {"status": "sent"}' in end["text"]

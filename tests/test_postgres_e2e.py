@@ -17,7 +17,7 @@ from harness import PYTHON, Deployment, env_without_oubliette
 from oubliette_server.store_api import FrameQuery
 from oubliette_server.store_pg import PostgresFrameStore, safe_url
 from test_http_api import frame_body, poll, post
-from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, ends_with, script, tool
+from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, one_answered_call, script
 
 
 @pytest.fixture
@@ -33,13 +33,7 @@ async def test_a_relayed_call_with_the_log_in_postgres(pg_deployment: Deployment
     """requires_action with the arguments, the answer, end_turn with the result; every frame is
     in PostgreSQL, and a second server run on the same database goes on with the same seq."""
     async with pg_deployment.guest(INSTANCE, LOOP_AGENT), pg_deployment.caller(events=False) as (client, _):
-        caller = LoopCaller(client)
-        first = ends_with(await caller.message(
-            "s7", script([("myapp_send_notification", {"n": 7})]), [tool("send_notification")], wait=30,
-        ), "requires_action")
-        [a] = first["pending"]
-        assert a["arguments"] == {"n": 7}
-        end = ends_with(await caller.answer("s7", a["request_id"], result={"status": "sent"}, wait=30), "end_turn")
+        end = await one_answered_call(LoopCaller(client))
     assert 'myapp_send_notification -> {"status": "sent"}' in end["text"]
 
     store = PostgresFrameStore(pg_url)
