@@ -163,6 +163,25 @@ async def test_appends_of_a_burst_share_one_commit(store):
     assert await store.last_seq("box1") == 11
 
 
+async def test_a_lone_append_is_one_autocommit_insert_and_a_failed_one_stores_nothing(store):
+    """A lone frame of a known instance is one INSERT that SQLite commits by itself; when it
+    fails, nothing is stored, no transaction is left open and the seq is handed out again."""
+    await add(store)
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    assert (await add(store, payload={"n": 2})).seq == 2
+    assert [s.split()[0] for s in statements] == ["INSERT"]
+    store._db.execute("INSERT INTO frames VALUES (1, 3, 'ts', 'host', 's', 't', 'rogue', NULL, '{}')")
+    with pytest.raises(sqlite3.IntegrityError):
+        await add(store, payload={"n": 3})
+    store._db.set_trace_callback(None)
+    assert not store._db.in_transaction
+    assert await store.last_seq("box1") == 2
+    store._db.execute("DELETE FROM frames WHERE msg_id = 'rogue'")
+    assert (await add(store, payload={"n": 3})).seq == 3
+    assert [f.payload for f in await store.query("box1", FrameQuery(after_seq=1))] == [{"n": 2}, {"n": 3}]
+
+
 async def test_a_failed_group_commit_fails_every_append_and_reuses_the_seqs(store):
     await add(store)
     # Another writer took seq 2 behind the store's back: the next commit fails as a whole.
