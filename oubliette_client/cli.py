@@ -17,6 +17,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -98,13 +99,12 @@ def _serve_main(argv: list[str]) -> int:
     _add_common(parser, "WARNING")
     args = parser.parse_args(argv)
     _logging(args.log_level)
-    from .stdio_server import SandboxToolServer
+    from .early_handshake import serve_stdio
 
-    server = SandboxToolServer(
-        settings_from_args(parser, args), connect_wait=args.connect_wait,
+    trio.run(functools.partial(
+        serve_stdio, settings_from_args(parser, args), connect_wait=args.connect_wait,
         progress_interval=_progress_interval(parser, args.progress_interval),
-    )
-    trio.run(server.run_stdio)
+    ))
     return 0
 
 

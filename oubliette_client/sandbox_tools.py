@@ -13,13 +13,17 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import trio
 
 from protocol import RelayError, errors
+from protocol.descriptors import DESCRIPTOR_META_KEY
 
 if TYPE_CHECKING:
     from protocol import CallerToolSpec, ToolsetToolSpec
 
-from .permission_prompt import APPROVAL_MARGIN, APPROVAL_WAIT, permission_prompt
+from .permission_prompt import APPROVAL_MARGIN, APPROVAL_WAIT, PERMISSION_PROMPT, permission_prompt
+from .permission_prompt import DESCRIPTION as PERMISSION_DESCRIPTION
+from .permission_prompt import INPUT_SCHEMA as PERMISSION_SCHEMA
 from .progress import AgentProgress
 from .relay_link import RelayLink
 from .settings import RelaySettings
@@ -105,6 +109,31 @@ class SandboxTools:
         callers, self._staged_callers = self._staged_callers, {}
         toolsets, self._staged_toolsets = self._staged_toolsets or [], None
         self.registry.replace_all(callers, toolsets)
+
+    async def wait_first_attempt(self, deadline: float) -> None:
+        """Wait for the link's first connection attempt, until Trio time `deadline` at most: a
+        list or call made as the program starts then already sees the relay's tools."""
+        if self.link.attempted.is_set():
+            return
+        with trio.move_on_at(deadline):
+            await self.link.attempted.wait()
+
+    def listed_tools(self) -> list[dict[str, Any]]:
+        """The agent's `tools/list` entries as JSON (MCP `Tool`): every relayed tool with its
+        descriptor in `_meta`, then the built-in `permission_prompt` (which hides a relayed
+        tool of that name). One definition for the SDK's path and the early handshake."""
+        tools = self.registry.tools
+        relayed = [t for t in tools if t.name != PERMISSION_PROMPT]
+        if len(relayed) < len(tools):
+            log.warning("a relayed tool is named %s; the built-in permission prompt hides it", PERMISSION_PROMPT)
+        return [
+            *(
+                {"name": t.name, "description": t.description, "inputSchema": t.input_schema,
+                 "_meta": {DESCRIPTOR_META_KEY: t.descriptor}}
+                for t in relayed
+            ),
+            {"name": PERMISSION_PROMPT, "description": PERMISSION_DESCRIPTION, "inputSchema": PERMISSION_SCHEMA},
+        ]
 
     def _toolset_prefixes(self) -> set[str]:
         sep = self.separator

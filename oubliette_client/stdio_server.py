@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import AsyncIterable
 from typing import Any
 
 import mcp_types as types
@@ -24,12 +25,10 @@ from mcp.server.lowlevel.server import NotificationOptions
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from protocol.descriptors import DESCRIPTOR_META_KEY
 from protocol.fast_tool_calls import FastToolCalls, Handler, call_result, fast_calls_enabled
 from protocol.stdio_streams import claimed_stdio
 
-from .permission_prompt import DESCRIPTION as PERMISSION_DESCRIPTION
-from .permission_prompt import INPUT_SCHEMA as PERMISSION_SCHEMA
+from .early_handshake import warn_if_relay_down
 from .permission_prompt import PERMISSION_PROMPT
 from .progress import DEFAULT_PROGRESS_INTERVAL, AgentProgress
 from .sandbox_tools import CallOutcome, SandboxTools
@@ -84,18 +83,20 @@ class SandboxToolServer:
     def __init__(
         self, settings: RelaySettings, *, connect_wait: float = DEFAULT_CONNECT_WAIT,
         progress_interval: float = DEFAULT_PROGRESS_INTERVAL, fast_calls: bool | None = None,
+        tools: SandboxTools | None = None,
     ) -> None:
         self.settings = settings
         self.fast_calls = fast_calls_enabled() if fast_calls is None else fast_calls
         self.connect_wait = connect_wait
         self.progress_interval = progress_interval
-        self.tools = SandboxTools(settings)
+        self.tools = SandboxTools(settings) if tools is None else tools
         self.registry = self.tools.registry
         self.link = self.tools.link
         self.bus = InMemorySubscriptionBus()
         self._legacy_session: Any = None
         self._legacy_version: str | None = None  # the handshake-era version the agent negotiated
-        self._relay_deadline = float("inf")  # set by run_stdio: when lists and calls stop waiting for the relay
+        #: Trio time when lists and calls stop waiting for the relay's first attempt (set by `run_stdio`).
+        self.relay_deadline = float("inf")
         self._unannounced = False
         self.server = Server(
             "oubliette-client", version="0.1.0",
@@ -107,8 +108,10 @@ class SandboxToolServer:
 
     # -- telling the agent ---------------------------------------------------------------
 
-    async def _announce_changes(self) -> None:
-        seen = self.registry.version
+    async def _announce_changes(self, seen: int | None = None) -> None:
+        """Tell the agent of every change of the list after version `seen` (default: the current one)."""
+        if seen is None:
+            seen = self.registry.version
         while True:
             seen = await self.registry.wait_changed(seen)
             log.info("tool list changed: %s", ", ".join(t.name for t in self.registry.tools) or "(none)")
@@ -132,29 +135,10 @@ class SandboxToolServer:
             self._unannounced = False
             await self._legacy_session.send_tool_list_changed()
 
-    async def _first_relay_attempt(self) -> None:
-        """Wait for the link's first attempt, until `connect_wait` after the start at most."""
-        if self.link.attempted.is_set():
-            return
-        with trio.move_on_at(self._relay_deadline):
-            await self.link.attempted.wait()
-
     async def _list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
         self._remember(ctx)
-        await self._first_relay_attempt()
-        relayed = [t for t in self.registry.tools if t.name != PERMISSION_PROMPT]
-        if len(relayed) < len(self.registry.tools):
-            log.warning("a relayed tool is named %s; the built-in permission prompt hides it", PERMISSION_PROMPT)
-        return types.ListToolsResult(tools=[
-            *(
-                types.Tool(
-                    name=t.name, description=t.description, input_schema=t.input_schema,
-                    meta={DESCRIPTOR_META_KEY: t.descriptor},
-                )
-                for t in relayed
-            ),
-            types.Tool(name=PERMISSION_PROMPT, description=PERMISSION_DESCRIPTION, input_schema=PERMISSION_SCHEMA),
-        ])
+        await self.tools.wait_first_attempt(self.relay_deadline)
+        return types.ListToolsResult.model_validate({"tools": self.tools.listed_tools()})
 
     def fast_route(self, name: str, arguments: dict[str, Any]) -> Handler | None:
         """The fast path's handler for a relayed tool's call once a handshake-era agent is initialized.
@@ -183,7 +167,7 @@ class SandboxToolServer:
         With a `progress_token`, progress goes out through `send_progress(progress, total,
         message)` while the call waits. Raises: nothing; failures are tool errors.
         """
-        await self._first_relay_attempt()  # a call made before the relay answered still finds its tool
+        await self.tools.wait_first_attempt(self.relay_deadline)  # a call made before the relay answered finds its tool
         if name == PERMISSION_PROMPT:
             answer = await self._with_progress(progress_token, send_progress, "waiting for the caller's decision",
                                                lambda progress: self.tools.ask_permission(arguments, progress))
@@ -208,34 +192,41 @@ class SandboxToolServer:
         await progress.drain()  # reports that arrived just before the answer still come before it
         return outcome
 
-    async def _warn_if_relay_down(self) -> None:
-        await self._first_relay_attempt()
-        if not self.link.connected:
-            log.warning("relay not available yet (%s); serving MCP anyway", self.link.last_error)
-
     async def run_stdio(self) -> None:
-        """Serve the agent on stdin/stdout until it closes them.
+        """Serve the agent on stdin/stdout until it closes them, with the MCP SDK already loaded
+        (for embedders; `oubliette-client` starts through `early_handshake.serve_stdio`).
 
         Serves at once; lists and calls wait up to `connect_wait` (from now) for the first relay
         attempt, then go on even if the relay is down (calls say why). Cancellation: the link
         closes and MCP serving stops.
         """
+        async with trio.open_nursery() as nursery:
+            self.relay_deadline = trio.current_time() + self.connect_wait
+            nursery.start_soon(self.link.run)
+            nursery.start_soon(warn_if_relay_down, self.tools, self.relay_deadline)
+            with claimed_stdio() as (stdin, stdout):  # cancellable, no thread per line
+                await self.serve(stdin, stdout)
+            nursery.cancel_scope.cancel()
+
+    async def serve(self, lines: AsyncIterable[str], stdout: Any, *, listed_version: int | None = None) -> None:
+        """Serve MCP on the agent's `lines` and `stdout` (`async write(text)`, safe from several
+        tasks; `stdio_streams.StdoutText`) until the lines end; then calls still in flight are
+        cancelled (the agent has gone). The link must be running (its owner runs `link.run`).
+
+        `listed_version`: the registry version the agent has already been shown (by the early
+        handshake); changes after it are announced.
+        """
         import mcp.server.stdio
 
         async with trio.open_nursery() as nursery:
-            self._relay_deadline = trio.current_time() + self.connect_wait
-            nursery.start_soon(self.link.run)
-            nursery.start_soon(self._announce_changes)
-            nursery.start_soon(self._warn_if_relay_down)
-            with claimed_stdio() as (stdin, stdout):  # cancellable, no thread per line
-                lines: Any = stdin
-                if self.fast_calls:
-                    fast = FastToolCalls(self.fast_route, stdout.write)
-                    await nursery.start(fast.run)
-                    lines = fast.lines(stdin)
-                async with mcp.server.stdio.stdio_server(stdin=lines, stdout=stdout) as (read_stream, write_stream):
-                    await self.server.run(
-                        read_stream, write_stream,
-                        self.server.create_initialization_options(NotificationOptions(tools_changed=True)),
-                    )
-                nursery.cancel_scope.cancel()  # calls still in flight get no answer: the agent has gone
+            nursery.start_soon(self._announce_changes, listed_version)
+            if self.fast_calls:
+                fast = FastToolCalls(self.fast_route, stdout.write)
+                await nursery.start(fast.run)
+                lines = fast.lines(lines)
+            async with mcp.server.stdio.stdio_server(stdin=lines, stdout=stdout) as (read_stream, write_stream):
+                await self.server.run(
+                    read_stream, write_stream,
+                    self.server.create_initialization_options(NotificationOptions(tools_changed=True)),
+                )
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,239 @@
+"""oubliette-client's start: the agent's handshake answered while the MCP SDK is still loading.
+
+Why: importing the MCP SDK is about 0.7 s of the client's ~0.9 s start, nearly all of it
+pydantic models (issue 11, `bench/bench_coldstart.py`). The handshake's first requests have
+fixed shapes and need none of it, so `serve_stdio` loads the SDK in a worker thread while the
+Trio thread connects to the relay and reads the agent's stdin; until the SDK is loaded it
+answers these itself, and hands every other line on, in order, to the SDK once loaded:
+
+- the first line, when it is a handshake-era `initialize` (`{"jsonrpc": "2.0", "id", "method":
+  "initialize", "params": {"protocolVersion": one of HANDSHAKE_VERSIONS, "capabilities": {...},
+  "clientInfo": {"name": str, "version": str, ...}}}`): answered with the capabilities and
+  server info the SDK gives. The line is still handed to the SDK first, so its session is
+  initialized exactly as before; its answer to it is dropped (and compared with ours: a
+  difference is logged as a warning);
+- `ping`, and `tools/list` without a cursor after such an `initialize`: answered as the SDK
+  would (`SandboxTools.listed_tools`, after the relay's first attempt as on the SDK's path),
+  and not handed on. A change of the list after the one the agent got is announced by the SDK's
+  side (`SandboxToolServer.serve`'s `listed_version`).
+
+Everything else — a 2026-07-28 request, any other method, anything malformed — waits for the
+SDK and gets its answer. `OUBLIETTE_EARLY_HANDSHAKE=0` (or false/no/off) turns the early answers
+off: then every line waits for the SDK, as before.
+
+Owns: the relay link's task, the stdin reader task, and the SDK's serving, in one nursery.
+Cancellation: cancelling `serve_stdio` stops all three; the SDK import runs on in its thread
+and is abandoned.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+import trio
+
+from protocol.stdio_streams import claimed_stdio
+
+from .sandbox_tools import SandboxTools
+from .settings import RelaySettings
+
+__all__ = ["HANDSHAKE_VERSIONS", "SERVER_INFO", "EarlyHandshake", "early_handshake_enabled", "serve_stdio", "warn_if_relay_down"]
+
+log = logging.getLogger("oubliette.client")
+
+#: The SDK's handshake-era protocol versions (`mcp_types.version.HANDSHAKE_PROTOCOL_VERSIONS`; a
+#: test keeps the two equal, so an SDK upgrade that changes them fails there first).
+HANDSHAKE_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
+#: `serverInfo` as `SandboxToolServer`'s SDK server reports it.
+SERVER_INFO = {"name": "oubliette-client", "version": "0.1.0"}
+#: `capabilities` as the SDK reports them for `SandboxToolServer` (tools, with list changes).
+CAPABILITIES = {"tools": {"listChanged": True}}
+
+_OFF = frozenset({"0", "false", "no", "off"})
+_REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
+
+
+def early_handshake_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Yes unless `OUBLIETTE_EARLY_HANDSHAKE` is `0`, `false`, `no` or `off`."""
+    return environ.get("OUBLIETTE_EARLY_HANDSHAKE", "1").strip().lower() not in _OFF
+
+
+def _line(message: dict[str, Any]) -> str:
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    """The line's JSON object, or None for anything this module leaves to the SDK."""
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0" or not _is_id(message.get("id")):
+        return None
+    return message
+
+
+def _handshake_initialize(message: dict[str, Any]) -> str | None:
+    """The protocol version of a plain handshake-era `initialize`, else None."""
+    params = message.get("params")
+    if message.get("method") != "initialize" or message.keys() - _REQUEST_KEYS or not isinstance(params, dict):
+        return None
+    version, client = params.get("protocolVersion"), params.get("clientInfo")
+    if version not in HANDSHAKE_VERSIONS or not isinstance(params.get("capabilities"), dict):
+        return None
+    if not isinstance(client, dict) or not isinstance(client.get("name"), str) or not isinstance(client.get("version"), str):
+        return None
+    return version  # type: ignore[no-any-return]
+
+
+class EarlyHandshake:
+    """The stdin reader of `serve_stdio`: answers what it can until `handover`, forwards the rest.
+
+    Owns: nothing but its state; `read` runs in the caller's nursery.
+    Needs: `write(text)` safe from several tasks; `SandboxTools` whose link runs.
+    """
+
+    def __init__(self, tools: SandboxTools, write: Callable[[str], Awaitable[None]], relay_deadline: float,
+                 *, enabled: bool = True) -> None:
+        self.tools = tools
+        self._write = write
+        self._relay_deadline = relay_deadline
+        self._enabled = enabled
+        self._sdk_ready = False
+        self._busy = trio.Lock()  # held while an early answer is being made
+        self._seen_first = False
+        #: The id and our result of the `initialize` answered early (None: none was).
+        self.initialize_id: str | int | None = None
+        self.initialize_result: dict[str, Any] | None = None
+        #: The registry version of the last `tools/list` answered early (None: none was).
+        self.listed_version: int | None = None
+
+    async def read(self, stdin: Any, forward: trio.MemorySendChannel[str]) -> None:
+        """Read the agent's lines until EOF, answering early ones and forwarding the rest in order."""
+        async with forward:
+            async for line in stdin:
+                if not self._sdk_ready and self._enabled:
+                    try:
+                        async with self._busy:
+                            taken = await self._answer(line, forward)
+                    except anyio.ClosedResourceError:
+                        return  # stdout is broken (the agent has gone): stdin is closed too
+                    if taken:
+                        continue
+                await forward.send(line)
+
+    async def _answer(self, line: str, forward: trio.MemorySendChannel[str]) -> bool:
+        """Answer `line` now if it is one of the early requests; True when it needs no more."""
+        first, self._seen_first = not self._seen_first, True
+        message = _parse(line)
+        if message is None:
+            return False
+        if first:
+            version = _handshake_initialize(message)
+            if version is None:
+                return False
+            result = {"capabilities": CAPABILITIES, "protocolVersion": version, "serverInfo": SERVER_INFO}
+            self.initialize_id, self.initialize_result = message["id"], result
+            await self._write(_line({"jsonrpc": "2.0", "id": message["id"], "result": result}))
+            await forward.send(line)  # the SDK's session must see it; its answer is dropped
+            return True
+        method = message.get("method")
+        if message.keys() - _REQUEST_KEYS or message.get("params") not in (None, {}):
+            return False  # a cursor, `_meta` or anything else: the SDK's
+        if method == "ping":
+            await self._write(_line({"jsonrpc": "2.0", "id": message["id"], "result": {}}))
+            return True
+        if method == "tools/list" and self.initialize_result is not None:
+            await self.tools.wait_first_attempt(self._relay_deadline)
+            version = self.tools.registry.version
+            tools = self.tools.listed_tools()
+            await self._write(_line({"jsonrpc": "2.0", "id": message["id"], "result": {"tools": tools}}))
+            self.listed_version = version
+            return True
+        return False
+
+    async def handover(self) -> None:
+        """From now on every line goes to the SDK; returns when no early answer is still being made."""
+        self._sdk_ready = True
+        async with self._busy:
+            pass
+
+
+class _DropInitializeAnswer:
+    """The SDK's stdout, less its answer to the `initialize` the early handshake answered already."""
+
+    def __init__(self, stdout: Any, request_id: str | int | None, ours: dict[str, Any] | None) -> None:
+        self._stdout = stdout
+        self._id = request_id
+        self._ours = ours
+        self._pending = request_id is not None
+
+    async def write(self, text: str) -> None:
+        """Write `text`, unless it is the SDK's answer to the early `initialize` (dropped once)."""
+        if self._pending:
+            message = _parse(text)
+            if message is not None and message.get("id") == self._id and ("result" in message or "error" in message):
+                self._pending = False
+                if message.get("result") != self._ours:
+                    log.warning("the MCP SDK answered initialize with %s; the agent got %s",
+                                message.get("result", message.get("error")), self._ours)
+                await trio.lowlevel.checkpoint()
+                return
+        await self._stdout.write(text)
+
+    async def flush(self) -> None:
+        """Nothing is buffered here."""
+        await self._stdout.flush()
+
+
+async def _channel_lines(receive: trio.MemoryReceiveChannel[str]) -> AsyncIterator[str]:
+    async with receive:
+        async for line in receive:
+            yield line
+
+
+async def warn_if_relay_down(tools: SandboxTools, deadline: float) -> None:
+    """Log once, after the first attempt (or at `deadline`), when the relay is not reachable."""
+    await tools.wait_first_attempt(deadline)
+    if not tools.link.connected:
+        log.warning("relay not available yet (%s); serving MCP anyway", tools.link.last_error)
+
+
+async def serve_stdio(
+    settings: RelaySettings, *, connect_wait: float, progress_interval: float, early: bool | None = None,
+) -> None:
+    """oubliette-client's stdio MCP server, started as the module docstring says; returns when
+    the agent closes stdin. Lists and calls wait up to `connect_wait` (from now) for the relay's
+    first attempt, then go on even if the relay is down (calls say why)."""
+    tools = SandboxTools(settings)
+    async with trio.open_nursery() as nursery:
+        relay_deadline = trio.current_time() + connect_wait
+        nursery.start_soon(tools.link.run)
+        nursery.start_soon(warn_if_relay_down, tools, relay_deadline)
+        with claimed_stdio() as (stdin, stdout):
+            gate = EarlyHandshake(tools, stdout.write, relay_deadline,
+                                  enabled=early_handshake_enabled() if early is None else early)
+            forward, lines = trio.open_memory_channel[str](math.inf)
+            nursery.start_soon(gate.read, stdin, forward)
+            module = await trio.to_thread.run_sync(
+                importlib.import_module, "oubliette_client.stdio_server", abandon_on_cancel=True,
+            )
+            server = module.SandboxToolServer(
+                settings, connect_wait=connect_wait, progress_interval=progress_interval, tools=tools,
+            )
+            server.relay_deadline = relay_deadline
+            await gate.handover()
+            writer = _DropInitializeAnswer(stdout, gate.initialize_id, gate.initialize_result)
+            await server.serve(_channel_lines(lines), writer, listed_version=gate.listed_version)
+        nursery.cancel_scope.cancel()
