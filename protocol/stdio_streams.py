@@ -38,7 +38,9 @@ import trio
 
 from .errors import INVALID_REQUEST
 
-__all__ = ["DEFAULT_MAX_STDIN_LINE_BYTES", "StdinLines", "StdoutText", "claimed_stdio", "request_id_of"]
+__all__ = [
+    "DEFAULT_MAX_STDIN_LINE_BYTES", "StdinLines", "StdoutText", "claimed_stdio", "oversized_line_error", "request_id_of",
+]
 
 log = logging.getLogger("oubliette.stdio")
 
