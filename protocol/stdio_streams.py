@@ -10,6 +10,15 @@ while serving, so a stray print or a child process never writes into the MCP str
 server; so does a broken stdout (the reader went away): stdin is then closed, which the reader
 sees as EOF.
 
+One line on stdin is at most `max_line_bytes` (default :data:`DEFAULT_MAX_STDIN_LINE_BYTES`,
+16 MiB, not counting its newline). A longer line is never held whole: it is read and dropped
+in chunks up to its newline, the sender gets one JSON-RPC error response on stdout (code
+-32600, Invalid Request, the message naming the limit in bytes, `data: {"limit":
+"max_stdin_line_bytes", "max": n}`, and the request's `id` when it can be read safely from the
+line's first bytes, else `null`), and the next line is served as usual. A stream that ends in
+the middle of such a line ends as EOF does. Splitting scans only each new chunk for the newline,
+so reading is linear in the bytes received, however long a line is.
+
 Owns: the two duplicated descriptors (closed on exit; fd 0 and 1 are restored).
 Needs: a running Trio loop for the streams (anyio on the Trio backend is the same loop).
 Cancellation: a read or write in progress is cancelled like any Trio stream operation.
@@ -17,42 +26,184 @@ Cancellation: a read or write in progress is cancelled like any Trio stream oper
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
 import anyio
 import trio
 
-__all__ = ["StdinLines", "StdoutText", "claimed_stdio"]
+from .errors import INVALID_REQUEST
+
+__all__ = [
+    "DEFAULT_MAX_STDIN_LINE_BYTES", "StdinLines", "StdoutText", "claimed_stdio", "oversized_line_error", "request_id_of",
+]
+
+log = logging.getLogger("oubliette.stdio")
 
 _CHUNK = 64 * 1024
 
+#: The longest line (one JSON-RPC message, without its newline) read from stdin.
+#: Why 16 MiB: the largest value either program accepts is `protocol.limits.MAX_PAYLOAD_BYTES_CEILING`
+#: (just under 1 MiB, measured as compact JSON with `ensure_ascii=False`), and the message that
+#: carries it must still arrive whole, so an over-limit value gets the precise `max_payload_bytes`
+#: refusal and a value at the limit passes. A caller's SDK may write the same value 3 times larger
+#: (`ensure_ascii` writes a 2-byte letter as a 6-byte `\uXXXX`), wrap it again in a JSON string
+#: (twice again at most: every quote and backslash escaped once more) and indent it, inside the
+#: JSON-RPC and MCP envelopes: 16 times the payload ceiling leaves room for all of that, and still
+#: bounds what one line may cost the process. `tests/test_stdin_lines.py` keeps it at least 16 times the ceiling.
+DEFAULT_MAX_STDIN_LINE_BYTES = 16 * 1024 * 1024
+
+#: How much of an oversized line is kept to look for its request id (the rest is dropped unread).
+_ID_SCAN_BYTES = 4096
+_SPECIAL = re.compile(rb'["{}\[\]]')
+_STRING = re.compile(rb'"(?:[^"\\\x00-\x1f]|\\.)*"')
+#: After a top-level `"id"` key: `:` and a JSON integer (at most 19 digits) or a string (at most
+#: 128 bytes), then `,` or `}` so the value is known to be complete.
+_ID_KEY = re.compile(rb"\s*:")
+_ID_VALUE = re.compile(rb'\s*:\s*(-?(?:0|[1-9][0-9]{0,18})|"(?:[^"\\\x00-\x1f]|\\.){0,128}")\s*[,}]')
+
+
+def request_id_of(head: bytes) -> str | int | None:
+    """The `id` of the JSON-RPC message whose first bytes are `head`, or None if it is not plainly there.
+
+    For answering a line too long to parse: only an `"id"` key of the top-level object counts
+    (an `"id"` inside `params` would name someone else's request), with a bounded integer or
+    string value that ends within `head`. Cost is linear in `len(head)` (a few KiB)."""
+    i = len(head) - len(head.lstrip())
+    if head[i : i + 1] != b"{":
+        return None
+    depth = 0
+    while (special := _SPECIAL.search(head, i)) is not None:
+        i = special.start()
+        char = head[i]
+        if char == 0x22:  # '"'
+            string = _STRING.match(head, i)
+            if string is None:  # runs past `head` (or is not JSON)
+                return None
+            i = string.end()
+            if depth == 1 and string.group() == b'"id"':
+                value = _ID_VALUE.match(head, i)
+                if value is not None:  # a value "id" is followed by `,` or `}`, never `:`
+                    try:
+                        found = json.loads(value.group(1))
+                    except ValueError:  # e.g. invalid UTF-8 or a bad escape in the string
+                        return None
+                    return found if isinstance(found, (str, int)) else None
+                if _ID_KEY.match(head, i) is not None:  # the id is null, a float or too long
+                    return None
+            continue
+        depth += 1 if char in b"{[" else -1
+        if depth == 0:
+            return None
+        i += 1
+    return None
+
+
+def _first_bytes(parts: list[bytes], limit: int) -> bytes:
+    """The first `limit` bytes of `parts` joined (without joining them all)."""
+    head = bytearray()
+    for part in parts:
+        head += part[: limit - len(head)]
+        if len(head) >= limit:
+            break
+    return bytes(head)
+
+
+def oversized_line_error(request_id: str | int | None, max_line_bytes: int) -> str:
+    """The JSON-RPC error response line that answers a stdin line over `max_line_bytes`."""
+    return json.dumps({
+        "jsonrpc": "2.0",
+        "id": request_id,
+        "error": {
+            "code": INVALID_REQUEST,
+            "message": (
+                f"a line on stdin is longer than {max_line_bytes} bytes, the limit of one message "
+                f"(max_stdin_line_bytes); it was discarded"
+            ),
+            "data": {"limit": "max_stdin_line_bytes", "max": max_line_bytes},
+        },
+    }) + "\n"
+
 
 class StdinLines:
-    """`async for line in stdin`: UTF-8 text lines (with their `\\n`) from a byte stream."""
+    """`async for line in stdin`: UTF-8 text lines (with their `\\n`) from a byte stream.
 
-    def __init__(self, stream: trio.lowlevel.FdStream) -> None:
+    A line longer than `max_line_bytes` (not counting its newline) is dropped in chunks as it
+    arrives, and `reply` (the `StdoutText.write` of the same server) gets the error response
+    for it; see the module docstring. Invalid UTF-8 is replaced (U+FFFD), as before."""
+
+    def __init__(
+        self,
+        stream: trio.lowlevel.FdStream,
+        *,
+        max_line_bytes: int = DEFAULT_MAX_STDIN_LINE_BYTES,
+        reply: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
+        if max_line_bytes < 1:
+            raise ValueError(f"max_line_bytes must be at least 1, got {max_line_bytes!r}")
         self._stream = stream
+        self.max_line_bytes = max_line_bytes
+        self._reply = reply
+        self.refused = 0
+        """Oversized lines dropped so far."""
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._lines()
 
     async def _lines(self) -> AsyncIterator[str]:
-        buffer = b""
+        parts: list[bytes] = []  # the current line so far, while it is within the limit
+        size = 0  # its bytes so far (also while it is being dropped)
+        head = b""  # the first bytes of a line over the limit, to find its id
         while True:
             try:
                 chunk = await self._stream.receive_some(_CHUNK)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 chunk = b""
             if not chunk:
-                if buffer:
-                    yield buffer.decode("utf-8", errors="replace")
-                return
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                yield line.decode("utf-8", errors="replace") + "\n"
+                if parts:
+                    yield b"".join(parts).decode("utf-8", errors="replace")
+                return  # an oversized line cut short by EOF is dropped without an answer
+            start = 0
+            while start < len(chunk):
+                newline = chunk.find(b"\n", start)  # only the new bytes are scanned
+                end = len(chunk) if newline < 0 else newline
+                within = size <= self.max_line_bytes
+                size += end - start
+                if size <= self.max_line_bytes:
+                    parts.append(chunk if start == 0 and end == len(chunk) else chunk[start:end])
+                else:
+                    if within:  # this piece takes the line over the limit: keep only its head
+                        head = _first_bytes(parts, _ID_SCAN_BYTES)
+                        parts = []
+                    if len(head) < _ID_SCAN_BYTES:
+                        head += chunk[start : min(end, start + _ID_SCAN_BYTES - len(head))]
+                if newline < 0:
+                    break
+                if size <= self.max_line_bytes:
+                    yield b"".join(parts).decode("utf-8", errors="replace") + "\n"
+                else:
+                    await self._refuse(head, size)
+                parts, size, head = [], 0, b""
+                start = newline + 1
+
+    async def _refuse(self, head: bytes, size: int) -> None:
+        """Answer a dropped oversized line (a broken stdout ends the reading through `on_broken`)."""
+        self.refused += 1
+        request_id = request_id_of(head)
+        log.warning(
+            "a %d-byte line on stdin (request id %r) is over the %d-byte limit; discarded",
+            size, request_id, self.max_line_bytes,
+        )
+        if self._reply is None:
+            return
+        try:
+            await self._reply(oversized_line_error(request_id, self.max_line_bytes))
+        except anyio.ClosedResourceError:
+            pass  # the reader has gone; stdin was closed with it, so the next read is EOF
 
 
 class StdoutText:
@@ -84,8 +235,12 @@ class StdoutText:
 
 
 @contextmanager
-def claimed_stdio() -> Iterator[tuple[StdinLines, StdoutText]]:
-    """The process's stdin and stdout as the SDK's stdio transport wants them; see the module docstring."""
+def claimed_stdio(
+    *, max_line_bytes: int = DEFAULT_MAX_STDIN_LINE_BYTES
+) -> Iterator[tuple[StdinLines, StdoutText]]:
+    """The process's stdin and stdout as the SDK's stdio transport wants them; see the module docstring.
+
+    `max_line_bytes` bounds one stdin line; an oversized line is answered on this stdout."""
     wire_in, wire_out = os.dup(0), os.dup(1)
     saved_in, saved_out = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -95,7 +250,8 @@ def claimed_stdio() -> Iterator[tuple[StdinLines, StdoutText]]:
     stdin_stream = trio.lowlevel.FdStream(wire_in)
     stdout_stream = trio.lowlevel.FdStream(wire_out)
     try:
-        yield StdinLines(stdin_stream), StdoutText(stdout_stream, on_broken=stdin_stream.close)
+        stdout = StdoutText(stdout_stream, on_broken=stdin_stream.close)
+        yield StdinLines(stdin_stream, max_line_bytes=max_line_bytes, reply=stdout.write), stdout
     finally:
         stdin_stream.close()
         stdout_stream.close()
