@@ -28,13 +28,12 @@ and is abandoned.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import trio
@@ -44,7 +43,10 @@ from protocol.stdio_streams import claimed_stdio
 from .sandbox_tools import SandboxTools
 from .settings import RelaySettings
 
-__all__ = ["HANDSHAKE_VERSIONS", "SERVER_INFO", "EarlyHandshake", "early_handshake_enabled", "serve_stdio", "warn_if_relay_down"]
+if TYPE_CHECKING:
+    from .stdio_server import SandboxToolServer
+
+__all__ = ["HANDSHAKE_VERSIONS", "SERVER_INFO", "EarlyHandshake", "early_handshake_enabled", "serve_stdio"]
 
 log = logging.getLogger("oubliette.client")
 
@@ -116,6 +118,7 @@ class EarlyHandshake:
         #: The id and our result of the `initialize` answered early (None: none was).
         self.initialize_id: str | int | None = None
         self.initialize_result: dict[str, Any] | None = None
+        self.initialize_version: str | None = None
         #: The registry version of the last `tools/list` answered early (None: none was).
         self.listed_version: int | None = None
 
@@ -144,7 +147,7 @@ class EarlyHandshake:
             if version is None:
                 return False
             result = {"capabilities": CAPABILITIES, "protocolVersion": version, "serverInfo": SERVER_INFO}
-            self.initialize_id, self.initialize_result = message["id"], result
+            self.initialize_id, self.initialize_result, self.initialize_version = message["id"], result, version
             await self._write(_line({"jsonrpc": "2.0", "id": message["id"], "result": result}))
             await forward.send(line)  # the SDK's session must see it; its answer is dropped
             return True
@@ -203,11 +206,11 @@ async def _channel_lines(receive: trio.MemoryReceiveChannel[str]) -> AsyncIterat
             yield line
 
 
-async def warn_if_relay_down(tools: SandboxTools, deadline: float) -> None:
-    """Log once, after the first attempt (or at `deadline`), when the relay is not reachable."""
-    await tools.wait_first_attempt(deadline)
-    if not tools.link.connected:
-        log.warning("relay not available yet (%s); serving MCP anyway", tools.link.last_error)
+def _load_sdk_server() -> type[SandboxToolServer]:
+    """Import the MCP SDK and the server on it (run in a worker thread: ~0.7 s)."""
+    from .stdio_server import SandboxToolServer
+
+    return SandboxToolServer
 
 
 async def serve_stdio(
@@ -220,20 +223,19 @@ async def serve_stdio(
     async with trio.open_nursery() as nursery:
         relay_deadline = trio.current_time() + connect_wait
         nursery.start_soon(tools.link.run)
-        nursery.start_soon(warn_if_relay_down, tools, relay_deadline)
+        nursery.start_soon(tools.warn_if_relay_down, relay_deadline)
         with claimed_stdio() as (stdin, stdout):
             gate = EarlyHandshake(tools, stdout.write, relay_deadline,
                                   enabled=early_handshake_enabled() if early is None else early)
             forward, lines = trio.open_memory_channel[str](math.inf)
             nursery.start_soon(gate.read, stdin, forward)
-            module = await trio.to_thread.run_sync(
-                importlib.import_module, "oubliette_client.stdio_server", abandon_on_cancel=True,
-            )
-            server = module.SandboxToolServer(
+            server_class = await trio.to_thread.run_sync(_load_sdk_server, abandon_on_cancel=True)
+            server = server_class(
                 settings, connect_wait=connect_wait, progress_interval=progress_interval, tools=tools,
             )
             server.relay_deadline = relay_deadline
             await gate.handover()
             writer = _DropInitializeAnswer(stdout, gate.initialize_id, gate.initialize_result)
-            await server.serve(_channel_lines(lines), writer, listed_version=gate.listed_version)
+            await server.serve(_channel_lines(lines), writer, listed_version=gate.listed_version,
+                               handshake_version=gate.initialize_version)
         nursery.cancel_scope.cancel()

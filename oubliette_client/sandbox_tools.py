@@ -118,6 +118,12 @@ class SandboxTools:
         with trio.move_on_at(deadline):
             await self.link.attempted.wait()
 
+    async def warn_if_relay_down(self, deadline: float) -> None:
+        """Log once, after the first attempt (or at `deadline`), when the relay is not reachable."""
+        await self.wait_first_attempt(deadline)
+        if not self.link.connected:
+            log.warning("relay not available yet (%s); serving MCP anyway", self.link.last_error)
+
     def listed_tools(self) -> list[dict[str, Any]]:
         """The agent's `tools/list` entries as JSON (MCP `Tool`): every relayed tool with its
         descriptor in `_meta`, then the built-in `permission_prompt` (which hides a relayed

@@ -28,7 +28,6 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from protocol.fast_tool_calls import FastToolCalls, Handler, call_result, fast_calls_enabled
 from protocol.stdio_streams import claimed_stdio
 
-from .early_handshake import warn_if_relay_down
 from .permission_prompt import PERMISSION_PROMPT
 from .progress import DEFAULT_PROGRESS_INTERVAL, AgentProgress
 from .sandbox_tools import CallOutcome, SandboxTools
@@ -203,20 +202,28 @@ class SandboxToolServer:
         async with trio.open_nursery() as nursery:
             self.relay_deadline = trio.current_time() + self.connect_wait
             nursery.start_soon(self.link.run)
-            nursery.start_soon(warn_if_relay_down, self.tools, self.relay_deadline)
+            nursery.start_soon(self.tools.warn_if_relay_down, self.relay_deadline)
             with claimed_stdio() as (stdin, stdout):  # cancellable, no thread per line
                 await self.serve(stdin, stdout)
             nursery.cancel_scope.cancel()
 
-    async def serve(self, lines: AsyncIterable[str], stdout: Any, *, listed_version: int | None = None) -> None:
+    async def serve(
+        self, lines: AsyncIterable[str], stdout: Any, *, listed_version: int | None = None,
+        handshake_version: str | None = None,
+    ) -> None:
         """Serve MCP on the agent's `lines` and `stdout` (`async write(text)`, safe from several
         tasks; `stdio_streams.StdoutText`) until the lines end; then calls still in flight are
         cancelled (the agent has gone). The link must be running (its owner runs `link.run`).
 
         `listed_version`: the registry version the agent has already been shown (by the early
-        handshake); changes after it are announced.
+        handshake); changes after it are announced. `handshake_version`: the handshake-era version
+        the early handshake negotiated, so the fast path takes calls at once (the SDK has not
+        necessarily processed `notifications/initialized` yet when the first call arrives).
         """
         import mcp.server.stdio
+
+        if handshake_version is not None:
+            self._legacy_version = handshake_version
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._announce_changes, listed_version)

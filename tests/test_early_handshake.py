@@ -188,7 +188,9 @@ async def test_the_handshake_is_answered_while_the_sdk_is_held_and_the_rest_afte
             # After the hand-over, requests are the SDK's (and the fast path's) as before.
             await agent.send({"jsonrpc": "2.0", "id": "list2", "method": "tools/list"})
             assert (await agent.response("list2"))["result"]["tools"] == listed
-    assert "answered initialize with" not in client_log.read_text()  # the SDK's own answer was the same
+    log = client_log.read_text()
+    assert "answered initialize with" not in log  # the SDK's own answer was the same
+    assert log.count("taken off the SDK's path") == 1  # the queued call: the version negotiated early
 
 
 async def test_a_first_line_that_is_not_initialize_waits_for_the_sdk(deployment: Deployment, tmp_path: Path) -> None:
