@@ -21,7 +21,8 @@ Everything else â€” a 2026-07-28 request, any other method, anything malformed â
 SDK and gets its answer. `OUBLIETTE_EARLY_HANDSHAKE=0` (or false/no/off) turns the early answers
 off: then every line waits for the SDK, as before.
 
-Owns: the relay link's task, the stdin reader task, and the SDK's serving, in one nursery.
+Owns: the relay link's task, the stdin reader task, and the SDK's serving, in one nursery; at most
+MAX_WAITING_LINES lines wait for the SDK in memory (then stdin is read no further until it takes them).
 Cancellation: cancelling `serve_stdio` stops all three; the SDK import runs on in its thread
 and is abandoned.
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -57,6 +57,10 @@ HANDSHAKE_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 SERVER_INFO = {"name": "oubliette-client", "version": "0.1.0"}
 #: `capabilities` as the SDK reports them for `SandboxToolServer` (tools, with list changes).
 CAPABILITIES = {"tools": {"listChanged": True}}
+
+#: Lines read while the SDK loads that wait for it; past this, stdin is not read until the SDK
+#: takes them (the agent's writes block on the pipe: backpressure, not memory).
+MAX_WAITING_LINES = 256
 
 _OFF = frozenset({"0", "false", "no", "off"})
 _REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
@@ -227,7 +231,7 @@ async def serve_stdio(
         with claimed_stdio() as (stdin, stdout):
             gate = EarlyHandshake(tools, stdout.write, relay_deadline,
                                   enabled=early_handshake_enabled() if early is None else early)
-            forward, lines = trio.open_memory_channel[str](math.inf)
+            forward, lines = trio.open_memory_channel[str](MAX_WAITING_LINES)
             nursery.start_soon(gate.read, stdin, forward)
             server_class = await trio.to_thread.run_sync(_load_sdk_server, abandon_on_cancel=True)
             server = server_class(

@@ -263,3 +263,33 @@ async def test_the_agent_gets_the_same_answers_with_the_early_handshake_on_and_o
                 assert [t["name"] for t in on["tools/list"]["result"]["tools"]] == ["app_echo", "permission_prompt"]
                 assert "_meta" in on["tools/list"]["result"]["tools"][0]  # the relayed tool's descriptor
                 assert on["tools/call"]["result"]["structuredContent"] == {"echo": 2}
+
+
+async def test_lines_sent_while_the_sdk_loads_wait_in_order_and_none_is_lost(deployment: Deployment, tmp_path: Path) -> None:
+    """More lines than wait in memory (MAX_WAITING_LINES) arrive while the SDK is held: stdin
+    is read no further until the SDK takes them, and every one is answered afterwards."""
+    from oubliette_client.early_handshake import MAX_WAITING_LINES
+
+    count = MAX_WAITING_LINES * 3
+    with (tmp_path / "client.log").open("w") as client_err:
+        async with gated_client(deployment, "s-many", client_err) as client:
+            await client.wanted()
+            agent = client.agent
+            await agent.send(initialize())
+            assert "result" in await agent.response(0)
+
+            async def send_all() -> None:
+                for n in range(count):
+                    await agent.send({"jsonrpc": "2.0", "id": 1000 + n, "method": "tools/call",
+                                      "params": {"name": "nope", "arguments": {}}})
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_all)
+                await client.release()
+                answered = []
+                while len(answered) < count:
+                    message = await agent.receive()
+                    if "method" not in message:
+                        answered.append(message["id"])
+                        assert message["result"]["isError"] is True
+            assert sorted(answered) == list(range(1000, 1000 + count))
