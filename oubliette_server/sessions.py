@@ -17,7 +17,10 @@ import attrs
 from protocol import CallerToolSpec, RelayError, errors
 
 if TYPE_CHECKING:
+    from protocol import Frame
+
     from .callers import CallerConnection
+    from .store_api import FrameStoreAPI
 
 _declaration_clock = itertools.count(1)
 
@@ -80,6 +83,33 @@ class Session:
         self.caller_tools = {tool.name: tool for tool in tools}
         self.declared_at = next(_declaration_clock)
         self.sinks.add(owner)
+
+
+class SessionFrames(Protocol):
+    """A shared log as `LogCursors` reads it (`caller_tool_relay.LogBus` is one)."""
+
+    store: FrameStoreAPI
+
+    async def frames(self, session: Session, types: tuple[str, ...], after_seq: int) -> list[Frame]:
+        """Every frame of `session` of `types` after `after_seq`."""
+        ...
+
+
+class LogCursors(dict["Session", int]):
+    """Per session, the seq up to which a service has read a shared log (approvals and caller
+    tool requests each keep one, to pick up what other servers wrote into their sessions)."""
+
+    async def read_new(self, log: SessionFrames, session: Session, types: tuple[str, ...]) -> list[Frame]:
+        """The session's frames of `types` since the last read (from the oldest kept frame at
+        first), with the cursor moved past them; reads that overlap never move it back."""
+        after = self.get(session)
+        if after is None:
+            after = await log.store.pruned_below(session.instance)
+        frames = await log.frames(session, types, after)
+        if frames:
+            after = max(after, frames[-1].seq)
+        self[session] = max(after, self.get(session, 0))
+        return frames
 
 
 class SessionRegistry:

@@ -35,7 +35,7 @@ import trio
 from protocol import Frame, RelayError, errors
 from protocol.schema_check import schema_problem
 
-from ..sessions import Session
+from ..sessions import LogCursors, Session
 from ..store_api import FrameStoreAPI
 from ..task_host import TaskHost
 
@@ -210,7 +210,7 @@ class ApprovalService:
         self.server_id = server_id
         self._pending: dict[str, PendingApproval] = {}
         self._remote: dict[str, PendingApproval] = {}
-        self._synced: dict[Session, int] = {}
+        self._synced = LogCursors()
         self._tasks = TaskHost()
         self._finished: collections.OrderedDict[str, _Finished] = collections.OrderedDict()
         self._changed: dict[int, trio.Event] = {}
@@ -280,11 +280,7 @@ class ApprovalService:
         approvals, and those decided since are settled."""
         if self.log is None or session.owner is None:
             return
-        after = self._synced.get(session)
-        if after is None:
-            after = await self.log.store.pruned_below(session.instance)
-        frames = await self.log.frames(session, (REQUEST, RESOLVED), after)
-        for frame in frames:
+        for frame in await self._synced.read_new(self.log, session, (REQUEST, RESOLVED)):
             request_id = frame.payload.get("request_id")
             if not isinstance(request_id, str):
                 continue
@@ -298,9 +294,6 @@ class ApprovalService:
                 if entry is not None and entry.decision is None:
                     self._decide(entry, decision_of(frame.payload))
                     entry.recorded.set()
-        if frames:
-            after = max(after, frames[-1].seq)
-        self._synced[session] = max(after, self._synced.get(session, 0))
 
     @staticmethod
     def _remote_entry(frame: Frame, session: Session) -> PendingApproval:

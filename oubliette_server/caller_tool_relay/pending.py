@@ -33,7 +33,7 @@ from protocol import CallerToolSpec, Frame, RelayError, errors
 from protocol.frames import utc_timestamp
 from protocol.schema_check import schema_problem
 
-from ..sessions import Session
+from ..sessions import LogCursors, Session
 from ..task_host import TaskHost
 from .bus import PROGRESS, REQUEST, REQUEST_TYPES, LogBus
 
@@ -116,7 +116,7 @@ class CallerCallRegistry:
         self._find_sessions = find_sessions or (lambda session_id: [])
         self._pending: dict[str, PendingCall] = {}
         self._remote: dict[str, PendingCall] = {}
-        self._synced: dict[Session, int] = {}
+        self._synced = LogCursors()
         self._finished: collections.OrderedDict[str, Finished] = collections.OrderedDict()
         self._changed: dict[int, trio.Event] = {}
         self._tasks = TaskHost()
@@ -171,12 +171,8 @@ class CallerCallRegistry:
         yet as remote pending calls (those that got one are remembered as finished)."""
         if self.bus is None or session.owner is None:
             return
-        after = self._synced.get(session)
-        if after is None:
-            after = await self.bus.store.pruned_below(session.instance)
-        frames = await self.bus.frames(session, REQUEST_TYPES, after)
         changed = False
-        for frame in frames:
+        for frame in await self._synced.read_new(self.bus, session, REQUEST_TYPES):
             request_id = frame.payload.get("request_id")
             if not isinstance(request_id, str):
                 continue
@@ -196,9 +192,6 @@ class CallerCallRegistry:
                 if call is not None:
                     self._remember(request_id, Finished(how_it_ended(frame), session, call.caller, call.frame_seq))
                     changed = True
-        if frames:
-            after = max(after, frames[-1].seq)
-        self._synced[session] = after
         if changed:
             self._notify(session)
 
