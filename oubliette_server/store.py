@@ -53,7 +53,7 @@ Group commit
     from the checked fields.  A lone frame of a known instance is one ``INSERT`` run in
     autocommit mode, which SQLite commits (or rolls back and raises) before ``execute``
     returns: the same transaction and durability as ``BEGIN``/``INSERT``/``COMMIT`` in one
-    call instead of three (~84 → ~76 µs of CPU per append; the raw calls alone take ~15% less
+    call instead of three (~84 → ~80 µs of CPU per append; the raw calls alone take ~15% less
     wall time, measured by themselves).  A group, or a new instance's first
     frame, is one explicit transaction.  The rest is the one schedule point (~10 µs), the
     ``Frame`` and the JSON encoding, which an acknowledged append in this API needs.
