@@ -56,18 +56,30 @@ class LoopStatements:
         A statement the database refused because its connection was being closed (a restart,
         `pg_terminate_backend`) did not commit, so it is sent once more on a new connection.
         """
-        async with self._slots:
-            for attempt in (1, 2):
-                try:
-                    return await self._on_a_connection(sql, params)
-                except _Refused as refused:
-                    if refused.sqlstate == _ADMIN_SHUTDOWN and attempt == 1:
-                        continue
-                    if refused.sqlstate is None or refused.sqlstate.startswith(("08", "57P")):
-                        # libpq's own report of a lost connection, or the server going away
-                        raise StoreUnavailable(f"the PostgreSQL store {self.describe} is unavailable: {refused.message}") from None
-                    raise psycopg.DatabaseError(refused.message) from None
-            raise AssertionError("unreachable")
+        # A free slot is taken without a schedule point (the statement's own socket waits are
+        # this call's schedule points): ~10 µs of a ~0.5 ms append.
+        try:
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            await self._slots.acquire()
+        try:
+            return await self._rows(sql, params)
+        finally:
+            self._slots.release()
+
+    async def _rows(self, sql: bytes, params: Sequence[bytes | None]) -> list[list[bytes | None]]:
+        """`rows` with a slot held: the statement, sent once more after a 57P01 refusal."""
+        for attempt in (1, 2):
+            try:
+                return await self._on_a_connection(sql, params)
+            except _Refused as refused:
+                if refused.sqlstate == _ADMIN_SHUTDOWN and attempt == 1:
+                    continue
+                if refused.sqlstate is None or refused.sqlstate.startswith(("08", "57P")):
+                    # libpq's own report of a lost connection, or the server going away
+                    raise StoreUnavailable(f"the PostgreSQL store {self.describe} is unavailable: {refused.message}") from None
+                raise psycopg.DatabaseError(refused.message) from None
+        raise AssertionError("unreachable")
 
     async def _on_a_connection(self, sql: bytes, params: Sequence[bytes | None]) -> list[list[bytes | None]]:
         conn = self._idle.pop() if self._idle else None
