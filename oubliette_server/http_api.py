@@ -86,6 +86,58 @@ def error_response(err: RelayError, status: int | None = None) -> JSONResponse:
     )
 
 
+class DrainRequestBody:
+    """ASGI middleware: a request's body has arrived in full before its response starts.
+
+    Why: hypercorn keeps an HTTP/1.1 connection for the next request only when the request's
+    body has been received by the time the response ends. A handler that answers without
+    reading the body (a refused token, an unknown instance, a denied answer) would otherwise
+    get its connection closed *after* a response that did not say so, whenever the body came
+    in a later packet, and a client reusing the connection meets "server disconnected without
+    sending a response". So the unread rest of a declared body is read and dropped here, up to
+    `MAX_BODY_BYTES`; past that, the response says `connection: close`. A request without a
+    declared body (no `content-length`, no chunked encoding) is passed through untouched, so
+    nothing here ever reads alongside a handler that watches for disconnects.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not _declares_body(scope):
+            await self.app(scope, receive, send)
+            return
+        received_all = False
+
+        async def tracked_receive() -> dict[str, Any]:
+            nonlocal received_all
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                received_all = True
+            return message
+
+        async def draining_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and not received_all:
+                dropped = 0
+                while not received_all and dropped <= MAX_BODY_BYTES:
+                    dropped += len((await tracked_receive()).get("body", b""))
+                if not received_all:
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, tracked_receive, draining_send)
+
+
+def _declares_body(scope: dict[str, Any]) -> bool:
+    """Whether the request announced a body: a non-zero `content-length`, or chunked encoding."""
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            return value.strip() not in (b"0", b"")
+        if name == b"transfer-encoding":
+            return b"chunked" in value.lower()
+    return False
+
+
 class BearerAuth:
     """ASGI middleware: TCP requests need a valid bearer token; Unix socket ones rely on the file mode."""
 
@@ -502,7 +554,7 @@ class HttpApi:
             ],
         )
         starlette.router.default = _not_found  # unknown paths answer the JSON error shape too
-        return BearerAuth(StreamWatch(starlette, self._standalone_stream_dropped), self.verify_token)
+        return DrainRequestBody(BearerAuth(StreamWatch(starlette, self._standalone_stream_dropped), self.verify_token))
 
     async def serve(self, binds: list[str], *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the app with hypercorn on `binds` (`host:port` or `unix:PATH`) until cancelled.

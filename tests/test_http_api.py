@@ -598,3 +598,60 @@ async def test_unknown_paths_answer_the_json_error_shape(deployment: Deployment)
             assert (await admin.get("/v1/health")).status_code == 200
         async with server.rest(token=None) as anonymous:
             assert (await anonymous.get("/nowhere")).status_code == 401  # auth first: paths are not probed
+
+
+#: How long the slow client below waits between a request's head and its body: long enough that
+#: a server answering without the body has answered (and, before the fix, closed) by then.
+SLOW_CLIENT_PAUSE = 0.3
+
+
+async def h11_response(stream: trio.SocketStream, conn: Any) -> tuple[int, dict[bytes, bytes]]:
+    """Read one whole response with `conn` (an h11 client connection); its status and headers."""
+    import h11
+
+    head: Any = None
+    with trio.fail_after(20):
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+                continue
+            if isinstance(event, h11.ConnectionClosed):
+                raise AssertionError("the server closed the connection before a whole response")
+            if isinstance(event, h11.Response):
+                head = event
+            if isinstance(event, h11.EndOfMessage):
+                return head.status_code, {k.lower(): v for k, v in head.headers}
+
+
+@pytest.mark.parametrize("refused_by", ["an unknown instance", "a wrong token"])
+async def test_a_request_refused_before_its_late_body_leaves_the_connection_usable(deployment: Deployment, refused_by: str) -> None:
+    """A POST refused without reading its body, whose body comes after a pause: the response
+    comes once the body is in, and the same keep-alive connection answers the next request
+    (before, the server closed it after a response that did not say so)."""
+    import h11
+    from urllib.parse import urlsplit
+
+    async with deployment.http_server() as server:
+        where = urlsplit(server.url)
+        assert where.hostname is not None and where.port is not None
+        stream = await trio.open_tcp_stream(where.hostname, where.port)
+        async with stream:
+            conn = h11.Connection(our_role=h11.CLIENT)
+            body = json.dumps(frame_body("host", "default", "assistant.delta", "late")).encode()
+            path = TETHER.format("nobox" if refused_by == "an unknown instance" else "box1")
+            token = server.token if refused_by == "an unknown instance" else "not-a-token"
+            await stream.send_all(conn.send(h11.Request(method="POST", target=path, headers=[
+                ("Host", where.netloc), ("Authorization", f"Bearer {token}"),
+                ("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+            ])))
+            await trio.sleep(SLOW_CLIENT_PAUSE)
+            await stream.send_all(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+            status, headers = await h11_response(stream, conn)
+            assert status == (404 if refused_by == "an unknown instance" else 401)
+            assert headers.get(b"connection") != b"close"
+            conn.start_next_cycle()
+            await stream.send_all(conn.send(h11.Request(method="GET", target="/v1/health", headers=[
+                ("Host", where.netloc), ("Authorization", f"Bearer {server.token}"),
+            ])) + conn.send(h11.EndOfMessage()))
+            assert (await h11_response(stream, conn))[0] == 200
