@@ -94,7 +94,8 @@ class SandboxToolServer:
         self.bus = InMemorySubscriptionBus()
         self._legacy_session: Any = None
         self._legacy_version: str | None = None  # the handshake-era version the agent negotiated
-        #: Trio time when lists and calls stop waiting for the relay's first attempt (set by `run_stdio`).
+        #: Trio time when lists and calls stop waiting for the relay's first attempt (set by whoever
+        #: starts serving: `run_stdio`, or `early_handshake.serve_stdio`).
         self.relay_deadline = float("inf")
         self._unannounced = False
         self.server = Server(
