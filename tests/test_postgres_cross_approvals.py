@@ -26,8 +26,7 @@ from oubliette_server.store_api import FrameQuery
 from oubliette_server.store_pg import PostgresFrameStore
 from test_approvals_matrix import BASH_INPUT, DELETE, GATED, PROMPT, call, decide, frames
 from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, ends_with, tool
-from test_http_api import poll
-from test_postgres_cross_server import one_outcome_each, two_servers
+from test_postgres_cross_server import one_outcome_each, turn_end, two_servers
 
 TOOL = "myapp_send_notification"
 SLOW_DELETE = {**DELETE, "name": "slow_delete", "approval_timeout_ms": 1500}
@@ -263,12 +262,7 @@ async def test_the_owner_leaving_a_denies_bs_pending_approval_at_once(pg_url: st
             caller = LoopCaller(client)
             ends_with(await caller.message("s4", steps(call(GATED, arguments={"path": "/tmp/x"})), [DELETE], wait=60),
                       "requires_approval")
-        async with server_b.rest() as rest:
-            with trio.fail_after(30):
-                done = await poll(rest, INSTANCE, {
-                    "channel": "mcp", "session_id": "s4", "types": "assistant.done", "wait_ms": 25_000,
-                })
-    [frame] = done["frames"]
+        frame = await turn_end(server_b, "s4")
     assert "was denied: the caller disconnected before deciding" in frame["payload"]["text"], frame
     [decision] = one_decision_each(await session_frames(pg_url, "s4", "approval_"))
     assert (decision.payload["approve"], decision.payload["who"]) == (False, "disconnect")

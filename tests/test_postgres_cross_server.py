@@ -142,6 +142,17 @@ async def test_an_answer_on_a_racing_the_timeout_on_b_resolves_each_call_once(pg
             assert outcome.type == "caller_tool_cancelled" and "timed out" in line, (line, outcome)
 
 
+async def turn_end(server: HttpServer, session_id: str) -> dict[str, Any]:
+    """The one `assistant.done` frame of `session_id`'s turn, long-polled on `server` (bounded)."""
+    async with server.rest() as rest:
+        with trio.fail_after(30):
+            done = await poll(rest, INSTANCE, {
+                "channel": "mcp", "session_id": session_id, "types": "assistant.done", "wait_ms": 25_000,
+            })
+    [frame] = done["frames"]
+    return frame  # type: ignore[no-any-return]
+
+
 async def test_the_caller_leaving_a_fails_the_agents_call_on_b_at_once(pg_url: str) -> None:
     """The caller's connection to A ends while B's agent waits on its request (timeout 60 s): A
     stores `caller_tool_cancelled` (caller disconnected) and the agent fails now, not at the timeout."""
@@ -151,12 +162,7 @@ async def test_the_caller_leaving_a_fails_the_agents_call_on_b_at_once(pg_url: s
             ends_with(await caller.message(
                 "s4", script([(TOOL, {"n": 1})]), [tool("send_notification", timeout_ms=60_000)], wait=60,
             ), "requires_action")
-        async with server_b.rest() as rest:
-            with trio.fail_after(30):
-                done = await poll(rest, INSTANCE, {
-                    "channel": "mcp", "session_id": "s4", "types": "assistant.done", "wait_ms": 25_000,
-                })
-    [frame] = done["frames"]
+        frame = await turn_end(server_b, "s4")
     assert "connection error: caller 'myapp' disconnected before responding" in frame["payload"]["text"], frame
     [outcome] = one_outcome_each(await caller_tool_frames(pg_url, "s4")).values()
     assert outcome.type == "caller_tool_cancelled" and outcome.payload["reason"] == "caller disconnected"
