@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import trio
 
+from protocol.fast_tool_calls import is_request_id, response_line, switched_on
 from protocol.stdio_streams import claimed_stdio
 
 from .sandbox_tools import SandboxTools
@@ -62,21 +63,12 @@ CAPABILITIES = {"tools": {"listChanged": True}}
 #: takes them (the agent's writes block on the pipe: backpressure, not memory).
 MAX_WAITING_LINES = 256
 
-_OFF = frozenset({"0", "false", "no", "off"})
 _REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
 
 
 def early_handshake_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Yes unless `OUBLIETTE_EARLY_HANDSHAKE` is `0`, `false`, `no` or `off`."""
-    return environ.get("OUBLIETTE_EARLY_HANDSHAKE", "1").strip().lower() not in _OFF
-
-
-def _line(message: dict[str, Any]) -> str:
-    return json.dumps(message, ensure_ascii=False, separators=(",", ":")) + "\n"
-
-
-def _is_id(value: Any) -> bool:
-    return isinstance(value, (str, int)) and not isinstance(value, bool)
+    return switched_on("OUBLIETTE_EARLY_HANDSHAKE", environ)
 
 
 def _parse(line: str) -> dict[str, Any] | None:
@@ -85,7 +77,7 @@ def _parse(line: str) -> dict[str, Any] | None:
         message = json.loads(line)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0" or not _is_id(message.get("id")):
+    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0" or not is_request_id(message.get("id")):
         return None
     return message
 
@@ -152,20 +144,20 @@ class EarlyHandshake:
                 return False
             result = {"capabilities": CAPABILITIES, "protocolVersion": version, "serverInfo": SERVER_INFO}
             self.initialize_id, self.initialize_result, self.initialize_version = message["id"], result, version
-            await self._write(_line({"jsonrpc": "2.0", "id": message["id"], "result": result}))
+            await self._write(response_line(message["id"], result))
             await forward.send(line)  # the SDK's session must see it; its answer is dropped
             return True
         method = message.get("method")
         if message.keys() - _REQUEST_KEYS or message.get("params") not in (None, {}):
             return False  # a cursor, `_meta` or anything else: the SDK's
         if method == "ping":
-            await self._write(_line({"jsonrpc": "2.0", "id": message["id"], "result": {}}))
+            await self._write(response_line(message["id"], {}))
             return True
         if method == "tools/list" and self.initialize_result is not None:
             await self.tools.wait_first_attempt(self._relay_deadline)
             version = self.tools.registry.version
             tools = self.tools.listed_tools()
-            await self._write(_line({"jsonrpc": "2.0", "id": message["id"], "result": {"tools": tools}}))
+            await self._write(response_line(message["id"], {"tools": tools}))
             self.listed_version = version
             return True
         return False

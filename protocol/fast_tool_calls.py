@@ -39,7 +39,10 @@ from typing import Any
 
 import trio
 
-__all__ = ["FastToolCalls", "Handler", "Route", "SendProgress", "call_result", "fast_calls_enabled", "notification_line"]
+__all__ = [
+    "FastToolCalls", "Handler", "Route", "SendProgress", "call_result", "fast_calls_enabled", "is_request_id",
+    "notification_line", "response_line", "switched_on",
+]
 
 #: Sends one `notifications/progress` on the call's token: (progress, total, message).
 SendProgress = Callable[[float, "float | None", "str | None"], Awaitable[None]]
@@ -57,18 +60,30 @@ _PARAM_KEYS = frozenset({"name", "arguments", "_meta"})
 _OFF = frozenset({"0", "false", "no", "off"})
 
 
+def switched_on(name: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """An on/off environment switch of the programs' paths beside the SDK: on unless `name` is
+    `0`, `false`, `no` or `off`."""
+    return environ.get(name, "1").strip().lower() not in _OFF
+
+
 def fast_calls_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the fast path is on: yes unless `OUBLIETTE_FAST_CALLS` is `0`, `false`, `no` or `off`."""
-    return environ.get("OUBLIETTE_FAST_CALLS", "1").strip().lower() not in _OFF
+    return switched_on("OUBLIETTE_FAST_CALLS", environ)
 
 
-def _is_id(value: Any) -> bool:
+def is_request_id(value: Any) -> bool:
+    """A JSON-RPC request id this path takes: a string or an integer (not a bool)."""
     return isinstance(value, (str, int)) and not isinstance(value, bool)
 
 
 def _line(message: dict[str, Any]) -> str:
     """One JSON-RPC line, compact and UTF-8 like the SDK's stdio writer."""
     return json.dumps(message, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def response_line(request_id: str | int, result: Any) -> str:
+    """A JSON-RPC result response as one stdio line, as the SDK would write it."""
+    return _line({"jsonrpc": "2.0", "id": request_id, "result": result})
 
 
 def call_result(result: Any, version: str) -> dict[str, Any]:
@@ -145,7 +160,7 @@ class FastToolCalls:
         if message["jsonrpc"] != "2.0" or message["method"] != "tools/call":
             return None
         request_id, params = message["id"], message["params"]
-        if not _is_id(request_id) or request_id in self._in_flight:
+        if not is_request_id(request_id) or request_id in self._in_flight:
             return None
         if not isinstance(params, dict) or not params.keys() <= _PARAM_KEYS:
             return None
@@ -155,7 +170,7 @@ class FastToolCalls:
         if not isinstance(meta, dict) or not meta.keys() <= {"progressToken"}:
             return None
         token = meta.get("progressToken")
-        if token is not None and not _is_id(token):
+        if token is not None and not is_request_id(token):
             return None
         handler = self.route(name, arguments)
         return None if handler is None else (request_id, handler, token)
@@ -167,7 +182,7 @@ class FastToolCalls:
             return
         params = message.get("params") if isinstance(message, dict) else None
         request_id = params.get("requestId") if isinstance(params, dict) else None
-        if _is_id(request_id) and request_id in self._in_flight:
+        if is_request_id(request_id) and request_id in self._in_flight:
             self._in_flight[request_id].cancel()
 
     async def _answer(self, scope: trio.CancelScope, request_id: str | int, handler: Handler, token: str | int | None) -> None:
@@ -178,7 +193,7 @@ class FastToolCalls:
         finally:
             del self._in_flight[request_id]
         if result is not None:
-            await self.write(_line({"jsonrpc": "2.0", "id": request_id, "result": result}))
+            await self.write(response_line(request_id, result))
 
     def _progress_sender(self, token: str | int) -> SendProgress:
         async def send(progress: float, total: float | None, message: str | None) -> None:
