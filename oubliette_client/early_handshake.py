@@ -22,7 +22,8 @@ SDK and gets its answer. `OUBLIETTE_EARLY_HANDSHAKE=0` (or false/no/off) turns t
 off: then every line waits for the SDK, as before.
 
 Owns: the relay link's task, the stdin reader task, and the SDK's serving, in one nursery; at most
-MAX_WAITING_LINES lines wait for the SDK in memory (then stdin is read no further until it takes them).
+MAX_WAITING_LINES lines, and MAX_WAITING_CHARS characters of them (one longer line always fits), wait
+for the SDK in memory; past either, stdin is read no further until it takes them.
 Cancellation: cancelling `serve_stdio` stops all three; the SDK import runs on in its thread
 and is abandoned.
 """
@@ -62,6 +63,9 @@ CAPABILITIES = {"tools": {"listChanged": True}}
 #: Lines read while the SDK loads that wait for it; past this, stdin is not read until the SDK
 #: takes them (the agent's writes block on the pipe: backpressure, not memory).
 MAX_WAITING_LINES = 256
+#: The characters those lines may hold together (one line over it still fits alone): a stdin line
+#: may be 16 MiB (`stdio_streams`), so 256 of them could be 4 GiB.
+MAX_WAITING_CHARS = 32 * 1024 * 1024
 
 _REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
 
@@ -110,6 +114,7 @@ class EarlyHandshake:
         self._enabled = enabled
         self._sdk_ready = False
         self._busy = trio.Lock()  # held while an early answer is being made
+        self.waiting = WaitingChars(MAX_WAITING_CHARS)
         self._seen_first = False
         #: The id and our result of the `initialize` answered early (None: none was).
         self.initialize_id: str | int | None = None
@@ -130,7 +135,7 @@ class EarlyHandshake:
                         return  # stdout is broken (the agent has gone): stdin is closed too
                     if taken:
                         continue
-                await forward.send(line)
+                await self._forward(forward, line)
 
     async def _answer(self, line: str, forward: trio.MemorySendChannel[str]) -> bool:
         """Answer `line` now if it is one of the early requests; True when it needs no more."""
@@ -145,7 +150,7 @@ class EarlyHandshake:
             result = {"capabilities": CAPABILITIES, "protocolVersion": version, "serverInfo": SERVER_INFO}
             self.initialize_id, self.initialize_result, self.initialize_version = message["id"], result, version
             await self._write(response_line(message["id"], result))
-            await forward.send(line)  # the SDK's session must see it; its answer is dropped
+            await self._forward(forward, line)  # the SDK's session must see it; its answer is dropped
             return True
         method = message.get("method")
         if message.keys() - _REQUEST_KEYS or message.get("params") not in (None, {}):
@@ -161,6 +166,10 @@ class EarlyHandshake:
             self.listed_version = version
             return True
         return False
+
+    async def _forward(self, forward: trio.MemorySendChannel[str], line: str) -> None:
+        await self.waiting.reserve(len(line))
+        await forward.send(line)
 
     async def handover(self) -> None:
         """From now on every line goes to the SDK; returns when no early answer is still being made."""
@@ -196,9 +205,32 @@ class _DropInitializeAnswer:
         await self._stdout.flush()
 
 
-async def _channel_lines(receive: trio.MemoryReceiveChannel[str]) -> AsyncIterator[str]:
+class WaitingChars:
+    """The characters of the lines forwarded and not yet taken; `reserve` waits while they are
+    over `budget` (a line alone always fits), `release` when one is taken."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+        self._freed = trio.Event()
+
+    async def reserve(self, size: int) -> None:
+        """Count `size` more, once it fits."""
+        while self.used and self.used + size > self.budget:
+            await self._freed.wait()
+        self.used += size
+
+    def release(self, size: int) -> None:
+        """Count `size` less, and wake a waiting `reserve`."""
+        self.used -= size
+        self._freed.set()
+        self._freed = trio.Event()
+
+
+async def _channel_lines(receive: trio.MemoryReceiveChannel[str], waiting: WaitingChars) -> AsyncIterator[str]:
     async with receive:
         async for line in receive:
+            waiting.release(len(line))
             yield line
 
 
@@ -232,6 +264,6 @@ async def serve_stdio(
             server.relay_deadline = relay_deadline
             await gate.handover()
             writer = _DropInitializeAnswer(stdout, gate.initialize_id, gate.initialize_result)
-            await server.serve(_channel_lines(lines), writer, listed_version=gate.listed_version,
+            await server.serve(_channel_lines(lines, gate.waiting), writer, listed_version=gate.listed_version,
                                handshake_version=gate.initialize_version)
         nursery.cancel_scope.cancel()

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 import pytest
 import trio
+import trio.testing
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
@@ -293,3 +294,25 @@ async def test_lines_sent_while_the_sdk_loads_wait_in_order_and_none_is_lost(dep
                         answered.append(message["id"])
                         assert message["result"]["isError"] is True
             assert sorted(answered) == list(range(1000, 1000 + count))
+
+
+async def test_waiting_lines_are_bounded_in_characters_too() -> None:
+    """Lines that wait for the SDK hold at most the budget's characters; a line over it alone still fits."""
+    from oubliette_client.early_handshake import WaitingChars
+
+    waiting = WaitingChars(10)
+    await waiting.reserve(25)  # alone: fits
+    reserved = trio.Event()
+
+    async def second() -> None:
+        await waiting.reserve(1)
+        reserved.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not reserved.is_set() and waiting.used == 25
+        waiting.release(25)
+        with trio.fail_after(TIMEOUT):
+            await reserved.wait()
+    assert waiting.used == 1
