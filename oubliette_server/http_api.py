@@ -86,6 +86,10 @@ def error_response(err: RelayError, status: int | None = None) -> JSONResponse:
     )
 
 
+#: How long a refusal waits for the rest of its request's body (see `DrainRequestBody`).
+DRAIN_SECONDS = 10.0
+
+
 class DrainRequestBody:
     """ASGI middleware: a request's body has arrived in full before its response starts.
 
@@ -95,7 +99,9 @@ class DrainRequestBody:
     get its connection closed *after* a response that did not say so, whenever the body came
     in a later packet, and a client reusing the connection meets "server disconnected without
     sending a response". So the unread rest of a declared body is read and dropped here, up to
-    `MAX_BODY_BYTES`; past that, the response says `connection: close`. A request without a
+    `MAX_BODY_BYTES` and for at most `DRAIN_SECONDS`; past either, the response says
+    `connection: close` (a client that never sends its announced body does not hold a refusal
+    back for long). A request without a
     declared body (no `content-length`, no chunked encoding) is passed through untouched, so
     nothing here ever reads alongside a handler that watches for disconnects.
     """
@@ -119,8 +125,9 @@ class DrainRequestBody:
         async def draining_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start" and not received_all:
                 dropped = 0
-                while not received_all and dropped <= MAX_BODY_BYTES:
-                    dropped += len((await tracked_receive()).get("body", b""))
+                with trio.move_on_after(DRAIN_SECONDS):
+                    while not received_all and dropped <= MAX_BODY_BYTES:
+                        dropped += len((await tracked_receive()).get("body", b""))
                 if not received_all:
                     message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)

@@ -655,3 +655,27 @@ async def test_a_request_refused_before_its_late_body_leaves_the_connection_usab
                 ("Host", where.netloc), ("Authorization", f"Bearer {server.token}"),
             ])) + conn.send(h11.EndOfMessage()))
             assert (await h11_response(stream, conn))[0] == 200
+
+
+async def test_a_refusal_waits_only_so_long_for_a_body_that_never_comes(deployment: Deployment, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that announces a body and never sends it gets its refusal after `DRAIN_SECONDS`,
+    with `connection: close`, and the server goes on serving."""
+    import h11
+    from urllib.parse import urlsplit
+
+    from oubliette_server import http_api
+
+    monkeypatch.setattr(http_api, "DRAIN_SECONDS", 0.2)
+    async with deployment.http_server() as server, server.rest() as rest:
+        where = urlsplit(server.url)
+        assert where.hostname is not None and where.port is not None
+        stream = await trio.open_tcp_stream(where.hostname, where.port)
+        async with stream:
+            conn = h11.Connection(our_role=h11.CLIENT)
+            await stream.send_all(conn.send(h11.Request(method="POST", target=TETHER.format("nobox"), headers=[
+                ("Host", where.netloc), ("Authorization", f"Bearer {server.token}"),
+                ("Content-Type", "application/json"), ("Content-Length", "1000"),
+            ])))
+            status, headers = await h11_response(stream, conn)
+            assert (status, headers.get(b"connection")) == (404, b"close")
+        assert (await rest.get("/v1/health")).status_code == 200
