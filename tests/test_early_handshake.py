@@ -316,3 +316,21 @@ async def test_waiting_lines_are_bounded_in_characters_too() -> None:
         with trio.fail_after(TIMEOUT):
             await reserved.wait()
     assert waiting.used == 1
+
+
+async def test_a_2026_07_28_agent_is_served_by_the_sdk_as_before(deployment: Deployment, tmp_path: Path) -> None:
+    """The stateless era has no handshake to answer early: the real client hands every request
+    to the SDK, and a 2026-07-28 agent lists and calls a relayed tool as before."""
+    with (tmp_path / "server.log").open("w") as server_err, (tmp_path / "client.log").open("w") as client_err:
+        async with caller_and_session(deployment, "s-modern", server_err) as (caller, events), \
+                deployment.agent("box1", "mcp:s-modern", mode="auto", errlog=client_err,
+                                 extra_args=("--log-level", "DEBUG")) as agent:
+            assert agent.protocol_version == "2026-07-28"
+            listed = await agent.list_tools()
+            assert [t.name for t in listed.tools] == ["app_echo", "permission_prompt"]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_next_request, caller, events, "s-modern", [], {"echo": 3})
+                with trio.fail_after(TIMEOUT):
+                    result = await agent.call_tool("app_echo", {"x": 3})
+            assert not result.is_error and result.structured_content == {"echo": 3}
+    assert "taken off the SDK's path" not in (tmp_path / "client.log").read_text()
