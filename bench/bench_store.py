@@ -10,8 +10,10 @@ Every figure is printed next to a baseline measured in the same run, on the same
    Single appends alternate with the raw baseline in 20 chunks (the ratio of the totals and the
    median of the chunks' ratios), so that a load that drifts during the run hits both alike.
    A second raw baseline builds each row in the loop from the fields and payload dict ours gets
-   (``json.dumps``, a random ``msg_id``, the timestamp), and the CPU time per append of all three
-   is printed beside the wall-clock ratios.  ``--append-only`` runs this section alone.
+   (``json.dumps``, a random ``msg_id``, the timestamp), and a third, the floor of any append
+   that is a Trio checkpoint, does that, one autocommit ``INSERT`` (ours for a lone frame) and
+   one ``trio.lowlevel.cancel_shielded_checkpoint`` per row.  The CPU time per append of all
+   four is printed beside the wall-clock ratios.  ``--append-only`` runs this section alone.
 2. Query latency (median, p99) at ``--frames`` (default 1,000,000) frames in one instance, for
    channel+session with ``after_seq`` near the end, a ``types`` filter, a ``reply_to`` filter,
    against a plain ``SELECT … WHERE iid=? AND seq>? ORDER BY seq LIMIT 50`` run raw.  The rows
@@ -101,11 +103,15 @@ async def bench_append(workdir: Path, n_single: int, n_batched: int, batch: int,
     # JSON, msg_id and ts fixed); "building" makes each row in the loop from the same fields
     # and payload dict as ours gets (json.dumps of the payload, a random msg_id, the clock's
     # timestamp), the least any append of a frame given as a dict must do. Both are
-    # INSERT + COMMIT with the same schema and pragmas. Wall time is the figure; CPU time of
-    # this thread (time.thread_time) is printed beside it, as it moves less with the load.
+    # INSERT + COMMIT with the same schema and pragmas. The "floor" builds each row the same
+    # way, stores it with one autocommit INSERT (as ours stores a lone frame) and then takes one
+    # schedule point, as every Trio checkpoint must: no append that is a checkpoint can be
+    # cheaper, so ours/floor is what the store's own work costs. Wall time is the figure; CPU
+    # time of this thread (time.thread_time) is printed beside it, as it moves less with the load.
     st = FrameStore(workdir / f"append-{durability}.db", durability=durability)
     db = raw_connect(workdir / f"raw-{durability}.db", durability)
     db2 = raw_connect(workdir / f"raw2-{durability}.db", durability)
+    db3 = raw_connect(workdir / f"raw3-{durability}.db", durability)
     ts = format_ts(time.time())
     text = json.dumps(PAYLOAD, separators=(",", ":"))
     rows = [
@@ -115,7 +121,7 @@ async def bench_append(workdir: Path, n_single: int, n_batched: int, batch: int,
     ins = store_mod._INSERT_FRAME
     dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
     chunk = max(1, n_single // 20)
-    wall = {"ours": 0.0, "prebuilt": 0.0, "building": 0.0}
+    wall = {"ours": 0.0, "prebuilt": 0.0, "building": 0.0, "floor": 0.0}
     cpu = dict.fromkeys(wall, 0.0)
     chunk_ratios = []
     for start in range(0, n_single, chunk):
@@ -135,13 +141,21 @@ async def bench_append(workdir: Path, n_single: int, n_batched: int, batch: int,
             db2.execute(ins, row)
             db2.execute("COMMIT")
         w3, c3 = time.perf_counter(), time.thread_time()
-        for name, w, c in (("ours", w1 - w0, c1 - c0), ("prebuilt", w2 - w1, c2 - c1), ("building", w3 - w2, c3 - c2)):
+        for i, k in enumerate(kws[start : start + chunk], start + 1):
+            row = (1, i, format_ts(time.time()), k["channel"], k["session_id"], k["type"],
+                   "m-" + os.urandom(16).hex(), k["reply_to"], dumps(k["payload"]))
+            db3.execute(ins, row)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        w4, c4 = time.perf_counter(), time.thread_time()
+        for name, w, c in (("ours", w1 - w0, c1 - c0), ("prebuilt", w2 - w1, c2 - c1), ("building", w3 - w2, c3 - c2),
+                           ("floor", w4 - w3, c4 - c3)):
             wall[name] += w
             cpu[name] += c
         chunk_ratios.append((w2 - w1) / (w1 - w0))
     ours_single = n_single / wall["ours"]
     raw_single = n_single / wall["prebuilt"]
     building_single = n_single / wall["building"]
+    floor_single = n_single / wall["floor"]
     # batches, ours and raw alternating
     rows2 = [(1, n_single + r[1], *r[2:]) for r in rows[:n_batched]]
     ours_time = raw_time = 0.0
@@ -160,15 +174,20 @@ async def bench_append(workdir: Path, n_single: int, n_batched: int, batch: int,
     st.close()
     db.close()
     db2.close()
+    db3.close()
 
     print(f"single append     ours {ours_single:10,.0f} frames/s   raw {raw_single:10,.0f} frames/s   "
           f"ratio {ours_single / raw_single:.2f}   ({n_single} appends; median of "
           f"{len(chunk_ratios)} interleaved chunks {statistics.median(chunk_ratios):.2f})")
     print(f"  vs raw building each row (json.dumps, msg_id, ts) {building_single:10,.0f} frames/s   "
           f"ratio {ours_single / building_single:.2f}")
+    print(f"  vs the floor of a Trio append (building, one autocommit INSERT, one schedule point) "
+          f"{floor_single:10,.0f} frames/s   ratio {ours_single / floor_single:.2f}; the floor vs raw "
+          f"{floor_single / raw_single:.2f}")
     print(f"  CPU µs per append: ours {cpu['ours'] / n_single * 1e6:.1f}, raw prebuilt "
           f"{cpu['prebuilt'] / n_single * 1e6:.1f} (ratio {cpu['prebuilt'] / cpu['ours']:.2f}), raw building "
-          f"{cpu['building'] / n_single * 1e6:.1f} (ratio {cpu['building'] / cpu['ours']:.2f}); load average "
+          f"{cpu['building'] / n_single * 1e6:.1f} (ratio {cpu['building'] / cpu['ours']:.2f}), floor "
+          f"{cpu['floor'] / n_single * 1e6:.1f} (ratio {cpu['floor'] / cpu['ours']:.2f}); load average "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"append_many({batch:>3}) ours {ours_batch:10,.0f} frames/s   raw {raw_batch:10,.0f} frames/s   "
           f"ratio {ours_batch / raw_batch:.2f}   ({n_batched} frames)")
