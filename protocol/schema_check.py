@@ -117,7 +117,10 @@ def certainly_valid(validator: Any, value: Any) -> bool:
         if len(_ACCEPTORS) >= _ACCEPTORS_MAX:
             del _ACCEPTORS[next(iter(_ACCEPTORS))]
         _ACCEPTORS[id(validator)] = entry
-    return entry[1](value)
+    try:
+        return entry[1](value)
+    except Exception:  # e.g. a broken `pattern`: the validator meets it as it did before
+        return False
 
 
 def _pattern_rule(validator: Any) -> PatternRule:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 from typing import Any
 
 import jsonschema
@@ -236,6 +237,17 @@ def test_the_pattern_is_the_validators_own() -> None:
     # and so does its acceptor. The server's validator does not, and neither does its acceptor.
     assert certainly_valid(compile_schema(schema), "a\n") == compile_schema(schema).is_valid("a\n")
     assert not certainly_valid(strict_validator(schema), "a\n")
+
+
+def test_a_schema_that_breaks_at_check_time_breaks_as_it_did_without_the_fast_path() -> None:
+    # Not a regex: compile_schema refuses it (the metaschema checks the format), a validator made
+    # without that check meets it only when it validates.
+    validator = jsonschema.Draft202012Validator({"type": "string", "pattern": "("})
+    with pytest.raises(re.error):
+        validator.is_valid("x")
+    assert not certainly_valid(validator, "x")
+    with pytest.raises(re.error):
+        first_problem(validator, "x")
 
 
 def test_the_acceptor_cache_is_bounded_and_keyed_by_the_validator_itself(monkeypatch: pytest.MonkeyPatch) -> None:
