@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import weakref
 from types import ModuleType
 from typing import Any, Callable
 
@@ -100,11 +101,12 @@ def _compile_text(text: str) -> Any:
     return validator_class(schema)
 
 
-# validator -> its acceptor (protocol/fast_accept.py), keyed by the validator's identity: the
-# entry holds the validator, so its id is not reused while the entry lives. Validators are
-# long-lived (the protocol's are cached, tools' are compiled once), so a bound only matters for
-# a peer that declares many schemas; the oldest entry goes first.
-_ACCEPTORS: dict[int, tuple[Any, Acceptor]] = {}
+# validator -> its acceptor (protocol/fast_accept.py), keyed by the validator's identity. The
+# entry holds the validator weakly, so it keeps no validator (and no schema) alive longer than
+# its owner does, and an id reused by a later validator is told apart. Validators are long-lived
+# (the protocol's are cached, tools' are compiled once), so the bound only matters for a peer
+# that declares many schemas; the oldest entry goes first.
+_ACCEPTORS: dict[int, tuple[weakref.ref[Any], Acceptor]] = {}
 _ACCEPTORS_MAX = 4096
 
 
@@ -112,8 +114,8 @@ def certainly_valid(validator: Any, value: Any) -> bool:
     """True when `value` is certainly valid for `validator` without running it (the common
     case, in microseconds); False means "run the validator" (see protocol/fast_accept.py)."""
     entry = _ACCEPTORS.get(id(validator))
-    if entry is None or entry[0] is not validator:
-        entry = (validator, compile_accept(validator.schema, _pattern_rule(validator)))
+    if entry is None or entry[0]() is not validator:
+        entry = (weakref.ref(validator), compile_accept(validator.schema, _pattern_rule(validator)))
         if len(_ACCEPTORS) >= _ACCEPTORS_MAX:
             del _ACCEPTORS[next(iter(_ACCEPTORS))]
         _ACCEPTORS[id(validator)] = entry

@@ -10,8 +10,10 @@ little off, against three validators: jsonschema's 2020-12, the protocol's (an i
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import re
+import weakref
 from typing import Any
 
 import jsonschema
@@ -258,4 +260,22 @@ def test_the_acceptor_cache_is_bounded_and_keyed_by_the_validator_itself(monkeyp
         assert certainly_valid(validator, "x" * n)
         assert not certainly_valid(validator, "x" * (n + 1))
     assert len(schema_check._ACCEPTORS) == 3
-    assert [entry[0] for entry in schema_check._ACCEPTORS.values()] == validators[2:]
+    assert [entry[0]() for entry in schema_check._ACCEPTORS.values()] == validators[2:]
+
+
+def test_the_acceptor_cache_keeps_no_validator_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(schema_check, "_ACCEPTORS", {})
+    validator = jsonschema.Draft202012Validator({"type": "string", "maxLength": 1})
+    assert certainly_valid(validator, "x")
+    gone = weakref.ref(validator)
+    del validator
+    gc.collect()
+    assert gone() is None
+    # A later validator that gets a freed one's id is not taken for it.
+    ids = set()
+    for n in range(200):
+        other = jsonschema.Draft202012Validator({"type": "string", "maxLength": n})
+        assert certainly_valid(other, "x" * n)
+        assert not certainly_valid(other, "x" * (n + 1))
+        ids.add(id(other))
+    assert len(ids) < 200  # ids were reused, so the checks above met a reused one
