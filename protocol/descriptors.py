@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import attrs
 
 from .errors import NOT_FOUND, TOOL_ERROR, RelayError, error_category
-from .schema_check import best_match, protocol_validator, require_valid
+from .schema_check import first_error, protocol_validator, require_valid
 from .schema_parts import NON_EMPTY, OBJECT, OPT_OBJECT, STRING, obj
 
 __all__ = [
@@ -370,7 +370,7 @@ def call_tool_response(tool: str, result: Any) -> dict[str, Any]:
 
 
 def _check_descriptor(value: Any, where: str, pipeline: Any) -> None:
-    error = best_match(_descriptor_validator().iter_errors(value))
+    error = first_error(_descriptor_validator(), value)
     if error is not None:
         path = error.json_path.removeprefix("$")
         message = error.message if len(error.message) <= 200 else error.message[:199] + "…"

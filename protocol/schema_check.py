@@ -31,6 +31,7 @@ __all__ = [
     "best_match",
     "certainly_valid",
     "compile_schema",
+    "first_error",
     "first_problem",
     "protocol_validator",
     "require_valid",
@@ -139,11 +140,17 @@ def _pattern_rule(validator: Any) -> PatternRule:
     return rule
 
 
-def first_problem(validator: Any, value: Any, what: str = "invalid value") -> str | None:
-    """The most relevant reason `value` fails, as "WHAT at PATH: message"; None when valid."""
+def first_error(validator: Any, value: Any) -> Any:
+    """The most relevant of `value`'s errors against `validator` (a jsonschema `ValidationError`),
+    or None when it is valid; the one place every check runs a validator (fast path first)."""
     if certainly_valid(validator, value):
         return None
-    error = best_match(validator.iter_errors(value))
+    return best_match(validator.iter_errors(value))
+
+
+def first_problem(validator: Any, value: Any, what: str = "invalid value") -> str | None:
+    """The most relevant reason `value` fails, as "WHAT at PATH: message"; None when valid."""
+    error = first_error(validator, value)
     if error is None:
         return None
     where = "/".join(str(part) for part in error.absolute_path)
@@ -165,9 +172,7 @@ def _shorten(text: str, limit: int = 300) -> str:
 def require_valid(validator: Any, value: Any, label: str) -> None:
     """Raise ``RelayError(INVALID_PARAMS)`` "invalid LABEL at PATH: problem" (``data.path`` is
     the JSON path) unless ``value`` is valid; how untrusted input to the protocol is refused."""
-    if certainly_valid(validator, value):
-        return
-    error = best_match(validator.iter_errors(value))
+    error = first_error(validator, value)
     if error is None:
         return
     path = error.json_path
