@@ -2,6 +2,7 @@
 
     python bench/soak.py [--calls N] [--instances I] [--agents-per-instance A] [--frames F]
                          [--posters P] [--skip-calls] [--skip-frames]
+    python bench/soak.py --duration SECONDS [--rate CALLS_PER_S] [--frame-rate FRAMES_PER_S] [--sample SECONDS]
 
 One real ``oubliette-server`` (a caller on its stdio, an HTTP listener on a Unix socket), and:
 
@@ -16,6 +17,15 @@ One real ``oubliette-server`` (a caller on its stdio, an HTTP listener on a Unix
    (default 16) to ``POST /v1/instances/soak-ingress/tether``, while one long-poll reader
    (``GET …/tether/poll``, ``wait_ms``) and one SSE reader (``GET …/tether/stream``) follow the
    session from the start. Each reader must see every frame exactly once, in ``seq`` order.
+
+3. **steady** (``--duration``, instead of 1 and 2): moderate load held for a while, to tell a leak
+   from a warm-up. One agent calls ``echo`` at ``--rate`` calls/s (default 20), the caller answering
+   each request as its event arrives, while an HTTP client posts ``user.message`` frames at
+   ``--frame-rate`` frames/s (default 20) and a long-poll reader follows them. Every ``--sample``
+   seconds (default 60) it records the server's RSS and open file descriptors (``/proc/PID/fd``).
+   It reports both at the start and the end, and the growth rate over the last two thirds of the
+   run (the first third is warm-up: caches and the allocator's arenas filling); a leak shows as
+   steady growth there, a plateau as none. Lost or wrong calls and frames fail the run as above.
 
 It prints the throughput of each part, the server's RSS (``VmRSS`` of ``/proc/PID/status``)
 before, between and after, and the lost and duplicated counts for the calls and for each reader
@@ -332,6 +342,135 @@ async def part_frames(http_socket: Path, args: argparse.Namespace) -> dict[str, 
     return figures
 
 
+# -- part 3: steady load over time -------------------------------------------------------------
+
+
+def open_fds(pid: int) -> int:
+    """How many file descriptors the process holds (entries of /proc/PID/fd)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def part_steady(caller: Client, answers: trio.MemoryReceiveChannel[dict[str, Any]], pid: int,
+                      data_dir: Path, relay: str, http_socket: Path, args: argparse.Namespace) -> dict[str, Any]:
+    instance, session = "soak-steady", "steady"
+    declared = await caller.call_tool("session_message", {
+        "instance": instance, "session_id": session, "message": "steady",
+        "context": {"caller_id": CALLER_ID, "caller_tools": [CALLER_TOOL]},
+    })
+    if declared.is_error:
+        raise SoakError(f"session_message failed: {text_of(declared)}")
+    params = StdioServerParameters(
+        command=PYTHON, args=["-m", "oubliette_client", "--log-level", "WARNING"],
+        env={"OUBLIETTE_RELAY": relay, "OUBLIETTE_INSTANCE": instance,
+             "OUBLIETTE_TOKEN": token_for(data_dir, instance), "OUBLIETTE_SESSION": f"mcp:{session}"},
+    )
+    counts = Counter[str]()
+    problems: list[str] = []
+    samples: list[tuple[float, int, int]] = []
+    base = f"/v1/instances/{INGRESS_INSTANCE}/tether"
+    query = {"channel": "host", "session_id": "steady", "types": "user.message"}
+
+    async def answerer() -> None:
+        async for request in answers:
+            reply = await caller.call_tool("caller_tool_response", {
+                "session_id": request["session_id"], "request_id": request["request_id"],
+                "result": {"echo": request["arguments"].get("text")},
+            })
+            if reply.is_error:
+                problems.append(f"refused answer: {text_of(reply)[:200]}")
+
+    async def caller_load(agent: Client) -> None:
+        n = 0
+        async with trio.open_nursery() as calls:
+            while True:
+                n += 1
+                calls.start_soon(one_call, agent, f"steady-{n}")
+                await trio.sleep(1 / args.rate)
+
+    async def one_call(agent: Client, label: str) -> None:
+        result = await agent.call_tool(RELAYED_NAME, {"text": label})
+        counts["calls"] += 1
+        if result.is_error or result.structured_content != {"echo": label}:
+            problems.append(f"{label}: {text_of(result)[:200] if result.is_error else result.structured_content!r}")
+
+    def http() -> httpx2.AsyncClient:
+        return httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=str(http_socket)),
+                                  base_url="http://oubliette", timeout=60)
+
+    async def frame_load() -> None:
+        async with http() as client:
+            n = 0
+            while True:
+                n += 1
+                response = await client.post(base, json={
+                    "type": "user.message", "session": {"channel": "host", "id": "steady"}, "payload": {"text": str(n)},
+                })
+                counts["posted"] += 1
+                if response.status_code != 201:
+                    problems.append(f"post {n}: {response.status_code} {response.text[:200]}")
+                await trio.sleep(1 / args.frame_rate)
+
+    async def reader() -> None:
+        async with http() as client:
+            after = 0
+            while True:
+                response = await client.get(base + "/poll", params={**query, "after_seq": after, "limit": 200, "wait_ms": 10000})
+                response.raise_for_status()
+                page = response.json()
+                counts["read"] += len(page["frames"])
+                after = page["next_seq"]
+
+    print(f"  steady: {args.rate} calls/s and {args.frame_rate} frames/s for {args.duration:.0f} s, "
+          f"a sample every {args.sample:.0f} s", file=sys.stderr, flush=True)
+    async with Client(params, mode="legacy") as agent, trio.open_nursery() as nursery:
+        nursery.start_soon(answerer)
+        start = time.perf_counter()
+        samples.append((0.0, rss_kib(pid), open_fds(pid)))
+        nursery.start_soon(caller_load, agent)
+        nursery.start_soon(frame_load)
+        nursery.start_soon(reader)
+        while (elapsed := time.perf_counter() - start) < args.duration:
+            await trio.sleep(min(args.sample, args.duration - elapsed))
+            samples.append((time.perf_counter() - start, rss_kib(pid), open_fds(pid)))
+            t, rss, fds = samples[-1]
+            print(f"  steady: {t:6.0f} s  RSS {rss / 1024:6.1f} MiB  fds {fds:4d}  calls {counts['calls']}  "
+                  f"frames posted {counts['posted']} read {counts['read']}", file=sys.stderr, flush=True)
+        nursery.cancel_scope.cancel()
+    return {"samples": samples, "counts": dict(counts), "problems": problems}
+
+
+def growth_per_hour(samples: list[tuple[float, int, int]], column: int) -> float:
+    """Least-squares slope of one sample column over the last two thirds of the run, per hour."""
+    end = samples[-1][0]
+    tail = [s for s in samples if s[0] >= end / 3] or samples
+    if len(tail) < 2:
+        return 0.0
+    mean_t = sum(s[0] for s in tail) / len(tail)
+    mean_v = sum(s[column] for s in tail) / len(tail)
+    var = sum((s[0] - mean_t) ** 2 for s in tail)
+    if var == 0:
+        return 0.0
+    return 3600 * sum((s[0] - mean_t) * (s[column] - mean_v) for s in tail) / var
+
+
+def report_steady(steady: dict[str, Any], pid: int) -> bool:
+    samples, counts, problems = steady["samples"], steady["counts"], steady["problems"]
+    (t0, rss0, fds0), (t1, rss1, fds1) = samples[0], samples[-1]
+    print()
+    print("Oubliette soak, steady load")
+    print(f"  python {sys.version.split()[0]}, trio {trio.__version__}, {os.cpu_count()} CPUs, server pid {pid}")
+    print(f"  {t1:.0f} s: {counts.get('calls', 0)} relayed calls ({counts.get('calls', 0) / t1:.1f}/s), "
+          f"{counts.get('posted', 0)} frames posted, {counts.get('read', 0)} read back by the long poll")
+    print(f"  RSS: start {rss0 / 1024:.1f} MiB, end {rss1 / 1024:.1f} MiB; "
+          f"growth over the last two thirds {growth_per_hour(samples, 1) / 1024:+.1f} MiB/h")
+    print(f"  fds: start {fds0}, end {fds1}; growth over the last two thirds {growth_per_hour(samples, 2):+.1f}/h")
+    for line in problems[:10]:
+        print(f"  problem: {line}")
+    ok = not problems and counts.get("calls", 0) > 0
+    print(f"  result: {'OK' if ok else 'FAILED'}")
+    return ok
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -350,6 +489,8 @@ async def soak(workdir: Path, args: argparse.Namespace) -> bool:
     print("  starting oubliette-server (stdio caller, HTTP on a Unix socket)", file=sys.stderr, flush=True)
     calls: dict[str, Any] | None = None
     frames: dict[str, Any] | None = None
+    if args.duration:
+        return await soak_steady(server_params, data_dir, relay, http_socket, args)
     with trio.fail_after(2 * PART_TIMEOUT):
         async with Client(server_params, mode="legacy", logging_callback=held.on_log) as caller:
             pid = server_pid(data_dir)
@@ -361,6 +502,23 @@ async def soak(workdir: Path, args: argparse.Namespace) -> bool:
                 frames = await part_frames(http_socket, args)
                 rss["after frames"] = rss_kib(pid)
     return report(calls, frames, rss, pid)
+
+
+async def soak_steady(server_params: StdioServerParameters, data_dir: Path, relay: str, http_socket: Path,
+                      args: argparse.Namespace) -> bool:
+    """Part 3 alone: the caller answers each request as its event arrives."""
+    send, receive = trio.open_memory_channel[dict[str, Any]](1000)
+
+    async def on_log(params: Any) -> None:
+        data = getattr(params, "data", None)
+        if getattr(params, "logger", None) == "oubliette" and isinstance(data, dict) and data.get("type") == "caller_tool_request":
+            send.send_nowait(data)  # runs in the client's receive loop: hand over, never wait here
+
+    with trio.fail_after(args.duration + 600):
+        async with Client(server_params, mode="legacy", logging_callback=on_log) as caller:
+            pid = server_pid(data_dir)
+            steady = await part_steady(caller, receive, pid, data_dir, relay, http_socket, args)
+    return report_steady(steady, pid)
 
 
 def report(calls: dict[str, Any] | None, frames: dict[str, Any] | None, rss: dict[str, int], pid: int) -> bool:
@@ -414,6 +572,11 @@ def main() -> int:
     parser.add_argument("--posters", type=int, default=16, help="concurrent HTTP clients posting frames (default 16)")
     parser.add_argument("--skip-calls", action="store_true", help="only the ingress part")
     parser.add_argument("--skip-frames", action="store_true", help="only the calls part")
+    parser.add_argument("--duration", type=float, default=0,
+                        help="run the steady part for this many seconds instead of parts 1 and 2")
+    parser.add_argument("--rate", type=float, default=20, help="steady part: relayed calls per second (default 20)")
+    parser.add_argument("--frame-rate", type=float, default=20, help="steady part: ingress frames per second (default 20)")
+    parser.add_argument("--sample", type=float, default=60, help="steady part: seconds between RSS/fd samples (default 60)")
     args = parser.parse_args()
     if min(args.calls, args.instances, args.agents_per_instance, args.frames, args.posters) < 1:
         parser.error("counts must be positive")
