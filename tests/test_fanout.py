@@ -1,0 +1,166 @@
+"""Declaration fan-out: one caller tool declaration reaches every client connection of an
+instance, encoded once; and an instance's client connections are bounded per server.
+
+- The server encodes a `caller_tools_config` once per declaration, however many client
+  connections see it, and each gets the same bytes (counted at the encoder, so the check does
+  not depend on the machine's speed; bench/bench_fanout.py measures the time).
+- A toolset change pushed to the connections of one session's router is encoded once too.
+- The connection over `max_client_connections` is refused at `hello` with an error that names
+  the limit; guest connections do not count, and a place freed by a closed connection is taken
+  again.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+
+import protocol.core
+from harness import EVENT_TIMEOUT, Deployment
+from protocol import DENIED, PROTOCOL_VERSION, messages
+from test_peer import INSTANCE, in_process, line
+
+CLIENTS = 20
+
+
+async def raw_client(
+    deployment: Deployment, token: str, role: str = "client", session: str | None = "mcp:s1",
+) -> tuple[trio.SocketStream, dict[str, Any], list[dict[str, Any]]]:
+    """A raw relay connection after its hello: (stream, the hello answer, the notifications before it)."""
+    stream = await trio.open_unix_socket(str(deployment.socket))
+    params: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "role": role, "instance": INSTANCE, "token": token}
+    if session is not None:
+        params["session"] = session
+    await stream.send_all(line({"jsonrpc": "2.0", "id": 0, "method": "hello", "params": params}))
+    before: list[dict[str, Any]] = []
+    buffer = b""
+    with trio.fail_after(EVENT_TIMEOUT):
+        while True:
+            chunk = await stream.receive_some(1 << 20)
+            assert chunk, f"closed during hello: {buffer!r}"
+            *lines, buffer = (buffer + chunk).split(b"\n")
+            for raw in lines:
+                message = json.loads(raw)
+                if message.get("id") == 0:
+                    return stream, message, before
+                before.append(message)
+
+
+async def next_message(stream: trio.SocketStream, buffer: bytearray) -> dict[str, Any]:
+    """The next line the server sends on `stream` (`buffer` keeps what was read past it)."""
+    with trio.fail_after(EVENT_TIMEOUT):
+        while b"\n" not in buffer:
+            chunk = await stream.receive_some(1 << 20)
+            assert chunk, "the server closed the connection"
+            buffer.extend(chunk)
+    raw, _, rest = bytes(buffer).partition(b"\n")
+    buffer[:] = rest
+    return json.loads(raw)
+
+
+def count_encodes(monkeypatch: pytest.MonkeyPatch, method: str) -> list[int]:
+    """Count the lines the relay core encodes for `method` (its one encoder, `protocol.core.encode`)."""
+    counted: list[int] = []
+    real = protocol.core.encode
+
+    def counting(message: dict[str, Any]) -> bytes:
+        if message.get("method") == method:
+            counted.append(1)
+        return real(message)
+
+    monkeypatch.setattr(protocol.core, "encode", counting)
+    return counted
+
+
+BIG_TOOL = {"name": "big", "description": "d" * 200_000, "inputSchema": {"type": "object"}}
+
+
+async def test_a_declaration_is_encoded_once_for_every_client_connection(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with in_process(deployment) as proc:
+        token = proc.server.tokens.token_for(INSTANCE)
+        streams = [(await raw_client(deployment, token))[0] for _ in range(CLIENTS)]
+        assert len(proc.server.clients.of_instance(INSTANCE)) == CLIENTS
+        encodes = count_encodes(monkeypatch, messages.CALLER_TOOLS_CONFIG)
+        owner, _ = proc.open_caller()
+        await proc.declare(owner, "s1", "myapp", [BIG_TOOL])
+        assert len(encodes) == 1, f"encoded {len(encodes)} times for {CLIENTS} connections"
+        received = []
+        for stream in streams:
+            config = await next_message(stream, bytearray())
+            assert config["method"] == messages.CALLER_TOOLS_CONFIG
+            assert config["params"]["tools"][0]["description"] == BIG_TOOL["description"]
+            received.append(config)
+            await stream.aclose()
+        assert all(config == received[0] for config in received)
+
+
+async def test_a_toolset_change_is_encoded_once_for_a_sessions_connections(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from oubliette_server.toolsets import FunctionToolset, ToolSpec
+
+    async with in_process(deployment) as proc:
+        await proc.server.register_toolset(
+            "ts", "ts", [ToolSpec(name="ping")], ref=FunctionToolset({"ping": lambda arguments: trio.sleep(0)}))
+        token = proc.server.tokens.token_for(INSTANCE)
+        clients = [await raw_client(deployment, token) for _ in range(CLIENTS)]
+        encodes = count_encodes(monkeypatch, messages.TOOLSETS_CONFIG)
+        await proc.server.update_allowed_toolsets(INSTANCE, ["ts"])  # every agent of the session is told
+        assert len(encodes) == 1, f"encoded {len(encodes)} times for {CLIENTS} connections of one session"
+        for stream, _, _ in clients:
+            config = await next_message(stream, bytearray())
+            assert config["method"] == messages.TOOLSETS_CONFIG and config["params"]["tools"]
+            await stream.aclose()
+
+
+async def test_the_client_connection_over_the_limit_is_refused_at_hello(deployment: Deployment) -> None:
+    async with in_process(deployment, max_client_connections=3) as proc:
+        token = proc.server.tokens.token_for(INSTANCE)
+        admitted = [await raw_client(deployment, token, session=None if i == 2 else "mcp:s1") for i in range(3)]
+        assert all("result" in answer for _, answer, _ in admitted)
+
+        stream, answer, _ = await raw_client(deployment, token)
+        assert answer["error"]["code"] == DENIED
+        assert answer["error"]["message"] == (
+            f"instance '{INSTANCE}' already has 3 client connections on this server, the limit "
+            "(max_client_connections); close one or raise the limit")
+        with trio.fail_after(EVENT_TIMEOUT):  # refused, then closed
+            while await stream.receive_some(1 << 16):
+                pass
+        await stream.aclose()
+        assert len(proc.server.clients.of_instance(INSTANCE)) == 3
+
+        guest, answer, _ = await raw_client(deployment, token, role="guest", session=None)
+        assert "result" in answer, "a guest is not a client connection"
+
+        # A place freed by a closed connection is taken again. (The server has no event for a
+        # closed connection; its client set is checked every 50 ms, within a bound.)
+        first = admitted[0][0]
+        await first.aclose()
+        with trio.fail_after(EVENT_TIMEOUT):
+            while len(proc.server.clients.of_instance(INSTANCE)) == 3:
+                await trio.sleep(0.05)
+        again, answer, _ = await raw_client(deployment, token)
+        assert "result" in answer
+        for stream in (again, guest, *(s for s, _, _ in admitted[1:])):
+            await stream.aclose()
+
+
+def test_the_client_connection_limit_is_a_setting(tmp_path: Any) -> None:
+    from oubliette_server.config import ServerConfig, load_config_file
+
+    assert ServerConfig(data_dir=tmp_path).max_client_connections == 64
+    path = tmp_path / "server.toml"
+    path.write_text("[server]\nmax_client_connections = 8\n")
+    assert ServerConfig(data_dir=tmp_path, **load_config_file(path)).max_client_connections == 8
+    path.write_text("[server]\nmax_client_connections = \"8\"\n")
+    with pytest.raises(ValueError, match="max_client_connections has the wrong type"):
+        load_config_file(path)
+    for bad in (0, 10_001):
+        with pytest.raises(ValueError, match="max_client_connections must be between 1 and 10000"):
+            ServerConfig(data_dir=tmp_path, max_client_connections=bad)
