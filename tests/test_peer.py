@@ -345,6 +345,29 @@ def test_core_answers_only_what_was_asked_and_keeps_oversized_answers_answerable
     assert core.inbound == frozenset()
 
 
+def test_core_sends_a_notification_encoded_once_as_it_would_send_it() -> None:
+    """`encode_notification` + `send_encoded`: the same bytes as `send_notification`, with the
+    same checks on each connection (its role, its phase, its frame limit)."""
+    from protocol import encode_notification
+
+    params = {"session_id": "s", "caller_id": "c", "tools": []}
+    note = encode_notification("caller_tools_config", params)
+    client_side = open_server_core("client")
+    assert client_side.send_encoded(note) is note.data  # the very bytes, not a copy
+    assert note.data == client_side.send_notification("caller_tools_config", params)
+    with pytest.raises(LocalProtocolError):  # a guest is not sent a client's configuration
+        open_server_core("guest").send_encoded(note)
+    with pytest.raises(LocalProtocolError):  # nor anything before its hello
+        RelayCore("server").send_encoded(note)
+    client_side.max_frame_bytes = len(note.data) - 2
+    with pytest.raises(FrameTooLarge):
+        client_side.send_encoded(note)
+    with pytest.raises(LocalProtocolError):
+        encode_notification("caller_tool", {})  # a request, not a notification
+    with pytest.raises(LocalProtocolError):
+        encode_notification("caller_tools_config", {"x": float("nan")})
+
+
 def test_core_never_imports_trio() -> None:
     from pathlib import Path
 
