@@ -7,7 +7,8 @@ instance, encoded once; and an instance's client connections are bounded per ser
 - A toolset change pushed to the connections of one session's router is encoded once too.
 - The connection over `max_client_connections` is refused at `hello` with an error that names
   the limit; guest connections do not count, and a place freed by a closed connection is taken
-  again.
+  again. oubliette-client's link, refused so, backs off (no hot loop of hellos) and connects
+  once a place is free.
 """
 
 from __future__ import annotations
@@ -149,6 +150,55 @@ async def test_the_client_connection_over_the_limit_is_refused_at_hello(deployme
         assert "result" in answer
         for stream in (again, guest, *(s for s, _, _ in admitted[1:])):
             await stream.aclose()
+
+
+async def test_oubliette_client_over_the_limit_backs_off_and_connects_once_a_place_is_free(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The refusal is not final: the client keeps trying, with its growing backoff (never a hot
+    loop of hellos), says why, and connects when another client connection has ended."""
+    from oubliette_client.relay_link import BACKOFF_INITIAL, RelayLink
+    from oubliette_client.settings import RelaySettings
+
+    async def ignore(method: str, params: Any) -> None:
+        pass
+
+    async with in_process(deployment, max_client_connections=1) as proc:
+        settings = RelaySettings(relay=deployment.relay, instance=INSTANCE, token=proc.server.tokens.token_for(INSTANCE))
+        refusals: list[float] = []
+        fourth = trio.Event()
+        add = proc.server.clients.add
+
+        def counting_add(connection: Any) -> None:
+            try:
+                add(connection)
+            except Exception:
+                refusals.append(trio.current_time())
+                if len(refusals) == 4:
+                    fourth.set()
+                raise
+
+        monkeypatch.setattr(proc.server.clients, "add", counting_add)
+        first, first_scope = RelayLink(settings, "client", ignore), trio.CancelScope()
+        proc.nursery.start_soon(run_in, first_scope, first)
+        with trio.fail_after(EVENT_TIMEOUT):
+            await first.wait_connected()
+        second = RelayLink(settings, "client", ignore)
+        proc.nursery.start_soon(second.run)
+        with trio.fail_after(EVENT_TIMEOUT):
+            await fourth.wait()
+        assert "max_client_connections" in second.last_error and second.refused is None and not second.connected
+        # Three waits of the backoff (0.1, 0.2, 0.4 s, each -20 % at worst); a reset backoff would be 3 x 0.1 s.
+        assert refusals[3] - refusals[0] >= (1 + 2 + 4) * BACKOFF_INITIAL * 0.8
+        first_scope.cancel()  # the first client goes away: its place is free
+        with trio.fail_after(EVENT_TIMEOUT + 5):  # the backoff grows to 5 s at most
+            await second.wait_connected()
+
+
+async def run_in(scope: trio.CancelScope, link: Any) -> None:
+    """Run `link` until `scope` is cancelled."""
+    with scope:
+        await link.run()
 
 
 def test_the_client_connection_limit_is_a_setting(tmp_path: Any) -> None:
