@@ -295,7 +295,7 @@ class RelayPeer:
         self._fail_waiters(self._close_reason)
         self._wake_room_waiters()
         self._drop_queued()
-        self._receive.close()  # senders waiting for room get BrokenResourceError
+        self._receive.close()  # a frame queued from now on is dropped at once (`_put`)
         self._send.close()
         self.closed.set()
 
