@@ -13,53 +13,30 @@ instance, encoded once; and an instance's client connections are bounded per ser
 
 from __future__ import annotations
 
-import json
+from contextlib import AsyncExitStack
 from typing import Any
 
 import pytest
 import trio
 
 import protocol.core
-from harness import EVENT_TIMEOUT, Deployment
-from protocol import DENIED, PROTOCOL_VERSION, messages
-from test_peer import INSTANCE, in_process, line
+from harness import EVENT_TIMEOUT, Deployment, RawRelay
+from protocol import DENIED, messages
+from test_peer import INSTANCE, in_process
 
 CLIENTS = 20
 
 
-async def raw_client(
-    deployment: Deployment, token: str, role: str = "client", session: str | None = "mcp:s1",
-) -> tuple[trio.SocketStream, dict[str, Any], list[dict[str, Any]]]:
-    """A raw relay connection after its hello: (stream, the hello answer, the notifications before it)."""
-    stream = await trio.open_unix_socket(str(deployment.socket))
-    params: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "role": role, "instance": INSTANCE, "token": token}
-    if session is not None:
-        params["session"] = session
-    await stream.send_all(line({"jsonrpc": "2.0", "id": 0, "method": "hello", "params": params}))
-    before: list[dict[str, Any]] = []
-    buffer = b""
-    with trio.fail_after(EVENT_TIMEOUT):
-        while True:
-            chunk = await stream.receive_some(1 << 20)
-            assert chunk, f"closed during hello: {buffer!r}"
-            *lines, buffer = (buffer + chunk).split(b"\n")
-            for raw in lines:
-                message = json.loads(raw)
-                if message.get("id") == 0:
-                    return stream, message, before
-                before.append(message)
-
-
-async def next_message(stream: trio.SocketStream, buffer: bytearray) -> dict[str, Any]:
-    """The next line the server sends on `stream` (`buffer` keeps what was read past it)."""
-    with trio.fail_after(EVENT_TIMEOUT):
-        while b"\n" not in buffer:
-            chunk = await stream.receive_some(1 << 20)
-            assert chunk, "the server closed the connection"
-            buffer.extend(chunk)
-    raw, _, rest = bytes(buffer).partition(b"\n")
-    buffer[:] = rest
-    return json.loads(raw)
+async def raw_clients(
+    stack: AsyncExitStack, deployment: Deployment, count: int, token: str, session: str | None = "mcp:s1",
+) -> list[RawRelay]:
+    """`count` raw client connections of box1, each past its hello (closed with `stack`)."""
+    relays = []
+    for _ in range(count):
+        relay = await stack.enter_async_context(RawRelay.connect(deployment))
+        assert "result" in await relay.hello(INSTANCE, token, session=session)
+        relays.append(relay)
+    return relays
 
 
 def count_encodes(monkeypatch: pytest.MonkeyPatch, method: str) -> list[int]:
@@ -82,21 +59,16 @@ BIG_TOOL = {"name": "big", "description": "d" * 200_000, "inputSchema": {"type":
 async def test_a_declaration_is_encoded_once_for_every_client_connection(
     deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async with in_process(deployment) as proc:
-        token = proc.server.tokens.token_for(INSTANCE)
-        streams = [(await raw_client(deployment, token))[0] for _ in range(CLIENTS)]
+    async with in_process(deployment) as proc, AsyncExitStack() as stack:
+        relays = await raw_clients(stack, deployment, CLIENTS, proc.server.tokens.token_for(INSTANCE))
         assert len(proc.server.clients.of_instance(INSTANCE)) == CLIENTS
         encodes = count_encodes(monkeypatch, messages.CALLER_TOOLS_CONFIG)
         owner, _ = proc.open_caller()
         await proc.declare(owner, "s1", "myapp", [BIG_TOOL])
         assert len(encodes) == 1, f"encoded {len(encodes)} times for {CLIENTS} connections"
-        received = []
-        for stream in streams:
-            config = await next_message(stream, bytearray())
-            assert config["method"] == messages.CALLER_TOOLS_CONFIG
-            assert config["params"]["tools"][0]["description"] == BIG_TOOL["description"]
-            received.append(config)
-            await stream.aclose()
+        received = [await relay.receive(EVENT_TIMEOUT) for relay in relays]
+        assert received[0] is not None and received[0]["method"] == messages.CALLER_TOOLS_CONFIG
+        assert received[0]["params"]["tools"][0]["description"] == BIG_TOOL["description"]
         assert all(config == received[0] for config in received)
 
 
@@ -108,48 +80,42 @@ async def test_a_toolset_change_is_encoded_once_for_a_sessions_connections(
     async with in_process(deployment) as proc:
         await proc.server.register_toolset(
             "ts", "ts", [ToolSpec(name="ping")], ref=FunctionToolset({"ping": lambda arguments: trio.sleep(0)}))
-        token = proc.server.tokens.token_for(INSTANCE)
-        clients = [await raw_client(deployment, token) for _ in range(CLIENTS)]
-        encodes = count_encodes(monkeypatch, messages.TOOLSETS_CONFIG)
-        await proc.server.update_allowed_toolsets(INSTANCE, ["ts"])  # every agent of the session is told
-        assert len(encodes) == 1, f"encoded {len(encodes)} times for {CLIENTS} connections of one session"
-        for stream, _, _ in clients:
-            config = await next_message(stream, bytearray())
-            assert config["method"] == messages.TOOLSETS_CONFIG and config["params"]["tools"]
-            await stream.aclose()
+        async with AsyncExitStack() as stack:
+            relays = await raw_clients(stack, deployment, CLIENTS, proc.server.tokens.token_for(INSTANCE))
+            encodes = count_encodes(monkeypatch, messages.TOOLSETS_CONFIG)
+            await proc.server.update_allowed_toolsets(INSTANCE, ["ts"])  # every agent of the session is told
+            assert len(encodes) == 1, f"encoded {len(encodes)} times for {CLIENTS} connections of one session"
+            for relay in relays:
+                config = await relay.receive(EVENT_TIMEOUT)
+                assert config is not None and config["method"] == messages.TOOLSETS_CONFIG and config["params"]["tools"]
 
 
 async def test_the_client_connection_over_the_limit_is_refused_at_hello(deployment: Deployment) -> None:
-    async with in_process(deployment, max_client_connections=3) as proc:
+    async with in_process(deployment, max_client_connections=3) as proc, AsyncExitStack() as stack:
         token = proc.server.tokens.token_for(INSTANCE)
-        admitted = [await raw_client(deployment, token, session=None if i == 2 else "mcp:s1") for i in range(3)]
-        assert all("result" in answer for _, answer, _ in admitted)
+        first = await stack.enter_async_context(RawRelay.connect(deployment))
+        assert "result" in await first.hello(INSTANCE, token)  # unbound: counts the same
+        await raw_clients(stack, deployment, 2, token)
 
-        stream, answer, _ = await raw_client(deployment, token)
-        assert answer["error"]["code"] == DENIED
-        assert answer["error"]["message"] == (
-            f"instance '{INSTANCE}' already has 3 client connections on this server, the limit "
-            "(max_client_connections); close one or raise the limit")
-        with trio.fail_after(EVENT_TIMEOUT):  # refused, then closed
-            while await stream.receive_some(1 << 16):
-                pass
-        await stream.aclose()
+        async with RawRelay.connect(deployment) as over:
+            answer = await over.hello(INSTANCE, token, session="mcp:s1")
+            assert answer["error"]["code"] == DENIED
+            assert answer["error"]["message"] == (
+                f"instance '{INSTANCE}' already has 3 client connections on this server, the limit "
+                "(max_client_connections); close one or raise the limit")
+            assert await over.closed(EVENT_TIMEOUT)  # refused, then closed
         assert len(proc.server.clients.of_instance(INSTANCE)) == 3
 
-        guest, answer, _ = await raw_client(deployment, token, role="guest", session=None)
-        assert "result" in answer, "a guest is not a client connection"
+        guest = await stack.enter_async_context(RawRelay.connect(deployment))
+        assert "result" in await guest.hello(INSTANCE, token, role="guest"), "a guest is not a client connection"
 
         # A place freed by a closed connection is taken again. (The server has no event for a
         # closed connection; its client set is checked every 50 ms, within a bound.)
-        first = admitted[0][0]
-        await first.aclose()
+        await first.stream.aclose()
         with trio.fail_after(EVENT_TIMEOUT):
             while len(proc.server.clients.of_instance(INSTANCE)) == 3:
                 await trio.sleep(0.05)
-        again, answer, _ = await raw_client(deployment, token)
-        assert "result" in answer
-        for stream in (again, guest, *(s for s, _, _ in admitted[1:])):
-            await stream.aclose()
+        await raw_clients(stack, deployment, 1, token)
 
 
 async def test_oubliette_client_over_the_limit_backs_off_and_connects_once_a_place_is_free(
