@@ -98,6 +98,8 @@ class RelayLink:
         """The address the link uses now (it moves to the next one after a failure)."""
         self.last_error = "not connected yet"
         self.connected = False
+        self.handshakes = 0
+        """Completed handshakes: only a connection that was up makes the next attempt start quick again."""
         self._state_changed = trio.Event()
         self.attempted = trio.Event()
         """Set after the first connection attempt (to each address of a list), whatever its outcome."""
@@ -194,8 +196,9 @@ class RelayLink:
                 self._set_state(False, f"cannot connect to {self.address}: {exc.strerror or exc}")
                 self._log_once(logging.WARNING, f"{self.failure_line()}; retrying")
             else:
+                handshakes = self.handshakes
                 fatal = await self._serve(stream)
-                if not fatal:
+                if self.handshakes != handshakes:  # it was up; a refused hello keeps backing off
                     backoff = BACKOFF_INITIAL
             index = (index + 1) % len(self.addresses)  # several servers: the next one takes over
             if index == 0 or fatal:
@@ -255,6 +258,7 @@ class RelayLink:
                     nursery.cancel_scope.cancel()
                     return self._hello_failed(err)
                 self._peer = peer
+                self.handshakes += 1
                 self.refused = self._logged_reason = None
                 if self._on_connected is not None:
                     self._on_connected()  # the handshake's configuration is complete
@@ -279,4 +283,8 @@ class RelayLink:
             self._log_once(logging.WARNING, f"{self.failure_line()}; retrying")
             return False
         self._set_state(False, err.message)
-        return err.code in FATAL_HELLO_CODES
+        if err.code in FATAL_HELLO_CODES:
+            return True
+        # Refused for now (e.g. the instance has as many client connections as the server allows).
+        self._log_once(logging.WARNING, f"the relay at {self.address} refused the connection for now: {err.message}; retrying")
+        return False

@@ -70,7 +70,7 @@ class OublietteServer:
         self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         """Which server of a deployment this is (host, process, a random tag)."""
         self.sessions = SessionRegistry()
-        self.clients = ClientConnections()
+        self.clients = ClientConnections(self.config.max_client_connections)
         self.instances = InstanceDirectory(
             config.instances, self.store.last_seq,
             lambda: [*self.guests.connected_instances(), *self.clients.instances()],

@@ -1,14 +1,21 @@
 """The `client`-role relay connections of each instance (the agents' `oubliette-client`s).
 
 Caller tool declarations and toolset changes are pushed to these; the guest
-connection of an instance is tracked by guest delivery instead.
+connection of an instance is tracked by guest delivery instead. An instance may have at most
+`max_client_connections` of them on this server (docs/SECURITY.md, "Declaration fan-out"):
+each declaration goes to every one, so their number is what one declaration costs.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Protocol
 
-from protocol import messages, unstructure
+from protocol import EncodedNotification, RelayError, errors, messages, unstructure
+
+#: Client connections one instance may have on one server: far more than the agents (one
+#: `oubliette-client` each) a sandbox runs at once, few enough that one declaration pushed to
+#: every one stays cheap.
+DEFAULT_MAX_CLIENT_CONNECTIONS = 64
 
 #: Hands one progress report (progress, total, message) to the agent's waiting call; never waits.
 ProgressFn = Callable[[float, "float | None", "str | None"], None]
@@ -24,17 +31,31 @@ class ClientPeer(Protocol):
     def notify(self, method: str, params: dict) -> None:
         """Queue a notification; never waits on the socket (a stalled peer is closed instead)."""
 
+    def notify_encoded(self, note: EncodedNotification) -> None:
+        """Queue a notification encoded once for many connections; never waits, like `notify`."""
+
 
 class ClientConnections:
-    """Live client connections by instance. Owns nothing: connections close themselves."""
+    """Live client connections by instance, at most `max_per_instance` each. Owns nothing:
+    connections close themselves."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_per_instance: int = DEFAULT_MAX_CLIENT_CONNECTIONS) -> None:
+        self.max_per_instance = max_per_instance
         self._by_instance: dict[str, set[ClientPeer]] = {}
 
     def add(self, connection: ClientPeer) -> None:
-        """Track a client connection that passed `hello` (its instance must be set)."""
+        """Track a client connection that passed `hello` (its instance must be set).
+
+        Raises `RelayError(DENIED)` when the instance already has `max_per_instance` (the hello
+        is refused with it; the client tries again later, when one may have ended).
+        """
         assert connection.instance is not None
-        self._by_instance.setdefault(connection.instance, set()).add(connection)
+        connections = self._by_instance.setdefault(connection.instance, set())
+        if connection not in connections and len(connections) >= self.max_per_instance:
+            raise RelayError(errors.DENIED, (
+                f"instance {connection.instance!r} already has {len(connections)} client connections on this server, "
+                f"the limit (max_client_connections); close one or raise the limit"))
+        connections.add(connection)
 
     def discard(self, connection: ClientPeer) -> None:
         """Stop tracking a connection; one never added is ignored."""

@@ -13,6 +13,7 @@ import attrs
 from protocol.limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_PAYLOAD_BYTES, Limits
 
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
+from .client_connections import DEFAULT_MAX_CLIENT_CONNECTIONS
 
 DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
@@ -92,6 +93,13 @@ class ServerConfig:
     """Seconds a start command (wake on message) has to connect its guest before it is stopped."""
     relay_write_timeout: float = DEFAULT_RELAY_WRITE_TIMEOUT
     """Seconds one frame to a sandbox may take to be written; a sandbox that does not read is disconnected."""
+    max_client_connections: int = attrs.field(default=DEFAULT_MAX_CLIENT_CONNECTIONS)
+    """Client-role relay connections one instance may have on this server; the next one's hello is refused."""
+
+    @max_client_connections.validator
+    def _check_max_client_connections(self, attribute: Any, value: int) -> None:
+        if not 1 <= value <= 10_000:
+            raise ValueError(f"max_client_connections must be between 1 and 10000; got {value!r}")
     http: list[str] = attrs.field(factory=list)
     """HTTP listeners: `HOST:PORT` (bearer tokens) and/or `unix:PATH` (mode 0600, no token)."""
     allowed_hosts: list[str] = attrs.field(factory=list)
@@ -149,6 +157,7 @@ SERVER_KEYS = {
     "relay": str, "data_dir": str, "caller_timeout": (int, float), "approval_timeout": (int, float), "approval_delivery": str, "store_path": str,
     "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
     "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
+    "max_client_connections": int,
     "max_payload_bytes": int, "max_payload_depth": int,
 }
 

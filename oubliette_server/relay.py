@@ -27,6 +27,7 @@ from protocol import (
     errors,
     PROTOCOL_VERSION,
     ROLE_SERVER,
+    EncodedNotification,
     HandlerEntry,
     PeerLimits,
     RelayAddress,
@@ -119,6 +120,14 @@ class RelayConnection:
             self._peer.notify(method, params)
         except RelayError as err:
             log.debug("%r: notification %s dropped: %s", self, method, err.message)
+
+    def notify_encoded(self, note: EncodedNotification) -> None:
+        """Queue a notification encoded once for many connections (a declaration's fan-out):
+        the same bytes, never encoded again here; never waits, like `notify`."""
+        try:
+            self._peer.notify_encoded(note)
+        except RelayError as err:
+            log.debug("%r: notification %s dropped: %s", self, note.method, err.message)
 
     async def send_notification(self, method: str, params: Any) -> None:
         """Queue a notification, waiting for room: only for this connection's own producers.

@@ -86,11 +86,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         'ROLE_SERVER', 'PEER_ROLES', 'MethodRule', 'METHOD_RULES', 'senders_of', 'ProtocolError',
         'LocalProtocolError', 'RemoteProtocolError', 'RelayEvent', 'RequestReceived',
         'NotificationReceived', 'ResponseReceived', 'RequestRejected', 'NotificationRejected',
-        'ConnectionClosed', 'NEED_DATA', 'RelayCore',
+        'ConnectionClosed', 'NEED_DATA', 'EncodedNotification', 'encode_notification', 'RelayCore',
     ),
     "peer": (
-        'DEFAULT_WRITE_TIMEOUT', 'DEFAULT_QUEUE_FRAMES', 'HELLO_TIMEOUT', 'PeerLimits', 'HandlerEntry',
-        'RelayPeer',
+        'DEFAULT_WRITE_TIMEOUT', 'DEFAULT_QUEUE_FRAMES', 'DEFAULT_MAX_REQUESTS_IN_FLIGHT', 'HELLO_TIMEOUT',
+        'PeerLimits', 'HandlerEntry', 'RelayPeer',
     ),
 }
 

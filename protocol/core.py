@@ -58,6 +58,8 @@ __all__ = [
     "NotificationRejected",
     "ConnectionClosed",
     "NEED_DATA",
+    "EncodedNotification",
+    "encode_notification",
     "RelayCore",
 ]
 
@@ -226,6 +228,39 @@ class _NeedData:
 
 #: :meth:`RelayCore.next_event` needs more bytes before it can say more.
 NEED_DATA = _NeedData()
+
+# -- a notification encoded once, sent on many connections ---------------------------------------
+
+
+@attrs.frozen
+class EncodedNotification:
+    """A notification's bytes, encoded once for a fan-out (the same declaration to every client
+    connection of an instance): each connection's core checks that it may send ``method`` now
+    and that ``data`` fits its frame limit (:meth:`RelayCore.send_encoded`), and sends these bytes."""
+
+    method: str
+    data: bytes
+
+
+def encode_notification(method: str, params: Any = None) -> EncodedNotification:
+    """Encode a notification of the protocol once, whatever connections will carry it.
+
+    Raises :class:`LocalProtocolError` for a method that is not a notification or params that
+    do not encode (a bug).
+    """
+    rule = METHOD_RULES.get(method)
+    if rule is None or rule.kind != "notification":
+        raise LocalProtocolError(f"{method!r} is not a notification of the protocol")
+    return EncodedNotification(method, _encoded(notification(method, params)))
+
+
+def _encoded(message: dict[str, Any]) -> bytes:
+    """One message's line; params that do not encode are our bug."""
+    try:
+        return encode(message)
+    except (TypeError, ValueError) as exc:
+        raise LocalProtocolError(f"cannot encode a {message.get('method', 'response')}: {exc}") from None
+
 
 # -- the state machine ---------------------------------------------------------------------------
 
@@ -403,10 +438,7 @@ class RelayCore:
     # -- sending ------------------------------------------------------------------------------
 
     def _encode(self, message: dict[str, Any]) -> bytes:
-        try:
-            data = encode(message)
-        except (TypeError, ValueError) as exc:
-            raise LocalProtocolError(f"cannot encode a {message.get('method', 'response')}: {exc}") from None
+        data = _encoded(message)
         if len(data) - 1 > self.max_frame_bytes:
             raise FrameTooLarge(self.max_frame_bytes)
         return data
@@ -444,6 +476,14 @@ class RelayCore:
         """A notification's bytes; raises like :meth:`send_request`."""
         self._check_can_send(method, "notification")
         return self._encode(notification(method, params))
+
+    def send_encoded(self, note: EncodedNotification) -> bytes:
+        """The bytes of a notification encoded once for many connections (:func:`encode_notification`);
+        checked and raising like :meth:`send_notification`, without encoding it again."""
+        self._check_can_send(note.method, "notification")
+        if len(note.data) - 1 > self.max_frame_bytes:
+            raise FrameTooLarge(self.max_frame_bytes)
+        return note.data
 
     def send_cancel(self, request_id: RequestId) -> bytes | None:
         """Stop waiting for ``request_id`` and return the ``cancel`` to send.

@@ -5,8 +5,8 @@ it reads the stream into the core, runs what the events ask for, and writes what
 encodes.
 
 Owns: the stream (closed when :meth:`RelayPeer.serve` returns); a nursery with one writer
-task that drains a small bounded queue, each ``send_all`` under
-``fail_after(write_timeout)``; one task and one cancel scope per inbound request.
+task that drains the outgoing queue, each ``send_all`` under ``fail_after(write_timeout)``;
+one task and one cancel scope per inbound request.
 Needs: a :class:`~protocol.core.RelayCore` for our role and a handler table; start it with
 ``await nursery.start(peer.serve, handlers)`` (``request``/``notify`` work once started).
 Raises: callers of :meth:`RelayPeer.request` only ever see :class:`RelayError` -
@@ -19,6 +19,15 @@ with ``PEER_DISCONNECTED`` and every inbound request's handler is cancelled. A c
 Nothing here awaits a socket inline on behalf of someone else: :meth:`RelayPeer.notify`
 only enqueues, and a connection whose queue is full, or whose write does not finish within
 the write deadline, is closed with a logged reason.
+
+Room in the queue (docs/PROTOCOL.md, "Room for answers"). What this side pushes on its own
+(notifications, its requests) shares ``queue_frames`` places; a ``notify`` that finds none is
+a stalled peer. What answers the peer - the response to each of its requests, and the
+``cancel`` of each of our requests we stopped waiting for - is never counted there: there is
+at most one per request in flight, and the peer's requests in flight are bounded
+(``max_requests_in_flight``: at that many, the read loop reads nothing more until an answer
+is written). So a burst of answers (a hundred calls timing out together, a hundred refused
+requests in one write) waits for the writer, and only the write deadline cuts a peer off.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from .convert import structure
 from .core import (
     NEED_DATA,
     ConnectionClosed,
+    EncodedNotification,
     LocalProtocolError,
     NotificationReceived,
     NotificationRejected,
@@ -53,6 +63,7 @@ from .schemas import validate_params
 __all__ = [
     "DEFAULT_WRITE_TIMEOUT",
     "DEFAULT_QUEUE_FRAMES",
+    "DEFAULT_MAX_REQUESTS_IN_FLIGHT",
     "HELLO_TIMEOUT",
     "PeerLimits",
     "HandlerEntry",
@@ -65,6 +76,11 @@ log = logging.getLogger("oubliette.relay.peer")
 DEFAULT_WRITE_TIMEOUT = 10.0
 #: Frames waiting to be written before the connection counts as stalled.
 DEFAULT_QUEUE_FRAMES = 64
+#: The peer's requests this side holds at once (running, or answered and not yet written); at
+#: this many the connection reads nothing more until one answer is written. Far above what an
+#: agent runs at once (a relayed call per tool call in flight), it bounds what the answers may
+#: hold in the queue.
+DEFAULT_MAX_REQUESTS_IN_FLIGHT = 256
 #: Seconds from connecting to a completed handshake.
 HELLO_TIMEOUT = 10.0
 
@@ -78,7 +94,11 @@ class PeerLimits:
     write_timeout: float = DEFAULT_WRITE_TIMEOUT
     """Seconds one ``send_all`` may take; then the connection is closed."""
     queue_frames: int = DEFAULT_QUEUE_FRAMES
-    """Outgoing frames that may wait; a ``notify`` that finds the queue full closes the connection."""
+    """Notifications and requests of ours that may wait to be written; a ``notify`` that finds
+    them full closes the connection (answers to the peer are bounded by ``max_requests_in_flight``)."""
+    max_requests_in_flight: int = DEFAULT_MAX_REQUESTS_IN_FLIGHT
+    """The peer's requests held at once, from being read until their answer is written; at this
+    many, nothing more is read (backpressure, never a disconnect)."""
     hello_timeout: float = HELLO_TIMEOUT
     """Server: seconds to receive ``hello``. Client: seconds to get its answer."""
     read_idle_timeout: float | None = None
@@ -105,10 +125,49 @@ class _Waiter:
     error: RelayError | None = None
 
 
+class _Room:
+    """Bounded places for frames of one kind: taken when queued, given back when done with.
+
+    A closed connection wakes whoever waits for room (:meth:`wake_all`), who then sees it closed.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.used = 0
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def try_take(self) -> bool:
+        """Take a place if one is free."""
+        if self.used >= self.size:
+            return False
+        self.used += 1
+        return True
+
+    async def take(self, closed: Callable[[], bool]) -> bool:
+        """Wait for a place (no checkpoint when one is free); False (nothing taken) once
+        ``closed()`` says the connection ended."""
+        while not closed():
+            if self.try_take():
+                return True
+            await self._lot.park()
+        return False
+
+    def give(self) -> None:
+        """A frame was written (or dropped): its place is free again."""
+        self.used -= 1
+        self._lot.unpark()
+
+    def wake_all(self) -> None:
+        """Wake every waiter (the connection ended)."""
+        self._lot.unpark_all()
+
+
 @attrs.frozen
 class _Outgoing:
     data: bytes
     on_written: Callable[[], None] | None = None
+    room: _Room | None = None
+    """Given back as soon as the writer takes the frame (a place in ``queue_frames``)."""
 
 
 _CLOSE = object()  # queue marker: everything before it is written, then the connection ends
@@ -123,12 +182,13 @@ class RelayPeer:
     been written (or dropped with the connection).
 
     Owns: the stream (closed, forcefully, when :meth:`serve` returns) and, inside
-    :meth:`serve`, the only writer task, draining a queue of ``limits.queue_frames``, and
-    one task per inbound request. Needs: :meth:`serve` running (``nursery.start``) for
-    anything to be written or read. Raises: :meth:`request`, :meth:`notify` and
-    :meth:`send_notification` raise only ``RelayError``; a write past
-    ``limits.write_timeout``, or a :meth:`notify` that finds the queue full, closes the
-    connection, and every waiting request fails with ``PEER_DISCONNECTED``.
+    :meth:`serve`, the only writer task, draining the outgoing queue (``limits.queue_frames``
+    places for what we push, one per request in flight for the answers), and one task per
+    inbound request. Needs: :meth:`serve` running (``nursery.start``) for anything to be
+    written or read. Raises: :meth:`request`, :meth:`notify` and :meth:`send_notification`
+    raise only ``RelayError``; a write past ``limits.write_timeout``, or a :meth:`notify`
+    that finds no place, closes the connection, and every waiting request fails with
+    ``PEER_DISCONNECTED``. A burst of answers never does.
     """
 
     def __init__(
@@ -147,7 +207,11 @@ class RelayPeer:
         self.limits = limits
         self._on_started = on_request_started
         self._on_finished = on_request_finished
-        self._send, self._receive = trio.open_memory_channel[Any](limits.queue_frames)
+        # Unbounded as a channel: what may wait in it is bounded by the two rooms (and by our
+        # own requests in flight, one `cancel` each at most).
+        self._send, self._receive = trio.open_memory_channel[Any](math.inf)
+        self._pushed = _Room(limits.queue_frames)
+        self._answers = _Room(limits.max_requests_in_flight)
         self._waiters: dict[Any, _Waiter] = {}
         self._in_flight: dict[Any, trio.CancelScope] = {}
         self._scope: trio.CancelScope | None = None
@@ -217,15 +281,21 @@ class RelayPeer:
             log.warning("%r: closing: %s", self.name, reason)
             self._close_reason = reason
         self._fail_waiters(reason)
+        self._wake_room_waiters()
         if self._scope is not None:
             self._scope.cancel()
+
+    def _wake_room_waiters(self) -> None:
+        self._pushed.wake_all()
+        self._answers.wake_all()
 
     def _finish(self, reason: str) -> None:
         if self._close_reason is None:
             self._close_reason = reason
         self._fail_waiters(self._close_reason)
+        self._wake_room_waiters()
         self._drop_queued()
-        self._receive.close()  # senders waiting for room get BrokenResourceError
+        self._receive.close()  # a frame queued from now on is dropped at once (`_put`)
         self._send.close()
         self.closed.set()
 
@@ -243,6 +313,8 @@ class RelayPeer:
             async for item in self._receive:
                 if item is _CLOSE:
                     return
+                if item.room is not None:
+                    item.room.give()
                 try:
                     with trio.fail_after(self.limits.write_timeout):
                         await self._stream.send_all(item.data)
@@ -266,34 +338,48 @@ class RelayPeer:
                 item = self._receive.receive_nowait()
             except (trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
                 return
-            if item is not _CLOSE and item.on_written is not None:
-                item.on_written()
+            if item is not _CLOSE:
+                self._dropped(item)
 
-    def _enqueue_nowait(self, data: bytes, on_written: Callable[[], None] | None = None) -> bool:
-        """Queue a frame without waiting; a full queue means the peer stalled: close."""
-        if self._close_reason is not None:
-            if on_written is not None:
-                on_written()
-            return False
-        try:
-            self._send.send_nowait(_Outgoing(data, on_written))
-            return True
-        except trio.WouldBlock:
-            self.close(f"{self.limits.queue_frames} frames are waiting to be written (the peer is not reading)")
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        if on_written is not None:
-            on_written()
+    @staticmethod
+    def _dropped(item: _Outgoing) -> None:
+        """A frame that will never be written still gives its place back and counts as finished."""
+        if item.room is not None:
+            item.room.give()
+        if item.on_written is not None:
+            item.on_written()
+
+    def _put(self, item: _Outgoing) -> bool:
+        """Queue a frame whose place is already accounted for; False (and dropped) once closed."""
+        if self._close_reason is None:
+            try:
+                self._send.send_nowait(item)  # never WouldBlock: the rooms bound the queue
+                return True
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        self._dropped(item)
         return False
 
-    async def _enqueue(self, data: bytes) -> None:
-        """Queue a frame, waiting for room (bounded: the writer drains under its deadline)."""
+    def _push_nowait(self, data: bytes) -> bool:
+        """Queue a frame of our own without waiting; no place left means the peer stalled: close."""
         if self._close_reason is not None:
+            return False
+        if not self._pushed.try_take():
+            self.close(f"{self.limits.queue_frames} frames are waiting to be written (the peer is not reading)")
+            return False
+        return self._put(_Outgoing(data, room=self._pushed))
+
+    async def _push(self, data: bytes) -> None:
+        """Queue a frame of our own, waiting for a place (bounded: the writer drains under its deadline)."""
+        await trio.lowlevel.checkpoint()
+        if self._close_reason is not None or not await self._pushed.take(lambda: self._close_reason is not None):
             raise self._disconnected()
-        try:
-            await self._send.send(_Outgoing(data))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise self._disconnected() from None
+        if not self._put(_Outgoing(data, room=self._pushed)):
+            raise self._disconnected()
+
+    def _answer(self, data: bytes, on_written: Callable[[], None] | None) -> None:
+        """Queue the answer to one of the peer's requests: its place was taken when the request was read."""
+        self._put(_Outgoing(data, on_written))
 
     def _disconnected(self) -> RelayError:
         return RelayError(PEER_DISCONNECTED, self._close_reason or "the connection ended")
@@ -315,7 +401,7 @@ class RelayPeer:
         sent = False
         try:
             with trio.fail_after(timeout):
-                await self._enqueue(data)
+                await self._push(data)
                 sent = True
                 await waiter.done.wait()
         except trio.TooSlowError:
@@ -332,12 +418,16 @@ class RelayPeer:
         return waiter.result
 
     def _cancel_outbound(self, request_id: Any, sent: bool) -> None:
-        """Tell the peer we stopped waiting; only enqueues, so it is bounded and needs no shield."""
+        """Tell the peer we stopped waiting; only enqueues, so it is bounded and needs no shield.
+
+        Outside ``queue_frames``: at most one ``cancel`` per request of ours in flight, so a
+        hundred requests timing out together never make this side close its own connection.
+        """
         if not sent or self._close_reason is not None:
             return
         data = self._core.send_cancel(request_id)
         if data is not None:
-            self._enqueue_nowait(data)
+            self._put(_Outgoing(data))
 
     def notify(self, method: str, params: Any = None) -> None:
         """Queue a notification; never waits. A full queue closes the connection as stalled.
@@ -346,14 +436,25 @@ class RelayPeer:
         """
         if self._close_reason is not None:
             raise self._disconnected()
-        if not self._enqueue_nowait(self._core.send_notification(method, params)):
+        if not self._push_nowait(self._core.send_notification(method, params)):
+            raise self._disconnected()
+
+    def notify_encoded(self, note: EncodedNotification) -> None:
+        """Queue a notification encoded once for many connections (:func:`~protocol.core.encode_notification`):
+        the same bytes go to each, checked against this connection's role and frame limit.
+
+        Raises like :meth:`notify`, and :class:`FrameTooLarge` for a frame over this connection's limit.
+        """
+        if self._close_reason is not None:
+            raise self._disconnected()
+        if not self._push_nowait(self._core.send_encoded(note)):
             raise self._disconnected()
 
     async def send_notification(self, method: str, params: Any = None) -> None:
         """Queue a notification, waiting for room: for this connection's own producers (a
         guest's message delivery, the configuration before the hello answer) - never for
         pushes from one connection's work to another. Raises like :meth:`notify`."""
-        await self._enqueue(self._core.send_notification(method, params))
+        await self._push(self._core.send_notification(method, params))
 
     # -- inbound ------------------------------------------------------------------------------
 
@@ -402,6 +503,8 @@ class RelayPeer:
                     self.opened.set()
             elif isinstance(event, RequestReceived):
                 if self._core.handshake_complete:
+                    if not await self._room_for_answer():
+                        return False
                     scope = trio.CancelScope()
                     self._in_flight[event.id] = scope
                     nursery.start_soon(self._serve_request, event, scope, handlers, unknown_method)
@@ -413,9 +516,18 @@ class RelayPeer:
             elif isinstance(event, NotificationReceived):
                 await self._on_notification(event, handlers)
             elif isinstance(event, RequestRejected):
-                self._enqueue_nowait(self._core.send_rejection(event))
+                if not await self._room_for_answer():
+                    return False
+                self._answer(self._core.send_rejection(event), self._answers.give)
             elif isinstance(event, NotificationRejected):
                 log.warning("%r: ignoring notification %s: %s", self.name, event.method, event.error.message)
+
+    async def _room_for_answer(self) -> bool:
+        """Take the place of one more request's answer; at ``max_requests_in_flight`` read
+        nothing until an answer is written (False: the connection ended meanwhile)."""
+        if self._answers.used >= self._answers.size:
+            log.debug("%r: %d requests in flight; reading waits for an answer to be written", self.name, self._answers.used)
+        return await self._answers.take(lambda: self._close_reason is not None)
 
     def _close_after_flush(self, reason: str) -> bool:
         """Stop taking new frames; True if the writer will write what is queued, then stop."""
@@ -424,14 +536,14 @@ class RelayPeer:
         self._close_reason = reason
         try:
             self._send.send_nowait(_CLOSE)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            return False  # no room even for the marker: the peer is not reading anyway
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
         return True
 
     def _protocol_error(self, err: RemoteProtocolError) -> bool:
         """Answer a protocol break with one error object, then close (after flushing)."""
         log.warning("%r: protocol error, closing: %s", self.name, err.message)
-        if not self._enqueue_nowait(self._core.send_protocol_error(err)):
+        if not self._put(_Outgoing(self._core.send_protocol_error(err))):
             return False
         return self._close_after_flush(f"protocol error: {err.message}")
 
@@ -485,6 +597,12 @@ class RelayPeer:
     ) -> None:
         if self._on_started is not None:
             self._on_started()
+
+        def finished() -> None:  # its answer was written or dropped: the place is free again
+            self._answers.give()
+            if self._on_finished is not None:
+                self._on_finished()
+
         answered = False
         try:
             result: Any = None
@@ -496,11 +614,11 @@ class RelayPeer:
             # Answered outside the request's scope: a `cancel` that crosses the answer does not
             # cut it (and only the writer task writes, under its own deadline).
             answered = True
-            self._respond(event.id, result, error, self._on_finished)
+            self._respond(event.id, result, error, finished)
         finally:
             self._in_flight.pop(event.id, None)
-            if not answered and self._on_finished is not None:
-                self._on_finished()
+            if not answered:
+                finished()
 
     def _respond(
         self, request_id: Any, result: Any, error: RelayError | None, on_written: Callable[[], None] | None = None
@@ -522,7 +640,7 @@ class RelayPeer:
             if on_written is not None:
                 on_written()
             return
-        self._enqueue_nowait(data, on_written)
+        self._answer(data, on_written)
 
     async def _on_notification(self, event: NotificationReceived, handlers: Mapping[str, HandlerEntry[Any]]) -> None:
         """Notifications run in order, in the read loop: keep their handlers short."""

@@ -8,12 +8,14 @@ same set every run) go to the relay socket over a pool of concurrent raw connect
 bytes, truncated and mis-shaped JSON-RPC, wrong types, deep nesting, lines over the 1 MiB limit,
 slow and half lines, a valid `hello` then garbage, wrong roles and methods, someone else's
 request ids, cancels of unknown ids, acks out of range. A list of hand-made cases makes sure the
-rare ones (deep, oversize, held-open half lines) are surely in the set.
+rare ones (deep, oversize, held-open half lines, bursts of requests refused at once) are surely
+in the set.
 
 Asserted: the server never exits; each bad connection is answered or closed within its deadline
 (a connection that is neither answered nor closed in time fails the test), and a connection
-whose first line is not a valid `hello` always gets an error object before the close; every
-line the server sends is a JSON-RPC object; every healthy call returns its own result, during
+whose first line is not a valid `hello` always gets an error object before the close; a burst
+of requests (more than the 64 queued frames that once held the answers too) gets every answer,
+with the connection open; every line the server sends is a JSON-RPC object; every healthy call returns its own result, during
 the fuzz and after it.
 """
 
@@ -69,7 +71,8 @@ class Case:
     each other, so a case that must see its own answer plays a guest of an instance of its own.
     `pace` seconds between chunks make a slow sender. `expect_error`: an error object must come
     before the close; `expect_code`: that error's code. `deadline`: seconds from connecting to
-    the close.
+    the close. `answers`: a burst, the request ids 1..answers, each of which must be answered
+    before the case ends (it ends when they are, without EOF; the server must not close first).
     """
 
     kind: str
@@ -81,6 +84,7 @@ class Case:
     expect_code: int | None = None
     deadline: float = DEADLINE
     instance: str = INSTANCE
+    answers: int = 0
 
     def describe(self) -> str:
         data = b"".join(self.chunks)
@@ -295,7 +299,23 @@ def explicit_cases(token: str) -> list[Case]:
                                ("user_message", {}), ("caller_tools_config", {}), ("no_such_method", {})):
             out.append(Case("role-method", phase, (encode({"jsonrpc": "2.0", "id": 11, "method": method, "params": params}) + b"\n",),
                             instance=instance))
+    # Response bursts: more requests than the 64 queued frames (and than the 256 a connection may
+    # hold at once), each refused at once, in one write or in pieces: every one is answered.
+    for phase, instance, method, params in (
+        ("client", INSTANCE, "no_such_method", {}),
+        ("client_session", INSTANCE, "caller_tool", {"tool": "nope", "arguments": {}}),
+        ("client", INSTANCE, "toolset_call", {"name": "nope.nope", "arguments": {}}),
+        ("guest", "lone-burst", "caller_tool", {"tool": "send_notification", "arguments": {}}),
+    ):
+        burst = b"".join(
+            encode({"jsonrpc": "2.0", "id": i, "method": method, "params": params}) + b"\n" for i in range(1, BURST + 1))
+        out.append(Case(f"burst-{method}", phase, (burst,), eof=False, instance=instance, answers=BURST))
+        out.append(Case(f"burst-pieces-{method}", phase, tuple(burst[i:i + 1000] for i in range(0, len(burst), 1000)),
+                        eof=False, instance=f"{instance}-pieces" if phase == "guest" else instance, answers=BURST))
     return out
+
+
+BURST = 300  # requests in one response burst
 
 
 # -- the running server, owned by the test -----------------------------------------------
@@ -423,7 +443,7 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
     received = bytearray()
     closed = False
 
-    async def receive_until_close() -> None:
+    async def receive_until_close(done: trio.CancelScope) -> None:
         nonlocal closed
         while True:
             try:
@@ -434,6 +454,21 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
                 closed = True
                 return
             received.extend(chunk)
+            if case.answers and len(answered()) >= case.answers:
+                done.cancel()  # the burst is answered: the case ends here, the connection open
+
+    def answered() -> list[Any]:
+        """Ids of the responses received so far (notifications have none; a line that is not
+        JSON is reported by the checks at the end)."""
+        ids = []
+        for line in bytes(received).split(b"\n")[:-1]:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict) and "id" in message:
+                ids.append(message["id"])
+        return ids
 
     async def messages_so_far() -> list[dict[str, Any]]:
         out = []
@@ -468,7 +503,7 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
                     return f"valid hello refused: {hello}"
                 del received[: received.rindex(b"\n") + 1]
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(receive_until_close)
+                nursery.start_soon(receive_until_close, nursery.cancel_scope)
 
                 async def send() -> None:
                     try:
@@ -484,6 +519,8 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
                 nursery.start_soon(send)
         if scope.cancelled_caught and not closed:
             return f"neither answered nor closed within {case.deadline:g} s; got {bytes(received)[:300]!r}"
+        if case.answers and closed:
+            return f"closed after {len(answered())} of {case.answers} answers to a burst"
     finally:
         await stream.aclose()
 
@@ -499,6 +536,8 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
             if not (isinstance(error.get("code"), int) and isinstance(error.get("message"), str)):
                 return f"malformed error object: {message!r}"
     errors = [m for m in answers if "error" in m]
+    if case.answers and sorted(answered()) != list(range(1, case.answers + 1)):
+        return f"a burst of {case.answers} requests got answers to {sorted(answered())[:20]}…"
     if case.expect_error and not errors:
         return f"closed without an error object; got {answers!r}"
     if case.expect_code is not None and not any(e["error"]["code"] == case.expect_code for e in errors):
@@ -557,7 +596,7 @@ def test_the_generated_set_is_large_and_varied() -> None:
     assert any(c.pace for c in first) and any(len(c.chunks) > 1 for c in first)
     explicit = explicit_cases("t" * 64)
     kinds = {c.kind.split("-")[0] for c in explicit}
-    assert {"deep256", "oversize", "half", "cancel", "ack", "role"} <= kinds
+    assert {"deep256", "oversize", "half", "cancel", "ack", "role", "burst"} <= kinds
 
 
 async def test_relay_fuzz_keeps_server_and_healthy_session_alive(deployment: Deployment) -> None:

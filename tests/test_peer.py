@@ -5,7 +5,8 @@ streams, and the server end to end with a sandbox that stops reading.
   duplicate and unknown responses; a first message that is not `hello`; the role table.
 - Peer: two peers on `memory_stream_pair()`; a `lockstep_stream_pair()` whose far side never
   reads for the write deadline and the full queue; request deadlines and `cancel`; an
-  inbound `cancel` that cancels exactly one request. `MockClock(autojump_threshold=0)`
+  inbound `cancel` that cancels exactly one request; bursts of answers (timeouts, refusals)
+  that all reach a reading peer, and a peer that reads none of them cut off by the deadline. `MockClock(autojump_threshold=0)`
   makes the deadlines instant.
 - End to end (issue 7): a stalled sandbox connection does not delay another caller's
   `session_message` or `register_toolset`, and is closed after the write deadline.
@@ -344,6 +345,29 @@ def test_core_answers_only_what_was_asked_and_keeps_oversized_answers_answerable
     assert core.inbound == frozenset()
 
 
+def test_core_sends_a_notification_encoded_once_as_it_would_send_it() -> None:
+    """`encode_notification` + `send_encoded`: the same bytes as `send_notification`, with the
+    same checks on each connection (its role, its phase, its frame limit)."""
+    from protocol import encode_notification
+
+    params = {"session_id": "s", "caller_id": "c", "tools": []}
+    note = encode_notification("caller_tools_config", params)
+    client_side = open_server_core("client")
+    assert client_side.send_encoded(note) is note.data  # the very bytes, not a copy
+    assert note.data == client_side.send_notification("caller_tools_config", params)
+    with pytest.raises(LocalProtocolError):  # a guest is not sent a client's configuration
+        open_server_core("guest").send_encoded(note)
+    with pytest.raises(LocalProtocolError):  # nor anything before its hello
+        RelayCore("server").send_encoded(note)
+    client_side.max_frame_bytes = len(note.data) - 2
+    with pytest.raises(FrameTooLarge):
+        client_side.send_encoded(note)
+    with pytest.raises(LocalProtocolError):
+        encode_notification("caller_tool", {})  # a request, not a notification
+    with pytest.raises(LocalProtocolError):
+        encode_notification("caller_tools_config", {"x": float("nan")})
+
+
 def test_core_never_imports_trio() -> None:
     from pathlib import Path
 
@@ -377,6 +401,9 @@ class Server:
             raise ValueError("a bug")
         if call.tool == "refuse":
             raise RelayError(-32004, "no thanks")
+        if call.tool == "late":  # like a caller that never answers: the server's own deadline passes
+            await trio.sleep(10)
+            raise RelayError(TIMEOUT, "the caller did not answer within 10 s")
         if call.tool.startswith("wait"):
             try:
                 await self.release.wait()
@@ -596,6 +623,134 @@ async def test_a_full_queue_closes_the_connection_at_once(mock_clock: trio.testi
             await peer.closed.wait()
         assert trio.current_time() == start
         assert "2 frames are waiting" in (peer.close_reason or "")
+
+
+# -- room for answers: a burst of answers never disconnects a peer that reads ---------------------------
+
+BURST = 120  # more than DEFAULT_QUEUE_FRAMES (64), which once bounded answers too
+
+
+async def test_a_burst_of_answers_reaches_a_reading_peer(mock_clock: trio.testing.MockClock) -> None:
+    """BURST calls whose deadlines pass together on the server: the client gets every -32001,
+    none a "connection closed" (the answers once shared the 64 places of the notifications)."""
+    mock_clock.autojump_threshold = 0
+    async with peers() as (client, server, _):
+        outcomes: list[Any] = []
+
+        async def call() -> None:
+            try:
+                outcomes.append(await client.request("caller_tool", {"tool": "late", "arguments": {}}, timeout=60))
+            except RelayError as err:
+                outcomes.append(err)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(BURST):
+                nursery.start_soon(call)
+        assert len(outcomes) == BURST
+        assert {(o.code, o.message) for o in outcomes} == {(TIMEOUT, "the caller did not answer within 10 s")}
+        assert not server.peer.is_closed and not client.is_closed
+        assert server.peer._answers.used == 0  # every place given back
+        assert await client.request("caller_tool", {"tool": "t", "arguments": {}}, timeout=5) == {"result": {"echo": {}}}
+
+
+async def test_a_burst_of_our_own_timeouts_does_not_close_our_connection(mock_clock: trio.testing.MockClock) -> None:
+    """BURST requests of the client time out together: each sends `cancel`, which is not a
+    stalled queue; the connection stays up and every request reports -32001."""
+    mock_clock.autojump_threshold = 0
+    async with peers() as (client, server, _):
+        codes: list[int] = []
+
+        async def call() -> None:
+            with pytest.raises(RelayError) as info:
+                await client.request("caller_tool", {"tool": "wait", "arguments": {}}, timeout=30)
+            codes.append(info.value.code)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(BURST):
+                nursery.start_soon(call)
+        assert codes == [TIMEOUT] * BURST
+        assert not client.is_closed, client.close_reason
+        with trio.fail_after(60):
+            while len(server.cancelled) < BURST:  # every `cancel` reached the server
+                await trio.sleep(0.01)
+        assert await client.request("caller_tool", {"tool": "t", "arguments": {}}, timeout=5) == {"result": {"echo": {}}}
+
+
+async def test_a_burst_of_refused_requests_in_one_write_gets_every_answer() -> None:
+    """BURST requests of each kind the server refuses at once (an unknown method, a method it does
+    not serve, a tool that fails), all in one write: every one is answered, in order, and the
+    connection goes on."""
+    left, right = trio.testing.memory_stream_pair()
+    server = Server()
+    server.peer = RelayPeer(right, RelayCore("server"), name="server")
+    kinds = [
+        ("nope", {}, METHOD_NOT_FOUND),  # not in the protocol: refused by the core
+        ("toolset_call", {"name": "x", "arguments": {}}, METHOD_NOT_FOUND),  # not served here
+        ("caller_tool", {"tool": "refuse", "arguments": {}}, -32004),  # the handler refuses it
+    ]
+    burst = b"".join(
+        line({"jsonrpc": "2.0", "id": 1 + i * len(kinds) + k, "method": method, "params": params})
+        for i in range(BURST) for k, (method, params, _) in enumerate(kinds)
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.peer.serve, server.handlers())
+        await left.send_all(hello_line() + burst)
+        answers: dict[Any, Any] = {}
+        buffer = b""
+        with trio.fail_after(10):
+            while len(answers) < 1 + BURST * len(kinds):
+                buffer += await left.receive_some()
+                *lines, buffer = buffer.split(b"\n")
+                for raw in lines:
+                    answer = json.loads(raw)
+                    answers[answer["id"]] = answer
+        assert "result" in answers.pop(0)  # the hello
+        for request_id, answer in answers.items():
+            assert answer["error"]["code"] == kinds[(request_id - 1) % len(kinds)][2], answer
+        assert not server.peer.is_closed
+        nursery.cancel_scope.cancel()
+
+
+async def test_requests_in_flight_are_bounded_by_reading_less_not_by_disconnecting() -> None:
+    """At `max_requests_in_flight` the server reads nothing more until an answer is written; the
+    requests beyond it wait, and all are answered."""
+    async with peers(PeerLimits(max_requests_in_flight=4)) as (client, server, _):
+        results: list[Any] = []
+
+        async def call(i: int) -> None:
+            results.append(await client.request("caller_tool", {"tool": f"wait{i}", "arguments": {}}, timeout=30))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(10):
+                nursery.start_soon(call, i)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(server.started) == 4 and server.peer._answers.used == 4
+            server.release.set()
+        assert len(results) == 10 and not server.peer.is_closed
+        assert server.peer._answers.used == 0
+
+
+async def test_a_peer_that_stops_reading_is_still_cut_off_by_the_write_deadline(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """Answers have room, but only while the peer reads: one that sends BURST requests and reads
+    nothing is closed when the first write has waited the write deadline (not earlier, for a full
+    queue; not never)."""
+    mock_clock.autojump_threshold = 0
+    peer, far = await stalled_peer(PeerLimits(write_timeout=7))
+    requests = b"".join(
+        line({"jsonrpc": "2.0", "id": i, "method": "caller_tool", "params": {"tool": "t", "arguments": {}}})
+        for i in range(1, BURST + 1)
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(peer.serve, {})  # serves nothing: each request is answered with an error
+        start = trio.current_time()
+        await far.send_all(requests)
+        with trio.fail_after(60):
+            await peer.closed.wait()
+        assert trio.current_time() - start == pytest.approx(7)
+        assert "did not finish within 7 s" in (peer.close_reason or "")
+    assert peer._answers.used == 0  # answers dropped at the end gave their places back
 
 
 async def test_server_hello_deadline(mock_clock: trio.testing.MockClock) -> None:

@@ -356,3 +356,37 @@ async def test_sigint_also_ends_the_turn(deployment: Deployment, signum: int) ->
             await wait_gone(pidfd, 5)
         finally:
             os.close(pidfd)
+
+
+# -- response bursts: a sandbox that reads gets every answer ---------------------------------
+
+BURST = 120  # more than the 64 frames that once held the answers too
+
+
+async def test_a_burst_of_caller_timeouts_gets_every_answer(deployment: Deployment) -> None:
+    """BURST `caller_tool` calls in one write, none answered by the caller: the real server's caller
+    timeout passes for all of them at about the same moment, and the sandbox (reading) gets BURST
+    answers -32001 on a connection that stays up, not a closed connection (docs/SECURITY.md,
+    "Response bursts")."""
+    async with deployment.caller("--caller-timeout", "1") as (caller, events):
+        result = await caller.call_tool("session_message", {
+            "instance": "box1", "session_id": "s-burst", "message": "hi",
+            "context": {"caller_id": "myapp", "caller_tools": [{"name": "slow", "inputSchema": {"type": "object"}}]},
+        })
+        assert not result.is_error, text_of(result)
+        async with RawRelay.connect(deployment) as relay:
+            assert "result" in await relay.hello("box1", deployment.token("box1"), session="mcp:s-burst")
+            await relay.send_raw(b"".join(
+                json.dumps({"jsonrpc": "2.0", "id": i, "method": "caller_tool",
+                            "params": {"tool": "slow", "arguments": {}}}).encode() + b"\n"
+                for i in range(1, BURST + 1)
+            ))
+            answers: dict[int, Any] = {}
+            while len(answers) < BURST:
+                message = await relay.receive(timeout=30)
+                assert message is not None, f"the server closed the connection after {len(answers)} answers"
+                if "id" in message:
+                    answers[message["id"]] = message
+            assert sorted(answers) == list(range(1, BURST + 1))
+            assert {answer["error"]["code"] for answer in answers.values()} == {-32001}
+            assert (await guest_round_trip(relay, BURST + 1))["error"]["code"] == METHOD_NOT_FOUND  # still up

@@ -18,7 +18,17 @@ from typing import Any
 
 import attrs
 
-from protocol import CallerToolSpec, RelayError, SessionRef, errors, messages, structure, unstructure
+from protocol import (
+    CallerToolSpec,
+    EncodedNotification,
+    RelayError,
+    SessionRef,
+    encode_notification,
+    errors,
+    messages,
+    structure,
+    unstructure,
+)
 from protocol.schema_check import InvalidSchema, compile_schema
 
 from ..approvals import ApprovalService
@@ -64,9 +74,11 @@ class CallerToolRelay:
         tools = [self._with_approval_timeout(tool) for tool in tools]
         session.declare_caller_tools(caller, caller_id, tools)
         config = unstructure(messages.CallerToolsConfig(session_id=session.id, caller_id=caller_id, tools=tools))
+        note: EncodedNotification | None = None  # encoded once (up to 1 MiB), the same bytes to every client
         for connection in self.clients.of_instance(session.instance):
             if self._client_sees(connection, session):
-                connection.notify(messages.CALLER_TOOLS_CONFIG, config)  # queued: never waits on a socket
+                note = note or encode_notification(messages.CALLER_TOOLS_CONFIG, config)
+                connection.notify_encoded(note)  # queued: never waits on a socket
         if self.pending.bus is None:
             return {}
         return {DECLARATION_KEY: {"caller_id": caller_id, "tools": [unstructure(tool) for tool in tools]}}

@@ -12,7 +12,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import trio
 
-from protocol import RelayError, errors, messages
+from protocol import RelayError, encode_notification, errors, messages
 
 from ..approvals import ConnectionApprovals
 from ..client_connections import ClientConnections, ClientPeer, progress_sink
@@ -177,10 +177,10 @@ class ToolsetService:
         await self.sessions.refresh(instance)
 
     async def _push(self, router: ToolRouter) -> None:
-        config = toolsets_config(router)
+        note = encode_notification(messages.TOOLSETS_CONFIG, toolsets_config(router))  # once for every client
         for connection in self.clients:
             if connection.router is router:
-                connection.notify(messages.TOOLSETS_CONFIG, config)  # queued: never waits on a socket
+                connection.notify_encoded(note)  # queued: never waits on a socket
 
     # -- connections ---------------------------------------------------------------------
 
