@@ -71,7 +71,8 @@ class Case:
     each other, so a case that must see its own answer plays a guest of an instance of its own.
     `pace` seconds between chunks make a slow sender. `expect_error`: an error object must come
     before the close; `expect_code`: that error's code. `deadline`: seconds from connecting to
-    the close.
+    the close. `await_reply`: EOF only once a reply came (a peer's EOF ends its connection and
+    the requests still in flight, so a request-level refusal is seen only by a peer that waits).
     """
 
     kind: str
@@ -83,6 +84,7 @@ class Case:
     expect_code: int | None = None
     deadline: float = DEADLINE
     instance: str = INSTANCE
+    await_reply: bool = False
 
     def describe(self) -> str:
         data = b"".join(self.chunks)
@@ -302,7 +304,7 @@ def explicit_cases(token: str) -> list[Case]:
     for i, (type_, payload) in enumerate(owned):
         out.append(Case(f"server-owned-{type_}", "guest", (encode({"jsonrpc": "2.0", "id": 12, "method": "append_frame", "params": {
             "session": {"channel": "mcp", "id": SESSION}, "type": type_, "payload": payload}}) + b"\n",),
-            expect_error=True, expect_code=-32602, instance=f"lone-owned-{i}"))
+            expect_error=True, expect_code=-32602, instance=f"lone-owned-{i}", await_reply=True))
     for phase, instance in (("client", INSTANCE), ("client_session", INSTANCE), ("guest", INSTANCE), ("client", OTHER_INSTANCE)):
         for method, params in (("append_frame", {"session": {"channel": "mcp", "id": SESSION}, "type": "assistant.delta"}),
                                ("caller_tool", {"tool": "send_notification", "arguments": {}}),
@@ -437,6 +439,7 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
         stream = await trio.open_unix_socket(str(deployment.socket))
     received = bytearray()
     closed = False
+    replied = trio.Event()
 
     async def receive_until_close() -> None:
         nonlocal closed
@@ -447,8 +450,11 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
                 chunk = b""
             if not chunk:
                 closed = True
+                replied.set()
                 return
             received.extend(chunk)
+            if b"\n" in received:
+                replied.set()
 
     async def messages_so_far() -> list[dict[str, Any]]:
         out = []
@@ -491,6 +497,8 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
                             if i and case.pace:
                                 await trio.sleep(case.pace)
                             await stream.send_all(chunk)
+                        if case.await_reply:
+                            await replied.wait()
                         if case.eof:
                             await stream.send_eof()
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
