@@ -299,8 +299,8 @@ class CallerTools:
             # The log records who owns the session and what it declared, so the other servers know the
             # same caller and its tools: in a frame only the server appends (server_owned.py), before
             # the message that may start the turn whose client reads it.
-            session.owner_identity = caller.identity
             await self.frame_log.record(session, SESSION_RECORD, {OWNER_KEY: caller.identity, **declared})
+            session.owner_identity = caller.identity  # recorded: a message that declares nothing need not again
         session.sinks.add(caller)
         frame = await self.frame_log.ingress(
             instance, session.channel, session.id, "user.message", {"text": args["message"]},
