@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from protocol.limits import Limits
-
 from protocol import Frame
+from protocol.limits import Limits
 
 from .server_owned import refuse_server_owned
 from .sessions import EventSink, Session, SessionRegistry
