@@ -2,9 +2,12 @@
 
 Every frame of every session goes through `FrameLog.append`, so the durable log
 and the live event sinks (callers, request-scoped streams) never disagree on
-order. `ingress` is the door for frames from outside the sandbox: a
+order. `ingress` is the door for frames from outside the sandbox: it refuses
+what only the server may state (`server_owned.refuse_server_owned`), and a
 `user.message` there also wakes the instance (the wake hook is given, not
-imported, so this module depends on the store and sessions only).
+imported, so this module depends on the store and sessions only). `record`
+stores a server's own record that other servers read back from the log and that
+is no event of the conversation (`session_record`), pushed to nobody.
 
 `append` is also the last line of the limits (protocol/limits.py): a frame whose
 delivery line could not be read by a guest, a client or a caller is refused
@@ -16,11 +19,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from protocol import Frame
 from protocol.limits import Limits
 
+from .server_owned import refuse_server_owned
 from .sessions import EventSink, Session, SessionRegistry
-from protocol import Frame
-
 from .store_api import FrameStoreAPI
 
 
@@ -29,7 +32,8 @@ class FrameLog:
 
     Needs: the frame store and the session registry; `on_user_message(instance)` is called
     after a `user.message` arrives through `ingress` (the wake service); the server's limits.
-    Raises: `LimitExceeded` for a frame that could never be delivered (nothing is stored), and
+    Raises: `LimitExceeded` for a frame that could never be delivered (nothing is stored),
+    `RelayError(INVALID_PARAMS)` for a server-owned type or payload key at `ingress`, and
     whatever the store raises for a frame it refuses (`ValueError`, `TypeError`).
     """
 
@@ -72,6 +76,17 @@ class FrameLog:
                     sink.push(event)
         return frame
 
+    async def record(self, session: Session, type: str, payload: dict[str, Any]) -> Frame:
+        """Store a server's own record of `session` (a `session_record`, server_owned.py) and push it
+        to nobody: other servers read it back from the log; it is no event of the conversation."""
+        self.limits.check_frame(
+            payload, instance=session.instance, channel=session.channel, session_id=session.id,
+            type=type, msg_id=None, reply_to=None,
+        )
+        return await self.store.append(
+            session.instance, channel=session.channel, session_id=session.id, type=type, payload=payload,
+        )
+
     async def append_outcome(
         self,
         session: Session,
@@ -108,7 +123,12 @@ class FrameLog:
         msg_id: str | None = None,
         reply_to: str | None = None,
     ) -> Frame:
-        """Append a frame from outside the sandbox; a `user.message` wakes the instance."""
+        """Append a frame from outside the sandbox; a `user.message` wakes the instance.
+
+        Raises: `RelayError(INVALID_PARAMS)` for a type or payload key only the server writes
+        (`refuse_server_owned`: nothing is stored), and what `append` raises.
+        """
+        refuse_server_owned(type, payload)
         session = self.sessions.get_or_create(instance, channel, session_id)
         frame = await self.append(session, type, payload, msg_id=msg_id, reply_to=reply_to)
         if type == "user.message":

@@ -53,7 +53,7 @@ class Session:
     caller_tools: dict[str, CallerToolSpec] = attrs.field(factory=dict)
     owner: CallerConnection | None = None
     #: Shared store only: the owner's `CallerConnection.identity`, as recorded in the session's
-    #: `user.message` frames, so every server can tell the same caller (None with SQLite).
+    #: `session_record` frames (server_owned.py), so every server can tell the same caller (None with SQLite).
     owner_identity: str | None = None
     declared_at: int = 0
     sinks: set[EventSink] = attrs.field(factory=set)

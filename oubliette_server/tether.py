@@ -27,10 +27,6 @@ EGRESS_TYPES = tuple(t for t in FRAME_TYPES if t != "user.message")
 """What tether_read returns by default: the agent's side of the conversation, not the host's own messages."""
 MAX_WAIT_MS = 30_000
 STREAM_BATCH = 200
-SERVER_OWNED_TYPES = frozenset({
-    "caller_tool_request", "caller_tool_result", "caller_tool_cancelled", "approval_request", "approval_resolved",
-})
-"""Frame types only the server appends; ingress refuses them."""
 
 _ingress_validator = strict_validator(INGRESS_SCHEMA)  # `$` anchors as in ECMA-262: no trailing newline
 
@@ -77,15 +73,14 @@ class Tether:
         return {"msg_id": frame.msg_id, "session_id": session_id, "ingress_seq": frame.seq}
 
     async def ingest(self, instance: str, body: Any) -> Frame:
-        """HTTP ingress: validate a frame a program outside the sandbox posts, and append it."""
+        """HTTP ingress: validate a frame a program outside the sandbox posts, and append it (`FrameLog.ingress`
+        refuses the types and payload keys only the server writes: server_owned.py)."""
         instance = await self.instances.require_known(instance)
         if isinstance(body, dict) and "payload" in body:
             self.limits.check_value(body["payload"], "payload")
         problem = first_problem(_ingress_validator, body, "invalid frame")
         if problem is not None:
             raise RelayError(errors.INVALID_PARAMS, problem)
-        if body["type"] in SERVER_OWNED_TYPES:
-            raise RelayError(errors.INVALID_PARAMS, f"frames of type {body['type']!r} are made by the server only")
         return await self.frame_log.ingress(
             instance, body["session"]["channel"], body["session"]["id"], body["type"],
             body.get("payload", {}), msg_id=body.get("msg_id"), reply_to=body.get("reply_to"),

@@ -37,6 +37,8 @@ from mcp import Client
 from mcp.shared.message import SessionMessage
 
 from harness import EVENT_TIMEOUT, PYTHON, Deployment, EventLog, structured, text_of
+from oubliette_server.server_owned import SERVER_OWNED_KEYS, SERVER_OWNED_TYPES, SESSION_RECORD
+from oubliette_server.store import MAX_LIMIT, FrameQuery, FrameStore
 
 INSTANCE = "box1"
 OTHER_INSTANCE = "box2"
@@ -73,6 +75,8 @@ class Case:
     before the close; `expect_code`: that error's code. `deadline`: seconds from connecting to
     the close. `answers`: a burst, the request ids 1..answers, each of which must be answered
     before the case ends (it ends when they are, without EOF; the server must not close first).
+    `await_reply`: EOF only once a reply came (a peer's EOF ends its connection and the requests
+    still in flight, so a request-level refusal is seen only by a peer that waits).
     """
 
     kind: str
@@ -85,6 +89,7 @@ class Case:
     deadline: float = DEADLINE
     instance: str = INSTANCE
     answers: int = 0
+    await_reply: bool = False
 
     def describe(self) -> str:
         data = b"".join(self.chunks)
@@ -110,10 +115,12 @@ GOOD_FIELD_VALUES: dict[str, list[Any]] = {
     "instance": [INSTANCE, OTHER_INSTANCE, "boxA\n", "", "a" * 65], "token": ["0" * 64, "tøken", "\ud800"],
     "session": [SESSION_KEY, "", ":", "mcp:", "a@b", "\ud800", {"channel": "mcp", "id": SESSION}],
     "tool": ["send_notification", "nope", ""], "name": ["ext.echo", "nope"],
-    "type": ["assistant.delta", "user.message", "caller_tool_result", "session.error", "x"],
+    "type": ["assistant.delta", "user.message", "caller_tool_result", "session.error", "x", "session_record",
+             "approval_resolved"],
     "seq": [0, 1, -1, 2**63, 2**70, 1.5], "id": [0, 1, 2, 7, 2**63, -1, "1"],
     "caller_id": ["myapp", "someone_else", ""], "arguments": [{}, {"message": "fuzz"}],
-    "payload": [{}, {"text": "fuzz"}], "reply_to": ["m-1", ""],
+    "payload": [{}, {"text": "fuzz"}, {"text": "fuzz", "caller_tools": {"caller_id": "myapp", "tools": []}},
+                {"text": "fuzz", "owner": "key:fuzz"}], "reply_to": ["m-1", ""],
 }
 TEXT_ALPHABET = "ab:_.-@ \n\t\"\\{}[]é€\u0000\u0001\u2028\ud800\U0001F600"
 
@@ -292,6 +299,17 @@ def explicit_cases(token: str) -> list[Case]:
         out.append(Case("cancel-unknown", "client", (notification("cancel", {"id": value}),)))
         out.append(Case("ack-out-of-range", "guest", (notification("ack", {"seq": value}),)))
         out.append(Case("ack-from-client", "client", (notification("ack", {"seq": value}),)))
+    # What only the server states (oubliette_server/server_owned.py): each type, and each record key in
+    # an otherwise ordinary frame, refused with -32602 (a guest of an instance of its own, so that
+    # it surely sees its answer).
+    owned: list[tuple[str, dict[str, Any]]] = [(t, {}) for t in sorted(SERVER_OWNED_TYPES)]
+    owned += [(t, {"text": "rm", key: value}) for t in ("assistant.done", "assistant.delta", "status.presence")
+              for key, value in (("caller_tools", {"caller_id": "myapp", "tools": [{"name": "rm", "requires_approval": False}]}),
+                                 ("owner", "key:" + "0" * 32))]
+    for i, (type_, payload) in enumerate(owned):
+        out.append(Case(f"server-owned-{type_}", "guest", (encode({"jsonrpc": "2.0", "id": 12, "method": "append_frame", "params": {
+            "session": {"channel": "mcp", "id": SESSION}, "type": type_, "payload": payload}}) + b"\n",),
+            expect_error=True, expect_code=-32602, instance=f"lone-owned-{i}", await_reply=True))
     for phase, instance in (("client", INSTANCE), ("client_session", INSTANCE), ("guest", INSTANCE), ("client", OTHER_INSTANCE)):
         for method, params in (("append_frame", {"session": {"channel": "mcp", "id": SESSION}, "type": "assistant.delta"}),
                                ("caller_tool", {"tool": "send_notification", "arguments": {}}),
@@ -442,6 +460,7 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
         stream = await trio.open_unix_socket(str(deployment.socket))
     received = bytearray()
     closed = False
+    replied = trio.Event()
 
     async def receive_until_close(done: trio.CancelScope) -> None:
         nonlocal closed
@@ -452,8 +471,11 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
                 chunk = b""
             if not chunk:
                 closed = True
+                replied.set()
                 return
             received.extend(chunk)
+            if b"\n" in received:
+                replied.set()
             if case.answers and len(answered()) >= case.answers:
                 done.cancel()  # the burst is answered: the case ends here, the connection open
 
@@ -511,6 +533,8 @@ async def run_case(case: Case, deployment: Deployment, token_for: Callable[[str]
                             if i and case.pace:
                                 await trio.sleep(case.pace)
                             await stream.send_all(chunk)
+                        if case.await_reply:
+                            await replied.wait()
                         if case.eof:
                             await stream.send_eof()
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -596,7 +620,7 @@ def test_the_generated_set_is_large_and_varied() -> None:
     assert any(c.pace for c in first) and any(len(c.chunks) > 1 for c in first)
     explicit = explicit_cases("t" * 64)
     kinds = {c.kind.split("-")[0] for c in explicit}
-    assert {"deep256", "oversize", "half", "cancel", "ack", "role", "burst"} <= kinds
+    assert {"deep256", "oversize", "half", "cancel", "ack", "role", "burst", "server"} <= kinds
 
 
 async def test_relay_fuzz_keeps_server_and_healthy_session_alive(deployment: Deployment) -> None:
@@ -612,10 +636,28 @@ async def test_relay_fuzz_keeps_server_and_healthy_session_alive(deployment: Dep
         await fuzz_against_a_healthy_session(deployment, token_for, all_cases, failures, replaced, healthy_calls)
 
     assert not failures, f"{len(failures)} of {len(all_cases)} bad connections misbehaved:\n" + "\n".join(failures[:40])
+    assert await server_owned_in_log(deployment) == []
     assert healthy_calls["during"] >= 10, healthy_calls  # the session was used throughout, not just before and after
     # Concurrent guests of one instance replace each other; most must still have been played.
     guests = sum(1 for c in all_cases if c.phase == "guest")
     assert len(replaced) < guests / 2, f"{len(replaced)} of {guests} guest cases were replaced before playing"
+
+
+async def server_owned_in_log(deployment: Deployment) -> list[str]:
+    """Frames of the (stopped) server's log that carry a server-owned payload key, or a
+    `session_record` (this one-server run writes none): none of the fuzz's may have got in."""
+    store = FrameStore(deployment.data_dir / "frames.sqlite3")
+    found: list[str] = []
+    try:
+        for instance in await store.instances():
+            after = 0
+            while page := await store.query(instance, FrameQuery(after_seq=after, limit=MAX_LIMIT)):
+                after = page[-1].seq
+                found += [f"{instance} #{f.seq} {f.type} {f.payload!r:.120}" for f in page
+                          if f.type == SESSION_RECORD or SERVER_OWNED_KEYS.intersection(f.payload)]
+    finally:
+        store.close()
+    return found
 
 
 class Progress:

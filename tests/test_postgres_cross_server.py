@@ -2,7 +2,7 @@
 
 The caller (MCP over HTTP) talks only to server A; the guest runtime and the agent's
 oubliette-client talk only to server B. Nothing passes between A and B but the log: the
-declaration rides in the `user.message`, B appends the `caller_tool_request` and waits for its
+declaration is in A's `session_record` frame, B appends the `caller_tool_request` and waits for its
 outcome frame, A lists the request as pending and stores the answer with `append_outcome`,
 which lets exactly one outcome win across servers. Everything is a real program (the servers,
 the guest runtime, tests/loop_agent.py) and a real PostgreSQL (tests/postgres.py).

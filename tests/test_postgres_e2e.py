@@ -40,7 +40,7 @@ async def test_a_relayed_call_with_the_log_in_postgres(pg_deployment: Deployment
     async with store.running():
         frames = await store.query(INSTANCE, FrameQuery(session_id="s7", limit=200))
         types = [f.type for f in frames]
-        assert types[0] == "user.message"
+        assert types[:2] == ["session_record", "user.message"]  # the server's record of owner and tools, then the message
         assert {"caller_tool_request", "caller_tool_result", "assistant.done"} <= set(types)
         assert [f.seq for f in frames] == sorted(f.seq for f in frames)
         last = await store.last_seq(INSTANCE)
@@ -49,7 +49,7 @@ async def test_a_relayed_call_with_the_log_in_postgres(pg_deployment: Deployment
     async with pg_deployment.caller(events=False) as (client, _):
         sent = await client.call_tool("session_message", {"message": script(), "instance": INSTANCE, "session_id": "s8"})
         assert not sent.is_error, sent
-        assert sent.structured_content["ingress_seq"] == last + 1
+        assert sent.structured_content["ingress_seq"] == last + 2  # the new session's session_record is last + 1
 
 
 async def test_an_unreachable_database_is_one_line_and_status_1(pg_deployment: Deployment) -> None:

@@ -26,11 +26,11 @@ from protocol.schema_check import first_problem
 
 from ..approvals import ApprovalElicitation, ApprovalService, Decision, InputRequired
 from ..caller_tool_relay import CallerToolRelay, NoLongerPending
-from ..caller_tool_relay.bus import OWNER_KEY
 from ..callers import CallerConnection, RequestScopedSink
 from ..frame_log import FrameLog
 from ..ids import channel_problem, strict_validator
 from ..instances import InstanceDirectory
+from ..server_owned import OWNER_KEY, SESSION_RECORD, refuse_server_owned
 from ..sessions import Session, SessionRegistry, new_session_id, not_yours
 from ..store_api import CursorPruned, FrameQuery, FrameStoreAPI
 from ..tether import EGRESS_TYPES, TETHER_CHANNEL, Tether, check_session_id
@@ -295,13 +295,15 @@ class CallerTools:
             session.echo_own_answers = bool(context.get("echo_own_answers", False))
         else:
             declared = {}
-        if self.store.shared:
-            # The log records who owns the session, so the other servers know the same caller.
-            session.owner_identity = caller.identity
-            declared = {**declared, OWNER_KEY: caller.identity}
+        if self.store.shared and (declared or session.owner_identity != caller.identity):
+            # The log records who owns the session and what it declared, so the other servers know the
+            # same caller and its tools: in a frame only the server appends (server_owned.py), before
+            # the message that may start the turn whose client reads it.
+            await self.frame_log.record(session, SESSION_RECORD, {OWNER_KEY: caller.identity, **declared})
+            session.owner_identity = caller.identity  # recorded: a message that declares nothing need not again
         session.sinks.add(caller)
         frame = await self.frame_log.ingress(
-            instance, session.channel, session.id, "user.message", {"text": args["message"], **declared},
+            instance, session.channel, session.id, "user.message", {"text": args["message"]},
         )
         result: dict[str, Any] = {
             "session_id": session.id, "instance": instance, "msg_id": frame.msg_id, "ingress_seq": frame.seq,
@@ -669,7 +671,12 @@ class CallerTools:
     # -- tether (seed 004) ---------------------------------------------------------------
 
     async def tether_send(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
-        """Seed 004's `tether_send`: ingress a `user.message` on the tether channel (see `Tether.send`)."""
+        """Seed 004's `tether_send`: ingress a `user.message` on the tether channel (see `Tether.send`).
+
+        Its schema is the seed's, open to other arguments (ignored); a key only the server writes
+        is refused as at every door (server_owned.py), so nobody takes it for stored.
+        """
+        refuse_server_owned(None, args, "argument")
         return await self.tether.send(args["instance"], args["text"], args.get("session_id"))
 
     async def tether_read(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:

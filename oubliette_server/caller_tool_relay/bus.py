@@ -3,9 +3,11 @@
 With a shared store (PostgreSQL) the caller that declared a session's tools may be on one
 server and the agent's client on another. Nothing passes between the servers but the log:
 
-- a declaration rides in its `user.message` frame (`caller_tools`: `{caller_id, tools}`), so
-  a server with no caller for the session reads the latest one when a client bound to the
-  session connects;
+- the caller's server records the session's owner and each declaration in a `session_record`
+  frame (`{owner, caller_tools?: {caller_id, tools}}`), a type only the server appends
+  (server_owned.py: no door accepts it, nor those keys in any payload), so a server with no
+  caller for the session reads them when a client bound to the session connects. Nothing else
+  in the log is taken for them: a `user.message` is what a sender wrote, not a fact;
 - the agent's server appends `caller_tool_request` (with `expires_at`) and waits for the
   request's outcome frame in the log, woken across servers by LISTEN;
 - the caller's server learns of the request from the log and answers it with
@@ -20,6 +22,7 @@ from typing import Any, Awaitable, Callable
 
 from protocol import Frame
 
+from ..server_owned import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
 from ..sessions import Session
 from ..store_api import MAX_LIMIT, CursorPruned, FrameQuery, FrameStoreAPI
 
@@ -28,10 +31,6 @@ OUTCOME_TYPES = ("caller_tool_result", "caller_tool_cancelled")
 REQUEST_TYPES = (REQUEST, *OUTCOME_TYPES)
 #: A caller's progress report on another server's request; the agent's server forwards it.
 PROGRESS = "caller_tool_progress"
-#: The key of a declaration in its `user.message` payload.
-DECLARATION_KEY = "caller_tools"
-#: The key of the session owner's identity (`CallerConnection.identity`) in its `user.message` payload.
-OWNER_KEY = "owner"
 #: How long one long poll on the log lasts before it is simply asked again (no deadline: the
 #: waits that need one are bounded by their caller's own cancel scope).
 WAIT_SLICE = 3600.0
@@ -108,21 +107,22 @@ class LogBus:
                     on_progress(frame.payload)
 
     async def latest_declaration(self, session: Session) -> dict[str, Any] | None:
-        """The session's last declaration (`{caller_id, tools}`), read from its `user.message` frames."""
+        """The session's last declaration (`{caller_id, tools}`), read from its `session_record` frames."""
         return (await self.session_record(session))[1]
 
     async def recorded_owner(self, session: Session) -> str | None:
-        """The identity of the session's owner, as its first `user.message` recorded it (None if none did)."""
+        """The identity of the session's owner, as its first `session_record` recorded it (None if none did)."""
         return (await self.session_record(session))[0]
 
     async def session_record(self, session: Session) -> tuple[str | None, dict[str, Any] | None]:
-        """`(owner identity, last declaration)` of the session, read from its `user.message` frames.
+        """`(owner identity, last declaration)` of the session, read from its `session_record` frames.
 
-        The owner is the one the session was opened by, so the first recorded one counts.
+        Only the server appends that type (server_owned.py), so only what a server recorded is
+        read; the owner is the one the session was opened by, so the first recorded one counts.
         """
         owner: str | None = None
         latest = None
-        for frame in await self.frames(session, ("user.message",), 0):
+        for frame in await self.frames(session, (SESSION_RECORD,), 0):
             declared = frame.payload.get(DECLARATION_KEY)
             if isinstance(declared, dict):
                 latest = declared

@@ -5,9 +5,10 @@ A caller declares its tools for a session with `session_message`'s
 `caller_tools_config`. A client bound to a session sees that session's tools;
 an unbound one sees, per caller id, the session declared last.
 
-With a shared store the declaration also rides in the session's `user.message` frame
-(`declare` returns it), so another server, where the agent's client connects, reads it from
-the log (`load_declaration`) and relays the calls through the log (bus.py).
+With a shared store the declaration is also recorded in the log, in a `session_record` frame
+only the server appends (`declare` returns its part of the payload; server_owned.py), so
+another server, where the agent's client connects, reads it from the log
+(`load_declaration`) and relays the calls through the log (bus.py).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from protocol.schema_check import InvalidSchema, compile_schema
 from ..approvals import ApprovalService
 from ..callers import CallerConnection
 from ..client_connections import ClientConnections, ClientPeer, progress_sink
+from ..server_owned import DECLARATION_KEY
 from ..sessions import Session, SessionRegistry, _declaration_clock
-from .bus import DECLARATION_KEY
 from .pending import CallerCallRegistry
 
 log = logging.getLogger("oubliette.server.caller_tools")
@@ -66,7 +67,7 @@ class CallerToolRelay:
 
         A tool with `requires_approval` is gated (see `call`); the clients get its effective
         approval timeout, so they wait for the decision as long as the server does.
-        Returns what the `user.message` that follows must carry: with a shared store, the
+        Returns what the session's `session_record` must carry: with a shared store, the
         declaration (`caller_tools`: `{caller_id, tools}`) for the other servers; else nothing.
         """
         for tool in tools:

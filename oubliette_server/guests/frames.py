@@ -6,6 +6,7 @@ from typing import Any, Awaitable, Callable
 
 from protocol import RelayError, errors, messages
 
+from ..server_owned import refuse_server_owned
 from ..sessions import Session, SessionRegistry
 from .delivery import GuestDelivery, GuestPeer
 
@@ -16,10 +17,10 @@ Append = Callable[..., Awaitable[Any]]
 
 
 class GuestFrames:
-    """Stores what a guest reports about its turns; refuses the frame types only the server makes.
+    """Stores what a guest reports about its turns; refuses what only the server states (server_owned.py).
 
     Needs: the session registry, the frame log's `append`, and guest delivery (for acks).
-    Raises: `RelayError(INVALID_PARAMS)` for a frame type a guest may not append.
+    Raises: `RelayError(INVALID_PARAMS)` for a frame type or payload key a guest may not append.
     """
 
     def __init__(self, sessions: SessionRegistry, append: Append, delivery: GuestDelivery) -> None:
@@ -30,9 +31,11 @@ class GuestFrames:
     async def append_frame(self, connection: GuestPeer, request: messages.AppendFrame) -> messages.AppendFrameResult:
         """The `append_frame` relay method: store a frame the guest reports about a turn.
 
-        Raises: `RelayError(INVALID_PARAMS)` for a type a guest may not append; the frame log's
-        refusals (limits) as they are.
+        Raises: `RelayError(INVALID_PARAMS)` for a type or payload key only the server writes
+        (`refuse_server_owned`, the rule of every door) or another type a guest may not append,
+        before any turn is touched; the frame log's refusals (limits) as they are.
         """
+        refuse_server_owned(request.type, request.payload)
         if request.type not in GUEST_FRAME_TYPES:
             raise RelayError(
                 errors.INVALID_PARAMS,
