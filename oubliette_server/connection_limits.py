@@ -48,6 +48,9 @@ MIN_FD_RESERVE = 64
 DEFAULT_HTTP_BODY_TIMEOUT = 30.0
 DEFAULT_HTTP_KEEP_ALIVE_TIMEOUT = 5.0
 DEFAULT_HTTP_KEEP_ALIVE_MAX_REQUESTS = 1000
+#: Seconds one write to an HTTP client may take: a client that reads nothing for this long is
+#: disconnected (an SSE stream's keepalive is written every 15 s, so a live one never is).
+HTTP_WRITE_SECONDS = 30.0
 
 
 def fd_limit() -> int:
@@ -203,6 +206,52 @@ class ConnectionAcceptor:
         finally:
             await trio.aclose_forcefully(stream)
             self._refusals.release_on_behalf_of(stream)
+
+
+class GuardedStream(trio.abc.HalfCloseableStream):
+    """A socket stream for hypercorn's `TCPServer`: one send at a time, each within `write_timeout`.
+
+    Why: `TCPServer` writes under its own lock in a shielded scope with no deadline, and ends a
+    connection with `send_eof` outside that lock. A client that closes while its answer is
+    being written made both send at once (`BusyResourceError`, an "Error in ASGI Framework"
+    traceback per request, a free way to fill the log), and a client that stops reading held
+    its connection, and its descriptor, for ever. Here `send_eof` waits for the send in
+    progress, and a send that cannot finish within `write_timeout` raises
+    `BrokenResourceError`, which `TCPServer` takes as the client gone.
+    """
+
+    def __init__(self, inner: trio.SocketStream, write_timeout: float) -> None:
+        self.inner = inner
+        self.socket = inner.socket
+        """The socket, which `TCPServer` asks for the addresses."""
+        self.write_timeout = write_timeout
+        self._sending = trio.Lock()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """Send `data`, after any send in progress, within `write_timeout`."""
+        async with self._sending:
+            try:
+                with trio.fail_after(self.write_timeout):
+                    await self.inner.send_all(data)
+            except trio.TooSlowError:
+                raise trio.BrokenResourceError(f"the client read nothing for {self.write_timeout:g} s") from None
+
+    async def wait_send_all_might_not_block(self) -> None:
+        """As the socket's."""
+        await self.inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        """Half-close, once the send in progress has ended."""
+        async with self._sending:
+            await self.inner.send_eof()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        """As the socket's."""
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        """Close the socket (a send in progress then fails with `ClosedResourceError`)."""
+        await self.inner.aclose()
 
 
 def describe(value: Any) -> str:

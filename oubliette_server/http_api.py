@@ -44,7 +44,7 @@ from .caller_api import CallerTools, build_caller_server
 from .caller_api.schemas import OWNER_KEY_PATTERN
 from .caller_api.tools import STREAM_GONE_STATE
 from .callers import CallerConnection, CallerRegistry, keyed_identity
-from .connection_limits import ConnectionAcceptor, FloodLog, HttpLimits, describe
+from .connection_limits import HTTP_WRITE_SECONDS, ConnectionAcceptor, FloodLog, GuardedStream, HttpLimits, describe
 from .instances import InstanceDirectory
 from .store_api import StoreUnavailable
 from .tether import Tether
@@ -762,7 +762,9 @@ class HttpApi:
             context = WorkerContext(None)  # no `max_requests`: reaching it would stop this server
 
             async def connection(stream: trio.abc.Stream) -> None:
-                await TCPServer(app, config, context, ConnectionState(lifespan_state.copy()), stream).run()
+                assert isinstance(stream, trio.SocketStream)
+                guarded = GuardedStream(stream, HTTP_WRITE_SECONDS)
+                await TCPServer(app, config, context, ConnectionState(lifespan_state.copy()), guarded).run()  # type: ignore[arg-type]
 
             acceptor = ConnectionAcceptor(self.flood, log, cap=self.limits.connection_cap, refuse=_refuse_busy)
             async with trio.open_nursery() as nursery:
