@@ -290,15 +290,19 @@ class ErrorBoundary:
 
         try:
             await self.app(scope, receive, watched_send)
-        except ClientDisconnect:
-            log.debug("%s %s: the client went away before its request was read", scope["method"], scope["path"])
+        except Exception as raised:
+            exc = _sole(raised)  # a handler's nursery wraps what it raised in a group
+            if isinstance(exc, ClientDisconnect):
+                log.debug("%s %s: the client went away before its request was read", scope["method"], scope["path"])
+                return
+            if isinstance(exc, sqlite3.Error):
+                log.error("%s %s: the frame store failed: %s", scope["method"], describe(scope["path"]), exc)
+                err = RelayError(errors.INTERNAL_ERROR, f"the frame store failed: {exc}")
+            else:
+                log.exception("%s %s failed", scope["method"], describe(scope["path"]))
+                err = RelayError(errors.INTERNAL_ERROR, "internal server error (the server log says more)")
+        else:
             return
-        except sqlite3.Error as exc:
-            log.error("%s %s: the frame store failed: %s", scope["method"], describe(scope["path"]), exc)
-            err = RelayError(errors.INTERNAL_ERROR, f"the frame store failed: {exc}")
-        except Exception:
-            log.exception("%s %s failed", scope["method"], describe(scope["path"]))
-            err = RelayError(errors.INTERNAL_ERROR, "internal server error (the server log says more)")
         if not started:
             await error_response(err, 500)(scope, receive, send)
 
@@ -342,6 +346,13 @@ class AccessLog:
                 describe(scope["path"]), status if status is not None else "-",
                 (trio.current_time() - began) * 1000, f" - {describe(reason)}" if reason else "",
             )
+
+
+def _sole(exc: BaseException) -> BaseException:
+    """The exception alone in `exc`'s (nested) exception groups, else `exc` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _refusal_reason(body: bytes) -> str:
