@@ -341,8 +341,9 @@ class AccessLog:
         finally:
             client = scope.get("client")
             reason = _refusal_reason(bytes(error_body)) if status is not None and status >= 400 else ""
+            host = "unix" if not client else f"[{client[0]}]:{client[1]}" if ":" in client[0] else f"{client[0]}:{client[1]}"
             access_log.info(
-                "%s %s %s %s %.1f ms%s", f"{client[0]}:{client[1]}" if client else "unix", scope["method"],
+                "%s %s %s %s %.1f ms%s", host, scope["method"],
                 describe(scope["path"]), status if status is not None else "-",
                 (trio.current_time() - began) * 1000, f" - {describe(reason)}" if reason else "",
             )

@@ -18,7 +18,7 @@ from trio.testing import MockClock
 
 from harness import Deployment
 
-from oubliette_server.connection_limits import FloodLog, default_connection_cap
+from oubliette_server.connection_limits import FloodLog, GuardedStream, default_connection_cap
 
 
 async def _raw_request(url: str, data: bytes) -> trio.SocketStream:
@@ -166,3 +166,39 @@ def test_the_default_cap_keeps_a_reserve_of_descriptors() -> None:
     assert default_connection_cap(256) == 192
     assert default_connection_cap(100) == 36
     assert default_connection_cap(10) == 1
+
+
+async def test_a_guarded_stream_writes_one_at_a_time_within_its_deadline() -> None:
+    """hypercorn ends a connection with `send_eof` outside its write lock: it waits for the write in
+    progress here instead of raising `BusyResourceError`; and a peer that reads nothing makes a
+    write fail (`BrokenResourceError`, the client gone) at the deadline instead of hanging."""
+    ours, theirs = trio.socket.socketpair()
+    guarded = GuardedStream(trio.SocketStream(ours), write_timeout=0.5)
+    peer = trio.SocketStream(theirs)
+    big = b"x" * 4_000_000  # far more than the socket buffers hold
+    received = bytearray()
+    async with trio.open_nursery() as nursery:
+
+        async def read_all() -> None:
+            while chunk := await peer.receive_some(1 << 16):
+                received.extend(chunk)
+
+        async def write_then_eof_at_once() -> None:
+            async with trio.open_nursery() as inner:
+                inner.start_soon(guarded.send_all, big)
+                await trio.sleep(0)
+                inner.start_soon(guarded.send_eof)
+
+        nursery.start_soon(write_then_eof_at_once)
+        nursery.start_soon(read_all)
+    assert len(received) == len(big)
+    await guarded.aclose()
+    await peer.aclose()
+
+    ours, theirs = trio.socket.socketpair()
+    guarded = GuardedStream(trio.SocketStream(ours), write_timeout=0.5)
+    with trio.fail_after(5):
+        with pytest.raises(trio.BrokenResourceError, match="read nothing for 0.5 s"):
+            await guarded.send_all(big)  # nobody reads `theirs`
+    theirs.close()
+    await guarded.aclose()
