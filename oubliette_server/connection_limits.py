@@ -96,7 +96,7 @@ class FloodLog:
         self.what = what
         self.interval = interval
         self.totals: dict[str, int] = {}
-        """Every count since the start, for tests and `/v1/health`-style reports."""
+        """Every count since the start (for tests and embedders)."""
         self._pending: dict[str, int] = {}
         self._wake = trio.Event()
 
