@@ -188,6 +188,7 @@ class OublietteServer:
         return HttpApi(
             callers=self.callers, tools=self.caller_api(), tether=self.tether, instances=self.instances,
             verify_token=self.tokens.verify, allowed_hosts=self.config.allowed_hosts, identity=self.identity(),
+            limits=self.config.http_limits,
         )
 
     def identity(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
 from .config import DEFAULT_CALLER_TIMEOUT, STORE_URL_SCHEMES, ServerConfig, default_data_dir, load_config_file
 from .relay import SERVER_VERSION
-from .store_api import StoreUnavailable
+from .store_api import StoreDamaged, StoreUnavailable
 from .store_open import StoreConfigError
 
 PROG = "oubliette-server"
@@ -207,12 +207,12 @@ def describe_failure(exc: BaseException) -> str | None:
 
     The mistake is an `OSError` (a port or socket in use, permission denied), or the store's
     (`StoreConfigError`: the PostgreSQL extra is missing; `StoreUnavailable`: the database
-    cannot be reached at start), possibly inside the exception groups of Trio nurseries.
+    cannot be reached at start; `StoreDamaged`: the SQLite file is not a readable database), possibly inside the exception groups of Trio nurseries.
     """
     leaves = [leaf for leaf in _leaves(exc) if not _is_cancel(leaf)]
     for leaf in leaves:
-        if isinstance(leaf, (StoreConfigError, StoreUnavailable)):
-            return str(leaf)  # the store's own one line (missing extra, database unreachable)
+        if isinstance(leaf, (StoreConfigError, StoreUnavailable, StoreDamaged)):
+            return str(leaf)  # the store's own one line (missing extra, database unreachable, file damaged)
     if not leaves or not all(isinstance(leaf, OSError) for leaf in leaves):
         return None
     first = leaves[0]

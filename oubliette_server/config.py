@@ -14,6 +14,12 @@ from protocol.limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_PAYLOAD_BYTES, Limits
 
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
 from .client_connections import DEFAULT_MAX_CLIENT_CONNECTIONS
+from .connection_limits import (
+    DEFAULT_HTTP_BODY_TIMEOUT,
+    DEFAULT_HTTP_KEEP_ALIVE_MAX_REQUESTS,
+    DEFAULT_HTTP_KEEP_ALIVE_TIMEOUT,
+    HttpLimits,
+)
 
 DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
@@ -104,6 +110,36 @@ class ServerConfig:
     """HTTP listeners: `HOST:PORT` (bearer tokens) and/or `unix:PATH` (mode 0600, no token)."""
     allowed_hosts: list[str] = attrs.field(factory=list)
     """Extra Host header values accepted on /mcp besides loopback ones (e.g. `oubliette.internal:*`)."""
+    http_max_connections: int | None = attrs.field(default=None)
+    """HTTP connections open at once over all listeners; one more is answered 503. None: the
+    descriptor limit (`RLIMIT_NOFILE`) less a reserve of a quarter of it, at least 64."""
+    http_body_timeout: float = attrs.field(default=DEFAULT_HTTP_BODY_TIMEOUT)
+    """Seconds a request's whole body has to arrive in; a slower one is cut off with 408."""
+    http_keep_alive_timeout: float = attrs.field(default=DEFAULT_HTTP_KEEP_ALIVE_TIMEOUT)
+    """Seconds an idle HTTP connection is kept for its next request (and a new one has to send its headers)."""
+    http_keep_alive_max_requests: int = attrs.field(default=DEFAULT_HTTP_KEEP_ALIVE_MAX_REQUESTS)
+    """Requests one HTTP connection may make before the server closes it."""
+
+    @http_max_connections.validator
+    @http_keep_alive_max_requests.validator
+    def _check_http_counts(self, attribute: Any, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise ValueError(f"{attribute.name} must be at least 1; got {value!r}")
+
+    @http_body_timeout.validator
+    @http_keep_alive_timeout.validator
+    def _check_http_seconds(self, attribute: Any, value: float) -> None:
+        if not value > 0:
+            raise ValueError(f"{attribute.name} must be a positive number of seconds; got {value!r}")
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        """What HTTP clients may hold of the server (docs/SECURITY.md, "Slow HTTP clients")."""
+        return HttpLimits(
+            max_connections=self.http_max_connections, body_timeout=self.http_body_timeout,
+            keep_alive_timeout=self.http_keep_alive_timeout, keep_alive_max_requests=self.http_keep_alive_max_requests,
+        )
+
     tool_separator: str = attrs.field(default=".")
     """Between a toolset's prefix and its tools' names: "." (seed 003) or "_" for hosts that reject dots."""
 
@@ -159,6 +195,8 @@ SERVER_KEYS = {
     "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
     "max_client_connections": int,
     "max_payload_bytes": int, "max_payload_depth": int,
+    "http_max_connections": int, "http_body_timeout": (int, float), "http_keep_alive_timeout": (int, float),
+    "http_keep_alive_max_requests": int,
 }
 
 

@@ -26,12 +26,13 @@ import logging
 import os
 import re
 import secrets
+import sqlite3
 from typing import Any, Callable
 
 import trio
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -43,6 +44,7 @@ from .caller_api import CallerTools, build_caller_server
 from .caller_api.schemas import OWNER_KEY_PATTERN
 from .caller_api.tools import STREAM_GONE_STATE
 from .callers import CallerConnection, CallerRegistry, keyed_identity
+from .connection_limits import HTTP_WRITE_SECONDS, ConnectionAcceptor, FloodLog, GuardedStream, HttpLimits, describe
 from .instances import InstanceDirectory
 from .store_api import StoreUnavailable
 from .tether import Tether
@@ -50,6 +52,8 @@ from .tether import Tether
 VerifyToken = Callable[[str, str], bool]
 
 log = logging.getLogger("oubliette.server.http")
+access_log = logging.getLogger("oubliette.access")
+"""One INFO line per HTTP request (docs/CONFIG.md, "The HTTP access log"); never a token."""
 
 MAX_BODY_BYTES = 1024 * 1024
 SSE_KEEPALIVE_SECONDS = 15.0
@@ -90,49 +94,89 @@ def error_response(err: RelayError, status: int | None = None) -> JSONResponse:
 DRAIN_SECONDS = 10.0
 
 
-class DrainRequestBody:
-    """ASGI middleware: a request's body has arrived in full before its response starts.
+class BodyDeadline(RelayError):
+    """A request body that did not arrive in full within the body deadline (HTTP 408)."""
 
-    Why: hypercorn keeps an HTTP/1.1 connection for the next request only when the request's
-    body has been received by the time the response ends. A handler that answers without
-    reading the body (a refused token, an unknown instance, a denied answer) would otherwise
-    get its connection closed *after* a response that did not say so, whenever the body came
-    in a later packet, and a client reusing the connection meets "server disconnected without
-    sending a response". So the unread rest of a declared body is read and dropped here, up to
-    `MAX_BODY_BYTES` and for at most `DRAIN_SECONDS`; past either, the response says
-    `connection: close` (a client that never sends its announced body does not hold a refusal
-    back for long). A request without a
+    def __init__(self, seconds: float) -> None:
+        super().__init__(
+            errors.TIMEOUT, f"the request body did not arrive in full within {seconds:g} s (http_body_timeout)",
+        )
+
+
+class DrainRequestBody:
+    """ASGI middleware: a request's body arrives in full, within the body deadline, before its response starts.
+
+    The deadline: a declared body must have arrived in full `body_timeout` seconds after the
+    request's headers did. A client that sends it slower (a byte every few seconds, to hold a
+    connection and its file descriptor) is cut off there: the app is cancelled (a read from
+    outside its task sees `http.disconnect`), the client gets a JSON 408 with `connection:
+    close`, and `on_timeout()` is called (the flood count). A read of a body that is complete
+    (watching for a disconnect) has no deadline.
+
+    The drain: hypercorn keeps an HTTP/1.1 connection for the next request only when the
+    request's body has been received by the time the response ends. A handler that answers
+    without reading the body (a refused token, an unknown instance, a denied answer) would
+    otherwise get its connection closed *after* a response that did not say so, whenever the
+    body came in a later packet, and a client reusing the connection meets "server disconnected
+    without sending a response". So the unread rest of a declared body is read and dropped
+    here, up to `MAX_BODY_BYTES` and for at most `DRAIN_SECONDS` (and never past the body
+    deadline); past either, the response says `connection: close`. A request without a
     declared body (no `content-length`, no chunked encoding) is passed through untouched, so
     nothing here ever reads alongside a handler that watches for disconnects.
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(
+        self, app: Any, body_timeout: float = HttpLimits().body_timeout, on_timeout: Callable[[], object] = lambda: None,
+    ) -> None:
         self.app = app
+        self.body_timeout = body_timeout
+        self.on_timeout = on_timeout
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not _declares_body(scope):
             await self.app(scope, receive, send)
             return
-        received_all = False
+        deadline = trio.current_time() + self.body_timeout
+        received_all = timed_out = started = False
+        app_scope = trio.CancelScope()
 
-        async def tracked_receive() -> dict[str, Any]:
+        def note(message: dict[str, Any]) -> dict[str, Any]:
             nonlocal received_all
-            message = await receive()
             if message["type"] == "http.disconnect" or not message.get("more_body", False):
                 received_all = True
             return message
 
+        async def tracked_receive() -> dict[str, Any]:
+            nonlocal timed_out
+            if received_all:
+                return await receive()
+            with trio.move_on_at(deadline):
+                return note(await receive())
+            timed_out = True
+            app_scope.cancel()
+            return {"type": "http.disconnect"}  # what a reader outside the app's task sees
+
         async def draining_send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start" and not received_all:
-                dropped = 0
-                with trio.move_on_after(DRAIN_SECONDS):
-                    while not received_all and dropped <= MAX_BODY_BYTES:
-                        dropped += len((await tracked_receive()).get("body", b""))
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
                 if not received_all:
-                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+                    dropped = 0
+                    with trio.move_on_at(min(deadline, trio.current_time() + DRAIN_SECONDS)):
+                        while not received_all and dropped <= MAX_BODY_BYTES:
+                            dropped += len(note(await receive()).get("body", b""))
+                    if not received_all:
+                        message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
-        await self.app(scope, tracked_receive, draining_send)
+        with app_scope:
+            await self.app(scope, tracked_receive, draining_send)
+        if timed_out:
+            self.on_timeout()
+            if not started:
+                response = error_response(BodyDeadline(self.body_timeout), 408)
+                response.headers["connection"] = "close"
+                await response(scope, receive, send)
 
 
 def _declares_body(scope: dict[str, Any]) -> bool:
@@ -217,6 +261,107 @@ class StreamWatch:
                 session_id = _header(scope, b"mcp-session-id")
                 if session_id:
                     self.on_standalone_dropped(session_id)
+
+
+class ErrorBoundary:
+    """ASGI middleware inside the Starlette app: the one place an HTTP request's exception becomes an answer.
+
+    Every HTTP error is the JSON error shape: a failure of the store (`sqlite3.Error`: a full
+    disk, a damaged page) or a bug answers 500 `{"error": {...}}` (not Starlette's plain text),
+    logged once: the store's as one ERROR line (its message says what failed), anything else
+    with its traceback. A client that went away mid-request (`ClientDisconnect`) is not an
+    error of the server: one DEBUG line, nothing sent. After the response has started nothing
+    more can be sent; the failure is logged the same way.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as raised:
+            exc = _sole(raised)  # a handler's nursery wraps what it raised in a group
+            if isinstance(exc, ClientDisconnect):
+                log.debug("%s %s: the client went away before its request was read", scope["method"], scope["path"])
+                return
+            if isinstance(exc, sqlite3.Error):
+                log.error("%s %s: the frame store failed: %s", scope["method"], describe(scope["path"]), exc)
+                err = RelayError(errors.INTERNAL_ERROR, f"the frame store failed: {exc}")
+            else:
+                log.exception("%s %s failed", scope["method"], describe(scope["path"]))
+                err = RelayError(errors.INTERNAL_ERROR, "internal server error (the server log says more)")
+        else:
+            return
+        if not started:
+            await error_response(err, 500)(scope, receive, send)
+
+
+class AccessLog:
+    """ASGI middleware, outermost: one INFO line per HTTP request on `oubliette.access`.
+
+    The line: the client's address (`unix` for the Unix socket listener), method, path (no
+    query string), status, duration, and for an error status the reason the answer gave (the
+    JSON error's message, or the start of a plain-text body, e.g. the SDK's `Invalid Host
+    header`). Never a header, so never a token. A request that ended without a response (the
+    client went away, the server stopped) is logged with status `-`.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not access_log.isEnabledFor(logging.INFO):
+            await self.app(scope, receive, send)
+            return
+        began = trio.current_time()
+        status: int | None = None
+        error_body = bytearray()
+
+        async def logged_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status is not None and status >= 400:
+                error_body.extend(message.get("body", b"")[: 1024 - len(error_body)])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, logged_send)
+        finally:
+            client = scope.get("client")
+            reason = _refusal_reason(bytes(error_body)) if status is not None and status >= 400 else ""
+            host = "unix" if not client else f"[{client[0]}]:{client[1]}" if ":" in client[0] else f"{client[0]}:{client[1]}"
+            access_log.info(
+                "%s %s %s %s %.1f ms%s", host, scope["method"],
+                describe(scope["path"]), status if status is not None else "-",
+                (trio.current_time() - began) * 1000, f" - {describe(reason)}" if reason else "",
+            )
+
+
+def _sole(exc: BaseException) -> BaseException:
+    """The exception alone in `exc`'s (nested) exception groups, else `exc` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _refusal_reason(body: bytes) -> str:
+    """What an error answer says: the JSON error's message, else the start of its text."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", errors="replace").strip()[:200]
 
 
 def _header(scope: dict[str, Any], name: bytes) -> str | None:
@@ -449,8 +594,8 @@ class HttpApi:
 
     Needs: the caller registry (one caller per MCP session or per bearer token), the caller
     tools, the tether and instance directory (for the routes), `verify_token(name, token)` and
-    the extra Host names allowed on /mcp. Start `serve` with `nursery.start`: it reports the
-    bound URLs.
+    the extra Host names allowed on /mcp, and the `HttpLimits` (docs/SECURITY.md, "Slow HTTP
+    clients"). Start `serve` with `nursery.start`: it reports the bound URLs.
     """
 
     def __init__(
@@ -463,7 +608,12 @@ class HttpApi:
         verify_token: VerifyToken,
         allowed_hosts: list[str],
         identity: dict[str, Any] | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
+        self.limits = limits or HttpLimits()
+        """What HTTP clients may hold: the connection cap, the body deadline, keep-alive limits."""
+        self.flood = FloodLog(log, "HTTP")
+        """Counts refused connections, cut-off bodies and failed accepts; one WARNING per interval."""
         self.identity = identity or {}
         """What `/v1/health` says of this server: `{"server": {...}, "store": "..."}`."""
         self.callers = callers
@@ -561,80 +711,116 @@ class HttpApi:
             ],
         )
         starlette.router.default = _not_found  # unknown paths answer the JSON error shape too
-        return DrainRequestBody(BearerAuth(StreamWatch(starlette, self._standalone_stream_dropped), self.verify_token))
+        starlette.add_middleware(ErrorBoundary)  # inside Starlette's own (plain-text 500) error middleware
+        body_timeout = self.limits.body_timeout
+        return AccessLog(DrainRequestBody(
+            BearerAuth(StreamWatch(starlette, self._standalone_stream_dropped), self.verify_token),
+            body_timeout, lambda: self.flood.count(f"requests cut off at the {body_timeout:g} s body deadline"),
+        ))
 
     async def serve(self, binds: list[str], *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve the app with hypercorn on `binds` (`host:port` or `unix:PATH`) until cancelled.
+        """Serve the app with hypercorn's Trio protocol on `binds` (`host:port` or `unix:PATH`) until cancelled.
 
-        Needs: `nursery.start`, which returns the bound addresses. Owns: the listeners; a Unix
-        socket is created mode 0600 (a file already at its path is replaced).
+        Needs: `nursery.start`, which returns the bound addresses. Owns: the listeners, and at
+        most `limits.connection_cap` connections at once over all of them (one over the cap is
+        answered 503 and closed); a Unix socket is created mode 0600 (a file already at its path
+        is replaced).
         Raises: `OSError` naming the addresses when one cannot be bound.
-        Cancellation: hypercorn stops, giving open requests up to a second; the Unix socket
-        files are removed.
+        Cancellation: every connection is closed; the Unix socket files are removed.
+
+        Not `hypercorn.trio.serve`: it accepts through `trio.serve_listeners`, which has no cap
+        and logs a traceback ten times a second when out of descriptors. This is its
+        `worker_serve` with our accept loop (`ConnectionAcceptor`) in place of that one.
         """
         import hypercorn.config
-        import hypercorn.trio
+        from hypercorn.trio.lifespan import Lifespan
+        from hypercorn.trio.statsd import StatsdLogger
+        from hypercorn.trio.tcp_server import TCPServer
+        from hypercorn.trio.worker_context import WorkerContext
+        from hypercorn.typing import ConnectionState
+        from hypercorn.utils import repr_socket_addr, wrap_app
 
         config = hypercorn.config.Config()
         config.bind = binds
         config.errorlog = logging.getLogger("oubliette.server.http.hypercorn")
-        config.accesslog = None
-        config.graceful_timeout = 1.0
+        config.accesslog = None  # ours is `AccessLog`
+        config.keep_alive_timeout = self.limits.keep_alive_timeout
+        config.keep_alive_max_requests = self.limits.keep_alive_max_requests
+        config.set_statsd_logger_class(StatsdLogger)
         unix_paths = [b[len("unix:"):] for b in binds if b.startswith("unix:")]
         for path in unix_paths:
             os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
             if os.path.exists(path):
                 os.unlink(path)
-
-        # Unix listeners are created 0600: hypercorn binds under a strict umask,
-        # restored as soon as it reports its listeners bound.
-        lock_down = _UmaskUntilStarted(task_status, unix_paths)
+        old_umask = os.umask(0o177)  # Unix listeners are created 0600
         try:
-            await hypercorn.trio.serve(self.asgi_app(), config, task_status=lock_down)
-        except (OSError, BaseExceptionGroup) as exc:
-            bind_error = None if lock_down.reported else _only_os_error(exc)
-            if bind_error is None:
-                raise
-            # one line for the operator: which addresses, and why (not hypercorn's nested groups)
-            raise OSError(bind_error.errno, f"cannot listen on HTTP {', '.join(binds)}: {bind_error.strerror or bind_error}") from exc
+            sockets = config.create_sockets()
+        except OSError as exc:  # one line for the operator: which addresses, and why
+            raise OSError(exc.errno, f"cannot listen on HTTP {', '.join(binds)}: {exc.strerror or exc}") from exc
         finally:
-            lock_down.restore()
-            if lock_down.reported:  # our socket files, not a file that was there before a failed bind
-                for path in unix_paths:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
+            os.umask(old_umask)
+        try:
+            for path in unix_paths:
+                os.chmod(path, 0o600)
+            listeners = []
+            urls = []
+            for sock in sockets.insecure_sockets:
+                sock.listen(config.backlog)
+                listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+                urls.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+            app = wrap_app(self.asgi_app(), config.wsgi_max_body_size, None)
+            lifespan_state: dict[str, Any] = {}
+            lifespan = Lifespan(app, config, lifespan_state)
+            context = WorkerContext(None)  # no `max_requests`: reaching it would stop this server
+
+            async def connection(stream: trio.abc.Stream) -> None:
+                assert isinstance(stream, trio.SocketStream)
+                guarded = GuardedStream(stream, HTTP_WRITE_SECONDS)
+                await TCPServer(app, config, context, ConnectionState(lifespan_state.copy()), guarded).run()  # type: ignore[arg-type]
+
+            acceptor = ConnectionAcceptor(self.flood, log, cap=self.limits.connection_cap, refuse=_refuse_busy)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(lifespan.handle_lifespan)
+                await lifespan.wait_for_startup()
+                await nursery.start(self.flood.serve)
+                await nursery.start(acceptor.serve, connection, listeners)
+                task_status.started(urls)
+        finally:
+            for sock in sockets.insecure_sockets:
+                sock.close()
+            for path in unix_paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
 
-def _only_os_error(exc: BaseException) -> OSError | None:
-    """The `OSError` that `exc` is, or that is alone in its (nested) exception groups, else None."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc if isinstance(exc, OSError) else None
+def _busy_response() -> bytes:
+    """The answer to a connection over the cap, written before any of its request is read."""
+    body = json.dumps({"error": {
+        "code": errors.INTERNAL_ERROR, "name": errors.ERROR_NAMES[errors.INTERNAL_ERROR],
+        "message": "the server has as many HTTP connections open as it allows (http_max_connections); try again",
+    }}).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+BUSY_RESPONSE = _busy_response()
+
+
+async def _refuse_busy(stream: trio.abc.Stream) -> None:
+    """Answer a connection over the cap with a JSON 503, then read what it sent until it closes
+    (`ConnectionAcceptor` bounds this): closing with its request unread would reset the
+    connection, and the client could lose the answer."""
+    await stream.send_all(BUSY_RESPONSE)
+    with contextlib.suppress(AttributeError):
+        await stream.send_eof()  # type: ignore[attr-defined]
+    while await stream.receive_some(65536):
+        pass
 
 
 async def _not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """The router's answer for a path no route serves: the documented JSON error, 404."""
     err = RelayError(errors.NOT_FOUND, f"no such endpoint: {scope.get('method', '')} {scope.get('path', '')}".strip())
     await error_response(err, 404)(scope, receive, send)
-
-
-class _UmaskUntilStarted:
-    """A task_status for hypercorn: strict umask while binding, then chmod 0600 and report."""
-
-    def __init__(self, inner: trio.TaskStatus[list[str]], unix_paths: list[str]) -> None:
-        self._inner = inner
-        self._paths = unix_paths
-        self._old_umask: int | None = os.umask(0o177)
-        self.reported = False
-
-    def restore(self) -> None:
-        if self._old_umask is not None:
-            os.umask(self._old_umask)
-            self._old_umask = None
-
-    def started(self, value: Any = None) -> None:
-        self.restore()
-        for path in self._paths:
-            os.chmod(path, 0o600)
-        self.reported = True
-        self._inner.started(value)

@@ -38,6 +38,7 @@ from protocol import (
 )
 
 from .auth import check_hello
+from .connection_limits import ConnectionAcceptor, FloodLog
 
 log = logging.getLogger("oubliette.server.relay")
 
@@ -210,7 +211,12 @@ class RelayListener:
             raise OSError(exc.errno, f"cannot listen on the relay address {self.address}: {exc.strerror or exc}") from exc
         log.info("relay listening on %s", self.address)
         try:
-            await trio.serve_listeners(self._handle, listeners, task_status=task_status)
+            # Not trio.serve_listeners: out of descriptors, it logs a traceback ten times a second.
+            flood = FloodLog(log, f"relay listener {self.address}")
+            async with trio.open_nursery() as nursery:
+                await nursery.start(flood.serve)
+                await nursery.start(ConnectionAcceptor(flood, log).serve, self._handle, listeners)
+                task_status.started()
         finally:
             if self.address.kind == "unix":
                 with trio.CancelScope(shield=True):

@@ -133,6 +133,7 @@ from protocol.frames import FRAME_VERSION, Frame, SessionRef
 
 from .store_api import (
     LongPollWaiters,
+    StoreDamaged,
     retention_cut,
     DEFAULT_LIMIT,
     DEFAULT_PRUNE_EVERY,
@@ -252,6 +253,12 @@ class FrameStore(LongPollWaiters):
         self._conn: sqlite3.Connection | None = sqlite3.connect(spath, isolation_level=None)
         try:
             self._setup()
+        except sqlite3.DatabaseError as exc:  # one line for the operator, naming the file, not a traceback
+            self._conn.close()
+            self._conn = None
+            if isinstance(exc, sqlite3.OperationalError):  # locked, unreadable: not the file's content
+                raise OSError(f"cannot use the frame store {spath}: {exc}") from None
+            raise StoreDamaged(spath, str(exc)) from None
         except BaseException:
             self._conn.close()
             self._conn = None
@@ -266,7 +273,13 @@ class FrameStore(LongPollWaiters):
         LongPollWaiters.__init__(self)
         # (instance, request_id) of the outcomes `append_outcome` recorded, newest last (bounded).
         self._outcomes: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
-        self._prune_all()
+        try:
+            self._prune_all()  # reads every instance's oldest frames: a damaged table shows here too
+        except sqlite3.DatabaseError as exc:
+            self.close()
+            if isinstance(exc, sqlite3.OperationalError):
+                raise OSError(f"cannot use the frame store {spath}: {exc}") from None
+            raise StoreDamaged(spath, str(exc)) from None
 
     @classmethod
     def in_memory(cls, **kw: Any) -> FrameStore:

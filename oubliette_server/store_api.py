@@ -164,6 +164,19 @@ def _rebuild_cursor_pruned(instance: str, after_seq: int, first_seq: int, messag
     return exc
 
 
+class StoreDamaged(Exception):
+    """The store's file cannot be read as a database at start (damaged, or not a database at all).
+
+    Its message is the operator's one line: which file, what SQLite said, what to do."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(
+            f"the frame store {path} is damaged or is not an SQLite database ({reason}); "
+            "restore it from a backup, or move it away to start with an empty log"
+        )
+        self.path = path
+
+
 class StoreUnavailable(RelayError):
     """The store's database cannot be reached (PostgreSQL down, pool exhausted past its timeout).
 

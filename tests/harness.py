@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -142,17 +143,23 @@ class Deployment:
         return done.stdout.strip()
 
     @asynccontextmanager
-    async def http_server(self, *extra: str) -> AsyncIterator["HttpServer"]:
+    async def http_server(self, *extra: str, nofile: int | None = None) -> AsyncIterator["HttpServer"]:
         """Start oubliette-server with TCP (port 0) and Unix HTTP listeners and no stdio caller.
 
         It reads the server's stderr until the ready line, then keeps draining it
-        (into `HttpServer.stderr`) so the pipe never fills.
+        (into `HttpServer.stderr`) so the pipe never fills. `nofile`: the server's
+        `RLIMIT_NOFILE` (its descriptor limit), set in the child before it starts.
         """
+
+        def limit_descriptors() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         process = await trio.lowlevel.open_process(
             [PYTHON, "-m", "oubliette_server", "--relay", self.relay, "--data-dir", str(self.data_dir),
              "--http", "127.0.0.1:0", "--http", f"unix:{self.root / 'http.sock'}", "--no-stdio",
              "--log-level", "WARNING", *self.store_args(), *extra],
-            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit_descriptors,
         )
         assert process.stderr is not None
         buffer = bytearray()

@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from harness import Deployment, HandMcp, structured, text_of
+from harness import Deployment, HandMcp, RawRelay, structured, text_of
 
 KILL_BOUND = 5.0
 """How soon after SIGKILL of the client the caller must be told the request was cancelled."""
@@ -73,3 +73,102 @@ async def test_killing_the_agents_client_mid_call_withdraws_the_request_at_once(
         assert [(f["type"], f["payload"]["request_id"]) for f in frames] == [
             ("caller_tool_request", request["request_id"]), ("caller_tool_cancelled", request["request_id"]),
         ], "one request, one outcome, nothing resolved twice"
+
+
+# -- a flood of slow HTTP clients (docs/SECURITY.md, "Slow HTTP clients") -------------------------
+
+FLOOD_NOFILE = 256
+"""The server's descriptor limit in the flood test: fewer than the flood's connections."""
+FLOOD_CLIENTS = 300
+FLOOD_CAP = 40
+BODY_TIMEOUT = 5.0
+
+
+async def _slow_post(url: str, token: str, outcomes: list[tuple[int, float]], started: trio.Event, begun: list[int]) -> None:
+    """One slow-body client: an authenticated POST announcing 1000 bytes, then a byte every 0.5 s.
+
+    Records (status, seconds until the server answered or cut it off); status 0: closed without an answer."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    began = trio.current_time()
+    try:
+        stream = await trio.open_tcp_stream(host, int(port))
+    except OSError:
+        outcomes.append((0, trio.current_time() - began))
+        return
+    received = bytearray()
+    async with stream:
+        head = (
+            f"POST /v1/instances/box1/tether HTTP/1.1\r\nhost: {host}:{port}\r\nauthorization: Bearer {token}\r\n"
+            "content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+        )
+        try:
+            await stream.send_all(head.encode() + b"{")
+            begun.append(1)
+            if len(begun) == FLOOD_CLIENTS:
+                started.set()
+            async with trio.open_nursery() as nursery:
+
+                async def trickle() -> None:
+                    while True:
+                        await trio.sleep(0.5)
+                        await stream.send_all(b" ")
+
+                nursery.start_soon(trickle)
+                while b"\r\n\r\n" not in received:
+                    chunk = await stream.receive_some(65536)
+                    if not chunk:
+                        break
+                    received.extend(chunk)
+                nursery.cancel_scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    status = int(received.split(b" ", 2)[1]) if received.startswith(b"HTTP/1.1 ") else 0
+    outcomes.append((status, trio.current_time() - began))
+
+
+async def test_a_flood_of_slow_http_clients_leaves_the_relay_and_the_log_usable(deployment: Deployment) -> None:
+    """300 authenticated POSTs sending their bodies a byte every 0.5 s, against a server whose
+    descriptor limit is 256 and whose HTTP cap is 40: a sandbox still connects to the relay, an
+    HTTP request gets a clean JSON 503 while the cap is full and a 200 once the slow clients are
+    cut off, each slow client is cut off at the body deadline (408), and the log says so in at
+    most a few lines, with no traceback and no "Too many open files"."""
+    config = deployment.root / "flood.toml"
+    config.write_text(
+        f"[server]\nhttp_max_connections = {FLOOD_CAP}\nhttp_body_timeout = {BODY_TIMEOUT}\n\n[instances.box1]\n"
+    )
+    async with deployment.http_server("--config", str(config), nofile=FLOOD_NOFILE) as server:
+        outcomes: list[tuple[int, float]] = []
+        all_sent = trio.Event()
+        begun: list[int] = []
+        async with trio.open_nursery() as flood:
+            for _ in range(FLOOD_CLIENTS):
+                flood.start_soon(_slow_post, server.url, server.token, outcomes, all_sent, begun)
+            with trio.fail_after(20):
+                await all_sent.wait()
+            # The cap is full now (40 held, the rest refused); the relay is still served.
+            with trio.fail_after(10):
+                async with RawRelay.connect(deployment) as relay:
+                    hello = await relay.hello("box1", deployment.token("box1"))
+            assert "result" in hello, hello
+            async with server.rest() as rest:
+                busy = await rest.get("/v1/health")
+            assert busy.status_code == 503, busy.text
+            assert busy.json()["error"]["name"] == "internal_error" and "http_max_connections" in busy.json()["error"]["message"]
+        assert len(outcomes) == FLOOD_CLIENTS
+        cut = [took for status, took in outcomes if status == 408]
+        refused = [status for status, _ in outcomes if status == 503]
+        # A client that connected after the first were cut off may have been let in (a loaded machine).
+        assert len(cut) >= FLOOD_CAP and len(cut) + len(refused) == FLOOD_CLIENTS, sorted(set(outcomes))
+        assert max(cut) < BODY_TIMEOUT + 3, f"slow clients were held for up to {max(cut):.1f} s"
+        async with server.rest() as rest:
+            with trio.fail_after(10):
+                healthy = await rest.get("/v1/health")
+        assert healthy.status_code == 200, healthy.text
+        flood_lines = await server.wait_stderr("HTTP under pressure")
+        server.process.terminate()
+        with trio.fail_after(10):
+            await server.process.wait()
+    log = server.stderr.decode(errors="replace")
+    assert "Traceback" not in log and "Too many open files" not in log, log[-3000:]
+    assert 1 <= len(flood_lines) <= 3 and len(server.stderr_lines("under pressure")) <= 3, log[-3000:]
+    assert f"connections refused at the cap of {FLOOD_CAP}" in flood_lines[0], flood_lines

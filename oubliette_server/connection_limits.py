@@ -1,0 +1,260 @@
+"""What connections may hold of the server's file descriptors, and one accept loop for every listener.
+
+Why: every accepted connection is a file descriptor, and the process has `RLIMIT_NOFILE` of
+them. Slow HTTP clients, each sending its body a byte at a time, once held the server at that
+limit: a new sandbox's relay hello, the operator's requests and SQLite itself then failed with
+"Too many open files", and `trio.serve_listeners` logged an ERROR with a traceback ten times a
+second for as long as the flood lasted. So:
+
+- `ConnectionAcceptor` runs the accept loop of a set of listeners with an optional cap on the
+  connections open at once; a connection over the cap is handed to a `refuse` coroutine (HTTP
+  answers 503) in one of a few refusal slots, and when those are busy too the loop stops
+  accepting until one frees, so the count of descriptors it holds is bounded by the cap plus
+  the refusal slots. An accept that fails for lack of descriptors or memory (`EMFILE`,
+  `ENFILE`, `ENOMEM`, `ENOBUFS`) is retried after a short pause, counted, never a traceback.
+- `FloodLog` turns such events into one WARNING per interval with counts, instead of a line
+  per connection.
+- `default_connection_cap` derives the HTTP cap from `RLIMIT_NOFILE`, keeping a reserve for
+  the relay, SQLite, start commands and the server's own pipes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import resource
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+
+#: accept(2) errors that mean "no descriptor or memory right now", not "this listener is broken".
+CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+#: How long an accept loop pauses after such an error. Nothing signals that a descriptor was
+#: freed (any part of the process may free one), so the loop retries after this pause, as
+#: `trio.serve_listeners` does, but counting instead of logging each failure.
+ACCEPT_RETRY_SECONDS = 0.1
+#: One flood WARNING at most this often.
+FLOOD_LOG_SECONDS = 10.0
+#: Connections over the cap being refused at once (each takes a descriptor for up to
+#: `REFUSE_SECONDS`); past them the accept loop waits.
+REFUSAL_SLOTS = 16
+#: How long a refusal may take (write the answer, let the client read it).
+REFUSE_SECONDS = 1.0
+#: The least number of descriptors kept out of HTTP's reach by the derived cap.
+MIN_FD_RESERVE = 64
+
+DEFAULT_HTTP_BODY_TIMEOUT = 30.0
+DEFAULT_HTTP_KEEP_ALIVE_TIMEOUT = 5.0
+DEFAULT_HTTP_KEEP_ALIVE_MAX_REQUESTS = 1000
+#: Seconds one write to an HTTP client may take: a client that reads nothing for this long is
+#: disconnected (an SSE stream's keepalive is written every 15 s, so a live one never is).
+HTTP_WRITE_SECONDS = 30.0
+
+
+def fd_limit() -> int:
+    """The process's soft `RLIMIT_NOFILE` (an unlimited one counts as 2**20)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 2**20 if soft == resource.RLIM_INFINITY else soft
+
+
+def default_connection_cap(nofile: int | None = None) -> int:
+    """The HTTP connection cap when none is configured: the descriptor limit less a reserve of a
+    quarter of it (at least `MIN_FD_RESERVE`), never below 1. 1024 descriptors give 768."""
+    limit = fd_limit() if nofile is None else nofile
+    return max(1, limit - max(MIN_FD_RESERVE, limit // 4))
+
+
+@attrs.frozen
+class HttpLimits:
+    """What one HTTP client, and all of them together, may hold of the server (docs/SECURITY.md,
+    "Slow HTTP clients"): the cap on open connections (None: `default_connection_cap()`),
+    the seconds a request's whole body has to arrive, and hypercorn's keep-alive limits."""
+
+    max_connections: int | None = None
+    body_timeout: float = DEFAULT_HTTP_BODY_TIMEOUT
+    keep_alive_timeout: float = DEFAULT_HTTP_KEEP_ALIVE_TIMEOUT
+    keep_alive_max_requests: int = DEFAULT_HTTP_KEEP_ALIVE_MAX_REQUESTS
+
+    @property
+    def connection_cap(self) -> int:
+        """The configured cap, or the one derived from `RLIMIT_NOFILE` now."""
+        return self.max_connections if self.max_connections is not None else default_connection_cap()
+
+
+class FloodLog:
+    """Counts what a flood costs and says it in one WARNING per `interval`, not once per event.
+
+    `count("kind")` adds one; the first count after a quiet spell is logged at once (together
+    with whatever else happened in the same moment), then at most one line per `interval` with
+    the counts since the previous line. Owns: nothing; run `serve` with `nursery.start`.
+    """
+
+    def __init__(self, logger: logging.Logger, what: str, interval: float = FLOOD_LOG_SECONDS) -> None:
+        self.logger = logger
+        self.what = what
+        self.interval = interval
+        self.totals: dict[str, int] = {}
+        """Every count since the start (for tests and embedders)."""
+        self._pending: dict[str, int] = {}
+        self._wake = trio.Event()
+
+    def count(self, kind: str, n: int = 1) -> None:
+        """Record `n` events of `kind` (a plural noun phrase, e.g. "connections refused at the cap")."""
+        self._pending[kind] = self._pending.get(kind, 0) + n
+        self.totals[kind] = self.totals.get(kind, 0) + n
+        self._wake.set()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Write the WARNING lines until cancelled (then the counts not yet written are dropped)."""
+        task_status.started()
+        while True:
+            await self._wake.wait()
+            await trio.lowlevel.checkpoint()  # the events of this same moment join the line
+            pending, self._pending, self._wake = self._pending, {}, trio.Event()
+            self.logger.warning(
+                "%s under pressure (one line per %g s at most): %s", self.what, self.interval,
+                ", ".join(f"{n} {kind}" for kind, n in pending.items()),
+            )
+            await trio.sleep(self.interval)  # the rate limit itself: the next line waits this long
+
+
+Handler = Callable[[trio.abc.Stream], Awaitable[object]]
+
+
+class ConnectionAcceptor:
+    """The accept loop of a set of listeners: at most `cap` connections handled at once.
+
+    Owns: the listeners given to `serve` (closed when it ends) and each accepted stream (closed
+    when its handler returns). A connection over the cap goes to `refuse(stream)` (with at most
+    `REFUSAL_SLOTS` refusals at once, each cut at `REFUSE_SECONDS`), or is closed at once
+    without `refuse`; either way it is counted in `flood` as "connections refused at the cap".
+    Raises: an accept error other than running out of descriptors or memory (the listener is
+    broken). A handler's exception is logged on `log`, never raised.
+    """
+
+    def __init__(
+        self, flood: FloodLog, log: logging.Logger, *, cap: int | None = None,
+        refuse: Handler | None = None,
+    ) -> None:
+        self.flood = flood
+        self.log = log
+        self.cap = cap
+        self._connections = trio.CapacityLimiter(cap) if cap is not None else None
+        self._refusals = trio.CapacityLimiter(REFUSAL_SLOTS)
+        self._refuse = refuse
+
+    @property
+    def open_connections(self) -> int:
+        """Connections being handled now (0 without a cap: they are not counted)."""
+        return self._connections.borrowed_tokens if self._connections is not None else 0
+
+    async def serve(
+        self, handler: Handler, listeners: list[trio.SocketListener], *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept on every listener and run `handler(stream)` for each connection until cancelled."""
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept_loop, listener, handler, nursery)
+            task_status.started()
+
+    async def _accept_loop(self, listener: trio.SocketListener, handler: Handler, nursery: trio.Nursery) -> None:
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:
+                    if exc.errno not in CAPACITY_ERRNOS:
+                        raise
+                    self.flood.count(f"accepts failed ({errno.errorcode[exc.errno]}: {exc.strerror})")
+                    await trio.sleep(ACCEPT_RETRY_SECONDS)
+                    continue
+                if self._connections is None:
+                    nursery.start_soon(self._run, stream, handler, None)
+                    continue
+                try:
+                    self._connections.acquire_on_behalf_of_nowait(stream)
+                except trio.WouldBlock:
+                    self.flood.count(f"connections refused at the cap of {self.cap}")
+                    if self._refuse is None:
+                        await trio.aclose_forcefully(stream)
+                        continue
+                    await self._refusals.acquire_on_behalf_of(stream)  # past the slots: stop accepting
+                    nursery.start_soon(self._refused, stream)
+                else:
+                    nursery.start_soon(self._run, stream, handler, self._connections)
+
+    async def _run(self, stream: trio.abc.Stream, handler: Handler, slot: trio.CapacityLimiter | None) -> None:
+        try:
+            await handler(stream)
+        except Exception:  # one connection's failure never takes the listener down
+            self.log.exception("connection failed")
+        finally:
+            await trio.aclose_forcefully(stream)
+            if slot is not None:
+                slot.release_on_behalf_of(stream)
+
+    async def _refused(self, stream: trio.abc.Stream) -> None:
+        assert self._refuse is not None
+        try:
+            with trio.move_on_after(REFUSE_SECONDS):
+                await self._refuse(stream)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client left first; it was being refused anyway
+        finally:
+            await trio.aclose_forcefully(stream)
+            self._refusals.release_on_behalf_of(stream)
+
+
+class GuardedStream(trio.abc.HalfCloseableStream):
+    """A socket stream for hypercorn's `TCPServer`: one send at a time, each within `write_timeout`.
+
+    Why: `TCPServer` writes under its own lock in a shielded scope with no deadline, and ends a
+    connection with `send_eof` outside that lock. A client that closes while its answer is
+    being written made both send at once (`BusyResourceError`, an "Error in ASGI Framework"
+    traceback per request, a free way to fill the log), and a client that stops reading held
+    its connection, and its descriptor, for ever. Here `send_eof` waits for the send in
+    progress, and a send that cannot finish within `write_timeout` raises
+    `BrokenResourceError`, which `TCPServer` takes as the client gone.
+    """
+
+    def __init__(self, inner: trio.SocketStream, write_timeout: float) -> None:
+        self.inner = inner
+        self.socket = inner.socket
+        """The socket, which `TCPServer` asks for the addresses."""
+        self.write_timeout = write_timeout
+        self._sending = trio.Lock()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """Send `data`, after any send in progress, within `write_timeout`."""
+        async with self._sending:
+            try:
+                with trio.fail_after(self.write_timeout):
+                    await self.inner.send_all(data)
+            except trio.TooSlowError:
+                raise trio.BrokenResourceError(f"the client read nothing for {self.write_timeout:g} s") from None
+
+    async def wait_send_all_might_not_block(self) -> None:
+        """As the socket's."""
+        await self.inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        """Half-close, once the send in progress has ended."""
+        async with self._sending:
+            await self.inner.send_eof()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        """As the socket's."""
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        """Close the socket (a send in progress then fails with `ClosedResourceError`)."""
+        await self.inner.aclose()
+
+
+def describe(value: Any) -> str:
+    """A value for a log line on one line: control characters escaped, at most 200 characters."""
+    text = str(value).encode("unicode_escape").decode("ascii")
+    return text if len(text) <= 200 else text[:197] + "..."
