@@ -44,9 +44,13 @@ Relay flags may come before or after the subcommand. `oubliette-client SUBCOMMAN
 Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error."""
 
 
+#: The distribution (pyproject's `[project] name`) that installs this program.
+DISTRIBUTION = "oubliette-relay"
+
+
 def _version() -> str:
     try:
-        return f"{PROG} {metadata.version('oubliette')}"
+        return f"{PROG} {metadata.version(DISTRIBUTION)}"
     except metadata.PackageNotFoundError:
         return f"{PROG} (not installed)"
 

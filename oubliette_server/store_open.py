@@ -11,9 +11,12 @@ from __future__ import annotations
 from .store import FrameStore
 from .store_api import FrameStoreAPI
 
+#: What to install, said in the one line the server prints. The distribution is `oubliette-relay`
+#: (`oubliette` on PyPI is an unrelated project); from a checkout, the editable install.
 MISSING_EXTRA = (
-    "the PostgreSQL store needs the optional extra: pip install 'oubliette[postgres]' "
-    "(psycopg and psycopg_pool)"
+    "the PostgreSQL store needs the optional extra postgres (psycopg and psycopg_pool): "
+    "pip install -e '.[postgres]' in the Oubliette checkout "
+    "(once published: pip install 'oubliette-relay[postgres]')"
 )
 
 
