@@ -27,6 +27,7 @@ from protocol import parse_relay_address
 from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
 from .config import DEFAULT_CALLER_TIMEOUT, STORE_URL_SCHEMES, ServerConfig, default_data_dir, load_config_file
+from .data_dir_lock import DataDirInUse, hold_data_dir
 from .relay import SERVER_VERSION
 from .store_api import StoreUnavailable
 from .store_open import StoreConfigError
@@ -205,14 +206,15 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
 def describe_failure(exc: BaseException) -> str | None:
     """One line for an operator's mistake found at run time, else None (a bug: keep its traceback).
 
-    The mistake is an `OSError` (a port or socket in use, permission denied), or the store's
+    The mistake is an `OSError` (a port or socket in use, permission denied), the store's
     (`StoreConfigError`: the PostgreSQL extra is missing; `StoreUnavailable`: the database
-    cannot be reached at start), possibly inside the exception groups of Trio nurseries.
+    cannot be reached at start), or `DataDirInUse` (another server holds the data directory),
+    possibly inside the exception groups of Trio nurseries.
     """
     leaves = [leaf for leaf in _leaves(exc) if not _is_cancel(leaf)]
     for leaf in leaves:
-        if isinstance(leaf, (StoreConfigError, StoreUnavailable)):
-            return str(leaf)  # the store's own one line (missing extra, database unreachable)
+        if isinstance(leaf, (StoreConfigError, StoreUnavailable, DataDirInUse)):
+            return str(leaf)  # its own one line (missing extra, database unreachable, data dir taken)
     if not leaves or not all(isinstance(leaf, OSError) for leaf in leaves):
         return None
     first = leaves[0]
@@ -277,7 +279,8 @@ def _run(argv: list[str]) -> int:
 
     assert config is not None
     try:
-        trio.run(lambda: run_server(config, stdio=not args.no_stdio))
+        with hold_data_dir(data_dir):  # one server per data directory, for its whole life
+            trio.run(lambda: run_server(config, stdio=not args.no_stdio))
     except KeyboardInterrupt:
         return 130
     return 0

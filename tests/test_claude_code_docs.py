@@ -118,7 +118,9 @@ def _documented_commands() -> list[list[str]]:
         for line in text.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if words[:3] == ["claude", "mcp", "add"] and "--" in words:
-                commands.append(words[words.index("--") + 1:])
+                program, *args = words[words.index("--") + 1:]
+                # the checkout's venv by its full path, as typed in the checkout
+                commands.append([program.removeprefix("$PWD/.venv/bin/"), *args])
     return commands
 
 
@@ -131,7 +133,7 @@ def _help(argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 def test_the_documented_commands_start_the_programs() -> None:
     commands = _documented_commands()
-    assert ["oubliette-server", "--data-dir", "~/.local/share/oubliette"] in commands
+    assert ["oubliette-server", "--data-dir", "~/.local/share/oubliette-claude"] in commands
     assert ["oubliette-client"] in commands
     for argv in commands + [["oubliette-server"], ["oubliette-client"], ["oubliette-client", "run"]]:
         done = _help(argv)
