@@ -41,7 +41,7 @@ EPILOG = """subcommands:
   demo-agent            a scripted MCP agent, for the demo and tests
 
 Relay flags may come before or after the subcommand. `oubliette-client SUBCOMMAND --help` for its flags.
-Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error."""
+Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
 
 
 #: The distribution (pyproject's `[project] name`) that installs this program.

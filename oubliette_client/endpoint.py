@@ -156,8 +156,9 @@ def run_tools_command(settings: RelaySettings, connect_wait: float, words: list[
         try:
             request["arguments"] = json.loads(words[2])
         except json.JSONDecodeError as exc:
-            print(json.dumps(ActionError(COMPONENT, "usage", f"arguments are not valid JSON: {exc}").envelope()))
-            return 1
+            # the person's own typo: a usage error, said on stderr (stdout is for the answer)
+            print(f"oubliette-client tools: error: arguments are not valid JSON: {exc} (see --help)", file=sys.stderr)
+            return 2
     endpoint = ActionEndpoint(settings, connect_wait=connect_wait, require_connection=True)
 
     async def once(ep: ActionEndpoint) -> dict[str, Any]:

@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
 from typing import Iterator, NoReturn
 
 from protocol import parse_relay_address
+from protocol.interrupts import INTERRUPTED, is_interrupt, raise_on_interrupt
 
 from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
@@ -30,7 +32,7 @@ from .config import DEFAULT_CALLER_TIMEOUT, STORE_URL_SCHEMES, ServerConfig, def
 from .data_dir_lock import DataDirInUse, hold_data_dir
 from .relay import SERVER_VERSION
 from .store_api import StoreUnavailable
-from .store_open import StoreConfigError
+from .store_open import StoreConfigError, store_url_problem
 
 PROG = "oubliette-server"
 SUBCOMMANDS = ("serve", "token", "http-token")
@@ -42,7 +44,7 @@ EPILOG = """subcommands:
   http-token            print the HTTP API's bearer token
 
 Options may come before or after the subcommand, e.g. `oubliette-server --data-dir X token box1`.
-Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error."""
+Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -260,8 +262,15 @@ def _run(argv: list[str]) -> int:
         except (ValueError, TypeError) as exc:
             parser.error(str(exc))
         data_dir = config.data_dir
+        store_url = config.store_url
     else:
         data_dir = args.data_dir or default_data_dir()
+        store_url = args.store
+        if store_url is not None and not store_url.startswith(STORE_URL_SCHEMES):
+            parser.error(f"--store must be a postgresql:// libpq URI; got {store_url!r}")
+    url_problem = store_url and store_url_problem(store_url)
+    if url_problem:
+        parser.error(url_problem)
     problem = None if command != "serve" and args.store else _writable_data_dir(data_dir)
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
@@ -278,12 +287,17 @@ def _run(argv: list[str]) -> int:
     from .runner import run_server
 
     assert config is not None
-    try:
-        with hold_data_dir(data_dir):  # one server per data directory, for its whole life
-            trio.run(lambda: run_server(config, stdio=not args.no_stdio))
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    with hold_data_dir(data_dir):  # one server per data directory, for its whole life
+        # From here a Ctrl-C cancels what runs (the store closes, the socket file goes), however early.
+        raise_on_interrupt()
+        try:
+            stopped_by = trio.run(lambda: run_server(config, stdio=not args.no_stdio))
+        except BaseException as exc:
+            if is_interrupt(exc):
+                return INTERRUPTED
+            raise
+    # SIGTERM is how a supervisor asks for a clean stop (0); SIGINT is a person's Ctrl-C (130).
+    return INTERRUPTED if stopped_by == signal.SIGINT else 0
 
 
 def _shared_authority(url: str) -> TokenAuthority:
@@ -295,8 +309,6 @@ def _shared_authority(url: str) -> TokenAuthority:
 
     from .store_open import MISSING_EXTRA, StoreConfigError
 
-    if not url.startswith(STORE_URL_SCHEMES):
-        raise StoreConfigError(f"--store must be a postgresql:// libpq URI; got {url!r}")
     try:
         from .store_pg import PostgresFrameStore
     except ImportError:

@@ -20,6 +20,24 @@ MISSING_EXTRA = (
 )
 
 
+def store_url_problem(url: str) -> str | None:
+    """Why `url` is not a PostgreSQL store URI libpq can read, or None.
+
+    Checked before serving, so a typo (`postgresql://[::1`, `?x`, an unknown query parameter)
+    is a usage error in one line, not the driver's traceback. Without the driver installed it
+    says nothing: `open_store` then names the missing extra.
+    """
+    try:
+        from psycopg import ProgrammingError, conninfo
+    except ImportError:
+        return None
+    try:
+        conninfo.conninfo_to_dict(url)
+    except ProgrammingError as exc:
+        return "the store URL is not a libpq URI: " + " ".join(str(exc).split("\n")).strip()
+    return None
+
+
 class StoreConfigError(ValueError):
     """The configured store cannot be used (its driver is not installed); the message says what to do."""
 

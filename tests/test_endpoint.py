@@ -313,13 +313,20 @@ async def test_tools_call_refuses_arguments_that_are_not_a_json_object(deploymen
     config = write_config(deployment, {"echo": ("ext", log.command)}, ["echo"])
     async with deployment.caller("--config", str(config)):
         env = client_env(deployment)
-        not_json, not_json_status = await run_tools(env, "call", "ext.echo_external", "not json")
+        with trio.fail_after(RUN_BOUND):
+            not_json = await trio.run_process(
+                [PYTHON, "-m", "oubliette_client", "tools", "call", "ext.echo_external", "not json"],
+                stdin=subprocess.DEVNULL, capture_stdout=True, capture_stderr=True, env=env, check=False,
+            )
         array, array_status = await run_tools(env, "call", "ext.echo_external", "[1]")
         string, string_status = await run_tools(env, "call", "ext.echo_external", '"x"')
         valid, valid_status = await run_tools(env, "call", "ext.echo_external", '{"message":"valid"}')
         calls = log.calls()
-    assert not_json_status == 1
-    assert_usage_error(not_json, "arguments are not valid JSON")
+    # the person's typo on the command line: a usage error (2), one line on stderr, nothing on stdout
+    assert (not_json.returncode, not_json.stdout) == (2, b"")
+    assert not_json.stderr.decode().splitlines() == [
+        "oubliette-client tools: error: arguments are not valid JSON: Expecting value: line 1 column 1 (char 0) (see --help)"
+    ]
     assert array_status == 1
     assert_usage_error(array, "call_tool 'arguments' must be a JSON object, got array")
     assert string_status == 1
