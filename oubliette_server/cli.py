@@ -232,6 +232,19 @@ def _is_cancel(exc: BaseException) -> bool:
     return isinstance(exc, (trio.Cancelled, KeyboardInterrupt))
 
 
+TERMINAL_NOTICE = (
+    f"{PROG}: stdin is a terminal, so no caller is served on stdio (that is for programs that spawn "
+    f"{PROG}, such as an MCP client); serving the relay and HTTP as with --no-stdio"
+)
+
+
+def _stdin_is_a_terminal() -> bool:
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False
+
+
 def _writable_data_dir(path: Path) -> str | None:
     """Why the data directory cannot be used, or None; checked before serving so the failure is one clear line."""
     try:
@@ -287,11 +300,17 @@ def _run(argv: list[str]) -> int:
     from .runner import run_server
 
     assert config is not None
+    stdio = not args.no_stdio
+    if stdio and _stdin_is_a_terminal():
+        # A person typed `oubliette-server` (or `oubliette-server &`): reading JSON-RPC from the
+        # keyboard would wait silently, and a background job reading the terminal is stopped.
+        print(TERMINAL_NOTICE, file=sys.stderr, flush=True)
+        stdio = False
     with hold_data_dir(data_dir):  # one server per data directory, for its whole life
         # From here a Ctrl-C cancels what runs (the store closes, the socket file goes), however early.
         raise_on_interrupt()
         try:
-            stopped_by = trio.run(lambda: run_server(config, stdio=not args.no_stdio))
+            stopped_by = trio.run(lambda: run_server(config, stdio=stdio))
         except BaseException as exc:
             if is_interrupt(exc):
                 return INTERRUPTED
