@@ -165,5 +165,6 @@ def run_tools_command(settings: RelaySettings, connect_wait: float, words: list[
         return await ep.handle_line(json.dumps(request))
 
     response = trio.run(endpoint.run, once)
-    print(json.dumps(response, indent=2, ensure_ascii=False))
+    # one line, as the endpoint answers and as the README shows it (`| python3 -m json.tool` to indent)
+    print(json.dumps(response, ensure_ascii=False))
     return 0 if response.get("type") == "result" else 1

@@ -130,10 +130,10 @@ class RelayLink:
     def failure_line(self) -> str:
         """One line for a person: why the link is not up (unreachable relay, or refused)."""
         if self.refused is not None:
-            return (
-                f"the relay at {self.address} refused instance {self.settings.instance!r}: {self.refused} "
-                f"(check OUBLIETTE_TOKEN: `oubliette-server token {self.settings.instance}` prints it)"
-            )
+            line = f"the relay at {self.address} refused instance {self.settings.instance!r}: {self.refused}"
+            if "oubliette-server token" in self.refused:
+                return line  # the server said how to print its token (with --store when it needs it)
+            return f"{line} (check OUBLIETTE_TOKEN: `oubliette-server token {self.settings.instance}` prints it)"
         return f"{self.last_error} ({CONNECT_HINT})"
 
     def unavailable_error(self) -> RelayError:

@@ -13,6 +13,7 @@ import attrs
 from protocol.limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_PAYLOAD_BYTES, Limits
 
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
+from .toml_types import wrong_type
 
 DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
@@ -173,8 +174,9 @@ def load_config_file(path: Path) -> dict[str, Any]:
         expected = SERVER_KEYS.get(key)
         if expected is None:
             raise ValueError(f"config file {path}: unknown [server] key {key!r}")
-        if not isinstance(value, expected) or isinstance(value, bool):
-            raise ValueError(f"config file {path}: [server] {key} has the wrong type")
+        problem = wrong_type(f"[server] {key}", value, expected)
+        if problem:
+            raise ValueError(f"config file {path}: {problem}")
         if isinstance(value, list) and not all(isinstance(item, str) for item in value):
             raise ValueError(f"config file {path}: [server] {key} must be a list of strings")
         settings[key] = value
@@ -182,8 +184,9 @@ def load_config_file(path: Path) -> dict[str, Any]:
         expected = STORE_KEYS.get(key)
         if expected is None:
             raise ValueError(f"config file {path}: unknown [store] key {key!r}")
-        if not isinstance(value, expected) or isinstance(value, bool):
-            raise ValueError(f"config file {path}: [store] {key} has the wrong type")
+        problem = wrong_type(f"[store] {key}", value, expected)
+        if problem:
+            raise ValueError(f"config file {path}: {problem}")
         settings[f"store_{key}"] = value
     instances = document.get("instances", {})
     for name, table in instances.items():
@@ -200,6 +203,6 @@ def load_config_file(path: Path) -> dict[str, Any]:
     settings["instances"] = instances
     from .toolsets.from_config import parse_allowlists, parse_toolsets
 
-    settings["toolsets"] = parse_toolsets(document.get("toolsets", {}), str(path))
-    settings["allowlists"] = parse_allowlists(document.get("allowlists", {}), str(path))
+    settings["toolsets"] = parse_toolsets(document.get("toolsets", {}), f"config file {path}")
+    settings["allowlists"] = parse_allowlists(document.get("allowlists", {}), f"config file {path}")
     return settings

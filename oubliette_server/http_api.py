@@ -145,6 +145,44 @@ def _declares_body(scope: dict[str, Any]) -> bool:
     return False
 
 
+class ExplainMisdirected:
+    """ASGI middleware: `/mcp`'s 421 for a `Host` it does not accept says which option accepts it.
+
+    Why: the SDK's DNS-rebinding protection answers a bare "Invalid Host header"; behind a proxy
+    or in a container network the fix is `--allowed-host` (or `[server] allowed_hosts`), which
+    nothing named. The response becomes the documented JSON error shape.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        replaced = False
+
+        async def explained(message: dict[str, Any]) -> None:
+            nonlocal replaced
+            if message["type"] == "http.response.start" and message["status"] == 421:
+                replaced = True
+                await error_response(RelayError(errors.INVALID_REQUEST, _host_refusal(scope)), 421)(scope, receive, send)
+            elif not replaced:  # the SDK's own body of a replaced response is dropped
+                await send(message)
+
+        await self.app(scope, receive, explained)
+
+
+def _host_refusal(scope: dict[str, Any]) -> str:
+    host = next((value.decode("latin-1") for name, value in scope.get("headers", []) if name == b"host"), "")
+    shown = json.dumps(host[:200])
+    return (
+        f"/mcp does not accept the Host header {shown} (it accepts 127.0.0.1, localhost and [::1]); "
+        f"to accept it, start the server with --allowed-host {host[:200] or 'HOST:PORT'} "
+        "(or [server] allowed_hosts in the config file)"
+    )
+
+
 class BearerAuth:
     """ASGI middleware: TCP requests need a valid bearer token; Unix socket ones rely on the file mode."""
 
@@ -561,7 +599,8 @@ class HttpApi:
             ],
         )
         starlette.router.default = _not_found  # unknown paths answer the JSON error shape too
-        return DrainRequestBody(BearerAuth(StreamWatch(starlette, self._standalone_stream_dropped), self.verify_token))
+        watched = ExplainMisdirected(StreamWatch(starlette, self._standalone_stream_dropped))
+        return DrainRequestBody(BearerAuth(watched, self.verify_token))
 
     async def serve(self, binds: list[str], *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the app with hypercorn on `binds` (`host:port` or `unix:PATH`) until cancelled.
