@@ -522,8 +522,8 @@ CLAUDE_CODE_DIR = Path(__file__).resolve().parent.parent / ".claude-code"
 def fresh_shell(root: Path) -> tuple[Path, dict[str, str]]:
     """A user's new shell in the checkout after the README's commands: (its working directory, its environment).
 
-    The directory holds `.venv` (and `.claude-code`) as the checkout does, as links to the
-    real ones; `HOME` is `root/home`. The environment has no `OUBLIETTE_*`, no XDG data home,
+    The directory holds `.venv`, `.claude-code` and `examples` as the checkout does, as links
+    to the real ones; `HOME` is `root/home`. The environment has no `OUBLIETTE_*`, no XDG data home,
     no active venv: neither the venv's bin nor Claude Code is on `PATH`, so a pasted command
     that forgets to activate the venv fails here as it fails for a user.
     """
@@ -532,6 +532,7 @@ def fresh_shell(root: Path) -> tuple[Path, dict[str, str]]:
     home.mkdir(parents=True, exist_ok=True)
     (checkout / ".venv").symlink_to(VENV)
     (checkout / ".claude-code").symlink_to(CLAUDE_CODE_DIR)
+    (checkout / "examples").symlink_to(Path(__file__).resolve().parent.parent / "examples")
     hidden = {(VENV / "bin").resolve(), CLAUDE_CODE_DIR.resolve()}
     path = os.pathsep.join(
         entry for entry in os.environ.get("PATH", "").split(os.pathsep)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any, AsyncIterator
 
 import pytest
 import trio
@@ -143,25 +145,33 @@ async def test_ctrl_c_while_tools_waits_is_silent_and_130(tmp_path: Path, words:
     assert stderr.text == b""
 
 
-async def test_ctrl_c_in_the_middle_of_the_demo_is_one_line_and_130() -> None:
+@asynccontextmanager
+async def piped(argv: list[str], **options: Any) -> AsyncIterator[tuple[trio.Process, Stderr, Stderr]]:
+    """`argv` running with its stdout and stderr read in the background; killed at the end if still running."""
     process = await trio.lowlevel.open_process(
-        [PYTHON, "examples/demo.py"], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, env=data_env_for(fresh_dir()),
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **options,
     )
-    out, err = Stderr(), Stderr()  # both read in the background
+    out, err = Stderr(), Stderr()
     try:
         async with trio.open_nursery() as nursery:
             assert process.stdout is not None and process.stderr is not None
             nursery.start_soon(out.drain, process.stdout)
             nursery.start_soon(err.drain, process.stderr)
-            await out.wait_for(b"[caller] session_message")
-            os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-            with trio.fail_after(RUN_BOUND):
-                assert await process.wait() == INTERRUPTED
+            yield process, out, err
     finally:
         if process.returncode is None:
             process.kill()
-            await process.wait()
+            with trio.CancelScope(shield=True):
+                await process.wait()
+
+
+async def test_ctrl_c_in_the_middle_of_the_demo_is_one_line_and_130() -> None:
+    argv = [PYTHON, "examples/demo.py"]
+    async with piped(argv, cwd=ROOT, start_new_session=True, env=data_env_for(fresh_dir())) as (process, out, err):
+        await out.wait_for(b"[caller] session_message")
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        with trio.fail_after(RUN_BOUND):
+            assert await process.wait() == INTERRUPTED
     assert err.text.decode().splitlines() == ["[caller] interrupted"], err.text.decode()
 
 
