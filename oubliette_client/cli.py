@@ -151,7 +151,7 @@ def _endpoint_main(argv: list[str], tools: bool) -> int:
     prog = f"{PROG} tools" if tools else f"{PROG} endpoint"
     parser = OneLineParser(
         prog=prog,
-        description="Use the sandbox's tools through seed 001's action contract "
+        description="Use the sandbox's tools through the action contract of docs/TOOLSETS.md "
         + ("(one action: list | describe NAME | call NAME JSON)." if tools else "(one JSON request per stdin line)."),
     )
     add_relay_arguments(parser)

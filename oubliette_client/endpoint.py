@@ -1,4 +1,4 @@
-"""The action-contract face of the client (seed 001): for agents that do not speak MCP.
+"""The action-contract face of the client (docs/TOOLSETS.md): for agents that do not speak MCP.
 
 `oubliette-client endpoint` reads one request per line on stdin —
 `list_tools`, `describe_tool`, `call_tool` — and writes one response line per
@@ -37,7 +37,7 @@ DEFAULT_CONNECT_WAIT = 5.0
 
 
 class ActionEndpoint:
-    """Seed 001's action contract (`list_tools`, `describe_tool`, `call_tool`) over this sandbox's relay.
+    """The action contract (`list_tools`, `describe_tool`, `call_tool`) over this sandbox's relay.
 
     Owns: a `SandboxTools` (its registry and `RelayLink`); the link runs only inside `run`.
     Needs: `RelaySettings`; call `run(fn)` so the link is up while `fn` uses the endpoint.

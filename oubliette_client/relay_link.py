@@ -14,7 +14,7 @@ distinct reason (not once per retry), so a misconfigured client says so at its d
 
 The peer, the sans-IO core and the message models (`protocol.peer`, `protocol.core`,
 `protocol.messages`) are imported when the link first connects, not with this module: `oubliette-client` answers `initialize` without them
-when the relay is down, and imports less before it when it is up (issue 11's cold start).
+when the relay is down, and imports less before it when it is up (its cold start).
 
 Owns: the current connection (closed when `run` is cancelled). Needs: `run` in a nursery
 (`nursery.start_soon(link.run)`). Raises: `request` and `notify` raise only `RelayError`;

@@ -98,7 +98,7 @@ class ServerConfig:
     allowed_hosts: list[str] = attrs.field(factory=list)
     """Extra Host header values accepted on /mcp besides loopback ones (e.g. `oubliette.internal:*`)."""
     tool_separator: str = attrs.field(default=".")
-    """Between a toolset's prefix and its tools' names: "." (seed 003) or "_" for hosts that reject dots."""
+    """Between a toolset's prefix and its tools' names: "." (the default) or "_" for hosts that reject dots."""
 
     @tool_separator.validator
     def _check_separator(self, attribute: Any, value: str) -> None:

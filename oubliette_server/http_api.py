@@ -291,7 +291,7 @@ def _types_param(request: Request) -> list[str] | None:
 async def _unless_disconnected(request: Request, wait: Any) -> Any:
     """`await wait()`, cancelled when the HTTP client disconnects first (then None).
 
-    A long poll ends with its request (seed 004: "cancellation via request context")
+    A long poll ends with its request (the tether's rule: "cancellation via request context")
     instead of holding a frame-store waiter until `wait_ms` runs out.
     """
     answer: list[Any] = []

@@ -221,7 +221,7 @@ class Deployment:
 
     @asynccontextmanager
     async def embedded_http_server(self, *instances: str) -> AsyncIterator["EmbeddedHttpServer"]:
-        """The server embedded in the test's own Trio loop (DESIGN.md, "Embedding") with a TCP
+        """The server embedded in the test's own Trio loop (README.md, "Embedding") with a TCP
         HTTP listener, `instances` configured: for tests that look at its state (e.g. the
         frame store's long-poll waiters) directly."""
         from oubliette_server.app import OublietteServer
@@ -582,7 +582,7 @@ async def memory_transport(server: Any, options: Any) -> AsyncIterator[Any]:
 
 class InProcessDeployment(Deployment):
     """A `Deployment` whose `caller()` and `agent()` run oubliette-server and oubliette-client
-    as libraries in the test's Trio loop (DESIGN.md, "Embedding"), over memory streams
+    as libraries in the test's Trio loop (README.md, "Embedding"), over memory streams
     instead of stdio: the same objects the command-line programs build, without two
     interpreter start-ups (~1-3 s each) per test. `guest()` and `http_server()` still start
     the real programs; tests marked `real_programs` get a plain `Deployment`.

@@ -1,4 +1,4 @@
-"""`oubliette-client endpoint` and `oubliette-client tools`: seed 001's action contract, end to end.
+"""`oubliette-client endpoint` and `oubliette-client tools`: the action contract, end to end.
 
 Every test starts the real programs: oubliette-server as the caller's stdio MCP
 server with a TOML config (`--config`) that registers command toolsets, and
@@ -203,7 +203,7 @@ SEED_DESCRIBE = {"action": "describe_tool", "tool": "ext.echo_external"}
 SEED_CALL = {"action": "call_tool", "tool": "ext.echo_external", "arguments": {"message": "hi"}}
 
 
-# -- 1. seed 001's example interactions through `oubliette-client endpoint` ---------------------
+# -- 1. the action contract's example interactions through `oubliette-client endpoint` ---------------------
 
 
 @pytest.mark.real_programs
@@ -459,7 +459,7 @@ async def run_failing(env: dict[str, str], *args: str, stdin: bytes = b"") -> tu
 
 
 async def test_relay_down_endpoint_exits_1_with_one_line_saying_why(deployment: Deployment) -> None:
-    """Not an empty tool list with exit 0 (issue 10, item 2): the caller learns the relay is down."""
+    """Not an empty tool list with exit 0: the caller learns the relay is down."""
     assert not deployment.socket.exists()
     out, err, status = await run_failing(
         client_env(deployment), "endpoint", "--connect-wait", "0.3", stdin=lines_of(SEED_LIST, SEED_CALL),

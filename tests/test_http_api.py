@@ -1,4 +1,4 @@
-"""The HTTP API (seed 004 §4): tether ingress, poll and SSE stream; auth; /mcp Host checks.
+"""The HTTP API (docs/TETHER.md, "HTTP API"): tether ingress, poll and SSE stream; auth; /mcp Host checks.
 
 Most tests run `oubliette-server` as a subprocess with a TCP and a Unix socket listener
 (`deployment.http_server()`) and talk to it with httpx2. The tests about long-poll waiters

@@ -7,7 +7,7 @@ streams, and the server end to end with a sandbox that stops reading.
   reads for the write deadline and the full queue; request deadlines and `cancel`; an
   inbound `cancel` that cancels exactly one request. `MockClock(autojump_threshold=0)`
   makes the deadlines instant.
-- End to end (issue 7): a stalled sandbox connection does not delay another caller's
+- End to end: a stalled sandbox connection does not delay another caller's
   `session_message` or `register_toolset`, and is closed after the write deadline.
 """
 

@@ -1,4 +1,4 @@
-"""Wake on message (seed 004): a message for an instance whose guest is down starts it.
+"""Wake on message (docs/TETHER.md, "Wake on message"): a message for an instance whose guest is down starts it.
 
 The server gets a TOML config file (`--config`) that gives instance "box1" a start
 command. Here the start command is a small wrapper script that appends one JSON line
@@ -113,7 +113,7 @@ async def wake_server(deployment: Deployment, setup: WakeSetup, *extra: str) -> 
 
 
 async def tether_send(rest: Any, session_id: str, text: str) -> str:
-    """The tether_send of seed 004 over HTTP: POST a host user.message; its msg_id."""
+    """The tether's tether_send over HTTP: POST a host user.message; its msg_id."""
     return await post_message(rest, "host", session_id, text)
 
 

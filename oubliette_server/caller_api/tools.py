@@ -666,14 +666,14 @@ class CallerTools:
             wait_ms=args.get("wait_ms", 0), types=args.get("types"),
         )
 
-    # -- tether (seed 004) ---------------------------------------------------------------
+    # -- tether (docs/TETHER.md) ---------------------------------------------------------------
 
     async def tether_send(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
-        """Seed 004's `tether_send`: ingress a `user.message` on the tether channel (see `Tether.send`)."""
+        """The tether's `tether_send`: ingress a `user.message` on the tether channel (see `Tether.send`)."""
         return await self.tether.send(args["instance"], args["text"], args.get("session_id"))
 
     async def tether_read(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
-        """Seed 004's `tether_read`: the tether session's egress frames after a cursor (see `Tether.read`).
+        """The tether's `tether_read`: the tether session's egress frames after a cursor (see `Tether.read`).
 
         Raises: `RelayError` for an unknown instance or a bad session id.
         """
