@@ -543,7 +543,7 @@ def fresh_shell(root: Path) -> tuple[Path, dict[str, str]]:
         if key not in {"XDG_DATA_HOME", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"}
     }
     env.update(PATH=path, HOME=str(home))
-    for program in ("oubliette-server", "oubliette-client", "claude"):
+    for program in ("oubliette-server", "oubliette-client"):  # (a `claude` of the machine's own may stay)
         assert shutil.which(program, path=path) is None, f"{program} is on PATH before any activation"
     return checkout, env
 
