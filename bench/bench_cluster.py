@@ -15,7 +15,7 @@ removes it at the end. All programs are the real ones, started as tests/harness.
    A is woken by NOTIFY, A stores the answer with ``append_outcome``, B is woken by NOTIFY).
    ``--calls`` sequential calls on each path, alternating in chunks of ``--chunk`` so that
    load drifting during the run hits both alike; it prints median and p99 latency of both and
-   the ratio two-server/one-server (issue 14's target: at most 1.5).
+   the ratio two-server/one-server (the target: at most 1.5).
 2. **Soak with a server killed.** A fresh database, servers A and B, a guest runtime
    (``oubliette-client run -- cat``: each turn's text is the message) given both relay
    addresses and connected to B. ``--messages`` user messages are posted through A's tether

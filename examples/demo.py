@@ -22,18 +22,23 @@ Run:  python examples/demo.py
 
 from __future__ import annotations
 
-import json
-import sys
-import tempfile
-from pathlib import Path
-from typing import Any, Callable
+from protocol.interrupts import INTERRUPTED, exit_on_interrupt, is_interrupt, raise_on_interrupt
 
-import trio
-from mcp import Client
-from mcp.client.stdio import StdioServerParameters, stdio_client
+exit_on_interrupt()  # Ctrl-C while the imports below load (a second): status 130, no traceback
 
-from oubliette_client import GuestRuntime, RelaySettings
-from oubliette_server.auth import TokenAuthority
+import json  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import trio  # noqa: E402
+from mcp import Client  # noqa: E402
+from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
+
+from oubliette_client import GuestRuntime, RelaySettings  # noqa: E402
+from oubliette_server.auth import TokenAuthority  # noqa: E402
 
 CALLER_TOOLS = [{
     "name": "send_notification",
@@ -128,8 +133,19 @@ async def demo(workdir: Path) -> int:
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="oubliette-demo-") as tmp:
-        return trio.run(demo, Path(tmp))
+    """Run the demo; a Ctrl-C stops it (the server, the guest runtime and its agent with it): one line, status 130."""
+    raise_on_interrupt()  # from here Ctrl-C cancels the flow, so the temporary directory is removed
+    # The in-process guest runtime shares this terminal: on Ctrl-C the server (same process group)
+    # stops first, and the runtime's "cannot connect …; retrying" would follow. Errors still show.
+    logging.getLogger("oubliette.client").setLevel(logging.ERROR)
+    try:
+        with tempfile.TemporaryDirectory(prefix="oubliette-demo-") as tmp:
+            return trio.run(demo, Path(tmp))
+    except BaseException as exc:
+        if not is_interrupt(exc):
+            raise
+        print("[caller] interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

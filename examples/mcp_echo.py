@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The reference action-contract endpoint of seed 001: one tool, ``echo_external``.
+"""The reference endpoint of the action contract (docs/TOOLSETS.md): one tool, ``echo_external``.
 
 A command endpoint (``MCP_ENDPOINT``) reads one JSON request per line on stdin, until EOF,
 and writes one JSON response line to stdout for each, so it works both for a single

@@ -1,3 +1,3 @@
 #!/bin/sh
-# The reference action-contract endpoint of seed 001 (see mcp_echo.py).
+# The reference endpoint of the action contract, docs/TOOLSETS.md (see mcp_echo.py).
 exec python3 "$(dirname "$0")/mcp_echo.py" "$@"

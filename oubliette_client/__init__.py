@@ -1,4 +1,4 @@
-"""oubliette-client: the sandbox side of Oubliette (see DESIGN.md).
+"""oubliette-client: the sandbox side of Oubliette (see README.md and docs/ARCHITECTURE.md).
 
 The public classes are imported on first use (PEP 562), not with the package: each
 `oubliette-client` mode and the demo agent then load only what they run (the MCP server

@@ -41,12 +41,16 @@ EPILOG = """subcommands:
   demo-agent            a scripted MCP agent, for the demo and tests
 
 Relay flags may come before or after the subcommand. `oubliette-client SUBCOMMAND --help` for its flags.
-Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error."""
+Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
+
+
+#: The distribution (pyproject's `[project] name`) that installs this program.
+DISTRIBUTION = "oubliette-relay"
 
 
 def _version() -> str:
     try:
-        return f"{PROG} {metadata.version('oubliette')}"
+        return f"{PROG} {metadata.version(DISTRIBUTION)}"
     except metadata.PackageNotFoundError:
         return f"{PROG} (not installed)"
 
@@ -147,7 +151,7 @@ def _endpoint_main(argv: list[str], tools: bool) -> int:
     prog = f"{PROG} tools" if tools else f"{PROG} endpoint"
     parser = OneLineParser(
         prog=prog,
-        description="Use the sandbox's tools through seed 001's action contract "
+        description="Use the sandbox's tools through the action contract of docs/TOOLSETS.md "
         + ("(one action: list | describe NAME | call NAME JSON)." if tools else "(one JSON request per stdin line)."),
     )
     add_relay_arguments(parser)

@@ -1,7 +1,7 @@
 """oubliette-client's start: the agent's handshake answered while the MCP SDK is still loading.
 
 Why: importing the MCP SDK is about 0.7 s of the client's ~0.9 s start, nearly all of it
-pydantic models (issue 11, `bench/bench_coldstart.py`). The handshake's first requests have
+pydantic models (`bench/bench_coldstart.py`). The handshake's first requests have
 fixed shapes and need none of it, so `serve_stdio` loads the SDK in a worker thread while the
 Trio thread connects to the relay and reads the agent's stdin; until the SDK is loaded it
 answers these itself, and hands every other line on, in order, to the SDK once loaded:

@@ -1,4 +1,4 @@
-"""The action-contract face of the client (seed 001): for agents that do not speak MCP.
+"""The action-contract face of the client (docs/TOOLSETS.md): for agents that do not speak MCP.
 
 `oubliette-client endpoint` reads one request per line on stdin —
 `list_tools`, `describe_tool`, `call_tool` — and writes one response line per
@@ -37,7 +37,7 @@ DEFAULT_CONNECT_WAIT = 5.0
 
 
 class ActionEndpoint:
-    """Seed 001's action contract (`list_tools`, `describe_tool`, `call_tool`) over this sandbox's relay.
+    """The action contract (`list_tools`, `describe_tool`, `call_tool`) over this sandbox's relay.
 
     Owns: a `SandboxTools` (its registry and `RelayLink`); the link runs only inside `run`.
     Needs: `RelaySettings`; call `run(fn)` so the link is up while `fn` uses the endpoint.
@@ -156,13 +156,15 @@ def run_tools_command(settings: RelaySettings, connect_wait: float, words: list[
         try:
             request["arguments"] = json.loads(words[2])
         except json.JSONDecodeError as exc:
-            print(json.dumps(ActionError(COMPONENT, "usage", f"arguments are not valid JSON: {exc}").envelope()))
-            return 1
+            # the person's own typo: a usage error, said on stderr (stdout is for the answer)
+            print(f"oubliette-client tools: error: arguments are not valid JSON: {exc} (see --help)", file=sys.stderr)
+            return 2
     endpoint = ActionEndpoint(settings, connect_wait=connect_wait, require_connection=True)
 
     async def once(ep: ActionEndpoint) -> dict[str, Any]:
         return await ep.handle_line(json.dumps(request))
 
     response = trio.run(endpoint.run, once)
-    print(json.dumps(response, indent=2, ensure_ascii=False))
+    # one line, as the endpoint answers and as the README shows it (`| python3 -m json.tool` to indent)
+    print(json.dumps(response, ensure_ascii=False))
     return 0 if response.get("type") == "result" else 1

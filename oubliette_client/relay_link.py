@@ -14,7 +14,7 @@ distinct reason (not once per retry), so a misconfigured client says so at its d
 
 The peer, the sans-IO core and the message models (`protocol.peer`, `protocol.core`,
 `protocol.messages`) are imported when the link first connects, not with this module: `oubliette-client` answers `initialize` without them
-when the relay is down, and imports less before it when it is up (issue 11's cold start).
+when the relay is down, and imports less before it when it is up (its cold start).
 
 Owns: the current connection (closed when `run` is cancelled). Needs: `run` in a nursery
 (`nursery.start_soon(link.run)`). Raises: `request` and `notify` raise only `RelayError`;
@@ -132,10 +132,10 @@ class RelayLink:
     def failure_line(self) -> str:
         """One line for a person: why the link is not up (unreachable relay, or refused)."""
         if self.refused is not None:
-            return (
-                f"the relay at {self.address} refused instance {self.settings.instance!r}: {self.refused} "
-                f"(check OUBLIETTE_TOKEN: `oubliette-server token {self.settings.instance}` prints it)"
-            )
+            line = f"the relay at {self.address} refused instance {self.settings.instance!r}: {self.refused}"
+            if "oubliette-server token" in self.refused:
+                return line  # the server said how to print its token (with --store when it needs it)
+            return f"{line} (check OUBLIETTE_TOKEN: `oubliette-server token {self.settings.instance}` prints it)"
         return f"{self.last_error} ({CONNECT_HINT})"
 
     def unavailable_error(self) -> RelayError:

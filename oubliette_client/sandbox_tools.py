@@ -85,7 +85,7 @@ class SandboxTools:
 
     async def _on_relay_notification(self, method: str, params: Any) -> None:
         """Params come validated and structured by the relay peer."""
-        from protocol import messages  # loaded with the link's first connection (cold start, issue 11)
+        from protocol import messages  # loaded with the link's first connection (cold start)
 
         if isinstance(params, messages.CallerToolsConfig):
             if self.link.connected:
@@ -202,7 +202,7 @@ class SandboxTools:
         problem = tool.validation_error(arguments)
         if problem:
             return CallOutcome(error=problem, category="usage")
-        from protocol import messages  # loaded with the link's first connection (cold start, issue 11)
+        from protocol import messages  # loaded with the link's first connection (cold start)
 
         ref = self._track(progress)
         extra = {"progress_ref": ref} if ref is not None else {}

@@ -5,7 +5,7 @@ name the server published (`<prefix><sep><tool>`). A published name is
 resolved through the map built when the list was published, never by
 splitting the string, so ids, prefixes and names may contain `_` or `.`
 freely. Each change bumps `version` and wakes waiters, who tell the agent.
-Every tool carries its seed 001 descriptor.
+Every tool carries its tool descriptor.
 """
 
 from __future__ import annotations

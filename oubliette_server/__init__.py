@@ -1,4 +1,4 @@
-"""oubliette-server: the host side of Oubliette (see DESIGN.md).
+"""oubliette-server: the host side of Oubliette (see README.md and docs/ARCHITECTURE.md).
 
 `OublietteServer` and `ServerConfig` are imported on first use (PEP 562), not with the package:
 the command line's `--help`, `token` and `http-token` then start without the MCP SDK (about a

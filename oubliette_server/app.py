@@ -242,6 +242,7 @@ class OublietteServer:
         return RelayConnection(
             stream, peer_name,
             verify_token=self.tokens.verify,
+            token_hint=self.tokens.token_hint,
             handlers=self.relay_handlers,
             on_open=self.relay_connection_opened,
             on_close=self.relay_connection_closed,

@@ -68,6 +68,7 @@ class TokenAuthority:
 
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
+        self._shared = False
 
     @classmethod
     def for_data_dir(cls, data_dir: Path) -> "TokenAuthority":
@@ -88,6 +89,18 @@ class TokenAuthority:
         if len(secret) < 32:
             raise ValueError("the shared server secret is too short")
         self._secret = secret
+        self._shared = True
+
+    def token_hint(self, instance: str) -> str:
+        """How a person gets `instance`'s token from this server, for a refused hello.
+
+        A deployment on PostgreSQL derives tokens from the store's secret, so the command needs the
+        server's `--store` (without it, it prints the data directory's token, which this server
+        refuses). The store URL itself is not sent: the sandbox must not learn it.
+        """
+        if self._shared:
+            return f"`oubliette-server token {instance} --store URL` prints it, URL being the server's --store"
+        return f"`oubliette-server token {instance}` prints it, with the server's --data-dir if it has one"
 
     def token_for(self, instance: str) -> str:
         """The instance's token: hex HMAC-SHA256 of its id under the secret (the same every time)."""
@@ -105,8 +118,12 @@ class TokenAuthority:
         return hmac.compare_digest(expected, token.encode("utf-8", "surrogatepass"))
 
 
-def check_hello(hello: messages.Hello, verify_token: Callable[[str, object], bool]) -> None:
-    """Refuse a `hello` that the server must not accept, with the error its peer gets.
+def check_hello(
+    hello: messages.Hello, verify_token: Callable[[str, object], bool],
+    token_hint: Callable[[str], str] | None = None,
+) -> None:
+    """Refuse a `hello` that the server must not accept, with the error its peer gets
+    (a wrong token's says how to print the right one, when `token_hint` is given).
 
     Raises RelayError: INVALID_REQUEST for another protocol; INVALID_PARAMS for an unknown
     role or a malformed session key; NOT_FOUND for a malformed instance id; UNAUTHORIZED for
@@ -127,4 +144,5 @@ def check_hello(hello: messages.Hello, verify_token: Callable[[str, object], boo
         if reason:
             raise RelayError(errors.INVALID_PARAMS, reason)
     if not verify_token(hello.instance, hello.token):
-        raise RelayError(errors.UNAUTHORIZED, f"wrong token for instance '{hello.instance}'")
+        hint = f" (check OUBLIETTE_TOKEN: {token_hint(hello.instance)})" if token_hint else ""
+        raise RelayError(errors.UNAUTHORIZED, f"wrong token for instance '{hello.instance}'{hint}")

@@ -17,19 +17,22 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
 from typing import Iterator, NoReturn
 
 from protocol import parse_relay_address
+from protocol.interrupts import INTERRUPTED, is_interrupt, raise_on_interrupt
 
 from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
 from .config import DEFAULT_CALLER_TIMEOUT, STORE_URL_SCHEMES, ServerConfig, default_data_dir, load_config_file
+from .data_dir_lock import DataDirInUse, hold_data_dir
 from .relay import SERVER_VERSION
 from .store_api import StoreDamaged, StoreUnavailable
-from .store_open import StoreConfigError
+from .store_open import StoreConfigError, store_url_problem
 
 PROG = "oubliette-server"
 SUBCOMMANDS = ("serve", "token", "http-token")
@@ -41,7 +44,7 @@ EPILOG = """subcommands:
   http-token            print the HTTP API's bearer token
 
 Options may come before or after the subcommand, e.g. `oubliette-server --data-dir X token box1`.
-Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error."""
+Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -205,14 +208,16 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
 def describe_failure(exc: BaseException) -> str | None:
     """One line for an operator's mistake found at run time, else None (a bug: keep its traceback).
 
-    The mistake is an `OSError` (a port or socket in use, permission denied), or the store's
+    The mistake is an `OSError` (a port or socket in use, permission denied), the store's
     (`StoreConfigError`: the PostgreSQL extra is missing; `StoreUnavailable`: the database
-    cannot be reached at start; `StoreDamaged`: the SQLite file is not a readable database), possibly inside the exception groups of Trio nurseries.
+    cannot be reached at start; `StoreDamaged`: the SQLite file is not a readable database), or
+    `DataDirInUse` (another server holds the data directory), possibly inside the exception groups
+    of Trio nurseries.
     """
     leaves = [leaf for leaf in _leaves(exc) if not _is_cancel(leaf)]
     for leaf in leaves:
-        if isinstance(leaf, (StoreConfigError, StoreUnavailable, StoreDamaged)):
-            return str(leaf)  # the store's own one line (missing extra, database unreachable, file damaged)
+        if isinstance(leaf, (StoreConfigError, StoreUnavailable, StoreDamaged, DataDirInUse)):
+            return str(leaf)  # its own one line (missing extra, database unreachable, file damaged, data dir taken)
     if not leaves or not all(isinstance(leaf, OSError) for leaf in leaves):
         return None
     first = leaves[0]
@@ -226,6 +231,19 @@ def _is_cancel(exc: BaseException) -> bool:
     import trio
 
     return isinstance(exc, (trio.Cancelled, KeyboardInterrupt))
+
+
+TERMINAL_NOTICE = (
+    f"{PROG}: stdin is a terminal, so no caller is served on stdio (that is for programs that spawn "
+    f"{PROG}, such as an MCP client); serving the relay and HTTP as with --no-stdio"
+)
+
+
+def _stdin_is_a_terminal() -> bool:
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False
 
 
 def _writable_data_dir(path: Path) -> str | None:
@@ -258,8 +276,15 @@ def _run(argv: list[str]) -> int:
         except (ValueError, TypeError) as exc:
             parser.error(str(exc))
         data_dir = config.data_dir
+        store_url = config.store_url
     else:
         data_dir = args.data_dir or default_data_dir()
+        store_url = args.store
+        if store_url is not None and not store_url.startswith(STORE_URL_SCHEMES):
+            parser.error(f"--store must be a postgresql:// libpq URI; got {store_url!r}")
+    url_problem = store_url and store_url_problem(store_url)
+    if url_problem:
+        parser.error(url_problem)
     problem = None if command != "serve" and args.store else _writable_data_dir(data_dir)
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
@@ -276,11 +301,23 @@ def _run(argv: list[str]) -> int:
     from .runner import run_server
 
     assert config is not None
-    try:
-        trio.run(lambda: run_server(config, stdio=not args.no_stdio))
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    stdio = not args.no_stdio
+    if stdio and _stdin_is_a_terminal():
+        # A person typed `oubliette-server` (or `oubliette-server &`): reading JSON-RPC from the
+        # keyboard would wait silently, and a background job reading the terminal is stopped.
+        print(TERMINAL_NOTICE, file=sys.stderr, flush=True)
+        stdio = False
+    with hold_data_dir(data_dir):  # one server per data directory, for its whole life
+        # From here a Ctrl-C cancels what runs (the store closes, the socket file goes), however early.
+        raise_on_interrupt()
+        try:
+            stopped_by = trio.run(lambda: run_server(config, stdio=stdio))
+        except BaseException as exc:
+            if is_interrupt(exc):
+                return INTERRUPTED
+            raise
+    # SIGTERM is how a supervisor asks for a clean stop (0); SIGINT is a person's Ctrl-C (130).
+    return INTERRUPTED if stopped_by == signal.SIGINT else 0
 
 
 def _shared_authority(url: str) -> TokenAuthority:
@@ -292,8 +329,6 @@ def _shared_authority(url: str) -> TokenAuthority:
 
     from .store_open import MISSING_EXTRA, StoreConfigError
 
-    if not url.startswith(STORE_URL_SCHEMES):
-        raise StoreConfigError(f"--store must be a postgresql:// libpq URI; got {url!r}")
     try:
         from .store_pg import PostgresFrameStore
     except ImportError:

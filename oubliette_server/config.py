@@ -20,6 +20,7 @@ from .connection_limits import (
     DEFAULT_HTTP_KEEP_ALIVE_TIMEOUT,
     HttpLimits,
 )
+from .toml_types import wrong_type
 
 DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
@@ -141,7 +142,7 @@ class ServerConfig:
         )
 
     tool_separator: str = attrs.field(default=".")
-    """Between a toolset's prefix and its tools' names: "." (seed 003) or "_" for hosts that reject dots."""
+    """Between a toolset's prefix and its tools' names: "." (the default) or "_" for hosts that reject dots."""
 
     @tool_separator.validator
     def _check_separator(self, attribute: Any, value: str) -> None:
@@ -220,8 +221,9 @@ def load_config_file(path: Path) -> dict[str, Any]:
         expected = SERVER_KEYS.get(key)
         if expected is None:
             raise ValueError(f"config file {path}: unknown [server] key {key!r}")
-        if not isinstance(value, expected) or isinstance(value, bool):
-            raise ValueError(f"config file {path}: [server] {key} has the wrong type")
+        problem = wrong_type(f"[server] {key}", value, expected)
+        if problem:
+            raise ValueError(f"config file {path}: {problem}")
         if isinstance(value, list) and not all(isinstance(item, str) for item in value):
             raise ValueError(f"config file {path}: [server] {key} must be a list of strings")
         settings[key] = value
@@ -229,8 +231,9 @@ def load_config_file(path: Path) -> dict[str, Any]:
         expected = STORE_KEYS.get(key)
         if expected is None:
             raise ValueError(f"config file {path}: unknown [store] key {key!r}")
-        if not isinstance(value, expected) or isinstance(value, bool):
-            raise ValueError(f"config file {path}: [store] {key} has the wrong type")
+        problem = wrong_type(f"[store] {key}", value, expected)
+        if problem:
+            raise ValueError(f"config file {path}: {problem}")
         settings[f"store_{key}"] = value
     instances = document.get("instances", {})
     for name, table in instances.items():
@@ -247,6 +250,6 @@ def load_config_file(path: Path) -> dict[str, Any]:
     settings["instances"] = instances
     from .toolsets.from_config import parse_allowlists, parse_toolsets
 
-    settings["toolsets"] = parse_toolsets(document.get("toolsets", {}), str(path))
-    settings["allowlists"] = parse_allowlists(document.get("allowlists", {}), str(path))
+    settings["toolsets"] = parse_toolsets(document.get("toolsets", {}), f"config file {path}")
+    settings["allowlists"] = parse_allowlists(document.get("allowlists", {}), f"config file {path}")
     return settings

@@ -189,6 +189,44 @@ def _declares_body(scope: dict[str, Any]) -> bool:
     return False
 
 
+class ExplainMisdirected:
+    """ASGI middleware: `/mcp`'s 421 for a `Host` it does not accept says which option accepts it.
+
+    Why: the SDK's DNS-rebinding protection answers a bare "Invalid Host header"; behind a proxy
+    or in a container network the fix is `--allowed-host` (or `[server] allowed_hosts`), which
+    nothing named. The response becomes the documented JSON error shape.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        replaced = False
+
+        async def explained(message: dict[str, Any]) -> None:
+            nonlocal replaced
+            if message["type"] == "http.response.start" and message["status"] == 421:
+                replaced = True
+                await error_response(RelayError(errors.INVALID_REQUEST, _host_refusal(scope)), 421)(scope, receive, send)
+            elif not replaced:  # the SDK's own body of a replaced response is dropped
+                await send(message)
+
+        await self.app(scope, receive, explained)
+
+
+def _host_refusal(scope: dict[str, Any]) -> str:
+    host = next((value.decode("latin-1") for name, value in scope.get("headers", []) if name == b"host"), "")
+    shown = json.dumps(host[:200])
+    return (
+        f"/mcp does not accept the Host header {shown} (it accepts 127.0.0.1, localhost and [::1]); "
+        f"to accept it, start the server with --allowed-host {host[:200] or 'HOST:PORT'} "
+        "(or [server] allowed_hosts in the config file)"
+    )
+
+
 class BearerAuth:
     """ASGI middleware: TCP requests need a valid bearer token; Unix socket ones rely on the file mode."""
 
@@ -398,7 +436,7 @@ def _types_param(request: Request) -> list[str] | None:
 async def _unless_disconnected(request: Request, wait: Any) -> Any:
     """`await wait()`, cancelled when the HTTP client disconnects first (then None).
 
-    A long poll ends with its request (seed 004: "cancellation via request context")
+    A long poll ends with its request (the tether's rule: "cancellation via request context")
     instead of holding a frame-store waiter until `wait_ms` runs out.
     """
     answer: list[Any] = []
@@ -714,7 +752,7 @@ class HttpApi:
         starlette.add_middleware(ErrorBoundary)  # inside Starlette's own (plain-text 500) error middleware
         body_timeout = self.limits.body_timeout
         return AccessLog(DrainRequestBody(
-            BearerAuth(StreamWatch(starlette, self._standalone_stream_dropped), self.verify_token),
+            BearerAuth(ExplainMisdirected(StreamWatch(starlette, self._standalone_stream_dropped)), self.verify_token),
             body_timeout, lambda: self.flood.count(f"requests cut off at the {body_timeout:g} s body deadline"),
         ))
 

@@ -94,8 +94,10 @@ class RelayConnection:
         limits: PeerLimits = PeerLimits(),
         on_request_started: Callable[[], None] | None = None,
         on_request_finished: Callable[[], None] | None = None,
+        token_hint: Callable[[str], str] | None = None,
     ) -> None:
         self.peer = peer
+        self._token_hint = token_hint
         self.role: str | None = None
         self.instance: str | None = None
         self.session_key: str | None = None
@@ -178,7 +180,7 @@ class RelayConnection:
 
     async def _hello(self, hello: messages.Hello) -> messages.HelloResult:
         """Check the hello; register the connection (its configuration is queued before the answer)."""
-        check_hello(hello, self._verify_token)
+        check_hello(hello, self._verify_token, self._token_hint)
         self.role, self.instance, self.session_key = hello.role, hello.instance, hello.session
         await self._on_open(self)  # if it fails, the hello is refused and `on_close` still runs
         return messages.HelloResult(

@@ -24,20 +24,28 @@ def announce_ready(relay: str, http: list[str]) -> None:
     print(READY_PREFIX + json.dumps({"relay": relay, "http": http}), file=sys.stderr, flush=True)
 
 
-async def stop_on_signals(cancel_scope: trio.CancelScope) -> None:
-    """SIGTERM/SIGINT end the server cleanly: listeners close, started guests are stopped, the store closes."""
+async def stop_on_signals(cancel_scope: trio.CancelScope, received: list[int]) -> None:
+    """SIGTERM/SIGINT end the server cleanly: listeners close, started guests are stopped, the store closes.
+
+    The signal is appended to `received`, so the program can exit with its status.
+    """
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("received %s; shutting down", signal.Signals(signum).name)
+            received.append(signum)
             cancel_scope.cancel()
             return
 
 
-async def run_server(config: ServerConfig, *, stdio: bool = True) -> None:
-    """Serve until the stdio caller disconnects, or forever when HTTP listeners are up."""
+async def run_server(config: ServerConfig, *, stdio: bool = True) -> int | None:
+    """Serve until the stdio caller disconnects, or forever when HTTP listeners are up.
+
+    Returns the signal (SIGTERM, SIGINT) that stopped the server, or None when its caller left.
+    """
     app = OublietteServer(config)
+    received: list[int] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(stop_on_signals, nursery.cancel_scope)
+        nursery.start_soon(stop_on_signals, nursery.cancel_scope, received)
         await nursery.start(app.serve)
         if config.toolsets or config.allowlists:
             await register_from_config(app, config.toolsets, config.allowlists)
@@ -46,13 +54,18 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> None:
             http_urls = await nursery.start(app.http_api().serve, config.http)
             log.info("HTTP listening on %s", ", ".join(http_urls))
         announce_ready(config.relay_address, http_urls)
-        if not stdio:
-            return  # the listeners run until a signal stops the process
-        log.info("serving the caller on stdio; relay at %s", config.relay_address)
-        await app.serve_stdio_caller()
-        if config.http:
-            log.info("the stdio caller disconnected; HTTP listeners keep serving")
-            return
-        log.info("stdio caller disconnected; shutting down")
-        await app.drain(SHUTDOWN_DRAIN_SECONDS)
-        nursery.cancel_scope.cancel()
+        if stdio:
+            await _serve_the_stdio_caller(app, config, nursery)
+    return received[0] if received else None
+
+
+async def _serve_the_stdio_caller(app: OublietteServer, config: ServerConfig, nursery: trio.Nursery) -> None:
+    """The stdio caller until it leaves; then the server stops, unless HTTP listeners keep serving."""
+    log.info("serving the caller on stdio; relay at %s", config.relay_address)
+    await app.serve_stdio_caller()
+    if config.http:
+        log.info("the stdio caller disconnected; HTTP listeners keep serving")
+        return
+    log.info("stdio caller disconnected; shutting down")
+    await app.drain(SHUTDOWN_DRAIN_SECONDS)
+    nursery.cancel_scope.cancel()

@@ -16,7 +16,7 @@ Decision (docs/SECURITY.md, "Server-owned frames and payload keys"):
 - every door that stores a frame a peer shaped — `FrameLog.ingress` (the HTTP tether POST,
   `tether_send`, `session_message`'s message) and a guest's `append_frame`
   (`guests/frames.py`) — calls `refuse_server_owned` before anything is stored (the MCP
-  `tether_send` also on its arguments, which seed 004's schema does not close). It refuses
+  `tether_send` also on its arguments, which the original tether schema does not close). It refuses
   those types, and the server's record keys (`SERVER_OWNED_KEYS`) at the top of any payload:
   the reader no longer looks at them elsewhere, but a producer learns at once that they are not
   its to write, and a server of an older release sharing the database (which took them from any
@@ -55,7 +55,7 @@ def refuse_server_owned(type: Any, payload: Any, where: str = "payload") -> None
 
     Every door calls this before anything is stored (see the module's docstring); the server's
     own appends never do. `where` names what `payload` is to the peer (`tether_send` checks its
-    arguments: seed 004's schema lets unknown ones through).
+    arguments: the original tether schema lets unknown ones through).
     """
     if isinstance(type, str) and type in SERVER_OWNED_TYPES:
         raise RelayError(

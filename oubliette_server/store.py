@@ -1,8 +1,8 @@
 """The frame store: the per-instance tether log, kept in SQLite (the default store).
 
-Every message and event of every session is a *frame* (see DESIGN.md, "Frames", and seed 004
-section 3).  This module stores frames, hands out the per-instance ``seq``, answers filtered
-queries and wakes long-poll waiters.  It returns the protocol's one frame model,
+Every message and event of every session is a *frame* (docs/TETHER.md, "Frames").
+This module stores frames, hands out the per-instance ``seq``, answers filtered queries and
+wakes long-poll waiters. It returns the protocol's one frame model,
 :class:`protocol.frames.Frame`, so every view of a frame (wire, caller event) comes from it.
 Its interface is :class:`store_api.FrameStoreAPI`, which the PostgreSQL store
 (``store_pg.py``) implements too.
@@ -46,7 +46,7 @@ Group commit
     append whose task is cancelled while its group commits still completes (the cancellation
     is seen at the caller's next checkpoint), so "if it raises, nothing was stored" holds.
 
-    The append path is kept lean (issue 11; ``bench/bench_store.py``, single appends): the
+    The append path is kept lean (``bench/bench_store.py``, single appends): the
     payload is serialised once (``store_api.prepare_frame``; a flat payload's private copy is
     a ``dict`` copy, not a decode of the text), the group is a slotted object whose wake-up
     event exists only when a second append joins, and the returned ``Frame`` is built straight

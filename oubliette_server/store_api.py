@@ -1,6 +1,6 @@
 """The frame store's one interface, and the records every implementation shares.
 
-The tether log (DESIGN.md, "Frames") has two homes: SQLite in the data directory (the
+The tether log (docs/TETHER.md, "Frames") has two homes: SQLite in the data directory (the
 default, `store.py`) and PostgreSQL for several servers sharing instances (`store_pg.py`).
 The rest of the server sees only `FrameStoreAPI`: every method that touches the database is
 async, so an implementation may hand its work to a thread without blocking the Trio loop.

@@ -11,10 +11,31 @@ from __future__ import annotations
 from .store import FrameStore
 from .store_api import FrameStoreAPI
 
+#: What to install, said in the one line the server prints. The distribution is `oubliette-relay`
+#: (`oubliette` on PyPI is an unrelated project); from a checkout, the editable install.
 MISSING_EXTRA = (
-    "the PostgreSQL store needs the optional extra: pip install 'oubliette[postgres]' "
-    "(psycopg and psycopg_pool)"
+    "the PostgreSQL store needs the optional extra postgres (psycopg and psycopg_pool): "
+    "pip install -e '.[postgres]' in the Oubliette checkout "
+    "(once published: pip install 'oubliette-relay[postgres]')"
 )
+
+
+def store_url_problem(url: str) -> str | None:
+    """Why `url` is not a PostgreSQL store URI libpq can read, or None.
+
+    Checked before serving, so a typo (`postgresql://[::1`, `?x`, an unknown query parameter)
+    is a usage error in one line, not the driver's traceback. Without the driver installed it
+    says nothing: `open_store` then names the missing extra.
+    """
+    try:
+        from psycopg import ProgrammingError, conninfo
+    except ImportError:
+        return None
+    try:
+        conninfo.conninfo_to_dict(url)
+    except ProgrammingError as exc:
+        return "the store URL is not a libpq URI: " + " ".join(str(exc).split("\n")).strip()
+    return None
 
 
 class StoreConfigError(ValueError):

@@ -1,4 +1,4 @@
-"""The tether (seed 004): send into a session, read its frames, wait for new ones, stream them.
+"""The tether (docs/TETHER.md): send into a session, read its frames, wait for new ones, stream them.
 
 The caller's MCP tools (`tether_send`, `tether_read`, `session_events`) and the
 HTTP routes (`/v1/instances/{id}/tether[/poll|/stream]`) are thin adapters over
@@ -32,7 +32,7 @@ _ingress_validator = strict_validator(INGRESS_SCHEMA)  # `$` anchors as in ECMA-
 
 
 def host_msg_id() -> str:
-    """`host-{timestamp}` (seed 004), with a random suffix so two sends in one millisecond differ."""
+    """`host-{timestamp}` (docs/TETHER.md), with a random suffix so two sends in one millisecond differ."""
     return f"host-{int(time.time() * 1000)}-{secrets.token_hex(3)}"
 
 
@@ -44,7 +44,7 @@ def check_session_id(session_id: str) -> None:
 
 
 class Tether:
-    """The frame log as seed 004's duplex channel.
+    """The frame log as the tether's duplex channel (docs/TETHER.md).
 
     Needs: the frame store (reads, long-poll waits), the frame log (appends that reach
     followers and wake the instance), the instance directory (unknown instances are refused)

@@ -3,8 +3,8 @@
 Newline-delimited JSON-RPC 2.0 over a Unix or TCP socket (see ``docs/PROTOCOL.md``).
 This package is the single definition of the wire: framing, envelope, typed messages,
 JSON Schemas and error codes, the tether frame (``protocol.frames``), the sans-IO connection
-(``protocol.core``) and the one Trio peer over it (``protocol.peer``), plus seed 001's tool
-descriptors and action contract (``protocol.descriptors``). It imports nothing from either
+(``protocol.core``) and the one Trio peer over it (``protocol.peer``), plus the tool
+descriptors and action contract of docs/TOOLSETS.md (``protocol.descriptors``). It imports nothing from either
 program, and its modules form layers (bottom first; each imports only those below it):
 ``errors`` and ``schema_parts``; ``convert`` and ``schema_check``; ``jsonrpc``, ``framing``
 and ``descriptors``; ``frames``; ``messages``; ``schemas``. ``pyproject.toml``
@@ -13,7 +13,7 @@ and ``descriptors``; ``frames``; ``messages``; ``schemas``. ``pyproject.toml``
 Every public name is importable from the package (``from protocol import RelayPeer``), but a
 module is imported only when one of its names is first asked for (PEP 562): a program loads
 only the layers it uses, which keeps ``oubliette-client``'s cold start (spawn → ``initialize``
-answered) under the SDK's own (issue 11). ``_EXPORTS`` lists each module's ``__all__``;
+answered) under the SDK's own. ``_EXPORTS`` lists each module's ``__all__``;
 tests/test_protocol.py checks that it matches.
 """
 

@@ -1,6 +1,6 @@
 """Tool descriptors and the ``list_tools`` / ``describe_tool`` / ``call_tool`` action contract.
 
-This is seed 001's machine-checkable tool shape. A *command endpoint* (``MCP_ENDPOINT``, e.g.
+This is the machine-checkable tool shape of the action contract (docs/TOOLSETS.md). A *command endpoint* (``MCP_ENDPOINT``, e.g.
 ``examples/mcp_echo.sh``) reads one JSON request per line on stdin and answers each with one
 JSON response line:
 
@@ -74,7 +74,7 @@ _ACTION_LIST = ", ".join(ACTIONS)
 
 def _json_type(value: Any) -> str:
     """`convert.json_type_name`, imported when an error needs it: `protocol.convert` (cattrs) is
-    loaded on first use, not with this module (oubliette-client's cold start, issue 11)."""
+    loaded on first use, not with this module (oubliette-client's cold start)."""
     from .convert import json_type_name
 
     return json_type_name(value)
@@ -107,7 +107,7 @@ def _descriptor_validator() -> Any:
 
 @attrs.define(frozen=True, kw_only=True)
 class ToolDescriptor:
-    """Seed 001's description of one tool, as ``list_tools`` and ``describe_tool`` return it."""
+    """The description of one tool (its tool descriptor), as ``list_tools`` and ``describe_tool`` return it."""
 
     wire_label: ClassVar[str] = "tool descriptor"
 

@@ -61,7 +61,7 @@ ERROR_NAMES: dict[int, str] = {
 }
 
 
-#: The error categories of seed 001's error envelope that Oubliette emits (endpoints may use
+#: The error categories of the action contract's error envelope that Oubliette emits (endpoints may use
 #: others; they are passed through). ``pipeline`` is a malformed answer from an endpoint.
 CATEGORIES: tuple[str, ...] = (
     "usage", "not_found", "tool", "timeout", "cancelled", "unavailable", "pipeline", "fatal",

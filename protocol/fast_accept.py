@@ -3,7 +3,7 @@
 Checking a small message with `jsonschema` costs 25-35 µs, nearly all of it the library's
 machinery (a new validator object per property it descends into), and the relay checks
 several messages on every call: the `caller_tool` params, the caller's `caller_tool_response`
-arguments, the agent's arguments against the tool's input schema (issue 11). Almost every
+arguments, the agent's arguments against the tool's input schema. Almost every
 value is valid, so `compile_accept` turns a schema into a plain function that answers one
 question quickly: is this value *certainly* valid?
 

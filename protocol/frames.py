@@ -1,12 +1,12 @@
 """The tether frame: the one model of a record of the tether log, its JSON Schemas and its views.
 
-Every message and event of a session is a :class:`Frame` (DESIGN.md, "Frames"). The server's
+Every message and event of a session is a :class:`Frame` (docs/TETHER.md, "Frames"). The server's
 store returns frames; everything that shows a frame to someone produces it from this model:
 
 - :meth:`Frame.to_wire` is the frame as JSON: tether responses (``tether_read``,
   ``session_events``, poll), SSE events and guest delivery (``user_message``);
 - :meth:`Frame.to_event` is the flattened event pushed to a caller
-  (DESIGN.md, "Events to the caller").
+  (README.md, "Caller tools").
 
 :data:`FRAME_SCHEMA` states the wire shape; :data:`INGRESS_SCHEMA`, what a producer outside
 the server may send (HTTP ingress), is derived from it.
@@ -43,7 +43,7 @@ DEFAULT_CHANNEL = "mcp"
 #: Current value of ``Frame.v``.
 FRAME_VERSION = 1
 
-#: The frame types named in DESIGN.md; other producers may add more.
+#: The frame types docs/TETHER.md names; other producers may add more.
 FRAME_TYPES: tuple[str, ...] = (
     "user.message",
     "assistant.delta",

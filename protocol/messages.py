@@ -194,7 +194,7 @@ class ToolsetToolSpec:
     tool: str  # the tool's own name inside the toolset
     description: str = ""
     inputSchema: dict[str, Any] = attrs.field(factory=_default_input_schema)
-    descriptor: ToolDescriptor | None = None  # seed 001 descriptor, when the toolset has one
+    descriptor: ToolDescriptor | None = None  # its tool descriptor, when the toolset has one
     approval_timeout_ms: int | None = None  # set for a gated tool: how long its approval may take
 
 

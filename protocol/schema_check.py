@@ -12,7 +12,7 @@ messages; a value it cannot vouch for is checked as before).
 
 `jsonschema` (with `referencing`, about 30 ms to import) is imported when a schema is
 first compiled or a value first checked, not with this module: `oubliette-client`
-answers `initialize` before it needs a validator (issue 11's cold start).
+answers `initialize` before it needs a validator (its cold start).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ TIMESTAMP: dict[str, Any] = {
     "type": "string",
     "pattern": r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$",
 }
-#: A tool name as MCP allows it (DESIGN.md, "Tool names").
+#: A tool name as MCP allows it (docs/TOOLSETS.md, "Naming").
 TOOL_NAME: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,128}$"}
 
 

@@ -98,7 +98,7 @@ _NUMBER = {"type": "number"}
 #: Schema name -> JSON Schema. Method names hold that method's params; ``frame``,
 #: ``session_ref``, ``caller_tool_spec``, ``toolset_tool_spec`` and ``*_result`` hold the
 #: other relay shapes; ``tool_descriptor``, ``action_request`` and ``action_response`` are
-#: seed 001's action contract (:mod:`protocol.descriptors`).
+#: the action contract (:mod:`protocol.descriptors`).
 SCHEMAS: dict[str, dict[str, Any]] = {
     HELLO: document(
         "hello params",

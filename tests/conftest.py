@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import pytest
 
-from harness import Deployment, InProcessDeployment
+from harness import Deployment, InProcessDeployment, fresh_dir
 
 if TYPE_CHECKING:
     from postgres import PostgresServer
@@ -21,6 +23,18 @@ def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
         yield d
     finally:
         d.cleanup()
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh directory with a short path (`/tmp/oub-…`), removed afterwards: a `HOME` or data
+    directory under it leaves room for Unix socket paths (~107 bytes), which pytest's own
+    `tmp_path` (`/tmp/pytest-of-root/pytest-NNN/test_…0/`) can use up by itself."""
+    root = fresh_dir()
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

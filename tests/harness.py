@@ -228,7 +228,7 @@ class Deployment:
 
     @asynccontextmanager
     async def embedded_http_server(self, *instances: str) -> AsyncIterator["EmbeddedHttpServer"]:
-        """The server embedded in the test's own Trio loop (DESIGN.md, "Embedding") with a TCP
+        """The server embedded in the test's own Trio loop (README.md, "Embedding") with a TCP
         HTTP listener, `instances` configured: for tests that look at its state (e.g. the
         frame store's long-poll waiters) directly."""
         from oubliette_server.app import OublietteServer
@@ -520,6 +520,41 @@ def env_without_oubliette() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("OUBLIETTE_")}
 
 
+#: The venv the tests run in: the one the README's command 1 (or 2) made in the checkout.
+VENV = Path(sys.executable).parent.parent
+#: The checkout's Claude Code, installed by the README's command 2 (tests/tools/install-claude-code.sh).
+CLAUDE_CODE_DIR = Path(__file__).resolve().parent.parent / ".claude-code"
+
+
+def fresh_shell(root: Path) -> tuple[Path, dict[str, str]]:
+    """A user's new shell in the checkout after the README's commands: (its working directory, its environment).
+
+    The directory holds `.venv`, `.claude-code` and `examples` as the checkout does, as links
+    to the real ones; `HOME` is `root/home`. The environment has no `OUBLIETTE_*`, no XDG data home,
+    no active venv: neither the venv's bin nor Claude Code is on `PATH`, so a pasted command
+    that forgets to activate the venv fails here as it fails for a user.
+    """
+    checkout, home = root / "checkout", root / "home"
+    checkout.mkdir(parents=True)
+    home.mkdir(parents=True, exist_ok=True)
+    (checkout / ".venv").symlink_to(VENV)
+    (checkout / ".claude-code").symlink_to(CLAUDE_CODE_DIR)
+    (checkout / "examples").symlink_to(Path(__file__).resolve().parent.parent / "examples")
+    hidden = {(VENV / "bin").resolve(), CLAUDE_CODE_DIR.resolve()}
+    path = os.pathsep.join(
+        entry for entry in os.environ.get("PATH", "").split(os.pathsep)
+        if entry and Path(entry).resolve() not in hidden
+    )
+    env = {
+        key: value for key, value in env_without_oubliette().items()
+        if key not in {"XDG_DATA_HOME", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"}
+    }
+    env.update(PATH=path, HOME=str(home))
+    for program in ("oubliette-server", "oubliette-client"):  # (a `claude` of the machine's own may stay)
+        assert shutil.which(program, path=path) is None, f"{program} is on PATH before any activation"
+    return checkout, env
+
+
 # -- the same programs as libraries in the test's Trio loop ----------------------------------
 
 
@@ -554,7 +589,7 @@ async def memory_transport(server: Any, options: Any) -> AsyncIterator[Any]:
 
 class InProcessDeployment(Deployment):
     """A `Deployment` whose `caller()` and `agent()` run oubliette-server and oubliette-client
-    as libraries in the test's Trio loop (DESIGN.md, "Embedding"), over memory streams
+    as libraries in the test's Trio loop (README.md, "Embedding"), over memory streams
     instead of stdio: the same objects the command-line programs build, without two
     interpreter start-ups (~1-3 s each) per test. `guest()` and `http_server()` still start
     the real programs; tests marked `real_programs` get a plain `Deployment`.

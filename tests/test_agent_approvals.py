@@ -1,4 +1,4 @@
-"""The agent's own actions and waiting well (issue 9 items 4, 5 progress, 1 toolsets).
+"""The agent's own actions and waiting well.
 
 In process: `OublietteServer` in the test's nursery with the caller API driven directly (as
 test_approvals.py), and the agent is the MCP SDK's client talking to oubliette-client's
@@ -80,7 +80,7 @@ async def owned_session(deployment: Deployment, *extra: str) -> AsyncIterator[tu
             yield proc, owner, events, agent
 
 
-# -- item 4: the permission prompt -----------------------------------------------------------
+# -- the permission prompt -----------------------------------------------------------
 
 
 async def test_the_permission_prompt_is_offered_with_its_contract(deployment: Deployment) -> None:
@@ -156,7 +156,7 @@ async def test_malformed_prompts_are_denied_never_allowed(deployment: Deployment
         assert await stored(proc, "approval_request") == []
 
 
-# -- item 1 (toolsets): gated toolset tools ------------------------------------------------------
+# -- gated toolset tools ------------------------------------------------------
 
 RM_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 
@@ -293,7 +293,7 @@ def test_approval_timeout_in_the_config_file() -> None:
             parse_toolsets({"d": {"kind": "command", "prefix": "d", "command": "x", "approval_timeout": bad}}, "t")
 
 
-# -- item 5: waiting well ----------------------------------------------------------------------------
+# -- waiting well ----------------------------------------------------------------------------
 
 NOTIFY = {"name": "send_notification", "inputSchema": {"type": "object", "properties": {"message": {"type": "string"}}}}
 

@@ -1,4 +1,4 @@
-"""Approvals (issue 9, seed 002): a gated caller tool runs only after its owner's decision.
+"""Approvals (docs/APPROVALS.md): a gated caller tool runs only after its owner's decision.
 
 In process: `OublietteServer` in the test's nursery, the caller API driven directly
 (`CallerTools`), the agent's `caller_tool` call over the relay socket through `RelayLink`

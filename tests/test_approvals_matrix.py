@@ -1,4 +1,4 @@
-"""Every approvals flow of issue 9 end to end with the real programs, in both protocol eras.
+"""Every approvals flow of docs/APPROVALS.md end to end with the real programs, in both protocol eras.
 
 The programs: oubliette-server as a subprocess (the caller's stdio MCP server, or started with
 HTTP listeners for a Streamable HTTP caller), the real guest runtime (`oubliette-client run`)

@@ -1,4 +1,4 @@
-"""A caller that reads only tool results drives a sandboxed agent (issue 13 items 1, 2, 4).
+"""A caller that reads only tool results drives a sandboxed agent.
 
 The caller is the SDK's `Client` with NO logging callback: it learns of the agent's caller
 tool calls only from the `requires_action` stops of its own `session_message` and

@@ -229,7 +229,7 @@ async def test_answer_from_another_caller_is_refused(deployment: Deployment) -> 
         owner, owner_events = proc.open_caller()
         other, other_events = proc.open_caller()
         await proc.declare(owner, [NOTIFY])
-        # The session belongs to its owner: the other caller can neither join nor follow it (issue 8, item 5).
+        # The session belongs to its owner: the other caller can neither join nor follow it.
         joined = await proc.call(other, "session_message", {"instance": INSTANCE, "session_id": SESSION, "message": "me too"})
         assert joined.is_error and f"session '{SESSION}' belongs to another caller" in text_of(joined)
         link = await proc.connect_agent(deployment)
@@ -341,7 +341,7 @@ async def test_default_timeout_ends_a_call_after_60_seconds(deployment: Deployme
 
 
 async def test_a_caller_tool_with_an_invalid_schema_is_refused_when_declared(deployment: Deployment) -> None:
-    """Issue 8 item 10: `{"type": 5}` is not a JSON Schema; it used to be stored and quietly not published."""
+    """`{"type": 5}` is not a JSON Schema; it used to be stored and quietly not published."""
     async with in_process(deployment) as proc:
         caller, _ = proc.open_caller()
         for field in ("inputSchema", "resultSchema"):

@@ -1,4 +1,4 @@
-"""Seed 000 (caller tool relay), scenario by scenario, with the real programs."""
+"""The caller tool relay, scenario by scenario, with the real programs."""
 
 from __future__ import annotations
 

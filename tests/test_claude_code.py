@@ -10,7 +10,7 @@ permission checks and Bash tool.
 
 - On the host, Claude Code is the *caller*: it spawns `oubliette-server` over stdio (or reaches
   a daemon over Streamable HTTP) and drives an agent (the scripted demo agent under the guest
-  runtime) with issue 13's loop: `session_message` with `wait` → `requires_action` →
+  runtime) with the caller's loop (docs/CLAUDE_CODE.md): `session_message` with `wait` → `requires_action` →
   `caller_tool_response` with `wait` → `end_turn`; gated tools through `requires_approval` and
   `approval_response` (and what `-p` does with an approval form instead).
 - In the sandbox, Claude Code is the *agent*: the guest runtime runs `claude -p --mcp-config
@@ -216,7 +216,7 @@ async def claude_on_the_host(
 
 @pytest.mark.parametrize("config", ["print", "http"])
 async def test_claude_code_on_the_host_drives_the_loop(deployment: Deployment, config: str) -> None:
-    """Issue 13's basic loop with the real CLI as the caller (spawning the server over stdio, or
+    """The basic loop with the real CLI as the caller (spawning the server over stdio, or
     over Streamable HTTP with the bearer header): its model sees `requires_action` with the
     request's arguments in a tool result, answers with `caller_tool_response` and `wait`, and
     sees `end_turn` with the caller tool's result in the agent's text."""

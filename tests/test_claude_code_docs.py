@@ -11,17 +11,16 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness import fresh_shell
 from oubliette_client.mcp_config import mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "CLAUDE_CODE.md"
-BIN = Path(sys.executable).parent
 PROGRAMS = {"oubliette-server", "oubliette-client"}
 
 
@@ -107,38 +106,61 @@ def test_the_generated_mcp_config_has_that_shape(tmp_path: Path) -> None:
     }
 
 
-def _documented_commands() -> list[list[str]]:
-    """Each oubliette program line the doc shows: the stdio configs, and what follows `--` in `claude mcp add`."""
-    commands: list[list[str]] = []
+#: What makes the programs findable where the doc sets nothing: a config file's `"command"` is
+#: looked up on the PATH Claude Code was started with (the doc says: from a shell with the venv
+#: active), and in a sandbox the image has them installed.
+ACTIVATE = ". .venv/bin/activate"
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    """Each oubliette program line the doc shows, as shell text with what runs before it in a
+    new shell: `(preamble, command)`, from the stdio configs and what follows `--` in
+    `claude mcp add` (with the block's own first line as the preamble when it sets PATH)."""
+    commands: list[tuple[str, str]] = []
     for text in _blocks("json"):
         for server in json.loads(text)["mcpServers"].values():
             if "command" in server:
-                commands.append([server["command"], *server["args"]])
+                commands.append((ACTIVATE, shlex.join([server["command"], *server["args"]])))
     for text in _blocks("sh"):
-        for line in text.replace("\\\n", " ").splitlines():
+        lines = text.replace("\\\n", " ").splitlines()
+        first = re.sub(r"\s+#.*$", "", lines[0])
+        preamble = first if first.startswith(ACTIVATE) else ACTIVATE
+        for line in lines:
             words = shlex.split(line, comments=True)
             if words[:3] == ["claude", "mcp", "add"] and "--" in words:
-                commands.append(words[words.index("--") + 1:])
+                commands.append((preamble, re.sub(r"\s+#.*$", "", line.split(" -- ", 1)[1]).strip()))
     return commands
 
 
-def _help(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    assert argv[0] in PROGRAMS, argv
+def _help(preamble: str, command: str, shell: tuple[Path, dict[str, str]]) -> subprocess.CompletedProcess[str]:
+    """`command --help` pasted into a new shell in the checkout after `preamble` (the venv not active before)."""
+    assert shlex.split(command)[0].rsplit("/", 1)[-1] in PROGRAMS, command
+    checkout, env = shell
     return subprocess.run(
-        [str(BIN / argv[0]), *argv[1:], "--help"], capture_output=True, text=True, timeout=60,
+        ["bash", "-c", f"{preamble} && {command} --help"], cwd=checkout, env=env,
+        capture_output=True, text=True, timeout=60,
     )
 
 
-def test_the_documented_commands_start_the_programs() -> None:
+def test_the_documented_commands_start_the_programs(short_tmp: Path) -> None:
+    shell = fresh_shell(short_tmp)
     commands = _documented_commands()
-    assert ["oubliette-server", "--data-dir", "~/.local/share/oubliette"] in commands
-    assert ["oubliette-client"] in commands
-    for argv in commands + [["oubliette-server"], ["oubliette-client"], ["oubliette-client", "run"]]:
-        done = _help(argv)
-        assert done.returncode == 0 and done.stdout.startswith("usage: "), (argv, done.stderr)
-    assert "run -- CMD" in _help(["oubliette-client"]).stdout
-    assert "{mcp_config}" in _help(["oubliette-client", "run"]).stdout
-    assert "http-token" in _help(["oubliette-server"]).stdout
+    assert (f'{ACTIVATE} && export PATH="$PWD/.claude-code:$PATH"',
+            '"$PWD/.venv/bin/oubliette-server" --data-dir ~/.local/share/oubliette-claude') in commands
+    assert (ACTIVATE, "oubliette-client") in commands
+    extra = [(ACTIVATE, "oubliette-server"), (ACTIVATE, "oubliette-client"), (ACTIVATE, "oubliette-client run")]
+    for preamble, command in commands + extra:
+        done = _help(preamble, command, shell)
+        assert done.returncode == 0 and done.stdout.startswith("usage: "), (preamble, command, done.stderr)
+    assert "run -- CMD" in _help(ACTIVATE, "oubliette-client", shell).stdout
+    assert "{mcp_config}" in _help(ACTIVATE, "oubliette-client run", shell).stdout
+    assert "http-token" in _help(ACTIVATE, "oubliette-server", shell).stdout
+    # the blocks' first line finds the checkout's Claude Code (README command 2) too
+    checkout, env = shell
+    for preamble in {p for p, _ in commands if ".claude-code" in p}:
+        found = subprocess.run(["bash", "-c", f"{preamble} && command -v claude"], cwd=checkout, env=env,
+                               capture_output=True, text=True, timeout=60)
+        assert found.returncode == 0 and found.stdout.strip().endswith("/.claude-code/claude"), found
 
 
 def test_the_guest_runtime_lines_are_the_documented_ones() -> None:

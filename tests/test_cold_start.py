@@ -1,4 +1,4 @@
-"""Cold start (issue 11 item 6): what each command loads before it can answer.
+"""Cold start: what each command loads before it can answer.
 
 Importing the MCP SDK takes about a second per process; `--help` of both programs (and
 `oubliette-server token`) must not pay for it, and the stdio MCP server the agent spawns must
@@ -57,7 +57,7 @@ def test_the_stdio_server_does_not_load_the_guest_runtime() -> None:
 
 
 def test_the_stdio_server_with_the_relay_down_loads_no_validator_and_no_peer() -> None:
-    """Issue 11's cold start: what `initialize` does not need is not imported before it. With the
+    """Cold start: what `initialize` does not need is not imported before it. With the
     relay down, `oubliette-client` never checks a schema (jsonschema loads on the first check),
     never builds a relay peer nor a message (protocol.peer, core and messages load on the first
     connection) and never converts one (protocol.convert and cattrs load on first use)."""

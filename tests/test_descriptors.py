@@ -1,4 +1,4 @@
-"""Tests of seed 001's tool descriptors and action contract (`protocol.descriptors`), the
+"""Tests of the tool descriptors and action contract (`protocol.descriptors`), the
 reference endpoint `examples/mcp_echo.sh`, and the toolset relay messages."""
 
 from __future__ import annotations
@@ -375,7 +375,7 @@ def _doc_sessions() -> list[tuple[str, str]]:
 def test_toolsets_doc_shows_the_seed_interactions() -> None:
     text = TOOLSETS_DOC.read_text(encoding="utf-8")
     assert text.startswith("# Toolsets\n")
-    assert "## The action contract (seed 001)" in text
+    assert "## The action contract" in text
     commands = [c for c, _ in _doc_sessions()]
     for line in (
         '{"action":"list_tools"}',

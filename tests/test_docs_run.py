@@ -1,8 +1,10 @@
 """Docs that run: every ```sh block of README.md and docs/*.md is executed here, or says why not.
 
 A block preceded by `<!-- run by tests/test_docs_run.py[, output contains: TEXT] -->` is run
-with bash, as pasted, in an empty directory with a data directory, `HOME` and `PORT` of its
-own; it must exit 0, stop what it started, print no traceback, and print TEXT. A block preceded by
+with bash, as pasted into a new shell in the checkout after the README's command 1: the
+directory holds `.venv` but nothing has activated it (`harness.fresh_shell`: the venv is not
+on `PATH`), with a data directory, `HOME` and `PORT` of its own; it must exit 0, stop what it
+started, print no traceback, and print TEXT. A block preceded by
 `<!-- not run here: REASON -->` is not run. Any other ```sh block fails the test, so a new shell
 session in the docs is either checked or visibly excused.
 """
@@ -14,11 +16,12 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import attrs
 import pytest
+
+from harness import fresh_shell
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -67,26 +70,16 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.where for b in RUNNABLE])
-def test_the_block_runs_as_written(block: ShellBlock, tmp_path: Path) -> None:
+def test_the_block_runs_as_written(block: ShellBlock, short_tmp: Path) -> None:
     expect = RUN.fullmatch(block.marker).group("expect")  # type: ignore[union-attr]
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {
-        key: value for key, value in os.environ.items()
-        if not key.startswith("OUBLIETTE_") and key not in {"XDG_DATA_HOME", "PORT"}
-    }
-    env.update(
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", HOME=str(home),
-        OUBLIETTE_DATA_DIR=str(tmp_path / "data"), PORT=str(_free_port()),
-    )
-    script = tmp_path / "block.sh"
+    work, env = fresh_shell(short_tmp)
+    env.update(OUBLIETTE_DATA_DIR=str(short_tmp / "data"), PORT=str(_free_port()))
+    script = short_tmp / "block.sh"
     # `wait`: the block's own `kill` must stop what it started in the background.
     script.write_text(block.text + "\nwait\n")
-    work = tmp_path / "cwd"
-    work.mkdir()
     # Output goes to files, not pipes: a background process the block failed to stop would
     # otherwise hold the pipe open; the process group is ended below whatever happened.
-    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+    with open(short_tmp / "out", "w") as out, open(short_tmp / "err", "w") as err:
         process = subprocess.Popen(
             ["bash", str(script)], cwd=work, env=env, stdout=out, stderr=err, start_new_session=True,
         )
@@ -99,7 +92,7 @@ def test_the_block_runs_as_written(block: ShellBlock, tmp_path: Path) -> None:
             except ProcessLookupError:
                 leftovers = False
             process.wait()
-    stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    stdout, stderr = (short_tmp / "out").read_text(), (short_tmp / "err").read_text()
     report = f"{block.where}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
     assert code == 0, report
     assert not leftovers, f"the block left processes running\n{report}"

@@ -1,4 +1,4 @@
-"""Every public class, function and method of the three packages has a docstring (issue 7 item 6).
+"""Every public class, function and method of the three packages has a docstring.
 
 The embedding API is documented the way trio documents its own (docs/ARCHITECTURE.md,
 "Docstrings"): what it does, then what it owns, needs and raises. This test cannot judge

@@ -1,4 +1,4 @@
-"""No acknowledged frame is lost when the server is killed (issue 11 item 3, docs/TETHER.md "Storage and durability").
+"""No acknowledged frame is lost when the server is killed (docs/TETHER.md, "Storage and durability").
 
 The frame store commits appends in groups (oubliette_server/store.py, "Group commit"): an
 append is acknowledged only after the commit that holds it. Here many HTTP posters append to

@@ -1,4 +1,4 @@
-"""Approvals decided by a person in the caller's MCP client (issue 13 item 3, issue 9 item 6).
+"""Approvals decided by a person in the caller's MCP client.
 
 End to end with the real programs: oubliette-server as the stdio MCP server of an SDK `Client`
 whose `elicitation_callback` stands for the person, the guest runtime running the scripted demo
@@ -86,7 +86,7 @@ async def test_accept_and_approve_runs_the_tool(deployment: Deployment, mode: st
     person = Person(types.ElicitResult(action="accept", content={"approve": True}))
     async with person_caller(deployment, person, mode=mode) as caller, deployment.guest("box1", DEMO_AGENT):
         stopped = await gated_turn(caller, "s-el-ok")
-        # Approved by the person, the call reaches the caller: the turn stops for it (issue 13).
+        # Approved by the person, the call reaches the caller: the turn stops for it.
         assert stopped["stop_reason"] == "requires_action", stopped
         [request] = stopped["pending"]
         assert (request["kind"], request["tool"]) == ("caller_tool", "delete_file"), request
@@ -211,7 +211,7 @@ async def test_the_person_first_wins_over_the_tool_answer(deployment: Deployment
         assert len(await frames(caller, "s-el-race2", "approval_resolved")) == 1
 
 
-# -- a toolset's own elicitation (issue 9 item 6) ----------------------------------------
+# -- a toolset's own elicitation ----------------------------------------
 
 
 def forms_config(deployment: Deployment) -> Path:

@@ -1,4 +1,4 @@
-"""`oubliette-client endpoint` and `oubliette-client tools`: seed 001's action contract, end to end.
+"""`oubliette-client endpoint` and `oubliette-client tools`: the action contract, end to end.
 
 Every test starts the real programs: oubliette-server as the caller's stdio MCP
 server with a TOML config (`--config`) that registers command toolsets, and
@@ -203,7 +203,7 @@ SEED_DESCRIBE = {"action": "describe_tool", "tool": "ext.echo_external"}
 SEED_CALL = {"action": "call_tool", "tool": "ext.echo_external", "arguments": {"message": "hi"}}
 
 
-# -- 1. seed 001's example interactions through `oubliette-client endpoint` ---------------------
+# -- 1. the action contract's example interactions through `oubliette-client endpoint` ---------------------
 
 
 @pytest.mark.real_programs
@@ -313,13 +313,20 @@ async def test_tools_call_refuses_arguments_that_are_not_a_json_object(deploymen
     config = write_config(deployment, {"echo": ("ext", log.command)}, ["echo"])
     async with deployment.caller("--config", str(config)):
         env = client_env(deployment)
-        not_json, not_json_status = await run_tools(env, "call", "ext.echo_external", "not json")
+        with trio.fail_after(RUN_BOUND):
+            not_json = await trio.run_process(
+                [PYTHON, "-m", "oubliette_client", "tools", "call", "ext.echo_external", "not json"],
+                stdin=subprocess.DEVNULL, capture_stdout=True, capture_stderr=True, env=env, check=False,
+            )
         array, array_status = await run_tools(env, "call", "ext.echo_external", "[1]")
         string, string_status = await run_tools(env, "call", "ext.echo_external", '"x"')
         valid, valid_status = await run_tools(env, "call", "ext.echo_external", '{"message":"valid"}')
         calls = log.calls()
-    assert not_json_status == 1
-    assert_usage_error(not_json, "arguments are not valid JSON")
+    # the person's typo on the command line: a usage error (2), one line on stderr, nothing on stdout
+    assert (not_json.returncode, not_json.stdout) == (2, b"")
+    assert not_json.stderr.decode().splitlines() == [
+        "oubliette-client tools: error: arguments are not valid JSON: Expecting value: line 1 column 1 (char 0) (see --help)"
+    ]
     assert array_status == 1
     assert_usage_error(array, "call_tool 'arguments' must be a JSON object, got array")
     assert string_status == 1
@@ -452,7 +459,7 @@ async def run_failing(env: dict[str, str], *args: str, stdin: bytes = b"") -> tu
 
 
 async def test_relay_down_endpoint_exits_1_with_one_line_saying_why(deployment: Deployment) -> None:
-    """Not an empty tool list with exit 0 (issue 10, item 2): the caller learns the relay is down."""
+    """Not an empty tool list with exit 0: the caller learns the relay is down."""
     assert not deployment.socket.exists()
     out, err, status = await run_failing(
         client_env(deployment), "endpoint", "--connect-wait", "0.3", stdin=lines_of(SEED_LIST, SEED_CALL),

@@ -1,5 +1,5 @@
 """protocol/fast_accept.py: an acceptor never passes a value its validator refuses, and the
-relay's own messages do take the fast path (else issue 11's gain is silently gone).
+relay's own messages do take the fast path (else the fast path's gain is silently gone).
 
 The property is checked with generated schemas (the subset the module reads, plus keywords it
 must refuse to vouch for) and values generated from those schemas, some valid and some a

@@ -1,4 +1,4 @@
-"""Fault tests (issue 8): kill -9 of the agent's own `oubliette-client` mid-call, with the real programs.
+"""Fault tests: kill -9 of the agent's own `oubliette-client` mid-call, with the real programs.
 
 (Killing the guest runtime and the server mid-call is in test_orphans.py, killing an HTTP caller in
 test_ownership.py, a caller that disconnects in test_caller_tool_relay.py.)

@@ -1,4 +1,4 @@
-"""The first hour of a real user (issue 10, items 1, 2, 3, 6, 8), through the real programs.
+"""The first hour of a real user, through the real programs.
 
 Every operator mistake is one line on stderr with exit status 2 (usage) or 1 (runtime), no
 traceback; a same-host client finds the server's default relay; a refused or unreachable
@@ -188,7 +188,13 @@ async def test_same_host_defaults_meet_and_mistakes_are_said(deployment: Deploym
         status, out, err = await run(["oubliette_client", "tools", "list"], client)
         assert status == 0 and json.loads(out) == {"type": "result", "tools": []}, (out, err)
 
+        # a second server on the same data directory: its lock names the holder
         status, _, err = await run(["oubliette_server", "--no-stdio"], env)
+        assert status == 1
+        assert_one_line(err, str(deployment.data_dir), f"in use by another oubliette-server (pid {server.pid})")
+        # one with a data directory of its own but the same relay socket
+        other = {**env, "OUBLIETTE_DATA_DIR": str(deployment.root / "other-data")}
+        status, _, err = await run(["oubliette_server", "--no-stdio", "--relay", f"unix:{relay_sock}"], other)
         assert status == 1
         assert_one_line(err, str(relay_sock), "in use by another server")
 

@@ -240,7 +240,7 @@ def notification(method: str, params: Any) -> bytes:
 
 def explicit_cases(token: str) -> list[Case]:
     out: list[Case] = []
-    # Deep nesting, in every place a peer can put it (issue 8, item 1 is about depth >= 256).
+    # Deep nesting, in every place a peer can put it (depth >= 256 once crashed a peer).
     for depth in (63, 64, 65, 128, 255, 256, 300, 500, 990, 5000, 100_000):
         value = nested(depth)
         out += [

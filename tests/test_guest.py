@@ -386,7 +386,7 @@ async def test_restarted_guest_gets_only_unacknowledged_messages(deployment: Dep
 
     M1 finishes under the first guest. M2 is running (blocked on a gate) when that guest is
     killed: the server ends M2's turn with session.error (the guest disconnected mid-turn,
-    issue 8 item 11), so the second guest does not run it again. M3 is sent while no guest
+    an orphaned turn), so the second guest does not run it again. M3 is sent while no guest
     runs; the second guest runs it. M1 is never run again.
     """
     log, gate = deployment.root / "turns.log", deployment.root / "gate"

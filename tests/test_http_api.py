@@ -1,4 +1,4 @@
-"""The HTTP API (seed 004 §4): tether ingress, poll and SSE stream; auth; /mcp Host checks.
+"""The HTTP API (docs/TETHER.md, "HTTP API"): tether ingress, poll and SSE stream; auth; /mcp Host checks.
 
 Most tests run `oubliette-server` as a subprocess with a TCP and a Unix socket listener
 (`deployment.http_server()`) and talk to it with httpx2. The tests about long-poll waiters
@@ -461,7 +461,11 @@ async def test_mcp_rejects_a_foreign_host_header(deployment: Deployment) -> None
     async with deployment.http_server() as server, server.rest() as rest:
         rejected = await rest.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "evil.example:8080"})
         assert rejected.status_code == 421, (rejected.status_code, rejected.text)
-        assert "Host" in rejected.text
+        # it says which option accepts that Host, in the documented JSON error shape
+        assert rejected.json()["error"]["message"] == (
+            '/mcp does not accept the Host header "evil.example:8080" (it accepts 127.0.0.1, localhost and [::1]); '
+            "to accept it, start the server with --allowed-host evil.example:8080 (or [server] allowed_hosts in the config file)"
+        )
         plain = await rest.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "evil.example"})
         assert plain.status_code == 421
         accepted = await rest.post("/mcp", json=INITIALIZE, headers=MCP_HEADERS)

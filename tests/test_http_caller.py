@@ -1,4 +1,4 @@
-"""Seed 000 (caller tool relay) with the caller on Streamable HTTP (`/mcp`).
+"""The caller tool relay with the caller on Streamable HTTP (`/mcp`).
 
 The server runs with HTTP listeners and no stdio caller (`deployment.http_server()`);
 callers are the MCP SDK's client over Streamable HTTP with the server's bearer token
@@ -274,7 +274,7 @@ async def test_mcp_endpoint_advertises_tools_list_changed_in_both_eras(deploymen
 
 @asynccontextmanager
 async def demo_turn(server: HttpServer, deployment: Deployment, mode: str) -> AsyncIterator[tuple[dict, EventLog, Any]]:
-    """session_message(wait) with the demo message stops at `requires_action` (issue 13); the caller
+    """session_message(wait) with the demo message stops at `requires_action`; the caller
     answers the request with wait, which returns the turn's end.
 
     Yields (session_message's result with the end's stop fields, the caller's events, the

@@ -1,4 +1,4 @@
-"""Limits and fault isolation (issue 8, items 1-3): nothing a caller or a sandbox sends may crash, wedge or lose.
+"""Limits and fault isolation: nothing a caller or a sandbox sends may crash, wedge or lose.
 
 1. A payload nested 256+ levels deep once killed the server (the caller event sender raised in
    the server's root nursery); now every ingress refuses it, and a failing sender closes only

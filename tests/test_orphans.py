@@ -1,4 +1,4 @@
-"""Orphans on the server side (issue 8, item 11), with the real programs.
+"""Orphans on the server side, with the real programs.
 
 - SIGKILL of the guest runtime mid-turn: the server ends the turn with `session.error`
   and a waiting `session_message` returns `stop_reason: "error"` at once;

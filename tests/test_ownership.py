@@ -1,8 +1,8 @@
-"""A session belongs to the caller that opened it; a killed HTTP caller is noticed (issue 8, items 5 and 6).
+"""A session belongs to the caller that opened it; a killed HTTP caller is noticed.
 
-Item 5 (two callers of one server) is tested in process where the callers are
+Two callers of one server are tested in process where the callers are
 plain `CallerConnection`s (the `test_caller_responses` pattern), and against the
-real server for 2026-07-28 callers, which share one bearer token. Item 6 kills a
+real server for 2026-07-28 callers, which share one bearer token. A last test kills a
 real HTTP caller process (SIGKILL) while the agent's call waits on it.
 """
 
@@ -27,7 +27,7 @@ def refused(result: Any, session_id: str = SESSION) -> bool:
     return bool(result.is_error) and f"session '{session_id}' belongs to another caller" in text_of(result)
 
 
-# -- item 5: in process --------------------------------------------------------------------
+# -- in process --------------------------------------------------------------------
 
 
 async def test_another_caller_can_neither_take_over_nor_watch_a_session(deployment: Deployment) -> None:
@@ -92,7 +92,7 @@ async def test_a_session_opened_before_a_restart_cannot_be_claimed(deployment: D
     assert not fresh.is_error, text_of(fresh)
 
 
-# -- item 5: 2026-07-28 callers share a bearer token -----------------------------------------
+# -- 2026-07-28 callers share a bearer token -----------------------------------------
 
 
 async def test_modern_callers_with_one_bearer_token_are_different_callers(deployment: Deployment) -> None:
@@ -126,7 +126,7 @@ async def test_modern_callers_with_one_bearer_token_are_different_callers(deploy
     assert not a_again.is_error and structured(a_again)["owner_key"] == key
 
 
-# -- item 6: SIGKILL of an HTTP caller mid-call -------------------------------------------------
+# -- SIGKILL of an HTTP caller mid-call -------------------------------------------------
 
 CALLER_PROGRAM = """
 import sys, trio, httpx2
@@ -180,7 +180,7 @@ async def test_killed_http_caller_fails_the_agents_call_at_once(deployment: Depl
     """Handshake era: its standalone GET stream drops, and the call fails at once.
 
     2026-07-28: the caller's `session_message` with wait returned `requires_action` as soon as the
-    call was pending (issue 13), so no request of it is in flight when it is killed: nothing can
+    call was pending, so no request of it is in flight when it is killed: nothing can
     see it go, and the call ends at the tool's timeout (`expires_at`), never hanging."""
     modern = mode != "legacy"
     async with deployment.http_server() as server:

@@ -1,4 +1,4 @@
-"""Packaging (issue 8, item 13): the built wheel, installed the way a sandbox image installs it, works.
+"""Packaging: the built wheel, installed the way a sandbox image installs it, works.
 
 One wheel is built from a copy of the sources (so the build leaves nothing in the
 checkout) and installed, with its dependencies from the package index, into one fresh
@@ -55,7 +55,7 @@ def installed() -> Iterator[Installed]:
             [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dist), str(source)],
             check=True, capture_output=True, timeout=INSTALL_TIMEOUT,
         )
-        (wheel,) = dist.glob("oubliette-*.whl")
+        (wheel,) = dist.glob("oubliette_relay-*.whl")
         subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True, timeout=INSTALL_TIMEOUT)
         done = Installed(root, wheel)
         subprocess.run(
@@ -129,6 +129,37 @@ def test_both_programs_run_from_the_installed_wheel(installed: Installed) -> Non
     )
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
-        "oubliette-server: error: the PostgreSQL store needs the optional extra: "
-        "pip install 'oubliette[postgres]' (psycopg and psycopg_pool)"
+        "oubliette-server: error: the PostgreSQL store needs the optional extra postgres (psycopg and "
+        "psycopg_pool): pip install -e '.[postgres]' in the Oubliette checkout "
+        "(once published: pip install 'oubliette-relay[postgres]')"
     ]
+
+
+def _metadata(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        return archive.read(name).decode().splitlines()
+
+
+def test_the_distribution_has_a_name_of_its_own(installed: Installed) -> None:
+    """`oubliette` on PyPI is an unrelated project: `pip install 'oubliette[postgres]'` installed it.
+
+    The distribution is `oubliette-relay`; its `test` extra names itself for the PostgreSQL
+    extra; the client's `--version` reads that distribution's version.
+    """
+    metadata = _metadata(installed.wheel)
+    assert "Name: oubliette-relay" in metadata
+    assert 'Requires-Dist: oubliette-relay[postgres]; extra == "test"' in metadata
+    out = installed.run(str(installed.bin / "oubliette-client"), "--version")
+    assert out.returncode == 0 and out.stdout.strip() == "oubliette-client 0.1.0", (out.stdout, out.stderr)
+    out = installed.run(str(installed.bin / "python"), "-m", "pip", "show", "oubliette")
+    assert out.returncode != 0, "a distribution named oubliette got installed"
+
+
+def test_no_doc_or_message_installs_the_unrelated_oubliette() -> None:
+    """Every install command the project shows names this project (the checkout, or oubliette-relay)."""
+    sources = [ROOT / "README.md", ROOT / "pyproject.toml", *(ROOT / "docs").glob("*.md")]
+    for package in PACKAGES:
+        sources += (ROOT / package).rglob("*.py")
+    offenders = [str(path.relative_to(ROOT)) for path in sources if "oubliette[" in path.read_text()]
+    assert offenders == []

@@ -8,7 +8,7 @@ streams, and the server end to end with a sandbox that stops reading.
   inbound `cancel` that cancels exactly one request; bursts of answers (timeouts, refusals)
   that all reach a reading peer, and a peer that reads none of them cut off by the deadline. `MockClock(autojump_threshold=0)`
   makes the deadlines instant.
-- End to end (issue 7): a stalled sandbox connection does not delay another caller's
+- End to end: a stalled sandbox connection does not delay another caller's
   `session_message` or `register_toolset`, and is closed after the write deadline.
 """
 

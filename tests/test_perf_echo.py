@@ -1,4 +1,4 @@
-"""Fewer messages per relayed call (issue 11 item 4): the answering caller is not sent its own answer.
+"""Fewer messages per relayed call: the answering caller is not sent its own answer.
 
 The `caller_tool_result` frame is still stored and still pushed to every other sink of the
 session; the caller that answered gets it as an event only with `context.echo_own_answers`.

@@ -1044,7 +1044,7 @@ def test_lazy_export_table_matches_each_modules_all() -> None:
 
 
 def test_importing_the_package_loads_no_layer_and_no_jsonschema() -> None:
-    """Cold start (issue 11): `import protocol` alone imports none of its modules, and the models a
+    """Cold start: `import protocol` alone imports none of its modules, and the models a
     client needs before answering `initialize` do not import jsonschema (it loads on first check)."""
     code = (
         "import sys, protocol\n"

@@ -32,15 +32,16 @@ CALLER_TOOLS = [{
 
 
 def read_only_paths() -> list[str]:
-    """What the sandbox needs of the host besides the system: the venv, its Python, this checkout."""
+    """What the sandbox needs of the host besides the system, which bwrap-run.sh finds by itself
+    from the command's venv: the venv, its Python, this checkout (an editable install)."""
     paths = {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, REPO)}
     return sorted(p for p in paths if not p.startswith("/usr/"))
 
 
 def sandboxed(socket: Path, *command: str) -> list[str]:
+    """The script as a user runs it: no `--ro` paths given, the venv's Python as the command."""
     assert shutil.which("bwrap"), "bubblewrap is not installed: apt-get install -y bubblewrap (.ci/run does)"
-    flags = [arg for path in read_only_paths() for arg in ("--ro", path)]
-    return ["sh", str(BWRAP_RUN), str(socket), *flags, "--", *command]
+    return ["sh", str(BWRAP_RUN), str(socket), "--", *command]
 
 
 def sandbox_env(deployment: Deployment, instance: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The server's own caller-facing tools carry seed 001 descriptors, and their results match them."""
+"""The server's own caller-facing tools carry tool descriptors, and their results match them."""
 
 from __future__ import annotations
 

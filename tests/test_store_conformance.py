@@ -480,7 +480,7 @@ def test_store_settings_from_the_config_file_and_flags(tmp_path: Path) -> None:
     for bad, message in (
         ('[store]\nurl = "mysql://x"\n', "must start with postgresql://"),
         ('[store]\nhost = "x"\n', "unknown [store] key 'host'"),
-        ('[store]\npool_size = "4"\n', "[store] pool_size has the wrong type"),
+        ('[store]\npool_size = "4"\n', "[store] pool_size must be an integer, not a string (\"4\")"),
     ):
         config.write_text(bad)
         with pytest.raises(ValueError, match=re.escape(message)):

@@ -1,4 +1,4 @@
-"""Seed 004 (tether): `tether_send` / `tether_read` end to end with the real programs.
+"""The tether (docs/TETHER.md): `tether_send` / `tether_read` end to end with the real programs.
 
 The server runs as a stdio MCP server (`deployment.caller()`) or with HTTP listeners
 (`deployment.http_server()`, whose `caller()` speaks MCP over Streamable HTTP); the guest
@@ -109,7 +109,7 @@ def assert_wire_frame(frame: dict[str, Any], instance: str) -> None:
 
 @pytest.mark.real_programs
 async def test_send_then_read_loop_until_done(deployment: Deployment) -> None:
-    """Seed 004 usage pattern: tether_send, then tether_read from ingress_seq with next_seq until assistant.done."""
+    """The tether's usage pattern (docs/TETHER.md): tether_send, then tether_read from ingress_seq with next_seq until assistant.done."""
     config = deployment.config_file("agent1")
     text = "Analyze the data in /workspace/data.csv"
     command = agent_command(deployment, "two_lines", TWO_LINE_AGENT)
@@ -394,7 +394,7 @@ async def test_long_poll_over_stdio_wakes_on_tether_send(deployment: Deployment)
 
 
 async def test_same_session_id_on_two_channels_stays_separate(deployment: Deployment) -> None:
-    """Seed 004 §6: telegram:12345 and host:12345 are different sessions, in the guest and in the log."""
+    """Sessions are per channel: telegram:12345 and host:12345 are different sessions, in the guest and in the log."""
     config = deployment.config_file("agent1")
     command = agent_command(deployment, "session_echo", SESSION_AGENT)
     async with deployment.http_server("--config", str(config)) as server, deployment.guest("agent1", command):

@@ -1,7 +1,7 @@
-"""Toolsets (seed 003): the router, the registry, and the server's toolset API, in process.
+"""Toolsets (docs/TOOLSETS.md): the router, the registry, and the server's toolset API, in process.
 
 The unit tests drive `ToolRouter` and `ToolsetRegistry` directly. The in-process
-tests run `OublietteServer` in the test's own Trio loop (DESIGN.md, "Embedding"),
+tests run `OublietteServer` in the test's own Trio loop (README.md, "Embedding"),
 connect the client side (`SandboxTools`, what `oubliette-client` runs) over the
 real relay socket, and change registrations and allowlists through the server's
 code-driven API. The MCP toolset runs `mcp-server-time`, a reference MCP server

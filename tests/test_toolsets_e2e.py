@@ -1,13 +1,13 @@
-"""Toolsets end to end (seed 003 integration tests), with the real programs.
+"""Toolsets end to end (integration tests), with the real programs.
 
 oubliette-server is started as the caller's stdio MCP server with a TOML config
-(`--config`) that declares a command toolset (`examples/mcp_echo.py`, seed 001's
+(`--config`) that declares a command toolset (`examples/mcp_echo.py`, the action contract's
 reference endpoint) and an MCP toolset (`mcp-server-time`, a reference MCP
 server from the MCP project), and per-instance allowlists. The agent is the
 SDK's MCP client spawning the real `oubliette-client`.
 
 Allowlists have no runtime CLI or MCP surface, so the tests of list changes run
-the server in the test's own Trio loop (DESIGN.md, "Embedding") and change the
+the server in the test's own Trio loop (README.md, "Embedding") and change the
 allowlist through `update_allowed_toolsets`, with the real `oubliette-client`
 as the agent's stdio MCP server.
 """

@@ -1,4 +1,4 @@
-"""The sandbox (and a caller) are untrusted: issue 8, items 4, 7, 8, 9, 10 (part) and 11 (client side).
+"""The sandbox (and a caller) are untrusted (docs/SECURITY.md): what they send breaks nothing else.
 
 Each test plays the hostile or careless peer against the real programs: raw relay
 connections (`RawRelay`), the caller's MCP tools, the HTTP tether API, and guest
@@ -67,7 +67,7 @@ def hello_params(instance: str, token: str, **extra: Any) -> dict[str, Any]:
     return {"protocol": "oubliette-relay/1", "role": "client", "instance": instance, "token": token, **extra}
 
 
-# -- item 8: full-match ids ------------------------------------------------------------------
+# -- full-match ids ------------------------------------------------------------------
 
 
 def test_id_rules_are_full_match() -> None:
@@ -140,7 +140,7 @@ async def test_http_refuses_instance_and_session_with_trailing_newline(deploymen
         assert await server.app.store.last_seq("boxA") == 0  # nothing stored
 
 
-# -- item 7: every bad hello is answered ---------------------------------------------------------
+# -- every bad hello is answered ---------------------------------------------------------
 
 
 async def test_bad_hellos_get_an_error_before_the_close(deployment: Deployment) -> None:
@@ -180,7 +180,7 @@ async def test_ack_out_of_range_is_ignored_and_connection_survives(deployment: D
                 assert reply["error"]["code"] == METHOD_NOT_FOUND
 
 
-# -- item 9: an ack past the end does not hide the next message ------------------------------
+# -- an ack past the end does not hide the next message ------------------------------
 
 
 async def test_ack_beyond_the_log_does_not_lose_the_next_message(deployment: Deployment) -> None:
@@ -202,7 +202,7 @@ async def test_ack_beyond_the_log_does_not_lose_the_next_message(deployment: Dep
             assert message["params"]["frame"]["payload"] == {"text": "after the bad ack"}
 
 
-# -- item 10: after_seq range, unknown instances ------------------------------------------------
+# -- after_seq range, unknown instances ------------------------------------------------
 
 
 async def test_after_seq_out_of_range_and_unknown_instance(deployment: Deployment) -> None:
@@ -287,7 +287,7 @@ async def test_no_door_stores_a_server_owned_type_or_key(deployment: Deployment)
         assert await store.last_seq("box1") == 3
 
 
-# -- item 4: one MCP config file per session --------------------------------------------------
+# -- one MCP config file per session --------------------------------------------------
 
 
 def test_mcp_config_file_names_are_injective(tmp_path: Path) -> None:
@@ -344,7 +344,7 @@ async def test_sessions_with_similar_names_get_their_own_mcp_config(deployment: 
             assert done["text"] == f"mcp:{session}"
 
 
-# -- item 11 (client side): no agent orphans ----------------------------------------------------
+# -- no agent orphans ----------------------------------------------------
 
 # Starts a long-lived child in the background, prints its pid, then stays in the turn (or,
 # with "exit" as the message, ends the turn at once, leaving the child behind).

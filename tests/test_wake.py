@@ -1,4 +1,4 @@
-"""Wake on message (seed 004): a message for an instance whose guest is down starts it.
+"""Wake on message (docs/TETHER.md, "Wake on message"): a message for an instance whose guest is down starts it.
 
 The server gets a TOML config file (`--config`) that gives instance "box1" a start
 command. Here the start command is a small wrapper script that appends one JSON line
@@ -113,7 +113,7 @@ async def wake_server(deployment: Deployment, setup: WakeSetup, *extra: str) -> 
 
 
 async def tether_send(rest: Any, session_id: str, text: str) -> str:
-    """The tether_send of seed 004 over HTTP: POST a host user.message; its msg_id."""
+    """The tether's tether_send over HTTP: POST a host user.message; its msg_id."""
     return await post_message(rest, "host", session_id, text)
 
 
@@ -377,13 +377,17 @@ async def test_an_earlier_start_failing_late_does_not_let_a_third_start_begin(de
 BAD_CONFIGS = {
     "unknown section": ("[bogus]\nx = 1\n", "unknown section(s) bogus"),
     "unknown server key": ("[server]\ncaler_timeout = 5\n", "unknown [server] key 'caler_timeout'"),
-    "wrong server type": ('[server]\ncaller_timeout = "fast"\n', "[server] caller_timeout has the wrong type"),
-    "boolean for a number": ("[server]\nretention_frames = true\n", "[server] retention_frames has the wrong type"),
+    "wrong server type": ('[server]\ncaller_timeout = "fast"\n', "[server] caller_timeout must be a number, not a string (\"fast\")"),
+    "boolean for a number": ("[server]\nretention_frames = true\n", "[server] retention_frames must be an integer, not true or false (true)"),
     "list of non-strings": ("[server]\nhttp = [8765]\n", "[server] http must be a list of strings"),
     "wrong start type": ("[instances.box1]\nstart = 5\n", "[instances.box1] start must be a string or a list"),
     "instance not a table": ('[instances]\nbox1 = "docker start box1"\n', "[instances.box1] must be a table"),
     "unknown instance key": ('[instances.box1]\nstrat = "docker start box1"\n', "'strat'"),
     "not TOML": ("[server\n", "is not valid TOML"),
+    "wrong toolset type": (
+        '[toolsets.t]\nkind = "mcp"\nprefix = "t"\ncommand = "x"\ntimeout = "5"\n',
+        '[toolsets.t]: timeout must be a number, not a string ("5")',
+    ),
 }
 
 

@@ -1,4 +1,4 @@
-"""Approvals (seed 002): approval requests, their decisions and their timeouts.
+"""Approvals (docs/APPROVALS.md): approval requests, their decisions and their timeouts.
 
 - `service`: `ApprovalService`, one pending entry per gated call, ended by exactly one
   decision (the owning caller's answer, the person's answer to an elicitation, the timeout,

@@ -195,7 +195,7 @@ SESSION_EVENTS: dict[str, Any] = {
     "additionalProperties": False,
 }
 
-# Seed 004, exactly: the host agent tether tools.
+# The host agent's tether tools, exactly as docs/TETHER.md gives them.
 TETHER_SEND_DESCRIPTION = (
     "Send a message to an agent running inside a VM instance. The message is delivered via the tether "
     "protocol. The instance wakes automatically if paused or stopped. Use tether_read to receive the "
@@ -258,7 +258,7 @@ TETHER_READ: dict[str, Any] = {
 #: it failed, or the wait ran out while it goes on.
 STOP_REASONS = ["end_turn", "requires_action", "requires_approval", "error", "timeout"]
 
-# Result schemas: the seed 001 descriptors of the server's own tools carry them.
+# Result schemas: the tool descriptors of the server's own tools carry them.
 _FRAMES_RESULT: dict[str, Any] = {
     "type": "object",
     "properties": {

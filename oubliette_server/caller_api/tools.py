@@ -668,19 +668,19 @@ class CallerTools:
             wait_ms=args.get("wait_ms", 0), types=args.get("types"),
         )
 
-    # -- tether (seed 004) ---------------------------------------------------------------
+    # -- tether (docs/TETHER.md) ---------------------------------------------------------------
 
     async def tether_send(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
-        """Seed 004's `tether_send`: ingress a `user.message` on the tether channel (see `Tether.send`).
+        """The tether's `tether_send`: ingress a `user.message` on the tether channel (see `Tether.send`).
 
-        Its schema is the seed's, open to other arguments (ignored); a key only the server writes
+        Its schema is the original tether's, open to other arguments (ignored); a key only the server writes
         is refused as at every door (server_owned.py), so nobody takes it for stored.
         """
         refuse_server_owned(None, args, "argument")
         return await self.tether.send(args["instance"], args["text"], args.get("session_id"))
 
     async def tether_read(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
-        """Seed 004's `tether_read`: the tether session's egress frames after a cursor (see `Tether.read`).
+        """The tether's `tether_read`: the tether session's egress frames after a cursor (see `Tether.read`).
 
         Raises: `RelayError` for an unknown instance or a bad session id.
         """

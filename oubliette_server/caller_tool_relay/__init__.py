@@ -1,4 +1,5 @@
-"""The caller tool relay (seed 000): the agent calls a tool that the caller declared.
+"""The caller tool relay: the agent calls a tool that the caller declared (docs/ARCHITECTURE.md,
+"The path of one relayed call").
 
 - `declarations`: which caller tools each session has and which client connection sees them;
   the `caller_tool` relay method.

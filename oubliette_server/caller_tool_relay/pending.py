@@ -1,7 +1,7 @@
 """Relayed caller tool calls: one pending entry per call, ended by exactly one outcome.
 
 The relay task waits for the caller inside a Trio cancel scope. Exactly one of
-these ends it (DESIGN.md, "Caller tool relay"): the caller's result or error,
+these ends it (docs/ARCHITECTURE.md, "The path of one relayed call"): the caller's result or error,
 the timeout, the caller's connection ending, or the agent cancelling (which
 cancels the waiting task itself). A late or second answer finds no pending
 entry and is refused with a message that says what happened to the request.

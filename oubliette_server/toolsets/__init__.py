@@ -1,4 +1,4 @@
-"""Host-side toolsets: registry, per-session router, MCP and command-endpoint toolsets (seed 003, 001)."""
+"""Host-side toolsets: registry, per-session router, MCP and command-endpoint toolsets (docs/TOOLSETS.md)."""
 
 from .base import FunctionToolset, Toolset, ToolResult, ToolsetFactory, ToolSpec
 from .command_toolset import CommandToolset

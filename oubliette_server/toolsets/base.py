@@ -42,7 +42,7 @@ class ToolSpec:
     result_schema: dict[str, Any] | None = None
     safety: str = DEFAULT_SAFETY
     command: str | None = None
-    """Indicative CLI syntax (seed 001); derived from the published name when None."""
+    """Indicative CLI syntax (a tool descriptor field); derived from the published name when None."""
 
 
 @attrs.define(frozen=True)

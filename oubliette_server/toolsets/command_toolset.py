@@ -1,4 +1,4 @@
-"""A toolset backed by a command that speaks seed 001's action contract on stdin/stdout.
+"""A toolset backed by a command that speaks the action contract on stdin/stdout.
 
 Each action runs the command once: one JSON request line in, one JSON response
 line out (`{"type": "result", …}` or the error envelope). Discovery
@@ -32,7 +32,7 @@ def command_list(command: str | list[str]) -> list[str]:
 
 
 class CommandToolset(Toolset):
-    """A toolset backed by a host command speaking seed 001's action contract: one process per action.
+    """A toolset backed by a host command speaking the action contract: one process per action.
 
     Owns: each action's process, for the action only (killed at `timeout`, 30 s by default).
     Needs: nothing running; `discover()` once to learn the tools.

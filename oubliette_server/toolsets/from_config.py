@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from ..toml_types import wrong_type
 from .command_toolset import command_list
 
 log = logging.getLogger("oubliette.server.toolsets")
@@ -60,8 +61,9 @@ def parse_toolsets(tables: Any, where: str) -> list[ToolsetEntry]:
         if kind == "command" and "roots" in table:
             raise ValueError(f"{here}: roots apply to MCP toolsets only")
         for key, expected in (("args", list), ("env", dict), ("cwd", str), ("roots", list), ("timeout", (int, float))):
-            if key in table and not isinstance(table[key], expected):
-                raise ValueError(f"{here}: {key} has the wrong type")
+            problem = wrong_type(key, table[key], expected) if key in table else None
+            if problem:
+                raise ValueError(f"{here}: {problem}")
         gate = table.get("requires_approval", False)
         if not isinstance(gate, bool) and not (isinstance(gate, list) and all(isinstance(t, str) and t for t in gate)):
             raise ValueError(f"{here}: requires_approval must be true, false or a list of tool names")

@@ -1,7 +1,7 @@
 """The toolset registry: definitions (id, prefix, tools, factory or shared ref) and per-instance allowlists.
 
 The allowlist of an instance is empty by default: an agent sees no toolset
-until it is allowed (seed 003).
+until it is allowed (docs/TOOLSETS.md).
 """
 
 from __future__ import annotations

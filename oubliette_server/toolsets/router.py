@@ -45,7 +45,7 @@ class PublishedToolsetTool:
     spec: ToolSpec
 
     def wire(self) -> dict[str, Any]:
-        """The `toolsets_config` entry the client lists (with its seed 001 descriptor)."""
+        """The `toolsets_config` entry the client lists (with its tool descriptor)."""
         spec = self.spec
         definition = self.binding.definition
         timeout_ms = definition.approval_timeout_ms_for(spec.name)
@@ -143,7 +143,7 @@ class ToolRouter:
         return changed
 
     def published(self) -> list[dict[str, Any]]:
-        """The published tools as `toolsets_config` entries (with their seed 001 descriptors)."""
+        """The published tools as `toolsets_config` entries (with their tool descriptors)."""
         return [p.wire() for p in self._published.values()]
 
     def _not_found(self, name: str) -> RelayError:

@@ -146,7 +146,7 @@ class ToolsetService:
         requires_approval: bool | Iterable[str] = False,
         approval_timeout: ApprovalTimeout = None,
     ) -> ToolsetDefinition:
-        """Register an endpoint speaking seed 001's action contract; discovery failures leave it empty."""
+        """Register an endpoint speaking the action contract; discovery failures leave it empty."""
         options: dict[str, Any] = {"env": env, "cwd": cwd}
         if timeout is not None:
             options["timeout"] = timeout

@@ -1,0 +1,197 @@
+"""What a person sees on Ctrl-C, and on a mistyped `--store` or `tools call` argument: one line or none.
+
+Real SIGINTs on the real programs, each sent at a known moment: during the imports (the
+program sends it to itself from an import hook, the moment the module is looked up), while
+the server's start waits on a toolset (the toolset has connected to the test), after the
+server's ready line, while `tools` waits on a relay (the relay has accepted), in the middle of
+the demo (its second line is out). Ctrl-C exits with status 130; a usage error with 2.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+import trio
+
+from harness import PYTHON, fresh_dir
+from test_first_hour import READY, RUN_BOUND, Stderr, assert_one_line, data_env, program, run
+
+ROOT = Path(__file__).resolve().parent.parent
+INTERRUPTED = 130
+
+#: Runs a program as its console script does, but sends itself SIGINT the moment it first
+#: imports the module named by argv[1]: the window before any event loop runs.
+TRIP = """
+import importlib.abc, os, runpy, signal, sys
+class Trip(importlib.abc.MetaPathFinder):
+    module = sys.argv[1]
+    def find_spec(self, name, path, target=None):
+        if name == self.module:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Trip())
+what = sys.argv[2]
+sys.argv = sys.argv[2:]
+if what.endswith('.py'):
+    runpy.run_path(what, run_name='__main__')
+else:
+    runpy.run_module(what, run_name='__main__', alter_sys=True)
+raise SystemExit('the program ran to its end: the trip module was never imported')
+"""
+
+
+async def _tripped(module: str, target: str, *args: str) -> tuple[int, str, str]:
+    with trio.fail_after(RUN_BOUND):
+        done = await trio.run_process(
+            [PYTHON, "-c", TRIP, module, target, *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+            capture_stdout=True, capture_stderr=True, check=False, env=data_env_for(fresh_dir()),
+        )
+    return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+def data_env_for(root: Path) -> dict[str, str]:
+    from harness import env_without_oubliette
+
+    return {**env_without_oubliette(), "OUBLIETTE_DATA_DIR": str(root / "data")}
+
+
+@pytest.mark.parametrize("module,target,args", [
+    ("trio", "oubliette_server", ["--no-stdio"]),
+    ("mcp", "oubliette_server", ["--no-stdio"]),  # the SDK, imported on the way to serving
+    ("trio", "oubliette_client", ["tools", "list", "--instance", "box1", "--token", "t"]),
+    ("mcp", "examples/demo.py", []),
+])
+async def test_ctrl_c_while_a_program_imports_is_silent_and_130(module: str, target: str, args: list[str]) -> None:
+    status, out, err = await _tripped(module, target, *args)
+    assert (status, out, err) == (INTERRUPTED, "", ""), (status, out, err)
+
+
+async def test_ctrl_c_while_the_server_starts_is_silent_and_130(tmp_path: Path) -> None:
+    """The server's start waits (in its event loop, before ready) for a configured MCP toolset
+    that has connected to the test and never answers; Ctrl-C then, to the server's process group."""
+    meeting = str(tmp_path / "toolset.sock")
+    config = tmp_path / "slow.toml"
+    config.write_text(
+        '[toolsets.slow]\nkind = "mcp"\nprefix = "slow"\n'
+        f'command = "{PYTHON}"\n'
+        'args = ["-c", "import socket, sys, time; s = socket.socket(socket.AF_UNIX); '
+        f's.connect({meeting!r}); time.sleep(600)"]\n'
+    )
+    listener = trio.socket.socket(trio.socket.AF_UNIX)
+    await listener.bind(meeting)
+    listener.listen()
+    env = data_env_for(tmp_path)
+    process = await trio.lowlevel.open_process(
+        [PYTHON, "-m", "oubliette_server", "--no-stdio", "--config", str(config)],
+        stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True,
+    )
+    stderr = Stderr()
+    try:
+        async with trio.open_nursery() as nursery:
+            assert process.stderr is not None
+            nursery.start_soon(stderr.drain, process.stderr)
+            with trio.fail_after(RUN_BOUND):
+                toolset, _ = await listener.accept()
+            assert READY not in stderr.text
+            os.killpg(process.pid, signal.SIGINT)
+            with trio.fail_after(RUN_BOUND):
+                assert await process.wait() == INTERRUPTED
+        toolset.close()
+    finally:
+        listener.close()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert b"Traceback" not in stderr.text and b"Exception" not in stderr.text, stderr.text.decode()
+
+
+async def test_ctrl_c_on_a_running_server_stops_it_cleanly_with_130(tmp_path: Path) -> None:
+    env = data_env_for(tmp_path)
+    async with program(["oubliette_server", "--no-stdio"], env) as (server, stderr):
+        await stderr.wait_for(READY)
+        server.send_signal(signal.SIGINT)
+        with trio.fail_after(RUN_BOUND):
+            assert await server.wait() == INTERRUPTED
+    assert b"received SIGINT; shutting down" in stderr.text and b"Traceback" not in stderr.text
+    assert not (tmp_path / "data" / "relay.sock").exists(), "the socket file is removed"
+
+
+@pytest.mark.parametrize("words", [["list"], ["call", "ext.echo", '{"message": "hi"}']])
+async def test_ctrl_c_while_tools_waits_is_silent_and_130(tmp_path: Path, words: list[str]) -> None:
+    """`tools` waits on a relay that has accepted its connection and never answers its hello."""
+    relay = str(tmp_path / "relay.sock")
+    listener = trio.socket.socket(trio.socket.AF_UNIX)
+    await listener.bind(relay)
+    listener.listen()
+    env = {**data_env_for(tmp_path), "OUBLIETTE_RELAY": f"unix:{relay}", "OUBLIETTE_INSTANCE": "box1",
+           "OUBLIETTE_TOKEN": "t"}
+    try:
+        async with program(["oubliette_client", "tools", *words, "--connect-wait", "120"], env) as (client, stderr):
+            with trio.fail_after(RUN_BOUND):
+                connection, _ = await listener.accept()
+            client.send_signal(signal.SIGINT)
+            with trio.fail_after(RUN_BOUND):
+                assert await client.wait() == INTERRUPTED
+            connection.close()
+    finally:
+        listener.close()
+    assert stderr.text == b""
+
+
+@asynccontextmanager
+async def piped(argv: list[str], **options: Any) -> AsyncIterator[tuple[trio.Process, Stderr, Stderr]]:
+    """`argv` running with its stdout and stderr read in the background; killed at the end if still running."""
+    process = await trio.lowlevel.open_process(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **options,
+    )
+    out, err = Stderr(), Stderr()
+    try:
+        async with trio.open_nursery() as nursery:
+            assert process.stdout is not None and process.stderr is not None
+            nursery.start_soon(out.drain, process.stdout)
+            nursery.start_soon(err.drain, process.stderr)
+            yield process, out, err
+    finally:
+        if process.returncode is None:
+            process.kill()
+            with trio.CancelScope(shield=True):
+                await process.wait()
+
+
+async def test_ctrl_c_in_the_middle_of_the_demo_is_one_line_and_130() -> None:
+    argv = [PYTHON, "examples/demo.py"]
+    async with piped(argv, cwd=ROOT, start_new_session=True, env=data_env_for(fresh_dir())) as (process, out, err):
+        await out.wait_for(b"[caller] session_message")
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        with trio.fail_after(RUN_BOUND):
+            assert await process.wait() == INTERRUPTED
+    assert err.text.decode().splitlines() == ["[caller] interrupted"], err.text.decode()
+
+
+# -- usage errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url,needle", [
+    ("postgresql://[::1", 'matching "]" in IPv6 host address'),
+    ("postgresql://u@/db?bogus=1", 'invalid URI query parameter: "bogus"'),
+    ("postgresql://u@/db?x", 'missing key/value separator "="'),
+])
+@pytest.mark.parametrize("command", [["--no-stdio"], ["token", "box1"], ["http-token"]])
+async def test_a_malformed_store_uri_is_a_usage_error(tmp_path: Path, url: str, needle: str, command: list[str]) -> None:
+    status, _, err = await run(["oubliette_server", *command, "--store", url], data_env_for(tmp_path))
+    assert status == 2, err
+    assert_one_line(err, "error: the store URL is not a libpq URI: ", needle)
+
+
+async def test_tools_call_with_invalid_json_is_a_usage_error(tmp_path: Path) -> None:
+    env = {**data_env_for(tmp_path), "OUBLIETTE_INSTANCE": "box1", "OUBLIETTE_TOKEN": "t"}
+    status, out, err = await run(["oubliette_client", "tools", "call", "ext.echo", "{message: hi}"], env)
+    assert (status, out) == (2, "")
+    assert_one_line(err, "oubliette-client tools: error: arguments are not valid JSON: Expecting property name")
