@@ -13,6 +13,9 @@ import attrs
 from protocol.limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_PAYLOAD_BYTES, Limits
 
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
+from .sessions import DEFAULT_MAX_SESSIONS
+
+MAX_SESSIONS_CEILING = 1_000_000
 
 DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
@@ -109,6 +112,14 @@ class ServerConfig:
     encoded as on the relay; at most what still fits one relay line (the default). See docs/SECURITY.md."""
     max_payload_depth: int = attrs.field(default=DEFAULT_MAX_DEPTH)
     """Deepest nesting of such a value (1-128; default 64: the callers' SDK cannot parse 200)."""
+    max_sessions: int = attrs.field(default=DEFAULT_MAX_SESSIONS)
+    """Sessions of one instance held in memory besides those in use; the least recently used idle
+    ones are forgotten (their frames stay in the log). See docs/SECURITY.md, "Session keys at every door"."""
+
+    @max_sessions.validator
+    def _check_max_sessions(self, attribute: Any, value: int) -> None:
+        if not 1 <= value <= MAX_SESSIONS_CEILING:
+            raise ValueError(f"max_sessions must be between 1 and {MAX_SESSIONS_CEILING}; got {value!r}")
 
     @max_payload_bytes.validator
     @max_payload_depth.validator
@@ -149,7 +160,7 @@ SERVER_KEYS = {
     "relay": str, "data_dir": str, "caller_timeout": (int, float), "approval_timeout": (int, float), "approval_delivery": str, "store_path": str,
     "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
     "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
-    "max_payload_bytes": int, "max_payload_depth": int,
+    "max_payload_bytes": int, "max_payload_depth": int, "max_sessions": int,
 }
 
 

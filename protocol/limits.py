@@ -17,7 +17,8 @@ Depth is counted in containers: ``0`` is 0 deep, ``[0]`` 1, ``{"a": [0]}`` 2. Th
 walk is iterative and bounded by the size limit, so a 100,000-deep (or cyclic) value
 costs no stack and little time.
 
-This module uses no Trio; it imports only the error type and the frame types.
+This module uses no Trio; it imports only the error type, the frame types and the session
+keys' length limits.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import attrs
 
 from .errors import INVALID_PARAMS, RelayError
 from .frames import FRAME_TYPES
+from .session_keys import MAX_CHANNEL_CHARS, MAX_SESSION_ID_CHARS
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -60,8 +62,6 @@ MAX_DEPTH_CEILING = 128
 
 # The longest identifiers an envelope carries, as the server's checks bound them.
 _MAX_INSTANCE = 64  # auth.check_instance_id
-_MAX_CHANNEL = 64  # tether ingress schema
-_MAX_SESSION_ID = 128  # caller API and tether session ids
 _MAX_MSG_ID = 128  # tether ingress msg_id / reply_to
 _MAX_TOOL_NAME = 128  # caller tool names
 _MAX_CALLER_ID = 32  # context.caller_id
@@ -119,7 +119,7 @@ def _compute_envelope_overhead() -> int:
     the response to the client's ``caller_tool`` request (``{"result": value}``).
     """
     delivered = _frame_overhead(
-        "i" * _MAX_INSTANCE, "c" * _MAX_CHANNEL, "s" * _MAX_SESSION_ID, max(FRAME_TYPES, key=len),
+        "i" * _MAX_INSTANCE, "c" * MAX_CHANNEL_CHARS, "s" * MAX_SESSION_ID_CHARS, max(FRAME_TYPES, key=len),
         "m" * _MAX_MSG_ID, "r" * _MAX_MSG_ID,
     )
     response = _bytes({"jsonrpc": "2.0", "id": "x" * _MAX_RPC_ID, "result": {"result": 0}}) - 1
