@@ -16,11 +16,14 @@ this process (`max_sessions` 1,000) with a caller that owns session `s1` and a r
 
     python bench/bench_sessions.py            # ~30 s on a quiet machine
     python bench/bench_sessions.py --quick    # smaller counts, a smoke run
+
+It also runs against a server from before the bound (no `max_sessions`), to compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import shutil
 import statistics
@@ -30,6 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import trio
 
 from oubliette_server.app import OublietteServer
@@ -132,8 +136,9 @@ def bad_keys(count: int) -> list[dict[str, Any]]:
 async def main(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-sessions-", dir="/tmp"))
     try:
+        bound = {"max_sessions": MAX_SESSIONS} if "max_sessions" in attrs.fields_dict(ServerConfig) else {}
         config = ServerConfig(data_dir=root / "data", relay=f"unix:{root / 'relay.sock'}",
-                              instances={INSTANCE: {}, OTHER: {}}, max_sessions=MAX_SESSIONS)
+                              instances={INSTANCE: {}, OTHER: {}}, **bound)
         app = OublietteServer(config)
         async with trio.open_nursery() as nursery:
             await nursery.start(app.serve)
@@ -181,8 +186,9 @@ async def main(args: argparse.Namespace) -> None:
         print(f"  ratio of medians: {statistics.median(after) / statistics.median(before):.2f}")
         print(f"flood ({flood_seconds:.1f} s): bad keys {refused}, 500 kB keys {refused_huge}, "
               f"unknown sessions {unknown}, tether_send sessions {args.tether}, made in the registry {args.direct}")
-        print(f"sessions held: {INSTANCE} {app.sessions.count(INSTANCE)}, {OTHER} {app.sessions.count(OTHER)} "
-              f"(max_sessions {MAX_SESSIONS}); forgotten {app.sessions.forgotten}")
+        held = collections.Counter(session.instance for session in app.sessions.all())
+        print(f"sessions held: {INSTANCE} {held[INSTANCE]}, {OTHER} {held[OTHER]} "
+              f"(max_sessions {bound.get('max_sessions', 'none')}); forgotten {getattr(app.sessions, 'forgotten', 0)}")
         print(f"RSS of this process (server + bench): {rss_before:.0f} MB before, {rss_after:.0f} MB after")
     finally:
         shutil.rmtree(root, ignore_errors=True)
