@@ -134,6 +134,30 @@ async def test_relay_append_frame_refuses_bad_keys_and_stores_nothing(deployment
             assert "result" in await response_to(guest, "ok")
 
 
+async def test_frame_ids_a_peer_chooses_are_bounded_too(deployment: Deployment) -> None:
+    """The same class one field over: a guest's `reply_to` (and an HTTP frame's `msg_id`) of
+    300,000 characters or with a lone surrogate once got stored, or -32603 and a traceback.
+    Now -32602 (HTTP 400) naming the 128-character bound; nothing stored."""
+    async with serving(deployment) as served, served.http.rest() as rest:
+        owner, _ = served.callers.open_caller()
+        await served.callers.call(owner, "session_message", {"instance": INSTANCE, "session_id": "s1", "message": "hi"})
+        before = await served.held_and_stored()
+        async with RawRelay.connect(deployment) as guest:
+            await guest.hello(INSTANCE, served.app.tokens.token_for(INSTANCE), role="guest")
+            for n, reply_to in enumerate(["\ud800", "r" * 300_000, "m" * 129]):
+                await guest.send({"jsonrpc": "2.0", "id": n, "method": "append_frame", "params": {
+                    "session": {"channel": "mcp", "id": "s1"}, "type": "status.presence", "payload": {}, "reply_to": reply_to,
+                }})
+                error = (await response_to(guest, n))["error"]
+                assert error["code"] == INVALID_PARAMS and "at most 128 characters" in error["message"], error
+                assert len(error["message"]) < LONGEST_MESSAGE
+        body = {"type": "user.message", "session": {"channel": "host", "id": "s"}, "msg_id": "m-\ud800", "payload": {"text": "x"}}
+        response = await rest.post(f"/v1/instances/{INSTANCE}/tether", content=json.dumps(body).encode(),
+                                   headers={"content-type": "application/json"})
+        assert response.status_code == 400 and "at most 128 characters" in response.text, response.text
+        assert await served.held_and_stored() == before
+
+
 async def test_a_guest_cannot_open_a_session(deployment: Deployment) -> None:
     """A well-formed key the server does not know (not held, no frames in the log) is NOT_FOUND:
     what a guest cannot create it cannot exhaust."""
