@@ -69,7 +69,7 @@ class OublietteServer:
         self.limits: Limits = config.limits
         self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         """Which server of a deployment this is (host, process, a random tag)."""
-        self.sessions = SessionRegistry()
+        self.sessions = SessionRegistry(config.max_sessions)
         self.clients = ClientConnections(self.config.max_client_connections)
         self.instances = InstanceDirectory(
             config.instances, self.store.last_seq,
@@ -98,6 +98,9 @@ class OublietteServer:
         self.approvals = ApprovalService(
             self.frame_log.append, config.approval_timeout, log=bus, server_id=self.server_id if bus is not None else None,
         )
+        # A session with a request or approval not yet ended stays in memory (docs/CONFIG.md, max_sessions).
+        self.sessions.keep_while(self.calls.holds)
+        self.sessions.keep_while(self.approvals.holds)
         self.elicitation = ApprovalElicitation(self.approvals, config.approval_delivery)
         self.connection_approvals = ConnectionApprovals(self.sessions, self.approvals)
         self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls, self.approvals)
@@ -117,7 +120,7 @@ class OublietteServer:
                 cast(AbandonedStore, self.store), self.sessions, self.frame_log.append_outcome,
                 period=config.store_lease_ttl, grace=config.store_lease_ttl,
             )
-        self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests)
+        self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests, self.store)
         self.orphans = OrphanedTurns(self.guests, self.sessions, self.frame_log.append)
         self.tether = Tether(self.store, self.frame_log, self.instances, self.limits)
         # What each role may ask of the server; the peer validates and structures params once,

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 from protocol import PROTOCOL_VERSION, RelayError, errors, messages
+from protocol.session_keys import check_session_key
 
-from .ids import instance_id_problem, session_key_problem
+from .ids import instance_id_problem
 
 SECRET_FILE_NAME = "secret"
 HTTP_ADMIN = "http:admin"
@@ -140,9 +141,7 @@ def check_hello(
     if reason:
         raise RelayError(errors.NOT_FOUND, reason)
     if hello.session is not None:
-        reason = session_key_problem(hello.session)
-        if reason:
-            raise RelayError(errors.INVALID_PARAMS, reason)
+        check_session_key(hello.session)
     if not verify_token(hello.instance, hello.token):
         hint = f" (check OUBLIETTE_TOKEN: {token_hint(hello.instance)})" if token_hint else ""
         raise RelayError(errors.UNAUTHORIZED, f"wrong token for instance '{hello.instance}'{hint}")

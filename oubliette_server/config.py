@@ -21,6 +21,9 @@ from .connection_limits import (
     HttpLimits,
 )
 from .toml_types import wrong_type
+from .sessions import DEFAULT_MAX_SESSIONS
+
+MAX_SESSIONS_CEILING = 1_000_000
 
 DEFAULT_CALLER_TIMEOUT = 60.0
 DEFAULT_SESSION_WAIT = 600.0
@@ -154,6 +157,14 @@ class ServerConfig:
     encoded as on the relay; at most what still fits one relay line (the default). See docs/SECURITY.md."""
     max_payload_depth: int = attrs.field(default=DEFAULT_MAX_DEPTH)
     """Deepest nesting of such a value (1-128; default 64: the callers' SDK cannot parse 200)."""
+    max_sessions: int = attrs.field(default=DEFAULT_MAX_SESSIONS)
+    """Sessions of one instance held in memory besides those in use; the least recently used idle
+    ones are forgotten (their frames stay in the log). See docs/SECURITY.md, "Session keys at every door"."""
+
+    @max_sessions.validator
+    def _check_max_sessions(self, attribute: Any, value: int) -> None:
+        if not 1 <= value <= MAX_SESSIONS_CEILING:
+            raise ValueError(f"max_sessions must be between 1 and {MAX_SESSIONS_CEILING}; got {value!r}")
 
     @max_payload_bytes.validator
     @max_payload_depth.validator
@@ -195,7 +206,7 @@ SERVER_KEYS = {
     "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
     "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
     "max_client_connections": int,
-    "max_payload_bytes": int, "max_payload_depth": int,
+    "max_payload_bytes": int, "max_payload_depth": int, "max_sessions": int,
     "http_max_connections": int, "http_body_timeout": (int, float), "http_keep_alive_timeout": (int, float),
     "http_keep_alive_max_requests": int,
 }

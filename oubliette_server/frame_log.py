@@ -65,6 +65,13 @@ class FrameLog:
             payload, instance=session.instance, channel=session.channel, session_id=session.id,
             type=type, msg_id=msg_id, reply_to=reply_to,
         )
+        return await self._store_and_push(session, type, payload, reply_to=reply_to, msg_id=msg_id, skip=skip)
+
+    async def _store_and_push(
+        self, session: Session, type: str, payload: dict[str, Any], *,
+        reply_to: str | None, msg_id: str | None, skip: EventSink | None = None,
+    ) -> Frame:
+        """`append` once the frame passed `Limits.check_frame`."""
         frame = await self.store.append(
             session.instance, channel=session.channel, session_id=session.id,
             type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
@@ -125,12 +132,18 @@ class FrameLog:
     ) -> Frame:
         """Append a frame from outside the sandbox; a `user.message` wakes the instance.
 
+        The frame is checked before its session is looked up or made: a refused frame leaves
+        nothing behind, not even a session in memory.
+
         Raises: `RelayError(INVALID_PARAMS)` for a type or payload key only the server writes
-        (`refuse_server_owned`: nothing is stored), and what `append` raises.
+        (`refuse_server_owned`: nothing is stored), the limits' refusals, and what `append` raises.
         """
         refuse_server_owned(type, payload)
+        self.limits.check_frame(
+            payload, instance=instance, channel=channel, session_id=session_id, type=type, msg_id=msg_id, reply_to=reply_to,
+        )
         session = self.sessions.get_or_create(instance, channel, session_id)
-        frame = await self.append(session, type, payload, msg_id=msg_id, reply_to=reply_to)
+        frame = await self._store_and_push(session, type, payload, msg_id=msg_id, reply_to=reply_to)
         if type == "user.message":
             self.on_user_message(instance)
         return frame

@@ -1,4 +1,7 @@
-"""Identifier rules: the instance ids, channels, session ids and caller ids the server accepts.
+"""Identifier rules: the instance ids, caller ids and tool names the server accepts.
+
+Session keys (channel and session id) have their one home in `protocol.session_keys`,
+which every door uses.
 
 Every check here is a full match. Python's `$` also matches just before a final
 newline, so `re.match(r"^[a-z]+$", "box\\n")` succeeds, and so does a JSON Schema
@@ -18,17 +21,13 @@ from typing import Any, Iterator
 import jsonschema
 from jsonschema.exceptions import ValidationError
 
-from protocol.frames import DEFAULT_CHANNEL
+from protocol.session_keys import shown
 
 INSTANCE_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
-CHANNEL = r"[A-Za-z0-9_.-]{1,64}"
-SESSION_ID = r"[A-Za-z0-9_.:@-]{1,128}"
 CALLER_ID = r"[A-Za-z0-9_-]{1,32}"
 TOOL_NAME = r"[A-Za-z0-9_.-]{1,128}"
 
 _INSTANCE_ID_RE = re.compile(INSTANCE_ID)
-_CHANNEL_RE = re.compile(CHANNEL)
-_SESSION_ID_RE = re.compile(SESSION_ID)
 
 
 def schema_pattern(rule: str) -> str:
@@ -41,36 +40,9 @@ def instance_id_problem(value: object) -> str | None:
     if isinstance(value, str) and _INSTANCE_ID_RE.fullmatch(value):
         return None
     return (
-        f"invalid instance id {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . -, "
+        f"invalid instance id {shown(value)}: use 1-64 characters from A-Z a-z 0-9 _ . -, "
         "starting with a letter or digit"
     )
-
-
-def session_id_problem(value: object) -> str | None:
-    """Why `value` is not a valid session id, or None."""
-    if isinstance(value, str) and _SESSION_ID_RE.fullmatch(value):
-        return None
-    return f"invalid session_id {value!r}: use 1-128 of A-Z a-z 0-9 _ . : @ -"
-
-
-def channel_problem(value: object) -> str | None:
-    """Why `value` is not a valid channel name, or None."""
-    if isinstance(value, str) and _CHANNEL_RE.fullmatch(value):
-        return None
-    return f"invalid channel {value!r}: use 1-64 of A-Z a-z 0-9 _ . -"
-
-
-def session_key_problem(key: object) -> str | None:
-    """Why `key` is not a valid session key (`channel:id`, or a bare id in channel `mcp`), or None."""
-    if not isinstance(key, str):
-        return f"invalid session {key!r}: want 'channel:id'"
-    channel, sep, sid = key.partition(":")
-    if not sep:
-        channel, sid = DEFAULT_CHANNEL, key
-    if not channel or not sid:
-        return f"invalid session {key!r}: want 'channel:id' with a non-empty channel and id"
-    problem = channel_problem(channel) or session_id_problem(sid)
-    return f"invalid session {key!r}: {problem}" if problem else None
 
 
 # -- JSON Schema patterns with ECMA-262 anchors ------------------------------------------
@@ -113,7 +85,7 @@ def _compiled(pattern: str) -> re.Pattern[str]:
 
 def _pattern_keyword(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[ValidationError]:
     if validator.is_type(instance, "string") and not _compiled(pattern).search(instance):
-        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+        yield ValidationError(f"{shown(instance)} does not match {pattern!r}")
 
 
 _StrictValidator = jsonschema.validators.extend(

@@ -8,13 +8,17 @@ session also remembers which event sinks want its frames.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import secrets
-from typing import TYPE_CHECKING, Protocol
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import attrs
 
 from protocol import CallerToolSpec, RelayError, errors
+
+from .store_api import CursorPruned, FrameQuery
 
 if TYPE_CHECKING:
     from protocol import Frame
@@ -85,6 +89,20 @@ class Session:
         self.sinks.add(owner)
 
 
+async def session_has_frames(store: FrameStoreAPI, instance: str, channel: str, session_id: str) -> bool:
+    """The log has frames of the session (or had: its oldest kept frames were pruned after it)."""
+    query = FrameQuery(channel=channel, session_id=session_id, after_seq=await store.pruned_below(instance), limit=1)
+    try:
+        return bool(await store.query(instance, query))
+    except CursorPruned:
+        return True
+
+
+def held_by(session: Session, *entries: Iterable[Any]) -> bool:
+    """Some entry (anything with a `session`, such as a pending request) is of `session`."""
+    return any(entry.session is session for group in entries for entry in group)
+
+
 class SessionFrames(Protocol):
     """A shared log as `LogCursors` reads it (`caller_tool_relay.LogBus` is one)."""
 
@@ -95,9 +113,10 @@ class SessionFrames(Protocol):
         ...
 
 
-class LogCursors(dict["Session", int]):
+class LogCursors(weakref.WeakKeyDictionary["Session", int]):
     """Per session, the seq up to which a service has read a shared log (approvals and caller
-    tool requests each keep one, to pick up what other servers wrote into their sessions)."""
+    tool requests each keep one, to pick up what other servers wrote into their sessions).
+    Held weakly: a session the registry forgot takes its cursor with it."""
 
     async def read_new(self, log: SessionFrames, session: Session, types: tuple[str, ...]) -> list[Frame]:
         """The session's frames of `types` since the last read (from the oldest kept frame at
@@ -112,39 +131,92 @@ class LogCursors(dict["Session", int]):
         return frames
 
 
-class SessionRegistry:
-    """All sessions the server knows in this process, by instance and key."""
+#: Sessions of one instance held in memory at most (besides those in use); `max_sessions`.
+DEFAULT_MAX_SESSIONS = 10_000
 
-    def __init__(self) -> None:
-        self._sessions: dict[tuple[str, str], Session] = {}
+
+class SessionRegistry:
+    """The sessions this process holds in memory, keyed by instance, channel and id; at most
+    `max_sessions` idle ones per instance.
+
+    Every lookup is a dict lookup (by key, or by id through an index), never a scan of all
+    sessions. When an instance holds more than `max_sessions`, the least recently used idle
+    ones are forgotten: a session is in use while its owner is connected, someone follows its
+    frames, or a check given to `keep_while` says so (pending requests and approvals). A
+    forgotten session is only forgotten here: its frames stay in the log, and the next use
+    makes it again (docs/SECURITY.md, "Session keys at every door").
+    """
+
+    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+        if not isinstance(max_sessions, int) or isinstance(max_sessions, bool) or max_sessions < 1:
+            raise ValueError(f"max_sessions must be a positive integer, got {max_sessions!r}")
+        self.max_sessions = max_sessions
+        # instance -> (channel, id) -> session, least recently used first
+        self._by_instance: dict[str, collections.OrderedDict[tuple[str, str], Session]] = {}
+        # id -> (instance, channel) -> session: `find_by_id` without a scan
+        self._by_id: dict[str, dict[tuple[str, str], Session]] = {}
+        # owner -> its sessions (as a dict used as an ordered set)
+        self._by_owner: dict[CallerConnection, dict[Session, None]] = {}
+        self._in_use: list[Callable[[Session], bool]] = []
+        #: How many sessions were forgotten so far (for tests and benchmarks).
+        self.forgotten = 0
+
+    def keep_while(self, in_use: Callable[[Session], bool]) -> None:
+        """Never forget a session while `in_use(session)` is true (a service holding requests of it)."""
+        self._in_use.append(in_use)
 
     def get(self, instance: str, channel: str, session_id: str) -> Session | None:
-        """The session, or None when it does not exist yet."""
-        return self._sessions.get((instance, f"{channel}:{session_id}"))
+        """The session, or None when it is not held (never made, or forgotten)."""
+        sessions = self._by_instance.get(instance)
+        if sessions is None:
+            return None
+        session = sessions.get((channel, session_id))
+        if session is not None:
+            sessions.move_to_end((channel, session_id))
+        return session
 
     def get_or_create(self, instance: str, channel: str, session_id: str) -> Session:
-        """The session, created empty on first use."""
-        key = (instance, f"{channel}:{session_id}")
-        session = self._sessions.get(key)
-        if session is None:
-            session = Session(instance=instance, channel=channel, id=session_id)
-            self._sessions[key] = session
+        """The session, made empty on first use (or on the first use after it was forgotten).
+
+        The caller has checked the key (`protocol.session_keys`) at its door."""
+        session = self.get(instance, channel, session_id)
+        if session is not None:
+            return session
+        session = Session(instance=instance, channel=channel, id=session_id)
+        sessions = self._by_instance.setdefault(instance, collections.OrderedDict())
+        sessions[(channel, session_id)] = session
+        self._by_id.setdefault(session_id, {})[(instance, channel)] = session
+        if len(sessions) > self.max_sessions:
+            self._forget_idle(sessions)
         return session
+
+    def set_owner(self, session: Session, owner: CallerConnection) -> None:
+        """`owner` opened `session` (the one place an owner is recorded, so `owned_by` is a lookup)."""
+        if session.owner is not None:
+            self._unindex_owner(session)
+        session.owner = owner
+        self._by_owner.setdefault(owner, {})[session] = None
 
     def find_by_id(self, session_id: str, instance: str | None = None) -> list[Session]:
         """Sessions with this id (any channel), optionally within one instance."""
-        return [
-            s for (inst, _), s in self._sessions.items()
-            if s.id == session_id and (instance is None or inst == instance)
-        ]
+        found = self._by_id.get(session_id)
+        if not found:
+            return []
+        return [s for (inst, _), s in found.items() if instance is None or inst == instance]
 
     def for_instance(self, instance: str) -> list[Session]:
-        """Every session of `instance`."""
-        return [s for (inst, _), s in self._sessions.items() if inst == instance]
+        """Every session of `instance` held now."""
+        return list(self._by_instance.get(instance, {}).values())
+
+    def count(self, instance: str | None = None) -> int:
+        """How many sessions are held, of `instance` or of all."""
+        if instance is not None:
+            return len(self._by_instance.get(instance, ()))
+        return sum(len(sessions) for sessions in self._by_instance.values())
 
     def all(self) -> list[Session]:
-        """Every session the server knows."""
-        return list(self._sessions.values())
+        """Every session held now."""
+        return [s for sessions in self._by_instance.values() for s in sessions.values()]
 
     def latest_declarations(self, instance: str) -> dict[str, Session]:
         """Per caller id, the session whose caller tools were declared last."""
@@ -158,10 +230,49 @@ class SessionRegistry:
         return latest
 
     def owned_by(self, caller: CallerConnection) -> list[Session]:
-        """The sessions `caller` opened."""
-        return [s for s in self._sessions.values() if s.owner is caller]
+        """The sessions `caller` opened (that are held now)."""
+        return list(self._by_owner.get(caller, ()))
 
     def drop_sink(self, sink: EventSink) -> None:
         """`sink` follows no session any more (its caller is gone)."""
-        for session in self._sessions.values():
+        for session in self.all():
             session.sinks.discard(sink)
+
+    def in_use(self, session: Session) -> bool:
+        """The session must stay in memory: its owner is connected, someone follows its frames,
+        or a service holds requests of it."""
+        owner = session.owner
+        if owner is not None and not owner.closed.is_set():
+            return True
+        return bool(session.sinks) or any(check(session) for check in self._in_use)
+
+    def _forget_idle(self, sessions: collections.OrderedDict[tuple[str, str], Session]) -> None:
+        """Forget least recently used idle sessions until `max_sessions` are left; one in use is
+        moved to the back (it is being used), and each is looked at once at most."""
+        for _ in range(len(sessions) - 1):  # never the one just made (the last)
+            if len(sessions) <= self.max_sessions:
+                return
+            key, session = next(iter(sessions.items()))
+            if self.in_use(session):
+                sessions.move_to_end(key)
+                continue
+            self._forget(session)
+
+    def _forget(self, session: Session) -> None:
+        sessions = self._by_instance[session.instance]
+        del sessions[(session.channel, session.id)]
+        by_id = self._by_id[session.id]
+        del by_id[(session.instance, session.channel)]
+        if not by_id:
+            del self._by_id[session.id]
+        if session.owner is not None:
+            self._unindex_owner(session)
+        self.forgotten += 1
+
+    def _unindex_owner(self, session: Session) -> None:
+        assert session.owner is not None
+        owned = self._by_owner.get(session.owner)
+        if owned is not None:
+            owned.pop(session, None)
+            if not owned:
+                del self._by_owner[session.owner]

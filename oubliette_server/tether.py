@@ -14,9 +14,10 @@ from typing import Any, AsyncIterator
 from protocol import FRAME_TYPES, INGRESS_SCHEMA, Frame, RelayError, errors
 from protocol.limits import Limits
 from protocol.schema_check import first_problem
+from protocol.session_keys import channel_problem, check_session, session_id_problem
 
 from .frame_log import FrameLog
-from .ids import session_id_problem, strict_validator
+from .ids import strict_validator
 from .instances import InstanceDirectory
 from .store_api import CursorPruned, FrameQuery, FrameStoreAPI
 
@@ -34,13 +35,6 @@ _ingress_validator = strict_validator(INGRESS_SCHEMA)  # `$` anchors as in ECMA-
 def host_msg_id() -> str:
     """`host-{timestamp}` (docs/TETHER.md), with a random suffix so two sends in one millisecond differ."""
     return f"host-{int(time.time() * 1000)}-{secrets.token_hex(3)}"
-
-
-def check_session_id(session_id: str) -> None:
-    """Raise `RelayError(INVALID_PARAMS)` unless `session_id` is 1-128 of A-Z a-z 0-9 _ . : @ -."""
-    problem = session_id_problem(session_id)
-    if problem:
-        raise RelayError(errors.INVALID_PARAMS, problem)
 
 
 class Tether:
@@ -65,8 +59,8 @@ class Tether:
         """`tether_send`: a `user.message` on the `host` channel; `{msg_id, session_id, ingress_seq}`."""
         self.limits.check_value(text, "text")
         instance = await self.instances.require_known(instance)
-        session_id = session_id or DEFAULT_TETHER_SESSION
-        check_session_id(session_id)
+        session_id = DEFAULT_TETHER_SESSION if session_id is None else session_id
+        check_session(TETHER_CHANNEL, session_id)
         frame = await self.frame_log.ingress(
             instance, TETHER_CHANNEL, session_id, "user.message", {"text": text}, msg_id=host_msg_id(),
         )
@@ -104,6 +98,11 @@ class Tether:
         """
         if not isinstance(wait_ms, int) or not 0 <= wait_ms <= MAX_WAIT_MS:
             raise RelayError(errors.INVALID_PARAMS, f"wait_ms must be between 0 and {MAX_WAIT_MS}, got {wait_ms}")
+        # A filter is a session key too: held to the same rule (protocol/session_keys.py).
+        problem = (channel is not None and channel_problem(channel)) or (
+            session_id is not None and session_id_problem(session_id))
+        if problem:
+            raise RelayError(errors.INVALID_PARAMS, problem)
         query = self._query(channel, session_id, after_seq, limit, types, reply_to)
         try:
             frames, timed_out = await self.store.wait_for_frames(instance, query, timeout=wait_ms / 1000)

@@ -6,7 +6,7 @@ JSON Schemas and error codes, the tether frame (``protocol.frames``), the sans-I
 (``protocol.core``) and the one Trio peer over it (``protocol.peer``), plus the tool
 descriptors and action contract of docs/TOOLSETS.md (``protocol.descriptors``). It imports nothing from either
 program, and its modules form layers (bottom first; each imports only those below it):
-``errors`` and ``schema_parts``; ``convert`` and ``schema_check``; ``jsonrpc``, ``framing``
+``errors`` and ``schema_parts``; ``convert``, ``schema_check`` and ``session_keys``; ``jsonrpc``, ``framing``
 and ``descriptors``; ``frames``; ``messages``; ``schemas``. ``pyproject.toml``
 (``[tool.importlinter]``) states them as contracts.
 

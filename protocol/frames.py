@@ -22,6 +22,7 @@ import attrs
 
 from .convert import unstructure
 from .schema_parts import NON_EMPTY, OBJECT, OPT_STRING, SEQ, TIMESTAMP, obj
+from .session_keys import DEFAULT_CHANNEL, SESSION_CHANNEL_SCHEMA, SESSION_ID_SCHEMA
 
 __all__ = [
     "DEFAULT_CHANNEL",
@@ -38,8 +39,6 @@ __all__ = [
     "utc_timestamp",
 ]
 
-#: Channel of a session key written without one (``"s-1"`` means ``"mcp:s-1"``).
-DEFAULT_CHANNEL = "mcp"
 #: Current value of ``Frame.v``.
 FRAME_VERSION = 1
 
@@ -154,11 +153,6 @@ FRAME_SCHEMA: dict[str, Any] = obj(
     },
 )
 
-#: A session channel named by a producer outside the server.
-SESSION_CHANNEL_SCHEMA: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,64}$"}
-#: A session id named by a producer outside the server (HTTP ingress, ``session_message``).
-SESSION_ID_SCHEMA: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9_.:@-]{1,128}$"}
-
 #: The members of a frame a producer outside the server may set; the server assigns
 #: ``seq``, ``ts`` and ``instance`` (and ``msg_id`` when it is absent).
 INGRESS_FIELDS: tuple[str, ...] = ("v", "type", "session", "payload", "msg_id", "reply_to")
@@ -169,8 +163,8 @@ _INGRESS_NARROWING: dict[str, dict[str, Any]] = {
     "type": {"pattern": r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"},
     "session": {
         "properties": {
-            "channel": {**NON_EMPTY, **SESSION_CHANNEL_SCHEMA},
-            "id": {**NON_EMPTY, **SESSION_ID_SCHEMA},
+            "channel": SESSION_CHANNEL_SCHEMA,
+            "id": SESSION_ID_SCHEMA,
         },
     },
     "msg_id": {"maxLength": 128},

@@ -17,7 +17,8 @@ Depth is counted in containers: ``0`` is 0 deep, ``[0]`` 1, ``{"a": [0]}`` 2. Th
 walk is iterative and bounded by the size limit, so a 100,000-deep (or cyclic) value
 costs no stack and little time.
 
-This module uses no Trio; it imports only the error type and the frame types.
+This module uses no Trio; it imports only the error type, the frame types and the session
+keys' length limits.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import attrs
 
 from .errors import INVALID_PARAMS, RelayError
 from .frames import FRAME_TYPES
+from .session_keys import MAX_CHANNEL_CHARS, MAX_SESSION_ID_CHARS, shown
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -60,8 +62,6 @@ MAX_DEPTH_CEILING = 128
 
 # The longest identifiers an envelope carries, as the server's checks bound them.
 _MAX_INSTANCE = 64  # auth.check_instance_id
-_MAX_CHANNEL = 64  # tether ingress schema
-_MAX_SESSION_ID = 128  # caller API and tether session ids
 _MAX_MSG_ID = 128  # tether ingress msg_id / reply_to
 _MAX_TOOL_NAME = 128  # caller tool names
 _MAX_CALLER_ID = 32  # context.caller_id
@@ -119,7 +119,7 @@ def _compute_envelope_overhead() -> int:
     the response to the client's ``caller_tool`` request (``{"result": value}``).
     """
     delivered = _frame_overhead(
-        "i" * _MAX_INSTANCE, "c" * _MAX_CHANNEL, "s" * _MAX_SESSION_ID, max(FRAME_TYPES, key=len),
+        "i" * _MAX_INSTANCE, "c" * MAX_CHANNEL_CHARS, "s" * MAX_SESSION_ID_CHARS, max(FRAME_TYPES, key=len),
         "m" * _MAX_MSG_ID, "r" * _MAX_MSG_ID,
     )
     response = _bytes({"jsonrpc": "2.0", "id": "x" * _MAX_RPC_ID, "result": {"result": 0}}) - 1
@@ -196,6 +196,22 @@ def nesting_depth(value: Any, stop_above: int, max_nodes: int) -> tuple[int, int
     return deepest, nodes
 
 
+def _check_frame_id(name: str, value: str, type: str) -> None:
+    """Refuse a frame's ``msg_id`` or ``reply_to`` that no envelope bound allows for: longer than
+    128 characters, or with a lone surrogate (no UTF-8 encoding: it would end as an internal error)."""
+    try:
+        value.encode("utf-8")
+        encodable = True
+    except UnicodeEncodeError:
+        encodable = False
+    if not encodable or len(value) > _MAX_MSG_ID:
+        raise RelayError(
+            INVALID_PARAMS,
+            f"{name} {shown(value)} of a {type!r} frame: use at most {_MAX_MSG_ID} characters of text "
+            "(the msg_id of the frame it answers)",
+        )
+
+
 def encoded_size(value: Any) -> int:
     """Bytes of ``value`` encoded as on a relay line; ``LimitExceeded``-free, raises for non-JSON."""
     return _bytes(value)
@@ -257,11 +273,16 @@ class Limits:
     ) -> None:
         """The last line before storing: a stored frame is always deliverable.
 
-        Refuses a payload nested deeper than ``max_depth`` or a frame whose delivery line
+        Refuses a ``msg_id`` or ``reply_to`` over 128 characters or not text (a lone surrogate:
+        it could not be encoded, and a peer chooses it), a payload nested deeper than
+        ``max_depth``, or a frame whose delivery line
         (the guest's ``user_message`` notification, the largest envelope a frame travels
         in, with the largest seq) would exceed ``max_frame_bytes``.
         """
         what = f"the payload of a {type!r} frame"
+        for name, value in (("msg_id", msg_id), ("reply_to", reply_to)):
+            if value is not None:
+                _check_frame_id(name, value, type)
         self._check_depth(payload, what)
         line = _frame_overhead(instance, channel, session_id, type, msg_id, reply_to) + self._size(payload, what)
         if line > self.max_frame_bytes:

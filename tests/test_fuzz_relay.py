@@ -36,7 +36,7 @@ import trio
 from mcp import Client
 from mcp.shared.message import SessionMessage
 
-from harness import EVENT_TIMEOUT, PYTHON, Deployment, EventLog, structured, text_of
+from harness import EVENT_TIMEOUT, PYTHON, Deployment, EventLog, RawRelay, structured, text_of
 from oubliette_server.server_owned import SERVER_OWNED_KEYS, SERVER_OWNED_TYPES, SESSION_RECORD
 from oubliette_server.store import MAX_LIMIT, FrameQuery, FrameStore
 
@@ -275,6 +275,15 @@ def explicit_cases(token: str) -> list[Case]:
             Case("escaped-control-chars", phase, (json.dumps({"jsonrpc": "2.0", "id": 9, "method": "caller_tool", "params": {
                 "tool": "send_notification", "arguments": {"message": "\u0001" * 170_000}}}).encode() + b"\n",)),
         ])]
+    # Session keys at every door (the hypothesis test at the end plays every door and checks the
+    # answers): here, a guest's append_frame with keys outside the rule, beside the healthy session
+    # (the connection ends at EOF, before its answer: the server must just stay well).
+    bad_keys = [("mcp", "x" * 500_000), ("mcp", "s\n"), ("mcp", "s\u0000"), ("mcp", "\ud800"), ("mcp", ""),
+                ("", SESSION), ("c" * 65, SESSION), ("c\ud800", SESSION)]
+    for i, (channel, session_id) in enumerate(bad_keys):
+        params = json.dumps({"session": {"channel": channel, "id": session_id}, "type": "assistant.delta", "payload": {}})
+        out.append(Case("session-key-append_frame", "guest", (request(1, "append_frame", params),),
+                        instance=f"lone-keys-{i}"))
     # Half lines held open before hello: the hello deadline must answer them.
     for data in (b'{"jsonrpc":"2.0","id":0,"method":"hel', b"{", b"garbage", b" "):
         out.append(Case("half-held-open", "pre", (data,), eof=False, expect_error=True,
@@ -620,7 +629,7 @@ def test_the_generated_set_is_large_and_varied() -> None:
     assert any(c.pace for c in first) and any(len(c.chunks) > 1 for c in first)
     explicit = explicit_cases("t" * 64)
     kinds = {c.kind.split("-")[0] for c in explicit}
-    assert {"deep256", "oversize", "half", "cancel", "ack", "role", "burst", "server"} <= kinds
+    assert {"deep256", "oversize", "half", "cancel", "ack", "role", "burst", "server", "session"} <= kinds
 
 
 async def test_relay_fuzz_keeps_server_and_healthy_session_alive(deployment: Deployment) -> None:
@@ -732,3 +741,110 @@ async def fuzz_against_a_healthy_session(
                 await healthy_call(server, agent, caller, events, f"healthy-after-{n}")
                 healthy_calls["after"] += 1
         server.check_alive()
+
+
+# -- the class "session keys at every door" (hypothesis) -----------------------------------------
+# Session keys a guest, a client, an HTTP client or a caller names (docs/SECURITY.md, "Session keys
+# at every door"). Hypothesis draws them around the length limits and from an alphabet of the
+# characters that broke things (newline, NUL, lone surrogates, non-ASCII); each pair is played at
+# every door of one in-process server and judged against the rule written again here, by hand:
+# outside it, -32602 / HTTP 400 and nothing stored or held; inside it, never refused for its key.
+
+KEY_ALPHABET = "abXY09_.-:@ \n\r\t\x00\x01\x7f/é€\u2028\ud800\udfff\U0001F600"
+_CHANNEL_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+_ID_CHARS = _CHANNEL_CHARS | {":", "@"}
+KEY_REFUSALS = ("invalid channel", "invalid session_id", "does not match", "should be non-empty")
+
+
+def channel_ok(channel: str) -> bool:
+    return 1 <= len(channel) <= 64 and set(channel) <= _CHANNEL_CHARS
+
+
+def id_ok(session_id: str) -> bool:
+    return 1 <= len(session_id) <= 128 and set(session_id) <= _ID_CHARS
+
+
+def session_keys_strategy() -> Any:
+    from hypothesis import strategies as st
+
+    near_limits = st.sampled_from([63, 64, 65, 127, 128, 129, 500_000]).flatmap(
+        lambda n: st.sampled_from(["a" * n, "a" * (n - 1) + "\n", "\ud800" + "a" * (n - 1)]))
+    return st.one_of(st.text(alphabet=KEY_ALPHABET, max_size=20), near_limits, st.sampled_from(["mcp", "host", "s1"]))
+
+
+async def play_session_keys(deployment: Deployment, pairs: list[tuple[str, str]]) -> list[str]:
+    """Every door once per (channel, id); what went against the rule."""
+    from test_relay_socket import response_to
+    from test_session_keys import serving
+
+    wrong: list[str] = []
+    async with serving(deployment) as served, served.http.rest() as rest:
+        caller, _ = served.callers.open_caller()
+        opened = await served.callers.call(caller, "session_message", {"instance": INSTANCE, "session_id": SESSION, "message": "hi"})
+        assert not opened.is_error, text_of(opened)
+        token = served.app.tokens.token_for(INSTANCE)
+        async with RawRelay.connect(deployment) as guest:
+            await guest.hello(INSTANCE, token, role="guest")
+            for n, (channel, session_id) in enumerate(pairs):
+                valid = channel_ok(channel) and id_ok(session_id)
+                shown = f"({channel[:30]!r}, {session_id[:30]!r}, lengths {len(channel)}, {len(session_id)})"
+
+                async def door(name: str, refused: bool, message: str, key_valid: bool = valid) -> None:
+                    """One door's verdict; a refusal of a bad key must leave the log and memory as they were."""
+                    about_key = any(needle in message for needle in KEY_REFUSALS)
+                    if not key_valid and not (refused and about_key and len(message) < 400):
+                        wrong.append(f"{name} {shown}: bad key not refused clearly: {message[:200]!r}")
+                    if key_valid and refused and about_key:
+                        wrong.append(f"{name} {shown}: good key refused: {message[:200]!r}")
+
+                async def state() -> tuple[int, int]:
+                    return len(served.app.sessions.all()), await served.app.store.last_seq(INSTANCE)
+
+                # The doors that take the whole key.
+                before = await state()
+                await guest.send({"jsonrpc": "2.0", "id": n, "method": "append_frame", "params": {
+                    "session": {"channel": channel, "id": session_id}, "type": "status.presence", "payload": {}}})
+                error = (await response_to(guest, n)).get("error", {})
+                await door("append_frame", error.get("code") == -32602, error.get("message", ""))
+                if ":" not in channel:  # a key splits at its first colon
+                    async with RawRelay.connect(deployment) as client:
+                        error = (await client.hello(INSTANCE, token, session=f"{channel}:{session_id}")).get("error", {})
+                        await door("hello", error.get("code") == -32602, error.get("message", ""))
+                body = {"type": "user.message", "session": {"channel": channel, "id": session_id}, "payload": {"text": "x"}}
+                response = await rest.post(f"/v1/instances/{INSTANCE}/tether", content=json.dumps(body).encode(),
+                                           headers={"content-type": "application/json"})
+                await door("POST tether", response.status_code == 400, response.text)
+                result = await served.callers.call(caller, "session_events", {
+                    "instance": INSTANCE, "session_id": session_id, "channel": channel})
+                await door("session_events", result.is_error, text_of(result))
+                if not valid and await state() != before:
+                    wrong.append(f"{shown}: a refused key stored or held something: {before} -> {await state()}")
+                # The doors that take an id (their channel is fixed).
+                before = await state()
+                result = await served.callers.call(caller, "tether_send", {"instance": INSTANCE, "text": "x", "session_id": session_id})
+                await door("tether_send", result.is_error, text_of(result), id_ok(session_id))
+                result = await served.callers.call(caller, "caller_tool_response", {
+                    "session_id": session_id, "request_id": "ctr-1", "result": {}})
+                await door("caller_tool_response", result.is_error, text_of(result), id_ok(session_id))
+                if not id_ok(session_id) and await state() != before:
+                    wrong.append(f"{shown}: a refused id stored or held something: {before} -> {await state()}")
+    return wrong
+
+
+def test_session_keys_at_every_door() -> None:
+    """Hypothesis-drawn session keys at every door: the rule holds at each (docs/SECURITY.md)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.lists(st.tuples(session_keys_strategy(), session_keys_strategy()), min_size=6, max_size=6))
+    def check(pairs: list[tuple[str, str]]) -> None:
+        deployment = Deployment()
+        try:
+            wrong = trio.run(play_session_keys, deployment, pairs)
+        finally:
+            deployment.cleanup()
+        assert not wrong, "\n".join(wrong)
+
+    check()

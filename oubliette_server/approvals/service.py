@@ -35,7 +35,7 @@ import trio
 from protocol import Frame, RelayError, errors
 from protocol.schema_check import schema_problem
 
-from ..sessions import LogCursors, Session
+from ..sessions import LogCursors, Session, held_by
 from ..store_api import FrameStoreAPI
 from ..task_host import TaskHost
 
@@ -225,6 +225,11 @@ class ApprovalService:
     def pending(self) -> dict[str, PendingApproval]:
         """Undecided approvals of the whole server, by request id."""
         return self._pending
+
+    def holds(self, session: Session) -> bool:
+        """Some approval of `session` is undecided (stored or not, this server's or another's): the
+        session registry keeps the session in memory meanwhile."""
+        return held_by(session, self._pending.values(), self._remote.values())
 
     def pending_for(self, session: Session) -> list[PendingApproval]:
         """Undecided approvals of one session, oldest first (with a shared store, also those of

@@ -23,17 +23,18 @@ from protocol import CallerToolSpec, RelayError, errors, structure
 from protocol.descriptors import DESCRIPTOR_META_KEY, build_descriptor
 from protocol.limits import Limits
 from protocol.schema_check import first_problem
+from protocol.session_keys import channel_problem
 
 from ..approvals import ApprovalElicitation, ApprovalService, Decision, InputRequired
 from ..caller_tool_relay import CallerToolRelay, NoLongerPending
 from ..callers import CallerConnection, RequestScopedSink
 from ..frame_log import FrameLog
-from ..ids import channel_problem, strict_validator
+from ..ids import strict_validator
 from ..instances import InstanceDirectory
 from ..server_owned import OWNER_KEY, SESSION_RECORD, refuse_server_owned
-from ..sessions import Session, SessionRegistry, new_session_id, not_yours
-from ..store_api import CursorPruned, FrameQuery, FrameStoreAPI
-from ..tether import EGRESS_TYPES, TETHER_CHANNEL, Tether, check_session_id
+from ..sessions import Session, SessionRegistry, new_session_id, not_yours, session_has_frames
+from ..store_api import FrameQuery, FrameStoreAPI
+from ..tether import DEFAULT_TETHER_SESSION, EGRESS_TYPES, TETHER_CHANNEL, Tether
 from . import schemas
 
 log = logging.getLogger("oubliette.server.caller_api")
@@ -221,13 +222,13 @@ class CallerTools:
         """
         if session_id is None:
             session = self.sessions.get_or_create(instance, SESSION_CHANNEL, new_session_id())
-            session.owner = caller
+            self.sessions.set_owner(session, caller)
             return session
         session = self.sessions.get(instance, SESSION_CHANNEL, session_id)
         if session is not None and session.owner is not None:
             session.check_owner(caller)
             return session
-        has_frames = await self._has_frames(instance, session_id)
+        has_frames = await session_has_frames(self.store, instance, SESSION_CHANNEL, session_id)
         # Another call may have claimed it while the log was read: look again.
         session = self.sessions.get(instance, SESSION_CHANNEL, session_id)
         if session is not None and session.owner is not None:
@@ -236,17 +237,8 @@ class CallerTools:
         if has_frames:
             raise not_yours(session_id)
         session = self.sessions.get_or_create(instance, SESSION_CHANNEL, session_id)
-        session.owner = caller
+        self.sessions.set_owner(session, caller)
         return session
-
-    async def _has_frames(self, instance: str, session_id: str) -> bool:
-        query = FrameQuery(
-            channel=SESSION_CHANNEL, session_id=session_id, after_seq=await self.store.pruned_below(instance), limit=1,
-        )
-        try:
-            return bool(await self.store.query(instance, query))
-        except CursorPruned:
-            return True
 
     async def _owned(self, caller: CallerConnection, session_id: str, instance: str | None = None) -> list[Session]:
         """The caller's `mcp` sessions with this id; `not_yours` if only other callers have one.
@@ -685,8 +677,7 @@ class CallerTools:
         Raises: `RelayError` for an unknown instance or a bad session id.
         """
         instance = await self.instances.require_known(args["instance"])
-        session_id = args.get("session_id") or "default"
-        check_session_id(session_id)
+        session_id = args.get("session_id", DEFAULT_TETHER_SESSION)  # checked by `Tether.read`, as every filter
         return await self.tether.read(
             instance, channel=TETHER_CHANNEL, session_id=session_id,
             after_seq=args.get("after_seq", 0), limit=args.get("limit", 50), wait_ms=args.get("wait_ms", 0),

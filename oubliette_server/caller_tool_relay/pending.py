@@ -33,7 +33,7 @@ from protocol import CallerToolSpec, Frame, RelayError, errors
 from protocol.frames import utc_timestamp
 from protocol.schema_check import schema_problem
 
-from ..sessions import LogCursors, Session
+from ..sessions import LogCursors, Session, held_by
 from ..task_host import TaskHost
 from .bus import PROGRESS, REQUEST, REQUEST_TYPES, LogBus
 
@@ -129,6 +129,11 @@ class CallerCallRegistry:
     def pending(self) -> dict[str, PendingCall]:
         """The calls waiting now, by request id (the live dict, for reading)."""
         return self._pending
+
+    def holds(self, session: Session) -> bool:
+        """Some call of `session` has not ended (stored or not, this server's or another's): the
+        session registry keeps the session in memory meanwhile."""
+        return held_by(session, self._pending.values(), self._remote.values())
 
     def pending_for(self, session: Session) -> list[PendingCall]:
         """The calls of `session` waiting now for their caller, oldest first (stored, not yet ended);

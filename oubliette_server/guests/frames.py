@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any, Awaitable, Callable
 
 from protocol import RelayError, errors, messages
+from protocol.session_keys import check_session
 
 from ..server_owned import refuse_server_owned
-from ..sessions import Session, SessionRegistry
+from ..sessions import Session, SessionRegistry, session_has_frames
+from ..store_api import FrameStoreAPI
 from .delivery import GuestDelivery, GuestPeer
 
 GUEST_FRAME_TYPES = frozenset({"assistant.delta", "assistant.done", "status.presence", "session.error"})
@@ -19,22 +21,34 @@ Append = Callable[..., Awaitable[Any]]
 class GuestFrames:
     """Stores what a guest reports about its turns; refuses what only the server states (server_owned.py).
 
-    Needs: the session registry, the frame log's `append`, and guest delivery (for acks).
-    Raises: `RelayError(INVALID_PARAMS)` for a frame type or payload key a guest may not append.
+    A guest appends to the sessions of its instance that the server knows (held in memory, or
+    with frames in the log: the ones it was sent messages in); it cannot open a session, so it
+    cannot fill the server's memory with sessions (docs/SECURITY.md, "Session keys at every door").
+
+    Needs: the session registry, the frame log's `append`, guest delivery (for acks), and the
+    store (is a forgotten session in the log?).
+    Raises: `RelayError(INVALID_PARAMS)` for a frame type or payload key a guest may not append or
+    a session key outside the grammar (protocol/session_keys.py); `RelayError(NOT_FOUND)` for a
+    session the server does not know.
     """
 
-    def __init__(self, sessions: SessionRegistry, append: Append, delivery: GuestDelivery) -> None:
+    def __init__(
+        self, sessions: SessionRegistry, append: Append, delivery: GuestDelivery, store: FrameStoreAPI,
+    ) -> None:
         self.sessions = sessions
         self.append = append
         self.delivery = delivery
+        self.store = store
 
     async def append_frame(self, connection: GuestPeer, request: messages.AppendFrame) -> messages.AppendFrameResult:
         """The `append_frame` relay method: store a frame the guest reports about a turn.
 
-        Raises: `RelayError(INVALID_PARAMS)` for a type or payload key only the server writes
-        (`refuse_server_owned`, the rule of every door) or another type a guest may not append,
-        before any turn is touched; the frame log's refusals (limits) as they are.
+        Raises: `RelayError(INVALID_PARAMS)` for a bad session key, a type or payload key only the
+        server writes (`refuse_server_owned`, the rule of every door) or another type a guest may not
+        append, before any turn is touched; `RelayError(NOT_FOUND)` for an unknown session; the frame
+        log's refusals (limits) as they are. Nothing is stored then.
         """
+        check_session(request.session.channel, request.session.id)
         refuse_server_owned(request.type, request.payload)
         if request.type not in GUEST_FRAME_TYPES:
             raise RelayError(
@@ -42,6 +56,7 @@ class GuestFrames:
                 f"a guest may append {', '.join(sorted(GUEST_FRAME_TYPES))}; not {request.type!r}",
             )
         assert connection.instance is not None
+        session = await self._known_session(connection.instance, request.session.channel, request.session.id)
         ends_turn = request.type in TURN_END_TYPES and request.reply_to is not None
         if ends_turn:
             assert request.reply_to is not None
@@ -54,14 +69,26 @@ class GuestFrames:
         elif request.reply_to is not None:
             self.delivery.turn_started(connection, request.reply_to)
         try:
-            session: Session = self.sessions.get_or_create(
-                connection.instance, request.session.channel, request.session.id)
             frame = await self.append(session, request.type, request.payload, reply_to=request.reply_to)
         finally:
             if ends_turn:
                 assert request.reply_to is not None
                 self.delivery.turn_end_stored(connection, request.reply_to)
         return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
+
+    async def _known_session(self, instance: str, channel: str, session_id: str) -> Session:
+        """The session if the server holds it or its log has frames of it (made again after it was
+        forgotten); else `NOT_FOUND`."""
+        session = self.sessions.get(instance, channel, session_id)
+        if session is not None:
+            return session
+        if not await session_has_frames(self.store, instance, channel, session_id):
+            raise RelayError(
+                errors.NOT_FOUND,
+                f"unknown session '{channel}:{session_id}' of instance '{instance}': a guest appends to the "
+                "sessions it was sent messages in; it cannot open one",
+            )
+        return self.sessions.get_or_create(instance, channel, session_id)
 
     async def ack(self, connection: GuestPeer, ack: messages.Ack) -> None:
         """The `ack` relay notification: move the guest's delivery cursor (see `GuestDelivery.acknowledge`)."""
