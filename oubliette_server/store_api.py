@@ -35,6 +35,7 @@ __all__ = [
     "CursorPruned",
     "FrameQuery",
     "FrameStoreAPI",
+    "AnswerNotRecorded",
     "StoreUnavailable",
     "check_cursor_args",
     "check_instance",
@@ -165,7 +166,8 @@ def _rebuild_cursor_pruned(instance: str, after_seq: int, first_seq: int, messag
 
 
 class StoreUnavailable(RelayError):
-    """The store's database cannot be reached (PostgreSQL down, pool exhausted past its timeout).
+    """The store's database cannot be reached (PostgreSQL down, pool exhausted past its timeout)
+    or cannot write (SQLite: a full disk, a lock another process holds past the busy timeout).
 
     Raised instead of the driver's own errors, as a `RelayError` (INTERNAL_ERROR) so every door
     gives its peer this one clear message: a caller's tool error, a sandbox's error response,
@@ -179,6 +181,31 @@ class StoreUnavailable(RelayError):
 
     def __reduce__(self) -> Any:  # keep pickling (and copying) working
         return (StoreUnavailable, (self.message,))
+
+
+class AnswerNotRecorded(StoreUnavailable):
+    """A caller's answer (`caller_tool_response`, `approval_response`, a progress report) whose
+    frame the store could not write: it was not delivered either, and the request it answers is
+    still pending, so the caller sends the same answer again once the store is back.
+
+    An answer reaches the agent only after its frame is stored (docs/SECURITY.md, "Store first,
+    then answer"); this is what the caller hears when the storing failed."""
+
+    def __init__(self, what: str, request_id: str, cause: StoreUnavailable, *, until: str = "", again: str) -> None:
+        deadline = f" until {until}" if until else ""
+        super().__init__(
+            f"{what} for '{request_id}' was not recorded, so it was not delivered ({cause.message}); "
+            f"'{request_id}' is still pending{deadline}: send {again} again"
+        )
+
+    def __reduce__(self) -> Any:  # keep pickling (and copying) working
+        return (_rebuild_not_recorded, (self.message,))
+
+
+def _rebuild_not_recorded(message: str) -> AnswerNotRecorded:
+    exc = AnswerNotRecorded.__new__(AnswerNotRecorded)
+    StoreUnavailable.__init__(exc, message)
+    return exc
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,342 @@
+"""Store first, then answer: an outcome reaches the agent only once its frame is stored.
+
+Services alone, on the real in-memory frame store behind a wrapper whose appends fail on
+demand (`FaultyStore`): a caller's answer the store could not write is not delivered, the
+caller is told to send it again, the request stays pending, and a retry after the store
+recovers delivers exactly once. Ends the server decides (timeout, the agent's cancel, the
+caller leaving) agree on both sides whether or not their frame could be stored.
+(The same with the real programs, on SQLite and PostgreSQL: tests/test_faults.py.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from oubliette_server.approvals.service import ApprovalService, Decision
+from oubliette_server.caller_tool_relay.bus import LogBus
+from oubliette_server.caller_tool_relay.pending import CallerCallRegistry, PendingCall
+from oubliette_server.callers import CallerConnection
+from oubliette_server.frame_log import FrameLog
+from oubliette_server.sessions import Session, SessionRegistry
+from oubliette_server.store import FrameStore
+from oubliette_server.store_api import AnswerNotRecorded, FrameQuery, StoreUnavailable
+from protocol import RelayError, errors
+from protocol.messages import CallerToolSpec
+
+OUTCOMES = ("caller_tool_request", "caller_tool_result", "caller_tool_cancelled", "approval_request", "approval_resolved")
+
+
+class FaultyStore:
+    """The in-memory SQLite store, whose appends fail while `failing` is set (a database outage,
+    a full disk); `lost_ack` makes the next append commit and then fail anyway (PostgreSQL killed
+    after the commit: the statement's fate is unknown to the server)."""
+
+    def __init__(self) -> None:
+        self.store = FrameStore.in_memory()
+        self.failing = False
+        self.lost_ack = False
+        self.attempts: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def _fault(self, type: str) -> None:
+        self.attempts.append(type)
+        if self.failing:
+            raise StoreUnavailable("the test store is unavailable")
+
+    async def append(self, instance: str, **kw: Any) -> Any:
+        """`FrameStore.append`, or `StoreUnavailable` while failing."""
+        self._fault(kw["type"])
+        return await self.store.append(instance, **kw)
+
+    async def append_outcome(self, instance: str, request_id: str, **kw: Any) -> Any:
+        """`FrameStore.append_outcome`, or `StoreUnavailable` while failing (after the commit with `lost_ack`)."""
+        self._fault(kw["type"])
+        frame = await self.store.append_outcome(instance, request_id, **kw)
+        if self.lost_ack:
+            self.lost_ack = False
+            raise StoreUnavailable("the test store did not confirm the commit")
+        return frame
+
+    async def outcomes(self) -> list[tuple[str, str]]:
+        """`(type, request_id)` of every request and outcome frame stored, in order."""
+        frames = await self.store.query("box1", FrameQuery(after_seq=0, types=OUTCOMES, limit=200))
+        return [(f.type, f.payload["request_id"]) for f in frames]
+
+
+def world(shared: bool = False) -> tuple[FaultyStore, FrameLog, Session, CallerConnection]:
+    """A faulty store, its frame log, and session `s1` of box1 owned by a caller."""
+    store = FaultyStore()
+    frame_log = FrameLog(store, SessionRegistry())  # type: ignore[arg-type]
+    caller = CallerConnection("stdio")
+    session = Session(instance="box1", channel="mcp", id="s1", caller_id="myapp", owner=caller)
+    return store, frame_log, session, caller
+
+
+def registry_of(frame_log: FrameLog, store: FaultyStore, shared: bool = False, timeout: float = 600) -> CallerCallRegistry:
+    bus = LogBus(store, frame_log.append_outcome) if shared else None  # type: ignore[arg-type]
+    return CallerCallRegistry(frame_log.append, default_timeout=timeout, bus=bus)
+
+
+SPEC = CallerToolSpec(name="notify")
+
+
+async def refused_answer(registry: CallerCallRegistry, caller: CallerConnection, call: PendingCall) -> str:
+    """Answer `call` while the store fails: the message of the refusal the caller gets."""
+    with pytest.raises(AnswerNotRecorded) as refused:
+        await registry.respond(caller, "s1", call.request_id, {"ok": True})
+    return refused.value.message
+
+
+class AgentCall:
+    """The agent's relayed call, run in the background: `outcome` is its result or its error."""
+
+    def __init__(self, registry: CallerCallRegistry, session: Session, spec: CallerToolSpec = SPEC) -> None:
+        self.registry = registry
+        self.session = session
+        self.spec = spec
+        self.outcomes: list[Any] = []
+        self.scope = trio.CancelScope()
+
+    async def start(self, nursery: trio.Nursery) -> PendingCall:
+        """Make the call in `nursery`; its pending entry, once its request is stored."""
+        nursery.start_soon(self.run)
+        [call] = await self.registry.wait_pending(self.session)
+        return call
+
+    async def run(self) -> None:
+        """Relay the call; record what the agent got (a result, a `RelayError`, or "cancelled")."""
+        with self.scope:
+            try:
+                self.outcomes.append(await self.registry.relay(self.session, self.spec, {"message": "hi"}))
+            except RelayError as err:
+                self.outcomes.append(err)
+            return
+        self.outcomes.append("cancelled")
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["one-server", "shared-store"])
+async def test_an_answer_the_store_could_not_write_is_not_delivered_and_a_retry_delivers_it_once(shared: bool) -> None:
+    store, frame_log, session, caller = world()
+    registry = registry_of(frame_log, store, shared)
+    agent = AgentCall(registry, session)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            call = await agent.start(nursery)
+            store.failing = True
+            message = await refused_answer(registry, caller, call)
+            assert "was not recorded, so it was not delivered" in message and "the test store is unavailable" in message
+            assert f"'{call.request_id}' is still pending until {call.expires_at}" in message
+            assert message.endswith("send caller_tool_response again")
+            await trio.testing.wait_all_tasks_blocked()
+            assert agent.outcomes == [], "the agent got an answer the log does not have"
+            assert [p.request_id for p in registry.pending_for(session)] == [call.request_id], "it stays pending"
+
+            store.failing = False
+            await registry.respond(caller, "s1", call.request_id, {"ok": True})
+    assert agent.outcomes == [{"ok": True}]
+    assert await store.outcomes() == [("caller_tool_request", call.request_id), ("caller_tool_result", call.request_id)]
+    with pytest.raises(RelayError, match="no longer pending: it was already resolved"):
+        await registry.respond(caller, "s1", call.request_id, {"ok": True})
+
+
+async def test_an_answer_whose_commit_was_not_confirmed_is_delivered_once_by_its_retry() -> None:
+    """Shared store: the database committed the answer but the server never heard (PostgreSQL killed
+    right then). The caller, told to retry, sends it again: the stored answer stands, the agent gets it
+    once, and the retry is a success, not a refusal of its own answer."""
+    store, frame_log, session, caller = world()
+    registry = registry_of(frame_log, store, shared=True)
+    agent = AgentCall(registry, session)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            call = await agent.start(nursery)
+            store.lost_ack = True
+            await refused_answer(registry, caller, call)
+            await trio.testing.wait_all_tasks_blocked()
+            assert agent.outcomes == []
+            await registry.respond(caller, "s1", call.request_id, {"ok": True})
+    assert agent.outcomes == [{"ok": True}]
+    assert await store.outcomes() == [("caller_tool_request", call.request_id), ("caller_tool_result", call.request_id)]
+
+
+async def test_the_timeout_after_a_failed_answer_fails_the_call_for_both_sides(autojump_clock: trio.testing.MockClock) -> None:
+    store, frame_log, session, caller = world()
+    registry = registry_of(frame_log, store, timeout=30)
+    agent = AgentCall(registry, session)
+    async with trio.open_nursery() as nursery:
+        call = await agent.start(nursery)
+        store.failing = True
+        await refused_answer(registry, caller, call)
+        # The store is still down at the timeout: the agent hears it timed out all the same.
+    [outcome] = agent.outcomes
+    assert isinstance(outcome, RelayError) and outcome.code == errors.TIMEOUT
+    store.failing = False
+    with pytest.raises(RelayError, match="no longer pending: it was already timed out"):
+        await registry.respond(caller, "s1", call.request_id, {"ok": True})
+    assert await store.outcomes() == [("caller_tool_request", call.request_id)], "nothing stored in the outage"
+
+
+async def test_an_answer_being_stored_at_the_timeout_wins_if_stored(autojump_clock: trio.testing.MockClock) -> None:
+    """The timeout waits for an answer whose frame is being stored: stored, the answer is the call's."""
+    store, frame_log, session, caller = world()
+    registry = registry_of(frame_log, store, timeout=30)
+    agent = AgentCall(registry, session)
+    commit = trio.Event()
+    real_append = store.append
+
+    async def slow_append(instance: str, **kw: Any) -> Any:
+        if kw["type"] == "caller_tool_result":
+            await commit.wait()
+        return await real_append(instance, **kw)
+
+    store.append = slow_append  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        call = await agent.start(nursery)
+        nursery.start_soon(registry.respond, caller, "s1", call.request_id, {"ok": True})
+        await trio.sleep(60)  # past the timeout, the answer's commit still held back
+        assert agent.outcomes == []
+        commit.set()
+    assert agent.outcomes == [{"ok": True}]
+    assert await store.outcomes() == [("caller_tool_request", call.request_id), ("caller_tool_result", call.request_id)]
+
+
+async def test_the_agents_cancel_after_a_failed_answer_is_the_calls_end() -> None:
+    store, frame_log, session, caller = world()
+    registry = registry_of(frame_log, store)
+    agent = AgentCall(registry, session)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            call = await agent.start(nursery)
+            store.failing = True
+            await refused_answer(registry, caller, call)
+            store.failing = False
+            agent.scope.cancel()
+    assert agent.outcomes == ["cancelled"]
+    with pytest.raises(RelayError, match="no longer pending: it was already cancelled by the agent"):
+        await registry.respond(caller, "s1", call.request_id, {"ok": True})
+    assert await store.outcomes() == [("caller_tool_request", call.request_id), ("caller_tool_cancelled", call.request_id)]
+
+
+async def test_a_caller_that_leaves_while_its_answer_fails_to_store_ends_the_call_as_a_disconnect() -> None:
+    store, frame_log, session, caller = world()
+    registry = registry_of(frame_log, store)
+    agent = AgentCall(registry, session)
+    real_append = store.append
+
+    async def leaving_append(instance: str, **kw: Any) -> Any:
+        if kw["type"] == "caller_tool_result":
+            caller.close()
+            assert registry.fail_caller(caller) == 1
+            raise StoreUnavailable("the test store is unavailable")
+        return await real_append(instance, **kw)
+
+    store.append = leaving_append  # type: ignore[method-assign]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            call = await agent.start(nursery)
+            await refused_answer(registry, caller, call)
+    [outcome] = agent.outcomes
+    assert isinstance(outcome, RelayError) and outcome.code == errors.PEER_DISCONNECTED
+    frames = await store.store.query("box1", FrameQuery(after_seq=0, types=("caller_tool_cancelled",), limit=10))
+    assert [f.payload["reason"] for f in frames] == ["caller disconnected"]
+
+
+# -- approvals -------------------------------------------------------------------------------
+
+
+class GatedCall:
+    """A gated call waiting for its approval, run in the background: `decisions` is what it got."""
+
+    def __init__(self, approvals: ApprovalService, session: Session, caller: CallerConnection, timeout: float = 600) -> None:
+        self.approvals = approvals
+        self.session = session
+        self.caller = caller
+        self.timeout = timeout
+        self.decisions: list[Decision] = []
+
+    async def run(self) -> None:
+        """Ask for the approval; record the decision the call got."""
+        self.decisions.append(await self.approvals.request(
+            self.session, "notify", {"message": "hi"}, origin="caller", caller=self.caller, timeout=self.timeout,
+        ))
+
+
+async def test_a_decision_the_store_could_not_write_is_not_delivered_and_a_retry_delivers_it_once() -> None:
+    store, frame_log, session, caller = world()
+    approvals = ApprovalService(frame_log.append)
+    gated = GatedCall(approvals, session, caller)
+    approve = Decision(approve=True, who="caller")
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gated.run)
+            [entry] = await approvals.wait_pending(session)
+            store.failing = True
+            with pytest.raises(AnswerNotRecorded) as refused:
+                await approvals.answer(caller, "s1", entry.request_id, approve)
+            assert refused.value.message.endswith("send approval_response again")
+            assert f"'{entry.request_id}' is still pending until {entry.expires_at}" in refused.value.message
+            await trio.testing.wait_all_tasks_blocked()
+            assert gated.decisions == [], "the gated call was decided by a decision the log does not have"
+            assert approvals.pending_for(session) == [entry]
+
+            store.failing = False
+            answered = await approvals.answer(caller, "s1", entry.request_id, approve)
+            assert answered["resolved"] is True and "already_resolved" not in answered
+    assert [d.approve for d in gated.decisions] == [True]
+    assert await store.outcomes() == [("approval_request", entry.request_id), ("approval_resolved", entry.request_id)]
+
+
+async def test_a_batch_the_store_fails_midway_says_which_decisions_stand_and_its_retry_completes_it() -> None:
+    store, frame_log, session, caller = world()
+    approvals = ApprovalService(frame_log.append)
+    first, second = GatedCall(approvals, session, caller), GatedCall(approvals, session, caller)
+    real_append = store.append
+    resolved = 0
+
+    async def append_once(instance: str, **kw: Any) -> Any:
+        nonlocal resolved
+        if kw["type"] == "approval_resolved":
+            resolved += 1
+            if resolved == 2:
+                raise StoreUnavailable("the test store is unavailable")
+        return await real_append(instance, **kw)
+
+    store.append = append_once  # type: ignore[method-assign]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first.run)
+            await approvals.wait_pending(session)
+            nursery.start_soon(second.run)
+            while len(approvals.pending_for(session)) < 2:
+                await approvals.wait_changed(session)
+            ids = [p.request_id for p in approvals.pending_for(session)]
+            batch = [(request_id, Decision(approve=True, who="caller")) for request_id in ids]
+            with pytest.raises(StoreUnavailable) as refused:
+                await approvals.answer_batch(caller, session, batch)
+            assert f"approvals {ids[0]} were recorded" in refused.value.message
+            assert refused.value.message.endswith("send approval_response again")
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(first.decisions + second.decisions) == 1
+            await approvals.answer_batch(caller, session, batch)
+    assert [d.approve for d in first.decisions + second.decisions] == [True, True]
+    assert [t for t, _ in await store.outcomes()].count("approval_resolved") == 2
+
+
+async def test_the_approval_timeout_while_the_store_is_down_denies_on_both_sides(autojump_clock: trio.testing.MockClock) -> None:
+    store, frame_log, session, caller = world()
+    approvals = ApprovalService(frame_log.append)
+    gated = GatedCall(approvals, session, caller, timeout=30)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gated.run)
+        [entry] = await approvals.wait_pending(session)
+        store.failing = True
+    [decision] = gated.decisions
+    assert (decision.approve, decision.who) == (False, "timeout"), "the denial stands though it could not be stored"
+    store.failing = False
+    with pytest.raises(RelayError, match="already resolved: denied \\(timeout\\)"):
+        await approvals.answer(caller, "s1", entry.request_id, Decision(approve=True, who="caller"))
