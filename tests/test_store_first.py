@@ -340,3 +340,76 @@ async def test_the_approval_timeout_while_the_store_is_down_denies_on_both_sides
     store.failing = False
     with pytest.raises(RelayError, match="already resolved: denied \\(timeout\\)"):
         await approvals.answer(caller, "s1", entry.request_id, Decision(approve=True, who="caller"))
+
+
+# -- a shared store: the agent's server and the caller's are two --------------------------------
+
+
+class TwoServers:
+    """Two servers on one shared store: the agent's (no caller for the session: it waits in the
+    log) and the caller's (lists the agent's request read from the log, and answers it there)."""
+
+    def __init__(self, timeout: float = 30) -> None:
+        self.store, agent_log, self.agent_session, self.caller = world()
+        self.caller_session = Session(instance="box1", channel="mcp", id="s1", caller_id="myapp", owner=self.caller)
+        self.agent_session.owner = None
+        caller_log = FrameLog(self.store, SessionRegistry())  # type: ignore[arg-type]
+        self.agent_side = registry_of(agent_log, self.store, shared=True, timeout=timeout)
+        self.caller_side = CallerCallRegistry(
+            caller_log.append, default_timeout=timeout, bus=LogBus(self.store, caller_log.append_outcome),  # type: ignore[arg-type]
+            find_sessions=lambda session_id: [self.caller_session],
+        )
+        self.agent = AgentCall(self.agent_side, self.agent_session)
+
+    async def start(self, nursery: trio.Nursery) -> PendingCall:
+        """The agent's call, as the caller's server lists it."""
+        nursery.start_soon(self.agent.run)
+        [call] = await self.caller_side.wait_pending(self.caller_session)
+        return call
+
+
+async def test_a_timeout_the_store_could_not_write_refuses_a_later_answer_on_the_callers_server() -> None:
+    """The agent's server times the call out while the database is down: the agent hears "timed out",
+    and the caller's server, past the request's `expires_at`, refuses the answer that would have
+    told the caller "resolved" (nothing is stored for either). (A real clock: `expires_at` is wall time.)"""
+    two = TwoServers(timeout=0.5)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            call = await two.start(nursery)
+            two.store.failing = True
+    [outcome] = two.agent.outcomes
+    assert isinstance(outcome, RelayError) and outcome.code == errors.TIMEOUT
+    two.store.failing = False
+    with pytest.raises(RelayError, match="no longer pending: it was already timed out"):
+        await two.caller_side.respond(two.caller, "s1", call.request_id, {"ok": True})
+    assert await two.store.outcomes() == [("caller_tool_request", call.request_id)]
+
+
+async def test_an_outage_while_the_agents_server_waits_in_the_log_does_not_end_the_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Reading the log fails for a while: the agent's server reads again until its deadline, and
+    the caller's answer stored after the outage reaches the agent."""
+    two = TwoServers(timeout=600)
+    real_wait = two.store.store.wait_for_frames
+    outage = trio.Event()
+    reads_failed = 0
+
+    async def wait_for_frames(instance: str, q: FrameQuery, timeout: float) -> Any:
+        nonlocal reads_failed
+        if not outage.is_set():
+            reads_failed += 1
+            raise StoreUnavailable("the test store is unavailable")
+        return await real_wait(instance, q, timeout)
+
+    two.store.wait_for_frames = wait_for_frames  # type: ignore[attr-defined]
+    with trio.fail_after(60):  # the mock clock's seconds
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(two.agent.run)
+            while reads_failed < 3:
+                await trio.sleep(1)
+                assert two.agent.outcomes == [], "the outage ended the agent's wait"
+            outage.set()
+            [call] = await two.caller_side.wait_pending(two.caller_session)
+            await two.caller_side.respond(two.caller, "s1", call.request_id, {"ok": True})
+    assert two.agent.outcomes == [{"ok": True}]

@@ -39,6 +39,7 @@ import attrs
 import trio
 
 from protocol import Frame, RelayError, errors
+from protocol.frames import is_past
 from protocol.schema_check import schema_problem
 
 from ..sessions import LogCursors, Session
@@ -430,7 +431,13 @@ class ApprovalService:
             outcome = await self.log.wait_outcome(session, entry.request_id, entry.frame_seq, outcome_types=(RESOLVED,))
         if outcome is None:
             timeout = Decision(approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)")
-            outcome = await self._store_outcome(entry, timeout) or await self._outcome_of(entry)
+            try:
+                outcome = await self._store_outcome(entry, timeout) or await self._outcome_of(entry)
+            except StoreUnavailable as exc:  # the denial stands: the owner's server refuses answers after `expires_at`
+                log.warning("approval %s timed out but could not be stored: %s", entry.request_id, exc)
+                self._decide(entry, timeout)
+                entry.recorded.set()
+                return
         if outcome is None:  # the winner is committed before we lost: unreachable but for retention
             raise RelayError(errors.INTERNAL_ERROR, f"approval '{entry.request_id}' ended, but its decision is not in the log")
         if entry.decision is None:
@@ -674,6 +681,14 @@ class ApprovalService:
     async def _answer_in_log(self, caller: Any, entry: PendingApproval, decision: Decision) -> dict[str, Any]:
         """Decide a request whose call waits in the log (here or on another server): the decision is
         stored only if none won before it; else the one that won refuses it (or, identical, stands)."""
+        if entry.remote and is_past(entry.expires_at):
+            # Its server denies it at `expires_at`, storing that if it can: a decision stored after
+            # it would tell this caller "resolved" while the gated call was denied.
+            raise RelayError(
+                errors.INVALID_REQUEST,
+                f"approval '{entry.request_id}' is no longer pending: it expired at {entry.expires_at} "
+                "(its gated call is denied at its approval timeout)",
+            )
         try:
             stored = await self._store_outcome(entry, decision)
         except StoreUnavailable as exc:  # nothing stored, so nobody decided: it stays pending

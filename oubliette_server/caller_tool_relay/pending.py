@@ -38,7 +38,7 @@ import attrs
 import trio
 
 from protocol import CallerToolSpec, Frame, RelayError, errors
-from protocol.frames import utc_timestamp
+from protocol.frames import is_past, utc_timestamp
 from protocol.schema_check import schema_problem
 
 from ..sessions import LogCursors, Session
@@ -530,6 +530,14 @@ class CallerCallRegistry:
         assert self.bus is not None
         payload = _result_payload(call, result, error)
         session = call.session
+        if call.remote and is_past(call.expires_at):
+            # Its server times it out at `expires_at`, storing that if it can: an answer stored
+            # after it would tell this caller "resolved" while the agent heard "timed out".
+            finished = Finished("timed out", session, caller, call.frame_seq)
+            self._remote.pop(call.request_id, None)
+            self._remember(call.request_id, finished)
+            self._notify(session)
+            raise NoLongerPending(call.request_id, finished)
         try:
             stored = await self._record(session, "caller_tool_result", payload, skip=None if session.echo_own_answers else caller)
         except StoreUnavailable as exc:  # nothing stored, so nobody answered: it stays pending
