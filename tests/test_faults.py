@@ -1,22 +1,31 @@
-"""Fault tests (issue 8): kill -9 of the agent's own `oubliette-client` mid-call, with the real programs.
+"""Fault tests, with the real programs.
+
+Kill -9 of the agent's own `oubliette-client` mid-call: the agent here speaks MCP to
+`oubliette-client` by hand over its stdin/stdout, so the test holds the client's process and can
+SIGKILL it while a caller tool call is in flight. What must hold: the caller hears at once that
+the request was withdrawn, a late answer is refused (nothing is resolved twice), and the log has
+exactly one request and one outcome for it.
+
+Store failure between answer and record: the caller answers while the store cannot write (SQLite:
+another process holds the database's write lock past the server's busy timeout, as a full disk
+fails the same commit; PostgreSQL: the database server is stopped, then started again). What
+must hold: the agent is not answered, the caller is told its answer was not recorded and to send
+it again, and the retry after the store is back delivers exactly once, with one result in the log.
 
 (Killing the guest runtime and the server mid-call is in test_orphans.py, killing an HTTP caller in
 test_ownership.py, a caller that disconnects in test_caller_tool_relay.py.)
-
-The agent here speaks MCP to `oubliette-client` by hand over its stdin/stdout, so the test holds
-the client's process and can SIGKILL it while a caller tool call is in flight. What must hold:
-the caller hears at once that the request was withdrawn, a late answer is refused (nothing is
-resolved twice), and the log has exactly one request and one outcome for it.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import sqlite3
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, AsyncContextManager, AsyncIterator, Callable, Iterator
 
+import pytest
 import trio
 
 from harness import Deployment, HandMcp, structured, text_of
@@ -73,3 +82,88 @@ async def test_killing_the_agents_client_mid_call_withdraws_the_request_at_once(
         assert [(f["type"], f["payload"]["request_id"]) for f in frames] == [
             ("caller_tool_request", request["request_id"]), ("caller_tool_cancelled", request["request_id"]),
         ], "one request, one outcome, nothing resolved twice"
+
+
+@contextlib.contextmanager
+def sqlite_write_lock(deployment: Deployment) -> Iterator[None]:
+    """Hold the write lock of the server's SQLite log from this process: the server's next commit
+    waits out its busy timeout, then fails (as a full disk fails it)."""
+    blocker = sqlite3.connect(deployment.data_dir / "frames.sqlite3", isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        yield
+        blocker.execute("ROLLBACK")
+    finally:
+        blocker.close()
+
+
+async def answer_through_a_store_failure(
+    deployment: Deployment, store_fails: Callable[[], AsyncContextManager[None]],
+) -> None:
+    """The agent calls a caller tool; the caller answers while `store_fails()` is entered, then again."""
+    async with deployment.caller() as (caller, events):
+        declared = await caller.call_tool("session_message", {
+            "instance": "box1", "session_id": "f1", "message": "hi",
+            "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
+        })
+        assert not declared.is_error, text_of(declared)
+        answers: list[Any] = []
+        with trio.fail_after(120):
+            async with deployment.agent("box1", "mcp:f1") as agent, trio.open_nursery() as nursery:
+
+                async def agent_call() -> None:
+                    answers.append(await agent.call_tool("myapp_send_notification", {"message": "hello"}))
+
+                nursery.start_soon(agent_call)
+                request = await events.wait_type("caller_tool_request", tool="send_notification")
+                answer = {"session_id": "f1", "request_id": request["request_id"], "result": {"status": "sent"}}
+                async with store_fails():
+                    refused = await caller.call_tool("caller_tool_response", answer)
+                    assert answers == [], "the agent got an answer the log does not have"
+                    assert refused.is_error, text_of(refused)
+                    assert "was not recorded, so it was not delivered" in text_of(refused)
+                    assert "is still pending until" in text_of(refused)
+                    assert text_of(refused).endswith("send caller_tool_response again"), text_of(refused)
+                retried = await caller.call_tool("caller_tool_response", answer)
+                assert structured(retried) == {"resolved": True}, text_of(retried)
+        [result] = answers
+        assert not result.is_error and result.structured_content == {"status": "sent"}
+        frames = structured(await caller.call_tool("session_events", {
+            "session_id": "f1", "types": ["caller_tool_request", "caller_tool_result", "caller_tool_cancelled"],
+        }))["frames"]
+        assert [(f["type"], f["payload"]["request_id"]) for f in frames] == [
+            ("caller_tool_request", request["request_id"]), ("caller_tool_result", request["request_id"]),
+        ], "one request, one result: what the agent got"
+
+
+async def test_a_store_failure_between_answer_and_record_leaves_the_call_pending_sqlite(deployment: Deployment) -> None:
+    @contextlib.asynccontextmanager
+    async def store_fails() -> AsyncIterator[None]:
+        with sqlite_write_lock(deployment):
+            yield
+
+    await answer_through_a_store_failure(deployment, store_fails)
+
+
+@pytest.fixture
+def pg_deployment(pg_url: str) -> Iterator[Deployment]:
+    """A server whose log is in a fresh database of the test PostgreSQL."""
+    d = Deployment(store=pg_url)
+    try:
+        yield d
+    finally:
+        d.cleanup()
+
+
+async def test_a_store_failure_between_answer_and_record_leaves_the_call_pending_postgres(
+    pg_deployment: Deployment, postgres_server: Any,
+) -> None:
+    @contextlib.asynccontextmanager
+    async def store_fails() -> AsyncIterator[None]:
+        await trio.to_thread.run_sync(postgres_server.halt)
+        try:
+            yield
+        finally:
+            await trio.to_thread.run_sync(postgres_server.start)
+
+    await answer_through_a_store_failure(pg_deployment, store_fails)
