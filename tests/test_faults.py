@@ -25,7 +25,6 @@ import sys
 import time
 from typing import Any, AsyncContextManager, AsyncIterator, Callable, Iterator
 
-import pytest
 import trio
 
 from harness import Deployment, HandMcp, structured, text_of
@@ -143,16 +142,6 @@ async def test_a_store_failure_between_answer_and_record_leaves_the_call_pending
             yield
 
     await answer_through_a_store_failure(deployment, store_fails)
-
-
-@pytest.fixture
-def pg_deployment(pg_url: str) -> Iterator[Deployment]:
-    """A server whose log is in a fresh database of the test PostgreSQL."""
-    d = Deployment(store=pg_url)
-    try:
-        yield d
-    finally:
-        d.cleanup()
 
 
 async def test_a_store_failure_between_answer_and_record_leaves_the_call_pending_postgres(
