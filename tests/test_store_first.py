@@ -413,3 +413,27 @@ async def test_an_outage_while_the_agents_server_waits_in_the_log_does_not_end_t
             [call] = await two.caller_side.wait_pending(two.caller_session)
             await two.caller_side.respond(two.caller, "s1", call.request_id, {"ok": True})
     assert two.agent.outcomes == [{"ok": True}]
+
+
+async def test_an_approval_timeout_the_store_could_not_write_refuses_a_later_decision_on_the_owners_server() -> None:
+    """As for caller tools: the gated call's server denies at its timeout though the database is
+    down, and the owner's server refuses a later approval (past `expires_at`) that would have told
+    the caller "resolved" while nothing ran. (A real clock: `expires_at` is wall time.)"""
+    store, agent_log, agent_session, caller = world()
+    agent_session.owner, agent_session.owner_identity = None, "the owner, connected to the other server"
+    owner_session = Session(instance="box1", channel="mcp", id="s1", caller_id="myapp", owner=caller)
+    owner_log = FrameLog(store, SessionRegistry())  # type: ignore[arg-type]
+    gated_side = ApprovalService(agent_log.append, log=LogBus(store, agent_log.append_outcome))  # type: ignore[arg-type]
+    owner_side = ApprovalService(owner_log.append, log=LogBus(store, owner_log.append_outcome))  # type: ignore[arg-type]
+    gated = GatedCall(gated_side, agent_session, None, timeout=0.5)  # type: ignore[arg-type]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gated.run)
+            [entry] = await owner_side.wait_pending(owner_session)
+            store.failing = True
+    [decision] = gated.decisions
+    assert (decision.approve, decision.who) == (False, "timeout")
+    store.failing = False
+    with pytest.raises(RelayError, match="already resolved: denied \\(timeout\\): it expired at"):
+        await owner_side.answer(caller, "s1", entry.request_id, Decision(approve=True, who="caller"))
+    assert await store.outcomes() == [("approval_request", entry.request_id)]

@@ -686,8 +686,8 @@ class ApprovalService:
             # it would tell this caller "resolved" while the gated call was denied.
             raise RelayError(
                 errors.INVALID_REQUEST,
-                f"approval '{entry.request_id}' is no longer pending: it expired at {entry.expires_at} "
-                "(its gated call is denied at its approval timeout)",
+                f"approval '{entry.request_id}' is already resolved: denied (timeout): it expired at "
+                f"{entry.expires_at}, and its gated call is denied at its approval timeout",
             )
         try:
             stored = await self._store_outcome(entry, decision)
