@@ -437,3 +437,27 @@ async def test_an_approval_timeout_the_store_could_not_write_refuses_a_later_dec
     with pytest.raises(RelayError, match="already resolved: denied \\(timeout\\): it expired at"):
         await owner_side.answer(caller, "s1", entry.request_id, Decision(approve=True, who="caller"))
     assert await store.outcomes() == [("approval_request", entry.request_id)]
+
+
+async def test_a_decision_whose_commit_was_not_confirmed_is_an_idempotent_retry() -> None:
+    """Shared store, the owner on the gated call's server: the approval was committed but the server
+    never heard; the caller's retry finds it stored, the gated call is decided once, the retry succeeds."""
+    store, frame_log, session, caller = world()
+    approvals = ApprovalService(frame_log.append, log=LogBus(store, frame_log.append_outcome))  # type: ignore[arg-type]
+    gated = GatedCall(approvals, session, caller)
+    approve = Decision(approve=True, who="caller")
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gated.run)
+            [entry] = await approvals.wait_pending(session)
+            store.lost_ack = True
+            with pytest.raises(AnswerNotRecorded):
+                await approvals.answer(caller, "s1", entry.request_id, approve)
+            await trio.testing.wait_all_tasks_blocked()
+            assert gated.decisions == []
+            answered = await approvals.answer(caller, "s1", entry.request_id, approve)
+            assert answered["resolved"] is True, answered
+            with pytest.raises(RelayError, match="already resolved: approved"):
+                await approvals.answer(caller, "s1", entry.request_id, Decision(approve=False, who="caller"))
+    assert [d.approve for d in gated.decisions] == [True]
+    assert await store.outcomes() == [("approval_request", entry.request_id), ("approval_resolved", entry.request_id)]

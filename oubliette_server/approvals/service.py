@@ -546,20 +546,18 @@ class ApprovalService:
         seq = entry.frame_seq
         if entry.remote or entry.in_log:
             return await self._answer_in_log(caller, entry, decision)
-        if not await self._store_answer(entry, decision):  # the timeout or the agent's cancel came first
+        if not await self._store_answer(entry, decision):  # another decision came first
             outcome = self._check(caller, session_id, request_id, decision)
-            assert outcome is not None  # `_check` raises for any other decision
+            assert outcome is not None  # `_check` raises for any but an identical decision
             await outcome.recorded.wait()
             return {"resolved": True, "already_resolved": True, "after_seq": outcome.frame_seq}
-        if entry.decision is not decision:  # another server's decision was stored first
-            raise RelayError(
-                errors.INVALID_REQUEST, f"approval '{request_id}' is already resolved: {entry.decision.describe()}",
-            )
         return {"resolved": True, "after_seq": seq}
 
     async def _store_answer(self, entry: PendingApproval, decision: Decision) -> bool:
         """Store a caller's decision of this server's approval, then decide it; False if another
-        decision ended it while this one waited for the claim.
+        decision ended it first: while this one waited for the claim, or (shared store) stored
+        first by another server, or by an earlier try of this very answer whose commit the store
+        could not confirm (then it is identical: an idempotent retry).
 
         Raises: `AnswerNotRecorded` when the store fails (the approval stays pending, unless its
         owner left meanwhile: then it is denied as a disconnect)."""
@@ -574,9 +572,13 @@ class ApprovalService:
                 raise AnswerNotRecorded(
                     "the decision", entry.request_id, exc, until=entry.expires_at, again="approval_response",
                 ) from exc
-            if stored is None:  # shared store: a decision stored first by another server is the approval's
+            if stored is None:  # shared store: the decision stored first is the approval's
                 winner = await self._outcome_of(entry)
-                decision = decision_of(winner.payload) if winner is not None else decision
+                if winner is None:  # the winner is committed before we lost: unreachable but for retention
+                    raise RelayError(errors.INTERNAL_ERROR, f"approval '{entry.request_id}' ended, but its decision is not in the log")
+                self._decide(entry, decision_of(winner.payload))
+                entry.recorded.set()
+                return False
             self._decide(entry, decision)
             entry.recorded.set()
             return True
