@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from oubliette_server.approvals.service import ApprovalService, Decision
+from oubliette_server.approvals.service import ApprovalService, Decision, PendingApproval
 from oubliette_server.caller_tool_relay.bus import LogBus
 from oubliette_server.caller_tool_relay.pending import CallerCallRegistry, PendingCall
 from oubliette_server.callers import CallerConnection
@@ -259,6 +259,18 @@ class GatedCall:
         self.timeout = timeout
         self.decisions: list[Decision] = []
 
+    async def start(self, nursery: trio.Nursery) -> PendingApproval:
+        """Make the gated call in `nursery`; its pending approval, once its request is stored."""
+        nursery.start_soon(self.run)
+        [entry] = await self.approvals.wait_pending(self.session)
+        return entry
+
+    async def refused(self, entry: PendingApproval, decision: Decision) -> str:
+        """Decide `entry` while the store fails: the message of the refusal the caller gets."""
+        with pytest.raises(AnswerNotRecorded) as refused:
+            await self.approvals.answer(self.caller, "s1", entry.request_id, decision)
+        return refused.value.message
+
     async def run(self) -> None:
         """Ask for the approval; record the decision the call got."""
         self.decisions.append(await self.approvals.request(
@@ -273,13 +285,11 @@ async def test_a_decision_the_store_could_not_write_is_not_delivered_and_a_retry
     approve = Decision(approve=True, who="caller")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(gated.run)
-            [entry] = await approvals.wait_pending(session)
+            entry = await gated.start(nursery)
             store.failing = True
-            with pytest.raises(AnswerNotRecorded) as refused:
-                await approvals.answer(caller, "s1", entry.request_id, approve)
-            assert refused.value.message.endswith("send approval_response again")
-            assert f"'{entry.request_id}' is still pending until {entry.expires_at}" in refused.value.message
+            message = await gated.refused(entry, approve)
+            assert message.endswith("send approval_response again")
+            assert f"'{entry.request_id}' is still pending until {entry.expires_at}" in message
             await trio.testing.wait_all_tasks_blocked()
             assert gated.decisions == [], "the gated call was decided by a decision the log does not have"
             assert approvals.pending_for(session) == [entry]
@@ -448,11 +458,9 @@ async def test_a_decision_whose_commit_was_not_confirmed_is_an_idempotent_retry(
     approve = Decision(approve=True, who="caller")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(gated.run)
-            [entry] = await approvals.wait_pending(session)
+            entry = await gated.start(nursery)
             store.lost_ack = True
-            with pytest.raises(AnswerNotRecorded):
-                await approvals.answer(caller, "s1", entry.request_id, approve)
+            await gated.refused(entry, approve)
             await trio.testing.wait_all_tasks_blocked()
             assert gated.decisions == []
             answered = await approvals.answer(caller, "s1", entry.request_id, approve)
