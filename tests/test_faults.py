@@ -10,7 +10,8 @@ Store failure between answer and record: the caller answers while the store cann
 another process holds the database's write lock past the server's busy timeout, as a full disk
 fails the same commit; PostgreSQL: the database server is stopped, then started again). What
 must hold: the agent is not answered, the caller is told its answer was not recorded and to send
-it again, and the retry after the store is back delivers exactly once, with one result in the log.
+it again, and the retry after the store is back delivers exactly once, with one result in the log;
+the same for an approval decision (nothing runs until the decision is stored).
 
 (Killing the guest runtime and the server mid-call is in test_orphans.py, killing an HTTP caller in
 test_ownership.py, a caller that disconnects in test_caller_tool_relay.py.)
@@ -156,3 +157,37 @@ async def test_a_store_failure_between_answer_and_record_leaves_the_call_pending
             await trio.to_thread.run_sync(postgres_server.start)
 
     await answer_through_a_store_failure(pg_deployment, store_fails)
+
+
+async def test_a_store_failure_between_decision_and_record_leaves_the_approval_pending_sqlite(deployment: Deployment) -> None:
+    """The same for an approval: the gated call runs only after its `approval_resolved` is stored."""
+    from harness import DEMO_AGENT
+    from test_approvals_e2e import DELETE
+
+    async with deployment.caller() as (caller, events), deployment.guest("box1", DEMO_AGENT):
+        with trio.fail_after(120):
+            stopped = structured(await caller.call_tool("session_message", {
+                "instance": "box1", "session_id": "f2", "message": 'Please call myapp_delete_file {"path": "/tmp/x"}',
+                "context": {"caller_id": "myapp", "caller_tools": [DELETE]}, "wait": 60,
+            }))
+            assert stopped["stop_reason"] == "requires_approval", stopped
+            [request] = stopped["approval_requests"]
+            decision = {"session_id": "f2", "request_id": request["request_id"], "approve": True}
+            with sqlite_write_lock(deployment):
+                refused = await caller.call_tool("approval_response", decision)
+            assert refused.is_error and "was not recorded, so it was not delivered" in text_of(refused), text_of(refused)
+            assert text_of(refused).endswith("send approval_response again"), text_of(refused)
+            assert events.of_type("caller_tool_request") == [], "the gated call ran on a decision the log does not have"
+            acting = structured(await caller.call_tool("approval_response", {**decision, "wait": 60}))
+            assert acting["resolved"] is True and acting["stop_reason"] == "requires_action", acting
+            [relayed] = acting["pending"]
+            ended = structured(await caller.call_tool("caller_tool_response", {
+                "session_id": "f2", "request_id": relayed["request_id"], "result": {"deleted": "/tmp/x"}, "wait": 60,
+            }))
+            assert ended["stop_reason"] == "end_turn", ended
+        frames = structured(await caller.call_tool("session_events", {
+            "session_id": "f2", "types": ["approval_request", "approval_resolved"],
+        }))["frames"]
+        assert [(f["type"], f["payload"].get("approve")) for f in frames] == [
+            ("approval_request", None), ("approval_resolved", True),
+        ], "one request, one decision: the one the gated call got"
