@@ -36,6 +36,7 @@ __all__ = [
     "FrameQuery",
     "FrameStoreAPI",
     "AnswerNotRecorded",
+    "OUTAGE_RETRY",
     "StoreUnavailable",
     "check_cursor_args",
     "check_instance",
@@ -44,6 +45,7 @@ __all__ = [
     "is_int",
     "format_ts",
     "make_frame",
+    "when_store_is_back",
     "prepare_frame",
     "prepare_frames",
 ]
@@ -206,6 +208,25 @@ def _rebuild_not_recorded(message: str) -> AnswerNotRecorded:
     exc = AnswerNotRecorded.__new__(AnswerNotRecorded)
     StoreUnavailable.__init__(exc, message)
     return exc
+
+
+#: The first pause before a store operation that met `StoreUnavailable` is tried again (a wait
+#: on the log reads again after it; `when_store_is_back` doubles it up to `OUTAGE_RETRY_MAX`).
+OUTAGE_RETRY = 1.0
+OUTAGE_RETRY_MAX = 30.0
+
+
+async def when_store_is_back(attempt: Callable[[], Any]) -> Any:
+    """Run `attempt()` (awaitable) again after a pause each time it raises `StoreUnavailable`
+    (1 s, doubling to 30 s), until it succeeds: for an outcome that must reach the log once the
+    store recovers (an end the server decided while it was down). Cancellation: stops trying."""
+    delay = OUTAGE_RETRY
+    while True:
+        await trio.sleep(delay)
+        try:
+            return await attempt()
+        except StoreUnavailable:
+            delay = min(delay * 2, OUTAGE_RETRY_MAX)
 
 
 # --------------------------------------------------------------------------------------------

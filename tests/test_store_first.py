@@ -164,21 +164,34 @@ async def test_an_answer_whose_commit_was_not_confirmed_is_delivered_once_by_its
     assert await store.outcomes() == [("caller_tool_request", call.request_id), ("caller_tool_result", call.request_id)]
 
 
+async def stored_within(store: FaultyStore, seconds: float, *expected: tuple[str, str]) -> None:
+    """Wait (the mock clock's seconds) until the log's requests and outcomes are `expected`."""
+    with trio.fail_after(seconds):
+        while await store.outcomes() != list(expected):
+            await trio.sleep(0.5)
+
+
 async def test_the_timeout_after_a_failed_answer_fails_the_call_for_both_sides(autojump_clock: trio.testing.MockClock) -> None:
+    """The store is still down at the timeout: the agent hears it timed out all the same, a late
+    answer is refused with that, and the timeout is stored once the store is back."""
     store, frame_log, session, caller = world()
     registry = registry_of(frame_log, store, timeout=30)
     agent = AgentCall(registry, session)
-    async with trio.open_nursery() as nursery:
-        call = await agent.start(nursery)
-        store.failing = True
-        await refused_answer(registry, caller, call)
-        # The store is still down at the timeout: the agent hears it timed out all the same.
-    [outcome] = agent.outcomes
-    assert isinstance(outcome, RelayError) and outcome.code == errors.TIMEOUT
-    store.failing = False
-    with pytest.raises(RelayError, match="no longer pending: it was already timed out"):
-        await registry.respond(caller, "s1", call.request_id, {"ok": True})
-    assert await store.outcomes() == [("caller_tool_request", call.request_id)], "nothing stored in the outage"
+    async with trio.open_nursery() as server:
+        await server.start(registry.serve)
+        async with trio.open_nursery() as nursery:
+            call = await agent.start(nursery)
+            store.failing = True
+            await refused_answer(registry, caller, call)
+        [outcome] = agent.outcomes
+        assert isinstance(outcome, RelayError) and outcome.code == errors.TIMEOUT
+        await trio.sleep(60)
+        assert await store.outcomes() == [("caller_tool_request", call.request_id)], "nothing stored in the outage"
+        store.failing = False
+        with pytest.raises(RelayError, match="no longer pending: it was already timed out"):
+            await registry.respond(caller, "s1", call.request_id, {"ok": True})
+        await stored_within(store, 60, ("caller_tool_request", call.request_id), ("caller_tool_cancelled", call.request_id))
+        server.cancel_scope.cancel()
 
 
 async def test_an_answer_being_stored_at_the_timeout_wins_if_stored(autojump_clock: trio.testing.MockClock) -> None:
@@ -341,15 +354,18 @@ async def test_the_approval_timeout_while_the_store_is_down_denies_on_both_sides
     store, frame_log, session, caller = world()
     approvals = ApprovalService(frame_log.append)
     gated = GatedCall(approvals, session, caller, timeout=30)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(gated.run)
-        [entry] = await approvals.wait_pending(session)
-        store.failing = True
-    [decision] = gated.decisions
-    assert (decision.approve, decision.who) == (False, "timeout"), "the denial stands though it could not be stored"
-    store.failing = False
-    with pytest.raises(RelayError, match="already resolved: denied \\(timeout\\)"):
-        await approvals.answer(caller, "s1", entry.request_id, Decision(approve=True, who="caller"))
+    async with trio.open_nursery() as server:
+        await server.start(approvals.serve)
+        async with trio.open_nursery() as nursery:
+            entry = await gated.start(nursery)
+            store.failing = True
+        [decision] = gated.decisions
+        assert (decision.approve, decision.who) == (False, "timeout"), "the denial stands though it could not be stored"
+        store.failing = False
+        with pytest.raises(RelayError, match="already resolved: denied \\(timeout\\)"):
+            await approvals.answer(caller, "s1", entry.request_id, Decision(approve=True, who="caller"))
+        await stored_within(store, 60, ("approval_request", entry.request_id), ("approval_resolved", entry.request_id))
+        server.cancel_scope.cancel()
 
 
 # -- a shared store: the agent's server and the caller's are two --------------------------------

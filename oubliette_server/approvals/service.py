@@ -24,7 +24,8 @@ Store first, then answer (docs/SECURITY.md): a caller's decision is stored, hold
 approval's `claim`, before the gated call learns of it; if the store fails the approval stays
 pending and the caller is told to answer again (`AnswerNotRecorded`). A decision the server
 takes (timeout, disconnect, the agent's cancel) is always a denial: the waiting task stores it,
-then denies the call; if that store fails, the denial stands for both sides and is logged.
+then denies the call; if that store fails, the denial stands for both sides and is stored once
+the store is back (`when_store_is_back`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from protocol.frames import is_past
 from protocol.schema_check import schema_problem
 
 from ..sessions import LogCursors, Session
-from ..store_api import AnswerNotRecorded, FrameStoreAPI, StoreUnavailable
+from ..store_api import AnswerNotRecorded, FrameStoreAPI, StoreUnavailable, when_store_is_back
 from ..task_host import TaskHost
 
 if TYPE_CHECKING:
@@ -395,10 +396,7 @@ class ApprovalService:
                         self._decide(entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"))
             if not entry.recorded.is_set():
                 with trio.CancelScope(shield=True):
-                    if entry.in_log:
-                        await self._store_outcome(entry, entry.decision)  # loses to a decision stored first
-                    else:
-                        await self._record(entry)
+                    await self._record(entry)  # with a shared store it loses to a decision stored first
             raise
         finally:
             self._pending.pop(entry.request_id, None)
@@ -434,9 +432,11 @@ class ApprovalService:
             try:
                 outcome = await self._store_outcome(entry, timeout) or await self._outcome_of(entry)
             except StoreUnavailable as exc:  # the denial stands: the owner's server refuses answers after `expires_at`
-                log.warning("approval %s timed out but could not be stored: %s", entry.request_id, exc)
+                log.warning("approval %s timed out; storing it when the store is back: %s", entry.request_id, exc)
                 self._decide(entry, timeout)
                 entry.recorded.set()
+                if self._tasks.nursery is not None:
+                    self._tasks.nursery.start_soon(when_store_is_back, lambda: self._store_outcome(entry, timeout))
                 return
         if outcome is None:  # the winner is committed before we lost: unreachable but for retention
             raise RelayError(errors.INTERNAL_ERROR, f"approval '{entry.request_id}' ended, but its decision is not in the log")
@@ -505,7 +505,8 @@ class ApprovalService:
         With a shared store it is stored with `append_outcome` too, so it can never be a second
         decision: if another server stored one first (its sweep took this server for dead, after a
         stall longer than `lease_ttl`), that decision is the approval's, here as everywhere.
-        If the store fails, the denial stands (it fails closed on both sides) and is logged."""
+        If the store fails, the denial stands (it fails closed on both sides), is logged, and is
+        stored once the store is back."""
         decision = entry.decision
         assert decision is not None
         try:
@@ -514,7 +515,9 @@ class ApprovalService:
                 if winner is not None:
                     self._overrule(entry, decision_of(winner.payload))
         except StoreUnavailable as exc:
-            log.warning("approval %s was %s but could not be stored: %s", entry.request_id, decision.describe(), exc)
+            log.warning("approval %s was %s; storing it when the store is back: %s", entry.request_id, decision.describe(), exc)
+            if self._tasks.nursery is not None:
+                self._tasks.nursery.start_soon(when_store_is_back, lambda: self._store_decision(entry, decision))
         finally:
             entry.recorded.set()
 

@@ -24,7 +24,7 @@ import trio
 from protocol import Frame
 
 from ..sessions import Session
-from ..store_api import MAX_LIMIT, CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
+from ..store_api import MAX_LIMIT, OUTAGE_RETRY, CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
 
 log = logging.getLogger("oubliette.server.calls")
 
@@ -40,10 +40,6 @@ OWNER_KEY = "owner"
 #: How long one long poll on the log lasts before it is simply asked again (no deadline: the
 #: waits that need one are bounded by their caller's own cancel scope).
 WAIT_SLICE = 3600.0
-#: How long a request's wait for its outcome pauses, when the store is unavailable, before it reads
-#: the log again: an outage must not end the wait before its deadline (the outcome may still be
-#: stored, and the agent must hear the one the log has).
-OUTAGE_RETRY = 1.0
 
 #: `append_outcome(session, type, payload, request_id, skip=...)`: the frame, or None if another outcome won.
 AppendOutcome = Callable[..., Awaitable["Frame | None"]]
@@ -105,7 +101,8 @@ class LogBus:
     ) -> Frame:
         """Wait for the outcome frame of `request_id` (one of `outcome_types`), appended by any server;
         `on_progress` gets the payload of each progress report on it stored meanwhile. A store outage
-        does not end the wait (it reads again every `OUTAGE_RETRY` s): the caller's deadline does."""
+        does not end the wait (it reads again every `OUTAGE_RETRY` s): the caller's deadline does, for
+        the outcome may still be stored, and the agent must hear the one the log has."""
         types = (*outcome_types, PROGRESS) if on_progress is not None else outcome_types
         while True:
             try:

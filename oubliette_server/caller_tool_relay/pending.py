@@ -23,7 +23,7 @@ the call stays pending and the caller is told to send its answer again (`AnswerN
 and the timeout or the agent's cancel, waiting for the claim, may end it then instead. An end
 the server decides (timeout, disconnect, the agent's cancel) is stored before the agent hears
 it; if that store fails, the end stands for both sides (a late answer is refused with it) and
-the log gets the request's outcome later (`restart.py`, or the shared store's sweep).
+is stored once the store is back (`when_store_is_back`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from protocol.frames import is_past, utc_timestamp
 from protocol.schema_check import schema_problem
 
 from ..sessions import LogCursors, Session
-from ..store_api import AnswerNotRecorded, StoreUnavailable
+from ..store_api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
 from ..task_host import TaskHost
 from .bus import PROGRESS, REQUEST, REQUEST_TYPES, LogBus
 
@@ -303,17 +303,20 @@ class CallerCallRegistry:
 
         With a shared store, an outcome stored first by any server (an answer that won the race in
         the database) is the call's instead. If the store fails, the end stands for both sides (a
-        late answer is refused with it): it is logged, and the request's outcome reaches the log
-        later (`restart.py` on the next start, or the shared store's sweep).
+        late answer is refused with it): it is logged, and stored once the store is back (if this
+        server stops first: `restart.py` on its next start, or the shared store's sweep).
         """
         reason, call.unrecorded = call.unrecorded, None
         if reason is None:
             return
         payload = {"request_id": call.request_id, "tool": call.tool, "reason": reason}
+        session = call.session
         try:
-            stored = await self._record(call.session, "caller_tool_cancelled", payload)
+            stored = await self._record(session, "caller_tool_cancelled", payload)
         except StoreUnavailable as exc:
-            log.warning("request %s ended (%s) but its end could not be stored: %s", call.request_id, reason, exc)
+            log.warning("request %s ended (%s); storing its end when the store is back: %s", call.request_id, reason, exc)
+            if self._tasks.nursery is not None:
+                self._tasks.nursery.start_soon(when_store_is_back, lambda: self._record(session, "caller_tool_cancelled", payload))
             return
         if stored is None and self.bus is not None:
             winner = await self.bus.outcome_of(call.session, call.request_id, call.frame_seq)
