@@ -142,6 +142,7 @@ from .store_api import (
     MAX_SEQ,
     CursorPruned,
     FrameQuery,
+    StoreUnavailable,
     check_cursor_args,
     check_retention,
     check_timeout,
@@ -529,7 +530,11 @@ class FrameStore(LongPollWaiters):
                 self._assigned[instance] = base
             for instance in created:
                 del self._iids[instance]
-            group.error = exc
+            if isinstance(exc, sqlite3.OperationalError):  # a full disk, an I/O error, a lock held elsewhere
+                group.error = StoreUnavailable(f"the SQLite store {self.path} could not store the frame: {exc}")
+                group.error.__cause__ = exc
+            else:
+                group.error = exc
             if group.done is not None:
                 group.done.set()
             return

@@ -35,6 +35,8 @@ __all__ = [
     "CursorPruned",
     "FrameQuery",
     "FrameStoreAPI",
+    "AnswerNotRecorded",
+    "OUTAGE_RETRY",
     "StoreUnavailable",
     "check_cursor_args",
     "check_instance",
@@ -43,6 +45,7 @@ __all__ = [
     "is_int",
     "format_ts",
     "make_frame",
+    "when_store_is_back",
     "prepare_frame",
     "prepare_frames",
 ]
@@ -178,7 +181,8 @@ class StoreDamaged(Exception):
 
 
 class StoreUnavailable(RelayError):
-    """The store's database cannot be reached (PostgreSQL down, pool exhausted past its timeout).
+    """The store's database cannot be reached (PostgreSQL down, pool exhausted past its timeout)
+    or cannot write (SQLite: a full disk, a lock another process holds past the busy timeout).
 
     Raised instead of the driver's own errors, as a `RelayError` (INTERNAL_ERROR) so every door
     gives its peer this one clear message: a caller's tool error, a sandbox's error response,
@@ -192,6 +196,50 @@ class StoreUnavailable(RelayError):
 
     def __reduce__(self) -> Any:  # keep pickling (and copying) working
         return (StoreUnavailable, (self.message,))
+
+
+class AnswerNotRecorded(StoreUnavailable):
+    """A caller's answer (`caller_tool_response`, `approval_response`, a progress report) whose
+    frame the store could not write: it was not delivered either, and the request it answers is
+    still pending, so the caller sends the same answer again once the store is back.
+
+    An answer reaches the agent only after its frame is stored (docs/SECURITY.md, "Store first,
+    then answer"); this is what the caller hears when the storing failed."""
+
+    def __init__(self, what: str, request_id: str, cause: StoreUnavailable, *, until: str = "", again: str) -> None:
+        deadline = f" until {until}" if until else ""
+        super().__init__(
+            f"{what} for '{request_id}' was not recorded, so it was not delivered ({cause.message}); "
+            f"'{request_id}' is still pending{deadline}: send {again} again"
+        )
+
+    def __reduce__(self) -> Any:  # keep pickling (and copying) working
+        return (_rebuild_not_recorded, (self.message,))
+
+
+def _rebuild_not_recorded(message: str) -> AnswerNotRecorded:
+    exc = AnswerNotRecorded.__new__(AnswerNotRecorded)
+    StoreUnavailable.__init__(exc, message)
+    return exc
+
+
+#: The first pause before a store operation that met `StoreUnavailable` is tried again (a wait
+#: on the log reads again after it; `when_store_is_back` doubles it up to `OUTAGE_RETRY_MAX`).
+OUTAGE_RETRY = 1.0
+OUTAGE_RETRY_MAX = 30.0
+
+
+async def when_store_is_back(attempt: Callable[[], Any]) -> Any:
+    """Run `attempt()` (awaitable) again after a pause each time it raises `StoreUnavailable`
+    (1 s, doubling to 30 s), until it succeeds: for an outcome that must reach the log once the
+    store recovers (an end the server decided while it was down). Cancellation: stops trying."""
+    delay = OUTAGE_RETRY
+    while True:
+        await trio.sleep(delay)
+        try:
+            return await attempt()
+        except StoreUnavailable:
+            delay = min(delay * 2, OUTAGE_RETRY_MAX)
 
 
 # --------------------------------------------------------------------------------------------

@@ -199,3 +199,15 @@ def utc_timestamp(when: datetime | None = None) -> str:
     else:
         when = when.astimezone(timezone.utc)
     return when.strftime("%Y-%m-%dT%H:%M:%S.") + f"{when.microsecond // 1000:03d}Z"
+
+
+def is_past(timestamp: str, now: datetime | None = None) -> bool:
+    """Whether a UTC timestamp as :func:`utc_timestamp` writes it (a request's ``expires_at``)
+    is before ``now``; False for one that cannot be read (no deadline is known)."""
+    try:
+        moment = datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    except (ValueError, AttributeError):
+        return False
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment < (now or datetime.now(timezone.utc))

@@ -54,3 +54,13 @@ def postgres_server() -> Iterator["PostgresServer"]:
 def pg_url(postgres_server: "PostgresServer") -> str:
     """A fresh, empty database on the test PostgreSQL: its libpq URI."""
     return postgres_server.new_database()
+
+
+@pytest.fixture
+def pg_deployment(pg_url: str) -> Iterator[Deployment]:
+    """A server whose log is in a fresh database of the test PostgreSQL (`--store`)."""
+    d = Deployment(store=pg_url)
+    try:
+        yield d
+    finally:
+        d.cleanup()

@@ -1,21 +1,32 @@
-"""Fault tests: kill -9 of the agent's own `oubliette-client` mid-call, with the real programs.
+"""Fault tests, with the real programs.
+
+Kill -9 of the agent's own `oubliette-client` mid-call: the agent here speaks MCP to
+`oubliette-client` by hand over its stdin/stdout, so the test holds the client's process and can
+SIGKILL it while a caller tool call is in flight. What must hold: the caller hears at once that
+the request was withdrawn, a late answer is refused (nothing is resolved twice), and the log has
+exactly one request and one outcome for it.
+
+Store failure between answer and record: the caller answers while the store cannot write (SQLite:
+another process holds the database's write lock past the server's busy timeout, as a full disk
+fails the same commit; PostgreSQL: the database server is stopped, then started again). What
+must hold: the agent is not answered, the caller is told its answer was not recorded and to send
+it again, and the retry after the store is back delivers exactly once, with one result in the log;
+the same for an approval decision (nothing runs until the decision is stored).
+
+A flood of slow HTTP clients: the relay and a new sandbox are still served, the log stays readable.
 
 (Killing the guest runtime and the server mid-call is in test_orphans.py, killing an HTTP caller in
 test_ownership.py, a caller that disconnects in test_caller_tool_relay.py.)
-
-The agent here speaks MCP to `oubliette-client` by hand over its stdin/stdout, so the test holds
-the client's process and can SIGKILL it while a caller tool call is in flight. What must hold:
-the caller hears at once that the request was withdrawn, a late answer is refused (nothing is
-resolved twice), and the log has exactly one request and one outcome for it.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import sqlite3
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, AsyncContextManager, AsyncIterator, Callable, Iterator
 
 import trio
 
@@ -172,3 +183,112 @@ async def test_a_flood_of_slow_http_clients_leaves_the_relay_and_the_log_usable(
     assert "Traceback" not in log and "Too many open files" not in log, log[-3000:]
     assert 1 <= len(flood_lines) <= 3 and len(server.stderr_lines("under pressure")) <= 3, log[-3000:]
     assert f"connections refused at the cap of {FLOOD_CAP}" in flood_lines[0], flood_lines
+
+
+@contextlib.contextmanager
+def sqlite_write_lock(deployment: Deployment) -> Iterator[None]:
+    """Hold the write lock of the server's SQLite log from this process: the server's next commit
+    waits out its busy timeout, then fails (as a full disk fails it)."""
+    blocker = sqlite3.connect(deployment.data_dir / "frames.sqlite3", isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        yield
+        blocker.execute("ROLLBACK")
+    finally:
+        blocker.close()
+
+
+async def answer_through_a_store_failure(
+    deployment: Deployment, store_fails: Callable[[], AsyncContextManager[None]],
+) -> None:
+    """The agent calls a caller tool; the caller answers while `store_fails()` is entered, then again."""
+    async with deployment.caller() as (caller, events):
+        declared = await caller.call_tool("session_message", {
+            "instance": "box1", "session_id": "f1", "message": "hi",
+            "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
+        })
+        assert not declared.is_error, text_of(declared)
+        answers: list[Any] = []
+        with trio.fail_after(120):
+            async with deployment.agent("box1", "mcp:f1") as agent, trio.open_nursery() as nursery:
+
+                async def agent_call() -> None:
+                    answers.append(await agent.call_tool("myapp_send_notification", {"message": "hello"}))
+
+                nursery.start_soon(agent_call)
+                request = await events.wait_type("caller_tool_request", tool="send_notification")
+                answer = {"session_id": "f1", "request_id": request["request_id"], "result": {"status": "sent"}}
+                async with store_fails():
+                    refused = await caller.call_tool("caller_tool_response", answer)
+                    assert answers == [], "the agent got an answer the log does not have"
+                    assert refused.is_error, text_of(refused)
+                    assert "was not recorded, so it was not delivered" in text_of(refused)
+                    assert "is still pending until" in text_of(refused)
+                    assert text_of(refused).endswith("send caller_tool_response again"), text_of(refused)
+                retried = await caller.call_tool("caller_tool_response", answer)
+                assert structured(retried) == {"resolved": True}, text_of(retried)
+        [result] = answers
+        assert not result.is_error and result.structured_content == {"status": "sent"}
+        frames = structured(await caller.call_tool("session_events", {
+            "session_id": "f1", "types": ["caller_tool_request", "caller_tool_result", "caller_tool_cancelled"],
+        }))["frames"]
+        assert [(f["type"], f["payload"]["request_id"]) for f in frames] == [
+            ("caller_tool_request", request["request_id"]), ("caller_tool_result", request["request_id"]),
+        ], "one request, one result: what the agent got"
+
+
+async def test_a_store_failure_between_answer_and_record_leaves_the_call_pending_sqlite(deployment: Deployment) -> None:
+    @contextlib.asynccontextmanager
+    async def store_fails() -> AsyncIterator[None]:
+        with sqlite_write_lock(deployment):
+            yield
+
+    await answer_through_a_store_failure(deployment, store_fails)
+
+
+async def test_a_store_failure_between_answer_and_record_leaves_the_call_pending_postgres(
+    pg_deployment: Deployment, postgres_server: Any,
+) -> None:
+    @contextlib.asynccontextmanager
+    async def store_fails() -> AsyncIterator[None]:
+        await trio.to_thread.run_sync(postgres_server.halt)
+        try:
+            yield
+        finally:
+            await trio.to_thread.run_sync(postgres_server.start)
+
+    await answer_through_a_store_failure(pg_deployment, store_fails)
+
+
+async def test_a_store_failure_between_decision_and_record_leaves_the_approval_pending_sqlite(deployment: Deployment) -> None:
+    """The same for an approval: the gated call runs only after its `approval_resolved` is stored."""
+    from harness import DEMO_AGENT
+    from test_approvals_e2e import DELETE
+
+    async with deployment.caller() as (caller, events), deployment.guest("box1", DEMO_AGENT):
+        with trio.fail_after(120):
+            stopped = structured(await caller.call_tool("session_message", {
+                "instance": "box1", "session_id": "f2", "message": 'Please call myapp_delete_file {"path": "/tmp/x"}',
+                "context": {"caller_id": "myapp", "caller_tools": [DELETE]}, "wait": 60,
+            }))
+            assert stopped["stop_reason"] == "requires_approval", stopped
+            [request] = stopped["approval_requests"]
+            decision = {"session_id": "f2", "request_id": request["request_id"], "approve": True}
+            with sqlite_write_lock(deployment):
+                refused = await caller.call_tool("approval_response", decision)
+            assert refused.is_error and "was not recorded, so it was not delivered" in text_of(refused), text_of(refused)
+            assert text_of(refused).endswith("send approval_response again"), text_of(refused)
+            assert events.of_type("caller_tool_request") == [], "the gated call ran on a decision the log does not have"
+            acting = structured(await caller.call_tool("approval_response", {**decision, "wait": 60}))
+            assert acting["resolved"] is True and acting["stop_reason"] == "requires_action", acting
+            [relayed] = acting["pending"]
+            ended = structured(await caller.call_tool("caller_tool_response", {
+                "session_id": "f2", "request_id": relayed["request_id"], "result": {"deleted": "/tmp/x"}, "wait": 60,
+            }))
+            assert ended["stop_reason"] == "end_turn", ended
+        frames = structured(await caller.call_tool("session_events", {
+            "session_id": "f2", "types": ["approval_request", "approval_resolved"],
+        }))["frames"]
+        assert [(f["type"], f["payload"].get("approve")) for f in frames] == [
+            ("approval_request", None), ("approval_resolved", True),
+        ], "one request, one decision: the one the gated call got"

@@ -8,9 +8,8 @@ programs as subprocesses, as in tests/test_caller_loop.py's stdio case.
 from __future__ import annotations
 
 import subprocess
-from typing import Any, Iterator
+from typing import Any
 
-import pytest
 import trio
 
 from harness import PYTHON, Deployment, env_without_oubliette
@@ -18,15 +17,6 @@ from oubliette_server.store_api import FrameQuery
 from oubliette_server.store_pg import PostgresFrameStore, safe_url
 from test_http_api import frame_body, poll, post
 from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, one_answered_call, script
-
-
-@pytest.fixture
-def pg_deployment(pg_url: str) -> Iterator[Deployment]:
-    d = Deployment(store=pg_url)
-    try:
-        yield d
-    finally:
-        d.cleanup()
 
 
 async def test_a_relayed_call_with_the_log_in_postgres(pg_deployment: Deployment, pg_url: str) -> None:

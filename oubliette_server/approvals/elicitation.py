@@ -29,6 +29,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol import RelayError
 
+from ..store_api import AnswerNotRecorded
 from .service import DELIVERIES, ELICITATION_WHO, ApprovalService, Decision, PendingApproval
 
 if TYPE_CHECKING:
@@ -173,6 +174,8 @@ class ApprovalElicitation:
     async def _apply(self, caller: CallerConnection, entry: PendingApproval, decision: Decision) -> None:
         try:
             await self.approvals.answer(caller, entry.session.id, entry.request_id, decision)
+        except AnswerNotRecorded as err:  # not stored, so not decided: it stays for approval_response
+            log.warning("approval %s: the person's answer was not recorded (%s)", entry.request_id, err.message)
         except RelayError as err:  # decided another way first: that decision stands
             log.info("approval %s: the person's answer came second (%s)", entry.request_id, err.message)
 

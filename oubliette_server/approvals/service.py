@@ -19,6 +19,13 @@ session's open `approval_request`s read from the log as *remote* pending approva
 decision of such a request (an answer on any server, the waiting server's timeout, the agent's
 cancel) is stored with `append_outcome`, so exactly one wins; a losing answer is refused with
 the decision that won (an identical one is an idempotent success, as on one server).
+
+Store first, then answer (docs/SECURITY.md): a caller's decision is stored, holding the
+approval's `claim`, before the gated call learns of it; if the store fails the approval stays
+pending and the caller is told to answer again (`AnswerNotRecorded`). A decision the server
+takes (timeout, disconnect, the agent's cancel) is always a denial: the waiting task stores it,
+then denies the call; if that store fails, the denial stands for both sides and is stored once
+the store is back (`when_store_is_back`).
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ import attrs
 import trio
 
 from protocol import Frame, RelayError, errors
+from protocol.frames import is_past
 from protocol.schema_check import schema_problem
 
 from ..sessions import LogCursors, Session, held_by
-from ..store_api import FrameStoreAPI
+from ..store_api import AnswerNotRecorded, FrameStoreAPI, StoreUnavailable, when_store_is_back
 from ..task_host import TaskHost
 
 if TYPE_CHECKING:
@@ -136,6 +144,12 @@ class PendingApproval:
     decision: Decision | None = None
     done: trio.Event = attrs.field(factory=trio.Event)
     recorded: trio.Event = attrs.field(factory=trio.Event)
+    """Set once its decision's frame is stored (or, for a denial the server took, its store failed)."""
+    claim: trio.Lock = attrs.field(factory=trio.Lock)
+    """Held while a caller's decision is being stored: the timeout and the agent's cancel wait for
+    it, then find the approval decided, or still pending if that store failed."""
+    caller_left: bool = False
+    """The owner left while its decision was being stored: if that store fails, it is denied (disconnect)."""
     remote: bool = False
     """Shared store: another server's gated call, read from the log (decided through it)."""
     in_log: bool = False
@@ -373,20 +387,21 @@ class ApprovalService:
             else:
                 with trio.move_on_after(seconds):
                     await entry.done.wait()
-                if entry.decision is None:
-                    self._decide(entry, Decision(
-                        approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)",
-                    ))
-            await self._record(entry)
+                async with entry.claim:  # a decision being stored goes first: stored, it wins
+                    if entry.decision is None:
+                        self._decide(entry, Decision(
+                            approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)",
+                        ))
+            if not entry.recorded.is_set():  # a denial this server took: stored before the call hears it
+                await self._record(entry)
         except trio.Cancelled:
-            if entry.decision is None:
-                self._decide(entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"))
+            with trio.CancelScope(shield=True):
+                async with entry.claim:
+                    if entry.decision is None:
+                        self._decide(entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"))
             if not entry.recorded.is_set():
                 with trio.CancelScope(shield=True):
-                    if entry.in_log:
-                        await self._store_outcome(entry, entry.decision)  # loses to a decision stored first
-                    else:
-                        await self._record(entry)
+                    await self._record(entry)  # with a shared store it loses to a decision stored first
             raise
         finally:
             self._pending.pop(entry.request_id, None)
@@ -419,7 +434,15 @@ class ApprovalService:
             outcome = await self.log.wait_outcome(session, entry.request_id, entry.frame_seq, outcome_types=(RESOLVED,))
         if outcome is None:
             timeout = Decision(approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)")
-            outcome = await self._store_outcome(entry, timeout) or await self._outcome_of(entry)
+            try:
+                outcome = await self._store_outcome(entry, timeout) or await self._outcome_of(entry)
+            except StoreUnavailable as exc:  # the denial stands: the owner's server refuses answers after `expires_at`
+                log.warning("approval %s timed out; storing it when the store is back: %s", entry.request_id, exc)
+                self._decide(entry, timeout)
+                entry.recorded.set()
+                if self._tasks.nursery is not None:
+                    self._tasks.nursery.start_soon(when_store_is_back, lambda: self._store_outcome(entry, timeout))
+                return
         if outcome is None:  # the winner is committed before we lost: unreachable but for retention
             raise RelayError(errors.INTERNAL_ERROR, f"approval '{entry.request_id}' ended, but its decision is not in the log")
         if entry.decision is None:
@@ -446,9 +469,10 @@ class ApprovalService:
             if session is not None and entry.session is not session:
                 continue
             if entry.caller is caller and entry.decision is None:
-                self._decide(entry, Decision(
-                    approve=False, who="disconnect", reason="the caller disconnected before deciding",
-                ))
+                if entry.claim.locked():  # its decision is being stored: that store decides (`answer`)
+                    entry.caller_left = True
+                else:
+                    self._decide(entry, _disconnected())
                 failed += 1
         if self.log is not None:
             gone = [s for s in self._synced if s.owner is caller and session in (None, s)]
@@ -481,22 +505,32 @@ class ApprovalService:
         self._notify(entry.session)
 
     async def _record(self, entry: PendingApproval) -> None:
-        """Store this server's decision of its own approval.
+        """Store the denial this server took on its own approval (timeout, disconnect, cancel).
 
         With a shared store it is stored with `append_outcome` too, so it can never be a second
         decision: if another server stored one first (its sweep took this server for dead, after a
-        stall longer than `lease_ttl`), that decision is the approval's, here as everywhere."""
+        stall longer than `lease_ttl`), that decision is the approval's, here as everywhere.
+        If the store fails, the denial stands (it fails closed on both sides), is logged, and is
+        stored once the store is back."""
         decision = entry.decision
         assert decision is not None
         try:
-            if self.log is None:
-                await self._append_frame(entry.session, RESOLVED, _resolved_payload(entry, decision))
-            elif await self._store_outcome(entry, decision) is None:
+            if await self._store_decision(entry, decision) is None:
                 winner = await self._outcome_of(entry)
                 if winner is not None:
                     self._overrule(entry, decision_of(winner.payload))
+        except StoreUnavailable as exc:
+            log.warning("approval %s was %s; storing it when the store is back: %s", entry.request_id, decision.describe(), exc)
+            if self._tasks.nursery is not None:
+                self._tasks.nursery.start_soon(when_store_is_back, lambda: self._store_decision(entry, decision))
         finally:
             entry.recorded.set()
+
+    async def _store_decision(self, entry: PendingApproval, decision: Decision) -> Frame | None:
+        """Store `decision` as this server's approval's `approval_resolved` (None: shared store, another won)."""
+        if self.log is None:
+            return await self._append_frame(entry.session, RESOLVED, _resolved_payload(entry, decision))
+        return await self._store_outcome(entry, decision)
 
     def _overrule(self, entry: PendingApproval, decision: Decision) -> None:
         """Another server's stored decision replaces the one taken here (see `_record`)."""
@@ -520,13 +554,42 @@ class ApprovalService:
         seq = entry.frame_seq
         if entry.remote or entry.in_log:
             return await self._answer_in_log(caller, entry, decision)
-        self._decide(entry, decision)
-        await entry.recorded.wait()  # the approval_resolved frame is stored when we answer
-        if entry.decision is not decision:  # another server's decision was stored first
-            raise RelayError(
-                errors.INVALID_REQUEST, f"approval '{request_id}' is already resolved: {entry.decision.describe()}",
-            )
+        if not await self._store_answer(entry, decision):  # another decision came first
+            outcome = self._check(caller, session_id, request_id, decision)
+            assert outcome is not None  # `_check` raises for any but an identical decision
+            await outcome.recorded.wait()
+            return {"resolved": True, "already_resolved": True, "after_seq": outcome.frame_seq}
         return {"resolved": True, "after_seq": seq}
+
+    async def _store_answer(self, entry: PendingApproval, decision: Decision) -> bool:
+        """Store a caller's decision of this server's approval, then decide it; False if another
+        decision ended it first: while this one waited for the claim, or (shared store) stored
+        first by another server, or by an earlier try of this very answer whose commit the store
+        could not confirm (then it is identical: an idempotent retry).
+
+        Raises: `AnswerNotRecorded` when the store fails (the approval stays pending, unless its
+        owner left meanwhile: then it is denied as a disconnect)."""
+        async with entry.claim:
+            if entry.decision is not None:
+                return False
+            try:
+                stored = await self._store_decision(entry, decision)
+            except StoreUnavailable as exc:
+                if entry.caller_left:
+                    self._decide(entry, _disconnected())
+                raise AnswerNotRecorded(
+                    "the decision", entry.request_id, exc, until=entry.expires_at, again="approval_response",
+                ) from exc
+            if stored is None:  # shared store: the decision stored first is the approval's
+                winner = await self._outcome_of(entry)
+                if winner is None:  # the winner is committed before we lost: unreachable but for retention
+                    raise RelayError(errors.INTERNAL_ERROR, f"approval '{entry.request_id}' ended, but its decision is not in the log")
+                self._decide(entry, decision_of(winner.payload))
+                entry.recorded.set()
+                return False
+            self._decide(entry, decision)
+            entry.recorded.set()
+            return True
 
     async def answer_batch(
         self, caller: CallerConnection, session: Session, answers: list[tuple[str, Decision]]
@@ -558,11 +621,17 @@ class ApprovalService:
                 "nothing was decided",
             )
         seqs = [entry.frame_seq for entry, _ in fresh] + [r.frame_seq for r in retries]
-        for entry, decision in fresh:
-            if entry.remote or entry.in_log:
-                await self._answer_in_log(caller, entry, decision)
-            else:
-                self._decide(entry, decision)
+        for done, (entry, decision) in enumerate(fresh):
+            try:
+                if entry.remote or entry.in_log:
+                    await self._answer_in_log(caller, entry, decision)
+                elif not await self._store_answer(entry, decision):
+                    self._check(caller, session.id, entry.request_id, decision)  # raises unless identical
+            except AnswerNotRecorded as exc:
+                if done:  # say which decisions stand: the same batch again retries only the rest
+                    stood = ", ".join(e.request_id for e, _ in fresh[:done])
+                    raise StoreUnavailable(f"approvals {stood} were recorded; {exc.message}") from exc
+                raise
         for entry, _ in fresh:
             await entry.recorded.wait()
         for retry in retries:
@@ -622,7 +691,20 @@ class ApprovalService:
     async def _answer_in_log(self, caller: Any, entry: PendingApproval, decision: Decision) -> dict[str, Any]:
         """Decide a request whose call waits in the log (here or on another server): the decision is
         stored only if none won before it; else the one that won refuses it (or, identical, stands)."""
-        stored = await self._store_outcome(entry, decision)
+        if entry.remote and is_past(entry.expires_at):
+            # Its server denies it at `expires_at`, storing that if it can: a decision stored after
+            # it would tell this caller "resolved" while the gated call was denied.
+            raise RelayError(
+                errors.INVALID_REQUEST,
+                f"approval '{entry.request_id}' is already resolved: denied (timeout): it expired at "
+                f"{entry.expires_at}, and its gated call is denied at its approval timeout",
+            )
+        try:
+            stored = await self._store_outcome(entry, decision)
+        except StoreUnavailable as exc:  # nothing stored, so nobody decided: it stays pending
+            raise AnswerNotRecorded(
+                "the decision", entry.request_id, exc, until=entry.expires_at, again="approval_response",
+            ) from exc
         if stored is not None:
             self._settle(entry, decision)
             return {"resolved": True, "after_seq": entry.frame_seq}
@@ -663,6 +745,10 @@ class ApprovalService:
                 errors.UNAUTHORIZED,
                 f"approval '{request_id}' may only be answered by the caller that owns session '{session_id}'",
             )
+
+
+def _disconnected() -> Decision:
+    return Decision(approve=False, who="disconnect", reason="the caller disconnected before deciding")
 
 
 def _resolved_payload(entry: PendingApproval, decision: Decision) -> dict[str, Any]:

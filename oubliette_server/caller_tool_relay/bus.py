@@ -18,13 +18,18 @@ This module reads and waits on the log; `pending.py` decides what the frames mea
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Awaitable, Callable
+
+import trio
 
 from protocol import Frame
 
 from ..server_owned import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
 from ..sessions import Session
-from ..store_api import MAX_LIMIT, CursorPruned, FrameQuery, FrameStoreAPI
+from ..store_api import MAX_LIMIT, OUTAGE_RETRY, CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
+
+log = logging.getLogger("oubliette.server.calls")
 
 REQUEST = "caller_tool_request"
 OUTCOME_TYPES = ("caller_tool_result", "caller_tool_cancelled")
@@ -94,10 +99,18 @@ class LogBus:
         outcome_types: tuple[str, ...] = OUTCOME_TYPES,
     ) -> Frame:
         """Wait for the outcome frame of `request_id` (one of `outcome_types`), appended by any server;
-        `on_progress` gets the payload of each progress report on it stored meanwhile."""
+        `on_progress` gets the payload of each progress report on it stored meanwhile. A store outage
+        does not end the wait (it reads again every `OUTAGE_RETRY` s): the caller's deadline does, for
+        the outcome may still be stored, and the agent must hear the one the log has."""
         types = (*outcome_types, PROGRESS) if on_progress is not None else outcome_types
         while True:
-            for frame in await self.wait_frames(session, types, after_seq):
+            try:
+                frames = await self.wait_frames(session, types, after_seq)
+            except StoreUnavailable as exc:
+                log.warning("request %s: waiting for its outcome, the store is unavailable: %s", request_id, exc)
+                await trio.sleep(OUTAGE_RETRY)
+                continue
+            for frame in frames:
                 after_seq = frame.seq
                 if frame.payload.get("request_id") != request_id:
                     continue

@@ -16,6 +16,14 @@ outcome frame in the log (its own timeout and the agent's cancel race the caller
 there); the caller's server lists the session's open requests read from the log as *remote*
 pending calls and answers them with `append_outcome`. Every outcome is stored through
 `append_outcome`, so exactly one wins across servers; a loser is told what happened.
+
+Store first, then answer (docs/SECURITY.md): an outcome reaches the agent only once its frame
+is stored. A caller's answer is stored while it holds the call's `claim`; if the store fails,
+the call stays pending and the caller is told to send its answer again (`AnswerNotRecorded`),
+and the timeout or the agent's cancel, waiting for the claim, may end it then instead. An end
+the server decides (timeout, disconnect, the agent's cancel) is stored before the agent hears
+it; if that store fails, the end stands for both sides (a late answer is refused with it) and
+is stored once the store is back (`when_store_is_back`).
 """
 
 from __future__ import annotations
@@ -30,10 +38,11 @@ import attrs
 import trio
 
 from protocol import CallerToolSpec, Frame, RelayError, errors
-from protocol.frames import utc_timestamp
+from protocol.frames import is_past, utc_timestamp
 from protocol.schema_check import schema_problem
 
 from ..sessions import LogCursors, Session, held_by
+from ..store_api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
 from ..task_host import TaskHost
 from .bus import PROGRESS, REQUEST, REQUEST_TYPES, LogBus
 
@@ -63,8 +72,15 @@ class PendingCall:
     frame_seq: int = 0
     """The seq of its `caller_tool_request` frame; 0 until stored (not yet listed as pending)."""
     done: trio.Event = attrs.field(factory=trio.Event)
-    recorded: trio.Event = attrs.field(factory=trio.Event)
-    """Set once the outcome's frame is stored (or its append failed): the agent is answered after it."""
+    """Set by its one outcome: a caller's answer only once its frame is stored."""
+    claim: trio.Lock = attrs.field(factory=trio.Lock)
+    """Held while a caller's answer is being stored: the timeout and the agent's cancel wait for it,
+    then find the call answered, or still pending if that store failed."""
+    caller_left: bool = False
+    """The caller left while its answer was being stored: if that store fails, the call ends as a disconnect."""
+    unrecorded: str | None = None
+    """The reason of an end the server decided whose `caller_tool_cancelled` frame is still to be
+    stored (by the waiting task, before the agent hears of it)."""
     result: Any = None
     error: RelayError | None = None
     remote: bool = False
@@ -241,31 +257,23 @@ class CallerCallRegistry:
                 self._finish(call, "closed: the caller disconnected", error=RelayError(
                     errors.PEER_DISCONNECTED,
                     f"caller '{session.caller_id}' is not connected; caller tool '{spec.name}' cannot run",
-                ))
+                ), unrecorded="caller disconnected")
             else:
                 with trio.move_on_after(timeout):
                     await call.done.wait()
-                if call.done.is_set():
-                    await call.recorded.wait()
-                if call.error is not None and call.error.code == errors.PEER_DISCONNECTED:
-                    await self._record(
-                        session, "caller_tool_cancelled",
-                        {"request_id": request_id, "tool": spec.name, "reason": "caller disconnected"},
-                    )
-            if not call.done.is_set():
-                self._finish(call, "timed out", error=_timed_out(spec, session, timeout))
-                await self._record(
-                    session, "caller_tool_cancelled",
-                    {"request_id": request_id, "tool": spec.name, "reason": "timeout"},
-                )
+                async with call.claim:  # an answer being stored goes first: stored, it wins
+                    if not call.done.is_set():
+                        self._finish(call, "timed out", error=_timed_out(spec, session, timeout), unrecorded="timeout")
+            await self._record_end(call)
         except trio.Cancelled:
-            if not call.done.is_set():
-                self._finish(call, "cancelled by the agent", error=RelayError(errors.CANCELLED, "cancelled"))
-                with trio.CancelScope(shield=True):
-                    await self._record(
-                        session, "caller_tool_cancelled",
-                        {"request_id": request_id, "tool": spec.name, "reason": "cancelled by the agent"},
-                    )
+            with trio.CancelScope(shield=True):
+                async with call.claim:
+                    if not call.done.is_set():
+                        self._finish(
+                            call, "cancelled by the agent", error=RelayError(errors.CANCELLED, "cancelled"),
+                            unrecorded="cancelled by the agent",
+                        )
+                await self._record_end(call)
             raise
         finally:
             self._pending.pop(request_id, None)
@@ -290,17 +298,43 @@ class CallerCallRegistry:
 
         with trio.move_on_after(timeout):
             outcome = await bus.wait_outcome(session, call.request_id, call.frame_seq, on_progress)
-        if outcome is None:
-            stored = await self._record(
-                session, "caller_tool_cancelled", {"request_id": call.request_id, "tool": spec.name, "reason": "timeout"},
-            )
-            if stored is not None:
-                self._finish(call, "timed out", error=_timed_out(spec, session, timeout))
-                return
-            outcome = await bus.outcome_of(session, call.request_id, call.frame_seq)
-            if outcome is None:  # the winner is committed before we lost: unreachable but for retention
-                raise RelayError(errors.INTERNAL_ERROR, f"request '{call.request_id}' ended, but its outcome is not in the log")
+        if outcome is None:  # stored by `_record_end`, unless an answer won the race in the database
+            self._finish(call, "timed out", error=_timed_out(spec, session, timeout), unrecorded="timeout")
+            return
         self._finish(call, how_it_ended(outcome), **outcome_of_frame(outcome, session, spec.name))
+
+    async def _record_end(self, call: PendingCall) -> None:
+        """Store the `caller_tool_cancelled` frame of an end the server decided, before the agent hears it.
+
+        With a shared store, an outcome stored first by any server (an answer that won the race in
+        the database) is the call's instead. If the store fails, the end stands for both sides (a
+        late answer is refused with it): it is logged, and stored once the store is back (if this
+        server stops first: `restart.py` on its next start, or the shared store's sweep).
+        """
+        reason, call.unrecorded = call.unrecorded, None
+        if reason is None:
+            return
+        payload = {"request_id": call.request_id, "tool": call.tool, "reason": reason}
+        session = call.session
+        try:
+            stored = await self._record(session, "caller_tool_cancelled", payload)
+        except StoreUnavailable as exc:
+            log.warning("request %s ended (%s); storing its end when the store is back: %s", call.request_id, reason, exc)
+            if self._tasks.nursery is not None:
+                self._tasks.nursery.start_soon(when_store_is_back, lambda: self._record(session, "caller_tool_cancelled", payload))
+            return
+        if stored is None and self.bus is not None:
+            winner = await self.bus.outcome_of(call.session, call.request_id, call.frame_seq)
+            if winner is None:  # the winner is committed before we lost: unreachable but for retention
+                raise RelayError(errors.INTERNAL_ERROR, f"request '{call.request_id}' ended, but its outcome is not in the log")
+            self._adopt(call, winner)
+
+    def _adopt(self, call: PendingCall, winner: Frame) -> None:
+        """The outcome another server stored first is `call`'s, here as everywhere."""
+        outcome = outcome_of_frame(winner, call.session, call.tool)
+        call.result = outcome.get("result")
+        call.error = outcome.get("error")
+        self._remember(call.request_id, Finished(how_it_ended(winner), call.session, call.caller, call.frame_seq))
 
     async def _record(self, session: Session, type: str, payload: dict[str, Any], *, skip: Any = None) -> Frame | None:
         """Store an outcome frame: with a shared store through `append_outcome` (None if another won)."""
@@ -329,10 +363,10 @@ class CallerCallRegistry:
         failed = 0
         for call in list(self._pending.values()):
             if call.caller is caller and not call.done.is_set() and session in (None, call.session):
-                self._finish(call, "closed: the caller disconnected", error=RelayError(
-                    errors.PEER_DISCONNECTED,
-                    f"caller '{call.session.caller_id}' disconnected before responding to '{call.tool}'",
-                ))
+                if call.claim.locked():  # its answer is being stored: that store decides (`respond`)
+                    call.caller_left = True
+                else:
+                    self._finish_disconnected(call)
                 failed += 1
         if self.bus is not None:
             gone = [s for s in self._synced if s.owner is caller and session in (None, s)]
@@ -357,17 +391,22 @@ class CallerCallRegistry:
                 log.exception("session %s: could not close the requests of a departed caller", session.key)
             self._notify(session)
 
+    def _finish_disconnected(self, call: PendingCall) -> None:
+        self._finish(call, "closed: the caller disconnected", error=RelayError(
+            errors.PEER_DISCONNECTED,
+            f"caller '{call.session.caller_id}' disconnected before responding to '{call.tool}'",
+        ), unrecorded="caller disconnected")
+
     def _finish(
         self, call: PendingCall, how: str, *, result: Any = None, error: RelayError | None = None,
-        record_follows: bool = False,
+        unrecorded: str | None = None,
     ) -> None:
-        """Claim `call`'s one outcome. With `record_follows`, the claimer stores the outcome's frame
-        and sets `call.recorded`; otherwise nothing is left to wait for."""
+        """End `call` with its one outcome. `unrecorded`: the reason of an end the server decided,
+        which the waiting task stores (`_record_end`) before it answers the agent."""
         call.result = result
         call.error = error
+        call.unrecorded = unrecorded
         call.done.set()
-        if not record_follows:
-            call.recorded.set()
         self._remember(call.request_id, Finished(how, call.session, call.caller, call.frame_seq))
         self._notify(call.session)
 
@@ -392,7 +431,12 @@ class CallerCallRegistry:
                 report["total"] = total
             if message is not None:
                 report["message"] = message
-            await self._append_frame(call.session, PROGRESS, report, skip=caller)
+            try:
+                await self._append_frame(call.session, PROGRESS, report, skip=caller)
+            except StoreUnavailable as exc:  # never stored, so never forwarded
+                raise AnswerNotRecorded(
+                    "the progress report", request_id, exc, until=call.expires_at, again="caller_tool_progress",
+                ) from exc
             return True
         if call.progress is None:
             return False
@@ -451,22 +495,40 @@ class CallerCallRegistry:
             # Another server's request, or one of this server's agent whose caller declared on
             # another server (it waits in the log): the log decides which outcome wins.
             return await self._respond_remote(call, caller, result, error)
-        if error is not None:
-            self._finish(call, "resolved with an error", error=RelayError(errors.TOOL_ERROR, str(error)), record_follows=True)
-            payload: dict[str, Any] = {"request_id": request_id, "tool": call.tool, "error": str(error)}
-        else:
-            self._finish(call, "resolved", result=result, record_follows=True)
-            payload = {"request_id": request_id, "tool": call.tool, "result": result}
+        payload = _result_payload(call, result, error)
         # The answering caller knows its answer: the event goes to the session's other sinks
         # only, unless the session asked for it (`context.echo_own_answers`); the log has it.
-        # The agent is answered only once the result frame is stored (`recorded`): what the
-        # agent got is in the log, even if the server dies right after.
-        echo = call.session.echo_own_answers
-        try:
-            await self._record(call.session, "caller_tool_result", payload, skip=None if echo else caller)
-        finally:
-            call.recorded.set()
+        # The agent is answered only once the result frame is stored: what the agent got is in
+        # the log, even if the server dies right after; a failed store leaves the call pending.
+        skip = None if call.session.echo_own_answers else caller
+        async with call.claim:
+            if call.done.is_set():  # the timeout or the agent's cancel ended it while we waited
+                raise NoLongerPending(request_id, self._finished_or_ended(call))
+            try:
+                stored = await self._record(call.session, "caller_tool_result", payload, skip=skip)
+            except StoreUnavailable as exc:
+                if call.caller_left:  # it left meanwhile: nobody will send it again
+                    self._finish_disconnected(call)
+                raise AnswerNotRecorded(
+                    "the answer", request_id, exc, until=call.expires_at, again="caller_tool_response",
+                ) from exc
+            if stored is None:  # shared store: an outcome stored first (an earlier try of this answer?) wins
+                assert self.bus is not None
+                winner = await self.bus.outcome_of(call.session, request_id, call.frame_seq)
+                if winner is None:  # the winner is committed before we lost: unreachable but for retention
+                    raise RelayError(errors.INTERNAL_ERROR, f"request '{request_id}' ended, but its outcome is not in the log")
+                self._finish(call, how_it_ended(winner), **outcome_of_frame(winner, call.session, call.tool))
+                if not _same_answer(winner, payload):
+                    raise NoLongerPending(request_id, self._finished_or_ended(call))
+                return call  # the same answer, stored by a try whose end the store could not confirm
+            if error is not None:
+                self._finish(call, "resolved with an error", error=RelayError(errors.TOOL_ERROR, str(error)))
+            else:
+                self._finish(call, "resolved", result=result)
         return call
+
+    def _finished_or_ended(self, call: PendingCall) -> Finished:
+        return self._finished.get(call.request_id) or Finished("ended", call.session, call.caller, call.frame_seq)
 
     async def _respond_remote(
         self, call: PendingCall, caller: CallerConnection, result: Any, error: str | None,
@@ -474,28 +536,54 @@ class CallerCallRegistry:
         """Answer another server's request: the answer is stored only if no outcome won before it
         (that server's timeout, the agent's cancel, another answer); else `NoLongerPending`."""
         assert self.bus is not None
-        payload: dict[str, Any] = {"request_id": call.request_id, "tool": call.tool}
-        if error is not None:
-            payload["error"] = str(error)
-        else:
-            payload["result"] = result
+        payload = _result_payload(call, result, error)
         session = call.session
-        stored = await self._record(session, "caller_tool_result", payload, skip=None if session.echo_own_answers else caller)
-        self._remote.pop(call.request_id, None)
-        if stored is None:
-            outcome = await self.bus.outcome_of(session, call.request_id, call.frame_seq)
-            finished = Finished(how_it_ended(outcome) if outcome else "ended", session, caller, call.frame_seq)
+        if call.remote and is_past(call.expires_at):
+            # Its server times it out at `expires_at`, storing that if it can: an answer stored
+            # after it would tell this caller "resolved" while the agent heard "timed out".
+            finished = Finished("timed out", session, caller, call.frame_seq)
+            self._remote.pop(call.request_id, None)
             self._remember(call.request_id, finished)
             self._notify(session)
             raise NoLongerPending(call.request_id, finished)
+        try:
+            stored = await self._record(session, "caller_tool_result", payload, skip=None if session.echo_own_answers else caller)
+        except StoreUnavailable as exc:  # nothing stored, so nobody answered: it stays pending
+            raise AnswerNotRecorded(
+                "the answer", call.request_id, exc, until=call.expires_at, again="caller_tool_response",
+            ) from exc
+        self._remote.pop(call.request_id, None)
+        if stored is None:
+            outcome = await self.bus.outcome_of(session, call.request_id, call.frame_seq)
+            if outcome is None or not _same_answer(outcome, payload):
+                finished = Finished(how_it_ended(outcome) if outcome else "ended", session, caller, call.frame_seq)
+                self._remember(call.request_id, finished)
+                self._notify(session)
+                raise NoLongerPending(call.request_id, finished)
+            stored = outcome  # the same answer, stored by a try whose end the store could not confirm
         if call.remote:
             call.done.set()
-            call.recorded.set()
             self._remember(call.request_id, Finished(how_it_ended(stored), session, caller, call.frame_seq))
         else:  # this server's agent waits in the log: finish its call now (it reads the same frame)
             self._finish(call, how_it_ended(stored), **outcome_of_frame(stored, session, call.tool))
         self._notify(session)
         return call
+
+
+def _result_payload(call: PendingCall, result: Any, error: str | None) -> dict[str, Any]:
+    """The `caller_tool_result` frame's payload of a caller's answer to `call`."""
+    payload: dict[str, Any] = {"request_id": call.request_id, "tool": call.tool}
+    if error is not None:
+        payload["error"] = str(error)
+    else:
+        payload["result"] = result
+    return payload
+
+
+def _same_answer(frame: Frame, payload: dict[str, Any]) -> bool:
+    """Whether the stored outcome `frame` is the answer `payload` (a retry of it, already stored)."""
+    return frame.type == "caller_tool_result" and all(frame.payload.get(key) == value for key, value in payload.items()) \
+        and ("error" in frame.payload) == ("error" in payload)
 
 
 def _progress_args(payload: dict[str, Any]) -> tuple[float, float | None, str | None]:
