@@ -294,6 +294,46 @@ async def test_a_turn_past_its_deadline_is_stopped_and_ends_with_session_error(
         assert again["stop_reason"] == "end_turn" and again["text"] == "fine: hello"
 
 
+# An agent with a child of its own (an MCP client it spawned, say): prints "AGENT_PID CHILD_PID",
+# then waits for the child, which sleeps far longer than any test.
+TREE_AGENT = ["sh", "-c", 'sleep 600 & echo "$$ $!"; wait']
+
+
+async def _wait_gone(pid: int) -> None:
+    """Until process `pid` has exited (its pidfd is readable), not necessarily our child."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+
+
+async def test_the_agent_tree_dies_with_a_runtime_killed_with_sigkill(deployment: Deployment) -> None:
+    """`kill -9` of the runtime ends its running turn's agent and the agent's own children within seconds."""
+    async with deployment.caller() as (caller, events), deployment.guest("box1", TREE_AGENT) as runtime:
+        await send(caller, "s-tree", "sleep, please")
+        delta = await events.wait_type("assistant.delta", timeout=TURN_TIMEOUT)
+        agent_pid, child_pid = (int(pid) for pid in delta["text"].split())
+        os.kill(agent_pid, 0)  # both alive while the runtime is
+        os.kill(child_pid, 0)
+        runtime.kill()
+        try:
+            with trio.fail_after(10):
+                await runtime.wait()
+                await _wait_gone(agent_pid)
+                await _wait_gone(child_pid)
+        except BaseException:
+            for pid in (agent_pid, child_pid):  # a failed run leaves nothing behind
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            raise
+
+
 # -- scheduling ----------------------------------------------------------------------------
 
 
