@@ -103,6 +103,8 @@ class RelayLink:
         """Set after the first connection attempt (to each address of a list), whatever its outcome."""
         self.refused: str | None = None
         """Why the relay refused the last hello for good (None while it has not)."""
+        self.refused_code: int | None = None
+        """The error code of that refusal (`UNAUTHORIZED` for a wrong token)."""
         self.give_up_on_refusal = give_up_on_refusal
         self._logged_reason: str | None = None
         self.report_failures = True
@@ -279,4 +281,7 @@ class RelayLink:
             self._log_once(logging.WARNING, f"{self.failure_line()}; retrying")
             return False
         self._set_state(False, err.message)
-        return err.code in FATAL_HELLO_CODES
+        if err.code in FATAL_HELLO_CODES:
+            self.refused_code = err.code
+            return True
+        return False
