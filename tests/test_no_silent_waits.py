@@ -101,3 +101,26 @@ async def test_a_failed_start_command_ends_the_turn_with_its_reason(deployment: 
         assert "exited with status 7" in errors[0]["payload"]["message"]
         assert server.stderr_lines("start command of box1: docker: Error response"), "its stderr is logged too"
     assert events.events == [], "the caller read no event"
+
+
+SLOW_AGENT = "import sys, time; text = sys.stdin.read(); time.sleep(2.5); print('answer: ' + text, flush=True)"
+
+
+async def test_with_a_shared_store_a_guest_on_another_server_counts(pg_url: str) -> None:
+    """Servers A and B on one PostgreSQL: the guest of box1 is connected to B, so a message sent on A
+    waits for its turn (longer than the no-guest grace) instead of stopping with no_guest; an
+    instance no server holds still stops with no_guest on A."""
+    a, b = Deployment(store=pg_url), Deployment(store=pg_url)
+    try:
+        async with a.http_server("--config", str(a.config_file("box1"))) as server_a, \
+                b.http_server("--config", str(b.config_file("box1"))) as server_b, \
+                b.guest("box1", [PYTHON, "-c", SLOW_AGENT]), \
+                server_a.caller(events=False) as (client, _):
+            await server_b.wait_connected("box1")
+            stop = await message(client, instance="box1", session_id="s1", message="hi", wait=LONG_WAIT)
+            assert stop["stop_reason"] == "end_turn" and stop["text"] == "answer: hi", stop
+            stop = await message(client, instance="box9", session_id="s1", message="hi", wait=LONG_WAIT)
+            assert stop["stop_reason"] == "no_guest", stop
+    finally:
+        a.cleanup()
+        b.cleanup()
