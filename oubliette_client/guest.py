@@ -17,7 +17,7 @@ SIGTERM/SIGINT: an agent's own children (an MCP client it spawned, a shell job)
 never outlive the turn. Nor do they outlive the runtime killed with SIGKILL
 (the OOM killer, `kill -9`, a crashed container init): each group holds a
 lifeline, the read end of a pipe whose only write end is the runtime's; a small
-watcher in the group (`/bin/sh`, started before CMD is exec'd in its place)
+watcher in the group (`/bin/sh`, forked before CMD is exec'd in its place)
 waits for that pipe's end of file, which the kernel makes when the runtime dies
 however it dies, and then kills its whole group (`lifeline_command`).
 PR_SET_PDEATHSIG would not do: it follows the thread that forked (Trio forks in
@@ -54,6 +54,8 @@ TERMINATE_GRACE = 2.0
 DEFAULT_TURN_TIMEOUT = 3600.0
 #: The shell that runs a turn's lifeline watcher, then becomes the agent command (`lifeline_command`).
 LIFELINE_SHELL = "/bin/sh"
+#: Where a process finds its open descriptors by number (Linux, the BSDs, macOS).
+LIFELINE_FDS = "/dev/fd"
 
 
 class GuestRuntime:
@@ -104,7 +106,8 @@ class GuestRuntime:
             if self.config_dir is None:
                 self.config_dir = Path(tmp)
             # os.pipe() is close-on-exec: no child gets the write end, only the read end is passed on.
-            read_end, write_end = os.pipe() if os.path.exists(LIFELINE_SHELL) else (None, None)
+            usable = os.path.exists(LIFELINE_SHELL) and os.path.isdir(LIFELINE_FDS)
+            read_end, write_end = os.pipe() if usable else (None, None)
             self._lifeline = read_end
             try:
                 async with trio.open_nursery() as nursery:
@@ -259,11 +262,12 @@ def lifeline_command(command: list[str], lifeline: int) -> list[str]:
     """`command` run so that its process group dies with this process: a shell forks a watcher
     that blocks reading `lifeline` (its end of file means the runtime died) and then kills the
     whole group, and exec's `command` in its own place (same pid, so the exit status and the
-    group are `command`'s). The watcher holds none of the turn's pipes; `command` does not get
-    `lifeline`. Ending the group as usual ends the watcher too."""
+    group are `command`'s). The watcher holds none of the turn's pipes. The pipe is named as
+    `/dev/fd/N` (a POSIX shell's `<&N` takes one digit only); `command` inherits that read end,
+    which is harmless (only the write end's closing matters). Ending the group ends the watcher."""
     script = (
-        f"(read _ <&{lifeline}; kill -KILL 0) </dev/null >/dev/null 2>&1 &\n"
-        f'exec "$@" {lifeline}<&-'
+        f"(read _ <{LIFELINE_FDS}/{lifeline}; kill -KILL 0) </dev/null >/dev/null 2>&1 &\n"
+        'exec "$@"'
     )
     return [LIFELINE_SHELL, "-c", script, "oubliette-turn", *command]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -332,6 +333,29 @@ async def test_the_agent_tree_dies_with_a_runtime_killed_with_sigkill(deployment
                 except ProcessLookupError:
                     pass
             raise
+
+
+def test_the_lifeline_works_whatever_its_descriptor_number() -> None:
+    """A runtime with many files open gets a lifeline numbered 10 or more (a POSIX shell's `<&N`
+    takes one digit): the agent still runs, with its exit status, and dies when the lifeline ends."""
+    from oubliette_client.guest import lifeline_command
+
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(12)]
+    read_end, write_end = os.pipe()
+    try:
+        assert read_end >= 10
+        done = subprocess.run(lifeline_command(["sh", "-c", "echo ran; exit 3"], read_end), pass_fds=(read_end,),
+                              capture_output=True, text=True, timeout=30, start_new_session=True)
+        assert (done.returncode, done.stdout, done.stderr) == (3, "ran\n", "")
+        agent = subprocess.Popen(lifeline_command(["sleep", "600"], read_end), pass_fds=(read_end,),
+                                 start_new_session=True)
+        os.close(write_end)  # as when the runtime dies
+        write_end = -1
+        assert agent.wait(timeout=10) == -9
+    finally:
+        for fd in [*spare, read_end, write_end]:
+            if fd >= 0:
+                os.close(fd)
 
 
 # -- scheduling ----------------------------------------------------------------------------
