@@ -44,7 +44,7 @@ TURN_END_TYPES = ("assistant.done", "session.error")
 SESSION_CHANNEL = "mcp"
 EVENT_DRAIN_SECONDS = 2.0
 """How long a 2026-07-28 wait lets its request-scoped events go out before it returns its stop."""
-NO_GUEST_GRACE = 1.0
+NO_GUEST_GRACE = 3.0
 """Seconds a `session_message` wait gives a guest to connect before it stops with `no_guest`
 (an instance with no guest and no start command: nothing would run the message)."""
 STREAM_GONE_STATE = "oubliette_stream_gone"
