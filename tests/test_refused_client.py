@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 from mcp import Client, MCPError
-from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.stdio import StdioServerParameters
 
 from harness import PYTHON, Deployment, HandMcp, text_of
 
