@@ -97,6 +97,8 @@ async def demo(workdir: Path) -> int:
         async with trio.open_nursery() as nursery, \
                 Client(stdio_client(server, errlog=server_log), mode="legacy", logging_callback=events.on_log) as caller:
             nursery.start_soon(guest.run)
+            with trio.fail_after(STEP_TIMEOUT):
+                await guest.link.wait_connected()  # else a slow start could make the message `no_guest`
             say("caller", f"started oubliette-server and a guest runtime for instance '{INSTANCE}'")
 
             say("caller", f"session_message: {MESSAGE}")

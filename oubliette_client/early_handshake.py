@@ -18,7 +18,16 @@ answers these itself, and hands every other line on, in order, to the SDK once l
   side (`SandboxToolServer.serve`'s `listed_version`).
 
 Everything else — a 2026-07-28 request, any other method, anything malformed — waits for the
-SDK and gets its answer. `OUBLIETTE_EARLY_HANDSHAKE=0` (or false/no/off) turns the early answers
+SDK and gets its answer.
+
+The agent's first request (an `initialize`, or any request of a 2026-07-28 agent) is answered
+only once the relay has given its verdict on this client's hello, at most `HELLO_VERDICT_WAIT`
+from the start (and never past `--connect-wait`; an unreachable relay settles at once): a relay that refuses the instance for
+good (a wrong token, an unknown instance) gets that request — and every request in the next
+`REFUSED_LINGER` seconds — a JSON-RPC error with the reason, and the program then exits 1 with
+the same line on stderr, so a host's health check (`claude mcp
+list`) shows a failure instead of a healthy server whose every call fails. A relay that is
+merely unreachable may come back: the client serves, and each call's error says why. `OUBLIETTE_EARLY_HANDSHAKE=0` (or false/no/off) turns the early answers
 off: then every line waits for the SDK, as before.
 
 Owns: the relay link's task, the stdin reader task, and the SDK's serving, in one nursery; at most
@@ -39,7 +48,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import trio
 
-from protocol.fast_tool_calls import is_request_id, response_line, switched_on
+from protocol import errors
+from protocol.fast_tool_calls import error_line, is_request_id, response_line, switched_on
 from protocol.stdio_streams import claimed_stdio
 
 from .sandbox_tools import SandboxTools
@@ -66,6 +76,13 @@ MAX_WAITING_LINES = 256
 #: The characters those lines may hold together (one line over it still fits alone): a stdin line
 #: may be 16 MiB (`stdio_streams`), so 256 of them could be 4 GiB.
 MAX_WAITING_CHARS = 32 * 1024 * 1024
+
+#: Seconds from the start the agent's first request waits at most for the relay's verdict on the
+#: hello (a local relay answers in milliseconds; a slow one gets the handshake answered anyway).
+HELLO_VERDICT_WAIT = 1.0
+#: Seconds a refused client goes on answering requests with the refusal before it exits (an
+#: SDK client in "auto" mode probes `server/discover`, then tries `initialize`): at stdin's end sooner.
+REFUSED_LINGER = 2.0
 
 _REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
 
@@ -116,6 +133,11 @@ class EarlyHandshake:
         self._busy = trio.Lock()  # held while an early answer is being made
         self.waiting = WaitingChars(MAX_WAITING_CHARS)
         self._seen_first = False
+        self._verdict_checked = False
+        self._started = trio.current_time()
+        #: Why the relay refused this client for good, learnt before the first answer (None: it did not).
+        self.refusal: str | None = None
+        self._refusal_code = errors.UNAUTHORIZED
         #: The id and our result of the `initialize` answered early (None: none was).
         self.initialize_id: str | int | None = None
         self.initialize_result: dict[str, Any] | None = None
@@ -126,16 +148,44 @@ class EarlyHandshake:
     async def read(self, stdin: Any, forward: trio.MemorySendChannel[str]) -> None:
         """Read the agent's lines until EOF, answering early ones and forwarding the rest in order."""
         async with forward:
-            async for line in stdin:
-                if not self._sdk_ready and self._enabled:
+            with trio.CancelScope() as reading:
+                async for line in stdin:
                     try:
-                        async with self._busy:
-                            taken = await self._answer(line, forward)
+                        if self.refusal is None and not self._verdict_checked and _parse(line) is not None:
+                            self._verdict_checked = True
+                            await self._learn_verdict()
+                            if self.refusal is not None:
+                                reading.deadline = trio.current_time() + REFUSED_LINGER
+                        if self.refusal is not None:
+                            await self._refuse(line)
+                            continue
+                        if not self._sdk_ready and self._enabled:
+                            async with self._busy:
+                                taken = await self._answer(line, forward)
+                            if taken:
+                                continue
                     except anyio.ClosedResourceError:
-                        return  # stdout is broken (the agent has gone): stdin is closed too
-                    if taken:
-                        continue
-                await self._forward(forward, line)
+                        break  # stdout is broken (the agent has gone): stdin is closed too
+                    await self._forward(forward, line)
+        if self.refusal is not None:
+            from .relay_link import RelayRefused
+
+            raise RelayRefused(self.refusal)
+
+    async def _learn_verdict(self) -> None:
+        """Before the agent's first request is answered: wait (bounded) for the relay's verdict on
+        the hello; a refusal for good is kept in `refusal`."""
+        link = self.tools.link
+        await self.tools.wait_first_attempt(min(self._relay_deadline, self._started + HELLO_VERDICT_WAIT))
+        if link.refused is not None:
+            self.refusal = link.failure_line()
+            self._refusal_code = link.refused_code or errors.UNAUTHORIZED
+
+    async def _refuse(self, line: str) -> None:
+        """Answer a request with the refusal (a notification or anything else gets nothing)."""
+        message = _parse(line)
+        if message is not None and self.refusal is not None:
+            await self._write(error_line(message["id"], self._refusal_code, self.refusal))
 
     async def _answer(self, line: str, forward: trio.MemorySendChannel[str]) -> bool:
         """Answer `line` now if it is one of the early requests; True when it needs no more."""

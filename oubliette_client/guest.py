@@ -14,7 +14,14 @@ comes back, and a guest that merely reconnects never runs a message twice.
 Each turn's CMD runs in its own process group (a new session), and the whole
 group is ended when the turn ends, is cancelled, or the runtime stops on
 SIGTERM/SIGINT: an agent's own children (an MCP client it spawned, a shell job)
-never outlive the turn. Only SIGKILL of the runtime itself leaves them behind.
+never outlive the turn. Nor do they outlive the runtime killed with SIGKILL
+(the OOM killer, `kill -9`, a crashed container init): each group holds a
+lifeline, the read end of a pipe whose only write end is the runtime's; a small
+watcher in the group (`/bin/sh`, forked before CMD is exec'd in its place)
+waits for that pipe's end of file, which the kernel makes when the runtime dies
+however it dies, and then kills its whole group (`lifeline_command`).
+PR_SET_PDEATHSIG would not do: it follows the thread that forked (Trio forks in
+a worker thread that exits when idle), and it would reach CMD alone, not its children.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -44,6 +52,10 @@ STDERR_TAIL = 4096
 TERMINATE_GRACE = 2.0
 #: Seconds one turn's agent command may run before it is stopped (`--turn-timeout`).
 DEFAULT_TURN_TIMEOUT = 3600.0
+#: The shell that runs a turn's lifeline watcher, then becomes the agent command (`lifeline_command`).
+LIFELINE_SHELL = "/bin/sh"
+#: Where a process finds its open descriptors by number (Linux, the BSDs, macOS).
+LIFELINE_FDS = "/dev/fd"
 
 
 class GuestRuntime:
@@ -76,6 +88,8 @@ class GuestRuntime:
         self._acked = 0
         self._nursery: trio.Nursery | None = None
         self.turns_finished = 0
+        self._lifeline: int | None = None
+        """Read end of the pipe whose write end only this process holds (see the module docstring)."""
 
     async def run(self) -> None:
         """Serve deliveries until cancelled; it does not return on its own.
@@ -91,9 +105,19 @@ class GuestRuntime:
         with tempfile.TemporaryDirectory(prefix="oubliette-guest-") as tmp:
             if self.config_dir is None:
                 self.config_dir = Path(tmp)
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                nursery.start_soon(self.link.run)
+            # os.pipe() is close-on-exec: no child gets the write end, only the read end is passed on.
+            usable = os.path.exists(LIFELINE_SHELL) and os.path.isdir(LIFELINE_FDS)
+            read_end, write_end = os.pipe() if usable else (None, None)
+            self._lifeline = read_end
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    nursery.start_soon(self.link.run)
+            finally:
+                self._lifeline = None
+                for fd in (read_end, write_end):
+                    if fd is not None:
+                        os.close(fd)
 
     # -- delivery ------------------------------------------------------------------------
 
@@ -165,10 +189,18 @@ class GuestRuntime:
         env = {**os.environ, **self.settings.environment(key), "OUBLIETTE_MSG_ID": frame.msg_id}
         lines: list[str] = []
         stderr = bytearray()
+        command = self._turn_command(key)
+        lifeline = self._lifeline
+        if lifeline is not None and shutil.which(command[0], path=env.get("PATH")) is None:
+            # The shell would say it in an exit status of 127; say it as plainly as an exec would.
+            message = f"cannot start the agent command: {command[0]!r} is not an executable found on PATH"
+            await self._append(frame, "session.error", {"message": message})
+            return
         try:
             process = await trio.lowlevel.open_process(
-                self._turn_command(key), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, env=env, start_new_session=True,
+                command if lifeline is None else lifeline_command(command, lifeline),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                start_new_session=True, pass_fds=() if lifeline is None else (lifeline,),
             )
         except OSError as exc:
             await self._append(frame, "session.error", {"message": f"cannot start the agent command: {exc}"})
@@ -224,6 +256,20 @@ class GuestRuntime:
         while chunk := await stream.receive_some(65536):
             into.extend(chunk)
             del into[:-STDERR_TAIL * 4]
+
+
+def lifeline_command(command: list[str], lifeline: int) -> list[str]:
+    """`command` run so that its process group dies with this process: a shell forks a watcher
+    that blocks reading `lifeline` (its end of file means the runtime died) and then kills the
+    whole group, and exec's `command` in its own place (same pid, so the exit status and the
+    group are `command`'s). The watcher holds none of the turn's pipes. The pipe is named as
+    `/dev/fd/N` (a POSIX shell's `<&N` takes one digit only); `command` inherits that read end,
+    which is harmless (only the write end's closing matters). Ending the group ends the watcher."""
+    script = (
+        f"(read _ <{LIFELINE_FDS}/{lifeline}; kill -KILL 0) </dev/null >/dev/null 2>&1 &\n"
+        'exec "$@"'
+    )
+    return [LIFELINE_SHELL, "-c", script, "oubliette-turn", *command]
 
 
 def signal_process_group(pgid: int, signum: int) -> None:

@@ -105,6 +105,8 @@ class RelayLink:
         """Set after the first connection attempt (to each address of a list), whatever its outcome."""
         self.refused: str | None = None
         """Why the relay refused the last hello for good (None while it has not)."""
+        self.refused_code: int | None = None
+        """The error code of that refusal (`UNAUTHORIZED` for a wrong token)."""
         self.give_up_on_refusal = give_up_on_refusal
         self._logged_reason: str | None = None
         self.report_failures = True
@@ -284,6 +286,7 @@ class RelayLink:
             return False
         self._set_state(False, err.message)
         if err.code in FATAL_HELLO_CODES:
+            self.refused_code = err.code
             return True
         # Refused for now (e.g. the instance has as many client connections as the server allows).
         self._log_once(logging.WARNING, f"the relay at {self.address} refused the connection for now: {err.message}; retrying")

@@ -19,7 +19,7 @@ from protocol import RelayError, errors
 from protocol.descriptors import DESCRIPTOR_META_KEY
 
 if TYPE_CHECKING:
-    from protocol import CallerToolSpec, ToolsetToolSpec
+    from protocol import CallerToolSpec, ToolsetToolSpec, UnavailableToolset
 
 from .permission_prompt import APPROVAL_MARGIN, APPROVAL_WAIT, PERMISSION_PROMPT, permission_prompt
 from .permission_prompt import DESCRIPTION as PERMISSION_DESCRIPTION
@@ -76,6 +76,8 @@ class SandboxTools:
         self.registry = ToolRegistry()
         self._staged_callers: dict[str, list[CallerToolSpec]] = {}
         self._staged_toolsets: list[ToolsetToolSpec] | None = None
+        self.unavailable_toolsets: list[UnavailableToolset] = []
+        """The allowed toolsets the server could not start (from the last `toolsets_config`)."""
         self.separator = "."
         self._progress: dict[str, AgentProgress] = {}
         self.link = RelayLink(
@@ -94,6 +96,7 @@ class SandboxTools:
                 self._staged_callers[params.caller_id] = params.tools
         elif isinstance(params, messages.ToolsetsConfig):
             self.separator = params.separator
+            self.unavailable_toolsets = list(params.unavailable or [])
             if self.link.connected:
                 self.registry.set_toolset_tools(params.tools)
             else:
@@ -151,6 +154,9 @@ class SandboxTools:
         sep = self.separator
         callers = {t.owner for t in self.registry.tools if t.kind == "caller"}
         prefix = name.split(sep, 1)[0]
+        for unavailable in self.unavailable_toolsets:
+            if name.startswith(unavailable.prefix + sep):
+                return unavailable.message() + why
         if sep in name and prefix not in callers and not any(name.startswith(p + sep) for p in self._toolset_prefixes()):
             return f"Toolset not found: '{prefix}' (no allowed toolset has that prefix){why}"
         known = ", ".join(t.name for t in self.registry.tools) or "none"

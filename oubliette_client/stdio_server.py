@@ -1,6 +1,8 @@
 """oubliette-client's stdio MCP server: the caller's tools as the agent's native tools.
 
-It answers `initialize` at once and connects to the relay meanwhile; the first
+It answers `initialize` at once (`oubliette-client` itself starts through
+`early_handshake.serve_stdio`, which first waits up to 1 s for the relay's verdict on its hello,
+so a refused token fails the handshake) and connects to the relay meanwhile; the first
 `tools/list` and the first call wait for that first attempt (bounded by
 `connect_wait` from the start), so they already have the tools, and the relay's
 connect, hello and tool list never delay the handshake. If the relay

@@ -27,7 +27,9 @@ from .callers import CallerConnection, CallerRegistry
 from .client_connections import ClientConnections
 from .config import ServerConfig
 from .frame_log import FrameLog
-from .guests import GuestDelivery, GuestFrames, InstanceLeases, InstanceStarter, LeaseStore, OrphanedTurns
+from .guests import (
+    FailedStarts, GuestDelivery, GuestFrames, GuestPresence, InstanceLeases, InstanceStarter, LeaseStore, OrphanedTurns,
+)
 from .http_api import HttpApi
 from .instances import InstanceDirectory
 from .relay import SERVER_VERSION, RelayConnection, RelayHandlers, RelayListener
@@ -79,6 +81,7 @@ class OublietteServer:
             config.start_command, self.tokens.token_for, config.relay_address,
             lambda instance: self.guests.guest_for(instance) is not None,
             start_grace=config.start_timeout,
+            on_start_failed=lambda instance, reason: self.failed_starts.start_failed(instance, reason),
         )
         self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self._user_message_arrived, limits=self.limits)
         self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
@@ -89,6 +92,14 @@ class OublietteServer:
         if self.store.shared:
             self.leases = InstanceLeases(cast(LeaseStore, self.store), self.server_id, config.store_lease_ttl, self.guests)
             self.guests.holds = self.leases.holds
+        # Whether a message can reach a guest: connected here, to another server (its live lease),
+        # or startable; else `session_message` says so instead of waiting in silence.
+        self.presence = GuestPresence(
+            lambda instance: self.guests.guest_for(instance) is not None, config.start_command,
+            self.instances.named, self.instances.connected_instances,
+            live_holder=None if self.leases is None else self._live_lease_holder,
+        )
+        self.failed_starts = FailedStarts(self.guests, self.sessions, self.frame_log.append, self.presence.connected_anywhere)
         # With a shared store the log is the bus between servers for caller tool calls and approvals.
         bus = LogBus(self.store, self.frame_log.append_outcome) if self.store.shared else None
         self.calls = CallerCallRegistry(
@@ -166,6 +177,7 @@ class OublietteServer:
                 await nursery.start(self.calls.serve)
                 await nursery.start(self.approvals.serve)
                 await nursery.start(self.toolsets.serve)
+                await nursery.start(self.failed_starts.serve)
                 await nursery.start(self.starter.serve)
                 if self.leases is not None:
                     await nursery.start(self.leases.serve)
@@ -180,6 +192,7 @@ class OublietteServer:
             instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools,
             frame_log=self.frame_log, store=self.store, tether=self.tether, approvals=self.approvals,
             session_wait_limit=self.config.session_wait_limit, limits=self.limits, elicitation=self.elicitation,
+            guest_absent=self.presence.absent,
         )
 
     async def serve_stdio_caller(self) -> None:
@@ -312,6 +325,10 @@ class OublietteServer:
             self.starter.wake(instance)
         else:
             self.starter.wake_if(instance, self.leases.not_held_elsewhere)
+
+    async def _live_lease_holder(self, instance: str) -> str | None:
+        """Shared store: the server holding `instance`'s live lease (its guest is connected there)."""
+        return await cast(LeaseStore, self.store).lease_holder(instance, live=True)
 
     async def _start_needed(self, instance: str) -> bool:
         """A guest left: start the instance again if a message waits for it, unless (shared store)

@@ -42,6 +42,10 @@ class InstanceDirectory:
         """Whether the server has heard of `instance`: configured, connected since start, or with frames."""
         return instance in self._configured or instance in self._seen or await self._last_seq(instance) > 0
 
+    def named(self) -> list[str]:
+        """The instances known by name without reading the log (configured, or connected since start), sorted."""
+        return sorted(self._configured | self._seen)
+
     def connected_instances(self) -> list[str]:
         """The instances with a live connection, sorted."""
         return sorted(set(self._connected()))

@@ -62,7 +62,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         'PROTOCOL_VERSION', 'HELLO', 'CALLER_TOOLS_CONFIG', 'CALLER_TOOL', 'CANCEL', 'USER_MESSAGE',
         'ACK', 'APPEND_FRAME', 'TOOLSETS_CONFIG', 'TOOLSET_CALL', 'APPROVAL', 'PROGRESS', 'METHODS',
         'ROLE_CLIENT', 'ROLE_GUEST', 'ROLES', 'Hello', 'HelloResult', 'CallerToolSpec',
-        'CallerToolsConfig', 'CallerToolCall', 'CallerToolResult', 'Cancel', 'ToolsetToolSpec',
+        'CallerToolsConfig', 'CallerToolCall', 'CallerToolResult', 'Cancel', 'ToolsetToolSpec', 'UnavailableToolset',
         'ToolsetsConfig', 'ToolsetCall', 'ToolsetCallResult', 'AgentApproval', 'AgentApprovalResult',
         'Progress', 'UserMessageDelivery', 'Ack', 'AppendFrame', 'AppendFrameResult', 'PARAMS_TYPES',
         'RESULT_TYPES',

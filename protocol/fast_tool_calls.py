@@ -86,6 +86,11 @@ def response_line(request_id: str | int, result: Any) -> str:
     return _line({"jsonrpc": "2.0", "id": request_id, "result": result})
 
 
+def error_line(request_id: str | int, code: int, message: str) -> str:
+    """A JSON-RPC error response as one stdio line."""
+    return _line({"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}})
+
+
 def call_result(result: Any, version: str) -> dict[str, Any]:
     """A `CallToolResult` model as the SDK puts it on the wire for protocol `version`.
 

@@ -40,6 +40,7 @@ __all__ = [
     "CallerToolResult",
     "Cancel",
     "ToolsetToolSpec",
+    "UnavailableToolset",
     "ToolsetsConfig",
     "ToolsetCall",
     "ToolsetCallResult",
@@ -199,13 +200,34 @@ class ToolsetToolSpec:
 
 
 @attrs.define(frozen=True, kw_only=True)
+class UnavailableToolset:
+    """A toolset the agent is allowed but that could not start: it has no tools meanwhile, and a
+    call of its prefix is answered with `message()`, not as an unknown toolset."""
+
+    wire_label: ClassVar[str] = "unavailable toolset"
+
+    toolset: str  # the toolset id
+    prefix: str
+    reason: str  # why it could not start (the server's last attempt)
+
+    def message(self) -> str:
+        """The error an agent gets for a call of this toolset's prefix (the client's and the server's)."""
+        return (
+            f"Toolset unavailable: '{self.prefix}' (toolset '{self.toolset}' is allowed but could not start: "
+            f"{self.reason}; the server keeps trying to start it, and its tools appear once it runs)"
+        )
+
+
+@attrs.define(frozen=True, kw_only=True)
 class ToolsetsConfig:
-    """``toolsets_config`` params: every toolset tool the client may publish (replaces any earlier)."""
+    """``toolsets_config`` params: every toolset tool the client may publish (replaces any earlier),
+    and the allowed toolsets that could not start."""
 
     wire_label: ClassVar[str] = "toolsets_config params"
 
     tools: list[ToolsetToolSpec]
     separator: str = "."
+    unavailable: list[UnavailableToolset] | None = None  # omitted when every allowed toolset runs
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -90,13 +90,16 @@ _TOOLSET_TOOL_SPEC = obj(
     },
 )
 
+#: An allowed toolset that could not start (`toolsets_config`'s `unavailable`).
+_UNAVAILABLE_TOOLSET = obj(["toolset", "prefix", "reason"], {"toolset": NON_EMPTY, "prefix": NON_EMPTY, "reason": STRING})
+
 #: A progress reference: names one request in flight for the server's `progress` notifications.
 _PROGRESS_REF = {"type": ["string", "null"], "minLength": 1, "maxLength": 128}
 _NUMBER = {"type": "number"}
 
 
 #: Schema name -> JSON Schema. Method names hold that method's params; ``frame``,
-#: ``session_ref``, ``caller_tool_spec``, ``toolset_tool_spec`` and ``*_result`` hold the
+#: ``session_ref``, ``caller_tool_spec``, ``toolset_tool_spec``, ``unavailable_toolset`` and ``*_result`` hold the
 #: other relay shapes; ``tool_descriptor``, ``action_request`` and ``action_response`` are
 #: the action contract (:mod:`protocol.descriptors`).
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -175,10 +178,12 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             {
                 "tools": {"type": "array", "items": _TOOLSET_TOOL_SPEC},
                 "separator": NON_EMPTY,
+                "unavailable": {"type": "array", "items": _UNAVAILABLE_TOOLSET},
             },
         ),
     ),
     "toolset_tool_spec": document("toolset tool spec", _TOOLSET_TOOL_SPEC),
+    "unavailable_toolset": document("unavailable toolset", _UNAVAILABLE_TOOLSET),
     TOOLSET_CALL: document(
         "toolset_call params",
         obj(["name"], {"name": NON_EMPTY, "arguments": OBJECT, "progress_ref": _PROGRESS_REF}),

@@ -379,7 +379,8 @@ async def test_tool_names_over_64_characters_are_warned_about(deployment: Deploy
 
 
 async def test_initialize_is_answered_before_a_slow_relay_and_the_first_list_waits_for_it(tmp_path: Any) -> None:
-    """The handshake never waits for the relay; the first `tools/list` does (up to `--connect-wait`).
+    """The handshake waits for the relay's verdict on the hello only `HELLO_VERDICT_WAIT` (1 s, so a
+    refused token fails the handshake); the first `tools/list` waits for it up to `--connect-wait`.
 
     The relay here accepts the connection and never answers `hello`, the slowest relay there is.
     """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -292,6 +293,69 @@ async def test_a_turn_past_its_deadline_is_stopped_and_ends_with_session_error(
         assert error["type"] == "session.error" and error["text"] == "partial answer"
         again = await send_and_wait(caller, "s-hang", "hello")
         assert again["stop_reason"] == "end_turn" and again["text"] == "fine: hello"
+
+
+# An agent with a child of its own (an MCP client it spawned, say): prints "AGENT_PID CHILD_PID",
+# then waits for the child, which sleeps far longer than any test.
+TREE_AGENT = ["sh", "-c", 'sleep 600 & echo "$$ $!"; wait']
+
+
+async def _wait_gone(pid: int) -> None:
+    """Until process `pid` has exited (its pidfd is readable), not necessarily our child."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+
+
+async def test_the_agent_tree_dies_with_a_runtime_killed_with_sigkill(deployment: Deployment) -> None:
+    """`kill -9` of the runtime ends its running turn's agent and the agent's own children within seconds."""
+    async with deployment.caller() as (caller, events), deployment.guest("box1", TREE_AGENT) as runtime:
+        await send(caller, "s-tree", "sleep, please")
+        delta = await events.wait_type("assistant.delta", timeout=TURN_TIMEOUT)
+        agent_pid, child_pid = (int(pid) for pid in delta["text"].split())
+        os.kill(agent_pid, 0)  # both alive while the runtime is
+        os.kill(child_pid, 0)
+        runtime.kill()
+        try:
+            with trio.fail_after(10):
+                await runtime.wait()
+                await _wait_gone(agent_pid)
+                await _wait_gone(child_pid)
+        except BaseException:
+            for pid in (agent_pid, child_pid):  # a failed run leaves nothing behind
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            raise
+
+
+def test_the_lifeline_works_whatever_its_descriptor_number() -> None:
+    """A runtime with many files open gets a lifeline numbered 10 or more (a POSIX shell's `<&N`
+    takes one digit): the agent still runs, with its exit status, and dies when the lifeline ends."""
+    from oubliette_client.guest import lifeline_command
+
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(12)]
+    read_end, write_end = os.pipe()
+    try:
+        assert read_end >= 10
+        done = subprocess.run(lifeline_command(["sh", "-c", "echo ran; exit 3"], read_end), pass_fds=(read_end,),
+                              capture_output=True, text=True, timeout=30, start_new_session=True)
+        assert (done.returncode, done.stdout, done.stderr) == (3, "ran\n", "")
+        agent = subprocess.Popen(lifeline_command(["sleep", "600"], read_end), pass_fds=(read_end,),
+                                 start_new_session=True)
+        os.close(write_end)  # as when the runtime dies
+        write_end = -1
+        assert agent.wait(timeout=10) == -9
+    finally:
+        for fd in [*spare, read_end, write_end]:
+            if fd >= 0:
+                os.close(fd)
 
 
 # -- scheduling ----------------------------------------------------------------------------

@@ -266,10 +266,22 @@ async def test_a_failing_start_command_is_logged_and_tried_again_by_the_next_mes
             lines = await server.wait_stderr("cannot run the start command of box2", count=attempt)
         assert "no-such-program" in lines[0]
 
-        # Nothing ran the messages: they wait in the log for a guest.
-        response = await rest.get("/v1/instances/box1/tether/poll", params={"after_seq": 0})
-        kinds = [frame["type"] for frame in response.json()["frames"]]
-    assert kinds == ["user.message", "user.message"]
+        # Nothing ran the messages: each turn ended with the failed start's reason (and its stderr).
+        response = await rest.get("/v1/instances/box1/tether/poll", params={"after_seq": 0, "wait_ms": 0})
+        frames = response.json()["frames"]
+        with trio.fail_after(TURN_TIMEOUT):
+            while len(frames) < 4:
+                response = await rest.get("/v1/instances/box1/tether/poll", params={
+                    "after_seq": frames[-1]["seq"], "wait_ms": 10_000})
+                frames += response.json()["frames"]
+    # Each message's turn ended after it (the failure is logged before its session.error is
+    # stored, so the second message may come before the first one's end).
+    messages = {frame["msg_id"]: frame["seq"] for frame in frames if frame["type"] == "user.message"}
+    ends = [frame for frame in frames if frame["type"] == "session.error"]
+    assert len(messages) == 2 and len(ends) == 2, frames
+    assert sorted(end["reply_to"] for end in ends) == sorted(messages), frames
+    assert all(end["seq"] > messages[end["reply_to"]] for end in ends), frames
+    assert all("cannot start this instance" in end["payload"]["message"] for end in ends)
     assert len(server.stderr_lines(failure)) == 2
 
 

@@ -34,6 +34,9 @@ _STOPS = (
     "'approval' has request_id, tool, arguments: answer with approval_response (session_id, request_id, approve, "
     "reason, wait: true). "
     "'error': the turn failed and text says why. "
+    "'no_guest' (session_message only): no guest is connected to the instance and it has no start command; the "
+    "message is stored and runs when a guest connects; text says what to do (start a guest, check the instance "
+    "name). "
     "'timeout': the wait ran out while the turn goes on; answer what is pending, or read the turn's end with "
     "session_events (types ['assistant.done', 'session.error'], wait_ms)."
 )
@@ -255,8 +258,8 @@ TETHER_READ: dict[str, Any] = {
 }
 
 #: Why a `wait` returned: the turn ended, it needs the caller (a caller tool request, an approval),
-#: it failed, or the wait ran out while it goes on.
-STOP_REASONS = ["end_turn", "requires_action", "requires_approval", "error", "timeout"]
+#: it failed, the wait ran out while it goes on, or (`session_message`) nothing can run it yet.
+STOP_REASONS = ["end_turn", "requires_action", "requires_approval", "error", "timeout", "no_guest"]
 
 # Result schemas: the tool descriptors of the server's own tools carry them.
 _FRAMES_RESULT: dict[str, Any] = {
@@ -275,6 +278,7 @@ RESULT_SCHEMAS: dict[str, dict[str, Any]] = {
             "session_id": {"type": "string"}, "instance": {"type": "string"}, "msg_id": {"type": "string"},
             "ingress_seq": {"type": "integer"},
             "owner_key": {"type": "string"},
+            "notice": {"type": "string"},
             "stop_reason": {"enum": STOP_REASONS},
             "text": {"type": "string"},
             "pending": {"type": "array", "items": {"type": "object"}},

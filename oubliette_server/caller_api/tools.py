@@ -45,6 +45,9 @@ TURN_END_TYPES = ("assistant.done", "session.error")
 SESSION_CHANNEL = "mcp"
 EVENT_DRAIN_SECONDS = 2.0
 """How long a 2026-07-28 wait lets its request-scoped events go out before it returns its stop."""
+NO_GUEST_GRACE = 3.0
+"""Seconds a `session_message` wait gives a guest to connect before it stops with `no_guest`
+(an instance with no guest and no start command: nothing would run the message)."""
 STREAM_GONE_STATE = "oubliette_stream_gone"
 """Key of the `trio.Event` the HTTP layer sets in a request's scope state when its client goes away."""
 
@@ -94,8 +97,9 @@ class CallerTools:
     """The caller-facing tool table and its handlers.
 
     Needs: the instance directory, sessions, the caller tool relay, the frame log, the store
-    (turn waits), the tether, the approval service, the longest `wait` a `session_message` may ask for, and the
-    limits: each handler checks the caller's own values first, so a refusal stores nothing.
+    (turn waits), the tether, the approval service, the longest `wait` a `session_message` may ask for, the
+    limits: each handler checks the caller's own values first, so a refusal stores nothing; and
+    `guest_absent(instance)` (guests/presence.py): why a message cannot reach a guest, or None.
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class CallerTools:
         session_wait_limit: float,
         limits: Limits | None = None,
         elicitation: ApprovalElicitation | None = None,
+        guest_absent: Callable[[str], Awaitable[str | None]] | None = None,
     ) -> None:
         self.instances = instances
         self.sessions = sessions
@@ -122,6 +127,7 @@ class CallerTools:
         self.elicitation = elicitation or ApprovalElicitation(approvals)
         self.session_wait_limit = session_wait_limit
         self.limits = limits or Limits()
+        self.guest_absent = guest_absent
         self.tools: dict[str, tuple[types.Tool, ToolHandler]] = {}
         self._validators: dict[str, Any] = {}
         self.add(
@@ -272,7 +278,10 @@ class CallerTools:
         wait (up to `session_wait_limit`) for the turn's end.
 
         Raises: `RelayError` for limits, an instance that cannot be resolved, or a refused
-        declaration; a turn that does not end in time returns `stop_reason: "timeout"`.
+        declaration; a turn that does not end in time returns `stop_reason: "timeout"`. A message
+        nothing can run yet (no guest connected anywhere, no start command) is stored all the
+        same: the result says so in `notice`, and a `wait` stops after `NO_GUEST_GRACE` with
+        `stop_reason: "no_guest"` and that text instead of waiting out its time.
         """
         self.limits.check_value(args["message"], "message")
         if args.get("context") is not None:
@@ -304,11 +313,15 @@ class CallerTools:
             result["owner_key"] = caller.owner_key  # 2026-07-28: pass it back to act in this session again
         wait = args.get("wait", False)
         if wait is False:
+            if self.guest_absent is not None and (notice := await self.guest_absent(instance)) is not None:
+                result["notice"] = notice
             return result
         limit = self.session_wait_limit
         seconds = limit if wait is True else min(float(wait), limit)
         try:
-            result.update(await self._wait_for_turn(ctx, caller, session, frame.msg_id, frame.seq, seconds))
+            result.update(await self._wait_for_turn(
+                ctx, caller, session, frame.msg_id, frame.seq, seconds, watch_guest=True,
+            ))
         except InputRequired as need:
             need.base = result
             raise
@@ -330,10 +343,12 @@ class CallerTools:
             )
 
     async def _wait_for_turn(
-        self, ctx: Any, caller: CallerConnection, session: Session, msg_id: str | None, after_seq: int, seconds: float
+        self, ctx: Any, caller: CallerConnection, session: Session, msg_id: str | None, after_seq: int, seconds: float,
+        *, watch_guest: bool = False,
     ) -> dict[str, Any]:
         """Wait for the turn's end (the first one after `after_seq` when `msg_id` is None) or for a
-        pending approval in the session, whichever comes first, at most `seconds`."""
+        pending approval in the session, whichever comes first, at most `seconds`; with
+        `watch_guest`, stop with `no_guest` when nothing can run the message (`_first_stop`)."""
         query = FrameQuery(
             channel=session.channel, session_id=session.id, after_seq=after_seq,
             types=TURN_END_TYPES, reply_to=msg_id, limit=1,
@@ -372,7 +387,7 @@ class CallerTools:
 
                     nursery.start_soon(watch)
                 try:
-                    stop = await self._first_stop(ctx, caller, session, query, msg_id, seconds)
+                    stop = await self._first_stop(ctx, caller, session, query, msg_id, seconds, watch_guest)
                 finally:
                     if sink is not None:
                         session.sinks.discard(follower)
@@ -420,11 +435,14 @@ class CallerTools:
 
     async def _first_stop(
         self, ctx: Any, caller: CallerConnection, session: Session, query: FrameQuery, msg_id: str | None, seconds: float,
+        watch_guest: bool = False,
     ) -> dict[str, Any]:
         """The turn's first stop within `seconds`: its end (or `timeout`), or, sooner, the moment it
         needs the caller: a caller tool request or an approval of the session is pending (one already
         pending counts). The pending list is read at that moment, so nothing resolved is listed.
-        Approvals put to the person in the caller's client (`ApprovalElicitation`) do not stop it."""
+        Approvals put to the person in the caller's client (`ApprovalElicitation`) do not stop it.
+        With `watch_guest`, a message that nothing can run `NO_GUEST_GRACE` seconds after it was
+        stored (no guest connected anywhere, no start command) stops the wait with `no_guest`."""
         stops: list[dict[str, Any]] = []
         approvals_stop = self.elicitation.route(ctx) in ("tool", "input_required")
         async with trio.open_nursery() as race:
@@ -445,9 +463,20 @@ class CallerTools:
                 stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
                 race.cancel_scope.cancel()
 
+            async def no_guest() -> None:
+                # A grace, not a poll: one look, once a guest that was connecting has had its moment.
+                await trio.sleep(NO_GUEST_GRACE)
+                assert self.guest_absent is not None
+                reason = await self.guest_absent(session.instance)
+                if reason is not None:
+                    stops.append({"stop_reason": "no_guest", "text": reason, "pending": []})
+                    race.cancel_scope.cancel()
+
             race.start_soon(turn_end)
             race.start_soon(approval)
             race.start_soon(caller_tool)
+            if watch_guest and self.guest_absent is not None and seconds > NO_GUEST_GRACE:
+                race.start_soon(no_guest)
         return stops[0]
 
     def _waiting_caller_left(self, caller: CallerConnection, session: Session) -> None:

@@ -205,6 +205,19 @@ class GuestDelivery:
         except CursorPruned:
             return True
 
+    async def waiting_messages(self, instance: str) -> list[Frame]:
+        """The `user.message` frames after the guest's acknowledged cursor whose turn has not ended
+        (the first `DELIVERY_BATCH`): what a guest that connected now would run."""
+        cursor = await self.store.get_cursor(instance, GUEST_CURSOR)
+        query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)
+        try:
+            frames = await self.store.query(instance, query)
+        except CursorPruned as exc:
+            frames = await self.store.query(instance, FrameQuery(
+                after_seq=exc.first_seq - 1, types=("user.message",), limit=DELIVERY_BATCH,
+            ))
+        return [frame for frame in frames if not await self._answered(instance, frame.msg_id)]
+
     async def _answered(self, instance: str, msg_id: str) -> bool:
         """A turn that ended but whose acknowledgement was lost (the guest died right after) is not rerun."""
         if msg_id in self._ended.get(instance, ()):

@@ -8,6 +8,12 @@ while that start is in progress (until the guest connects, the command fails,
 or `start_grace` seconds pass). The messages wait in the frame log and are
 delivered when the guest connects. The command gets `OUBLIETTE_INSTANCE`,
 `OUBLIETTE_TOKEN` and `OUBLIETTE_RELAY` in its environment.
+
+A start that fails (the command cannot run, exits non-zero before its guest
+connected, or no guest connects within `start_grace`) is reported to
+`on_start_failed` with the reason a person can act on: the exit status and the
+last lines of the command's stderr (each stderr line is also logged here), so
+the messages waiting for that start can end with it instead of waiting in silence.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+from functools import partial
 from typing import Awaitable, Callable
 
 import trio
@@ -23,6 +30,11 @@ from ..task_host import TaskHost
 log = logging.getLogger("oubliette.server.wake")
 
 DEFAULT_START_GRACE = 60.0
+#: The last lines of a failed start command's stderr that its reason quotes, and their most bytes.
+STDERR_TAIL_LINES = 5
+STDERR_TAIL_BYTES = 2000
+#: Seconds a failed start command's stderr gets to reach its end before its reason is written.
+STDERR_DRAIN = 1.0
 
 
 class InstanceStarter:
@@ -31,8 +43,10 @@ class InstanceStarter:
     Owns: a nursery (start it with `await nursery.start(starter.serve)`) holding the start
     commands it runs; cancelling it terminates them. Needs: `start_command(instance)` from the
     config, `token_for(instance)`, the relay address handed to the command, and
-    `is_connected(instance)`; `on_start_failed(instance, reason)` hears of every failed start.
-    A start is given `start_grace` seconds to connect its guest: past that deadline the command
+    `is_connected(instance)`; `on_start_failed(instance, reason)` hears of every failed start
+    that was the instance's latest and whose guest never connected (the messages waiting for
+    it have nobody else to run them); the reason names the exit status and quotes the last
+    lines of the command's stderr. A start is given `start_grace` seconds to connect its guest: past that deadline the command
     is terminated, the log says so, and a new message may start the instance again.
     """
 
@@ -104,10 +118,12 @@ class InstanceStarter:
 
         nursery.start_soon(check)
 
-    def _start_failed(self, instance: str, started: float) -> None:
-        """Allow a new start, unless a later start (begun after this one's guest dropped) is in progress."""
+    def _start_failed(self, instance: str, started: float, reason: str) -> None:
+        """Allow a new start and report the failure, unless its guest connected meanwhile or a later
+        start (begun after this one's guest dropped) is in progress: that one still may bring it up."""
         if self._starting.get(instance) == started:
             del self._starting[instance]
+            self._on_start_failed(instance, reason)
 
     async def _run(self, instance: str, command: list[str], started: float, connected: trio.Event) -> None:
         """Run the start command; past the deadline with no guest connected, stop it and say so."""
@@ -129,8 +145,7 @@ class InstanceStarter:
         if missed:
             reason = f"the guest of {instance} did not connect within {self.start_grace:g} s of its start command"
             log.error("%s; stopped the command (the next message starts it again)", reason)
-            self._start_failed(instance, started)
-            self._on_start_failed(instance, reason)
+            self._start_failed(instance, started, reason)
 
     async def _run_command(self, instance: str, command: list[str], started: float) -> None:
         env = {
@@ -140,16 +155,62 @@ class InstanceStarter:
             "OUBLIETTE_RELAY": self._relay_address,
         }
         log.info("waking %s: %s", instance, " ".join(command))
-        try:
-            result = await trio.run_process(
-                command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=False,
-            )
-        except OSError as exc:
-            log.error("cannot run the start command of %s: %s", instance, exc)
-            self._start_failed(instance, started)
-            self._on_start_failed(instance, f"cannot run the start command of {instance}: {exc}")
+        stderr = StderrTail()
+        failure: OSError | None = None
+        async with trio.open_nursery() as nursery:
+            try:
+                process: trio.Process = await nursery.start(partial(
+                    trio.run_process, command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE, check=False,
+                ))
+            except OSError as exc:
+                failure = exc
+            else:
+                # Read in the service's nursery: a child the command left running (a guest runtime it
+                # put in the background) may hold its stderr for as long as it lives.
+                (self._tasks.nursery or nursery).start_soon(stderr.read, instance, process.stderr)
+        if failure is not None:
+            log.error("cannot run the start command of %s: %s", instance, failure)
+            self._start_failed(instance, started, f"cannot run the start command of {instance}: {failure}")
             return
-        if result.returncode != 0:
-            log.error("start command of %s exited with status %d (its stderr is this server's)", instance, result.returncode)
-            self._start_failed(instance, started)
-            self._on_start_failed(instance, f"the start command of {instance} exited with status {result.returncode}")
+        code = process.returncode
+        if code != 0:
+            log.error("start command of %s exited with status %d", instance, code)
+            with trio.move_on_after(STDERR_DRAIN):
+                await stderr.closed.wait()
+            reason = f"the start command of {instance} exited with status {code}"
+            tail = stderr.tail()
+            self._start_failed(instance, started, f"{reason}; its stderr ends:\n{tail}" if tail else reason)
+
+
+class StderrTail:
+    """A start command's stderr: each line logged here, the last few KiB kept for its failure's reason."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+        self.closed = trio.Event()
+        """Set at the end of the stream (every process holding it has closed it)."""
+
+    def tail(self) -> str:
+        """The last `STDERR_TAIL_LINES` non-empty lines read so far, at most `STDERR_TAIL_BYTES` of them."""
+        lines = [line for line in self._data.decode(errors="replace").splitlines() if line.strip()]
+        return "\n".join(lines[-STDERR_TAIL_LINES:])[-STDERR_TAIL_BYTES:]
+
+    async def read(self, instance: str, stream: trio.abc.ReceiveStream | None) -> None:
+        """Read `stream` to its end, logging each line."""
+        assert stream is not None
+        pending = bytearray()
+        try:
+            async with stream:
+                while chunk := await stream.receive_some(65536):
+                    self._data.extend(chunk)
+                    del self._data[:-STDERR_TAIL_BYTES * 2]
+                    pending.extend(chunk)
+                    while (end := pending.find(b"\n")) >= 0:
+                        log.warning("start command of %s: %s", instance, pending[:end].decode(errors="replace").rstrip())
+                        del pending[: end + 1]
+                    del pending[:-65536]  # a line without end is cut, not buffered without bound
+                if pending:
+                    log.warning("start command of %s: %s", instance, pending.decode(errors="replace").rstrip())
+        finally:
+            self.closed.set()

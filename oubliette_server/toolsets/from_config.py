@@ -97,7 +97,7 @@ class ToolsetRegistrar(Protocol):
         self, toolset_id: str, prefix: str, command: str, args: list[str] | None = ...,
         env: dict[str, str] | None = ..., cwd: str | None = ..., roots: list[str] | None = ...,
         *, call_timeout: float | None = ..., requires_approval: bool | list[str] = ...,
-        approval_timeout: float | dict[str, float] | None = ...,
+        approval_timeout: float | dict[str, float] | None = ..., keep_trying: bool = ...,
     ) -> Any:
         """Start and register a shared stdio MCP toolset (see `ToolsetService.register_mcp_toolset`)."""
 
@@ -131,7 +131,9 @@ def parse_allowlists(table: Any, where: str) -> dict[str, list[str]]:
 async def register_from_config(
     server: ToolsetRegistrar, toolsets: list[ToolsetEntry], allowlists: dict[str, list[str]]
 ) -> None:
-    """Register every configured toolset; one that fails to start is logged and left out."""
+    """Register every configured toolset. An MCP toolset that cannot start stays registered as
+    unavailable (the agents it is allowed to are told why) and is started again with backoff;
+    a toolset whose registration is refused (a bad prefix, an id in use) is logged and left out."""
     registered = set()
     for entry in toolsets:
         try:
@@ -140,7 +142,7 @@ async def register_from_config(
                 await server.register_mcp_toolset(
                     entry.id, entry.prefix, entry.command, entry.args, entry.env, entry.cwd, entry.roots,
                     call_timeout=entry.timeout, requires_approval=entry.requires_approval,
-                    approval_timeout=entry.approval_timeout,
+                    approval_timeout=entry.approval_timeout, keep_trying=True,
                 )
             else:
                 command = [*command_list(entry.command), *entry.args]

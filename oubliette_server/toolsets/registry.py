@@ -34,6 +34,9 @@ class ToolsetDefinition:
     """How long a gated call waits for its decision (the clients add it to their deadline)."""
     approval_timeouts_ms: dict[str, int] = attrs.field(factory=dict)
     """Per tool (its own name), overriding `approval_timeout_ms`."""
+    unavailable: str | None = None
+    """Why the toolset could not start (it has no tools while this is set; the service keeps
+    trying to start it); None for a toolset that runs."""
 
     @property
     def per_session(self) -> bool:

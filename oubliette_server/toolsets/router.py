@@ -17,6 +17,7 @@ import attrs
 import trio
 
 from protocol import RelayError, build_descriptor, errors
+from protocol.messages import UnavailableToolset
 from protocol.schema_check import schema_problem
 
 from .base import Toolset, ToolResult, ToolSpec
@@ -71,8 +72,9 @@ class ToolRouter:
     rebind drops them); never the shared ones. `references` counts the client connections
     sharing it.
     Raises: `call` raises `RelayError` (`NOT_FOUND` for an unknown name, `INVALID_PARAMS` for
-    arguments that do not match the schema); a toolset that fails to start is logged and
-    left out of `bind`.
+    arguments that do not match the schema); a toolset that fails to start is logged, left out
+    of `bind` and listed in `unavailable()` with the reason, as is a shared toolset the service
+    could not start yet: a call of its prefix says so, not "not found".
     """
 
     def __init__(self, separator: str, label: str) -> None:
@@ -80,6 +82,9 @@ class ToolRouter:
         self.label = label
         self._bindings: dict[str, Binding] = {}
         self._published: dict[str, PublishedToolsetTool] = {}
+        self._unavailable: dict[str, UnavailableToolset] = {}
+        self._failed: dict[str, UnavailableToolset] = {}
+        """Per-session toolsets whose factory failed at the last bind, by toolset id."""
         self._binding_lock = trio.Lock()
         self.references = 0
 
@@ -99,12 +104,16 @@ class ToolRouter:
             if wanted.get(toolset_id) is not binding.definition:
                 del self._bindings[toolset_id]
                 await self._release(binding)
+        self._failed = {}
         for toolset_id, definition in wanted.items():
             if toolset_id not in self._bindings:
                 try:
                     self._bindings[toolset_id] = await self._acquire(definition)
-                except Exception:
+                except Exception as exc:
                     log.exception("%s: could not start toolset %s; it is left out", self.label, toolset_id)
+                    self._failed[toolset_id] = UnavailableToolset(
+                        toolset=toolset_id, prefix=definition.prefix, reason=f"{type(exc).__name__}: {exc}",
+                    )
         return self._republish()
 
     async def _acquire(self, definition: ToolsetDefinition) -> Binding:
@@ -138,15 +147,33 @@ class ToolRouter:
                         name, len(name), CLAUDE_NAME_LIMIT,
                     )
                 published[name] = PublishedToolsetTool(name, binding, spec)
-        changed = [p.wire() for p in published.values()] != [p.wire() for p in self._published.values()]
+        unavailable = dict(self._failed)
+        for binding in self._bindings.values():
+            definition = binding.definition
+            if definition.unavailable is not None:
+                unavailable[definition.id] = UnavailableToolset(
+                    toolset=definition.id, prefix=definition.prefix, reason=definition.unavailable,
+                )
+        changed = (
+            [p.wire() for p in published.values()] != [p.wire() for p in self._published.values()]
+            or unavailable != self._unavailable
+        )
         self._published = published
+        self._unavailable = unavailable
         return changed
 
     def published(self) -> list[dict[str, Any]]:
         """The published tools as `toolsets_config` entries (with their tool descriptors)."""
         return [p.wire() for p in self._published.values()]
 
+    def unavailable(self) -> list[dict[str, Any]]:
+        """The allowed toolsets that could not start, as `toolsets_config`'s `unavailable` entries."""
+        return [attrs.asdict(u) for u in self._unavailable.values()]
+
     def _not_found(self, name: str) -> RelayError:
+        for unavailable in self._unavailable.values():
+            if name.startswith(unavailable.prefix + self.separator):
+                return RelayError(errors.NOT_FOUND, unavailable.message())
         for binding in self._bindings.values():
             if name.startswith(binding.definition.prefix + self.separator):
                 return RelayError(

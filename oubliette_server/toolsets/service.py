@@ -7,6 +7,7 @@ changes.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
@@ -16,7 +17,7 @@ from protocol import RelayError, encode_notification, errors, messages
 
 from ..approvals import ConnectionApprovals
 from ..client_connections import ClientConnections, ClientPeer, progress_sink
-from .base import Toolset, ToolsetFactory, ToolSpec, call_progress
+from .base import Toolset, ToolResult, ToolsetFactory, ToolSpec, call_progress
 from .elicit import current_asker
 from .command_toolset import CommandToolset
 from .mcp_toolset import DEFAULT_CALL_TIMEOUT, McpToolset
@@ -25,6 +26,12 @@ from .router import ToolRouter
 from .sessions import ToolsetSessions
 from ..task_host import TaskHost
 
+
+log = logging.getLogger("oubliette.server.toolsets")
+
+#: Backoff of a toolset that could not start (first retry, longest wait; seconds): tried again
+#: on this schedule alone, so calls while it is down start nothing.
+TOOLSET_RETRY = (1.0, 60.0)
 
 AskCaller = Callable[[ClientPeer, str, dict[str, Any], str, dict[str, Any]], Awaitable[dict[str, Any]]]
 """`(connection, tool name, arguments, message, requestedSchema) -> {"action", "content"?}`: a toolset's
@@ -36,8 +43,23 @@ ApprovalTimeout = float | Mapping[str, float] | None
 
 
 def toolsets_config(router: ToolRouter) -> dict[str, Any]:
-    """The `toolsets_config` params that publish a router's tools."""
-    return {"tools": router.published(), "separator": router.separator}
+    """The `toolsets_config` params that publish a router's tools (and its toolsets that could not start)."""
+    unavailable = router.unavailable()
+    return {"tools": router.published(), "separator": router.separator, **({"unavailable": unavailable} if unavailable else {})}
+
+
+class NotStarted(Toolset):
+    """Stands in for a toolset that could not start: it publishes no tool, and a call says why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        """Never routed to (it has no tools); says why if it is."""
+        return ToolResult.failure(self.reason)
+
+    async def aclose(self) -> None:
+        """Nothing runs."""
 
 
 class ToolsetService:
@@ -93,15 +115,24 @@ class ToolsetService:
         `approval_timeout` for the rest.
         Raises: `ValueError` for a timeout that is not a positive number, and as `ToolsetRegistry.register`.
         """
-        gate = requires_approval if isinstance(requires_approval, bool) else frozenset(requires_approval)
-        default_ms, per_tool_ms = self._approval_timeouts_ms(toolset_id, approval_timeout)
-        definition = ToolsetDefinition(
-            toolset_id, prefix, list(tools), factory=factory, ref=ref, kind=kind, requires_approval=gate,
-            approval_timeout_ms=default_ms if gate else None, approval_timeouts_ms=per_tool_ms,
+        definition = self._definition(
+            toolset_id, prefix, tools, factory=factory, ref=ref, kind=kind, requires_approval=requires_approval,
+            approval_timeout=approval_timeout,
         )
         self.registry.register(definition)
         await self.refresh()
         return definition
+
+    def _definition(
+        self, toolset_id: str, prefix: str, tools: list[ToolSpec], *, factory: ToolsetFactory | None, ref: Toolset | None,
+        kind: str, requires_approval: bool | Iterable[str], approval_timeout: ApprovalTimeout,
+    ) -> ToolsetDefinition:
+        gate = requires_approval if isinstance(requires_approval, bool) else frozenset(requires_approval)
+        default_ms, per_tool_ms = self._approval_timeouts_ms(toolset_id, approval_timeout)
+        return ToolsetDefinition(
+            toolset_id, prefix, list(tools), factory=factory, ref=ref, kind=kind, requires_approval=gate,
+            approval_timeout_ms=default_ms if gate else None, approval_timeouts_ms=per_tool_ms,
+        )
 
     async def register_mcp_toolset(
         self,
@@ -116,23 +147,74 @@ class ToolsetService:
         call_timeout: float | None = None,
         requires_approval: bool | Iterable[str] = False,
         approval_timeout: ApprovalTimeout = None,
+        keep_trying: bool = False,
     ) -> ToolsetDefinition:
-        """Start a stdio MCP server with the SDK's client, list its tools, and register them (shared)."""
-        if self._tasks.nursery is None:
+        """Start a stdio MCP server with the SDK's client, list its tools, and register them (shared).
+
+        `keep_trying`: a server that cannot start is registered all the same, as unavailable with
+        the reason (allowlists may name it; the agents are told why it has no tools) and started
+        again in the background, `TOOLSET_RETRY` apart (doubling), until it runs or is unregistered.
+        Raises: `RuntimeError` before `serve`, or (without `keep_trying`) when the server cannot start.
+        """
+        nursery = self._tasks.nursery
+        if nursery is None:
             raise RuntimeError("start the server (serve) before registering an MCP toolset")
-        toolset = McpToolset(
-            toolset_id, command, args, env, cwd, roots, nursery=self._tasks.nursery,
-            call_timeout=call_timeout or DEFAULT_CALL_TIMEOUT,
-        )
-        tools = await toolset.start()
-        try:
-            return await self.register_toolset(
-                toolset_id, prefix, tools, ref=toolset, kind="mcp", requires_approval=requires_approval,
-                approval_timeout=approval_timeout,
+
+        async def start() -> tuple[Toolset, list[ToolSpec]]:
+            toolset = McpToolset(
+                toolset_id, command, args, env, cwd, roots, nursery=nursery,
+                call_timeout=call_timeout or DEFAULT_CALL_TIMEOUT,
             )
+            return toolset, await toolset.start()
+
+        options: dict[str, Any] = {"kind": "mcp", "requires_approval": requires_approval, "approval_timeout": approval_timeout}
+        try:
+            toolset, tools = await start()
+        except Exception as exc:
+            if not keep_trying:
+                raise
+            placeholder = self._definition(toolset_id, prefix, [], factory=None, ref=NotStarted(str(exc)), **options)
+            placeholder.unavailable = str(exc)
+            self.registry.register(placeholder)
+            await self.refresh()
+            nursery.start_soon(self._keep_starting, placeholder, start, options)
+            return placeholder
+        try:
+            return await self.register_toolset(toolset_id, prefix, tools, ref=toolset, **options)
         except Exception:
             await toolset.aclose()
             raise
+
+    async def _keep_starting(
+        self, placeholder: ToolsetDefinition, start: Callable[[], Awaitable[tuple[Toolset, list[ToolSpec]]]],
+        options: dict[str, Any],
+    ) -> None:
+        """Start an unavailable toolset again on the `TOOLSET_RETRY` backoff; once it runs, it takes
+        the placeholder's place (same id and prefix, so allowlists keep it) and the agents get its tools."""
+        delay = TOOLSET_RETRY[0]
+        attempts = 1
+        while True:
+            log.warning("toolset %s could not start: %s; trying again in %g s", placeholder.id, placeholder.unavailable, delay)
+            await trio.sleep(delay)  # a backoff between attempts, not a wait for an event
+            if self.registry.definitions.get(placeholder.id) is not placeholder:
+                return  # unregistered (or replaced) meanwhile
+            attempts += 1
+            try:
+                toolset, tools = await start()
+            except Exception as exc:  # whatever it is, the toolset stays unavailable and the server serves
+                delay = min(delay * 2, TOOLSET_RETRY[1])
+                if placeholder.unavailable != str(exc):
+                    placeholder.unavailable = str(exc)
+                    await self.refresh()
+                continue
+            if self.registry.definitions.get(placeholder.id) is not placeholder:
+                await toolset.aclose()
+                return
+            self.registry.unregister(placeholder.id)
+            self.registry.register(self._definition(placeholder.id, placeholder.prefix, tools, factory=None, ref=toolset, **options))
+            await self.refresh()
+            log.warning("toolset %s started at attempt %d; its %d tool(s) are published", placeholder.id, attempts, len(tools))
+            return
 
     async def register_command_toolset(
         self,
