@@ -27,6 +27,7 @@ from .callers import CallerConnection, CallerRegistry
 from .client_connections import ClientConnections
 from .config import ServerConfig
 from .frame_log import FrameLog
+from .health import Readiness
 from .guests import GuestDelivery, GuestFrames, InstanceLeases, InstanceStarter, LeaseStore, OrphanedTurns
 from .http_api import HttpApi
 from .instances import InstanceDirectory
@@ -135,6 +136,9 @@ class OublietteServer:
                 messages.AppendFrame, self._limited(self.guest_frames.append_frame, messages.APPEND_FRAME, "payload")),
             ("guest", messages.ACK): HandlerEntry(messages.Ack, self.guest_frames.ack),
         }
+        self.relay_listening = False
+        """Whether the relay listener accepts sandboxes (between `serve`'s start and its end)."""
+        self.readiness = Readiness(self.store.check_available, lambda: self.relay_listening)
         self._requests_in_flight = 0
         self._drained = trio.Event()
         self._drained.set()
@@ -169,7 +173,12 @@ class OublietteServer:
                 if self.abandoned is not None:
                     await nursery.start(self.abandoned.serve)
                 await nursery.start(RelayListener(address, self._relay_connection).serve)
-                task_status.started()
+                self.relay_listening = True
+                try:
+                    task_status.started()
+                    await trio.sleep_forever()
+                finally:
+                    self.relay_listening = False
 
     def caller_api(self) -> CallerTools:
         """The caller-facing tools, bound to this server's services (one per transport)."""
@@ -188,6 +197,7 @@ class OublietteServer:
         return HttpApi(
             callers=self.callers, tools=self.caller_api(), tether=self.tether, instances=self.instances,
             verify_token=self.tokens.verify, allowed_hosts=self.config.allowed_hosts, identity=self.identity(),
+            readiness=self.readiness,
         )
 
     def identity(self) -> dict[str, Any]:

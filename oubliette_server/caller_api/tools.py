@@ -32,7 +32,7 @@ from ..frame_log import FrameLog
 from ..ids import channel_problem, strict_validator
 from ..instances import InstanceDirectory
 from ..sessions import Session, SessionRegistry, new_session_id, not_yours
-from ..store_api import CursorPruned, FrameQuery, FrameStoreAPI
+from ..store_api import CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
 from ..tether import EGRESS_TYPES, TETHER_CHANNEL, Tether, check_session_id
 from . import schemas
 
@@ -185,6 +185,8 @@ class CallerTools:
             return tool_result(await handler(ctx, caller, arguments))
         except InputRequired as need:
             return self.elicitation.result(need)
+        except StoreUnavailable as err:
+            return tool_error(f"{name}: {err.advice}")
         except RelayError as err:
             return tool_error(f"{name}: {err.message}")
 
@@ -349,6 +351,7 @@ class CallerTools:
         gone = stream_gone(ctx)
         dropped = False
         stop: dict[str, Any] = {}
+        unavailable: StoreUnavailable | None = None
         ended = False
         try:
             async with trio.open_nursery() as nursery:
@@ -379,6 +382,8 @@ class CallerTools:
                     nursery.start_soon(watch)
                 try:
                     stop = await self._first_stop(ctx, caller, session, query, msg_id, seconds)
+                except StoreUnavailable as exc:  # raised below, not wrapped in this nursery's group
+                    unavailable = exc
                 finally:
                     if sink is not None:
                         session.sinks.discard(follower)
@@ -392,6 +397,8 @@ class CallerTools:
         finally:
             if not ended and modern:  # 2026-07-28: closing the request's stream is how it is cancelled
                 self._waiting_caller_left(caller, session)
+        if unavailable is not None:
+            raise unavailable  # the store went away during the wait: the caller hears of it now
         if dropped:
             self._waiting_caller_left(caller, session)
             return {"stop_reason": "error", "text": "the caller's stream closed", "pending": []}
@@ -432,12 +439,17 @@ class CallerTools:
         pending counts). The pending list is read at that moment, so nothing resolved is listed.
         Approvals put to the person in the caller's client (`ApprovalElicitation`) do not stop it."""
         stops: list[dict[str, Any]] = []
+        failed: list[StoreUnavailable] = []
         approvals_stop = self.elicitation.route(ctx) in ("tool", "input_required")
         async with trio.open_nursery() as race:
 
             async def turn_end() -> None:
-                frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
-                stops.append(self._stop(session, frames, msg_id, approvals_stop) or {})
+                try:
+                    frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
+                except StoreUnavailable as exc:  # raised below, not wrapped in the race's group
+                    failed.append(exc)
+                else:
+                    stops.append(self._stop(session, frames, msg_id, approvals_stop) or {})
                 race.cancel_scope.cancel()
 
             async def approval() -> None:
@@ -454,6 +466,8 @@ class CallerTools:
             race.start_soon(turn_end)
             race.start_soon(approval)
             race.start_soon(caller_tool)
+        if failed:
+            raise failed[0]
         return stops[0]
 
     def _waiting_caller_left(self, caller: CallerConnection, session: Session) -> None:
