@@ -75,6 +75,8 @@ class OublietteServer:
         self.instances = InstanceDirectory(
             config.instances, self.store.last_seq,
             lambda: [*self.guests.connected_instances(), *self.clients.instances()],
+            # With a shared store, an instance whose guest is on another server exists here too.
+            held_elsewhere=self._held_anywhere if self.store.shared else None,
         )
         self.starter = InstanceStarter(
             config.start_command, self.tokens.token_for, config.relay_address,
@@ -317,6 +319,10 @@ class OublietteServer:
             self.starter.wake(instance)
         else:
             self.starter.wake_if(instance, self.leases.not_held_elsewhere)
+
+    async def _held_anywhere(self, instance: str) -> bool:
+        """Shared store: whether a server of the deployment holds `instance`'s guest lease."""
+        return self.leases is not None and await self.leases.held_anywhere(instance)
 
     async def _start_needed(self, instance: str) -> bool:
         """A guest left: start the instance again if a message waits for it, unless (shared store)
