@@ -19,12 +19,15 @@ resources, prompts, completions — which a server with other tools does not hav
 tool comes back as an error result); those are listed with their reason, and a test checks that
 the two lists cover every scenario the installed suite has, so a new one is noticed.
 
-The client's stdio server (`oubliette-client`, spawned by an agent) is not run through the
-suite: its surface is the tools a caller declared for one instance over the relay, so the
-scenarios that would apply (initialize, ping, tools/list) need a stdio-to-Streamable-HTTP bridge
-that answers the HTTP side's session, SSE and Host rules itself — the suite would then check
-the bridge's transport, not the client — while the same three exchanges are already checked
-on the client's own stdio in tests/test_client.py and tests/test_early_handshake.py.
+The client's stdio server (`oubliette-client`, spawned by an agent) speaks stdio only; the
+suite speaks Streamable HTTP. `StdioBridge` is the thinnest bridge that lets it through: each
+POSTed JSON-RPC request is written to the client's stdin as one line (under an id of the
+bridge's own, so two of the suite's connections never collide) and answered with the client's
+response line as `application/json`; a notification is written and answered 202; GET is 405
+(the bridge offers no standalone stream). So only the scenarios about the client's own messages
+apply to it (`CLIENT_APPLICABLE`: the handshake its early-handshake code writes by hand, ping,
+and its tools' descriptors); the transport scenarios (SSE streams, Host checks) would test the
+bridge, and the client declares no logging, so `logging-set-level` does not apply either.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import subprocess
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import pytest
 import trio
@@ -88,6 +91,10 @@ NOT_APPLICABLE = {
     "prompts-get-embedded-resource": "oubliette-server serves no prompts",
     "prompts-get-with-image": "oubliette-server serves no prompts",
 }
+
+
+CLIENT_APPLICABLE = ("server-initialize", "ping", "tools-list")
+"""The scenarios run against oubliette-client's stdio server through `StdioBridge`."""
 
 
 def node_bin() -> Path:
@@ -208,3 +215,107 @@ def test_node_from_the_wheel_is_22_or_later() -> None:
     version = subprocess.run([str(node_bin() / "node"), "--version"], capture_output=True, text=True, check=True).stdout
     assert int(version.strip().lstrip("v").split(".")[0]) >= 22, version
     assert sys.version_info >= (3, 11)
+
+
+class StdioBridge:
+    """Streamable HTTP in front of one stdio MCP server process (see the module docstring).
+
+    Owns: the reader task of the process's stdout (start `run` with `nursery.start`). Each
+    request waits for its own response, bounded by `SCENARIO_TIMEOUT`.
+    """
+
+    SESSION_ID = "stdio-bridge-1"
+
+    def __init__(self, process: trio.Process) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        self.process = process
+        self._ids = iter(range(1, 1 << 62))
+        self._waiting: dict[int, trio.MemorySendChannel[dict]] = {}
+        self._write_lock = trio.Lock()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Read the process's stdout lines; hand each response to the request waiting for it."""
+        assert self.process.stdout is not None
+        task_status.started()
+        buffer = b""
+        while chunk := await self.process.stdout.receive_some(65536):
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                message = json.loads(line) if line.strip() else {}
+                waiter = self._waiting.pop(message.get("id"), None) if "method" not in message else None
+                if waiter is not None:
+                    waiter.send_nowait(message)
+
+    async def _write(self, message: dict) -> None:
+        assert self.process.stdin is not None
+        async with self._write_lock:
+            await self.process.stdin.send_all(json.dumps(message).encode() + b"\n")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        """The ASGI app: POST /mcp as above, GET 405, DELETE 200."""
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse, Response
+
+        if scope["type"] == "lifespan":  # nothing to start or stop
+            while (event := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        request = Request(scope, receive)
+        if request.method != "POST":
+            await Response(status_code=200 if request.method == "DELETE" else 405)(scope, receive, send)
+            return
+        message = await request.json()
+        if "id" not in message or "method" not in message:
+            await self._write(message)
+            await Response(status_code=202)(scope, receive, send)
+            return
+        bridge_id = next(self._ids)
+        answer, answers = trio.open_memory_channel[dict](1)
+        self._waiting[bridge_id] = answer
+        await self._write({**message, "id": bridge_id})
+        with trio.fail_after(SCENARIO_TIMEOUT):
+            response = await answers.receive()
+        headers = {"mcp-session-id": self.SESSION_ID} if message["method"] == "initialize" else {}
+        await JSONResponse({**response, "id": message["id"]}, headers=headers)(scope, receive, send)
+
+
+@asynccontextmanager
+async def bridged_client(deployment: Deployment) -> AsyncIterator[str]:
+    """oubliette-client's stdio server (for `box1`, its relay the deployment's server) behind a
+    `StdioBridge` on a free loopback port: the URL of its `/mcp`."""
+    import hypercorn.config
+    import hypercorn.trio
+
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "oubliette_client", "--log-level", "WARNING"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, **deployment.client_env("box1")},
+    )
+    try:
+        bridge = StdioBridge(process)
+        config = hypercorn.config.Config()
+        config.bind = ["127.0.0.1:0"]
+        config.accesslog = None
+        async with trio.open_nursery() as nursery:
+            await nursery.start(bridge.run)
+            binds = await nursery.start(hypercorn.trio.serve, bridge, config)
+            yield binds[0] + "/mcp"
+            nursery.cancel_scope.cancel()
+    finally:
+        process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+
+
+async def test_the_clients_stdio_server_passes_its_applicable_scenarios(deployment: Deployment, tmp_path: Path) -> None:
+    """oubliette-client's stdio server, bridged to HTTP: the suite's handshake, ping and tools/list."""
+    cli = await trio.to_thread.run_sync(conformance_cli)
+    failed: dict[str, str] = {}
+    async with deployment.http_server():
+        for scenario in CLIENT_APPLICABLE:
+            async with bridged_client(deployment) as url:  # one process per scenario: one handshake each
+                status, report = await run_scenario(cli, url, scenario, tmp_path / scenario)
+            if status != 0 or "0 failed" not in report:
+                failed[scenario] = report[-3000:]
+    assert not failed, "\n\n".join(f"--- {name} ---\n{report}" for name, report in failed.items())
