@@ -337,12 +337,12 @@ class PostgresFrameStore(LongPollWaiters):
                 try:
                     with pool.connection(timeout=acquire_timeout) as conn:
                         return work(conn, *args)
+                except psycopg_pool.PoolTimeout as exc:  # (an OperationalError): no connection came; not retried
+                    raise StoreUnavailable(
+                        f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
                 except psycopg.OperationalError as exc:
                     if read_only and attempt == 1:
                         continue
-                    raise StoreUnavailable(
-                        f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
-                except psycopg_pool.PoolTimeout as exc:
                     raise StoreUnavailable(
                         f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
             raise AssertionError("unreachable")
@@ -430,12 +430,25 @@ class PostgresFrameStore(LongPollWaiters):
                     log.warning("frame store %s: lost the LISTEN connection (%s); reconnecting",
                                 self.describe(), _first_line(exc))
                 self.listening = False
+                await self._replace_broken_connections()
                 self._wake_all()
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, LISTEN_BACKOFF[1])
             finally:
                 if conn is not None:
                     conn.close()
+
+    async def _replace_broken_connections(self) -> None:
+        """The listener's connection broke, so the pool's likely did too (a database restart, cut
+        connections): check the idle ones now and have the broken ones replaced, before the
+        waiters re-query. Else each waiter meets them one by one, and the pool's back-off between
+        failed checks (1, 2, 4 s) held a re-query for ~7 s after a cut, where a long poll now
+        gives up after `FAIL_FAST_SECONDS`. Bounded: a check must not hang the listener."""
+        pool = self._pool
+        if pool is None:
+            return
+        with trio.move_on_after(self.connect_timeout):
+            await trio.to_thread.run_sync(pool.check, abandon_on_cancel=True)
 
     def _listen_connection(self) -> psycopg.Connection:
         conn = psycopg.connect(self.url, autocommit=True, connect_timeout=max(1, math.ceil(self.connect_timeout)))
