@@ -24,6 +24,7 @@ import httpx2
 import trio
 
 from harness import Deployment, EmbeddedHttpServer, text_of
+from test_http_api import sse
 from oubliette_server.health import Readiness
 from oubliette_server.store import FrameStore
 from oubliette_server.store_api import FrameQuery, StoreUnavailable
@@ -116,6 +117,10 @@ async def test_a_store_fault_is_told_truthfully_and_long_polls_fail_fast(deploym
             results["poll"] = await timed(lambda: admin.get(
                 "/v1/instances/box1/tether/poll", params={"wait_ms": LONG, "after_seq": 99}))
 
+        async def parked_stream() -> None:
+            async with sse(admin, "box1", {"after_seq": 99}) as events:
+                results["stream"] = await events.next(timeout=30)
+
         async def parked_turn_wait() -> None:
             results["turn"] = await timed(lambda: caller.call_tool("session_message", {
                 "instance": "box1", "session_id": "s2", "message": "hello", "wait": 60,
@@ -124,10 +129,13 @@ async def test_a_store_fault_is_told_truthfully_and_long_polls_fail_fast(deploym
         async with trio.open_nursery() as nursery:
             nursery.start_soon(parked_poll)
             nursery.start_soon(parked_turn_wait)
-            await server.wait_waiters("box1", 2)  # both parked on the log, waiting for frames
+            nursery.start_soon(parked_stream)
+            await server.wait_waiters("box1", 3)  # all parked on the log, waiting for frames
             failed_at = time.monotonic()
             store.fail()  # the database goes away under them
-        assert time.monotonic() - failed_at < FAIL_FAST, "both answered soon after the fault, not after their wait"
+        assert time.monotonic() - failed_at < FAIL_FAST, "all answered soon after the fault, not after their wait"
+        assert results["stream"]["event"] == "error", results["stream"]  # the SSE stream ends saying why
+        assert "retry in a few seconds" in results["stream"]["data"]["error"]["message"]
         response, _ = results["poll"]
         assert_unavailable(response)
         turn, _ = results["turn"]
