@@ -140,6 +140,7 @@ async def test_a_store_fault_is_told_truthfully_and_long_polls_fail_fast(deploym
         assert_unavailable(response)
         turn, _ = results["turn"]
         assert turn.is_error and "is unavailable" in text_of(turn) and "retry" in text_of(turn), text_of(turn)
+        assert "do not send it again" in text_of(turn), "the message was stored before the wait failed"
 
         # New long polls while it is down: answered at once, not after wait_ms.
         response, took = await timed(lambda: admin.get(

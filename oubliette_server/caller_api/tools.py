@@ -397,8 +397,11 @@ class CallerTools:
         finally:
             if not ended and modern:  # 2026-07-28: closing the request's stream is how it is cancelled
                 self._waiting_caller_left(caller, session)
-        if unavailable is not None:
-            raise unavailable  # the store went away during the wait: the caller hears of it now
+        if unavailable is not None:  # the store went away during the wait: the caller hears of it now
+            raise StoreUnavailable(
+                f"{unavailable.message} (while waiting: what this call sent is stored, do not send it again; "
+                f"read the turn's end with session_events after_seq {after_seq})"
+            )
         if dropped:
             self._waiting_caller_left(caller, session)
             return {"stop_reason": "error", "text": "the caller's stream closed", "pending": []}
