@@ -30,6 +30,7 @@ from .frame_log import FrameLog
 from .guests import (
     FailedStarts, GuestDelivery, GuestFrames, GuestPresence, InstanceLeases, InstanceStarter, LeaseStore, OrphanedTurns,
 )
+from .health import Readiness
 from .http_api import HttpApi
 from .instances import InstanceDirectory
 from .relay import SERVER_VERSION, RelayConnection, RelayHandlers, RelayListener
@@ -76,6 +77,8 @@ class OublietteServer:
         self.instances = InstanceDirectory(
             config.instances, self.store.last_seq,
             lambda: [*self.guests.connected_instances(), *self.clients.instances()],
+            # With a shared store, an instance whose guest is on another server exists here too.
+            held_elsewhere=self._held_anywhere if self.store.shared else None,
         )
         self.starter = InstanceStarter(
             config.start_command, self.tokens.token_for, config.relay_address,
@@ -149,6 +152,9 @@ class OublietteServer:
                 messages.AppendFrame, self._limited(self.guest_frames.append_frame, messages.APPEND_FRAME, "payload")),
             ("guest", messages.ACK): HandlerEntry(messages.Ack, self.guest_frames.ack),
         }
+        self.relay_listening = False
+        """Whether the relay listener accepts sandboxes (between `serve`'s start and its end)."""
+        self.readiness = Readiness(self.store.check_available, lambda: self.relay_listening)
         self._requests_in_flight = 0
         self._drained = trio.Event()
         self._drained.set()
@@ -184,7 +190,12 @@ class OublietteServer:
                 if self.abandoned is not None:
                     await nursery.start(self.abandoned.serve)
                 await nursery.start(RelayListener(address, self._relay_connection).serve)
-                task_status.started()
+                self.relay_listening = True
+                try:
+                    task_status.started()
+                    await trio.sleep_forever()
+                finally:
+                    self.relay_listening = False
 
     def caller_api(self) -> CallerTools:
         """The caller-facing tools, bound to this server's services (one per transport)."""
@@ -205,6 +216,7 @@ class OublietteServer:
             callers=self.callers, tools=self.caller_api(), tether=self.tether, instances=self.instances,
             verify_token=self.tokens.verify, allowed_hosts=self.config.allowed_hosts, identity=self.identity(),
             limits=self.config.http_limits,
+            readiness=self.readiness,
         )
 
     def identity(self) -> dict[str, Any]:
@@ -329,6 +341,10 @@ class OublietteServer:
     async def _live_lease_holder(self, instance: str) -> str | None:
         """Shared store: the server holding `instance`'s live lease (its guest is connected there)."""
         return await cast(LeaseStore, self.store).lease_holder(instance, live=True)
+
+    async def _held_anywhere(self, instance: str) -> bool:
+        """Shared store: whether a server of the deployment holds `instance`'s guest lease."""
+        return self.leases is not None and await self.leases.held_anywhere(instance)
 
     async def _start_needed(self, instance: str) -> bool:
         """A guest left: start the instance again if a message waits for it, unless (shared store)

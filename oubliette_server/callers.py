@@ -31,6 +31,11 @@ from .task_host import TaskHost
 log = logging.getLogger("oubliette.server.callers")
 
 EVENT_LOGGER = "oubliette"
+LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
+"""MCP's logging levels (RFC 5424 severities), least severe first."""
+EVENT_LEVEL = "info"
+"""The level every caller event is sent at: a caller's `logging/setLevel` above it (`notice` or
+higher) stops its events; `session_events` still reads them from the log."""
 EVENT_QUEUE_SIZE = 10_000
 _ids = itertools.count(1)
 
@@ -44,7 +49,7 @@ def keyed_identity(principal: str, owner_key: str) -> str:
 def event_notification(event: dict) -> types.LoggingMessageNotification:
     """The MCP `notifications/message` (logger `oubliette`) that carries one caller event."""
     return types.LoggingMessageNotification(
-        params=types.LoggingMessageNotificationParams(level="info", logger=EVENT_LOGGER, data=event)
+        params=types.LoggingMessageNotificationParams(level=EVENT_LEVEL, logger=EVENT_LOGGER, data=event)
     )
 
 
@@ -73,14 +78,23 @@ class CallerConnection:
         #: for a 2026-07-28 caller; a connection (stdio, a handshake-era MCP session) lives on one
         #: server only, so its identity is random and no other server's caller ever matches it.
         self.identity = "connection:" + secrets.token_hex(16)
+        #: Whether its events are sent: False once the caller's `logging/setLevel` asked for
+        #: messages more severe than `EVENT_LEVEL` only.
+        self.wants_events = True
         self._send, self._receive = trio.open_memory_channel[dict](EVENT_QUEUE_SIZE)
 
     def __repr__(self) -> str:
         return f"<CallerConnection {self.id} {self.transport} {self.label}>"
 
+    def set_log_level(self, level: str) -> None:
+        """The caller's `logging/setLevel`: events (sent at `EVENT_LEVEL`) go to it only while
+        `level` is at or below that level."""
+        self.wants_events = LOG_LEVELS.index(level) <= LOG_LEVELS.index(EVENT_LEVEL)
+
     def push(self, event: dict) -> None:
-        """Queue an event for the caller without waiting; dropped (and logged) when the queue is full or the caller closed."""
-        if self.closed.is_set():
+        """Queue an event for the caller without waiting; dropped when the caller's log level is above
+        `EVENT_LEVEL`, or the caller closed, or (logged) its queue is full."""
+        if self.closed.is_set() or not self.wants_events:
             return
         try:
             self._send.send_nowait(event)
@@ -97,7 +111,7 @@ class CallerConnection:
                 try:
                     if self.write_line is not None:
                         await self.write_line(notification_line("notifications/message", {
-                            "level": "info", "logger": EVENT_LOGGER, "data": event,
+                            "level": EVENT_LEVEL, "logger": EVENT_LOGGER, "data": event,
                         }))
                     else:
                         await session.send_notification(event_notification(event))

@@ -7,9 +7,11 @@ One hypercorn (Trio worker) server serves one Starlette app:
 - `GET  /v1/instances/{id}/tether/stream`: SSE, each event's id is its `seq`; `Last-Event-ID` resumes;
 - `POST /v1/instances/{id}/sessions/{sid}/approvals`, `…/caller_tool_response`,
   `…/caller_tool_progress`: the operator answers for a session's caller (`AnswerRoutes`);
-- `/mcp`: the caller's MCP (Streamable HTTP, SSE responses, `tools.listChanged` advertised).
+- `/mcp`: the caller's MCP (Streamable HTTP, SSE responses, `tools.listChanged` advertised);
+- `GET /livez`, `GET /readyz` (no token: for load balancers and orchestrators) and
+  `GET /v1/health` (the detailed view): `HealthRoutes`.
 
-Auth: on TCP every request needs `Authorization: Bearer <token>`: the server's
+Auth: on TCP every request but `/livez` and `/readyz` needs `Authorization: Bearer <token>`: the server's
 HTTP token (`oubliette-server http-token`) for everything, or an instance's own
 token for that instance's `/v1/instances/{id}/…` routes. A Unix socket
 listener is created with mode 0600 and needs no token: file access is the
@@ -45,6 +47,7 @@ from .caller_api.schemas import OWNER_KEY_PATTERN
 from .caller_api.tools import STREAM_GONE_STATE
 from .callers import CallerConnection, CallerRegistry, keyed_identity
 from .connection_limits import HTTP_WRITE_SECONDS, ConnectionAcceptor, FloodLog, GuardedStream, HttpLimits, describe
+from .health import Readiness
 from .instances import InstanceDirectory
 from .store_api import StoreUnavailable
 from .tether import Tether
@@ -59,6 +62,10 @@ MAX_BODY_BYTES = 1024 * 1024
 SSE_KEEPALIVE_SECONDS = 15.0
 INSTANCE_ROUTE = re.compile(r"^/v1/instances/([^/]+)/")
 MCP_PATHS = ("/mcp", "/mcp/")
+PUBLIC_PATHS = frozenset({"/livez", "/readyz"})
+"""Paths served without a token: they say only whether the server is alive and ready."""
+STORE_RETRY_AFTER = "2"
+"""`Retry-After` (seconds) of a 503 for an unavailable store: the store reconnects by itself."""
 OWNER_KEY = re.compile(OWNER_KEY_PATTERN)
 HTTP_STATUS = {
     errors.INVALID_PARAMS: 400, errors.INVALID_REQUEST: 400, errors.PARSE_ERROR: 400,
@@ -76,17 +83,21 @@ class BodyTooLarge(RelayError):
 
 def error_response(err: RelayError, status: int | None = None) -> JSONResponse:
     """The JSON error shape `{"error": {code, name, message}}`; a body or value over a limit is 413
-    (size) or 400 (depth), other errors map by code."""
-    if status is None:
+    (size) or 400 (depth); an unavailable store 503 with `Retry-After` and the advice to retry;
+    other errors map by code."""
+    message = err.message
+    headers = None
+    if isinstance(err, StoreUnavailable):
+        # the database is down: try again later (the server recovers by itself)
+        status, message, headers = status or 503, err.advice, {"Retry-After": STORE_RETRY_AFTER}
+    elif status is None:
         if isinstance(err, BodyTooLarge):
             status = 413
         elif isinstance(err, LimitExceeded):
             status = 413 if err.is_size else 400
-        elif isinstance(err, StoreUnavailable):
-            status = 503  # the database is down: try again later (the server recovers by itself)
     return JSONResponse(
-        {"error": {"code": err.code, "name": errors.ERROR_NAMES.get(err.code, "error"), "message": err.message}},
-        status_code=status or HTTP_STATUS.get(err.code, 400),
+        {"error": {"code": err.code, "name": errors.ERROR_NAMES.get(err.code, "error"), "message": message}},
+        status_code=status or HTTP_STATUS.get(err.code, 400), headers=headers,
     )
 
 
@@ -235,7 +246,8 @@ class BearerAuth:
         self.verify_token = verify_token
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("server") is None:  # lifespan, or a Unix socket listener
+        if scope["type"] != "http" or scope.get("server") is None or scope["path"] in PUBLIC_PATHS:
+            # lifespan, a Unix socket listener, or a probe
             await self.app(scope, receive, send)
             return
         token = _bearer(scope)
@@ -463,24 +475,17 @@ async def _unless_disconnected(request: Request, wait: Any) -> Any:
 class TetherRoutes:
     """The `/v1/instances/{id}/tether…` endpoints: HTTP adapters over `Tether`."""
 
-    def __init__(self, tether: Tether, instances: InstanceDirectory, identity: dict[str, Any] | None = None) -> None:
+    def __init__(self, tether: Tether, instances: InstanceDirectory) -> None:
         self.tether = tether
         self.instances = instances
-        self.identity = identity or {}
 
     def routes(self) -> list[Route]:
-        """The Starlette routes: tether ingress, poll, stream, and `/v1/health`."""
+        """The Starlette routes: tether ingress, poll, stream."""
         return [
             Route("/v1/instances/{instance}/tether", self.ingress, methods=["POST"]),
             Route("/v1/instances/{instance}/tether/poll", self.poll, methods=["GET"]),
             Route("/v1/instances/{instance}/tether/stream", self.stream, methods=["GET"]),
-            Route("/v1/health", self.health, methods=["GET"]),
         ]
-
-    async def health(self, request: Request) -> Response:
-        """`GET /v1/health`: `ok`, the connected instances, and which server and store answered
-        (`server`, `store`: behind a load balancer, the identity tells the servers apart)."""
-        return JSONResponse({"ok": True, "connected_instances": self.instances.connected_instances(), **self.identity})
 
     async def ingress(self, request: Request) -> Response:
         """`POST /v1/instances/{id}/tether`: store one frame; 201 with its `msg_id` and `seq`.
@@ -561,15 +566,62 @@ class TetherRoutes:
             return error_response(err)
 
         async def events() -> Any:
-            async for frame in frames:
-                if frame is None:
-                    yield ": keepalive\n\n"
-                else:
-                    yield f"id: {frame['seq']}\nevent: frame\ndata: {json.dumps(frame, ensure_ascii=False)}\n\n"
+            try:
+                async for frame in frames:
+                    if frame is None:
+                        yield ": keepalive\n\n"
+                    else:
+                        yield f"id: {frame['seq']}\nevent: frame\ndata: {json.dumps(frame, ensure_ascii=False)}\n\n"
+            except StoreUnavailable as exc:  # the stream ends with why; the client resumes by Last-Event-ID
+                yield f"event: error\ndata: {json.dumps({'error': {'message': exc.advice}}, ensure_ascii=False)}\n\n"
 
         return StreamingResponse(
             events(), media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
+
+class HealthRoutes:
+    """`/livez`, `/readyz` and `/v1/health`: HTTP adapters over `Readiness` (docs/CONFIG.md,
+    "Health endpoints")."""
+
+    def __init__(
+        self, readiness: Readiness, instances: InstanceDirectory, identity: dict[str, Any] | None = None,
+    ) -> None:
+        self.readiness = readiness
+        self.instances = instances
+        self.identity = identity or {}
+
+    def routes(self) -> list[Route]:
+        """The three probes' routes."""
+        return [
+            Route("/livez", self.livez, methods=["GET"]),
+            Route("/readyz", self.readyz, methods=["GET"]),
+            Route("/v1/health", self.health, methods=["GET"]),
+        ]
+
+    async def livez(self, request: Request) -> Response:
+        """`GET /livez`: 200 `{"ok": true}` while the process serves HTTP (no token, no store)."""
+        return JSONResponse({"ok": True})
+
+    async def readyz(self, request: Request) -> Response:
+        """`GET /readyz`: 200 when the store answers in time and the relay listener is up; else 503
+        with the `reasons` (no token: nothing in it names an address or a URL)."""
+        report = await self.readiness.check()
+        body: dict[str, Any] = {"ok": report.ok, "checks": {n: c.public() for n, c in report.checks.items()}}
+        if not report.ok:
+            body["reasons"] = report.reasons()
+        return JSONResponse(body, status_code=200 if report.ok else 503)
+
+    async def health(self, request: Request) -> Response:
+        """`GET /v1/health`: `ok` as `/readyz` has it (200, or 503), each check with its `detail`,
+        the connected instances, and which server and store answered (`server`, `store`: behind a
+        load balancer, the identity tells the servers apart)."""
+        report = await self.readiness.check()
+        return JSONResponse(
+            {"ok": report.ok, "checks": {n: c.detailed() for n, c in report.checks.items()},
+             "connected_instances": self.instances.connected_instances(), **self.identity},
+            status_code=200 if report.ok else 503,
         )
 
 
@@ -631,9 +683,10 @@ class HttpApi:
     """Builds the ASGI app and serves it on the configured listeners.
 
     Needs: the caller registry (one caller per MCP session or per bearer token), the caller
-    tools, the tether and instance directory (for the routes), `verify_token(name, token)` and
-    the extra Host names allowed on /mcp, and the `HttpLimits` (docs/SECURITY.md, "Slow HTTP
-    clients"). Start `serve` with `nursery.start`: it reports the bound URLs.
+    tools, the tether and instance directory (for the routes), `verify_token(name, token)`,
+    the extra Host names allowed on /mcp, the `HttpLimits` (docs/SECURITY.md, "Slow HTTP
+    clients") and the readiness checks (for the probes). Start `serve` with `nursery.start`: it
+    reports the bound URLs.
     """
 
     def __init__(
@@ -645,6 +698,7 @@ class HttpApi:
         instances: InstanceDirectory,
         verify_token: VerifyToken,
         allowed_hosts: list[str],
+        readiness: Readiness,
         identity: dict[str, Any] | None = None,
         limits: HttpLimits | None = None,
     ) -> None:
@@ -654,6 +708,7 @@ class HttpApi:
         """Counts refused connections, cut-off bodies and failed accepts; one WARNING per interval."""
         self.identity = identity or {}
         """What `/v1/health` says of this server: `{"server": {...}, "store": "..."}`."""
+        self.readiness = readiness
         self.callers = callers
         self.tools = tools
         self.tether = tether
@@ -744,7 +799,8 @@ class HttpApi:
                 allowed_origins=[f"http://{host}" for host in allowed] + [f"https://{host}" for host in allowed],
             ),
             custom_starlette_routes=[
-                *TetherRoutes(self.tether, self.instances, self.identity).routes(),
+                *TetherRoutes(self.tether, self.instances).routes(),
+                *HealthRoutes(self.readiness, self.instances, self.identity).routes(),
                 *AnswerRoutes(self.tools, self.verify_token).routes(),
             ],
         )

@@ -340,6 +340,15 @@ class FrameStore(LongPollWaiters):
         await trio.lowlevel.checkpoint()
         return None
 
+    async def check_available(self, timeout: float) -> None:
+        """The database file answers a query (`StoreUnavailable` if not): on the Trio thread, it
+        cannot hang on a peer, so `timeout` is not needed."""
+        await trio.lowlevel.checkpoint()
+        try:
+            self._db.execute("SELECT 1").fetchone()
+        except (sqlite3.Error, RuntimeError) as exc:
+            raise StoreUnavailable(f"the SQLite store {self.describe()} is unavailable: {exc}") from None
+
     async def aclose(self) -> None:
         """`close`, as the async interface has it."""
         self.close()

@@ -194,6 +194,11 @@ class StoreUnavailable(RelayError):
     def __str__(self) -> str:
         return self.message
 
+    @property
+    def advice(self) -> str:
+        """The message with what a client should do about it (a long poll's 503, a wait's tool error)."""
+        return f"{self.message}; retry in a few seconds (the server reconnects to its store by itself)"
+
     def __reduce__(self) -> Any:  # keep pickling (and copying) working
         return (StoreUnavailable, (self.message,))
 
@@ -504,4 +509,9 @@ class FrameStoreAPI(Protocol):
     async def shared_secret(self, candidate: bytes) -> bytes | None:
         """The deployment's token secret kept in the store, `candidate` stored if it has none
         (the first server wins); None if this store keeps no secret (SQLite: the data dir does)."""
+        ...
+
+    async def check_available(self, timeout: float) -> None:
+        """Raise `StoreUnavailable` (saying why) unless the database answers within `timeout`
+        seconds and, for a shared store, its cross-server wake-ups arrive (the readiness probe)."""
         ...

@@ -99,6 +99,8 @@ NOTIFY_CHANNEL = "oubliette_frames"
 MIGRATION_LOCK = 0x6F75626C69657474
 #: Reconnect backoff of the LISTEN connection, seconds.
 LISTEN_BACKOFF = (0.05, 2.0)
+#: How long a long poll waits for a pooled connection before it reports the store unavailable.
+FAIL_FAST_SECONDS = 2.0
 
 #: (version, statements): applied in order, each once, recorded in `oubliette_schema`.
 MIGRATIONS: list[tuple[int, str]] = [
@@ -316,12 +318,16 @@ class PostgresFrameStore(LongPollWaiters):
     def _probe(self) -> None:
         psycopg.connect(self.url, connect_timeout=max(1, math.ceil(self.connect_timeout))).close()
 
-    async def _run(self, work: Callable[..., _T], *args: Any, read_only: bool = False) -> _T:
+    async def _run(
+        self, work: Callable[..., _T], *args: Any, read_only: bool = False, acquire_timeout: float | None = None,
+    ) -> _T:
         """Run `work(conn, *args)` in a worker thread on a pooled connection, in one transaction.
 
         A read (`read_only`) that loses its connection is tried once more on another one: a
         connection the database dropped can pass the pool's check and fail just after. A write
-        is not retried (it may have committed)."""
+        is not retried (it may have committed). `acquire_timeout`: how long to wait for a pooled
+        connection (default `connect_timeout`); a short one lets a caller that must not hang on
+        an outage (a long poll, the readiness probe) hear of it in that time."""
         pool = self._pool
         if pool is None or self._closed:
             raise RuntimeError("the frame store is closed")
@@ -329,14 +335,14 @@ class PostgresFrameStore(LongPollWaiters):
         def call() -> _T:
             for attempt in (1, 2):
                 try:
-                    with pool.connection() as conn:
+                    with pool.connection(timeout=acquire_timeout) as conn:
                         return work(conn, *args)
+                except psycopg_pool.PoolTimeout as exc:  # (an OperationalError): no connection came; not retried
+                    raise StoreUnavailable(
+                        f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
                 except psycopg.OperationalError as exc:
                     if read_only and attempt == 1:
                         continue
-                    raise StoreUnavailable(
-                        f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
-                except psycopg_pool.PoolTimeout as exc:
                     raise StoreUnavailable(
                         f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
             raise AssertionError("unreachable")
@@ -366,6 +372,30 @@ class PostgresFrameStore(LongPollWaiters):
                             conn.execute(statement)  # type: ignore[arg-type]  # our own constant SQL
                     conn.execute("INSERT INTO oubliette_schema (version) VALUES (%s)", (version,))
                     log.info("frame store %s: applied schema migration %d", self.describe(), version)
+
+    async def check_available(self, timeout: float) -> None:
+        """`SELECT 1` answered within `timeout` seconds and the LISTEN connection up, else
+        `StoreUnavailable` saying which (the readiness probe, `/readyz`)."""
+        if not self.listening:
+            raise StoreUnavailable(
+                f"the PostgreSQL store {self.describe()} is unavailable: its LISTEN connection is down "
+                "(reconnecting), so appends by other servers would not wake a wait")
+        with trio.move_on_after(timeout) as scope:
+            # Abandoned, not awaited, past the deadline: a probe must not hang on a stuck database.
+            await trio.to_thread.run_sync(self._select_one, timeout, abandon_on_cancel=True, limiter=self._limiter)
+        if scope.cancelled_caught:
+            raise StoreUnavailable(f"the PostgreSQL store {self.describe()} did not answer within {timeout:g} s")
+
+    def _select_one(self, timeout: float) -> None:
+        pool = self._pool
+        if pool is None or self._closed:
+            raise StoreUnavailable(f"the PostgreSQL store {self.describe()} is closed")
+        try:
+            with pool.connection(timeout=timeout) as conn:
+                conn.execute("SELECT 1")
+        except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
+            raise StoreUnavailable(
+                f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from None
 
     # -- LISTEN --------------------------------------------------------------------------
 
@@ -400,12 +430,25 @@ class PostgresFrameStore(LongPollWaiters):
                     log.warning("frame store %s: lost the LISTEN connection (%s); reconnecting",
                                 self.describe(), _first_line(exc))
                 self.listening = False
+                await self._replace_broken_connections()
                 self._wake_all()
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, LISTEN_BACKOFF[1])
             finally:
                 if conn is not None:
                     conn.close()
+
+    async def _replace_broken_connections(self) -> None:
+        """The listener's connection broke, so the pool's likely did too (a database restart, cut
+        connections): check the idle ones now and have the broken ones replaced, before the
+        waiters re-query. Else each waiter meets them one by one, and the pool's back-off between
+        failed checks (1, 2, 4 s) held a re-query for ~7 s after a cut, where a long poll now
+        gives up after `FAIL_FAST_SECONDS`. Bounded: a check must not hang the listener."""
+        pool = self._pool
+        if pool is None:
+            return
+        with trio.move_on_after(self.connect_timeout):
+            await trio.to_thread.run_sync(pool.check, abandon_on_cancel=True)
 
     def _listen_connection(self) -> psycopg.Connection:
         conn = psycopg.connect(self.url, autocommit=True, connect_timeout=max(1, math.ceil(self.connect_timeout)))
@@ -607,13 +650,18 @@ class PostgresFrameStore(LongPollWaiters):
             raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
         await trio.lowlevel.checkpoint_if_cancelled()
         deadline = trio.current_time() + timeout
+        # A long poll fails fast in an outage (its client is told to retry) instead of holding
+        # its request for the pool's `connect_timeout`, twice: it waits briefly for a connection.
+        # (A lost listener alone is no outage: it wakes every waiter, which re-query and, if the
+        # database answers, wait on until it is back, as before.)
+        acquire = min(self.connect_timeout, FAIL_FAST_SECONDS) if timeout > 0 else None
         with self._waiting(instance):
             while True:
                 # Take the event before querying: an append that commits during the query
                 # sets it, and the wait below returns at once.
                 event = self._wake_event(instance)
                 # One snapshot: every frame up to `seen` is visible in it (seq is commit-ordered).
-                seen, frames = await self._run(self._read, instance, q, read_only=True)
+                seen, frames = await self._run(self._read, instance, q, read_only=True, acquire_timeout=acquire)
                 if frames or timeout == 0:
                     return frames, False
                 if seen > q.after_seq:

@@ -235,3 +235,50 @@ async def test_a_turn_on_b_is_read_on_a_by_sse_and_by_long_poll(pg_url: str) -> 
         assert event["event"] == "frame" and event["data"]["type"] == "assistant.done"
         assert event["data"]["session"] == {"channel": "mcp", "id": "s7"}
         assert polled["frames"] == [event["data"]] and not polled["timed_out"]
+
+
+@pytest.mark.parametrize("door", ["http_tether", "mcp_session_message"])
+async def test_the_first_message_ever_can_go_to_a_server_that_does_not_hold_the_guest(pg_url: str, door: str) -> None:
+    """A fresh database, `box1` configured nowhere, its guest connected to A, not one frame yet:
+    the first message to box1 is sent to B (HTTP tether ingress, or MCP `session_message`), and
+    B takes it (it knows box1 by its guest lease) and A's guest runs the turn. B used to answer
+    the HTTP ingress `404 unknown instance 'box1'`."""
+    a, b = Deployment(store=pg_url), Deployment(store=pg_url)
+    try:
+        async with a.http_server() as server_a, b.http_server() as server_b, a.guest(INSTANCE, LOOP_AGENT):
+            await server_a.wait_connected(INSTANCE)
+            if door == "http_tether":
+                async with server_b.rest() as rest_b:
+                    response = await rest_b.post(f"/v1/instances/{INSTANCE}/tether", json={
+                        "type": "user.message", "session": {"channel": "host", "id": "first"},
+                        "payload": {"text": script()},
+                    })
+                    assert response.status_code == 201, response.text
+                    assert response.json()["ingress_seq"] == 1, "the first frame of box1 ever"
+                    with trio.fail_after(60):
+                        done = await poll(rest_b, INSTANCE, {
+                            "channel": "host", "session_id": "first", "types": "assistant.done",
+                            "reply_to_msg_id": response.json()["msg_id"], "wait_ms": 30_000,
+                        })
+                    assert [f["type"] for f in done["frames"]] == ["assistant.done"], done
+            else:
+                async with server_b.caller(events=False) as (client, _):
+                    with trio.fail_after(60):
+                        sent = await client.call_tool("session_message", {
+                            "instance": INSTANCE, "session_id": "first", "message": script(), "wait": 45,
+                        })
+                    assert not sent.is_error, sent
+                    # The first frames of box1 ever: the session's record (owner; only the server
+                    # writes it, docs/SECURITY.md), then the message.
+                    assert sent.structured_content["ingress_seq"] == 2, "the first frames of box1 ever"
+                    ends_with(sent.structured_content, "end_turn")
+            # And an instance no server has heard of is still refused, with the shared-store wording.
+            async with server_b.rest() as rest_b:
+                unknown = await rest_b.post("/v1/instances/nobody/tether", json={
+                    "type": "user.message", "session": {"channel": "host", "id": "x"}, "payload": {"text": "hi"},
+                })
+                assert unknown.status_code == 404, unknown.text
+                assert "has not connected to any server" in unknown.json()["error"]["message"]
+    finally:
+        a.cleanup()
+        b.cleanup()

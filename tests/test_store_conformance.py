@@ -78,6 +78,17 @@ def test_both_implement_the_interface(tmp_path: Path) -> None:
     assert isinstance(PostgresFrameStore("postgresql://u@/d?host=/nowhere"), FrameStoreAPI)
 
 
+async def test_the_readiness_probe_passes_while_open_and_fails_once_closed(backend: Backend) -> None:
+    """`check_available` (what /readyz asks): quiet on a running store, `StoreUnavailable` on one
+    whose database is gone (here: closed), within its timeout."""
+    store = backend.make()
+    async with store.running():
+        with trio.fail_after(5):
+            await store.check_available(2.0)
+    with trio.fail_after(5), pytest.raises(StoreUnavailable, match="store .* (is unavailable|LISTEN)"):
+        await store.check_available(2.0)
+
+
 # -- append and seq ------------------------------------------------------------------------
 
 

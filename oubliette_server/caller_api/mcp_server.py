@@ -47,11 +47,21 @@ def build_caller_server(
         finally:
             release_caller(caller)
 
+    async def set_log_level(ctx: Any, params: types.SetLevelRequestParams) -> types.EmptyResult:
+        caller = resolve_caller(ctx, None)
+        if caller is not None:  # a 2026-07-28 request has no caller of its own to keep a level for
+            caller.set_log_level(params.level)
+        return types.EmptyResult()
+
     server = CallerMcpServer(
         SERVER_NAME, version="0.1.0", on_list_tools=list_tools, on_call_tool=call_tool,
         # Served so 2026-07-28 callers see tools.listChanged too (as handshake-era ones do).
         on_subscriptions_listen=ListenHandler(InMemorySubscriptionBus()),
     )
+    # Events are `notifications/message` (handshake era): the logging capability is declared and
+    # a caller's level honoured. Registered directly: the constructor's `on_set_logging_level`
+    # warns that logging is deprecated in 2026-07-28, where `_meta` log levels replace it.
+    server.add_request_handler("logging/setLevel", types.SetLevelRequestParams, set_log_level)
     # 2026-07-28 `input_required` waits (approvals put to a person): the SDK seals the state we
     # hand out and checks it on the retry (bound to the tool, its arguments and this server).
     security = RequestStateSecurity.ephemeral(ttl=REQUEST_STATE_TTL)

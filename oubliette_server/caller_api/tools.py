@@ -33,7 +33,7 @@ from ..ids import strict_validator
 from ..instances import InstanceDirectory
 from ..server_owned import OWNER_KEY, SESSION_RECORD, refuse_server_owned
 from ..sessions import Session, SessionRegistry, new_session_id, not_yours, session_has_frames
-from ..store_api import FrameQuery, FrameStoreAPI
+from ..store_api import FrameQuery, FrameStoreAPI, StoreUnavailable
 from ..tether import DEFAULT_TETHER_SESSION, EGRESS_TYPES, TETHER_CHANNEL, Tether
 from . import schemas
 
@@ -192,6 +192,8 @@ class CallerTools:
             return tool_result(await handler(ctx, caller, arguments))
         except InputRequired as need:
             return self.elicitation.result(need)
+        except StoreUnavailable as err:
+            return tool_error(f"{name}: {err.advice}")
         except RelayError as err:
             return tool_error(f"{name}: {err.message}")
 
@@ -358,6 +360,7 @@ class CallerTools:
         gone = stream_gone(ctx)
         dropped = False
         stop: dict[str, Any] = {}
+        unavailable: StoreUnavailable | None = None
         ended = False
         try:
             async with trio.open_nursery() as nursery:
@@ -388,6 +391,8 @@ class CallerTools:
                     nursery.start_soon(watch)
                 try:
                     stop = await self._first_stop(ctx, caller, session, query, msg_id, seconds, watch_guest)
+                except StoreUnavailable as exc:  # raised below, not wrapped in this nursery's group
+                    unavailable = exc
                 finally:
                     if sink is not None:
                         session.sinks.discard(follower)
@@ -401,6 +406,11 @@ class CallerTools:
         finally:
             if not ended and modern:  # 2026-07-28: closing the request's stream is how it is cancelled
                 self._waiting_caller_left(caller, session)
+        if unavailable is not None:  # the store went away during the wait: the caller hears of it now
+            raise StoreUnavailable(
+                f"{unavailable.message} (while waiting: what this call sent is stored, do not send it again; "
+                f"read the turn's end with session_events after_seq {after_seq})"
+            )
         if dropped:
             self._waiting_caller_left(caller, session)
             return {"stop_reason": "error", "text": "the caller's stream closed", "pending": []}
@@ -444,12 +454,17 @@ class CallerTools:
         With `watch_guest`, a message that nothing can run `NO_GUEST_GRACE` seconds after it was
         stored (no guest connected anywhere, no start command) stops the wait with `no_guest`."""
         stops: list[dict[str, Any]] = []
+        failed: list[StoreUnavailable] = []
         approvals_stop = self.elicitation.route(ctx) in ("tool", "input_required")
         async with trio.open_nursery() as race:
 
             async def turn_end() -> None:
-                frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
-                stops.append(self._stop(session, frames, msg_id, approvals_stop) or {})
+                try:
+                    frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
+                except StoreUnavailable as exc:  # raised below, not wrapped in the race's group
+                    failed.append(exc)
+                else:
+                    stops.append(self._stop(session, frames, msg_id, approvals_stop) or {})
                 race.cancel_scope.cancel()
 
             async def approval() -> None:
@@ -477,6 +492,8 @@ class CallerTools:
             race.start_soon(caller_tool)
             if watch_guest and self.guest_absent is not None and seconds > NO_GUEST_GRACE:
                 race.start_soon(no_guest)
+        if failed:
+            raise failed[0]
         return stops[0]
 
     def _waiting_caller_left(self, caller: CallerConnection, session: Session) -> None:

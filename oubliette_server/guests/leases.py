@@ -83,6 +83,11 @@ class InstanceLeases:
         """Whether this server still holds `instance`'s lease (no other server took it)."""
         return await self.store.lease_holder(instance) in (self.server_id, None)
 
+    async def held_anywhere(self, instance: str) -> bool:
+        """Whether a server of the deployment holds (or held, and died without releasing) a lease
+        of `instance`: its guest has connected, so the instance exists for every server."""
+        return await self.store.lease_holder(instance) is not None
+
     async def not_held_elsewhere(self, instance: str) -> bool:
         """Whether no other server holds a live lease of `instance`: only then may this server run
         its start command (wake on message), else a second guest would take the instance over."""
