@@ -30,6 +30,7 @@ from .frame_log import FrameLog
 from .guests import GuestDelivery, GuestFrames, InstanceLeases, InstanceStarter, LeaseStore, OrphanedTurns
 from .http_api import HttpApi
 from .instances import InstanceDirectory
+from .metrics import ServerMetrics
 from .relay import SERVER_VERSION, RelayConnection, RelayHandlers, RelayListener
 from .sessions import SessionRegistry
 from .store_api import FrameStoreAPI
@@ -52,7 +53,7 @@ class OublietteServer:
     The services are attributes, for embedding and tests: `store`, `sessions`, `frame_log`,
     `callers`, `caller_tools` (with `calls`, its pending calls), `approvals` (and `connection_approvals`, the
     agent's own actions and gated toolsets), `toolsets`, `guests`, `orphans`,
-    `starter`, `tether`, `instances`, `tokens`. The toolset embedding API — `register_toolset`,
+    `starter`, `tether`, `instances`, `tokens`, `metrics` (docs/OBSERVABILITY.md). The toolset embedding API — `register_toolset`,
     `register_mcp_toolset`, `register_command_toolset`, `unregister_toolset`,
     `update_allowed_toolsets` — is `ToolsetService`'s (see its docstrings and docs/TOOLSETS.md).
     """
@@ -69,6 +70,8 @@ class OublietteServer:
         self.limits: Limits = config.limits
         self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         """Which server of a deployment this is (host, process, a random tag)."""
+        self.metrics = ServerMetrics()
+        """This server's Prometheus metrics (its own registry); each service gets only the hook it calls."""
         self.sessions = SessionRegistry()
         self.clients = ClientConnections(self.config.max_client_connections)
         self.instances = InstanceDirectory(
@@ -80,7 +83,10 @@ class OublietteServer:
             lambda instance: self.guests.guest_for(instance) is not None,
             start_grace=config.start_timeout,
         )
-        self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self._user_message_arrived, limits=self.limits)
+        self.frame_log = FrameLog(
+            self.store, self.sessions, on_user_message=self._user_message_arrived, limits=self.limits,
+            on_stored=self.metrics.frame_stored,
+        )
         self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
         # With a shared store, which server holds an instance's guest is a lease in the database,
         # and every server closes the caller tool requests a dead server left open.
@@ -93,10 +99,11 @@ class OublietteServer:
         bus = LogBus(self.store, self.frame_log.append_outcome) if self.store.shared else None
         self.calls = CallerCallRegistry(
             self.frame_log.append, config.caller_timeout, bus=bus, find_sessions=self.sessions.find_by_id,
-            server_id=self.server_id if bus is not None else None,
+            server_id=self.server_id if bus is not None else None, on_ended=self.metrics.relayed_call_ended,
         )
         self.approvals = ApprovalService(
             self.frame_log.append, config.approval_timeout, log=bus, server_id=self.server_id if bus is not None else None,
+            on_decided=self.metrics.approval_decided,
         )
         self.elicitation = ApprovalElicitation(self.approvals, config.approval_delivery)
         self.connection_approvals = ConnectionApprovals(self.sessions, self.approvals)
@@ -105,6 +112,7 @@ class OublietteServer:
         self.toolset_forms = ToolsetForms(self.sessions, self.approvals)
         self.toolsets = ToolsetService(
             config.tool_separator, self.clients, self.connection_approvals, ask_caller=self.toolset_forms.ask,
+            on_call=self.metrics.toolset_call_ended,
         )
         # The toolset embedding API (docs/TOOLSETS.md) is the toolset service's own methods.
         self.register_toolset = self.toolsets.register_toolset
@@ -135,6 +143,13 @@ class OublietteServer:
                 messages.AppendFrame, self._limited(self.guest_frames.append_frame, messages.APPEND_FRAME, "payload")),
             ("guest", messages.ACK): HandlerEntry(messages.Ack, self.guest_frames.ack),
         }
+        # The state gauges are read from the services that keep the state, at scrape time.
+        self.metrics.watch(
+            pending_calls=lambda: len(self.calls.pending), pending_approvals=lambda: len(self.approvals.pending),
+            guests=lambda: len(self.guests.connected_instances()), clients=self.clients.count,
+            callers=self.callers.count, long_poll_waiters=self.store.waiter_count,
+        )
+        self._relay_verify_token = self.metrics.checking_relay_tokens(self.tokens.verify)
         self._requests_in_flight = 0
         self._drained = trio.Event()
         self._drained.set()
@@ -184,11 +199,12 @@ class OublietteServer:
         await serve_stdio_caller(self.callers, self.caller_api())
 
     def http_api(self) -> HttpApi:
-        """The HTTP listener (tether routes and /mcp); start its `serve` with `nursery.start`."""
+        """The HTTP listener (tether routes, /mcp, /metrics); start its `serve` (or, for a metrics
+        listener without a token, its `serve_metrics`) with `nursery.start`."""
         return HttpApi(
             callers=self.callers, tools=self.caller_api(), tether=self.tether, instances=self.instances,
             verify_token=self.tokens.verify, allowed_hosts=self.config.allowed_hosts, identity=self.identity(),
-            limits=self.config.http_limits,
+            limits=self.config.http_limits, metrics=self.metrics,
         )
 
     def identity(self) -> dict[str, Any]:
@@ -241,7 +257,7 @@ class OublietteServer:
         """A sandbox connection, given only what it uses of the server."""
         return RelayConnection(
             stream, peer_name,
-            verify_token=self.tokens.verify,
+            verify_token=self._relay_verify_token,
             handlers=self.relay_handlers,
             on_open=self.relay_connection_opened,
             on_close=self.relay_connection_closed,

@@ -19,9 +19,12 @@ SHUTDOWN_DRAIN_SECONDS = 2.0
 READY_PREFIX = "oubliette-server ready "
 
 
-def announce_ready(relay: str, http: list[str]) -> None:
+def announce_ready(relay: str, http: list[str], metrics: list[str] | None = None) -> None:
     """One machine-readable stderr line once every listener is bound (stdout carries MCP)."""
-    print(READY_PREFIX + json.dumps({"relay": relay, "http": http}), file=sys.stderr, flush=True)
+    ready: dict[str, object] = {"relay": relay, "http": http}
+    if metrics:
+        ready["metrics"] = metrics
+    print(READY_PREFIX + json.dumps(ready), file=sys.stderr, flush=True)
 
 
 async def stop_on_signals(cancel_scope: trio.CancelScope) -> None:
@@ -42,15 +45,21 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> None:
         if config.toolsets or config.allowlists:
             await register_from_config(app, config.toolsets, config.allowlists)
         http_urls: list[str] = []
-        if config.http:
-            http_urls = await nursery.start(app.http_api().serve, config.http)
-            log.info("HTTP listening on %s", ", ".join(http_urls))
-        announce_ready(config.relay_address, http_urls)
+        metrics_urls: list[str] = []
+        if config.http or config.metrics:
+            api = app.http_api()
+            if config.http:
+                http_urls = await nursery.start(api.serve, config.http)
+                log.info("HTTP listening on %s", ", ".join(http_urls))
+            if config.metrics:
+                metrics_urls = await nursery.start(api.serve_metrics, config.metrics)
+                log.info("metrics (no token) listening on %s", ", ".join(metrics_urls))
+        announce_ready(config.relay_address, http_urls, metrics_urls)
         if not stdio:
             return  # the listeners run until a signal stops the process
         log.info("serving the caller on stdio; relay at %s", config.relay_address)
         await app.serve_stdio_caller()
-        if config.http:
+        if config.http or config.metrics:
             log.info("the stdio caller disconnected; HTTP listeners keep serving")
             return
         log.info("stdio caller disconnected; shutting down")
