@@ -146,9 +146,10 @@ class ServerMetrics:
             "oubliette_toolset_calls", "Calls of host toolsets by the agents, by toolset and outcome.",
             ["toolset", "outcome"], registry=r)
         # Every known label value is exported from the start (at 0): a rate over a series that
-        # appears only at its first event misses that event.
-        for outcome in RELAYED_OUTCOMES:
-            self.relayed_calls.labels(outcome)
+        # appears only at its first event misses that event. The children of the hot paths (a
+        # relayed call, a frame) are kept: `labels()` takes a lock and builds a key each time.
+        self._relayed = {outcome: self.relayed_calls.labels(outcome) for outcome in RELAYED_OUTCOMES}
+        self._frames = {type: self.frames.labels(type) for type in (*sorted(KNOWN_FRAME_TYPES), "other")}
         for decision in APPROVAL_DECISIONS:
             self.approvals.labels(decision)
         for door, reason in AUTH_REFUSALS:
@@ -171,7 +172,7 @@ class ServerMetrics:
 
     def relayed_call_ended(self, ended: bool, error: RelayError | None, seconds: float) -> None:
         """A relayed call's wait is over: `ended` by one outcome (`error`, None for a result), or not (a failure)."""
-        self.relayed_calls.labels(outcome_of(error, "answered") if ended else "failed").inc()
+        self._relayed[outcome_of(error, "answered") if ended else "failed"].inc()
         self.relayed_call_duration.observe(seconds)
 
     def approval_decided(self, decision: Verdict | None, seconds: float) -> None:
@@ -181,7 +182,7 @@ class ServerMetrics:
 
     def frame_stored(self, type: str, seconds: float) -> None:
         """A frame of `type` was stored; the append took `seconds`."""
-        self.frames.labels(type if type in KNOWN_FRAME_TYPES else "other").inc()
+        self._frames.get(type, self._frames["other"]).inc()
         self.append_latency.observe(seconds)
 
     def http_answered(self, status: int | None) -> None:

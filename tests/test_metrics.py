@@ -213,3 +213,22 @@ def test_state_gauges_are_read_at_scrape_time() -> None:
     assert value(samples(metrics.page().decode()), "oubliette_pending_calls") == 2
     with pytest.raises(ValueError, match="unknown state gauge"):
         metrics.watch(pending_cals=lambda: 0)
+
+
+async def test_toolset_calls_are_counted_by_toolset_and_outcome(deployment: Deployment) -> None:
+    """In process: an agent's `toolset_call`s through the real relay socket, then the server's page."""
+    from test_toolsets import ECHO_SPEC, EchoFactory, running
+
+    async with running(deployment) as run:
+        await run.server.register_toolset("ext", "ext", [ECHO_SPEC], factory=EchoFactory())
+        await run.server.update_allowed_toolsets("box1", ["ext"])
+        tools, _scope = await run.client("box1", "mcp:s1")
+        assert not (await tools.call("ext.echo", {"text": "hi"})).is_error
+        for name, arguments in (("ext.echo", {"text": 1}), ("nope.echo", {})):  # bad arguments, no such toolset
+            with pytest.raises(RelayError):
+                await tools.link.request("toolset_call", {"name": name, "arguments": arguments})
+        scraped = samples(run.server.metrics.page().decode())
+    assert value(scraped, "oubliette_toolset_calls_total", toolset="ext", outcome="ok") == 1
+    assert value(scraped, "oubliette_toolset_calls_total", toolset="ext", outcome="refused") == 1
+    assert value(scraped, "oubliette_toolset_calls_total", toolset="unknown", outcome="refused") == 1
+    assert value(scraped, "oubliette_clients_connected") == 1
