@@ -61,9 +61,20 @@ APPEND_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.
 class Verdict(Protocol):
     """An approval's decision as far as its label goes (`approvals.Decision` is one)."""
 
-    approve: bool
-    who: str
-    kind: str
+    @property
+    def approve(self) -> bool:
+        """Whether the call may run."""
+        ...
+
+    @property
+    def who(self) -> str:
+        """Who decided: the caller, or "timeout", "disconnect", "cancelled" when nobody did."""
+        ...
+
+    @property
+    def kind(self) -> str:
+        """"approval", or "tool" for an answer with the tool's own result."""
+        ...
 
 
 def outcome_of(error: BaseException | None, success: str) -> str:

@@ -59,7 +59,7 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> None:
             return  # the listeners run until a signal stops the process
         log.info("serving the caller on stdio; relay at %s", config.relay_address)
         await app.serve_stdio_caller()
-        if config.http or config.metrics:
+        if config.http:
             log.info("the stdio caller disconnected; HTTP listeners keep serving")
             return
         log.info("stdio caller disconnected; shutting down")

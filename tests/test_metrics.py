@@ -148,13 +148,21 @@ async def test_metrics_listener_serves_metrics_alone_without_a_token(deployment:
     assert behind_token.status_code == 401, "the HTTP listener still wants the token"
 
 
-def test_metrics_listener_option_is_checked() -> None:
-    from oubliette_server.cli import build_config, _serve_parser
+def test_metrics_listener_option_and_config_key_are_checked(tmp_path: Any) -> None:
+    from oubliette_server.cli import _serve_parser, build_config
 
     config = build_config(_serve_parser().parse_args(["--metrics", "127.0.0.1:9464", "--metrics", "unix:/tmp/m.sock"]))
     assert config.metrics == ["127.0.0.1:9464", "unix:/tmp/m.sock"]
     with pytest.raises(ValueError, match="HOST:PORT"):
         build_config(_serve_parser().parse_args(["--metrics", "9464"]))
+    toml = tmp_path / "oubliette.toml"
+    toml.write_text('[server]\nmetrics = ["127.0.0.1:9464"]\n')
+    assert build_config(_serve_parser().parse_args(["--config", str(toml)])).metrics == ["127.0.0.1:9464"]
+    flagged = build_config(_serve_parser().parse_args(["--config", str(toml), "--metrics", "127.0.0.1:9465"]))
+    assert flagged.metrics == ["127.0.0.1:9465"], "the flag overrides the file"
+    toml.write_text('[server]\nmetrics = "127.0.0.1:9464"\n')
+    with pytest.raises(ValueError, match="metrics has the wrong type"):
+        build_config(_serve_parser().parse_args(["--config", str(toml)]))
 
 
 # -- the hooks alone ----------------------------------------------------------------------
