@@ -228,6 +228,7 @@ class ToolsetService:
         finally:
             toolset = connection.router.toolset_of(call.name) if connection.router is not None else None
             self.on_call(toolset or "unknown", error)
+            error = None  # its traceback holds this frame: no cycle left for the collector
 
     async def _call(self, connection: ClientPeer, call: messages.ToolsetCall) -> messages.ToolsetCallResult:
         if connection.router is None:
