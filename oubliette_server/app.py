@@ -33,6 +33,7 @@ from .guests import (
 from .health import Readiness
 from .http_api import HttpApi
 from .instances import InstanceDirectory
+from .metrics import ServerMetrics
 from .relay import SERVER_VERSION, RelayConnection, RelayHandlers, RelayListener
 from .sessions import SessionRegistry
 from .store_api import FrameStoreAPI
@@ -55,7 +56,7 @@ class OublietteServer:
     The services are attributes, for embedding and tests: `store`, `sessions`, `frame_log`,
     `callers`, `caller_tools` (with `calls`, its pending calls), `approvals` (and `connection_approvals`, the
     agent's own actions and gated toolsets), `toolsets`, `guests`, `orphans`,
-    `starter`, `tether`, `instances`, `tokens`. The toolset embedding API — `register_toolset`,
+    `starter`, `tether`, `instances`, `tokens`, `metrics` (docs/OBSERVABILITY.md). The toolset embedding API — `register_toolset`,
     `register_mcp_toolset`, `register_command_toolset`, `unregister_toolset`,
     `update_allowed_toolsets` — is `ToolsetService`'s (see its docstrings and docs/TOOLSETS.md).
     """
@@ -72,6 +73,8 @@ class OublietteServer:
         self.limits: Limits = config.limits
         self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         """Which server of a deployment this is (host, process, a random tag)."""
+        self.metrics = ServerMetrics()
+        """This server's Prometheus metrics (its own registry); each service gets only the hook it calls."""
         self.sessions = SessionRegistry(config.max_sessions)
         self.clients = ClientConnections(self.config.max_client_connections)
         self.instances = InstanceDirectory(
@@ -86,7 +89,10 @@ class OublietteServer:
             start_grace=config.start_timeout,
             on_start_failed=lambda instance, reason: self.failed_starts.start_failed(instance, reason),
         )
-        self.frame_log = FrameLog(self.store, self.sessions, on_user_message=self._user_message_arrived, limits=self.limits)
+        self.frame_log = FrameLog(
+            self.store, self.sessions, on_user_message=self._user_message_arrived, limits=self.limits,
+            on_stored=self.metrics.frame_stored,
+        )
         self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
         # With a shared store, which server holds an instance's guest is a lease in the database,
         # and every server closes the caller tool requests a dead server left open.
@@ -107,10 +113,11 @@ class OublietteServer:
         bus = LogBus(self.store, self.frame_log.append_outcome) if self.store.shared else None
         self.calls = CallerCallRegistry(
             self.frame_log.append, config.caller_timeout, bus=bus, find_sessions=self.sessions.find_by_id,
-            server_id=self.server_id if bus is not None else None,
+            server_id=self.server_id if bus is not None else None, on_ended=self.metrics.relayed_call_ended,
         )
         self.approvals = ApprovalService(
             self.frame_log.append, config.approval_timeout, log=bus, server_id=self.server_id if bus is not None else None,
+            on_decided=self.metrics.approval_decided,
         )
         # A session with a request or approval not yet ended stays in memory (docs/CONFIG.md, max_sessions).
         self.sessions.keep_while(self.calls.holds)
@@ -122,6 +129,7 @@ class OublietteServer:
         self.toolset_forms = ToolsetForms(self.sessions, self.approvals)
         self.toolsets = ToolsetService(
             config.tool_separator, self.clients, self.connection_approvals, ask_caller=self.toolset_forms.ask,
+            on_call=self.metrics.toolset_call_ended,
         )
         # The toolset embedding API (docs/TOOLSETS.md) is the toolset service's own methods.
         self.register_toolset = self.toolsets.register_toolset
@@ -155,6 +163,13 @@ class OublietteServer:
         self.relay_listening = False
         """Whether the relay listener accepts sandboxes (between `serve`'s start and its end)."""
         self.readiness = Readiness(self.store.check_available, lambda: self.relay_listening)
+        # The state gauges are read from the services that keep the state, at scrape time.
+        self.metrics.watch(
+            pending_calls=lambda: len(self.calls.pending), pending_approvals=lambda: len(self.approvals.pending),
+            guests=lambda: len(self.guests.connected_instances()), clients=self.clients.count,
+            callers=self.callers.count, long_poll_waiters=self.store.waiter_count,
+        )
+        self._relay_verify_token = self.metrics.checking_relay_tokens(self.tokens.verify)
         self._requests_in_flight = 0
         self._drained = trio.Event()
         self._drained.set()
@@ -211,12 +226,14 @@ class OublietteServer:
         await serve_stdio_caller(self.callers, self.caller_api())
 
     def http_api(self) -> HttpApi:
-        """The HTTP listener (tether routes and /mcp); start its `serve` with `nursery.start`."""
+        """The HTTP listener (tether routes, /mcp, /metrics); start its `serve` (or, for a metrics
+        listener without a token, its `serve_metrics`) with `nursery.start`."""
         return HttpApi(
             callers=self.callers, tools=self.caller_api(), tether=self.tether, instances=self.instances,
             verify_token=self.tokens.verify, allowed_hosts=self.config.allowed_hosts, identity=self.identity(),
             limits=self.config.http_limits,
             readiness=self.readiness,
+            metrics=self.metrics,
         )
 
     def identity(self) -> dict[str, Any]:
@@ -269,7 +286,7 @@ class OublietteServer:
         """A sandbox connection, given only what it uses of the server."""
         return RelayConnection(
             stream, peer_name,
-            verify_token=self.tokens.verify,
+            verify_token=self._relay_verify_token,
             token_hint=self.tokens.token_hint,
             handlers=self.relay_handlers,
             on_open=self.relay_connection_opened,

@@ -192,6 +192,10 @@ class CallerRegistry:
         log.info("%r connected", caller)
         return caller
 
+    def count(self) -> int:
+        """How many callers are connected now."""
+        return len(self._callers)
+
     def close(self, caller: CallerConnection) -> None:
         """The caller is gone: it gets no more events and `on_closed` fails what waits on it."""
         if caller not in self._callers:

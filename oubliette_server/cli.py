@@ -3,6 +3,7 @@
     oubliette-server [serve] [--relay unix:PATH|tcp:HOST:PORT] [--data-dir DIR] [--caller-timeout SECONDS]
                      [--approval-timeout SECONDS] [--approval-delivery auto|elicitation|tool]
     oubliette-server [serve] [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE] [--store postgresql://…]
+                     [--metrics HOST:PORT|unix:PATH]…
     oubliette-server token INSTANCE [--data-dir DIR | --store postgresql://…]
     oubliette-server http-token [--data-dir DIR | --store postgresql://…]
 
@@ -37,7 +38,7 @@ from .store_open import StoreConfigError, store_url_problem
 PROG = "oubliette-server"
 SUBCOMMANDS = ("serve", "token", "http-token")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
-VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--allowed-host", "--config", "--log-level", "--store"}
+VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--store"}
 EPILOG = """subcommands:
   serve                 serve callers and sandboxes (the default)
   token INSTANCE        print an instance's relay token
@@ -103,6 +104,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--http", action="append", default=None, metavar="HOST:PORT|unix:PATH",
         help="serve the tether API and the caller's MCP (/mcp) over HTTP; repeatable",
+    )
+    parser.add_argument(
+        "--metrics", action="append", default=None, metavar="HOST:PORT|unix:PATH",
+        help="serve GET /metrics alone here, without a token, for a Prometheus scraper (the --http "
+        "listeners serve it too, with the HTTP token); repeatable",
     )
     parser.add_argument(
         "--allowed-host", action="append", default=None, metavar="HOST[:PORT]",
@@ -188,11 +194,13 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         settings["store_url"] = args.store
     if args.http:
         settings["http"] = args.http
+    if args.metrics:
+        settings["metrics"] = args.metrics
     if args.allowed_host:
         settings["allowed_hosts"] = [*settings.get("allowed_hosts", []), *args.allowed_host]
     if settings.get("relay") is not None:
         parse_relay_address(settings["relay"])
-    for bind in settings.get("http", []):
+    for bind in [*settings.get("http", []), *settings.get("metrics", [])]:
         check_http_bind(bind)
     return ServerConfig(**settings)
 

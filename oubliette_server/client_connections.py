@@ -70,6 +70,10 @@ class ClientConnections:
         for connections in list(self._by_instance.values()):
             yield from list(connections)
 
+    def count(self) -> int:
+        """How many client connections are live now, over all instances."""
+        return sum(len(connections) for connections in self._by_instance.values())
+
     def instances(self) -> list[str]:
         """Instances with at least one live client connection."""
         return [name for name, conns in self._by_instance.items() if conns]

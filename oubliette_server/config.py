@@ -112,6 +112,9 @@ class ServerConfig:
             raise ValueError(f"max_client_connections must be between 1 and 10000; got {value!r}")
     http: list[str] = attrs.field(factory=list)
     """HTTP listeners: `HOST:PORT` (bearer tokens) and/or `unix:PATH` (mode 0600, no token)."""
+    metrics: list[str] = attrs.field(factory=list)
+    """Listeners of `GET /metrics` alone, without a token (`HOST:PORT` or `unix:PATH`), for scrapers
+    that cannot hold the HTTP token; the `http` listeners serve it too, behind the token."""
     allowed_hosts: list[str] = attrs.field(factory=list)
     """Extra Host header values accepted on /mcp besides loopback ones (e.g. `oubliette.internal:*`)."""
     http_max_connections: int | None = attrs.field(default=None)
@@ -203,7 +206,7 @@ class ServerConfig:
 
 SERVER_KEYS = {
     "relay": str, "data_dir": str, "caller_timeout": (int, float), "approval_timeout": (int, float), "approval_delivery": str, "store_path": str,
-    "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "allowed_hosts": list,
+    "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "metrics": list, "allowed_hosts": list,
     "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
     "max_client_connections": int,
     "max_payload_bytes": int, "max_payload_depth": int, "max_sessions": int,

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import trio
+
 from protocol import Frame
 from protocol.limits import Limits
 
@@ -31,7 +33,8 @@ class FrameLog:
     """Appends frames to the store and pushes each to the sinks of its session.
 
     Needs: the frame store and the session registry; `on_user_message(instance)` is called
-    after a `user.message` arrives through `ingress` (the wake service); the server's limits.
+    after a `user.message` arrives through `ingress` (the wake service); the server's limits;
+    `on_stored(type, seconds)` hears of each frame stored and how long its append took (metrics).
     Raises: `LimitExceeded` for a frame that could never be delivered (nothing is stored),
     `RelayError(INVALID_PARAMS)` for a server-owned type or payload key at `ingress`, and
     whatever the store raises for a frame it refuses (`ValueError`, `TypeError`).
@@ -43,11 +46,13 @@ class FrameLog:
         sessions: SessionRegistry,
         on_user_message: Callable[[str], object] = lambda instance: None,
         limits: Limits | None = None,
+        on_stored: Callable[[str, float], None] = lambda type, seconds: None,
     ) -> None:
         self.store = store
         self.sessions = sessions
         self.on_user_message = on_user_message
         self.limits = limits or Limits()
+        self.on_stored = on_stored
 
     async def append(
         self,
@@ -72,10 +77,12 @@ class FrameLog:
         reply_to: str | None, msg_id: str | None, skip: EventSink | None = None,
     ) -> Frame:
         """`append` once the frame passed `Limits.check_frame`."""
+        began = trio.current_time()
         frame = await self.store.append(
             session.instance, channel=session.channel, session_id=session.id,
             type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
         )
+        self.on_stored(type, trio.current_time() - began)
         if session.sinks:
             event = frame.to_event()
             for sink in list(session.sinks):
@@ -90,9 +97,12 @@ class FrameLog:
             payload, instance=session.instance, channel=session.channel, session_id=session.id,
             type=type, msg_id=None, reply_to=None,
         )
-        return await self.store.append(
+        began = trio.current_time()
+        frame = await self.store.append(
             session.instance, channel=session.channel, session_id=session.id, type=type, payload=payload,
         )
+        self.on_stored(type, trio.current_time() - began)
+        return frame
 
     async def append_outcome(
         self,
@@ -109,9 +119,12 @@ class FrameLog:
             payload, instance=session.instance, channel=session.channel, session_id=session.id,
             type=type, msg_id=None, reply_to=None,
         )
+        began = trio.current_time()
         frame = await self.store.append_outcome(
             session.instance, request_id, channel=session.channel, session_id=session.id, type=type, payload=payload,
         )
+        if frame is not None:
+            self.on_stored(type, trio.current_time() - began)
         if frame is not None and session.sinks:
             event = frame.to_event()
             for sink in list(session.sinks):

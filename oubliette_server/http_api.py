@@ -10,6 +10,8 @@ One hypercorn (Trio worker) server serves one Starlette app:
 - `/mcp`: the caller's MCP (Streamable HTTP, SSE responses, `tools.listChanged` advertised);
 - `GET /livez`, `GET /readyz` (no token: for load balancers and orchestrators) and
   `GET /v1/health` (the detailed view): `HealthRoutes`.
+- `GET /metrics`: the server's Prometheus metrics (the HTTP token; or on a listener of its own,
+  `serve_metrics`, without one: docs/OBSERVABILITY.md, "Metrics").
 
 Auth: on TCP every request but `/livez` and `/readyz` needs `Authorization: Bearer <token>`: the server's
 HTTP token (`oubliette-server http-token`) for everything, or an instance's own
@@ -22,6 +24,7 @@ credential. /mcp also checks the Host header against loopback names plus
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -36,6 +39,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
 from starlette.routing import Route
 
 from protocol import RelayError, errors
@@ -49,6 +53,7 @@ from .callers import CallerConnection, CallerRegistry, keyed_identity
 from .connection_limits import HTTP_WRITE_SECONDS, ConnectionAcceptor, FloodLog, GuardedStream, HttpLimits, describe
 from .health import Readiness
 from .instances import InstanceDirectory
+from .metrics import CONTENT_TYPE, ServerMetrics
 from .store_api import StoreUnavailable
 from .tether import Tether
 
@@ -239,11 +244,14 @@ def _host_refusal(scope: dict[str, Any]) -> str:
 
 
 class BearerAuth:
-    """ASGI middleware: TCP requests need a valid bearer token; Unix socket ones rely on the file mode."""
+    """ASGI middleware: TCP requests need a valid bearer token; Unix socket ones rely on the file mode.
 
-    def __init__(self, app: Any, verify_token: VerifyToken) -> None:
+    `on_refused(reason)` ("missing_token" or "bad_token") hears of each refusal (metrics)."""
+
+    def __init__(self, app: Any, verify_token: VerifyToken, on_refused: Callable[[str], object] = lambda reason: None) -> None:
         self.app = app
         self.verify_token = verify_token
+        self.on_refused = on_refused
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("server") is None or scope["path"] in PUBLIC_PATHS:
@@ -256,6 +264,7 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         message = "missing bearer token" if token is None else "this bearer token is not valid for this resource"
+        self.on_refused("missing_token" if token is None else "bad_token")
         response = error_response(RelayError(errors.UNAUTHORIZED, message))
         response.headers["WWW-Authenticate"] = 'Bearer realm="oubliette"'
         await response(scope, receive, send)
@@ -364,14 +373,17 @@ class AccessLog:
     query string), status, duration, and for an error status the reason the answer gave (the
     JSON error's message, or the start of a plain-text body, e.g. the SDK's `Invalid Host
     header`). Never a header, so never a token. A request that ended without a response (the
-    client went away, the server stopped) is logged with status `-`.
+    client went away, the server stopped) is logged with status `-`. `on_answered(status)` hears
+    of every request's status (None: no answer), logged or not (metrics).
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, on_answered: Callable[[int | None], object] | None = None) -> None:
         self.app = app
+        self.on_answered = on_answered
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not access_log.isEnabledFor(logging.INFO):
+        logged = access_log.isEnabledFor(logging.INFO)
+        if scope["type"] != "http" or not (logged or self.on_answered):
             await self.app(scope, receive, send)
             return
         began = trio.current_time()
@@ -389,14 +401,17 @@ class AccessLog:
         try:
             await self.app(scope, receive, logged_send)
         finally:
-            client = scope.get("client")
-            reason = _refusal_reason(bytes(error_body)) if status is not None and status >= 400 else ""
-            host = "unix" if not client else f"[{client[0]}]:{client[1]}" if ":" in client[0] else f"{client[0]}:{client[1]}"
-            access_log.info(
-                "%s %s %s %s %.1f ms%s", host, scope["method"],
-                describe(scope["path"]), status if status is not None else "-",
-                (trio.current_time() - began) * 1000, f" - {describe(reason)}" if reason else "",
-            )
+            if self.on_answered is not None:
+                self.on_answered(status)
+            if logged:
+                client = scope.get("client")
+                reason = _refusal_reason(bytes(error_body)) if status is not None and status >= 400 else ""
+                host = "unix" if not client else f"[{client[0]}]:{client[1]}" if ":" in client[0] else f"{client[0]}:{client[1]}"
+                access_log.info(
+                    "%s %s %s %s %.1f ms%s", host, scope["method"],
+                    describe(scope["path"]), status if status is not None else "-",
+                    (trio.current_time() - began) * 1000, f" - {describe(reason)}" if reason else "",
+                )
 
 
 def _sole(exc: BaseException) -> BaseException:
@@ -685,8 +700,9 @@ class HttpApi:
     Needs: the caller registry (one caller per MCP session or per bearer token), the caller
     tools, the tether and instance directory (for the routes), `verify_token(name, token)`,
     the extra Host names allowed on /mcp, the `HttpLimits` (docs/SECURITY.md, "Slow HTTP
-    clients") and the readiness checks (for the probes). Start `serve` with `nursery.start`: it
-    reports the bound URLs.
+    clients"), the readiness checks (for the probes), and with the server's `metrics`,
+    `GET /metrics` and the request and refusal counts. Start `serve` (and `serve_metrics`) with
+    `nursery.start`: it reports the bound URLs.
     """
 
     def __init__(
@@ -701,7 +717,9 @@ class HttpApi:
         readiness: Readiness,
         identity: dict[str, Any] | None = None,
         limits: HttpLimits | None = None,
+        metrics: ServerMetrics | None = None,
     ) -> None:
+        self.metrics = metrics
         self.limits = limits or HttpLimits()
         """What HTTP clients may hold: the connection cap, the body deadline, keep-alive limits."""
         self.flood = FloodLog(log, "HTTP")
@@ -802,18 +820,51 @@ class HttpApi:
                 *TetherRoutes(self.tether, self.instances).routes(),
                 *HealthRoutes(self.readiness, self.instances, self.identity).routes(),
                 *AnswerRoutes(self.tools, self.verify_token).routes(),
+                *self._metrics_routes(),
             ],
         )
         starlette.router.default = _not_found  # unknown paths answer the JSON error shape too
         starlette.add_middleware(ErrorBoundary)  # inside Starlette's own (plain-text 500) error middleware
-        body_timeout = self.limits.body_timeout
-        return AccessLog(DrainRequestBody(
-            BearerAuth(ExplainMisdirected(StreamWatch(starlette, self._standalone_stream_dropped)), self.verify_token),
-            body_timeout, lambda: self.flood.count(f"requests cut off at the {body_timeout:g} s body deadline"),
-        ))
+        refused = functools.partial(self.metrics.auth_refused, "http") if self.metrics else lambda reason: None
+        watched = ExplainMisdirected(StreamWatch(starlette, self._standalone_stream_dropped))
+        return self._outer(BearerAuth(watched, self.verify_token, refused))
 
-    async def serve(self, binds: list[str], *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve the app with hypercorn's Trio protocol on `binds` (`host:port` or `unix:PATH`) until cancelled.
+    def _outer(self, app: Any, flood: FloodLog | None = None) -> Any:
+        """`app` in the middleware every listener has outside it: the access log, the body deadline."""
+        body_timeout = self.limits.body_timeout
+        cut = flood or self.flood
+        return AccessLog(DrainRequestBody(
+            app, body_timeout, lambda: cut.count(f"requests cut off at the {body_timeout:g} s body deadline"),
+        ), self.metrics.http_answered if self.metrics else None)
+
+    def _metrics_routes(self) -> list[Route]:
+        """`GET /metrics`, when the server keeps metrics."""
+        metrics = self.metrics
+        if metrics is None:
+            return []
+
+        async def page(request: Request) -> Response:
+            return Response(metrics.page(), media_type=CONTENT_TYPE)
+
+        return [Route("/metrics", page, methods=["GET"])]
+
+    def metrics_app(self, flood: FloodLog | None = None) -> Any:
+        """The ASGI app of a metrics listener: `GET /metrics` without a token, nothing else (404)."""
+        starlette = Starlette(routes=self._metrics_routes())
+        starlette.router.default = _not_found
+        return self._outer(starlette, flood)
+
+    async def serve_metrics(self, binds: list[str], *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve `metrics_app` on `binds` (a listener of its own, for scrapers without the token), as `serve` does."""
+        flood = FloodLog(log, "metrics HTTP")
+        await self.serve(binds, app=self.metrics_app(flood), flood=flood, task_status=task_status)
+
+    async def serve(
+        self, binds: list[str], *, app: Any = None, flood: FloodLog | None = None,
+        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve the app (`asgi_app`, or `app` with its own `flood` log) with hypercorn's Trio protocol
+        on `binds` (`host:port` or `unix:PATH`) until cancelled.
 
         Needs: `nursery.start`, which returns the bound addresses. Owns: the listeners, and at
         most `limits.connection_cap` connections at once over all of them (one over the cap is
@@ -862,7 +913,8 @@ class HttpApi:
                 sock.listen(config.backlog)
                 listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
                 urls.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
-            app = wrap_app(self.asgi_app(), config.wsgi_max_body_size, None)
+            flood = flood or self.flood
+            app = wrap_app(app if app is not None else self.asgi_app(), config.wsgi_max_body_size, None)
             lifespan_state: dict[str, Any] = {}
             lifespan = Lifespan(app, config, lifespan_state)
             context = WorkerContext(None)  # no `max_requests`: reaching it would stop this server
@@ -872,11 +924,11 @@ class HttpApi:
                 guarded = GuardedStream(stream, HTTP_WRITE_SECONDS)
                 await TCPServer(app, config, context, ConnectionState(lifespan_state.copy()), guarded).run()  # type: ignore[arg-type]
 
-            acceptor = ConnectionAcceptor(self.flood, log, cap=self.limits.connection_cap, refuse=_refuse_busy)
+            acceptor = ConnectionAcceptor(flood, log, cap=self.limits.connection_cap, refuse=_refuse_busy)
             async with trio.open_nursery() as nursery:
                 await nursery.start(lifespan.handle_lifespan)
                 await lifespan.wait_for_startup()
-                await nursery.start(self.flood.serve)
+                await nursery.start(flood.serve)
                 await nursery.start(acceptor.serve, connection, listeners)
                 task_status.started(urls)
         finally:

@@ -19,9 +19,12 @@ SHUTDOWN_DRAIN_SECONDS = 2.0
 READY_PREFIX = "oubliette-server ready "
 
 
-def announce_ready(relay: str, http: list[str]) -> None:
+def announce_ready(relay: str, http: list[str], metrics: list[str] | None = None) -> None:
     """One machine-readable stderr line once every listener is bound (stdout carries MCP)."""
-    print(READY_PREFIX + json.dumps({"relay": relay, "http": http}), file=sys.stderr, flush=True)
+    ready: dict[str, object] = {"relay": relay, "http": http}
+    if metrics:
+        ready["metrics"] = metrics
+    print(READY_PREFIX + json.dumps(ready), file=sys.stderr, flush=True)
 
 
 async def stop_on_signals(cancel_scope: trio.CancelScope, received: list[int]) -> None:
@@ -50,10 +53,16 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> int | None:
         if config.toolsets or config.allowlists:
             await register_from_config(app, config.toolsets, config.allowlists)
         http_urls: list[str] = []
-        if config.http:
-            http_urls = await nursery.start(app.http_api().serve, config.http)
-            log.info("HTTP listening on %s", ", ".join(http_urls))
-        announce_ready(config.relay_address, http_urls)
+        metrics_urls: list[str] = []
+        if config.http or config.metrics:
+            api = app.http_api()
+            if config.http:
+                http_urls = await nursery.start(api.serve, config.http)
+                log.info("HTTP listening on %s", ", ".join(http_urls))
+            if config.metrics:
+                metrics_urls = await nursery.start(api.serve_metrics, config.metrics)
+                log.info("metrics (no token) listening on %s", ", ".join(metrics_urls))
+        announce_ready(config.relay_address, http_urls, metrics_urls)
         if stdio:
             await _serve_the_stdio_caller(app, config, nursery)
     return received[0] if received else None

@@ -331,6 +331,8 @@ class HttpServer:
     def __init__(self, deployment: "Deployment", process: trio.Process, ready: dict[str, Any]) -> None:
         self.deployment = deployment
         self.process = process
+        self.ready = ready
+        """The server's ready line: `relay`, `http` and (with `--metrics`) `metrics` addresses."""
         self.url = next(u for u in ready["http"] if u.startswith("http://127.0.0.1"))
         self.unix_socket = str(deployment.root / "http.sock")
         self.token = deployment.http_token()

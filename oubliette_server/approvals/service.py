@@ -62,6 +62,9 @@ ELICITATION_WHO = "elicitation"
 
 Origin = Literal["caller", "toolset", "agent"]
 AppendFn = Callable[..., Awaitable[Any]]
+#: Told when a gated call's wait is over: its decision (None: it ended without one) and the
+#: seconds it took (the server's metrics).
+DecidedFn = Callable[["Decision | None", float], None]
 
 REQUEST = "approval_request"
 RESOLVED = "approval_resolved"
@@ -214,11 +217,13 @@ class ApprovalService:
 
     def __init__(
         self, append_frame: AppendFn, default_timeout: float = DEFAULT_APPROVAL_TIMEOUT, log: SharedLog | None = None,
-        server_id: str | None = None,
+        server_id: str | None = None, on_decided: DecidedFn = lambda decision, seconds: None,
     ) -> None:
         """`log` (a shared store only) makes approvals work across servers; `server_id` is written
-        in each request, so survivors can tell whose wait died (abandoned_requests.py)."""
+        in each request, so survivors can tell whose wait died (abandoned_requests.py);
+        `on_decided` hears how each of this server's gated calls was decided."""
         self._append_frame = append_frame
+        self._on_decided = on_decided
         self.default_timeout = default_timeout
         self.log = log
         self.server_id = server_id
@@ -356,6 +361,7 @@ class ApprovalService:
         Cancellation: the approval is decided "cancelled" (denied), its `approval_resolved`
         frame is appended under a shield, and `Cancelled` propagates.
         """
+        started = trio.current_time()
         seconds = self.default_timeout if timeout is None else timeout
         entry = PendingApproval(
             request_id="apr-" + secrets.token_hex(8), session=session, tool_name=tool_name,
@@ -406,6 +412,7 @@ class ApprovalService:
         finally:
             self._pending.pop(entry.request_id, None)
             entry.recorded.set()  # never leave an answerer waiting, even if recording failed
+            self._on_decided(entry.decision, trio.current_time() - started)
         return self._decided(entry)
 
     @staticmethod

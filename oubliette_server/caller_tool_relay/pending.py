@@ -56,6 +56,9 @@ RESOLVED_MEMORY = 10_000
 AppendFn = Callable[..., Awaitable[Any]]
 #: Hands a progress report (progress, total, message) to the agent's waiting call; never waits.
 ProgressFn = Callable[[float, "float | None", "str | None"], None]
+#: Told when a relayed call's wait is over: whether one outcome ended it, its error (None: a
+#: result) and the seconds it took (the server's metrics).
+EndedFn = Callable[[bool, "RelayError | None", float], None]
 
 
 @attrs.define(eq=False)
@@ -122,10 +125,13 @@ class CallerCallRegistry:
     def __init__(
         self, append_frame: AppendFn, default_timeout: float, bus: LogBus | None = None,
         find_sessions: Callable[[str], list[Session]] | None = None, server_id: str | None = None,
+        on_ended: EndedFn = lambda ended, error, seconds: None,
     ) -> None:
         """`bus` (a shared store only) and `find_sessions` (sessions by id) make calls work across servers;
-        `server_id` (shared store) is written in each request, so survivors can tell whose wait died."""
+        `server_id` (shared store) is written in each request, so survivors can tell whose wait died;
+        `on_ended` hears how each call of this server's agents ended."""
         self._append_frame = append_frame
+        self._on_ended = on_ended
         self.server_id = server_id
         self.default_timeout = default_timeout
         self.bus = bus
@@ -228,6 +234,7 @@ class CallerCallRegistry:
 
         `progress` gets the caller's progress reports on the call while it waits (`progress`).
         """
+        started = trio.current_time()
         request_id = "ctr-" + secrets.token_hex(8)
         caller = session.owner
         timeout = spec.timeout_ms / 1000 if spec.timeout_ms else self.default_timeout
@@ -277,6 +284,7 @@ class CallerCallRegistry:
             raise
         finally:
             self._pending.pop(request_id, None)
+            self._on_ended(call.done.is_set(), call.error, trio.current_time() - started)
         if call.error is not None:
             raise call.error
         return self.check_result(spec, call.result)

@@ -182,6 +182,11 @@ class ToolRouter:
         prefix = name.split(self.separator, 1)[0]
         return RelayError(errors.NOT_FOUND, f"Toolset not found: '{prefix}'")
 
+    def toolset_of(self, name: str) -> str | None:
+        """The id of the toolset that publishes `name` here, or None."""
+        entry = self._published.get(name)
+        return entry.binding.definition.id if entry is not None else None
+
     def checked(self, name: str, arguments: dict[str, Any]) -> PublishedToolsetTool:
         """The published tool `name`, once `arguments` match its schema (`RelayError` otherwise)."""
         entry = self._published.get(name)

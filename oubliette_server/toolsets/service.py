@@ -80,8 +80,11 @@ class ToolsetService:
         clients: ClientConnections,
         approvals: ConnectionApprovals | None = None,
         ask_caller: AskCaller | None = None,
+        on_call: Callable[[str, BaseException | None], None] = lambda toolset, error: None,
     ) -> None:
         self.ask_caller = ask_caller
+        self.on_call = on_call
+        """Told when a `toolset_call` ends: the toolset's id ("unknown" if none publishes the name), its error or None."""
         self.registry = ToolsetRegistry()
         self.clients = clients
         self.approvals = approvals
@@ -298,6 +301,18 @@ class ToolsetService:
 
     async def call(self, connection: ClientPeer, call: messages.ToolsetCall) -> messages.ToolsetCallResult:
         """The `toolset_call` relay method; a gated tool runs only once the owning caller approved it."""
+        error: BaseException | None = None
+        try:
+            return await self._call(connection, call)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            toolset = connection.router.toolset_of(call.name) if connection.router is not None else None
+            self.on_call(toolset or "unknown", error)
+            error = None  # its traceback holds this frame: no cycle left for the collector
+
+    async def _call(self, connection: ClientPeer, call: messages.ToolsetCall) -> messages.ToolsetCallResult:
         if connection.router is None:
             raise RelayError(errors.NOT_FOUND, "no toolsets are bound to this connection")
         entry = connection.router.checked(call.name, call.arguments)
