@@ -190,6 +190,24 @@ def test_without_the_extra_one_warning_names_the_pip_command(deployment: Deploym
     assert "MODULES []" in done.stderr
 
 
+def test_a_collector_that_never_answers_delays_exit_by_the_deadline_only(deployment: Deployment) -> None:
+    """Spans queued at exit, a collector that accepts the connection and never answers, an export
+    timeout of 30 s: the server still exits after its 2 s deadline, saying what it dropped."""
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # connections wait in its backlog, unread
+        env = _env_without_otel(
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{silent.getsockname()[1]}",
+            OTEL_EXPORTER_OTLP_TIMEOUT="30", OTEL_BSP_SCHEDULE_DELAY="60000",
+        )
+        began = time.monotonic()
+        done = _probe(deployment, env)
+        elapsed = time.monotonic() - began
+    assert "spans not exported within 2 s at exit were dropped" in done.stderr, done.stderr
+    assert elapsed < 25, elapsed
+
+
 # -- both programs export over OTLP/HTTP ----------------------------------------------------------
 
 
