@@ -182,6 +182,14 @@ def test_with_no_otel_variable_the_sdk_is_never_imported(deployment: Deployment)
     assert "'opentelemetry.sdk.trace'" in done.stderr, done.stderr
 
 
+def test_grpc_is_the_other_protocol(deployment: Deployment) -> None:
+    """`OTEL_EXPORTER_OTLP_PROTOCOL=grpc` loads the gRPC exporter (a collector that is down costs no more than the deadline)."""
+    done = _probe(deployment, _env_without_otel(
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", OTEL_EXPORTER_OTLP_PROTOCOL="grpc"))
+    assert "'opentelemetry.exporter.otlp.proto.grpc.trace_exporter'" in done.stderr, done.stderr
+    assert "'opentelemetry.exporter.otlp.proto.http.trace_exporter'" not in done.stderr
+
+
 def test_without_the_extra_one_warning_names_the_pip_command(deployment: Deployment) -> None:
     done = _probe(deployment, _env_without_otel(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9"), block=True)
     warnings = [line for line in done.stderr.splitlines() if "WARNING" in line]
