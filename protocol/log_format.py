@@ -12,7 +12,6 @@ log line leads to its trace. Only the JSON format reads the current span, and it
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -33,6 +32,9 @@ class JsonFormatter(logging.Formatter):
 
     def __init__(self) -> None:
         super().__init__()
+        import json  # not at module import: `--help` and the text format never need it
+
+        self._dumps = json.dumps
         try:
             from opentelemetry import trace
         except ImportError:  # the API comes with the MCP SDK; without it there are no spans to name
@@ -63,7 +65,7 @@ class JsonFormatter(logging.Formatter):
             line["exception"] = record.exc_text
         if record.stack_info:
             line["stack"] = self.formatStack(record.stack_info)
-        return json.dumps(line, default=str, ensure_ascii=False)
+        return self._dumps(line, default=str, ensure_ascii=False)
 
 
 def add_log_format_option(parser: argparse.ArgumentParser) -> None:
