@@ -27,12 +27,15 @@ from typing import Iterator, NoReturn
 
 import trio
 
+from protocol.log_format import add_log_format_option
+from protocol.telemetry import setup_observability
+
 from .settings import add_relay_arguments, positive_seconds, settings_from_args
 
 PROG = "oubliette-client"
 SUBCOMMANDS = ("run", "endpoint", "tools", "demo-agent")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
-VALUE_OPTIONS = {"--relay", "--instance", "--token", "--session", "--connect-wait", "--log-level", "--turn-timeout"}
+VALUE_OPTIONS = {"--relay", "--instance", "--token", "--session", "--connect-wait", "--log-level", "--log-format", "--turn-timeout"}
 EPILOG = """subcommands:
   (none)                serve the sandbox's tools to the agent over stdio MCP
   run -- CMD [ARGS...]  the guest runtime: run CMD for every message the instance receives
@@ -83,10 +86,11 @@ def _positive_seconds(text: str) -> float:
 def _add_common(parser: argparse.ArgumentParser, log_level: str) -> None:
     parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("--log-level", type=_log_level, default=log_level, help=f"stderr log level (default {log_level.lower()})")
+    add_log_format_option(parser)
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(stream=sys.stderr, level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _logging(args: argparse.Namespace, service: str = PROG) -> None:
+    setup_observability(service, args.log_level, args.log_format)
 
 
 def _serve_main(argv: list[str]) -> int:
@@ -102,7 +106,7 @@ def _serve_main(argv: list[str]) -> int:
     )
     _add_common(parser, "WARNING")
     args = parser.parse_args(argv)
-    _logging(args.log_level)
+    _logging(args)
     from .early_handshake import serve_stdio
 
     trio.run(functools.partial(
@@ -136,7 +140,7 @@ def _run_main(argv: list[str]) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the agent command after --")
-    _logging(args.log_level)
+    _logging(args, "oubliette-guest")
     from .guest import DEFAULT_TURN_TIMEOUT, GuestRuntime, run_until_signalled
 
     value = args.turn_timeout if args.turn_timeout is not None else os.environ.get("OUBLIETTE_TURN_TIMEOUT")
@@ -160,7 +164,7 @@ def _endpoint_main(argv: list[str], tools: bool) -> int:
     if tools:
         parser.add_argument("words", nargs="*", help="list | describe NAME | call NAME JSON")
     args = parser.parse_args(argv)
-    _logging(args.log_level)
+    _logging(args)
     from .endpoint import run_endpoint, run_tools_command
 
     settings = settings_from_args(parser, args)

@@ -334,7 +334,6 @@ class OublietteServer:
         else:
             self.clients.discard(connection)
             self.toolsets.detach(connection)
-        log.info("%r disconnected", connection)
 
     def _limited(
         self, handler: Callable[[Any, Any], Awaitable[Any]], method: str, field: str

@@ -26,6 +26,8 @@ from typing import Iterator, NoReturn
 
 from protocol import parse_relay_address
 from protocol.interrupts import INTERRUPTED, is_interrupt, raise_on_interrupt
+from protocol.log_format import add_log_format_option
+from protocol.telemetry import setup_observability
 
 from .auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from .approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
@@ -38,7 +40,7 @@ from .store_open import StoreConfigError, store_url_problem
 PROG = "oubliette-server"
 SUBCOMMANDS = ("serve", "token", "http-token")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
-VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--store"}
+VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store"}
 EPILOG = """subcommands:
   serve                 serve callers and sandboxes (the default)
   token INSTANCE        print an instance's relay token
@@ -77,6 +79,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", action="version", version=f"{PROG} {SERVER_VERSION}")
     parser.add_argument("--data-dir", type=Path, help="state directory (default $OUBLIETTE_DATA_DIR or ~/.local/share/oubliette)")
     parser.add_argument("--log-level", type=_log_level, default="INFO", help="stderr log level (default info)")
+    add_log_format_option(parser)
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -272,7 +275,7 @@ def _run(argv: list[str]) -> int:
     else:
         parser = _token_parser(http=command == "http-token")
     args = parser.parse_args(rest)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_observability(PROG, args.log_level, args.log_format)
     if command == "token":
         reason = check_instance_id(args.instance)
         if reason:

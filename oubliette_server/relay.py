@@ -11,6 +11,11 @@ Owns: the connection's stream and tasks (through its peer). Needs: `verify_token
 `{(role, method): HandlerEntry}` table (handlers take the connection first), the
 `on_open`/`on_close` hooks and `PeerLimits`. Raises: nothing out of `run` but
 cancellation; one connection's failure never reaches the listener.
+
+The relay access log: one INFO line on `oubliette.access` (as the HTTP API's) when a connection
+is admitted, when it is refused (the reason: a wrong token, a bad hello, a limit, no hello in
+time) and when an admitted one closes (its duration and why) - never a token. The fields are
+also on the record (`extra`), so `--log-format json` writes them as their own keys.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
+
+import re
 
 import trio
 
@@ -38,9 +45,14 @@ from protocol import (
 )
 
 from .auth import check_hello
-from .connection_limits import ConnectionAcceptor, FloodLog
+from .connection_limits import ConnectionAcceptor, FloodLog, describe
 
 log = logging.getLogger("oubliette.server.relay")
+access_log = logging.getLogger("oubliette.access")
+"""One INFO line per relay connection event (docs/OBSERVABILITY.md, "The relay access log"); never a token."""
+
+#: A refusal's message that would show a hello's token (a wrong type is echoed by the schema check).
+_TOKEN_VALUE = re.compile(r"(\$\.token\b).*", re.DOTALL)
 
 SERVER_VERSION = "0.1.0"
 
@@ -107,6 +119,8 @@ class RelayConnection:
         self._on_open = on_open
         self._on_close = on_close
         self._opened_tasks: list[Callable[[], Awaitable[None]]] = []
+        self._began = trio.current_time()
+        self._claimed: tuple[str, str, str | None] | None = None  # the hello's role, instance, session
         self._peer = RelayPeer(
             stream, RelayCore(ROLE_SERVER), name=self, limits=limits,
             on_request_started=on_request_started, on_request_finished=on_request_finished,
@@ -170,22 +184,60 @@ class RelayConnection:
         finally:
             if self.role is not None:
                 self._on_close(self)
+            self._log_end()
 
     async def _run_when_open(self, nursery: trio.Nursery) -> None:
         await self._peer.opened.wait()
-        log.info("%r: connected", self)
+        self._access("connected")
         for task in self._opened_tasks:
             nursery.start_soon(task)
         self._opened_tasks.clear()
 
     async def _hello(self, hello: messages.Hello) -> messages.HelloResult:
         """Check the hello; register the connection (its configuration is queued before the answer)."""
+        self._claimed = (hello.role, hello.instance, hello.session)
         check_hello(hello, self._verify_token, self._token_hint)
         self.role, self.instance, self.session_key = hello.role, hello.instance, hello.session
         await self._on_open(self)  # if it fails, the hello is refused and `on_close` still runs
         return messages.HelloResult(
             protocol=PROTOCOL_VERSION, server_version=SERVER_VERSION,
             instance=hello.instance, session=hello.session,
+        )
+
+
+    # -- the access log --------------------------------------------------------------------
+
+    def _log_end(self) -> None:
+        """The connection's last access line: closed (it was admitted), refused, or left before hello."""
+        if self._peer.opened.is_set():
+            self._access("closed", self._peer.close_reason or "the connection ended", duration=True)
+        elif self._peer.refusal is not None:
+            self._access("refused", _TOKEN_VALUE.sub(r"\1 (its value is not logged)", self._peer.refusal), duration=True)
+        else:
+            self._access("left before hello", self._peer.close_reason or "the connection ended", duration=True)
+
+    def _access(self, event: str, reason: str | None = None, *, duration: bool = False) -> None:
+        """One `oubliette.access` line: `PEER relay ROLE INSTANCE SESSION EVENT [after S s] [- REASON]`.
+
+        Before the hello passed, the role, instance and session are the ones it claimed (escaped).
+        """
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        role, instance, session = (self.role, self.instance, self.session_key) if self.role else self._claimed or (None, None, None)
+        fields: dict[str, Any] = {
+            "event": event, "peer": self.peer, "role": describe(role) if role else None,
+            "instance": describe(instance) if instance else None, "session": describe(session) if session else None,
+        }
+        tail = ""
+        if duration:
+            fields["duration_s"] = round(trio.current_time() - self._began, 3)
+            tail += f" after {fields['duration_s']:.3f} s"
+        if reason:
+            fields["reason"] = describe(reason)
+            tail += f" - {fields['reason']}"
+        access_log.info(
+            "%s relay %s %s %s %s%s", self.peer, fields["role"] or "-", fields["instance"] or "-",
+            fields["session"] or "-", event, tail, extra=fields,
         )
 
 

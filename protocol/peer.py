@@ -219,6 +219,9 @@ class RelayPeer:
         self._hello_deadline = math.inf
         self.opened = trio.Event()
         """Set once the handshake completed (server: hello answered; client: answer read)."""
+        self.refusal: str | None = None
+        """Server: why the connection was refused before its handshake completed (the refused
+        hello's error message, or the protocol error); its owner logs it (the relay access log)."""
         self.closed = trio.Event()
         """Set once the connection ended; :attr:`close_reason` says why."""
 
@@ -541,8 +544,14 @@ class RelayPeer:
         return True
 
     def _protocol_error(self, err: RemoteProtocolError) -> bool:
-        """Answer a protocol break with one error object, then close (after flushing)."""
-        log.warning("%r: protocol error, closing: %s", self.name, err.message)
+        """Answer a protocol break with one error object, then close (after flushing).
+
+        Before a server's handshake it is a refusal (`refusal`, logged by the owner), else a WARNING."""
+        if self._core.our_role == ROLE_SERVER and not self._core.handshake_complete:
+            self.refusal = f"protocol error: {err.message}"
+            log.debug("%r: protocol error before hello, closing: %s", self.name, err.message)
+        else:
+            log.warning("%r: protocol error, closing: %s", self.name, err.message)
         if not self._put(_Outgoing(self._core.send_protocol_error(err))):
             return False
         return self._close_after_flush(f"protocol error: {err.message}")
@@ -585,7 +594,8 @@ class RelayPeer:
     ) -> None:
         result, error = await self._answered(event, handlers, unknown_method)
         if error is not None:
-            log.warning("%r: hello refused: %s", self.name, error.message)
+            self.refusal = error.message
+            log.debug("%r: hello refused: %s", self.name, error.message)
         self._respond(event.id, result, error)
 
     async def _serve_request(

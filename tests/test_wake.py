@@ -216,7 +216,7 @@ async def test_a_dropped_guest_is_woken_again_and_nothing_runs_twice(deployment:
         [first_start] = setup.start_lines()
 
         os.kill(first_start["pid"], signal.SIGKILL)  # the sandbox goes away without a word
-        await server.wait_stderr("RelayConnection guest box1", "disconnected")
+        await server.wait_stderr("oubliette.access", " relay guest box1 ", " closed after ")
         await server.wait_stderr("start command of box1 exited with status -9")
 
         while_down = {await tether_send(rest, "a", "a2"): ("host:a", "a2"),
@@ -306,7 +306,7 @@ async def test_a_guest_dropping_with_unread_data_leaves_the_server_serving(deplo
                 await raw.stream.socket.recv(1, socket.MSG_PEEK)
             # ... then close: unread data makes the kernel reset the connection.
             raw.stream.socket.close()
-        await server.wait_stderr("RelayConnection guest box1", "disconnected")
+        await server.wait_stderr("oubliette.access", " relay guest box1 ", " closed after ")
 
         health = await rest.get("/v1/health")
         assert health.status_code == 200 and health.json()["ok"] is True
@@ -358,7 +358,7 @@ async def test_an_earlier_start_failing_late_does_not_let_a_third_start_begin(de
             # The test plays the guest that start 1 brought up; it answers m1, then goes away.
             async with deployment.guest("box1", [PYTHON, str(agent), str(setup.turns)]):
                 await wait_answers(rest, [m1])
-            await server.wait_stderr("RelayConnection guest box1", "disconnected")
+            await server.wait_stderr("oubliette.access", " relay guest box1 ", " closed after ")
 
             m2 = await tether_send(rest, "a", "m2")
             await server.wait_stderr("gate-start 2 ")

@@ -1,0 +1,86 @@
+"""How both programs write their log lines on stderr: `text` for people, `json` for log shippers.
+
+`--log-format text` (the default) is the line both programs always wrote
+(`2026-11-26 12:00:01,234 INFO oubliette.access: ...`). `--log-format json` writes one JSON
+object per line: `time` (UTC, ISO 8601), `level`, `logger`, `message`, the record's extra fields
+(`logger.info(..., extra={...})`), `exception` for a traceback, and `trace_id` / `span_id` when
+the line is written inside a recording OpenTelemetry span (docs/OBSERVABILITY.md, "Logs"), so a
+log line leads to its trace. Only the JSON format reads the current span, and it imports
+`opentelemetry.trace` (the API, always installed with the MCP SDK) only when it is chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+__all__ = ["LOG_FORMATS", "TEXT_FORMAT", "JsonFormatter", "add_log_format_option", "configure_logging"]
+
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The `text` line: what both programs wrote before `--log-format` existed."""
+
+#: A LogRecord's own attributes; anything else on a record came from `extra=` and is written too.
+_RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line (control characters and newlines escaped by JSON)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import json  # not at module import: `--help` and the text format never need it
+
+        self._dumps = json.dumps
+        try:
+            from opentelemetry import trace
+        except ImportError:  # the API comes with the MCP SDK; without it there are no spans to name
+            self._current_span = None
+        else:
+            self._current_span = trace.get_current_span
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as a JSON object: time, level, logger, message, extra fields, trace ids."""
+        line: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRIBUTES and key not in line:
+                line[key] = value
+        if self._current_span is not None:
+            span = self._current_span()
+            context = span.get_span_context()
+            if context.is_valid and span.is_recording():
+                line["trace_id"] = format(context.trace_id, "032x")
+                line["span_id"] = format(context.span_id, "016x")
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exception"] = record.exc_text
+        if record.stack_info:
+            line["stack"] = self.formatStack(record.stack_info)
+        return self._dumps(line, default=str, ensure_ascii=False)
+
+
+def add_log_format_option(parser: argparse.ArgumentParser) -> None:
+    """`--log-format text|json`: the same flag and help in both programs."""
+    parser.add_argument(
+        "--log-format", choices=LOG_FORMATS, default="text",
+        help="stderr log lines: text (default) or json (one object per line, with trace_id/span_id inside a span)",
+    )
+
+
+def configure_logging(level: str | int, log_format: str = "text") -> None:
+    """Send the root logger's records to stderr at `level`, as `text` or `json` lines."""
+    if log_format == "json":
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter())
+        logging.basicConfig(level=level, handlers=[handler])
+    else:
+        logging.basicConfig(stream=sys.stderr, level=level, format=TEXT_FORMAT)
