@@ -27,7 +27,9 @@ def test_the_toolsets_doc_shows_the_example_file() -> None:
     assert match.group(1) == EXAMPLE.read_text()
 
 
-async def test_the_toolsets_example_runs_from_anywhere(tmp_path: Path) -> None:
+async def test_the_toolsets_example_runs_from_anywhere(short_tmp: Path) -> None:
+    # Its relay socket lives under TMPDIR: a short one, as Unix socket paths are limited (~107 bytes).
+    tmp_path = short_tmp
     home = tmp_path / "home"
     home.mkdir()
     env = {**env_without_oubliette(), "HOME": str(home), "TMPDIR": str(tmp_path)}
