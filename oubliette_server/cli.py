@@ -192,7 +192,7 @@ def _run_operator(command: str, rest: list[str]) -> int:
         if reason:
             parser.error(reason)
         try:
-            session = SessionRef.parse_key(args.session) if args.session else None
+            session = SessionRef.parse_key(args.session) if args.session is not None else None
             query = FrameQuery(
                 channel=session and session.channel, session_id=session and session.id,
                 types=[t for t in (args.types or "").split(",") if t], after_seq=args.after_seq or 0,
@@ -213,13 +213,14 @@ def _run_operator(command: str, rest: list[str]) -> int:
             store, args.instance, query, from_end=args.after_seq is None, as_json=args.json,
             poll_interval=args.poll_interval,
         ))
-    except BrokenPipeError:  # `tail … | head`: the reader left
-        sys.stderr.close()
-        return 0
-    except BaseException as exc:  # Ctrl-C may come out of the store's nursery inside a group
-        if not any(isinstance(leaf, KeyboardInterrupt) for leaf in _leaves(exc)):
-            raise
-        return 130
+    except BaseException as exc:  # Ctrl-C (or a closed pipe) may come out of the store's nursery inside a group
+        leaves = list(_leaves(exc))
+        if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+            return 130
+        if leaves and all(isinstance(leaf, BrokenPipeError) for leaf in leaves):  # `tail … | head`: the reader left
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when stdout is flushed at exit
+            return 0
+        raise
     return 0
 
 
