@@ -273,3 +273,37 @@ async def test_sqlite_reader_sees_another_writers_commits_and_writes_nothing(tmp
     with pytest.raises(OSError, match="no frame store"):
         FrameStore.reader(tmp_path / "absent.sqlite3")
     assert not (tmp_path / "absent.sqlite3").exists()
+
+
+async def test_read_status_reads_owner_declaration_and_open_requests_from_frames() -> None:
+    """The queries alone: owner (first recorded) and last declaration from `session_record`, a request
+    open until its outcome frame, its age from the frame's time and `expires_at` as stored."""
+    import datetime
+
+    from oubliette_server.operator_view import UnknownLiveness, format_status, parse_ts, read_status
+
+    store = FrameStore.in_memory()
+    add = store.append
+    await add(INSTANCE, channel="mcp", session_id="s1", type="session_record", payload={"owner": "key:alice"})
+    await add(INSTANCE, channel="mcp", session_id="s1", type="session_record", payload={
+        "owner": "key:bob", "caller_tools": {"caller_id": "myapp", "tools": [{"name": "notify"}, {"name": "rm"}]}})
+    for rid, tool_name in (("ctr-1", "notify"), ("ctr-2", "rm")):
+        await add(INSTANCE, channel="mcp", session_id="s1", type="caller_tool_request", payload={
+            "request_id": rid, "tool": tool_name, "arguments": {}, "expires_at": "2030-01-01T00:00:00.000Z"})
+    await add(INSTANCE, channel="mcp", session_id="s1", type="caller_tool_result", payload={"request_id": "ctr-1"})
+    await add(INSTANCE, channel="mcp", session_id="s1", type="approval_resolved", payload={"request_id": "ctr-2"})
+    request = (await store.query(INSTANCE, FrameQuery(types=["caller_tool_request"])))[-1]
+    now = parse_ts(request.ts) + datetime.timedelta(seconds=3)
+
+    report = await read_status(store, UnknownLiveness(), instances=["box9"], now=now)
+    assert [i.name for i in report.instances] == [INSTANCE, "box9"]
+    (session,) = report.instances[0].sessions
+    assert (session.owner, session.owner_recorded, session.caller_id, session.caller_tools) == (
+        "key:alice", True, "myapp", ["notify", "rm"])
+    (pending,) = session.pending  # ctr-1 has its result; an approval's outcome does not end a caller tool request
+    assert (pending.kind, pending.request_id, pending.tool, pending.age_seconds, pending.expires_at) == (
+        "caller_tool", "ctr-2", "rm", 3.0, "2030-01-01T00:00:00.000Z")
+    assert report.instances[1].sessions == [] and report.instances[1].last_seq == 0
+    table = format_status(report)
+    assert "key:alice" in table and "myapp: notify, rm" in table and "ctr-2" in table and "3s" in table
+    store.close()
