@@ -6,6 +6,8 @@
                      [--metrics HOST:PORT|unix:PATH]…
     oubliette-server token INSTANCE [--data-dir DIR | --store postgresql://…]
     oubliette-server http-token [--data-dir DIR | --store postgresql://…]
+    oubliette-server status [--data-dir DIR | --store postgresql://…] [--config FILE] [--http HOST:PORT|unix:PATH] [--json]
+    oubliette-server tail INSTANCE [--session CHANNEL:ID] [--types T,...] [--after-seq N] [--json] [--data-dir DIR | --store …]
 
 Logs go to stderr; stdout carries the caller's MCP. Options may come before or after the
 subcommand. An operator mistake is one line on stderr: exit status 2 for a usage error, 1 for
@@ -38,13 +40,16 @@ from .store_api import StoreDamaged, StoreUnavailable
 from .store_open import StoreConfigError, store_url_problem
 
 PROG = "oubliette-server"
-SUBCOMMANDS = ("serve", "token", "http-token")
+SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
-VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store"}
+VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
+                 "--session", "--types", "--after-seq", "--poll-interval"}
 EPILOG = """subcommands:
   serve                 serve callers and sandboxes (the default)
   token INSTANCE        print an instance's relay token
   http-token            print the HTTP API's bearer token
+  status                instances, guest connections, sessions, pending requests (docs/OBSERVABILITY.md)
+  tail INSTANCE         follow an instance's frames as they are stored (Ctrl-C ends it)
 
 Options may come before or after the subcommand, e.g. `oubliette-server --data-dir X token box1`.
 Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
@@ -138,6 +143,97 @@ def _token_parser(http: bool) -> argparse.ArgumentParser:
         help="the deployment's PostgreSQL store: print the token every server on it accepts (docs/SCALING.md)",
     )
     return parser
+
+
+def _operator_parser(command: str) -> argparse.ArgumentParser:
+    """The options of `status` and `tail` (operator_view.py reads the store beside the server)."""
+    from .operator_view import DEFAULT_POLL_INTERVAL
+
+    if command == "status":
+        parser = OneLineParser(prog=f"{PROG} status", description="Print instances, where their guests are "
+                               "connected, sessions and pending requests (docs/OBSERVABILITY.md).")
+        parser.add_argument("--http", metavar="HOST:PORT|unix:PATH",
+                            help="SQLite: ask the running server's HTTP listener which guests are connected")
+    else:
+        parser = OneLineParser(prog=f"{PROG} tail", description="Follow an instance's frames as they are stored; "
+                               "Ctrl-C ends it (exit status 130).")
+        parser.add_argument("instance")
+        parser.add_argument("--session", metavar="CHANNEL:ID", help="only this session's frames")
+        parser.add_argument("--types", metavar="T,...", help="only frames of these types (comma-separated)")
+        parser.add_argument("--after-seq", type=int, metavar="N",
+                            help="start after this seq (0: every kept frame; default: only frames stored from now on)")
+        parser.add_argument("--poll-interval", type=_positive_seconds, default=DEFAULT_POLL_INTERVAL,
+                            help=f"SQLite: seconds between reads of the log (default {DEFAULT_POLL_INTERVAL:g})")
+    _add_common(parser)
+    parser.add_argument("--store", metavar="postgresql://…", help="the deployment's PostgreSQL store (docs/SCALING.md)")
+    parser.add_argument("--config", type=Path, help="the server's TOML config file: its data dir, store, instances "
+                        "(status lists them even without frames) and HTTP listener")
+    parser.add_argument("--json", action="store_true", help="JSON (status: one document; tail: one object per line)")
+    return parser
+
+
+def _run_operator(command: str, rest: list[str]) -> int:
+    """`status` or `tail`: read the store beside the running server(s), never locking or writing it."""
+    import trio
+
+    from protocol import SessionRef
+
+    from . import operator_view
+    from .store_api import FrameQuery
+    from .store_open import open_reader
+
+    parser = _operator_parser(command)
+    args = parser.parse_args(rest)
+    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # the server's own config file, if given: its data dir, store, instances and HTTP listeners
+        settings = load_config_file(args.config) if args.config is not None else {}
+        if args.data_dir is not None:
+            settings["data_dir"] = args.data_dir
+        if args.store is not None:
+            settings["store_url"] = args.store
+        config = ServerConfig(**settings)
+        http = getattr(args, "http", None) or next((b for b in config.http if not b.endswith(":0")), None)
+        if http is not None:
+            check_http_bind(http)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    data_dir = config.data_dir
+    query = FrameQuery()
+    if command == "tail":
+        reason = check_instance_id(args.instance)
+        if reason:
+            parser.error(reason)
+        try:
+            session = SessionRef.parse_key(args.session) if args.session is not None else None
+            query = FrameQuery(
+                channel=session and session.channel, session_id=session and session.id,
+                types=[t for t in (args.types or "").split(",") if t], after_seq=args.after_seq or 0,
+            )
+        except (ValueError, TypeError) as exc:
+            parser.error(str(exc))
+    store = open_reader(config.store_url, config.frame_store_path)
+    try:
+        if command == "status":
+            liveness = None
+            if http is not None and not store.shared:
+                token = TokenAuthority.for_data_dir(data_dir).token_for(HTTP_ADMIN)
+                liveness = operator_view.ask_health(http, token)
+            trio.run(lambda: operator_view.print_status(
+                store, liveness, as_json=args.json, instances=sorted(config.instances)))
+            return 0
+        trio.run(lambda: operator_view.print_frames(
+            store, args.instance, query, from_end=args.after_seq is None, as_json=args.json,
+            poll_interval=args.poll_interval,
+        ))
+    except BaseException as exc:  # Ctrl-C (or a closed pipe) may come out of the store's nursery inside a group
+        leaves = list(_leaves(exc))
+        if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+            return 130
+        if leaves and all(isinstance(leaf, BrokenPipeError) for leaf in leaves):  # `tail … | head`: the reader left
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when stdout is flushed at exit
+            return 0
+        raise
+    return 0
 
 
 def check_http_bind(bind: str) -> None:
@@ -270,6 +366,8 @@ def _writable_data_dir(path: Path) -> str | None:
 
 def _run(argv: list[str]) -> int:
     command, rest = split_subcommand(argv)
+    if command in ("status", "tail"):
+        return _run_operator(command, rest)
     if command == "serve":
         parser = _serve_parser()
     else:

@@ -236,6 +236,7 @@ class FrameStore(LongPollWaiters):
         durability: str = "normal",
         prune_every: int = DEFAULT_PRUNE_EVERY,
         clock: Callable[[], float] = time.time,
+        read_only: bool = False,
     ) -> None:
         check_retention(retention_frames, retention_seconds, prune_every)
         if durability not in _DURABILITY:
@@ -248,10 +249,18 @@ class FrameStore(LongPollWaiters):
 
         spath = os.fspath(path)
         self.path = spath
-        if spath != ":memory:" and not spath.startswith("file:"):
-            _prepare_file(Path(spath))
-
-        self._conn: sqlite3.Connection | None = sqlite3.connect(spath, isolation_level=None)
+        self.read_only = read_only
+        """Another process's view of a store its server writes (see `reader`)."""
+        if read_only:
+            if not Path(spath).is_file():
+                raise OSError(f"there is no frame store at {spath}")
+            self._conn: sqlite3.Connection | None = sqlite3.connect(
+                Path(spath).absolute().as_uri() + "?mode=ro", uri=True, isolation_level=None,
+            )
+        else:
+            if spath != ":memory:" and not spath.startswith("file:"):
+                _prepare_file(Path(spath))
+            self._conn = sqlite3.connect(spath, isolation_level=None)
         try:
             self._setup()
         except sqlite3.DatabaseError as exc:  # one line for the operator, naming the file, not a traceback
@@ -274,6 +283,8 @@ class FrameStore(LongPollWaiters):
         LongPollWaiters.__init__(self)
         # (instance, request_id) of the outcomes `append_outcome` recorded, newest last (bounded).
         self._outcomes: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        if read_only:
+            return
         try:
             self._prune_all()  # reads every instance's oldest frames: a damaged table shows here too
         except sqlite3.DatabaseError as exc:
@@ -281,6 +292,15 @@ class FrameStore(LongPollWaiters):
             if isinstance(exc, sqlite3.OperationalError):
                 raise OSError(f"cannot use the frame store {spath}: {exc}") from None
             raise StoreDamaged(spath, str(exc)) from None
+
+    @classmethod
+    def reader(cls, path: str | os.PathLike[str]) -> FrameStore:
+        """A read-only view of the store at `path` for another process (`oubliette-server status`,
+        `tail`) while its server writes it: WAL lets readers run beside the writer. It writes
+        nothing (no schema, no retention), reads each instance's last seq from the file on
+        every query (the server's appends are not known here otherwise), and its long polls
+        are woken by nobody: they wait their whole timeout, then query again."""
+        return cls(path, retention_frames=None, read_only=True)
 
     @classmethod
     def in_memory(cls, **kw: Any) -> FrameStore:
@@ -291,9 +311,13 @@ class FrameStore(LongPollWaiters):
 
     def _setup(self) -> None:
         db = self._db
+        db.execute("PRAGMA busy_timeout=5000")
+        if self.read_only:
+            if db.execute("PRAGMA user_version").fetchone()[0] > SCHEMA_VERSION:
+                raise RuntimeError(f"frame store {self.path!r} has a newer schema than this program knows")
+            return
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={_DURABILITY[self.durability]}")
-        db.execute("PRAGMA busy_timeout=5000")
         db.execute("PRAGMA temp_store=MEMORY")
         db.execute("PRAGMA cache_size=-32768")  # 32 MiB
         db.execute("PRAGMA journal_size_limit=67108864")  # truncate the WAL to 64 MiB after checkpoints
@@ -395,7 +419,7 @@ class FrameStore(LongPollWaiters):
     def _committed_seq(self, instance: str) -> int:
         """The highest committed seq of ``instance``, read from the file once, then kept in memory."""
         last = self._committed.get(instance)
-        if last is None:
+        if last is None or self.read_only:
             row = self._db.execute("SELECT iid, last_seq FROM instances WHERE name = ?", (instance,)).fetchone()
             if row is None:
                 return 0  # not cached: the instance's first commit creates it
@@ -483,7 +507,7 @@ class FrameStore(LongPollWaiters):
         if self._conn is None:  # a closed store refuses before a seq is handed out
             raise RuntimeError("the frame store is closed")
         last = self._assigned.get(instance)
-        if last is None:
+        if last is None or self.read_only:
             last = self._committed_seq(instance)
         first = last + 1
         self._assigned[instance] = last + len(prepared)

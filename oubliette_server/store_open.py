@@ -66,3 +66,22 @@ def open_store(
         url, retention_frames=retention_frames, retention_seconds=retention_seconds,
         pool_size=pool_size, connect_timeout=connect_timeout,
     )
+
+
+def open_reader(url: str | None, sqlite_path: str, *, connect_timeout: float = 10.0) -> FrameStoreAPI:
+    """The store `url` names, opened to be read beside its running server(s) by another process
+    (`oubliette-server status`, `tail`): SQLite read-only (`FrameStore.reader`: no lock, no
+    writes), PostgreSQL as one more client with retention off (it prunes nothing).
+
+    Raises: `StoreConfigError` when the PostgreSQL extra is missing; `OSError` when there is no
+    SQLite file at `sqlite_path` or it cannot be opened.
+    """
+    if url is None:
+        return FrameStore.reader(sqlite_path)
+    try:
+        from .store_pg import PostgresFrameStore
+    except ImportError:
+        raise StoreConfigError(MISSING_EXTRA) from None
+    return PostgresFrameStore(
+        url, retention_frames=None, retention_seconds=None, pool_size=2, connect_timeout=connect_timeout,
+    )

@@ -131,7 +131,8 @@ def _compute_wrapper_overhead() -> int:
     tool, caller_id = "t" * _MAX_TOOL_NAME, "c" * _MAX_CALLER_ID
     wrappers = [
         {"text": 0},  # user.message
-        {"request_id": _REQUEST_ID, "tool": tool, "arguments": 0, "caller_id": caller_id},  # caller_tool_request
+        {"request_id": _REQUEST_ID, "tool": tool, "arguments": 0, "caller_id": caller_id,
+         "expires_at": "2026-11-22T10:00:00.000Z"},  # caller_tool_request
         {"request_id": _REQUEST_ID, "tool": tool, "result": 0},  # caller_tool_result
         {"request_id": _REQUEST_ID, "tool": tool, "error": 0},
     ]

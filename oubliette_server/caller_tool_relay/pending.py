@@ -248,9 +248,10 @@ class CallerCallRegistry:
         try:
             request: dict[str, Any] = {
                 "request_id": request_id, "tool": spec.name, "arguments": arguments, "caller_id": session.caller_id,
+                # The caller's server lists it with the request; `oubliette-server status` shows it.
+                "expires_at": expires_at,
             }
             if self.bus is not None:
-                request["expires_at"] = expires_at  # the caller's server lists it with the request
                 if progress is not None:
                     request["progress"] = True  # the caller's server may forward progress reports
                 if self.server_id is not None:

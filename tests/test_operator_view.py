@@ -1,0 +1,308 @@
+"""`oubliette-server status` and `tail` against running servers (docs/OBSERVABILITY.md).
+
+Everything is a real program: the server, the guest runtime with tests/loop_agent.py, a caller
+over Streamable HTTP, and the two commands themselves, run as subprocesses beside the server
+while it writes its store (SQLite), or beside two servers on one real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import pytest
+import trio
+
+from harness import PYTHON, Deployment, HttpServer
+from oubliette_server.store import FrameStore
+from oubliette_server.store_api import FrameQuery, StoreUnavailable
+from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, script, tool
+
+QUIET = "box2"
+"""An instance with no guest: the tail tests append to it through the tether."""
+WAIT = 60.0
+
+
+async def run(deployment: Deployment, *args: str) -> subprocess.CompletedProcess[str]:
+    """`oubliette-server ARGS` on the deployment's store; fails the test on a non-zero status."""
+    where = ["--store", deployment.store] if deployment.store else ["--data-dir", str(deployment.data_dir)]
+    with trio.fail_after(WAIT):
+        done = await trio.run_process(
+            [PYTHON, "-m", "oubliette_server", *args, *where], capture_stdout=True, capture_stderr=True, check=False,
+        )
+    assert done.returncode == 0, done.stderr
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
+
+
+async def server_id(server: HttpServer) -> str:
+    async with server.unix_rest() as rest:
+        return str((await rest.get("/v1/health")).json()["server"]["id"])
+
+
+async def post(server: HttpServer, instance: str, session: str, type_: str, text: str) -> int:
+    """Store one frame through the server's tether; its seq."""
+    channel, _, sid = session.partition(":")
+    async with server.rest() as rest:
+        response = await rest.post(f"/v1/instances/{instance}/tether", json={
+            "v": 1, "session": {"channel": channel, "id": sid}, "type": type_, "payload": {"text": text}})
+    assert response.status_code == 201, response.text
+    return int(response.json()["ingress_seq"])
+
+
+class Tail:
+    """A running `oubliette-server tail`: its stdout lines as they come."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.buffer = b""
+        self.stderr = b""
+
+    async def started(self) -> int:
+        """Wait for its "following … after seq N" line; N."""
+        assert self.process.stderr is not None
+        with trio.fail_after(WAIT):
+            while b"\n" not in self.stderr:
+                chunk = await self.process.stderr.receive_some(4096)
+                assert chunk, "tail exited before it started"
+                self.stderr += chunk
+        line = self.stderr.decode().splitlines()[0]
+        assert line.startswith("following "), line
+        return int(line.split("after seq ")[1].split()[0])
+
+    async def lines(self, count: int) -> list[str]:
+        """The next `count` lines of its stdout."""
+        assert self.process.stdout is not None
+        with trio.fail_after(WAIT):
+            while self.buffer.count(b"\n") < count:
+                chunk = await self.process.stdout.receive_some(65536)
+                assert chunk, "tail exited"
+                self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n", count)
+        return [line.decode() for line in lines]
+
+    async def interrupt(self) -> tuple[int, str]:
+        """Ctrl-C: its exit status and what it wrote on stderr meanwhile."""
+        self.process.send_signal(signal.SIGINT)
+        assert self.process.stderr is not None
+        with trio.fail_after(WAIT):
+            while chunk := await self.process.stderr.receive_some(4096):
+                self.stderr += chunk
+            return await self.process.wait(), self.stderr.decode()
+
+
+@asynccontextmanager
+async def tail(deployment: Deployment, *args: str) -> AsyncIterator[Tail]:
+    where = ["--store", deployment.store] if deployment.store else ["--data-dir", str(deployment.data_dir)]
+    process = await trio.lowlevel.open_process(
+        [PYTHON, "-m", "oubliette_server", "tail", *args, *where, "--poll-interval", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        yield Tail(process)
+    finally:
+        if process.returncode is None:
+            process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+
+
+async def stored(deployment: Deployment, session_id: str, *types: str) -> None:
+    """Wait until the SQLite log has a frame of each of `types` in `session_id` (read as status reads it)."""
+    missing = set(types)
+    with trio.fail_after(WAIT):
+        while missing:
+            reader = FrameStore.reader(deployment.data_dir / "frames.sqlite3")
+            try:
+                frames = await reader.query(INSTANCE, FrameQuery(session_id=session_id, types=types, limit=200))
+            finally:
+                reader.close()
+            missing -= {f.type for f in frames}
+            if missing:
+                await trio.sleep(0.05)
+
+
+def instance_of(report: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(i for i in report["instances"] if i["name"] == name)
+
+
+# -- SQLite: one server, the commands beside it -------------------------------------------------------
+
+
+async def test_status_shows_guest_session_and_pending_requests_of_a_running_server() -> None:
+    """A guest connected, a session whose caller declared tools, and one caller tool request and one
+    approval left pending: `status --json` lists them with their fields, the table names them."""
+    deployment = Deployment()
+    try:
+        async with deployment.http_server("--config", str(deployment.config_file(INSTANCE, QUIET))) as server, \
+                deployment.guest(INSTANCE, LOOP_AGENT):
+            await server.wait_connected(INSTANCE)
+            async with server.caller(events=False) as (client, _):
+                caller = LoopCaller(client)
+                stop = await caller.message(
+                    "s1", script([("myapp_notify", {"n": 1}), ("myapp_delete", {"n": 2})]),
+                    [tool("notify"), tool("delete", requires_approval=True)], wait=60,
+                )
+                assert stop.get("stop_reason") in ("requires_action", "requires_approval"), stop
+                await stored(deployment, "s1", "caller_tool_request", "approval_request")
+                await post(server, QUIET, "tg:1", "note", "an instance with frames and no guest")
+
+                done = await run(deployment, "status", "--json", "--http", f"unix:{server.unix_socket}")
+                report = json.loads(done.stdout)
+                assert report["store"].startswith("sqlite:") and report["shared"] is False
+                box1 = instance_of(report, INSTANCE)
+                assert box1["guest"] == {"connected": True, "server": await server_id(server), "source": "health"}
+                assert instance_of(report, QUIET)["guest"]["connected"] is False
+                assert instance_of(report, QUIET)["sessions"][0]["id"] == "1"
+                session = next(s for s in box1["sessions"] if s["id"] == "s1")
+                assert session["channel"] == "mcp" and session["frames"] >= 3 and session["last_activity"].endswith("Z")
+                assert session["owner"] is None and session["owner_recorded"] is False  # SQLite keeps it in memory only
+                assert session["caller_id"] == "myapp"  # as the request frames state it
+                pending = {p["kind"]: p for p in session["pending"]}
+                assert set(pending) == {"caller_tool", "approval"}, session["pending"]
+                assert pending["caller_tool"]["tool"] == "notify" and pending["approval"]["tool"] == "myapp_delete"  # as the agent named it
+                for entry in pending.values():
+                    assert entry["request_id"] and entry["expires_at"] > entry["requested_at"]
+                    assert entry["age_seconds"] >= 0
+
+                table = (await run(deployment, "status", "--http", f"unix:{server.unix_socket}")).stdout
+                assert f"connected to {await server_id(server)}" in table
+                assert "mcp:s1" in table and pending["caller_tool"]["request_id"] in table
+                assert pending["approval"]["request_id"] in table and "(not recorded: SQLite)" in table
+                unknown = (await run(deployment, "status")).stdout  # no --http: nobody to ask
+                assert "unknown (no --http to ask)" in unknown
+    finally:
+        deployment.cleanup()
+
+
+async def test_tail_follows_resumes_filters_and_ends_quietly_on_ctrl_c() -> None:
+    """`tail` prints frames stored after it started (one line each, or JSON), resumes after a seq,
+    keeps only the asked types and session, and Ctrl-C ends it with 130 and no traceback."""
+    deployment = Deployment()
+    try:
+        async with deployment.http_server("--config", str(deployment.config_file(QUIET))) as server:
+            first = await post(server, QUIET, "tg:1", "user.message", "before")
+            async with tail(deployment, QUIET) as follower, \
+                    tail(deployment, QUIET, "--json", "--types", "note", "--session", "tg:2") as filtered:
+                assert await follower.started() == first
+                assert await filtered.started() == first
+                seqs = [await post(server, QUIET, session, type_, text) for session, type_, text in (
+                    ("tg:1", "user.message", "hello"), ("tg:2", "note", "kept"), ("tg:1", "note", "other session"),
+                )]
+                lines = await follower.lines(3)
+                assert [int(line.split()[0]) for line in lines] == seqs
+                seq, ts, session, type_, summary = lines[0].split(" ", 4)
+                assert session == "tg:1" and type_ == "user.message" and ts.endswith("Z")
+                assert json.loads(summary) == {"text": "hello"}
+                (only,) = await filtered.lines(1)
+                frame = json.loads(only)
+                assert frame["seq"] == seqs[1] and frame["type"] == "note" and frame["payload"] == {"text": "kept"}
+                status, stderr = await follower.interrupt()
+                assert status == 130 and "Traceback" not in stderr, stderr
+                assert (await filtered.interrupt())[0] == 130
+            async with tail(deployment, QUIET, "--after-seq", str(first)) as resumed:
+                assert await resumed.started() == first
+                assert [int(line.split()[0]) for line in await resumed.lines(3)] == seqs
+                assert (await resumed.interrupt())[0] == 130
+    finally:
+        deployment.cleanup()
+
+
+# -- PostgreSQL: two servers on one database ------------------------------------------------------------
+
+
+async def test_status_and_tail_across_two_servers_on_postgres(pg_url: str) -> None:
+    """With servers A and B on one database and the guest of box1 on B, status names B as the
+    guest's server; tail, one more client of the database, follows frames stored through both."""
+    a, b = Deployment(store=pg_url), Deployment(store=pg_url)
+    try:
+        async with a.http_server("--config", str(a.config_file(INSTANCE, QUIET))) as server_a, \
+                b.http_server("--config", str(b.config_file(INSTANCE, QUIET))) as server_b, \
+                b.guest(INSTANCE, LOOP_AGENT):
+            await server_b.wait_connected(INSTANCE)
+            with trio.fail_after(WAIT):
+                while True:  # the lease is taken just after the guest's hello
+                    report = json.loads((await run(a, "status", "--json", "--config", str(a.root / "oubliette.toml"))).stdout)
+                    if instance_of(report, INSTANCE)["guest"]["connected"]:
+                        break
+                    await trio.sleep(0.1)
+            assert report["shared"] is True
+            assert instance_of(report, INSTANCE)["guest"] == {
+                "connected": True, "server": await server_id(server_b), "source": "lease"}
+            assert (await server_id(server_a)) != (await server_id(server_b))
+            table = (await run(a, "status", "--config", str(a.root / "oubliette.toml"))).stdout
+            assert "connected to " + await server_id(server_b) in table and "not connected" in table  # box2
+
+            async with tail(a, QUIET, "--types", "note") as follower:
+                await follower.started()
+                seqs = [await post(server_a, QUIET, "tg:1", "note", "via A"),
+                        await post(server_b, QUIET, "tg:1", "note", "via B")]
+                lines = await follower.lines(2)
+                assert [int(line.split()[0]) for line in lines] == seqs
+                assert "via A" in lines[0] and "via B" in lines[1]
+                status, stderr = await follower.interrupt()
+                assert status == 130 and "Traceback" not in stderr, stderr
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+# -- the SQLite reader alone ---------------------------------------------------------------------------
+
+
+async def test_sqlite_reader_sees_another_writers_commits_and_writes_nothing(tmp_path: Any) -> None:
+    """`FrameStore.reader` (status, tail) reads frames another store object commits after it
+    opened, waits on nobody (a long poll lasts its timeout, then reads again) and cannot write."""
+    path = tmp_path / "frames.sqlite3"
+    with FrameStore(path) as writer:
+        await writer.append(INSTANCE, channel="tg", session_id="1", type="note", payload={"n": 1})
+        reader = FrameStore.reader(path)
+        try:
+            assert [f.seq for f in await reader.query(INSTANCE, FrameQuery())] == [1]
+            await writer.append(INSTANCE, channel="tg", session_id="1", type="note", payload={"n": 2})
+            assert await reader.last_seq(INSTANCE) == 2
+            frames, timed_out = await reader.wait_for_frames(INSTANCE, FrameQuery(after_seq=1), 0.05)
+            assert [f.payload for f in frames] == [{"n": 2}] and not timed_out
+            with pytest.raises(StoreUnavailable, match="readonly"):
+                await reader.append(INSTANCE, channel="tg", session_id="1", type="note", payload={})
+        finally:
+            reader.close()
+    with pytest.raises(OSError, match="no frame store"):
+        FrameStore.reader(tmp_path / "absent.sqlite3")
+    assert not (tmp_path / "absent.sqlite3").exists()
+
+
+async def test_read_status_reads_owner_declaration_and_open_requests_from_frames() -> None:
+    """The queries alone: owner (first recorded) and last declaration from `session_record`, a request
+    open until its outcome frame, its age from the frame's time and `expires_at` as stored."""
+    import datetime
+
+    from oubliette_server.operator_view import UnknownLiveness, format_status, parse_ts, read_status
+
+    store = FrameStore.in_memory()
+    add = store.append
+    await add(INSTANCE, channel="mcp", session_id="s1", type="session_record", payload={"owner": "key:alice"})
+    await add(INSTANCE, channel="mcp", session_id="s1", type="session_record", payload={
+        "owner": "key:bob", "caller_tools": {"caller_id": "myapp", "tools": [{"name": "notify"}, {"name": "rm"}]}})
+    for rid, tool_name in (("ctr-1", "notify"), ("ctr-2", "rm")):
+        await add(INSTANCE, channel="mcp", session_id="s1", type="caller_tool_request", payload={
+            "request_id": rid, "tool": tool_name, "arguments": {}, "expires_at": "2030-01-01T00:00:00.000Z"})
+    await add(INSTANCE, channel="mcp", session_id="s1", type="caller_tool_result", payload={"request_id": "ctr-1"})
+    await add(INSTANCE, channel="mcp", session_id="s1", type="approval_resolved", payload={"request_id": "ctr-2"})
+    request = (await store.query(INSTANCE, FrameQuery(types=["caller_tool_request"])))[-1]
+    now = parse_ts(request.ts) + datetime.timedelta(seconds=3)
+
+    report = await read_status(store, UnknownLiveness(), instances=["box9"], now=now)
+    assert [i.name for i in report.instances] == [INSTANCE, "box9"]
+    (session,) = report.instances[0].sessions
+    assert (session.owner, session.owner_recorded, session.caller_id, session.caller_tools) == (
+        "key:alice", True, "myapp", ["notify", "rm"])
+    (pending,) = session.pending  # ctr-1 has its result; an approval's outcome does not end a caller tool request
+    assert (pending.kind, pending.request_id, pending.tool, pending.age_seconds, pending.expires_at) == (
+        "caller_tool", "ctr-2", "rm", 3.0, "2030-01-01T00:00:00.000Z")
+    assert report.instances[1].sessions == [] and report.instances[1].last_seq == 0
+    table = format_status(report)
+    assert "key:alice" in table and "myapp: notify, rm" in table and "ctr-2" in table and "3s" in table
+    store.close()
