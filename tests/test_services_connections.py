@@ -8,7 +8,8 @@ real programs: tests/test_toolsets.py, tests/test_toolsets_e2e.py, tests/test_fa
 from __future__ import annotations
 
 import json
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
 
 import pytest
 import trio
@@ -80,10 +81,18 @@ class Callers:
         return caller, session
 
 
-async def test_caller_registry_sends_each_callers_events_in_order() -> None:
+@asynccontextmanager
+async def serving_callers() -> AsyncIterator[Callers]:
+    """A `Callers` whose registry serves (runs its senders) for the block."""
     callers = Callers()
     async with trio.open_nursery() as nursery:
         await nursery.start(callers.registry.serve)
+        yield callers
+        nursery.cancel_scope.cancel()
+
+
+async def test_caller_registry_sends_each_callers_events_in_order() -> None:
+    async with serving_callers() as callers:
         caller, session = callers.open()
         for seq in (1, 2, 3):
             caller.push({"seq": seq})
@@ -93,13 +102,10 @@ async def test_caller_registry_sends_each_callers_events_in_order() -> None:
         caller.push({"seq": 4})
         await trio.testing.wait_all_tasks_blocked()
         assert len(session.sent) == 3, "CallerConnection: an event went to a caller that asked for warnings only"
-        nursery.cancel_scope.cancel()
 
 
 async def test_caller_registry_closes_a_caller_once() -> None:
-    callers = Callers()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(callers.registry.serve)
+    async with serving_callers() as callers:
         caller, session = callers.open()
         assert callers.registry.count() == 1, "CallerRegistry.count after open"
         callers.registry.close(caller)
@@ -109,13 +115,10 @@ async def test_caller_registry_closes_a_caller_once() -> None:
         assert callers.closed == [caller], f"CallerRegistry.close: on_closed heard {callers.closed}"
         assert caller.closed.is_set() and callers.registry.count() == 0, "CallerRegistry.close: caller still open"
         assert session.sent == [], "CallerConnection: a closed caller got an event"
-        nursery.cancel_scope.cancel()
 
 
 async def test_caller_registry_a_failing_sender_closes_its_caller_only() -> None:
-    callers = Callers()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(callers.registry.serve)
+    async with serving_callers() as callers:
         broken, broken_session = callers.open()
         healthy, healthy_session = callers.open()
         broken_session.fail = True
@@ -125,7 +128,6 @@ async def test_caller_registry_a_failing_sender_closes_its_caller_only() -> None
         healthy.push({"seq": 2})
         assert await healthy_session.wait_sent(1, BOUND) == [{"seq": 2}], "CallerRegistry: the healthy caller got nothing"
         assert callers.closed == [broken], f"CallerRegistry: a failing sender closed {callers.closed}"
-        nursery.cancel_scope.cancel()
 
 
 # -- ToolRouter ----------------------------------------------------------------------------
