@@ -189,6 +189,21 @@ async def test_tether_read_filters_by_default_type_and_times_out_on_the_clock(
     assert got == {"frames": [], "next_seq": 0, "timed_out": True}, f"Tether.read: {got}"
 
 
+async def test_tether_stream_raises_before_it_starts_then_yields_frames_and_idle_marks(
+    rooms: Rooms, autojump_clock: trio.testing.MockClock,
+) -> None:
+    with pytest.raises(RelayError) as bad:
+        await rooms.tether.stream(INSTANCE, after_seq=0, keepalive_seconds=1, channel="a b")
+    assert bad.value.code == errors.INVALID_PARAMS, f"Tether.stream: a bad filter gave {bad.value!r}"
+
+    sent = await rooms.tether.send(INSTANCE, "hello")
+    frames = await rooms.tether.stream(INSTANCE, after_seq=0, keepalive_seconds=1)
+    first = await frames.__anext__()
+    idle = await frames.__anext__()  # nothing new within the keepalive: one idle mark
+    assert first["seq"] == sent["ingress_seq"] and idle is None, f"Tether.stream: {first}, then {idle}"
+    await frames.aclose()
+
+
 @pytest.mark.parametrize("arguments, word", [
     ({"wait_ms": -1}, "wait_ms"),
     ({"wait_ms": 30_001}, "wait_ms"),
