@@ -18,7 +18,7 @@ from oubliette_server.guests.delivery import GUEST_CURSOR, GuestDelivery
 from oubliette_server.guests.frames import GuestFrames
 from oubliette_server.sessions import SessionRegistry
 from oubliette_server.store import FrameStore
-from oubliette_server.store_api import FrameQuery
+from oubliette_server.store_api import FrameQuery, StoreUnavailable
 from protocol import Frame, RelayError, errors, messages
 
 INSTANCE = "box1"
@@ -153,6 +153,37 @@ async def test_delivery_closes_a_guest_whose_instance_another_server_holds() -> 
             await guests.message("one", "m1")
             await guest.closed.wait()
     assert delivered_ids(guest) == [], f"GuestDelivery: sent {delivered_ids(guest)} after losing the instance"
+
+
+class OutageStore:
+    """The in-memory store, whose long-poll read fails `outages` times first (a database outage)."""
+
+    def __init__(self, outages: int) -> None:
+        self.store = FrameStore.in_memory()
+        self.outages = outages
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def wait_for_frames(self, instance: str, query: FrameQuery, timeout: float) -> Any:
+        """`FrameStore.wait_for_frames`, or `StoreUnavailable` while outages remain."""
+        if self.outages:
+            self.outages -= 1
+            raise StoreUnavailable("the test store is unavailable")
+        return await self.store.wait_for_frames(instance, query, timeout)
+
+
+async def test_delivery_keeps_the_guest_through_a_store_outage(autojump_clock: trio.testing.MockClock) -> None:
+    store = OutageStore(outages=3)
+    await store.append(INSTANCE, channel="mcp", session_id="s1", type="user.message", payload={"text": "hi"}, msg_id="m1")
+    delivery = GuestDelivery(store)  # type: ignore[arg-type]
+    guest = FakeRelayConnection(INSTANCE)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(delivery.deliver, guest)
+        await guest.wait_notified(messages.USER_MESSAGE, 1, BOUND)
+        nursery.cancel_scope.cancel()
+    assert store.outages == 0 and delivered_ids(guest) == ["m1"], f"GuestDelivery after an outage: sent {delivered_ids(guest)}"
+    assert not guest.closed.is_set(), "GuestDelivery: a store outage closed the guest"
 
 
 async def test_delivery_tracks_one_guest_per_instance(guests: Guests) -> None:
