@@ -227,25 +227,22 @@ class Deployment:
         return path
 
     @asynccontextmanager
+    async def embedded(self, *, store: Any = None, **settings: Any) -> AsyncIterator["EmbeddedApp"]:
+        """`embedded_app` on this deployment's data directory and relay socket, the rest of its
+        `ServerConfig` from `settings` (`http=["127.0.0.1:0"]` for an HTTP listener)."""
+        from oubliette_server.config import ServerConfig
+
+        config = ServerConfig(data_dir=self.data_dir, relay=self.relay, **settings)
+        async with embedded_app(config, store=store) as embedded:
+            yield embedded
+
+    @asynccontextmanager
     async def embedded_http_server(self, *instances: str) -> AsyncIterator["EmbeddedHttpServer"]:
         """The server embedded in the test's own Trio loop (README.md, "Embedding") with a TCP
         HTTP listener, `instances` configured: for tests that look at its state (e.g. the
         frame store's long-poll waiters) directly."""
-        from oubliette_server.app import OublietteServer
-        from oubliette_server.config import ServerConfig
-
-        config = ServerConfig(
-            data_dir=self.data_dir, relay=self.relay, http=["127.0.0.1:0"],
-            instances={name: {} for name in instances},
-        )
-        app = OublietteServer(config)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(app.serve)
-            urls = await nursery.start(app.http_api().serve, config.http)
-            try:
-                yield EmbeddedHttpServer(self, app, next(u for u in urls if u.startswith("http://127.0.0.1")))
-            finally:
-                nursery.cancel_scope.cancel()
+        async with self.embedded(http=["127.0.0.1:0"], instances={name: {} for name in instances}) as embedded:
+            yield embedded.http_server(self)
 
     @asynccontextmanager
     async def caller(self, *extra: str, mode: str = "legacy", events: bool = True) -> AsyncIterator[tuple[Client, EventLog]]:
@@ -433,6 +430,41 @@ class EmbeddedHttpServer(HttpServer):
         with trio.fail_after(timeout):
             while self.app.store.waiter_count(instance) != count:
                 await trio.sleep(0.01)
+
+
+class EmbeddedApp:
+    """An `OublietteServer` serving in the test's Trio loop: the server (`app`), the nursery it
+    runs in (for the test's own tasks, cancelled with it) and its HTTP listeners' URLs."""
+
+    def __init__(self, app: Any, nursery: trio.Nursery, urls: list[str]) -> None:
+        self.app = app
+        self.nursery = nursery
+        self.urls = urls
+
+    def http_server(self, deployment: Deployment) -> EmbeddedHttpServer:
+        """Its TCP listener as an `EmbeddedHttpServer` (`rest()`, `caller()`, `wait_waiters`)."""
+        return EmbeddedHttpServer(deployment, self.app, next(u for u in self.urls if u.startswith("http://127.0.0.1")))
+
+
+@asynccontextmanager
+async def embedded_app(
+    config: Any, *, store: Any = None, before_http: Callable[[Any], Any] | None = None,
+) -> AsyncIterator[EmbeddedApp]:
+    """The one embedded-server helper: `OublietteServer(config, store=store)` started in a
+    nursery of the test's Trio loop as `run_server` starts it (the relay first, `before_http`
+    next, then the HTTP listeners `config.http` asks for), stopped when the block ends."""
+    from oubliette_server.app import OublietteServer
+
+    app = OublietteServer(config, store=store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(app.serve)
+        if before_http is not None:
+            await before_http(app)
+        urls: list[str] = await nursery.start(app.http_api().serve, config.http) if config.http else []
+        try:
+            yield EmbeddedApp(app, nursery, urls)
+        finally:
+            nursery.cancel_scope.cancel()
 
 
 # The reference endpoint's (examples/mcp_echo.py) descriptor of its one tool, as it lists it.
@@ -634,25 +666,19 @@ class InProcessDeployment(Deployment):
         """`OublietteServer` configured from command-line flags, its relay (and configured
         toolsets, and HTTP listeners if asked for) up, as `run_server` starts it:
         (the server, its HTTP URLs)."""
-        from oubliette_server.app import OublietteServer
         from oubliette_server.cli import _serve_parser, build_config
 
         config = build_config(_serve_parser().parse_args(
             ["--relay", self.relay, "--data-dir", str(self.data_dir), *extra]))
-        app = OublietteServer(config)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(app.serve)
+
+        async def register_toolsets(app: Any) -> None:
             if config.toolsets or config.allowlists:
                 from oubliette_server.toolsets.from_config import register_from_config
 
                 await register_from_config(app, config.toolsets, config.allowlists)
-            urls: list[str] = []
-            if config.http:
-                urls = await nursery.start(app.http_api().serve, config.http)
-            try:
-                yield app, urls
-            finally:
-                nursery.cancel_scope.cancel()
+
+        async with embedded_app(config, before_http=register_toolsets) as embedded:
+            yield embedded.app, embedded.urls
 
     @asynccontextmanager
     async def http_server(self, *extra: str) -> AsyncIterator["HttpServer"]:

@@ -197,11 +197,8 @@ async def _ignore_notification(method: str, params: dict) -> None:
 
 @asynccontextmanager
 async def in_process(deployment: Deployment, **config: Any) -> AsyncIterator[InProcess]:
-    server = OublietteServer(ServerConfig(data_dir=deployment.data_dir, relay=deployment.relay, **config))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        yield InProcess(server, nursery)
-        nursery.cancel_scope.cancel()
+    async with deployment.embedded(**config) as embedded:
+        yield InProcess(embedded.app, embedded.nursery)
 
 
 def start_agent_call(nursery: trio.Nursery, link: RelayLink) -> tuple[dict[str, Any], trio.Event, trio.CancelScope]:

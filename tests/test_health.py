@@ -61,21 +61,9 @@ class FaultyStore(FrameStore):
 @asynccontextmanager
 async def faulty_server(deployment: Deployment) -> AsyncIterator[tuple[EmbeddedHttpServer, FaultyStore]]:
     """The server embedded here on a `FaultyStore`, `box1` configured, a TCP HTTP listener."""
-    from oubliette_server.app import OublietteServer
-    from oubliette_server.config import ServerConfig
-
-    config = ServerConfig(
-        data_dir=deployment.data_dir, relay=deployment.relay, http=["127.0.0.1:0"], instances={"box1": {}},
-    )
     store = FaultyStore(deployment.data_dir / "frames.sqlite3")
-    app = OublietteServer(config, store=store)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(app.serve)
-        urls = await nursery.start(app.http_api().serve, config.http)
-        try:
-            yield EmbeddedHttpServer(deployment, app, next(u for u in urls if u.startswith("http://127.0.0.1"))), store
-        finally:
-            nursery.cancel_scope.cancel()
+    async with deployment.embedded(store=store, http=["127.0.0.1:0"], instances={"box1": {}}) as embedded:
+        yield embedded.http_server(deployment), store
 
 
 def assert_unavailable(response: Any) -> str:

@@ -901,14 +901,8 @@ class InProcess:
 
 @asynccontextmanager
 async def in_process(deployment: Deployment, **config: Any) -> AsyncIterator[InProcess]:
-    from oubliette_server.app import OublietteServer
-    from oubliette_server.config import ServerConfig
-
-    server = OublietteServer(ServerConfig(data_dir=deployment.data_dir, relay=deployment.relay, **config))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        yield InProcess(server, nursery)
-        nursery.cancel_scope.cancel()
+    async with deployment.embedded(**config) as embedded:
+        yield InProcess(embedded.app, embedded.nursery)
 
 
 async def stalled_sandbox(deployment: Deployment, token: str) -> trio.SocketStream:

@@ -58,16 +58,8 @@ class Served:
 
 @asynccontextmanager
 async def serving(deployment: Deployment, **settings: Any) -> AsyncIterator[Served]:
-    config = ServerConfig(
-        data_dir=deployment.data_dir, relay=deployment.relay, http=["127.0.0.1:0"],
-        instances={INSTANCE: {}}, **settings,
-    )
-    app = OublietteServer(config)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(app.serve)
-        urls = await nursery.start(app.http_api().serve, config.http)
-        yield Served(app, EmbeddedHttpServer(deployment, app, urls[0]), nursery)
-        nursery.cancel_scope.cancel()
+    async with deployment.embedded(http=["127.0.0.1:0"], instances={INSTANCE: {}}, **settings) as embedded:
+        yield Served(embedded.app, EmbeddedHttpServer(deployment, embedded.app, embedded.urls[0]), embedded.nursery)
 
 
 def assert_clear(message: str) -> None:

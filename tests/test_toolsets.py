@@ -26,7 +26,7 @@ from harness import PYTHON, Deployment
 from oubliette_client.sandbox_tools import SandboxTools
 from oubliette_client.settings import RelaySettings
 from oubliette_server.app import OublietteServer
-from oubliette_server.config import ServerConfig, load_config_file
+from oubliette_server.config import load_config_file
 from oubliette_server.toolsets.from_config import register_from_config
 from oubliette_server.toolsets import (
     FunctionToolset,
@@ -415,11 +415,8 @@ class Running:
 
 @asynccontextmanager
 async def running(deployment: Deployment, **config: Any) -> AsyncIterator[Running]:
-    server = OublietteServer(ServerConfig(data_dir=deployment.data_dir, relay=deployment.relay, **config))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        yield Running(server, nursery, deployment)
-        nursery.cancel_scope.cancel()
+    async with deployment.embedded(**config) as embedded:
+        yield Running(embedded.app, embedded.nursery, deployment)
 
 
 def toolset_names(tools: SandboxTools) -> set[str]:

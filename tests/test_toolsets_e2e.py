@@ -29,7 +29,6 @@ from harness import Deployment, ListChanged, PYTHON, structured, text_of
 pytestmark = pytest.mark.in_process
 from oubliette_server.app import OublietteServer
 from oubliette_server.auth import TokenAuthority
-from oubliette_server.config import ServerConfig
 from oubliette_server.toolsets import FunctionToolset, ToolSpec
 
 DESCRIPTOR_META_KEY = "oubliette/descriptor"
@@ -243,9 +242,8 @@ class Pings:
 @asynccontextmanager
 async def embedded(deployment: Deployment) -> AsyncIterator[OublietteServer]:
     """The server in the test's Trio loop, with a code-registered toolset `util` (not allowed to anyone)."""
-    server = OublietteServer(ServerConfig(data_dir=deployment.data_dir, relay=deployment.relay))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
+    async with deployment.embedded() as embedded:
+        server = embedded.app
         await server.register_toolset(
             "util", "util", [ToolSpec(name="ping", description="Ping the host",
                                       result_schema={"type": "object", "required": ["pong"]})],
@@ -253,7 +251,6 @@ async def embedded(deployment: Deployment) -> AsyncIterator[OublietteServer]:
         )
         await server.register_command_toolset("ext", "ext", [PYTHON, ECHO_ENDPOINT])
         yield server
-        nursery.cancel_scope.cancel()
 
 
 async def test_legacy_agent_is_told_when_its_allowlist_changes(deployment: Deployment) -> None:
