@@ -319,7 +319,11 @@ class FrameStore(LongPollWaiters):
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={_DURABILITY[self.durability]}")
         db.execute("PRAGMA temp_store=MEMORY")
-        db.execute("PRAGMA cache_size=-32768")  # 32 MiB
+        # 8 MiB of page cache: the pages a log reads again are its newest (long polls, SSE, a
+        # session's recent frames), which this holds many times over. It is filled once and then
+        # stays that size, so it is part of the server's steady memory (bench/soak.py --duration:
+        # at 32 MiB it took a busy server 40 minutes to reach its plateau, which looked like a leak).
+        db.execute("PRAGMA cache_size=-8192")
         db.execute("PRAGMA journal_size_limit=67108864")  # truncate the WAL to 64 MiB after checkpoints
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
