@@ -21,7 +21,7 @@ ERAS = pytest.mark.parametrize("mode", ["legacy", "auto"])
 #: A caller's `wait`: long, so only the fix makes the answer come within `PROMPT`.
 LONG_WAIT = 120
 #: Seconds within which the caller must have its answer.
-PROMPT = 10.0
+PROMPT = 20.0
 
 ECHO_AGENT = "import sys; print('answer: ' + sys.stdin.read(), flush=True)"
 FAILING_START = """

@@ -45,9 +45,11 @@ TURN_END_TYPES = ("assistant.done", "session.error")
 SESSION_CHANNEL = "mcp"
 EVENT_DRAIN_SECONDS = 2.0
 """How long a 2026-07-28 wait lets its request-scoped events go out before it returns its stop."""
-NO_GUEST_GRACE = 3.0
+NO_GUEST_GRACE = 8.0
 """Seconds a `session_message` wait gives a guest to connect before it stops with `no_guest`
-(an instance with no guest and no start command: nothing would run the message)."""
+(an instance with no guest and no start command: nothing would run the message). Longer than
+oubliette-client's longest reconnect delay (5 s), so a guest reconnecting after a server restart,
+or one started just before the message on a busy host, is not reported missing."""
 STREAM_GONE_STATE = "oubliette_stream_gone"
 """Key of the `trio.Event` the HTTP layer sets in a request's scope state when its client goes away."""
 
