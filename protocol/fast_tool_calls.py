@@ -22,7 +22,8 @@ answers it exactly as before:
 The handler returns what the SDK path would send for the same call (`call_result`: the
 `CallToolResult` dumped and shaped for the negotiated version as the SDK does). `notifications/cancelled` for a taken call's id cancels it and no response is
 sent, as the SDK does; the notification still reaches the SDK, which ignores ids it does not
-hold. Both programs turn the path off with `OUBLIETTE_FAST_CALLS=0`.
+hold. Both programs turn the path off with `OUBLIETTE_FAST_CALLS=0`, and it steps aside by itself
+when the OpenTelemetry SDK is set up (protocol/telemetry.py): the SDK path makes the MCP spans.
 
 Owns: one task per taken call, in the nursery `run` holds; each writes its own response.
 Needs: a `write(text)` safe to call from several tasks (`stdio_streams.StdoutText`).
@@ -38,6 +39,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, M
 from typing import Any
 
 import trio
+
+from .telemetry import tracing_configured
 
 __all__ = [
     "FastToolCalls", "Handler", "Route", "SendProgress", "call_result", "fast_calls_enabled", "is_request_id",
@@ -67,8 +70,9 @@ def switched_on(name: str, environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def fast_calls_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the fast path is on: yes unless `OUBLIETTE_FAST_CALLS` is `0`, `false`, `no` or `off`."""
-    return switched_on("OUBLIETTE_FAST_CALLS", environ)
+    """Whether the fast path is on: yes unless `OUBLIETTE_FAST_CALLS` is `0`, `false`, `no` or `off`,
+    or spans are exported (then every call goes to the SDK, which makes the MCP spans)."""
+    return switched_on("OUBLIETTE_FAST_CALLS", environ) and not tracing_configured()
 
 
 def is_request_id(value: Any) -> bool:

@@ -1,0 +1,225 @@
+"""One trace across the sandbox boundary (docs/OBSERVABILITY.md, "Traces: one call across the
+boundary"): the real programs — the server serving an SDK caller on stdio, the agent's
+oubliette-client under the SDK's MCP client, a guest runtime — export their spans over OTLP/HTTP
+to a receiver on loopback (tests/test_telemetry.py), and the caller sees the trace where it acts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from test_client import NOTIFY, declare, respond
+from test_telemetry import OtlpReceiver, _env_without_otel
+
+from harness import PYTHON, Deployment, EventLog, structured, text_of
+
+from protocol import parse_params
+from protocol.trace_spans import traced_relay_handler
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN = "00f067aa0ba902b7"
+PARENT = f"00-{TRACE_ID}-{PARENT_SPAN}-01"
+BOUND = 60.0
+
+
+class _Exports(list):  # type: ignore[type-arg]
+    """The receiver's decoded exports; `arrived` is set by each one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = trio.Event()
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self.arrived.set()
+        self.arrived = trio.Event()
+
+
+class WatchedReceiver(OtlpReceiver):
+    """The OTLP receiver, with a wait for the spans a test expects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exports = _Exports()
+
+    async def wait_for(self, names: dict[str, set[str]]) -> dict[str, list[Any]]:
+        """Wait until each service has exported spans of these names; return every span by service."""
+        while True:
+            spans = self.spans_by_service()
+            if all(wanted <= {span.name for span in spans.get(service, [])} for service, wanted in names.items()):
+                return spans
+            await self.exports.arrived.wait()
+
+
+def _otel(endpoint: str, service: str) -> dict[str, str]:
+    return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": service}
+
+
+def _server(deployment: Deployment, env: dict[str, str]) -> StdioServerParameters:
+    return StdioServerParameters(
+        command=PYTHON, env=env,
+        args=["-m", "oubliette_server", "--relay", deployment.relay, "--data-dir", str(deployment.data_dir),
+              "--log-level", "WARNING"],
+    )
+
+
+def _ids(traceparent: str) -> tuple[str, str]:
+    """(trace id, span id) of a `traceparent`."""
+    _version, trace_id, span_id, _flags = traceparent.split("-")
+    return trace_id, span_id
+
+
+async def test_one_trace_from_the_agents_call_to_the_callers_pending_entry(deployment: Deployment) -> None:
+    """The agent's `tools/call` with `_meta.traceparent` → the client's span → the relay request's
+    `_meta` → the server's span → the `caller_tool_request` event and the `requires_action`
+    pending entry carry the server's span as `_meta.traceparent`: one trace id all the way."""
+    receiver = WatchedReceiver()
+    events = EventLog()
+    async with trio.open_nursery() as nursery:
+        endpoint = await nursery.start(receiver.serve)
+        server = _server(deployment, _env_without_otel(**_otel(endpoint, "oubliette-server"), OTEL_BSP_SCHEDULE_DELAY="50"))
+        agent_env = _env_without_otel(**_otel(endpoint, "oubliette-client"), **deployment.client_env("box1", "mcp:s1"),
+                                      OTEL_BSP_SCHEDULE_DELAY="50")
+        with trio.fail_after(BOUND):
+            async with Client(server, mode="legacy", **events.callback_if(True)) as caller:
+                await declare(caller, "box1", "s1", [NOTIFY])
+                async with Client(StdioServerParameters(command=PYTHON, args=["-m", "oubliette_client"], env=agent_env),
+                                  mode="legacy") as agent:
+                    outcome: dict[str, Any] = {}
+
+                    async def agent_call() -> None:
+                        outcome["result"] = await agent.call_tool(
+                            "myapp_send_notification", {"message": "hi"},
+                            meta={"traceparent": PARENT, "tracestate": "vendor=abc"})
+
+                    async with trio.open_nursery() as calls:
+                        calls.start_soon(agent_call)
+                        request = await events.wait_type("caller_tool_request")
+                        waited = structured(await caller.call_tool(
+                            "session_message", {"session_id": "s1", "instance": "box1", "message": "busy?", "wait": 0.1}))
+                        assert waited["stop_reason"] == "requires_action", waited
+                        [entry] = waited["pending"]
+                        answered = await respond(caller, "s1", request["request_id"], result={"sent": True})
+                        assert not answered.is_error, text_of(answered)
+                    assert not outcome["result"].is_error, text_of(outcome["result"])
+                    spans = await receiver.wait_for({
+                        "oubliette-client": {"tools/call myapp_send_notification", "relay caller_tool myapp_send_notification"},
+                        "oubliette-server": {"tools/call send_notification"},
+                    })
+        nursery.cancel_scope.cancel()
+
+    # What the caller sees: the server's span, in the agent's trace, with the agent's tracestate.
+    assert entry["_meta"] == request["_meta"], (entry, request)
+    seen_trace, seen_span = _ids(entry["_meta"]["traceparent"])
+    assert seen_trace == TRACE_ID and entry["_meta"]["tracestate"] == "vendor=abc"
+
+    client = {span.name: span for span in spans["oubliette-client"]}
+    server = {span.name: span for span in spans["oubliette-server"]}
+    mcp_span = client["tools/call myapp_send_notification"]
+    relay_span = client["relay caller_tool myapp_send_notification"]
+    server_span = server["tools/call send_notification"]
+    for span in (mcp_span, relay_span, server_span):
+        assert span.trace_id.hex() == TRACE_ID, span.name
+    # agent → client (SDK's span) → the client's relay request → the server's span, the one the caller saw
+    assert mcp_span.parent_span_id.hex() == PARENT_SPAN
+    assert relay_span.parent_span_id == mcp_span.span_id
+    assert server_span.parent_span_id == relay_span.span_id
+    assert server_span.span_id.hex() == seen_span
+    attributes = {kv.key: kv.value.string_value for kv in server_span.attributes}
+    assert attributes["mcp.method.name"] == "tools/call" and attributes["gen_ai.tool.name"] == "send_notification"
+    assert attributes["mcp.session.id"] == "mcp:s1" and attributes["oubliette.relay.method"] == "caller_tool"
+    assert server_span.kind == server_span.SPAN_KIND_SERVER and relay_span.kind == relay_span.SPAN_KIND_CLIENT
+
+
+AGENT_WRITES_ENV = """
+import json, os, sys
+sys.stdin.read()
+with open(sys.argv[1], "w") as out:
+    json.dump({name: os.environ.get(name) for name in ("TRACEPARENT", "TRACESTATE")}, out)
+print("env written")
+"""
+
+
+@pytest.mark.parametrize(("server_tracing", "meta"), [
+    ("off", {"traceparent": PARENT, "tracestate": "vendor=abc"}),
+    ("on", {"traceparent": PARENT, "tracestate": "vendor=abc"}),
+    ("off", {"traceparent": "00-not-a-traceparent-01"}),
+    ("on", {"traceparent": ["not", "a", "string"]}),
+])
+async def test_a_callers_traceparent_reaches_the_agent_command(
+    deployment: Deployment, tmp_path: Path, server_tracing: str, meta: dict[str, Any],
+) -> None:
+    """The caller's `session_message` with `_meta.traceparent` → the `user.message` frame → the
+    guest runtime starts the agent command with `TRACEPARENT` / `TRACESTATE`: the caller's own
+    (the server passes it on without tracing) or the server's span of the message, in the
+    caller's trace. An invalid one is ignored: the turn runs, under the server's own root span
+    when it traces, else with no `TRACEPARENT`."""
+    receiver = WatchedReceiver()
+    written = tmp_path / "env.json"
+    async with trio.open_nursery() as nursery:
+        endpoint = await nursery.start(receiver.serve)
+        otel = _otel(endpoint, "oubliette-server") if server_tracing == "on" else {}
+        with trio.fail_after(BOUND):
+            async with Client(_server(deployment, _env_without_otel(**otel)), mode="legacy") as caller, \
+                    deployment.guest("box1", [sys.executable, "-c", AGENT_WRITES_ENV, str(written)]):
+                done = await caller.call_tool(
+                    "session_message", {"instance": "box1", "session_id": "s1", "message": "go", "wait": True},
+                    meta=meta)
+                stop = structured(done)
+                assert stop["stop_reason"] == "end_turn" and "env written" in stop["text"], stop
+        nursery.cancel_scope.cancel()
+    env = json.loads(written.read_text())
+    if not isinstance(meta["traceparent"], str) or "not-a" in meta["traceparent"]:
+        if server_tracing == "off":
+            assert env == {"TRACEPARENT": None, "TRACESTATE": None}
+        else:  # ignored: the server's span of the message is a root of its own, and that is handed on
+            assert _ids(env["TRACEPARENT"])[0] != TRACE_ID and env["TRACESTATE"] is None
+    elif server_tracing == "off":
+        assert env == {"TRACEPARENT": PARENT, "TRACESTATE": "vendor=abc"}
+    else:
+        trace_id, span_id = _ids(env["TRACEPARENT"])
+        assert trace_id == TRACE_ID and span_id != PARENT_SPAN and env["TRACESTATE"] == "vendor=abc"
+
+
+# -- the server's span of a relay request, alone ---------------------------------------------------
+
+
+class _Connection:
+    session_key = "mcp:s1"
+    instance = "box1"
+
+
+@pytest.mark.parametrize("meta", [None, {"traceparent": "garbage"}, {"traceparent": 7}, {"tracestate": "a=b"}])
+async def test_an_invalid_relay_meta_is_ignored_never_an_error(meta: Any) -> None:
+    """A client's `_meta` that carries no valid context leaves the request to run as it would."""
+    params = parse_params("caller_tool", {"tool": "t", "arguments": {}, **({} if meta is None else {"_meta": meta})})
+    seen: list[Any] = []
+
+    async def handler(connection: Any, got: Any) -> str:
+        from opentelemetry import trace
+
+        seen.append(trace.get_current_span().get_span_context().is_valid)
+        return "ran"
+
+    assert await traced_relay_handler("caller_tool", handler)(_Connection(), params) == "ran"
+    assert seen == [False]
+
+
+async def test_a_relay_meta_passes_through_without_tracing() -> None:
+    """No SDK configured: no span is recorded, but the client's context is what the handler sees
+    (the caller is handed the agent's trace all the same)."""
+    from protocol.trace_spans import current_meta
+
+    params = parse_params("toolset_call", {"name": "x.t", "_meta": {"traceparent": PARENT}})
+
+    async def handler(connection: Any, got: Any) -> Any:
+        return current_meta()
+
+    assert await traced_relay_handler("toolset_call", handler)(_Connection(), params) == {"traceparent": PARENT}
