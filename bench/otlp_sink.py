@@ -28,14 +28,20 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 KINDS = {1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
 
 
-class Sink:
-    """Every span received, with its service's name."""
+class OtlpReceiver:
+    """A tiny OTLP/HTTP trace receiver on loopback: it decodes each export and answers 200 (the
+    tests' receiver too, tests/test_telemetry.py)."""
 
     def __init__(self) -> None:
-        self.spans: list[tuple[str, Any]] = []
+        self.exports: list[tuple[str, ExportTraceServiceRequest]] = []
 
-    async def connection(self, stream: trio.SocketStream) -> None:
-        """One HTTP/1.1 connection: decode each request's body as an export and answer 200."""
+    async def serve(self, port: int = 0, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on 127.0.0.1:`port` (0: a free one); started: its base URL."""
+        listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+        task_status.started(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+        await trio.serve_listeners(self._connection, listeners)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
         buffer = b""
         async with stream:
             while True:
@@ -45,8 +51,8 @@ class Sink:
                         return
                     buffer += chunk
                 head, _, buffer = buffer.partition(b"\r\n\r\n")
-                headers = {name.strip().lower(): value.strip()
-                           for name, value in (line.split(":", 1) for line in head.decode("latin-1").split("\r\n")[1:])}
+                request_line, *header_lines = head.decode("latin-1").split("\r\n")
+                headers = {name.strip().lower(): value.strip() for name, value in (h.split(":", 1) for h in header_lines)}
                 length = int(headers.get("content-length", "0"))
                 while len(buffer) < length:
                     buffer += await stream.receive_some(65536)
@@ -55,13 +61,26 @@ class Sink:
                     body = gzip.decompress(body)
                 export = ExportTraceServiceRequest()
                 export.ParseFromString(body)
-                for resource_spans in export.resource_spans:
-                    service = next((kv.value.string_value for kv in resource_spans.resource.attributes
-                                    if kv.key == "service.name"), "?")
-                    self.spans.extend((service, span) for scope in resource_spans.scope_spans for span in scope.spans)
+                self.exports.append((request_line.split(" ")[1], export))
                 answer = ExportTraceServiceResponse().SerializeToString()
-                await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\n"
-                                      + f"Content-Length: {len(answer)}\r\n\r\n".encode() + answer)
+                await stream.send_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\n"
+                    + f"Content-Length: {len(answer)}\r\n\r\n".encode() + answer)
+
+    def spans_by_service(self) -> dict[str, list[Any]]:
+        """Every exported span, under its resource's `service.name`."""
+        found: dict[str, list[Any]] = {}
+        for _path, export in self.exports:
+            for resource_spans in export.resource_spans:
+                attributes = {kv.key: kv.value.string_value for kv in resource_spans.resource.attributes}
+                spans = [span for scope in resource_spans.scope_spans for span in scope.spans]
+                found.setdefault(attributes.get("service.name", ""), []).extend(spans)
+        return found
+
+    @property
+    def spans(self) -> list[tuple[str, Any]]:
+        """Every span received, with its service's name."""
+        return [(service, span) for service, spans in self.spans_by_service().items() for span in spans]
 
     def summary(self) -> str:
         """Spans received by service."""
@@ -94,13 +113,12 @@ class Sink:
         return "\n".join(lines)
 
 
-async def serve(sink: Sink, port: int) -> None:
+async def serve(sink: OtlpReceiver, port: int) -> None:
     """Listen on 127.0.0.1:`port` until SIGINT or SIGTERM (a background job ignores SIGINT)."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
-        print(f"otlp sink listening on http://127.0.0.1:{listeners[0].socket.getsockname()[1]}", file=sys.stderr, flush=True)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(trio.serve_listeners, sink.connection, listeners)
+            url = await nursery.start(sink.serve, port)
+            print(f"otlp sink listening on {url}", file=sys.stderr, flush=True)
             async for _ in signals:
                 nursery.cancel_scope.cancel()
                 break
@@ -112,7 +130,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=4318)
     parser.add_argument("--tree", metavar="NAME", help="render the median trace with a span named like NAME")
     args = parser.parse_args()
-    sink = Sink()
+    sink = OtlpReceiver()
     trio.run(serve, sink, args.port)
     print(sink.summary())
     if args.tree:

@@ -15,9 +15,10 @@ import trio
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from test_client import NOTIFY, declare, respond
-from test_telemetry import OtlpReceiver, _env_without_otel
+from test_telemetry import _env_without_otel
 
 from harness import PYTHON, Deployment, EventLog, structured, text_of
+from otlp_sink import OtlpReceiver
 
 from protocol import parse_params
 from protocol.trace_spans import traced_relay_handler
