@@ -1,12 +1,12 @@
 """A local OTLP/HTTP trace collector for measurements: receives, counts, and renders one trace.
 
-    python bench/otlp_sink.py [--port 4318] [--tree NAME]
+    python bench/otlp_sink.py [--port 4318] [--tree NAME [--nth N]]
 
 It listens on 127.0.0.1:PORT, decodes every `POST /v1/traces` (protobuf, gzip or not) with
-opentelemetry-proto and answers 200, as a collector would. On Ctrl-C or SIGTERM it prints how many
-spans each service sent and, with `--tree NAME`, the trace whose span named like NAME took
-the median time, as a tree of span names with durations (docs/OBSERVABILITY.md, "Traces: one
-call across the boundary"). Point the programs at it with
+opentelemetry-proto and answers 200, as a collector would. On Ctrl-C or SIGTERM it prints how
+many spans each service sent and, with `--tree NAME`, the trace whose span named like NAME took
+the median time (with `--nth N`: the Nth such span received) as a tree of span names with
+durations (docs/OBSERVABILITY.md, "Traces: one call across the boundary"). Point the programs at it with
 `OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:PORT`. Not part of the test suite.
 """
 
@@ -87,21 +87,22 @@ class OtlpReceiver:
         counts = collections.Counter(service for service, _ in self.spans)
         return "\n".join(f"{service}: {count} spans" for service, count in sorted(counts.items()))
 
-    def tree(self, name: str) -> str:
-        """The trace whose span named like `name` took the median time of all such spans, one
-        span a line, children indented under their parent, with each span's service, kind and
-        duration."""
-        matching = sorted((span.end_time_unix_nano - span.start_time_unix_nano, span.trace_id)
-                          for _, span in self.spans if name in span.name)
-        if not matching:
+    def tree(self, name: str, nth: int | None = None) -> str:
+        """The trace whose span named like `name` took the median time of all such spans (or
+        the `nth` such span received, from 0), one span a line, children indented under their
+        parent, with each span's service, kind and duration."""
+        received = [(span.end_time_unix_nano - span.start_time_unix_nano, span.trace_id)
+                    for _, span in self.spans if name in span.name]
+        if not received:
             return f"(no span named like {name!r} received)"
-        chosen = matching[len(matching) // 2][1]
+        matching = sorted(received)
+        chosen = matching[len(matching) // 2][1] if nth is None else received[min(nth, len(received) - 1)][1]
         trace = [(service, span) for service, span in self.spans if span.trace_id == chosen]
         ids = {span.span_id for _, span in trace}
         children: dict[bytes, list[tuple[str, Any]]] = collections.defaultdict(list)
         for service, span in trace:
             children[span.parent_span_id if span.parent_span_id in ids else b""].append((service, span))
-        lines = [f"trace {chosen.hex()} (the median of {len(matching)})"]
+        lines = [f"trace {chosen.hex()} ({'the median' if nth is None else f'number {nth}'} of {len(matching)})"]
 
         def walk(parent: bytes, depth: int) -> None:
             for service, span in sorted(children[parent], key=lambda item: item[1].start_time_unix_nano):
@@ -129,12 +130,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=4318)
     parser.add_argument("--tree", metavar="NAME", help="render the median trace with a span named like NAME")
+    parser.add_argument("--nth", type=int, help="with --tree: the trace of the NTH such span received (from 0), not the median")
     args = parser.parse_args()
     sink = OtlpReceiver()
     trio.run(serve, sink, args.port)
     print(sink.summary())
     if args.tree:
-        print(sink.tree(args.tree))
+        print(sink.tree(args.tree, args.nth))
 
 
 if __name__ == "__main__":

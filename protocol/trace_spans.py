@@ -26,7 +26,7 @@ from . import telemetry
 
 __all__ = [
     "current_meta", "tracing_on", "traced_relay_handler", "client_request_span", "record_approval_span",
-    "turn_environment", "TARGET_FIELDS",
+    "turn_environment", "fast_call_span", "TARGET_FIELDS",
 ]
 
 #: The relay request methods that open a span in the server, and the params field naming the tool.
@@ -124,6 +124,40 @@ def client_request_span(method: str, target: str) -> Iterator[dict[str, str] | N
         if span.is_recording():
             span.set_attributes({"oubliette.relay.method": method, "gen_ai.tool.name": target})
         yield current_meta()
+
+
+def _no_result(result: Any) -> None:
+    """`fast_call_span`'s result hook when no span records."""
+
+
+@contextmanager
+def fast_call_span(name: str, request_id: str | int, meta: dict[str, Any]) -> Iterator[Callable[[Any], None]]:
+    """The span the MCP SDK makes for a `tools/call` (protocol/fast_tool_calls.py takes the call
+    off the SDK's path): `tools/call {name}`, kind SERVER, its attributes, under `meta`'s
+    `traceparent`. Yields a hook to call with the result object, which marks a tool error as the
+    SDK does. Without tracing and without context in `meta`: no span at all."""
+    if "traceparent" not in meta and not tracing_on():
+        yield _no_result
+        return
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    context = telemetry.extract(meta) if "traceparent" in meta else None
+    with _get_tracer().start_as_current_span(
+        f"tools/call {name}", context=context, kind=SpanKind.SERVER, record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        if not span.is_recording():
+            yield _no_result
+            return
+        span.set_attributes({"mcp.method.name": "tools/call", "jsonrpc.request.id": str(request_id),
+                             "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name})
+
+        def ended(result: Any) -> None:
+            if isinstance(result, dict) and result.get("isError") is True:
+                span.set_attribute("error.type", "tool_error")
+                span.set_status(StatusCode.ERROR)
+
+        yield ended
 
 
 def record_approval_span(decision: str, seconds: float) -> None:

@@ -189,6 +189,26 @@ async def test_a_callers_traceparent_reaches_the_agent_command(
         assert trace_id == TRACE_ID and span_id != PARENT_SPAN and env["TRACESTATE"] == "vendor=abc"
 
 
+async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deployment: Deployment) -> None:
+    """The agent's `tools/call` of a host toolset's tool with `_meta.traceparent` → the client →
+    `toolset_call`'s `_meta` → the server (here tracing nothing: it passes the context on) → the
+    toolset's MCP server receives the same trace in its `tools/call`'s `_meta`."""
+    from test_caller_responses import INSTANCE, SESSION, in_process
+
+    script = str(Path(__file__).with_name("progress_mcp_server.py"))
+    with trio.fail_after(BOUND):
+        async with in_process(deployment) as proc:
+            await proc.server.register_mcp_toolset("progress", "pg", sys.executable, [script])
+            await proc.server.update_allowed_toolsets(INSTANCE, ["progress"])
+            owner, _events = proc.open_caller()
+            await proc.declare(owner, [])
+            async with deployment.agent(INSTANCE, f"mcp:{SESSION}") as agent:
+                traced = await agent.call_tool("pg.trace_id", {}, meta={"traceparent": PARENT})
+                untraced = await agent.call_tool("pg.trace_id", {})
+    assert text_of(traced) == TRACE_ID, text_of(traced)
+    assert text_of(untraced) == "none"
+
+
 # -- the server's span of a relay request, alone ---------------------------------------------------
 
 
@@ -224,3 +244,39 @@ async def test_a_relay_meta_passes_through_without_tracing() -> None:
         return current_meta()
 
     assert await traced_relay_handler("toolset_call", handler)(_Connection(), params) == {"traceparent": PARENT}
+
+
+async def test_the_fast_path_takes_a_call_with_trace_context_and_runs_it_there() -> None:
+    """A handshake-era `tools/call` whose `_meta` carries `traceparent`/`tracestate` stays on the
+    fast path (protocol/fast_tool_calls.py), and its handler runs in that context, as under the
+    SDK's span: what the handler relays on carries the agent's trace."""
+    from protocol.fast_tool_calls import FastToolCalls
+    from protocol.trace_spans import current_meta
+
+    seen: list[Any] = []
+    written: list[str] = []
+    answered = trio.Event()
+
+    async def handler(token: Any, progress: Any) -> dict[str, Any]:
+        seen.append(current_meta())
+        return {"content": [], "isError": False}
+
+    async def write(text: str) -> None:
+        written.append(text)
+        answered.set()
+
+    fast = FastToolCalls(lambda name, arguments: handler, write)
+    line = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "t", "arguments": {}, "_meta": {"progressToken": 3, "traceparent": PARENT, "tracestate": "vendor=abc"}}})
+
+    async def source() -> Any:
+        yield line
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fast.run)
+            assert [passed async for passed in fast.lines(source())] == [], "the SDK does not see it"
+            await answered.wait()
+            nursery.cancel_scope.cancel()
+    assert seen == [{"traceparent": PARENT, "tracestate": "vendor=abc"}]
+    assert json.loads(written[0])["id"] == 1
