@@ -280,3 +280,46 @@ async def test_the_fast_path_takes_a_call_with_trace_context_and_runs_it_there()
             nursery.cancel_scope.cancel()
     assert seen == [{"traceparent": PARENT, "tracestate": "vendor=abc"}]
     assert json.loads(written[0])["id"] == 1
+
+
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """This process records spans as if the SDK were set up (into memory; the global provider untouched)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from protocol import telemetry, trace_spans
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace_spans, "_tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(telemetry, "tracing_configured", lambda: True)
+    return exporter
+
+
+async def test_the_servers_span_of_a_gated_call_and_of_its_approval_wait(recording: Any) -> None:
+    """Recording: the relay request's span has the MCP attributes, an error its code, and the
+    approval's `on_decided` hook adds a span covering the time the decision took, under it."""
+    from protocol import RelayError, errors
+    from protocol.trace_spans import record_approval_span
+
+    async def gated(connection: Any, params: Any) -> Any:
+        record_approval_span("denied", 1.5)
+        raise RelayError(errors.DENIED, "denied: not now")
+
+    params = parse_params("caller_tool", {"tool": "delete_file", "arguments": {}, "_meta": {"traceparent": PARENT}})
+    with pytest.raises(RelayError):
+        await traced_relay_handler("caller_tool", gated)(_Connection(), params)
+    wait, call = recording.get_finished_spans()
+    assert call.name == "tools/call delete_file" and format(call.context.trace_id, "032x") == TRACE_ID
+    assert format(call.parent.span_id, "016x") == PARENT_SPAN
+    assert dict(call.attributes) == {
+        "mcp.method.name": "tools/call", "gen_ai.tool.name": "delete_file", "gen_ai.operation.name": "execute_tool",
+        "mcp.session.id": "mcp:s1", "oubliette.relay.method": "caller_tool", "oubliette.instance": "box1",
+        "error.type": str(errors.DENIED),
+    }
+    assert wait.name == "approval wait" and wait.parent.span_id == call.context.span_id
+    assert dict(wait.attributes) == {"oubliette.approval.decision": "denied"}
+    assert abs((wait.end_time - wait.start_time) / 1e9 - 1.5) < 0.01
