@@ -111,10 +111,11 @@ class Responder:
                 nursery.start_soon(self._answer, caller, event)
 
     async def _answer(self, caller: Client, event: dict[str, Any]) -> None:
+        # With tracing on, the request carries the server's span: the answer joins that trace.
         reply = await caller.call_tool("caller_tool_response", {
             "session_id": event["session_id"], "request_id": event["request_id"],
             "result": {"echo": event["arguments"].get("text")},
-        })
+        }, meta=event.get("_meta"))
         if reply.is_error:
             self.failures.append(" ".join(getattr(b, "text", "") for b in reply.content))
         else:
@@ -160,10 +161,11 @@ async def run_as_caller(workdir: Path) -> None:
 
 
 def passed_env() -> dict[str, str]:
-    """`OUBLIETTE_FAST_CALLS` when set here, for the programs (the SDK gives a child only a minimal
-    environment): `OUBLIETTE_FAST_CALLS=0 python bench/bench_relay.py` measures the SDK's path."""
-    value = os.environ.get("OUBLIETTE_FAST_CALLS")
-    return {} if value is None else {"OUBLIETTE_FAST_CALLS": value}
+    """`OUBLIETTE_FAST_CALLS` and the `OTEL_*` variables when set here, for the programs (the SDK
+    gives a child only a minimal environment): `OUBLIETTE_FAST_CALLS=0 python bench/bench_relay.py`
+    measures the SDK's path, `OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318` (with
+    bench/otlp_sink.py listening there) the cost of exporting spans."""
+    return {name: value for name, value in os.environ.items() if name == "OUBLIETTE_FAST_CALLS" or name.startswith("OTEL_")}
 
 
 def profiled(name: str) -> list[str]:

@@ -50,6 +50,7 @@ import trio
 
 from protocol import errors
 from protocol.fast_tool_calls import error_line, is_request_id, response_line, switched_on
+from protocol.telemetry import tracing_configured
 from protocol.stdio_streams import claimed_stdio
 
 from .sandbox_tools import SandboxTools
@@ -88,8 +89,9 @@ _REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
 
 
 def early_handshake_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Yes unless `OUBLIETTE_EARLY_HANDSHAKE` is `0`, `false`, `no` or `off`."""
-    return switched_on("OUBLIETTE_EARLY_HANDSHAKE", environ)
+    """Yes unless `OUBLIETTE_EARLY_HANDSHAKE` is `0`, `false`, `no` or `off`, or spans are exported
+    (then the SDK answers every line and makes its MCP spans)."""
+    return switched_on("OUBLIETTE_EARLY_HANDSHAKE", environ) and not tracing_configured()
 
 
 def _parse(line: str) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ from typing import Any
 import trio
 
 from protocol import Frame, RelayError, errors, messages
+from protocol.trace_spans import turn_environment
 
 from .mcp_config import write_mcp_config
 from .relay_link import RelayLink
@@ -187,6 +188,8 @@ class GuestRuntime:
         log.info("turn for %s (seq %d)", key, frame.seq)
         await self._append(frame, "status.presence", {"state": "thinking"})
         env = {**os.environ, **self.settings.environment(key), "OUBLIETTE_MSG_ID": frame.msg_id}
+        if "_meta" in frame.payload:  # the caller's trace (docs/OBSERVABILITY.md): the agent's spans join it
+            env.update(turn_environment(frame.payload["_meta"]))
         lines: list[str] = []
         stderr = bytearray()
         command = self._turn_command(key)

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,13 @@ def client_command() -> list[str]:
     return [sys.executable, "-m", "oubliette_client"]
 
 
+def otel_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The guest runtime's `OTEL_*` variables: an MCP client such as the SDK's starts its server
+    with only a few safe variables and the config's `env`, so this is how the agent's
+    `oubliette-client` exports its spans where the runtime does (docs/OBSERVABILITY.md)."""
+    return {name: value for name, value in environ.items() if name.startswith("OTEL_")}
+
+
 def mcp_config(settings: RelaySettings, session: str | None) -> dict[str, Any]:
     """The `--mcp-config` document that starts this `oubliette-client` bound to `session`; it holds the token."""
     command = client_command()
@@ -35,7 +43,7 @@ def mcp_config(settings: RelaySettings, session: str | None) -> dict[str, Any]:
                 "type": "stdio",
                 "command": command[0],
                 "args": command[1:],
-                "env": settings.environment(session),
+                "env": {**settings.environment(session), **otel_environment()},
             }
         }
     }

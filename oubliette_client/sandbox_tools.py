@@ -17,6 +17,7 @@ import trio
 
 from protocol import RelayError, errors
 from protocol.descriptors import DESCRIPTOR_META_KEY
+from protocol.trace_spans import client_request_span
 
 if TYPE_CHECKING:
     from protocol import CallerToolSpec, ToolsetToolSpec, UnavailableToolset
@@ -180,11 +181,17 @@ class SandboxTools:
         ref = self._track(progress)
         try:
             return await permission_prompt(
-                self.link.request, arguments, progress_ref=ref,
+                self._traced_request, arguments, progress_ref=ref,
                 timeout=max(self.link.request_timeout, APPROVAL_WAIT) + APPROVAL_MARGIN,
             )
         finally:
             self._untrack(ref)
+
+    async def _traced_request(self, method: str, params: dict[str, Any], **kwargs: Any) -> Any:
+        """`link.request` carrying the trace context of the client's span of it in `_meta`."""
+        target = str(params.get("tool_name", ""))
+        with client_request_span(method, target) as meta:
+            return await self.link.request(method, params if meta is None else {**params, "_meta": meta}, **kwargs)
 
     def _track(self, progress: AgentProgress | None) -> str | None:
         if progress is None:
@@ -211,19 +218,23 @@ class SandboxTools:
         from protocol import messages  # loaded with the link's first connection (cold start)
 
         ref = self._track(progress)
-        extra = {"progress_ref": ref} if ref is not None else {}
+        extra: dict[str, Any] = {"progress_ref": ref} if ref is not None else {}
+        method = messages.CALLER_TOOL if tool.kind == "caller" else messages.TOOLSET_CALL
         try:
-            if tool.kind == "caller":
-                reply = await self.link.request(
-                    messages.CALLER_TOOL,
-                    {"tool": tool.tool, "arguments": arguments, "caller_id": tool.owner, **extra},
-                    timeout=self._caller_tool_deadline(tool),
-                )
-            else:
-                reply = await self.link.request(
-                    messages.TOOLSET_CALL, {"name": tool.name, "arguments": arguments, **extra},
-                    timeout=self._toolset_deadline(tool),
-                )
+            with client_request_span(method, tool.name) as meta:
+                if meta is not None:
+                    extra["_meta"] = meta  # the server's span of the call joins this trace
+                if tool.kind == "caller":
+                    reply = await self.link.request(
+                        messages.CALLER_TOOL,
+                        {"tool": tool.tool, "arguments": arguments, "caller_id": tool.owner, **extra},
+                        timeout=self._caller_tool_deadline(tool),
+                    )
+                else:
+                    reply = await self.link.request(
+                        messages.TOOLSET_CALL, {"name": tool.name, "arguments": arguments, **extra},
+                        timeout=self._toolset_deadline(tool),
+                    )
         except RelayError as err:
             return CallOutcome(error=relay_error_text(tool, err), category=err.category)
         finally:

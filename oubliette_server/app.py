@@ -16,6 +16,7 @@ import trio
 
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
 from protocol.limits import Limits
+from protocol.trace_spans import record_approval_span, traced_relay_handler
 
 from .abandoned_requests import AbandonedRequests, AbandonedStore
 from .approvals import ApprovalElicitation, ApprovalService, ConnectionApprovals
@@ -33,7 +34,7 @@ from .guests import (
 from .health import Readiness
 from .http_api import HttpApi
 from .instances import InstanceDirectory
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, decision_of
 from .relay import SERVER_VERSION, RelayConnection, RelayHandlers, RelayListener
 from .sessions import SessionRegistry
 from .store_api import FrameStoreAPI
@@ -42,6 +43,9 @@ from .tether import Tether
 from .toolsets import ToolsetService
 
 log = logging.getLogger("oubliette.server")
+
+#: The relay requests that open a span in the server (docs/OBSERVABILITY.md).
+TRACED_METHODS = frozenset({messages.CALLER_TOOL, messages.TOOLSET_CALL, messages.APPROVAL})
 
 
 class OublietteServer:
@@ -117,7 +121,7 @@ class OublietteServer:
         )
         self.approvals = ApprovalService(
             self.frame_log.append, config.approval_timeout, log=bus, server_id=self.server_id if bus is not None else None,
-            on_decided=self.metrics.approval_decided,
+            on_decided=self._approval_decided,
         )
         # A session with a request or approval not yet ended stays in memory (docs/CONFIG.md, max_sessions).
         self.sessions.keep_while(self.calls.holds)
@@ -338,13 +342,19 @@ class OublietteServer:
     def _limited(
         self, handler: Callable[[Any, Any], Awaitable[Any]], method: str, field: str
     ) -> Callable[[Any, Any], Awaitable[Any]]:
-        """`handler`, refusing a request whose `field` is over the size or depth limit."""
+        """`handler`, refusing a request whose `field` is over the size or depth limit; a client's
+        call or approval runs in the server's span of it (protocol/trace_spans.py)."""
 
         async def checked(connection: Any, params: Any) -> Any:
             self.limits.check_value(getattr(params, field), f"{method} {field}")
             return await handler(connection, params)
 
-        return checked
+        return traced_relay_handler(method, checked) if method in TRACED_METHODS else checked
+
+    def _approval_decided(self, decision: Any, seconds: float) -> None:
+        """An approval ended: counted in the metrics, and a span of the wait when tracing."""
+        self.metrics.approval_decided(decision, seconds)
+        record_approval_span(decision_of(decision), seconds)
 
     def _user_message_arrived(self, instance: str) -> None:
         """Wake the instance (its start command) if its guest is not connected here, nor, with a

@@ -13,8 +13,8 @@ answers it exactly as before:
 
 - it is a JSON-RPC request `{"jsonrpc": "2.0", "id": <string or integer>, "method":
   "tools/call", "params": {"name": <string>, "arguments"?: <object>, "_meta"?:
-  {"progressToken"?: <string or integer>}}}` with no other keys (a 2026-07-28 request carries
-  more `_meta` and always goes to the SDK);
+  {"progressToken"?: <string or integer>, "traceparent"?, "tracestate"?}}}` with no other keys
+  (a 2026-07-28 request carries more `_meta` and always goes to the SDK);
 - the program's `route(name, arguments)` gives a handler for it (each program takes only
   calls of a handshake-era peer that finished `initialize`, and only the tools it names);
 - no other call taken here is in flight with the same id.
@@ -23,6 +23,10 @@ The handler returns what the SDK path would send for the same call (`call_result
 `CallToolResult` dumped and shaped for the negotiated version as the SDK does). `notifications/cancelled` for a taken call's id cancels it and no response is
 sent, as the SDK does; the notification still reaches the SDK, which ignores ids it does not
 hold. Both programs turn the path off with `OUBLIETTE_FAST_CALLS=0`.
+
+Spans: a taken call gets the span the SDK would make (`tools/call {name}`, its attributes, under
+the call's `_meta.traceparent`; protocol/trace_spans.py `fast_call_span`) when spans are exported
+or the call carries trace context to pass on, and none otherwise.
 
 Owns: one task per taken call, in the nursery `run` holds; each writes its own response.
 Needs: a `write(text)` safe to call from several tasks (`stdio_streams.StdoutText`).
@@ -38,6 +42,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, M
 from typing import Any
 
 import trio
+
+from .trace_spans import fast_call_span
 
 __all__ = [
     "FastToolCalls", "Handler", "Route", "SendProgress", "call_result", "fast_calls_enabled", "is_request_id",
@@ -57,6 +63,7 @@ _CALL_MARK = '"tools/call"'
 _CANCEL_MARK = '"notifications/cancelled"'
 _REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
 _PARAM_KEYS = frozenset({"name", "arguments", "_meta"})
+_META_KEYS = frozenset({"progressToken", "traceparent", "tracestate"})
 _OFF = frozenset({"0", "false", "no", "off"})
 
 
@@ -146,16 +153,16 @@ class FastToolCalls:
         call = self._parse_call(line)
         if call is None:
             return False
-        request_id, handler, token = call
+        request_id, handler, token, name, meta = call
         log.debug("tools/call %r taken off the SDK's path", request_id)
         scope = trio.CancelScope()
         self._in_flight[request_id] = scope
         self.taken += 1
-        self._nursery.start_soon(self._answer, scope, request_id, handler, token)
+        self._nursery.start_soon(self._answer, scope, request_id, handler, token, name, meta)
         return True
 
-    def _parse_call(self, line: str) -> tuple[str | int, Handler, str | int | None] | None:
-        """(id, handler, progress token) of a call this path takes, else None."""
+    def _parse_call(self, line: str) -> tuple[str | int, Handler, str | int | None, str, dict[str, Any]] | None:
+        """(id, handler, progress token, tool name, `_meta`) of a call this path takes, else None."""
         try:
             message = json.loads(line)
         except (ValueError, RecursionError):  # not ours: the SDK answers it with its own error
@@ -172,13 +179,13 @@ class FastToolCalls:
         name, arguments, meta = params.get("name"), params.get("arguments", {}), params.get("_meta", {})
         if not isinstance(name, str) or not isinstance(arguments, dict):
             return None
-        if not isinstance(meta, dict) or not meta.keys() <= {"progressToken"}:
+        if not isinstance(meta, dict) or not meta.keys() <= _META_KEYS:
             return None
         token = meta.get("progressToken")
         if token is not None and not is_request_id(token):
             return None
         handler = self.route(name, arguments)
-        return None if handler is None else (request_id, handler, token)
+        return None if handler is None else (request_id, handler, token, name, meta)
 
     def _cancel(self, line: str) -> None:
         try:
@@ -190,11 +197,15 @@ class FastToolCalls:
         if is_request_id(request_id) and request_id in self._in_flight:
             self._in_flight[request_id].cancel()
 
-    async def _answer(self, scope: trio.CancelScope, request_id: str | int, handler: Handler, token: str | int | None) -> None:
+    async def _answer(
+        self, scope: trio.CancelScope, request_id: str | int, handler: Handler, token: str | int | None,
+        name: str, meta: dict[str, Any],
+    ) -> None:
         result = None
         try:
-            with scope:
+            with scope, fast_call_span(name, request_id, meta) as ended:
                 result = await handler(token, None if token is None else self._progress_sender(token))
+                ended(result)
         finally:
             del self._in_flight[request_id]
         if result is not None:

@@ -161,6 +161,7 @@ class CallerToolCall:
     arguments: dict[str, Any] = attrs.field(factory=dict)
     caller_id: str | None = None
     progress_ref: str | None = None  # names this call in the server's `progress` notifications
+    _meta: dict[str, Any] | None = None  # W3C trace context (`traceparent`, `tracestate`) of the client's span
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -239,6 +240,7 @@ class ToolsetCall:
     name: str
     arguments: dict[str, Any] = attrs.field(factory=dict)
     progress_ref: str | None = None  # names this call in the server's `progress` notifications
+    _meta: dict[str, Any] | None = None  # W3C trace context (`traceparent`, `tracestate`) of the client's span
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -264,6 +266,7 @@ class AgentApproval:
     arguments: dict[str, Any] = attrs.field(factory=dict)
     tool_use_id: str | None = None
     progress_ref: str | None = None
+    _meta: dict[str, Any] | None = None  # W3C trace context (`traceparent`, `tracestate`) of the client's span
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -144,7 +144,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "caller_tool params",
         obj(
             ["tool"],
-            {"tool": NON_EMPTY, "arguments": OBJECT, "caller_id": OPT_STRING, "progress_ref": _PROGRESS_REF},
+            {"tool": NON_EMPTY, "arguments": OBJECT, "caller_id": OPT_STRING, "progress_ref": _PROGRESS_REF,
+             "_meta": OPT_OBJECT},
         ),
     ),
     "caller_tool_result": document("caller_tool result", obj(["result"], {"result": {}})),
@@ -186,7 +187,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "unavailable_toolset": document("unavailable toolset", _UNAVAILABLE_TOOLSET),
     TOOLSET_CALL: document(
         "toolset_call params",
-        obj(["name"], {"name": NON_EMPTY, "arguments": OBJECT, "progress_ref": _PROGRESS_REF}),
+        obj(["name"], {"name": NON_EMPTY, "arguments": OBJECT, "progress_ref": _PROGRESS_REF, "_meta": OPT_OBJECT}),
     ),
     "toolset_call_result": document(
         "toolset_call result",
@@ -202,7 +203,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "approval params",
         obj(
             ["tool_name"],
-            {"tool_name": NON_EMPTY, "arguments": OBJECT, "tool_use_id": OPT_STRING, "progress_ref": _PROGRESS_REF},
+            {"tool_name": NON_EMPTY, "arguments": OBJECT, "tool_use_id": OPT_STRING, "progress_ref": _PROGRESS_REF,
+             "_meta": OPT_OBJECT},
         ),
     ),
     "approval_result": document(

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SHUTDOWN_SECONDS", "MISSING_EXTRA", "tracing_requested", "configure_tracing", "shutdown_tracing",
-    "setup_observability", "inject", "extract", "traceparent_env", "context_from_env",
+    "setup_observability", "inject", "extract", "traceparent_env", "context_from_env", "tracing_configured",
 ]
 
 log = logging.getLogger("oubliette.telemetry")
@@ -136,6 +136,12 @@ def configure_tracing(service_name_default: str, environ: Mapping[str, str] = os
     atexit.register(shutdown_tracing)
     log.debug("exporting traces as %s (%s)", resource.attributes.get(SERVICE_NAME), asked)
     return True
+
+
+def tracing_configured() -> bool:
+    """Whether this process set the SDK up (`configure_tracing` returned True): spans are recorded
+    and exported. The paths beside the MCP SDK step aside then (protocol/trace_spans.py)."""
+    return _provider is not None
 
 
 def shutdown_tracing(deadline: float = SHUTDOWN_SECONDS) -> None:

@@ -1,4 +1,6 @@
-"""A tiny stdio MCP server whose one tool reports progress before it answers (for test_agent_approvals.py)."""
+"""A tiny stdio MCP server whose tool `count` reports progress before it answers (for
+test_agent_approvals.py), and whose tool `trace_id` says which trace its call arrived in
+(test_trace_boundary.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,16 @@ async def count(steps: int, ctx: Context) -> str:
     for step in range(1, steps + 1):
         await ctx.report_progress(step, steps, f"step {step}")
     return f"counted {steps}"
+
+
+@server.tool()
+async def trace_id() -> str:
+    """The trace id of the `_meta.traceparent` this call arrived with, or "none" (the SDK's span of
+    the call carries it, recording or not)."""
+    from opentelemetry import trace
+
+    context = trace.get_current_span().get_span_context()
+    return format(context.trace_id, "032x") if context.is_valid else "none"
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ real programs exporting their spans over OTLP/HTTP to a receiver this test runs 
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import os
@@ -18,13 +17,10 @@ import pytest
 import trio
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.sdk.trace import TracerProvider
 
 from harness import PYTHON, Deployment, HandMcp
+from otlp_sink import OtlpReceiver  # bench/, on the tests' path
 
 from protocol.log_format import JsonFormatter
 from protocol.telemetry import context_from_env, extract, inject, traceparent_env, tracing_requested
@@ -217,56 +213,6 @@ def test_a_collector_that_never_answers_delays_exit_by_the_deadline_only(deploym
 
 
 # -- both programs export over OTLP/HTTP ----------------------------------------------------------
-
-
-class OtlpReceiver:
-    """A tiny OTLP/HTTP trace receiver on loopback: it decodes each export and answers 200."""
-
-    def __init__(self) -> None:
-        self.exports: list[tuple[str, ExportTraceServiceRequest]] = []
-
-    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen on 127.0.0.1 (a free port); started: its base URL."""
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        task_status.started(f"http://127.0.0.1:{port}")
-        await trio.serve_listeners(self._connection, listeners)
-
-    async def _connection(self, stream: trio.SocketStream) -> None:
-        buffer = b""
-        async with stream:
-            while True:
-                while b"\r\n\r\n" not in buffer:
-                    chunk = await stream.receive_some(65536)
-                    if not chunk:
-                        return
-                    buffer += chunk
-                head, _, buffer = buffer.partition(b"\r\n\r\n")
-                request_line, *header_lines = head.decode("latin-1").split("\r\n")
-                headers = {name.strip().lower(): value.strip() for name, value in (h.split(":", 1) for h in header_lines)}
-                length = int(headers.get("content-length", "0"))
-                while len(buffer) < length:
-                    buffer += await stream.receive_some(65536)
-                body, buffer = buffer[:length], buffer[length:]
-                if headers.get("content-encoding") == "gzip":
-                    body = gzip.decompress(body)
-                export = ExportTraceServiceRequest()
-                export.ParseFromString(body)
-                self.exports.append((request_line.split(" ")[1], export))
-                answer = ExportTraceServiceResponse().SerializeToString()
-                await stream.send_all(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\n"
-                    + f"Content-Length: {len(answer)}\r\n\r\n".encode() + answer)
-
-    def spans_by_service(self) -> dict[str, list[Any]]:
-        """Every exported span, under its resource's `service.name`."""
-        found: dict[str, list[Any]] = {}
-        for _path, export in self.exports:
-            for resource_spans in export.resource_spans:
-                attributes = {kv.key: kv.value.string_value for kv in resource_spans.resource.attributes}
-                spans = [span for scope in resource_spans.scope_spans for span in scope.spans]
-                found.setdefault(attributes.get("service.name", ""), []).extend(spans)
-        return found
 
 
 async def _drain(stream: Any, into: bytearray) -> None:

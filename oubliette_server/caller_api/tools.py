@@ -24,6 +24,7 @@ from protocol.descriptors import DESCRIPTOR_META_KEY, build_descriptor
 from protocol.limits import Limits
 from protocol.schema_check import first_problem
 from protocol.session_keys import channel_problem
+from protocol.trace_spans import current_meta
 
 from ..approvals import ApprovalElicitation, ApprovalService, Decision, InputRequired
 from ..caller_tool_relay import CallerToolRelay, NoLongerPending
@@ -307,9 +308,10 @@ class CallerTools:
             await self.frame_log.record(session, SESSION_RECORD, {OWNER_KEY: caller.identity, **declared})
             session.owner_identity = caller.identity  # recorded: a message that declares nothing need not again
         session.sinks.add(caller)
-        frame = await self.frame_log.ingress(
-            instance, session.channel, session.id, "user.message", {"text": args["message"]},
-        )
+        message: dict[str, Any] = {"text": args["message"]}
+        if (meta := current_meta()) is not None:
+            message["_meta"] = meta  # the caller's trace, through this server's span: the agent command's TRACEPARENT
+        frame = await self.frame_log.ingress(instance, session.channel, session.id, "user.message", message)
         result: dict[str, Any] = {
             "session_id": session.id, "instance": instance, "msg_id": frame.msg_id, "ingress_seq": frame.seq,
         }

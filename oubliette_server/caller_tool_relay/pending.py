@@ -40,6 +40,7 @@ import trio
 from protocol import CallerToolSpec, Frame, RelayError, errors
 from protocol.frames import is_past, utc_timestamp
 from protocol.schema_check import schema_problem
+from protocol.trace_spans import current_meta
 
 from ..sessions import LogCursors, Session, held_by
 from ..store_api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
@@ -90,13 +91,16 @@ class PendingCall:
     """A request another server's agent made, read from the shared log (answered through it)."""
     wants_progress: bool = False
     """A remote request whose agent asked for progress reports (its request frame says so)."""
+    meta: dict[str, str] | None = None
+    """The server's span of the call as W3C trace context (`traceparent`, `tracestate`), for the caller."""
 
     def summary(self) -> dict[str, Any]:
-        """What a caller must answer: its entry in a turn stop's `pending` list."""
-        return {
+        """What a caller must answer: its entry in a turn stop's `pending` list (with `_meta`: the trace to join)."""
+        entry = {
             "kind": "caller_tool", "request_id": self.request_id, "tool": self.tool,
             "arguments": self.arguments, "caller_id": self.session.caller_id, "expires_at": self.expires_at,
         }
+        return entry if self.meta is None else {**entry, "_meta": self.meta}
 
 
 @attrs.frozen
@@ -212,6 +216,7 @@ class CallerCallRegistry:
                     request_id=request_id, session=session, caller=session.owner, tool=str(frame.payload.get("tool")),
                     arguments=frame.payload.get("arguments"), expires_at=str(frame.payload.get("expires_at", "")),
                     frame_seq=frame.seq, remote=True, wants_progress=frame.payload.get("progress") is True,
+                    meta=frame.payload.get("_meta"),
                 )
                 changed = True
             else:
@@ -242,7 +247,7 @@ class CallerCallRegistry:
         expires_at = utc_timestamp(datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=timeout))
         call = PendingCall(
             request_id=request_id, session=session, caller=caller, tool=spec.name,
-            arguments=arguments, expires_at=expires_at, progress=progress,
+            arguments=arguments, expires_at=expires_at, progress=progress, meta=current_meta(),
         )
         self._pending[request_id] = call
         try:
@@ -251,6 +256,8 @@ class CallerCallRegistry:
                 # The caller's server lists it with the request; `oubliette-server status` shows it.
                 "expires_at": expires_at,
             }
+            if call.meta is not None:
+                request["_meta"] = call.meta  # the caller's execution of the tool joins the trace
             if self.bus is not None:
                 if progress is not None:
                     request["progress"] = True  # the caller's server may forward progress reports

@@ -1,0 +1,186 @@
+"""The spans of one call across the sandbox boundary, and the W3C trace context it carries.
+
+Why one module: a relayed call is one trace from the agent's `tools/call` to the caller's tool
+(docs/OBSERVABILITY.md, "Traces: one call across the boundary"). The client hands the current
+span on in the relay request's `_meta` (`current_meta`, `client_request_span`), the server opens
+its span under it (`traced_relay_handler`) and hands its own on to the caller (the pending
+entry, the `caller_tool_request` frame), and a caller's `session_message` reaches the agent
+command as `TRACEPARENT` (`turn_environment`). Names and attributes follow the OpenTelemetry
+semantic conventions for MCP (`tools/call {tool}`, `mcp.method.name`, `gen_ai.tool.name`,
+`mcp.session.id`).
+
+Cost: with no SDK configured (protocol/telemetry.py) nothing here builds a span unless a peer
+sent a context to pass on, and then only the API's no-op span, which carries the peer's context
+through unchanged; attributes are set only on a recording span (`span.is_recording()`). An
+invalid `traceparent` is ignored (`telemetry.extract`), never an error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from . import telemetry
+
+__all__ = [
+    "current_meta", "tracing_on", "traced_relay_handler", "client_request_span", "record_approval_span",
+    "turn_environment", "fast_call_span", "TARGET_FIELDS",
+]
+
+#: The relay request methods that open a span in the server, and the params field naming the tool.
+TARGET_FIELDS = {"caller_tool": "tool", "toolset_call": "name", "approval": "tool_name"}
+
+_tracer: Any = None
+
+
+def tracing_on() -> bool:
+    """Whether spans are recorded and exported in this process (the SDK was set up from `OTEL_*`)."""
+    return telemetry.tracing_configured()
+
+
+def _get_tracer() -> Any:
+    global _tracer
+    if _tracer is None:
+        from opentelemetry import trace
+
+        _tracer = trace.get_tracer("oubliette")  # a proxy: follows the provider set at start
+    return _tracer
+
+
+def current_meta() -> dict[str, str] | None:
+    """`traceparent` (and `tracestate`) of the current span as a `_meta` to hand on, or None when
+    there is no valid span (then nothing is added anywhere)."""
+    from opentelemetry import trace
+
+    span_context = trace.get_current_span().get_span_context()
+    if not span_context.is_valid:
+        return None
+    meta = {"traceparent": f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{span_context.trace_flags:02x}"}
+    if span_context.trace_state:
+        meta["tracestate"] = span_context.trace_state.to_header()
+    return meta
+
+
+def _span_names(method: str, target: Any) -> tuple[str, str]:
+    """(span name, `mcp.method.name`) of a relay request: a tool call is `tools/call {tool}` as the
+    MCP conventions name it; an agent's approval request is `approval {tool}`."""
+    if method == "approval":
+        return f"approval {target}", "approval"
+    return f"tools/call {target}", "tools/call"
+
+
+def traced_relay_handler(
+    method: str, handler: Callable[[Any, Any], Awaitable[Any]],
+) -> Callable[[Any, Any], Awaitable[Any]]:
+    """`handler` (connection, params) run inside the server's span of relay request `method`,
+    parented on the `_meta` the client sent (its trace context); without tracing and without a
+    `_meta` it is `handler` itself, at no cost."""
+    field = TARGET_FIELDS[method]
+
+    async def traced(connection: Any, params: Any) -> Any:
+        meta = getattr(params, "_meta", None)
+        if meta is None and not tracing_on():
+            return await handler(connection, params)
+        from opentelemetry.trace import SpanKind, StatusCode
+
+        target = getattr(params, field, None)
+        name, mcp_method = _span_names(method, target)
+        context = telemetry.extract(meta) if meta is not None else None
+        with _get_tracer().start_as_current_span(
+            name, context=context, kind=SpanKind.SERVER, record_exception=False, set_status_on_exception=False,
+        ) as span:
+            if span.is_recording():
+                span.set_attributes({
+                    "mcp.method.name": mcp_method, "gen_ai.tool.name": str(target),
+                    "gen_ai.operation.name": "execute_tool", "mcp.session.id": connection.session_key or "",
+                    "oubliette.relay.method": method, "oubliette.instance": connection.instance or "",
+                })
+            try:
+                return await handler(connection, params)
+            except Exception as exc:
+                if span.is_recording():
+                    code = getattr(exc, "code", None)
+                    span.set_attribute("error.type", str(code) if code is not None else type(exc).__qualname__)
+                    span.set_status(StatusCode.ERROR, str(exc))
+                raise
+
+    return traced
+
+
+@contextmanager
+def client_request_span(method: str, target: str) -> Iterator[dict[str, str] | None]:
+    """The client's span of one relay request (`method` for tool `target`): yields the `_meta` to
+    send with it. Tracing on: a CLIENT span under the current one (the MCP SDK's `tools/call`
+    span, or a root of the client's own when the agent sent no context). Tracing off: no span,
+    the current context (the agent's, passed through) or None."""
+    if not tracing_on():
+        yield current_meta()
+        return
+    from opentelemetry.trace import SpanKind
+
+    with _get_tracer().start_as_current_span(f"relay {method} {target}", kind=SpanKind.CLIENT) as span:
+        if span.is_recording():
+            span.set_attributes({"oubliette.relay.method": method, "gen_ai.tool.name": target})
+        yield current_meta()
+
+
+def _no_result(result: Any) -> None:
+    """`fast_call_span`'s result hook when no span records."""
+
+
+@contextmanager
+def fast_call_span(name: str, request_id: str | int, meta: dict[str, Any]) -> Iterator[Callable[[Any], None]]:
+    """The span the MCP SDK makes for a `tools/call` (protocol/fast_tool_calls.py takes the call
+    off the SDK's path): `tools/call {name}`, kind SERVER, its attributes, under `meta`'s
+    `traceparent`. Yields a hook to call with the result object, which marks a tool error as the
+    SDK does. Without tracing and without context in `meta`: no span at all."""
+    if "traceparent" not in meta and not tracing_on():
+        yield _no_result
+        return
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    context = telemetry.extract(meta) if "traceparent" in meta else None
+    with _get_tracer().start_as_current_span(
+        f"tools/call {name}", context=context, kind=SpanKind.SERVER, record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        if not span.is_recording():
+            yield _no_result
+            return
+        span.set_attributes({"mcp.method.name": "tools/call", "jsonrpc.request.id": str(request_id),
+                             "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name})
+
+        def ended(result: Any) -> None:
+            if isinstance(result, dict) and result.get("isError") is True:
+                span.set_attribute("error.type", "tool_error")
+                span.set_status(StatusCode.ERROR)
+
+        yield ended
+
+
+def record_approval_span(decision: str, seconds: float) -> None:
+    """An approval that took `seconds` and ended as `decision` (the metrics' label), as a span
+    under the current one (the server's span of the gated call) covering the wait for it."""
+    if not tracing_on():
+        return
+    end = time.time_ns()
+    span = _get_tracer().start_span("approval wait", start_time=end - int(seconds * 1e9))
+    if span.is_recording():
+        span.set_attributes({"oubliette.approval.decision": decision})
+    span.end(end_time=end)
+
+
+def turn_environment(meta: Any) -> dict[str, str]:
+    """`TRACEPARENT` / `TRACESTATE` for the agent command of a `user.message` whose payload's
+    `_meta` is `meta` (the caller's context, through the server's span); empty without one, and
+    for an invalid one."""
+    if not isinstance(meta, dict):
+        return {}
+    context = telemetry.extract(meta)
+    from opentelemetry import trace
+
+    if not trace.get_current_span(context).get_span_context().is_valid:
+        return {}
+    return telemetry.traceparent_env(context)

@@ -1,0 +1,325 @@
+"""One trace across the sandbox boundary (docs/OBSERVABILITY.md, "Traces: one call across the
+boundary"): the real programs — the server serving an SDK caller on stdio, the agent's
+oubliette-client under the SDK's MCP client, a guest runtime — export their spans over OTLP/HTTP
+to a receiver on loopback (tests/test_telemetry.py), and the caller sees the trace where it acts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from test_client import NOTIFY, declare, respond
+from test_telemetry import _env_without_otel
+
+from harness import PYTHON, Deployment, EventLog, structured, text_of
+from otlp_sink import OtlpReceiver
+
+from protocol import parse_params
+from protocol.trace_spans import traced_relay_handler
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN = "00f067aa0ba902b7"
+PARENT = f"00-{TRACE_ID}-{PARENT_SPAN}-01"
+BOUND = 60.0
+
+
+class _Exports(list):  # type: ignore[type-arg]
+    """The receiver's decoded exports; `arrived` is set by each one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = trio.Event()
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self.arrived.set()
+        self.arrived = trio.Event()
+
+
+class WatchedReceiver(OtlpReceiver):
+    """The OTLP receiver, with a wait for the spans a test expects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exports = _Exports()
+
+    async def wait_for(self, names: dict[str, set[str]]) -> dict[str, list[Any]]:
+        """Wait until each service has exported spans of these names; return every span by service."""
+        while True:
+            spans = self.spans_by_service()
+            if all(wanted <= {span.name for span in spans.get(service, [])} for service, wanted in names.items()):
+                return spans
+            await self.exports.arrived.wait()
+
+
+def _otel(endpoint: str, service: str) -> dict[str, str]:
+    return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": service}
+
+
+def _server(deployment: Deployment, env: dict[str, str]) -> StdioServerParameters:
+    return StdioServerParameters(
+        command=PYTHON, env=env,
+        args=["-m", "oubliette_server", "--relay", deployment.relay, "--data-dir", str(deployment.data_dir),
+              "--log-level", "WARNING"],
+    )
+
+
+def _ids(traceparent: str) -> tuple[str, str]:
+    """(trace id, span id) of a `traceparent`."""
+    _version, trace_id, span_id, _flags = traceparent.split("-")
+    return trace_id, span_id
+
+
+async def test_one_trace_from_the_agents_call_to_the_callers_pending_entry(deployment: Deployment) -> None:
+    """The agent's `tools/call` with `_meta.traceparent` → the client's span → the relay request's
+    `_meta` → the server's span → the `caller_tool_request` event and the `requires_action`
+    pending entry carry the server's span as `_meta.traceparent`: one trace id all the way."""
+    receiver = WatchedReceiver()
+    events = EventLog()
+    async with trio.open_nursery() as nursery:
+        endpoint = await nursery.start(receiver.serve)
+        server = _server(deployment, _env_without_otel(**_otel(endpoint, "oubliette-server"), OTEL_BSP_SCHEDULE_DELAY="50"))
+        agent_env = _env_without_otel(**_otel(endpoint, "oubliette-client"), **deployment.client_env("box1", "mcp:s1"),
+                                      OTEL_BSP_SCHEDULE_DELAY="50")
+        with trio.fail_after(BOUND):
+            async with Client(server, mode="legacy", **events.callback_if(True)) as caller:
+                await declare(caller, "box1", "s1", [NOTIFY])
+                async with Client(StdioServerParameters(command=PYTHON, args=["-m", "oubliette_client"], env=agent_env),
+                                  mode="legacy") as agent:
+                    outcome: dict[str, Any] = {}
+
+                    async def agent_call() -> None:
+                        outcome["result"] = await agent.call_tool(
+                            "myapp_send_notification", {"message": "hi"},
+                            meta={"traceparent": PARENT, "tracestate": "vendor=abc"})
+
+                    async with trio.open_nursery() as calls:
+                        calls.start_soon(agent_call)
+                        request = await events.wait_type("caller_tool_request")
+                        waited = structured(await caller.call_tool(
+                            "session_message", {"session_id": "s1", "instance": "box1", "message": "busy?", "wait": 0.1}))
+                        assert waited["stop_reason"] == "requires_action", waited
+                        [entry] = waited["pending"]
+                        answered = await respond(caller, "s1", request["request_id"], result={"sent": True})
+                        assert not answered.is_error, text_of(answered)
+                    assert not outcome["result"].is_error, text_of(outcome["result"])
+                    spans = await receiver.wait_for({
+                        "oubliette-client": {"tools/call myapp_send_notification", "relay caller_tool myapp_send_notification"},
+                        "oubliette-server": {"tools/call send_notification"},
+                    })
+        nursery.cancel_scope.cancel()
+
+    # What the caller sees: the server's span, in the agent's trace, with the agent's tracestate.
+    assert entry["_meta"] == request["_meta"], (entry, request)
+    seen_trace, seen_span = _ids(entry["_meta"]["traceparent"])
+    assert seen_trace == TRACE_ID and entry["_meta"]["tracestate"] == "vendor=abc"
+
+    client = {span.name: span for span in spans["oubliette-client"]}
+    server = {span.name: span for span in spans["oubliette-server"]}
+    mcp_span = client["tools/call myapp_send_notification"]
+    relay_span = client["relay caller_tool myapp_send_notification"]
+    server_span = server["tools/call send_notification"]
+    for span in (mcp_span, relay_span, server_span):
+        assert span.trace_id.hex() == TRACE_ID, span.name
+    # agent → client (SDK's span) → the client's relay request → the server's span, the one the caller saw
+    assert mcp_span.parent_span_id.hex() == PARENT_SPAN
+    assert relay_span.parent_span_id == mcp_span.span_id
+    assert server_span.parent_span_id == relay_span.span_id
+    assert server_span.span_id.hex() == seen_span
+    attributes = {kv.key: kv.value.string_value for kv in server_span.attributes}
+    assert attributes["mcp.method.name"] == "tools/call" and attributes["gen_ai.tool.name"] == "send_notification"
+    assert attributes["mcp.session.id"] == "mcp:s1" and attributes["oubliette.relay.method"] == "caller_tool"
+    assert server_span.kind == server_span.SPAN_KIND_SERVER and relay_span.kind == relay_span.SPAN_KIND_CLIENT
+
+
+AGENT_WRITES_ENV = """
+import json, os, sys
+sys.stdin.read()
+with open(sys.argv[1], "w") as out:
+    json.dump({name: os.environ.get(name) for name in ("TRACEPARENT", "TRACESTATE")}, out)
+print("env written")
+"""
+
+
+@pytest.mark.parametrize(("server_tracing", "meta"), [
+    ("off", {"traceparent": PARENT, "tracestate": "vendor=abc"}),
+    ("on", {"traceparent": PARENT, "tracestate": "vendor=abc"}),
+    ("off", {"traceparent": "00-not-a-traceparent-01"}),
+    ("on", {"traceparent": ["not", "a", "string"]}),
+])
+async def test_a_callers_traceparent_reaches_the_agent_command(
+    deployment: Deployment, tmp_path: Path, server_tracing: str, meta: dict[str, Any],
+) -> None:
+    """The caller's `session_message` with `_meta.traceparent` → the `user.message` frame → the
+    guest runtime starts the agent command with `TRACEPARENT` / `TRACESTATE`: the caller's own
+    (the server passes it on without tracing) or the server's span of the message, in the
+    caller's trace. An invalid one is ignored: the turn runs, under the server's own root span
+    when it traces, else with no `TRACEPARENT`."""
+    receiver = WatchedReceiver()
+    written = tmp_path / "env.json"
+    async with trio.open_nursery() as nursery:
+        endpoint = await nursery.start(receiver.serve)
+        otel = _otel(endpoint, "oubliette-server") if server_tracing == "on" else {}
+        with trio.fail_after(BOUND):
+            async with Client(_server(deployment, _env_without_otel(**otel)), mode="legacy") as caller, \
+                    deployment.guest("box1", [sys.executable, "-c", AGENT_WRITES_ENV, str(written)]):
+                done = await caller.call_tool(
+                    "session_message", {"instance": "box1", "session_id": "s1", "message": "go", "wait": True},
+                    meta=meta)
+                stop = structured(done)
+                assert stop["stop_reason"] == "end_turn" and "env written" in stop["text"], stop
+        nursery.cancel_scope.cancel()
+    env = json.loads(written.read_text())
+    if not isinstance(meta["traceparent"], str) or "not-a" in meta["traceparent"]:
+        if server_tracing == "off":
+            assert env == {"TRACEPARENT": None, "TRACESTATE": None}
+        else:  # ignored: the server's span of the message is a root of its own, and that is handed on
+            assert _ids(env["TRACEPARENT"])[0] != TRACE_ID and env["TRACESTATE"] is None
+    elif server_tracing == "off":
+        assert env == {"TRACEPARENT": PARENT, "TRACESTATE": "vendor=abc"}
+    else:
+        trace_id, span_id = _ids(env["TRACEPARENT"])
+        assert trace_id == TRACE_ID and span_id != PARENT_SPAN and env["TRACESTATE"] == "vendor=abc"
+
+
+async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deployment: Deployment) -> None:
+    """The agent's `tools/call` of a host toolset's tool with `_meta.traceparent` → the client →
+    `toolset_call`'s `_meta` → the server (here tracing nothing: it passes the context on) → the
+    toolset's MCP server receives the same trace in its `tools/call`'s `_meta`."""
+    from test_caller_responses import INSTANCE, SESSION, in_process
+
+    script = str(Path(__file__).with_name("progress_mcp_server.py"))
+    with trio.fail_after(BOUND):
+        async with in_process(deployment) as proc:
+            await proc.server.register_mcp_toolset("progress", "pg", sys.executable, [script])
+            await proc.server.update_allowed_toolsets(INSTANCE, ["progress"])
+            owner, _events = proc.open_caller()
+            await proc.declare(owner, [])
+            async with deployment.agent(INSTANCE, f"mcp:{SESSION}") as agent:
+                traced = await agent.call_tool("pg.trace_id", {}, meta={"traceparent": PARENT})
+                untraced = await agent.call_tool("pg.trace_id", {})
+    assert text_of(traced) == TRACE_ID, text_of(traced)
+    assert text_of(untraced) == "none"
+
+
+# -- the server's span of a relay request, alone ---------------------------------------------------
+
+
+class _Connection:
+    session_key = "mcp:s1"
+    instance = "box1"
+
+
+@pytest.mark.parametrize("meta", [None, {"traceparent": "garbage"}, {"traceparent": 7}, {"tracestate": "a=b"}])
+async def test_an_invalid_relay_meta_is_ignored_never_an_error(meta: Any) -> None:
+    """A client's `_meta` that carries no valid context leaves the request to run as it would."""
+    params = parse_params("caller_tool", {"tool": "t", "arguments": {}, **({} if meta is None else {"_meta": meta})})
+    seen: list[Any] = []
+
+    async def handler(connection: Any, got: Any) -> str:
+        from opentelemetry import trace
+
+        seen.append(trace.get_current_span().get_span_context().is_valid)
+        return "ran"
+
+    assert await traced_relay_handler("caller_tool", handler)(_Connection(), params) == "ran"
+    assert seen == [False]
+
+
+async def test_a_relay_meta_passes_through_without_tracing() -> None:
+    """No SDK configured: no span is recorded, but the client's context is what the handler sees
+    (the caller is handed the agent's trace all the same)."""
+    from protocol.trace_spans import current_meta
+
+    params = parse_params("toolset_call", {"name": "x.t", "_meta": {"traceparent": PARENT}})
+
+    async def handler(connection: Any, got: Any) -> Any:
+        return current_meta()
+
+    assert await traced_relay_handler("toolset_call", handler)(_Connection(), params) == {"traceparent": PARENT}
+
+
+async def test_the_fast_path_takes_a_call_with_trace_context_and_runs_it_there() -> None:
+    """A handshake-era `tools/call` whose `_meta` carries `traceparent`/`tracestate` stays on the
+    fast path (protocol/fast_tool_calls.py), and its handler runs in that context, as under the
+    SDK's span: what the handler relays on carries the agent's trace."""
+    from protocol.fast_tool_calls import FastToolCalls
+    from protocol.trace_spans import current_meta
+
+    seen: list[Any] = []
+    written: list[str] = []
+    answered = trio.Event()
+
+    async def handler(token: Any, progress: Any) -> dict[str, Any]:
+        seen.append(current_meta())
+        return {"content": [], "isError": False}
+
+    async def write(text: str) -> None:
+        written.append(text)
+        answered.set()
+
+    fast = FastToolCalls(lambda name, arguments: handler, write)
+    line = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "t", "arguments": {}, "_meta": {"progressToken": 3, "traceparent": PARENT, "tracestate": "vendor=abc"}}})
+
+    async def source() -> Any:
+        yield line
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fast.run)
+            assert [passed async for passed in fast.lines(source())] == [], "the SDK does not see it"
+            await answered.wait()
+            nursery.cancel_scope.cancel()
+    assert seen == [{"traceparent": PARENT, "tracestate": "vendor=abc"}]
+    assert json.loads(written[0])["id"] == 1
+
+
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """This process records spans as if the SDK were set up (into memory; the global provider untouched)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from protocol import telemetry, trace_spans
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace_spans, "_tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(telemetry, "tracing_configured", lambda: True)
+    return exporter
+
+
+async def test_the_servers_span_of_a_gated_call_and_of_its_approval_wait(recording: Any) -> None:
+    """Recording: the relay request's span has the MCP attributes, an error its code, and the
+    approval's `on_decided` hook adds a span covering the time the decision took, under it."""
+    from protocol import RelayError, errors
+    from protocol.trace_spans import record_approval_span
+
+    async def gated(connection: Any, params: Any) -> Any:
+        record_approval_span("denied", 1.5)
+        raise RelayError(errors.DENIED, "denied: not now")
+
+    params = parse_params("caller_tool", {"tool": "delete_file", "arguments": {}, "_meta": {"traceparent": PARENT}})
+    with pytest.raises(RelayError):
+        await traced_relay_handler("caller_tool", gated)(_Connection(), params)
+    wait, call = recording.get_finished_spans()
+    assert call.name == "tools/call delete_file" and format(call.context.trace_id, "032x") == TRACE_ID
+    assert format(call.parent.span_id, "016x") == PARENT_SPAN
+    assert dict(call.attributes) == {
+        "mcp.method.name": "tools/call", "gen_ai.tool.name": "delete_file", "gen_ai.operation.name": "execute_tool",
+        "mcp.session.id": "mcp:s1", "oubliette.relay.method": "caller_tool", "oubliette.instance": "box1",
+        "error.type": str(errors.DENIED),
+    }
+    assert wait.name == "approval wait" and wait.parent.span_id == call.context.span_id
+    assert dict(wait.attributes) == {"oubliette.approval.decision": "denied"}
+    assert abs((wait.end_time - wait.start_time) / 1e9 - 1.5) < 0.01
