@@ -22,7 +22,7 @@ PostgreSQL store's `abandoned_requests`, the session registry and the frame log'
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable
 
 import trio
 
@@ -32,7 +32,7 @@ from .approvals.service import REQUEST as APPROVAL_REQUEST
 from .approvals.service import RESOLVED as APPROVAL_RESOLVED
 from .approvals.service import Decision, resolved_payload
 from .sessions import SessionRegistry
-from .store_api import StoreUnavailable
+from .store_api import AbandonedStore, StoreUnavailable
 
 log = logging.getLogger("oubliette.server.calls")
 
@@ -42,13 +42,6 @@ SERVER_STOPPED = "server_stopped"
 
 #: `append_outcome(session, type, payload, request_id)`: the frame, or None if another outcome won.
 AppendOutcome = Callable[..., Awaitable["Frame | None"]]
-
-
-class AbandonedStore(Protocol):
-    """What the sweep asks of the store (`store_pg.PostgresFrameStore`)."""
-
-    async def abandoned_requests(self, grace: float, limit: int = 100) -> list[Frame]:
-        """Requests without an outcome whose server's lease expired, or whose `expires_at` passed more than `grace` seconds ago."""
 
 
 class AbandonedRequests:

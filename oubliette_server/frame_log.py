@@ -17,7 +17,7 @@ check first, with messages that name the caller's own field.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import trio
 
@@ -27,6 +27,17 @@ from protocol.limits import Limits
 from .server_owned import refuse_server_owned
 from .sessions import EventSink, Session, SessionRegistry
 from .store_api import FrameStoreAPI
+
+
+class AppendFrame(Protocol):
+    """`FrameLog.append` as the services that store frames are given it (one seam, one shape)."""
+
+    async def __call__(
+        self, session: Session, type: str, payload: dict[str, Any], *,
+        reply_to: str | None = None, msg_id: str | None = None, skip: EventSink | None = None,
+    ) -> Frame:
+        """Store a frame of `session`, then push it to the session's followers but `skip`."""
+        ...
 
 
 class FrameLog:

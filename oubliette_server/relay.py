@@ -90,8 +90,7 @@ class _RoleHandlers(Mapping[str, HandlerEntry[Any]]):
 class RelayConnection:
     """One sandbox connection, bound to its instance (and session) after `hello`.
 
-    `role`, `instance` and `session_key` are None until the hello passed; `router` is the
-    session's ToolRouter for client connections (set by the toolsets).
+    `role`, `instance` and `session_key` are None until the hello passed.
     """
 
     def __init__(
@@ -113,7 +112,6 @@ class RelayConnection:
         self.role: str | None = None
         self.instance: str | None = None
         self.session_key: str | None = None
-        self.router: Any = None
         self._verify_token = verify_token
         self._handlers = _RoleHandlers(self, handlers)
         self._on_open = on_open

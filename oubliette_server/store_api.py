@@ -515,3 +515,54 @@ class FrameStoreAPI(Protocol):
         """Raise `StoreUnavailable` (saying why) unless the database answers within `timeout`
         seconds and, for a shared store, its cross-server wake-ups arrive (the readiness probe)."""
         ...
+
+
+# --------------------------------------------------------------------------------------------
+# What only a store shared by several servers can do (PostgreSQL): separate interfaces, asked for
+
+
+@runtime_checkable
+class LeaseStore(Protocol):
+    """The store's lease methods (`store_pg.PostgresFrameStore`), for guests/leases.py."""
+
+    async def take_lease(self, instance: str, server: str, ttl: float) -> str | None:
+        """Take `instance`'s lease; the previous live holder if another server."""
+        ...
+
+    async def renew_leases(self, server: str, instances: list[str], ttl: float) -> set[str]:
+        """Renew `server`'s own lease and its leases of `instances`; the instances it still holds."""
+        ...
+
+    async def release_lease(self, instance: str, server: str) -> None:
+        """Drop `server`'s lease of `instance`."""
+        ...
+
+    async def lease_holder(self, instance: str, *, live: bool = False) -> str | None:
+        """The server named in `instance`'s lease (with `live`, unexpired only), or None."""
+        ...
+
+
+@runtime_checkable
+class AbandonedStore(Protocol):
+    """What the sweep of abandoned requests asks of the store (`store_pg.PostgresFrameStore`)."""
+
+    async def abandoned_requests(self, grace: float, limit: int = 100) -> list[Frame]:
+        """Requests without an outcome whose server's lease expired, or whose `expires_at` passed more than `grace` seconds ago."""
+        ...
+
+
+@runtime_checkable
+class SharedStoreAPI(FrameStoreAPI, LeaseStore, AbandonedStore, Protocol):
+    """A frame store several servers share: the log, the instance leases and the abandoned-requests sweep."""
+
+
+def shared_store(store: FrameStoreAPI) -> SharedStoreAPI | None:
+    """`store` with its shared-store capabilities, or None when this server is alone on its log.
+
+    Raises: `TypeError` for a store that says it is shared but lacks a capability (a bug in the store).
+    """
+    if not store.shared:
+        return None
+    if not isinstance(store, SharedStoreAPI):
+        raise TypeError(f"{store.describe()} is shared but lacks the lease or sweep methods of SharedStoreAPI")
+    return store

@@ -13,10 +13,11 @@ caller sends it again once the start is fixed.
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import trio
 
+from ..frame_log import AppendFrame as Append
 from ..sessions import SessionRegistry
 from ..store_api import StoreUnavailable
 from ..task_host import TaskHost
@@ -26,7 +27,6 @@ log = logging.getLogger("oubliette.server.guests")
 
 START_FAILED_REASON = "start_failed"
 
-Append = Callable[..., Awaitable[Any]]
 
 
 class FailedStarts:

@@ -9,10 +9,10 @@ the message is not run again by the next guest.
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
 
 import trio
 
+from ..frame_log import AppendFrame as Append
 from ..sessions import SessionRegistry
 from ..store_api import StoreUnavailable
 from .delivery import GuestDelivery, GuestPeer
@@ -22,7 +22,6 @@ log = logging.getLogger("oubliette.server.guests")
 GUEST_GONE_REASON = "guest_disconnected"
 GUEST_GONE_MESSAGE = "the guest disconnected mid-turn"
 
-Append = Callable[..., Awaitable[Any]]
 
 
 class OrphanedTurns:
