@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import trio
 
-from protocol import errors
+from protocol import VERSION, errors
 from protocol.fast_tool_calls import error_line, is_request_id, response_line, switched_on
 from protocol.stdio_streams import claimed_stdio
 
@@ -66,7 +66,7 @@ log = logging.getLogger("oubliette.client")
 #: test keeps the two equal, so an SDK upgrade that changes them fails there first).
 HANDSHAKE_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 #: `serverInfo` as `SandboxToolServer`'s SDK server reports it.
-SERVER_INFO = {"name": "oubliette-client", "version": "0.1.0"}
+SERVER_INFO = {"name": "oubliette-client", "version": VERSION}
 #: `capabilities` as the SDK reports them for `SandboxToolServer` (tools, with list changes).
 CAPABILITIES = {"tools": {"listChanged": True}}
 

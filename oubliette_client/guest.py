@@ -39,6 +39,7 @@ from typing import Any
 import trio
 
 from protocol import Frame, RelayError, errors, messages
+from protocol.frames import FrameType
 
 from .mcp_config import write_mcp_config
 from .relay_link import RelayLink
@@ -185,7 +186,7 @@ class GuestRuntime:
     async def _run_turn(self, key: str, frame: Frame) -> None:
         text = str(frame.payload.get("text", ""))
         log.info("turn for %s (seq %d)", key, frame.seq)
-        await self._append(frame, "status.presence", {"state": "thinking"})
+        await self._append(frame, FrameType.STATUS_PRESENCE, {"state": "thinking"})
         env = {**os.environ, **self.settings.environment(key), "OUBLIETTE_MSG_ID": frame.msg_id}
         lines: list[str] = []
         stderr = bytearray()
@@ -194,7 +195,7 @@ class GuestRuntime:
         if lifeline is not None and shutil.which(command[0], path=env.get("PATH")) is None:
             # The shell would say it in an exit status of 127; say it as plainly as an exec would.
             message = f"cannot start the agent command: {command[0]!r} is not an executable found on PATH"
-            await self._append(frame, "session.error", {"message": message})
+            await self._append(frame, FrameType.SESSION_ERROR, {"message": message})
             return
         try:
             process = await trio.lowlevel.open_process(
@@ -203,7 +204,7 @@ class GuestRuntime:
                 start_new_session=True, pass_fds=() if lifeline is None else (lifeline,),
             )
         except OSError as exc:
-            await self._append(frame, "session.error", {"message": f"cannot start the agent command: {exc}"})
+            await self._append(frame, FrameType.SESSION_ERROR, {"message": f"cannot start the agent command: {exc}"})
             return
         code: int | None = None
         try:
@@ -216,21 +217,21 @@ class GuestRuntime:
                     nursery.start_soon(self._reap, process)
                     async for line in _lines(process.stdout):
                         lines.append(line)
-                        await self._append(frame, "assistant.delta", {"text": line})
+                        await self._append(frame, FrameType.ASSISTANT_DELTA, {"text": line})
                 code = await process.wait()
         finally:
             await end_process_group(process)
         if code is None:
             message = f"the agent command did not finish within {self.turn_timeout:g} s (the turn timeout); it was stopped"
             log.warning("turn for %s (seq %d) failed: %s", key, frame.seq, message)
-            await self._append(frame, "session.error", {"message": message, "text": "\n".join(lines)})
+            await self._append(frame, FrameType.SESSION_ERROR, {"message": message, "text": "\n".join(lines)})
             return
         if code == 0:
-            await self._append(frame, "assistant.done", {"text": "\n".join(lines)})
+            await self._append(frame, FrameType.ASSISTANT_DONE, {"text": "\n".join(lines)})
         else:
             tail = bytes(stderr[-STDERR_TAIL:]).decode(errors="replace")
             log.warning("turn for %s (seq %d) failed: the agent command exited with status %d", key, frame.seq, code)
-            await self._append(frame, "session.error", {
+            await self._append(frame, FrameType.SESSION_ERROR, {
                 "message": f"the agent command exited with status {code}", "exit_code": code, "stderr": tail,
                 "text": "\n".join(lines),
             })

@@ -15,6 +15,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
+from protocol.frames import FrameType
 from protocol.limits import Limits
 
 from .abandoned_requests import AbandonedRequests
@@ -376,7 +377,7 @@ class OublietteServer:
         """Guest delivery's safety net: end the frame's turn with `session.error` so nobody waits on it."""
         session = self.sessions.get_or_create(instance, frame.channel, frame.session_id)
         await self.frame_log.append(
-            session, "session.error",
+            session, FrameType.SESSION_ERROR,
             {"message": f"message {frame.msg_id} (seq {frame.seq}) cannot be delivered to the guest: {reason}"},
             reply_to=frame.msg_id,
         )

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 import trio
 
 from protocol import Frame
+from protocol.frames import FrameType
 from protocol.limits import Limits
 
 from .server_owned import refuse_server_owned
@@ -168,6 +169,6 @@ class FrameLog:
         )
         session = self.sessions.get_or_create(instance, channel, session_id)
         frame = await self._store_and_push(session, type, payload, msg_id=msg_id, reply_to=reply_to)
-        if type == "user.message":
+        if type == FrameType.USER_MESSAGE:
             self.on_user_message(instance)
         return frame

@@ -32,6 +32,7 @@ import trio
 
 from protocol import (
     errors,
+    VERSION,
     PROTOCOL_VERSION,
     ROLE_SERVER,
     EncodedNotification,
@@ -54,7 +55,7 @@ access_log = logging.getLogger("oubliette.access")
 #: A refusal's message that would show a hello's token (a wrong type is echoed by the schema check).
 _TOKEN_VALUE = re.compile(r"(\$\.token\b).*", re.DOTALL)
 
-SERVER_VERSION = "0.1.0"
+SERVER_VERSION = VERSION
 
 #: What a relay handler takes: the connection asking, then its structured params.
 RelayHandlers = Mapping[tuple[str, str], HandlerEntry[Any]]

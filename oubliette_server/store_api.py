@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import os
 from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
@@ -23,6 +22,7 @@ import trio
 
 from protocol import RelayError, errors
 from protocol.frames import FRAME_VERSION, Frame, SessionRef
+from protocol.timestamps import format_ts
 
 __all__ = [
     "APPEND_KEYS",
@@ -59,20 +59,6 @@ DEFAULT_RETENTION_FRAMES = 100_000
 DEFAULT_PRUNE_EVERY = 1000
 APPEND_KEYS = frozenset({"channel", "session_id", "type", "payload", "msg_id", "reply_to"})
 REQUIRED_KEYS = frozenset({"channel", "session_id", "type", "payload"})
-
-
-_ts_cache: tuple[int, str] = (-1, "")
-
-
-def format_ts(epoch: float) -> str:
-    """ISO-8601 UTC with milliseconds and ``Z``: ``2026-11-22T10:00:00.123Z``."""
-    global _ts_cache
-    secs, ms = divmod(round(epoch * 1000), 1000)
-    cached_secs, prefix = _ts_cache
-    if secs != cached_secs:
-        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(secs))
-        _ts_cache = (secs, prefix)
-    return f"{prefix}.{ms:03d}Z"
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from harness import DEMO_AGENT, PYTHON, Deployment, EventLog, structured, text_o
 pytestmark = pytest.mark.in_process
 
 TURN_TIMEOUT = 30.0
-TURN_END_TYPES = ("assistant.done", "session.error")
+from protocol.frames import TURN_END_TYPES
 
 # Prints each line of the message (stdin) on its own stdout line.
 ECHO_AGENT = """

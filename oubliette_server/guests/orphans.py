@@ -12,6 +12,8 @@ import logging
 
 import trio
 
+from protocol.frames import FrameType
+
 from ..frame_log import AppendFrame as Append
 from ..sessions import SessionRegistry
 from ..store_api import StoreUnavailable
@@ -66,7 +68,7 @@ class OrphanedTurns:
                 session = self.sessions.get_or_create(instance, channel, session_id)
                 try:
                     await self.append(
-                        session, "session.error",
+                        session, FrameType.SESSION_ERROR,
                         {"message": GUEST_GONE_MESSAGE, "reason": GUEST_GONE_REASON}, reply_to=msg_id,
                     )
                 except StoreUnavailable as exc:  # a database outage must not take the server down
