@@ -286,11 +286,9 @@ class RelayListener:
         if os.path.exists(path):
             await self._remove_stale_socket(path)
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # created 0600: only the owner may connect
-        try:
-            await sock.bind(path)
-        finally:
-            os.umask(old_umask)
+        # 0600 before listen: until then nobody can connect, so the file's first mode does not
+        # matter, and the process-wide umask is never changed (other tasks and threads create files).
+        await sock.bind(path)
         os.chmod(path, 0o600)
         sock.listen(128)
         return [trio.SocketListener(sock)]

@@ -119,10 +119,6 @@ class LogBus:
                 if on_progress is not None:
                     on_progress(frame.payload)
 
-    async def latest_declaration(self, session: Session) -> dict[str, Any] | None:
-        """The session's last declaration (`{caller_id, tools}`), read from its `session_record` frames."""
-        return (await self.session_record(session))[1]
-
     async def recorded_owner(self, session: Session) -> str | None:
         """The identity of the session's owner, as its first `session_record` recorded it (None if none did)."""
         return (await self.session_record(session))[0]
