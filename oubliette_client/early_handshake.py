@@ -300,7 +300,7 @@ async def serve_stdio(
     tools = SandboxTools(settings)
     async with trio.open_nursery() as nursery:
         relay_deadline = trio.current_time() + connect_wait
-        nursery.start_soon(tools.link.run)
+        await nursery.start(tools.link.run)
         nursery.start_soon(tools.warn_if_relay_down, relay_deadline)
         with claimed_stdio() as (stdin, stdout):
             gate = EarlyHandshake(tools, stdout.write, relay_deadline,

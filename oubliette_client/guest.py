@@ -92,13 +92,14 @@ class GuestRuntime:
         self._lifeline: int | None = None
         """Read end of the pipe whose write end only this process holds (see the module docstring)."""
 
-    async def run(self) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve deliveries until cancelled; it does not return on its own.
 
         Raises: `RelayRefused` when the relay refuses this instance and `link.give_up_on_refusal`
         is set (the CLI sets it: a refused token stays refused).
 
-        Start it with `nursery.start_soon(runtime.run)` (or `run_until_signalled`).
+        Start it with `await nursery.start(runtime.run)` (started once its relay link runs), or
+        with `run_until_signalled`.
         Cancellation: every running turn's process group is ended (SIGTERM, then SIGKILL), the
         relay connection is closed, and messages not yet acknowledged are delivered again on
         the next connection.
@@ -113,7 +114,8 @@ class GuestRuntime:
             try:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
-                    nursery.start_soon(self.link.run)
+                    await nursery.start(self.link.run)
+                    task_status.started()
             finally:
                 self._lifeline = None
                 for fd in (read_end, write_end):

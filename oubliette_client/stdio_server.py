@@ -200,7 +200,7 @@ class SandboxToolServer:
         """
         async with trio.open_nursery() as nursery:
             self.relay_deadline = trio.current_time() + self.connect_wait
-            nursery.start_soon(self.link.run)
+            await nursery.start(self.link.run)
             nursery.start_soon(self.tools.warn_if_relay_down, self.relay_deadline)
             with claimed_stdio() as (stdin, stdout):  # cancellable, no thread per line
                 await self.serve(stdin, stdout)
