@@ -22,7 +22,6 @@ PostgreSQL store's `abandoned_requests`, the session registry and the frame log'
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable
 
 import trio
 
@@ -31,6 +30,7 @@ from protocol import Frame
 from .approvals.service import REQUEST as APPROVAL_REQUEST
 from .approvals.service import RESOLVED as APPROVAL_RESOLVED
 from .approvals.service import Decision, resolved_payload
+from .frame_log import AppendOutcome
 from .sessions import SessionRegistry
 from .store_api import AbandonedStore, StoreUnavailable
 
@@ -39,9 +39,6 @@ log = logging.getLogger("oubliette.server.calls")
 ABANDONED_REASON = "its server stopped: no server waits for it"
 SERVER_STOPPED = "server_stopped"
 """`who` of the denial the sweep stores for an approval whose server died."""
-
-#: `append_outcome(session, type, payload, request_id)`: the frame, or None if another outcome won.
-AppendOutcome = Callable[..., Awaitable["Frame | None"]]
 
 
 class AbandonedRequests:

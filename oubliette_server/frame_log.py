@@ -41,6 +41,16 @@ class AppendFrame(Protocol):
         ...
 
 
+class AppendOutcome(Protocol):
+    """`FrameLog.append_outcome` as the services that close a request are given it."""
+
+    async def __call__(
+        self, session: Session, type: str, payload: dict[str, Any], request_id: str, *, skip: EventSink | None = None,
+    ) -> Frame | None:
+        """Store the one outcome of `request_id` and push it; None when another outcome was stored first."""
+        ...
+
+
 class FrameLog:
     """Appends frames to the store and pushes each to the sinks of its session.
 
