@@ -21,12 +21,12 @@ import functools
 import logging
 import os
 import sys
-import traceback
 from importlib import metadata
-from typing import Iterator, NoReturn
+from typing import NoReturn
 
 import trio
 
+from protocol.interrupts import exit_status, failure_line
 from protocol.log_format import add_log_format_option
 from protocol.telemetry import setup_observability
 
@@ -204,14 +204,6 @@ def _dispatch(argv: list[str]) -> int:
     return _serve_main(rest)
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
-
-
 def describe_failure(exc: BaseException) -> str | None:
     """One line for a runtime failure an operator can fix, else None (a bug: keep its traceback).
 
@@ -219,13 +211,7 @@ def describe_failure(exc: BaseException) -> str | None:
     """
     from .relay_link import RelayUnavailable  # not at import: `--help` loads no protocol model
 
-    leaves = [leaf for leaf in _leaves(exc) if not isinstance(leaf, (trio.Cancelled, KeyboardInterrupt))]
-    if not leaves or not all(isinstance(leaf, (RelayUnavailable, OSError)) for leaf in leaves):
-        return None
-    first = leaves[0]
-    if isinstance(first, OSError) and first.strerror:
-        return f"{first.strerror}: {first.filename}" if first.filename else first.strerror
-    return str(first) or type(first).__name__
+    return failure_line(exc, also=(RelayUnavailable,))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,17 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     with status 2, runtime failures (relay unreachable or refusing) return 1 after one line.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return _dispatch(argv)
-    except Exception as exc:  # the one place a failure becomes an exit status
-        line = describe_failure(exc)
-        if line is None:
-            raise
-        if logging.getLogger().isEnabledFor(logging.DEBUG):
-            traceback.print_exception(exc)
-        print(f"{PROG}: error: {line}", file=sys.stderr)
-        return 1
-
+    return exit_status(PROG, lambda: _dispatch(argv), describe_failure)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,12 +20,11 @@ import logging
 import os
 import signal
 import sys
-import traceback
 from pathlib import Path
-from typing import Iterator, NoReturn
+from typing import NoReturn
 
 from protocol import parse_relay_address
-from protocol.interrupts import INTERRUPTED, is_interrupt, raise_on_interrupt
+from protocol.interrupts import INTERRUPTED, exit_status, failure_line, is_interrupt, raise_on_interrupt
 from protocol.log_format import add_log_format_option
 from protocol.telemetry import setup_observability
 
@@ -208,14 +207,6 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**settings)
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
-
-
 def describe_failure(exc: BaseException) -> str | None:
     """One line for an operator's mistake found at run time, else None (a bug: keep its traceback).
 
@@ -225,23 +216,7 @@ def describe_failure(exc: BaseException) -> str | None:
     `DataDirInUse` (another server holds the data directory), possibly inside the exception groups
     of Trio nurseries.
     """
-    leaves = [leaf for leaf in _leaves(exc) if not _is_cancel(leaf)]
-    for leaf in leaves:
-        if isinstance(leaf, (StoreConfigError, StoreUnavailable, StoreDamaged, DataDirInUse)):
-            return str(leaf)  # its own one line (missing extra, database unreachable, file damaged, data dir taken)
-    if not leaves or not all(isinstance(leaf, OSError) for leaf in leaves):
-        return None
-    first = leaves[0]
-    assert isinstance(first, OSError)
-    if first.strerror:
-        return f"{first.strerror}: {first.filename}" if first.filename else first.strerror
-    return str(first) or type(first).__name__
-
-
-def _is_cancel(exc: BaseException) -> bool:
-    import trio
-
-    return isinstance(exc, (trio.Cancelled, KeyboardInterrupt))
+    return failure_line(exc, own_line=(StoreConfigError, StoreUnavailable, StoreDamaged, DataDirInUse))
 
 
 TERMINAL_NOTICE = (
@@ -360,17 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     fix (an `OSError`: port or socket in use, permission denied) is one line and status 1.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return _run(argv)
-    except Exception as exc:  # the one place a failure becomes an exit status
-        line = describe_failure(exc)
-        if line is None:
-            raise
-        if logging.getLogger().isEnabledFor(logging.DEBUG):
-            traceback.print_exception(exc)
-        print(f"{PROG}: error: {line}", file=sys.stderr)
-        return 1
-
+    return exit_status(PROG, lambda: _run(argv), describe_failure)
 
 if __name__ == "__main__":
     sys.exit(main())

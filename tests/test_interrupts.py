@@ -255,3 +255,21 @@ async def test_a_second_signal_stops_the_server_without_waiting_for_the_drain() 
             os.kill(os.getpid(), signal.SIGTERM)
             await stopped.wait()
     assert received == [signal.SIGTERM]
+
+
+def test_a_failure_an_operator_can_fix_is_one_line_wherever_trio_puts_it() -> None:
+    """Both programs' rule (protocol/interrupts.py): an OSError, or a type the program names, inside
+    nested exception groups beside cancellations is one line; anything else keeps its traceback."""
+    from protocol.interrupts import failure_line
+
+    class Mistake(Exception):
+        pass
+
+    in_use = OSError(98, "Address already in use")
+    nested = BaseExceptionGroup("nursery", [trio.Cancelled._create(), ExceptionGroup("inner", [in_use])])
+    assert failure_line(nested) == "Address already in use"
+    assert failure_line(OSError(2, "No such file or directory", "/x.toml")) == "No such file or directory: /x.toml"
+    assert failure_line(ExceptionGroup("g", [in_use, Mistake("the store is gone")]), own_line=(Mistake,)) == "the store is gone"
+    assert failure_line(Mistake("relay refused"), also=(Mistake,)) == "relay refused"
+    assert failure_line(ExceptionGroup("g", [in_use, ValueError("a bug")])) is None
+    assert failure_line(ValueError("a bug")) is None
