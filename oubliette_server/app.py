@@ -310,7 +310,7 @@ class OublietteServer:
             self.starter.guest_connected(connection.instance)
             if previous is not None:
                 log.warning("%r replaces the instance's previous guest %r", connection, previous)
-                previous.close_soon()  # type: ignore[attr-defined]
+                previous.close_soon()
             connection.start_soon(self.guests.deliver, connection)
             return
         self.clients.add(connection)
