@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import os
 import sys
-from importlib import metadata
-from typing import NoReturn
 
 import trio
 
+from protocol import VERSION
+from protocol.command_line import OneLineParser, positive_seconds as cli_seconds
+from protocol.command_line import log_level as log_level_name
 from protocol.interrupts import exit_status, failure_line
 from protocol.log_format import add_log_format_option
 from protocol.telemetry import setup_observability
@@ -47,45 +47,9 @@ Relay flags may come before or after the subcommand. `oubliette-client SUBCOMMAN
 Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
 
 
-#: The distribution (pyproject's `[project] name`) that installs this program.
-DISTRIBUTION = "oubliette-relay"
-
-
-def _version() -> str:
-    try:
-        return f"{PROG} {metadata.version(DISTRIBUTION)}"
-    except metadata.PackageNotFoundError:
-        return f"{PROG} (not installed)"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line on stderr (exit status 2), not usage plus error."""
-
-    def error(self, message: str) -> NoReturn:
-        """Print `PROG: error: message (see --help)` and exit 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _log_level(text: str) -> str:
-    level = text.upper()
-    if not isinstance(logging.getLevelName(level), int):
-        raise argparse.ArgumentTypeError(f"{text!r} is not one of debug, info, warning, error, critical")
-    return level
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
 def _add_common(parser: argparse.ArgumentParser, log_level: str) -> None:
-    parser.add_argument("--version", action="version", version=_version())
-    parser.add_argument("--log-level", type=_log_level, default=log_level, help=f"stderr log level (default {log_level.lower()})")
+    parser.add_argument("--version", action="version", version=f"{PROG} {VERSION}")
+    parser.add_argument("--log-level", type=log_level_name, default=log_level, help=f"stderr log level (default {log_level.lower()})")
     add_log_format_option(parser)
 
 
@@ -132,7 +96,7 @@ def _run_main(argv: list[str]) -> int:
     add_relay_arguments(parser, session=False)
     _add_common(parser, "INFO")
     parser.add_argument(
-        "--turn-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+        "--turn-timeout", type=cli_seconds, default=None, metavar="SECONDS",
         help="stop a turn's agent command after this long (default $OUBLIETTE_TURN_TIMEOUT or 3600)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the agent command; {mcp_config} becomes a config path")
@@ -159,7 +123,7 @@ def _endpoint_main(argv: list[str], tools: bool) -> int:
         + ("(one action: list | describe NAME | call NAME JSON)." if tools else "(one JSON request per stdin line)."),
     )
     add_relay_arguments(parser)
-    parser.add_argument("--connect-wait", type=_positive_seconds, default=5.0, help="seconds to wait for the relay (default 5)")
+    parser.add_argument("--connect-wait", type=cli_seconds, default=5.0, help="seconds to wait for the relay (default 5)")
     _add_common(parser, "WARNING")
     if tools:
         parser.add_argument("words", nargs="*", help="list | describe NAME | call NAME JSON")

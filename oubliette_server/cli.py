@@ -16,14 +16,14 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 from protocol import parse_relay_address
+from protocol.command_line import OneLineParser, positive_seconds as cli_seconds
+from protocol.command_line import log_level as log_level_name
 from protocol.interrupts import INTERRUPTED, exit_status, failure_line, is_interrupt, raise_on_interrupt
 from protocol.log_format import add_log_format_option
 from protocol.telemetry import setup_observability
@@ -49,35 +49,10 @@ Options may come before or after the subcommand, e.g. `oubliette-server --data-d
 Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line on stderr (exit status 2), not usage plus error."""
-
-    def error(self, message: str) -> NoReturn:
-        """Print `PROG: error: message (see --help)` and exit 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
-def _log_level(text: str) -> str:
-    level = text.upper()
-    if not isinstance(logging.getLevelName(level), int):
-        raise argparse.ArgumentTypeError(f"{text!r} is not one of debug, info, warning, error, critical")
-    return level
-
-
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", action="version", version=f"{PROG} {SERVER_VERSION}")
     parser.add_argument("--data-dir", type=Path, help="state directory (default $OUBLIETTE_DATA_DIR or ~/.local/share/oubliette)")
-    parser.add_argument("--log-level", type=_log_level, default="INFO", help="stderr log level (default info)")
+    parser.add_argument("--log-level", type=log_level_name, default="INFO", help="stderr log level (default info)")
     add_log_format_option(parser)
 
 
@@ -90,11 +65,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     _add_common(parser)
     parser.add_argument("--relay", help="relay address: unix:PATH (default <data-dir>/relay.sock) or tcp:HOST:PORT")
     parser.add_argument(
-        "--caller-timeout", type=_positive_seconds, default=None,
+        "--caller-timeout", type=cli_seconds, default=None,
         help=f"seconds a relayed caller tool call waits for the caller (default {DEFAULT_CALLER_TIMEOUT:g}; per tool: timeout_ms)",
     )
     parser.add_argument(
-        "--approval-timeout", type=_positive_seconds, default=None,
+        "--approval-timeout", type=cli_seconds, default=None,
         help=f"seconds a gated call waits for its approval before it is denied (default {DEFAULT_APPROVAL_TIMEOUT:g}; "
         "per tool: approval_timeout_ms)",
     )
