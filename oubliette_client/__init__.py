@@ -7,8 +7,9 @@ side and JSON Schema validation cost about a second per process otherwise).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from protocol import lazy_exports
 
 if TYPE_CHECKING:
     from .guest import GuestRuntime
@@ -24,15 +25,4 @@ _MODULE_OF = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """`oubliette_client.GuestRuntime` and the other public names, imported when first asked for."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__, globals())

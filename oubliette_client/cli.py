@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import os
 import sys
-import traceback
-from importlib import metadata
-from typing import Iterator, NoReturn
 
 import trio
 
+from protocol import VERSION
+from protocol.command_line import OneLineParser, positive_seconds as cli_seconds
+from protocol.command_line import log_level as log_level_name
+from protocol.interrupts import exit_status, failure_line
 from protocol.log_format import add_log_format_option
 from protocol.telemetry import setup_observability
 
@@ -47,45 +47,9 @@ Relay flags may come before or after the subcommand. `oubliette-client SUBCOMMAN
 Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
 
 
-#: The distribution (pyproject's `[project] name`) that installs this program.
-DISTRIBUTION = "oubliette-relay"
-
-
-def _version() -> str:
-    try:
-        return f"{PROG} {metadata.version(DISTRIBUTION)}"
-    except metadata.PackageNotFoundError:
-        return f"{PROG} (not installed)"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line on stderr (exit status 2), not usage plus error."""
-
-    def error(self, message: str) -> NoReturn:
-        """Print `PROG: error: message (see --help)` and exit 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _log_level(text: str) -> str:
-    level = text.upper()
-    if not isinstance(logging.getLevelName(level), int):
-        raise argparse.ArgumentTypeError(f"{text!r} is not one of debug, info, warning, error, critical")
-    return level
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
 def _add_common(parser: argparse.ArgumentParser, log_level: str) -> None:
-    parser.add_argument("--version", action="version", version=_version())
-    parser.add_argument("--log-level", type=_log_level, default=log_level, help=f"stderr log level (default {log_level.lower()})")
+    parser.add_argument("--version", action="version", version=f"{PROG} {VERSION}")
+    parser.add_argument("--log-level", type=log_level_name, default=log_level, help=f"stderr log level (default {log_level.lower()})")
     add_log_format_option(parser)
 
 
@@ -132,7 +96,7 @@ def _run_main(argv: list[str]) -> int:
     add_relay_arguments(parser, session=False)
     _add_common(parser, "INFO")
     parser.add_argument(
-        "--turn-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+        "--turn-timeout", type=cli_seconds, default=None, metavar="SECONDS",
         help="stop a turn's agent command after this long (default $OUBLIETTE_TURN_TIMEOUT or 3600)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the agent command; {mcp_config} becomes a config path")
@@ -159,7 +123,7 @@ def _endpoint_main(argv: list[str], tools: bool) -> int:
         + ("(one action: list | describe NAME | call NAME JSON)." if tools else "(one JSON request per stdin line)."),
     )
     add_relay_arguments(parser)
-    parser.add_argument("--connect-wait", type=_positive_seconds, default=5.0, help="seconds to wait for the relay (default 5)")
+    parser.add_argument("--connect-wait", type=cli_seconds, default=5.0, help="seconds to wait for the relay (default 5)")
     _add_common(parser, "WARNING")
     if tools:
         parser.add_argument("words", nargs="*", help="list | describe NAME | call NAME JSON")
@@ -204,14 +168,6 @@ def _dispatch(argv: list[str]) -> int:
     return _serve_main(rest)
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
-
-
 def describe_failure(exc: BaseException) -> str | None:
     """One line for a runtime failure an operator can fix, else None (a bug: keep its traceback).
 
@@ -219,13 +175,7 @@ def describe_failure(exc: BaseException) -> str | None:
     """
     from .relay_link import RelayUnavailable  # not at import: `--help` loads no protocol model
 
-    leaves = [leaf for leaf in _leaves(exc) if not isinstance(leaf, (trio.Cancelled, KeyboardInterrupt))]
-    if not leaves or not all(isinstance(leaf, (RelayUnavailable, OSError)) for leaf in leaves):
-        return None
-    first = leaves[0]
-    if isinstance(first, OSError) and first.strerror:
-        return f"{first.strerror}: {first.filename}" if first.filename else first.strerror
-    return str(first) or type(first).__name__
+    return failure_line(exc, also=(RelayUnavailable,))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,17 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     with status 2, runtime failures (relay unreachable or refusing) return 1 after one line.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return _dispatch(argv)
-    except Exception as exc:  # the one place a failure becomes an exit status
-        line = describe_failure(exc)
-        if line is None:
-            raise
-        if logging.getLogger().isEnabledFor(logging.DEBUG):
-            traceback.print_exception(exc)
-        print(f"{PROG}: error: {line}", file=sys.stderr)
-        return 1
-
+    return exit_status(PROG, lambda: _dispatch(argv), describe_failure)
 
 if __name__ == "__main__":
     sys.exit(main())

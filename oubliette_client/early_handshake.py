@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import trio
 
-from protocol import errors
+from protocol import VERSION, errors
 from protocol.fast_tool_calls import error_line, is_request_id, response_line, switched_on
 from protocol.telemetry import tracing_configured
 from protocol.stdio_streams import claimed_stdio
@@ -67,7 +67,7 @@ log = logging.getLogger("oubliette.client")
 #: test keeps the two equal, so an SDK upgrade that changes them fails there first).
 HANDSHAKE_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 #: `serverInfo` as `SandboxToolServer`'s SDK server reports it.
-SERVER_INFO = {"name": "oubliette-client", "version": "0.1.0"}
+SERVER_INFO = {"name": "oubliette-client", "version": VERSION}
 #: `capabilities` as the SDK reports them for `SandboxToolServer` (tools, with list changes).
 CAPABILITIES = {"tools": {"listChanged": True}}
 
@@ -302,7 +302,7 @@ async def serve_stdio(
     tools = SandboxTools(settings)
     async with trio.open_nursery() as nursery:
         relay_deadline = trio.current_time() + connect_wait
-        nursery.start_soon(tools.link.run)
+        await nursery.start(tools.link.run)
         nursery.start_soon(tools.warn_if_relay_down, relay_deadline)
         with claimed_stdio() as (stdin, stdout):
             gate = EarlyHandshake(tools, stdout.write, relay_deadline,

@@ -93,7 +93,7 @@ class ActionEndpoint:
         link = self.tools.link
         failure: str | None = None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(link.run)
+            await nursery.start(link.run)
             with trio.move_on_after(self.connect_wait):
                 await (link.wait_settled() if self.require_connection else link.wait_connected())
             if self.require_connection and not link.connected:

@@ -39,6 +39,7 @@ from typing import Any
 import trio
 
 from protocol import Frame, RelayError, errors, messages
+from protocol.frames import FrameType
 from protocol.trace_spans import turn_environment
 
 from .mcp_config import write_mcp_config
@@ -92,13 +93,14 @@ class GuestRuntime:
         self._lifeline: int | None = None
         """Read end of the pipe whose write end only this process holds (see the module docstring)."""
 
-    async def run(self) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve deliveries until cancelled; it does not return on its own.
 
         Raises: `RelayRefused` when the relay refuses this instance and `link.give_up_on_refusal`
         is set (the CLI sets it: a refused token stays refused).
 
-        Start it with `nursery.start_soon(runtime.run)` (or `run_until_signalled`).
+        Start it with `await nursery.start(runtime.run)` (started once its relay link runs), or
+        with `run_until_signalled`.
         Cancellation: every running turn's process group is ended (SIGTERM, then SIGKILL), the
         relay connection is closed, and messages not yet acknowledged are delivered again on
         the next connection.
@@ -113,7 +115,8 @@ class GuestRuntime:
             try:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
-                    nursery.start_soon(self.link.run)
+                    await nursery.start(self.link.run)
+                    task_status.started()
             finally:
                 self._lifeline = None
                 for fd in (read_end, write_end):
@@ -186,7 +189,7 @@ class GuestRuntime:
     async def _run_turn(self, key: str, frame: Frame) -> None:
         text = str(frame.payload.get("text", ""))
         log.info("turn for %s (seq %d)", key, frame.seq)
-        await self._append(frame, "status.presence", {"state": "thinking"})
+        await self._append(frame, FrameType.STATUS_PRESENCE, {"state": "thinking"})
         env = {**os.environ, **self.settings.environment(key), "OUBLIETTE_MSG_ID": frame.msg_id}
         if "_meta" in frame.payload:  # the caller's trace (docs/OBSERVABILITY.md): the agent's spans join it
             env.update(turn_environment(frame.payload["_meta"]))
@@ -197,7 +200,7 @@ class GuestRuntime:
         if lifeline is not None and shutil.which(command[0], path=env.get("PATH")) is None:
             # The shell would say it in an exit status of 127; say it as plainly as an exec would.
             message = f"cannot start the agent command: {command[0]!r} is not an executable found on PATH"
-            await self._append(frame, "session.error", {"message": message})
+            await self._append(frame, FrameType.SESSION_ERROR, {"message": message})
             return
         try:
             process = await trio.lowlevel.open_process(
@@ -206,7 +209,7 @@ class GuestRuntime:
                 start_new_session=True, pass_fds=() if lifeline is None else (lifeline,),
             )
         except OSError as exc:
-            await self._append(frame, "session.error", {"message": f"cannot start the agent command: {exc}"})
+            await self._append(frame, FrameType.SESSION_ERROR, {"message": f"cannot start the agent command: {exc}"})
             return
         code: int | None = None
         try:
@@ -219,21 +222,21 @@ class GuestRuntime:
                     nursery.start_soon(self._reap, process)
                     async for line in _lines(process.stdout):
                         lines.append(line)
-                        await self._append(frame, "assistant.delta", {"text": line})
+                        await self._append(frame, FrameType.ASSISTANT_DELTA, {"text": line})
                 code = await process.wait()
         finally:
             await end_process_group(process)
         if code is None:
             message = f"the agent command did not finish within {self.turn_timeout:g} s (the turn timeout); it was stopped"
             log.warning("turn for %s (seq %d) failed: %s", key, frame.seq, message)
-            await self._append(frame, "session.error", {"message": message, "text": "\n".join(lines)})
+            await self._append(frame, FrameType.SESSION_ERROR, {"message": message, "text": "\n".join(lines)})
             return
         if code == 0:
-            await self._append(frame, "assistant.done", {"text": "\n".join(lines)})
+            await self._append(frame, FrameType.ASSISTANT_DONE, {"text": "\n".join(lines)})
         else:
             tail = bytes(stderr[-STDERR_TAIL:]).decode(errors="replace")
             log.warning("turn for %s (seq %d) failed: the agent command exited with status %d", key, frame.seq, code)
-            await self._append(frame, "session.error", {
+            await self._append(frame, FrameType.SESSION_ERROR, {
                 "message": f"the agent command exited with status {code}", "exit_code": code, "stderr": tail,
                 "text": "\n".join(lines),
             })

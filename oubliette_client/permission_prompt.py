@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Protocol
 
 from protocol import RelayError, errors
 
@@ -44,8 +44,12 @@ INPUT_SCHEMA: dict[str, Any] = {
     "additionalProperties": True,
 }
 
-#: `request(method, params, timeout)` of the client's relay link.
-Request = Callable[..., Awaitable[Any]]
+class Request(Protocol):
+    """`RelayLink.request` as the prompt is given it: one relay request and its result."""
+
+    async def __call__(self, method: str, params: dict[str, Any], *, timeout: float | None = None) -> Any:
+        """Send `method` with `params`; its result, or `RelayError` within `timeout` seconds."""
+        ...
 
 
 def allow(updated_input: dict[str, Any]) -> str:

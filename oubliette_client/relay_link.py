@@ -17,7 +17,7 @@ The peer, the sans-IO core and the message models (`protocol.peer`, `protocol.co
 when the relay is down, and imports less before it when it is up (its cold start).
 
 Owns: the current connection (closed when `run` is cancelled). Needs: `run` in a nursery
-(`nursery.start_soon(link.run)`). Raises: `request` and `notify` raise only `RelayError`;
+(`await nursery.start(link.run)`). Raises: `request` and `notify` raise only `RelayError`;
 `run` raises `RelayRefused` when the relay refuses the hello and `give_up_on_refusal` is set.
 """
 
@@ -181,13 +181,16 @@ class RelayLink:
 
     # -- connection loop -----------------------------------------------------------------
 
-    async def run(self) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep a connection up until cancelled (or, with `give_up_on_refusal`, until refused).
 
+        Reports started once its connection loop runs, before the first attempt: the relay may be
+        down, and nothing waits for it (`wait_connected`, `request(wait_for_connection=True)` do).
         Raises: `RelayRefused` when the relay refuses the hello and `give_up_on_refusal` is set.
         """
         backoff = BACKOFF_INITIAL
         index = 0
+        task_status.started()
         while True:
             fatal = False
             self.address = self.addresses[index]

@@ -27,7 +27,8 @@ from mcp.server.lowlevel.server import NotificationOptions
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from protocol.fast_tool_calls import FastToolCalls, Handler, call_result, fast_calls_enabled
+from protocol import VERSION
+from protocol.fast_tool_calls import FastToolCalls, Handler, call_result, fast_calls_enabled, tool_error
 from protocol.stdio_streams import claimed_stdio
 
 from .permission_prompt import PERMISSION_PROMPT
@@ -38,11 +39,6 @@ from .settings import RelaySettings
 log = logging.getLogger("oubliette.client")
 
 DEFAULT_CONNECT_WAIT = 3.0
-
-
-def tool_error(text: str) -> types.CallToolResult:
-    """An MCP tool result that reports `text` as an error (`is_error=True`)."""
-    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
 
 def result_content(outcome: CallOutcome) -> types.CallToolResult:
@@ -101,7 +97,7 @@ class SandboxToolServer:
         self.relay_deadline = float("inf")
         self._unannounced = False
         self.server = Server(
-            "oubliette-client", version="0.1.0",
+            "oubliette-client", version=VERSION,
             on_list_tools=self._list_tools, on_call_tool=self._call_tool,
             on_subscriptions_listen=ListenHandler(self.bus),
         )
@@ -204,7 +200,7 @@ class SandboxToolServer:
         """
         async with trio.open_nursery() as nursery:
             self.relay_deadline = trio.current_time() + self.connect_wait
-            nursery.start_soon(self.link.run)
+            await nursery.start(self.link.run)
             nursery.start_soon(self.tools.warn_if_relay_down, self.relay_deadline)
             with claimed_stdio() as (stdin, stdout):  # cancellable, no thread per line
                 await self.serve(stdin, stdout)

@@ -7,8 +7,9 @@ second per process).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from protocol import lazy_exports
 
 if TYPE_CHECKING:
     from .app import OublietteServer
@@ -19,15 +20,4 @@ __all__ = ["OublietteServer", "ServerConfig"]
 _MODULE_OF = {"OublietteServer": ".app", "ServerConfig": ".config"}
 
 
-def __getattr__(name: str) -> Any:
-    """`oubliette_server.OublietteServer` and `ServerConfig`, imported when first asked for."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__, globals())

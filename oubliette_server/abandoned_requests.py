@@ -22,7 +22,6 @@ PostgreSQL store's `abandoned_requests`, the session registry and the frame log'
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable, Protocol
 
 import trio
 
@@ -31,24 +30,15 @@ from protocol import Frame
 from .approvals.service import REQUEST as APPROVAL_REQUEST
 from .approvals.service import RESOLVED as APPROVAL_RESOLVED
 from .approvals.service import Decision, resolved_payload
+from .frame_log import AppendOutcome
 from .sessions import SessionRegistry
-from .store_api import StoreUnavailable
+from .store_api import AbandonedStore, StoreUnavailable
 
 log = logging.getLogger("oubliette.server.calls")
 
 ABANDONED_REASON = "its server stopped: no server waits for it"
 SERVER_STOPPED = "server_stopped"
 """`who` of the denial the sweep stores for an approval whose server died."""
-
-#: `append_outcome(session, type, payload, request_id)`: the frame, or None if another outcome won.
-AppendOutcome = Callable[..., Awaitable["Frame | None"]]
-
-
-class AbandonedStore(Protocol):
-    """What the sweep asks of the store (`store_pg.PostgresFrameStore`)."""
-
-    async def abandoned_requests(self, grace: float, limit: int = 100) -> list[Frame]:
-        """Requests without an outcome whose server's lease expired, or whose `expires_at` passed more than `grace` seconds ago."""
 
 
 class AbandonedRequests:

@@ -11,14 +11,15 @@ import logging
 import os
 import secrets
 import socket
-from typing import Any, Awaitable, Callable, cast
+from typing import Any, Awaitable, Callable
 import trio
 
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
+from protocol.frames import FrameType
 from protocol.limits import Limits
 from protocol.trace_spans import record_approval_span, traced_relay_handler
 
-from .abandoned_requests import AbandonedRequests, AbandonedStore
+from .abandoned_requests import AbandonedRequests
 from .approvals import ApprovalElicitation, ApprovalService, ConnectionApprovals
 from .approvals.toolset_forms import ToolsetForms
 from .auth import TokenAuthority, ensure_private_dir
@@ -29,7 +30,7 @@ from .client_connections import ClientConnections
 from .config import ServerConfig
 from .frame_log import FrameLog
 from .guests import (
-    FailedStarts, GuestDelivery, GuestFrames, GuestPresence, InstanceLeases, InstanceStarter, LeaseStore, OrphanedTurns,
+    FailedStarts, GuestDelivery, GuestFrames, GuestPresence, InstanceLeases, InstanceStarter, OrphanedTurns,
 )
 from .health import Readiness
 from .http_api import HttpApi
@@ -37,7 +38,7 @@ from .instances import InstanceDirectory
 from .metrics import ServerMetrics, decision_of
 from .relay import SERVER_VERSION, RelayConnection, RelayHandlers, RelayListener
 from .sessions import SessionRegistry
-from .store_api import FrameStoreAPI
+from .store_api import FrameStoreAPI, SharedStoreAPI, shared_store
 from .store_open import open_store
 from .tether import Tether
 from .toolsets import ToolsetService
@@ -75,6 +76,8 @@ class OublietteServer:
             pool_size=config.store_pool_size, connect_timeout=config.store_connect_timeout,
         )
         self.limits: Limits = config.limits
+        self.shared_store: SharedStoreAPI | None = shared_store(self.store)
+        """The store's shared-store capabilities (leases, the sweep), or None when this server is alone on its log."""
         self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         """Which server of a deployment this is (host, process, a random tag)."""
         self.metrics = ServerMetrics()
@@ -102,8 +105,8 @@ class OublietteServer:
         # and every server closes the caller tool requests a dead server left open.
         self.leases: InstanceLeases | None = None
         self.abandoned: AbandonedRequests | None = None
-        if self.store.shared:
-            self.leases = InstanceLeases(cast(LeaseStore, self.store), self.server_id, config.store_lease_ttl, self.guests)
+        if self.shared_store is not None:
+            self.leases = InstanceLeases(self.shared_store, self.server_id, config.store_lease_ttl, self.guests)
             self.guests.holds = self.leases.holds
         # Whether a message can reach a guest: connected here, to another server (its live lease),
         # or startable; else `session_message` says so instead of waiting in silence.
@@ -141,9 +144,9 @@ class OublietteServer:
         self.register_command_toolset = self.toolsets.register_command_toolset
         self.unregister_toolset = self.toolsets.unregister_toolset
         self.update_allowed_toolsets = self.toolsets.update_allowed_toolsets
-        if self.store.shared:
+        if self.shared_store is not None:
             self.abandoned = AbandonedRequests(
-                cast(AbandonedStore, self.store), self.sessions, self.frame_log.append_outcome,
+                self.shared_store, self.sessions, self.frame_log.append_outcome,
                 period=config.store_lease_ttl, grace=config.store_lease_ttl,
             )
         self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests, self.store)
@@ -311,7 +314,7 @@ class OublietteServer:
             self.starter.guest_connected(connection.instance)
             if previous is not None:
                 log.warning("%r replaces the instance's previous guest %r", connection, previous)
-                previous.close_soon()  # type: ignore[attr-defined]
+                previous.close_soon()
             connection.start_soon(self.guests.deliver, connection)
             return
         self.clients.add(connection)
@@ -366,7 +369,8 @@ class OublietteServer:
 
     async def _live_lease_holder(self, instance: str) -> str | None:
         """Shared store: the server holding `instance`'s live lease (its guest is connected there)."""
-        return await cast(LeaseStore, self.store).lease_holder(instance, live=True)
+        assert self.shared_store is not None  # asked only when leases exist
+        return await self.shared_store.lease_holder(instance, live=True)
 
     async def _held_anywhere(self, instance: str) -> bool:
         """Shared store: whether a server of the deployment holds `instance`'s guest lease."""
@@ -383,7 +387,7 @@ class OublietteServer:
         """Guest delivery's safety net: end the frame's turn with `session.error` so nobody waits on it."""
         session = self.sessions.get_or_create(instance, frame.channel, frame.session_id)
         await self.frame_log.append(
-            session, "session.error",
+            session, FrameType.SESSION_ERROR,
             {"message": f"message {frame.msg_id} (seq {frame.seq}) cannot be delivered to the guest: {reason}"},
             reply_to=frame.msg_id,
         )

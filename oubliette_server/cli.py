@@ -22,12 +22,12 @@ import logging
 import os
 import signal
 import sys
-import traceback
 from pathlib import Path
-from typing import Iterator, NoReturn
 
 from protocol import parse_relay_address
-from protocol.interrupts import INTERRUPTED, is_interrupt, raise_on_interrupt
+from protocol.command_line import OneLineParser, positive_seconds as cli_seconds
+from protocol.command_line import log_level as log_level_name
+from protocol.interrupts import INTERRUPTED, exception_leaves, exit_status, failure_line, is_interrupt, raise_on_interrupt
 from protocol.log_format import add_log_format_option
 from protocol.telemetry import setup_observability
 
@@ -55,35 +55,10 @@ Options may come before or after the subcommand, e.g. `oubliette-server --data-d
 Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line on stderr (exit status 2), not usage plus error."""
-
-    def error(self, message: str) -> NoReturn:
-        """Print `PROG: error: message (see --help)` and exit 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
-def _log_level(text: str) -> str:
-    level = text.upper()
-    if not isinstance(logging.getLevelName(level), int):
-        raise argparse.ArgumentTypeError(f"{text!r} is not one of debug, info, warning, error, critical")
-    return level
-
-
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", action="version", version=f"{PROG} {SERVER_VERSION}")
     parser.add_argument("--data-dir", type=Path, help="state directory (default $OUBLIETTE_DATA_DIR or ~/.local/share/oubliette)")
-    parser.add_argument("--log-level", type=_log_level, default="INFO", help="stderr log level (default info)")
+    parser.add_argument("--log-level", type=log_level_name, default="INFO", help="stderr log level (default info)")
     add_log_format_option(parser)
 
 
@@ -96,11 +71,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     _add_common(parser)
     parser.add_argument("--relay", help="relay address: unix:PATH (default <data-dir>/relay.sock) or tcp:HOST:PORT")
     parser.add_argument(
-        "--caller-timeout", type=_positive_seconds, default=None,
+        "--caller-timeout", type=cli_seconds, default=None,
         help=f"seconds a relayed caller tool call waits for the caller (default {DEFAULT_CALLER_TIMEOUT:g}; per tool: timeout_ms)",
     )
     parser.add_argument(
-        "--approval-timeout", type=_positive_seconds, default=None,
+        "--approval-timeout", type=cli_seconds, default=None,
         help=f"seconds a gated call waits for its approval before it is denied (default {DEFAULT_APPROVAL_TIMEOUT:g}; "
         "per tool: approval_timeout_ms)",
     )
@@ -162,7 +137,7 @@ def _operator_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--types", metavar="T,...", help="only frames of these types (comma-separated)")
         parser.add_argument("--after-seq", type=int, metavar="N",
                             help="start after this seq (0: every kept frame; default: only frames stored from now on)")
-        parser.add_argument("--poll-interval", type=_positive_seconds, default=DEFAULT_POLL_INTERVAL,
+        parser.add_argument("--poll-interval", type=cli_seconds, default=DEFAULT_POLL_INTERVAL,
                             help=f"SQLite: seconds between reads of the log (default {DEFAULT_POLL_INTERVAL:g})")
     _add_common(parser)
     parser.add_argument("--store", metavar="postgresql://…", help="the deployment's PostgreSQL store (docs/SCALING.md)")
@@ -226,7 +201,7 @@ def _run_operator(command: str, rest: list[str]) -> int:
             poll_interval=args.poll_interval,
         ))
     except BaseException as exc:  # Ctrl-C (or a closed pipe) may come out of the store's nursery inside a group
-        leaves = list(_leaves(exc))
+        leaves = list(exception_leaves(exc))
         if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
             return 130
         if leaves and all(isinstance(leaf, BrokenPipeError) for leaf in leaves):  # `tail … | head`: the reader left
@@ -304,14 +279,6 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**settings)
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
-
-
 def describe_failure(exc: BaseException) -> str | None:
     """One line for an operator's mistake found at run time, else None (a bug: keep its traceback).
 
@@ -321,23 +288,7 @@ def describe_failure(exc: BaseException) -> str | None:
     `DataDirInUse` (another server holds the data directory), possibly inside the exception groups
     of Trio nurseries.
     """
-    leaves = [leaf for leaf in _leaves(exc) if not _is_cancel(leaf)]
-    for leaf in leaves:
-        if isinstance(leaf, (StoreConfigError, StoreUnavailable, StoreDamaged, DataDirInUse)):
-            return str(leaf)  # its own one line (missing extra, database unreachable, file damaged, data dir taken)
-    if not leaves or not all(isinstance(leaf, OSError) for leaf in leaves):
-        return None
-    first = leaves[0]
-    assert isinstance(first, OSError)
-    if first.strerror:
-        return f"{first.strerror}: {first.filename}" if first.filename else first.strerror
-    return str(first) or type(first).__name__
-
-
-def _is_cancel(exc: BaseException) -> bool:
-    import trio
-
-    return isinstance(exc, (trio.Cancelled, KeyboardInterrupt))
+    return failure_line(exc, own_line=(StoreConfigError, StoreUnavailable, StoreDamaged, DataDirInUse))
 
 
 TERMINAL_NOTICE = (
@@ -458,17 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     fix (an `OSError`: port or socket in use, permission denied) is one line and status 1.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return _run(argv)
-    except Exception as exc:  # the one place a failure becomes an exit status
-        line = describe_failure(exc)
-        if line is None:
-            raise
-        if logging.getLogger().isEnabledFor(logging.DEBUG):
-            traceback.print_exception(exc)
-        print(f"{PROG}: error: {line}", file=sys.stderr)
-        return 1
-
+    return exit_status(PROG, lambda: _run(argv), describe_failure)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@ each declaration goes to every one, so their number is what one declaration cost
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from protocol import EncodedNotification, RelayError, errors, messages, unstructure
 
@@ -26,7 +26,6 @@ class ClientPeer(Protocol):
 
     instance: str | None
     session_key: str | None
-    router: Any
 
     def notify(self, method: str, params: dict) -> None:
         """Queue a notification; never waits on the socket (a stalled peer is closed instead)."""

@@ -17,16 +17,38 @@ check first, with messages that name the caller's own field.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import trio
 
 from protocol import Frame
+from protocol.frames import FrameType
 from protocol.limits import Limits
 
 from .server_owned import refuse_server_owned
 from .sessions import EventSink, Session, SessionRegistry
 from .store_api import FrameStoreAPI
+
+
+class AppendFrame(Protocol):
+    """`FrameLog.append` as the services that store frames are given it (one seam, one shape)."""
+
+    async def __call__(
+        self, session: Session, type: str, payload: dict[str, Any], *,
+        reply_to: str | None = None, msg_id: str | None = None, skip: EventSink | None = None,
+    ) -> Frame:
+        """Store a frame of `session`, then push it to the session's followers but `skip`."""
+        ...
+
+
+class AppendOutcome(Protocol):
+    """`FrameLog.append_outcome` as the services that close a request are given it."""
+
+    async def __call__(
+        self, session: Session, type: str, payload: dict[str, Any], request_id: str, *, skip: EventSink | None = None,
+    ) -> Frame | None:
+        """Store the one outcome of `request_id` and push it; None when another outcome was stored first."""
+        ...
 
 
 class FrameLog:
@@ -157,6 +179,6 @@ class FrameLog:
         )
         session = self.sessions.get_or_create(instance, channel, session_id)
         frame = await self._store_and_push(session, type, payload, msg_id=msg_id, reply_to=reply_to)
-        if type == "user.message":
+        if type == FrameType.USER_MESSAGE:
             self.on_user_message(instance)
         return frame

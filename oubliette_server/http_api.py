@@ -897,16 +897,13 @@ class HttpApi:
             os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
             if os.path.exists(path):
                 os.unlink(path)
-        old_umask = os.umask(0o177)  # Unix listeners are created 0600
         try:
-            sockets = config.create_sockets()
+            sockets = config.create_sockets()  # bound, not listening: nobody can connect yet
         except OSError as exc:  # one line for the operator: which addresses, and why
             raise OSError(exc.errno, f"cannot listen on HTTP {', '.join(binds)}: {exc.strerror or exc}") from exc
-        finally:
-            os.umask(old_umask)
         try:
             for path in unix_paths:
-                os.chmod(path, 0o600)
+                os.chmod(path, 0o600)  # before listen, so without a process-wide umask
             listeners = []
             urls = []
             for sock in sockets.insecure_sockets:

@@ -32,6 +32,7 @@ import trio
 
 from protocol import (
     errors,
+    VERSION,
     PROTOCOL_VERSION,
     ROLE_SERVER,
     EncodedNotification,
@@ -54,7 +55,7 @@ access_log = logging.getLogger("oubliette.access")
 #: A refusal's message that would show a hello's token (a wrong type is echoed by the schema check).
 _TOKEN_VALUE = re.compile(r"(\$\.token\b).*", re.DOTALL)
 
-SERVER_VERSION = "0.1.0"
+SERVER_VERSION = VERSION
 
 #: What a relay handler takes: the connection asking, then its structured params.
 RelayHandlers = Mapping[tuple[str, str], HandlerEntry[Any]]
@@ -90,8 +91,7 @@ class _RoleHandlers(Mapping[str, HandlerEntry[Any]]):
 class RelayConnection:
     """One sandbox connection, bound to its instance (and session) after `hello`.
 
-    `role`, `instance` and `session_key` are None until the hello passed; `router` is the
-    session's ToolRouter for client connections (set by the toolsets).
+    `role`, `instance` and `session_key` are None until the hello passed.
     """
 
     def __init__(
@@ -113,7 +113,6 @@ class RelayConnection:
         self.role: str | None = None
         self.instance: str | None = None
         self.session_key: str | None = None
-        self.router: Any = None
         self._verify_token = verify_token
         self._handlers = _RoleHandlers(self, handlers)
         self._on_open = on_open
@@ -287,11 +286,9 @@ class RelayListener:
         if os.path.exists(path):
             await self._remove_stale_socket(path)
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # created 0600: only the owner may connect
-        try:
-            await sock.bind(path)
-        finally:
-            os.umask(old_umask)
+        # 0600 before listen: until then nobody can connect, so the file's first mode does not
+        # matter, and the process-wide umask is never changed (other tasks and threads create files).
+        await sock.bind(path)
         os.chmod(path, 0o600)
         sock.listen(128)
         return [trio.SocketListener(sock)]

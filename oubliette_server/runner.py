@@ -6,6 +6,7 @@ import json
 import logging
 import signal
 import sys
+from typing import Awaitable, Callable
 
 import trio
 
@@ -27,17 +28,36 @@ def announce_ready(relay: str, http: list[str], metrics: list[str] | None = None
     print(READY_PREFIX + json.dumps(ready), file=sys.stderr, flush=True)
 
 
-async def stop_on_signals(cancel_scope: trio.CancelScope, received: list[int]) -> None:
+async def stop_on_signals(
+    cancel_scope: trio.CancelScope, received: list[int],
+    drain: Callable[[float], Awaitable[None]] | None = None, grace: float = SHUTDOWN_DRAIN_SECONDS,
+) -> None:
     """SIGTERM/SIGINT end the server cleanly: listeners close, started guests are stopped, the store closes.
 
-    The signal is appended to `received`, so the program can exit with its status.
+    First the relay requests in flight may send their answers (`drain`, at most `grace` seconds,
+    as hypercorn's `graceful_timeout`; the same drain a stdio hang-up gets); a second signal
+    ends the wait at once. The first signal is appended to `received`, so the program can exit
+    with its status.
     """
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("received %s; shutting down", signal.Signals(signum).name)
             received.append(signum)
-            cancel_scope.cancel()
-            return
+            break
+        if drain is not None:
+            async with trio.open_nursery() as draining:
+                draining.start_soon(_drain_then_stop, drain, grace, draining.cancel_scope)
+                async for again in signals:
+                    log.info("received %s again; stopping now", signal.Signals(again).name)
+                    draining.cancel_scope.cancel()
+        cancel_scope.cancel()
+
+
+async def _drain_then_stop(drain: Callable[[float], Awaitable[None]], grace: float, scope: trio.CancelScope) -> None:
+    """Wait for the drain (bounded by `grace`), then end the wait for a second signal."""
+    with trio.move_on_after(grace):
+        await drain(grace)
+    scope.cancel()
 
 
 async def run_server(config: ServerConfig, *, stdio: bool = True) -> int | None:
@@ -48,7 +68,7 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> int | None:
     app = OublietteServer(config)
     received: list[int] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(stop_on_signals, nursery.cancel_scope, received)
+        nursery.start_soon(stop_on_signals, nursery.cancel_scope, received, app.drain)
         await nursery.start(app.serve)
         if config.toolsets or config.allowlists:
             await register_from_config(app, config.toolsets, config.allowlists)

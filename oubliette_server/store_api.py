@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import os
 from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
@@ -23,6 +22,7 @@ import trio
 
 from protocol import RelayError, errors
 from protocol.frames import FRAME_VERSION, Frame, SessionRef
+from protocol.timestamps import format_ts
 
 __all__ = [
     "APPEND_KEYS",
@@ -59,20 +59,6 @@ DEFAULT_RETENTION_FRAMES = 100_000
 DEFAULT_PRUNE_EVERY = 1000
 APPEND_KEYS = frozenset({"channel", "session_id", "type", "payload", "msg_id", "reply_to"})
 REQUIRED_KEYS = frozenset({"channel", "session_id", "type", "payload"})
-
-
-_ts_cache: tuple[int, str] = (-1, "")
-
-
-def format_ts(epoch: float) -> str:
-    """ISO-8601 UTC with milliseconds and ``Z``: ``2026-11-22T10:00:00.123Z``."""
-    global _ts_cache
-    secs, ms = divmod(round(epoch * 1000), 1000)
-    cached_secs, prefix = _ts_cache
-    if secs != cached_secs:
-        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(secs))
-        _ts_cache = (secs, prefix)
-    return f"{prefix}.{ms:03d}Z"
 
 
 # --------------------------------------------------------------------------------------------
@@ -515,3 +501,54 @@ class FrameStoreAPI(Protocol):
         """Raise `StoreUnavailable` (saying why) unless the database answers within `timeout`
         seconds and, for a shared store, its cross-server wake-ups arrive (the readiness probe)."""
         ...
+
+
+# --------------------------------------------------------------------------------------------
+# What only a store shared by several servers can do (PostgreSQL): separate interfaces, asked for
+
+
+@runtime_checkable
+class LeaseStore(Protocol):
+    """The store's lease methods (`store_pg.PostgresFrameStore`), for guests/leases.py."""
+
+    async def take_lease(self, instance: str, server: str, ttl: float) -> str | None:
+        """Take `instance`'s lease; the previous live holder if another server."""
+        ...
+
+    async def renew_leases(self, server: str, instances: list[str], ttl: float) -> set[str]:
+        """Renew `server`'s own lease and its leases of `instances`; the instances it still holds."""
+        ...
+
+    async def release_lease(self, instance: str, server: str) -> None:
+        """Drop `server`'s lease of `instance`."""
+        ...
+
+    async def lease_holder(self, instance: str, *, live: bool = False) -> str | None:
+        """The server named in `instance`'s lease (with `live`, unexpired only), or None."""
+        ...
+
+
+@runtime_checkable
+class AbandonedStore(Protocol):
+    """What the sweep of abandoned requests asks of the store (`store_pg.PostgresFrameStore`)."""
+
+    async def abandoned_requests(self, grace: float, limit: int = 100) -> list[Frame]:
+        """Requests without an outcome whose server's lease expired, or whose `expires_at` passed more than `grace` seconds ago."""
+        ...
+
+
+@runtime_checkable
+class SharedStoreAPI(FrameStoreAPI, LeaseStore, AbandonedStore, Protocol):
+    """A frame store several servers share: the log, the instance leases and the abandoned-requests sweep."""
+
+
+def shared_store(store: FrameStoreAPI) -> SharedStoreAPI | None:
+    """`store` with its shared-store capabilities, or None when this server is alone on its log.
+
+    Raises: `TypeError` for a store that says it is shared but lacks a capability (a bug in the store).
+    """
+    if not store.shared:
+        return None
+    if not isinstance(store, SharedStoreAPI):
+        raise TypeError(f"{store.describe()} is shared but lacks the lease or sweep methods of SharedStoreAPI")
+    return store

@@ -12,6 +12,7 @@ import time
 from typing import Any, AsyncIterator
 
 from protocol import FRAME_TYPES, INGRESS_SCHEMA, Frame, RelayError, errors
+from protocol.frames import FrameType
 from protocol.limits import Limits
 from protocol.schema_check import first_problem
 from protocol.session_keys import channel_problem, check_session, session_id_problem
@@ -24,7 +25,7 @@ from .store_api import CursorPruned, FrameQuery, FrameStoreAPI
 TETHER_CHANNEL = "host"
 """The channel of sessions opened with `tether_send` (`mcp` is session_message's)."""
 DEFAULT_TETHER_SESSION = "default"
-EGRESS_TYPES = tuple(t for t in FRAME_TYPES if t != "user.message")
+EGRESS_TYPES = tuple(t for t in FRAME_TYPES if t != FrameType.USER_MESSAGE)
 """What tether_read returns by default: the agent's side of the conversation, not the host's own messages."""
 MAX_WAIT_MS = 30_000
 STREAM_BATCH = 200
@@ -62,7 +63,7 @@ class Tether:
         session_id = DEFAULT_TETHER_SESSION if session_id is None else session_id
         check_session(TETHER_CHANNEL, session_id)
         frame = await self.frame_log.ingress(
-            instance, TETHER_CHANNEL, session_id, "user.message", {"text": text}, msg_id=host_msg_id(),
+            instance, TETHER_CHANNEL, session_id, FrameType.USER_MESSAGE, {"text": text}, msg_id=host_msg_id(),
         )
         return {"msg_id": frame.msg_id, "session_id": session_id, "ingress_seq": frame.seq}
 

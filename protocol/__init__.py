@@ -5,10 +5,9 @@ This package is the single definition of the wire: framing, envelope, typed mess
 JSON Schemas and error codes, the tether frame (``protocol.frames``), the sans-IO connection
 (``protocol.core``) and the one Trio peer over it (``protocol.peer``), plus the tool
 descriptors and action contract of docs/TOOLSETS.md (``protocol.descriptors``). It imports nothing from either
-program, and its modules form layers (bottom first; each imports only those below it):
-``errors`` and ``schema_parts``; ``convert``, ``schema_check`` and ``session_keys``; ``jsonrpc``, ``framing``
-and ``descriptors``; ``frames``; ``messages``; ``schemas``. ``pyproject.toml``
-(``[tool.importlinter]``) states them as contracts.
+program, and its modules form layers (each imports only those below it), listed once, as the
+``protocol-layers`` contract of ``pyproject.toml`` (``[tool.importlinter]``). It is also the
+home of both programs' ``VERSION`` and of ``lazy_exports``, the loader every package uses.
 
 Every public name is importable from the package (``from protocol import RelayPeer``), but a
 module is imported only when one of its names is first asked for (PEP 562): a program loads
@@ -20,6 +19,7 @@ tests/test_protocol.py checks that it matches.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -34,6 +34,39 @@ if TYPE_CHECKING:
     from .messages import *  # noqa: F403
     from .peer import *  # noqa: F403
     from .schemas import *  # noqa: F403
+
+VERSION = "0.1.0"
+"""Both programs' version (`--version`, the relay's `hello` answer, the MCP `serverInfo`)."""
+
+
+def lazy_exports(
+    package: str, module_of: Mapping[str, str], names: Iterable[str], namespace: dict[str, Any],
+    *, submodules: Collection[str] = (),
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's PEP 562 `__getattr__` and `__dir__`: a public name imports its module (`module_of`,
+    relative to `package`) when first asked for, and is kept in `namespace` after; a name in
+    `submodules` is that submodule. Every package of both programs loads its modules this way, so
+    a cold start imports only what it uses.
+    """
+
+    def __getattr__(name: str) -> Any:
+        """A public name (or a submodule), importing its module on first use."""
+        module = module_of.get(name)
+        if module is not None:
+            value = getattr(importlib.import_module(module, package), name)
+        elif name in submodules:
+            value = importlib.import_module(f".{name}", package)
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        """The package's names, the lazy ones included."""
+        return sorted({*namespace, *names, *submodules})
+
+    return __getattr__, __dir__
+
 
 #: Each module's public names (its ``__all__``), in the order ``__all__`` lists them.
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -54,7 +87,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         'notification', 'result_response', 'error_response',
     ),
     "frames": (
-        'DEFAULT_CHANNEL', 'FRAME_VERSION', 'FRAME_TYPES', 'SESSION_CHANNEL_SCHEMA',
+        'DEFAULT_CHANNEL', 'FRAME_VERSION', 'FRAME_TYPES', 'FrameType', 'TURN_END_TYPES', 'SESSION_CHANNEL_SCHEMA',
         'SESSION_ID_SCHEMA', 'SESSION_REF_SCHEMA', 'FRAME_SCHEMA', 'INGRESS_FIELDS', 'INGRESS_SCHEMA',
         'SessionRef', 'Frame', 'utc_timestamp',
     ),
@@ -99,18 +132,4 @@ _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in nam
 __all__ = [name for names in _EXPORTS.values() for name in names]
 
 
-def __getattr__(name: str) -> Any:
-    """A public name (or a submodule such as ``protocol.messages``), importing its module on first use."""
-    module = _MODULE_OF.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(f".{module}", __name__), name)
-    elif name in _EXPORTS:
-        value = importlib.import_module(f".{name}", __name__)
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, {name: f".{module}" for name, module in _MODULE_OF.items()}, __all__, globals(), submodules=_EXPORTS)

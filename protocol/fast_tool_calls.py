@@ -47,7 +47,7 @@ from .trace_spans import fast_call_span
 
 __all__ = [
     "FastToolCalls", "Handler", "Route", "SendProgress", "call_result", "fast_calls_enabled", "is_request_id",
-    "notification_line", "response_line", "switched_on",
+    "notification_line", "response_line", "switched_on", "tool_error",
 ]
 
 #: Sends one `notifications/progress` on the call's token: (progress, total, message).
@@ -108,6 +108,13 @@ def call_result(result: Any, version: str) -> dict[str, Any]:
 
     dumped = result.model_dump(by_alias=True, mode="json", exclude_none=True)
     return serialize_server_result("tools/call", version, dumped)
+
+
+def tool_error(text: str) -> Any:
+    """An MCP tool result (`CallToolResult`) that reports `text` as an error (`is_error=True`)."""
+    import mcp_types as types  # on first use: the client's cold start does not load the SDK's types
+
+    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
 
 def notification_line(method: str, params: dict[str, Any]) -> str:

@@ -23,11 +23,14 @@ import attrs
 from .convert import unstructure
 from .schema_parts import NON_EMPTY, OBJECT, OPT_STRING, SEQ, TIMESTAMP, obj
 from .session_keys import DEFAULT_CHANNEL, SESSION_CHANNEL_SCHEMA, SESSION_ID_SCHEMA
+from .timestamps import utc_timestamp
 
 __all__ = [
     "DEFAULT_CHANNEL",
     "FRAME_VERSION",
     "FRAME_TYPES",
+    "FrameType",
+    "TURN_END_TYPES",
     "SESSION_CHANNEL_SCHEMA",
     "SESSION_ID_SCHEMA",
     "SESSION_REF_SCHEMA",
@@ -42,18 +45,33 @@ __all__ = [
 #: Current value of ``Frame.v``.
 FRAME_VERSION = 1
 
+
+
+class FrameType:
+    """The conversation's frame types, one name each (the relay's methods are protocol/messages.py's)."""
+
+    USER_MESSAGE = "user.message"
+    ASSISTANT_DELTA = "assistant.delta"
+    ASSISTANT_DONE = "assistant.done"
+    STATUS_PRESENCE = "status.presence"
+    SESSION_ERROR = "session.error"
+
+
+#: The frames that end a turn (answer its `user.message` through `reply_to`).
+TURN_END_TYPES: tuple[str, ...] = (FrameType.ASSISTANT_DONE, FrameType.SESSION_ERROR)
+
 #: The frame types docs/TETHER.md names; other producers may add more.
 FRAME_TYPES: tuple[str, ...] = (
-    "user.message",
-    "assistant.delta",
-    "assistant.done",
-    "status.presence",
+    FrameType.USER_MESSAGE,
+    FrameType.ASSISTANT_DELTA,
+    FrameType.ASSISTANT_DONE,
+    FrameType.STATUS_PRESENCE,
     "caller_tool_request",
     "caller_tool_result",
     "caller_tool_cancelled",
     "approval_request",
     "approval_resolved",
-    "session.error",
+    FrameType.SESSION_ERROR,
 )
 
 
@@ -185,20 +203,6 @@ def _ingress_schema() -> dict[str, Any]:
 #: members of :data:`INGRESS_FIELDS` of :data:`FRAME_SCHEMA`, narrowed (names by pattern,
 #: ids at most 128 characters, ``v`` the current version); ``type`` and ``session`` required.
 INGRESS_SCHEMA: dict[str, Any] = _ingress_schema()
-
-
-def utc_timestamp(when: datetime | None = None) -> str:
-    """ISO-8601 UTC with milliseconds and ``Z`` (``2026-11-22T10:00:00.123Z``), as frames use.
-
-    ``when`` defaults to now; a naive datetime is taken to be UTC.
-    """
-    if when is None:
-        when = datetime.now(timezone.utc)
-    elif when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    else:
-        when = when.astimezone(timezone.utc)
-    return when.strftime("%Y-%m-%dT%H:%M:%S.") + f"{when.microsecond // 1000:03d}Z"
 
 
 def is_past(timestamp: str, now: datetime | None = None) -> bool:

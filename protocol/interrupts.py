@@ -15,8 +15,12 @@ from __future__ import annotations
 import os
 import signal
 from types import FrameType
+from typing import Callable
 
-__all__ = ["INTERRUPTED", "exit_on_interrupt", "is_interrupt", "raise_on_interrupt", "run_program"]
+__all__ = [
+    "INTERRUPTED", "exit_on_interrupt", "exception_leaves", "exit_status", "failure_line", "is_interrupt",
+    "raise_on_interrupt", "run_program",
+]
 
 #: The exit status of a program ended by SIGINT, as shells report it (128 + 2).
 INTERRUPTED = 128 + signal.SIGINT
@@ -52,14 +56,55 @@ def is_interrupt(exc: BaseException) -> bool:
     cancellations it caused, and nothing else."""
     import trio  # loaded by now (the exception came out of `trio.run`); not at import, see above
 
-    leaves: list[BaseException] = []
-    pending = [exc]
-    while pending:
-        current = pending.pop()
-        if isinstance(current, BaseExceptionGroup):
-            pending.extend(current.exceptions)
-        else:
-            leaves.append(current)
+    leaves = exception_leaves(exc)
     interrupts = [leaf for leaf in leaves if isinstance(leaf, KeyboardInterrupt)]
     others = [leaf for leaf in leaves if not isinstance(leaf, (KeyboardInterrupt, trio.Cancelled))]
     return bool(interrupts) and not others
+
+
+def exception_leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside `exc`'s (nested) exception groups, in order; `[exc]` for a plain one."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in exception_leaves(inner)]
+    return [exc]
+
+
+def failure_line(
+    exc: BaseException, *, own_line: tuple[type[BaseException], ...] = (), also: tuple[type[BaseException], ...] = (),
+) -> str | None:
+    """One line for a failure an operator can fix, else None (a bug: keep its traceback).
+
+    Such a failure is, possibly inside Trio's exception groups beside cancellations, one of
+    `own_line` (its message is the line), or only `OSError`s and `also` (the first one's line).
+    """
+    import trio  # loaded by now (the exception came out of `trio.run`); not at import
+
+    leaves = [leaf for leaf in exception_leaves(exc) if not isinstance(leaf, (trio.Cancelled, KeyboardInterrupt))]
+    for leaf in leaves:
+        if isinstance(leaf, own_line):
+            return str(leaf)
+    if not leaves or not all(isinstance(leaf, (OSError, *also)) for leaf in leaves):
+        return None
+    first = leaves[0]
+    if isinstance(first, OSError) and first.strerror:
+        return f"{first.strerror}: {first.filename}" if first.filename else first.strerror
+    return str(first) or type(first).__name__
+
+
+def exit_status(prog: str, run: Callable[[], int], describe: Callable[[BaseException], str | None]) -> int:
+    """`run()`'s exit status; a failure `describe` names is one line on stderr and status 1 (with
+    its traceback too at DEBUG), any other is raised. The one place a failure becomes a status."""
+    try:
+        return run()
+    except Exception as exc:
+        line = describe(exc)
+        if line is None:
+            raise
+        import logging
+        import sys
+        import traceback
+
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            traceback.print_exception(exc)
+        print(f"{prog}: error: {line}", file=sys.stderr)
+        return 1

@@ -294,16 +294,6 @@ class Limits:
                 self.max_frame_bytes, line,
             )
 
-    def check_response(self, result: Any, what: str) -> None:
-        """Refuse a relay response whose line would exceed ``max_frame_bytes`` (the peer could not read it)."""
-        line = _bytes({"jsonrpc": "2.0", "id": "x" * _MAX_RPC_ID, "result": 0}) - 1 + self._size(result, what)
-        if line > self.max_frame_bytes:
-            raise LimitExceeded(
-                "max_frame_bytes",
-                f"{what} would be {line} bytes on the wire; a relay line holds at most {self.max_frame_bytes} bytes",
-                self.max_frame_bytes, line,
-            )
-
     def _check_depth(self, value: Any, what: str) -> None:
         depth, nodes = nesting_depth(value, self.max_depth, self.max_frame_bytes)
         if depth > self.max_depth:

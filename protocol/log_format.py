@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from typing import Any
+
+from .timestamps import format_ms
 
 __all__ = ["LOG_FORMATS", "TEXT_FORMAT", "JsonFormatter", "add_log_format_option", "configure_logging"]
 
@@ -45,7 +46,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         """The record as a JSON object: time, level, logger, message, extra fields, trace ids."""
         line: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "time": format_ms(int(record.created) * 1000 + int(record.msecs)),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),

@@ -101,8 +101,6 @@ class PeerLimits:
     many, nothing more is read (backpressure, never a disconnect)."""
     hello_timeout: float = HELLO_TIMEOUT
     """Server: seconds to receive ``hello``. Client: seconds to get its answer."""
-    read_idle_timeout: float | None = None
-    """Seconds without a byte from the peer before closing; ``None``: no limit."""
 
 
 @attrs.frozen
@@ -462,12 +460,11 @@ class RelayPeer:
     # -- inbound ------------------------------------------------------------------------------
 
     async def _receive_some(self) -> bytes | None:
-        """Bytes from the stream; ``None`` when a read deadline passed."""
+        """Bytes from the stream; ``None`` when the hello deadline passed (after it, a quiet peer is
+        never cut off: an agent may sit idle for hours, and the protocol has no keepalive)."""
         deadline = math.inf
         if self._core.our_role == ROLE_SERVER and not self._core.handshake_complete:
             deadline = self._hello_deadline
-        elif self.limits.read_idle_timeout is not None:
-            deadline = trio.current_time() + self.limits.read_idle_timeout
         with trio.move_on_at(deadline):
             try:
                 return await self._stream.receive_some(RECEIVE_CHUNK_BYTES)
@@ -491,11 +488,8 @@ class RelayPeer:
             if event is NEED_DATA:
                 data = await self._receive_some()
                 if data is None:
-                    if not self._core.handshake_complete:
-                        return self._protocol_error(RemoteProtocolError(
-                            INVALID_REQUEST, f"no hello within {self.limits.hello_timeout:g} s"))
-                    self.close(f"nothing received for {self.limits.read_idle_timeout:g} s")
-                    return False
+                    return self._protocol_error(RemoteProtocolError(
+                        INVALID_REQUEST, f"no hello within {self.limits.hello_timeout:g} s"))
                 self._core.receive_data(data)
             elif isinstance(event, ConnectionClosed):
                 self._close_reason = self._close_reason or "the peer closed the connection"

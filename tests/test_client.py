@@ -432,3 +432,20 @@ async def test_initialize_is_answered_before_a_slow_relay_and_the_first_list_wai
     assert initialized_after < connect_wait / 2, initialized_after
     assert listed_after >= connect_wait * 0.9, listed_after  # it waited for the relay's first attempt
     assert [tool["name"] for tool in listed["result"]["tools"]] == ["permission_prompt"]
+
+
+async def test_the_relay_link_is_started_as_a_service_without_waiting_for_the_relay() -> None:
+    """`nursery.start(link.run)` returns while the relay is down; the first attempt is reported after."""
+    from oubliette_client.relay_link import RelayLink
+    from oubliette_client.settings import RelaySettings
+
+    async def ignore(method: str, params: Any) -> None:
+        return None
+
+    link = RelayLink(RelaySettings(relay="unix:/nonexistent/relay.sock", instance="box1", token="t"), "client", ignore)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run)
+            await link.attempted.wait()
+            assert not link.connected and "cannot connect" in link.failure_line()
+            nursery.cancel_scope.cancel()

@@ -26,7 +26,7 @@ from harness import DEMO_AGENT, PYTHON, Deployment, EventLog, structured, text_o
 pytestmark = pytest.mark.in_process
 
 TURN_TIMEOUT = 30.0
-TURN_END_TYPES = ("assistant.done", "session.error")
+from protocol.frames import TURN_END_TYPES
 
 # Prints each line of the message (stdin) on its own stdout line.
 ECHO_AGENT = """
@@ -520,3 +520,19 @@ async def test_demo_agent_calls_a_caller_tool(deployment: Deployment) -> None:
         result_line = next(line for line in reply["text"].splitlines() if "returned" in line)
         assert json.loads(result_line.split("returned", 1)[1]) == {"status": "sent", "id": 42}
         await events.wait_type("caller_tool_result", request_id=request["request_id"])
+
+
+async def test_the_guest_runtime_is_started_as_a_service() -> None:
+    """`nursery.start(runtime.run)` returns once its relay link runs (the relay may be down);
+    cancelling it removes the temporary directory of MCP configs."""
+    from oubliette_client.guest import GuestRuntime
+    from oubliette_client.settings import RelaySettings
+
+    runtime = GuestRuntime(RelaySettings(relay="unix:/nonexistent/relay.sock", instance="box1", token="t"), ["true"])
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runtime.run)
+            assert runtime.config_dir is not None and runtime.config_dir.is_dir()
+            await runtime.link.attempted.wait()
+            nursery.cancel_scope.cancel()
+    assert not runtime.config_dir.exists()

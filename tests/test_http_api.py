@@ -439,6 +439,32 @@ async def test_unix_socket_listener_needs_no_token_and_is_private(deployment: De
             assert (await poll(unix, "box1"))["frames"] == [stored["frame"]]
 
 
+
+async def test_socket_files_are_private_without_changing_the_process_umask(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay's and the HTTP listener's Unix sockets are 0600 without `os.umask`: the umask is
+    the whole process's, and other tasks (and the store's threads) create files meanwhile."""
+    from oubliette_server.app import OublietteServer
+    from oubliette_server.config import ServerConfig
+
+    def no_umask(mask: int) -> int:
+        raise AssertionError(f"os.umask({mask:#o}) changes the mode of every file the process creates")
+
+    http_socket = deployment.root / "http.sock"
+    config = ServerConfig(data_dir=deployment.data_dir, relay=deployment.relay, http=[f"unix:{http_socket}"])
+    app = OublietteServer(config)
+    monkeypatch.setattr(os, "umask", no_umask)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(app.serve)
+            await nursery.start(app.http_api().serve, config.http)
+            for path in (deployment.socket, http_socket):
+                mode = os.stat(path).st_mode
+                assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600, (path, oct(mode))
+            nursery.cancel_scope.cancel()
+
+
 # -- /mcp Host header ----------------------------------------------------------------------
 
 INITIALIZE = {

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 
 import pytest
 import trio
+import trio.testing
 
 from harness import PYTHON, fresh_dir
 from test_first_hour import READY, RUN_BOUND, Stderr, assert_one_line, data_env, program, run
@@ -195,3 +196,80 @@ async def test_tools_call_with_invalid_json_is_a_usage_error(tmp_path: Path) -> 
     status, out, err = await run(["oubliette_client", "tools", "call", "ext.echo", "{message: hi}"], env)
     assert (status, out) == (2, "")
     assert_one_line(err, "oubliette-client tools: error: arguments are not valid JSON: Expecting property name")
+
+
+async def _serve_until_cancelled(stopped: trio.Event, *, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+    """A stand-in for the server: runs until its scope is cancelled, then says so."""
+    with trio.CancelScope() as scope:
+        task_status.started(scope)
+        await trio.sleep_forever()
+    stopped.set()
+
+
+async def test_sigterm_drains_the_requests_in_flight_before_the_server_stops() -> None:
+    """SIGTERM gets the drain a stdio hang-up gets: the server runs on until the drain is over."""
+    from oubliette_server.runner import SHUTDOWN_DRAIN_SECONDS, stop_on_signals
+
+    asked: list[float] = []
+    draining, release, stopped = trio.Event(), trio.Event(), trio.Event()
+
+    async def drain(timeout: float) -> None:
+        asked.append(timeout)
+        draining.set()
+        await release.wait()
+
+    received: list[int] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            scope = await nursery.start(_serve_until_cancelled, stopped)
+            nursery.start_soon(stop_on_signals, scope, received, drain)
+            await trio.testing.wait_all_tasks_blocked()
+            os.kill(os.getpid(), signal.SIGTERM)
+            await draining.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert not scope.cancel_called  # still serving: the answers in flight may go out
+            release.set()
+            await stopped.wait()
+    assert received == [signal.SIGTERM]
+    assert asked == [SHUTDOWN_DRAIN_SECONDS]
+
+
+async def test_a_second_signal_stops_the_server_without_waiting_for_the_drain() -> None:
+    """The drain has a deadline; a second SIGTERM (an impatient operator) ends it at once."""
+    from oubliette_server.runner import stop_on_signals
+
+    draining, stopped = trio.Event(), trio.Event()
+
+    async def drain(timeout: float) -> None:
+        draining.set()
+        await trio.sleep_forever()
+
+    received: list[int] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            scope = await nursery.start(_serve_until_cancelled, stopped)
+            nursery.start_soon(stop_on_signals, scope, received, drain, 60.0)
+            await trio.testing.wait_all_tasks_blocked()
+            os.kill(os.getpid(), signal.SIGTERM)
+            await draining.wait()
+            os.kill(os.getpid(), signal.SIGTERM)
+            await stopped.wait()
+    assert received == [signal.SIGTERM]
+
+
+def test_a_failure_an_operator_can_fix_is_one_line_wherever_trio_puts_it() -> None:
+    """Both programs' rule (protocol/interrupts.py): an OSError, or a type the program names, inside
+    nested exception groups beside cancellations is one line; anything else keeps its traceback."""
+    from protocol.interrupts import failure_line
+
+    class Mistake(Exception):
+        pass
+
+    in_use = OSError(98, "Address already in use")
+    nested = BaseExceptionGroup("nursery", [trio.Cancelled._create(), ExceptionGroup("inner", [in_use])])
+    assert failure_line(nested) == "Address already in use"
+    assert failure_line(OSError(2, "No such file or directory", "/x.toml")) == "No such file or directory: /x.toml"
+    assert failure_line(ExceptionGroup("g", [in_use, Mistake("the store is gone")]), own_line=(Mistake,)) == "the store is gone"
+    assert failure_line(Mistake("relay refused"), also=(Mistake,)) == "relay refused"
+    assert failure_line(ExceptionGroup("g", [in_use, ValueError("a bug")])) is None
+    assert failure_line(ValueError("a bug")) is None

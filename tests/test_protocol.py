@@ -1160,3 +1160,10 @@ def test_one_error_category_table() -> None:
     assert RelayError(TIMEOUT, "slow").category == error_category(TIMEOUT) == "timeout"
     assert error_category(INVALID_PARAMS) == "usage"
     assert error_category(-1) == "tool"
+
+
+def test_the_version_is_the_distributions() -> None:
+    """`protocol.VERSION` (both programs' `--version`, `hello`, `serverInfo`) is pyproject's version."""
+    from importlib import metadata
+
+    assert protocol.VERSION == metadata.version("oubliette-relay")

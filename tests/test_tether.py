@@ -24,7 +24,7 @@ from harness import PYTHON, Deployment, structured, text_of
 pytestmark = pytest.mark.in_process
 
 TURN_TIMEOUT = 30.0
-TURN_END_TYPES = ("assistant.done", "session.error")
+from protocol.frames import TURN_END_TYPES
 
 # Answers with two lines: what it received, then a closing line.
 TWO_LINE_AGENT = """

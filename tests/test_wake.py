@@ -25,7 +25,7 @@ import trio
 from harness import PYTHON, Deployment, HttpServer, RawRelay, structured, text_of
 
 TURN_TIMEOUT = 60.0
-TURN_END_TYPES = ("assistant.done", "session.error")
+from protocol.frames import TURN_END_TYPES
 
 # argv: STARTS_LOG TURNS_LOG AGENT_SCRIPT. Logs how it was started, then becomes the guest runtime.
 START_WRAPPER = """

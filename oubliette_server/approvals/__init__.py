@@ -14,8 +14,9 @@ command line's `--help` and `token` must not pay for.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from protocol import lazy_exports
 
 if TYPE_CHECKING:
     from .elicitation import ApprovalElicitation, InputRequired
@@ -37,15 +38,4 @@ _MODULE_OF = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """The package's public names, imported from their module when first asked for."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__, globals())

@@ -61,7 +61,7 @@ ELICITATION_WHO = "elicitation"
 """`Decision.who` of an answer the person gave in the caller's MCP client."""
 
 Origin = Literal["caller", "toolset", "agent"]
-AppendFn = Callable[..., Awaitable[Any]]
+from ..frame_log import AppendFrame as AppendFn
 #: Told when a gated call's wait is over: its decision (None: it ended without one) and the
 #: seconds it took (the server's metrics).
 DecidedFn = Callable[["Decision | None", float], None]

@@ -11,6 +11,8 @@ from mcp.server.models import InitializationOptions
 from mcp.server.request_state import RequestStateBoundary, RequestStateSecurity
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
+from protocol import VERSION
+
 from ..callers import CallerConnection
 from .tools import CallerTools
 
@@ -54,7 +56,7 @@ def build_caller_server(
         return types.EmptyResult()
 
     server = CallerMcpServer(
-        SERVER_NAME, version="0.1.0", on_list_tools=list_tools, on_call_tool=call_tool,
+        SERVER_NAME, version=VERSION, on_list_tools=list_tools, on_call_tool=call_tool,
         # Served so 2026-07-28 callers see tools.listChanged too (as handshake-era ones do).
         on_subscriptions_listen=ListenHandler(InMemorySubscriptionBus()),
     )

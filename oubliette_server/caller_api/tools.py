@@ -42,7 +42,7 @@ log = logging.getLogger("oubliette.server.caller_api")
 
 ToolHandler = Callable[[Any, CallerConnection, dict[str, Any]], Awaitable[dict[str, Any]]]
 
-TURN_END_TYPES = ("assistant.done", "session.error")
+from protocol.frames import TURN_END_TYPES
 SESSION_CHANNEL = "mcp"
 EVENT_DRAIN_SECONDS = 2.0
 """How long a 2026-07-28 wait lets its request-scoped events go out before it returns its stop."""

@@ -19,12 +19,13 @@ This module reads and waits on the log; `pending.py` decides what the frames mea
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import trio
 
 from protocol import Frame
 
+from ..frame_log import AppendOutcome
 from ..server_owned import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
 from ..sessions import Session
 from ..store_api import MAX_LIMIT, OUTAGE_RETRY, CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
@@ -40,8 +41,6 @@ PROGRESS = "caller_tool_progress"
 #: waits that need one are bounded by their caller's own cancel scope).
 WAIT_SLICE = 3600.0
 
-#: `append_outcome(session, type, payload, request_id, skip=...)`: the frame, or None if another outcome won.
-AppendOutcome = Callable[..., Awaitable["Frame | None"]]
 
 
 class LogBus:
@@ -118,10 +117,6 @@ class LogBus:
                     return frame
                 if on_progress is not None:
                     on_progress(frame.payload)
-
-    async def latest_declaration(self, session: Session) -> dict[str, Any] | None:
-        """The session's last declaration (`{caller_id, tools}`), read from its `session_record` frames."""
-        return (await self.session_record(session))[1]
 
     async def recorded_owner(self, session: Session) -> str | None:
         """The identity of the session's owner, as its first `session_record` recorded it (None if none did)."""

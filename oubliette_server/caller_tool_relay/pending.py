@@ -32,7 +32,7 @@ import collections
 import datetime
 import logging
 import secrets
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 import trio
@@ -54,7 +54,7 @@ log = logging.getLogger("oubliette.server.calls")
 
 RESOLVED_MEMORY = 10_000
 
-AppendFn = Callable[..., Awaitable[Any]]
+from ..frame_log import AppendFrame as AppendFn
 #: Hands a progress report (progress, total, message) to the agent's waiting call; never waits.
 ProgressFn = Callable[[float, "float | None", "str | None"], None]
 #: Told when a relayed call's wait is over: whether one outcome ended it, its error (None: a

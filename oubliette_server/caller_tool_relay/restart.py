@@ -10,8 +10,9 @@ sees every request end exactly once.
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any
 
+from ..frame_log import AppendFrame as Append
 from ..sessions import SessionRegistry
 from ..store_api import MAX_LIMIT, CursorPruned, FrameQuery, FrameStoreAPI
 
@@ -20,7 +21,6 @@ log = logging.getLogger("oubliette.server.calls")
 RESTART_REASON = "server restarted"
 REQUEST_TYPES = ("caller_tool_request", "caller_tool_result", "caller_tool_cancelled")
 
-Append = Callable[..., Awaitable[Any]]
 
 
 async def unanswered_requests(store: FrameStoreAPI, instance: str) -> list[Any]:

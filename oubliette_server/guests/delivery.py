@@ -31,6 +31,7 @@ import trio
 from protocol import RelayError, messages
 
 from protocol import Frame
+from protocol.frames import TURN_END_TYPES, FrameType
 
 from ..store_api import CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
 
@@ -40,7 +41,6 @@ GUEST_CURSOR = "guest.delivered"
 DELIVERY_BATCH = 200
 #: Backoff (first, longest; seconds) of a delivery loop whose store is unavailable (a database outage).
 STORE_RETRY = (0.2, 5.0)
-TURN_END_TYPES = ("assistant.done", "session.error")
 
 #: `(instance, frame, reason)`: record that a frame could not be delivered (ends its turn).
 Undeliverable = Callable[[str, Frame, str], Awaitable[object]]
@@ -199,7 +199,7 @@ class GuestDelivery:
     async def has_undelivered(self, instance: str) -> bool:
         """Whether a `user.message` after the guest's acknowledged cursor is waiting."""
         cursor = await self.store.get_cursor(instance, GUEST_CURSOR)
-        query = FrameQuery(after_seq=cursor, types=("user.message",), limit=1)
+        query = FrameQuery(after_seq=cursor, types=(FrameType.USER_MESSAGE,), limit=1)
         try:
             return bool(await self.store.query(instance, query))
         except CursorPruned:
@@ -209,12 +209,12 @@ class GuestDelivery:
         """The `user.message` frames after the guest's acknowledged cursor whose turn has not ended
         (the first `DELIVERY_BATCH`): what a guest that connected now would run."""
         cursor = await self.store.get_cursor(instance, GUEST_CURSOR)
-        query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)
+        query = FrameQuery(after_seq=cursor, types=(FrameType.USER_MESSAGE,), limit=DELIVERY_BATCH)
         try:
             frames = await self.store.query(instance, query)
         except CursorPruned as exc:
             frames = await self.store.query(instance, FrameQuery(
-                after_seq=exc.first_seq - 1, types=("user.message",), limit=DELIVERY_BATCH,
+                after_seq=exc.first_seq - 1, types=(FrameType.USER_MESSAGE,), limit=DELIVERY_BATCH,
             ))
         return [frame for frame in frames if not await self._answered(instance, frame.msg_id)]
 
@@ -237,7 +237,7 @@ class GuestDelivery:
             try:
                 if cursor is None:
                     cursor = await store.get_cursor(instance, GUEST_CURSOR)
-                query = FrameQuery(after_seq=cursor, types=("user.message",), limit=DELIVERY_BATCH)
+                query = FrameQuery(after_seq=cursor, types=(FrameType.USER_MESSAGE,), limit=DELIVERY_BATCH)
                 try:
                     frames, _ = await store.wait_for_frames(instance, query, timeout=math.inf)
                 except CursorPruned as exc:

@@ -13,10 +13,13 @@ caller sends it again once the start is fixed.
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import trio
 
+from protocol.frames import FrameType
+
+from ..frame_log import AppendFrame as Append
 from ..sessions import SessionRegistry
 from ..store_api import StoreUnavailable
 from ..task_host import TaskHost
@@ -26,7 +29,6 @@ log = logging.getLogger("oubliette.server.guests")
 
 START_FAILED_REASON = "start_failed"
 
-Append = Callable[..., Awaitable[Any]]
 
 
 class FailedStarts:
@@ -65,7 +67,7 @@ class FailedStarts:
             for frame in waiting:
                 session = self.sessions.get_or_create(instance, frame.channel, frame.session_id)
                 await self.append(
-                    session, "session.error", {"message": reason, "reason": START_FAILED_REASON}, reply_to=frame.msg_id,
+                    session, FrameType.SESSION_ERROR, {"message": reason, "reason": START_FAILED_REASON}, reply_to=frame.msg_id,
                 )
         except StoreUnavailable as exc:  # a database outage must not take the server down
             log.error("could not end the turns waiting for the start of %s: %s", instance, exc)

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
 
 from protocol import RelayError, errors, messages
+from protocol.frames import TURN_END_TYPES, FrameType
 from protocol.session_keys import check_session
 
+from ..frame_log import AppendFrame as Append
 from ..server_owned import refuse_server_owned
 from ..sessions import Session, SessionRegistry, session_has_frames
 from ..store_api import FrameStoreAPI
 from .delivery import GuestDelivery, GuestPeer
 
-GUEST_FRAME_TYPES = frozenset({"assistant.delta", "assistant.done", "status.presence", "session.error"})
-TURN_END_TYPES = frozenset({"assistant.done", "session.error"})
+GUEST_FRAME_TYPES = frozenset({FrameType.ASSISTANT_DELTA, FrameType.STATUS_PRESENCE, *TURN_END_TYPES})
 
-Append = Callable[..., Awaitable[Any]]
 
 
 class GuestFrames:

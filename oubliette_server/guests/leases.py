@@ -17,32 +17,14 @@ guest delivery (which knows the guests connected here). Raises: `StoreUnavailabl
 from __future__ import annotations
 
 import logging
-from typing import Protocol
-
 import trio
 
-from ..store_api import StoreUnavailable
+from ..store_api import LeaseStore, StoreUnavailable
 from .delivery import GuestDelivery, GuestPeer
 
 log = logging.getLogger("oubliette.server.guests")
 
 DEFAULT_LEASE_TTL = 10.0
-
-
-class LeaseStore(Protocol):
-    """The store's lease methods (`store_pg.PostgresFrameStore`)."""
-
-    async def take_lease(self, instance: str, server: str, ttl: float) -> str | None:
-        """Take `instance`'s lease; the previous live holder if another server."""
-
-    async def renew_leases(self, server: str, instances: list[str], ttl: float) -> set[str]:
-        """Renew `server`'s own lease and its leases of `instances`; the instances it still holds."""
-
-    async def release_lease(self, instance: str, server: str) -> None:
-        """Drop `server`'s lease of `instance`."""
-
-    async def lease_holder(self, instance: str, *, live: bool = False) -> str | None:
-        """The server named in `instance`'s lease (with `live`, unexpired only), or None."""
 
 
 class InstanceLeases:

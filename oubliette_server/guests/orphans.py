@@ -9,10 +9,12 @@ the message is not run again by the next guest.
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
 
 import trio
 
+from protocol.frames import FrameType
+
+from ..frame_log import AppendFrame as Append
 from ..sessions import SessionRegistry
 from ..store_api import StoreUnavailable
 from .delivery import GuestDelivery, GuestPeer
@@ -22,7 +24,6 @@ log = logging.getLogger("oubliette.server.guests")
 GUEST_GONE_REASON = "guest_disconnected"
 GUEST_GONE_MESSAGE = "the guest disconnected mid-turn"
 
-Append = Callable[..., Awaitable[Any]]
 
 
 class OrphanedTurns:
@@ -67,7 +68,7 @@ class OrphanedTurns:
                 session = self.sessions.get_or_create(instance, channel, session_id)
                 try:
                     await self.append(
-                        session, "session.error",
+                        session, FrameType.SESSION_ERROR,
                         {"message": GUEST_GONE_MESSAGE, "reason": GUEST_GONE_REASON}, reply_to=msg_id,
                     )
                 except StoreUnavailable as exc:  # a database outage must not take the server down

@@ -264,7 +264,7 @@ class ToolsetService:
     async def _push(self, router: ToolRouter) -> None:
         note = encode_notification(messages.TOOLSETS_CONFIG, toolsets_config(router))  # once for every client
         for connection in self.clients:
-            if connection.router is router:
+            if self.sessions.router_of(connection) is router:
                 connection.notify_encoded(note)  # queued: never waits on a socket
 
     # -- connections ---------------------------------------------------------------------
@@ -308,14 +308,16 @@ class ToolsetService:
             error = exc
             raise
         finally:
-            toolset = connection.router.toolset_of(call.name) if connection.router is not None else None
+            router = self.sessions.router_of(connection)
+            toolset = router.toolset_of(call.name) if router is not None else None
             self.on_call(toolset or "unknown", error)
             error = None  # its traceback holds this frame: no cycle left for the collector
 
     async def _call(self, connection: ClientPeer, call: messages.ToolsetCall) -> messages.ToolsetCallResult:
-        if connection.router is None:
+        router = self.sessions.router_of(connection)
+        if router is None:
             raise RelayError(errors.NOT_FOUND, "no toolsets are bound to this connection")
-        entry = connection.router.checked(call.name, call.arguments)
+        entry = router.checked(call.name, call.arguments)
         arguments = call.arguments
         definition = entry.binding.definition
         if definition.gates(entry.spec.name):
@@ -333,7 +335,7 @@ class ToolsetService:
             current_asker.set(asker)  # this task's context only: the call's own toolset reads it
         token = call_progress.set(progress_sink(connection, call.progress_ref))
         try:
-            outcome = await connection.router.call(call.name, arguments)
+            outcome = await router.call(call.name, arguments)
         finally:
             call_progress.reset(token)
         if outcome.is_error:

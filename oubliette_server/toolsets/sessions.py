@@ -9,7 +9,7 @@ rebind the routers and `push` tells the connections whose list changed.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 import trio
 
@@ -18,11 +18,10 @@ from .router import ToolRouter
 
 
 class RouterHolder(Protocol):
-    """A client connection, as far as toolsets care."""
+    """A client connection, as far as toolsets care (its router is kept here, not on it)."""
 
     instance: str | None
     session_key: str | None
-    router: Any
 
 
 Push = Callable[[ToolRouter], Awaitable[None]]
@@ -41,6 +40,7 @@ class ToolsetSessions:
         self.separator = separator
         self._push = push
         self._routers: dict[tuple[str, str], ToolRouter] = {}
+        self._router_of: dict[RouterHolder, ToolRouter] = {}
 
     @staticmethod
     def _key(connection: RouterHolder) -> tuple[str, str]:
@@ -54,7 +54,7 @@ class ToolsetSessions:
         if router is None:
             router = self._routers[key] = ToolRouter(self.separator, f"{key[0]}/{key[1]}")
         router.references += 1
-        connection.router = router
+        self._router_of[connection] = router
         # A new router binds here; an existing one may still be binding for the session's
         # first connection: this waits for that (and is a no-op rebind otherwise).
         await router.bind(self.registry.allowed_definitions(key[0]))
@@ -62,10 +62,9 @@ class ToolsetSessions:
 
     def detach(self, connection: RouterHolder, nursery: trio.Nursery | None) -> None:
         """The connection is gone; the session's last one stops the router (in `nursery`)."""
-        router = connection.router
+        router = self._router_of.pop(connection, None)
         if router is None:
             return
-        connection.router = None
         router.references -= 1
         if router.references == 0:
             key = self._key(connection)
@@ -73,6 +72,10 @@ class ToolsetSessions:
                 del self._routers[key]
             if nursery is not None:
                 nursery.start_soon(router.stop)
+
+    def router_of(self, connection: RouterHolder) -> ToolRouter | None:
+        """The router of the connection's session, or None when it is not attached."""
+        return self._router_of.get(connection)
 
     async def refresh(self, instance: str | None = None) -> None:
         """Rebind every router (of one instance) and push the lists that changed."""
