@@ -206,11 +206,16 @@ def _declares_body(scope: dict[str, Any]) -> bool:
 
 
 class ExplainMisdirected:
-    """ASGI middleware: `/mcp`'s 421 for a `Host` it does not accept says which option accepts it.
+    """ASGI middleware: two of `/mcp`'s refusals say why and what to do.
 
-    Why: the SDK's DNS-rebinding protection answers a bare "Invalid Host header"; behind a proxy
-    or in a container network the fix is `--allowed-host` (or `[server] allowed_hosts`), which
-    nothing named. The response becomes the documented JSON error shape.
+    - 421 for a `Host` it does not accept: the SDK's DNS-rebinding protection answers a bare
+      "Invalid Host header"; behind a proxy or in a container network the fix is
+      `--allowed-host` (or `[server] allowed_hosts`), which nothing named. The response becomes
+      the documented JSON error shape.
+    - 404 for an `Mcp-Session-Id` this server does not know (docs/SCALING.md, "What needs
+      stickiness"): the SDK's "Session not found" does not say that a 2025-11-25 session lives
+      in the memory of the server that opened it. The response stays a JSON-RPC error (what MCP
+      clients read) with the same code and a message that begins with the SDK's words.
     """
 
     def __init__(self, app: Any) -> None:
@@ -221,12 +226,16 @@ class ExplainMisdirected:
             await self.app(scope, receive, send)
             return
         replaced = False
+        session_id = _header(scope, b"mcp-session-id") if scope.get("path") in MCP_PATHS else None
 
         async def explained(message: dict[str, Any]) -> None:
             nonlocal replaced
             if message["type"] == "http.response.start" and message["status"] == 421:
                 replaced = True
                 await error_response(RelayError(errors.INVALID_REQUEST, _host_refusal(scope)), 421)(scope, receive, send)
+            elif message["type"] == "http.response.start" and message["status"] == 404 and session_id is not None:
+                replaced = True
+                await _unknown_session(session_id)(scope, receive, send)
             elif not replaced:  # the SDK's own body of a replaced response is dropped
                 await send(message)
 
@@ -241,6 +250,15 @@ def _host_refusal(scope: dict[str, Any]) -> str:
         f"to accept it, start the server with --allowed-host {host[:200] or 'HOST:PORT'} "
         "(or [server] allowed_hosts in the config file)"
     )
+
+
+def _unknown_session(session_id: str) -> JSONResponse:
+    """The 404 of an unknown `Mcp-Session-Id`: a JSON-RPC error (id null) that says where sessions live."""
+    return JSONResponse({"jsonrpc": "2.0", "id": None, "error": {"code": errors.INVALID_REQUEST, "message": (
+        f"Session not found: this server does not know MCP session {json.dumps(session_id[:64])}. A 2025-11-25 "
+        "session lives in the memory of the server that opened it (another server of this deployment, or "
+        "this one before a restart); start a new session with initialize"
+    )}}, status_code=404)
 
 
 class BearerAuth:
