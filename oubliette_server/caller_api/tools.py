@@ -263,12 +263,9 @@ class CallerTools:
 
     async def _load_owners(self, sessions: list[Session]) -> None:
         """Shared store: read the recorded owner of each session that has no owner in this process."""
-        bus = self.caller_tools.pending.bus
-        if bus is None:
-            return
         for session in sessions:
             if session.owner is None and session.owner_identity is None:
-                session.owner_identity = await bus.recorded_owner(session)
+                session.owner_identity = await self.caller_tools.pending.crossing.recorded_owner(session)
 
     def caller_gone(self, caller: CallerConnection, session: Session | None = None) -> int:
         """The caller's stream ended (HTTP): its pending calls (of `session`, if given) fail now and

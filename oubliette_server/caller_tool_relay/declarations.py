@@ -80,21 +80,24 @@ class CallerToolRelay:
             if self._client_sees(connection, session):
                 note = note or encode_notification(messages.CALLER_TOOLS_CONFIG, config)
                 connection.notify_encoded(note)  # queued: never waits on a socket
-        if self.pending.bus is None:
-            return {}
-        return {DECLARATION_KEY: {"caller_id": caller_id, "tools": [unstructure(tool) for tool in tools]}}
+        return self.pending.crossing.declaration(
+            {DECLARATION_KEY: {"caller_id": caller_id, "tools": [unstructure(tool) for tool in tools]}},
+        )
 
     async def load_declaration(self, connection: ClientPeer) -> None:
         """Shared store: before a client bound to a session this server has no caller for gets its
         configuration, read the session's latest declaration and its owner's identity from the log
         (written on another server): that owner may answer here too."""
-        if self.pending.bus is None or connection.session_key is None or connection.instance is None:
+        if connection.session_key is None or connection.instance is None:
             return
         ref = SessionRef.parse_key(connection.session_key)
-        session = self.sessions.get_or_create(connection.instance, ref.channel, ref.id)
+        instance = connection.instance
+        record = await self.pending.crossing.session_record(lambda: self.sessions.get_or_create(instance, ref.channel, ref.id))
+        if record is None:
+            return  # one server: memory is all there is
+        session, owner, declared = record
         if session.owner is not None:
             return  # declared here: memory is current
-        owner, declared = await self.pending.bus.session_record(session)
         session.owner_identity = owner or session.owner_identity
         if declared is None:
             return
