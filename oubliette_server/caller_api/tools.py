@@ -32,7 +32,7 @@ from ..frame_log import FrameLog
 from ..ids import strict_validator
 from ..instances import InstanceDirectory
 from ..server_owned import OWNER_KEY, SESSION_RECORD, refuse_server_owned
-from ..sessions import Session, SessionRegistry, new_session_id, not_yours, session_has_frames
+from ..sessions import Session, SessionRegistry, session_has_frames
 from ..store_api import FrameQuery, FrameStoreAPI, StoreUnavailable
 from ..tether import DEFAULT_TETHER_SESSION, EGRESS_TYPES, TETHER_CHANNEL, Tether
 from . import schemas
@@ -222,50 +222,15 @@ class CallerTools:
     # -- session_message -----------------------------------------------------------------
 
     async def _open_session(self, instance: str, session_id: str | None, caller: CallerConnection) -> Session:
-        """The caller's session `session_id`, claimed for it if nobody opened it; else `not_yours`.
-
-        A session with no owner in this process but with frames in the log (opened before a
-        restart, or by the HTTP tether API) is refused too: its owner cannot be known, and
-        claiming it would hand its history to whoever asks first.
-        """
-        if session_id is None:
-            session = self.sessions.get_or_create(instance, SESSION_CHANNEL, new_session_id())
-            self.sessions.set_owner(session, caller)
-            return session
-        session = self.sessions.get(instance, SESSION_CHANNEL, session_id)
-        if session is not None and session.owner is not None:
-            session.check_owner(caller)
-            return session
-        has_frames = await session_has_frames(self.store, instance, SESSION_CHANNEL, session_id)
-        # Another call may have claimed it while the log was read: look again.
-        session = self.sessions.get(instance, SESSION_CHANNEL, session_id)
-        if session is not None and session.owner is not None:
-            session.check_owner(caller)
-            return session
-        if has_frames:
-            raise not_yours(session_id)
-        session = self.sessions.get_or_create(instance, SESSION_CHANNEL, session_id)
-        self.sessions.set_owner(session, caller)
-        return session
+        """The caller's session `session_id`, claimed for it if nobody opened it (`SessionRegistry.claim`)."""
+        return await self.sessions.claim(
+            instance, SESSION_CHANNEL, session_id, caller,
+            lambda session_id: session_has_frames(self.store, instance, SESSION_CHANNEL, session_id),
+        )
 
     async def _owned(self, caller: CallerConnection, session_id: str, instance: str | None = None) -> list[Session]:
-        """The caller's `mcp` sessions with this id; `not_yours` if only other callers have one.
-
-        Shared store: a session opened on another server is the caller's too when the owner
-        identity its log recorded is the caller's (docs/SCALING.md, "Caller identity").
-        """
-        known = [s for s in self.sessions.find_by_id(session_id, instance) if s.channel == SESSION_CHANNEL]
-        await self._load_owners(known)
-        mine = [s for s in known if s.owner is caller or (s.owner is None and s.same_caller(caller))]
-        if known and not mine:
-            raise not_yours(session_id)
-        return mine
-
-    async def _load_owners(self, sessions: list[Session]) -> None:
-        """Shared store: read the recorded owner of each session that has no owner in this process."""
-        for session in sessions:
-            if session.owner is None and session.owner_identity is None:
-                session.owner_identity = await self.caller_tools.pending.crossing.recorded_owner(session)
+        """The caller's `mcp` sessions with this id (`SessionRegistry.owns`)."""
+        return await self.sessions.owns(caller, session_id, SESSION_CHANNEL, instance)
 
     def caller_gone(self, caller: CallerConnection, session: Session | None = None) -> int:
         """The caller's stream ended (HTTP): its pending calls (of `session`, if given) fail now and
@@ -291,8 +256,9 @@ class CallerTools:
         context = args.get("context")
         if context is not None:
             tools = [structure(tool, CallerToolSpec) for tool in context.get("caller_tools", [])]
-            declared = await self.caller_tools.declare(session, caller, context["caller_id"], tools)
-            session.echo_own_answers = bool(context.get("echo_own_answers", False))
+            declared = await self.caller_tools.declare(
+                session, caller, context["caller_id"], tools, bool(context.get("echo_own_answers", False)),
+            )
         else:
             declared = {}
         if self.store.shared and (declared or session.owner_identity != caller.identity):
@@ -300,8 +266,8 @@ class CallerTools:
             # same caller and its tools: in a frame only the server appends (server_owned.py), before
             # the message that may start the turn whose client reads it.
             await self.frame_log.record(session, SESSION_RECORD, {OWNER_KEY: caller.identity, **declared})
-            session.owner_identity = caller.identity  # recorded: a message that declares nothing need not again
-        session.sinks.add(caller)
+            self.sessions.note_owner(session, caller.identity)  # recorded: a message that declares nothing need not again
+        self.sessions.follow(session, caller)
         frame = await self.frame_log.ingress(
             instance, session.channel, session.id, "user.message", {"text": args["message"]},
         )
@@ -375,7 +341,7 @@ class CallerTools:
                         finally:
                             delivered.set()
 
-                    session.sinks.add(follower)
+                    self.sessions.follow(session, follower)
                     nursery.start_soon(deliver)
                 if gone is not None:
 
@@ -392,7 +358,7 @@ class CallerTools:
                     unavailable = exc
                 finally:
                     if sink is not None:
-                        session.sinks.discard(follower)
+                        self.sessions.unfollow(session, follower)
                         sink.close()
                 if sink is not None:
                     # The events that led to this stop go out before the result that reports it.
@@ -602,7 +568,7 @@ class CallerTools:
             assert owned[0].owner is not None
             return owned[0], owned[0].owner
         mcp = [s for s in matches if s.channel == SESSION_CHANNEL]
-        await self._load_owners(mcp)
+        await self.sessions.load_owners(mcp)
         recorded = [s for s in mcp if s.owner_identity is not None]
         if not recorded:
             raise RelayError(errors.NOT_FOUND, f"session '{args['session_id']}' of instance '{instance}' {none}")
@@ -623,7 +589,7 @@ class CallerTools:
     async def _answer_approvals(
         self, ctx: Any, caller: CallerConnection, who: str, session: Session, args: dict[str, Any]
     ) -> dict[str, Any]:
-        await self._load_owners([session])
+        await self.sessions.load_owners([session])
         await self.approvals.sync(session)  # shared store: another server's gated call may be asking
         single = "approvals" not in args
         if single:

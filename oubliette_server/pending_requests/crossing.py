@@ -16,6 +16,7 @@ import trio
 
 from protocol import Frame
 
+from ..sessions import SessionRegistry
 from ..store_api import FrameStoreAPI
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ class SharedStore:
         if not recorded_only:
             return True
         if session.owner_identity is None:
-            session.owner_identity = await self.recorded_owner(session)
+            SessionRegistry.note_owner(session, await self.recorded_owner(session))
         return session.owner_identity is not None
 
     async def recorded_owner(self, session: Session) -> str | None:
