@@ -41,6 +41,7 @@ from .store_api import FrameStoreAPI
 from .store_open import open_store
 from .tether import Tether
 from .toolsets import ToolsetService
+from .turns import TurnWaits
 
 log = logging.getLogger("oubliette.server")
 
@@ -220,11 +221,14 @@ class OublietteServer:
 
     def caller_api(self) -> CallerTools:
         """The caller-facing tools, bound to this server's services (one per transport)."""
+        turns = TurnWaits(
+            store=self.store, sessions=self.sessions, calls=self.calls, approvals=self.approvals,
+            elicitation=self.elicitation, guest_absent=self.presence.absent,
+        )
         return CallerTools(
-            instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools,
-            frame_log=self.frame_log, store=self.store, tether=self.tether, approvals=self.approvals,
+            instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools, calls=self.calls,
+            turns=turns, frame_log=self.frame_log, store=self.store, tether=self.tether, approvals=self.approvals,
             session_wait_limit=self.config.session_wait_limit, limits=self.limits, elicitation=self.elicitation,
-            guest_absent=self.presence.absent,
         )
 
     async def serve_stdio_caller(self) -> None:

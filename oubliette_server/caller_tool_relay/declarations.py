@@ -86,6 +86,11 @@ class CallerToolRelay:
             {DECLARATION_KEY: {"caller_id": caller_id, "tools": [unstructure(tool) for tool in tools]}},
         )
 
+    def needs_record(self, session: Session, caller: CallerConnection, declared: dict[str, Any]) -> bool:
+        """The session's owner and `declared` (what `declare` returned) must be recorded in a
+        `session_record` for the other servers (a shared store only)."""
+        return self.pending.crossing.needs_record(session, caller.identity, declared)
+
     async def load_declaration(self, connection: ClientPeer) -> None:
         """Shared store: before a client bound to a session this server has no caller for gets its
         configuration, read the session's latest declaration and its owner's identity from the log

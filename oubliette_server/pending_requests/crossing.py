@@ -109,6 +109,11 @@ class Crossing(Protocol):
         """What a session's `session_record` must carry for other servers: `record`, or nothing on one server."""
         ...
 
+    def needs_record(self, session: Session, identity: str, declared: dict[str, Any]) -> bool:
+        """A `session_record` must tell the other servers the session's owner `identity` and
+        `declared` (never on one server)."""
+        ...
+
 
 class SingleServer:
     """One server: every request is answered where it was asked; nothing crosses."""
@@ -160,6 +165,10 @@ class SingleServer:
     def declaration(self, record: dict[str, Any]) -> dict[str, Any]:
         """Nothing to record."""
         return {}
+
+    def needs_record(self, session: Session, identity: str, declared: dict[str, Any]) -> bool:
+        """Never: nobody else reads it."""
+        return False
 
 
 class SharedStore:
@@ -244,3 +253,8 @@ class SharedStore:
     def declaration(self, record: dict[str, Any]) -> dict[str, Any]:
         """`record`: the other servers read the declaration from the log."""
         return record
+
+    def needs_record(self, session: Session, identity: str, declared: dict[str, Any]) -> bool:
+        """Something was declared, or the log does not yet name this owner (a message that
+        declares nothing need not record it again)."""
+        return bool(declared) or session.owner_identity != identity
