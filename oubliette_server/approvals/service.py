@@ -42,10 +42,9 @@ from protocol import Frame, RelayError, errors
 from protocol.frames import is_past
 from protocol.schema_check import schema_problem
 
-from ..pending_requests import Crossing, RequestBook, SingleServer
+from ..pending_requests import Crossing, PendingRequests
 from ..sessions import Session
 from ..store_api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
-from ..task_host import TaskHost
 
 if TYPE_CHECKING:
     from ..callers import CallerConnection
@@ -175,7 +174,7 @@ def _iso_in(seconds: float) -> str:
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-class ApprovalService:
+class ApprovalService(PendingRequests[PendingApproval]):
     """The pending approvals of the whole server, by request id.
 
     Needs: the frame log's `append` (frames go to the store, then to the session's followers),
@@ -194,45 +193,20 @@ class ApprovalService:
     ) -> None:
         """`crossing` (pending_requests/: `SingleServer` by default) makes approvals work across
         servers; `on_decided` hears how each of this server's gated calls was decided."""
-        self._append_frame = append_frame
+        super().__init__(append_frame, crossing, (REQUEST, RESOLVED))
         self._on_decided = on_decided
         self.default_timeout = default_timeout
-        self.crossing: Crossing = crossing or SingleServer()
-        self._book: RequestBook[PendingApproval] = RequestBook(self.crossing, (REQUEST, RESOLVED))
-        self._pending = self._book.local
-        self._remote = self._book.remote
         self._finished = self._book.finished
-        self._tasks = TaskHost()
-
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Hold the nursery in which a departed owner's remote approvals are denied (shared store)."""
-        await self._tasks.serve(task_status=task_status)
 
     # -- what is pending ---------------------------------------------------------------
 
-    @property
-    def pending(self) -> dict[str, PendingApproval]:
-        """Undecided approvals of the whole server, by request id."""
-        return self._pending
-
-    def holds(self, session: Session) -> bool:
-        """Some approval of `session` is undecided (stored or not, this server's or another's): the
-        session registry keeps the session in memory meanwhile."""
-        return self._book.holds(session)
-
-    def pending_for(self, session: Session) -> list[PendingApproval]:
-        """Undecided approvals of one session, oldest first (with a shared store, also those of
-        other servers' gated calls, as last read from the log)."""
-        return self._book.listed(session, lambda p: p.decision is None)
+    def is_open(self, entry: PendingApproval) -> bool:
+        """The approval is undecided."""
+        return entry.decision is None
 
     def find(self, request_id: str) -> PendingApproval | None:
         """The pending approval `request_id`, this server's or (shared store) another's."""
         return self._book.find(request_id)
-
-    async def wait_pending(self, session: Session) -> list[PendingApproval]:
-        """Return the session's pending approvals as soon as there is at least one (with a shared
-        store, woken also by a request another server appends)."""
-        return await self._book.wait_pending(session, self.sync, self.pending_for)
 
     async def wait_changed(self, session: Session) -> None:
         """Return at the session's next change: an approval requested or decided (on any server)."""
@@ -272,9 +246,6 @@ class ApprovalService:
             tool_use_id=p.get("tool_use_id") if isinstance(p.get("tool_use_id"), str) else None,
             frame_seq=frame.seq, remote=True,
         )
-
-    def _notify(self, session: Session) -> None:
-        self._book.notify(session)
 
     # -- the gated call's side -----------------------------------------------------------
 

@@ -40,10 +40,9 @@ from protocol import CallerToolSpec, Frame, RelayError, errors
 from protocol.frames import is_past, utc_timestamp
 from protocol.schema_check import schema_problem
 
-from ..pending_requests import Crossing, RequestBook, SingleServer
+from ..pending_requests import Crossing, PendingRequests
 from ..sessions import Session
 from ..store_api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
-from ..task_host import TaskHost
 from .bus import OUTCOME_TYPES, PROGRESS, REQUEST, REQUEST_TYPES
 
 if TYPE_CHECKING:
@@ -119,8 +118,8 @@ class NoLongerPending(RelayError):
         self.finished = finished
 
 
-class CallerCallRegistry:
-    """Pending caller tool calls of the whole server, by request id."""
+class CallerCallRegistry(PendingRequests[PendingCall]):
+    """Pending caller tool calls of the whole server, by request id (on the pending-request engine)."""
 
     def __init__(
         self, append_frame: AppendFn, default_timeout: float, crossing: Crossing | None = None,
@@ -129,39 +128,14 @@ class CallerCallRegistry:
     ) -> None:
         """`crossing` (pending_requests/: `SingleServer` by default) and `find_sessions` (sessions by
         id) make calls work across servers; `on_ended` hears how each call of this server's agents ended."""
-        self._append_frame = append_frame
+        super().__init__(append_frame, crossing, REQUEST_TYPES)
         self._on_ended = on_ended
         self.default_timeout = default_timeout
-        self.crossing: Crossing = crossing or SingleServer()
-        self._book: RequestBook[PendingCall] = RequestBook(self.crossing, REQUEST_TYPES)
         self._find_sessions = find_sessions or (lambda session_id: [])
-        self._pending = self._book.local
-        self._remote = self._book.remote
-        self._tasks = TaskHost()
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Hold the nursery in which a departed caller's remote requests are closed (shared store)."""
-        await self._tasks.serve(task_status=task_status)
-
-    @property
-    def pending(self) -> dict[str, PendingCall]:
-        """The calls waiting now, by request id (the live dict, for reading)."""
-        return self._pending
-
-    def holds(self, session: Session) -> bool:
-        """Some call of `session` has not ended (stored or not, this server's or another's): the
-        session registry keeps the session in memory meanwhile."""
-        return self._book.holds(session)
-
-    def pending_for(self, session: Session) -> list[PendingCall]:
-        """The calls of `session` waiting now for their caller, oldest first (stored, not yet ended);
-        with a shared store, also those another server's agent made, as last read from the log."""
-        return self._book.listed(session, lambda p: not p.done.is_set())
-
-    async def wait_pending(self, session: Session) -> list[PendingCall]:
-        """Return the session's pending calls as soon as there is at least one (with a shared
-        store, woken also by a request another server appends)."""
-        return await self._book.wait_pending(session, self.sync, self.pending_for)
+    def is_open(self, entry: PendingCall) -> bool:
+        """The call has no outcome yet."""
+        return not entry.done.is_set()
 
     async def sync(self, session: Session) -> None:
         """Shared store, a session this server's caller owns: read the session's caller tool frames
@@ -190,9 +164,6 @@ class CallerCallRegistry:
                     changed = True
         if changed:
             self._notify(session)
-
-    def _notify(self, session: Session) -> None:
-        self._book.notify(session)
 
     async def relay(
         self, session: Session, spec: CallerToolSpec, arguments: dict, progress: ProgressFn | None = None,

@@ -10,5 +10,6 @@ store is shared: the composition root (app.py) picks the crossing once.
 
 from .book import RESOLVED_MEMORY, RequestBook
 from .crossing import Crossing, SharedLog, SharedStore, SingleServer
+from .service import PendingRequests
 
-__all__ = ["RESOLVED_MEMORY", "Crossing", "RequestBook", "SharedLog", "SharedStore", "SingleServer"]
+__all__ = ["RESOLVED_MEMORY", "Crossing", "PendingRequests", "RequestBook", "SharedLog", "SharedStore", "SingleServer"]
