@@ -293,20 +293,15 @@ class ApprovalService(PendingRequests[PendingApproval]):
                     reason=f"the caller that owns '{tool_name}' is not connected; nobody can approve it",
                 ))
             else:
-                with trio.move_on_after(seconds):
-                    await entry.done.wait()
-                async with entry.claim:  # a decision being stored goes first: stored, it wins
-                    if entry.decision is None:
-                        self._decide(entry, Decision(
-                            approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)",
-                        ))
+                await self._await_outcome(entry, seconds, lambda: self._decide(entry, Decision(
+                    approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)",
+                )))
             if not entry.recorded.is_set():  # a denial this server took: stored before the call hears it
                 await self._record(entry)
         except trio.Cancelled:
-            with trio.CancelScope(shield=True):
-                async with entry.claim:
-                    if entry.decision is None:
-                        self._decide(entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"))
+            await self._end_if_open(entry, lambda: self._decide(
+                entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"),
+            ))
             if not entry.recorded.is_set():
                 with trio.CancelScope(shield=True):
                     await self._record(entry)  # with a shared store it loses to a decision stored first

@@ -201,20 +201,16 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
                     f"caller '{session.caller_id}' is not connected; caller tool '{spec.name}' cannot run",
                 ), unrecorded="caller disconnected")
             else:
-                with trio.move_on_after(timeout):
-                    await call.done.wait()
-                async with call.claim:  # an answer being stored goes first: stored, it wins
-                    if not call.done.is_set():
-                        self._finish(call, "timed out", error=_timed_out(spec, session, timeout), unrecorded="timeout")
+                await self._await_outcome(call, timeout, lambda: self._finish(
+                    call, "timed out", error=_timed_out(spec, session, timeout), unrecorded="timeout",
+                ))
             await self._record_end(call)
         except trio.Cancelled:
+            await self._end_if_open(call, lambda: self._finish(
+                call, "cancelled by the agent", error=RelayError(errors.CANCELLED, "cancelled"),
+                unrecorded="cancelled by the agent",
+            ))
             with trio.CancelScope(shield=True):
-                async with call.claim:
-                    if not call.done.is_set():
-                        self._finish(
-                            call, "cancelled by the agent", error=RelayError(errors.CANCELLED, "cancelled"),
-                            unrecorded="cancelled by the agent",
-                        )
                 await self._record_end(call)
             raise
         finally:

@@ -27,11 +27,14 @@ RESOLVED_MEMORY = 10_000
 
 
 class Entry(Protocol):
-    """A pending request as the book keeps it."""
+    """A pending request as the book keeps it: `done` is set by its one outcome; `claim` is held
+    while a caller's answer to it is being stored."""
 
     request_id: str
     session: Session
     frame_seq: int
+    done: trio.Event
+    claim: trio.Lock
 
 
 E = TypeVar("E", bound=Entry)

@@ -70,3 +70,20 @@ class PendingRequests(Generic[E]):
 
     def _notify(self, session: Session) -> None:
         self._book.notify(session)
+
+    async def _await_outcome(self, entry: E, seconds: float, time_out: Callable[[], None]) -> None:
+        """Wait at most `seconds` for `entry`'s one outcome; past its deadline, `time_out()` ends it,
+        unless an answer being stored under its claim (store first, then answer) ends it first."""
+        with trio.move_on_after(seconds):
+            await entry.done.wait()
+        async with entry.claim:  # an answer being stored goes first: stored, it wins
+            if self.is_open(entry):
+                time_out()
+
+    async def _end_if_open(self, entry: E, end: Callable[[], None]) -> None:
+        """The agent cancelled: holding `entry`'s claim (an answer being stored goes first: stored,
+        it wins), `end()` it if still open; shielded, for the cancel must finish."""
+        with trio.CancelScope(shield=True):
+            async with entry.claim:
+                if self.is_open(entry):
+                    end()
