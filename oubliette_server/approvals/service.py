@@ -351,27 +351,7 @@ class ApprovalService(PendingRequests[PendingApproval]):
     async def _outcome_of(self, entry: PendingApproval) -> Frame | None:
         return await self.crossing.outcome_of(entry.session, entry.request_id, entry.frame_seq, (RESOLVED,))
 
-    def fail_caller(self, caller: CallerConnection, session: Session | None = None) -> int:
-        """The caller's connection (or, with `session`, its wait on that session) ended: every
-        approval it owns (of `session`, if given) is denied now, as it fails closed."""
-        failed = 0
-        for entry in list(self._pending.values()):
-            if session is not None and entry.session is not session:
-                continue
-            if entry.caller is caller and entry.decision is None:
-                if entry.claim.locked():  # its decision is being stored: that store decides (`answer`)
-                    entry.caller_left = True
-                else:
-                    self._decide(entry, _disconnected())
-                failed += 1
-        gone = self._book.followed_sessions(caller, session)  # across servers only
-        if gone:
-            failed += sum(1 for entry in self._book.remote_of(gone) if entry.decision is None)
-            if self._tasks.nursery is not None:
-                self._tasks.nursery.start_soon(self._deny_remote, gone)
-        return failed
-
-    async def _deny_remote(self, sessions: list[Session]) -> None:
+    async def _close_remote(self, sessions: list[Session]) -> None:
         """Their owner left this server: the approvals other servers' gated calls wait for in
         `sessions` are denied through the log (fail closed), so those calls end now, not at their timeout."""
         gone = Decision(approve=False, who="disconnect", reason="the caller disconnected before deciding")
@@ -383,6 +363,10 @@ class ApprovalService(PendingRequests[PendingApproval]):
                         self._settle(entry, gone)
             except Exception:
                 log.exception("session %s: could not deny the approvals of a departed caller", session.key)
+
+    def _end_disconnected(self, entry: PendingApproval) -> None:
+        """Its owner left: the approval is denied (fail closed)."""
+        self._decide(entry, _disconnected())
 
     def _decide(self, entry: PendingApproval, decision: Decision) -> None:
         entry.decision = decision

@@ -293,23 +293,6 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
                 raise RelayError(errors.TOOL_ERROR, problem)
         return result
 
-    def fail_caller(self, caller: CallerConnection, session: Session | None = None) -> int:
-        """The caller's connection (or its stream in `session`) ended: every call waiting on it there fails now."""
-        failed = 0
-        for call in list(self._pending.values()):
-            if call.caller is caller and not call.done.is_set() and session in (None, call.session):
-                if call.claim.locked():  # its answer is being stored: that store decides (`respond`)
-                    call.caller_left = True
-                else:
-                    self._finish_disconnected(call)
-                failed += 1
-        gone = self._book.followed_sessions(caller, session)  # across servers only
-        if gone:
-            failed += sum(1 for _ in self._book.remote_of(gone))
-            if self._tasks.nursery is not None:
-                self._tasks.nursery.start_soon(self._close_remote, gone)
-        return failed
-
     async def _close_remote(self, sessions: list[Session]) -> None:
         """Their caller left: the requests other servers' agents made in `sessions` get
         `caller_tool_cancelled` (caller disconnected), so those agents fail now, not at their timeout."""
@@ -325,6 +308,10 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
             except Exception:
                 log.exception("session %s: could not close the requests of a departed caller", session.key)
             self._notify(session)
+
+    def _end_disconnected(self, call: PendingCall) -> None:
+        """Its caller left: the call fails (the agent is told the caller disconnected)."""
+        self._finish_disconnected(call)
 
     def _finish_disconnected(self, call: PendingCall) -> None:
         self._finish(call, "closed: the caller disconnected", error=RelayError(

@@ -28,13 +28,16 @@ RESOLVED_MEMORY = 10_000
 
 class Entry(Protocol):
     """A pending request as the book keeps it: `done` is set by its one outcome; `claim` is held
-    while a caller's answer to it is being stored."""
+    while a caller's answer to it is being stored; `caller` owns it (`caller_left`: it left while
+    its answer was being stored)."""
 
     request_id: str
     session: Session
     frame_seq: int
     done: trio.Event
     claim: trio.Lock
+    caller: Any
+    caller_left: bool
 
 
 E = TypeVar("E", bound=Entry)

@@ -71,6 +71,34 @@ class PendingRequests(Generic[E]):
     def _notify(self, session: Session) -> None:
         self._book.notify(session)
 
+    def fail_caller(self, caller: object, session: Session | None = None) -> int:
+        """The owner's connection (or, with `session`, its wait on that session) ended: each of its
+        open requests (of `session`, if given) ends now (`_end_disconnected`), or, if its answer is
+        being stored, when that store fails (`caller_left`); those of other servers in its sessions
+        are closed through the log (`_close_remote`). Returns how many requests it ended."""
+        failed = 0
+        for entry in list(self._pending.values()):
+            if entry.caller is caller and self.is_open(entry) and session in (None, entry.session):
+                if entry.claim.locked():  # its answer is being stored: that store decides
+                    entry.caller_left = True
+                else:
+                    self._end_disconnected(entry)
+                failed += 1
+        gone = self._book.followed_sessions(caller, session)  # across servers only
+        if gone:
+            failed += sum(1 for entry in self._book.remote_of(gone) if self.is_open(entry))
+            if self._tasks.nursery is not None:
+                self._tasks.nursery.start_soon(self._close_remote, gone)
+        return failed
+
+    def _end_disconnected(self, entry: E) -> None:
+        """End `entry` because its owner left (each service says how)."""
+        raise NotImplementedError
+
+    async def _close_remote(self, sessions: list[Session]) -> None:
+        """The owner left: close other servers' requests in `sessions` through the log."""
+        raise NotImplementedError
+
     async def _await_outcome(self, entry: E, seconds: float, time_out: Callable[[], None]) -> None:
         """Wait at most `seconds` for `entry`'s one outcome; past its deadline, `time_out()` ends it,
         unless an answer being stored under its claim (store first, then answer) ends it first."""
