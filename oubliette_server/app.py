@@ -36,12 +36,14 @@ from .health import Readiness
 from .http_api import HttpApi
 from .instances import InstanceDirectory
 from .metrics import ServerMetrics, decision_of
+from .pending_requests import Crossing, SharedStore, SingleServer
 from .relay import SERVER_VERSION, RelayConnection, RelayHandlers, RelayListener
 from .sessions import SessionRegistry
 from .store_api import FrameStoreAPI, SharedStoreAPI, shared_store
 from .store_open import open_store
 from .tether import Tether
 from .toolsets import ToolsetService
+from .turns import TurnWaits
 
 log = logging.getLogger("oubliette.server")
 
@@ -116,14 +118,19 @@ class OublietteServer:
             live_holder=None if self.leases is None else self._live_lease_holder,
         )
         self.failed_starts = FailedStarts(self.guests, self.sessions, self.frame_log.append, self.presence.connected_anywhere)
-        # With a shared store the log is the bus between servers for caller tool calls and approvals.
-        bus = LogBus(self.store, self.frame_log.append_outcome) if self.store.shared else None
+        # With a shared store the log is the bus between servers for caller tool calls and approvals:
+        # the one place that picks how pending requests cross servers (pending_requests/).
+        self.crossing: Crossing = (
+            SharedStore(LogBus(self.store, self.frame_log.append_outcome), self.server_id)
+            if self.store.shared else SingleServer()
+        )
+        self.sessions.learn_owners_with(self.crossing.recorded_owner)
         self.calls = CallerCallRegistry(
-            self.frame_log.append, config.caller_timeout, bus=bus, find_sessions=self.sessions.find_by_id,
-            server_id=self.server_id if bus is not None else None, on_ended=self.metrics.relayed_call_ended,
+            self.frame_log.append, config.caller_timeout, crossing=self.crossing, find_sessions=self.sessions.find_by_id,
+            on_ended=self.metrics.relayed_call_ended,
         )
         self.approvals = ApprovalService(
-            self.frame_log.append, config.approval_timeout, log=bus, server_id=self.server_id if bus is not None else None,
+            self.frame_log.append, config.approval_timeout, crossing=self.crossing,
             on_decided=self._approval_decided,
         )
         # A session with a request or approval not yet ended stays in memory (docs/CONFIG.md, max_sessions).
@@ -221,11 +228,14 @@ class OublietteServer:
 
     def caller_api(self) -> CallerTools:
         """The caller-facing tools, bound to this server's services (one per transport)."""
+        turns = TurnWaits(
+            store=self.store, sessions=self.sessions, calls=self.calls, approvals=self.approvals,
+            elicitation=self.elicitation, guest_absent=self.presence.absent,
+        )
         return CallerTools(
-            instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools,
-            frame_log=self.frame_log, store=self.store, tether=self.tether, approvals=self.approvals,
+            instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools, calls=self.calls,
+            turns=turns, frame_log=self.frame_log, store=self.store, tether=self.tether, approvals=self.approvals,
             session_wait_limit=self.config.session_wait_limit, limits=self.limits, elicitation=self.elicitation,
-            guest_absent=self.presence.absent,
         )
 
     async def serve_stdio_caller(self) -> None:

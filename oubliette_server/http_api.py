@@ -48,7 +48,7 @@ from protocol.limits import LimitExceeded
 from .auth import HTTP_ADMIN
 from .caller_api import CallerTools, build_caller_server
 from .caller_api.schemas import OWNER_KEY_PATTERN
-from .caller_api.tools import STREAM_GONE_STATE
+from .turns import STREAM_GONE_STATE
 from .callers import CallerConnection, CallerRegistry, keyed_identity
 from .connection_limits import HTTP_WRITE_SECONDS, ConnectionAcceptor, FloodLog, GuardedStream, HttpLimits, describe
 from .health import Readiness
@@ -821,7 +821,7 @@ class HttpApi:
         """
         caller = self._legacy_by_mcp_session.get(mcp_session_id)
         if caller is not None:
-            failed = self.tools.caller_gone(caller)
+            failed = self.tools.turns.caller_gone(caller)
             log.info("%r: standalone stream dropped; %d pending call(s) failed", caller, failed)
 
     def asgi_app(self) -> Any:

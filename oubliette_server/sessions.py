@@ -12,7 +12,7 @@ import collections
 import itertools
 import secrets
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Protocol
 
 import attrs
 
@@ -80,14 +80,6 @@ class Session:
         if self.owner is not caller:
             raise not_yours(self.id)
 
-    def declare_caller_tools(self, owner: CallerConnection, caller_id: str, tools: list[CallerToolSpec]) -> None:
-        """Replace the session's caller tools with `owner`'s; `not_yours` for another caller."""
-        self.check_owner(owner)
-        self.caller_id = caller_id
-        self.caller_tools = {tool.name: tool for tool in tools}
-        self.declared_at = next(_declaration_clock)
-        self.sinks.add(owner)
-
 
 async def session_has_frames(store: FrameStoreAPI, instance: str, channel: str, session_id: str) -> bool:
     """The log has frames of the session (or had: its oldest kept frames were pruned after it)."""
@@ -131,6 +123,11 @@ class LogCursors(weakref.WeakKeyDictionary["Session", int]):
         return frames
 
 
+async def _nothing_recorded(session: Session) -> str | None:
+    """No owner is recorded anywhere (one server)."""
+    return None
+
+
 #: Sessions of one instance held in memory at most (besides those in use); `max_sessions`.
 DEFAULT_MAX_SESSIONS = 10_000
 
@@ -158,6 +155,7 @@ class SessionRegistry:
         # owner -> its sessions (as a dict used as an ordered set)
         self._by_owner: dict[CallerConnection, dict[Session, None]] = {}
         self._in_use: list[Callable[[Session], bool]] = []
+        self._recorded_owner: Callable[[Session], Awaitable[str | None]] = _nothing_recorded
         #: How many sessions were forgotten so far (for tests and benchmarks).
         self.forgotten = 0
 
@@ -189,6 +187,97 @@ class SessionRegistry:
         if len(sessions) > self.max_sessions:
             self._forget_idle(sessions)
         return session
+
+    # -- ownership: the one place a session's owner, declaration and followers are written ---------
+
+    def learn_owners_with(self, recorded_owner: Callable[[Session], Awaitable[str | None]]) -> None:
+        """Read a session's recorded owner identity with `recorded_owner` (a shared store's log;
+        by default nothing is recorded)."""
+        self._recorded_owner = recorded_owner
+
+    async def claim(
+        self, instance: str, channel: str, session_id: str | None, caller: CallerConnection,
+        has_history: Callable[[str], Awaitable[bool]],
+    ) -> Session:
+        """The caller's session `session_id` (a new one when None), claimed for it if nobody opened
+        it; else `not_yours` (docs/SECURITY.md, "Callers and sessions").
+
+        A session with no owner in this process but with frames in the log (`has_history`:
+        opened before a restart, or by the HTTP tether API) is refused too: its owner cannot be
+        known, and claiming it would hand its history to whoever asks first.
+        """
+        if session_id is None:
+            session = self.get_or_create(instance, channel, new_session_id())
+            self.set_owner(session, caller)
+            return session
+        session = self.get(instance, channel, session_id)
+        if session is not None and session.owner is not None:
+            session.check_owner(caller)
+            return session
+        has_frames = await has_history(session_id)
+        # Another call may have claimed it while the log was read: look again.
+        session = self.get(instance, channel, session_id)
+        if session is not None and session.owner is not None:
+            session.check_owner(caller)
+            return session
+        if has_frames:
+            raise not_yours(session_id)
+        session = self.get_or_create(instance, channel, session_id)
+        self.set_owner(session, caller)
+        return session
+
+    async def owns(self, caller: CallerConnection, session_id: str, channel: str, instance: str | None = None) -> list[Session]:
+        """The caller's sessions of `channel` with this id; `not_yours` if only other callers have one.
+
+        Shared store: a session opened on another server is the caller's too when the owner
+        identity its log recorded is the caller's (docs/SCALING.md, "Caller identity").
+        """
+        known = [s for s in self.find_by_id(session_id, instance) if s.channel == channel]
+        await self.load_owners(known)
+        mine = [s for s in known if s.owner is caller or (s.owner is None and s.same_caller(caller))]
+        if known and not mine:
+            raise not_yours(session_id)
+        return mine
+
+    async def load_owners(self, sessions: list[Session]) -> None:
+        """Read the recorded owner of each session that has no owner in this process (shared store)."""
+        for session in sessions:
+            if session.owner is None and session.owner_identity is None:
+                session.owner_identity = await self._recorded_owner(session)
+
+    @staticmethod
+    def note_owner(session: Session, identity: str | None) -> None:
+        """The session's owner identity, as recorded in (or read from) the shared log; None keeps the one known."""
+        session.owner_identity = identity or session.owner_identity
+
+    def declare(
+        self, session: Session, owner: CallerConnection, caller_id: str, tools: list[CallerToolSpec],
+        echo_own_answers: bool | None = None,
+    ) -> None:
+        """Replace the session's caller tools with `owner`'s, who follows the session from now on
+        (and, when given, whether it gets the events of its own answers); `not_yours` for another caller."""
+        session.check_owner(owner)
+        self.adopt_declaration(session, caller_id, tools)
+        session.sinks.add(owner)
+        if echo_own_answers is not None:
+            session.echo_own_answers = echo_own_answers
+
+    @staticmethod
+    def adopt_declaration(session: Session, caller_id: str, tools: list[CallerToolSpec]) -> None:
+        """Take `caller_id`'s tools as the session's declaration (declared here, or read from the shared log)."""
+        session.caller_id = caller_id
+        session.caller_tools = {tool.name: tool for tool in tools}
+        session.declared_at = next(_declaration_clock)
+
+    @staticmethod
+    def follow(session: Session, sink: EventSink) -> None:
+        """`sink` gets the session's frames from now on."""
+        session.sinks.add(sink)
+
+    @staticmethod
+    def unfollow(session: Session, sink: EventSink) -> None:
+        """`sink` gets the session's frames no more."""
+        session.sinks.discard(sink)
 
     def set_owner(self, session: Session, owner: CallerConnection) -> None:
         """`owner` opened `session` (the one place an owner is recorded, so `owned_by` is a lookup)."""
@@ -256,9 +345,10 @@ class SessionRegistry:
             if self.in_use(session):
                 sessions.move_to_end(key)
                 continue
-            self._forget(session)
+            self.forget(session)
 
-    def _forget(self, session: Session) -> None:
+    def forget(self, session: Session) -> None:
+        """Forget `session` from memory (its frames stay in the log; the next use makes it again)."""
         sessions = self._by_instance[session.instance]
         del sessions[(session.channel, session.id)]
         by_id = self._by_id[session.id]

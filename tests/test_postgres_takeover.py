@@ -363,12 +363,13 @@ async def test_a_decision_taken_after_another_servers_sweep_denied_the_approval_
     from oubliette_server.approvals.service import ApprovalService, Decision, resolved_payload
     from oubliette_server.caller_tool_relay.bus import LogBus
     from oubliette_server.callers import CallerConnection
+    from oubliette_server.pending_requests import SharedStore
     from protocol.errors import RelayError
 
     store = PostgresFrameStore(pg_url, pool_size=2)
     async with store.running():
         frame_log = FrameLog(store, SessionRegistry())
-        approvals = ApprovalService(frame_log.append, 600, log=LogBus(store, frame_log.append_outcome), server_id="me")
+        approvals = ApprovalService(frame_log.append, 600, crossing=SharedStore(LogBus(store, frame_log.append_outcome), server_id="me"))
         caller = CallerConnection("test")
         session = frame_log.sessions.get_or_create(INSTANCE, "mcp", "s1")
         decided: list[Decision] = []

@@ -18,6 +18,7 @@ import trio.testing
 
 from oubliette_server.approvals.service import ApprovalService, Decision, PendingApproval
 from oubliette_server.caller_tool_relay.bus import LogBus
+from oubliette_server.pending_requests import SharedStore
 from oubliette_server.caller_tool_relay.pending import CallerCallRegistry, PendingCall
 from oubliette_server.callers import CallerConnection
 from oubliette_server.frame_log import FrameLog
@@ -79,8 +80,8 @@ def world(shared: bool = False) -> tuple[FaultyStore, FrameLog, Session, CallerC
 
 
 def registry_of(frame_log: FrameLog, store: FaultyStore, shared: bool = False, timeout: float = 600) -> CallerCallRegistry:
-    bus = LogBus(store, frame_log.append_outcome) if shared else None  # type: ignore[arg-type]
-    return CallerCallRegistry(frame_log.append, default_timeout=timeout, bus=bus)
+    crossing = SharedStore(LogBus(store, frame_log.append_outcome)) if shared else None  # type: ignore[arg-type]
+    return CallerCallRegistry(frame_log.append, default_timeout=timeout, crossing=crossing)
 
 
 SPEC = CallerToolSpec(name="notify")
@@ -382,7 +383,7 @@ class TwoServers:
         caller_log = FrameLog(self.store, SessionRegistry())  # type: ignore[arg-type]
         self.agent_side = registry_of(agent_log, self.store, shared=True, timeout=timeout)
         self.caller_side = CallerCallRegistry(
-            caller_log.append, default_timeout=timeout, bus=LogBus(self.store, caller_log.append_outcome),  # type: ignore[arg-type]
+            caller_log.append, default_timeout=timeout, crossing=SharedStore(LogBus(self.store, caller_log.append_outcome)),  # type: ignore[arg-type]
             find_sessions=lambda session_id: [self.caller_session],
         )
         self.agent = AgentCall(self.agent_side, self.agent_session)
@@ -449,8 +450,8 @@ async def test_an_approval_timeout_the_store_could_not_write_refuses_a_later_dec
     agent_session.owner, agent_session.owner_identity = None, "the owner, connected to the other server"
     owner_session = Session(instance="box1", channel="mcp", id="s1", caller_id="myapp", owner=caller)
     owner_log = FrameLog(store, SessionRegistry())  # type: ignore[arg-type]
-    gated_side = ApprovalService(agent_log.append, log=LogBus(store, agent_log.append_outcome))  # type: ignore[arg-type]
-    owner_side = ApprovalService(owner_log.append, log=LogBus(store, owner_log.append_outcome))  # type: ignore[arg-type]
+    gated_side = ApprovalService(agent_log.append, crossing=SharedStore(LogBus(store, agent_log.append_outcome)))  # type: ignore[arg-type]
+    owner_side = ApprovalService(owner_log.append, crossing=SharedStore(LogBus(store, owner_log.append_outcome)))  # type: ignore[arg-type]
     gated = GatedCall(gated_side, agent_session, None, timeout=0.5)  # type: ignore[arg-type]
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
@@ -469,7 +470,7 @@ async def test_a_decision_whose_commit_was_not_confirmed_is_an_idempotent_retry(
     """Shared store, the owner on the gated call's server: the approval was committed but the server
     never heard; the caller's retry finds it stored, the gated call is decided once, the retry succeeds."""
     store, frame_log, session, caller = world()
-    approvals = ApprovalService(frame_log.append, log=LogBus(store, frame_log.append_outcome))  # type: ignore[arg-type]
+    approvals = ApprovalService(frame_log.append, crossing=SharedStore(LogBus(store, frame_log.append_outcome)))  # type: ignore[arg-type]
     gated = GatedCall(approvals, session, caller)
     approve = Decision(approve=True, who="caller")
     with trio.fail_after(10):

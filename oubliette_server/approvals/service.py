@@ -12,7 +12,7 @@ decision lets run. Anything but an answer fails closed: the call is denied with 
 A session's turn waits (`session_message` with `wait`) learn of a new pending approval through
 `wait_pending`, woken by a per-session `trio.Event`, never by polling.
 
-With a shared store (`log`, docs/SCALING.md) the gated call may wait on one server while its
+With a shared store (the `SharedStore` crossing, docs/SCALING.md) the gated call may wait on one server while its
 session's owner is connected to another. The waiting server, holding no caller for the session,
 waits for the request's `approval_resolved` frame in the log; the owner's server lists the
 session's open `approval_request`s read from the log as *remote* pending approvals. Every
@@ -30,11 +30,10 @@ the store is back (`when_store_is_back`).
 
 from __future__ import annotations
 
-import collections
 import datetime
 import logging
 import secrets
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import attrs
 import trio
@@ -43,9 +42,9 @@ from protocol import Frame, RelayError, errors
 from protocol.frames import is_past
 from protocol.schema_check import schema_problem
 
-from ..sessions import LogCursors, Session, held_by
-from ..store_api import AnswerNotRecorded, FrameStoreAPI, StoreUnavailable, when_store_is_back
-from ..task_host import TaskHost
+from ..pending_requests import Crossing, PendingRequests
+from ..sessions import Session
+from ..store_api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
 
 if TYPE_CHECKING:
     from ..callers import CallerConnection
@@ -56,7 +55,6 @@ DEFAULT_APPROVAL_TIMEOUT = 600.0
 #: How approvals reach a person (`approval_delivery`; see elicitation.py). Here, not there, so
 #: the command line can list them without importing the MCP SDK.
 DELIVERIES: tuple[str, ...] = ("auto", "elicitation", "tool")
-RESOLVED_MEMORY = 10_000
 ELICITATION_WHO = "elicitation"
 """`Decision.who` of an answer the person gave in the caller's MCP client."""
 
@@ -68,32 +66,6 @@ DecidedFn = Callable[["Decision | None", float], None]
 
 REQUEST = "approval_request"
 RESOLVED = "approval_resolved"
-
-
-class SharedLog(Protocol):
-    """The log other servers share, as approvals use it (`caller_tool_relay.LogBus` is one)."""
-
-    store: FrameStoreAPI
-    append_outcome: Callable[..., Awaitable["Frame | None"]]
-
-    async def frames(self, session: Session, types: tuple[str, ...], after_seq: int) -> list[Frame]:
-        """Every frame of `session` of `types` after `after_seq`."""
-        ...
-
-    async def wait_frames(self, session: Session, types: tuple[str, ...], after_seq: int) -> list[Frame]:
-        """Wait until `session` has frames of `types` after `after_seq`."""
-        ...
-
-    async def wait_outcome(
-        self, session: Session, request_id: str, after_seq: int,
-        on_progress: Callable[[dict[str, Any]], None] | None = None, outcome_types: tuple[str, ...] = (),
-    ) -> Frame:
-        """Wait for the outcome frame of `request_id` (one of `outcome_types`), by any server."""
-        ...
-
-    async def recorded_owner(self, session: Session) -> str | None:
-        """The session owner's identity recorded in the log."""
-        ...
 
 
 @attrs.frozen
@@ -202,11 +174,11 @@ def _iso_in(seconds: float) -> str:
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-class ApprovalService:
+class ApprovalService(PendingRequests[PendingApproval]):
     """The pending approvals of the whole server, by request id.
 
     Needs: the frame log's `append` (frames go to the store, then to the session's followers),
-    the default approval timeout in seconds, and with a shared store the log (`SharedLog`). Each
+    the default approval timeout in seconds, and the crossing (`SingleServer` or `SharedStore`). Each
     pending approval is waited for by the task of the call it gates; `serve` (started with
     `nursery.start`) holds only the tasks that deny a departed owner's remote approvals.
     Raises (from `answer`, `answer_batch`): `RelayError` with a message naming the request ids
@@ -216,100 +188,40 @@ class ApprovalService:
     """
 
     def __init__(
-        self, append_frame: AppendFn, default_timeout: float = DEFAULT_APPROVAL_TIMEOUT, log: SharedLog | None = None,
-        server_id: str | None = None, on_decided: DecidedFn = lambda decision, seconds: None,
+        self, append_frame: AppendFn, default_timeout: float = DEFAULT_APPROVAL_TIMEOUT,
+        crossing: Crossing | None = None, on_decided: DecidedFn = lambda decision, seconds: None,
     ) -> None:
-        """`log` (a shared store only) makes approvals work across servers; `server_id` is written
-        in each request, so survivors can tell whose wait died (abandoned_requests.py);
-        `on_decided` hears how each of this server's gated calls was decided."""
-        self._append_frame = append_frame
+        """`crossing` (pending_requests/: `SingleServer` by default) makes approvals work across
+        servers; `on_decided` hears how each of this server's gated calls was decided."""
+        super().__init__(append_frame, crossing, (REQUEST, RESOLVED))
         self._on_decided = on_decided
         self.default_timeout = default_timeout
-        self.log = log
-        self.server_id = server_id
-        self._pending: dict[str, PendingApproval] = {}
-        self._remote: dict[str, PendingApproval] = {}
-        self._synced = LogCursors()
-        self._tasks = TaskHost()
-        self._finished: collections.OrderedDict[str, _Finished] = collections.OrderedDict()
-        self._changed: dict[int, trio.Event] = {}
-
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Hold the nursery in which a departed owner's remote approvals are denied (shared store)."""
-        await self._tasks.serve(task_status=task_status)
+        self._finished = self._book.finished
 
     # -- what is pending ---------------------------------------------------------------
 
-    @property
-    def pending(self) -> dict[str, PendingApproval]:
-        """Undecided approvals of the whole server, by request id."""
-        return self._pending
-
-    def holds(self, session: Session) -> bool:
-        """Some approval of `session` is undecided (stored or not, this server's or another's): the
-        session registry keeps the session in memory meanwhile."""
-        return held_by(session, self._pending.values(), self._remote.values())
-
-    def pending_for(self, session: Session) -> list[PendingApproval]:
-        """Undecided approvals of one session, oldest first (with a shared store, also those of
-        other servers' gated calls, as last read from the log)."""
-        local = [p for p in self._pending.values() if p.session is session and p.decision is None and p.frame_seq]
-        remote = [p for p in self._remote.values() if p.session is session and p.decision is None]
-        return sorted(local + remote, key=lambda p: p.frame_seq) if remote else local
+    def is_open(self, entry: PendingApproval) -> bool:
+        """The approval is undecided."""
+        return entry.decision is None
 
     def find(self, request_id: str) -> PendingApproval | None:
         """The pending approval `request_id`, this server's or (shared store) another's."""
-        return self._pending.get(request_id) or self._remote.get(request_id)
-
-    async def wait_pending(self, session: Session) -> list[PendingApproval]:
-        """Return the session's pending approvals as soon as there is at least one (with a shared
-        store, woken also by a request another server appends)."""
-        while True:
-            await self.sync(session)
-            pending = self.pending_for(session)
-            if pending:
-                return pending
-            await self._wait_event_or_log(session)
+        return self._book.find(request_id)
 
     async def wait_changed(self, session: Session) -> None:
         """Return at the session's next change: an approval requested or decided (on any server)."""
-        await self._wait_event_or_log(session)
-
-    async def _wait_event_or_log(self, session: Session) -> None:
-        event = self._changed.get(id(session))
-        if event is None:
-            event = self._changed[id(session)] = trio.Event()
-        log = self.log
-        if log is None or session.owner is None:
-            await event.wait()
-            return
-        after = self._synced.get(session, 0)
-        async with trio.open_nursery() as race:
-
-            async def local() -> None:
-                await event.wait()
-                race.cancel_scope.cancel()
-
-            async def logged() -> None:
-                await log.wait_frames(session, (REQUEST, RESOLVED), after)
-                await self.sync(session)
-                race.cancel_scope.cancel()
-
-            race.start_soon(local)
-            race.start_soon(logged)
+        await self._book.wait_change(session, self.sync)
 
     async def sync(self, session: Session) -> None:
         """Shared store, a session this server's caller owns: read the session's approval frames
         since the last read; other servers' requests with no decision yet become remote pending
         approvals, and those decided since are settled."""
-        if self.log is None or session.owner is None:
-            return
-        for frame in await self._synced.read_new(self.log, session, (REQUEST, RESOLVED)):
+        for frame in await self._book.read_new(session):
             request_id = frame.payload.get("request_id")
             if not isinstance(request_id, str):
                 continue
             if frame.type == REQUEST:
-                if request_id in self._pending or request_id in self._finished or request_id in self._remote:
+                if self._book.known(request_id):
                     continue
                 self._remote[request_id] = self._remote_entry(frame, session)
                 self._notify(session)
@@ -334,11 +246,6 @@ class ApprovalService:
             tool_use_id=p.get("tool_use_id") if isinstance(p.get("tool_use_id"), str) else None,
             frame_seq=frame.seq, remote=True,
         )
-
-    def _notify(self, session: Session) -> None:
-        event = self._changed.pop(id(session), None)
-        if event is not None:
-            event.set()
 
     # -- the gated call's side -----------------------------------------------------------
 
@@ -370,15 +277,10 @@ class ApprovalService:
         )
         self._pending[entry.request_id] = entry
         try:
-            entry.in_log = caller is None and await self._owner_elsewhere(session)
+            entry.in_log = caller is None and await self.crossing.owner_elsewhere(session, recorded_only=True)
             request = entry.summary()
-            if self.log is not None:  # what the owner's server checks an answer against
-                if input_schema is not None:
-                    request["input_schema"] = input_schema
-                if allows_tool_return:
-                    request["allows_tool_return"] = True
-                if self.server_id is not None:
-                    request["server"] = self.server_id  # whose lease says this wait is alive
+            # Across servers: what the owner's server checks an answer against.
+            self.crossing.announce(request, input_schema=input_schema, allows_tool_return=True if allows_tool_return else None)
             frame = await self._append_frame(session, REQUEST, request)
             entry.frame_seq = frame.seq
             self._notify(session)
@@ -391,20 +293,15 @@ class ApprovalService:
                     reason=f"the caller that owns '{tool_name}' is not connected; nobody can approve it",
                 ))
             else:
-                with trio.move_on_after(seconds):
-                    await entry.done.wait()
-                async with entry.claim:  # a decision being stored goes first: stored, it wins
-                    if entry.decision is None:
-                        self._decide(entry, Decision(
-                            approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)",
-                        ))
+                await self._await_outcome(entry, seconds, lambda: self._decide(entry, Decision(
+                    approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)",
+                )))
             if not entry.recorded.is_set():  # a denial this server took: stored before the call hears it
                 await self._record(entry)
         except trio.Cancelled:
-            with trio.CancelScope(shield=True):
-                async with entry.claim:
-                    if entry.decision is None:
-                        self._decide(entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"))
+            await self._end_if_open(entry, lambda: self._decide(
+                entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"),
+            ))
             if not entry.recorded.is_set():
                 with trio.CancelScope(shield=True):
                     await self._record(entry)  # with a shared store it loses to a decision stored first
@@ -420,25 +317,16 @@ class ApprovalService:
         assert entry.decision is not None
         return entry.decision
 
-    async def _owner_elsewhere(self, session: Session) -> bool:
-        """Shared store: the session has an owner, recorded in the log, who is not connected here."""
-        if self.log is None:
-            return False
-        if session.owner_identity is None:
-            session.owner_identity = await self.log.recorded_owner(session)
-        return session.owner_identity is not None
-
     async def _wait_in_log(self, entry: PendingApproval, seconds: float) -> None:
         """The owner is on another server: wait for the request's `approval_resolved`, whoever stores it.
 
         At the timeout this server tries to store its own denial (timeout); if an answer won the
         race in the database, the gated call gets that answer instead.
         """
-        assert self.log is not None
         session = entry.session
         outcome: Frame | None = None
         with trio.move_on_after(seconds):
-            outcome = await self.log.wait_outcome(session, entry.request_id, entry.frame_seq, outcome_types=(RESOLVED,))
+            outcome = await self.crossing.wait_outcome(session, entry.request_id, entry.frame_seq, (RESOLVED,))
         if outcome is None:
             timeout = Decision(approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)")
             try:
@@ -458,37 +346,12 @@ class ApprovalService:
 
     async def _store_outcome(self, entry: PendingApproval, decision: Decision) -> Frame | None:
         """Store `decision` as the request's one `approval_resolved` (None: another decision won)."""
-        assert self.log is not None
-        return await self.log.append_outcome(entry.session, RESOLVED, _resolved_payload(entry, decision), entry.request_id)
+        return await self.crossing.store_outcome(self._append_frame, entry.session, RESOLVED, _resolved_payload(entry, decision))
 
     async def _outcome_of(self, entry: PendingApproval) -> Frame | None:
-        assert self.log is not None
-        for frame in await self.log.frames(entry.session, (RESOLVED,), entry.frame_seq):
-            if frame.payload.get("request_id") == entry.request_id:
-                return frame
-        return None
+        return await self.crossing.outcome_of(entry.session, entry.request_id, entry.frame_seq, (RESOLVED,))
 
-    def fail_caller(self, caller: CallerConnection, session: Session | None = None) -> int:
-        """The caller's connection (or, with `session`, its wait on that session) ended: every
-        approval it owns (of `session`, if given) is denied now, as it fails closed."""
-        failed = 0
-        for entry in list(self._pending.values()):
-            if session is not None and entry.session is not session:
-                continue
-            if entry.caller is caller and entry.decision is None:
-                if entry.claim.locked():  # its decision is being stored: that store decides (`answer`)
-                    entry.caller_left = True
-                else:
-                    self._decide(entry, _disconnected())
-                failed += 1
-        if self.log is not None:
-            gone = [s for s in self._synced if s.owner is caller and session in (None, s)]
-            failed += sum(1 for entry in self._remote.values() if entry.session in gone and entry.decision is None)
-            if gone and self._tasks.nursery is not None:
-                self._tasks.nursery.start_soon(self._deny_remote, gone)
-        return failed
-
-    async def _deny_remote(self, sessions: list[Session]) -> None:
+    async def _close_remote(self, sessions: list[Session]) -> None:
         """Their owner left this server: the approvals other servers' gated calls wait for in
         `sessions` are denied through the log (fail closed), so those calls end now, not at their timeout."""
         gone = Decision(approve=False, who="disconnect", reason="the caller disconnected before deciding")
@@ -501,13 +364,15 @@ class ApprovalService:
             except Exception:
                 log.exception("session %s: could not deny the approvals of a departed caller", session.key)
 
+    def _end_disconnected(self, entry: PendingApproval) -> None:
+        """Its owner left: the approval is denied (fail closed)."""
+        self._decide(entry, _disconnected())
+
     def _decide(self, entry: PendingApproval, decision: Decision) -> None:
         entry.decision = decision
-        self._finished[entry.request_id] = _Finished(
+        self._book.remember(entry.request_id, _Finished(
             entry.session.id, entry.caller, decision, entry.frame_seq, entry.recorded, entry.session,
-        )
-        while len(self._finished) > RESOLVED_MEMORY:
-            self._finished.popitem(last=False)
+        ))
         entry.done.set()
         self._notify(entry.session)
 
@@ -535,8 +400,6 @@ class ApprovalService:
 
     async def _store_decision(self, entry: PendingApproval, decision: Decision) -> Frame | None:
         """Store `decision` as this server's approval's `approval_resolved` (None: shared store, another won)."""
-        if self.log is None:
-            return await self._append_frame(entry.session, RESOLVED, _resolved_payload(entry, decision))
         return await self._store_outcome(entry, decision)
 
     def _overrule(self, entry: PendingApproval, decision: Decision) -> None:

@@ -10,14 +10,10 @@ tool error.
 from __future__ import annotations
 
 import json
-import logging
-import time
 from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 import mcp_types as types
-import trio
-from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol import CallerToolSpec, RelayError, errors, structure
 from protocol.descriptors import DESCRIPTOR_META_KEY, build_descriptor
@@ -27,55 +23,21 @@ from protocol.session_keys import channel_problem
 from protocol.trace_spans import current_meta
 
 from ..approvals import ApprovalElicitation, ApprovalService, Decision, InputRequired
-from ..caller_tool_relay import CallerToolRelay, NoLongerPending
-from ..callers import CallerConnection, RequestScopedSink
+from ..caller_tool_relay import CallerCallRegistry, CallerToolRelay, NoLongerPending
+from ..callers import CallerConnection
 from ..frame_log import FrameLog
 from ..ids import strict_validator
 from ..instances import InstanceDirectory
 from ..server_owned import OWNER_KEY, SESSION_RECORD, refuse_server_owned
-from ..sessions import Session, SessionRegistry, new_session_id, not_yours, session_has_frames
-from ..store_api import FrameQuery, FrameStoreAPI, StoreUnavailable
+from ..sessions import Session, SessionRegistry, session_has_frames
+from ..store_api import FrameStoreAPI, StoreUnavailable
 from ..tether import DEFAULT_TETHER_SESSION, EGRESS_TYPES, TETHER_CHANNEL, Tether
+from ..turns import TurnWaits
 from . import schemas
-
-log = logging.getLogger("oubliette.server.caller_api")
 
 ToolHandler = Callable[[Any, CallerConnection, dict[str, Any]], Awaitable[dict[str, Any]]]
 
-from protocol.frames import TURN_END_TYPES
 SESSION_CHANNEL = "mcp"
-EVENT_DRAIN_SECONDS = 2.0
-"""How long a 2026-07-28 wait lets its request-scoped events go out before it returns its stop."""
-NO_GUEST_GRACE = 8.0
-"""Seconds a `session_message` wait gives a guest to connect before it stops with `no_guest`
-(an instance with no guest and no start command: nothing would run the message). Longer than
-oubliette-client's longest reconnect delay (5 s), so a guest reconnecting after a server restart,
-or one started just before the message on a busy host, is not reported missing."""
-STREAM_GONE_STATE = "oubliette_stream_gone"
-"""Key of the `trio.Event` the HTTP layer sets in a request's scope state when its client goes away."""
-
-
-def stream_gone(ctx: Any) -> trio.Event | None:
-    """The event set when this request's HTTP client disconnects before its answer (None on stdio)."""
-    state = getattr(getattr(ctx, "request", None), "scope", {}).get("state") or {}
-    gone = state.get(STREAM_GONE_STATE)
-    return gone if isinstance(gone, trio.Event) else None
-
-
-class OwnerKeyedSink:
-    """A request-scoped sink whose events carry the caller's `owner_key` (2026-07-28).
-
-    Only the owner's own waiting request gets these events, so the key travels to nobody
-    else; a caller can answer a request before its `session_message` returns the key.
-    """
-
-    def __init__(self, sink: RequestScopedSink, owner_key: str) -> None:
-        self._sink = sink
-        self._owner_key = owner_key
-
-    def push(self, event: dict) -> None:
-        """Pass the event on with the owner_key added, so a stateless caller can act on it."""
-        self._sink.push({**event, "owner_key": self._owner_key})
 
 
 def _http_context() -> Any:
@@ -99,10 +61,10 @@ def tool_error(text: str) -> types.CallToolResult:
 class CallerTools:
     """The caller-facing tool table and its handlers.
 
-    Needs: the instance directory, sessions, the caller tool relay, the frame log, the store
-    (turn waits), the tether, the approval service, the longest `wait` a `session_message` may ask for, the
-    limits: each handler checks the caller's own values first, so a refusal stores nothing; and
-    `guest_absent(instance)` (guests/presence.py): why a message cannot reach a guest, or None.
+    Needs: the instance directory, sessions, the caller tool relay and its pending calls, the
+    turn waits (turns.py), the frame log, the store (a session's history), the tether, the
+    approval service, the longest `wait` a `session_message` may ask for, the limits: each
+    handler checks the caller's own values first, so a refusal stores nothing.
     """
 
     def __init__(
@@ -111,6 +73,8 @@ class CallerTools:
         instances: InstanceDirectory,
         sessions: SessionRegistry,
         caller_tools: CallerToolRelay,
+        calls: CallerCallRegistry,
+        turns: TurnWaits,
         frame_log: FrameLog,
         store: FrameStoreAPI,
         tether: Tether,
@@ -118,11 +82,12 @@ class CallerTools:
         session_wait_limit: float,
         limits: Limits | None = None,
         elicitation: ApprovalElicitation | None = None,
-        guest_absent: Callable[[str], Awaitable[str | None]] | None = None,
     ) -> None:
         self.instances = instances
         self.sessions = sessions
         self.caller_tools = caller_tools
+        self.calls = calls
+        self.turns = turns
         self.frame_log = frame_log
         self.store = store
         self.tether = tether
@@ -130,7 +95,6 @@ class CallerTools:
         self.elicitation = elicitation or ApprovalElicitation(approvals)
         self.session_wait_limit = session_wait_limit
         self.limits = limits or Limits()
-        self.guest_absent = guest_absent
         self.tools: dict[str, tuple[types.Tool, ToolHandler]] = {}
         self._validators: dict[str, Any] = {}
         self.add(
@@ -214,7 +178,7 @@ class CallerTools:
         await self.elicitation.apply_responses(caller, state, responses)
         result = dict(state.get("base") or {})
         try:
-            result.update(await self._wait_for_turn(
+            result.update(await self.turns.wait(
                 ctx, caller, session, state.get("msg_id"), int(state["after_seq"]), self.elicitation.seconds_left(state),
             ))
         except InputRequired as need:
@@ -225,58 +189,15 @@ class CallerTools:
     # -- session_message -----------------------------------------------------------------
 
     async def _open_session(self, instance: str, session_id: str | None, caller: CallerConnection) -> Session:
-        """The caller's session `session_id`, claimed for it if nobody opened it; else `not_yours`.
-
-        A session with no owner in this process but with frames in the log (opened before a
-        restart, or by the HTTP tether API) is refused too: its owner cannot be known, and
-        claiming it would hand its history to whoever asks first.
-        """
-        if session_id is None:
-            session = self.sessions.get_or_create(instance, SESSION_CHANNEL, new_session_id())
-            self.sessions.set_owner(session, caller)
-            return session
-        session = self.sessions.get(instance, SESSION_CHANNEL, session_id)
-        if session is not None and session.owner is not None:
-            session.check_owner(caller)
-            return session
-        has_frames = await session_has_frames(self.store, instance, SESSION_CHANNEL, session_id)
-        # Another call may have claimed it while the log was read: look again.
-        session = self.sessions.get(instance, SESSION_CHANNEL, session_id)
-        if session is not None and session.owner is not None:
-            session.check_owner(caller)
-            return session
-        if has_frames:
-            raise not_yours(session_id)
-        session = self.sessions.get_or_create(instance, SESSION_CHANNEL, session_id)
-        self.sessions.set_owner(session, caller)
-        return session
+        """The caller's session `session_id`, claimed for it if nobody opened it (`SessionRegistry.claim`)."""
+        return await self.sessions.claim(
+            instance, SESSION_CHANNEL, session_id, caller,
+            lambda session_id: session_has_frames(self.store, instance, SESSION_CHANNEL, session_id),
+        )
 
     async def _owned(self, caller: CallerConnection, session_id: str, instance: str | None = None) -> list[Session]:
-        """The caller's `mcp` sessions with this id; `not_yours` if only other callers have one.
-
-        Shared store: a session opened on another server is the caller's too when the owner
-        identity its log recorded is the caller's (docs/SCALING.md, "Caller identity").
-        """
-        known = [s for s in self.sessions.find_by_id(session_id, instance) if s.channel == SESSION_CHANNEL]
-        await self._load_owners(known)
-        mine = [s for s in known if s.owner is caller or (s.owner is None and s.same_caller(caller))]
-        if known and not mine:
-            raise not_yours(session_id)
-        return mine
-
-    async def _load_owners(self, sessions: list[Session]) -> None:
-        """Shared store: read the recorded owner of each session that has no owner in this process."""
-        bus = self.caller_tools.pending.bus
-        if bus is None:
-            return
-        for session in sessions:
-            if session.owner is None and session.owner_identity is None:
-                session.owner_identity = await bus.recorded_owner(session)
-
-    def caller_gone(self, caller: CallerConnection, session: Session | None = None) -> int:
-        """The caller's stream ended (HTTP): its pending calls (of `session`, if given) fail now and
-        its pending approvals are denied (fail closed). Returns how many of both ended."""
-        return self.caller_tools.pending.fail_caller(caller, session) + self.approvals.fail_caller(caller, session)
+        """The caller's `mcp` sessions with this id (`SessionRegistry.owns`)."""
+        return await self.sessions.owns(caller, session_id, SESSION_CHANNEL, instance)
 
     async def session_message(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
         """Send a message to an instance's agent, declaring the caller's tools first if given; with `wait`,
@@ -297,17 +218,18 @@ class CallerTools:
         context = args.get("context")
         if context is not None:
             tools = [structure(tool, CallerToolSpec) for tool in context.get("caller_tools", [])]
-            declared = await self.caller_tools.declare(session, caller, context["caller_id"], tools)
-            session.echo_own_answers = bool(context.get("echo_own_answers", False))
+            declared = await self.caller_tools.declare(
+                session, caller, context["caller_id"], tools, bool(context.get("echo_own_answers", False)),
+            )
         else:
             declared = {}
-        if self.store.shared and (declared or session.owner_identity != caller.identity):
+        if self.caller_tools.needs_record(session, caller, declared):
             # The log records who owns the session and what it declared, so the other servers know the
             # same caller and its tools: in a frame only the server appends (server_owned.py), before
             # the message that may start the turn whose client reads it.
             await self.frame_log.record(session, SESSION_RECORD, {OWNER_KEY: caller.identity, **declared})
-            session.owner_identity = caller.identity  # recorded: a message that declares nothing need not again
-        session.sinks.add(caller)
+            self.sessions.note_owner(session, caller.identity)  # recorded: a message that declares nothing need not again
+        self.sessions.follow(session, caller)
         message: dict[str, Any] = {"text": args["message"]}
         if (meta := current_meta()) is not None:
             message["_meta"] = meta  # the caller's trace, through this server's span: the agent command's TRACEPARENT
@@ -319,13 +241,13 @@ class CallerTools:
             result["owner_key"] = caller.owner_key  # 2026-07-28: pass it back to act in this session again
         wait = args.get("wait", False)
         if wait is False:
-            if self.guest_absent is not None and (notice := await self.guest_absent(instance)) is not None:
+            if self.turns.guest_absent is not None and (notice := await self.turns.guest_absent(instance)) is not None:
                 result["notice"] = notice
             return result
         limit = self.session_wait_limit
         seconds = limit if wait is True else min(float(wait), limit)
         try:
-            result.update(await self._wait_for_turn(
+            result.update(await self.turns.wait(
                 ctx, caller, session, frame.msg_id, frame.seq, seconds, watch_guest=True,
             ))
         except InputRequired as need:
@@ -347,162 +269,6 @@ class CallerTools:
                 f"PENDING_APPROVAL: session '{session.id}' is waiting on approval request(s) {ids}; "  # type: ignore[union-attr]
                 "answer them with approval_response before sending a new message",
             )
-
-    async def _wait_for_turn(
-        self, ctx: Any, caller: CallerConnection, session: Session, msg_id: str | None, after_seq: int, seconds: float,
-        *, watch_guest: bool = False,
-    ) -> dict[str, Any]:
-        """Wait for the turn's end (the first one after `after_seq` when `msg_id` is None) or for a
-        pending approval in the session, whichever comes first, at most `seconds`; with
-        `watch_guest`, stop with `no_guest` when nothing can run the message (`_first_stop`)."""
-        query = FrameQuery(
-            channel=session.channel, session_id=session.id, after_seq=after_seq,
-            types=TURN_END_TYPES, reply_to=msg_id, limit=1,
-        )
-        modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
-        deadline = time.time() + seconds
-        gone = stream_gone(ctx)
-        dropped = False
-        stop: dict[str, Any] = {}
-        unavailable: StoreUnavailable | None = None
-        ended = False
-        try:
-            async with trio.open_nursery() as nursery:
-                sink = None
-                follower: Any = None
-                delivered = trio.Event()
-                if modern:
-                    # 2026-07-28 callers have no standalone stream: events ride this request.
-                    sink = RequestScopedSink(ctx.session, ctx.request_id)
-                    follower = OwnerKeyedSink(sink, caller.owner_key) if caller.owner_key else sink
-
-                    async def deliver(sink: RequestScopedSink = sink) -> None:
-                        try:
-                            await sink.run()
-                        finally:
-                            delivered.set()
-
-                    session.sinks.add(follower)
-                    nursery.start_soon(deliver)
-                if gone is not None:
-
-                    async def watch(gone: trio.Event = gone) -> None:
-                        nonlocal dropped
-                        await gone.wait()
-                        dropped = True
-                        nursery.cancel_scope.cancel()
-
-                    nursery.start_soon(watch)
-                try:
-                    stop = await self._first_stop(ctx, caller, session, query, msg_id, seconds, watch_guest)
-                except StoreUnavailable as exc:  # raised below, not wrapped in this nursery's group
-                    unavailable = exc
-                finally:
-                    if sink is not None:
-                        session.sinks.discard(follower)
-                        sink.close()
-                if sink is not None:
-                    # The events that led to this stop go out before the result that reports it.
-                    with trio.move_on_after(EVENT_DRAIN_SECONDS):
-                        await delivered.wait()
-                nursery.cancel_scope.cancel()
-            ended = True
-        finally:
-            if not ended and modern:  # 2026-07-28: closing the request's stream is how it is cancelled
-                self._waiting_caller_left(caller, session)
-        if unavailable is not None:  # the store went away during the wait: the caller hears of it now
-            raise StoreUnavailable(
-                f"{unavailable.message} (while waiting: what this call sent is stored, do not send it again; "
-                f"read the turn's end with session_events after_seq {after_seq})"
-            )
-        if dropped:
-            self._waiting_caller_left(caller, session)
-            return {"stop_reason": "error", "text": "the caller's stream closed", "pending": []}
-        if stop.get("stop_reason") == "requires_approval" and self.elicitation.route(ctx) == "input_required":
-            # 2026-07-28 with elicitation: the call returns an input_required result, resumed on retry.
-            raise InputRequired(session, self.approvals.pending_for(session), msg_id, after_seq, deadline)
-        return stop
-
-    def _stop(
-        self, session: Session, frames: list[Any] | None, msg_id: str | None, approvals_stop: bool = True,
-    ) -> dict[str, Any] | None:
-        """The fields of a turn stop: `stop_reason`, `text`, and `pending`, everything the caller must
-        answer now (caller tool requests, then approvals), read from the services, not from events.
-        None when `frames` is None (the turn needs the caller) but nothing is pending any more.
-        With `approvals_stop` False (they are being put to the person), approvals do not stop the turn."""
-        calls = [c.summary() for c in self.caller_tools.pending.pending_for(session)]
-        approvals = [p.summary() for p in self.approvals.pending_for(session)]
-        pending = calls + [{"kind": "approval", "tool": a["tool_name"], **a} for a in approvals]
-        if frames is None:
-            if approvals and approvals_stop:
-                return {"stop_reason": "requires_approval", "text": "", "pending": pending, "approval_requests": approvals}
-            if calls:
-                return {"stop_reason": "requires_action", "text": "", "pending": pending}
-            return None
-        if not frames:
-            return {"stop_reason": "timeout", "text": "", "pending": pending}
-        end = frames[0]
-        turn = {"msg_id": end.reply_to} if msg_id is None and end.reply_to else {}
-        if end.type == "session.error":
-            return {"stop_reason": "error", "text": end.payload.get("message", ""), "pending": pending, **turn}
-        return {"stop_reason": "end_turn", "text": end.payload.get("text", ""), "pending": pending, **turn}
-
-    async def _first_stop(
-        self, ctx: Any, caller: CallerConnection, session: Session, query: FrameQuery, msg_id: str | None, seconds: float,
-        watch_guest: bool = False,
-    ) -> dict[str, Any]:
-        """The turn's first stop within `seconds`: its end (or `timeout`), or, sooner, the moment it
-        needs the caller: a caller tool request or an approval of the session is pending (one already
-        pending counts). The pending list is read at that moment, so nothing resolved is listed.
-        Approvals put to the person in the caller's client (`ApprovalElicitation`) do not stop it.
-        With `watch_guest`, a message that nothing can run `NO_GUEST_GRACE` seconds after it was
-        stored (no guest connected anywhere, no start command) stops the wait with `no_guest`."""
-        stops: list[dict[str, Any]] = []
-        failed: list[StoreUnavailable] = []
-        approvals_stop = self.elicitation.route(ctx) in ("tool", "input_required")
-        async with trio.open_nursery() as race:
-
-            async def turn_end() -> None:
-                try:
-                    frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
-                except StoreUnavailable as exc:  # raised below, not wrapped in the race's group
-                    failed.append(exc)
-                else:
-                    stops.append(self._stop(session, frames, msg_id, approvals_stop) or {})
-                race.cancel_scope.cancel()
-
-            async def approval() -> None:
-                await self.elicitation.approval_stop(ctx, caller, session)
-                # No checkpoint since approval_stop saw a pending entry: the stop lists it.
-                stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
-                race.cancel_scope.cancel()
-
-            async def caller_tool() -> None:
-                await self.caller_tools.pending.wait_pending(session)
-                stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
-                race.cancel_scope.cancel()
-
-            async def no_guest() -> None:
-                # A grace, not a poll: one look, once a guest that was connecting has had its moment.
-                await trio.sleep(NO_GUEST_GRACE)
-                assert self.guest_absent is not None
-                reason = await self.guest_absent(session.instance)
-                if reason is not None:
-                    stops.append({"stop_reason": "no_guest", "text": reason, "pending": []})
-                    race.cancel_scope.cancel()
-
-            race.start_soon(turn_end)
-            race.start_soon(approval)
-            race.start_soon(caller_tool)
-            if watch_guest and self.guest_absent is not None and seconds > NO_GUEST_GRACE:
-                race.start_soon(no_guest)
-        if failed:
-            raise failed[0]
-        return stops[0]
-
-    def _waiting_caller_left(self, caller: CallerConnection, session: Session) -> None:
-        failed = self.caller_gone(caller, session)
-        log.info("%r left while waiting in session %s; %d pending call(s) and approval(s) ended", caller, session.id, failed)
 
     # -- caller_tool_response ------------------------------------------------------------
 
@@ -528,7 +294,7 @@ class CallerTools:
             self.limits.check_value(args.get("result"), "result")
         wait = args.get("wait", False)
         try:
-            call = await self.caller_tools.pending.respond(
+            call = await self.calls.respond(
                 caller, args["session_id"], args["request_id"], result=args.get("result"), error=args.get("error"),
             )
         except NoLongerPending as late:
@@ -543,7 +309,7 @@ class CallerTools:
             session, after_seq = call.session, call.frame_seq
         if wait is False:
             return answered
-        answered.update(await self._wait_for_turn(ctx, caller, session, None, after_seq, self._wait_seconds(wait)))
+        answered.update(await self.turns.wait(ctx, caller, session, None, after_seq, self._wait_seconds(wait)))
         return answered
 
     async def caller_tool_progress(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
@@ -553,7 +319,7 @@ class CallerTools:
         Raises: `RelayError` for a request id that is not pending for this caller (as `caller_tool_response`).
         """
         await self._owned(caller, args["session_id"])
-        forwarded = await self.caller_tools.pending.progress(
+        forwarded = await self.calls.progress(
             caller, args["session_id"], args["request_id"],
             args["progress"], args.get("total"), args.get("message"),
         )
@@ -609,7 +375,7 @@ class CallerTools:
             assert owned[0].owner is not None
             return owned[0], owned[0].owner
         mcp = [s for s in matches if s.channel == SESSION_CHANNEL]
-        await self._load_owners(mcp)
+        await self.sessions.load_owners(mcp)
         recorded = [s for s in mcp if s.owner_identity is not None]
         if not recorded:
             raise RelayError(errors.NOT_FOUND, f"session '{args['session_id']}' of instance '{instance}' {none}")
@@ -630,7 +396,7 @@ class CallerTools:
     async def _answer_approvals(
         self, ctx: Any, caller: CallerConnection, who: str, session: Session, args: dict[str, Any]
     ) -> dict[str, Any]:
-        await self._load_owners([session])
+        await self.sessions.load_owners([session])
         await self.approvals.sync(session)  # shared store: another server's gated call may be asking
         single = "approvals" not in args
         if single:
@@ -649,7 +415,7 @@ class CallerTools:
         if wait is False:
             return answered
         try:
-            answered.update(await self._wait_for_turn(ctx, caller, session, None, after_seq, self._wait_seconds(wait)))
+            answered.update(await self.turns.wait(ctx, caller, session, None, after_seq, self._wait_seconds(wait)))
         except InputRequired as need:
             need.base = answered
             raise

@@ -36,7 +36,7 @@ from ..approvals import ApprovalService
 from ..callers import CallerConnection
 from ..client_connections import ClientConnections, ClientPeer, progress_sink
 from ..server_owned import DECLARATION_KEY
-from ..sessions import Session, SessionRegistry, _declaration_clock
+from ..sessions import Session, SessionRegistry
 from .pending import CallerCallRegistry
 
 log = logging.getLogger("oubliette.server.caller_tools")
@@ -61,9 +61,11 @@ class CallerToolRelay:
         self.approvals = approvals
 
     async def declare(
-        self, session: Session, caller: CallerConnection, caller_id: str, tools: list[CallerToolSpec]
+        self, session: Session, caller: CallerConnection, caller_id: str, tools: list[CallerToolSpec],
+        echo_own_answers: bool | None = None,
     ) -> dict[str, Any]:
-        """Make `caller` the owner of `session`'s caller tools and tell the clients that see them.
+        """Make `caller` the owner of `session`'s caller tools and tell the clients that see them
+        (`echo_own_answers`, when given: whether it gets the events of its own answers).
 
         A tool with `requires_approval` is gated (see `call`); the clients get its effective
         approval timeout, so they wait for the decision as long as the server does.
@@ -73,29 +75,37 @@ class CallerToolRelay:
         for tool in tools:
             self._check_schemas(tool)
         tools = [self._with_approval_timeout(tool) for tool in tools]
-        session.declare_caller_tools(caller, caller_id, tools)
+        self.sessions.declare(session, caller, caller_id, tools, echo_own_answers)
         config = unstructure(messages.CallerToolsConfig(session_id=session.id, caller_id=caller_id, tools=tools))
         note: EncodedNotification | None = None  # encoded once (up to 1 MiB), the same bytes to every client
         for connection in self.clients.of_instance(session.instance):
             if self._client_sees(connection, session):
                 note = note or encode_notification(messages.CALLER_TOOLS_CONFIG, config)
                 connection.notify_encoded(note)  # queued: never waits on a socket
-        if self.pending.bus is None:
-            return {}
-        return {DECLARATION_KEY: {"caller_id": caller_id, "tools": [unstructure(tool) for tool in tools]}}
+        return self.pending.crossing.declaration(
+            {DECLARATION_KEY: {"caller_id": caller_id, "tools": [unstructure(tool) for tool in tools]}},
+        )
+
+    def needs_record(self, session: Session, caller: CallerConnection, declared: dict[str, Any]) -> bool:
+        """The session's owner and `declared` (what `declare` returned) must be recorded in a
+        `session_record` for the other servers (a shared store only)."""
+        return self.pending.crossing.needs_record(session, caller.identity, declared)
 
     async def load_declaration(self, connection: ClientPeer) -> None:
         """Shared store: before a client bound to a session this server has no caller for gets its
         configuration, read the session's latest declaration and its owner's identity from the log
         (written on another server): that owner may answer here too."""
-        if self.pending.bus is None or connection.session_key is None or connection.instance is None:
+        if connection.session_key is None or connection.instance is None:
             return
         ref = SessionRef.parse_key(connection.session_key)
-        session = self.sessions.get_or_create(connection.instance, ref.channel, ref.id)
+        instance = connection.instance
+        record = await self.pending.crossing.session_record(lambda: self.sessions.get_or_create(instance, ref.channel, ref.id))
+        if record is None:
+            return  # one server: memory is all there is
+        session, owner, declared = record
         if session.owner is not None:
             return  # declared here: memory is current
-        owner, declared = await self.pending.bus.session_record(session)
-        session.owner_identity = owner or session.owner_identity
+        self.sessions.note_owner(session, owner)
         if declared is None:
             return
         try:
@@ -103,9 +113,7 @@ class CallerToolRelay:
         except Exception as exc:  # written by a server of the deployment; never trusted blindly
             log.warning("session %s: ignoring a declaration in the log that does not read (%s)", session.key, exc)
             return
-        session.caller_id = str(declared.get("caller_id") or "")
-        session.caller_tools = {tool.name: tool for tool in tools}
-        session.declared_at = next(_declaration_clock)
+        self.sessions.adopt_declaration(session, str(declared.get("caller_id") or ""), tools)
 
     @staticmethod
     def _check_schemas(tool: CallerToolSpec) -> None:

@@ -10,7 +10,7 @@ A session's turn waits (`session_message` with `wait`) learn of a new pending re
 through `wait_pending`, woken by a per-session `trio.Event` (as approvals do), never by
 polling: a caller that reads no events still hears of every request.
 
-With a shared store (`bus`, docs/SCALING.md) the agent's call and its caller may be on two
+With a shared store (the `SharedStore` crossing, docs/SCALING.md) the agent's call and its caller may be on two
 servers. The agent's server, holding no caller for the session, waits for the request's
 outcome frame in the log (its own timeout and the agent's cancel race the caller's answer
 there); the caller's server lists the session's open requests read from the log as *remote*
@@ -28,7 +28,6 @@ is stored once the store is back (`when_store_is_back`).
 
 from __future__ import annotations
 
-import collections
 import datetime
 import logging
 import secrets
@@ -42,17 +41,15 @@ from protocol.frames import is_past, utc_timestamp
 from protocol.schema_check import schema_problem
 from protocol.trace_spans import current_meta
 
-from ..sessions import LogCursors, Session, held_by
+from ..pending_requests import Crossing, PendingRequests
+from ..sessions import Session
 from ..store_api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
-from ..task_host import TaskHost
-from .bus import PROGRESS, REQUEST, REQUEST_TYPES, LogBus
+from .bus import OUTCOME_TYPES, PROGRESS, REQUEST, REQUEST_TYPES
 
 if TYPE_CHECKING:
     from ..callers import CallerConnection
 
 log = logging.getLogger("oubliette.server.calls")
-
-RESOLVED_MEMORY = 10_000
 
 from ..frame_log import AppendFrame as AppendFn
 #: Hands a progress report (progress, total, message) to the agent's waiting call; never waits.
@@ -89,6 +86,8 @@ class PendingCall:
     error: RelayError | None = None
     remote: bool = False
     """A request another server's agent made, read from the shared log (answered through it)."""
+    in_log: bool = False
+    """This server's agent's request whose caller is on another server (it waits in the log)."""
     wants_progress: bool = False
     """A remote request whose agent asked for progress reports (its request frame says so)."""
     meta: dict[str, str] | None = None
@@ -123,92 +122,36 @@ class NoLongerPending(RelayError):
         self.finished = finished
 
 
-class CallerCallRegistry:
-    """Pending caller tool calls of the whole server, by request id."""
+class CallerCallRegistry(PendingRequests[PendingCall]):
+    """Pending caller tool calls of the whole server, by request id (on the pending-request engine)."""
 
     def __init__(
-        self, append_frame: AppendFn, default_timeout: float, bus: LogBus | None = None,
-        find_sessions: Callable[[str], list[Session]] | None = None, server_id: str | None = None,
+        self, append_frame: AppendFn, default_timeout: float, crossing: Crossing | None = None,
+        find_sessions: Callable[[str], list[Session]] | None = None,
         on_ended: EndedFn = lambda ended, error, seconds: None,
     ) -> None:
-        """`bus` (a shared store only) and `find_sessions` (sessions by id) make calls work across servers;
-        `server_id` (shared store) is written in each request, so survivors can tell whose wait died;
-        `on_ended` hears how each call of this server's agents ended."""
-        self._append_frame = append_frame
+        """`crossing` (pending_requests/: `SingleServer` by default) and `find_sessions` (sessions by
+        id) make calls work across servers; `on_ended` hears how each call of this server's agents ended."""
+        super().__init__(append_frame, crossing, REQUEST_TYPES)
         self._on_ended = on_ended
-        self.server_id = server_id
         self.default_timeout = default_timeout
-        self.bus = bus
         self._find_sessions = find_sessions or (lambda session_id: [])
-        self._pending: dict[str, PendingCall] = {}
-        self._remote: dict[str, PendingCall] = {}
-        self._synced = LogCursors()
-        self._finished: collections.OrderedDict[str, Finished] = collections.OrderedDict()
-        self._changed: dict[int, trio.Event] = {}
-        self._tasks = TaskHost()
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Hold the nursery in which a departed caller's remote requests are closed (shared store)."""
-        await self._tasks.serve(task_status=task_status)
-
-    @property
-    def pending(self) -> dict[str, PendingCall]:
-        """The calls waiting now, by request id (the live dict, for reading)."""
-        return self._pending
-
-    def holds(self, session: Session) -> bool:
-        """Some call of `session` has not ended (stored or not, this server's or another's): the
-        session registry keeps the session in memory meanwhile."""
-        return held_by(session, self._pending.values(), self._remote.values())
-
-    def pending_for(self, session: Session) -> list[PendingCall]:
-        """The calls of `session` waiting now for their caller, oldest first (stored, not yet ended);
-        with a shared store, also those another server's agent made, as last read from the log."""
-        local = [p for p in self._pending.values() if p.session is session and p.frame_seq and not p.done.is_set()]
-        remote = [p for p in self._remote.values() if p.session is session]
-        return sorted(local + remote, key=lambda p: p.frame_seq) if remote else local
-
-    async def wait_pending(self, session: Session) -> list[PendingCall]:
-        """Return the session's pending calls as soon as there is at least one (with a shared
-        store, woken also by a request another server appends)."""
-        while True:
-            await self.sync(session)
-            pending = self.pending_for(session)
-            if pending:
-                return pending
-            event = self._changed.get(id(session))
-            if event is None:
-                event = self._changed[id(session)] = trio.Event()
-            if self.bus is None or session.owner is None:
-                await event.wait()
-                continue
-            bus = self.bus
-            async with trio.open_nursery() as race:
-
-                async def local(event: trio.Event = event) -> None:
-                    await event.wait()
-                    race.cancel_scope.cancel()
-
-                async def logged() -> None:
-                    await bus.wait_frames(session, REQUEST_TYPES, self._synced[session])
-                    race.cancel_scope.cancel()
-
-                race.start_soon(local)
-                race.start_soon(logged)
+    def is_open(self, entry: PendingCall) -> bool:
+        """The call has no outcome yet."""
+        return not entry.done.is_set()
 
     async def sync(self, session: Session) -> None:
         """Shared store, a session this server's caller owns: read the session's caller tool frames
         since the last read, and keep the requests of other servers' agents that have no outcome
         yet as remote pending calls (those that got one are remembered as finished)."""
-        if self.bus is None or session.owner is None:
-            return
         changed = False
-        for frame in await self._synced.read_new(self.bus, session, REQUEST_TYPES):
+        for frame in await self._book.read_new(session):
             request_id = frame.payload.get("request_id")
             if not isinstance(request_id, str):
                 continue
             if frame.type == REQUEST:
-                if request_id in self._pending or request_id in self._finished or request_id in self._remote:
+                if self._book.known(request_id):
                     continue
                 if frame.payload.get("caller_id") != session.caller_id:
                     continue
@@ -226,11 +169,6 @@ class CallerCallRegistry:
                     changed = True
         if changed:
             self._notify(session)
-
-    def _notify(self, session: Session) -> None:
-        event = self._changed.pop(id(session), None)
-        if event is not None:
-            event.set()
 
     async def relay(
         self, session: Session, spec: CallerToolSpec, arguments: dict, progress: ProgressFn | None = None,
@@ -251,6 +189,7 @@ class CallerCallRegistry:
         )
         self._pending[request_id] = call
         try:
+            call.in_log = caller is None and await self.crossing.owner_elsewhere(session, recorded_only=False)
             request: dict[str, Any] = {
                 "request_id": request_id, "tool": spec.name, "arguments": arguments, "caller_id": session.caller_id,
                 # The caller's server lists it with the request; `oubliette-server status` shows it.
@@ -258,36 +197,29 @@ class CallerCallRegistry:
             }
             if call.meta is not None:
                 request["_meta"] = call.meta  # the caller's execution of the tool joins the trace
-            if self.bus is not None:
-                if progress is not None:
-                    request["progress"] = True  # the caller's server may forward progress reports
-                if self.server_id is not None:
-                    request["server"] = self.server_id  # whose lease says this wait is alive (abandoned_requests.py)
+            # Across servers: the caller's server may forward progress reports.
+            self.crossing.announce(request, progress=True if progress is not None else None)
             frame = await self._append_frame(session, "caller_tool_request", request)
             call.frame_seq = frame.seq
             self._notify(session)
-            if caller is None and self.bus is not None:
-                await self._wait_in_log(self.bus, call, spec, timeout)
+            if call.in_log:
+                await self._wait_in_log(call, spec, timeout)
             elif caller is None or caller.closed.is_set():
                 self._finish(call, "closed: the caller disconnected", error=RelayError(
                     errors.PEER_DISCONNECTED,
                     f"caller '{session.caller_id}' is not connected; caller tool '{spec.name}' cannot run",
                 ), unrecorded="caller disconnected")
             else:
-                with trio.move_on_after(timeout):
-                    await call.done.wait()
-                async with call.claim:  # an answer being stored goes first: stored, it wins
-                    if not call.done.is_set():
-                        self._finish(call, "timed out", error=_timed_out(spec, session, timeout), unrecorded="timeout")
+                await self._await_outcome(call, timeout, lambda: self._finish(
+                    call, "timed out", error=_timed_out(spec, session, timeout), unrecorded="timeout",
+                ))
             await self._record_end(call)
         except trio.Cancelled:
+            await self._end_if_open(call, lambda: self._finish(
+                call, "cancelled by the agent", error=RelayError(errors.CANCELLED, "cancelled"),
+                unrecorded="cancelled by the agent",
+            ))
             with trio.CancelScope(shield=True):
-                async with call.claim:
-                    if not call.done.is_set():
-                        self._finish(
-                            call, "cancelled by the agent", error=RelayError(errors.CANCELLED, "cancelled"),
-                            unrecorded="cancelled by the agent",
-                        )
                 await self._record_end(call)
             raise
         finally:
@@ -297,7 +229,7 @@ class CallerCallRegistry:
             raise call.error
         return self.check_result(spec, call.result)
 
-    async def _wait_in_log(self, bus: LogBus, call: PendingCall, spec: CallerToolSpec, timeout: float) -> None:
+    async def _wait_in_log(self, call: PendingCall, spec: CallerToolSpec, timeout: float) -> None:
         """The caller is on another server: wait for the request's outcome frame, whoever appends it.
 
         At the timeout this server tries to store `caller_tool_cancelled` (timeout); if an answer
@@ -313,7 +245,7 @@ class CallerCallRegistry:
                 report(*_progress_args(payload))
 
         with trio.move_on_after(timeout):
-            outcome = await bus.wait_outcome(session, call.request_id, call.frame_seq, on_progress)
+            outcome = await self.crossing.wait_outcome(session, call.request_id, call.frame_seq, OUTCOME_TYPES, on_progress)
         if outcome is None:  # stored by `_record_end`, unless an answer won the race in the database
             self._finish(call, "timed out", error=_timed_out(spec, session, timeout), unrecorded="timeout")
             return
@@ -339,8 +271,8 @@ class CallerCallRegistry:
             if self._tasks.nursery is not None:
                 self._tasks.nursery.start_soon(when_store_is_back, lambda: self._record(session, "caller_tool_cancelled", payload))
             return
-        if stored is None and self.bus is not None:
-            winner = await self.bus.outcome_of(call.session, call.request_id, call.frame_seq)
+        if stored is None:
+            winner = await self.crossing.outcome_of(call.session, call.request_id, call.frame_seq, OUTCOME_TYPES)
             if winner is None:  # the winner is committed before we lost: unreachable but for retention
                 raise RelayError(errors.INTERNAL_ERROR, f"request '{call.request_id}' ended, but its outcome is not in the log")
             self._adopt(call, winner)
@@ -354,14 +286,10 @@ class CallerCallRegistry:
 
     async def _record(self, session: Session, type: str, payload: dict[str, Any], *, skip: Any = None) -> Frame | None:
         """Store an outcome frame: with a shared store through `append_outcome` (None if another won)."""
-        if self.bus is not None:
-            return await self.bus.append_outcome(session, type, payload, payload["request_id"], skip=skip)
-        return await self._append_frame(session, type, payload, skip=skip)
+        return await self.crossing.store_outcome(self._append_frame, session, type, payload, skip=skip)
 
     def _remember(self, request_id: str, finished: Finished) -> None:
-        self._finished[request_id] = finished
-        while len(self._finished) > RESOLVED_MEMORY:
-            self._finished.popitem(last=False)
+        self._book.remember(request_id, finished)
 
     @staticmethod
     def check_result(spec: CallerToolSpec, result: Any) -> Any:
@@ -373,23 +301,6 @@ class CallerCallRegistry:
             if problem:
                 raise RelayError(errors.TOOL_ERROR, problem)
         return result
-
-    def fail_caller(self, caller: CallerConnection, session: Session | None = None) -> int:
-        """The caller's connection (or its stream in `session`) ended: every call waiting on it there fails now."""
-        failed = 0
-        for call in list(self._pending.values()):
-            if call.caller is caller and not call.done.is_set() and session in (None, call.session):
-                if call.claim.locked():  # its answer is being stored: that store decides (`respond`)
-                    call.caller_left = True
-                else:
-                    self._finish_disconnected(call)
-                failed += 1
-        if self.bus is not None:
-            gone = [s for s in self._synced if s.owner is caller and session in (None, s)]
-            failed += sum(1 for call in self._remote.values() if call.session in gone)
-            if gone and self._tasks.nursery is not None:
-                self._tasks.nursery.start_soon(self._close_remote, gone)
-        return failed
 
     async def _close_remote(self, sessions: list[Session]) -> None:
         """Their caller left: the requests other servers' agents made in `sessions` get
@@ -406,6 +317,10 @@ class CallerCallRegistry:
             except Exception:
                 log.exception("session %s: could not close the requests of a departed caller", session.key)
             self._notify(session)
+
+    def _end_disconnected(self, call: PendingCall) -> None:
+        """Its caller left: the call fails (the agent is told the caller disconnected)."""
+        self._finish_disconnected(call)
 
     def _finish_disconnected(self, call: PendingCall) -> None:
         self._finish(call, "closed: the caller disconnected", error=RelayError(
@@ -462,7 +377,7 @@ class CallerCallRegistry:
     async def _sync_for(self, caller: CallerConnection, session_id: str, request_id: str) -> None:
         """Shared store: read the log of `caller`'s sessions `session_id` when `request_id` is not known
         here (another server's agent may have made it since the last read)."""
-        if self.bus is not None and request_id not in self._pending and request_id not in self._remote:
+        if request_id not in self._pending and request_id not in self._remote:
             for session in self._find_sessions(session_id):
                 if session.owner is caller:
                     await self.sync(session)
@@ -475,7 +390,7 @@ class CallerCallRegistry:
         """
         call = self._pending.get(request_id) or self._remote.get(request_id)
         if call is None or call.done.is_set():
-            finished = self._finished.get(request_id)
+            finished = self._book.finished.get(request_id)
             if finished is not None:
                 raise NoLongerPending(request_id, finished)
             raise RelayError(errors.NOT_FOUND, f"unknown request_id '{request_id}'")
@@ -507,7 +422,7 @@ class CallerCallRegistry:
         """
         await self._sync_for(caller, session_id, request_id)  # another server's agent may have asked
         call = self._pending_of(caller, session_id, request_id)
-        if call.remote or (call.caller is None and self.bus is not None):
+        if call.remote or call.in_log:
             # Another server's request, or one of this server's agent whose caller declared on
             # another server (it waits in the log): the log decides which outcome wins.
             return await self._respond_remote(call, caller, result, error)
@@ -529,8 +444,7 @@ class CallerCallRegistry:
                     "the answer", request_id, exc, until=call.expires_at, again="caller_tool_response",
                 ) from exc
             if stored is None:  # shared store: an outcome stored first (an earlier try of this answer?) wins
-                assert self.bus is not None
-                winner = await self.bus.outcome_of(call.session, request_id, call.frame_seq)
+                winner = await self.crossing.outcome_of(call.session, request_id, call.frame_seq, OUTCOME_TYPES)
                 if winner is None:  # the winner is committed before we lost: unreachable but for retention
                     raise RelayError(errors.INTERNAL_ERROR, f"request '{request_id}' ended, but its outcome is not in the log")
                 self._finish(call, how_it_ended(winner), **outcome_of_frame(winner, call.session, call.tool))
@@ -544,14 +458,13 @@ class CallerCallRegistry:
         return call
 
     def _finished_or_ended(self, call: PendingCall) -> Finished:
-        return self._finished.get(call.request_id) or Finished("ended", call.session, call.caller, call.frame_seq)
+        return self._book.finished.get(call.request_id) or Finished("ended", call.session, call.caller, call.frame_seq)
 
     async def _respond_remote(
         self, call: PendingCall, caller: CallerConnection, result: Any, error: str | None,
     ) -> PendingCall:
         """Answer another server's request: the answer is stored only if no outcome won before it
         (that server's timeout, the agent's cancel, another answer); else `NoLongerPending`."""
-        assert self.bus is not None
         payload = _result_payload(call, result, error)
         session = call.session
         if call.remote and is_past(call.expires_at):
@@ -570,7 +483,7 @@ class CallerCallRegistry:
             ) from exc
         self._remote.pop(call.request_id, None)
         if stored is None:
-            outcome = await self.bus.outcome_of(session, call.request_id, call.frame_seq)
+            outcome = await self.crossing.outcome_of(session, call.request_id, call.frame_seq, OUTCOME_TYPES)
             if outcome is None or not _same_answer(outcome, payload):
                 finished = Finished(how_it_ended(outcome) if outcome else "ended", session, caller, call.frame_seq)
                 self._remember(call.request_id, finished)

@@ -1,0 +1,86 @@
+"""Turn waits (oubliette_server/turns.py) alone: the in-memory store, no subprocess.
+
+A `wait` stops at the first of: the turn's end, a caller tool request the caller must answer,
+an approval it must decide, or its time running out; the stop lists what is pending then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from typing import Any
+
+import trio
+
+from oubliette_server.approvals import ApprovalElicitation, ApprovalService
+from oubliette_server.caller_tool_relay import CallerCallRegistry
+from oubliette_server.callers import CallerConnection
+from oubliette_server.frame_log import FrameLog
+from oubliette_server.sessions import SessionRegistry
+from oubliette_server.store import FrameStore
+from oubliette_server.turns import TurnWaits
+from protocol import RelayError
+from protocol.messages import CallerToolSpec
+
+CTX = SimpleNamespace(protocol_version=None)  # a stdio caller's request: no request-scoped events
+
+
+def world() -> SimpleNamespace:
+    """Turn waits over the in-memory store, with session `s1` of box1 owned by a caller."""
+    store = FrameStore.in_memory()
+    sessions = SessionRegistry()
+    frame_log = FrameLog(store, sessions)
+    calls = CallerCallRegistry(frame_log.append, default_timeout=10)
+    approvals = ApprovalService(frame_log.append)
+    turns = TurnWaits(
+        store=store, sessions=sessions, calls=calls, approvals=approvals, elicitation=ApprovalElicitation(approvals),
+    )
+    caller = CallerConnection("stdio")
+    session = sessions.get_or_create("box1", "mcp", "s1")
+    sessions.set_owner(session, caller)
+    return SimpleNamespace(frame_log=frame_log, calls=calls, approvals=approvals, turns=turns, caller=caller, session=session)
+
+
+async def test_a_wait_stops_when_a_caller_tool_request_is_pending() -> None:
+    w = world()
+    stops: list[dict[str, Any]] = []
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+
+            async def agent() -> None:
+                with contextlib.suppress(RelayError):  # the caller leaves below
+                    await w.calls.relay(w.session, CallerToolSpec(name="notify"), {"n": 1})
+
+            nursery.start_soon(agent)
+            stops.append(await w.turns.wait(CTX, w.caller, w.session, None, 0, 5))
+            w.calls.fail_caller(w.caller)  # ends the relayed call, so the nursery can close
+    [stop] = stops
+    assert stop["stop_reason"] == "requires_action"
+    assert [(p["kind"], p["tool"], p["arguments"]) for p in stop["pending"]] == [("caller_tool", "notify", {"n": 1})]
+
+
+async def test_a_wait_stops_when_an_approval_is_pending() -> None:
+    w = world()
+    stops: list[dict[str, Any]] = []
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+
+            async def gated() -> None:
+                await w.approvals.request(w.session, "notify", {}, origin="caller", caller=w.caller)
+
+            nursery.start_soon(gated)
+            stops.append(await w.turns.wait(CTX, w.caller, w.session, None, 0, 5))
+            w.approvals.fail_caller(w.caller)
+    [stop] = stops
+    assert stop["stop_reason"] == "requires_approval"
+    assert [a["tool_name"] for a in stop["approval_requests"]] == ["notify"]
+
+
+async def test_a_wait_returns_the_turns_end_or_times_out() -> None:
+    w = world()
+    with trio.fail_after(5):
+        stop = await w.turns.wait(CTX, w.caller, w.session, None, 0, 0.2)
+        assert (stop["stop_reason"], stop["pending"]) == ("timeout", [])
+        await w.frame_log.append(w.session, "assistant.done", {"text": "done"}, reply_to="m1")
+        stop = await w.turns.wait(CTX, w.caller, w.session, None, 0, 5)
+    assert (stop["stop_reason"], stop["text"], stop["msg_id"]) == ("end_turn", "done", "m1")
