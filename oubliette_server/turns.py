@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 import trio
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from protocol.frames import TURN_END_TYPES
+from protocol.frames import TURN_END_TYPES, FrameType
 
 from .approvals import ApprovalElicitation, ApprovalService, InputRequired
 from .caller_tool_relay import CallerCallRegistry
@@ -183,7 +183,7 @@ class TurnWaits:
             return {"stop_reason": "timeout", "text": "", "pending": pending}
         end = frames[0]
         turn = {"msg_id": end.reply_to} if msg_id is None and end.reply_to else {}
-        if end.type == "session.error":
+        if end.type == FrameType.SESSION_ERROR:
             return {"stop_reason": "error", "text": end.payload.get("message", ""), "pending": pending, **turn}
         return {"stop_reason": "end_turn", "text": end.payload.get("text", ""), "pending": pending, **turn}
 

@@ -40,6 +40,7 @@ import trio
 
 from protocol import Frame, RelayError, errors
 from protocol.frames import is_past
+from protocol.timestamps import utc_timestamp
 from protocol.schema_check import schema_problem
 
 from ..pending_requests import Crossing, PendingRequests
@@ -170,8 +171,7 @@ def decision_of(payload: dict[str, Any]) -> Decision:
 
 
 def _iso_in(seconds: float) -> str:
-    moment = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return utc_timestamp(datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds))
 
 
 class ApprovalService(PendingRequests[PendingApproval]):

@@ -16,6 +16,8 @@ from typing import Any, Awaitable, Callable
 import mcp_types as types
 
 from protocol import CallerToolSpec, RelayError, errors, structure
+from protocol.fast_tool_calls import tool_error
+from protocol.frames import FrameType
 from protocol.descriptors import DESCRIPTOR_META_KEY, build_descriptor
 from protocol.limits import Limits
 from protocol.schema_check import first_problem
@@ -51,11 +53,6 @@ def tool_result(payload: dict[str, Any]) -> types.CallToolResult:
         content=[types.TextContent(text=json.dumps(payload, ensure_ascii=False))],
         structured_content=payload,
     )
-
-
-def tool_error(text: str) -> types.CallToolResult:
-    """An MCP tool result that reports `text` as an error (`is_error=True`)."""
-    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
 
 class CallerTools:
@@ -233,7 +230,7 @@ class CallerTools:
         message: dict[str, Any] = {"text": args["message"]}
         if (meta := current_meta()) is not None:
             message["_meta"] = meta  # the caller's trace, through this server's span: the agent command's TRACEPARENT
-        frame = await self.frame_log.ingress(instance, session.channel, session.id, "user.message", message)
+        frame = await self.frame_log.ingress(instance, session.channel, session.id, FrameType.USER_MESSAGE, message)
         result: dict[str, Any] = {
             "session_id": session.id, "instance": instance, "msg_id": frame.msg_id, "ingress_seq": frame.seq,
         }
