@@ -23,7 +23,7 @@ from .abandoned_requests import AbandonedRequests
 from .approvals import ApprovalElicitation, ApprovalService, ConnectionApprovals
 from .approvals.toolset_forms import ToolsetForms
 from .auth import TokenAuthority, ensure_private_dir
-from .caller_api import CallerTools, serve_stdio_caller
+from .caller_api import CallerApi, serve_stdio_caller
 from .caller_tool_relay import CallerCallRegistry, CallerToolRelay, LogBus, cancel_unanswered_requests
 from .callers import CallerConnection, CallerRegistry
 from .client_connections import ClientConnections
@@ -226,13 +226,13 @@ class OublietteServer:
                 finally:
                     self.relay_listening = False
 
-    def caller_api(self) -> CallerTools:
+    def caller_api(self) -> CallerApi:
         """The caller-facing tools, bound to this server's services (one per transport)."""
         turns = TurnWaits(
             store=self.store, sessions=self.sessions, calls=self.calls, approvals=self.approvals,
             elicitation=self.elicitation, guest_absent=self.presence.absent,
         )
-        return CallerTools(
+        return CallerApi(
             instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools, calls=self.calls,
             turns=turns, frame_log=self.frame_log, store=self.store, tether=self.tether, approvals=self.approvals,
             session_wait_limit=self.config.session_wait_limit, limits=self.limits, elicitation=self.elicitation,

@@ -46,7 +46,7 @@ from protocol import RelayError, errors
 from protocol.limits import LimitExceeded
 
 from .auth import HTTP_ADMIN
-from .caller_api import CallerTools, build_caller_server
+from .caller_api import CallerApi, build_caller_server
 from .caller_api.schemas import OWNER_KEY_PATTERN
 from .turns import STREAM_GONE_STATE
 from .callers import CallerConnection, CallerRegistry, keyed_identity
@@ -672,7 +672,7 @@ class AnswerRoutes:
     its own calls nor make up the caller's results.
     """
 
-    def __init__(self, tools: CallerTools, verify_token: VerifyToken) -> None:
+    def __init__(self, tools: CallerApi, verify_token: VerifyToken) -> None:
         self.tools = tools
         self.verify_token = verify_token
         self._doors = {
@@ -727,7 +727,7 @@ class HttpApi:
         self,
         *,
         callers: CallerRegistry,
-        tools: CallerTools,
+        tools: CallerApi,
         tether: Tether,
         instances: InstanceDirectory,
         verify_token: VerifyToken,

@@ -15,7 +15,7 @@ Decision (docs/SECURITY.md, "Server-owned frames and payload keys"):
   and nothing else for ownership and declarations);
 - every door that stores a frame a peer shaped — `FrameLog.ingress` (the HTTP tether POST,
   `tether_send`, `session_message`'s message) and a guest's `append_frame`
-  (`guests/frames.py`) — calls `refuse_server_owned` before anything is stored (the MCP
+  (`guests/guest_frames.py`) — calls `refuse_server_owned` before anything is stored (the MCP
   `tether_send` also on its arguments, which the original tether schema does not close). It refuses
   those types, and the server's record keys (`SERVER_OWNED_KEYS`) at the top of any payload:
   the reader no longer looks at them elsewhere, but a producer learns at once that they are not

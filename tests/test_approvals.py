@@ -1,7 +1,7 @@
 """Approvals (docs/APPROVALS.md): a gated caller tool runs only after its owner's decision.
 
 In process: `OublietteServer` in the test's nursery, the caller API driven directly
-(`CallerTools`), the agent's `caller_tool` call over the relay socket through `RelayLink`
+(`CallerApi`), the agent's `caller_tool` call over the relay socket through `RelayLink`
 (what `oubliette-client` sends), as in test_caller_responses.py.
 """
 

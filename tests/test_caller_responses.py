@@ -3,7 +3,7 @@
 What one stdio caller can do is tested against the real server. Two callers of
 one server (the second must not answer the first's requests) and the state of
 the pending-call table are tested in process: `OublietteServer` runs in the
-test's nursery, `CallerTools` is driven directly, and the agent's call goes
+test's nursery, `CallerApi` is driven directly, and the agent's call goes
 over the relay socket through `RelayLink`.
 """
 
@@ -152,7 +152,7 @@ class RecordingMcpSession:
 
 
 def call_context() -> Any:
-    """What CallerTools needs of an MCP request context."""
+    """What CallerApi needs of an MCP request context."""
     return SimpleNamespace(protocol_version="2025-11-25", session=None, request_id=None)
 
 

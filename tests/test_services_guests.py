@@ -15,7 +15,7 @@ import trio.testing
 from fakes import FakeRelayConnection
 from oubliette_server.frame_log import FrameLog
 from oubliette_server.guests.delivery import GUEST_CURSOR, GuestDelivery
-from oubliette_server.guests.frames import GuestFrames
+from oubliette_server.guests.guest_frames import GuestFrames
 from oubliette_server.sessions import SessionRegistry
 from oubliette_server.store import FrameStore
 from oubliette_server.store_api import FrameQuery, StoreUnavailable

@@ -20,7 +20,7 @@ from protocol import lazy_exports
 
 if TYPE_CHECKING:
     from .elicitation import ApprovalElicitation, InputRequired
-    from .gate import ConnectionApprovals
+    from .connection_approvals import ConnectionApprovals
     from .service import (
         DEFAULT_APPROVAL_TIMEOUT, DELIVERIES, ELICITATION_WHO, ApprovalService, Decision, PendingApproval,
     )
@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 _MODULE_OF = {
-    "ApprovalElicitation": ".elicitation", "InputRequired": ".elicitation", "ConnectionApprovals": ".gate",
+    "ApprovalElicitation": ".elicitation", "InputRequired": ".elicitation", "ConnectionApprovals": ".connection_approvals",
     **{name: ".service" for name in (
         "DEFAULT_APPROVAL_TIMEOUT", "DELIVERIES", "ELICITATION_WHO", "ApprovalService", "Decision", "PendingApproval",
     )},

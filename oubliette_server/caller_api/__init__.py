@@ -8,6 +8,6 @@
 
 from .mcp_server import build_caller_server
 from .stdio import serve_stdio_caller
-from .tools import CallerTools
+from .tools import CallerApi
 
-__all__ = ["CallerTools", "build_caller_server", "serve_stdio_caller"]
+__all__ = ["CallerApi", "build_caller_server", "serve_stdio_caller"]

@@ -14,7 +14,7 @@ from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 from protocol import VERSION
 
 from ..callers import CallerConnection
-from .tools import CallerTools
+from .tools import CallerApi
 
 REQUEST_STATE_TTL = 24 * 3600.0
 """Seconds a 2026-07-28 caller has to retry an `input_required` wait (longer than any wait plus approval)."""
@@ -27,7 +27,7 @@ ReleaseCaller = Callable[[CallerConnection], object]
 
 
 def build_caller_server(
-    tools: CallerTools, resolve_caller: ResolveCaller, release_caller: ReleaseCaller = lambda caller: None,
+    tools: CallerApi, resolve_caller: ResolveCaller, release_caller: ReleaseCaller = lambda caller: None,
 ) -> Server:
     """An MCP server whose tool calls go to `tools`, with callers resolved per request.
 

@@ -19,13 +19,13 @@ from protocol.stdio_streams import claimed_stdio
 
 from ..callers import CallerConnection, CallerRegistry
 from .mcp_server import build_caller_server, initialization_options
-from .tools import CallerTools
+from .tools import CallerApi
 
 #: Caller tools whose handshake-era calls skip the SDK's dispatcher (`protocol/fast_tool_calls.py`):
 #: they need no request context (`caller_tool_response` only without `wait`).
 FAST_TOOLS = frozenset({"caller_tool_response", "caller_tool_progress"})
 
-async def serve_stdio_caller(callers: CallerRegistry, tools: CallerTools) -> None:
+async def serve_stdio_caller(callers: CallerRegistry, tools: CallerApi) -> None:
     """Serve one caller on this process's stdin/stdout until it disconnects (then it is closed)."""
     import mcp.server.stdio
 

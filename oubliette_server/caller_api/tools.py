@@ -3,7 +3,7 @@
 
 Thin adapters: each handler checks its arguments against the tool's schema and
 calls the feature service that does the work (caller tool relay, frame log,
-tether). `CallerTools.call` is the one place a tool's failure becomes an MCP
+tether). `CallerApi.call` is the one place a tool's failure becomes an MCP
 tool error.
 """
 
@@ -55,7 +55,7 @@ def tool_result(payload: dict[str, Any]) -> types.CallToolResult:
     )
 
 
-class CallerTools:
+class CallerApi:
     """The caller-facing tool table and its handlers.
 
     Needs: the instance directory, sessions, the caller tool relay and its pending calls, the

@@ -11,11 +11,11 @@
 
 from .delivery import GuestDelivery
 from .failed_starts import FailedStarts
-from .frames import GUEST_FRAME_TYPES, GuestFrames
+from .guest_frames import GUEST_FRAME_TYPES, GuestFrames
 from .leases import InstanceLeases, LeaseStore
 from .orphans import OrphanedTurns
 from .presence import GuestPresence
-from .wake import InstanceStarter
+from .instance_starter import InstanceStarter
 
 __all__ = [
     "GUEST_FRAME_TYPES", "FailedStarts", "GuestDelivery", "GuestFrames", "GuestPresence", "InstanceLeases", "InstanceStarter",

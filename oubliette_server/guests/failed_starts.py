@@ -1,7 +1,7 @@
 """A failed start ends the turns that waited for it: the caller reads why, not a timeout.
 
 When an instance's start command fails (it cannot run, exits non-zero, or brings up no guest
-within `start_timeout`; guests/wake.py), every message waiting for that guest gets a
+within `start_timeout`; guests/instance_starter.py), every message waiting for that guest gets a
 `session.error` frame (reason `start_failed`) replying to it, carrying the start's reason
 (exit status, the last lines of its stderr). A `session_message` waiting on such a turn
 returns `stop_reason: "error"` with that text at once; the log, `session_events` and every

@@ -23,7 +23,7 @@ from .command_toolset import CommandToolset
 from .mcp_toolset import DEFAULT_CALL_TIMEOUT, McpToolset
 from .registry import ToolsetDefinition, ToolsetRegistry
 from .router import ToolRouter
-from .sessions import ToolsetSessions
+from .session_toolsets import ToolsetSessions
 from ..task_host import TaskHost
 
 
