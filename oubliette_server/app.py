@@ -115,7 +115,7 @@ class OublietteServer:
         self.presence = GuestPresence(
             lambda instance: self.guests.guest_for(instance) is not None, config.start_command,
             self.instances.named, self.instances.connected_instances,
-            live_holder=None if self.leases is None else self._live_lease_holder,
+            live_holder=None if self.leases is None else self.leases.live_holder,
         )
         self.failed_starts = FailedStarts(self.guests, self.sessions, self.frame_log.append, self.presence.connected_anywhere)
         # With a shared store the log is the bus between servers for caller tool calls and approvals:
@@ -376,11 +376,6 @@ class OublietteServer:
             self.starter.wake(instance)
         else:
             self.starter.wake_if(instance, self.leases.not_held_elsewhere)
-
-    async def _live_lease_holder(self, instance: str) -> str | None:
-        """Shared store: the server holding `instance`'s live lease (its guest is connected there)."""
-        assert self.shared_store is not None  # asked only when leases exist
-        return await self.shared_store.lease_holder(instance, live=True)
 
     async def _held_anywhere(self, instance: str) -> bool:
         """Shared store: whether a server of the deployment holds `instance`'s guest lease."""

@@ -70,6 +70,10 @@ class InstanceLeases:
         of `instance`: its guest has connected, so the instance exists for every server."""
         return await self.store.lease_holder(instance) is not None
 
+    async def live_holder(self, instance: str) -> str | None:
+        """The server holding `instance`'s live lease (its guest is connected there), or None."""
+        return await self.store.lease_holder(instance, live=True)
+
     async def not_held_elsewhere(self, instance: str) -> bool:
         """Whether no other server holds a live lease of `instance`: only then may this server run
         its start command (wake on message), else a second guest would take the instance over."""
