@@ -231,23 +231,11 @@ def load_config_file(path: Path) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"config file {path}: unknown section(s) {', '.join(sorted(unknown))}")
     settings: dict[str, Any] = {}
-    for key, value in document.get("server", {}).items():
-        expected = SERVER_KEYS.get(key)
-        if expected is None:
-            raise ValueError(f"config file {path}: unknown [server] key {key!r}")
-        problem = wrong_type(f"[server] {key}", value, expected)
-        if problem:
-            raise ValueError(f"config file {path}: {problem}")
+    for key, value in _checked_section(document, "server", SERVER_KEYS, path):
         if isinstance(value, list) and not all(isinstance(item, str) for item in value):
             raise ValueError(f"config file {path}: [server] {key} must be a list of strings")
         settings[key] = value
-    for key, value in document.get("store", {}).items():
-        expected = STORE_KEYS.get(key)
-        if expected is None:
-            raise ValueError(f"config file {path}: unknown [store] key {key!r}")
-        problem = wrong_type(f"[store] {key}", value, expected)
-        if problem:
-            raise ValueError(f"config file {path}: {problem}")
+    for key, value in _checked_section(document, "store", STORE_KEYS, path):
         settings[f"store_{key}"] = value
     instances = document.get("instances", {})
     for name, table in instances.items():
@@ -267,3 +255,17 @@ def load_config_file(path: Path) -> dict[str, Any]:
     settings["toolsets"] = parse_toolsets(document.get("toolsets", {}), f"config file {path}")
     settings["allowlists"] = parse_allowlists(document.get("allowlists", {}), f"config file {path}")
     return settings
+
+
+def _checked_section(document: dict[str, Any], section: str, keys: dict[str, Any], path: Path) -> list[tuple[str, Any]]:
+    """The `(key, value)` pairs of one flat section, each key known and its value of its type."""
+    pairs = []
+    for key, value in document.get(section, {}).items():
+        expected = keys.get(key)
+        if expected is None:
+            raise ValueError(f"config file {path}: unknown [{section}] key {key!r}")
+        problem = wrong_type(f"[{section}] {key}", value, expected)
+        if problem:
+            raise ValueError(f"config file {path}: {problem}")
+        pairs.append((key, value))
+    return pairs

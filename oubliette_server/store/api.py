@@ -33,6 +33,7 @@ __all__ = [
     "MAX_SEQ",
     "REQUIRED_KEYS",
     "CursorPruned",
+    "FrameAppends",
     "FrameQuery",
     "FrameStoreAPI",
     "AnswerNotRecorded",
@@ -393,6 +394,62 @@ class LongPollWaiters:
         if instance is None:
             return sum(self._waiters.values())
         return self._waiters.get(instance, 0)
+
+
+class FrameAppends(LongPollWaiters):
+    """The append methods both stores share: arguments checked and prepared once, here.
+
+    A store implements `_append(instance, prepared)` (every frame or none, consecutive seqs,
+    one commit) and `_append_claimed(instance, request_id, prepared)` (the frame, or None when
+    the request's outcome was recorded before: where the claim lives is the store's own).
+    """
+
+    async def append(
+        self,
+        instance: str,
+        *,
+        channel: str,
+        session_id: str,
+        type: str,
+        payload: dict,
+        msg_id: str | None = None,
+        reply_to: str | None = None,
+    ) -> Frame:
+        """Append one frame with the next seq of `instance` (`msg_id` defaults to "m-" and 32
+        random hex digits) and wake the instance's waiters; committed when this returns; if it
+        raises, nothing was stored."""
+        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
+        return (await self._append(instance, prepared))[0]
+
+    async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
+        """Append several frames in one transaction (consecutive seqs, one commit, one wake-up);
+        each dict holds `append`'s keyword arguments."""
+        return await self._append(instance, prepare_frames(frames))
+
+    async def append_outcome(
+        self,
+        instance: str,
+        request_id: str,
+        *,
+        channel: str,
+        session_id: str,
+        type: str,
+        payload: dict,
+        msg_id: str | None = None,
+        reply_to: str | None = None,
+    ) -> Frame | None:
+        """Append request `request_id`'s one outcome frame, or nothing if one was recorded before
+        (by any server sharing the store): the frame when this call won, None when it lost."""
+        if not isinstance(request_id, str) or not request_id or "\x00" in request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
+        return await self._append_claimed(instance, request_id, prepared)
+
+    async def _append(self, instance: str, prepared: list[Prepared]) -> list[Frame]:
+        raise NotImplementedError
+
+    async def _append_claimed(self, instance: str, request_id: str, prepared: list[Prepared]) -> Frame | None:
+        raise NotImplementedError
 
 
 @runtime_checkable

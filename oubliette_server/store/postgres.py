@@ -75,8 +75,8 @@ from .api import (
     DEFAULT_PRUNE_EVERY,
     DEFAULT_RETENTION_FRAMES,
     CursorPruned,
+    FrameAppends,
     FrameQuery,
-    LongPollWaiters,
     StoreUnavailable,
     check_cursor_args,
     check_instance,
@@ -84,8 +84,6 @@ from .api import (
     check_timeout,
     format_ts,
     make_frame,
-    prepare_frame,
-    prepare_frames,
     retention_cut,
 )
 from .postgres_loop import LoopStatements
@@ -214,7 +212,7 @@ def _no_nul(prepared: tuple) -> None:
             raise ValueError("frame fields must not contain NUL characters")
 
 
-class PostgresFrameStore(LongPollWaiters):
+class PostgresFrameStore(FrameAppends):
     """The tether log in PostgreSQL; several servers may share one database (module docstring).
 
     Owns: a connection pool and a LISTEN connection, both opened by `running()` and closed
@@ -247,7 +245,7 @@ class PostgresFrameStore(LongPollWaiters):
         self._limiter = trio.CapacityLimiter(pool_size)
         self._closed = False
         self._appends_since_prune: dict[str, int] = {}
-        LongPollWaiters.__init__(self)
+        FrameAppends.__init__(self)
         self.listening = False
         """Whether the LISTEN connection is up (cross-server wake-ups arrive)."""
 
@@ -482,44 +480,9 @@ class PostgresFrameStore(LongPollWaiters):
 
     # -- append --------------------------------------------------------------------------
 
-    async def append(
-        self,
-        instance: str,
-        *,
-        channel: str,
-        session_id: str,
-        type: str,
-        payload: dict,
-        msg_id: str | None = None,
-        reply_to: str | None = None,
-    ) -> Frame:
-        """Append one frame with the next seq of `instance`; committed (`synchronous_commit` as
-        the database has it, on by default) when it returns; if it raises, nothing was stored."""
-        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
-        return (await self._append(instance, prepared))[0]
-
-    async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
-        """Append several frames in one transaction (consecutive seqs, one commit, one wake-up)."""
-        return await self._append(instance, prepare_frames(frames))
-
-    async def append_outcome(
-        self,
-        instance: str,
-        request_id: str,
-        *,
-        channel: str,
-        session_id: str,
-        type: str,
-        payload: dict,
-        msg_id: str | None = None,
-        reply_to: str | None = None,
-    ) -> Frame | None:
-        """Append request `request_id`'s one outcome frame, or nothing if another (on any server)
-        was recorded first: the claim (a `resolutions` row, primary key `(instance, request_id)`)
-        and the frame commit together. The frame when this call won, None when it lost."""
-        if not isinstance(request_id, str) or not request_id or "\x00" in request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
+    async def _append_claimed(self, instance: str, request_id: str, prepared: list[tuple]) -> Frame | None:
+        """The claim (a `resolutions` row, primary key `(instance, request_id)`) and the frame
+        commit together, so exactly one server's outcome wins."""
         frames = await self._append(instance, prepared, claim=request_id)
         return frames[0] if frames else None
 

@@ -138,16 +138,14 @@ from .api import (
     MAX_LIMIT,
     MAX_SEQ,
     CursorPruned,
+    FrameAppends,
     FrameQuery,
-    LongPollWaiters,
     StoreDamaged,
     StoreUnavailable,
     check_cursor_args,
     check_retention,
     check_timeout,
     format_ts,
-    prepare_frame,
-    prepare_frames,
     retention_cut,
 )
 from .api import make_frame as _frame
@@ -219,7 +217,7 @@ _NEW_INSTANCE = "INSERT INTO instances (name, last_seq, pruned_below) VALUES (?,
 _DURABILITY = {"normal": "NORMAL", "full": "FULL"}
 
 
-class FrameStore(LongPollWaiters):
+class FrameStore(FrameAppends):
     """The tether log of every instance, in one SQLite database (see the module docstring).
 
     Use it from one Trio thread.  It implements :class:`api.FrameStoreAPI`: every method
@@ -280,7 +278,7 @@ class FrameStore(LongPollWaiters):
         self._committed: dict[str, int] = {}
         self._group: _Group | None = None
         self._appends_since_prune: dict[str, int] = {}
-        LongPollWaiters.__init__(self)
+        FrameAppends.__init__(self)
         # (instance, request_id) of the outcomes `append_outcome` recorded, newest last (bounded).
         self._outcomes: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         if read_only:
@@ -445,48 +443,9 @@ class FrameStore(LongPollWaiters):
 
     # -- append --------------------------------------------------------------------------
 
-    async def append(
-        self,
-        instance: str,
-        *,
-        channel: str,
-        session_id: str,
-        type: str,
-        payload: dict,
-        msg_id: str | None = None,
-        reply_to: str | None = None,
-    ) -> Frame:
-        """Append one frame; its seq is the next after the highest ever assigned for the
-        instance.  ``msg_id`` defaults to ``"m-"`` and 32 random hex digits.  Wakes the instance's
-        waiters.  The frame is committed when this returns (see the module docstring for
-        what that means for durability); if it raises, nothing was stored."""
-        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
-        return (await self._append(instance, prepared))[0]
-
-    async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
-        """Append several frames in one transaction (consecutive seqs, one commit, one
-        wakeup).  Each dict holds :meth:`append`'s keyword arguments."""
-        return await self._append(instance, prepare_frames(frames))
-
-    async def append_outcome(
-        self,
-        instance: str,
-        request_id: str,
-        *,
-        channel: str,
-        session_id: str,
-        type: str,
-        payload: dict,
-        msg_id: str | None = None,
-        reply_to: str | None = None,
-    ) -> Frame | None:
-        """Append request `request_id`'s one outcome frame, or nothing if one was recorded before:
-        the frame when this call won, None when it lost. This process is the only writer of its
-        log, so the claim is kept in memory (the last `OUTCOME_MEMORY` requests), taken before the
-        append and given back if the append fails."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
+    async def _append_claimed(self, instance: str, request_id: str, prepared: list[tuple]) -> Frame | None:
+        """This process is the only writer of its log, so the claim is kept in memory (the last
+        `OUTCOME_MEMORY` requests), taken before the append and given back if the append fails."""
         key = (instance, request_id)
         if key in self._outcomes:
             await trio.lowlevel.checkpoint()

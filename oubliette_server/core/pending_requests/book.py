@@ -105,6 +105,16 @@ class RequestBook(Generic[E]):
             return []
         return await self.crossing.read_new(self.cursors, session, self.types)
 
+    async def read_news(self, session: Session, request_type: str) -> list[tuple[str, Frame]]:
+        """`read_new` as `(request_id, frame)` pairs: frames without a request id are dropped, and
+        so are `request_type` frames of requests already known here (pending or ended)."""
+        news = []
+        for frame in await self.read_new(session):
+            request_id = frame.payload.get("request_id")
+            if isinstance(request_id, str) and not (frame.type == request_type and self.known(request_id)):
+                news.append((request_id, frame))
+        return news
+
     async def wait_change(self, session: Session, then: Callable[[Session], Awaitable[None]]) -> None:
         """Return at the session's next change: a request stored or ended, here or (read, then `then`) elsewhere."""
         event = self._changed.get(id(session))

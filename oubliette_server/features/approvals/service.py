@@ -217,13 +217,8 @@ class ApprovalService(PendingRequests[PendingApproval]):
         """Shared store, a session this server's caller owns: read the session's approval frames
         since the last read; other servers' requests with no decision yet become remote pending
         approvals, and those decided since are settled."""
-        for frame in await self._book.read_new(session):
-            request_id = frame.payload.get("request_id")
-            if not isinstance(request_id, str):
-                continue
+        for request_id, frame in await self._book.read_news(session, REQUEST):
             if frame.type == REQUEST:
-                if self._book.known(request_id):
-                    continue
                 self._remote[request_id] = self._remote_entry(frame, session)
                 self._notify(session)
             else:

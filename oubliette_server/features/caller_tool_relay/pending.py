@@ -147,13 +147,8 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         since the last read, and keep the requests of other servers' agents that have no outcome
         yet as remote pending calls (those that got one are remembered as finished)."""
         changed = False
-        for frame in await self._book.read_new(session):
-            request_id = frame.payload.get("request_id")
-            if not isinstance(request_id, str):
-                continue
+        for request_id, frame in await self._book.read_news(session, REQUEST):
             if frame.type == REQUEST:
-                if self._book.known(request_id):
-                    continue
                 if frame.payload.get("caller_id") != session.caller_id:
                     continue
                 self._remote[request_id] = PendingCall(
