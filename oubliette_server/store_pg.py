@@ -450,10 +450,10 @@ class PostgresFrameStore(LongPollWaiters):
                     await trio.lowlevel.wait_readable(pgconn.socket)
                     pgconn.consume_input()
                     while (note := pgconn.notifies()) is not None:
-                        instance, first, last = parse_notice(note.extra.decode("utf-8", "replace"))
+                        instance, seq_first, seq_last = parse_notice(note.extra.decode("utf-8", "replace"))
                         self._wake_instance(instance)
                         for hook in self._notice_hooks:
-                            hook.appended(instance, first, last)
+                            hook.appended(instance, seq_first, seq_last)
             except (psycopg.Error, OSError) as exc:
                 if first:
                     raise StoreUnavailable(
