@@ -16,13 +16,13 @@ import trio
 import trio.testing
 
 from fakes import RecordingSink
-from oubliette_server.frame_log import FrameLog
-from oubliette_server.log_tail import LogTail
-from oubliette_server.metrics import ServerMetrics
-from oubliette_server.server_owned import SESSION_RECORD
-from oubliette_server.sessions import Session, SessionRegistry
-from oubliette_server.store import FrameStore
-from oubliette_server.store_api import AppendNoticeHook, FrameQuery, StoreUnavailable
+from oubliette_server.core.frame_log import FrameLog
+from oubliette_server.features.cluster.log_tail import LogTail
+from oubliette_server.core.metrics import ServerMetrics
+from oubliette_server.core.server_owned import SESSION_RECORD
+from oubliette_server.core.sessions import Session, SessionRegistry
+from oubliette_server.store.sqlite import FrameStore
+from oubliette_server.store.api import AppendNoticeHook, FrameQuery, StoreUnavailable
 from protocol import Frame
 
 INSTANCE = "box1"
@@ -208,7 +208,7 @@ async def test_server_records_are_pushed_to_nobody(server: Server) -> None:
 
 
 async def test_memory_is_bounded_by_the_instances_it_keeps(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    import oubliette_server.log_tail as log_tail
+    import oubliette_server.features.cluster.log_tail as log_tail
 
     monkeypatch.setattr(log_tail, "MAX_INSTANCES", 3)
     for i in range(10):
