@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 import trio
 
 from harness import EVENT_TIMEOUT, Deployment
-from oubliette_server.store.api import FrameQuery
+from oubliette_server.store.api import CursorPruned, FrameQuery
 from oubliette_server.store.postgres import PostgresFrameStore, notice_payload, parse_notice
 from test_caller_loop import INSTANCE, IDLE
 
@@ -67,6 +68,22 @@ async def test_every_kind_of_append_by_another_store_is_heard_with_its_seqs(pg_u
     assert notices.heard == [
         (INSTANCE, one.seq, one.seq), (INSTANCE, many[0].seq, many[-1].seq), (INSTANCE, outcome.seq, outcome.seq),
     ]
+
+
+async def test_the_tails_read_on_the_loop_is_query_without_filters(pg_url: str) -> None:
+    """`frames_after` (the log tail's read, sent on the Trio loop) returns what `query` returns, and
+    refuses a cursor below what retention deleted as `query` does."""
+    store = PostgresFrameStore(pg_url, retention_frames=5, prune_every=1)
+    async with store.running():
+        assert await store.frames_after("nobody", 0, 10) == []
+        for i in range(8):
+            await store.append(INSTANCE, channel="mcp", session_id=f"s{i % 2}", type="assistant.delta",
+                               payload={"text": f"é{i}", "n": i}, reply_to="m1" if i == 3 else None)
+        kept = await store.query(INSTANCE, FrameQuery(after_seq=3, limit=10))
+        assert await store.frames_after(INSTANCE, 3, 10) == kept
+        assert await store.frames_after(INSTANCE, 3, 2) == kept[:2]
+        with pytest.raises(CursorPruned):
+            await store.frames_after(INSTANCE, 0, 10)
 
 
 async def listeners(admin: psycopg.Connection, dbname: str) -> int:

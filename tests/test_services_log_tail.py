@@ -40,6 +40,7 @@ class SharedLogDouble:
         self.hooks: list[AppendNoticeHook] = []
         self.reads = 0
         self.fail_reads = 0
+        self.fail_with: Exception = StoreUnavailable("the store is unavailable: cut")
         self.lose_notices = False
         self.query_gate: trio.Event | None = None
         self.append_gate: trio.Event | None = None
@@ -50,14 +51,14 @@ class SharedLogDouble:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
-    async def query(self, instance: str, q: FrameQuery) -> list[Frame]:
+    async def frames_after(self, instance: str, after_seq: int, limit: int) -> list[Frame]:
         self.reads += 1
         if self.fail_reads:
             self.fail_reads -= 1
-            raise StoreUnavailable("the store is unavailable: cut")
+            raise self.fail_with
         if self.query_gate is not None:
             await self.query_gate.wait()
-        return await self.store.query(instance, q)
+        return await self.store.query(instance, FrameQuery(after_seq=after_seq, limit=limit))
 
     def _notice(self, frame: Frame) -> None:
         if not self.lose_notices:
@@ -173,6 +174,18 @@ async def test_notices_lost_while_the_listener_was_away_are_read_again_from_the_
     server.tail.missed()  # the listener reconnected
     await trio.testing.wait_all_tasks_blocked()
     assert seqs(sink) == [first.seq, *(f.seq for f in lost)], "log tail: nothing lost across a LISTEN reconnect"
+
+
+async def test_a_read_that_fails_otherwise_is_contained_and_tried_again(
+    server: Server, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    session, sink = server.followed()
+    server.log.fail_reads = 1
+    server.log.fail_with = RuntimeError("a bug in the store")
+    frame = await server.log.elsewhere(session, "caller_tool_request", {"request_id": "r1"})
+    await server.caught_up()
+    assert seqs(sink) == [frame.seq], "log tail: an unexpected failure ends neither the tail nor the server"
+    assert "log tail: reading the frames other servers appended failed" in caplog.text
 
 
 async def test_a_store_outage_delays_the_push_and_loses_nothing(

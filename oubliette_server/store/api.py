@@ -551,10 +551,15 @@ class AppendNoticeHook(Protocol):
 
 @runtime_checkable
 class AppendNotices(Protocol):
-    """A shared store's notices of appends (`store.postgres.PostgresFrameStore`), for the log tail."""
+    """A shared store's notices of appends and the read that follows each (`store.postgres.PostgresFrameStore`),
+    for the log tail."""
 
     def hear_appends(self, hook: AppendNoticeHook) -> None:
         """Tell `hook` of every append any server commits, and of notices lost, from now on."""
+        ...
+
+    async def frames_after(self, instance: str, after_seq: int, limit: int) -> list[Frame]:
+        """The frames of `instance` after `after_seq`, at most `limit`; `CursorPruned` as `query`."""
         ...
 
 

@@ -201,6 +201,13 @@ _APPEND_ONE = (
     b"SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8 FROM bumped RETURNING seq) "
     b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
 )
+#: The frames of an instance after a seq, in one snapshot with its `last_seq` and `pruned_below`
+#: (`_build`'s statement without filters), run on the Trio loop: the log tail's one read per wake.
+_FRAMES_AFTER = (
+    b"SELECT i.last_seq, i.pruned_below, f.seq, f.ts, f.channel, f.session_id, f.type, f.msg_id, f.reply_to, "
+    b"f.payload FROM instances i LEFT JOIN LATERAL (SELECT * FROM frames f WHERE f.instance = i.name "
+    b"AND f.seq > $1 ORDER BY f.seq LIMIT $2) f ON true WHERE i.name = $3 ORDER BY f.seq"
+)
 _CLAIM = (
     "INSERT INTO resolutions (instance, request_id, seq) VALUES (%s, %s, 0) "
     "ON CONFLICT (instance, request_id) DO NOTHING RETURNING request_id"
@@ -672,6 +679,27 @@ class PostgresFrameStore(LongPollWaiters):
         if not isinstance(q, FrameQuery):
             raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
         return (await self._run(self._read, instance, q, read_only=True))[1]
+
+    async def frames_after(self, instance: str, after_seq: int, limit: int) -> list[Frame]:
+        """The frames of `instance` after `after_seq` (at most `limit`), as `query` without filters,
+        sent on the Trio loop (no worker thread: about half the time of `query` on a small
+        machine): the read the log tail makes for each wake, on the path of every cross-server push.
+
+        Raises `CursorPruned` as `query` does, `StoreUnavailable` when the database cannot answer."""
+        if self._statements is None:
+            return await self.query(instance, FrameQuery(after_seq=after_seq, limit=limit))
+        rows = await self._statements.rows(_FRAMES_AFTER, [str(after_seq).encode(), str(limit).encode(), instance.encode()])
+        if not rows:
+            return []
+        last, pruned = int(rows[0][0] or 0), int(rows[0][1] or 0)
+        if after_seq < pruned:
+            raise CursorPruned(instance, after_seq, pruned + 1, empty=pruned >= last)
+        text = bytes.decode
+        return [
+            make_frame(int(seq), text(ts), instance, text(ch), text(sid), text(typ), text(mid),  # type: ignore[arg-type]
+                       None if rt is None else text(rt), json.loads(payload))  # type: ignore[arg-type]
+            for _, _, seq, ts, ch, sid, typ, mid, rt, payload in rows if seq is not None
+        ]
 
     # -- long poll -----------------------------------------------------------------------
 

@@ -36,27 +36,18 @@ from typing import Callable, Iterator, Protocol
 
 import trio
 
-from protocol import Frame
 
 from ...core.frame_log import push_frame
 from ...core.server_owned import SESSION_RECORD
 from ...core.sessions import SessionRegistry
 from ...store.api import (
-    MAX_LIMIT, OUTAGE_RETRY, OUTAGE_RETRY_MAX, AppendNotices, CursorPruned, FrameQuery, StoreUnavailable,
+    MAX_LIMIT, OUTAGE_RETRY, OUTAGE_RETRY_MAX, AppendNotices, CursorPruned, StoreUnavailable,
 )
 
 log = logging.getLogger("oubliette.server.log_tail")
 
 #: Instances whose cursor the tail keeps at most (one int each); the least recently noticed go first.
 MAX_INSTANCES = 10_000
-
-
-class TailedLog(AppendNotices, Protocol):
-    """What the tail needs of a shared store: its notices of appends and `query`."""
-
-    async def query(self, instance: str, q: FrameQuery) -> list[Frame]:
-        """Frames of `instance` matching `q`, by seq ascending."""
-        ...
 
 
 def _nothing(count: int, seconds: float) -> None:
@@ -67,13 +58,13 @@ class LogTail:
     """One server's tail of a shared log: pushes other servers' frames to the followers held here.
 
     Owns: one task (`await nursery.start(tail.serve)`). Needs: the shared store (its notices and
-    `query`), the session registry (who follows what), and `on_pushed(count, seconds)`, told how
+    `frames_after`), the session registry (who follows what), and `on_pushed(count, seconds)`, told how
     many frames one read pushed and how long after the first notice of them (metrics).
     Also a `frame_log.LocalAppends`: give it to the `FrameLog` as `local_appends`.
     """
 
     def __init__(
-        self, store: TailedLog, sessions: SessionRegistry,
+        self, store: AppendNotices, sessions: SessionRegistry,
         on_pushed: Callable[[int, float], None] = _nothing,
     ) -> None:
         self.store = store
@@ -168,9 +159,12 @@ class LogTail:
             self._wake = trio.Event()
             try:
                 await self._catch_up()
-            except StoreUnavailable as exc:
-                log.warning("log tail: cannot read the frames other servers appended (%s); again in %.0f s",
-                            exc, delay)
+            except Exception as exc:  # contained: an escape would end the server; the cursor stays
+                if isinstance(exc, StoreUnavailable):
+                    log.warning("log tail: cannot read the frames other servers appended (%s); again in %.0f s",
+                                exc, delay)
+                else:
+                    log.exception("log tail: reading the frames other servers appended failed; again in %.0f s", delay)
                 with trio.move_on_after(delay):
                     await self._wake.wait()
                 self._wake.set()
@@ -222,7 +216,7 @@ class LogTail:
         pushed = 0
         while True:
             try:
-                page = await self.store.query(instance, FrameQuery(after_seq=cursor, limit=MAX_LIMIT))
+                page = await self.store.frames_after(instance, cursor, MAX_LIMIT)
             except CursorPruned as exc:
                 log.warning("log tail: frames %d-%d of %s were pruned before they were read here",
                             cursor + 1, exc.first_seq - 1, instance)
