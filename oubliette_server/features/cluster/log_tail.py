@@ -249,7 +249,7 @@ class LogTail:
 
     def _followed(self, instance: str) -> bool:
         """Some session of `instance` held here has a follower."""
-        return any(session.sinks for session in self.sessions.for_instance(instance))
+        return self.sessions.followed(instance)
 
     def _remember(self, instance: str, cursor: int) -> None:
         self._cursor[instance] = cursor
