@@ -154,6 +154,8 @@ class SessionRegistry:
         self._by_id: dict[str, dict[tuple[str, str], Session]] = {}
         # owner -> its sessions (as a dict used as an ordered set)
         self._by_owner: dict[CallerConnection, dict[Session, None]] = {}
+        # instance -> sessions given a follower (some may have none left: `followed` drops those)
+        self._followed: dict[str, set[Session]] = {}
         self._in_use: list[Callable[[Session], bool]] = []
         self._recorded_owner: Callable[[Session], Awaitable[str | None]] = _nothing_recorded
         #: How many sessions were forgotten so far (for tests and benchmarks).
@@ -258,7 +260,7 @@ class SessionRegistry:
         (and, when given, whether it gets the events of its own answers); `not_yours` for another caller."""
         session.check_owner(owner)
         self.adopt_declaration(session, caller_id, tools)
-        session.sinks.add(owner)
+        self.follow(session, owner)
         if echo_own_answers is not None:
             session.echo_own_answers = echo_own_answers
 
@@ -269,15 +271,37 @@ class SessionRegistry:
         session.caller_tools = {tool.name: tool for tool in tools}
         session.declared_at = next(_declaration_clock)
 
-    @staticmethod
-    def follow(session: Session, sink: EventSink) -> None:
+    def follow(self, session: Session, sink: EventSink) -> None:
         """`sink` gets the session's frames from now on."""
         session.sinks.add(sink)
+        self._followed.setdefault(session.instance, set()).add(session)
 
-    @staticmethod
-    def unfollow(session: Session, sink: EventSink) -> None:
+    def followed(self, instance: str) -> bool:
+        """Some session of `instance` held here has a follower (a lookup, not a scan of its sessions:
+        the log tail asks on every append to a shared log)."""
+        sessions = self._followed.get(instance)
+        if not sessions:
+            return False
+        for session in list(sessions):
+            if session.sinks:
+                return True
+            sessions.discard(session)
+        del self._followed[instance]
+        return False
+
+    def unfollow(self, session: Session, sink: EventSink) -> None:
         """`sink` gets the session's frames no more."""
         session.sinks.discard(sink)
+        if not session.sinks:
+            self._unfollowed(session)
+
+    def _unfollowed(self, session: Session) -> None:
+        """`session` has no follower left: out of the `followed` index (which holds nothing else)."""
+        sessions = self._followed.get(session.instance)
+        if sessions is not None:
+            sessions.discard(session)
+            if not sessions:
+                del self._followed[session.instance]
 
     def set_owner(self, session: Session, owner: CallerConnection) -> None:
         """`owner` opened `session` (the one place an owner is recorded, so `owned_by` is a lookup)."""
@@ -324,8 +348,9 @@ class SessionRegistry:
 
     def drop_sink(self, sink: EventSink) -> None:
         """`sink` follows no session any more (its caller is gone)."""
-        for session in self.all():
-            session.sinks.discard(sink)
+        for sessions in list(self._followed.values()):
+            for session in list(sessions):
+                self.unfollow(session, sink)
 
     def in_use(self, session: Session) -> bool:
         """The session must stay in memory: its owner is connected, someone follows its frames,
@@ -357,6 +382,7 @@ class SessionRegistry:
             del self._by_id[session.id]
         if session.owner is not None:
             self._unindex_owner(session)
+        self._unfollowed(session)
         self.forgotten += 1
 
     def _unindex_owner(self, session: Session) -> None:
