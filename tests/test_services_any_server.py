@@ -15,16 +15,16 @@ from typing import Any
 
 import pytest
 
-from oubliette_server.approvals.service import ApprovalService, Decision
-from oubliette_server.caller_tool_relay import LogBus
-from oubliette_server.caller_tool_relay.pending import CallerCallRegistry
-from oubliette_server.callers import CallerConnection
-from oubliette_server.frame_log import FrameLog
-from oubliette_server.pending_requests import SharedStore
-from oubliette_server.server_owned import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
-from oubliette_server.sessions import SessionRegistry
-from oubliette_server.store import FrameStore
-from oubliette_server.store_api import FrameQuery
+from oubliette_server.core.callers import CallerConnection
+from oubliette_server.core.frame_log import FrameLog
+from oubliette_server.core.pending_requests import SharedStore
+from oubliette_server.core.server_owned import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
+from oubliette_server.core.sessions import SessionRegistry
+from oubliette_server.features.approvals.service import ApprovalService, Decision
+from oubliette_server.features.caller_tool_relay.pending import CallerCallRegistry
+from oubliette_server.features.cluster.log_bus import LogBus
+from oubliette_server.store.api import FrameQuery
+from oubliette_server.store.sqlite import FrameStore
 from protocol import RelayError
 
 INSTANCE = "box1"
