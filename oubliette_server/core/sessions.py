@@ -225,19 +225,19 @@ class SessionRegistry:
         """The sessions with this id (of `instance`, else of any instance with frames) that the log
         records an owner of, made here with that owner and its last declaration: any server then
         serves the owner as the server it opened the session on does (docs/SCALING.md, "Every
-        server knows every session"). Sessions already held are returned as they are; an id no
-        log records makes nothing (so a guess costs a read, never memory).
+        server knows every session"). Sessions held with a known owner are returned as they are;
+        an id no log records makes nothing (so a guess costs a read, never memory).
         """
         found = [s for s in self.find_by_id(session_id, instance) if s.channel == channel]
-        held = {s.instance for s in found}
+        known = {s.instance for s in found if s.owner_known}
         for name in [instance] if instance is not None else await self._instances():
-            if name in held:
+            if name in known:
                 continue
             owner, declared = await self._read_record(Session(instance=name, channel=channel, id=session_id))
             if owner is None:
                 continue
-            session = self.get_or_create(name, channel, session_id)  # made meanwhile by another task: the same one
-            if session.owner is None and session.owner_identity is None:
+            session = self.get_or_create(name, channel, session_id)  # held, or made meanwhile: the same one
+            if not session.owner_known:
                 self.adopt_record(session, owner, declared)
             if session not in found:
                 found.append(session)
