@@ -80,6 +80,8 @@ class PendingCall:
     then find the call answered, or still pending if that store failed."""
     caller_left: bool = False
     """The caller left while its answer was being stored: if that store fails, the call ends as a disconnect."""
+    waiting: trio.CancelScope | None = None
+    """Its wait for an outcome in the shared log (`_outcome_or_end`), stopped when it ends here."""
     unrecorded: str | None = None
     """The reason of an end the server decided whose `caller_tool_cancelled` frame is still to be
     stored (by the waiting task, before the agent hears of it)."""
@@ -93,6 +95,9 @@ class PendingCall:
     """A remote request whose agent asked for progress reports (its request frame says so)."""
     meta: dict[str, str] | None = None
     """The server's span of the call as W3C trace context (`traceparent`, `tracestate`), for the caller."""
+    unconfirmed: bool = False
+    """An answer to it was refused as not recorded (`AnswerNotRecorded`), yet its commit may have
+    happened unseen: once the call has ended, an identical retry is taken as that answer."""
 
     def summary(self) -> dict[str, Any]:
         """What a caller must answer: its entry in a turn stop's `pending` list (with `_meta`: the trace to join)."""
@@ -111,6 +116,8 @@ class Finished:
     session: Session
     caller: Any
     frame_seq: int
+    unconfirmed: bool = False
+    """An answer to it may have been stored without the store confirming it (see `PendingCall`)."""
 
 
 class NoLongerPending(RelayError):
@@ -185,7 +192,10 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         )
         self._pending[request_id] = call
         try:
-            call.in_log = caller is None and await self.crossing.owner_elsewhere(session, recorded_only=False)
+            # Shared store: the owner (by identity) or the operator may answer on any server, so the
+            # call waits in the log even when its caller is connected here (docs/SCALING.md).
+            call.in_log = (caller is None or not caller.closed.is_set()) \
+                and await self.crossing.owner_elsewhere(session, recorded_only=False)
             request: dict[str, Any] = {
                 "request_id": request_id, "tool": spec.name, "arguments": arguments, "caller_id": session.caller_id,
                 # The caller's server lists it with the request; `oubliette-server status` shows it.
@@ -226,7 +236,8 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         return self.check_result(spec, call.result)
 
     async def _wait_in_log(self, call: PendingCall, spec: CallerToolSpec, timeout: float) -> None:
-        """The caller is on another server: wait for the request's outcome frame, whoever appends it.
+        """Shared store: wait for the request's outcome frame, whichever server appends it, or for its
+        end here (an answer stored through this server, its caller leaving: `_record_end` stores that).
 
         At the timeout this server tries to store `caller_tool_cancelled` (timeout); if an answer
         won the race in the database, the agent gets that answer instead.
@@ -240,8 +251,11 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
             def on_progress(payload: dict[str, Any]) -> None:
                 report(*_progress_args(payload))
 
-        with trio.move_on_after(timeout):
-            outcome = await self.crossing.wait_outcome(session, call.request_id, call.frame_seq, OUTCOME_TYPES, on_progress)
+        outcome = await self._outcome_or_end(call, timeout, lambda: self.crossing.wait_outcome(
+            session, call.request_id, call.frame_seq, OUTCOME_TYPES, on_progress,
+        ))
+        if call.done.is_set():
+            return
         if outcome is None:  # stored by `_record_end`, unless an answer won the race in the database
             self._finish(call, "timed out", error=_timed_out(spec, session, timeout), unrecorded="timeout")
             return
@@ -333,8 +347,8 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         call.result = result
         call.error = error
         call.unrecorded = unrecorded
-        call.done.set()
-        self._remember(call.request_id, Finished(how, call.session, call.caller, call.frame_seq))
+        self._ended(call)
+        self._remember(call.request_id, Finished(how, call.session, call.caller, call.frame_seq, call.unconfirmed))
         self._notify(call.session)
 
     async def progress(
@@ -375,7 +389,7 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         here (another server's agent may have made it since the last read)."""
         if request_id not in self._pending and request_id not in self._remote:
             for session in self._find_sessions(session_id):
-                if session.owner is caller:
+                if session.is_owner(caller):
                     await self.sync(session)
 
     def _pending_of(self, caller: CallerConnection, session_id: str, request_id: str) -> PendingCall:
@@ -417,7 +431,13 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         Raises: as `_pending_of`.
         """
         await self._sync_for(caller, session_id, request_id)  # another server's agent may have asked
-        call = self._pending_of(caller, session_id, request_id)
+        try:
+            call = self._pending_of(caller, session_id, request_id)
+        except NoLongerPending as ended:
+            stored = await self._stored_retry(ended.finished, request_id, result, error)
+            if stored is None:
+                raise
+            return stored
         if call.remote or call.in_log:
             # Another server's request, or one of this server's agent whose caller declared on
             # another server (it waits in the log): the log decides which outcome wins.
@@ -434,11 +454,13 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
             try:
                 stored = await self._record(call.session, "caller_tool_result", payload, skip=skip)
             except StoreUnavailable as exc:
+                call.unconfirmed = True
                 if call.caller_left:  # it left meanwhile: nobody will send it again
                     self._finish_disconnected(call)
                 raise AnswerNotRecorded(
                     "the answer", request_id, exc, until=call.expires_at, again="caller_tool_response",
                 ) from exc
+            call.unconfirmed = False  # the store answered: a later answer is refused
             if stored is None:  # shared store: an outcome stored first (an earlier try of this answer?) wins
                 winner = await self.crossing.outcome_of(call.session, request_id, call.frame_seq, OUTCOME_TYPES)
                 if winner is None:  # the winner is committed before we lost: unreachable but for retention
@@ -451,6 +473,25 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
                 self._finish(call, "resolved with an error", error=RelayError(errors.TOOL_ERROR, str(error)))
             else:
                 self._finish(call, "resolved", result=result)
+        return call
+
+    async def _stored_retry(self, finished: Finished, request_id: str, result: Any, error: str | None) -> PendingCall | None:
+        """Shared store: an answer identical to the one the log holds for a request whose answer was
+        refused as not recorded is a retry of it (that try was committed, but the store could not
+        confirm it, and the agent, waiting in the log, may already have it): the call it answered,
+        else None (any other late answer is refused, as on one server)."""
+        if not finished.unconfirmed or not finished.how.startswith("resolved"):
+            return None
+        outcome = await self.crossing.outcome_of(finished.session, request_id, finished.frame_seq, OUTCOME_TYPES)
+        if outcome is None:
+            return None
+        call = PendingCall(
+            request_id=request_id, session=finished.session, caller=finished.caller,
+            tool=str(outcome.payload.get("tool")), frame_seq=finished.frame_seq,
+        )
+        if not _same_answer(outcome, _result_payload(call, result, error)):
+            return None
+        self._remember(request_id, attrs.evolve(finished, unconfirmed=False))  # confirmed: a later answer is refused
         return call
 
     def _finished_or_ended(self, call: PendingCall) -> Finished:
@@ -474,6 +515,7 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         try:
             stored = await self._record(session, "caller_tool_result", payload, skip=None if session.echo_own_answers else caller)
         except StoreUnavailable as exc:  # nothing stored, so nobody answered: it stays pending
+            call.unconfirmed = True
             raise AnswerNotRecorded(
                 "the answer", call.request_id, exc, until=call.expires_at, again="caller_tool_response",
             ) from exc
@@ -486,6 +528,7 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
                 self._notify(session)
                 raise NoLongerPending(call.request_id, finished)
             stored = outcome  # the same answer, stored by a try whose end the store could not confirm
+        call.unconfirmed = False  # answered: a later answer is refused
         if call.remote:
             call.done.set()
             self._remember(call.request_id, Finished(how_it_ended(stored), session, caller, call.frame_seq))
