@@ -4,7 +4,8 @@ Why one module: a relayed call is one trace from the agent's `tools/call` to the
 (docs/OBSERVABILITY.md, "Traces: one call across the boundary"). The client hands the current
 span on in the relay request's `_meta` (`current_meta`, `client_request_span`), the server opens
 its span under it (`traced_relay_handler`) and hands its own on to the caller (the pending
-entry, the `caller_tool_request` frame), and a caller's `session_message` reaches the agent
+entry, the `caller_tool_request` frame); an approval's wait is a span of its own, handed to the
+caller the same way (`approval_wait_span`); and a caller's `session_message` reaches the agent
 command as `TRACEPARENT` (`turn_environment`). Names and attributes follow the OpenTelemetry
 semantic conventions for MCP (`tools/call {tool}`, `mcp.method.name`, `gen_ai.tool.name`,
 `mcp.session.id`).
@@ -17,7 +18,6 @@ invalid `traceparent` is ignored (`telemetry.extract`), never an error.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,7 +25,8 @@ from typing import Any
 from . import telemetry
 
 __all__ = [
-    "current_meta", "tracing_on", "traced_relay_handler", "client_request_span", "record_approval_span",
+    "current_meta", "tracing_on", "traced_relay_handler", "client_request_span", "approval_wait_span",
+    "record_approval_decision",
     "turn_environment", "fast_call_span", "TARGET_FIELDS",
 ]
 
@@ -160,16 +161,33 @@ def fast_call_span(name: str, request_id: str | int, meta: dict[str, Any]) -> It
         yield ended
 
 
-def record_approval_span(decision: str, seconds: float) -> None:
-    """An approval that took `seconds` and ended as `decision` (the metrics' label), as a span
-    under the current one (the server's span of the gated call) covering the wait for it."""
+@contextmanager
+def approval_wait_span(tool: str, request_id: str) -> Iterator[dict[str, str] | None]:
+    """The server's span of the wait for an approval's decision (`approval wait`, kind INTERNAL,
+    under the current span: the server's span of the gated call), open from the request to the
+    decision: yields the `_meta` the `approval_request` carries to the caller, so the caller's
+    `approval_response` nests under it. Tracing off: no span, the current context or None."""
+    if not tracing_on():
+        yield current_meta()
+        return
+    with _get_tracer().start_as_current_span(
+        "approval wait", record_exception=False, set_status_on_exception=False,
+    ) as span:
+        if span.is_recording():
+            span.set_attributes({"gen_ai.tool.name": tool, "oubliette.approval.request_id": request_id})
+        yield current_meta()
+
+
+def record_approval_decision(decision: str) -> None:
+    """Mark the current `approval wait` span with how it ended (`decision`, the metrics' label):
+    the approvals' `on_decided` hook runs inside that span."""
     if not tracing_on():
         return
-    end = time.time_ns()
-    span = _get_tracer().start_span("approval wait", start_time=end - int(seconds * 1e9))
+    from opentelemetry import trace
+
+    span = trace.get_current_span()
     if span.is_recording():
-        span.set_attributes({"oubliette.approval.decision": decision})
-    span.end(end_time=end)
+        span.set_attribute("oubliette.approval.decision", decision)
 
 
 def turn_environment(meta: Any) -> dict[str, str]:
