@@ -137,8 +137,8 @@ class OtlpReceiver:
             return f"%% no span named like {name!r} received"
         heading, ordered = found
         origin = min(span.start_time_unix_nano for _, _, span in ordered)
-        lines = ["gantt", f"    title {heading.split(' (')[0]}: one relayed call, span by span",
-                 "    dateFormat x", "    axisFormat %S.%L ms"]
+        lines = ["gantt", f"    title {heading.split(' (')[0]}, one relayed call span by span",
+                 "    dateFormat x", "    axisFormat %S.%L ms", "    todayMarker off"]
         for service in dict.fromkeys(service for _, service, _ in ordered):
             lines.append(f"    section {service}")
             for _, where, span in ordered:
