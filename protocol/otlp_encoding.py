@@ -4,11 +4,11 @@ Why: the OTLP exporters encode a batch by building a protobuf message object per
 attribute and per value (opentelemetry-exporter-otlp-proto-common's `encode_spans`), ~31 µs a
 span (this module: ~9) — as much as making the span, and once the larger part of what a
 relayed call costs with tracing on (docs/OBSERVABILITY.md, "The cost of tracing"). This module
-writes the same message in protobuf's wire format straight from the `ReadableSpan`s: the same fields, the same values
-(the span flags, the status, `None` as an empty value), so that a collector decodes exactly what
-`encode_spans` would have sent (tests/test_otlp_encoding.py parses both and compares). Resource
-and scope are encoded once per object, and an attribute whose value is a string once per key
-and value.
+writes the same message in protobuf's wire format straight from the `ReadableSpan`s: the same
+fields, the same values (the span flags, the status, `None` as an empty value), so that a
+collector decodes exactly what `encode_spans` would have sent (tests/test_otlp_encoding.py
+parses both and compares). Resource and scope are encoded once per object, and an attribute
+whose value is a string once per key and value.
 
 `encode_request(spans)` returns the bytes; `EncodedRequest` wraps them in what the OTLP/HTTP
 exporter calls on `encode_spans`'s result (`SerializePartialToString`, `SerializeToString`), so
