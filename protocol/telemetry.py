@@ -83,10 +83,6 @@ def _otlp_exporter(environ: Mapping[str, str]) -> Any:
                 or "http/protobuf").strip().lower()
     if protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        from .otlp_encoding import use_in_http_exporter
-
-        use_in_http_exporter()  # the same bytes, ~3x faster than the exporter's own encoder
     elif protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
     else:
