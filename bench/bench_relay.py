@@ -1,6 +1,7 @@
 """Benchmark of a relayed caller tool call, against a direct stdio MCP call of the same SDK.
 
     python bench/bench_relay.py [--calls N] [--throughput-calls M] [--warmup W] [--quick]
+                                [--tracing off|on|both] [--rounds R]
 
 It starts, all on this machine, in one run:
 
@@ -30,6 +31,13 @@ and measures:
    ``time.process_time``);
 4. the machine's load average before and after, since the figures are only comparable on a
    similarly quiet machine.
+
+With ``--tracing on`` the programs export their spans over OTLP/HTTP to bench/otlp_sink.py,
+started by the bench as a process of its own on a free loopback port (its CPU is reported apart:
+a collector's work is not the programs'); ``--tracing both`` runs the whole bench with tracing
+off and on, with fresh programs each time, alternating for ``--rounds`` rounds (off first in odd
+rounds, on first in even ones), and prints the CPU per relayed call of both and the difference,
+overall and by process (the medians of the rounds).
 
 The caller runs in its own process so that its CPU time is not mixed with the agent's; it
 spawns oubliette-server, declares the tool, prints one JSON line ``{"server_pid": …}`` and
@@ -400,7 +408,49 @@ async def read_json_line(stream: trio.abc.ReceiveStream, buffer: bytearray) -> d
         buffer += chunk
 
 
-async def bench(workdir: Path, args: argparse.Namespace) -> None:
+class Sink:
+    """bench/otlp_sink.py in a process of its own on a free loopback port: the local collector of a
+    tracing run. `endpoint` is its URL; `stop()` ends it (SIGTERM) and returns what it printed."""
+
+    def __init__(self) -> None:
+        self.process: trio.Process | None = None
+        self.endpoint = ""
+
+    async def start(self) -> None:
+        self.process = await trio.lowlevel.open_process(
+            [PYTHON, str(HERE / "otlp_sink.py"), "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert self.process.stderr is not None
+        said = b""
+        while b"\n" not in said:
+            chunk = await self.process.stderr.receive_some(4096)
+            if not chunk:
+                raise BenchError("bench/otlp_sink.py ended before it listened")
+            said += chunk
+        self.endpoint = said.decode().split("listening on ", 1)[1].split()[0]
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.process.pid if self.process is not None else None)
+
+    async def stop(self) -> str:
+        if self.process is None:
+            return ""
+        self.process.terminate()
+        assert self.process.stdout is not None
+        out = b""
+        while chunk := await self.process.stdout.receive_some(65536):
+            out += chunk
+        await self.process.wait()
+        return out.decode().strip()
+
+
+def tracing_env(endpoint: str) -> dict[str, str]:
+    """The `OTEL_*` variables of a tracing run (passed on by `passed_env`): OTLP/HTTP to the sink,
+    the SDK's batch defaults."""
+    return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+
+
+async def bench(workdir: Path, args: argparse.Namespace) -> tuple[Figures, Figures]:
     data_dir = workdir / "data"
     relay = f"unix:{workdir / 'relay.sock'}"
     token = token_for(data_dir, INSTANCE)
@@ -450,6 +500,78 @@ async def bench(workdir: Path, args: argparse.Namespace) -> None:
     if summary.get("failures"):
         raise BenchError(f"caller_tool_response failed {len(summary['failures'])} times: {summary['failures'][0]}")
     report(relayed, direct, args, summary, load_before, load_after)
+    return relayed, direct
+
+
+async def bench_traced(workdir: Path, args: argparse.Namespace) -> tuple[Figures, Figures, float, str]:
+    """One bench with the programs exporting spans to a sink of its own; the sink's CPU seconds and summary."""
+    sink = Sink()
+    await sink.start()
+    saved = {name: os.environ.get(name) for name in tracing_env("")}
+    os.environ.update(tracing_env(sink.endpoint))
+    try:
+        cpu_before = sink.cpu()
+        relayed, direct = await bench(workdir, args)
+        sink_cpu = sink.cpu() - cpu_before
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        with trio.CancelScope(shield=True):
+            summary = await sink.stop()
+    print(f"  collector (bench/otlp_sink.py, not counted above): {sink_cpu * 1e3:.0f} ms CPU; received: "
+          + "; ".join(summary.splitlines()))
+    return relayed, direct, sink_cpu, summary
+
+
+def compare_tracing(rounds: list[tuple[Figures, Figures]]) -> None:
+    """CPU per relayed call, tracing off against on, round by round and the median of the rounds:
+    in all and by process, 1 and 64 in flight."""
+    print()
+    print(f"  tracing on against off: CPU ms per relayed call (1 in flight | {CONCURRENCY} in flight), "
+          f"{len(rounds)} round(s) alternating, the median of the rounds' figures")
+    for name in [*rounds[0][0].cpu.pids, "total"]:
+        def per(meter: CpuMeter, calls: int) -> float:
+            used = sum(meter.used.values()) if name == "total" else meter.used[name]
+            return used / calls * 1e3
+
+        a1 = statistics.median(per(off.cpu, off.seq_calls) for off, _ in rounds)
+        b1 = statistics.median(per(on.cpu, on.seq_calls) for _, on in rounds)
+        an = statistics.median(per(off.cpu_conc, off.conc_calls) for off, _ in rounds)
+        bn = statistics.median(per(on.cpu_conc, on.conc_calls) for _, on in rounds)
+        print(f"    {name:<8} off {a1:.3f} | {an:.3f}  on {b1:.3f} | {bn:.3f}  "
+              f"extra {b1 - a1:+.3f} ({(b1 / a1 - 1) * 100:+.0f} %) | {bn - an:+.3f} ({(bn / an - 1) * 100:+.0f} %)")
+    for n, (off, on) in enumerate(rounds, 1):
+        t = [sum(f.cpu.used.values()) / f.seq_calls * 1e3 for f in (off, on)]
+        c = [sum(f.cpu_conc.used.values()) / f.conc_calls * 1e3 for f in (off, on)]
+        print(f"    round {n}: total off {t[0]:.3f} | {c[0]:.3f}  on {t[1]:.3f} | {c[1]:.3f}  "
+              f"({(t[1] / t[0] - 1) * 100:+.0f} % | {(c[1] / c[0] - 1) * 100:+.0f} %)")
+
+
+async def bench_modes(workdir: Path, args: argparse.Namespace) -> None:
+    """The bench as `--tracing` asks: as the environment says (off), with a sink (on), or both,
+    alternating for `--rounds` rounds (on first in every other round, so drifting load hits both)."""
+    if args.tracing == "off":
+        await bench(workdir, args)
+        return
+    if args.tracing == "on":
+        await bench_traced(workdir, args)
+        return
+    rounds: list[tuple[Figures, Figures]] = []
+    for n in range(args.rounds):
+        figures: dict[str, Figures] = {}
+        for mode in ("off", "on") if n % 2 == 0 else ("on", "off"):
+            where = workdir / f"{mode}{n}"
+            where.mkdir()
+            print(f"\n== round {n + 1}: tracing {mode}", flush=True)
+            if mode == "off":
+                figures[mode], _ = await bench(where, args)
+            else:
+                figures[mode], _, _, _ = await bench_traced(where, args)
+        rounds.append((figures["off"], figures["on"]))
+    compare_tracing(rounds)
 
 
 def bench_error_in(exc: BaseException) -> BenchError | None:
@@ -470,6 +592,10 @@ def main() -> int:
                         help=f"calls for the {CONCURRENCY}-in-flight figures (default 2000; 400 with --quick)")
     parser.add_argument("--warmup", type=int, help="sequential warm-up calls per path (default 50; 20 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smaller counts, for a smoke run")
+    parser.add_argument("--tracing", choices=("off", "on", "both"), default="off",
+                        help="off: as the OTEL_* environment says; on: export spans to bench/otlp_sink.py, started "
+                             "here; both: off then on, and the difference in CPU per relayed call")
+    parser.add_argument("--rounds", type=int, default=1, help="with --tracing both: alternate off and on this many times")
     parser.add_argument("--as-caller", metavar="WORKDIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.as_caller:
@@ -486,7 +612,7 @@ def main() -> int:
     # Short path: a Unix socket path is limited to ~100 bytes.
     workdir = Path(tempfile.mkdtemp(prefix="oub-bench-", dir="/tmp"))
     try:
-        trio.run(bench, workdir, args)
+        trio.run(bench_modes, workdir, args)
     except BaseException as exc:  # noqa: B036 - only to find a BenchError inside exception groups
         err = bench_error_in(exc)
         if err is None:

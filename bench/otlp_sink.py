@@ -1,12 +1,14 @@
 """A local OTLP/HTTP trace collector for measurements: receives, counts, and renders one trace.
 
-    python bench/otlp_sink.py [--port 4318] [--tree NAME [--nth N]]
+    python bench/otlp_sink.py [--port 4318] [--tree NAME [--nth N] [--mermaid]]
 
 It listens on 127.0.0.1:PORT, decodes every `POST /v1/traces` (protobuf, gzip or not) with
 opentelemetry-proto and answers 200, as a collector would. On Ctrl-C or SIGTERM it prints how
 many spans each service sent and, with `--tree NAME`, the trace whose span named like NAME took
 the median time (with `--nth N`: the Nth such span received) as a tree of span names with
-durations (docs/OBSERVABILITY.md, "Traces: one call across the boundary"). Point the programs at it with
+durations (docs/OBSERVABILITY.md, "Traces: one call across the boundary"), and with `--mermaid`
+the same trace as a Mermaid gantt chart, a span waterfall that GitHub renders (docs/OBSERVABILITY.md,
+"One relayed call as a picture"). Point the programs at it with
 `OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:PORT`. Not part of the test suite.
 """
 
@@ -87,14 +89,13 @@ class OtlpReceiver:
         counts = collections.Counter(service for service, _ in self.spans)
         return "\n".join(f"{service}: {count} spans" for service, count in sorted(counts.items()))
 
-    def tree(self, name: str, nth: int | None = None) -> str:
-        """The trace whose span named like `name` took the median time of all such spans (or
-        the `nth` such span received, from 0), one span a line, children indented under their
-        parent, with each span's service, kind and duration."""
+    def _chosen(self, name: str, nth: int | None) -> tuple[str, list[tuple[int, str, Any]]] | None:
+        """The trace `tree` and `mermaid` show: (its heading, its spans depth-first as (depth,
+        service, span), children in start order), or None when no span is named like `name`."""
         received = [(span.end_time_unix_nano - span.start_time_unix_nano, span.trace_id)
                     for _, span in self.spans if name in span.name]
         if not received:
-            return f"(no span named like {name!r} received)"
+            return None
         matching = sorted(received)
         chosen = matching[len(matching) // 2][1] if nth is None else received[min(nth, len(received) - 1)][1]
         trace = [(service, span) for service, span in self.spans if span.trace_id == chosen]
@@ -102,15 +103,52 @@ class OtlpReceiver:
         children: dict[bytes, list[tuple[str, Any]]] = collections.defaultdict(list)
         for service, span in trace:
             children[span.parent_span_id if span.parent_span_id in ids else b""].append((service, span))
-        lines = [f"trace {chosen.hex()} ({'the median' if nth is None else f'number {nth}'} of {len(matching)})"]
+        ordered: list[tuple[int, str, Any]] = []
 
         def walk(parent: bytes, depth: int) -> None:
             for service, span in sorted(children[parent], key=lambda item: item[1].start_time_unix_nano):
-                took = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
-                lines.append(f"{'  ' * depth}{span.name}  [{service}, {KINDS.get(span.kind, '?')}] {took:.2f} ms")
+                ordered.append((depth, service, span))
                 walk(span.span_id, depth + 1)
 
         walk(b"", 1)
+        return f"trace {chosen.hex()} ({'the median' if nth is None else f'number {nth}'} of {len(matching)})", ordered
+
+    def tree(self, name: str, nth: int | None = None) -> str:
+        """The trace whose span named like `name` took the median time of all such spans (or
+        the `nth` such span received, from 0), one span a line, children indented under their
+        parent, with each span's service, kind and duration."""
+        found = self._chosen(name, nth)
+        if found is None:
+            return f"(no span named like {name!r} received)"
+        heading, ordered = found
+        lines = [heading]
+        for depth, service, span in ordered:
+            took = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
+            lines.append(f"{'  ' * depth}{span.name}  [{service}, {KINDS.get(span.kind, '?')}] {took:.2f} ms")
+        return "\n".join(lines)
+
+    def mermaid(self, name: str, nth: int | None = None) -> str:
+        """The trace `tree` shows, as a Mermaid gantt chart: one bar per span from its start to
+        its end, a section per service in the order the trace reaches them. Mermaid's gantt
+        counts whole milliseconds, so each microsecond is written as one of its milliseconds and
+        the axis prints seconds.milliseconds as `ms.µs`: the bars and the axis read in ms."""
+        found = self._chosen(name, nth)
+        if found is None:
+            return f"%% no span named like {name!r} received"
+        heading, ordered = found
+        origin = min(span.start_time_unix_nano for _, _, span in ordered)
+        lines = ["gantt", f"    title {heading.split(' (')[0]}, one relayed call span by span",
+                 "    dateFormat x", "    axisFormat %S.%L ms", "    todayMarker off"]
+        for service in dict.fromkeys(service for _, service, _ in ordered):
+            lines.append(f"    section {service}")
+            for _, where, span in ordered:
+                if where != service:
+                    continue
+                start = (span.start_time_unix_nano - origin) // 1000
+                end = max((span.end_time_unix_nano - origin) // 1000, start + 1)
+                took = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
+                label = f"{span.name} ({KINDS.get(span.kind, '?')}) {took:.2f} ms".replace(":", " ")
+                lines.append(f"    {label} :{start}, {end}")
         return "\n".join(lines)
 
 
@@ -131,12 +169,15 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=4318)
     parser.add_argument("--tree", metavar="NAME", help="render the median trace with a span named like NAME")
     parser.add_argument("--nth", type=int, help="with --tree: the trace of the NTH such span received (from 0), not the median")
+    parser.add_argument("--mermaid", action="store_true", help="with --tree: also print that trace as a Mermaid gantt chart")
     args = parser.parse_args()
     sink = OtlpReceiver()
     trio.run(serve, sink, args.port)
     print(sink.summary())
     if args.tree:
         print(sink.tree(args.tree, args.nth))
+        if args.mermaid:
+            print(sink.mermaid(args.tree, args.nth))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Why one module: a relayed call is one trace from the agent's `tools/call` to the
 (docs/OBSERVABILITY.md, "Traces: one call across the boundary"). The client hands the current
 span on in the relay request's `_meta` (`current_meta`, `client_request_span`), the server opens
 its span under it (`traced_relay_handler`) and hands its own on to the caller (the pending
-entry, the `caller_tool_request` frame), and a caller's `session_message` reaches the agent
+entry, the `caller_tool_request` frame); an approval's wait is a span of its own, handed to the
+caller the same way (`approval_wait_span`); and a caller's `session_message` reaches the agent
 command as `TRACEPARENT` (`turn_environment`). Names and attributes follow the OpenTelemetry
 semantic conventions for MCP (`tools/call {tool}`, `mcp.method.name`, `gen_ai.tool.name`,
 `mcp.session.id`).
@@ -17,7 +18,6 @@ invalid `traceparent` is ignored (`telemetry.extract`), never an error.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,7 +25,8 @@ from typing import Any
 from . import telemetry
 
 __all__ = [
-    "current_meta", "tracing_on", "traced_relay_handler", "client_request_span", "record_approval_span",
+    "current_meta", "tracing_on", "traced_relay_handler", "client_request_span", "approval_wait_span",
+    "record_approval_decision",
     "turn_environment", "fast_call_span", "TARGET_FIELDS",
 ]
 
@@ -33,6 +34,9 @@ __all__ = [
 TARGET_FIELDS = {"caller_tool": "tool", "toolset_call": "name", "approval": "tool_name"}
 
 _tracer: Any = None
+_api: Any = None
+"""opentelemetry's `trace` and `context` modules and `SpanKind`, imported at the first span (not
+when this module is: a program that never traces never imports them)."""
 
 
 def tracing_on() -> bool:
@@ -41,12 +45,57 @@ def tracing_on() -> bool:
 
 
 def _get_tracer() -> Any:
-    global _tracer
-    if _tracer is None:
-        from opentelemetry import trace
+    global _tracer, _api
+    if _api is None:
+        from types import SimpleNamespace
 
-        _tracer = trace.get_tracer("oubliette")  # a proxy: follows the provider set at start
+        from opentelemetry import context, trace
+
+        _api = SimpleNamespace(trace=trace, context=context, SpanKind=trace.SpanKind, StatusCode=trace.StatusCode)
+    if _tracer is None:
+        # The SDK's tracer when the provider is set (at start), else a proxy that follows it.
+        _tracer = _api.trace.get_tracer("oubliette")
     return _tracer
+
+
+class _Current:
+    """`span` as the current span until exit, then ended: what the API's `start_as_current_span`
+    does (without recording exceptions), without its two generator context managers — a few µs
+    of each span on a relayed call's path (bench/bench_trace_spans.py)."""
+
+    __slots__ = ("span", "_token")
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+        self._token: Any = None
+
+    def __enter__(self) -> Any:
+        self._token = _api.context.attach(_api.trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, *exc_info: object) -> None:
+        _api.context.detach(self._token)
+        self.span.end()
+
+
+def _start(name: str, kind: str, attributes: dict[str, Any], context: Any = None) -> _Current:
+    """A span `name` of `kind` (a `SpanKind` name) under `context` (default: the current one), its
+    attributes given at start (checked once by the SDK, seen by the sampler), to enter as current."""
+    tracer = _get_tracer()
+    return _Current(tracer.start_span(
+        name, context=context, kind=_api.SpanKind[kind], attributes=attributes,
+        record_exception=False, set_status_on_exception=False,
+    ))
+
+
+def _meta_of(span_context: Any) -> dict[str, str] | None:
+    """`span_context` as the `_meta` to hand on, or None when it is not valid."""
+    if not span_context.is_valid:
+        return None
+    meta = {"traceparent": f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{span_context.trace_flags:02x}"}
+    if span_context.trace_state:
+        meta["tracestate"] = span_context.trace_state.to_header()
+    return meta
 
 
 def current_meta() -> dict[str, str] | None:
@@ -54,13 +103,7 @@ def current_meta() -> dict[str, str] | None:
     there is no valid span (then nothing is added anywhere)."""
     from opentelemetry import trace
 
-    span_context = trace.get_current_span().get_span_context()
-    if not span_context.is_valid:
-        return None
-    meta = {"traceparent": f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{span_context.trace_flags:02x}"}
-    if span_context.trace_state:
-        meta["tracestate"] = span_context.trace_state.to_header()
-    return meta
+    return _meta_of(trace.get_current_span().get_span_context())
 
 
 def _span_names(method: str, target: Any) -> tuple[str, str]:
@@ -83,27 +126,21 @@ def traced_relay_handler(
         meta = getattr(params, "_meta", None)
         if meta is None and not tracing_on():
             return await handler(connection, params)
-        from opentelemetry.trace import SpanKind, StatusCode
-
         target = getattr(params, field, None)
         name, mcp_method = _span_names(method, target)
         context = telemetry.extract(meta) if meta is not None else None
-        with _get_tracer().start_as_current_span(
-            name, context=context, kind=SpanKind.SERVER, record_exception=False, set_status_on_exception=False,
-        ) as span:
-            if span.is_recording():
-                span.set_attributes({
-                    "mcp.method.name": mcp_method, "gen_ai.tool.name": str(target),
-                    "gen_ai.operation.name": "execute_tool", "mcp.session.id": connection.session_key or "",
-                    "oubliette.relay.method": method, "oubliette.instance": connection.instance or "",
-                })
+        with _start(name, "SERVER", {
+            "mcp.method.name": mcp_method, "gen_ai.tool.name": str(target),
+            "gen_ai.operation.name": "execute_tool", "mcp.session.id": connection.session_key or "",
+            "oubliette.relay.method": method, "oubliette.instance": connection.instance or "",
+        }, context) as span:
             try:
                 return await handler(connection, params)
             except Exception as exc:
                 if span.is_recording():
                     code = getattr(exc, "code", None)
                     span.set_attribute("error.type", str(code) if code is not None else type(exc).__qualname__)
-                    span.set_status(StatusCode.ERROR, str(exc))
+                    span.set_status(_api.StatusCode.ERROR, str(exc))
                 raise
 
     return traced
@@ -118,12 +155,9 @@ def client_request_span(method: str, target: str) -> Iterator[dict[str, str] | N
     if not tracing_on():
         yield current_meta()
         return
-    from opentelemetry.trace import SpanKind
-
-    with _get_tracer().start_as_current_span(f"relay {method} {target}", kind=SpanKind.CLIENT) as span:
-        if span.is_recording():
-            span.set_attributes({"oubliette.relay.method": method, "gen_ai.tool.name": target})
-        yield current_meta()
+    with _start(f"relay {method} {target}", "CLIENT",
+                {"oubliette.relay.method": method, "gen_ai.tool.name": target}) as span:
+        yield _meta_of(span.get_span_context())
 
 
 def _no_result(result: Any) -> None:
@@ -139,37 +173,46 @@ def fast_call_span(name: str, request_id: str | int, meta: dict[str, Any]) -> It
     if "traceparent" not in meta and not tracing_on():
         yield _no_result
         return
-    from opentelemetry.trace import SpanKind, StatusCode
-
     context = telemetry.extract(meta) if "traceparent" in meta else None
-    with _get_tracer().start_as_current_span(
-        f"tools/call {name}", context=context, kind=SpanKind.SERVER, record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
+    with _start(f"tools/call {name}", "SERVER", {
+        "mcp.method.name": "tools/call", "jsonrpc.request.id": str(request_id),
+        "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name,
+    }, context) as span:
         if not span.is_recording():
             yield _no_result
             return
-        span.set_attributes({"mcp.method.name": "tools/call", "jsonrpc.request.id": str(request_id),
-                             "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name})
 
         def ended(result: Any) -> None:
             if isinstance(result, dict) and result.get("isError") is True:
                 span.set_attribute("error.type", "tool_error")
-                span.set_status(StatusCode.ERROR)
+                span.set_status(_api.StatusCode.ERROR)
 
         yield ended
 
 
-def record_approval_span(decision: str, seconds: float) -> None:
-    """An approval that took `seconds` and ended as `decision` (the metrics' label), as a span
-    under the current one (the server's span of the gated call) covering the wait for it."""
+@contextmanager
+def approval_wait_span(tool: str, request_id: str) -> Iterator[dict[str, str] | None]:
+    """The server's span of the wait for an approval's decision (`approval wait`, kind INTERNAL,
+    under the current span: the server's span of the gated call), open from the request to the
+    decision: yields the `_meta` the `approval_request` carries to the caller, so the caller's
+    `approval_response` nests under it. Tracing off: no span, the current context or None."""
+    if not tracing_on():
+        yield current_meta()
+        return
+    with _start("approval wait", "INTERNAL", {"gen_ai.tool.name": tool, "oubliette.approval.request_id": request_id}) as span:
+        yield _meta_of(span.get_span_context())
+
+
+def record_approval_decision(decision: str) -> None:
+    """Mark the current `approval wait` span with how it ended (`decision`, the metrics' label):
+    the approvals' `on_decided` hook runs inside that span."""
     if not tracing_on():
         return
-    end = time.time_ns()
-    span = _get_tracer().start_span("approval wait", start_time=end - int(seconds * 1e9))
+    from opentelemetry import trace
+
+    span = trace.get_current_span()
     if span.is_recording():
-        span.set_attributes({"oubliette.approval.decision": decision})
-    span.end(end_time=end)
+        span.set_attribute("oubliette.approval.decision", decision)
 
 
 def turn_environment(meta: Any) -> dict[str, str]:

@@ -47,6 +47,7 @@ NOT_CODE: dict[str, str] = {
     "parentbased_traceidratio": "an OpenTelemetry sampler",
     **{name: "read by the OpenTelemetry SDK" for name in (
         "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_BSP_MAX_QUEUE_SIZE",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
     )},
 }
 

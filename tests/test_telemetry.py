@@ -62,6 +62,32 @@ def test_extract_keeps_tracestate_and_baggage() -> None:
 
 
 @pytest.mark.parametrize("meta", [
+    {"traceparent": PARENT},
+    {"traceparent": PARENT, "tracestate": "vendor=abc,other=1", "progressToken": 3},
+    {"traceparent": PARENT[:-2] + "00"},  # not sampled
+    {"traceparent": PARENT, "tracestate": 5},  # a tracestate that is not a string is absent
+    {"traceparent": PARENT, "tracestate": "not a tracestate !"},
+    {"traceparent": "00-00000000000000000000000000000000-b7ad6b7169203331-01"},
+    {"traceparent": f"00-{TRACE_ID}-0000000000000000-01"},
+    {"traceparent": f" 00-{TRACE_ID}-b7ad6b7169203331-01 "},  # spaces: the propagator's own path
+    {"traceparent": f"01-{TRACE_ID}-b7ad6b7169203331-01-later"},  # a later version
+    {"traceparent": f"00-{TRACE_ID.upper()}-b7ad6b7169203331-01"},
+])
+def test_extract_reads_a_traceparent_as_the_w3c_propagator_does(meta: dict[str, Any]) -> None:
+    """`extract`'s shortcut for a plain version-00 `traceparent` builds the very context the W3C
+    propagator would: same ids, flags, tracestate and remoteness, or none at all."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from protocol.telemetry import _StringGetter
+
+    ours = trace.get_current_span(extract(meta)).get_span_context()
+    theirs = trace.get_current_span(TraceContextTextMapPropagator().extract(meta, getter=_StringGetter())).get_span_context()
+    assert (ours.trace_id, ours.span_id, ours.trace_flags, ours.is_remote, ours.is_valid) == (
+        theirs.trace_id, theirs.span_id, theirs.trace_flags, theirs.is_remote, theirs.is_valid)
+    assert dict(ours.trace_state or {}) == dict(theirs.trace_state or {})
+
+
+@pytest.mark.parametrize("meta", [
     {"traceparent": "not a traceparent"},
     {"traceparent": "00-00000000000000000000000000000000-b7ad6b7169203331-01"},  # all-zero trace id
     {"traceparent": 17},

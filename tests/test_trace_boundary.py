@@ -139,6 +139,99 @@ async def test_one_trace_from_the_agents_call_to_the_callers_pending_entry(deplo
     assert server_span.kind == server_span.SPAN_KIND_SERVER and relay_span.kind == relay_span.SPAN_KIND_CLIENT
 
 
+DELETE = {"name": "delete_file", "description": "Delete a file on the host", "requires_approval": True,
+          "inputSchema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+
+
+async def test_an_approval_carries_the_trace_and_its_wait_is_a_span(deployment: Deployment) -> None:
+    """The agent's gated `tools/call` with `_meta.traceparent` → the server's span of the call →
+    its `approval wait` span, open until the decision: the `approval_request` event and the
+    `requires_approval` pending entry carry that span as `_meta.traceparent` (with the agent's
+    `tracestate`); the caller's `approval_response` sent with it nests under the wait, and the
+    approved call's `caller_tool_request` carries the call's span again. One trace id throughout."""
+    receiver = WatchedReceiver()
+    events = EventLog()
+    async with trio.open_nursery() as nursery:
+        endpoint = await nursery.start(receiver.serve)
+        server = _server(deployment, _env_without_otel(**_otel(endpoint, "oubliette-server"), OTEL_BSP_SCHEDULE_DELAY="50"))
+        agent_env = _env_without_otel(**deployment.client_env("box1", "mcp:s1"))
+        with trio.fail_after(BOUND):
+            async with Client(server, mode="legacy", **events.callback_if(True)) as caller:
+                await declare(caller, "box1", "s1", [DELETE])
+                async with Client(StdioServerParameters(command=PYTHON, args=["-m", "oubliette_client"], env=agent_env),
+                                  mode="legacy") as agent:
+                    outcome: dict[str, Any] = {}
+
+                    async def agent_call() -> None:
+                        outcome["result"] = await agent.call_tool(
+                            "myapp_delete_file", {"path": "/tmp/x"},
+                            meta={"traceparent": PARENT, "tracestate": "vendor=abc"})
+
+                    turn: dict[str, Any] = {}
+                    stopped = trio.Event()
+
+                    async def send_and_wait() -> None:
+                        turn["stop"] = await caller.call_tool(
+                            "session_message", {"session_id": "s1", "instance": "box1", "message": "delete", "wait": True})
+                        stopped.set()
+
+                    async with trio.open_nursery() as calls:
+                        calls.start_soon(send_and_wait)
+                        await events.wait_type("user.message", text="delete")
+                        calls.start_soon(agent_call)
+                        asked = await events.wait_type("approval_request")
+                        await stopped.wait()
+                        assert not turn["stop"].is_error, text_of(turn["stop"])
+                        waited = structured(turn["stop"])
+                        assert waited["stop_reason"] == "requires_approval", waited
+                        [entry] = waited["pending"]
+                        decided = await caller.call_tool(
+                            "approval_response", {"session_id": "s1", "request_id": asked["request_id"], "approve": True},
+                            meta=entry["_meta"])
+                        assert not decided.is_error, text_of(decided)
+                        request = await events.wait_type("caller_tool_request")
+                        answered = await respond(caller, "s1", request["request_id"], result={"deleted": True})
+                        assert not answered.is_error, text_of(answered)
+                    assert not outcome["result"].is_error, text_of(outcome["result"])
+                    spans = await receiver.wait_for({"oubliette-server": {
+                        "tools/call delete_file", "approval wait", "tools/call approval_response"}})
+        nursery.cancel_scope.cancel()
+
+    assert entry["kind"] == "approval" and entry["_meta"] == asked["_meta"] == waited["approval_requests"][0]["_meta"]
+    seen_trace, seen_span = _ids(entry["_meta"]["traceparent"])
+    assert seen_trace == TRACE_ID and entry["_meta"]["tracestate"] == "vendor=abc"
+    server = {span.name: span for span in spans["oubliette-server"]}
+    call, wait, decision = server["tools/call delete_file"], server["approval wait"], server["tools/call approval_response"]
+    for span in (call, wait, decision):
+        assert span.trace_id.hex() == TRACE_ID, span.name
+    assert wait.parent_span_id == call.span_id and wait.span_id.hex() == seen_span
+    assert decision.parent_span_id == wait.span_id, "the caller's decision joins the wait"
+    assert wait.start_time_unix_nano <= decision.start_time_unix_nano <= wait.end_time_unix_nano <= call.end_time_unix_nano
+    attributes = {kv.key: kv.value.string_value for kv in wait.attributes}
+    assert attributes == {"gen_ai.tool.name": "myapp_delete_file", "oubliette.approval.request_id": asked["request_id"],
+                          "oubliette.approval.decision": "approved"}
+    assert wait.kind == wait.SPAN_KIND_INTERNAL
+    # approved: the call goes on to the caller under the call's own span
+    assert _ids(request["_meta"]["traceparent"]) == (TRACE_ID, call.span_id.hex())
+
+
+async def test_an_approval_hands_on_the_agents_trace_without_tracing(deployment: Deployment) -> None:
+    """No SDK in the server: no span is recorded, but the `approval_request` frame and the pending
+    entry carry the agent's own context, as a caller tool request does."""
+    from test_approvals import gated_session
+    from test_caller_responses import in_process
+
+    with trio.fail_after(BOUND):
+        async with in_process(deployment) as proc, trio.open_nursery() as nursery:
+            owner, events, link = await gated_session(proc, deployment, [DELETE])
+            nursery.start_soon(lambda: link.request("caller_tool", {
+                "tool": "delete_file", "arguments": {"path": "/tmp/x"}, "_meta": {"traceparent": PARENT}}))
+            asked = await events.wait_type("approval_request")
+            [entry] = proc.server.approvals.pending_for(next(iter(proc.server.sessions.all())))
+            nursery.cancel_scope.cancel()
+    assert asked["_meta"] == {"traceparent": PARENT} and entry.summary()["_meta"] == {"traceparent": PARENT}
+
+
 AGENT_WRITES_ENV = """
 import json, os, sys
 sys.stdin.read()
@@ -300,13 +393,19 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 async def test_the_servers_span_of_a_gated_call_and_of_its_approval_wait(recording: Any) -> None:
-    """Recording: the relay request's span has the MCP attributes, an error its code, and the
-    approval's `on_decided` hook adds a span covering the time the decision took, under it."""
+    """Recording: the relay request's span has the MCP attributes, an error its code; the approval's
+    wait is a span under it, open from the request to the decision, the one its `_meta` names,
+    marked with the decision by the approvals' `on_decided` hook."""
     from protocol import RelayError, errors
-    from protocol.trace_spans import record_approval_span
+    from protocol.trace_spans import approval_wait_span, record_approval_decision
+
+    handed: list[Any] = []
 
     async def gated(connection: Any, params: Any) -> Any:
-        record_approval_span("denied", 1.5)
+        with approval_wait_span("delete_file", "apr-1") as meta:
+            handed.append(meta)
+            await trio.sleep(0.01)  # the decision takes a while
+            record_approval_decision("denied")
         raise RelayError(errors.DENIED, "denied: not now")
 
     params = parse_params("caller_tool", {"tool": "delete_file", "arguments": {}, "_meta": {"traceparent": PARENT}})
@@ -321,5 +420,7 @@ async def test_the_servers_span_of_a_gated_call_and_of_its_approval_wait(recordi
         "error.type": str(errors.DENIED),
     }
     assert wait.name == "approval wait" and wait.parent.span_id == call.context.span_id
-    assert dict(wait.attributes) == {"oubliette.approval.decision": "denied"}
-    assert abs((wait.end_time - wait.start_time) / 1e9 - 1.5) < 0.01
+    assert handed == [{"traceparent": f"00-{TRACE_ID}-{wait.context.span_id:016x}-01"}]
+    assert dict(wait.attributes) == {"gen_ai.tool.name": "delete_file", "oubliette.approval.request_id": "apr-1",
+                                     "oubliette.approval.decision": "denied"}
+    assert (wait.end_time - wait.start_time) / 1e9 >= 0.01

@@ -18,7 +18,7 @@ import trio
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
 from protocol.frames import FrameType
 from protocol.limits import Limits
-from protocol.trace_spans import record_approval_span, traced_relay_handler
+from protocol.trace_spans import record_approval_decision, traced_relay_handler
 
 from ..core.auth import TokenAuthority, ensure_private_dir
 from ..core.callers import CallerConnection, CallerRegistry
@@ -387,9 +387,9 @@ class OublietteServer:
         return traced_relay_handler(method, checked) if method in TRACED_METHODS else checked
 
     def _approval_decided(self, decision: Any, seconds: float) -> None:
-        """An approval ended: counted in the metrics, and a span of the wait when tracing."""
+        """An approval ended: counted in the metrics, and its decision marked on the span of the wait."""
         self.metrics.approval_decided(decision, seconds)
-        record_approval_span(decision_of(decision), seconds)
+        record_approval_decision(decision_of(decision))
 
     def _user_message_arrived(self, instance: str) -> None:
         """Wake the instance (its start command) if its guest is not connected here, nor, with a

@@ -42,6 +42,7 @@ from protocol import Frame, RelayError, errors
 from protocol.frames import is_past
 from protocol.schema_check import schema_problem
 from protocol.timestamps import utc_timestamp
+from protocol.trace_spans import approval_wait_span
 
 from ...core.pending_requests import Crossing, PendingRequests
 from ...core.sessions import Session
@@ -133,9 +134,11 @@ class PendingApproval:
     """Shared store: another server's gated call, read from the log (decided through it)."""
     in_log: bool = False
     """Shared store: this server's gated call whose owner is on another server (decided in the log)."""
+    meta: dict[str, str] | None = None
+    """The server's span of the wait as W3C trace context (`traceparent`, `tracestate`), for the caller."""
 
     def summary(self) -> dict[str, Any]:
-        """What a caller must answer: the `approval_requests` entry of a turn stop."""
+        """What a caller must answer: the `approval_requests` entry of a turn stop (with `_meta`: the trace to join)."""
         summary = {
             "request_id": self.request_id, "tool_name": self.tool_name, "arguments": self.arguments,
             "origin": self.origin, "expires_at": self.expires_at,
@@ -144,6 +147,8 @@ class PendingApproval:
             summary["elicitation"] = self.form
         if self.tool_use_id is not None:
             summary["tool_use_id"] = self.tool_use_id  # the agent's own id of the action (origin "agent")
+        if self.meta is not None:
+            summary["_meta"] = self.meta  # the trace the caller's decision joins
         return summary
 
 
@@ -242,7 +247,7 @@ class ApprovalService(PendingRequests[PendingApproval]):
             allows_tool_return=p.get("allows_tool_return") is True,
             form=p.get("elicitation") if isinstance(p.get("elicitation"), dict) else None,
             tool_use_id=p.get("tool_use_id") if isinstance(p.get("tool_use_id"), str) else None,
-            frame_seq=frame.seq, remote=True,
+            frame_seq=frame.seq, remote=True, meta=p.get("_meta") if isinstance(p.get("_meta"), dict) else None,
         )
 
     # -- the gated call's side -----------------------------------------------------------
@@ -268,52 +273,56 @@ class ApprovalService(PendingRequests[PendingApproval]):
         """
         started = trio.current_time()
         seconds = self.default_timeout if timeout is None else timeout
-        entry = PendingApproval(
-            request_id="apr-" + secrets.token_hex(8), session=session, tool_name=tool_name,
-            arguments=arguments, origin=origin, caller=caller, expires_at=_iso_in(seconds),
-            input_schema=input_schema, allows_tool_return=allows_tool_return, form=form, tool_use_id=tool_use_id,
-        )
-        self._pending[entry.request_id] = entry
-        try:
-            # Shared store: the owner (by identity) or the operator may decide on any server, so the
-            # call waits in the log even when its owner is connected here (docs/SCALING.md).
-            entry.in_log = (caller is None or not caller.closed.is_set()) \
-                and await self.crossing.owner_elsewhere(session, recorded_only=caller is None)
-            request = entry.summary()
-            # Across servers: what the owner's server checks an answer against.
-            self.crossing.announce(request, input_schema=input_schema, allows_tool_return=True if allows_tool_return else None)
-            frame = await self._append_frame(session, REQUEST, request)
-            entry.frame_seq = frame.seq
-            self._notify(session)
-            if entry.in_log:
-                await self._wait_in_log(entry, seconds)
-                if not entry.recorded.is_set():  # decided here without an answer (its owner left)
+        request_id = "apr-" + secrets.token_hex(8)
+        # The wait is a span of its own; the caller gets it in `_meta` (its decision nests under it).
+        with approval_wait_span(tool_name, request_id) as meta:
+            entry = PendingApproval(
+                request_id=request_id, session=session, tool_name=tool_name,
+                arguments=arguments, origin=origin, caller=caller, expires_at=_iso_in(seconds),
+                input_schema=input_schema, allows_tool_return=allows_tool_return, form=form, tool_use_id=tool_use_id,
+                meta=meta,
+            )
+            self._pending[entry.request_id] = entry
+            try:
+                # Shared store: the owner (by identity) or the operator may decide on any server, so the
+                # call waits in the log even when its owner is connected here (docs/SCALING.md).
+                entry.in_log = (caller is None or not caller.closed.is_set()) \
+                    and await self.crossing.owner_elsewhere(session, recorded_only=caller is None)
+                request = entry.summary()
+                # Across servers: what the owner's server checks an answer against.
+                self.crossing.announce(request, input_schema=input_schema, allows_tool_return=True if allows_tool_return else None)
+                frame = await self._append_frame(session, REQUEST, request)
+                entry.frame_seq = frame.seq
+                self._notify(session)
+                if entry.in_log:
+                    await self._wait_in_log(entry, seconds)
+                    if not entry.recorded.is_set():  # decided here without an answer (its owner left)
+                        await self._record(entry)
+                    return self._decided(entry)
+                if entry.decision is None and (caller is None or caller.closed.is_set()):
+                    self._decide(entry, Decision(
+                        approve=False, who="disconnect",
+                        reason=f"the caller that owns '{tool_name}' is not connected; nobody can approve it",
+                    ))
+                else:
+                    await self._await_outcome(entry, seconds, lambda: self._decide(entry, Decision(
+                        approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)",
+                    )))
+                if not entry.recorded.is_set():  # a denial this server took: stored before the call hears it
                     await self._record(entry)
-                return self._decided(entry)
-            if entry.decision is None and (caller is None or caller.closed.is_set()):
-                self._decide(entry, Decision(
-                    approve=False, who="disconnect",
-                    reason=f"the caller that owns '{tool_name}' is not connected; nobody can approve it",
+            except trio.Cancelled:
+                await self._end_if_open(entry, lambda: self._decide(
+                    entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"),
                 ))
-            else:
-                await self._await_outcome(entry, seconds, lambda: self._decide(entry, Decision(
-                    approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)",
-                )))
-            if not entry.recorded.is_set():  # a denial this server took: stored before the call hears it
-                await self._record(entry)
-        except trio.Cancelled:
-            await self._end_if_open(entry, lambda: self._decide(
-                entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"),
-            ))
-            if not entry.recorded.is_set():
-                with trio.CancelScope(shield=True):
-                    await self._record(entry)  # with a shared store it loses to a decision stored first
-            raise
-        finally:
-            self._pending.pop(entry.request_id, None)
-            entry.recorded.set()  # never leave an answerer waiting, even if recording failed
-            self._on_decided(entry.decision, trio.current_time() - started)
-        return self._decided(entry)
+                if not entry.recorded.is_set():
+                    with trio.CancelScope(shield=True):
+                        await self._record(entry)  # with a shared store it loses to a decision stored first
+                raise
+            finally:
+                self._pending.pop(entry.request_id, None)
+                entry.recorded.set()  # never leave an answerer waiting, even if recording failed
+                self._on_decided(entry.decision, trio.current_time() - started)
+            return self._decided(entry)
 
     @staticmethod
     def _decided(entry: PendingApproval) -> Decision:

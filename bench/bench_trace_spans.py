@@ -1,0 +1,149 @@
+"""CPU of the spans one relayed call makes, in one process, tracing off and on.
+
+    python bench/bench_trace_spans.py [--calls N] [--rounds R]
+
+bench/bench_relay.py measures the whole call with the real programs, where a tracing run's extra
+CPU (~0.2–0.8 ms per call, docs/OBSERVABILITY.md) is hard to tell from a shared machine's noise.
+This script runs only the tracing work of one relayed call, as both programs do it, N times in a
+row and reports the CPU µs per call (`time.process_time`: every thread of the process, so the
+batch span processor's export thread is counted):
+
+- oubliette-client: the fast path's `tools/call {tool}` span under the agent's `_meta`
+  (`fast_call_span`), the relay request's span and the `_meta` it sends (`client_request_span`);
+- oubliette-server: the relay request's span under that `_meta` (`traced_relay_handler`), the
+  `_meta` for the caller's pending entry (`current_meta`), and the caller's
+  `caller_tool_response` on the fast path under the `_meta` it was given (`fast_call_span`).
+
+Three modes, alternating round by round so that load drifting hits all alike: `off` (no SDK: the
+path the programs take without `OTEL_*`), `make` (the SDK set up with an exporter that drops
+every batch: making and ending spans), `export` (the SDK exporting over OTLP/HTTP to
+bench/otlp_sink.py, started here as a process of its own, with the programs' setup,
+protocol/telemetry.py). Each mode runs in a fresh process (the provider is set once per process).
+Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+MODES = ("off", "make", "export")
+
+
+def one_call(trace_spans: Any, parse_params: Any, connection: Any) -> None:
+    """The tracing work of one relayed call in both programs, in the order they do it."""
+    agent_meta = {"progressToken": 7, "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    # oubliette-client: the agent's tools/call on the fast path, then the relay request
+    with trace_spans.fast_call_span("bench_echo", 12, agent_meta) as ended:
+        with trace_spans.client_request_span("caller_tool", "bench_echo") as relay_meta:
+            pass
+        ended({"content": [], "isError": False})
+    # oubliette-server: the relay request's span, the caller's pending entry, the caller's answer
+    params = parse_params("caller_tool", {"tool": "echo", "arguments": {"text": "x"},
+                                           **({"_meta": relay_meta} if relay_meta else {})})
+    handed: list[Any] = []
+
+    async def handler(connection: Any, got: Any) -> None:
+        handed.append(trace_spans.current_meta())
+
+    coroutine = trace_spans.traced_relay_handler("caller_tool", handler)(connection, params)
+    try:
+        coroutine.send(None)
+    except StopIteration:
+        pass
+    answer_meta = dict(handed[0] or {})
+    with trace_spans.fast_call_span("caller_tool_response", 13, answer_meta) as ended:
+        ended({"content": [], "isError": False})
+
+
+class _Connection:
+    session_key = "mcp:bench-s1"
+    instance = "bench"
+
+
+def run_mode(mode: str, calls: int, endpoint: str) -> dict[str, float]:
+    """In this (fresh) process: set tracing up as `mode` says, run `calls` calls, report CPU µs per call."""
+    if mode == "export":
+        os.environ.update({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                           "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": "bench"})
+        from protocol import telemetry
+
+        assert telemetry.configure_tracing("bench")
+    elif mode == "make":
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+        class Drop(SpanExporter):
+            def export(self, spans: Any) -> SpanExportResult:
+                return SpanExportResult.SUCCESS
+
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(Drop()))
+        trace.set_tracer_provider(provider)
+        from protocol import telemetry
+
+        telemetry._provider = provider
+    from protocol import parse_params, telemetry, trace_spans
+
+    connection = _Connection()
+    for _ in range(min(calls, 500)):  # warm-up: imports, caches
+        one_call(trace_spans, parse_params, connection)
+    if telemetry._provider is not None:
+        telemetry._provider.force_flush()
+    started, wall = time.process_time(), time.perf_counter()
+    for _ in range(calls):
+        one_call(trace_spans, parse_params, connection)
+    if telemetry._provider is not None:
+        telemetry._provider.force_flush()  # the export of these calls' spans is counted
+    return {"cpu_us": (time.process_time() - started) / calls * 1e6, "wall_us": (time.perf_counter() - wall) / calls * 1e6}
+
+
+def main() -> int:
+    """Alternate the modes for `--rounds` rounds, each in a fresh process; print the medians."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mode:
+        print(json.dumps(run_mode(args.mode, args.calls, args.endpoint)))
+        return 0
+    sink = subprocess.Popen([sys.executable, str(HERE / "otlp_sink.py"), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert sink.stderr is not None
+        endpoint = sink.stderr.readline().split("listening on ", 1)[1].split()[0]
+        results: dict[str, list[float]] = {mode: [] for mode in MODES}
+        for round_ in range(args.rounds):
+            for mode in MODES:
+                out = subprocess.run([sys.executable, __file__, "--mode", mode, "--calls", str(args.calls),
+                                      "--endpoint", endpoint], check=True, capture_output=True, text=True)
+                figures = json.loads(out.stdout.strip().splitlines()[-1])
+                results[mode].append(figures["cpu_us"])
+                print(f"round {round_ + 1} {mode:<6} {figures['cpu_us']:8.1f} µs CPU per call", file=sys.stderr, flush=True)
+    finally:
+        sink.terminate()
+        summary, _ = sink.communicate(timeout=30)
+    print(f"\ntracing work of one relayed call (client + server), {args.calls} calls, {args.rounds} rounds; "
+          f"load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    for mode in MODES:
+        print(f"  {mode:<6} median {statistics.median(results[mode]):8.1f} µs CPU per call  "
+              f"({', '.join(f'{x:.1f}' for x in results[mode])})")
+    print("  collector received: " + "; ".join(summary.strip().splitlines()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
