@@ -66,8 +66,8 @@ from mcp import Client  # noqa: E402
 from round_robin_proxy import RoundRobinProxy  # noqa: E402
 from mcp.client.stdio import StdioServerParameters  # noqa: E402
 
-from oubliette_server.store_api import FrameQuery  # noqa: E402
-from oubliette_server.store_pg import PostgresFrameStore  # noqa: E402
+from oubliette_server.store.api import FrameQuery  # noqa: E402
+from oubliette_server.store.postgres import PostgresFrameStore  # noqa: E402
 
 INSTANCE = "bench"
 CALLER_ID = "bench"

@@ -35,8 +35,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from oubliette_server.app import OublietteServer  # noqa: E402
-from oubliette_server.config import ServerConfig  # noqa: E402
+from oubliette_server.program.app import OublietteServer  # noqa: E402
+from oubliette_server.program.config import ServerConfig  # noqa: E402
 from protocol import PROTOCOL_VERSION, CallerToolSpec, messages, unstructure  # noqa: E402
 
 INSTANCE = "box1"

@@ -36,8 +36,8 @@ from typing import Any
 import attrs
 import trio
 
-from oubliette_server.app import OublietteServer
-from oubliette_server.config import ServerConfig
+from oubliette_server.program.app import OublietteServer
+from oubliette_server.program.config import ServerConfig
 
 INSTANCE = "box1"
 OTHER = "box2"  # the tether_send sessions' instance: no guest there, so nothing is delivered to ours

@@ -1,4 +1,4 @@
-"""Benchmark of the frame stores (oubliette_server/store.py, and store_pg.py in section 4).
+"""Benchmark of the frame stores (oubliette_server/store/sqlite.py, and store/postgres.py in section 4).
 
     python bench/bench_store.py [--frames N] [--appends N] [--rounds N] [--dir DIR] [--pg URL] [--skip-sqlite] [--append-only]
 
@@ -20,7 +20,7 @@ Every figure is printed next to a baseline measured in the same run, on the same
    are generated with ``executemany`` in big transactions.
 3. Long-poll wake latency: one task in ``wait_for_frames``, another appends; append start →
    waiter returns (median, p99), against a bare ``trio.Event`` set → wait wakeup.
-4. PostgreSQL column (store_pg.py), beside SQLite in the same run: single durable appends
+4. PostgreSQL column (store/postgres.py), beside SQLite in the same run: single durable appends
    (PostgreSQL ``synchronous_commit=on`` with fsync on, against SQLite ``synchronous=FULL``;
    target ratio >= 0.5), and the wake across processes: another process appends through its
    own store object, this one waits in ``wait_for_frames`` (NOTIFY → LISTEN; target median
@@ -51,8 +51,8 @@ import trio.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from oubliette_server import store as store_mod  # noqa: E402
-from oubliette_server.store import FrameQuery, FrameStore, format_ts  # noqa: E402
+from oubliette_server.store import sqlite as store_mod  # noqa: E402
+from oubliette_server.store.sqlite import FrameQuery, FrameStore, format_ts  # noqa: E402
 
 INSTANCE = "box1"
 SESSIONS = 200
@@ -359,7 +359,7 @@ async def bench_wake(workdir: Path, rounds: int) -> None:
 
 APPENDER = """
 import sys, time, json, trio
-from oubliette_server.store_pg import PostgresFrameStore
+from oubliette_server.store.postgres import PostgresFrameStore
 
 async def main(url):
     store = PostgresFrameStore(url, pool_size=1)
@@ -377,7 +377,7 @@ trio.run(main, sys.argv[1])
 
 
 async def bench_postgres(workdir: Path, url: str, n: int, rounds: int) -> None:
-    from oubliette_server.store_pg import PostgresFrameStore
+    from oubliette_server.store.postgres import PostgresFrameStore
 
     print(f"\n== PostgreSQL beside SQLite: durable single appends ({n}) ==")
     kws = [frame_kwargs(i) for i in range(n)]

@@ -38,7 +38,7 @@ from mcp import Client  # noqa: E402
 from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 
 from oubliette_client import GuestRuntime, RelaySettings  # noqa: E402
-from oubliette_server.auth import TokenAuthority  # noqa: E402
+from oubliette_server.core.auth import TokenAuthority  # noqa: E402
 
 CALLER_TOOLS = [{
     "name": "send_notification",

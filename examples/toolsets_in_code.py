@@ -15,7 +15,7 @@ from pathlib import Path
 import trio
 
 from oubliette_server import OublietteServer, ServerConfig
-from oubliette_server.toolsets import FunctionToolset, ToolSpec
+from oubliette_server.features.toolsets import FunctionToolset, ToolSpec
 
 HERE = Path(__file__).resolve().parent
 

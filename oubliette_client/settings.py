@@ -24,7 +24,7 @@ DEFAULT_REQUEST_TIMEOUT = 120.0
 def server_default_relay(env: Mapping[str, str] = os.environ) -> str:
     """The relay a same-host `oubliette-server` listens on by default: `<data dir>/relay.sock`.
 
-    The data directory follows the server's rule (`oubliette_server.config.default_data_dir`):
+    The data directory follows the server's rule (`oubliette_server.program.config.default_data_dir`):
     `$OUBLIETTE_DATA_DIR`, else `$XDG_DATA_HOME/oubliette`, else `~/.local/share/oubliette`.
     """
     data_dir = env.get("OUBLIETTE_DATA_DIR")

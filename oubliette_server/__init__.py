@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from protocol import lazy_exports
 
 if TYPE_CHECKING:
-    from .app import OublietteServer
-    from .config import ServerConfig
+    from .program.app import OublietteServer
+    from .program.config import ServerConfig
 
 __all__ = ["OublietteServer", "ServerConfig"]
 

@@ -1,5 +1,5 @@
 import sys
 
-from .entry import main
+from .program.entry import main
 
 sys.exit(main())

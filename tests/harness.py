@@ -27,12 +27,12 @@ import trio
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from oubliette_server.auth import TokenAuthority
+from oubliette_server.core.auth import TokenAuthority
 
 PYTHON = sys.executable
 EVENT_TIMEOUT = 20.0
 HTTP_TOKEN_NAME = "http:admin"
-"""The reserved name the HTTP bearer token is derived under (oubliette_server.cli `http-token`)."""
+"""The reserved name the HTTP bearer token is derived under (oubliette_server.program.cli `http-token`)."""
 
 
 def fresh_dir() -> Path:
@@ -230,7 +230,7 @@ class Deployment:
     async def embedded(self, *, store: Any = None, **settings: Any) -> AsyncIterator["EmbeddedApp"]:
         """`embedded_app` on this deployment's data directory and relay socket, the rest of its
         `ServerConfig` from `settings` (`http=["127.0.0.1:0"]` for an HTTP listener)."""
-        from oubliette_server.config import ServerConfig
+        from oubliette_server.program.config import ServerConfig
 
         config = ServerConfig(data_dir=self.data_dir, relay=self.relay, **settings)
         async with embedded_app(config, store=store) as embedded:
@@ -408,7 +408,7 @@ class EmbeddedHttpServer(HttpServer):
     """An `OublietteServer` running in the test's Trio loop (`app`), with `rest()` and `caller()`."""
 
     def __init__(self, deployment: Deployment, app: Any, url: str, unix_socket: str | None = None) -> None:
-        from oubliette_server.auth import HTTP_ADMIN
+        from oubliette_server.core.auth import HTTP_ADMIN
 
         self.deployment = deployment
         self.app = app
@@ -453,7 +453,7 @@ async def embedded_app(
     """The one embedded-server helper: `OublietteServer(config, store=store)` started in a
     nursery of the test's Trio loop as `run_server` starts it (the relay first, `before_http`
     next, then the HTTP listeners `config.http` asks for), stopped when the block ends."""
-    from oubliette_server.app import OublietteServer
+    from oubliette_server.program.app import OublietteServer
 
     app = OublietteServer(config, store=store)
     async with trio.open_nursery() as nursery:
@@ -629,7 +629,7 @@ class InProcessDeployment(Deployment):
     the real programs; tests marked `real_programs` get a plain `Deployment`.
 
     This is the one place that knows how the programs are assembled inside (as
-    oubliette_server.runner and oubliette_client.stdio_server do it)."""
+    oubliette_server.program.runner and oubliette_client.stdio_server do it)."""
 
     @asynccontextmanager
     async def caller(self, *extra: str, mode: str = "legacy", events: bool = True) -> AsyncIterator[tuple[Client, EventLog]]:
@@ -638,8 +638,8 @@ class InProcessDeployment(Deployment):
         The running server is `self.app` meanwhile, for tests that watch its state."""
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-        from oubliette_server.caller_api.mcp_server import build_caller_server, initialization_options
-        from oubliette_server.runner import SHUTDOWN_DRAIN_SECONDS
+        from oubliette_server.doors.caller_api.mcp_server import build_caller_server, initialization_options
+        from oubliette_server.program.runner import SHUTDOWN_DRAIN_SECONDS
 
         async with self.embedded_server(*extra) as (app, _urls):
             self.app = app
@@ -666,14 +666,14 @@ class InProcessDeployment(Deployment):
         """`OublietteServer` configured from command-line flags, its relay (and configured
         toolsets, and HTTP listeners if asked for) up, as `run_server` starts it:
         (the server, its HTTP URLs)."""
-        from oubliette_server.cli import _serve_parser, build_config
+        from oubliette_server.program.cli import _serve_parser, build_config
 
         config = build_config(_serve_parser().parse_args(
             ["--relay", self.relay, "--data-dir", str(self.data_dir), *extra]))
 
         async def register_toolsets(app: Any) -> None:
             if config.toolsets or config.allowlists:
-                from oubliette_server.toolsets.from_config import register_from_config
+                from oubliette_server.features.toolsets.from_config import register_from_config
 
                 await register_from_config(app, config.toolsets, config.allowlists)
 

@@ -18,7 +18,7 @@ import trio.testing
 from contextlib import asynccontextmanager
 
 from harness import EVENT_TIMEOUT, Deployment, structured, text_of
-from oubliette_server.toolsets.base import FunctionToolset, ToolSpec
+from oubliette_server.features.toolsets.base import FunctionToolset, ToolSpec
 from test_approvals import answer, stored
 from test_caller_responses import INSTANCE, SESSION, InProcess, in_process
 
@@ -266,7 +266,7 @@ async def test_a_bad_toolset_approval_timeout_is_refused(deployment: Deployment,
 
 
 def test_requires_approval_in_the_config_file() -> None:
-    from oubliette_server.toolsets.from_config import parse_toolsets
+    from oubliette_server.features.toolsets.from_config import parse_toolsets
 
     entries = parse_toolsets({
         "a": {"kind": "command", "prefix": "a", "command": "x", "requires_approval": True},
@@ -279,7 +279,7 @@ def test_requires_approval_in_the_config_file() -> None:
 
 
 def test_approval_timeout_in_the_config_file() -> None:
-    from oubliette_server.toolsets.from_config import parse_toolsets
+    from oubliette_server.features.toolsets.from_config import parse_toolsets
 
     entries = parse_toolsets({
         "a": {"kind": "command", "prefix": "a", "command": "x", "requires_approval": True, "approval_timeout": 120},
@@ -403,7 +403,7 @@ async def test_a_configured_toolsets_approval_timeout_reaches_its_definition(dep
     import sys
     from pathlib import Path
 
-    from oubliette_server.toolsets.from_config import parse_toolsets, register_from_config
+    from oubliette_server.features.toolsets.from_config import parse_toolsets, register_from_config
 
     echo = str(Path(__file__).parents[1] / "examples" / "mcp_echo.py")
     entries = parse_toolsets({"echo": {

@@ -15,7 +15,7 @@ import trio.testing
 
 from harness import EVENT_TIMEOUT, Deployment, EventLog, structured, text_of
 from oubliette_client.relay_link import RelayLink
-from oubliette_server.callers import CallerConnection
+from oubliette_server.core.callers import CallerConnection
 from protocol import RelayError, errors
 from test_caller_responses import INSTANCE, SESSION, InProcess, in_process
 
@@ -72,7 +72,7 @@ async def answer(proc: InProcess, caller: CallerConnection, **fields: Any) -> An
 
 
 async def stored(proc: InProcess, type_: str) -> list[dict[str, Any]]:
-    from oubliette_server.store import FrameQuery
+    from oubliette_server.store.sqlite import FrameQuery
 
     return [f.to_event() for f in await proc.server.store.query(INSTANCE, FrameQuery(session_id=SESSION, types=(type_,), limit=200))]
 

@@ -54,7 +54,7 @@ import pytest
 import trio
 
 from harness import Deployment
-from oubliette_server.store import FrameQuery, FrameStore
+from oubliette_server.store.sqlite import FrameQuery, FrameStore
 from test_caller_loop import INSTANCE, LOOP_AGENT, TURN_TIMEOUT, LoopCaller, ends_with, script, tool
 from test_elicitation import forms_config
 

@@ -15,7 +15,7 @@ import trio
 from harness import EVENT_TIMEOUT, Deployment, RawRelay, env_without_oubliette
 from oubliette_client.relay_link import RelayLink
 from oubliette_client.settings import RelaySettings
-from oubliette_server import cli as server_cli
+from oubliette_server.program import cli as server_cli
 
 SERVER_SCRIPT = Path(sys.executable).with_name("oubliette-server")
 
@@ -136,7 +136,7 @@ def test_processes_creating_the_secret_at_once_all_read_the_same_whole_secret(tm
     """A server and `oubliette-server token` starting together on a new data dir: no one reads a half-written file."""
     import concurrent.futures
 
-    from oubliette_server.auth import load_or_create_secret
+    from oubliette_server.core.auth import load_or_create_secret
 
     data_dir = tmp_path / "data"
     with concurrent.futures.ProcessPoolExecutor(max_workers=8) as pool:

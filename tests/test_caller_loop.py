@@ -27,7 +27,7 @@ import pytest
 import trio
 
 from harness import PYTHON, Deployment, structured, text_of
-from oubliette_server.store import FrameQuery
+from oubliette_server.store.sqlite import FrameQuery
 
 pytestmark = pytest.mark.in_process
 

@@ -22,10 +22,10 @@ from harness import EVENT_TIMEOUT, Deployment, EventLog, structured, text_of
 pytestmark = pytest.mark.in_process
 from oubliette_client.relay_link import RelayLink
 from oubliette_client.settings import RelaySettings
-from oubliette_server.app import OublietteServer
-from oubliette_server.callers import CallerConnection
-from oubliette_server.cli import _serve_parser, build_config
-from oubliette_server.config import ServerConfig
+from oubliette_server.program.app import OublietteServer
+from oubliette_server.core.callers import CallerConnection
+from oubliette_server.program.cli import _serve_parser, build_config
+from oubliette_server.program.config import ServerConfig
 from protocol import RelayError
 
 INSTANCE = "box1"

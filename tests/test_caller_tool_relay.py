@@ -167,9 +167,9 @@ async def test_the_agent_is_answered_only_once_the_result_frame_is_stored() -> N
     the log does not know (it would record the request as cancelled on restart)."""
     from types import SimpleNamespace
 
-    from oubliette_server.caller_tool_relay.pending import CallerCallRegistry
-    from oubliette_server.callers import CallerConnection
-    from oubliette_server.sessions import Session
+    from oubliette_server.features.caller_tool_relay.pending import CallerCallRegistry
+    from oubliette_server.core.callers import CallerConnection
+    from oubliette_server.core.sessions import Session
     from protocol.messages import CallerToolSpec
 
     stored: list[str] = []

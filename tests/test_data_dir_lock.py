@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from harness import Deployment, env_without_oubliette, fresh_shell
-from oubliette_server.data_dir_lock import LOCK_FILE, DataDirInUse, hold_data_dir
+from oubliette_server.program.data_dir_lock import LOCK_FILE, DataDirInUse, hold_data_dir
 from test_first_hour import READY, RUN_BOUND, assert_one_line, program
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "CLAUDE_CODE.md"

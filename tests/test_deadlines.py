@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from oubliette_server.guests import InstanceStarter
-from oubliette_server.toolsets import McpToolset
+from oubliette_server.features.guests import InstanceStarter
+from oubliette_server.features.toolsets import McpToolset
 
 from harness import fresh_dir
 

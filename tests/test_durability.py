@@ -1,6 +1,6 @@
 """No acknowledged frame is lost when the server is killed (docs/TETHER.md, "Storage and durability").
 
-The frame store commits appends in groups (oubliette_server/store.py, "Group commit"): an
+The frame store commits appends in groups (oubliette_server/store/sqlite.py, "Group commit"): an
 append is acknowledged only after the commit that holds it. Here many HTTP posters append to
 the real server at once (so commits are grouped), the server is killed with SIGKILL while
 posts are still in flight, and a new server on the same data directory must hold every frame

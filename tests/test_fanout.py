@@ -75,7 +75,7 @@ async def test_a_declaration_is_encoded_once_for_every_client_connection(
 async def test_a_toolset_change_is_encoded_once_for_a_sessions_connections(
     deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from oubliette_server.toolsets import FunctionToolset, ToolSpec
+    from oubliette_server.features.toolsets import FunctionToolset, ToolSpec
 
     async with in_process(deployment) as proc:
         await proc.server.register_toolset(
@@ -168,7 +168,7 @@ async def run_in(scope: trio.CancelScope, link: Any) -> None:
 
 
 def test_the_client_connection_limit_is_a_setting(tmp_path: Any) -> None:
-    from oubliette_server.config import ServerConfig, load_config_file
+    from oubliette_server.program.config import ServerConfig, load_config_file
 
     assert ServerConfig(data_dir=tmp_path).max_client_connections == 64
     path = tmp_path / "server.toml"

@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oubliette_server.caller_api import schemas as caller_schemas
-from oubliette_server.ids import strict_validator
+from oubliette_server.doors.caller_api import schemas as caller_schemas
+from oubliette_server.core.ids import strict_validator
 from protocol import schema_check
 from protocol.fast_accept import compile_accept
 from protocol.schema_check import certainly_valid, compile_schema, first_problem, protocol_validator

@@ -245,7 +245,7 @@ async def test_the_guest_stops_on_a_signal_with_status_0_and_removes_its_temp_di
 
 def test_the_client_default_relay_follows_the_servers_data_dir_rule(tmp_path: Path) -> None:
     from oubliette_client.settings import server_default_relay
-    from oubliette_server.config import default_data_dir
+    from oubliette_server.program.config import default_data_dir
 
     for env in ({"OUBLIETTE_DATA_DIR": str(tmp_path)}, {"XDG_DATA_HOME": str(tmp_path)}, {}):
         with pytest.MonkeyPatch.context() as patch:

@@ -37,8 +37,8 @@ from mcp import Client
 from mcp.shared.message import SessionMessage
 
 from harness import EVENT_TIMEOUT, PYTHON, Deployment, EventLog, RawRelay, structured, text_of
-from oubliette_server.server_owned import SERVER_OWNED_KEYS, SERVER_OWNED_TYPES, SESSION_RECORD
-from oubliette_server.store import MAX_LIMIT, FrameQuery, FrameStore
+from oubliette_server.core.server_owned import SERVER_OWNED_KEYS, SERVER_OWNED_TYPES, SESSION_RECORD
+from oubliette_server.store.sqlite import MAX_LIMIT, FrameQuery, FrameStore
 
 INSTANCE = "box1"
 OTHER_INSTANCE = "box2"
@@ -46,7 +46,7 @@ SESSION = "s1"
 SESSION_KEY = f"mcp:{SESSION}"
 PROTOCOL = "oubliette-relay/1"
 MAX_FRAME_BYTES = 1024 * 1024
-HELLO_TIMEOUT = 10.0  # the server's (oubliette_server.relay.HELLO_TIMEOUT)
+HELLO_TIMEOUT = 10.0  # the server's (oubliette_server.doors.relay.HELLO_TIMEOUT)
 
 GENERATED = 2000  # seeded generated cases; the hand-made ones come on top
 POOL = 16  # raw connections at a time
@@ -308,7 +308,7 @@ def explicit_cases(token: str) -> list[Case]:
         out.append(Case("cancel-unknown", "client", (notification("cancel", {"id": value}),)))
         out.append(Case("ack-out-of-range", "guest", (notification("ack", {"seq": value}),)))
         out.append(Case("ack-from-client", "client", (notification("ack", {"seq": value}),)))
-    # What only the server states (oubliette_server/server_owned.py): each type, and each record key in
+    # What only the server states (oubliette_server/core/server_owned.py): each type, and each record key in
     # an otherwise ordinary frame, refused with -32602 (a guest of an instance of its own, so that
     # it surely sees its answer).
     owned: list[tuple[str, dict[str, Any]]] = [(t, {}) for t in sorted(SERVER_OWNED_TYPES)]

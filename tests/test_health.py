@@ -25,10 +25,10 @@ import trio
 
 from harness import Deployment, EmbeddedHttpServer, text_of
 from test_http_api import sse
-from oubliette_server.health import Readiness
-from oubliette_server.store import FrameStore
-from oubliette_server.store_api import FrameQuery, StoreUnavailable
-from oubliette_server.store_pg import safe_url
+from oubliette_server.doors.health import Readiness
+from oubliette_server.store.sqlite import FrameStore
+from oubliette_server.store.api import FrameQuery, StoreUnavailable
+from oubliette_server.store.postgres import safe_url
 
 FAIL_FAST = 5.0
 """How soon a long poll asked to wait 20 s must hear that the store is down."""

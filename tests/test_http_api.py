@@ -445,8 +445,8 @@ async def test_socket_files_are_private_without_changing_the_process_umask(
 ) -> None:
     """The relay's and the HTTP listener's Unix sockets are 0600 without `os.umask`: the umask is
     the whole process's, and other tasks (and the store's threads) create files meanwhile."""
-    from oubliette_server.app import OublietteServer
-    from oubliette_server.config import ServerConfig
+    from oubliette_server.program.app import OublietteServer
+    from oubliette_server.program.config import ServerConfig
 
     def no_umask(mask: int) -> int:
         raise AssertionError(f"os.umask({mask:#o}) changes the mode of every file the process creates")
@@ -693,7 +693,7 @@ async def test_a_refusal_waits_only_so_long_for_a_body_that_never_comes(deployme
     import h11
     from urllib.parse import urlsplit
 
-    from oubliette_server import http_api
+    from oubliette_server.doors import http_api
 
     monkeypatch.setattr(http_api, "DRAIN_SECONDS", 0.2)
     async with deployment.http_server() as server, server.rest() as rest:

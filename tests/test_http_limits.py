@@ -18,7 +18,7 @@ from trio.testing import MockClock
 
 from harness import Deployment
 
-from oubliette_server.connection_limits import FloodLog, GuardedStream, default_connection_cap
+from oubliette_server.doors.connection_limits import FloodLog, GuardedStream, default_connection_cap
 
 
 async def _raw_request(url: str, data: bytes) -> trio.SocketStream:

@@ -208,7 +208,7 @@ async def _serve_until_cancelled(stopped: trio.Event, *, task_status: trio.TaskS
 
 async def test_sigterm_drains_the_requests_in_flight_before_the_server_stops() -> None:
     """SIGTERM gets the drain a stdio hang-up gets: the server runs on until the drain is over."""
-    from oubliette_server.runner import SHUTDOWN_DRAIN_SECONDS, stop_on_signals
+    from oubliette_server.program.runner import SHUTDOWN_DRAIN_SECONDS, stop_on_signals
 
     asked: list[float] = []
     draining, release, stopped = trio.Event(), trio.Event(), trio.Event()
@@ -236,7 +236,7 @@ async def test_sigterm_drains_the_requests_in_flight_before_the_server_stops() -
 
 async def test_a_second_signal_stops_the_server_without_waiting_for_the_drain() -> None:
     """The drain has a deadline; a second SIGTERM (an impatient operator) ends it at once."""
-    from oubliette_server.runner import stop_on_signals
+    from oubliette_server.program.runner import stop_on_signals
 
     draining, stopped = trio.Event(), trio.Event()
 

@@ -23,8 +23,8 @@ import pytest
 import trio
 
 from harness import EVENT_TIMEOUT, Deployment, EventLog, RawRelay, structured, text_of
-from oubliette_server.callers import CallerConnection, RequestScopedSink
-from oubliette_server.config import ServerConfig, load_config_file
+from oubliette_server.core.callers import CallerConnection, RequestScopedSink
+from oubliette_server.program.config import ServerConfig, load_config_file
 from protocol import framing
 from protocol.limits import (
     DEFAULT_MAX_DEPTH,
@@ -258,7 +258,7 @@ async def test_an_undeliverable_result_is_refused_and_the_call_stays_pending(dep
 
 
 async def proc_result_frames(proc: InProcess, request_id: str) -> list[Any]:
-    from oubliette_server.store import FrameQuery
+    from oubliette_server.store.sqlite import FrameQuery
 
     frames = await proc.server.store.query(INSTANCE, FrameQuery(types=("caller_tool_result",), limit=100))
     return [f for f in frames if f.payload["request_id"] == request_id]
@@ -290,7 +290,7 @@ async def test_delivery_skips_an_undeliverable_frame_with_a_session_error(deploy
                 assert "error" not in await guest.hello(INSTANCE, token, role="guest")
                 frame = await next_delivery(guest)
                 assert frame["seq"] == small.seq
-        from oubliette_server.store import FrameQuery
+        from oubliette_server.store.sqlite import FrameQuery
 
         errors = await store.query(INSTANCE, FrameQuery(types=("session.error",), reply_to=huge.msg_id))
         assert len(errors) == 1

@@ -12,7 +12,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness import Deployment, EventLog, RawRelay, text_of
-from oubliette_server.metrics import ServerMetrics
+from oubliette_server.core.metrics import ServerMetrics
 from protocol import RelayError, errors
 
 NOTIFY = {"name": "send_notification", "description": "Send notification",
@@ -149,7 +149,7 @@ async def test_metrics_listener_serves_metrics_alone_without_a_token(deployment:
 
 
 def test_metrics_listener_option_and_config_key_are_checked(tmp_path: Any) -> None:
-    from oubliette_server.cli import _serve_parser, build_config
+    from oubliette_server.program.cli import _serve_parser, build_config
 
     config = build_config(_serve_parser().parse_args(["--metrics", "127.0.0.1:9464", "--metrics", "unix:/tmp/m.sock"]))
     assert config.metrics == ["127.0.0.1:9464", "unix:/tmp/m.sock"]

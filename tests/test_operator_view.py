@@ -17,8 +17,8 @@ import pytest
 import trio
 
 from harness import PYTHON, Deployment, HttpServer
-from oubliette_server.store import FrameStore
-from oubliette_server.store_api import FrameQuery, StoreUnavailable
+from oubliette_server.store.sqlite import FrameStore
+from oubliette_server.store.api import FrameQuery, StoreUnavailable
 from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, script, tool
 
 QUIET = "box2"
@@ -279,7 +279,7 @@ async def test_read_status_reads_owner_declaration_and_open_requests_from_frames
     open until its outcome frame, its age from the frame's time and `expires_at` as stored."""
     import datetime
 
-    from oubliette_server.operator_view import UnknownLiveness, format_status, parse_ts, read_status
+    from oubliette_server.program.operator_view import UnknownLiveness, format_status, parse_ts, read_status
 
     store = FrameStore.in_memory()
     add = store.append

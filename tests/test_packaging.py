@@ -73,7 +73,7 @@ def test_wheel_holds_every_package_and_its_type_marker(installed: Installed) -> 
         for init in (ROOT / package).rglob("__init__.py"):
             assert init.relative_to(ROOT).as_posix() in names
         assert f"{package}/py.typed" in names
-    assert "oubliette_server/toolsets/registry.py" in names
+    assert "oubliette_server/features/toolsets/registry.py" in names
 
 
 def test_every_module_imports_from_the_installed_wheel(installed: Installed) -> None:
@@ -94,13 +94,13 @@ def test_every_module_imports_from_the_installed_wheel(installed: Installed) -> 
     out = installed.run(str(installed.bin / "python"), "-c", script)
     assert out.returncode == 0, out.stderr
     found = json.loads(out.stdout)
-    assert "oubliette_server.toolsets.registry" in found
+    assert "oubliette_server.features.toolsets.registry" in found
     venv = str(installed.root / "venv")
     # The PostgreSQL store needs the optional extra `postgres`, not installed here (the default
     # installs nothing more); everything else imports.
-    assert found.pop("oubliette_server.store_pg") == "missing psycopg"
-    assert found.pop("oubliette_server.store_pg_loop") == "missing psycopg"
-    expected_optional = {"oubliette_server.store_pg", "oubliette_server.store_pg_loop"}
+    assert found.pop("oubliette_server.store.postgres") == "missing psycopg"
+    assert found.pop("oubliette_server.store.postgres_loop") == "missing psycopg"
+    expected_optional = {"oubliette_server.store.postgres", "oubliette_server.store.postgres_loop"}
     for name, path in found.items():
         assert path.startswith(venv), f"{name} imported from {path}, not from the fresh venv"
     expected = {

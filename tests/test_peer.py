@@ -926,7 +926,7 @@ BIG_TOOL = {"name": "big", "description": "d" * 100_000, "inputSchema": {"type":
 async def test_a_stalled_sandbox_delays_no_other_caller_and_is_closed_after_the_write_deadline(
     deployment: Deployment,
 ) -> None:
-    from oubliette_server.toolsets import FunctionToolset, ToolSpec
+    from oubliette_server.features.toolsets import FunctionToolset, ToolSpec
 
     write_timeout = 5.0
     async with in_process(deployment, relay_write_timeout=write_timeout) as proc:

@@ -1,4 +1,4 @@
-"""The pending-request engine (oubliette_server/pending_requests/) alone, with in-memory fakes.
+"""The pending-request engine (oubliette_server/core/pending_requests/) alone, with in-memory fakes.
 
 No store, no subprocess: the frame log's `append` is a list, the shared log a fake. Each rule
 of a pending request is checked on caller tool requests and approvals alike: one outcome only,
@@ -16,12 +16,12 @@ import pytest
 import trio
 import trio.testing
 
-from oubliette_server.approvals.service import ApprovalService, Decision
-from oubliette_server.caller_tool_relay.pending import CallerCallRegistry, NoLongerPending
-from oubliette_server.callers import CallerConnection
-from oubliette_server.pending_requests import RESOLVED_MEMORY, RequestBook, SharedStore, SingleServer
-from oubliette_server.sessions import Session
-from oubliette_server.store_api import AnswerNotRecorded, StoreUnavailable
+from oubliette_server.features.approvals.service import ApprovalService, Decision
+from oubliette_server.features.caller_tool_relay.pending import CallerCallRegistry, NoLongerPending
+from oubliette_server.core.callers import CallerConnection
+from oubliette_server.core.pending_requests import RESOLVED_MEMORY, RequestBook, SharedStore, SingleServer
+from oubliette_server.core.sessions import Session
+from oubliette_server.store.api import AnswerNotRecorded, StoreUnavailable
 from protocol import RelayError, errors
 from protocol.messages import CallerToolSpec
 

@@ -22,8 +22,8 @@ import attrs
 import trio
 
 from harness import Deployment, HttpServer
-from oubliette_server.store_api import FrameQuery
-from oubliette_server.store_pg import PostgresFrameStore
+from oubliette_server.store.api import FrameQuery
+from oubliette_server.store.postgres import PostgresFrameStore
 from test_approvals_matrix import BASH_INPUT, DELETE, GATED, PROMPT, call, decide, frames
 from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, ends_with, tool
 from test_postgres_cross_server import one_outcome_each, turn_end, two_servers

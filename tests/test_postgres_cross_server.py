@@ -19,8 +19,8 @@ import pytest
 import trio
 
 from harness import Deployment, HttpServer
-from oubliette_server.store_api import FrameQuery
-from oubliette_server.store_pg import PostgresFrameStore
+from oubliette_server.store.api import FrameQuery
+from oubliette_server.store.postgres import PostgresFrameStore
 from test_http_api import poll
 from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, ends_with, script, tool
 

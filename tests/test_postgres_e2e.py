@@ -13,8 +13,8 @@ from typing import Any
 import trio
 
 from harness import PYTHON, Deployment, env_without_oubliette
-from oubliette_server.store_api import FrameQuery
-from oubliette_server.store_pg import PostgresFrameStore, safe_url
+from oubliette_server.store.api import FrameQuery
+from oubliette_server.store.postgres import PostgresFrameStore, safe_url
 from test_http_api import frame_body, poll, post
 from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, one_answered_call, script
 

@@ -6,7 +6,7 @@ as ungated with an open schema: a `user.message` carrying `caller_tools` and `ow
 the tether of either server. Both refuse it (HTTP 400 naming the key). The same message written
 straight into the database (as a door of an older release would have stored it) is not believed
 either: B reads a session's declaration only from the `session_record` frames a server appended
-(oubliette_server/server_owned.py). So a new agent client on B sees the real `rm`: its schema
+(oubliette_server/core/server_owned.py). So a new agent client on B sees the real `rm`: its schema
 refuses `/etc/passwd`, and a path it allows waits for the caller's approval on A before anything
 is relayed. Everything is a real program and a real PostgreSQL (tests/postgres.py).
 """
@@ -18,9 +18,9 @@ from typing import Any
 import trio
 
 from harness import Deployment, text_of
-from oubliette_server.server_owned import SESSION_RECORD
-from oubliette_server.store_api import FrameQuery
-from oubliette_server.store_pg import PostgresFrameStore
+from oubliette_server.core.server_owned import SESSION_RECORD
+from oubliette_server.store.api import FrameQuery
+from oubliette_server.store.postgres import PostgresFrameStore
 from test_approvals_matrix import decide
 from test_caller_loop import IDLE, INSTANCE, LOOP_AGENT, LoopCaller, ends_with
 

@@ -19,12 +19,12 @@ from typing import Any, AsyncIterator
 import trio
 
 from harness import Deployment, HttpServer, RawRelay
-from oubliette_server.abandoned_requests import ABANDONED_REASON, SERVER_STOPPED, AbandonedRequests
-from oubliette_server.approvals.service import decision_of
-from oubliette_server.frame_log import FrameLog
-from oubliette_server.sessions import SessionRegistry
-from oubliette_server.store_api import FrameQuery
-from oubliette_server.store_pg import MIGRATIONS, PostgresFrameStore
+from oubliette_server.features.cluster.abandoned_requests import ABANDONED_REASON, SERVER_STOPPED, AbandonedRequests
+from oubliette_server.features.approvals.service import decision_of
+from oubliette_server.core.frame_log import FrameLog
+from oubliette_server.core.sessions import SessionRegistry
+from oubliette_server.store.api import FrameQuery
+from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore
 from test_approvals_matrix import DELETE, GATED, call, decide
 from test_caller_loop import IDLE, INSTANCE, LOOP_AGENT, LoopCaller, ends_with, script, tool
 from test_http_api import poll, post
@@ -360,10 +360,10 @@ async def test_a_decision_taken_after_another_servers_sweep_denied_the_approval_
     it were dead). The owner's answer arriving afterwards on the stalled server must not become a
     second decision: it is refused as already resolved, the gated call gets the stored denial,
     and the log holds one `approval_resolved`."""
-    from oubliette_server.approvals.service import ApprovalService, Decision, resolved_payload
-    from oubliette_server.caller_tool_relay.bus import LogBus
-    from oubliette_server.callers import CallerConnection
-    from oubliette_server.pending_requests import SharedStore
+    from oubliette_server.features.approvals.service import ApprovalService, Decision, resolved_payload
+    from oubliette_server.features.cluster.log_bus import LogBus
+    from oubliette_server.core.callers import CallerConnection
+    from oubliette_server.core.pending_requests import SharedStore
     from protocol.errors import RelayError
 
     store = PostgresFrameStore(pg_url, pool_size=2)

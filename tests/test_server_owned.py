@@ -1,4 +1,4 @@
-"""Server-owned frames and payload keys (oubliette_server/server_owned.py, docs/SECURITY.md).
+"""Server-owned frames and payload keys (oubliette_server/core/server_owned.py, docs/SECURITY.md).
 
 The rule alone (every type and key refused, naming it; everything else passes), the frame log's
 two paths (`ingress` refuses, the server's own `record` stores and pushes to nobody), and the log
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from oubliette_server.approvals import service as approvals_service
-from oubliette_server.caller_tool_relay import bus
-from oubliette_server.frame_log import FrameLog
-from oubliette_server.server_owned import (
+from oubliette_server.features.approvals import service as approvals_service
+from oubliette_server.features.cluster import log_bus as bus
+from oubliette_server.core.frame_log import FrameLog
+from oubliette_server.core.server_owned import (
     DECLARATION_KEY,
     OWNER_KEY,
     SERVER_OWNED_KEYS,
@@ -26,8 +26,8 @@ from oubliette_server.server_owned import (
     SESSION_RECORD,
     refuse_server_owned,
 )
-from oubliette_server.sessions import SessionRegistry
-from oubliette_server.store import FrameStore
+from oubliette_server.core.sessions import SessionRegistry
+from oubliette_server.store.sqlite import FrameStore
 from protocol import RelayError, errors
 
 REAL = {"caller_id": "myapp", "tools": [{"name": "rm", "requires_approval": True,

@@ -16,12 +16,12 @@ import trio
 import trio.testing
 
 from fakes import FakeMcpSession, FakeRelayConnection
-from oubliette_server.callers import CallerConnection, CallerRegistry
-from oubliette_server.client_connections import ClientConnections, progress_sink
-from oubliette_server.toolsets.base import FunctionToolset, ToolSpec, call_progress
-from oubliette_server.toolsets.registry import ToolsetDefinition
-from oubliette_server.toolsets.router import ToolRouter
-from oubliette_server.toolsets.service import ToolsetService
+from oubliette_server.core.callers import CallerConnection, CallerRegistry
+from oubliette_server.core.client_connections import ClientConnections, progress_sink
+from oubliette_server.features.toolsets.base import FunctionToolset, ToolSpec, call_progress
+from oubliette_server.features.toolsets.registry import ToolsetDefinition
+from oubliette_server.features.toolsets.router import ToolRouter
+from oubliette_server.features.toolsets.service import ToolsetService
 from protocol import RelayError, errors, messages
 
 INSTANCE = "box1"

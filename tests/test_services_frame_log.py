@@ -14,12 +14,12 @@ import trio
 import trio.testing
 
 from fakes import RecordingSink
-from oubliette_server.frame_log import FrameLog
-from oubliette_server.instances import InstanceDirectory
-from oubliette_server.sessions import SessionRegistry
-from oubliette_server.store import FrameStore
-from oubliette_server.store_api import FrameQuery
-from oubliette_server.tether import TETHER_CHANNEL, Tether
+from oubliette_server.core.frame_log import FrameLog
+from oubliette_server.core.instances import InstanceDirectory
+from oubliette_server.core.sessions import SessionRegistry
+from oubliette_server.store.sqlite import FrameStore
+from oubliette_server.store.api import FrameQuery
+from oubliette_server.features.tether import TETHER_CHANNEL, Tether
 from protocol import RelayError, errors
 from protocol.limits import LimitExceeded, Limits
 

@@ -13,12 +13,12 @@ import trio
 import trio.testing
 
 from fakes import FakeRelayConnection
-from oubliette_server.frame_log import FrameLog
-from oubliette_server.guests.delivery import GUEST_CURSOR, GuestDelivery
-from oubliette_server.guests.guest_frames import GuestFrames
-from oubliette_server.sessions import SessionRegistry
-from oubliette_server.store import FrameStore
-from oubliette_server.store_api import FrameQuery, StoreUnavailable
+from oubliette_server.core.frame_log import FrameLog
+from oubliette_server.features.guests.delivery import GUEST_CURSOR, GuestDelivery
+from oubliette_server.features.guests.guest_frames import GuestFrames
+from oubliette_server.core.sessions import SessionRegistry
+from oubliette_server.store.sqlite import FrameStore
+from oubliette_server.store.api import FrameQuery, StoreUnavailable
 from protocol import Frame, RelayError, errors, messages
 
 INSTANCE = "box1"

@@ -23,9 +23,9 @@ import pytest
 import trio
 
 from harness import Deployment, EmbeddedHttpServer, RawRelay, structured, text_of
-from oubliette_server.app import OublietteServer
-from oubliette_server.config import ServerConfig, load_config_file
-from oubliette_server.sessions import Session, SessionRegistry
+from oubliette_server.program.app import OublietteServer
+from oubliette_server.program.config import ServerConfig, load_config_file
+from oubliette_server.core.sessions import Session, SessionRegistry
 from protocol import RelayError, session_keys
 from test_caller_responses import InProcess
 from test_relay_socket import response_to
@@ -87,7 +87,7 @@ def test_the_grammar_and_its_messages() -> None:
 
 def test_the_grammar_has_one_home() -> None:
     """The frame schemas, the limits' largest envelope and the caller API use the same rule."""
-    from oubliette_server.caller_api import schemas as caller_schemas
+    from oubliette_server.doors.caller_api import schemas as caller_schemas
     from protocol import frames, limits
 
     assert frames.SESSION_ID_SCHEMA is session_keys.SESSION_ID_SCHEMA

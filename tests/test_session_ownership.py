@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from oubliette_server.callers import CallerConnection
-from oubliette_server.sessions import SessionRegistry
+from oubliette_server.core.callers import CallerConnection
+from oubliette_server.core.sessions import SessionRegistry
 from protocol import RelayError, errors
 from protocol.messages import CallerToolSpec
 

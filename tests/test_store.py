@@ -1,4 +1,4 @@
-"""Tests for the frame store (oubliette_server/store.py)."""
+"""Tests for the frame store (oubliette_server/store/sqlite.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from oubliette_server.store import (
+from oubliette_server.store.sqlite import (
     DEFAULT_LIMIT,
     MAX_LIMIT,
     CursorPruned,

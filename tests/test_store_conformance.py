@@ -1,4 +1,4 @@
-"""One suite, both frame stores: SQLite (store.py) and PostgreSQL (store_pg.py) keep the same promises.
+"""One suite, both frame stores: SQLite (store/sqlite.py) and PostgreSQL (store/postgres.py) keep the same promises.
 
 Each test runs once per backend (the `backend` fixture). PostgreSQL is a real server started by
 tests/postgres.py, one per pytest worker, with a fresh database per test. What only one backend
@@ -21,10 +21,10 @@ import pytest
 import trio
 import trio.testing
 
-from oubliette_server.config import ServerConfig
-from oubliette_server.store import FrameStore
-from oubliette_server.store_api import CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
-from oubliette_server.store_pg import MIGRATIONS, PostgresFrameStore
+from oubliette_server.program.config import ServerConfig
+from oubliette_server.store.sqlite import FrameStore
+from oubliette_server.store.api import CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
+from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -365,9 +365,9 @@ async def test_cursors_set_advance_and_persist(backend: Backend) -> None:
 
 APPENDER = """
 import sys, trio
-from oubliette_server.config import ServerConfig
-from oubliette_server.store import FrameStore
-from oubliette_server.store_pg import MIGRATIONS, PostgresFrameStore
+from oubliette_server.program.config import ServerConfig
+from oubliette_server.store.sqlite import FrameStore
+from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore
 
 async def main(kind, where, n):
     store = FrameStore(where) if kind == "sqlite" else PostgresFrameStore(where)
@@ -465,9 +465,9 @@ async def test_postgres_recovers_after_its_connections_are_cut(pg_url: str) -> N
 
 
 def test_store_settings_from_the_config_file_and_flags(tmp_path: Path) -> None:
-    from oubliette_server.cli import _serve_parser, build_config
-    from oubliette_server.config import load_config_file
-    from oubliette_server.store_open import open_store
+    from oubliette_server.program.cli import _serve_parser, build_config
+    from oubliette_server.program.config import load_config_file
+    from oubliette_server.store.opener import open_store
 
     config = tmp_path / "oubliette.toml"
     config.write_text('[store]\nurl = "postgresql://a@db/x"\npool_size = 7\nconnect_timeout = 3.5\n')

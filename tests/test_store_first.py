@@ -16,15 +16,15 @@ import pytest
 import trio
 import trio.testing
 
-from oubliette_server.approvals.service import ApprovalService, Decision, PendingApproval
-from oubliette_server.caller_tool_relay.bus import LogBus
-from oubliette_server.pending_requests import SharedStore
-from oubliette_server.caller_tool_relay.pending import CallerCallRegistry, PendingCall
-from oubliette_server.callers import CallerConnection
-from oubliette_server.frame_log import FrameLog
-from oubliette_server.sessions import Session, SessionRegistry
-from oubliette_server.store import FrameStore
-from oubliette_server.store_api import AnswerNotRecorded, FrameQuery, StoreUnavailable
+from oubliette_server.features.approvals.service import ApprovalService, Decision, PendingApproval
+from oubliette_server.features.cluster.log_bus import LogBus
+from oubliette_server.core.pending_requests import SharedStore
+from oubliette_server.features.caller_tool_relay.pending import CallerCallRegistry, PendingCall
+from oubliette_server.core.callers import CallerConnection
+from oubliette_server.core.frame_log import FrameLog
+from oubliette_server.core.sessions import Session, SessionRegistry
+from oubliette_server.store.sqlite import FrameStore
+from oubliette_server.store.api import AnswerNotRecorded, FrameQuery, StoreUnavailable
 from protocol import RelayError, errors
 from protocol.messages import CallerToolSpec
 

@@ -142,7 +142,7 @@ if {block!r}:
             if name.startswith("opentelemetry.sdk") or name.startswith("opentelemetry.exporter"):
                 raise ImportError(f"No module named {{name!r}}")
     sys.meta_path.insert(0, Missing())
-from oubliette_server.cli import main
+from oubliette_server.program.cli import main
 sys.exit(main({argv!r}))
 """
 CALLER_LINES = "".join(json.dumps(line) + "\n" for line in [

@@ -95,7 +95,7 @@ async def on_a_terminal(argv: list[str], env: dict[str, str]) -> AsyncIterator[t
 
 
 async def _tools_list_answers(data_dir: Path) -> None:
-    from oubliette_server.auth import TokenAuthority
+    from oubliette_server.core.auth import TokenAuthority
 
     env = {**env_without_oubliette(), "OUBLIETTE_DATA_DIR": str(data_dir), "OUBLIETTE_INSTANCE": "box1",
            "OUBLIETTE_TOKEN": TokenAuthority.for_data_dir(data_dir).token_for("box1")}

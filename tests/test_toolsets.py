@@ -25,10 +25,10 @@ import trio.testing
 from harness import PYTHON, Deployment
 from oubliette_client.sandbox_tools import SandboxTools
 from oubliette_client.settings import RelaySettings
-from oubliette_server.app import OublietteServer
-from oubliette_server.config import load_config_file
-from oubliette_server.toolsets.from_config import register_from_config
-from oubliette_server.toolsets import (
+from oubliette_server.program.app import OublietteServer
+from oubliette_server.program.config import load_config_file
+from oubliette_server.features.toolsets.from_config import register_from_config
+from oubliette_server.features.toolsets import (
     FunctionToolset,
     McpToolset,
     Toolset,

@@ -27,9 +27,9 @@ from mcp.client.subscriptions import ToolsListChanged
 from harness import Deployment, ListChanged, PYTHON, structured, text_of
 
 pytestmark = pytest.mark.in_process
-from oubliette_server.app import OublietteServer
-from oubliette_server.auth import TokenAuthority
-from oubliette_server.toolsets import FunctionToolset, ToolSpec
+from oubliette_server.program.app import OublietteServer
+from oubliette_server.core.auth import TokenAuthority
+from oubliette_server.features.toolsets import FunctionToolset, ToolSpec
 
 DESCRIPTOR_META_KEY = "oubliette/descriptor"
 EVENT_BOUND = 20.0

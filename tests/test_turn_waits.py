@@ -1,4 +1,4 @@
-"""Turn waits (oubliette_server/turns.py) alone: the in-memory store, no subprocess.
+"""Turn waits (oubliette_server/features/turns.py) alone: the in-memory store, no subprocess.
 
 A `wait` stops at the first of: the turn's end, a caller tool request the caller must answer,
 an approval it must decide, or its time running out; the stop lists what is pending then.
@@ -12,13 +12,13 @@ from typing import Any
 
 import trio
 
-from oubliette_server.approvals import ApprovalElicitation, ApprovalService
-from oubliette_server.caller_tool_relay import CallerCallRegistry
-from oubliette_server.callers import CallerConnection
-from oubliette_server.frame_log import FrameLog
-from oubliette_server.sessions import SessionRegistry
-from oubliette_server.store import FrameStore
-from oubliette_server.turns import TurnWaits
+from oubliette_server.features.approvals import ApprovalElicitation, ApprovalService
+from oubliette_server.features.caller_tool_relay import CallerCallRegistry
+from oubliette_server.core.callers import CallerConnection
+from oubliette_server.core.frame_log import FrameLog
+from oubliette_server.core.sessions import SessionRegistry
+from oubliette_server.store.sqlite import FrameStore
+from oubliette_server.features.turns import TurnWaits
 from protocol import RelayError
 from protocol.messages import CallerToolSpec
 

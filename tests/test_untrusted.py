@@ -22,9 +22,9 @@ from mcp import Client
 from harness import PYTHON, Deployment, EventLog, RawRelay, structured, text_of
 from oubliette_client.mcp_config import config_file_name, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from oubliette_server import ids
+from oubliette_server.core import ids
 from protocol import session_keys
-from oubliette_server.auth import TokenAuthority
+from oubliette_server.core.auth import TokenAuthority
 
 TURN_TIMEOUT = 30.0
 UNAUTHORIZED, NOT_FOUND, INVALID_PARAMS, METHOD_NOT_FOUND = -32006, -32005, -32602, -32601
@@ -242,7 +242,7 @@ async def test_no_door_stores_a_server_owned_type_or_key(deployment: Deployment)
     POST, a guest's `append_frame`, and a caller's `tether_send`. Every server-owned type and payload
     key is refused, naming it (HTTP 400 / -32602 / a tool error), nothing is stored, and the same
     door still takes an ordinary frame."""
-    from oubliette_server.server_owned import SERVER_OWNED_TYPES
+    from oubliette_server.core.server_owned import SERVER_OWNED_TYPES
 
     session = {"channel": "mcp", "id": "s1"}
     async with deployment.embedded_http_server("box1") as server, \

@@ -1,0 +1,73 @@
+"""The caller on this process's stdin/stdout (the server spawned as a stdio MCP server).
+
+A handshake-era caller's answers and its events skip the SDK's per-message machinery: plain
+`caller_tool_response` (no `wait`) and `caller_tool_progress` calls are answered by
+`protocol.fast_tool_calls`, and events are written as `notifications/message` lines directly
+(`CallerConnection.write_line`). Everything else goes through the SDK as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+from protocol.fast_tool_calls import (
+    FastToolCalls,
+    Handler,
+    call_result,
+    fast_calls_enabled,
+)
+from protocol.stdio_streams import claimed_stdio
+
+from ...core.callers import CallerConnection, CallerRegistry
+from .mcp_server import build_caller_server, initialization_options
+from .tools import CallerApi
+
+#: Caller tools whose handshake-era calls skip the SDK's dispatcher (`protocol/fast_tool_calls.py`):
+#: they need no request context (`caller_tool_response` only without `wait`).
+FAST_TOOLS = frozenset({"caller_tool_response", "caller_tool_progress"})
+
+async def serve_stdio_caller(callers: CallerRegistry, tools: CallerApi) -> None:
+    """Serve one caller on this process's stdin/stdout until it disconnects (then it is closed)."""
+    import mcp.server.stdio
+
+    caller = callers.open("stdio")
+    legacy_version: list[str] = []  # the handshake-era version the caller negotiated, once known
+
+    def resolve(ctx: Any, arguments: dict[str, Any] | None) -> CallerConnection:
+        """The process's one connection is the caller (docs/SECURITY.md, "Callers and sessions")."""
+        if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            caller.mcp_session = ctx.session
+            legacy_version[:] = [ctx.protocol_version]
+        return caller
+
+    def fast_route(name: str, arguments: dict[str, Any]) -> Handler | None:
+        """Answers (no `wait`) and progress reports of a handshake-era caller take the fast path."""
+        if not legacy_version or name not in FAST_TOOLS or arguments.get("wait", False) is not False:
+            return None
+        version = legacy_version[0]
+
+        async def handle(token: str | int | None, send_progress: Any) -> dict[str, Any]:
+            return call_result(await tools.call(None, caller, name, arguments), version)
+        return handle
+
+    server = build_caller_server(tools, resolve)
+    try:
+        with claimed_stdio() as (stdin, stdout):  # cancellable (SIGTERM), no thread per line
+            lines: Any = stdin
+            async with trio.open_nursery() as nursery:
+                if fast_calls_enabled():
+                    fast = FastToolCalls(fast_route, stdout.write)
+                    await nursery.start(fast.run)
+                    lines = fast.lines(stdin)
+                    caller.write_line = stdout.write
+                async with mcp.server.stdio.stdio_server(stdin=lines, stdout=stdout) as (read_stream, write_stream):
+                    await server.run(read_stream, write_stream, initialization_options(server))
+                nursery.cancel_scope.cancel()  # answers still in flight: the caller has gone
+    finally:
+        caller.write_line = None
+        callers.close(caller)
+
+

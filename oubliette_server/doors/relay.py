@@ -1,0 +1,318 @@
+"""Sandbox connections to the relay: authentication and registration over the shared peer.
+
+`RelayListener` accepts connections on one address (Unix socket by default, or TCP) and
+hands each stream to a connection factory. `RelayConnection` adds to the protocol's
+`RelayPeer` only what the server alone knows: the `hello` check (protocol version, role,
+instance id, token) and the hand-off to the rest of the server (`on_open` before the
+hello answer, `on_close` at the end). Everything else - framing, the hello gate, request
+tasks and `cancel`, the write deadline and the outgoing queue - is the peer's.
+
+Owns: the connection's stream and tasks (through its peer). Needs: `verify_token`, the
+`{(role, method): HandlerEntry}` table (handlers take the connection first), the
+`on_open`/`on_close` hooks and `PeerLimits`. Raises: nothing out of `run` but
+cancellation; one connection's failure never reaches the listener.
+
+The relay access log: one INFO line on `oubliette.access` (as the HTTP API's) when a connection
+is admitted, when it is refused (the reason: a wrong token, a bad hello, a limit, no hello in
+time) and when an admitted one closes (its duration and why) - never a token. The fields are
+also on the record (`extra`), so `--log-format json` writes them as their own keys.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any
+
+import trio
+
+from protocol import (
+    PROTOCOL_VERSION,
+    ROLE_SERVER,
+    VERSION,
+    EncodedNotification,
+    HandlerEntry,
+    PeerLimits,
+    RelayAddress,
+    RelayCore,
+    RelayError,
+    RelayPeer,
+    errors,
+    messages,
+)
+
+from ..core.auth import check_hello
+from .connection_limits import ConnectionAcceptor, FloodLog, describe
+
+log = logging.getLogger("oubliette.server.relay")
+access_log = logging.getLogger("oubliette.access")
+"""One INFO line per relay connection event (docs/OBSERVABILITY.md, "The relay access log"); never a token."""
+
+#: A refusal's message that would show a hello's token (a wrong type is echoed by the schema check).
+_TOKEN_VALUE = re.compile(r"(\$\.token\b).*", re.DOTALL)
+
+SERVER_VERSION = VERSION
+
+#: What a relay handler takes: the connection asking, then its structured params.
+RelayHandlers = Mapping[tuple[str, str], HandlerEntry[Any]]
+
+
+class _RoleHandlers(Mapping[str, HandlerEntry[Any]]):
+    """The connection's view of the server's table: its own `hello`, then its role's methods."""
+
+    def __init__(self, connection: RelayConnection, table: RelayHandlers) -> None:
+        self._connection = connection
+        self._table = table
+        self._hello = HandlerEntry(messages.Hello, connection._hello)
+
+    def __getitem__(self, method: str) -> HandlerEntry[Any]:
+        if method == messages.HELLO and self._connection.role is None:
+            return self._hello
+        entry = self._table[(self._connection.role or "", method)]
+        return HandlerEntry(entry.params_type, functools.partial(entry.handler, self._connection))
+
+    def __iter__(self) -> Iterator[str]:
+        return (method for role, method in self._table if role == self._connection.role)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def unknown_method(self, method: str) -> str:
+        roles = sorted(role for role, name in self._table if name == method)
+        if roles:
+            return f"method {method!r} is for role {' or '.join(map(repr, roles))} connections"
+        return f"unknown method {method!r}"
+
+
+class RelayConnection:
+    """One sandbox connection, bound to its instance (and session) after `hello`.
+
+    `role`, `instance` and `session_key` are None until the hello passed.
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        peer: str,
+        *,
+        verify_token: Callable[[str, str], bool],
+        handlers: RelayHandlers,
+        on_open: Callable[[RelayConnection], Awaitable[None]],
+        on_close: Callable[[RelayConnection], None],
+        limits: PeerLimits = PeerLimits(),
+        on_request_started: Callable[[], None] | None = None,
+        on_request_finished: Callable[[], None] | None = None,
+        token_hint: Callable[[str], str] | None = None,
+    ) -> None:
+        self.peer = peer
+        self._token_hint = token_hint
+        self.role: str | None = None
+        self.instance: str | None = None
+        self.session_key: str | None = None
+        self._verify_token = verify_token
+        self._handlers = _RoleHandlers(self, handlers)
+        self._on_open = on_open
+        self._on_close = on_close
+        self._opened_tasks: list[Callable[[], Awaitable[None]]] = []
+        self._began = trio.current_time()
+        self._claimed: tuple[str, str, str | None] | None = None  # the hello's role, instance, session
+        self._peer = RelayPeer(
+            stream, RelayCore(ROLE_SERVER), name=self, limits=limits,
+            on_request_started=on_request_started, on_request_finished=on_request_finished,
+        )
+
+    def __repr__(self) -> str:
+        return f"<RelayConnection {self.role} {self.instance} {self.session_key or ''} {self.peer}>"
+
+    # -- sending -------------------------------------------------------------------------
+
+    def notify(self, method: str, params: Any) -> None:
+        """Queue a notification; never waits for the socket (a stalled sandbox is closed instead)."""
+        try:
+            self._peer.notify(method, params)
+        except RelayError as err:
+            log.debug("%r: notification %s dropped: %s", self, method, err.message)
+
+    def notify_encoded(self, note: EncodedNotification) -> None:
+        """Queue a notification encoded once for many connections (a declaration's fan-out):
+        the same bytes, never encoded again here; never waits, like `notify`."""
+        try:
+            self._peer.notify_encoded(note)
+        except RelayError as err:
+            log.debug("%r: notification %s dropped: %s", self, note.method, err.message)
+
+    async def send_notification(self, method: str, params: Any) -> None:
+        """Queue a notification, waiting for room: only for this connection's own producers.
+
+        Raises `FrameTooLarge` (nothing sent) for a frame the sandbox could not read; a
+        notification to a connection that has ended is dropped.
+        """
+        try:
+            await self._peer.send_notification(method, params)
+        except RelayError as err:
+            if err.code != errors.PEER_DISCONNECTED:
+                raise
+            log.debug("%r: notification %s dropped: %s", self, method, err.message)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start_soon(self, task: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run `task(*args)` for the connection's life, starting once the hello is answered.
+
+        Call it from `on_open`; the task is cancelled when the connection ends.
+        """
+        self._opened_tasks.append(functools.partial(task, *args))
+
+    def close_soon(self) -> None:
+        """End this connection (e.g. a newer guest replaced it)."""
+        self._peer.close("replaced by a newer connection")
+
+    async def run(self) -> None:
+        """Serve the connection until it ends; `on_close` runs whenever `on_open` did."""
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(functools.partial(
+                    self._peer.serve, self._handlers, unknown_method=self._handlers.unknown_method))
+                nursery.start_soon(self._run_when_open, nursery)
+                await self._peer.closed.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            if self.role is not None:
+                self._on_close(self)
+            self._log_end()
+
+    async def _run_when_open(self, nursery: trio.Nursery) -> None:
+        await self._peer.opened.wait()
+        self._access("connected")
+        for task in self._opened_tasks:
+            nursery.start_soon(task)
+        self._opened_tasks.clear()
+
+    async def _hello(self, hello: messages.Hello) -> messages.HelloResult:
+        """Check the hello; register the connection (its configuration is queued before the answer)."""
+        self._claimed = (hello.role, hello.instance, hello.session)
+        check_hello(hello, self._verify_token, self._token_hint)
+        self.role, self.instance, self.session_key = hello.role, hello.instance, hello.session
+        await self._on_open(self)  # if it fails, the hello is refused and `on_close` still runs
+        return messages.HelloResult(
+            protocol=PROTOCOL_VERSION, server_version=SERVER_VERSION,
+            instance=hello.instance, session=hello.session,
+        )
+
+
+    # -- the access log --------------------------------------------------------------------
+
+    def _log_end(self) -> None:
+        """The connection's last access line: closed (it was admitted), refused, or left before hello."""
+        if self._peer.opened.is_set():
+            self._access("closed", self._peer.close_reason or "the connection ended", duration=True)
+        elif self._peer.refusal is not None:
+            self._access("refused", _TOKEN_VALUE.sub(r"\1 (its value is not logged)", self._peer.refusal), duration=True)
+        else:
+            self._access("left before hello", self._peer.close_reason or "the connection ended", duration=True)
+
+    def _access(self, event: str, reason: str | None = None, *, duration: bool = False) -> None:
+        """One `oubliette.access` line: `PEER relay ROLE INSTANCE SESSION EVENT [after S s] [- REASON]`.
+
+        Before the hello passed, the role, instance and session are the ones it claimed (escaped).
+        """
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        role, instance, session = (self.role, self.instance, self.session_key) if self.role else self._claimed or (None, None, None)
+        fields: dict[str, Any] = {
+            "event": event, "peer": self.peer, "role": describe(role) if role else None,
+            "instance": describe(instance) if instance else None, "session": describe(session) if session else None,
+        }
+        tail = ""
+        if duration:
+            fields["duration_s"] = round(trio.current_time() - self._began, 3)
+            tail += f" after {fields['duration_s']:.3f} s"
+        if reason:
+            fields["reason"] = describe(reason)
+            tail += f" - {fields['reason']}"
+        access_log.info(
+            "%s relay %s %s %s %s%s", self.peer, fields["role"] or "-", fields["instance"] or "-",
+            fields["session"] or "-", event, tail, extra=fields,
+        )
+
+
+class RelayListener:
+    """Accepts sandbox connections on one address; `connection_factory(stream, peer_name)` makes each one.
+
+    Owns the listening socket (and the Unix socket file, removed at the end). Start it with
+    `nursery.start(listener.serve)`: it is listening once started.
+    """
+
+    def __init__(self, address: RelayAddress, connection_factory: Callable[[trio.abc.Stream, str], RelayConnection]) -> None:
+        self.address = address
+        self._connection_factory = connection_factory
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and run one connection per accepted stream until cancelled.
+
+        Raises: `OSError` when the address cannot be bound, or a Unix socket path is in use by a
+        live server (a stale socket file is replaced). A connection's failure is logged, never
+        raised. Cancellation: every connection is closed and the Unix socket file removed.
+        """
+        try:
+            listeners = await self._open()
+        except OSError as exc:  # one line for the operator: which address, and why
+            raise OSError(exc.errno, f"cannot listen on the relay address {self.address}: {exc.strerror or exc}") from exc
+        log.info("relay listening on %s", self.address)
+        try:
+            # Not trio.serve_listeners: out of descriptors, it logs a traceback ten times a second.
+            flood = FloodLog(log, f"relay listener {self.address}")
+            async with trio.open_nursery() as nursery:
+                await nursery.start(flood.serve)
+                await nursery.start(ConnectionAcceptor(flood, log).serve, self._handle, listeners)
+                task_status.started()
+        finally:
+            if self.address.kind == "unix":
+                with trio.CancelScope(shield=True):
+                    try:
+                        os.unlink(self.address.path)
+                    except FileNotFoundError:
+                        pass
+
+    async def _open(self) -> list[trio.SocketListener]:
+        if self.address.kind == "tcp":
+            return await trio.open_tcp_listeners(self.address.port, host=self.address.host)
+        path = self.address.path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+        if os.path.exists(path):
+            await self._remove_stale_socket(path)
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        # 0600 before listen: until then nobody can connect, so the file's first mode does not
+        # matter, and the process-wide umask is never changed (other tasks and threads create files).
+        await sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(128)
+        return [trio.SocketListener(sock)]
+
+    @staticmethod
+    async def _remove_stale_socket(path: str) -> None:
+        try:
+            probe = await trio.open_unix_socket(path)
+        except OSError:
+            os.unlink(path)
+            return
+        await probe.aclose()
+        raise OSError("in use by another server (stop it, or pass another --relay or --data-dir)")
+
+    async def _handle(self, stream: trio.abc.Stream) -> None:
+        peer = "unix" if self.address.kind == "unix" else _peer_name(stream)
+        try:
+            await self._connection_factory(stream, peer).run()
+        except Exception:  # one connection's failure must never take the listener (and the server) down
+            log.exception("relay connection from %s failed", peer)
+
+
+def _peer_name(stream: trio.abc.Stream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]  # type: ignore[attr-defined]
+        return f"{host}:{port}"
+    except Exception:
+        return "tcp"

@@ -1,0 +1,645 @@
+"""Pending approvals: one entry per gated call, ended by exactly one decision.
+
+A gated call (a caller tool declared with `requires_approval`) asks `ApprovalService.request`
+for a decision before anything runs. The service appends an `approval_request` frame (the frame
+log pushes it to the session's followers, the owning caller among them) and waits in a Trio
+cancel scope. Exactly one of these ends the wait: the owning caller's answer (`answer`,
+`answer_batch`), the approval timeout, the owning caller's connection ending (`fail_caller`), or
+the agent cancelling (the waiting task is cancelled). Every decision becomes one
+`approval_resolved` frame, appended by the waiting task, so it always comes before whatever the
+decision lets run. Anything but an answer fails closed: the call is denied with the reason.
+
+A session's turn waits (`session_message` with `wait`) learn of a new pending approval through
+`wait_pending`, woken by a per-session `trio.Event`, never by polling.
+
+With a shared store (the `SharedStore` crossing, docs/SCALING.md) the gated call may wait on one server while its
+session's owner is connected to another. The waiting server, holding no caller for the session,
+waits for the request's `approval_resolved` frame in the log; the owner's server lists the
+session's open `approval_request`s read from the log as *remote* pending approvals. Every
+decision of such a request (an answer on any server, the waiting server's timeout, the agent's
+cancel) is stored with `append_outcome`, so exactly one wins; a losing answer is refused with
+the decision that won (an identical one is an idempotent success, as on one server).
+
+Store first, then answer (docs/SECURITY.md): a caller's decision is stored, holding the
+approval's `claim`, before the gated call learns of it; if the store fails the approval stays
+pending and the caller is told to answer again (`AnswerNotRecorded`). A decision the server
+takes (timeout, disconnect, the agent's cancel) is always a denial: the waiting task stores it,
+then denies the call; if that store fails, the denial stands for both sides and is stored once
+the store is back (`when_store_is_back`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+import attrs
+import trio
+
+from protocol import Frame, RelayError, errors
+from protocol.frames import is_past
+from protocol.schema_check import schema_problem
+from protocol.timestamps import utc_timestamp
+
+from ...core.pending_requests import Crossing, PendingRequests
+from ...core.sessions import Session
+from ...store.api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
+
+if TYPE_CHECKING:
+    from ...core.callers import CallerConnection
+
+log = logging.getLogger("oubliette.server.approvals")
+
+DEFAULT_APPROVAL_TIMEOUT = 600.0
+#: How approvals reach a person (`approval_delivery`; see elicitation.py). Here, not there, so
+#: the command line can list them without importing the MCP SDK.
+DELIVERIES: tuple[str, ...] = ("auto", "elicitation", "tool")
+ELICITATION_WHO = "elicitation"
+"""`Decision.who` of an answer the person gave in the caller's MCP client."""
+
+Origin = Literal["caller", "toolset", "agent"]
+from ...core.frame_log import AppendFrame as AppendFn
+
+#: Told when a gated call's wait is over: its decision (None: it ended without one) and the
+#: seconds it took (the server's metrics).
+DecidedFn = Callable[["Decision | None", float], None]
+
+REQUEST = "approval_request"
+RESOLVED = "approval_resolved"
+
+
+@attrs.frozen
+class Decision:
+    """How an approval ended. `kind` "tool" is a client-side tool's own result (`tool_return`, `status`)."""
+
+    approve: bool
+    who: str
+    reason: str | None = None
+    kind: Literal["approval", "tool"] = "approval"
+    updated_arguments: dict[str, Any] | None = None
+    tool_return: Any = None
+    status: Literal["success", "error"] | None = None
+    content: dict[str, Any] | None = None
+    """A toolset elicitation's answer: the form's content (on approve)."""
+    action: str | None = None
+    """How a person answered an elicitation form (`accept`, `decline`, `cancel`); None otherwise."""
+
+    def describe(self) -> str:
+        """The decision in words, as refusals of a contradicting re-answer quote it."""
+        if self.kind == "tool":
+            return f"answered with a tool return ({self.status})"
+        verdict = "approved" if self.approve else "denied"
+        return verdict if self.who.startswith("caller") else f"{verdict} ({self.who})"
+
+    def same_answer_as(self, other: Decision) -> bool:
+        """An identical re-answer (a retry): the same verdict, and for a tool return the same return."""
+        if self.kind != other.kind or self.approve != other.approve:
+            return False
+        if self.kind == "tool":
+            return self.status == other.status and self.tool_return == other.tool_return
+        return self.updated_arguments == other.updated_arguments or other.updated_arguments is None
+
+
+@attrs.define(eq=False)
+class PendingApproval:
+    """One approval request waiting for its decision; `decided` is set exactly once."""
+    request_id: str
+    session: Session
+    tool_name: str
+    arguments: dict[str, Any]
+    origin: Origin
+    caller: CallerConnection | None
+    expires_at: str
+    input_schema: dict[str, Any] | None = None
+    allows_tool_return: bool = False
+    form: dict[str, Any] | None = None
+    """A toolset's own elicitation (`message`, `requestedSchema`): answered with `content`."""
+    tool_use_id: str | None = None
+    frame_seq: int = 0
+    decision: Decision | None = None
+    done: trio.Event = attrs.field(factory=trio.Event)
+    recorded: trio.Event = attrs.field(factory=trio.Event)
+    """Set once its decision's frame is stored (or, for a denial the server took, its store failed)."""
+    claim: trio.Lock = attrs.field(factory=trio.Lock)
+    """Held while a caller's decision is being stored: the timeout and the agent's cancel wait for
+    it, then find the approval decided, or still pending if that store failed."""
+    caller_left: bool = False
+    """The owner left while its decision was being stored: if that store fails, it is denied (disconnect)."""
+    remote: bool = False
+    """Shared store: another server's gated call, read from the log (decided through it)."""
+    in_log: bool = False
+    """Shared store: this server's gated call whose owner is on another server (decided in the log)."""
+
+    def summary(self) -> dict[str, Any]:
+        """What a caller must answer: the `approval_requests` entry of a turn stop."""
+        summary = {
+            "request_id": self.request_id, "tool_name": self.tool_name, "arguments": self.arguments,
+            "origin": self.origin, "expires_at": self.expires_at,
+        }
+        if self.form is not None:
+            summary["elicitation"] = self.form
+        if self.tool_use_id is not None:
+            summary["tool_use_id"] = self.tool_use_id  # the agent's own id of the action (origin "agent")
+        return summary
+
+
+@attrs.frozen
+class _Finished:
+    session_id: str
+    caller: Any
+    decision: Decision
+    frame_seq: int
+    recorded: trio.Event
+    session: Session | None = None
+
+
+def decision_of(payload: dict[str, Any]) -> Decision:
+    """The decision an `approval_resolved` frame records (stored by any server of the deployment)."""
+    kind = payload.get("kind")
+    status = payload.get("status")
+    return Decision(
+        approve=payload.get("approve") is True, who=str(payload.get("who") or "unknown"),
+        reason=payload.get("reason") if isinstance(payload.get("reason"), str) else None,
+        kind="tool" if kind == "tool" else "approval",
+        updated_arguments=payload.get("updated_arguments") if isinstance(payload.get("updated_arguments"), dict) else None,
+        tool_return=payload.get("tool_return"),
+        status=status if status in ("success", "error") else None,
+        content=payload.get("content") if isinstance(payload.get("content"), dict) else None,
+        action=payload.get("action") if isinstance(payload.get("action"), str) else None,
+    )
+
+
+def _iso_in(seconds: float) -> str:
+    return utc_timestamp(datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds))
+
+
+class ApprovalService(PendingRequests[PendingApproval]):
+    """The pending approvals of the whole server, by request id.
+
+    Needs: the frame log's `append` (frames go to the store, then to the session's followers),
+    the default approval timeout in seconds, and the crossing (`SingleServer` or `SharedStore`). Each
+    pending approval is waited for by the task of the call it gates; `serve` (started with
+    `nursery.start`) holds only the tasks that deny a departed owner's remote approvals.
+    Raises (from `answer`, `answer_batch`): `RelayError` with a message naming the request ids
+    for an unknown id, another caller, a wrong session, a contradicting re-answer, an answer the
+    request cannot take, or updated arguments that fail the tool's schema; the approval then
+    stays pending.
+    """
+
+    def __init__(
+        self, append_frame: AppendFn, default_timeout: float = DEFAULT_APPROVAL_TIMEOUT,
+        crossing: Crossing | None = None, on_decided: DecidedFn = lambda decision, seconds: None,
+    ) -> None:
+        """`crossing` (pending_requests/: `SingleServer` by default) makes approvals work across
+        servers; `on_decided` hears how each of this server's gated calls was decided."""
+        super().__init__(append_frame, crossing, (REQUEST, RESOLVED))
+        self._on_decided = on_decided
+        self.default_timeout = default_timeout
+        self._finished = self._book.finished
+
+    # -- what is pending ---------------------------------------------------------------
+
+    def is_open(self, entry: PendingApproval) -> bool:
+        """The approval is undecided."""
+        return entry.decision is None
+
+    def find(self, request_id: str) -> PendingApproval | None:
+        """The pending approval `request_id`, this server's or (shared store) another's."""
+        return self._book.find(request_id)
+
+    async def wait_changed(self, session: Session) -> None:
+        """Return at the session's next change: an approval requested or decided (on any server)."""
+        await self._book.wait_change(session, self.sync)
+
+    async def sync(self, session: Session) -> None:
+        """Shared store, a session this server's caller owns: read the session's approval frames
+        since the last read; other servers' requests with no decision yet become remote pending
+        approvals, and those decided since are settled."""
+        for frame in await self._book.read_new(session):
+            request_id = frame.payload.get("request_id")
+            if not isinstance(request_id, str):
+                continue
+            if frame.type == REQUEST:
+                if self._book.known(request_id):
+                    continue
+                self._remote[request_id] = self._remote_entry(frame, session)
+                self._notify(session)
+            else:
+                entry = self._remote.pop(request_id, None)
+                if entry is not None and entry.decision is None:
+                    self._decide(entry, decision_of(frame.payload))
+                    entry.recorded.set()
+
+    @staticmethod
+    def _remote_entry(frame: Frame, session: Session) -> PendingApproval:
+        """Another server's `approval_request` frame as a pending approval this server's owner answers."""
+        p = frame.payload
+        origin = p.get("origin") if p.get("origin") in ("caller", "toolset", "agent") else "agent"
+        return PendingApproval(
+            request_id=str(p["request_id"]), session=session, tool_name=str(p.get("tool_name")),
+            arguments=p.get("arguments") if isinstance(p.get("arguments"), dict) else {}, origin=origin,
+            caller=session.owner, expires_at=str(p.get("expires_at", "")),
+            input_schema=p.get("input_schema") if isinstance(p.get("input_schema"), dict) else None,
+            allows_tool_return=p.get("allows_tool_return") is True,
+            form=p.get("elicitation") if isinstance(p.get("elicitation"), dict) else None,
+            tool_use_id=p.get("tool_use_id") if isinstance(p.get("tool_use_id"), str) else None,
+            frame_seq=frame.seq, remote=True,
+        )
+
+    # -- the gated call's side -----------------------------------------------------------
+
+    async def request(
+        self,
+        session: Session,
+        tool_name: str,
+        arguments: dict[str, Any],
+        *,
+        origin: Origin,
+        caller: CallerConnection | None,
+        timeout: float | None = None,
+        input_schema: dict[str, Any] | None = None,
+        allows_tool_return: bool = False,
+        form: dict[str, Any] | None = None,
+        tool_use_id: str | None = None,
+    ) -> Decision:
+        """Ask `caller` to decide on the call and wait for exactly one decision.
+
+        Cancellation: the approval is decided "cancelled" (denied), its `approval_resolved`
+        frame is appended under a shield, and `Cancelled` propagates.
+        """
+        started = trio.current_time()
+        seconds = self.default_timeout if timeout is None else timeout
+        entry = PendingApproval(
+            request_id="apr-" + secrets.token_hex(8), session=session, tool_name=tool_name,
+            arguments=arguments, origin=origin, caller=caller, expires_at=_iso_in(seconds),
+            input_schema=input_schema, allows_tool_return=allows_tool_return, form=form, tool_use_id=tool_use_id,
+        )
+        self._pending[entry.request_id] = entry
+        try:
+            entry.in_log = caller is None and await self.crossing.owner_elsewhere(session, recorded_only=True)
+            request = entry.summary()
+            # Across servers: what the owner's server checks an answer against.
+            self.crossing.announce(request, input_schema=input_schema, allows_tool_return=True if allows_tool_return else None)
+            frame = await self._append_frame(session, REQUEST, request)
+            entry.frame_seq = frame.seq
+            self._notify(session)
+            if entry.in_log:
+                await self._wait_in_log(entry, seconds)
+                return self._decided(entry)
+            if entry.decision is None and (caller is None or caller.closed.is_set()):
+                self._decide(entry, Decision(
+                    approve=False, who="disconnect",
+                    reason=f"the caller that owns '{tool_name}' is not connected; nobody can approve it",
+                ))
+            else:
+                await self._await_outcome(entry, seconds, lambda: self._decide(entry, Decision(
+                    approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)",
+                )))
+            if not entry.recorded.is_set():  # a denial this server took: stored before the call hears it
+                await self._record(entry)
+        except trio.Cancelled:
+            await self._end_if_open(entry, lambda: self._decide(
+                entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"),
+            ))
+            if not entry.recorded.is_set():
+                with trio.CancelScope(shield=True):
+                    await self._record(entry)  # with a shared store it loses to a decision stored first
+            raise
+        finally:
+            self._pending.pop(entry.request_id, None)
+            entry.recorded.set()  # never leave an answerer waiting, even if recording failed
+            self._on_decided(entry.decision, trio.current_time() - started)
+        return self._decided(entry)
+
+    @staticmethod
+    def _decided(entry: PendingApproval) -> Decision:
+        assert entry.decision is not None
+        return entry.decision
+
+    async def _wait_in_log(self, entry: PendingApproval, seconds: float) -> None:
+        """The owner is on another server: wait for the request's `approval_resolved`, whoever stores it.
+
+        At the timeout this server tries to store its own denial (timeout); if an answer won the
+        race in the database, the gated call gets that answer instead.
+        """
+        session = entry.session
+        outcome: Frame | None = None
+        with trio.move_on_after(seconds):
+            outcome = await self.crossing.wait_outcome(session, entry.request_id, entry.frame_seq, (RESOLVED,))
+        if outcome is None:
+            timeout = Decision(approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)")
+            try:
+                outcome = await self._store_outcome(entry, timeout) or await self._outcome_of(entry)
+            except StoreUnavailable as exc:  # the denial stands: the owner's server refuses answers after `expires_at`
+                log.warning("approval %s timed out; storing it when the store is back: %s", entry.request_id, exc)
+                self._decide(entry, timeout)
+                entry.recorded.set()
+                if self._tasks.nursery is not None:
+                    self._tasks.nursery.start_soon(when_store_is_back, lambda: self._store_outcome(entry, timeout))
+                return
+        if outcome is None:  # the winner is committed before we lost: unreachable but for retention
+            raise RelayError(errors.INTERNAL_ERROR, f"approval '{entry.request_id}' ended, but its decision is not in the log")
+        if entry.decision is None:
+            self._decide(entry, decision_of(outcome.payload))
+        entry.recorded.set()
+
+    async def _store_outcome(self, entry: PendingApproval, decision: Decision) -> Frame | None:
+        """Store `decision` as the request's one `approval_resolved` (None: another decision won)."""
+        return await self.crossing.store_outcome(self._append_frame, entry.session, RESOLVED, _resolved_payload(entry, decision))
+
+    async def _outcome_of(self, entry: PendingApproval) -> Frame | None:
+        return await self.crossing.outcome_of(entry.session, entry.request_id, entry.frame_seq, (RESOLVED,))
+
+    async def _close_remote(self, sessions: list[Session]) -> None:
+        """Their owner left this server: the approvals other servers' gated calls wait for in
+        `sessions` are denied through the log (fail closed), so those calls end now, not at their timeout."""
+        gone = Decision(approve=False, who="disconnect", reason="the caller disconnected before deciding")
+        for session in sessions:
+            try:
+                await self.sync(session)
+                for entry in [e for e in self._remote.values() if e.session is session and e.decision is None]:
+                    if await self._store_outcome(entry, gone) is not None:
+                        self._settle(entry, gone)
+            except Exception:
+                log.exception("session %s: could not deny the approvals of a departed caller", session.key)
+
+    def _end_disconnected(self, entry: PendingApproval) -> None:
+        """Its owner left: the approval is denied (fail closed)."""
+        self._decide(entry, _disconnected())
+
+    def _decide(self, entry: PendingApproval, decision: Decision) -> None:
+        entry.decision = decision
+        self._book.remember(entry.request_id, _Finished(
+            entry.session.id, entry.caller, decision, entry.frame_seq, entry.recorded, entry.session,
+        ))
+        entry.done.set()
+        self._notify(entry.session)
+
+    async def _record(self, entry: PendingApproval) -> None:
+        """Store the denial this server took on its own approval (timeout, disconnect, cancel).
+
+        With a shared store it is stored with `append_outcome` too, so it can never be a second
+        decision: if another server stored one first (its sweep took this server for dead, after a
+        stall longer than `lease_ttl`), that decision is the approval's, here as everywhere.
+        If the store fails, the denial stands (it fails closed on both sides), is logged, and is
+        stored once the store is back."""
+        decision = entry.decision
+        assert decision is not None
+        try:
+            if await self._store_decision(entry, decision) is None:
+                winner = await self._outcome_of(entry)
+                if winner is not None:
+                    self._overrule(entry, decision_of(winner.payload))
+        except StoreUnavailable as exc:
+            log.warning("approval %s was %s; storing it when the store is back: %s", entry.request_id, decision.describe(), exc)
+            if self._tasks.nursery is not None:
+                self._tasks.nursery.start_soon(when_store_is_back, lambda: self._store_decision(entry, decision))
+        finally:
+            entry.recorded.set()
+
+    async def _store_decision(self, entry: PendingApproval, decision: Decision) -> Frame | None:
+        """Store `decision` as this server's approval's `approval_resolved` (None: shared store, another won)."""
+        return await self._store_outcome(entry, decision)
+
+    def _overrule(self, entry: PendingApproval, decision: Decision) -> None:
+        """Another server's stored decision replaces the one taken here (see `_record`)."""
+        entry.decision = decision
+        finished = self._finished.get(entry.request_id)
+        if finished is not None:
+            self._finished[entry.request_id] = _Finished(
+                finished.session_id, finished.caller, decision, finished.frame_seq, finished.recorded, finished.session,
+            )
+
+    # -- the caller's side ---------------------------------------------------------------
+
+    async def answer(self, caller: CallerConnection, session_id: str, request_id: str, decision: Decision) -> dict[str, Any]:
+        """Decide one pending approval; an identical re-answer is an idempotent success."""
+        outcome = self._check(caller, session_id, request_id, decision)
+        if outcome is not None:
+            await outcome.recorded.wait()
+            return {"resolved": True, "already_resolved": True, "after_seq": outcome.frame_seq}
+        entry = self.find(request_id)
+        assert entry is not None
+        seq = entry.frame_seq
+        if entry.remote or entry.in_log:
+            return await self._answer_in_log(caller, entry, decision)
+        if not await self._store_answer(entry, decision):  # another decision came first
+            outcome = self._check(caller, session_id, request_id, decision)
+            assert outcome is not None  # `_check` raises for any but an identical decision
+            await outcome.recorded.wait()
+            return {"resolved": True, "already_resolved": True, "after_seq": outcome.frame_seq}
+        return {"resolved": True, "after_seq": seq}
+
+    async def _store_answer(self, entry: PendingApproval, decision: Decision) -> bool:
+        """Store a caller's decision of this server's approval, then decide it; False if another
+        decision ended it first: while this one waited for the claim, or (shared store) stored
+        first by another server, or by an earlier try of this very answer whose commit the store
+        could not confirm (then it is identical: an idempotent retry).
+
+        Raises: `AnswerNotRecorded` when the store fails (the approval stays pending, unless its
+        owner left meanwhile: then it is denied as a disconnect)."""
+        async with entry.claim:
+            if entry.decision is not None:
+                return False
+            try:
+                stored = await self._store_decision(entry, decision)
+            except StoreUnavailable as exc:
+                if entry.caller_left:
+                    self._decide(entry, _disconnected())
+                raise AnswerNotRecorded(
+                    "the decision", entry.request_id, exc, until=entry.expires_at, again="approval_response",
+                ) from exc
+            if stored is None:  # shared store: the decision stored first is the approval's
+                winner = await self._outcome_of(entry)
+                if winner is None:  # the winner is committed before we lost: unreachable but for retention
+                    raise RelayError(errors.INTERNAL_ERROR, f"approval '{entry.request_id}' ended, but its decision is not in the log")
+                self._decide(entry, decision_of(winner.payload))
+                entry.recorded.set()
+                return False
+            self._decide(entry, decision)
+            entry.recorded.set()
+            return True
+
+    async def answer_batch(
+        self, caller: CallerConnection, session: Session, answers: list[tuple[str, Decision]]
+    ) -> dict[str, Any]:
+        """Decide every pending approval of `session` at once (Letta's batch form).
+
+        The ids must be exactly the session's pending ones (re-sent ids already decided by this
+        caller count as idempotent retries); every answer is checked before any is applied.
+        """
+        ids = [request_id for request_id, _ in answers]
+        if len(set(ids)) != len(ids):
+            raise RelayError(errors.INVALID_PARAMS, "approvals: each tool_call_id may appear only once")
+        pending_ids = sorted(p.request_id for p in self.pending_for(session))
+        retries: list[_Finished] = []
+        fresh: list[tuple[PendingApproval, Decision]] = []
+        for request_id, decision in answers:
+            outcome = self._check(caller, session.id, request_id, decision)
+            if outcome is not None:
+                retries.append(outcome)
+            else:
+                entry = self.find(request_id)
+                assert entry is not None
+                fresh.append((entry, decision))
+        if sorted(entry.request_id for entry, _ in fresh) != pending_ids:
+            listed = ", ".join(pending_ids) or "none"
+            raise RelayError(
+                errors.INVALID_PARAMS,
+                f"approvals must answer exactly the pending request ids of session '{session.id}': {listed}; "
+                "nothing was decided",
+            )
+        seqs = [entry.frame_seq for entry, _ in fresh] + [r.frame_seq for r in retries]
+        for done, (entry, decision) in enumerate(fresh):
+            try:
+                if entry.remote or entry.in_log:
+                    await self._answer_in_log(caller, entry, decision)
+                elif not await self._store_answer(entry, decision):
+                    self._check(caller, session.id, entry.request_id, decision)  # raises unless identical
+            except AnswerNotRecorded as exc:
+                if done:  # say which decisions stand: the same batch again retries only the rest
+                    stood = ", ".join(e.request_id for e, _ in fresh[:done])
+                    raise StoreUnavailable(f"approvals {stood} were recorded; {exc.message}") from exc
+                raise
+        for entry, _ in fresh:
+            await entry.recorded.wait()
+        for retry in retries:
+            await retry.recorded.wait()
+        return {"resolved": True, "after_seq": min(seqs) if seqs else 0}
+
+    def _check(
+        self, caller: CallerConnection, session_id: str, request_id: str, decision: Decision
+    ) -> _Finished | None:
+        """Refuse an answer that may not be applied; a finished one answered the same way is returned."""
+        entry = self.find(request_id)
+        if entry is None or entry.decision is not None:
+            finished = self._finished.get(request_id)
+            if finished is None:
+                raise RelayError(errors.NOT_FOUND, f"unknown approval request_id '{request_id}'")
+            self._check_owner(caller, finished.caller, finished.session_id, session_id, request_id, finished.session)
+            # The person's answer and the caller's are one decision: the second one is refused.
+            one_path = (finished.decision.who == ELICITATION_WHO) == (decision.who == ELICITATION_WHO)
+            if one_path and finished.decision.same_answer_as(decision):
+                return finished
+            raise RelayError(
+                errors.INVALID_REQUEST,
+                f"approval '{request_id}' is already resolved: {finished.decision.describe()}",
+            )
+        self._check_owner(caller, entry.caller, entry.session.id, session_id, request_id, entry.session)
+        if decision.kind == "tool" and not entry.allows_tool_return:
+            raise RelayError(
+                errors.INVALID_PARAMS,
+                f"approval '{request_id}' ({entry.origin} '{entry.tool_name}') cannot be answered with a tool return",
+            )
+        if decision.content is not None:
+            if entry.form is None:
+                raise RelayError(
+                    errors.INVALID_PARAMS,
+                    f"approval '{request_id}' is not a toolset's elicitation; 'content' answers only those",
+                )
+            if not decision.approve:
+                raise RelayError(errors.INVALID_PARAMS, "content is only for an acceptance (approve: true)")
+            problem = schema_problem(
+                entry.form.get("requestedSchema") or {"type": "object"}, decision.content,
+                f"content does not match the form of '{entry.tool_name}'",
+            )
+            if problem:
+                raise RelayError(errors.INVALID_PARAMS, f"{problem}; approval '{request_id}' is still pending")
+        if decision.updated_arguments is not None:
+            if not decision.approve:
+                raise RelayError(errors.INVALID_PARAMS, "updated_arguments are only for an approval (approve: true)")
+            if entry.input_schema is not None:
+                problem = schema_problem(
+                    entry.input_schema, decision.updated_arguments,
+                    f"updated_arguments do not match the inputSchema of '{entry.tool_name}'",
+                )
+                if problem:
+                    raise RelayError(errors.INVALID_PARAMS, f"{problem}; approval '{request_id}' is still pending")
+        return None
+
+    async def _answer_in_log(self, caller: Any, entry: PendingApproval, decision: Decision) -> dict[str, Any]:
+        """Decide a request whose call waits in the log (here or on another server): the decision is
+        stored only if none won before it; else the one that won refuses it (or, identical, stands)."""
+        if entry.remote and is_past(entry.expires_at):
+            # Its server denies it at `expires_at`, storing that if it can: a decision stored after
+            # it would tell this caller "resolved" while the gated call was denied.
+            raise RelayError(
+                errors.INVALID_REQUEST,
+                f"approval '{entry.request_id}' is already resolved: denied (timeout): it expired at "
+                f"{entry.expires_at}, and its gated call is denied at its approval timeout",
+            )
+        try:
+            stored = await self._store_outcome(entry, decision)
+        except StoreUnavailable as exc:  # nothing stored, so nobody decided: it stays pending
+            raise AnswerNotRecorded(
+                "the decision", entry.request_id, exc, until=entry.expires_at, again="approval_response",
+            ) from exc
+        if stored is not None:
+            self._settle(entry, decision)
+            return {"resolved": True, "after_seq": entry.frame_seq}
+        outcome = await self._outcome_of(entry)
+        won = decision_of(outcome.payload) if outcome is not None else None
+        if won is not None:
+            self._settle(entry, won)
+            one_path = (won.who == ELICITATION_WHO) == (decision.who == ELICITATION_WHO)
+            if one_path and won.same_answer_as(decision):
+                return {"resolved": True, "already_resolved": True, "after_seq": entry.frame_seq}
+        raise RelayError(
+            errors.INVALID_REQUEST,
+            f"approval '{entry.request_id}' is already resolved: {won.describe() if won else 'elsewhere'}",
+        )
+
+    def _settle(self, entry: PendingApproval, decision: Decision) -> None:
+        """A decision stored in the log: this server's copy of the request ends with it now."""
+        if entry.remote:
+            self._remote.pop(entry.request_id, None)
+        if entry.decision is None:
+            self._decide(entry, decision)
+        if entry.remote:
+            entry.recorded.set()
+
+    @staticmethod
+    def _check_owner(
+        caller: Any, owner: Any, owner_session: str, session_id: str, request_id: str, session: Session | None = None,
+    ) -> None:
+        if owner_session != session_id:
+            raise RelayError(
+                errors.INVALID_PARAMS,
+                f"approval '{request_id}' belongs to session '{owner_session}', not '{session_id}'",
+            )
+        if owner is None and session is not None and session.same_caller(caller):
+            return  # the owner by identity, connected to this server, of a session opened on another
+        if owner is not caller:
+            raise RelayError(
+                errors.UNAUTHORIZED,
+                f"approval '{request_id}' may only be answered by the caller that owns session '{session_id}'",
+            )
+
+
+def _disconnected() -> Decision:
+    return Decision(approve=False, who="disconnect", reason="the caller disconnected before deciding")
+
+
+def _resolved_payload(entry: PendingApproval, decision: Decision) -> dict[str, Any]:
+    """The `approval_resolved` frame's payload for `decision` on `entry`."""
+    return resolved_payload(entry.request_id, entry.tool_name, decision)
+
+
+def resolved_payload(request_id: str, tool_name: str, decision: Decision) -> dict[str, Any]:
+    """The `approval_resolved` frame's payload for `decision` on request `request_id` (also the
+    sweep's, which closes a dead server's request without its entry)."""
+    payload: dict[str, Any] = {
+        "request_id": request_id, "tool_name": tool_name, "approve": decision.approve,
+        "reason": decision.reason, "who": decision.who, "kind": decision.kind,
+    }
+    if decision.updated_arguments is not None:
+        payload["updated_arguments"] = decision.updated_arguments
+    if decision.kind == "tool":
+        payload.update(tool_return=decision.tool_return, status=decision.status)
+    if decision.content is not None:
+        payload["content"] = decision.content
+    if decision.action is not None:
+        payload["action"] = decision.action
+    return payload

@@ -1,0 +1,93 @@
+"""The relay methods of a guest connection: `append_frame` (request) and `ack` (notification)."""
+
+from __future__ import annotations
+
+from protocol import RelayError, errors, messages
+from protocol.frames import TURN_END_TYPES, FrameType
+from protocol.session_keys import check_session
+
+from ...core.frame_log import AppendFrame as Append
+from ...core.server_owned import refuse_server_owned
+from ...core.sessions import Session, SessionRegistry, session_has_frames
+from ...store.api import FrameStoreAPI
+from .delivery import GuestDelivery, GuestPeer
+
+GUEST_FRAME_TYPES = frozenset({FrameType.ASSISTANT_DELTA, FrameType.STATUS_PRESENCE, *TURN_END_TYPES})
+
+
+
+class GuestFrames:
+    """Stores what a guest reports about its turns; refuses what only the server states (server_owned.py).
+
+    A guest appends to the sessions of its instance that the server knows (held in memory, or
+    with frames in the log: the ones it was sent messages in); it cannot open a session, so it
+    cannot fill the server's memory with sessions (docs/SECURITY.md, "Session keys at every door").
+
+    Needs: the session registry, the frame log's `append`, guest delivery (for acks), and the
+    store (is a forgotten session in the log?).
+    Raises: `RelayError(INVALID_PARAMS)` for a frame type or payload key a guest may not append or
+    a session key outside the grammar (protocol/session_keys.py); `RelayError(NOT_FOUND)` for a
+    session the server does not know.
+    """
+
+    def __init__(
+        self, sessions: SessionRegistry, append: Append, delivery: GuestDelivery, store: FrameStoreAPI,
+    ) -> None:
+        self.sessions = sessions
+        self.append = append
+        self.delivery = delivery
+        self.store = store
+
+    async def append_frame(self, connection: GuestPeer, request: messages.AppendFrame) -> messages.AppendFrameResult:
+        """The `append_frame` relay method: store a frame the guest reports about a turn.
+
+        Raises: `RelayError(INVALID_PARAMS)` for a bad session key, a type or payload key only the
+        server writes (`refuse_server_owned`, the rule of every door) or another type a guest may not
+        append, before any turn is touched; `RelayError(NOT_FOUND)` for an unknown session; the frame
+        log's refusals (limits) as they are. Nothing is stored then.
+        """
+        check_session(request.session.channel, request.session.id)
+        refuse_server_owned(request.type, request.payload)
+        if request.type not in GUEST_FRAME_TYPES:
+            raise RelayError(
+                errors.INVALID_PARAMS,
+                f"a guest may append {', '.join(sorted(GUEST_FRAME_TYPES))}; not {request.type!r}",
+            )
+        assert connection.instance is not None
+        session = await self._known_session(connection.instance, request.session.channel, request.session.id)
+        ends_turn = request.type in TURN_END_TYPES and request.reply_to is not None
+        if ends_turn:
+            assert request.reply_to is not None
+            if not await self.delivery.turn_ended(connection, request.reply_to):
+                raise RelayError(
+                    errors.INVALID_REQUEST,
+                    f"the turn of message {request.reply_to!r} has ended already (a turn ends once; the server "
+                    "ends it with session.error when its guest disconnects mid-turn)",
+                )
+        elif request.reply_to is not None:
+            self.delivery.turn_started(connection, request.reply_to)
+        try:
+            frame = await self.append(session, request.type, request.payload, reply_to=request.reply_to)
+        finally:
+            if ends_turn:
+                assert request.reply_to is not None
+                self.delivery.turn_end_stored(connection, request.reply_to)
+        return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
+
+    async def _known_session(self, instance: str, channel: str, session_id: str) -> Session:
+        """The session if the server holds it or its log has frames of it (made again after it was
+        forgotten); else `NOT_FOUND`."""
+        session = self.sessions.get(instance, channel, session_id)
+        if session is not None:
+            return session
+        if not await session_has_frames(self.store, instance, channel, session_id):
+            raise RelayError(
+                errors.NOT_FOUND,
+                f"unknown session '{channel}:{session_id}' of instance '{instance}': a guest appends to the "
+                "sessions it was sent messages in; it cannot open one",
+            )
+        return self.sessions.get_or_create(instance, channel, session_id)
+
+    async def ack(self, connection: GuestPeer, ack: messages.Ack) -> None:
+        """The `ack` relay notification: move the guest's delivery cursor (see `GuestDelivery.acknowledge`)."""
+        await self.delivery.acknowledge(connection, ack.seq)

@@ -1,0 +1,245 @@
+"""Turn waits: a caller's `wait` on a session's turn, until it ends or needs the caller.
+
+A `session_message`, `caller_tool_response` or `approval_response` with `wait` waits here for
+the turn's first stop (`TurnWaits.wait`): its end (`assistant.done`, `session.error`), or
+sooner the moment it needs the caller — a caller tool request or an approval of the session
+pending (the pending-request engine's per-session events, one already pending counts) — or,
+for a message nothing can run, `no_guest`. The MCP adapters (caller_api/tools.py) only
+translate arguments and results; the race is this service's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+import trio
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+from protocol.frames import TURN_END_TYPES, FrameType
+
+from ..core.callers import CallerConnection, RequestScopedSink
+from ..core.sessions import Session, SessionRegistry
+from ..store.api import FrameQuery, FrameStoreAPI, StoreUnavailable
+from .approvals import ApprovalElicitation, ApprovalService, InputRequired
+from .caller_tool_relay import CallerCallRegistry
+
+log = logging.getLogger("oubliette.server.caller_api")
+
+EVENT_DRAIN_SECONDS = 2.0
+"""How long a 2026-07-28 wait lets its request-scoped events go out before it returns its stop."""
+NO_GUEST_GRACE = 8.0
+"""Seconds a `session_message` wait gives a guest to connect before it stops with `no_guest`
+(an instance with no guest and no start command: nothing would run the message). Longer than
+oubliette-client's longest reconnect delay (5 s), so a guest reconnecting after a server restart,
+or one started just before the message on a busy host, is not reported missing."""
+STREAM_GONE_STATE = "oubliette_stream_gone"
+"""Key of the `trio.Event` the HTTP layer sets in a request's scope state when its client goes away."""
+
+
+def stream_gone(ctx: Any) -> trio.Event | None:
+    """The event set when this request's HTTP client disconnects before its answer (None on stdio)."""
+    state = getattr(getattr(ctx, "request", None), "scope", {}).get("state") or {}
+    gone = state.get(STREAM_GONE_STATE)
+    return gone if isinstance(gone, trio.Event) else None
+
+
+class OwnerKeyedSink:
+    """A request-scoped sink whose events carry the caller's `owner_key` (2026-07-28).
+
+    Only the owner's own waiting request gets these events, so the key travels to nobody
+    else; a caller can answer a request before its `session_message` returns the key.
+    """
+
+    def __init__(self, sink: RequestScopedSink, owner_key: str) -> None:
+        self._sink = sink
+        self._owner_key = owner_key
+
+    def push(self, event: dict) -> None:
+        """Pass the event on with the owner_key added, so a stateless caller can act on it."""
+        self._sink.push({**event, "owner_key": self._owner_key})
+
+
+class TurnWaits:
+    """Waits on a session's turn for the caller-facing tools.
+
+    Needs: the store (the turn's end), the session registry (a 2026-07-28 wait follows the
+    session for its duration), the pending caller tool calls and approvals (what stops a wait,
+    and what ends when the waiting caller leaves), the approval elicitation (how approvals
+    reach the person), and `guest_absent(instance)` (guests/presence.py): why a message cannot
+    reach a guest, or None.
+    """
+
+    def __init__(
+        self, *, store: FrameStoreAPI, sessions: SessionRegistry, calls: CallerCallRegistry,
+        approvals: ApprovalService, elicitation: ApprovalElicitation,
+        guest_absent: Callable[[str], Awaitable[str | None]] | None = None,
+    ) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.calls = calls
+        self.approvals = approvals
+        self.elicitation = elicitation
+        self.guest_absent = guest_absent
+
+    def caller_gone(self, caller: CallerConnection, session: Session | None = None) -> int:
+        """The caller's stream ended (HTTP): its pending calls (of `session`, if given) fail now and
+        its pending approvals are denied (fail closed). Returns how many of both ended."""
+        return self.calls.fail_caller(caller, session) + self.approvals.fail_caller(caller, session)
+
+    async def wait(
+        self, ctx: Any, caller: CallerConnection, session: Session, msg_id: str | None, after_seq: int, seconds: float,
+        *, watch_guest: bool = False,
+    ) -> dict[str, Any]:
+        """Wait for the turn's end (the first one after `after_seq` when `msg_id` is None) or for a
+        pending approval in the session, whichever comes first, at most `seconds`; with
+        `watch_guest`, stop with `no_guest` when nothing can run the message (`_first_stop`)."""
+        query = FrameQuery(
+            channel=session.channel, session_id=session.id, after_seq=after_seq,
+            types=TURN_END_TYPES, reply_to=msg_id, limit=1,
+        )
+        modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+        deadline = time.time() + seconds
+        gone = stream_gone(ctx)
+        dropped = False
+        stop: dict[str, Any] = {}
+        unavailable: StoreUnavailable | None = None
+        ended = False
+        try:
+            async with trio.open_nursery() as nursery:
+                sink = None
+                follower: Any = None
+                delivered = trio.Event()
+                if modern:
+                    # 2026-07-28 callers have no standalone stream: events ride this request.
+                    sink = RequestScopedSink(ctx.session, ctx.request_id)
+                    follower = OwnerKeyedSink(sink, caller.owner_key) if caller.owner_key else sink
+
+                    async def deliver(sink: RequestScopedSink = sink) -> None:
+                        try:
+                            await sink.run()
+                        finally:
+                            delivered.set()
+
+                    self.sessions.follow(session, follower)
+                    nursery.start_soon(deliver)
+                if gone is not None:
+
+                    async def watch(gone: trio.Event = gone) -> None:
+                        nonlocal dropped
+                        await gone.wait()
+                        dropped = True
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(watch)
+                try:
+                    stop = await self._first_stop(ctx, caller, session, query, msg_id, seconds, watch_guest)
+                except StoreUnavailable as exc:  # raised below, not wrapped in this nursery's group
+                    unavailable = exc
+                finally:
+                    if sink is not None:
+                        self.sessions.unfollow(session, follower)
+                        sink.close()
+                if sink is not None:
+                    # The events that led to this stop go out before the result that reports it.
+                    with trio.move_on_after(EVENT_DRAIN_SECONDS):
+                        await delivered.wait()
+                nursery.cancel_scope.cancel()
+            ended = True
+        finally:
+            if not ended and modern:  # 2026-07-28: closing the request's stream is how it is cancelled
+                self._waiting_caller_left(caller, session)
+        if unavailable is not None:  # the store went away during the wait: the caller hears of it now
+            raise StoreUnavailable(
+                f"{unavailable.message} (while waiting: what this call sent is stored, do not send it again; "
+                f"read the turn's end with session_events after_seq {after_seq})"
+            )
+        if dropped:
+            self._waiting_caller_left(caller, session)
+            return {"stop_reason": "error", "text": "the caller's stream closed", "pending": []}
+        if stop.get("stop_reason") == "requires_approval" and self.elicitation.route(ctx) == "input_required":
+            # 2026-07-28 with elicitation: the call returns an input_required result, resumed on retry.
+            raise InputRequired(session, self.approvals.pending_for(session), msg_id, after_seq, deadline)
+        return stop
+
+    def _stop(
+        self, session: Session, frames: list[Any] | None, msg_id: str | None, approvals_stop: bool = True,
+    ) -> dict[str, Any] | None:
+        """The fields of a turn stop: `stop_reason`, `text`, and `pending`, everything the caller must
+        answer now (caller tool requests, then approvals), read from the services, not from events.
+        None when `frames` is None (the turn needs the caller) but nothing is pending any more.
+        With `approvals_stop` False (they are being put to the person), approvals do not stop the turn."""
+        calls = [c.summary() for c in self.calls.pending_for(session)]
+        approvals = [p.summary() for p in self.approvals.pending_for(session)]
+        pending = calls + [{"kind": "approval", "tool": a["tool_name"], **a} for a in approvals]
+        if frames is None:
+            if approvals and approvals_stop:
+                return {"stop_reason": "requires_approval", "text": "", "pending": pending, "approval_requests": approvals}
+            if calls:
+                return {"stop_reason": "requires_action", "text": "", "pending": pending}
+            return None
+        if not frames:
+            return {"stop_reason": "timeout", "text": "", "pending": pending}
+        end = frames[0]
+        turn = {"msg_id": end.reply_to} if msg_id is None and end.reply_to else {}
+        if end.type == FrameType.SESSION_ERROR:
+            return {"stop_reason": "error", "text": end.payload.get("message", ""), "pending": pending, **turn}
+        return {"stop_reason": "end_turn", "text": end.payload.get("text", ""), "pending": pending, **turn}
+
+    async def _first_stop(
+        self, ctx: Any, caller: CallerConnection, session: Session, query: FrameQuery, msg_id: str | None, seconds: float,
+        watch_guest: bool = False,
+    ) -> dict[str, Any]:
+        """The turn's first stop within `seconds`: its end (or `timeout`), or, sooner, the moment it
+        needs the caller: a caller tool request or an approval of the session is pending (one already
+        pending counts). The pending list is read at that moment, so nothing resolved is listed.
+        Approvals put to the person in the caller's client (`ApprovalElicitation`) do not stop it.
+        With `watch_guest`, a message that nothing can run `NO_GUEST_GRACE` seconds after it was
+        stored (no guest connected anywhere, no start command) stops the wait with `no_guest`."""
+        stops: list[dict[str, Any]] = []
+        failed: list[StoreUnavailable] = []
+        approvals_stop = self.elicitation.route(ctx) in ("tool", "input_required")
+        async with trio.open_nursery() as race:
+
+            async def turn_end() -> None:
+                try:
+                    frames, _ = await self.store.wait_for_frames(session.instance, query, timeout=seconds)
+                except StoreUnavailable as exc:  # raised below, not wrapped in the race's group
+                    failed.append(exc)
+                else:
+                    stops.append(self._stop(session, frames, msg_id, approvals_stop) or {})
+                race.cancel_scope.cancel()
+
+            async def approval() -> None:
+                await self.elicitation.approval_stop(ctx, caller, session)
+                # No checkpoint since approval_stop saw a pending entry: the stop lists it.
+                stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
+                race.cancel_scope.cancel()
+
+            async def caller_tool() -> None:
+                await self.calls.wait_pending(session)
+                stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
+                race.cancel_scope.cancel()
+
+            async def no_guest() -> None:
+                # A grace, not a poll: one look, once a guest that was connecting has had its moment.
+                await trio.sleep(NO_GUEST_GRACE)
+                assert self.guest_absent is not None
+                reason = await self.guest_absent(session.instance)
+                if reason is not None:
+                    stops.append({"stop_reason": "no_guest", "text": reason, "pending": []})
+                    race.cancel_scope.cancel()
+
+            race.start_soon(turn_end)
+            race.start_soon(approval)
+            race.start_soon(caller_tool)
+            if watch_guest and self.guest_absent is not None and seconds > NO_GUEST_GRACE:
+                race.start_soon(no_guest)
+        if failed:
+            raise failed[0]
+        return stops[0]
+
+    def _waiting_caller_left(self, caller: CallerConnection, session: Session) -> None:
+        failed = self.caller_gone(caller, session)
+        log.info("%r left while waiting in session %s; %d pending call(s) and approval(s) ended", caller, session.id, failed)

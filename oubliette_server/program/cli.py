@@ -1,0 +1,429 @@
+"""`oubliette-server`: serve callers on stdio and sandboxes on the relay socket; or print a token.
+
+    oubliette-server [serve] [--relay unix:PATH|tcp:HOST:PORT] [--data-dir DIR] [--caller-timeout SECONDS]
+                     [--approval-timeout SECONDS] [--approval-delivery auto|elicitation|tool]
+    oubliette-server [serve] [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE] [--store postgresql://…]
+                     [--metrics HOST:PORT|unix:PATH]…
+    oubliette-server token INSTANCE [--data-dir DIR | --store postgresql://…]
+    oubliette-server http-token [--data-dir DIR | --store postgresql://…]
+    oubliette-server status [--data-dir DIR | --store postgresql://…] [--config FILE] [--http HOST:PORT|unix:PATH] [--json]
+    oubliette-server tail INSTANCE [--session CHANNEL:ID] [--types T,...] [--after-seq N] [--json] [--data-dir DIR | --store …]
+
+Logs go to stderr; stdout carries the caller's MCP. Options may come before or after the
+subcommand. An operator mistake is one line on stderr: exit status 2 for a usage error, 1 for
+a runtime failure (a port in use, an unwritable data directory); `--log-level debug` adds the
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from protocol import parse_relay_address
+from protocol.command_line import OneLineParser
+from protocol.command_line import log_level as log_level_name
+from protocol.command_line import positive_seconds as cli_seconds
+from protocol.interrupts import (
+    INTERRUPTED,
+    exception_leaves,
+    exit_status,
+    failure_line,
+    is_interrupt,
+    raise_on_interrupt,
+)
+from protocol.log_format import add_log_format_option
+from protocol.telemetry import setup_observability
+
+from ..core.auth import HTTP_ADMIN, TokenAuthority, check_instance_id
+from ..doors.relay import SERVER_VERSION
+from ..features.approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
+from ..store.api import StoreDamaged, StoreUnavailable
+from ..store.opener import StoreConfigError, store_url_problem
+from .config import (
+    DEFAULT_CALLER_TIMEOUT,
+    STORE_URL_SCHEMES,
+    ServerConfig,
+    default_data_dir,
+    load_config_file,
+)
+from .data_dir_lock import DataDirInUse, hold_data_dir
+
+PROG = "oubliette-server"
+SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail")
+#: Options that take a value, so that a value is never mistaken for a subcommand.
+VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
+                 "--session", "--types", "--after-seq", "--poll-interval"}
+EPILOG = """subcommands:
+  serve                 serve callers and sandboxes (the default)
+  token INSTANCE        print an instance's relay token
+  http-token            print the HTTP API's bearer token
+  status                instances, guest connections, sessions, pending requests (docs/OBSERVABILITY.md)
+  tail INSTANCE         follow an instance's frames as they are stored (Ctrl-C ends it)
+
+Options may come before or after the subcommand, e.g. `oubliette-server --data-dir X token box1`.
+Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"{PROG} {SERVER_VERSION}")
+    parser.add_argument("--data-dir", type=Path, help="state directory (default $OUBLIETTE_DATA_DIR or ~/.local/share/oubliette)")
+    parser.add_argument("--log-level", type=log_level_name, default="INFO", help="stderr log level (default info)")
+    add_log_format_option(parser)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog=PROG,
+        description="Serve the caller's MCP on stdio and sandboxes on the relay socket.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(parser)
+    parser.add_argument("--relay", help="relay address: unix:PATH (default <data-dir>/relay.sock) or tcp:HOST:PORT")
+    parser.add_argument(
+        "--caller-timeout", type=cli_seconds, default=None,
+        help=f"seconds a relayed caller tool call waits for the caller (default {DEFAULT_CALLER_TIMEOUT:g}; per tool: timeout_ms)",
+    )
+    parser.add_argument(
+        "--approval-timeout", type=cli_seconds, default=None,
+        help=f"seconds a gated call waits for its approval before it is denied (default {DEFAULT_APPROVAL_TIMEOUT:g}; "
+        "per tool: approval_timeout_ms)",
+    )
+    parser.add_argument(
+        "--approval-delivery", choices=DELIVERIES, default=None,
+        help="how approvals reach a caller: elicitation (a form for the person at the caller's MCP client), "
+        "tool (the requires_approval stop and approval_response), or auto (default: elicitation where offered)",
+    )
+    parser.add_argument(
+        "--http", action="append", default=None, metavar="HOST:PORT|unix:PATH",
+        help="serve the tether API and the caller's MCP (/mcp) over HTTP; repeatable",
+    )
+    parser.add_argument(
+        "--metrics", action="append", default=None, metavar="HOST:PORT|unix:PATH",
+        help="serve GET /metrics alone here, without a token, for a Prometheus scraper (the --http "
+        "listeners serve it too, with the HTTP token); repeatable",
+    )
+    parser.add_argument(
+        "--allowed-host", action="append", default=None, metavar="HOST[:PORT]",
+        help="accept this Host header on /mcp besides loopback names (e.g. inside a container network)",
+    )
+    parser.add_argument(
+        "--store", metavar="postgresql://…",
+        help="keep the frame log in PostgreSQL (a libpq URI, docs/SCALING.md) instead of SQLite in the data directory",
+    )
+    parser.add_argument("--no-stdio", action="store_true", help="do not serve a caller on stdin/stdout")
+    parser.add_argument("--config", type=Path, help="TOML config file (see docs/CONFIG.md); flags override it")
+    return parser
+
+
+def _token_parser(http: bool) -> argparse.ArgumentParser:
+    if http:
+        parser = OneLineParser(prog=f"{PROG} http-token", description="Print the HTTP API's bearer token.")
+    else:
+        parser = OneLineParser(prog=f"{PROG} token", description="Print an instance's relay token.")
+        parser.add_argument("instance")
+    _add_common(parser)
+    parser.add_argument(
+        "--store", metavar="postgresql://…",
+        help="the deployment's PostgreSQL store: print the token every server on it accepts (docs/SCALING.md)",
+    )
+    return parser
+
+
+def _operator_parser(command: str) -> argparse.ArgumentParser:
+    """The options of `status` and `tail` (operator_view.py reads the store beside the server)."""
+    from .operator_view import DEFAULT_POLL_INTERVAL
+
+    if command == "status":
+        parser = OneLineParser(prog=f"{PROG} status", description="Print instances, where their guests are "
+                               "connected, sessions and pending requests (docs/OBSERVABILITY.md).")
+        parser.add_argument("--http", metavar="HOST:PORT|unix:PATH",
+                            help="SQLite: ask the running server's HTTP listener which guests are connected")
+    else:
+        parser = OneLineParser(prog=f"{PROG} tail", description="Follow an instance's frames as they are stored; "
+                               "Ctrl-C ends it (exit status 130).")
+        parser.add_argument("instance")
+        parser.add_argument("--session", metavar="CHANNEL:ID", help="only this session's frames")
+        parser.add_argument("--types", metavar="T,...", help="only frames of these types (comma-separated)")
+        parser.add_argument("--after-seq", type=int, metavar="N",
+                            help="start after this seq (0: every kept frame; default: only frames stored from now on)")
+        parser.add_argument("--poll-interval", type=cli_seconds, default=DEFAULT_POLL_INTERVAL,
+                            help=f"SQLite: seconds between reads of the log (default {DEFAULT_POLL_INTERVAL:g})")
+    _add_common(parser)
+    parser.add_argument("--store", metavar="postgresql://…", help="the deployment's PostgreSQL store (docs/SCALING.md)")
+    parser.add_argument("--config", type=Path, help="the server's TOML config file: its data dir, store, instances "
+                        "(status lists them even without frames) and HTTP listener")
+    parser.add_argument("--json", action="store_true", help="JSON (status: one document; tail: one object per line)")
+    return parser
+
+
+def _run_operator(command: str, rest: list[str]) -> int:
+    """`status` or `tail`: read the store beside the running server(s), never locking or writing it."""
+    import trio
+
+    from protocol import SessionRef
+
+    from ..store.api import FrameQuery
+    from ..store.opener import open_reader
+    from . import operator_view
+
+    parser = _operator_parser(command)
+    args = parser.parse_args(rest)
+    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # the server's own config file, if given: its data dir, store, instances and HTTP listeners
+        settings = load_config_file(args.config) if args.config is not None else {}
+        if args.data_dir is not None:
+            settings["data_dir"] = args.data_dir
+        if args.store is not None:
+            settings["store_url"] = args.store
+        config = ServerConfig(**settings)
+        http = getattr(args, "http", None) or next((b for b in config.http if not b.endswith(":0")), None)
+        if http is not None:
+            check_http_bind(http)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    data_dir = config.data_dir
+    query = FrameQuery()
+    if command == "tail":
+        reason = check_instance_id(args.instance)
+        if reason:
+            parser.error(reason)
+        try:
+            session = SessionRef.parse_key(args.session) if args.session is not None else None
+            query = FrameQuery(
+                channel=session and session.channel, session_id=session and session.id,
+                types=[t for t in (args.types or "").split(",") if t], after_seq=args.after_seq or 0,
+            )
+        except (ValueError, TypeError) as exc:
+            parser.error(str(exc))
+    store = open_reader(config.store_url, config.frame_store_path)
+    try:
+        if command == "status":
+            liveness = None
+            if http is not None and not store.shared:
+                token = TokenAuthority.for_data_dir(data_dir).token_for(HTTP_ADMIN)
+                liveness = operator_view.ask_health(http, token)
+            trio.run(lambda: operator_view.print_status(
+                store, liveness, as_json=args.json, instances=sorted(config.instances)))
+            return 0
+        trio.run(lambda: operator_view.print_frames(
+            store, args.instance, query, from_end=args.after_seq is None, as_json=args.json,
+            poll_interval=args.poll_interval,
+        ))
+    except BaseException as exc:  # Ctrl-C (or a closed pipe) may come out of the store's nursery inside a group
+        leaves = list(exception_leaves(exc))
+        if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+            return 130
+        if leaves and all(isinstance(leaf, BrokenPipeError) for leaf in leaves):  # `tail … | head`: the reader left
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when stdout is flushed at exit
+            return 0
+        raise
+    return 0
+
+
+def check_http_bind(bind: str) -> None:
+    """Raise `ValueError` unless `bind` is `HOST:PORT` or `unix:PATH`.
+
+    Why: hypercorn would take a bare host (`127.0.0.1`) as port 8000 and `bogus` as a host.
+    """
+    if bind.startswith("unix:"):
+        if not bind[len("unix:"):]:
+            raise ValueError(f"HTTP address {bind!r} has no socket path")
+        return
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"HTTP address {bind!r} must be HOST:PORT (e.g. 127.0.0.1:8765) or unix:PATH")
+
+
+def split_subcommand(argv: list[str]) -> tuple[str, list[str]]:
+    """The subcommand (default `serve`) and its arguments, options given before it moved after it.
+
+    Why: `oubliette-server --data-dir X token box1` reads like `token box1 --data-dir X`.
+    """
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        if word == "--":
+            break
+        if word in SUBCOMMANDS:
+            return word, argv[:index] + argv[index + 1:]
+        if word in VALUE_OPTIONS:
+            index += 1  # skip the option's value
+        elif not word.startswith("-"):
+            break  # a positional before any subcommand: let the serve parser report it
+        index += 1
+    return "serve", argv
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    """Config file values, overridden by flags.
+
+    Raises: `ValueError` naming the mistake (bad relay or HTTP address, config file errors).
+    """
+    settings: dict = {}
+    if args.config is not None:
+        settings = load_config_file(args.config)
+    if args.data_dir is not None:
+        settings["data_dir"] = args.data_dir
+    if args.relay is not None:
+        settings["relay"] = args.relay
+    settings["caller_timeout"] = float(
+        args.caller_timeout if args.caller_timeout is not None else settings.get("caller_timeout", DEFAULT_CALLER_TIMEOUT)
+    )
+    if args.approval_timeout is not None:
+        settings["approval_timeout"] = float(args.approval_timeout)
+    if args.approval_delivery is not None:
+        settings["approval_delivery"] = args.approval_delivery
+    if args.store is not None:
+        settings["store_url"] = args.store
+    if args.http:
+        settings["http"] = args.http
+    if args.metrics:
+        settings["metrics"] = args.metrics
+    if args.allowed_host:
+        settings["allowed_hosts"] = [*settings.get("allowed_hosts", []), *args.allowed_host]
+    if settings.get("relay") is not None:
+        parse_relay_address(settings["relay"])
+    for bind in [*settings.get("http", []), *settings.get("metrics", [])]:
+        check_http_bind(bind)
+    return ServerConfig(**settings)
+
+
+def describe_failure(exc: BaseException) -> str | None:
+    """One line for an operator's mistake found at run time, else None (a bug: keep its traceback).
+
+    The mistake is an `OSError` (a port or socket in use, permission denied), the store's
+    (`StoreConfigError`: the PostgreSQL extra is missing; `StoreUnavailable`: the database
+    cannot be reached at start; `StoreDamaged`: the SQLite file is not a readable database), or
+    `DataDirInUse` (another server holds the data directory), possibly inside the exception groups
+    of Trio nurseries.
+    """
+    return failure_line(exc, own_line=(StoreConfigError, StoreUnavailable, StoreDamaged, DataDirInUse))
+
+
+TERMINAL_NOTICE = (
+    f"{PROG}: stdin is a terminal, so no caller is served on stdio (that is for programs that spawn "
+    f"{PROG}, such as an MCP client); serving the relay and HTTP as with --no-stdio"
+)
+
+
+def _stdin_is_a_terminal() -> bool:
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False
+
+
+def _writable_data_dir(path: Path) -> str | None:
+    """Why the data directory cannot be used, or None; checked before serving so the failure is one clear line."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the data directory {path}: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"the data directory {path} is not writable"
+    return None
+
+
+def _run(argv: list[str]) -> int:
+    command, rest = split_subcommand(argv)
+    if command in ("status", "tail"):
+        return _run_operator(command, rest)
+    if command == "serve":
+        parser = _serve_parser()
+    else:
+        parser = _token_parser(http=command == "http-token")
+    args = parser.parse_args(rest)
+    setup_observability(PROG, args.log_level, args.log_format)
+    if command == "token":
+        reason = check_instance_id(args.instance)
+        if reason:
+            parser.error(reason)
+    config: ServerConfig | None = None
+    if command == "serve":
+        try:
+            config = build_config(args)
+        except (ValueError, TypeError) as exc:
+            parser.error(str(exc))
+        data_dir = config.data_dir
+        store_url = config.store_url
+    else:
+        data_dir = args.data_dir or default_data_dir()
+        store_url = args.store
+        if store_url is not None and not store_url.startswith(STORE_URL_SCHEMES):
+            parser.error(f"--store must be a postgresql:// libpq URI; got {store_url!r}")
+    url_problem = store_url and store_url_problem(store_url)
+    if url_problem:
+        parser.error(url_problem)
+    problem = None if command != "serve" and args.store else _writable_data_dir(data_dir)
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 1
+    if command != "serve":
+        if args.store:
+            authority = _shared_authority(args.store)
+        else:
+            authority = TokenAuthority.for_data_dir(data_dir)
+        print(authority.token_for(HTTP_ADMIN if command == "http-token" else args.instance))
+        return 0
+    import trio
+
+    from .runner import run_server
+
+    assert config is not None
+    stdio = not args.no_stdio
+    if stdio and _stdin_is_a_terminal():
+        # A person typed `oubliette-server` (or `oubliette-server &`): reading JSON-RPC from the
+        # keyboard would wait silently, and a background job reading the terminal is stopped.
+        print(TERMINAL_NOTICE, file=sys.stderr, flush=True)
+        stdio = False
+    with hold_data_dir(data_dir):  # one server per data directory, for its whole life
+        # From here a Ctrl-C cancels what runs (the store closes, the socket file goes), however early.
+        raise_on_interrupt()
+        try:
+            stopped_by = trio.run(lambda: run_server(config, stdio=stdio))
+        except BaseException as exc:
+            if is_interrupt(exc):
+                return INTERRUPTED
+            raise
+    # SIGTERM is how a supervisor asks for a clean stop (0); SIGINT is a person's Ctrl-C (130).
+    return INTERRUPTED if stopped_by == signal.SIGINT else 0
+
+
+def _shared_authority(url: str) -> TokenAuthority:
+    """The token authority of a PostgreSQL deployment: its secret is in the database (created
+    now if no server has started yet, and then adopted by every server)."""
+    import secrets
+
+    import trio
+
+    from ..store.opener import MISSING_EXTRA, StoreConfigError
+
+    try:
+        from ..store.postgres import PostgresFrameStore
+    except ImportError:
+        raise StoreConfigError(MISSING_EXTRA) from None
+
+    async def read() -> bytes:
+        store = PostgresFrameStore(url, pool_size=1)
+        async with store.running():
+            return await store.shared_secret(secrets.token_hex(32).encode())
+
+    return TokenAuthority(trio.run(read))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `oubliette-server` command: `serve` (the default), `token INSTANCE` or `http-token`; returns the exit status.
+
+    Needs: no running trio loop (serving calls `trio.run`). A runtime failure an operator can
+    fix (an `OSError`: port or socket in use, permission denied) is one line and status 1.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return exit_status(PROG, lambda: _run(argv), describe_failure)
+
+if __name__ == "__main__":
+    sys.exit(main())

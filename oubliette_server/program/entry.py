@@ -1,0 +1,14 @@
+"""`oubliette-server`, the program: Ctrl-C is quiet (exit status 130) from its first import on.
+
+`cli` first imports Trio and more (up to a second); `run_program` installs the SIGINT handler of
+protocol/interrupts.py before that, so a Ctrl-C meanwhile prints no traceback.
+"""
+
+from __future__ import annotations
+
+from protocol.interrupts import run_program
+
+
+def main() -> int:
+    """The `oubliette-server` console script and `python -m oubliette_server`: `cli.main`, Ctrl-C quiet."""
+    return run_program("oubliette_server.program.cli")

@@ -1,0 +1,554 @@
+"""The frame store's one interface, and the records every implementation shares.
+
+The tether log (docs/TETHER.md, "Frames") has two homes: SQLite in the data directory (the
+default, `store/sqlite.py`) and PostgreSQL for several servers sharing instances (`store/postgres.py`).
+The rest of the server sees only `FrameStoreAPI`: every method that touches the database is
+async, so an implementation may hand its work to a thread without blocking the Trio loop.
+The records here (`FrameQuery`, `CursorPruned`, the frame builder, the argument checks) are
+defined once, so both stores refuse the same input with the same message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import attrs
+import trio
+
+from protocol import RelayError, errors
+from protocol.frames import FRAME_VERSION, Frame, SessionRef
+from protocol.timestamps import format_ts
+
+__all__ = [
+    "APPEND_KEYS",
+    "DEFAULT_LIMIT",
+    "DEFAULT_PRUNE_EVERY",
+    "DEFAULT_RETENTION_FRAMES",
+    "MAX_LIMIT",
+    "MAX_SEQ",
+    "REQUIRED_KEYS",
+    "CursorPruned",
+    "FrameQuery",
+    "FrameStoreAPI",
+    "AnswerNotRecorded",
+    "OUTAGE_RETRY",
+    "StoreUnavailable",
+    "check_cursor_args",
+    "check_instance",
+    "check_retention",
+    "check_timeout",
+    "is_int",
+    "format_ts",
+    "make_frame",
+    "when_store_is_back",
+    "prepare_frame",
+    "prepare_frames",
+]
+
+MAX_LIMIT = 200
+#: The largest seq SQLite can hold (a signed 64-bit INTEGER); numbers from outside are
+#: range-checked against it before they reach a query, which would raise OverflowError.
+MAX_SEQ = 2**63 - 1
+DEFAULT_LIMIT = 50
+DEFAULT_RETENTION_FRAMES = 100_000
+DEFAULT_PRUNE_EVERY = 1000
+APPEND_KEYS = frozenset({"channel", "session_id", "type", "payload", "msg_id", "reply_to"})
+REQUIRED_KEYS = frozenset({"channel", "session_id", "type", "payload"})
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+
+
+def make_frame(seq: int, ts: str, instance: str, channel: str, session_id: str, type: str, msg_id: str,
+               reply_to: str | None, payload: dict[str, Any]) -> Frame:
+    """The protocol's frame model for one stored row (the one converter every store uses)."""
+    return Frame(
+        v=FRAME_VERSION, seq=seq, ts=ts, instance=instance, session=SessionRef(channel=channel, id=session_id),
+        type=type, msg_id=msg_id, reply_to=reply_to, payload=payload,
+    )
+
+
+def _types_converter(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"types must be a sequence of strings, not a single {type(value).__name__}")
+    types = tuple(dict.fromkeys(value))  # dedupe, keep order
+    # An empty list means "no filter" (tether_read: "Default: all types").
+    return types or None
+
+
+@attrs.define(frozen=True)
+class FrameQuery:
+    """Filters for :meth:`FrameStore.query` and :meth:`FrameStore.wait_for_frames`.
+
+    Frames with ``seq > after_seq`` that match every given filter, oldest first, at most
+    ``limit`` (1..200, default 50).  ``types`` is any iterable of type names (stored as a
+    tuple; an empty one means no filter)."""
+
+    channel: str | None = None
+    session_id: str | None = None
+    after_seq: int = 0
+    types: tuple[str, ...] | None = attrs.field(default=None, converter=_types_converter)
+    reply_to: str | None = None
+    limit: int = DEFAULT_LIMIT
+
+    def __attrs_post_init__(self) -> None:
+        if not is_int(self.limit):
+            raise TypeError(f"limit must be an integer, got {self.limit!r}")
+        if not 1 <= self.limit <= MAX_LIMIT:
+            raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {self.limit}")
+        if not is_int(self.after_seq):
+            raise TypeError(f"after_seq must be an integer, got {self.after_seq!r}")
+        if self.after_seq < 0:
+            raise ValueError(f"after_seq must be >= 0, got {self.after_seq}")
+        if self.after_seq > MAX_SEQ:
+            raise ValueError(f"after_seq must be <= {MAX_SEQ} (2^63 - 1), got {self.after_seq}")
+        for name in ("channel", "session_id", "reply_to"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a string or None, got {value!r}")
+        if self.types is not None:
+            for t in self.types:
+                if not isinstance(t, str):
+                    raise TypeError(f"types must contain strings only, got {t!r}")
+
+
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON numbers from outside are checked with it)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class CursorPruned(Exception):
+    """``after_seq`` points below the retained log of the instance: frames the reader has
+    not seen were deleted by retention.  ``first_seq`` is the oldest seq that may still be
+    kept; read again from ``after_seq = first_seq - 1`` (accepting the gap)."""
+
+    def __init__(self, instance: str, after_seq: int, first_seq: int, *, empty: bool = False) -> None:
+        self.instance = instance
+        self.after_seq = after_seq
+        self.first_seq = first_seq
+        if empty:
+            where = f"every frame up to seq {first_seq - 1} has been pruned"
+        else:
+            where = f"oldest kept frame is seq {first_seq}"
+        super().__init__(
+            f"cursor after_seq={after_seq} is older than the retained log of instance "
+            f"{instance!r} ({where}); read from after_seq={first_seq - 1}"
+        )
+
+    def __reduce__(self) -> Any:  # keep pickling (and copying) working
+        return (_rebuild_cursor_pruned, (self.instance, self.after_seq, self.first_seq, str(self)))
+
+
+def _rebuild_cursor_pruned(instance: str, after_seq: int, first_seq: int, message: str) -> CursorPruned:
+    exc = CursorPruned(instance, after_seq, first_seq)
+    exc.args = (message,)
+    return exc
+
+
+class StoreDamaged(Exception):
+    """The store's file cannot be read as a database at start (damaged, or not a database at all).
+
+    Its message is the operator's one line: which file, what SQLite said, what to do."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(
+            f"the frame store {path} is damaged or is not an SQLite database ({reason}); "
+            "restore it from a backup, or move it away to start with an empty log"
+        )
+        self.path = path
+
+
+class StoreUnavailable(RelayError):
+    """The store's database cannot be reached (PostgreSQL down, pool exhausted past its timeout)
+    or cannot write (SQLite: a full disk, a lock another process holds past the busy timeout).
+
+    Raised instead of the driver's own errors, as a `RelayError` (INTERNAL_ERROR) so every door
+    gives its peer this one clear message: a caller's tool error, a sandbox's error response,
+    HTTP 503. The store recovers by itself when the database returns."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errors.INTERNAL_ERROR, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    @property
+    def advice(self) -> str:
+        """The message with what a client should do about it (a long poll's 503, a wait's tool error)."""
+        return f"{self.message}; retry in a few seconds (the server reconnects to its store by itself)"
+
+    def __reduce__(self) -> Any:  # keep pickling (and copying) working
+        return (StoreUnavailable, (self.message,))
+
+
+class AnswerNotRecorded(StoreUnavailable):
+    """A caller's answer (`caller_tool_response`, `approval_response`, a progress report) whose
+    frame the store could not write: it was not delivered either, and the request it answers is
+    still pending, so the caller sends the same answer again once the store is back.
+
+    An answer reaches the agent only after its frame is stored (docs/SECURITY.md, "Store first,
+    then answer"); this is what the caller hears when the storing failed."""
+
+    def __init__(self, what: str, request_id: str, cause: StoreUnavailable, *, until: str = "", again: str) -> None:
+        deadline = f" until {until}" if until else ""
+        super().__init__(
+            f"{what} for '{request_id}' was not recorded, so it was not delivered ({cause.message}); "
+            f"'{request_id}' is still pending{deadline}: send {again} again"
+        )
+
+    def __reduce__(self) -> Any:  # keep pickling (and copying) working
+        return (_rebuild_not_recorded, (self.message,))
+
+
+def _rebuild_not_recorded(message: str) -> AnswerNotRecorded:
+    exc = AnswerNotRecorded.__new__(AnswerNotRecorded)
+    StoreUnavailable.__init__(exc, message)
+    return exc
+
+
+#: The first pause before a store operation that met `StoreUnavailable` is tried again (a wait
+#: on the log reads again after it; `when_store_is_back` doubles it up to `OUTAGE_RETRY_MAX`).
+OUTAGE_RETRY = 1.0
+OUTAGE_RETRY_MAX = 30.0
+
+
+async def when_store_is_back(attempt: Callable[[], Any]) -> Any:
+    """Run `attempt()` (awaitable) again after a pause each time it raises `StoreUnavailable`
+    (1 s, doubling to 30 s), until it succeeds: for an outcome that must reach the log once the
+    store recovers (an end the server decided while it was down). Cancellation: stops trying."""
+    delay = OUTAGE_RETRY
+    while True:
+        await trio.sleep(delay)
+        try:
+            return await attempt()
+        except StoreUnavailable:
+            delay = min(delay * 2, OUTAGE_RETRY_MAX)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks shared by the stores
+
+
+Prepared = tuple[str, str, str, str, "str | None", str, dict]
+
+
+# Payload values whose JSON text decodes to an equal value of the same type (see prepare_frame).
+_FLAT_TYPES = frozenset({str, int, float, bool, type(None)})
+
+# One encoder for every payload (json.dumps with options builds a new one per call).
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
+
+def prepare_frame(channel: Any, session_id: Any, type: Any, payload: Any, msg_id: Any, reply_to: Any) -> Prepared:
+    """Check one frame's fields and encode its payload: `(channel, session_id, type, msg_id,
+    reply_to, payload_json, payload_copy)`; `ValueError`/`TypeError` name the bad field."""
+    for name, value in (("channel", channel), ("session_id", session_id), ("type", type)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    if not isinstance(payload, dict):
+        raise TypeError(f"payload must be a dict, got {payload.__class__.__name__}")
+    if msg_id is None:
+        msg_id = "m-" + os.urandom(16).hex()  # 128 random bits, as uuid4().hex, at a quarter of its cost
+    elif not isinstance(msg_id, str) or not msg_id:
+        raise ValueError(f"msg_id must be a non-empty string or None, got {msg_id!r}")
+    if reply_to is not None and not isinstance(reply_to, str):
+        raise TypeError(f"reply_to must be a string or None, got {reply_to!r}")
+    # allow_nan=False: NaN/Infinity are not JSON.  The returned frame holds exactly what a later
+    # query returns (and is not shared with the caller): the decoded text, or, for a flat payload
+    # (string keys, values of exactly str/int/float/bool/None), a plain copy, which decodes
+    # to an equal dict of the same types at a fraction of the cost (most frames are flat).
+    text = _ENCODE(payload)
+    for key, value in payload.items():
+        if key.__class__ is not str or value.__class__ not in _FLAT_TYPES:
+            return channel, session_id, type, msg_id, reply_to, text, json.loads(text)
+    return channel, session_id, type, msg_id, reply_to, text, dict(payload)
+
+
+def prepare_frames(frames: list[dict]) -> list[Prepared]:
+    """`prepare_frame` for each dict of `append_many` (its keys are `append`'s keyword arguments)."""
+    prepared = []
+    for i, f in enumerate(frames):
+        if not isinstance(f, dict):
+            raise TypeError(f"frames[{i}] must be a dict, got {f.__class__.__name__}")
+        unknown = f.keys() - APPEND_KEYS
+        if unknown:
+            raise TypeError(f"frames[{i}] has unknown keys {sorted(unknown)}")
+        missing = REQUIRED_KEYS - f.keys()
+        if missing:
+            raise TypeError(f"frames[{i}] is missing {sorted(missing)}")
+        prepared.append(
+            prepare_frame(f["channel"], f["session_id"], f["type"], f["payload"], f.get("msg_id"), f.get("reply_to"))
+        )
+    return prepared
+
+
+def retention_cut(
+    pruned: int, last: int, retention_frames: int | None, retention_seconds: float | None, now: float,
+    first_young: Callable[[int, str], "int | None"],
+) -> int:
+    """The seq retention deletes up to (inclusive), both stores' one rule: keep the last
+    `retention_frames` frames, and only frames not older than `retention_seconds`.
+
+    `first_young(after_seq, oldest_ts)` is the store's lookup of the first frame after
+    `after_seq` stamped at or after `oldest_ts` (None: there is none). Nothing to delete: `pruned`.
+    """
+    cut = pruned
+    if retention_frames is not None:
+        cut = max(cut, last - retention_frames)
+    if retention_seconds is not None:
+        young = first_young(cut, format_ts(now - retention_seconds))
+        cut = last if young is None else max(cut, young - 1)
+    return cut
+
+
+def check_instance(instance: Any) -> None:
+    """`ValueError` unless `instance` is a non-empty string."""
+    if not isinstance(instance, str) or not instance:
+        raise ValueError(f"instance must be a non-empty string, got {instance!r}")
+
+
+def check_retention(retention_frames: Any, retention_seconds: Any, prune_every: Any) -> None:
+    """`ValueError` naming the first bad retention setting (both stores take the same ones)."""
+    if retention_frames is not None and (not is_int(retention_frames) or retention_frames < 1):
+        raise ValueError(f"retention_frames must be a positive integer or None, got {retention_frames!r}")
+    if retention_seconds is not None and not (
+        isinstance(retention_seconds, (int, float)) and retention_seconds > 0 and math.isfinite(retention_seconds)
+    ):
+        raise ValueError(f"retention_seconds must be a positive number or None, got {retention_seconds!r}")
+    if not is_int(prune_every) or prune_every < 1:
+        raise ValueError(f"prune_every must be a positive integer, got {prune_every!r}")
+
+
+def check_cursor_args(instance: Any, name: Any, seq: Any) -> None:
+    """`ValueError` unless a named cursor's instance, name and seq can be stored."""
+    if not isinstance(instance, str) or not instance or not isinstance(name, str) or not name:
+        raise ValueError("instance and cursor name must be non-empty strings")
+    if not is_int(seq) or seq < 0:
+        raise ValueError(f"cursor seq must be an integer >= 0, got {seq!r}")
+    if seq > MAX_SEQ:
+        raise ValueError(f"cursor seq must be <= {MAX_SEQ} (2^63 - 1), got {seq}")
+
+
+def check_timeout(timeout: Any) -> None:
+    """`ValueError` unless `timeout` is a number of seconds >= 0 (a long poll's wait)."""
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# The interface
+
+
+class LongPollWaiters:
+    """The wake-ups of this process's long polls, one `trio.Event` per instance (both stores).
+
+    A waiter takes `_wake_event(instance)` before it looks at the log and waits on it; an append
+    (or a NOTIFY from another server) calls `_wake_instance`, which sets it and drops it, so the
+    next waiter takes a fresh one. `_waiting(instance)` counts the waiters and drops the event
+    when the last one leaves, so an instance nobody waits on holds nothing.
+    """
+
+    def __init__(self) -> None:
+        self._wake: dict[str, trio.Event] = {}
+        self._waiters: dict[str, int] = {}
+
+    def _wake_event(self, instance: str) -> trio.Event:
+        event = self._wake.get(instance)
+        if event is None:
+            event = self._wake[instance] = trio.Event()
+        return event
+
+    def _wake_instance(self, instance: str) -> None:
+        event = self._wake.pop(instance, None)
+        if event is not None:
+            event.set()
+
+    def _wake_all(self) -> None:
+        for instance in list(self._wake):
+            self._wake_instance(instance)
+
+    @contextmanager
+    def _waiting(self, instance: str) -> Iterator[None]:
+        self._waiters[instance] = self._waiters.get(instance, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._waiters[instance] - 1
+            if left:
+                self._waiters[instance] = left
+            else:
+                del self._waiters[instance]
+                self._wake.pop(instance, None)
+
+    def waiter_count(self, instance: str | None = None) -> int:
+        """How many tasks of this process are in `wait_for_frames` for `instance` (or for all)."""
+        if instance is None:
+            return sum(self._waiters.values())
+        return self._waiters.get(instance, 0)
+
+
+@runtime_checkable
+class FrameStoreAPI(Protocol):
+    """What the server needs of a frame store (SQLite `store.FrameStore`, PostgreSQL
+    `postgres.PostgresFrameStore`); `tests/test_store_conformance.py` holds both to it.
+
+    Guarantees (docs/TETHER.md): `seq` per instance is gapless, strictly increasing in commit
+    order and never reset (not by retention, not by a restart); a frame is committed when
+    `append` returns; `wait_for_frames` wakes on any append to the instance, also one made
+    by another store object on the same database.
+
+    Owns: its database connections; `running()` holds whatever runs in the background (the
+    PostgreSQL listener) and closes the store on exit.
+    Raises: `CursorPruned` from `query`/`wait_for_frames`; `ValueError`/`TypeError` for bad
+    arguments (nothing stored); `StoreUnavailable` when the database cannot be reached.
+    """
+
+    def describe(self) -> str:
+        """The store's kind and location without secrets (for /v1/health and logs)."""
+        ...
+
+    def running(self) -> AbstractAsyncContextManager[None]:
+        """Run the store's background work for the body of an `async with`; close it after."""
+        ...
+
+    @property
+    def closed(self) -> bool:
+        """Whether the store is closed."""
+        ...
+
+    @property
+    def shared(self) -> bool:
+        """Whether other servers may append to the same log (PostgreSQL) or this one is alone (SQLite)."""
+        ...
+
+    async def append(
+        self, instance: str, *, channel: str, session_id: str, type: str, payload: dict,
+        msg_id: str | None = None, reply_to: str | None = None,
+    ) -> Frame:
+        """Append one frame with the next seq of `instance`; committed when it returns."""
+        ...
+
+    async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
+        """Append several frames in one transaction (consecutive seqs, one wake-up)."""
+        ...
+
+    async def append_outcome(
+        self, instance: str, request_id: str, *, channel: str, session_id: str, type: str, payload: dict,
+        msg_id: str | None = None, reply_to: str | None = None,
+    ) -> Frame | None:
+        """Append the one outcome frame of request `request_id` of `instance`, or nothing if an
+        outcome was already recorded: the frame when this call won, None when it lost.
+
+        The claim and the frame are one transaction (PostgreSQL: a row of `resolutions`, whose
+        primary key decides between servers racing; SQLite: the claim is in this process, the
+        only one on its log), so a request is resolved once whichever server answers it."""
+        ...
+
+    async def query(self, instance: str, q: FrameQuery) -> list[Frame]:
+        """Frames of `instance` matching `q`, by seq ascending, at most `q.limit`."""
+        ...
+
+    async def wait_for_frames(self, instance: str, q: FrameQuery, timeout: float) -> tuple[list[Frame], bool]:
+        """Long poll: `query`, waiting up to `timeout` seconds for a match; `(frames, timed_out)`."""
+        ...
+
+    async def last_seq(self, instance: str) -> int:
+        """The highest seq ever assigned for `instance` (0 if none)."""
+        ...
+
+    async def pruned_below(self, instance: str) -> int:
+        """Every frame of `instance` with `seq <=` this was deleted by retention (0 if none)."""
+        ...
+
+    async def instances(self) -> list[str]:
+        """Names of every instance that has ever had a frame appended, sorted."""
+        ...
+
+    async def get_cursor(self, instance: str, name: str) -> int:
+        """The durable cursor `name` of `instance` (0 if never set)."""
+        ...
+
+    async def set_cursor(self, instance: str, name: str, seq: int) -> None:
+        """Set (and commit) the durable cursor `name` of `instance`."""
+        ...
+
+    async def advance_cursor(self, instance: str, name: str, seq: int) -> bool:
+        """Move the cursor forward to `seq` in one statement (never back); True if it moved."""
+        ...
+
+    async def prune(self) -> int:
+        """Apply retention to every instance now; how many frames were deleted."""
+        ...
+
+    def waiter_count(self, instance: str | None = None) -> int:
+        """How many tasks of this process wait in `wait_for_frames` for `instance` (or for all)."""
+        ...
+
+    async def shared_secret(self, candidate: bytes) -> bytes | None:
+        """The deployment's token secret kept in the store, `candidate` stored if it has none
+        (the first server wins); None if this store keeps no secret (SQLite: the data dir does)."""
+        ...
+
+    async def check_available(self, timeout: float) -> None:
+        """Raise `StoreUnavailable` (saying why) unless the database answers within `timeout`
+        seconds and, for a shared store, its cross-server wake-ups arrive (the readiness probe)."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# What only a store shared by several servers can do (PostgreSQL): separate interfaces, asked for
+
+
+@runtime_checkable
+class LeaseStore(Protocol):
+    """The store's lease methods (`postgres.PostgresFrameStore`), for cluster/leases.py."""
+
+    async def take_lease(self, instance: str, server: str, ttl: float) -> str | None:
+        """Take `instance`'s lease; the previous live holder if another server."""
+        ...
+
+    async def renew_leases(self, server: str, instances: list[str], ttl: float) -> set[str]:
+        """Renew `server`'s own lease and its leases of `instances`; the instances it still holds."""
+        ...
+
+    async def release_lease(self, instance: str, server: str) -> None:
+        """Drop `server`'s lease of `instance`."""
+        ...
+
+    async def lease_holder(self, instance: str, *, live: bool = False) -> str | None:
+        """The server named in `instance`'s lease (with `live`, unexpired only), or None."""
+        ...
+
+
+@runtime_checkable
+class AbandonedStore(Protocol):
+    """What the sweep of abandoned requests asks of the store (`postgres.PostgresFrameStore`)."""
+
+    async def abandoned_requests(self, grace: float, limit: int = 100) -> list[Frame]:
+        """Requests without an outcome whose server's lease expired, or whose `expires_at` passed more than `grace` seconds ago."""
+        ...
+
+
+@runtime_checkable
+class SharedStoreAPI(FrameStoreAPI, LeaseStore, AbandonedStore, Protocol):
+    """A frame store several servers share: the log, the instance leases and the abandoned-requests sweep."""
+
+
+def shared_store(store: FrameStoreAPI) -> SharedStoreAPI | None:
+    """`store` with its shared-store capabilities, or None when this server is alone on its log.
+
+    Raises: `TypeError` for a store that says it is shared but lacks a capability (a bug in the store).
+    """
+    if not store.shared:
+        return None
+    if not isinstance(store, SharedStoreAPI):
+        raise TypeError(f"{store.describe()} is shared but lacks the lease or sweep methods of SharedStoreAPI")
+    return store

@@ -1,0 +1,853 @@
+"""The frame store on PostgreSQL: one log shared by several servers (docs/SCALING.md).
+
+Same interface and promises as the SQLite store (`api.FrameStoreAPI`); what differs
+is how they are kept.
+
+Driver and threads
+    psycopg 3's async API and asyncpg run on asyncio only, so the store uses psycopg in
+    blocking mode with `psycopg_pool.ConnectionPool`, each call handed to a worker thread by
+    `trio.to_thread.run_sync`, bounded by a `trio.CapacityLimiter` the size of the pool (a
+    thread never waits for a connection another thread holds).  A call in a thread is not
+    abandoned when its task is cancelled: an append that started is committed and reported.
+
+Sequence
+    `instances(name, last_seq, pruned_below)`: an append bumps its instance's row with
+    `INSERT … ON CONFLICT DO UPDATE SET last_seq = last_seq + n RETURNING last_seq` in the same
+    transaction as the frames' insert.  The row lock is held until commit, so seqs are
+    gapless and in commit order: a reader resuming by `after_seq` never skips a frame that
+    commits later with a smaller seq.  (A PostgreSQL SEQUENCE is not commit-ordered.)
+
+Wake-ups
+    Each append sends `NOTIFY oubliette_frames, '<instance>'` inside its transaction
+    (delivered at commit).  Each store object keeps one dedicated LISTEN connection, driven
+    on the Trio thread without a worker: `trio.lowlevel.wait_readable(pgconn.socket)`, then
+    `consume_input()` and drain `notifies()`.  A notification only wakes the instance's
+    waiters, which re-run their own query; NOTIFY is a hint, not a log.  While the listener
+    is disconnected notifications are lost, so on every reconnect (and on every failure)
+    all waiters are woken to re-query by `after_seq`.  Appends made through this store
+    object wake its waiters directly as well.
+
+Queries
+    A query is one statement, so one snapshot: the instance's `last_seq` and `pruned_below`
+    with the matching frames (a LATERAL join).  Frames deleted by retention show in that
+    `pruned_below`, so a gap raises `CursorPruned` instead of being skipped; and every frame
+    up to that `last_seq` is visible in it, so a long poll examines each frame once.
+
+Outcomes
+    `append_outcome` records the one outcome of a request (a caller tool call): a row in
+    `resolutions` (primary key `(instance, request_id)`) is inserted `ON CONFLICT DO NOTHING`
+    in the transaction of the outcome frame, so of two servers racing, the second one's insert
+    waits for the first commit and then finds the row: nothing is written, it lost.
+
+Schema and migrations
+    Versioned migrations (`MIGRATIONS`) are applied at start in one transaction holding a
+    transaction-scoped advisory lock, so several servers starting together apply each
+    migration once; a database with a newer schema than this program knows is refused. Each
+    version not recorded in `oubliette_schema` is applied, in order, even one below the newest
+    recorded (migrations developed in parallel may be merged in either order).
+
+Failures
+    A database that cannot be reached gives `StoreUnavailable` with one clear line (at start,
+    from `running()`; later, from the call that failed).  The pool replaces broken
+    connections and the listener reconnects with backoff, so the store recovers by itself
+    when the database returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import attrs
+import psycopg
+import psycopg.conninfo
+import psycopg_pool
+import trio
+
+from protocol.frames import Frame
+
+from .api import (
+    DEFAULT_PRUNE_EVERY,
+    DEFAULT_RETENTION_FRAMES,
+    CursorPruned,
+    FrameQuery,
+    LongPollWaiters,
+    StoreUnavailable,
+    check_cursor_args,
+    check_instance,
+    check_retention,
+    check_timeout,
+    format_ts,
+    make_frame,
+    prepare_frame,
+    prepare_frames,
+    retention_cut,
+)
+from .postgres_loop import LoopStatements
+
+__all__ = ["MIGRATIONS", "NOTIFY_CHANNEL", "PostgresFrameStore", "safe_url"]
+
+log = logging.getLogger(__name__)
+
+NOTIFY_CHANNEL = "oubliette_frames"
+#: The advisory lock key that serialises migrations between servers ("oubliett" in ASCII).
+MIGRATION_LOCK = 0x6F75626C69657474
+#: Reconnect backoff of the LISTEN connection, seconds.
+LISTEN_BACKOFF = (0.05, 2.0)
+#: How long a long poll waits for a pooled connection before it reports the store unavailable.
+FAIL_FAST_SECONDS = 2.0
+
+#: (version, statements): applied in order, each once, recorded in `oubliette_schema`.
+MIGRATIONS: list[tuple[int, str]] = [
+    (1, """
+CREATE TABLE instances (
+    name         text   PRIMARY KEY,
+    last_seq     bigint NOT NULL,
+    pruned_below bigint NOT NULL DEFAULT 0
+);
+CREATE TABLE frames (
+    instance   text   NOT NULL,
+    seq        bigint NOT NULL,
+    ts         text   NOT NULL,
+    channel    text   NOT NULL,
+    session_id text   NOT NULL,
+    type       text   NOT NULL,
+    msg_id     text   NOT NULL,
+    reply_to   text,
+    payload    text   NOT NULL,
+    PRIMARY KEY (instance, seq)
+);
+CREATE INDEX frames_by_session ON frames (instance, session_id, channel, seq);
+CREATE INDEX frames_by_type ON frames (instance, type, seq);
+CREATE INDEX frames_by_reply ON frames (instance, reply_to, seq) WHERE reply_to IS NOT NULL;
+CREATE TABLE cursors (
+    instance text   NOT NULL,
+    name     text   NOT NULL,
+    seq      bigint NOT NULL,
+    PRIMARY KEY (instance, name)
+);
+"""),
+    (2, """
+CREATE TABLE oubliette_secrets (
+    name  text PRIMARY KEY,
+    value text NOT NULL
+);
+"""),
+    # One row per resolved request (`append_outcome`): its primary key lets exactly one outcome
+    # win whichever servers race; `seq` is the winning frame's (retention deletes both).
+    (3, """
+CREATE TABLE resolutions (
+    instance   text   NOT NULL,
+    request_id text   NOT NULL,
+    seq        bigint NOT NULL,
+    PRIMARY KEY (instance, request_id)
+);
+"""),
+    # Instance presence (docs/SCALING.md, "Instance leases"): which server holds an instance's
+    # guest connection, until `expires_at` unless that server renews it; and each server's own
+    # lease (is it alive: are the requests it waits on still waited on). Self-contained: it
+    # depends on no other migration (a parallel branch adds version 4).
+    (5, """
+CREATE TABLE instance_leases (
+    instance   text        PRIMARY KEY,
+    server     text        NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+CREATE TABLE server_leases (
+    server     text        PRIMARY KEY,
+    expires_at timestamptz NOT NULL
+);
+"""),
+]
+SCHEMA_VERSION = max(version for version, _ in MIGRATIONS)
+
+_BUMP_SEQ = (
+    "INSERT INTO instances (name, last_seq) VALUES (%s, %s) "
+    "ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + EXCLUDED.last_seq RETURNING last_seq"
+)
+#: One frame in one statement (autocommit: the bump, the insert and the NOTIFY commit together),
+#: run on the Trio loop by `postgres_loop` (no worker thread, one round trip).
+_APPEND_ONE = (
+    b"WITH bumped AS (INSERT INTO instances (name, last_seq) VALUES ($1, 1) "
+    b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1 RETURNING last_seq), "
+    b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
+    b"SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8 FROM bumped RETURNING seq) "
+    b"SELECT seq, pg_notify($9, $1) FROM stored"
+)
+_CLAIM = (
+    "INSERT INTO resolutions (instance, request_id, seq) VALUES (%s, %s, 0) "
+    "ON CONFLICT (instance, request_id) DO NOTHING RETURNING request_id"
+)
+_INSERT_FRAME = (
+    "INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
+    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
+
+_T = TypeVar("_T")
+
+
+def safe_url(url: str) -> str:
+    """`postgresql://user@host:port/dbname` (or `…/dbname?host=/socket/dir`) of a libpq URI,
+    without its password or other options."""
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "postgresql://(invalid URI)"
+    user = f"{info['user']}@" if info.get("user") else ""
+    host = str(info.get("host") or "")
+    port = f":{info['port']}" if info.get("port") else ""
+    dbname = info.get("dbname") or ""
+    if host.startswith("/"):  # a Unix socket directory
+        return f"postgresql://{user}{port}/{dbname}?host={host}"
+    return f"postgresql://{user}{host}{port}/{dbname}"
+
+
+def _no_nul(prepared: tuple) -> None:
+    """PostgreSQL text cannot hold NUL; refuse it as bad input (SQLite would store it)."""
+    for value in prepared[:5]:
+        if isinstance(value, str) and "\x00" in value:
+            raise ValueError("frame fields must not contain NUL characters")
+
+
+class PostgresFrameStore(LongPollWaiters):
+    """The tether log in PostgreSQL; several servers may share one database (module docstring).
+
+    Owns: a connection pool and a LISTEN connection, both opened by `running()` and closed
+    when it exits. Needs: `async with store.running():` around its use.
+    Raises: as `FrameStoreAPI`; `StoreUnavailable` when the database cannot be reached.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        retention_frames: int | None = DEFAULT_RETENTION_FRAMES,
+        retention_seconds: float | None = None,
+        prune_every: int = DEFAULT_PRUNE_EVERY,
+        pool_size: int = 4,
+        connect_timeout: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        check_retention(retention_frames, retention_seconds, prune_every)
+        psycopg.conninfo.conninfo_to_dict(url)  # a malformed URI fails here, not at first use
+        self.url = url
+        self.retention_frames = retention_frames
+        self.retention_seconds = retention_seconds
+        self.prune_every = prune_every
+        self.pool_size = pool_size
+        self.connect_timeout = connect_timeout
+        self._clock = clock
+        self._pool: psycopg_pool.ConnectionPool | None = None
+        self._statements: LoopStatements | None = None  # single appends, on the Trio loop
+        self._limiter = trio.CapacityLimiter(pool_size)
+        self._closed = False
+        self._appends_since_prune: dict[str, int] = {}
+        LongPollWaiters.__init__(self)
+        self.listening = False
+        """Whether the LISTEN connection is up (cross-server wake-ups arrive)."""
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """`postgresql://user@host/dbname` (no password)."""
+        return safe_url(self.url)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `running()` has ended (or never connected)."""
+        return self._closed or self._pool is None
+
+    @property
+    def shared(self) -> bool:
+        """True: every server of the deployment appends to this log."""
+        return True
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Connect (pool and listener), apply migrations and retention; close on exit.
+
+        Raises: `StoreUnavailable` (one line) when the database cannot be reached in
+        `connect_timeout` seconds; `RuntimeError` for a schema newer than this program.
+        """
+        try:  # one plain connection first: its error is the clearest, and the pool logs none
+            await trio.to_thread.run_sync(self._probe)
+        except psycopg.Error as exc:
+            raise StoreUnavailable(f"cannot reach the PostgreSQL store {self.describe()}: {_first_line(exc)}") from None
+        pool = psycopg_pool.ConnectionPool(
+            self.url, min_size=self.pool_size, max_size=self.pool_size, open=False,
+            timeout=self.connect_timeout, name="oubliette-store",
+            # Check each connection as it is handed out: after a database restart, broken ones
+            # are replaced instead of failing the first calls.
+            check=psycopg_pool.ConnectionPool.check_connection,
+            kwargs={"connect_timeout": max(1, math.ceil(self.connect_timeout))},
+        )
+        try:
+            await trio.to_thread.run_sync(lambda: pool.open(wait=True, timeout=self.connect_timeout))
+        except psycopg_pool.PoolTimeout:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(pool.close)
+            raise StoreUnavailable(
+                f"cannot reach the PostgreSQL store {self.describe()}: no connection within {self.connect_timeout:g} s"
+            ) from None
+        self._pool = pool
+        self._statements = LoopStatements(self.url, self.pool_size, self.connect_timeout, self.describe())
+        self._closed = False
+        try:
+            await self._run(self._migrate)
+            await self._run(self._prune_all)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._listen)
+                try:
+                    yield
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._closed = True
+            self.listening = False
+            statements, self._statements = self._statements, None
+            if statements is not None:
+                statements.close()
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(lambda: pool.close(timeout=5.0))
+
+    def _probe(self) -> None:
+        psycopg.connect(self.url, connect_timeout=max(1, math.ceil(self.connect_timeout))).close()
+
+    async def _run(
+        self, work: Callable[..., _T], *args: Any, read_only: bool = False, acquire_timeout: float | None = None,
+    ) -> _T:
+        """Run `work(conn, *args)` in a worker thread on a pooled connection, in one transaction.
+
+        A read (`read_only`) that loses its connection is tried once more on another one: a
+        connection the database dropped can pass the pool's check and fail just after. A write
+        is not retried (it may have committed). `acquire_timeout`: how long to wait for a pooled
+        connection (default `connect_timeout`); a short one lets a caller that must not hang on
+        an outage (a long poll, the readiness probe) hear of it in that time."""
+        pool = self._pool
+        if pool is None or self._closed:
+            raise RuntimeError("the frame store is closed")
+
+        def call() -> _T:
+            for attempt in (1, 2):
+                try:
+                    with pool.connection(timeout=acquire_timeout) as conn:
+                        return work(conn, *args)
+                except psycopg_pool.PoolTimeout as exc:  # (an OperationalError): no connection came; not retried
+                    raise StoreUnavailable(
+                        f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
+                except psycopg.OperationalError as exc:
+                    if read_only and attempt == 1:
+                        continue
+                    raise StoreUnavailable(
+                        f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from exc
+            raise AssertionError("unreachable")
+
+        return await trio.to_thread.run_sync(call, limiter=self._limiter)
+
+    def _migrate(self, conn: psycopg.Connection) -> None:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS oubliette_schema "
+                "(version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            applied = {r[0] for r in conn.execute("SELECT version FROM oubliette_schema")}
+            current = max(applied, default=0)
+            if current > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"frame store {self.describe()} has schema version {current}; this program knows "
+                    f"version {SCHEMA_VERSION} — refusing to open it"
+                )
+            # Each migration not applied yet, in order: one numbered below the newest applied
+            # (merged from a parallel branch after a later one ran) is applied too.
+            for version, statements in sorted(MIGRATIONS):
+                if version not in applied:
+                    for statement in statements.split(";"):
+                        if statement.strip():
+                            conn.execute(statement)  # type: ignore[arg-type]  # our own constant SQL
+                    conn.execute("INSERT INTO oubliette_schema (version) VALUES (%s)", (version,))
+                    log.info("frame store %s: applied schema migration %d", self.describe(), version)
+
+    async def check_available(self, timeout: float) -> None:
+        """`SELECT 1` answered within `timeout` seconds and the LISTEN connection up, else
+        `StoreUnavailable` saying which (the readiness probe, `/readyz`)."""
+        if not self.listening:
+            raise StoreUnavailable(
+                f"the PostgreSQL store {self.describe()} is unavailable: its LISTEN connection is down "
+                "(reconnecting), so appends by other servers would not wake a wait")
+        with trio.move_on_after(timeout) as scope:
+            # Abandoned, not awaited, past the deadline: a probe must not hang on a stuck database.
+            await trio.to_thread.run_sync(self._select_one, timeout, abandon_on_cancel=True, limiter=self._limiter)
+        if scope.cancelled_caught:
+            raise StoreUnavailable(f"the PostgreSQL store {self.describe()} did not answer within {timeout:g} s")
+
+    def _select_one(self, timeout: float) -> None:
+        pool = self._pool
+        if pool is None or self._closed:
+            raise StoreUnavailable(f"the PostgreSQL store {self.describe()} is closed")
+        try:
+            with pool.connection(timeout=timeout) as conn:
+                conn.execute("SELECT 1")
+        except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
+            raise StoreUnavailable(
+                f"the PostgreSQL store {self.describe()} is unavailable: {_first_line(exc)}") from None
+
+    # -- LISTEN --------------------------------------------------------------------------
+
+    async def _listen(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep one LISTEN connection; wake an instance's waiters on each notification."""
+        backoff = LISTEN_BACKOFF[0]
+        first = True
+        while True:
+            conn: psycopg.Connection | None = None
+            try:
+                conn = await trio.to_thread.run_sync(self._listen_connection)
+                if first:
+                    task_status.started()
+                    first = False
+                else:
+                    log.info("frame store %s: listening again", self.describe())
+                self.listening = True
+                backoff = LISTEN_BACKOFF[0]
+                self._wake_all()  # notifications sent while we were away are lost: re-query
+                pgconn = conn.pgconn
+                while True:
+                    await trio.lowlevel.wait_readable(pgconn.socket)
+                    pgconn.consume_input()
+                    while (note := pgconn.notifies()) is not None:
+                        self._wake_instance(note.extra.decode("utf-8", "replace"))
+            except (psycopg.Error, OSError) as exc:
+                if first:
+                    raise StoreUnavailable(
+                        f"cannot LISTEN on the PostgreSQL store {self.describe()}: {_first_line(exc)}"
+                    ) from exc
+                if self.listening:
+                    log.warning("frame store %s: lost the LISTEN connection (%s); reconnecting",
+                                self.describe(), _first_line(exc))
+                self.listening = False
+                await self._replace_broken_connections()
+                self._wake_all()
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, LISTEN_BACKOFF[1])
+            finally:
+                if conn is not None:
+                    conn.close()
+
+    async def _replace_broken_connections(self) -> None:
+        """The listener's connection broke, so the pool's likely did too (a database restart, cut
+        connections): check the idle ones now and have the broken ones replaced, before the
+        waiters re-query. Else each waiter meets them one by one, and the pool's back-off between
+        failed checks (1, 2, 4 s) held a re-query for ~7 s after a cut, where a long poll now
+        gives up after `FAIL_FAST_SECONDS`. Bounded: a check must not hang the listener."""
+        pool = self._pool
+        if pool is None:
+            return
+        with trio.move_on_after(self.connect_timeout):
+            await trio.to_thread.run_sync(pool.check, abandon_on_cancel=True)
+
+    def _listen_connection(self) -> psycopg.Connection:
+        conn = psycopg.connect(self.url, autocommit=True, connect_timeout=max(1, math.ceil(self.connect_timeout)))
+        try:
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    # -- instances -----------------------------------------------------------------------
+
+    async def instances(self) -> list[str]:
+        """Names of every instance that has ever had a frame appended, sorted."""
+        def read(conn: psycopg.Connection) -> list[str]:
+            return [r[0] for r in conn.execute('SELECT name FROM instances ORDER BY name COLLATE "C"')]
+        return await self._run(read, read_only=True)
+
+    async def last_seq(self, instance: str) -> int:
+        """The highest seq ever assigned for `instance` (0 if none)."""
+        return (await self._run(self._instance_row, instance, read_only=True))[0]
+
+    async def pruned_below(self, instance: str) -> int:
+        """Every frame of `instance` with `seq <=` this has been deleted by retention (0 if none)."""
+        return (await self._run(self._instance_row, instance, read_only=True))[1]
+
+    @staticmethod
+    def _instance_row(conn: psycopg.Connection, instance: str) -> tuple[int, int]:
+        row = conn.execute("SELECT last_seq, pruned_below FROM instances WHERE name = %s", (instance,)).fetchone()
+        return (0, 0) if row is None else (row[0], row[1])
+
+    # -- append --------------------------------------------------------------------------
+
+    async def append(
+        self,
+        instance: str,
+        *,
+        channel: str,
+        session_id: str,
+        type: str,
+        payload: dict,
+        msg_id: str | None = None,
+        reply_to: str | None = None,
+    ) -> Frame:
+        """Append one frame with the next seq of `instance`; committed (`synchronous_commit` as
+        the database has it, on by default) when it returns; if it raises, nothing was stored."""
+        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
+        return (await self._append(instance, prepared))[0]
+
+    async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
+        """Append several frames in one transaction (consecutive seqs, one commit, one wake-up)."""
+        return await self._append(instance, prepare_frames(frames))
+
+    async def append_outcome(
+        self,
+        instance: str,
+        request_id: str,
+        *,
+        channel: str,
+        session_id: str,
+        type: str,
+        payload: dict,
+        msg_id: str | None = None,
+        reply_to: str | None = None,
+    ) -> Frame | None:
+        """Append request `request_id`'s one outcome frame, or nothing if another (on any server)
+        was recorded first: the claim (a `resolutions` row, primary key `(instance, request_id)`)
+        and the frame commit together. The frame when this call won, None when it lost."""
+        if not isinstance(request_id, str) or not request_id or "\x00" in request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
+        frames = await self._append(instance, prepared, claim=request_id)
+        return frames[0] if frames else None
+
+    async def _append(self, instance: str, prepared: list[tuple], claim: str | None = None) -> list[Frame]:
+        check_instance(instance)
+        for p in prepared:
+            _no_nul(p)
+        if "\x00" in instance:
+            raise ValueError("instance must not contain NUL characters")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not prepared:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return []
+        n = len(prepared)
+        ts = format_ts(self._clock())
+
+        if claim is None and n == 1 and self._statements is not None:
+            ch, sid, typ, mid, rt, text, _ = prepared[0]
+            rows = await self._statements.rows(_APPEND_ONE, [
+                instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
+                None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
+            ])
+            return await self._appended(instance, prepared, int(rows[0][0] or 0), ts)
+
+        def write(conn: psycopg.Connection) -> int:
+            with conn.transaction():
+                if claim is not None and conn.execute(_CLAIM, (instance, claim)).fetchone() is None:
+                    return 0  # another outcome holds the claim: nothing to write
+                row = conn.execute(_BUMP_SEQ, (instance, n)).fetchone()
+                assert row is not None
+                last = row[0]
+                first = last - n + 1
+                with conn.cursor() as cur:
+                    cur.executemany(_INSERT_FRAME, [
+                        (instance, first + i, ts, ch, sid, typ, mid, rt, text)
+                        for i, (ch, sid, typ, mid, rt, text, _) in enumerate(prepared)
+                    ])
+                if claim is not None:
+                    conn.execute(
+                        "UPDATE resolutions SET seq = %s WHERE instance = %s AND request_id = %s", (first, instance, claim),
+                    )
+                conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, instance))
+            return first
+
+        first = await self._run(write)
+        if not first:
+            return []
+        return await self._appended(instance, prepared, first, ts)
+
+    async def _appended(self, instance: str, prepared: list[tuple], first: int, ts: str) -> list[Frame]:
+        """The frames just committed from `first` on; wakes this server's waiters, prunes now and then."""
+        n = len(prepared)
+        stored = [
+            make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
+            for i, (ch, sid, typ, mid, rt, _, obj) in enumerate(prepared)
+        ]
+        self._wake_instance(instance)
+        count = self._appends_since_prune.get(instance, 0) + n
+        if count >= self.prune_every:
+            self._appends_since_prune[instance] = 0
+            try:
+                await self._run(self._prune_instance, instance)
+            except Exception:
+                # The append itself is committed; retention will be retried next time.
+                log.exception("frame store: retention for instance %r failed", instance)
+        else:
+            self._appends_since_prune[instance] = count
+        return stored
+
+    # -- query ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _build(instance: str, q: FrameQuery) -> tuple[str, list[Any]]:
+        """One statement, so one snapshot: the instance's `last_seq` and `pruned_below`, and the
+        matching frames (none: one row of NULLs; unknown instance: no row)."""
+        where = "f.instance = i.name AND f.seq > %s"
+        params: list[Any] = [q.after_seq]
+        for name in ("session_id", "channel", "reply_to"):
+            value = getattr(q, name)
+            if value is not None:
+                where += f" AND f.{name} = %s"
+                params.append(value)
+        if q.types is not None:
+            where += " AND f.type = ANY(%s)"
+            params.append(list(q.types))
+        params.append(q.limit)
+        params.append(instance)
+        sql = (
+            "SELECT i.last_seq, i.pruned_below, f.seq, f.ts, f.channel, f.session_id, f.type, f.msg_id, "
+            "f.reply_to, f.payload FROM instances i LEFT JOIN LATERAL ("
+            f"SELECT * FROM frames f WHERE {where} ORDER BY f.seq LIMIT %s"
+            ") f ON true WHERE i.name = %s ORDER BY f.seq"
+        )
+        return sql, params
+
+    def _read(self, conn: psycopg.Connection, instance: str, q: FrameQuery) -> tuple[int, list[Frame]]:
+        """`(last_seq, frames)` of one snapshot; `CursorPruned` if retention deleted frames after
+        `q.after_seq` (in that same snapshot, so no gap is ever skipped)."""
+        sql, params = self._build(instance, q)
+        rows = conn.execute(sql, params).fetchall()  # type: ignore[call-overload]
+        if not rows:
+            return 0, []
+        last, pruned = rows[0][0], rows[0][1]
+        if q.after_seq < pruned:
+            raise CursorPruned(instance, q.after_seq, pruned + 1, empty=pruned >= last)
+        loads = json.loads
+        frames = [
+            make_frame(seq, ts, instance, ch, sid, typ, mid, rt, loads(payload))
+            for _, _, seq, ts, ch, sid, typ, mid, rt, payload in rows if seq is not None
+        ]
+        return last, frames
+
+    async def query(self, instance: str, q: FrameQuery) -> list[Frame]:
+        """Frames of `instance` matching `q`, by seq ascending, at most `q.limit`.
+
+        Raises `CursorPruned` if `q.after_seq` is below the retained log."""
+        if not isinstance(q, FrameQuery):
+            raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
+        return (await self._run(self._read, instance, q, read_only=True))[1]
+
+    # -- long poll -----------------------------------------------------------------------
+
+    async def wait_for_frames(self, instance: str, q: FrameQuery, timeout: float) -> tuple[list[Frame], bool]:
+        """Long poll: `query`; if nothing matches, wait up to `timeout` seconds for an append
+        to the instance by any server (NOTIFY) and query again.  `(frames, timed_out)`."""
+        check_timeout(timeout)
+        if not isinstance(q, FrameQuery):
+            raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        deadline = trio.current_time() + timeout
+        # A long poll fails fast in an outage (its client is told to retry) instead of holding
+        # its request for the pool's `connect_timeout`, twice: it waits briefly for a connection.
+        # (A lost listener alone is no outage: it wakes every waiter, which re-query and, if the
+        # database answers, wait on until it is back, as before.)
+        acquire = min(self.connect_timeout, FAIL_FAST_SECONDS) if timeout > 0 else None
+        with self._waiting(instance):
+            while True:
+                # Take the event before querying: an append that commits during the query
+                # sets it, and the wait below returns at once.
+                event = self._wake_event(instance)
+                # One snapshot: every frame up to `seen` is visible in it (seq is commit-ordered).
+                seen, frames = await self._run(self._read, instance, q, read_only=True, acquire_timeout=acquire)
+                if frames or timeout == 0:
+                    return frames, False
+                if seen > q.after_seq:
+                    q = attrs.evolve(q, after_seq=seen)
+                if trio.current_time() >= deadline:
+                    return [], True
+                with trio.move_on_at(deadline):
+                    await event.wait()
+
+    # -- named cursors -------------------------------------------------------------------
+
+    async def get_cursor(self, instance: str, name: str) -> int:
+        """The durable cursor `name` of `instance` (0 if never set)."""
+        def read(conn: psycopg.Connection) -> int:
+            row = conn.execute("SELECT seq FROM cursors WHERE instance = %s AND name = %s", (instance, name)).fetchone()
+            return 0 if row is None else row[0]
+        return await self._run(read, read_only=True)
+
+    async def set_cursor(self, instance: str, name: str, seq: int) -> None:
+        """Set (and commit) the durable cursor `name` of `instance`."""
+        check_cursor_args(instance, name, seq)
+        await self._run(self._write_cursor, instance, name, seq, "EXCLUDED.seq")
+
+    async def advance_cursor(self, instance: str, name: str, seq: int) -> bool:
+        """Move the cursor forward to `seq` (never back), in one statement; True if it moved."""
+        check_cursor_args(instance, name, seq)
+        return await self._run(self._write_cursor, instance, name, seq, "GREATEST(cursors.seq, EXCLUDED.seq)") > 0
+
+    @staticmethod
+    def _write_cursor(conn: psycopg.Connection, instance: str, name: str, seq: int, new_seq: str) -> int:
+        with conn.transaction():
+            cur = conn.execute(
+                "INSERT INTO cursors (instance, name, seq) VALUES (%s, %s, %s) "  # type: ignore[arg-type]
+                f"ON CONFLICT (instance, name) DO UPDATE SET seq = {new_seq} WHERE {new_seq} <> cursors.seq",
+                (instance, name, seq),
+            )
+            return cur.rowcount
+
+    # -- the deployment's secret ----------------------------------------------------------
+
+    async def shared_secret(self, candidate: bytes) -> bytes:
+        """The token secret every server of the deployment uses: `candidate` if none is stored
+        yet (the first server to start stores its own), else the stored one."""
+        def read(conn: psycopg.Connection) -> bytes:
+            with conn.transaction():
+                conn.execute(
+                    "INSERT INTO oubliette_secrets (name, value) VALUES ('server', %s) ON CONFLICT (name) DO NOTHING",
+                    (candidate.decode("ascii"),),
+                )
+                row = conn.execute("SELECT value FROM oubliette_secrets WHERE name = 'server'").fetchone()
+            assert row is not None
+            return str(row[0]).encode("ascii")
+        return await self._run(read)
+
+    # -- instance leases (docs/SCALING.md, "Instance leases") ---------------------------
+
+    async def take_lease(self, instance: str, server: str, ttl: float) -> str | None:
+        """Make `server` the holder of `instance`'s lease for `ttl` seconds, whoever held it: a
+        guest that connects takes its instance over. The previous holder if it was another
+        server whose lease was still live (it drops its guest when it sees the loss), else None."""
+        def write(conn: psycopg.Connection) -> str | None:
+            with conn.transaction():
+                row = conn.execute(
+                    "SELECT server, expires_at > now() FROM instance_leases WHERE instance = %s FOR UPDATE", (instance,),
+                ).fetchone()
+                conn.execute(
+                    "INSERT INTO instance_leases (instance, server, expires_at) "
+                    "VALUES (%s, %s, now() + make_interval(secs => %s)) "
+                    "ON CONFLICT (instance) DO UPDATE SET server = EXCLUDED.server, expires_at = EXCLUDED.expires_at",
+                    (instance, server, ttl),
+                )
+            return row[0] if row is not None and row[0] != server and row[1] else None
+        return await self._run(write)
+
+    async def renew_leases(self, server: str, instances: list[str], ttl: float) -> set[str]:
+        """Extend `server`'s own lease and its leases of `instances` by `ttl` seconds, in one
+        transaction; the instances it still holds. A lease another server took is not touched (and
+        not returned); a missing one (released, or never written) is taken again."""
+        def write(conn: psycopg.Connection) -> set[str]:
+            with conn.transaction():
+                conn.execute(
+                    "INSERT INTO server_leases (server, expires_at) VALUES (%s, now() + make_interval(secs => %s)) "
+                    "ON CONFLICT (server) DO UPDATE SET expires_at = EXCLUDED.expires_at",
+                    (server, ttl),
+                )
+                if not instances:
+                    return set()
+                rows = conn.execute(
+                    "INSERT INTO instance_leases (instance, server, expires_at) "
+                    "SELECT name, %s, now() + make_interval(secs => %s) FROM unnest(%s::text[]) AS name "
+                    "ON CONFLICT (instance) DO UPDATE SET expires_at = EXCLUDED.expires_at "
+                    "WHERE instance_leases.server = EXCLUDED.server RETURNING instance",
+                    (server, ttl, instances),
+                ).fetchall()
+            return {r[0] for r in rows}
+        return await self._run(write)
+
+    async def release_lease(self, instance: str, server: str) -> None:
+        """Drop `server`'s lease of `instance` (its guest left); another server's lease is kept."""
+        def write(conn: psycopg.Connection) -> None:
+            with conn.transaction():
+                conn.execute("DELETE FROM instance_leases WHERE instance = %s AND server = %s", (instance, server))
+        await self._run(write)
+
+    async def lease_holder(self, instance: str, *, live: bool = False) -> str | None:
+        """The server named in `instance`'s lease (with `live`, only if it has not expired), None
+        when nobody holds it."""
+        def read(conn: psycopg.Connection) -> str | None:
+            row = conn.execute(
+                "SELECT server, expires_at > now() FROM instance_leases WHERE instance = %s", (instance,),
+            ).fetchone()
+            return None if row is None or (live and not row[1]) else str(row[0])
+        return await self._run(read, read_only=True)
+
+    async def abandoned_requests(self, grace: float, limit: int = 100) -> list[Frame]:
+        """`caller_tool_request` and `approval_request` frames with no outcome whose waiting server
+        died: its lease (the request's `server`) expired, or `expires_at` passed more than `grace`
+        seconds ago (a live waiter stores its timeout at the deadline). An outcome is a
+        `resolutions` row or, as one server records an approval's decision, a frame of the
+        request's outcome types (`approval_resolved` for an approval)."""
+        def read(conn: psycopg.Connection) -> list[Frame]:
+            rows = conn.execute(
+                "SELECT r.instance, r.seq, r.ts, r.channel, r.session_id, r.type, r.msg_id, r.reply_to, r.payload "
+                "FROM frames r WHERE r.type IN ('caller_tool_request', 'approval_request') "
+                "AND ((r.payload::jsonb ->> 'expires_at')::timestamptz < now() - make_interval(secs => %s) "
+                "  OR EXISTS (SELECT 1 FROM server_leases l WHERE l.server = r.payload::jsonb ->> 'server' "
+                "    AND l.expires_at < now())) "
+                "AND NOT EXISTS (SELECT 1 FROM resolutions s WHERE s.instance = r.instance "
+                "  AND s.request_id = r.payload::jsonb ->> 'request_id') "
+                "AND NOT EXISTS (SELECT 1 FROM frames o WHERE o.instance = r.instance AND o.session_id = r.session_id "
+                "  AND o.channel = r.channel AND o.seq > r.seq "
+                "  AND o.type IN ('caller_tool_result', 'caller_tool_cancelled', 'approval_resolved') "
+                "  AND o.payload::jsonb ->> 'request_id' = r.payload::jsonb ->> 'request_id') "
+                "ORDER BY r.instance, r.seq LIMIT %s",
+                (grace, limit),
+            ).fetchall()
+            return [
+                make_frame(seq, ts, inst, ch, sid, typ, mid, rt, json.loads(payload))
+                for inst, seq, ts, ch, sid, typ, mid, rt, payload in rows
+            ]
+        return await self._run(read, read_only=True)
+
+    # -- retention -----------------------------------------------------------------------
+
+    async def prune(self) -> int:
+        """Apply retention to every instance now; return how many frames were deleted."""
+        return await self._run(self._prune_all)
+
+    def _prune_all(self, conn: psycopg.Connection) -> int:
+        total = 0
+        names = [r[0] for r in conn.execute("SELECT name FROM instances")]
+        conn.commit()
+        for instance in names:
+            total += self._prune_instance(conn, instance)
+            self._appends_since_prune[instance] = 0
+        return total
+
+    def _prune_instance(self, conn: psycopg.Connection, instance: str) -> int:
+        if self.retention_frames is None and self.retention_seconds is None:
+            return 0
+        with conn.transaction():
+            row = conn.execute(
+                "SELECT last_seq, pruned_below FROM instances WHERE name = %s FOR UPDATE", (instance,)
+            ).fetchone()
+            if row is None:
+                return 0
+            last, pruned = row
+
+            def first_young(after: int, oldest_ts: str) -> int | None:
+                young = conn.execute(
+                    "SELECT seq FROM frames WHERE instance = %s AND seq > %s AND ts >= %s ORDER BY seq LIMIT 1",
+                    (instance, after, oldest_ts),
+                ).fetchone()
+                return None if young is None else young[0]
+
+            cut = retention_cut(pruned, last, self.retention_frames, self.retention_seconds, self._clock(), first_young)
+            if cut <= pruned:
+                return 0
+            deleted = conn.execute("DELETE FROM frames WHERE instance = %s AND seq <= %s", (instance, cut)).rowcount
+            conn.execute("DELETE FROM resolutions WHERE instance = %s AND seq <= %s", (instance, cut))
+            conn.execute("UPDATE instances SET pruned_below = %s WHERE name = %s", (cut, instance))
+        if deleted:
+            log.debug("frame store: pruned %d frames of instance %r (seq <= %d)", deleted, instance, cut)
+        return deleted
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
