@@ -23,8 +23,8 @@ import pytest
 import trio
 
 from harness import Deployment, HttpServer
-from oubliette_server.store_api import FrameQuery
-from oubliette_server.store_pg import PostgresFrameStore
+from oubliette_server.store.api import FrameQuery
+from oubliette_server.store.postgres import PostgresFrameStore
 from round_robin_proxy import RoundRobinProxy
 from test_approvals_matrix import DELETE, GATED
 from test_caller_loop import INSTANCE, LOOP_AGENT, TURN_TIMEOUT, LoopCaller, ends_with, script, tool
