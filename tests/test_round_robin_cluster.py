@@ -92,46 +92,55 @@ class BalancedCaller(LoopCaller):
     """A 2026-07-28 caller whose every request is a new TCP connection through the proxy.
 
     As `LoopCaller` (its `owner_key` passed on every call), and `connections` lists the
-    proxy's connection number of each call. A call whose connection broke (its server was
-    killed under it) raises; `open` again gives the same caller (same token, same `owner_key`)
-    a new client, as an application does after a transport error."""
+    proxy's connection number of each call. Its MCP client runs in a task of its own: when a
+    server is killed under a call, the SDK's transport fails the whole client (the call raises
+    `MCPError`, "Connection closed"), and `broken` records the transport's error; `open` again
+    gives the same caller (same token, same `owner_key`) a new client, as an application does."""
 
-    def __init__(self, world: Cluster) -> None:
+    def __init__(self, world: Cluster, nursery: trio.Nursery) -> None:
         super().__init__(None)
         self.world = world
         self.connections: list[int] = []
         self.executed: dict[str, int] = {}
         """Each caller tool request the caller ran (answered), by request id: how many times."""
-        self._stack = AsyncExitStack()
+        self.broken: list[BaseException] = []
+        self._nursery = nursery
+        self._scope: trio.CancelScope | None = None
 
     async def open(self) -> None:
-        """A new HTTP client (no keep-alive) and MCP client through the proxy."""
+        """A new HTTP client (no keep-alive) and MCP client through the proxy (the old one closed)."""
+        if self._scope is not None:
+            self._scope.cancel()
+        self.client = await self._nursery.start(self._run_client)
+
+    async def _run_client(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         import httpx2
         from mcp import Client
         from mcp.client.streamable_http import streamable_http_client
 
-        await self._stack.aclose()
-        self._stack = AsyncExitStack()
-        http = await self._stack.enter_async_context(httpx2.AsyncClient(
-            headers={"Authorization": f"Bearer {self.world.token}"}, timeout=TURN_TIMEOUT,
-            limits=httpx2.Limits(max_keepalive_connections=0)))
-        transport = streamable_http_client(self.world.url + "/mcp", http_client=http)
-        self.client = await self._stack.enter_async_context(Client(transport, mode="auto"))
-        assert self.client.protocol_version == "2026-07-28"
-
-    async def close(self) -> None:
-        """Close the clients."""
-        await self._stack.aclose()
+        with trio.CancelScope() as self._scope:
+            http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {self.world.token}"}, timeout=TURN_TIMEOUT,
+                                      limits=httpx2.Limits(max_keepalive_connections=0))
+            try:
+                async with http, Client(streamable_http_client(self.world.url + "/mcp", http_client=http),
+                                        mode="auto") as client:
+                    assert client.protocol_version == "2026-07-28"
+                    task_status.started(client)
+                    await trio.sleep_forever()
+            except Exception as error:  # the transport died with its connection: noted, the test decides
+                self.broken.append(error)
 
     async def call(self, name: str, **arguments: Any) -> dict[str, Any]:
         """`LoopCaller.call`, noting which proxy connection it is."""
         self.connections.append(len(self.world.proxy.order))
         return await super().call(name, **arguments)
 
-    async def run_tool(self, session_id: str, pending: dict[str, Any]) -> dict[str, Any]:
-        """Run the requested caller tool (count it) and answer with its result, with `wait`."""
+    async def run_tool(self, session_id: str, pending: dict[str, Any], *, resend: bool = False) -> dict[str, Any]:
+        """Run the requested caller tool (count it) and answer with its result, with `wait`;
+        `resend`: send the answer of a run already made again (a retry, not a second run)."""
         rid = pending["request_id"]
-        self.executed[rid] = self.executed.get(rid, 0) + 1
+        if not resend:
+            self.executed[rid] = self.executed.get(rid, 0) + 1
         return await self.call("caller_tool_response", session_id=session_id, request_id=rid,
                                result={"ran": pending["tool"], **pending["arguments"]}, wait=60)
 
@@ -142,12 +151,11 @@ class BalancedCaller(LoopCaller):
 
 @asynccontextmanager
 async def balanced_caller(world: Cluster) -> AsyncIterator[BalancedCaller]:
-    caller = BalancedCaller(world)
-    await caller.open()
-    try:
+    async with trio.open_nursery() as nursery:
+        caller = BalancedCaller(world, nursery)
+        await caller.open()
         yield caller
-    finally:
-        await caller.close()
+        nursery.cancel_scope.cancel()
 
 
 def on_different_servers(world: Cluster, connections: list[int]) -> list[int]:
@@ -217,7 +225,8 @@ async def test_the_whole_loop_through_a_round_robin_proxy(pg_url: str) -> None:
         served = on_different_servers(world, caller.connections)
         assert caller.connections == list(range(opened, len(world.proxy.order))), "one connection per request"
     loop_text_ok(end)
-    assert sorted(set(served)) == list(range(SERVERS)) and len(caller.connections) == 8, served
+    assert sorted(set(served)) == list(range(SERVERS)) and len(caller.connections) == 7, served
+    assert caller.broken == []
     nothing_twice(await log_of(pg_url, "s1"), caller.executed)
 
 
@@ -306,9 +315,9 @@ async def test_the_callers_server_killed_mid_loop(pg_url: str) -> None:
             killed_at = len(world.proxy.order)
             world.servers[victim].process.send_signal(signal.SIGKILL)
         assert "error" in outcome, f"the killed server answered: {outcome}"
+        assert len(caller.broken) == 1, caller.broken
         await caller.open()
-        caller.executed[first["request_id"]] -= 1  # sent again: the same answer, not a second run
-        again = await caller.run_tool("s1", first)
+        again = await caller.run_tool("s1", first, resend=True)
         assert again.get("resolved") is False and "already resolved" in again.get("not_pending", ""), again
         end = await finish_loop(caller, ends_with(again, "requires_approval"))
         after_kill = on_different_servers(world, [c for c in caller.connections if c >= killed_at])
@@ -328,6 +337,7 @@ async def test_the_guests_server_killed_between_turns(pg_url: str) -> None:
         end = await drive_loop(caller, "s1")
         after_kill = on_different_servers(world, [c for c in caller.connections if c >= killed_at])
         assert world.guest_on not in after_kill and world.proxy.refused[world.guest_on] >= 1, after_kill
+        assert caller.broken == []
     loop_text_ok(end)
     nothing_twice(await log_of(pg_url, "s1"), caller.executed)
 
