@@ -125,10 +125,11 @@ async def send_and_wait(caller: Client, session_id: str, message: str, **extra: 
 
 
 async def session_frames(caller: Client, session_id: str) -> list[dict[str, Any]]:
-    """Every frame of the session, read with the `session_events` tool from seq 0."""
+    """Every frame of the session's conversation, read with the `session_events` tool from seq 0
+    (not the server's own `session_record` of its owner, which is pushed to nobody)."""
     result = await caller.call_tool("session_events", {"session_id": session_id, "after_seq": 0, "limit": 200})
     assert not result.is_error, text_of(result)
-    return structured(result)["frames"]
+    return [f for f in structured(result)["frames"] if f["type"] != "session_record"]
 
 
 async def turn_end(events: EventLog, msg_id: str) -> dict[str, Any]:

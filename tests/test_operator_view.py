@@ -158,8 +158,9 @@ async def test_status_shows_guest_session_and_pending_requests_of_a_running_serv
                 assert instance_of(report, QUIET)["sessions"][0]["id"] == "1"
                 session = next(s for s in box1["sessions"] if s["id"] == "s1")
                 assert session["channel"] == "mcp" and session["frames"] >= 3 and session["last_activity"].endswith("Z")
-                assert session["owner"] is None and session["owner_recorded"] is False  # SQLite keeps it in memory only
-                assert session["caller_id"] == "myapp"  # as the request frames state it
+                # Recorded on SQLite too: the caller's identity (a connection's, here) and its declaration.
+                assert session["owner"].startswith("connection:") and session["owner_recorded"] is True, session
+                assert session["caller_id"] == "myapp" and session["caller_tools"] == ["notify", "delete"], session
                 pending = {p["kind"]: p for p in session["pending"]}
                 assert set(pending) == {"caller_tool", "approval"}, session["pending"]
                 assert pending["caller_tool"]["tool"] == "notify" and pending["approval"]["tool"] == "myapp_delete"  # as the agent named it
@@ -170,7 +171,7 @@ async def test_status_shows_guest_session_and_pending_requests_of_a_running_serv
                 table = (await run(deployment, "status", "--http", f"unix:{server.unix_socket}")).stdout
                 assert f"connected to {await server_id(server)}" in table
                 assert "mcp:s1" in table and pending["caller_tool"]["request_id"] in table
-                assert pending["approval"]["request_id"] in table and "(not recorded: SQLite)" in table
+                assert pending["approval"]["request_id"] in table and session["owner"] in table
                 unknown = (await run(deployment, "status")).stdout  # no --http: nobody to ask
                 assert "unknown (no --http to ask)" in unknown
     finally:

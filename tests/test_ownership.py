@@ -115,7 +115,7 @@ async def test_modern_callers_with_one_bearer_token_are_different_callers(deploy
                 "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
             })
             a_keyless = await a.call_tool("session_events", {"session_id": "m1"})
-            a_read = await a.call_tool("session_events", {"session_id": "m1", "owner_key": key})
+            a_read = await a.call_tool("session_events", {"session_id": "m1", "owner_key": key, "types": ["user.message"]})
             a_again = await a.call_tool("session_message", {
                 "instance": "box1", "session_id": "m1", "message": "again", "owner_key": key,
             })

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 import pytest
 import trio
 
-from harness import Deployment, HttpServer
+from harness import Deployment, EventLog, HttpServer
 from oubliette_server.store.api import FrameQuery
 from oubliette_server.store.postgres import PostgresFrameStore
 from test_http_api import poll
@@ -43,18 +43,50 @@ async def two_servers(pg_url: str) -> AsyncIterator[tuple[HttpServer, HttpServer
         b.cleanup()
 
 
+class PushedCaller(LoopCaller):
+    """A `LoopCaller` that also hears its events (`events`): what A pushes to it, whichever server
+    appended the frame (A's log tail brings B's)."""
+
+    def __init__(self, client: Any, events: EventLog) -> None:
+        super().__init__(client)
+        self.events = events
+
+    def seqs(self, session_id: str) -> list[int]:
+        """The seqs of the session's events received, in order of arrival."""
+        return [e["seq"] for e in self.events.events if e.get("session_id") == session_id]
+
+
 @asynccontextmanager
-async def caller_on_a(pg_url: str, mode: str = "legacy") -> AsyncIterator[LoopCaller]:
-    """`two_servers`, and a caller (MCP over HTTP in protocol era `mode`, acting on tool results only) on A."""
-    async with two_servers(pg_url) as (server_a, _), server_a.caller(mode=mode, events=False) as (client, _):
-        yield LoopCaller(client)
+async def caller_on_a(pg_url: str, mode: str = "legacy", events: bool = False) -> AsyncIterator[PushedCaller]:
+    """`two_servers`, and a caller (MCP over HTTP in protocol era `mode`) on A; with `events` it
+    hears its events (else it acts on tool results only)."""
+    async with two_servers(pg_url) as (server_a, _), server_a.caller(mode=mode, events=events) as (client, log):
+        yield PushedCaller(client, log)
+
+
+async def pushed_once(caller: PushedCaller, session_id: str, frames: list[Any]) -> None:
+    """Every frame of `frames` reaches the caller as a pushed event (each awaited, bounded), and no
+    event comes twice."""
+    try:
+        for frame in frames:
+            await caller.events.wait_for(lambda e: e.get("session_id") == session_id and e["seq"] == frame.seq, 10)
+    except trio.TooSlowError:
+        raise AssertionError(
+            f"frames not pushed to the caller on A: {[(f.seq, f.type) for f in frames if f.seq not in caller.seqs(session_id)]}"
+            f" (received {caller.seqs(session_id)})") from None
+    seqs = caller.seqs(session_id)
+    assert len(seqs) == len(set(seqs)), f"an event was pushed twice: {seqs}"
+
+
+async def session_frames(pg_url: str, session_id: str) -> list[Any]:
+    """Every frame of `session_id` in the log, read with a store of the test's own."""
+    store = PostgresFrameStore(pg_url)
+    async with store.running():
+        return await store.query(INSTANCE, FrameQuery(session_id=session_id, limit=200))
 
 
 async def caller_tool_frames(pg_url: str, session_id: str) -> list[Any]:
-    store = PostgresFrameStore(pg_url)
-    async with store.running():
-        return [f for f in await store.query(INSTANCE, FrameQuery(session_id=session_id, limit=200))
-                if f.type.startswith("caller_tool_")]
+    return [f for f in await session_frames(pg_url, session_id) if f.type.startswith("caller_tool_")]
 
 
 def one_outcome_each(frames: list[Any]) -> dict[str, Any]:
@@ -74,7 +106,7 @@ async def test_a_call_relayed_from_b_is_answered_on_a(pg_url: str, mode: str) ->
     """A result and an error answered on A reach the agent on B; the caller that reads no events
     learns of each request from its own `wait` on A (with the arguments and B's deadline), in
     both protocol eras (handshake, and 2026-07-28: the SDK's default)."""
-    async with caller_on_a(pg_url, mode) as caller:
+    async with caller_on_a(pg_url, mode, events=True) as caller:
         first = ends_with(await caller.message(
             "s1", script([(TOOL, {"n": 1})], [(TOOL, {"n": 2})]), [tool("send_notification")], wait=60,
         ), "requires_action")
@@ -87,6 +119,12 @@ async def test_a_call_relayed_from_b_is_answered_on_a(pg_url: str, mode: str) ->
         assert call2["arguments"] == {"n": 2}
         end = ends_with(await caller.answer("s1", call2["request_id"], error="no route to host", wait=60), "end_turn")
         again = await caller.answer("s1", call2["request_id"], result={"status": "late"})
+        # The frames B appended were pushed to the caller on A during its waits (both eras push there):
+        # each request, and the turn's deltas and end, each once.
+        frames = await session_frames(pg_url, "s1")
+        b_frames = [f for f in frames if f.type in ("caller_tool_request", "assistant.delta", "assistant.done")]
+        assert [f.type for f in b_frames].count("caller_tool_request") == 2
+        await pushed_once(caller, "s1", b_frames)
     assert f'{TOOL} -> {{"status": "sent"}}' in end["text"], end
     assert f"{TOOL} failed: no route to host" in end["text"], end
     assert "no longer pending: it was already resolved with an error" in again["error"], again

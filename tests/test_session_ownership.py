@@ -58,10 +58,13 @@ async def test_owns_knows_the_owner_recorded_in_a_shared_log() -> None:
     registry = SessionRegistry()
     caller = CallerConnection("stdio")
 
-    async def recorded(session: object) -> str | None:
-        return caller.identity
+    async def recorded(session: object) -> tuple[str | None, None]:
+        return caller.identity, None
 
-    registry.learn_owners_with(recorded)
+    async def no_instances() -> list[str]:
+        return []
+
+    registry.learn_from(recorded, no_instances)
     session = registry.get_or_create("box1", "mcp", "s1")  # opened on another server
     assert await registry.owns(caller, "s1", "mcp") == [session]
     assert session.owner_identity == caller.identity and session.owner is None

@@ -17,7 +17,8 @@ check first, with messages that name the caller's own field.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Callable, Iterator, Protocol
 
 import trio
 
@@ -51,12 +52,45 @@ class AppendOutcome(Protocol):
         ...
 
 
+class LocalAppends(Protocol):
+    """Who is told of this server's own appends, so that it does not push them a second time:
+    the log tail of a shared store (`features.cluster.LogTail`), which pushes the other servers' frames."""
+
+    def appending(self, instance: str) -> AbstractContextManager[Callable[[int], None]]:
+        """Around one append to `instance`: call what it gives with the seq stored (pushed here)."""
+        ...
+
+
+def _ignore_seq(seq: int) -> None:
+    """Nobody needs to know which seqs this server appended (one server on its log)."""
+
+
+class AloneOnTheLog:
+    """`LocalAppends` when this server is alone on its log: every frame is appended, and pushed, here."""
+
+    @contextmanager
+    def appending(self, instance: str) -> Iterator[Callable[[int], None]]:
+        """Nothing to note."""
+        yield _ignore_seq
+
+
+def push_frame(session: Session, frame: Frame, skip: EventSink | None = None) -> None:
+    """Push a stored frame of `session` to its followers but `skip`: the one push path, for this
+    server's appends (`FrameLog`) and, with a shared store, other servers' (`features.cluster.LogTail`)."""
+    if session.sinks:
+        event = frame.to_event()
+        for sink in list(session.sinks):
+            if sink is not skip:
+                sink.push(event)
+
+
 class FrameLog:
     """Appends frames to the store and pushes each to the sinks of its session.
 
     Needs: the frame store and the session registry; `on_user_message(instance)` is called
     after a `user.message` arrives through `ingress` (the wake service); the server's limits;
-    `on_stored(type, seconds)` hears of each frame stored and how long its append took (metrics).
+    `on_stored(type, seconds)` hears of each frame stored and how long its append took (metrics);
+    `local_appends` is told the seq of each (with a shared store, the log tail).
     Raises: `LimitExceeded` for a frame that could never be delivered (nothing is stored),
     `RelayError(INVALID_PARAMS)` for a server-owned type or payload key at `ingress`, and
     whatever the store raises for a frame it refuses (`ValueError`, `TypeError`).
@@ -69,12 +103,14 @@ class FrameLog:
         on_user_message: Callable[[str], object] = lambda instance: None,
         limits: Limits | None = None,
         on_stored: Callable[[str, float], None] = lambda type, seconds: None,
+        local_appends: LocalAppends | None = None,
     ) -> None:
         self.store = store
         self.sessions = sessions
         self.on_user_message = on_user_message
         self.limits = limits or Limits()
         self.on_stored = on_stored
+        self.local_appends: LocalAppends = local_appends or AloneOnTheLog()
 
     async def append(
         self,
@@ -100,16 +136,14 @@ class FrameLog:
     ) -> Frame:
         """`append` once the frame passed `Limits.check_frame`."""
         began = trio.current_time()
-        frame = await self.store.append(
-            session.instance, channel=session.channel, session_id=session.id,
-            type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
-        )
+        with self.local_appends.appending(session.instance) as stored_here:
+            frame = await self.store.append(
+                session.instance, channel=session.channel, session_id=session.id,
+                type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
+            )
+            stored_here(frame.seq)
         self.on_stored(type, trio.current_time() - began)
-        if session.sinks:
-            event = frame.to_event()
-            for sink in list(session.sinks):
-                if sink is not skip:
-                    sink.push(event)
+        push_frame(session, frame, skip)
         return frame
 
     async def record(self, session: Session, type: str, payload: dict[str, Any]) -> Frame:
@@ -120,9 +154,11 @@ class FrameLog:
             type=type, msg_id=None, reply_to=None,
         )
         began = trio.current_time()
-        frame = await self.store.append(
-            session.instance, channel=session.channel, session_id=session.id, type=type, payload=payload,
-        )
+        with self.local_appends.appending(session.instance) as stored_here:
+            frame = await self.store.append(
+                session.instance, channel=session.channel, session_id=session.id, type=type, payload=payload,
+            )
+            stored_here(frame.seq)
         self.on_stored(type, trio.current_time() - began)
         return frame
 
@@ -142,16 +178,15 @@ class FrameLog:
             type=type, msg_id=None, reply_to=None,
         )
         began = trio.current_time()
-        frame = await self.store.append_outcome(
-            session.instance, request_id, channel=session.channel, session_id=session.id, type=type, payload=payload,
-        )
+        with self.local_appends.appending(session.instance) as stored_here:
+            frame = await self.store.append_outcome(
+                session.instance, request_id, channel=session.channel, session_id=session.id, type=type, payload=payload,
+            )
+            if frame is not None:
+                stored_here(frame.seq)
         if frame is not None:
             self.on_stored(type, trio.current_time() - began)
-        if frame is not None and session.sinks:
-            event = frame.to_event()
-            for sink in list(session.sinks):
-                if sink is not skip:
-                    sink.push(event)
+            push_frame(session, frame, skip)
         return frame
 
     async def ingress(

@@ -153,6 +153,12 @@ class ServerMetrics:
         self.append_latency = Histogram(
             "oubliette_store_append_seconds", "Seconds one frame append to the store took (committed).",
             buckets=APPEND_BUCKETS, registry=r)
+        self.log_tail_frames = Counter(
+            "oubliette_log_tail_pushed", "Frames other servers appended that this server pushed to its "
+            "callers (the log tail; shared store only).", registry=r)
+        self.log_tail_delay = Histogram(
+            "oubliette_log_tail_push_seconds", "Seconds from the notice of another server's append to the push "
+            "of its frames here (one read of the log tail).", buckets=APPEND_BUCKETS, registry=r)
         self.http_requests = Counter(
             "oubliette_http_requests", "HTTP requests answered, by status (none: ended without an answer).",
             ["status"], registry=r)
@@ -201,6 +207,11 @@ class ServerMetrics:
         """A frame of `type` was stored; the append took `seconds`."""
         self._frames.get(type, self._frames["other"]).inc()
         self.append_latency.observe(seconds)
+
+    def log_tail_pushed(self, count: int, seconds: float) -> None:
+        """The log tail pushed `count` frames of other servers, `seconds` after their first notice."""
+        self.log_tail_frames.inc(count)
+        self.log_tail_delay.observe(seconds)
 
     def http_answered(self, status: int | None) -> None:
         """An HTTP request ended with `status` (None: no answer was sent)."""

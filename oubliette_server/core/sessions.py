@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import secrets
 import weakref
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Protocol
 
 import attrs
 
-from protocol import CallerToolSpec, RelayError, errors
+from protocol import CallerToolSpec, RelayError, errors, structure
 
 from ..store.api import CursorPruned, FrameQuery
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 
     from ..store.api import FrameStoreAPI
     from .callers import CallerConnection
+
+log = logging.getLogger("oubliette.server.caller_tools")
 
 _declaration_clock = itertools.count(1)
 
@@ -57,7 +60,7 @@ class Session:
     caller_tools: dict[str, CallerToolSpec] = attrs.field(factory=dict)
     owner: CallerConnection | None = None
     #: Shared store only: the owner's `CallerConnection.identity`, as recorded in the session's
-    #: `session_record` frames (server_owned.py), so every server can tell the same caller (None with SQLite).
+    #: `session_record` frames (server_owned.py), so every server can tell the same caller.
     owner_identity: str | None = None
     declared_at: int = 0
     sinks: set[EventSink] = attrs.field(factory=set)
@@ -72,12 +75,23 @@ class Session:
 
     def same_caller(self, caller: CallerConnection) -> bool:
         """`caller` is the session's owner by identity (shared store: possibly connected to another
-        server than the one it opened the session on); always False with SQLite."""
+        server than the one it opened the session on)."""
         return self.owner_identity is not None and caller.identity == self.owner_identity
 
+    def is_owner(self, caller: CallerConnection) -> bool:
+        """`caller` owns this session: it opened it here, or (shared store, a session opened on another
+        server) its identity is the owner's the log recorded. The one ownership rule of every door."""
+        return self.owner is caller or (self.owner is None and self.same_caller(caller))
+
+    @property
+    def owner_known(self) -> bool:
+        """Its owner is connected here or recorded in the log: this server lists and answers the
+        requests of the session that other servers' agents made (pending_requests/)."""
+        return self.owner is not None or self.owner_identity is not None
+
     def check_owner(self, caller: CallerConnection) -> None:
-        """Raise `not_yours` unless `caller` owns this session."""
-        if self.owner is not caller:
+        """Raise `not_yours` unless `caller` owns this session (`is_owner`)."""
+        if not self.is_owner(caller):
             raise not_yours(self.id)
 
 
@@ -123,9 +137,18 @@ class LogCursors(weakref.WeakKeyDictionary["Session", int]):
         return frames
 
 
-async def _nothing_recorded(session: Session) -> str | None:
-    """No owner is recorded anywhere (one server)."""
-    return None
+#: What a session's `session_record` frames say: its owner's identity and its last declaration.
+RecordFn = Callable[["Session"], Awaitable[tuple["str | None", "dict[str, Any] | None"]]]
+
+
+async def _nothing_recorded(session: Session) -> tuple[str | None, dict[str, Any] | None]:
+    """Nothing is read back from the log (one server: its memory is all there is)."""
+    return None, None
+
+
+async def _no_instances() -> list[str]:
+    """No instance's log is searched for a session (one server)."""
+    return []
 
 
 #: Sessions of one instance held in memory at most (besides those in use); `max_sessions`.
@@ -155,7 +178,8 @@ class SessionRegistry:
         # owner -> its sessions (as a dict used as an ordered set)
         self._by_owner: dict[CallerConnection, dict[Session, None]] = {}
         self._in_use: list[Callable[[Session], bool]] = []
-        self._recorded_owner: Callable[[Session], Awaitable[str | None]] = _nothing_recorded
+        self._read_record: RecordFn = _nothing_recorded
+        self._instances: Callable[[], Awaitable[list[str]]] = _no_instances
         #: How many sessions were forgotten so far (for tests and benchmarks).
         self.forgotten = 0
 
@@ -190,10 +214,48 @@ class SessionRegistry:
 
     # -- ownership: the one place a session's owner, declaration and followers are written ---------
 
-    def learn_owners_with(self, recorded_owner: Callable[[Session], Awaitable[str | None]]) -> None:
-        """Read a session's recorded owner identity with `recorded_owner` (a shared store's log;
-        by default nothing is recorded)."""
-        self._recorded_owner = recorded_owner
+    def learn_from(self, read_record: RecordFn, instances: Callable[[], Awaitable[list[str]]]) -> None:
+        """Read a session's recorded owner and declaration with `read_record`, and look for a session
+        this process does not hold in the logs of `instances()` (a shared store; by default nothing
+        is read back: one server knows its sessions from memory)."""
+        self._read_record = read_record
+        self._instances = instances
+
+    async def learn(self, session_id: str, channel: str, instance: str | None = None) -> list[Session]:
+        """The sessions with this id (of `instance`, else of any instance with frames) that the log
+        records an owner of, made here with that owner and its last declaration: any server then
+        serves the owner as the server it opened the session on does (docs/SCALING.md, "Every
+        server knows every session"). Sessions already held are returned as they are; an id no
+        log records makes nothing (so a guess costs a read, never memory).
+        """
+        found = [s for s in self.find_by_id(session_id, instance) if s.channel == channel]
+        held = {s.instance for s in found}
+        for name in [instance] if instance is not None else await self._instances():
+            if name in held:
+                continue
+            owner, declared = await self._read_record(Session(instance=name, channel=channel, id=session_id))
+            if owner is None:
+                continue
+            session = self.get_or_create(name, channel, session_id)  # made meanwhile by another task: the same one
+            if session.owner is None and session.owner_identity is None:
+                self.adopt_record(session, owner, declared)
+            if session not in found:
+                found.append(session)
+        return found
+
+    def adopt_record(self, session: Session, owner: str | None, declared: dict[str, Any] | None) -> None:
+        """What the log records of a session this server holds no owner of: its owner identity and,
+        when there is one, its last declaration (written by a server of the deployment, yet never
+        trusted blindly: one that does not read is ignored)."""
+        self.note_owner(session, owner)
+        if session.owner is not None or declared is None:
+            return  # declared here: memory is current
+        try:
+            tools = [structure(tool, CallerToolSpec) for tool in declared.get("tools", [])]
+        except Exception as exc:
+            log.warning("session %s: ignoring a declaration in the log that does not read (%s)", session.key, exc)
+            return
+        self.adopt_declaration(session, str(declared.get("caller_id") or ""), tools)
 
     async def claim(
         self, instance: str, channel: str, session_id: str | None, caller: CallerConnection,
@@ -204,23 +266,29 @@ class SessionRegistry:
 
         A session with no owner in this process but with frames in the log (`has_history`:
         opened before a restart, or by the HTTP tether API) is refused too: its owner cannot be
-        known, and claiming it would hand its history to whoever asks first.
+        known, and claiming it would hand its history to whoever asks first. With a shared store
+        the log may record its owner (opened on another server): that caller is taken, by identity.
         """
         if session_id is None:
             session = self.get_or_create(instance, channel, new_session_id())
             self.set_owner(session, caller)
             return session
         session = self.get(instance, channel, session_id)
-        if session is not None and session.owner is not None:
+        if session is not None and session.owner_known:
             session.check_owner(caller)
             return session
         has_frames = await has_history(session_id)
         # Another call may have claimed it while the log was read: look again.
         session = self.get(instance, channel, session_id)
-        if session is not None and session.owner is not None:
+        if session is not None and session.owner_known:
             session.check_owner(caller)
             return session
         if has_frames:
+            # Opened on another server (shared store): its owner, by the identity the log
+            # recorded, sends into it here too; the owner stays an identity, not this connection.
+            for learned in await self.learn(session_id, channel, instance):
+                learned.check_owner(caller)
+                return learned
             raise not_yours(session_id)
         session = self.get_or_create(instance, channel, session_id)
         self.set_owner(session, caller)
@@ -230,11 +298,14 @@ class SessionRegistry:
         """The caller's sessions of `channel` with this id; `not_yours` if only other callers have one.
 
         Shared store: a session opened on another server is the caller's too when the owner
-        identity its log recorded is the caller's (docs/SCALING.md, "Caller identity").
+        identity its log recorded is the caller's (docs/SCALING.md, "Caller identity"), even if
+        this server never held it (`learn`).
         """
         known = [s for s in self.find_by_id(session_id, instance) if s.channel == channel]
+        if not known:
+            known = await self.learn(session_id, channel, instance)
         await self.load_owners(known)
-        mine = [s for s in known if s.owner is caller or (s.owner is None and s.same_caller(caller))]
+        mine = [s for s in known if s.is_owner(caller)]
         if known and not mine:
             raise not_yours(session_id)
         return mine
@@ -243,7 +314,7 @@ class SessionRegistry:
         """Read the recorded owner of each session that has no owner in this process (shared store)."""
         for session in sessions:
             if session.owner is None and session.owner_identity is None:
-                session.owner_identity = await self._recorded_owner(session)
+                session.owner_identity = (await self._read_record(session))[0]
 
     @staticmethod
     def note_owner(session: Session, identity: str | None) -> None:

@@ -67,15 +67,18 @@ class TurnWaits:
     Needs: the store (the turn's end), the session registry (a 2026-07-28 wait follows the
     session for its duration), the pending caller tool calls and approvals (what stops a wait,
     and what ends when the waiting caller leaves), the approval elicitation (how approvals
-    reach the person), and `guest_absent(instance)` (guests/presence.py): why a message cannot
-    reach a guest, or None.
+    reach the person), `guest_absent(instance)` (guests/presence.py): why a message cannot
+    reach a guest, or None, and with a shared store `caught_up(instance)` (the log tail's), which
+    returns once the other servers' frames committed so far were pushed here.
     """
 
     def __init__(
         self, *, store: FrameStoreAPI, sessions: SessionRegistry, calls: CallerCallRegistry,
         approvals: ApprovalService, elicitation: ApprovalElicitation,
         guest_absent: Callable[[str], Awaitable[str | None]] | None = None,
+        caught_up: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
+        self.caught_up = caught_up
         self.store = store
         self.sessions = sessions
         self.calls = calls
@@ -135,6 +138,11 @@ class TurnWaits:
                     nursery.start_soon(watch)
                 try:
                     stop = await self._first_stop(ctx, caller, session, query, msg_id, seconds, watch_guest)
+                    if sink is not None and self.caught_up is not None:
+                        # Another server's frame that stopped the wait (its request, the turn's end)
+                        # is pushed before the stop returns, as on one server (docs/SCALING.md).
+                        with trio.move_on_after(EVENT_DRAIN_SECONDS):
+                            await self.caught_up(session.instance)
                 except StoreUnavailable as exc:  # raised below, not wrapped in this nursery's group
                     unavailable = exc
                 finally:

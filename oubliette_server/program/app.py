@@ -43,7 +43,7 @@ from ..features.caller_tool_relay import (
     CallerToolRelay,
     cancel_unanswered_requests,
 )
-from ..features.cluster import AbandonedRequests, InstanceLeases, LogBus
+from ..features.cluster import AbandonedRequests, InstanceLeases, LogBus, LogTail
 from ..features.guests import (
     FailedStarts,
     GuestDelivery,
@@ -112,9 +112,14 @@ class OublietteServer:
             start_grace=config.start_timeout,
             on_start_failed=lambda instance, reason: self.failed_starts.start_failed(instance, reason),
         )
+        # With a shared store, the frames other servers append reach the followers held here
+        # through this server's one tail of the log; the frame log tells it which are its own.
+        self.log_tail: LogTail | None = None
+        if self.shared_store is not None:
+            self.log_tail = LogTail(self.shared_store, self.sessions, on_pushed=self.metrics.log_tail_pushed)
         self.frame_log = FrameLog(
             self.store, self.sessions, on_user_message=self._user_message_arrived, limits=self.limits,
-            on_stored=self.metrics.frame_stored,
+            on_stored=self.metrics.frame_stored, local_appends=self.log_tail,
         )
         self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
         # With a shared store, which server holds an instance's guest is a lease in the database,
@@ -138,7 +143,7 @@ class OublietteServer:
             SharedStore(LogBus(self.store, self.frame_log.append_outcome), self.server_id)
             if self.store.shared else SingleServer()
         )
-        self.sessions.learn_owners_with(self.crossing.recorded_owner)
+        self.sessions.learn_from(self.crossing.record_of, self.crossing.instances)
         self.calls = CallerCallRegistry(
             self.frame_log.append, config.caller_timeout, crossing=self.crossing, find_sessions=self.sessions.find_by_id,
             on_ended=self.metrics.relayed_call_ended,
@@ -221,6 +226,8 @@ class OublietteServer:
                 # that is alone on its log can tell which requests a previous run left (docs/SCALING.md).
                 await cancel_unanswered_requests(self.store, self.sessions, self.frame_log.append)
             async with trio.open_nursery() as nursery:
+                if self.log_tail is not None:
+                    await nursery.start(self.log_tail.serve)
                 await nursery.start(self.orphans.serve)
                 await nursery.start(self.callers.serve)
                 await nursery.start(self.calls.serve)
@@ -245,6 +252,7 @@ class OublietteServer:
         turns = TurnWaits(
             store=self.store, sessions=self.sessions, calls=self.calls, approvals=self.approvals,
             elicitation=self.elicitation, guest_absent=self.presence.absent,
+            caught_up=None if self.log_tail is None else self.log_tail.caught_up,
         )
         return CallerApi(
             instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools, calls=self.calls,

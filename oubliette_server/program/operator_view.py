@@ -15,8 +15,8 @@ What each fact is read from, so that it is true whichever server wrote it:
   reported as unknown, never guessed from old frames;
 - sessions: one pass over each instance's retained frames: frame count, last activity (the
   newest frame's time), the owner and declared caller tools from the server's own
-  `session_record` frames (server_owned.py). Only a server with a shared store writes those;
-  with SQLite the owner lives in the server's memory only and is reported as not recorded;
+  `session_record` frames (server_owned.py), which every server writes, on SQLite as on
+  PostgreSQL (a session opened before they were written, or a tether session, has none);
 - pending requests: a `caller_tool_request` with no `caller_tool_result`/`caller_tool_cancelled`,
   an `approval_request` with no `approval_resolved`, with their age and `expires_at` as the
   request frame states it.
@@ -272,7 +272,7 @@ class _SessionScan:
         return SessionView(
             channel=self.channel, id=self.id, frames=self.frames, last_seq=self.last_seq,
             last_activity=self.last_activity, owner=self.owner, owner_recorded=self.recorded,
-            # The declaring caller, or (SQLite: nothing recorded) the one its relayed requests name.
+            # The declaring caller, or (nothing recorded: an older log) the one its relayed requests name.
             caller_id=declared["caller_id"] if isinstance(declared.get("caller_id"), str) else self.requested_by,
             caller_tools=[t for t in tools if isinstance(t, str)],
             pending=[_pending(frame, now) for frame in self.open.values()],
@@ -337,7 +337,7 @@ def format_status(report: StatusReport) -> str:
         lines += ["", _table(
             ("INSTANCE", "SESSION", "FRAMES", "LAST ACTIVITY", "OWNER", "CALLER TOOLS"),
             [(name, f"{s.channel}:{s.id}", str(s.frames), s.last_activity,
-              s.owner or ("-" if s.owner_recorded or report.shared else "(not recorded: SQLite)"),
+              s.owner or "-",
               _tools_text(s)) for name, s in sessions],
         )]
     pending = [(name, s, p) for name, s in sessions for p in s.pending]

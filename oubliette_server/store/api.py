@@ -537,9 +537,36 @@ class AbandonedStore(Protocol):
         ...
 
 
+class AppendNoticeHook(Protocol):
+    """Who hears of every append to a shared log, by any server (`store.postgres`'s LISTEN): the log tail."""
+
+    def appended(self, instance: str, first: int | None, last: int | None) -> None:
+        """Frames `first`..`last` of `instance` were committed (None, None: a notice without seqs)."""
+        ...
+
+    def missed(self) -> None:
+        """Notices may have been lost (the listener reconnected): read again from where you were."""
+        ...
+
+
 @runtime_checkable
-class SharedStoreAPI(FrameStoreAPI, LeaseStore, AbandonedStore, Protocol):
-    """A frame store several servers share: the log, the instance leases and the abandoned-requests sweep."""
+class AppendNotices(Protocol):
+    """A shared store's notices of appends and the read that follows each (`store.postgres.PostgresFrameStore`),
+    for the log tail."""
+
+    def hear_appends(self, hook: AppendNoticeHook) -> None:
+        """Tell `hook` of every append any server commits, and of notices lost, from now on."""
+        ...
+
+    async def frames_after(self, instance: str, after_seq: int, limit: int) -> list[Frame]:
+        """The frames of `instance` after `after_seq`, at most `limit`; `CursorPruned` as `query`."""
+        ...
+
+
+@runtime_checkable
+class SharedStoreAPI(FrameStoreAPI, LeaseStore, AbandonedStore, AppendNotices, Protocol):
+    """A frame store several servers share: the log, the instance leases, the abandoned-requests
+    sweep and the notices of appends."""
 
 
 def shared_store(store: FrameStoreAPI) -> SharedStoreAPI | None:

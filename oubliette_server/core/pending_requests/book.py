@@ -38,7 +38,7 @@ RESOLVED_MEMORY = 10_000
 class Entry(Protocol):
     """A pending request as the book keeps it: `done` is set by its one outcome; `claim` is held
     while a caller's answer to it is being stored; `caller` owns it (`caller_left`: it left while
-    its answer was being stored)."""
+    its answer was being stored); `waiting` is its wait in the shared log, if any."""
 
     request_id: str
     session: Session
@@ -47,6 +47,7 @@ class Entry(Protocol):
     claim: trio.Lock
     caller: Any
     caller_left: bool
+    waiting: trio.CancelScope | None
 
 
 E = TypeVar("E", bound=Entry)
@@ -100,8 +101,8 @@ class RequestBook(Generic[E]):
 
     async def read_new(self, session: Session) -> list[Frame]:
         """The session's request and outcome frames other servers stored since the last read; only
-        for a session whose owner is connected here (it is the one that answers them)."""
-        if session.owner is None:
+        for a session whose owner is connected here or recorded in the log (it answers them here)."""
+        if not session.owner_known:
             return []
         return await self.crossing.read_new(self.cursors, session, self.types)
 
@@ -110,7 +111,7 @@ class RequestBook(Generic[E]):
         event = self._changed.get(id(session))
         if event is None:
             event = self._changed[id(session)] = trio.Event()
-        if session.owner is None:
+        if not session.owner_known:
             await event.wait()
             return
         await self.crossing.wait_change(event, session, self.types, self.cursors.get(session, 0), then)

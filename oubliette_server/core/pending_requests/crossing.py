@@ -88,12 +88,21 @@ class Crossing(Protocol):
         ...
 
     async def owner_elsewhere(self, session: Session, *, recorded_only: bool) -> bool:
-        """A request of `session` with no owner connected here is answered on another server: always
+        """A request of `session` may be answered on another server, so it waits in the log: always
         (`recorded_only` False), or only if the log records an owner (True). Never on one server."""
         ...
 
     async def recorded_owner(self, session: Session) -> str | None:
         """The owner identity the session's log records (None on one server)."""
+        ...
+
+    async def record_of(self, session: Session) -> tuple[str | None, dict[str, Any] | None]:
+        """`(owner identity, last declaration)` the session's log records, for a server that holds
+        no owner of it (nothing on one server, whose memory is all there is)."""
+        ...
+
+    async def instances(self) -> list[str]:
+        """The instances whose logs may hold a session opened on another server (none on one server)."""
         ...
 
     async def session_record(self, session_of: Callable[[], Session]) -> SessionRecord | None:
@@ -105,14 +114,6 @@ class Crossing(Protocol):
         """Add to a request's payload what other servers need to list and close it (nothing on one server)."""
         ...
 
-    def declaration(self, record: dict[str, Any]) -> dict[str, Any]:
-        """What a session's `session_record` must carry for other servers: `record`, or nothing on one server."""
-        ...
-
-    def needs_record(self, session: Session, identity: str, declared: dict[str, Any]) -> bool:
-        """A `session_record` must tell the other servers the session's owner `identity` and
-        `declared` (never on one server)."""
-        ...
 
 
 class SingleServer:
@@ -155,6 +156,14 @@ class SingleServer:
         """None: owners are known in memory only."""
         return None
 
+    async def record_of(self, session: Session) -> tuple[str | None, dict[str, Any] | None]:
+        """Nothing: every session this server serves was opened here."""
+        return None, None
+
+    async def instances(self) -> list[str]:
+        """None: no other server opens sessions."""
+        return []
+
     async def session_record(self, session_of: Callable[[], Session]) -> SessionRecord | None:
         """Nothing is recorded for other servers."""
         return None
@@ -162,13 +171,6 @@ class SingleServer:
     def announce(self, request: dict[str, Any], **fields: Any) -> None:
         """Nothing to add."""
 
-    def declaration(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Nothing to record."""
-        return {}
-
-    def needs_record(self, session: Session, identity: str, declared: dict[str, Any]) -> bool:
-        """Never: nobody else reads it."""
-        return False
 
 
 class SharedStore:
@@ -238,6 +240,14 @@ class SharedStore:
         """The identity the session's first `session_record` holds."""
         return (await self.log.session_record(session))[0]
 
+    async def record_of(self, session: Session) -> tuple[str | None, dict[str, Any] | None]:
+        """Read from the session's `session_record` frames."""
+        return await self.log.session_record(session)
+
+    async def instances(self) -> list[str]:
+        """Every instance with frames in the shared log."""
+        return await self.log.store.instances()
+
     async def session_record(self, session_of: Callable[[], Session]) -> SessionRecord | None:
         """Read from the session's `session_record` frames."""
         session = session_of()
@@ -249,12 +259,3 @@ class SharedStore:
         request.update({key: value for key, value in fields.items() if value is not None})
         if self.server_id is not None:
             request["server"] = self.server_id  # whose lease says this wait is alive (abandoned_requests.py)
-
-    def declaration(self, record: dict[str, Any]) -> dict[str, Any]:
-        """`record`: the other servers read the declaration from the log."""
-        return record
-
-    def needs_record(self, session: Session, identity: str, declared: dict[str, Any]) -> bool:
-        """Something was declared, or the log does not yet name this owner (a message that
-        declares nothing need not record it again)."""
-        return bool(declared) or session.owner_identity != identity

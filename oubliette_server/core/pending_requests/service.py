@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Generic
+from typing import TYPE_CHECKING, Awaitable, Callable, Generic
 
 import trio
 
@@ -16,6 +16,9 @@ from ..sessions import Session
 from ..task_host import TaskHost
 from .book import E, RequestBook
 from .crossing import Crossing, SingleServer
+
+if TYPE_CHECKING:
+    from protocol import Frame
 
 
 class PendingRequests(Generic[E]):
@@ -105,6 +108,25 @@ class PendingRequests(Generic[E]):
         async with entry.claim:  # an answer being stored goes first: stored, it wins
             if self.is_open(entry):
                 time_out()
+
+    @staticmethod
+    async def _outcome_or_end(entry: E, seconds: float, wait_outcome: Callable[[], Awaitable[Frame]]) -> Frame | None:
+        """A request that may be answered on any server (shared store): wait at most `seconds` for
+        its outcome frame in the log (`wait_outcome`, whoever stores it) or for its end here
+        (`_ended`: an answer stored through this server, its owner leaving), whichever comes
+        first; the log's outcome frame, or None (ended here, or the time is up). No child task:
+        the agent's cancel reaches the caller as a plain `Cancelled`."""
+        with trio.move_on_after(seconds) as entry.waiting:
+            if not entry.done.is_set():
+                return await wait_outcome()
+        return None
+
+    @staticmethod
+    def _ended(entry: E) -> None:
+        """`entry` has its one outcome: set `done`, and stop its wait in the log (`_outcome_or_end`)."""
+        entry.done.set()
+        if entry.waiting is not None:
+            entry.waiting.cancel()
 
     async def _end_if_open(self, entry: E, end: Callable[[], None]) -> None:
         """The agent cancelled: holding `entry`'s claim (an answer being stored goes first: stored,

@@ -225,6 +225,7 @@ class CallerApi:
             self.limits.check_value(args["context"], "context")
         instance = self.instances.resolve(args.get("instance"))
         session = await self._open_session(instance, args.get("session_id"), caller)
+        await self.approvals.sync(session)  # shared store: another server's gated call may be asking
         self._refuse_while_approval_pending(session)
         context = args.get("context")
         if context is not None:
@@ -341,7 +342,7 @@ class CallerApi:
     async def approval_response(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
         """Decide one approval (`request_id`, `approve`) or all of the session's (`approvals`)."""
         self._check_answer_form(args)
-        session = self._approval_session(caller, args["session_id"], args.get("instance"))
+        session = await self._approval_session(caller, args["session_id"], args.get("instance"))
         return await self._answer_approvals(ctx, caller, caller.id, session, args)
 
     async def approval_response_over_http(self, instance: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -380,7 +381,8 @@ class CallerApi:
         problem = first_problem(self._validators[tool], args, "invalid body")
         if problem:
             raise RelayError(errors.INVALID_PARAMS, problem)
-        matches = self.sessions.find_by_id(args["session_id"], instance)
+        matches = self.sessions.find_by_id(args["session_id"], instance) \
+            or await self.sessions.learn(args["session_id"], SESSION_CHANNEL, instance)
         owned = [s for s in matches if s.owner is not None]
         if owned:
             assert owned[0].owner is not None
@@ -438,8 +440,10 @@ class CallerApi:
             return Decision(approve=True, who=who, kind="tool", tool_return=item["tool_return"], status=item["status"])
         return Decision(approve=item["approve"], who=who, reason=item.get("reason"))
 
-    def _approval_session(self, caller: CallerConnection, session_id: str, instance: str | None) -> Session:
-        matches = self.sessions.find_by_id(session_id, instance)
+    async def _approval_session(self, caller: CallerConnection, session_id: str, instance: str | None) -> Session:
+        """The session an `approval_response` is for: held here, or (shared store) learned from the log."""
+        matches = self.sessions.find_by_id(session_id, instance) \
+            or await self.sessions.learn(session_id, SESSION_CHANNEL, instance)
         if len(matches) > 1:
             matches = [s for s in matches if s.owner is caller] or matches
         if not matches:

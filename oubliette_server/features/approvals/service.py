@@ -127,6 +127,8 @@ class PendingApproval:
     it, then find the approval decided, or still pending if that store failed."""
     caller_left: bool = False
     """The owner left while its decision was being stored: if that store fails, it is denied (disconnect)."""
+    waiting: trio.CancelScope | None = None
+    """Its wait for a decision in the shared log (`_outcome_or_end`), stopped when it is decided here."""
     remote: bool = False
     """Shared store: another server's gated call, read from the log (decided through it)."""
     in_log: bool = False
@@ -278,7 +280,10 @@ class ApprovalService(PendingRequests[PendingApproval]):
         )
         self._pending[entry.request_id] = entry
         try:
-            entry.in_log = caller is None and await self.crossing.owner_elsewhere(session, recorded_only=True)
+            # Shared store: the owner (by identity) or the operator may decide on any server, so the
+            # call waits in the log even when its owner is connected here (docs/SCALING.md).
+            entry.in_log = (caller is None or not caller.closed.is_set()) \
+                and await self.crossing.owner_elsewhere(session, recorded_only=caller is None)
             request = entry.summary()
             # Across servers: what the owner's server checks an answer against.
             self.crossing.announce(request, input_schema=input_schema, allows_tool_return=True if allows_tool_return else None)
@@ -287,6 +292,8 @@ class ApprovalService(PendingRequests[PendingApproval]):
             self._notify(session)
             if entry.in_log:
                 await self._wait_in_log(entry, seconds)
+                if not entry.recorded.is_set():  # decided here without an answer (its owner left)
+                    await self._record(entry)
                 return self._decided(entry)
             if entry.decision is None and (caller is None or caller.closed.is_set()):
                 self._decide(entry, Decision(
@@ -319,15 +326,18 @@ class ApprovalService(PendingRequests[PendingApproval]):
         return entry.decision
 
     async def _wait_in_log(self, entry: PendingApproval, seconds: float) -> None:
-        """The owner is on another server: wait for the request's `approval_resolved`, whoever stores it.
+        """Shared store: wait for the request's `approval_resolved`, whichever server stores it, or for
+        its decision here (an answer stored through this server; its owner leaving, stored by `request`).
 
         At the timeout this server tries to store its own denial (timeout); if an answer won the
         race in the database, the gated call gets that answer instead.
         """
         session = entry.session
-        outcome: Frame | None = None
-        with trio.move_on_after(seconds):
-            outcome = await self.crossing.wait_outcome(session, entry.request_id, entry.frame_seq, (RESOLVED,))
+        outcome = await self._outcome_or_end(entry, seconds, lambda: self.crossing.wait_outcome(
+            session, entry.request_id, entry.frame_seq, (RESOLVED,),
+        ))
+        if entry.done.is_set():
+            return
         if outcome is None:
             timeout = Decision(approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)")
             try:
@@ -374,7 +384,7 @@ class ApprovalService(PendingRequests[PendingApproval]):
         self._book.remember(entry.request_id, _Finished(
             entry.session.id, entry.caller, decision, entry.frame_seq, entry.recorded, entry.session,
         ))
-        entry.done.set()
+        self._ended(entry)
         self._notify(entry.session)
 
     async def _record(self, entry: PendingApproval) -> None:
@@ -597,8 +607,7 @@ class ApprovalService(PendingRequests[PendingApproval]):
             self._remote.pop(entry.request_id, None)
         if entry.decision is None:
             self._decide(entry, decision)
-        if entry.remote:
-            entry.recorded.set()
+        entry.recorded.set()  # stored: by this answer, or by the one that won
 
     @staticmethod
     def _check_owner(

@@ -5,16 +5,15 @@ A caller declares its tools for a session with `session_message`'s
 `caller_tools_config`. A client bound to a session sees that session's tools;
 an unbound one sees, per caller id, the session declared last.
 
-With a shared store the declaration is also recorded in the log, in a `session_record` frame
-only the server appends (`declare` returns its part of the payload; server_owned.py), so
-another server, where the agent's client connects, reads it from the log
+The declaration is also recorded in the log, in a `session_record` frame only the server
+appends (`declare` returns its part of the payload; server_owned.py), on every store; with a
+shared store another server, where the agent's client connects, reads it from the log
 (`load_declaration`) and relays the calls through the log (cluster/log_bus.py).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 import attrs
@@ -27,7 +26,6 @@ from protocol import (
     encode_notification,
     errors,
     messages,
-    structure,
     unstructure,
 )
 from protocol.schema_check import InvalidSchema, compile_schema
@@ -38,8 +36,6 @@ from ...core.server_owned import DECLARATION_KEY
 from ...core.sessions import Session, SessionRegistry
 from ..approvals import ApprovalService
 from .pending import CallerCallRegistry
-
-log = logging.getLogger("oubliette.server.caller_tools")
 
 
 class CallerToolRelay:
@@ -69,8 +65,8 @@ class CallerToolRelay:
 
         A tool with `requires_approval` is gated (see `call`); the clients get its effective
         approval timeout, so they wait for the decision as long as the server does.
-        Returns what the session's `session_record` must carry: with a shared store, the
-        declaration (`caller_tools`: `{caller_id, tools}`) for the other servers; else nothing.
+        Returns what the session's `session_record` must carry: the declaration (`caller_tools`:
+        `{caller_id, tools}`), which other servers (and `oubliette-server status`) read from the log.
         """
         for tool in tools:
             self._check_schemas(tool)
@@ -82,14 +78,15 @@ class CallerToolRelay:
             if self._client_sees(connection, session):
                 note = note or encode_notification(messages.CALLER_TOOLS_CONFIG, config)
                 connection.notify_encoded(note)  # queued: never waits on a socket
-        return self.pending.crossing.declaration(
-            {DECLARATION_KEY: {"caller_id": caller_id, "tools": [unstructure(tool) for tool in tools]}},
-        )
+        return {DECLARATION_KEY: {"caller_id": caller_id, "tools": [unstructure(tool) for tool in tools]}}
 
-    def needs_record(self, session: Session, caller: CallerConnection, declared: dict[str, Any]) -> bool:
-        """The session's owner and `declared` (what `declare` returned) must be recorded in a
-        `session_record` for the other servers (a shared store only)."""
-        return self.pending.crossing.needs_record(session, caller.identity, declared)
+    @staticmethod
+    def needs_record(session: Session, caller: CallerConnection, declared: dict[str, Any]) -> bool:
+        """A `session_record` must tell the log the session's owner and `declared` (what `declare`
+        returned): something was declared, or the log does not yet name this owner (a message that
+        declares nothing need not record it again). On every store, one path: other servers read
+        it back, and `oubliette-server status` shows it."""
+        return bool(declared) or session.owner_identity != caller.identity
 
     async def load_declaration(self, connection: ClientPeer) -> None:
         """Shared store: before a client bound to a session this server has no caller for gets its
@@ -103,17 +100,7 @@ class CallerToolRelay:
         if record is None:
             return  # one server: memory is all there is
         session, owner, declared = record
-        if session.owner is not None:
-            return  # declared here: memory is current
-        self.sessions.note_owner(session, owner)
-        if declared is None:
-            return
-        try:
-            tools = [structure(tool, CallerToolSpec) for tool in declared.get("tools", [])]
-        except Exception as exc:  # written by a server of the deployment; never trusted blindly
-            log.warning("session %s: ignoring a declaration in the log that does not read (%s)", session.key, exc)
-            return
-        self.sessions.adopt_declaration(session, str(declared.get("caller_id") or ""), tools)
+        self.sessions.adopt_record(session, owner, declared)
 
     @staticmethod
     def _check_schemas(tool: CallerToolSpec) -> None:

@@ -80,6 +80,8 @@ class PendingCall:
     then find the call answered, or still pending if that store failed."""
     caller_left: bool = False
     """The caller left while its answer was being stored: if that store fails, the call ends as a disconnect."""
+    waiting: trio.CancelScope | None = None
+    """Its wait for an outcome in the shared log (`_outcome_or_end`), stopped when it ends here."""
     unrecorded: str | None = None
     """The reason of an end the server decided whose `caller_tool_cancelled` frame is still to be
     stored (by the waiting task, before the agent hears of it)."""
@@ -190,7 +192,10 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         )
         self._pending[request_id] = call
         try:
-            call.in_log = caller is None and await self.crossing.owner_elsewhere(session, recorded_only=False)
+            # Shared store: the owner (by identity) or the operator may answer on any server, so the
+            # call waits in the log even when its caller is connected here (docs/SCALING.md).
+            call.in_log = (caller is None or not caller.closed.is_set()) \
+                and await self.crossing.owner_elsewhere(session, recorded_only=False)
             request: dict[str, Any] = {
                 "request_id": request_id, "tool": spec.name, "arguments": arguments, "caller_id": session.caller_id,
                 # The caller's server lists it with the request; `oubliette-server status` shows it.
@@ -231,7 +236,8 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         return self.check_result(spec, call.result)
 
     async def _wait_in_log(self, call: PendingCall, spec: CallerToolSpec, timeout: float) -> None:
-        """The caller is on another server: wait for the request's outcome frame, whoever appends it.
+        """Shared store: wait for the request's outcome frame, whichever server appends it, or for its
+        end here (an answer stored through this server, its caller leaving: `_record_end` stores that).
 
         At the timeout this server tries to store `caller_tool_cancelled` (timeout); if an answer
         won the race in the database, the agent gets that answer instead.
@@ -245,8 +251,11 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
             def on_progress(payload: dict[str, Any]) -> None:
                 report(*_progress_args(payload))
 
-        with trio.move_on_after(timeout):
-            outcome = await self.crossing.wait_outcome(session, call.request_id, call.frame_seq, OUTCOME_TYPES, on_progress)
+        outcome = await self._outcome_or_end(call, timeout, lambda: self.crossing.wait_outcome(
+            session, call.request_id, call.frame_seq, OUTCOME_TYPES, on_progress,
+        ))
+        if call.done.is_set():
+            return
         if outcome is None:  # stored by `_record_end`, unless an answer won the race in the database
             self._finish(call, "timed out", error=_timed_out(spec, session, timeout), unrecorded="timeout")
             return
@@ -338,7 +347,7 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         call.result = result
         call.error = error
         call.unrecorded = unrecorded
-        call.done.set()
+        self._ended(call)
         self._remember(call.request_id, Finished(how, call.session, call.caller, call.frame_seq))
         self._notify(call.session)
 
@@ -380,7 +389,7 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         here (another server's agent may have made it since the last read)."""
         if request_id not in self._pending and request_id not in self._remote:
             for session in self._find_sessions(session_id):
-                if session.owner is caller:
+                if session.is_owner(caller):
                     await self.sync(session)
 
     def _pending_of(self, caller: CallerConnection, session_id: str, request_id: str) -> PendingCall:
