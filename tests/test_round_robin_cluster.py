@@ -14,8 +14,10 @@ Everything is a real program and a real PostgreSQL (tests/postgres.py); docs/SCA
 from __future__ import annotations
 
 import json
+import os
 import signal
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import attrs
@@ -49,10 +51,31 @@ class Cluster:
     token: str
     guest_on: int
     pg_url: str
+    guest: trio.Process
 
     def backend(self, connection: int) -> int:
         """The server (index) the proxy sent connection number `connection` to."""
         return self.proxy.order[connection]
+
+    async def kill(self, server: int) -> None:
+        """kill -9 of `server`, and wait until it is gone (until then its listening socket still
+        accepts connections into its backlog, so the proxy would not skip it yet)."""
+        process = self.servers[server].process
+        process.send_signal(signal.SIGKILL)
+        with trio.fail_after(10):
+            await process.wait()
+
+    def agent_pids(self) -> list[int]:
+        """The running loop agent's processes: the guest runtime's descendants running tests/loop_agent.py."""
+        pending, found = [self.guest.pid], []
+        while pending:
+            pid = pending.pop()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+            if b"loop_agent.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        assert found, "no loop agent runs"
+        return found
 
 
 def config(deployment: Deployment) -> str:
@@ -71,7 +94,7 @@ async def cluster(pg_url: str, guest_on: int = 0) -> AsyncIterator[Cluster]:
         async with AsyncExitStack() as stack:
             servers = [await stack.enter_async_context(d.http_server("--config", config(d))) for d in deployments]
             relays = [deployments[guest_on].relay] + [d.relay for i, d in enumerate(deployments) if i != guest_on]
-            await stack.enter_async_context(
+            guest = await stack.enter_async_context(
                 deployments[0].guest(INSTANCE, LOOP_AGENT, relay=",".join(relays), token=deployments[0].token(INSTANCE)))
             await servers[guest_on].wait_connected(INSTANCE)
             backends = []
@@ -81,7 +104,7 @@ async def cluster(pg_url: str, guest_on: int = 0) -> AsyncIterator[Cluster]:
             proxy = RoundRobinProxy(backends)
             async with trio.open_nursery() as nursery:
                 port = await nursery.start(proxy.serve)
-                yield Cluster(servers, proxy, f"http://127.0.0.1:{port}", servers[0].token, guest_on, pg_url)
+                yield Cluster(servers, proxy, f"http://127.0.0.1:{port}", servers[0].token, guest_on, pg_url, guest)
                 nursery.cancel_scope.cancel()
     finally:
         for d in deployments:
@@ -104,6 +127,8 @@ class BalancedCaller(LoopCaller):
         self.executed: dict[str, int] = {}
         """Each caller tool request the caller ran (answered), by request id: how many times."""
         self.broken: list[BaseException] = []
+        self.http_requests = 0
+        """Every HTTP request its clients sent (the SDK's own, such as a `tools/list`, too)."""
         self._nursery = nursery
         self._scope: trio.CancelScope | None = None
 
@@ -120,7 +145,8 @@ class BalancedCaller(LoopCaller):
 
         with trio.CancelScope() as self._scope:
             http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {self.world.token}"}, timeout=TURN_TIMEOUT,
-                                      limits=httpx2.Limits(max_keepalive_connections=0))
+                                      limits=httpx2.Limits(max_keepalive_connections=0),
+                                      event_hooks={"request": [self._sending]})
             try:
                 async with http, Client(streamable_http_client(self.world.url + "/mcp", http_client=http),
                                         mode="auto") as client:
@@ -129,6 +155,9 @@ class BalancedCaller(LoopCaller):
                     await trio.sleep_forever()
             except Exception as error:  # the transport died with its connection: noted, the test decides
                 self.broken.append(error)
+
+    async def _sending(self, request: Any) -> None:
+        self.http_requests += 1
 
     async def call(self, name: str, **arguments: Any) -> dict[str, Any]:
         """`LoopCaller.call`, noting which proxy connection it is."""
@@ -216,16 +245,16 @@ async def test_the_whole_loop_through_a_round_robin_proxy(pg_url: str) -> None:
     """Every request of the loop lands on a different server than the one before (the proxy's
     record), all three serve it, and the turn ends with each call run once."""
     async with cluster(pg_url) as world, balanced_caller(world) as caller:
-        opened = len(world.proxy.order)  # the SDK client's own first request, if it makes one
         end = await drive_loop(caller, "s1")
         # The next turn of the same conversation, sent wherever the rotation is now.
         again = ends_with(await caller.message("s1", script([(TOOL, {"n": 3})]), wait=60), "requires_action")
         [third] = again["pending"]
         ends_with(await caller.run_tool("s1", third), "end_turn")
-        served = on_different_servers(world, caller.connections)
-        assert caller.connections == list(range(opened, len(world.proxy.order))), "one connection per request"
+        # Every HTTP request of the caller (its 7 calls and the SDK's own) was a connection of its own.
+        assert len(world.proxy.order) == caller.http_requests >= 7, (world.proxy.order, caller.http_requests)
+        served = on_different_servers(world, list(range(len(world.proxy.order))))
     loop_text_ok(end)
-    assert sorted(set(served)) == list(range(SERVERS)) and len(caller.connections) == 7, served
+    assert sorted({world.backend(c) for c in caller.connections}) == list(range(SERVERS)), served
     assert caller.broken == []
     nothing_twice(await log_of(pg_url, "s1"), caller.executed)
 
@@ -282,46 +311,45 @@ async def test_the_tether_through_a_round_robin_proxy(pg_url: str) -> None:
 
 async def test_the_callers_server_killed_mid_loop(pg_url: str) -> None:
     """kill -9 of the server the caller's `caller_tool_response` (with `wait`) went to, once that
-    answer is in the log and the request waits for the turn's next stop: the caller's connection
+    answer is in the log and the request waits for the turn's next stop (the test holds the
+    agent still with SIGSTOP meanwhile, so the stop cannot come first): the caller's connection
     breaks; it sends the same answer again (a new client: the same token and `owner_key`), the
     next server takes it as already resolved and waits from there, and the loop goes on through
     the two servers left. Every call is run once, every message once."""
-    async with cluster(pg_url, guest_on=2) as world, balanced_caller(world) as caller:
+    store = PostgresFrameStore(pg_url, pool_size=1)
+    async with store.running(), cluster(pg_url, guest_on=2) as world, balanced_caller(world) as caller:
         stop = ends_with(await caller.message("s1", LOOP, TOOLS, wait=60), "requires_action")
         [first] = stop["pending"]
+        agent = world.agent_pids()
+        for pid in agent:
+            os.kill(pid, signal.SIGSTOP)
         outcome: dict[str, Any] = {}
-        answered, in_log = trio.Event(), trio.Event()
 
         async def answer() -> None:
             try:
                 outcome["stop"] = await caller.run_tool("s1", first)
             except Exception as error:  # noqa: BLE001 - the connection broke under the call: the point
                 outcome["error"] = error
-            answered.set()
 
-        async def answer_stored() -> None:
-            await stored(world, "s1", "caller_tool_result", 1)
-            in_log.set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(answer)
-            nursery.start_soon(answer_stored)
-            with trio.fail_after(TURN_TIMEOUT):
-                while not (in_log.is_set() or answered.is_set()):
-                    await first_of(in_log.wait, answered.wait)
-            assert in_log.is_set() and not answered.is_set(), f"the answer was not stored: {outcome}"
-            victim = world.backend(caller.connections[-1])
-            assert victim != world.guest_on, "this test kills a server the guest is not on"
-            killed_at = len(world.proxy.order)
-            world.servers[victim].process.send_signal(signal.SIGKILL)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer)
+                await stored(store, "s1", "caller_tool_result", 1)
+                victim = world.backend(caller.connections[-1])
+                assert victim != world.guest_on, "this test kills a server the guest is not on"
+                killed_at = len(world.proxy.order)
+                await world.kill(victim)
+        finally:
+            for pid in agent:
+                os.kill(pid, signal.SIGCONT)
         assert "error" in outcome, f"the killed server answered: {outcome}"
-        assert len(caller.broken) == 1, caller.broken
         await caller.open()
         again = await caller.run_tool("s1", first, resend=True)
         assert again.get("resolved") is False and "already resolved" in again.get("not_pending", ""), again
         end = await finish_loop(caller, ends_with(again, "requires_approval"))
-        after_kill = on_different_servers(world, [c for c in caller.connections if c >= killed_at])
+        after_kill = on_different_servers(world, list(range(killed_at, len(world.proxy.order))))
         assert victim not in after_kill and world.proxy.refused[victim] >= 1, (after_kill, world.proxy.refused)
+        assert len(caller.broken) == 1, caller.broken  # the client the kill broke, and only that one
     loop_text_ok(end)
     nothing_twice(await log_of(pg_url, "s1"), caller.executed)
 
@@ -333,9 +361,9 @@ async def test_the_guests_server_killed_between_turns(pg_url: str) -> None:
     async with cluster(pg_url, guest_on=1) as world, balanced_caller(world) as caller:
         loop_text_ok(await drive_loop(caller, "s1"))
         killed_at = len(world.proxy.order)
-        world.servers[world.guest_on].process.send_signal(signal.SIGKILL)
+        await world.kill(world.guest_on)
         end = await drive_loop(caller, "s1")
-        after_kill = on_different_servers(world, [c for c in caller.connections if c >= killed_at])
+        after_kill = on_different_servers(world, list(range(killed_at, len(world.proxy.order))))
         assert world.guest_on not in after_kill and world.proxy.refused[world.guest_on] >= 1, after_kill
         assert caller.broken == []
     loop_text_ok(end)
@@ -355,26 +383,13 @@ async def finish_loop(caller: BalancedCaller, stop: dict[str, Any], session_id: 
     return ends_with(await caller.run_tool(session_id, last), "end_turn")
 
 
-async def stored(world: Cluster, session_id: str, type_: str, count: int) -> list[Any]:
-    """The test's own view: wait until `count` frames of `type_` of the session are in the log."""
-    store = PostgresFrameStore(world.pg_url, pool_size=1)
+async def stored(store: PostgresFrameStore, session_id: str, type_: str, count: int) -> list[Any]:
+    """The test's own view (a store of its own, opened beforehand): wait until `count` frames of
+    `type_` of the session are in the log."""
     found: list[Any] = []
-    async with store.running():
-        with trio.fail_after(TURN_TIMEOUT):
-            while len(found) < count:
-                frames, _ = await store.wait_for_frames(INSTANCE, FrameQuery(
-                    session_id=session_id, types=(type_,), after_seq=found[-1].seq if found else 0), timeout=TURN_TIMEOUT)
-                found += frames
+    with trio.fail_after(TURN_TIMEOUT):
+        while len(found) < count:
+            frames, _ = await store.wait_for_frames(INSTANCE, FrameQuery(
+                session_id=session_id, types=(type_,), after_seq=found[-1].seq if found else 0), timeout=TURN_TIMEOUT)
+            found += frames
     return found
-
-
-async def first_of(*waits: Any) -> None:
-    """Return when the first of `waits` (async callables) returns."""
-    async with trio.open_nursery() as nursery:
-        for wait in waits:
-
-            async def run(wait: Any = wait) -> None:
-                await wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(run)
