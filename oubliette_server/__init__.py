@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["OublietteServer", "ServerConfig"]
 
-_MODULE_OF = {"OublietteServer": ".app", "ServerConfig": ".config"}
+_MODULE_OF = {"OublietteServer": ".program.app", "ServerConfig": ".program.config"}
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF, __all__, globals())
