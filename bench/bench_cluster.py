@@ -26,8 +26,9 @@ consecutive requests land on different servers. Servers S0, S1, S2 share one dat
 3. **Throughput, one server and three.** ``--agents`` agents (each its own session) make
    ``--agent-calls`` relayed calls each, all at once, answered by one caller: all on S0 with the
    caller through the one-backend proxy, then spread over S0, S1, S2 with the caller through the
-   round-robin proxy (two rounds each, alternating). Calls/s, and each server's CPU per call
-   (``/proc/PID/stat``, utime + stime over the run): on this 2-core machine all the processes
+   round-robin proxy (``--rounds`` rounds of each, one layout at a time: a layout's idle agents
+   and long polls would be work for its servers during the other's). Calls/s, and each server's
+   CPU per call (``/proc/PID/stat``, utime + stime over the run): on a 2-core machine all the processes
    share the cores, so calls/s does not show what more servers give; the CPU per call does.
    With a core per server, the deployment's capacity is bounded by its busiest server:
    calls / (that server's CPU seconds), which it prints for both, and their ratio.
@@ -211,7 +212,11 @@ async def alternate(clients: dict[str, Client], args: argparse.Namespace) -> dic
 
 
 def report_times(times: dict[str, list[float]]) -> dict[str, float]:
-    medians = report_times(times)
+    """Print median and p99 of each path; the medians."""
+    medians = {}
+    for name, values in times.items():
+        medians[name] = statistics.median(values)
+        print(f"   {name:45s} median {medians[name] * 1000:7.2f} ms   p99 {pct(values, 0.99) * 1000:7.2f} ms")
     return medians
 
 
@@ -274,24 +279,22 @@ async def bench_throughput(world: Cluster, args: argparse.Namespace) -> None:
     pids = {f"S{i}": s.process.pid for i, s in enumerate(world.servers)}
     rounds: dict[str, list[dict[str, float]]] = {"one server": [], "three servers": []}
     async with modern_caller(world.one, world.servers[0].token, key) as via_one, \
-            modern_caller(world.three, world.servers[0].token, key) as via_three, AsyncExitStack() as stack:
-        layouts: dict[str, tuple[ModernCaller, list[Client]]] = {}
-        async with trio.open_nursery() as nursery:
-            for name, caller, spread in (("one server", via_one, 1), ("three servers", via_three, 3)):
+            modern_caller(world.three, world.servers[0].token, key) as via_three:
+        for name, caller, spread in (("one server", via_one, 1), ("three servers", via_three, 3)):
+            # One layout at a time: another layout's idle agents and long polls would be work on S0 too.
+            async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
                 clients = []
                 for a in range(args.agents):
                     session_id = f"tp-{spread}-{a}"
                     nursery.start_soon(answer_requests, caller, session_id, await declare(caller, session_id), {})
                     clients.append(await stack.enter_async_context(
                         agent(world.deployments[a % spread], world.token, session_id)))
-                layouts[name] = (caller, clients)
-            for _ in range(2):
-                for name, (_, clients) in layouts.items():
+                for _ in range(args.rounds):
                     rounds[name].append(await run_load(clients, args.agent_calls, pids))
-            nursery.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()
     calls = args.agents * args.agent_calls
     print(f"\n3. throughput: {args.agents} agents (sessions) x {args.agent_calls} relayed calls at once, answered by one "
-          f"caller through the proxy; two rounds each, alternating; load average {os.getloadavg()[0]:.2f}")
+          f"caller through the proxy; {args.rounds} rounds of each layout; load average {os.getloadavg()[0]:.2f}")
     capacity = {}
     for name, runs in rounds.items():
         rate = [calls / r["wall"] for r in runs]
@@ -599,13 +602,14 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=200, help="sequential calls per path (default 200)")
+    parser.add_argument("--calls", type=int, default=150, help="sequential calls per path (default 150)")
     parser.add_argument("--warmup", type=int, default=20, help="warm-up calls per path (default 20)")
     parser.add_argument("--chunk", type=int, default=20, help="calls per chunk, alternating paths (default 20)")
     parser.add_argument("--wakes", type=int, default=200, help="pushed events per path (default 200)")
     parser.add_argument("--agents", type=int, default=6, help="throughput: agents calling at once (default 6)")
     parser.add_argument("--agent-calls", type=int, default=40, help="throughput: calls per agent per round (default 40)")
     parser.add_argument("--sections", default="123", help="which of sections 1-3 to run (default 123)")
+    parser.add_argument("--rounds", type=int, default=2, help="throughput: rounds of each layout (default 2)")
     parser.add_argument("--skip-cluster", action="store_true", help="skip sections 1-3 (three servers)")
     parser.add_argument("--two-servers", action="store_true", help="also: a relayed call across two servers against one")
     parser.add_argument("--soak", action="store_true", help="also: the soak with a server killed")
