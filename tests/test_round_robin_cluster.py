@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import attrs
-import pytest
 import trio
 
 from harness import Deployment, HttpServer
