@@ -654,7 +654,8 @@ async def test_relay_fuzz_keeps_server_and_healthy_session_alive(deployment: Dep
 
 async def server_owned_in_log(deployment: Deployment) -> list[str]:
     """Frames of the (stopped) server's log that carry a server-owned payload key, or a
-    `session_record` (this one-server run writes none): none of the fuzz's may have got in."""
+    `session_record` other than the server's own of the healthy caller's `declare`: none of the
+    fuzz's may have got in."""
     store = FrameStore(deployment.data_dir / "frames.sqlite3")
     found: list[str] = []
     try:
@@ -663,10 +664,19 @@ async def server_owned_in_log(deployment: Deployment) -> list[str]:
             while page := await store.query(instance, FrameQuery(after_seq=after, limit=MAX_LIMIT)):
                 after = page[-1].seq
                 found += [f"{instance} #{f.seq} {f.type} {f.payload!r:.120}" for f in page
-                          if f.type == SESSION_RECORD or SERVER_OWNED_KEYS.intersection(f.payload)]
+                          if (f.type == SESSION_RECORD or SERVER_OWNED_KEYS.intersection(f.payload))
+                          and not declared_by_the_server(f)]
     finally:
         store.close()
     return found
+
+
+def declared_by_the_server(frame: Any) -> bool:
+    """The server's `session_record` of the healthy session: what `declare` declared, and nothing else."""
+    declared = frame.payload.get("caller_tools") or {}
+    return frame.type == SESSION_RECORD and frame.session.key == SESSION_KEY and frame.instance == INSTANCE \
+        and set(frame.payload) == {"owner", "caller_tools"} and declared.get("caller_id") == "myapp" \
+        and [tool.get("name") for tool in declared.get("tools", [])] == [NOTIFY["name"]]
 
 
 class Progress:

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 import attrs
 import trio
 
-from harness import Deployment, HttpServer
+from harness import Deployment, EventLog, HttpServer
 from oubliette_server.store.api import FrameQuery
 from oubliette_server.store.postgres import PostgresFrameStore
 from test_approvals_matrix import BASH_INPUT, DELETE, GATED, PROMPT, call, decide, frames
@@ -48,6 +48,8 @@ class Cross:
     owner_b: LoopCaller
     stranger_b: LoopCaller
     stranger_a: LoopCaller
+    #: The events pushed to the owner's caller on A (2026-07-28: on its waits, request-scoped).
+    owner_a_events: EventLog
 
 
 @asynccontextmanager
@@ -60,11 +62,12 @@ async def cross(pg_url: str) -> AsyncIterator[Cross]:
                 b.http_server("--config", str(b.config_file(INSTANCE))) as server_b, \
                 b.guest(INSTANCE, LOOP_AGENT):
             await server_b.wait_connected(INSTANCE)
-            async with server_a.caller(mode="auto", events=False) as (on_a, _), \
+            async with server_a.caller(mode="auto") as (on_a, on_a_events), \
                     server_b.caller(mode="auto", events=False) as (on_b, _), \
                     server_b.caller(mode="auto", events=False) as (other_b, _), \
                     server_a.caller(mode="auto", events=False) as (other_a, _):
-                yield Cross(server_a, server_b, LoopCaller(on_a), LoopCaller(on_b), LoopCaller(other_b), LoopCaller(other_a))
+                yield Cross(server_a, server_b, LoopCaller(on_a), LoopCaller(on_b), LoopCaller(other_b), LoopCaller(other_a),
+                            on_a_events)
             assert server_a.process.returncode is None and server_b.process.returncode is None
     finally:
         a.cleanup()
@@ -157,6 +160,8 @@ async def test_approvals_asked_on_b_are_decided_on_a_on_b_or_by_bs_timeout(pg_ur
         stop = ends_with(await open_on_a(w, "s2", message, [DELETE, SLOW_DELETE]), "requires_approval")
         [own] = stop["approval_requests"]
         assert (own["tool_name"], own["arguments"], own["origin"]) == ("Bash", BASH_INPUT, "agent")
+        # B appended the request; A's log tail pushed it to the owner's wait on A before the stop.
+        assert [e["request_id"] for e in w.owner_a_events.of_type("approval_request")] == [own["request_id"]]
         stop = ends_with(await decide(w.owner_b, "s2", request_id=own["request_id"], approve=True,
                                       updated_arguments={"command": "rm -rf build/tmp"}, wait=60), "requires_approval")
         [ask] = stop["approval_requests"]
@@ -168,6 +173,8 @@ async def test_approvals_asked_on_b_are_decided_on_a_on_b_or_by_bs_timeout(pg_ur
                             "requires_action")
         [request] = relayed["pending"]
         assert request["arguments"] == {"path": "/tmp/a"}
+        pushed = w.owner_a_events.of_type("caller_tool_request")
+        assert [e["request_id"] for e in pushed] == [request["request_id"]], pushed
         stop = ends_with(await w.owner_a.answer("s2", request["request_id"], result="deleted", wait=60), "requires_approval")
         [ask2] = stop["approval_requests"]
         assert ask2["arguments"] == {"path": "/tmp/b"}

@@ -71,8 +71,9 @@ async def test_every_kind_of_append_by_another_store_is_heard_with_its_seqs(pg_u
 
 
 async def test_the_tails_read_on_the_loop_is_query_without_filters(pg_url: str) -> None:
-    """`frames_after` (the log tail's read, sent on the Trio loop) returns what `query` returns, and
-    refuses a cursor below what retention deleted as `query` does."""
+    """`frames_after` (the log tail's read, sent on the Trio loop) returns what `query` returns,
+    refuses a cursor below what retention deleted as `query` does, and survives its connection
+    being cut."""
     store = PostgresFrameStore(pg_url, retention_frames=5, prune_every=1)
     async with store.running():
         assert await store.frames_after("nobody", 0, 10) == []
@@ -84,6 +85,13 @@ async def test_the_tails_read_on_the_loop_is_query_without_filters(pg_url: str) 
         assert await store.frames_after(INSTANCE, 3, 2) == kept[:2]
         with pytest.raises(CursorPruned):
             await store.frames_after(INSTANCE, 0, 10)
+        # Sent unchecked on an idle connection (a read), and once more on a new one when it is gone.
+        dbname = psycopg.conninfo.conninfo_to_dict(pg_url)["dbname"]
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = %s AND pid <> pg_backend_pid()", (dbname,))
+        with trio.fail_after(EVENT_TIMEOUT):
+            assert await store.frames_after(INSTANCE, 3, 10) == kept
 
 
 async def listeners(admin: psycopg.Connection, dbname: str) -> int:

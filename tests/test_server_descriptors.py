@@ -29,7 +29,8 @@ async def test_every_server_tool_has_a_descriptor_whose_result_schema_holds(depl
         assert waited["stop_reason"] == "timeout"
         events = structured(await caller.call_tool("session_events", {"session_id": "s1"}))
         jsonschema.validate(events, descriptors["session_events"]["result_schema"])
-        assert [f["type"] for f in events["frames"]] == ["user.message", "user.message"]
+        # The server's own record of the session's owner comes first (docs/PROTOCOL.md), then the messages.
+        assert [f["type"] for f in events["frames"]] == ["session_record", "user.message", "user.message"]
         tether = structured(await caller.call_tool("tether_send", {"instance": "box1", "text": "hello"}))
         jsonschema.validate(tether, descriptors["tether_send"]["result_schema"])
         read = structured(await caller.call_tool("tether_read", {"instance": "box1"}))

@@ -113,6 +113,8 @@ async def test_the_owner_sends_into_a_session_opened_elsewhere_and_a_stranger_ca
     async def has_history(session_id: str) -> bool:
         return True
 
+    c.sessions.get_or_create(INSTANCE, "mcp", "s1")  # held with no owner (as a guest's frame makes it): learned all the same
+
     with pytest.raises(RelayError, match="session 's1' belongs to another caller"):
         await c.sessions.claim(INSTANCE, "mcp", "s1", caller("key:stranger"), has_history)
     owner = caller("key:owner")

@@ -241,3 +241,22 @@ async def test_the_pushes_are_counted_in_the_metrics(nursery: trio.Nursery) -> N
     page = metrics.page().decode()
     assert "oubliette_log_tail_pushed_total 1.0" in page
     assert "oubliette_log_tail_push_seconds_count 1.0" in page
+
+
+def test_the_registry_says_which_instances_are_followed_without_a_scan_and_keeps_nothing_after() -> None:
+    sessions = SessionRegistry()
+    one, two = sessions.get_or_create(INSTANCE, "mcp", "s1"), sessions.get_or_create(INSTANCE, "mcp", "s2")
+    for i in range(100):
+        sessions.get_or_create(INSTANCE, "mcp", f"idle{i}")  # held, followed by nobody
+    a, b = RecordingSink(), RecordingSink()
+    assert not sessions.followed(INSTANCE)
+    sessions.follow(one, a)
+    sessions.follow(two, b)
+    assert sessions.followed(INSTANCE) and not sessions.followed("box2")
+    sessions.unfollow(one, a)
+    assert sessions.followed(INSTANCE), "s2 is still followed"
+    sessions.drop_sink(b)  # its caller left
+    assert not sessions.followed(INSTANCE) and not sessions._followed, "sessions: the index keeps nothing once unfollowed"
+    sessions.follow(one, a)
+    sessions.forget(one)
+    assert not sessions._followed, "sessions: a forgotten session leaves the index"

@@ -148,8 +148,9 @@ async def test_an_answer_the_store_could_not_write_is_not_delivered_and_a_retry_
 
 async def test_an_answer_whose_commit_was_not_confirmed_is_delivered_once_by_its_retry() -> None:
     """Shared store: the database committed the answer but the server never heard (PostgreSQL killed
-    right then). The caller, told to retry, sends it again: the stored answer stands, the agent gets it
-    once, and the retry is a success, not a refusal of its own answer."""
+    right then). The agent, waiting in the log, may hear the stored answer at once; the caller, told
+    to retry, sends it again: the stored answer stands, the agent gets it once, and the retry is a
+    success, not a refusal of its own answer (a different answer is refused)."""
     store, frame_log, session, caller = world()
     registry = registry_of(frame_log, store, shared=True)
     agent = AgentCall(registry, session)
@@ -159,8 +160,9 @@ async def test_an_answer_whose_commit_was_not_confirmed_is_delivered_once_by_its
             store.lost_ack = True
             await refused_answer(registry, caller, call)
             await trio.testing.wait_all_tasks_blocked()
-            assert agent.outcomes == []
             await registry.respond(caller, "s1", call.request_id, {"ok": True})
+            with pytest.raises(RelayError, match="no longer pending: it was already resolved"):
+                await registry.respond(caller, "s1", call.request_id, {"ok": False})
     assert agent.outcomes == [{"ok": True}]
     assert await store.outcomes() == [("caller_tool_request", call.request_id), ("caller_tool_result", call.request_id)]
 
@@ -478,8 +480,7 @@ async def test_a_decision_whose_commit_was_not_confirmed_is_an_idempotent_retry(
             entry = await gated.start(nursery)
             store.lost_ack = True
             await gated.refused(entry, approve)
-            await trio.testing.wait_all_tasks_blocked()
-            assert gated.decisions == []
+            await trio.testing.wait_all_tasks_blocked()  # the gated call, waiting in the log, may hear it now
             answered = await approvals.answer(caller, "s1", entry.request_id, approve)
             assert answered["resolved"] is True, answered
             with pytest.raises(RelayError, match="already resolved: approved"):

@@ -177,6 +177,8 @@ class SessionRegistry:
         self._by_id: dict[str, dict[tuple[str, str], Session]] = {}
         # owner -> its sessions (as a dict used as an ordered set)
         self._by_owner: dict[CallerConnection, dict[Session, None]] = {}
+        # instance -> sessions given a follower (some may have none left: `followed` drops those)
+        self._followed: dict[str, set[Session]] = {}
         self._in_use: list[Callable[[Session], bool]] = []
         self._read_record: RecordFn = _nothing_recorded
         self._instances: Callable[[], Awaitable[list[str]]] = _no_instances
@@ -225,19 +227,19 @@ class SessionRegistry:
         """The sessions with this id (of `instance`, else of any instance with frames) that the log
         records an owner of, made here with that owner and its last declaration: any server then
         serves the owner as the server it opened the session on does (docs/SCALING.md, "Every
-        server knows every session"). Sessions already held are returned as they are; an id no
-        log records makes nothing (so a guess costs a read, never memory).
+        server knows every session"). Sessions held with a known owner are returned as they are;
+        an id no log records makes nothing (so a guess costs a read, never memory).
         """
         found = [s for s in self.find_by_id(session_id, instance) if s.channel == channel]
-        held = {s.instance for s in found}
+        known = {s.instance for s in found if s.owner_known}
         for name in [instance] if instance is not None else await self._instances():
-            if name in held:
+            if name in known:
                 continue
             owner, declared = await self._read_record(Session(instance=name, channel=channel, id=session_id))
             if owner is None:
                 continue
-            session = self.get_or_create(name, channel, session_id)  # made meanwhile by another task: the same one
-            if session.owner is None and session.owner_identity is None:
+            session = self.get_or_create(name, channel, session_id)  # held, or made meanwhile: the same one
+            if not session.owner_known:
                 self.adopt_record(session, owner, declared)
             if session not in found:
                 found.append(session)
@@ -329,7 +331,7 @@ class SessionRegistry:
         (and, when given, whether it gets the events of its own answers); `not_yours` for another caller."""
         session.check_owner(owner)
         self.adopt_declaration(session, caller_id, tools)
-        session.sinks.add(owner)
+        self.follow(session, owner)
         if echo_own_answers is not None:
             session.echo_own_answers = echo_own_answers
 
@@ -340,15 +342,37 @@ class SessionRegistry:
         session.caller_tools = {tool.name: tool for tool in tools}
         session.declared_at = next(_declaration_clock)
 
-    @staticmethod
-    def follow(session: Session, sink: EventSink) -> None:
+    def follow(self, session: Session, sink: EventSink) -> None:
         """`sink` gets the session's frames from now on."""
         session.sinks.add(sink)
+        self._followed.setdefault(session.instance, set()).add(session)
 
-    @staticmethod
-    def unfollow(session: Session, sink: EventSink) -> None:
+    def followed(self, instance: str) -> bool:
+        """Some session of `instance` held here has a follower (a lookup, not a scan of its sessions:
+        the log tail asks on every append to a shared log)."""
+        sessions = self._followed.get(instance)
+        if not sessions:
+            return False
+        for session in list(sessions):
+            if session.sinks:
+                return True
+            sessions.discard(session)
+        del self._followed[instance]
+        return False
+
+    def unfollow(self, session: Session, sink: EventSink) -> None:
         """`sink` gets the session's frames no more."""
         session.sinks.discard(sink)
+        if not session.sinks:
+            self._unfollowed(session)
+
+    def _unfollowed(self, session: Session) -> None:
+        """`session` has no follower left: out of the `followed` index (which holds nothing else)."""
+        sessions = self._followed.get(session.instance)
+        if sessions is not None:
+            sessions.discard(session)
+            if not sessions:
+                del self._followed[session.instance]
 
     def set_owner(self, session: Session, owner: CallerConnection) -> None:
         """`owner` opened `session` (the one place an owner is recorded, so `owned_by` is a lookup)."""
@@ -395,8 +419,9 @@ class SessionRegistry:
 
     def drop_sink(self, sink: EventSink) -> None:
         """`sink` follows no session any more (its caller is gone)."""
-        for session in self.all():
-            session.sinks.discard(sink)
+        for sessions in list(self._followed.values()):
+            for session in list(sessions):
+                self.unfollow(session, sink)
 
     def in_use(self, session: Session) -> bool:
         """The session must stay in memory: its owner is connected, someone follows its frames,
@@ -428,6 +453,7 @@ class SessionRegistry:
             del self._by_id[session.id]
         if session.owner is not None:
             self._unindex_owner(session)
+        self._unfollowed(session)
         self.forgotten += 1
 
     def _unindex_owner(self, session: Session) -> None:

@@ -688,7 +688,8 @@ class PostgresFrameStore(LongPollWaiters):
         Raises `CursorPruned` as `query` does, `StoreUnavailable` when the database cannot answer."""
         if self._statements is None:
             return await self.query(instance, FrameQuery(after_seq=after_seq, limit=limit))
-        rows = await self._statements.rows(_FRAMES_AFTER, [str(after_seq).encode(), str(limit).encode(), instance.encode()])
+        rows = await self._statements.rows(
+            _FRAMES_AFTER, [str(after_seq).encode(), str(limit).encode(), instance.encode()], read_only=True)
         if not rows:
             return []
         last, pruned = int(rows[0][0] or 0), int(rows[0][1] or 0)

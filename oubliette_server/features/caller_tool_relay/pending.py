@@ -95,6 +95,9 @@ class PendingCall:
     """A remote request whose agent asked for progress reports (its request frame says so)."""
     meta: dict[str, str] | None = None
     """The server's span of the call as W3C trace context (`traceparent`, `tracestate`), for the caller."""
+    unconfirmed: bool = False
+    """An answer to it was refused as not recorded (`AnswerNotRecorded`), yet its commit may have
+    happened unseen: once the call has ended, an identical retry is taken as that answer."""
 
     def summary(self) -> dict[str, Any]:
         """What a caller must answer: its entry in a turn stop's `pending` list (with `_meta`: the trace to join)."""
@@ -113,6 +116,8 @@ class Finished:
     session: Session
     caller: Any
     frame_seq: int
+    unconfirmed: bool = False
+    """An answer to it may have been stored without the store confirming it (see `PendingCall`)."""
 
 
 class NoLongerPending(RelayError):
@@ -348,7 +353,7 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         call.error = error
         call.unrecorded = unrecorded
         self._ended(call)
-        self._remember(call.request_id, Finished(how, call.session, call.caller, call.frame_seq))
+        self._remember(call.request_id, Finished(how, call.session, call.caller, call.frame_seq, call.unconfirmed))
         self._notify(call.session)
 
     async def progress(
@@ -431,7 +436,13 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         Raises: as `_pending_of`.
         """
         await self._sync_for(caller, session_id, request_id)  # another server's agent may have asked
-        call = self._pending_of(caller, session_id, request_id)
+        try:
+            call = self._pending_of(caller, session_id, request_id)
+        except NoLongerPending as ended:
+            stored = await self._stored_retry(ended.finished, request_id, result, error)
+            if stored is None:
+                raise
+            return stored
         if call.remote or call.in_log:
             # Another server's request, or one of this server's agent whose caller declared on
             # another server (it waits in the log): the log decides which outcome wins.
@@ -448,11 +459,13 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
             try:
                 stored = await self._record(call.session, "caller_tool_result", payload, skip=skip)
             except StoreUnavailable as exc:
+                call.unconfirmed = True
                 if call.caller_left:  # it left meanwhile: nobody will send it again
                     self._finish_disconnected(call)
                 raise AnswerNotRecorded(
                     "the answer", request_id, exc, until=call.expires_at, again="caller_tool_response",
                 ) from exc
+            call.unconfirmed = False  # the store answered: a later answer is refused
             if stored is None:  # shared store: an outcome stored first (an earlier try of this answer?) wins
                 winner = await self.crossing.outcome_of(call.session, request_id, call.frame_seq, OUTCOME_TYPES)
                 if winner is None:  # the winner is committed before we lost: unreachable but for retention
@@ -465,6 +478,25 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
                 self._finish(call, "resolved with an error", error=RelayError(errors.TOOL_ERROR, str(error)))
             else:
                 self._finish(call, "resolved", result=result)
+        return call
+
+    async def _stored_retry(self, finished: Finished, request_id: str, result: Any, error: str | None) -> PendingCall | None:
+        """Shared store: an answer identical to the one the log holds for a request whose answer was
+        refused as not recorded is a retry of it (that try was committed, but the store could not
+        confirm it, and the agent, waiting in the log, may already have it): the call it answered,
+        else None (any other late answer is refused, as on one server)."""
+        if not finished.unconfirmed or not finished.how.startswith("resolved"):
+            return None
+        outcome = await self.crossing.outcome_of(finished.session, request_id, finished.frame_seq, OUTCOME_TYPES)
+        if outcome is None:
+            return None
+        call = PendingCall(
+            request_id=request_id, session=finished.session, caller=finished.caller,
+            tool=str(outcome.payload.get("tool")), frame_seq=finished.frame_seq,
+        )
+        if not _same_answer(outcome, _result_payload(call, result, error)):
+            return None
+        self._remember(request_id, attrs.evolve(finished, unconfirmed=False))  # confirmed: a later answer is refused
         return call
 
     def _finished_or_ended(self, call: PendingCall) -> Finished:
@@ -488,6 +520,7 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         try:
             stored = await self._record(session, "caller_tool_result", payload, skip=None if session.echo_own_answers else caller)
         except StoreUnavailable as exc:  # nothing stored, so nobody answered: it stays pending
+            call.unconfirmed = True
             raise AnswerNotRecorded(
                 "the answer", call.request_id, exc, until=call.expires_at, again="caller_tool_response",
             ) from exc
@@ -500,6 +533,7 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
                 self._notify(session)
                 raise NoLongerPending(call.request_id, finished)
             stored = outcome  # the same answer, stored by a try whose end the store could not confirm
+        call.unconfirmed = False  # answered: a later answer is refused
         if call.remote:
             call.done.set()
             self._remember(call.request_id, Finished(how_it_ended(stored), session, caller, call.frame_seq))

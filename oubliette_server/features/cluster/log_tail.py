@@ -22,7 +22,8 @@ the push path of local appends (docs/SCALING.md, "The log tail").
   above the cursor; a read is one page (`MAX_LIMIT` frames) at a time.
 - **Store outage.** A read that fails with `StoreUnavailable` is logged and tried again after
   `OUTAGE_RETRY` s (doubling to `OUTAGE_RETRY_MAX`), or at once when a notice arrives; nothing
-  is skipped meanwhile.
+  is skipped meanwhile. Any other failure of a read is logged with its traceback and tried the
+  same way: it never ends the server.
 
 With SQLite the server is alone on its log and no tail runs (`frame_log.AloneOnTheLog`).
 """
@@ -32,10 +33,9 @@ from __future__ import annotations
 import collections
 import logging
 from contextlib import contextmanager
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import trio
-
 
 from ...core.frame_log import push_frame
 from ...core.server_owned import SESSION_RECORD
@@ -249,7 +249,7 @@ class LogTail:
 
     def _followed(self, instance: str) -> bool:
         """Some session of `instance` held here has a follower."""
-        return any(session.sinks for session in self.sessions.for_instance(instance))
+        return self.sessions.followed(instance)
 
     def _remember(self, instance: str, cursor: int) -> None:
         self._cursor[instance] = cursor
