@@ -152,8 +152,8 @@ class BalancedCaller(LoopCaller):
                     assert client.protocol_version == "2026-07-28"
                     task_status.started(client)
                     await trio.sleep_forever()
-            except Exception as error:  # the transport died with its connection: noted, the test decides
-                self.broken.append(error)
+            except* Exception as error:  # the transport died with its connection: noted, the test decides
+                self.broken.append(error)  # (a Cancelled beside it, from `open`, ends in this task's scope)
 
     async def _sending(self, request: Any) -> None:
         self.http_requests += 1
