@@ -543,6 +543,9 @@ def report_messages(frames: list[Any], expected: int, args: argparse.Namespace, 
           "agent tasks (sandbox on B, caller on A); B killed (SIGKILL) after a third of the messages were answered")
     print(f"   failover (kill -> guest connected to A): {failover[0] * 1000:.0f} ms" if failover else "   failover: the guest never reached A")
     print(f"   messages: total {total:.1f} s; lost {len(lost)}, duplicated {len(duplicated)}, wrong text {len(wrong)}   (target 0 and 0)")
+    for m in duplicated:
+        print(f"     duplicated: seq {m.seq} ({m.session_id}): {ends.get(m.msg_id, 0)} turn ends, "
+              f"{thinking.get(m.msg_id, 0)} 'thinking' (reached the agent that many times)")
     return not lost and not duplicated and not wrong and len(messages) == expected
 
 
