@@ -1,33 +1,42 @@
-"""Two servers on one PostgreSQL: a relayed call across servers, and a soak with a server killed.
+"""Three servers on one PostgreSQL behind a round-robin proxy: what no stickiness costs, and gains.
 
-    python bench/bench_cluster.py [--calls N] [--chunk K] [--messages M] [--sessions S] [--lease-ttl T] [--pg URL]
+    python bench/bench_cluster.py [--calls N] [--chunk K] [--wakes W] [--agents A] [--agent-calls C]
+                                  [--two-servers] [--soak] [--pg URL]
 
 Without ``--pg`` it starts its own throwaway PostgreSQL 15 (tests/postgres.py, fsync on) and
-removes it at the end. All programs are the real ones, started as tests/harness.py does.
+removes it at the end. All programs are the real ones, started as tests/harness.py does; the
+proxy is bench/round_robin_proxy.py (each new TCP connection to the next server, no affinity),
+and every caller request is a new TCP connection (an HTTP client that keeps none alive), so
+consecutive requests land on different servers. Servers S0, S1, S2 share one database.
 
-1. **A relayed call, two servers against one.** Servers A and B share one database. One
-   caller (the SDK's ``mcp.Client`` over Streamable HTTP) on A declares the caller tool
-   ``echo`` in two sessions and answers every ``caller_tool_request`` of both, learning of
-   them by ``session_events`` long polls on A (the way a caller learns of a request another
-   server appended). Two agents (the SDK's ``mcp.Client`` spawning ``oubliette-client`` bound
-   to its session): one connected to **A** (caller and sandbox on one server: the request
-   is answered in A's memory), one to **B** (the request goes through the log: B appends it,
-   A is woken by NOTIFY, A stores the answer with ``append_outcome``, B is woken by NOTIFY).
-   ``--calls`` sequential calls on each path, alternating in chunks of ``--chunk`` so that
-   load drifting during the run hits both alike; it prints median and p99 latency of both and
-   the ratio two-server/one-server (the target: at most 1.5).
-2. **Soak with a server killed.** A fresh database, servers A and B, a guest runtime
-   (``oubliette-client run -- cat``: each turn's text is the message) given both relay
-   addresses and connected to B. ``--messages`` user messages are posted through A's tether
-   endpoint, spread over ``--sessions`` sessions; once a third of them are answered, B is
-   killed with SIGKILL. The guest reconnects to A, which takes the instance over. When every
-   message has a turn end (or 120 s pass) it reads the log and prints: **lost** (messages with
-   no turn end), **duplicated** (messages whose turn ended more than once, or that reached the
-   agent more than once: more than one ``thinking`` status), the failover time (kill → the
-   guest connected to A), and the total time (target: 0 lost, 0 duplicated).
+1. **A relayed call through the round-robin proxy across three servers, against one.** A
+   2026-07-28 caller (the SDK's ``mcp.Client`` over Streamable HTTP, its own ``owner_key``)
+   declares ``echo`` in a session and answers every ``caller_tool_request``, learning of them
+   by ``session_events`` long polls; an agent (the SDK's ``mcp.Client`` spawning
+   ``oubliette-client`` bound to that session) on S0 calls it. One server: the caller's
+   requests go through a proxy whose one backend is S0. Three servers: through the proxy in
+   front of S0, S1, S2 (the long poll on one server, woken by NOTIFY; the answer stored on the
+   next with ``append_outcome``; S0 woken by NOTIFY). ``--calls`` sequential calls per path,
+   alternating in chunks of ``--chunk``; median and p99 of both and the ratio (target <= 1.3).
+2. **Cross-server wake of a pushed event.** A caller of the handshake era on S0 (its standalone
+   SSE stream) owns a session; the bench posts an ``assistant.delta`` of that session to S1's
+   tether endpoint (cross) or S0's (same server), ``--wakes`` of each, alternating, and takes
+   the time from the POST's answer (the frame committed) to the notification's arrival at the
+   caller, and from the POST's start. Median, p99; target: cross median < 2 ms.
+3. **Throughput, one server and three.** ``--agents`` agents (each its own session) make
+   ``--agent-calls`` relayed calls each, all at once, answered by one caller: all on S0 with the
+   caller through the one-backend proxy, then spread over S0, S1, S2 with the caller through the
+   round-robin proxy (``--rounds`` rounds of each, one layout at a time: a layout's idle agents
+   and long polls would be work for its servers during the other's). Calls/s, and each server's
+   CPU per call (``/proc/PID/stat``, utime + stime over the run): on a 2-core machine all the processes
+   share the cores, so calls/s does not show what more servers give; the CPU per call does.
+   With a core per server, the deployment's capacity is bounded by its busiest server:
+   calls / (that server's CPU seconds), which it prints for both, and their ratio.
 
-Not part of the test suite. Exit status 1 when a check fails (a wrong echo, lost or duplicated
-messages).
+``--two-servers`` and ``--soak`` add the earlier two-server figures (a relayed call with
+caller on A and sandbox on B against one server; a soak with B killed: lost and duplicated
+messages and calls). Not part of the test suite. Exit status 1 when a check fails (a wrong
+echo, lost or duplicated messages).
 """
 
 from __future__ import annotations
@@ -35,22 +44,27 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import statistics
 import sys
 import time
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import attrs
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from bench_relay import cpu_seconds  # noqa: E402
 from harness import PYTHON, Deployment, HttpServer  # noqa: E402
 from mcp import Client  # noqa: E402
+from round_robin_proxy import RoundRobinProxy  # noqa: E402
 from mcp.client.stdio import StdioServerParameters  # noqa: E402
 
 from oubliette_server.store.api import FrameQuery  # noqa: E402
@@ -87,24 +101,250 @@ def structured(result: Any) -> dict[str, Any]:
     return result.structured_content or {}
 
 
-# -- 1. a relayed call: two servers against one ---------------------------------------------
+# -- three servers behind a round-robin proxy -----------------------------------------------
 
 
-async def answer_requests(caller: Client, session_id: str, after: int, counts: dict[str, int]) -> None:
-    """The caller on A: learn of each request by long poll, answer it at once."""
+@attrs.define
+class Cluster:
+    """Servers S0, S1, S2 on one database and two proxies: `one` (S0 only) and `three` (all)."""
+
+    deployments: list[Deployment]
+    servers: list[HttpServer]
+    one: str
+    three: str
+    proxies: dict[str, RoundRobinProxy]
+    token: str
+    """The instance's relay token (the agents')."""
+
+
+@asynccontextmanager
+async def three_servers(url: str, lease_ttl: float) -> AsyncIterator[Cluster]:
+    deployments = [Deployment(store=url) for _ in range(3)]
+    try:
+        async with AsyncExitStack() as stack:
+            servers = [await stack.enter_async_context(d.http_server("--config", config(d, lease_ttl)))
+                       for d in deployments]
+            backends = [(s.url.removeprefix("http://").rpartition(":")[0],
+                         int(s.url.rpartition(":")[2])) for s in servers]
+            proxies = {"one": RoundRobinProxy(backends[:1]), "three": RoundRobinProxy(backends)}
+            async with trio.open_nursery() as nursery:
+                ports = {name: await nursery.start(proxy.serve) for name, proxy in proxies.items()}
+                yield Cluster(deployments, servers, f"http://127.0.0.1:{ports['one']}",
+                              f"http://127.0.0.1:{ports['three']}", proxies, deployments[0].token(INSTANCE))
+                nursery.cancel_scope.cancel()
+    finally:
+        for d in deployments:
+            d.cleanup()
+
+
+class ModernCaller:
+    """A 2026-07-28 caller through `url` (a proxy) that opens a new TCP connection per request,
+    named on every server by `owner_key`; `call` raises on a tool error."""
+
+    def __init__(self, client: Client, owner_key: str | None) -> None:
+        self.client = client
+        self.owner_key = owner_key
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        key = {"owner_key": self.owner_key} if self.owner_key else {}
+        return structured(await self.client.call_tool(name, {**arguments, **key}))
+
+
+@asynccontextmanager
+async def modern_caller(url: str, token: str, owner_key: str) -> AsyncIterator[ModernCaller]:
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=60,
+                              limits=httpx2.Limits(max_keepalive_connections=0))
+    async with http, Client(streamable_http_client(url + "/mcp", http_client=http), mode="auto") as client:
+        yield ModernCaller(client, owner_key)
+
+
+async def declare(caller: ModernCaller, session_id: str) -> int:
+    """The caller's first message in `session_id`, declaring `echo`: its ingress seq."""
+    sent = await caller.call("session_message", {
+        "instance": INSTANCE, "session_id": session_id, "message": "bench",
+        "context": {"caller_id": CALLER_ID, "caller_tools": [ECHO]},
+    })
+    return int(sent["ingress_seq"])
+
+
+async def bench_round_robin_call(world: Cluster, args: argparse.Namespace) -> dict[str, float]:
+    """1. One agent on S0; its caller through the one-server proxy, or the round-robin one."""
+    key = secrets.token_urlsafe(24)
+    async with modern_caller(world.one, world.servers[0].token, key) as via_one, \
+            modern_caller(world.three, world.servers[0].token, key) as via_three:
+        sessions = {"one server": ("rr-one", via_one), "three servers, round robin": ("rr-three", via_three)}
+        async with trio.open_nursery() as nursery:
+            for session_id, caller in sessions.values():
+                nursery.start_soon(answer_requests, caller, session_id, await declare(caller, session_id), {})
+            async with agent(world.deployments[0], world.token, "rr-one") as on_one, \
+                    agent(world.deployments[0], world.token, "rr-three") as on_three:
+                clients = {"one server": on_one, "three servers, round robin": on_three}
+                times = await alternate(clients, args)
+            nursery.cancel_scope.cancel()
+    print(f"\n1. relayed call, caller through the proxy (a new connection per request), {args.calls} sequential "
+          f"calls per path (chunks of {args.chunk}), load average {os.getloadavg()[0]:.2f}")
+    medians = report_times(times)
+    one, three = medians.values()
+    ratio = three / one
+    spread = world.proxies["three"].counts
+    print(f"   the round-robin proxy's connections per server: {spread}")
+    print(f"   ratio three servers / one server (median): {ratio:.2f}x   (target <= 1.3x: {'met' if ratio <= 1.3 else 'NOT met'})")
+    return {"ratio": ratio}
+
+
+async def alternate(clients: dict[str, Client], args: argparse.Namespace) -> dict[str, list[float]]:
+    """Warm-up calls, then `args.calls` timed calls per path, alternating in chunks."""
+    times: dict[str, list[float]] = {name: [] for name in clients}
+    for client in clients.values():
+        for i in range(args.warmup):
+            await timed_call(client, f"w{i}")
+    done = 0
+    while done < args.calls:
+        k = min(args.chunk, args.calls - done)
+        for name, client in clients.items():
+            for i in range(k):
+                times[name].append(await timed_call(client, f"{done + i}"))
+        done += k
+    return times
+
+
+def report_times(times: dict[str, list[float]]) -> dict[str, float]:
+    """Print median and p99 of each path; the medians."""
+    medians = {}
+    for name, values in times.items():
+        medians[name] = statistics.median(values)
+        print(f"   {name:45s} median {medians[name] * 1000:7.2f} ms   p99 {pct(values, 0.99) * 1000:7.2f} ms")
+    return medians
+
+
+async def bench_wake(world: Cluster, args: argparse.Namespace) -> None:
+    """2. A handshake-era caller on S0 owns a session; deltas posted to S1 (cross) or S0 (same)."""
+    arrived: dict[str, float] = {}
+    seen = trio.Event()
+
+    async def on_log(params: Any) -> None:
+        data = params.data if getattr(params, "logger", None) == "oubliette" else None
+        if isinstance(data, dict) and data.get("type") == "assistant.delta":
+            arrived[str(data.get("text"))] = time.perf_counter()
+            seen.set()
+
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+
+    server = world.servers[0]
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {server.token}"}, timeout=60)
+    transport = streamable_http_client(server.mcp_url, http_client=http)
+    async with http, Client(transport, mode="legacy", logging_callback=on_log, log_level="info") as caller:
+        structured(await caller.call_tool("session_message", {"instance": INSTANCE, "session_id": "wake", "message": "bench"}))
+        paths = {"same server (posted to S0)": world.servers[0], "cross-server (posted to S1)": world.servers[1]}
+        from_answer: dict[str, list[float]] = {name: [] for name in paths}
+        from_start: dict[str, list[float]] = {name: [] for name in paths}
+        async with world.servers[0].rest() as on_s0, world.servers[1].rest() as on_s1:
+            rests = dict(zip(paths, (on_s0, on_s1)))
+            for i in range(args.wakes + 10):
+                for name, rest in rests.items():
+                    text = f"{name[:5]}{i}"
+                    start = time.perf_counter()
+                    response = await rest.post(f"/v1/instances/{INSTANCE}/tether", json={
+                        "type": "assistant.delta", "session": {"channel": "mcp", "id": "wake"}, "payload": {"text": text}})
+                    answered = time.perf_counter()
+                    if response.status_code != 201:
+                        raise RuntimeError(f"POST failed: {response.status_code} {response.text}")
+                    with trio.move_on_after(10):
+                        while text not in arrived:
+                            await seen.wait()
+                            seen = trio.Event()
+                    if text not in arrived:
+                        raise RuntimeError(f"{name}: the caller on S0 was not sent the frame in 10 s")
+                    if i >= 10:  # the first ten are a warm-up
+                        from_answer[name].append(arrived[text] - answered)
+                        from_start[name].append(arrived[text] - start)
+    print(f"\n2. a pushed event: {args.wakes} assistant.delta frames posted to each server's tether, alternating; "
+          f"the caller (handshake era, its standalone SSE stream) on S0; load average {os.getloadavg()[0]:.2f}")
+    for name in paths:
+        print(f"   {name:30s} POST answered -> notification: median {statistics.median(from_answer[name]) * 1000:6.2f} ms, "
+              f"p99 {pct(from_answer[name], 0.99) * 1000:6.2f} ms;  POST sent -> notification: median "
+              f"{statistics.median(from_start[name]) * 1000:6.2f} ms")
+    cross = statistics.median(from_answer["cross-server (posted to S1)"])
+    print(f"   cross-server wake (POST answered by S1 -> pushed on S0), median: {cross * 1000:.2f} ms   "
+          f"(target < 2 ms: {'met' if cross < 0.002 else 'NOT met'})")
+
+
+async def bench_throughput(world: Cluster, args: argparse.Namespace) -> None:
+    """3. `args.agents` agents calling at once: all on S0, or spread over the three servers."""
+    key = secrets.token_urlsafe(24)
+    pids = {f"S{i}": s.process.pid for i, s in enumerate(world.servers)}
+    rounds: dict[str, list[dict[str, float]]] = {"one server": [], "three servers": []}
+    async with modern_caller(world.one, world.servers[0].token, key) as via_one, \
+            modern_caller(world.three, world.servers[0].token, key) as via_three:
+        for name, caller, spread in (("one server", via_one, 1), ("three servers", via_three, 3)):
+            # One layout at a time: another layout's idle agents and long polls would be work on S0 too.
+            async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+                clients = []
+                for a in range(args.agents):
+                    session_id = f"tp-{spread}-{a}"
+                    nursery.start_soon(answer_requests, caller, session_id, await declare(caller, session_id), {})
+                    clients.append(await stack.enter_async_context(
+                        agent(world.deployments[a % spread], world.token, session_id)))
+                for _ in range(args.rounds):
+                    rounds[name].append(await run_load(clients, args.agent_calls, pids))
+                nursery.cancel_scope.cancel()
+    calls = args.agents * args.agent_calls
+    print(f"\n3. throughput: {args.agents} agents (sessions) x {args.agent_calls} relayed calls at once, answered by one "
+          f"caller through the proxy; {args.rounds} rounds of each layout; load average {os.getloadavg()[0]:.2f}")
+    capacity = {}
+    for name, runs in rounds.items():
+        rate = [calls / r["wall"] for r in runs]
+        per_call = {p: statistics.mean(r[p] for r in runs) / calls * 1000 for p in pids}
+        busiest = max(per_call.values())
+        capacity[name] = 1000 / busiest
+        cpu = ", ".join(f"{p} {ms:.2f}" for p, ms in per_call.items())
+        print(f"   {name:14s} {', '.join(f'{r:.0f}' for r in rate)} calls/s;  server CPU ms per call: {cpu} "
+              f"(sum {sum(per_call.values()):.2f});  with a core per server: {capacity[name]:.0f} calls/s "
+              f"(the busiest server's CPU)")
+    print(f"   with a core per server, three servers / one: {capacity['three servers'] / capacity['one server']:.2f}x "
+          "(the servers' CPU only: the callers, agents and PostgreSQL need cores of their own)")
+
+
+async def run_load(clients: list[Client], calls: int, pids: dict[str, int]) -> dict[str, float]:
+    """Every client makes `calls` sequential calls, all clients at once: wall time and CPU seconds per server."""
+    before = {p: cpu_seconds(pid) for p, pid in pids.items()}
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for n, client in enumerate(clients):
+
+            async def run(client: Client = client, n: int = n) -> None:
+                for i in range(calls):
+                    await timed_call(client, f"{n}-{i}")
+
+            nursery.start_soon(run)
+    wall = time.perf_counter() - start
+    return {"wall": wall, **{p: cpu_seconds(pid) - before[p] for p, pid in pids.items()}}
+
+
+# -- --two-servers: a relayed call, two servers against one ---------------------------------------------
+
+
+async def answer_requests(caller: Any, session_id: str, after: int, counts: dict[str, int]) -> None:
+    """The caller: learn of each request by long poll, answer it at once (`caller`: a `ModernCaller`,
+    or the SDK's `Client` of a handshake-era caller)."""
+    call = (caller if isinstance(caller, ModernCaller) else ModernCaller(caller, None)).call
     async with trio.open_nursery() as nursery:
         while True:
-            events = structured(await caller.call_tool("session_events", {
+            events = await call("session_events", {
                 "session_id": session_id, "after_seq": after, "types": ["caller_tool_request"], "wait_ms": 30_000,
-            }))
+            })
             for frame in events["frames"]:
                 payload = frame["payload"]
 
                 async def answer(payload: dict[str, Any] = payload) -> None:
-                    structured(await caller.call_tool("caller_tool_response", {
+                    await call("caller_tool_response", {
                         "session_id": session_id, "request_id": payload["request_id"],
                         "result": {"echo": payload["arguments"]["text"]},
-                    }))
+                    })
                     counts[session_id] = counts.get(session_id, 0) + 1
 
                 nursery.start_soon(answer)
@@ -154,31 +394,18 @@ async def bench_calls(url: str, args: argparse.Namespace) -> bool:
                     nursery.start_soon(answer_requests, caller, session_id, seqs[session_id], counts)
                 async with agent(a, token, "one") as on_a, agent(b, token, "two") as on_b:
                     paths = {"one server (caller and sandbox on A)": on_a, "two servers (caller on A, sandbox on B)": on_b}
-                    times: dict[str, list[float]] = {name: [] for name in paths}
-                    for name, client in paths.items():  # warm-up
-                        for i in range(args.warmup):
-                            await timed_call(client, f"w{i}")
-                    done = 0
-                    while done < args.calls:
-                        k = min(args.chunk, args.calls - done)
-                        for name, client in paths.items():
-                            for i in range(k):
-                                times[name].append(await timed_call(client, f"{done + i}"))
-                        done += k
+                    times = await alternate(paths, args)
                 nursery.cancel_scope.cancel()
     load = os.getloadavg()[0]
-    print(f"\n1. relayed call, {args.calls} sequential calls per path (chunks of {args.chunk}), load average {load:.2f}")
-    medians = {}
-    for name, values in times.items():
-        medians[name] = statistics.median(values)
-        print(f"   {name:45s} median {medians[name] * 1000:7.2f} ms   p99 {pct(values, 0.99) * 1000:7.2f} ms")
+    print(f"\ntwo servers: relayed call, {args.calls} sequential calls per path (chunks of {args.chunk}), load average {load:.2f}")
+    medians = report_times(times)
     one, two = medians.values()
     ratio = two / one
     print(f"   ratio two servers / one server (median): {ratio:.2f}x   (target <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'})")
     return True
 
 
-# -- 2. soak with a server killed -----------------------------------------------------------
+# -- --soak: a server killed -----------------------------------------------------------
 
 
 async def soak(url: str, args: argparse.Namespace) -> bool:
@@ -312,10 +539,13 @@ def report_messages(frames: list[Any], expected: int, args: argparse.Namespace, 
     lost = [m for m in messages if ends.get(m.msg_id, 0) == 0]
     duplicated = [m for m in messages if ends.get(m.msg_id, 0) > 1 or thinking.get(m.msg_id, 0) > 1]
     wrong = [m for m in messages if m.msg_id in texts and texts[m.msg_id].strip() != str(m.payload.get("text"))]
-    print(f"\n2. soak: {len(messages)} messages over {args.sessions + 1} sessions and relayed calls by {args.callers} "
+    print(f"\nsoak: {len(messages)} messages over {args.sessions + 1} sessions and relayed calls by {args.callers} "
           "agent tasks (sandbox on B, caller on A); B killed (SIGKILL) after a third of the messages were answered")
     print(f"   failover (kill -> guest connected to A): {failover[0] * 1000:.0f} ms" if failover else "   failover: the guest never reached A")
     print(f"   messages: total {total:.1f} s; lost {len(lost)}, duplicated {len(duplicated)}, wrong text {len(wrong)}   (target 0 and 0)")
+    for m in duplicated:
+        print(f"     duplicated: seq {m.seq} ({m.session_id}): {ends.get(m.msg_id, 0)} turn ends, "
+              f"{thinking.get(m.msg_id, 0)} 'thinking' (reached the agent that many times)")
     return not lost and not duplicated and not wrong and len(messages) == expected
 
 
@@ -356,9 +586,16 @@ async def main_async(args: argparse.Namespace) -> int:
         pg.start()
     try:
         ok = True
-        if not args.skip_calls:
+        if not args.skip_cluster:
+            async with three_servers(url or pg.new_database(), args.lease_ttl) as world:  # type: ignore[union-attr]
+                started = time.perf_counter()
+                for section, run in (("1", bench_round_robin_call), ("2", bench_wake), ("3", bench_throughput)):
+                    if section in args.sections:
+                        await run(world, args)
+                print(f"\n   (sections 1-3: {time.perf_counter() - started:.0f} s)")
+        if args.two_servers:
             ok = await bench_calls(url or pg.new_database(), args) and ok  # type: ignore[union-attr]
-        if not args.skip_soak:
+        if args.soak:
             ok = await soak(url or pg.new_database(), args) and ok  # type: ignore[union-attr]
         return 0 if ok else 1
     finally:
@@ -368,19 +605,25 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=300, help="sequential calls per path (default 300)")
+    parser.add_argument("--calls", type=int, default=150, help="sequential calls per path (default 150)")
     parser.add_argument("--warmup", type=int, default=20, help="warm-up calls per path (default 20)")
     parser.add_argument("--chunk", type=int, default=20, help="calls per chunk, alternating paths (default 20)")
+    parser.add_argument("--wakes", type=int, default=200, help="pushed events per path (default 200)")
+    parser.add_argument("--agents", type=int, default=6, help="throughput: agents calling at once (default 6)")
+    parser.add_argument("--agent-calls", type=int, default=40, help="throughput: calls per agent per round (default 40)")
+    parser.add_argument("--sections", default="123", help="which of sections 1-3 to run (default 123)")
+    parser.add_argument("--rounds", type=int, default=2, help="throughput: rounds of each layout (default 2)")
+    parser.add_argument("--skip-cluster", action="store_true", help="skip sections 1-3 (three servers)")
+    parser.add_argument("--two-servers", action="store_true", help="also: a relayed call across two servers against one")
+    parser.add_argument("--soak", action="store_true", help="also: the soak with a server killed")
     parser.add_argument("--messages", type=int, default=300, help="soak: user messages (default 300)")
     parser.add_argument("--sessions", type=int, default=8, help="soak: sessions they are spread over (default 8)")
     parser.add_argument("--callers", type=int, default=4, help="soak: agent tasks making relayed calls meanwhile (default 4)")
     parser.add_argument("--lease-ttl", type=float, default=2.0, help="the servers' [store] lease_ttl (default 2 s)")
     parser.add_argument("--pg", help="a libpq URI of a PostgreSQL to use (its databases are not created: use an empty one)")
-    parser.add_argument("--skip-calls", action="store_true", help="run only the soak")
-    parser.add_argument("--skip-soak", action="store_true", help="run only the relayed call")
     args = parser.parse_args()
-    if args.pg and not (args.skip_calls or args.skip_soak):
-        parser.error("--pg holds one run: pass --skip-calls or --skip-soak with it")
+    if args.pg and (not args.skip_cluster) + args.two_servers + args.soak > 1:
+        parser.error("--pg holds one run: choose one of sections 1-3, --two-servers or --soak")
     return trio.run(main_async, args)
 
 
