@@ -112,6 +112,15 @@ class FrameLog:
         self.on_stored = on_stored
         self.local_appends: LocalAppends = local_appends or AloneOnTheLog()
 
+    def _check(
+        self, session: Session, type: str, payload: dict[str, Any], msg_id: str | None = None, reply_to: str | None = None,
+    ) -> None:
+        """`Limits.check_frame` for a frame of `session`: nothing is stored that could not be delivered."""
+        self.limits.check_frame(
+            payload, instance=session.instance, channel=session.channel, session_id=session.id,
+            type=type, msg_id=msg_id, reply_to=reply_to,
+        )
+
     async def append(
         self,
         session: Session,
@@ -124,10 +133,7 @@ class FrameLog:
     ) -> Frame:
         """Store a frame of `session` and push it to everyone following the session but `skip`
         (the caller whose own answer the frame records, which needs no event of it)."""
-        self.limits.check_frame(
-            payload, instance=session.instance, channel=session.channel, session_id=session.id,
-            type=type, msg_id=msg_id, reply_to=reply_to,
-        )
+        self._check(session, type, payload, msg_id=msg_id, reply_to=reply_to)
         return await self._store_and_push(session, type, payload, reply_to=reply_to, msg_id=msg_id, skip=skip)
 
     async def _store_and_push(
@@ -149,10 +155,7 @@ class FrameLog:
     async def record(self, session: Session, type: str, payload: dict[str, Any]) -> Frame:
         """Store a server's own record of `session` (a `session_record`, server_owned.py) and push it
         to nobody: other servers read it back from the log; it is no event of the conversation."""
-        self.limits.check_frame(
-            payload, instance=session.instance, channel=session.channel, session_id=session.id,
-            type=type, msg_id=None, reply_to=None,
-        )
+        self._check(session, type, payload)
         began = trio.current_time()
         with self.local_appends.appending(session.instance) as stored_here:
             frame = await self.store.append(
@@ -173,10 +176,7 @@ class FrameLog:
     ) -> Frame | None:
         """Store the one outcome frame of `request_id` and push it as `append` does; None (nothing
         stored, nobody told) when another outcome of it was stored first, by any server."""
-        self.limits.check_frame(
-            payload, instance=session.instance, channel=session.channel, session_id=session.id,
-            type=type, msg_id=None, reply_to=None,
-        )
+        self._check(session, type, payload)
         began = trio.current_time()
         with self.local_appends.appending(session.instance) as stored_here:
             frame = await self.store.append_outcome(
