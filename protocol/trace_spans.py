@@ -59,9 +59,9 @@ def _get_tracer() -> Any:
 
 
 class _Current:
-    """`span` as the current span until exit, then ended: what the API's `start_as_current_span`
-    does (without recording exceptions), without its two generator context managers — a few µs
-    of each span on a relayed call's path (bench/bench_trace_spans.py)."""
+    """`span` as the current span until exit, then ended; an exception leaving it marks it an
+    error. What the API's `start_as_current_span` does, without its two generator context
+    managers: a few µs of each span on a relayed call's path (bench/bench_trace_spans.py)."""
 
     __slots__ = ("span", "_token")
 
@@ -73,8 +73,13 @@ class _Current:
         self._token = _api.context.attach(_api.trace.set_span_in_context(self.span))
         return self.span
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> None:
         _api.context.detach(self._token)
+        if isinstance(exc, Exception) and self.span.is_recording():
+            # What start_as_current_span's status-on-exception did (a cancellation is no error).
+            if "error.type" not in (getattr(self.span, "attributes", None) or {}):
+                self.span.set_attribute("error.type", type(exc).__qualname__)
+            self.span.set_status(_api.StatusCode.ERROR, str(exc))
         self.span.end()
 
 

@@ -424,3 +424,23 @@ async def test_the_servers_span_of_a_gated_call_and_of_its_approval_wait(recordi
     assert dict(wait.attributes) == {"gen_ai.tool.name": "delete_file", "oubliette.approval.request_id": "apr-1",
                                      "oubliette.approval.decision": "denied"}
     assert (wait.end_time - wait.start_time) / 1e9 >= 0.01
+
+
+async def test_a_client_span_left_by_an_exception_is_an_error_and_a_cancellation_is_not(recording: Any) -> None:
+    """The client's relay span marks a failed request as an error (the relay went away under it),
+    with the exception's type; a span left by a cancellation is no error."""
+    from opentelemetry.trace import StatusCode
+
+    from protocol.trace_spans import client_request_span
+
+    with pytest.raises(ConnectionResetError):
+        with client_request_span("caller_tool", "send_notification"):
+            raise ConnectionResetError("the relay went away")
+    with trio.CancelScope() as scope:
+        with client_request_span("caller_tool", "send_notification"):
+            scope.cancel()
+            await trio.sleep(1)
+    failed, cancelled = recording.get_finished_spans()
+    assert failed.status.status_code == StatusCode.ERROR and failed.attributes["error.type"] == "ConnectionResetError"
+    assert "the relay went away" in (failed.status.description or "")
+    assert cancelled.status.status_code == StatusCode.UNSET and "error.type" not in cancelled.attributes
