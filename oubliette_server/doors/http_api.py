@@ -126,7 +126,30 @@ class BodyDeadline(RelayError):
         )
 
 
-class DrainRequestBody:
+class HttpMiddleware:
+    """An ASGI middleware over `app`: `handle` acts on the HTTP requests `wants(scope)` picks;
+    every other scope (lifespan, a request it does not want) passes through untouched. The one
+    home of that pass-through for the middlewares below."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def wants(self, scope: dict[str, Any]) -> bool:
+        """Whether `handle` acts on this scope (default: every HTTP request)."""
+        return scope["type"] == "http"
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.wants(scope):
+            await self.handle(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The middleware's own work on one request it wants."""
+        raise NotImplementedError
+
+
+class DrainRequestBody(HttpMiddleware):
     """ASGI middleware: a request's body arrives in full, within the body deadline, before its response starts.
 
     The deadline: a declared body must have arrived in full `body_timeout` seconds after the
@@ -151,14 +174,16 @@ class DrainRequestBody:
     def __init__(
         self, app: Any, body_timeout: float = HttpLimits().body_timeout, on_timeout: Callable[[], object] = lambda: None,
     ) -> None:
-        self.app = app
+        super().__init__(app)
         self.body_timeout = body_timeout
         self.on_timeout = on_timeout
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not _declares_body(scope):
-            await self.app(scope, receive, send)
-            return
+    def wants(self, scope: dict[str, Any]) -> bool:
+        """HTTP requests that declare a body."""
+        return scope["type"] == "http" and _declares_body(scope)
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Run the app with the body deadline and the drain."""
         deadline = trio.current_time() + self.body_timeout
         received_all = timed_out = started = False
         app_scope = trio.CancelScope()
@@ -212,7 +237,7 @@ def _declares_body(scope: dict[str, Any]) -> bool:
     return False
 
 
-class ExplainMisdirected:
+class ExplainMisdirected(HttpMiddleware):
     """ASGI middleware: two of `/mcp`'s refusals say why and what to do.
 
     - 421 for a `Host` it does not accept: the SDK's DNS-rebinding protection answers a bare
@@ -225,13 +250,8 @@ class ExplainMisdirected:
       clients read) with the same code and a message that begins with the SDK's words.
     """
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Run the app, rewriting those two refusals."""
         replaced = False
         session_id = _header(scope, b"mcp-session-id") if scope.get("path") in MCP_PATHS else None
 
@@ -268,21 +288,22 @@ def _unknown_session(session_id: str) -> JSONResponse:
     )}}, status_code=404)
 
 
-class BearerAuth:
+class BearerAuth(HttpMiddleware):
     """ASGI middleware: TCP requests need a valid bearer token; Unix socket ones rely on the file mode.
 
     `on_refused(reason)` ("missing_token" or "bad_token") hears of each refusal (metrics)."""
 
     def __init__(self, app: Any, verify_token: VerifyToken, on_refused: Callable[[str], object] = lambda reason: None) -> None:
-        self.app = app
+        super().__init__(app)
         self.verify_token = verify_token
         self.on_refused = on_refused
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("server") is None or scope["path"] in PUBLIC_PATHS:
-            # lifespan, a Unix socket listener, or a probe
-            await self.app(scope, receive, send)
-            return
+    def wants(self, scope: dict[str, Any]) -> bool:
+        """HTTP requests over TCP, but the probes (a Unix socket listener has no `server`)."""
+        return scope["type"] == "http" and scope.get("server") is not None and scope["path"] not in PUBLIC_PATHS
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Pass the request on with a valid token; else answer 401."""
         token = _bearer(scope)
         if token is not None and self._allowed(token, scope["path"]):
             scope.setdefault("state", {})["oubliette_token"] = token
@@ -301,7 +322,7 @@ class BearerAuth:
         return bool(match) and self.verify_token(match.group(1), token)
 
 
-class StreamWatch:
+class StreamWatch(HttpMiddleware):
     """ASGI middleware for /mcp: notices a client that goes away before its response has ended.
 
     Each request's scope state gets an event (`STREAM_GONE_STATE`) set when `http.disconnect`
@@ -312,13 +333,15 @@ class StreamWatch:
     """
 
     def __init__(self, app: Any, on_standalone_dropped: Callable[[str], object]) -> None:
-        self.app = app
+        super().__init__(app)
         self.on_standalone_dropped = on_standalone_dropped
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] not in MCP_PATHS:
-            await self.app(scope, receive, send)
-            return
+    def wants(self, scope: dict[str, Any]) -> bool:
+        """HTTP requests to `/mcp`."""
+        return scope["type"] == "http" and scope["path"] in MCP_PATHS
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Run the app, watching for the client going away."""
         gone = trio.Event()
         scope.setdefault("state", {})[STREAM_GONE_STATE] = gone
         status: int | None = None
@@ -347,7 +370,7 @@ class StreamWatch:
                     self.on_standalone_dropped(session_id)
 
 
-class ErrorBoundary:
+class ErrorBoundary(HttpMiddleware):
     """ASGI middleware inside the Starlette app: the one place an HTTP request's exception becomes an answer.
 
     Every HTTP error is the JSON error shape: a failure of the store (`sqlite3.Error`: a full
@@ -358,13 +381,8 @@ class ErrorBoundary:
     more can be sent; the failure is logged the same way.
     """
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Run the app; an exception out of it becomes the JSON 500."""
         started = False
 
         async def watched_send(message: dict[str, Any]) -> None:
@@ -391,7 +409,7 @@ class ErrorBoundary:
             await error_response(err, 500)(scope, receive, send)
 
 
-class AccessLog:
+class AccessLog(HttpMiddleware):
     """ASGI middleware, outermost: one INFO line per HTTP request on `oubliette.access`.
 
     The line: the client's address (`unix` for the Unix socket listener), method, path (no
@@ -403,14 +421,16 @@ class AccessLog:
     """
 
     def __init__(self, app: Any, on_answered: Callable[[int | None], object] | None = None) -> None:
-        self.app = app
+        super().__init__(app)
         self.on_answered = on_answered
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    def wants(self, scope: dict[str, Any]) -> bool:
+        """HTTP requests, while the access log or `on_answered` listens."""
+        return scope["type"] == "http" and (access_log.isEnabledFor(logging.INFO) or self.on_answered is not None)
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Run the app, then log its answer."""
         logged = access_log.isEnabledFor(logging.INFO)
-        if scope["type"] != "http" or not (logged or self.on_answered):
-            await self.app(scope, receive, send)
-            return
         began = trio.current_time()
         status: int | None = None
         error_body = bytearray()
@@ -633,12 +653,9 @@ class HealthRoutes:
         self.identity = identity or {}
 
     def routes(self) -> list[Route]:
-        """The three probes' routes."""
-        return [
-            Route("/livez", self.livez, methods=["GET"]),
-            Route("/readyz", self.readyz, methods=["GET"]),
-            Route("/v1/health", self.health, methods=["GET"]),
-        ]
+        """The three probes' routes (each GET only)."""
+        probes = {"/livez": self.livez, "/readyz": self.readyz, "/v1/health": self.health}
+        return [Route(path, probe, methods=["GET"]) for path, probe in probes.items()]
 
     async def livez(self, request: Request) -> Response:
         """`GET /livez`: 200 `{"ok": true}` while the process serves HTTP (no token, no store)."""
