@@ -108,6 +108,10 @@ def text_of(result: Any) -> str:
     return " ".join(getattr(block, "text", "") for block in result.content)
 
 
+_STORE_TOKENS: dict[tuple[str, ...], str] = {}
+"""`Deployment._store_token`'s answers by (store URL, command)."""
+
+
 class Deployment:
     """One server's files: data dir, relay address, tokens."""
 
@@ -134,13 +138,20 @@ class Deployment:
         return TokenAuthority.for_data_dir(self.data_dir).token_for(HTTP_TOKEN_NAME)
 
     def _store_token(self, *command: str) -> str:
-        """`oubliette-server token|http-token … --store URL`: the token every server of the deployment accepts."""
+        """`oubliette-server token|http-token … --store URL`: the token every server of the deployment accepts.
+
+        Asked once per database and name: the secret never changes once stored, and every test's
+        database is a new one (tests/postgres.py), so the answer is kept for the test's other
+        deployments and calls (each command is a Python process of ~0.25 s CPU)."""
         assert self.store is not None
-        done = subprocess.run(
-            [PYTHON, "-m", "oubliette_server", *command, "--store", self.store],
-            capture_output=True, text=True, timeout=60, check=True,
-        )
-        return done.stdout.strip()
+        key = (self.store, *command)
+        if key not in _STORE_TOKENS:
+            done = subprocess.run(
+                [PYTHON, "-m", "oubliette_server", *command, "--store", self.store],
+                capture_output=True, text=True, timeout=60, check=True,
+            )
+            _STORE_TOKENS[key] = done.stdout.strip()
+        return _STORE_TOKENS[key]
 
     @asynccontextmanager
     async def http_server(self, *extra: str, nofile: int | None = None) -> AsyncIterator["HttpServer"]:
