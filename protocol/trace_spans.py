@@ -4,8 +4,8 @@ Why one module: a relayed call is one trace from the agent's `tools/call` to the
 (docs/OBSERVABILITY.md, "Traces: one call across the boundary"). The client hands the current
 span on in the relay request's `_meta` (`current_meta`: its `tools/call {tool}` span, which
 covers the relay request; one span per program per hop, so the request gets no span of its
-own), the server opens its span under it (`traced_relay_handler`) and hands its own on to the caller (the pending
-entry, the `caller_tool_request` frame); an approval's wait is a span of its own, handed to the
+own), the server opens its span under it (`traced_relay_handler`) and hands its own on to the
+caller (the pending entry, the `caller_tool_request` frame); an approval's wait is a span of its own, handed to the
 caller the same way (`approval_wait_span`); and a caller's `session_message` reaches the agent
 command as `TRACEPARENT` (`turn_environment`). Names and attributes follow the OpenTelemetry
 semantic conventions for MCP (`tools/call {tool}`, `mcp.method.name`, `gen_ai.tool.name`,
