@@ -50,6 +50,7 @@ import trio
 
 from protocol import VERSION, errors
 from protocol.fast_tool_calls import error_line, is_request_id, response_line, switched_on
+from protocol.gc_freeze import freeze_startup_heap
 from protocol.telemetry import tracing_configured
 from protocol.stdio_streams import claimed_stdio
 
@@ -314,6 +315,7 @@ async def serve_stdio(
                 settings, connect_wait=connect_wait, progress_interval=progress_interval, tools=tools,
             )
             server.relay_deadline = relay_deadline
+            freeze_startup_heap()  # the SDK is loaded, the server built: no collection walks them again
             await gate.handover()
             writer = _DropInitializeAnswer(stdout, gate.initialize_id, gate.initialize_result)
             await server.serve(_channel_lines(lines, gate.waiting), writer, listed_version=gate.listed_version,

@@ -17,7 +17,7 @@ import trio
 
 from protocol import RelayError, errors
 from protocol.descriptors import DESCRIPTOR_META_KEY
-from protocol.trace_spans import client_request_span
+from protocol.trace_spans import current_meta
 
 if TYPE_CHECKING:
     from protocol import CallerToolSpec, ToolsetToolSpec, UnavailableToolset
@@ -188,10 +188,9 @@ class SandboxTools:
             self._untrack(ref)
 
     async def _traced_request(self, method: str, params: dict[str, Any], **kwargs: Any) -> Any:
-        """`link.request` carrying the trace context of the client's span of it in `_meta`."""
-        target = str(params.get("tool_name", ""))
-        with client_request_span(method, target) as meta:
-            return await self.link.request(method, params if meta is None else {**params, "_meta": meta}, **kwargs)
+        """`link.request` carrying the current trace context (the client's `tools/call` span) in `_meta`."""
+        meta = current_meta()
+        return await self.link.request(method, params if meta is None else {**params, "_meta": meta}, **kwargs)
 
     def _track(self, progress: AgentProgress | None) -> str | None:
         if progress is None:
@@ -219,22 +218,21 @@ class SandboxTools:
 
         ref = self._track(progress)
         extra: dict[str, Any] = {"progress_ref": ref} if ref is not None else {}
-        method = messages.CALLER_TOOL if tool.kind == "caller" else messages.TOOLSET_CALL
+        meta = current_meta()  # the client's `tools/call` span: the server's span of the call joins it
+        if meta is not None:
+            extra["_meta"] = meta
         try:
-            with client_request_span(method, tool.name) as meta:
-                if meta is not None:
-                    extra["_meta"] = meta  # the server's span of the call joins this trace
-                if tool.kind == "caller":
-                    reply = await self.link.request(
-                        messages.CALLER_TOOL,
-                        {"tool": tool.tool, "arguments": arguments, "caller_id": tool.owner, **extra},
-                        timeout=self._caller_tool_deadline(tool),
-                    )
-                else:
-                    reply = await self.link.request(
-                        messages.TOOLSET_CALL, {"name": tool.name, "arguments": arguments, **extra},
-                        timeout=self._toolset_deadline(tool),
-                    )
+            if tool.kind == "caller":
+                reply = await self.link.request(
+                    messages.CALLER_TOOL,
+                    {"tool": tool.tool, "arguments": arguments, "caller_id": tool.owner, **extra},
+                    timeout=self._caller_tool_deadline(tool),
+                )
+            else:
+                reply = await self.link.request(
+                    messages.TOOLSET_CALL, {"name": tool.name, "arguments": arguments, **extra},
+                    timeout=self._toolset_deadline(tool),
+                )
         except RelayError as err:
             return CallOutcome(error=relay_error_text(tool, err), category=err.category)
         finally:

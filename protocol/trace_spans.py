@@ -2,9 +2,10 @@
 
 Why one module: a relayed call is one trace from the agent's `tools/call` to the caller's tool
 (docs/OBSERVABILITY.md, "Traces: one call across the boundary"). The client hands the current
-span on in the relay request's `_meta` (`current_meta`, `client_request_span`), the server opens
-its span under it (`traced_relay_handler`) and hands its own on to the caller (the pending
-entry, the `caller_tool_request` frame); an approval's wait is a span of its own, handed to the
+span on in the relay request's `_meta` (`current_meta`: its `tools/call {tool}` span, which
+covers the relay request; one span per program per hop, so the request gets no span of its
+own), the server opens its span under it (`traced_relay_handler`) and hands its own on to the
+caller (the pending entry, the `caller_tool_request` frame); an approval's wait is a span of its own, handed to the
 caller the same way (`approval_wait_span`); and a caller's `session_message` reaches the agent
 command as `TRACEPARENT` (`turn_environment`). Names and attributes follow the OpenTelemetry
 semantic conventions for MCP (`tools/call {tool}`, `mcp.method.name`, `gen_ai.tool.name`,
@@ -25,7 +26,7 @@ from typing import Any
 from . import telemetry
 
 __all__ = [
-    "current_meta", "tracing_on", "traced_relay_handler", "client_request_span", "approval_wait_span",
+    "current_meta", "tracing_on", "traced_relay_handler", "approval_wait_span",
     "record_approval_decision",
     "turn_environment", "fast_call_span", "TARGET_FIELDS",
 ]
@@ -105,7 +106,9 @@ def _meta_of(span_context: Any) -> dict[str, str] | None:
 
 def current_meta() -> dict[str, str] | None:
     """`traceparent` (and `tracestate`) of the current span as a `_meta` to hand on, or None when
-    there is no valid span (then nothing is added anywhere)."""
+    there is no valid span (then nothing is added anywhere). The client's relay request carries
+    this: tracing on, its `tools/call {tool}` span (a root of the client's own when the agent sent
+    no context); tracing off, the agent's context passed through (the API's no-op span)."""
     from opentelemetry import trace
 
     return _meta_of(trace.get_current_span().get_span_context())
@@ -149,20 +152,6 @@ def traced_relay_handler(
                 raise
 
     return traced
-
-
-@contextmanager
-def client_request_span(method: str, target: str) -> Iterator[dict[str, str] | None]:
-    """The client's span of one relay request (`method` for tool `target`): yields the `_meta` to
-    send with it. Tracing on: a CLIENT span under the current one (the MCP SDK's `tools/call`
-    span, or a root of the client's own when the agent sent no context). Tracing off: no span,
-    the current context (the agent's, passed through) or None."""
-    if not tracing_on():
-        yield current_meta()
-        return
-    with _start(f"relay {method} {target}", "CLIENT",
-                {"oubliette.relay.method": method, "gen_ai.tool.name": target}) as span:
-        yield _meta_of(span.get_span_context())
 
 
 def _no_result(result: Any) -> None:

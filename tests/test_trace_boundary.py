@@ -49,6 +49,14 @@ class WatchedReceiver(OtlpReceiver):
         super().__init__()
         self.exports = _Exports()
 
+    async def wait_for_count(self, counts: dict[str, int], *names: str) -> dict[str, list[Any]]:
+        """Wait until each service has exported `counts[service]` spans named one of `names`; return every span by service."""
+        while True:
+            spans = self.spans_by_service()
+            if all(sum(span.name in names for span in spans.get(service, [])) >= count for service, count in counts.items()):
+                return spans
+            await self.exports.arrived.wait()
+
     async def wait_for(self, names: dict[str, set[str]]) -> dict[str, list[Any]]:
         """Wait until each service has exported spans of these names; return every span by service."""
         while True:
@@ -80,7 +88,9 @@ def _ids(traceparent: str) -> tuple[str, str]:
 async def test_one_trace_from_the_agents_call_to_the_callers_pending_entry(deployment: Deployment) -> None:
     """The agent's `tools/call` with `_meta.traceparent` → the client's span → the relay request's
     `_meta` → the server's span → the `caller_tool_request` event and the `requires_action`
-    pending entry carry the server's span as `_meta.traceparent`: one trace id all the way."""
+    pending entry carry the server's span as `_meta.traceparent`: one trace id all the way. One
+    span per program per hop: the relay request carries the client's `tools/call` span itself.
+    A call without the agent's context gets the client's `tools/call` span as its root."""
     receiver = WatchedReceiver()
     events = EventLog()
     async with trio.open_nursery() as nursery:
@@ -110,10 +120,18 @@ async def test_one_trace_from_the_agents_call_to_the_callers_pending_entry(deplo
                         answered = await respond(caller, "s1", request["request_id"], result={"sent": True})
                         assert not answered.is_error, text_of(answered)
                     assert not outcome["result"].is_error, text_of(outcome["result"])
-                    spans = await receiver.wait_for({
-                        "oubliette-client": {"tools/call myapp_send_notification", "relay caller_tool myapp_send_notification"},
-                        "oubliette-server": {"tools/call send_notification"},
-                    })
+
+                    async def untraced_call() -> None:
+                        outcome["untraced"] = await agent.call_tool("myapp_send_notification", {"message": "no context"})
+
+                    async with trio.open_nursery() as calls:
+                        calls.start_soon(untraced_call)
+                        root_request = await events.wait_type("caller_tool_request", arguments={"message": "no context"})
+                        answered = await respond(caller, "s1", root_request["request_id"], result={"sent": True})
+                        assert not answered.is_error, text_of(answered)
+                    assert not outcome["untraced"].is_error, text_of(outcome["untraced"])
+                    spans = await receiver.wait_for_count({"oubliette-client": 2, "oubliette-server": 2},
+                                                          "tools/call myapp_send_notification", "tools/call send_notification")
         nursery.cancel_scope.cancel()
 
     # What the caller sees: the server's span, in the agent's trace, with the agent's tracestate.
@@ -121,22 +139,27 @@ async def test_one_trace_from_the_agents_call_to_the_callers_pending_entry(deplo
     seen_trace, seen_span = _ids(entry["_meta"]["traceparent"])
     assert seen_trace == TRACE_ID and entry["_meta"]["tracestate"] == "vendor=abc"
 
-    client = {span.name: span for span in spans["oubliette-client"]}
-    server = {span.name: span for span in spans["oubliette-server"]}
-    mcp_span = client["tools/call myapp_send_notification"]
-    relay_span = client["relay caller_tool myapp_send_notification"]
-    server_span = server["tools/call send_notification"]
-    for span in (mcp_span, relay_span, server_span):
-        assert span.trace_id.hex() == TRACE_ID, span.name
-    # agent → client (SDK's span) → the client's relay request → the server's span, the one the caller saw
+    client = {span.trace_id.hex(): span for span in spans["oubliette-client"] if span.name.startswith("tools/call")}
+    server = {span.trace_id.hex(): span for span in spans["oubliette-server"] if span.name == "tools/call send_notification"}
+    mcp_span, server_span = client[TRACE_ID], server[TRACE_ID]
+    # agent → the client's tools/call span → (the relay request's _meta) → the server's span, the one the caller saw
     assert mcp_span.parent_span_id.hex() == PARENT_SPAN
-    assert relay_span.parent_span_id == mcp_span.span_id
-    assert server_span.parent_span_id == relay_span.span_id
+    assert server_span.parent_span_id == mcp_span.span_id
     assert server_span.span_id.hex() == seen_span
     attributes = {kv.key: kv.value.string_value for kv in server_span.attributes}
     assert attributes["mcp.method.name"] == "tools/call" and attributes["gen_ai.tool.name"] == "send_notification"
     assert attributes["mcp.session.id"] == "mcp:s1" and attributes["oubliette.relay.method"] == "caller_tool"
-    assert server_span.kind == server_span.SPAN_KIND_SERVER and relay_span.kind == relay_span.SPAN_KIND_CLIENT
+    assert server_span.kind == server_span.SPAN_KIND_SERVER and mcp_span.kind == mcp_span.SPAN_KIND_SERVER
+
+    # No context from the agent: the client's tools/call span is the root, the server's span its child.
+    root_trace, root_parent = _ids(root_request["_meta"]["traceparent"])
+    root, root_server_span = client[root_trace], server[root_trace]
+    assert root_trace != TRACE_ID and not root.parent_span_id
+    assert root_server_span.parent_span_id == root.span_id and root_server_span.span_id.hex() == root_parent
+    # One span per program per hop: in each call's trace the client made its `tools/call` span only.
+    for trace_id in (TRACE_ID, root_trace):
+        assert [span.name for span in spans["oubliette-client"] if span.trace_id.hex() == trace_id] == [
+            "tools/call myapp_send_notification"]
 
 
 DELETE = {"name": "delete_file", "description": "Delete a file on the host", "requires_approval": True,
@@ -427,17 +450,18 @@ async def test_the_servers_span_of_a_gated_call_and_of_its_approval_wait(recordi
 
 
 async def test_a_client_span_left_by_an_exception_is_an_error_and_a_cancellation_is_not(recording: Any) -> None:
-    """The client's relay span marks a failed request as an error (the relay went away under it),
-    with the exception's type; a span left by a cancellation is no error."""
+    """The client's `tools/call` span (the fast path's, which the relay request's `_meta` names)
+    marks a call that failed under it as an error (the relay went away under it), with the
+    exception's type; a span left by a cancellation is no error."""
     from opentelemetry.trace import StatusCode
 
-    from protocol.trace_spans import client_request_span
+    from protocol.trace_spans import fast_call_span
 
     with pytest.raises(ConnectionResetError):
-        with client_request_span("caller_tool", "send_notification"):
+        with fast_call_span("send_notification", 1, {}):
             raise ConnectionResetError("the relay went away")
     with trio.CancelScope() as scope:
-        with client_request_span("caller_tool", "send_notification"):
+        with fast_call_span("send_notification", 2, {}):
             scope.cancel()
             await trio.sleep(1)
     failed, cancelled = recording.get_finished_spans()

@@ -10,6 +10,8 @@ from typing import Awaitable, Callable
 
 import trio
 
+from protocol.gc_freeze import freeze_startup_heap
+
 from ..features.toolsets.from_config import register_from_config
 from .app import OublietteServer
 from .config import ServerConfig
@@ -83,6 +85,7 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> int | None:
                 metrics_urls = await nursery.start(api.serve_metrics, config.metrics)
                 log.info("metrics (no token) listening on %s", ", ".join(metrics_urls))
         announce_ready(config.relay_address, http_urls, metrics_urls)
+        freeze_startup_heap()  # start-up is done: no collection walks its objects again (protocol/gc_freeze.py)
         if stdio:
             await _serve_the_stdio_caller(app, config, nursery)
     return received[0] if received else None
