@@ -83,7 +83,10 @@ def time_index_build(url: str, frames: int) -> None:
         conn.execute(
             f"CREATE INDEX frames_session_records ON frames (session_id, channel, instance, seq) "
             f"WHERE type = '{SESSION_RECORD}'")
-        print(f"CREATE INDEX frames_session_records over {frames:,} frames: {time.perf_counter() - began:.2f} s")
+        took = time.perf_counter() - began
+        row = conn.execute("SELECT count(*), pg_size_pretty(pg_table_size('frames')) FROM frames").fetchone()
+        assert row is not None
+        print(f"CREATE INDEX frames_session_records over {row[0]:,} frames ({row[1]}): {took:.2f} s")
 
 
 async def _schema(url: str) -> None:

@@ -209,8 +209,8 @@ async def record(store: FrameStoreAPI, instance: str, payload: dict[str, Any], s
 async def test_session_records_name_each_instance_with_its_first_owner_and_last_declaration(store: FrameStoreAPI) -> None:
     tools = {"caller_id": "myapp", "tools": [{"name": "notify"}]}
     again = {"caller_id": "myapp", "tools": [{"name": "notify"}, {"name": "ask é"}]}
+    await record(store, "b", {OWNER_KEY: "key:bob", DECLARATION_KEY: tools})  # b made before a
     await add(store, "a", channel="mcp", type="user.message", payload={OWNER_KEY: "not a record"})
-    await record(store, "b", {OWNER_KEY: "key:bob", DECLARATION_KEY: tools})
     await record(store, "b", {OWNER_KEY: "key:later", DECLARATION_KEY: again})
     await record(store, "b", {OWNER_KEY: "key:bob"})  # recorded again, declaring nothing
     await record(store, "a", {OWNER_KEY: 7})  # an owner that is no identity counts for nothing
@@ -218,13 +218,13 @@ async def test_session_records_name_each_instance_with_its_first_owner_and_last_
     await record(store, "c", {OWNER_KEY: "key:cy"}, session_id="s2")
     await add(store, "c", channel="host", session_id="s1", type=SESSION_RECORD, payload={OWNER_KEY: "key:other channel"})
 
-    found = await store.session_records("mcp", "s1")
-    assert sorted(found, key=lambda r: r.instance) == [
+    assert await store.session_records("mcp", "s1") == [
         RecordedSession("a", "key:ann", None), RecordedSession("b", "key:bob", again),
-    ]
+    ], "by instance name, as instances() sorts them"
     assert await store.session_records("mcp", "s2") == [RecordedSession("c", "key:cy", None)]
     assert await store.session_records("mcp", "s-unknown") == []
-    assert len(await store.session_records("mcp", "s1", limit=1)) == 1, "at most `limit` instances"
+    assert await store.session_records("mcp", "s1", limit=1) == [RecordedSession("a", "key:ann", None)], \
+        "at most `limit` instances, the first by name"
 
 
 async def test_session_records_are_bounded_and_read_by_their_index(backend: Backend) -> None:
@@ -239,7 +239,8 @@ async def test_session_records_are_bounded_and_read_by_their_index(backend: Back
                 for i in range(200)
             ])
         found = await store.session_records("mcp", "s1")
-        assert len(found) == MAX_RECORDED_INSTANCES and {r.owner for r in found} == {"key:owner"}
+        assert [r.instance for r in found] == [f"box{n:03}" for n in range(MAX_RECORDED_INSTANCES)]
+        assert {r.owner for r in found} == {"key:owner"}
         if isinstance(store, FrameStore):
             plan = [row[3] for row in store._db.execute(
                 "EXPLAIN QUERY PLAN " + sqlite_store.SESSION_RECORDS_SQL, {"sid": "s1", "ch": "mcp", "limit": 100})]

@@ -192,7 +192,7 @@ CREATE TABLE server_leases (
     # knows every session"): a server learns a session it never held in one indexed query, not
     # one per instance. Partial: it holds the server's session records only, a few per session.
     # Built once by the first server of the new version (its CREATE INDEX reads every frame and
-    # holds appends meanwhile: 0.14 s over a million frames, bench/bench_learn.py).
+    # holds appends meanwhile: about 0.1 s over a million frames in cache, bench/bench_learn.py).
     (6, f"""
 CREATE INDEX frames_session_records ON frames (session_id, channel, instance, seq)
     WHERE type = '{SESSION_RECORD}';
@@ -226,17 +226,17 @@ _RECORDS_OF = (
     f"FROM frames f WHERE f.session_id = %(sid)s AND f.channel = %(ch)s AND f.type = '{SESSION_RECORD}' "
     "AND f.instance = r.instance"
 )
-#: `PostgresFrameStore.session_records`: the first `%(limit)s` instances (by name) with a record of
-#: the session, each with its first owner and its last declaration; one statement.
+#: `PostgresFrameStore.session_records`: the first `%(limit)s` instances (by name, as `instances()`
+#: sorts them) with a record of the session, each with its first owner and its last declaration.
 SESSION_RECORDS_SQL = (
     "SELECT r.instance, o.owner, d.declared FROM ("
-    "SELECT DISTINCT instance FROM frames WHERE session_id = %(sid)s AND channel = %(ch)s "
-    f"AND type = '{SESSION_RECORD}' ORDER BY instance LIMIT %(limit)s) r "
+    "SELECT instance FROM frames WHERE session_id = %(sid)s AND channel = %(ch)s "
+    f"AND type = '{SESSION_RECORD}' GROUP BY instance ORDER BY instance COLLATE \"C\" LIMIT %(limit)s) r "
     f"LEFT JOIN LATERAL (SELECT f.payload::jsonb ->> '{OWNER_KEY}' AS owner {_RECORDS_OF} "
     f"AND jsonb_typeof(f.payload::jsonb -> '{OWNER_KEY}') = 'string' ORDER BY f.seq LIMIT 1) o ON true "
     f"LEFT JOIN LATERAL (SELECT (f.payload::jsonb -> '{DECLARATION_KEY}')::text AS declared {_RECORDS_OF} "
     f"AND jsonb_typeof(f.payload::jsonb -> '{DECLARATION_KEY}') = 'object' ORDER BY f.seq DESC LIMIT 1) d ON true "
-    "ORDER BY r.instance"
+    "ORDER BY r.instance COLLATE \"C\""
 )
 _CLAIM = (
     "INSERT INTO resolutions (instance, request_id, seq) VALUES (%s, %s, 0) "
@@ -546,7 +546,7 @@ class PostgresFrameStore(FrameAppends):
         params = {"sid": session_id, "ch": channel, "limit": limit}
 
         def read(conn: psycopg.Connection) -> list[RecordedSession]:
-            rows = conn.execute(SESSION_RECORDS_SQL, params).fetchall()  # type: ignore[arg-type]
+            rows = conn.execute(SESSION_RECORDS_SQL, params).fetchall()  # type: ignore[call-overload]
             return [
                 RecordedSession(name, owner, None if declared is None else json.loads(declared))
                 for name, owner, declared in rows

@@ -225,17 +225,17 @@ _RECORDS_OF = (
     "FROM frames f INDEXED BY frames_session_records WHERE f.session_id = :sid AND f.channel = :ch "
     f"AND f.type = '{SESSION_RECORD}' AND f.iid = r.iid"
 )
-#: `FrameStore.session_records`: the first `:limit` instances (by iid) with a record of the session,
-#: each with its first owner and its last declaration.
+#: `FrameStore.session_records`: the first `:limit` instances (by name, as `instances()` sorts them)
+#: with a record of the session, each with its first owner and its last declaration.
 SESSION_RECORDS_SQL = (
-    f"SELECT i.name, "
+    f"SELECT r.name, "
     f"(SELECT json_extract(f.payload, '$.{OWNER_KEY}') {_RECORDS_OF} "
     f"AND json_type(f.payload, '$.{OWNER_KEY}') = 'text' ORDER BY f.seq LIMIT 1), "
     f"(SELECT json_extract(f.payload, '$.{DECLARATION_KEY}') {_RECORDS_OF} "
     f"AND json_type(f.payload, '$.{DECLARATION_KEY}') = 'object' ORDER BY f.seq DESC LIMIT 1) "
-    f"FROM (SELECT DISTINCT iid FROM frames INDEXED BY frames_session_records WHERE session_id = :sid "
-    f"AND channel = :ch AND type = '{SESSION_RECORD}' ORDER BY iid LIMIT :limit) r "
-    f"JOIN instances i ON i.iid = r.iid ORDER BY r.iid"
+    f"FROM (SELECT DISTINCT i.iid, i.name FROM frames INDEXED BY frames_session_records JOIN instances i "
+    f"ON i.iid = frames.iid WHERE session_id = :sid AND channel = :ch AND type = '{SESSION_RECORD}' "
+    f"ORDER BY i.name LIMIT :limit) r ORDER BY r.name"
 )
 
 _INSERT_FRAME = (
@@ -718,7 +718,7 @@ class FrameStore(FrameAppends):
     async def session_records(
         self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES,
     ) -> list[RecordedSession]:
-        """The instances (at most `limit`, the first made) whose log holds a `session_record` of the
+        """The instances (at most `limit`, the first by name) whose log holds a `session_record` of the
         session, with the owner and last declaration each records: one query along
         `frames_session_records` (see "Schema")."""
         def read() -> list[RecordedSession]:
