@@ -185,7 +185,7 @@ _MAX_TYPE_UNION = 16
 # --------------------------------------------------------------------------------------------
 # The store
 
-_SCHEMA = """
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS instances (
     iid          INTEGER PRIMARY KEY,
     name         TEXT    NOT NULL UNIQUE,
@@ -208,7 +208,7 @@ CREATE INDEX IF NOT EXISTS frames_by_session ON frames (iid, session_id, channel
 CREATE INDEX IF NOT EXISTS frames_by_type ON frames (iid, type, seq);
 CREATE INDEX IF NOT EXISTS frames_by_reply ON frames (iid, reply_to, seq) WHERE reply_to IS NOT NULL;
 CREATE INDEX IF NOT EXISTS frames_session_records ON frames (session_id, channel, iid, seq)
-    WHERE type = 'session_record';
+    WHERE type = '{SESSION_RECORD}';
 CREATE TABLE IF NOT EXISTS cursors (
     instance TEXT    NOT NULL,
     name     TEXT    NOT NULL,
