@@ -181,7 +181,7 @@ async def test_the_single_server_crossing_does_nothing() -> None:
     request: dict[str, Any] = {"request_id": "r1"}
     single.announce(request, expires_at="soon", progress=True)
     assert request == {"request_id": "r1"}
-    assert await single.record_of(session) == (None, None) and await single.instances() == []
+    assert await single.record_of(session) == (None, None) and await single.recorded_sessions("mcp", "s1") == []
     assert await single.session_record(lambda: made.append(session) or session) is None and made == []
     assert await single.read_new(RequestBook(single, ()).cursors, session, ("x",)) == []
     assert await single.owner_elsewhere(session, recorded_only=False) is False

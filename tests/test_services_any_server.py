@@ -6,7 +6,8 @@ its agent's server (B) asked a caller tool request and an approval, all written 
 log. This server (C) holds nothing of `s1`: its session registry, caller tool requests and
 approvals, wired with the shared-store crossing as app.py wires them, learn the session, serve
 its owner (an answer and a decision stored once, with `append_outcome`) and refuse anyone else
-as the owning server does. An id the log does not record makes nothing.
+as the owning server does. An id the log does not record makes nothing, and costs one store read
+however many instances the log has.
 """
 
 from __future__ import annotations
@@ -37,15 +38,33 @@ def caller(identity: str) -> CallerConnection:
     return connection
 
 
+class CountingStore:
+    """The in-memory store, counting the reads a server asks of it (every async call but an append)."""
+
+    def __init__(self, store: FrameStore) -> None:
+        self.store = store
+        self.reads: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self.store, name)
+        if not callable(found) or name.startswith("append"):
+            return found
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            self.reads.append(name)
+            return found(*args, **kw)
+        return counted
+
+
 class ServerC:
     """This server's session registry and request services over the shared (in-memory) log."""
 
-    def __init__(self, store: FrameStore) -> None:
+    def __init__(self, store: Any) -> None:
         self.store = store
         self.sessions = SessionRegistry()
         frame_log = FrameLog(store, self.sessions)
         crossing = SharedStore(LogBus(store, frame_log.append_outcome), "server-c")
-        self.sessions.learn_from(crossing.record_of, crossing.instances)
+        self.sessions.learn_from(crossing.record_of, crossing.recorded_sessions)
         self.calls = CallerCallRegistry(frame_log.append, 60, crossing=crossing, find_sessions=self.sessions.find_by_id)
         self.approvals = ApprovalService(frame_log.append, 600, crossing=crossing)
 
@@ -123,3 +142,26 @@ async def test_the_owner_sends_into_a_session_opened_elsewhere_and_a_stranger_ca
         "SessionRegistry.claim: the owner stays an identity on a server it did not open the session on"
     c.sessions.declare(session, owner, "myapp", [])
     assert owner in session.sinks and session.caller_tools == {}
+
+
+async def test_an_unknown_id_costs_one_store_read_however_many_instances_the_log_has() -> None:
+    """A caller sending ids no log records (a guess, a typo, a flood) costs the server one bounded
+    query per request, not one per instance (docs/SCALING.md, "Every server knows every session")."""
+    store = FrameStore.in_memory()
+    for n in range(40):
+        await store.append(f"box{n:02}", channel="mcp", session_id=f"s-{n}", type="user.message", payload={"text": "hi"})
+        await store.append(f"box{n:02}", channel="mcp", session_id=f"s-{n}", type=SESSION_RECORD, payload={OWNER_KEY: "key:owner"})
+    counting = CountingStore(store)
+    c = ServerC(counting)
+    owner = caller("key:owner")
+
+    assert await c.sessions.owns(owner, "s-guessed", "mcp") == [] and c.sessions.count() == 0
+    assert counting.reads == ["session_records"], \
+        f"SessionRegistry.learn: an unknown id cost {len(counting.reads)} store reads: {counting.reads}"
+
+    counting.reads.clear()
+    [session] = await c.sessions.owns(owner, "s-37", "mcp")
+    assert (session.instance, session.owner_identity) == ("box37", "key:owner") and counting.reads == ["session_records"], \
+        f"SessionRegistry.learn: a session recorded on one instance of 40 cost {counting.reads}"
+    counting.reads.clear()
+    assert await c.sessions.owns(owner, "s-37", "mcp") == [session] and counting.reads == [], "a session learnt is held"

@@ -6,6 +6,8 @@ caller API and the caller tool relay only ask it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from oubliette_server.core.callers import CallerConnection
@@ -61,10 +63,10 @@ async def test_owns_knows_the_owner_recorded_in_a_shared_log() -> None:
     async def recorded(session: object) -> tuple[str | None, None]:
         return caller.identity, None
 
-    async def no_instances() -> list[str]:
+    async def no_records(channel: str, session_id: str) -> list[Any]:
         return []
 
-    registry.learn_from(recorded, no_instances)
+    registry.learn_from(recorded, no_records)
     session = registry.get_or_create("box1", "mcp", "s1")  # opened on another server
     assert await registry.owns(caller, "s1", "mcp") == [session]
     assert session.owner_identity == caller.identity and session.owner is None

@@ -23,7 +23,19 @@ import trio.testing
 
 from oubliette_server.program.config import ServerConfig
 from oubliette_server.store.sqlite import FrameStore
-from oubliette_server.store.api import CursorPruned, FrameQuery, FrameStoreAPI, StoreUnavailable
+from oubliette_server.store import postgres as postgres_store
+from oubliette_server.store import sqlite as sqlite_store
+from oubliette_server.store.api import (
+    DECLARATION_KEY,
+    MAX_RECORDED_INSTANCES,
+    OWNER_KEY,
+    SESSION_RECORD,
+    CursorPruned,
+    FrameQuery,
+    FrameStoreAPI,
+    RecordedSession,
+    StoreUnavailable,
+)
 from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,6 +197,86 @@ async def test_filtered_query(store: FrameStoreAPI) -> None:
     assert await seqs(store, after_seq=100) == []
     assert await seqs(store, "box2") == [1]
     assert await seqs(store, "nobody") == []
+
+
+# -- a session's records across instances (docs/SCALING.md, "Every server knows every session") --
+
+
+async def record(store: FrameStoreAPI, instance: str, payload: dict[str, Any], session_id: str = "s1") -> None:
+    await add(store, instance, channel="mcp", session_id=session_id, type=SESSION_RECORD, payload=payload)
+
+
+async def test_session_records_name_each_instance_with_its_first_owner_and_last_declaration(store: FrameStoreAPI) -> None:
+    tools = {"caller_id": "myapp", "tools": [{"name": "notify"}]}
+    again = {"caller_id": "myapp", "tools": [{"name": "notify"}, {"name": "ask é"}]}
+    await record(store, "b", {OWNER_KEY: "key:bob", DECLARATION_KEY: tools})  # b made before a
+    await add(store, "a", channel="mcp", type="user.message", payload={OWNER_KEY: "not a record"})
+    await record(store, "b", {OWNER_KEY: "key:later", DECLARATION_KEY: again})
+    await record(store, "b", {OWNER_KEY: "key:bob"})  # recorded again, declaring nothing
+    await record(store, "a", {OWNER_KEY: 7})  # an owner that is no identity counts for nothing
+    await record(store, "a", {OWNER_KEY: "key:ann", DECLARATION_KEY: "not a declaration"})
+    await record(store, "c", {OWNER_KEY: "key:cy"}, session_id="s2")
+    await add(store, "c", channel="host", session_id="s1", type=SESSION_RECORD, payload={OWNER_KEY: "key:other channel"})
+
+    assert await store.session_records("mcp", "s1") == [
+        RecordedSession("a", "key:ann", None), RecordedSession("b", "key:bob", again),
+    ], "by instance name, as instances() sorts them"
+    assert await store.session_records("mcp", "s2") == [RecordedSession("c", "key:cy", None)]
+    assert await store.session_records("mcp", "s-unknown") == []
+    assert await store.session_records("mcp", "s1", limit=1) == [RecordedSession("a", "key:ann", None)], \
+        "at most `limit` instances, the first by name"
+
+
+async def test_session_records_are_bounded_and_read_by_their_index(backend: Backend) -> None:
+    """However many instances hold the id, one query reports at most `MAX_RECORDED_INSTANCES`; its
+    plan reads the frames through the partial index of session records, never by a scan."""
+    async with backend.open() as store:
+        for n in range(MAX_RECORDED_INSTANCES + 5):
+            await record(store, f"box{n:03}", {OWNER_KEY: "key:owner"})
+        for instance in ("box000", "box001"):
+            await store.append_many(instance, [
+                {"channel": "mcp", "session_id": f"s{i % 7}", "type": "user.message", "payload": {"i": i}}
+                for i in range(200)
+            ])
+        found = await store.session_records("mcp", "s1")
+        assert [r.instance for r in found] == [f"box{n:03}" for n in range(MAX_RECORDED_INSTANCES)]
+        assert {r.owner for r in found} == {"key:owner"}
+        if isinstance(store, FrameStore):
+            plan = [row[3] for row in store._db.execute(
+                "EXPLAIN QUERY PLAN " + sqlite_store.SESSION_RECORDS_SQL, {"sid": "s1", "ch": "mcp", "limit": 100})]
+        else:
+            import psycopg
+
+            with psycopg.connect(backend.location) as conn:
+                conn.execute("ANALYZE frames")
+                plan = [row[0] for row in conn.execute(
+                    "EXPLAIN " + postgres_store.SESSION_RECORDS_SQL, {"sid": "s1", "ch": "mcp", "limit": 100})]
+    assert sum("frames_session_records" in step for step in plan) == 3, plan  # the instances, an owner, a declaration
+    assert not any("Seq Scan" in step or step.startswith(("SCAN frames", "SCAN f ")) for step in plan), plan
+
+
+async def test_a_log_made_before_the_records_index_gets_it_when_opened(backend: Backend) -> None:
+    """A store made by an earlier version (no `frames_session_records`; on PostgreSQL, schema
+    version 5) gets the index when a server opens it, and its records are found through it."""
+    async with backend.open() as store:
+        await record(store, "box1", {OWNER_KEY: "key:owner"})
+    if backend.name == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(backend.location) as conn:
+            conn.execute("DROP INDEX frames_session_records")
+    else:
+        import psycopg
+
+        with psycopg.connect(backend.location, autocommit=True) as conn:
+            conn.execute("DROP INDEX frames_session_records")
+            conn.execute("DELETE FROM oubliette_schema WHERE version = 6")
+    async with backend.open() as store:
+        assert await store.session_records("mcp", "s1") == [RecordedSession("box1", "key:owner", None)]
+    if backend.name == "postgres":
+        with psycopg.connect(backend.location) as conn:
+            assert conn.execute("SELECT 1 FROM pg_indexes WHERE indexname = 'frames_session_records'").fetchone(), \
+                "migration 6 applied to a database at version 5"
 
 
 # -- long poll -----------------------------------------------------------------------------

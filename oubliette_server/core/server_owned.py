@@ -32,12 +32,13 @@ from typing import Any
 
 from protocol import RelayError, errors
 
-#: The type of the server's record of a session: `{owner, caller_tools?}` (shared store only).
-SESSION_RECORD = "session_record"
-#: The key of a declaration (`{caller_id, tools}`) in a `session_record` payload.
-DECLARATION_KEY = "caller_tools"
-#: The key of the session owner's identity (`CallerConnection.identity`) in a `session_record` payload.
-OWNER_KEY = "owner"
+# The server's record of a session (`{owner, caller_tools?}`) and its keys are named in the store's
+# layer, which finds a session's records by an index on that type (`FrameStoreAPI.session_records`).
+from ..store.api import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
+
+__all__ = [
+    "DECLARATION_KEY", "OWNER_KEY", "SERVER_OWNED_KEYS", "SERVER_OWNED_TYPES", "SESSION_RECORD", "refuse_server_owned",
+]
 
 SERVER_OWNED_TYPES = frozenset({
     SESSION_RECORD,

@@ -19,7 +19,7 @@ import attrs
 
 from protocol import CallerToolSpec, RelayError, errors, structure
 
-from ..store.api import CursorPruned, FrameQuery
+from ..store.api import CursorPruned, FrameQuery, RecordedSession
 
 if TYPE_CHECKING:
     from protocol import Frame
@@ -146,7 +146,11 @@ async def _nothing_recorded(session: Session) -> tuple[str | None, dict[str, Any
     return None, None
 
 
-async def _no_instances() -> list[str]:
+#: The instances whose log records a session `(channel, session_id)`, with what each records.
+RecordsFn = Callable[[str, str], Awaitable[list[RecordedSession]]]
+
+
+async def _no_records(channel: str, session_id: str) -> list[RecordedSession]:
     """No instance's log is searched for a session (one server)."""
     return []
 
@@ -181,7 +185,7 @@ class SessionRegistry:
         self._followed: dict[str, set[Session]] = {}
         self._in_use: list[Callable[[Session], bool]] = []
         self._read_record: RecordFn = _nothing_recorded
-        self._instances: Callable[[], Awaitable[list[str]]] = _no_instances
+        self._find_records: RecordsFn = _no_records
         #: How many sessions were forgotten so far (for tests and benchmarks).
         self.forgotten = 0
 
@@ -216,31 +220,37 @@ class SessionRegistry:
 
     # -- ownership: the one place a session's owner, declaration and followers are written ---------
 
-    def learn_from(self, read_record: RecordFn, instances: Callable[[], Awaitable[list[str]]]) -> None:
-        """Read a session's recorded owner and declaration with `read_record`, and look for a session
-        this process does not hold in the logs of `instances()` (a shared store; by default nothing
-        is read back: one server knows its sessions from memory)."""
+    def learn_from(self, read_record: RecordFn, find_records: RecordsFn) -> None:
+        """Read a session's recorded owner and declaration with `read_record` (one instance's log), and
+        look for a session this process does not hold in every instance's log with `find_records`,
+        one store read (a shared store; by default nothing is read back: one server knows its
+        sessions from memory)."""
         self._read_record = read_record
-        self._instances = instances
+        self._find_records = find_records
 
     async def learn(self, session_id: str, channel: str, instance: str | None = None) -> list[Session]:
-        """The sessions with this id (of `instance`, else of any instance with frames) that the log
-        records an owner of, made here with that owner and its last declaration: any server then
-        serves the owner as the server it opened the session on does (docs/SCALING.md, "Every
-        server knows every session"). Sessions held with a known owner are returned as they are;
-        an id no log records makes nothing (so a guess costs a read, never memory).
+        """The sessions with this id (of `instance`, else of any instance) that the log records an
+        owner of, made here with that owner and its last declaration: any server then serves the
+        owner as the server it opened the session on does (docs/SCALING.md, "Every server knows
+        every session"). Sessions held with a known owner are returned as they are; an id no log
+        records makes nothing: a guess costs one store read (of `instance`'s log, else one query
+        across every instance's, at most `MAX_RECORDED_INSTANCES` of them), never memory.
         """
         found = [s for s in self.find_by_id(session_id, instance) if s.channel == channel]
         known = {s.instance for s in found if s.owner_known}
-        for name in [instance] if instance is not None else await self._instances():
-            if name in known:
+        if instance is None:
+            records = await self._find_records(channel, session_id)
+        elif instance in known:
+            records = []
+        else:
+            owner, declared = await self._read_record(Session(instance=instance, channel=channel, id=session_id))
+            records = [RecordedSession(instance, owner, declared)]
+        for record in records:
+            if record.instance in known or record.owner is None:
                 continue
-            owner, declared = await self._read_record(Session(instance=name, channel=channel, id=session_id))
-            if owner is None:
-                continue
-            session = self.get_or_create(name, channel, session_id)  # held, or made meanwhile: the same one
+            session = self.get_or_create(record.instance, channel, session_id)  # held, or made meanwhile: the same one
             if not session.owner_known:
-                self.adopt_record(session, owner, declared)
+                self.adopt_record(session, record.owner, record.declared)
             if session not in found:
                 found.append(session)
         return found

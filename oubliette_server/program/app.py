@@ -143,7 +143,7 @@ class OublietteServer:
             SharedStore(LogBus(self.store, self.frame_log.append_outcome), self.server_id)
             if self.store.shared else SingleServer()
         )
-        self.sessions.learn_from(self.crossing.record_of, self.crossing.instances)
+        self.sessions.learn_from(self.crossing.record_of, self.crossing.recorded_sessions)
         self.calls = CallerCallRegistry(
             self.frame_log.append, config.caller_timeout, crossing=self.crossing, find_sessions=self.sessions.find_by_id,
             on_ended=self.metrics.relayed_call_ended,

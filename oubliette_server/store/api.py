@@ -29,8 +29,12 @@ __all__ = [
     "DEFAULT_LIMIT",
     "DEFAULT_PRUNE_EVERY",
     "DEFAULT_RETENTION_FRAMES",
+    "DECLARATION_KEY",
     "MAX_LIMIT",
+    "MAX_RECORDED_INSTANCES",
     "MAX_SEQ",
+    "OWNER_KEY",
+    "SESSION_RECORD",
     "REQUIRED_KEYS",
     "CursorPruned",
     "FrameAppends",
@@ -38,6 +42,7 @@ __all__ = [
     "FrameStoreAPI",
     "AnswerNotRecorded",
     "OUTAGE_RETRY",
+    "RecordedSession",
     "StoreUnavailable",
     "check_cursor_args",
     "check_instance",
@@ -60,6 +65,18 @@ DEFAULT_RETENTION_FRAMES = 100_000
 DEFAULT_PRUNE_EVERY = 1000
 APPEND_KEYS = frozenset({"channel", "session_id", "type", "payload", "msg_id", "reply_to"})
 REQUIRED_KEYS = frozenset({"channel", "session_id", "type", "payload"})
+
+#: The type of the server's record of a session, `{owner, caller_tools?}` (core/server_owned.py
+#: says who writes it). Defined here, the store's layer, because the store finds a session's
+#: records by an index of its own, partial on this type (`session_records`).
+SESSION_RECORD = "session_record"
+#: The key of the session owner's identity (`CallerConnection.identity`) in a `session_record` payload.
+OWNER_KEY = "owner"
+#: The key of a declaration (`{caller_id, tools}`) in a `session_record` payload.
+DECLARATION_KEY = "caller_tools"
+#: How many instances `session_records` reports at most for one session id: the work of one
+#: unknown id a caller sends is one bounded query, whatever the number of instances.
+MAX_RECORDED_INSTANCES = 100
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,6 +136,17 @@ class FrameQuery:
             for t in self.types:
                 if not isinstance(t, str):
                     raise TypeError(f"types must contain strings only, got {t!r}")
+
+
+@attrs.define(frozen=True)
+class RecordedSession:
+    """What one instance's log records of a session (`FrameStoreAPI.session_records`): the owner
+    identity of its first `session_record` that names one, and the declaration of its last one
+    that carries one (None when none does)."""
+
+    instance: str
+    owner: str | None
+    declared: dict[str, Any] | None
 
 
 def is_int(value: Any) -> bool:
@@ -527,6 +555,14 @@ class FrameStoreAPI(Protocol):
 
     async def instances(self) -> list[str]:
         """Names of every instance that has ever had a frame appended, sorted."""
+        ...
+
+    async def session_records(
+        self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES,
+    ) -> list[RecordedSession]:
+        """The instances whose log holds a `session_record` of (`channel`, `session_id`), at most
+        `limit` of them, each with the owner and last declaration it records: one query, served by
+        an index on the records alone, however many instances the store has."""
         ...
 
     async def get_cursor(self, instance: str, name: str) -> int:

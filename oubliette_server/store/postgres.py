@@ -74,12 +74,17 @@ import trio
 from protocol.frames import Frame
 
 from .api import (
+    DECLARATION_KEY,
+    MAX_RECORDED_INSTANCES,
+    OWNER_KEY,
+    SESSION_RECORD,
     AppendNoticeHook,
     DEFAULT_PRUNE_EVERY,
     DEFAULT_RETENTION_FRAMES,
     CursorPruned,
     FrameAppends,
     FrameQuery,
+    RecordedSession,
     StoreUnavailable,
     check_cursor_args,
     check_instance,
@@ -183,6 +188,15 @@ CREATE TABLE server_leases (
     expires_at timestamptz NOT NULL
 );
 """),
+    # A session's records across instances (`session_records`, docs/SCALING.md, "Every server
+    # knows every session"): a server learns a session it never held in one indexed query, not
+    # one per instance. Partial: it holds the server's session records only, a few per session.
+    # Built once by the first server of the new version (its CREATE INDEX reads every frame and
+    # holds appends meanwhile: about 0.1 s over a million frames in cache, bench/bench_learn.py).
+    (6, f"""
+CREATE INDEX frames_session_records ON frames (session_id, channel, instance, seq)
+    WHERE type = '{SESSION_RECORD}';
+"""),
 ]
 SCHEMA_VERSION = max(version for version, _ in MIGRATIONS)
 
@@ -205,6 +219,24 @@ _FRAMES_AFTER = (
     b"SELECT i.last_seq, i.pruned_below, f.seq, f.ts, f.channel, f.session_id, f.type, f.msg_id, f.reply_to, "
     b"f.payload FROM instances i LEFT JOIN LATERAL (SELECT * FROM frames f WHERE f.instance = i.name "
     b"AND f.seq > $1 ORDER BY f.seq LIMIT $2) f ON true WHERE i.name = $3 ORDER BY f.seq"
+)
+# The records of one session in one instance, along `frames_session_records` (the type is written
+# out, not bound: the planner uses a partial index only for a query whose WHERE implies its condition).
+_RECORDS_OF = (
+    f"FROM frames f WHERE f.session_id = %(sid)s AND f.channel = %(ch)s AND f.type = '{SESSION_RECORD}' "
+    "AND f.instance = r.instance"
+)
+#: `PostgresFrameStore.session_records`: the first `%(limit)s` instances (by name, as `instances()`
+#: sorts them) with a record of the session, each with its first owner and its last declaration.
+SESSION_RECORDS_SQL = (
+    "SELECT r.instance, o.owner, d.declared FROM ("
+    "SELECT instance FROM frames WHERE session_id = %(sid)s AND channel = %(ch)s "
+    f"AND type = '{SESSION_RECORD}' GROUP BY instance ORDER BY instance COLLATE \"C\" LIMIT %(limit)s) r "
+    f"LEFT JOIN LATERAL (SELECT f.payload::jsonb ->> '{OWNER_KEY}' AS owner {_RECORDS_OF} "
+    f"AND jsonb_typeof(f.payload::jsonb -> '{OWNER_KEY}') = 'string' ORDER BY f.seq LIMIT 1) o ON true "
+    f"LEFT JOIN LATERAL (SELECT (f.payload::jsonb -> '{DECLARATION_KEY}')::text AS declared {_RECORDS_OF} "
+    f"AND jsonb_typeof(f.payload::jsonb -> '{DECLARATION_KEY}') = 'object' ORDER BY f.seq DESC LIMIT 1) d ON true "
+    "ORDER BY r.instance COLLATE \"C\""
 )
 _CLAIM = (
     "INSERT INTO resolutions (instance, request_id, seq) VALUES (%s, %s, 0) "
@@ -503,6 +535,22 @@ class PostgresFrameStore(FrameAppends):
         """Names of every instance that has ever had a frame appended, sorted."""
         def read(conn: psycopg.Connection) -> list[str]:
             return [r[0] for r in conn.execute('SELECT name FROM instances ORDER BY name COLLATE "C"')]
+        return await self._run(read, read_only=True)
+
+    async def session_records(
+        self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES,
+    ) -> list[RecordedSession]:
+        """The instances (at most `limit`, by name) whose log holds a `session_record` of the session,
+        with the owner and last declaration each records: one statement along the partial index
+        `frames_session_records` (migration 6), however many instances the log has."""
+        params = {"sid": session_id, "ch": channel, "limit": limit}
+
+        def read(conn: psycopg.Connection) -> list[RecordedSession]:
+            rows = conn.execute(SESSION_RECORDS_SQL, params).fetchall()  # type: ignore[call-overload]
+            return [
+                RecordedSession(name, owner, None if declared is None else json.loads(declared))
+                for name, owner, declared in rows
+            ]
         return await self._run(read, read_only=True)
 
     async def last_seq(self, instance: str) -> int:

@@ -81,6 +81,11 @@ Schema (``PRAGMA user_version = 1``)
       is no channel filter), merges them and reads just the winning rows, so its cost does
       not depend on how rare the types are.  (More than 16 types: row-by-row filter.)
     * ``frames_by_reply (iid, reply_to, seq) WHERE reply_to IS NOT NULL`` — ``reply_to``.
+    * ``frames_session_records (session_id, channel, iid, seq) WHERE type = 'session_record'``
+      — the instances whose log records a session (``session_records``), across instances in
+      one query: it holds the server's session records only, a few per session.  Added to a
+      store file made before it when the server opens it (``CREATE INDEX IF NOT EXISTS``: one
+      pass over the frames, once).
 
     The plan for each filter combination is pinned with ``INDEXED BY`` (a missing index is an
     error, not a silent full scan); :meth:`FrameStore.query_plan` shows it, and the tests
@@ -132,14 +137,19 @@ import trio
 from protocol.frames import FRAME_VERSION, Frame, SessionRef
 
 from .api import (
+    DECLARATION_KEY,
     DEFAULT_LIMIT,
     DEFAULT_PRUNE_EVERY,
     DEFAULT_RETENTION_FRAMES,
     MAX_LIMIT,
+    MAX_RECORDED_INSTANCES,
     MAX_SEQ,
+    OWNER_KEY,
+    SESSION_RECORD,
     CursorPruned,
     FrameAppends,
     FrameQuery,
+    RecordedSession,
     StoreDamaged,
     StoreUnavailable,
     check_cursor_args,
@@ -175,7 +185,7 @@ _MAX_TYPE_UNION = 16
 # --------------------------------------------------------------------------------------------
 # The store
 
-_SCHEMA = """
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS instances (
     iid          INTEGER PRIMARY KEY,
     name         TEXT    NOT NULL UNIQUE,
@@ -197,6 +207,8 @@ CREATE TABLE IF NOT EXISTS frames (
 CREATE INDEX IF NOT EXISTS frames_by_session ON frames (iid, session_id, channel, seq);
 CREATE INDEX IF NOT EXISTS frames_by_type ON frames (iid, type, seq);
 CREATE INDEX IF NOT EXISTS frames_by_reply ON frames (iid, reply_to, seq) WHERE reply_to IS NOT NULL;
+CREATE INDEX IF NOT EXISTS frames_session_records ON frames (session_id, channel, iid, seq)
+    WHERE type = '{SESSION_RECORD}';
 CREATE TABLE IF NOT EXISTS cursors (
     instance TEXT    NOT NULL,
     name     TEXT    NOT NULL,
@@ -206,6 +218,25 @@ CREATE TABLE IF NOT EXISTS cursors (
 """
 
 _COLS = "seq, ts, channel, session_id, type, msg_id, reply_to, payload"
+
+# The records of one session in one instance, along `frames_session_records` (the type is written
+# out, not bound: SQLite uses a partial index only for a query whose WHERE names its condition).
+_RECORDS_OF = (
+    "FROM frames f INDEXED BY frames_session_records WHERE f.session_id = :sid AND f.channel = :ch "
+    f"AND f.type = '{SESSION_RECORD}' AND f.iid = r.iid"
+)
+#: `FrameStore.session_records`: the first `:limit` instances (by name, as `instances()` sorts them)
+#: with a record of the session, each with its first owner and its last declaration.
+SESSION_RECORDS_SQL = (
+    f"SELECT r.name, "
+    f"(SELECT json_extract(f.payload, '$.{OWNER_KEY}') {_RECORDS_OF} "
+    f"AND json_type(f.payload, '$.{OWNER_KEY}') = 'text' ORDER BY f.seq LIMIT 1), "
+    f"(SELECT json_extract(f.payload, '$.{DECLARATION_KEY}') {_RECORDS_OF} "
+    f"AND json_type(f.payload, '$.{DECLARATION_KEY}') = 'object' ORDER BY f.seq DESC LIMIT 1) "
+    f"FROM (SELECT DISTINCT i.iid, i.name FROM frames INDEXED BY frames_session_records JOIN instances i "
+    f"ON i.iid = frames.iid WHERE session_id = :sid AND channel = :ch AND type = '{SESSION_RECORD}' "
+    f"ORDER BY i.name LIMIT :limit) r ORDER BY r.name"
+)
 
 _INSERT_FRAME = (
     "INSERT INTO frames (iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
@@ -683,6 +714,20 @@ class FrameStore(FrameAppends):
             _frame(seq, ts, instance, ch, sid, typ, mid, rt, loads(payload))
             for seq, ts, ch, sid, typ, mid, rt, payload in db.execute(sql, params)
         ]
+
+    async def session_records(
+        self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES,
+    ) -> list[RecordedSession]:
+        """The instances (at most `limit`, the first by name) whose log holds a `session_record` of the
+        session, with the owner and last declaration each records: one query along
+        `frames_session_records` (see "Schema")."""
+        def read() -> list[RecordedSession]:
+            rows = self._db.execute(SESSION_RECORDS_SQL, {"sid": session_id, "ch": channel, "limit": limit})
+            return [
+                RecordedSession(name, owner, None if declared is None else json.loads(declared))
+                for name, owner, declared in rows
+            ]
+        return await _on_loop(read)
 
     def query_plan(self, instance: str, q: FrameQuery) -> list[str]:
         """``EXPLAIN QUERY PLAN`` of the SQL :meth:`query` runs for ``q`` (for tests and the

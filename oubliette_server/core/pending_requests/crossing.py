@@ -16,7 +16,7 @@ import trio
 
 from protocol import Frame
 
-from ...store.api import FrameStoreAPI
+from ...store.api import FrameStoreAPI, RecordedSession
 from ..frame_log import AppendFrame as AppendFn
 from ..frame_log import AppendOutcome
 from ..sessions import SessionRegistry
@@ -101,8 +101,9 @@ class Crossing(Protocol):
         no owner of it (nothing on one server, whose memory is all there is)."""
         ...
 
-    async def instances(self) -> list[str]:
-        """The instances whose logs may hold a session opened on another server (none on one server)."""
+    async def recorded_sessions(self, channel: str, session_id: str) -> list[RecordedSession]:
+        """The instances whose log records an owner or declaration of the session, with what each
+        records: one store read, bounded (`MAX_RECORDED_INSTANCES`); none on one server."""
         ...
 
     async def session_record(self, session_of: Callable[[], Session]) -> SessionRecord | None:
@@ -160,7 +161,7 @@ class SingleServer:
         """Nothing: every session this server serves was opened here."""
         return None, None
 
-    async def instances(self) -> list[str]:
+    async def recorded_sessions(self, channel: str, session_id: str) -> list[RecordedSession]:
         """None: no other server opens sessions."""
         return []
 
@@ -244,9 +245,9 @@ class SharedStore:
         """Read from the session's `session_record` frames."""
         return await self.log.session_record(session)
 
-    async def instances(self) -> list[str]:
-        """Every instance with frames in the shared log."""
-        return await self.log.store.instances()
+    async def recorded_sessions(self, channel: str, session_id: str) -> list[RecordedSession]:
+        """The store's `session_records`: one indexed query over every instance's log."""
+        return await self.log.store.session_records(channel, session_id)
 
     async def session_record(self, session_of: Callable[[], Session]) -> SessionRecord | None:
         """Read from the session's `session_record` frames."""
