@@ -105,6 +105,8 @@ class PendingRequests(Generic[E]):
         unless an answer being stored under its claim (store first, then answer) ends it first."""
         with trio.move_on_after(seconds):
             await entry.done.wait()
+        if not self.is_open(entry):
+            return  # answered (or ended) in time: no claim to take, no extra trip through the scheduler
         async with entry.claim:  # an answer being stored goes first: stored, it wins
             if self.is_open(entry):
                 time_out()
