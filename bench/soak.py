@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -455,7 +454,7 @@ def growth_per_hour(samples: list[tuple[float, int, int]], column: int) -> float
 
 def report_steady(steady: dict[str, Any], pid: int) -> bool:
     samples, counts, problems = steady["samples"], steady["counts"], steady["problems"]
-    (t0, rss0, fds0), (t1, rss1, fds1) = samples[0], samples[-1]
+    (_, rss0, fds0), (t1, rss1, fds1) = samples[0], samples[-1]
     print()
     print("Oubliette soak, steady load")
     print(f"  python {sys.version.split()[0]}, trio {trio.__version__}, {os.cpu_count()} CPUs, server pid {pid}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import trio
 
-from harness import DEMO_AGENT, EVENT_TIMEOUT, Deployment, structured, text_of
+from harness import DEMO_AGENT, Deployment, structured, text_of
 
 DELETE = {
     "name": "delete_file",

@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.stdio import stdio_client
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from harness import PYTHON, Deployment, EventLog, HandMcp, structured, text_of

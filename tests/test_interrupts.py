@@ -21,7 +21,7 @@ import trio
 import trio.testing
 
 from harness import PYTHON, fresh_dir
-from test_first_hour import READY, RUN_BOUND, Stderr, assert_one_line, data_env, program, run
+from test_first_hour import READY, RUN_BOUND, Stderr, assert_one_line, program, run
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERRUPTED = 130

@@ -258,7 +258,7 @@ class StdioBridge:
         from starlette.responses import JSONResponse, Response
 
         if scope["type"] == "lifespan":  # nothing to start or stop
-            while (event := await receive())["type"] != "lifespan.shutdown":
+            while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
             return

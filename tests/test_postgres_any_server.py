@@ -13,7 +13,7 @@ very refusal A gives it. Everything is a real program and a real PostgreSQL (tes
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import attrs
 

@@ -27,7 +27,7 @@ from oubliette_server.store.api import FrameQuery
 from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore
 from test_approvals_matrix import DELETE, GATED, call, decide
 from test_caller_loop import IDLE, INSTANCE, LOOP_AGENT, LoopCaller, ends_with, script, tool
-from test_http_api import poll, post
+from test_http_api import post
 
 TOOL = "myapp_send_notification"
 LEASE_TTL = 1.5

@@ -584,8 +584,8 @@ def test_every_method_has_a_params_type_and_only_requests_have_result_types() ->
     """The method tables agree: every method is structured on arrival, and notifications expect no result."""
     assert set(PARAMS_TYPES) == set(protocol.METHODS)
     assert set(RESULT_TYPES) <= set(PARAMS_TYPES)
-    for notification in (CALLER_TOOLS_CONFIG, CANCEL, TOOLSETS_CONFIG):
-        assert notification not in RESULT_TYPES
+    for method in (CALLER_TOOLS_CONFIG, CANCEL, TOOLSETS_CONFIG):
+        assert method not in RESULT_TYPES
 
 
 def test_defaults() -> None:
