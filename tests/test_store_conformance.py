@@ -225,6 +225,9 @@ async def test_session_records_name_each_instance_with_its_first_owner_and_last_
     assert await store.session_records("mcp", "s-unknown") == []
     assert await store.session_records("mcp", "s1", limit=1) == [RecordedSession("a", "key:ann", None)], \
         "at most `limit` instances, the first by name"
+    assert await store.session_records("mcp", "s1", instance="b") == [RecordedSession("b", "key:bob", again)], \
+        "one instance's records (LogBus.session_record)"
+    assert await store.session_records("mcp", "s2", instance="a") == []
 
 
 async def test_session_records_are_bounded_and_read_by_their_index(backend: Backend) -> None:
@@ -241,18 +244,22 @@ async def test_session_records_are_bounded_and_read_by_their_index(backend: Back
         found = await store.session_records("mcp", "s1")
         assert [r.instance for r in found] == [f"box{n:03}" for n in range(MAX_RECORDED_INSTANCES)]
         assert {r.owner for r in found} == {"key:owner"}
-        if isinstance(store, FrameStore):
-            plan = [row[3] for row in store._db.execute(
-                "EXPLAIN QUERY PLAN " + sqlite_store.SESSION_RECORDS_SQL, {"sid": "s1", "ch": "mcp", "limit": 100})]
-        else:
-            import psycopg
+        assert await store.session_records("mcp", "s1", instance="box001") == [RecordedSession("box001", "key:owner", None)]
+        plans = []
+        for instance in (None, "box001"):  # across instances (learn), and in one (LogBus.session_record)
+            params = {"sid": "s1", "ch": "mcp", "limit": 100, "inst": instance}
+            if isinstance(store, FrameStore):
+                plans.append([row[3] for row in store._db.execute(
+                    "EXPLAIN QUERY PLAN " + sqlite_store.SESSION_RECORDS_SQL, params)])
+            else:
+                import psycopg
 
-            with psycopg.connect(backend.location) as conn:
-                conn.execute("ANALYZE frames")
-                plan = [row[0] for row in conn.execute(
-                    "EXPLAIN " + postgres_store.SESSION_RECORDS_SQL, {"sid": "s1", "ch": "mcp", "limit": 100})]
-    assert sum("frames_session_records" in step for step in plan) == 3, plan  # the instances, an owner, a declaration
-    assert not any("Seq Scan" in step or step.startswith(("SCAN frames", "SCAN f ")) for step in plan), plan
+                with psycopg.connect(backend.location) as conn:
+                    conn.execute("ANALYZE frames")
+                    plans.append([row[0] for row in conn.execute("EXPLAIN " + postgres_store.SESSION_RECORDS_SQL, params)])
+    for plan in plans:
+        assert sum("frames_session_records" in step for step in plan) == 3, plan  # the instances, an owner, a declaration
+        assert not any("Seq Scan" in step or step.startswith(("SCAN frames", "SCAN f ")) for step in plan), plan
 
 
 async def test_a_log_made_before_the_records_index_gets_it_when_opened(backend: Backend) -> None:

@@ -558,11 +558,12 @@ class FrameStoreAPI(Protocol):
         ...
 
     async def session_records(
-        self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES,
+        self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES, instance: str | None = None,
     ) -> list[RecordedSession]:
         """The instances whose log holds a `session_record` of (`channel`, `session_id`), at most
-        `limit` of them, each with the owner and last declaration it records: one query, served by
-        an index on the records alone, however many instances the store has."""
+        `limit` of them (only `instance`, when given), each with the owner and last declaration it
+        records: one query, served by an index on the records alone, however many instances the
+        store has. The one home of the rule "the first owner recorded, the last declaration"."""
         ...
 
     async def get_cursor(self, instance: str, name: str) -> int:

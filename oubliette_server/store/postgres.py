@@ -227,11 +227,12 @@ _RECORDS_OF = (
     "AND f.instance = r.instance"
 )
 #: `PostgresFrameStore.session_records`: the first `%(limit)s` instances (by name, as `instances()`
-#: sorts them) with a record of the session, each with its first owner and its last declaration.
+#: sorts them; only `%(inst)s` when it is not NULL) with a record of the session, each with its
+#: first owner and its last declaration.
 SESSION_RECORDS_SQL = (
     "SELECT r.instance, o.owner, d.declared FROM ("
     "SELECT instance FROM frames WHERE session_id = %(sid)s AND channel = %(ch)s "
-    f"AND type = '{SESSION_RECORD}' GROUP BY instance ORDER BY instance COLLATE \"C\" LIMIT %(limit)s) r "
+    f"AND type = '{SESSION_RECORD}' AND (%(inst)s::text IS NULL OR instance = %(inst)s) GROUP BY instance ORDER BY instance COLLATE \"C\" LIMIT %(limit)s) r "
     f"LEFT JOIN LATERAL (SELECT f.payload::jsonb ->> '{OWNER_KEY}' AS owner {_RECORDS_OF} "
     f"AND jsonb_typeof(f.payload::jsonb -> '{OWNER_KEY}') = 'string' ORDER BY f.seq LIMIT 1) o ON true "
     f"LEFT JOIN LATERAL (SELECT (f.payload::jsonb -> '{DECLARATION_KEY}')::text AS declared {_RECORDS_OF} "
@@ -538,12 +539,12 @@ class PostgresFrameStore(FrameAppends):
         return await self._run(read, read_only=True)
 
     async def session_records(
-        self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES,
+        self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES, instance: str | None = None,
     ) -> list[RecordedSession]:
         """The instances (at most `limit`, by name) whose log holds a `session_record` of the session,
         with the owner and last declaration each records: one statement along the partial index
         `frames_session_records` (migration 6), however many instances the log has."""
-        params = {"sid": session_id, "ch": channel, "limit": limit}
+        params = {"sid": session_id, "ch": channel, "limit": limit, "inst": instance}
 
         def read(conn: psycopg.Connection) -> list[RecordedSession]:
             rows = conn.execute(SESSION_RECORDS_SQL, params).fetchall()  # type: ignore[call-overload]

@@ -225,8 +225,9 @@ _RECORDS_OF = (
     "FROM frames f INDEXED BY frames_session_records WHERE f.session_id = :sid AND f.channel = :ch "
     f"AND f.type = '{SESSION_RECORD}' AND f.iid = r.iid"
 )
-#: `FrameStore.session_records`: the first `:limit` instances (by name, as `instances()` sorts them)
-#: with a record of the session, each with its first owner and its last declaration.
+#: `FrameStore.session_records`: the first `:limit` instances (by name, as `instances()` sorts them;
+#: only `:inst` when it is not NULL) with a record of the session, each with its first owner and
+#: its last declaration.
 SESSION_RECORDS_SQL = (
     f"SELECT r.name, "
     f"(SELECT json_extract(f.payload, '$.{OWNER_KEY}') {_RECORDS_OF} "
@@ -235,6 +236,7 @@ SESSION_RECORDS_SQL = (
     f"AND json_type(f.payload, '$.{DECLARATION_KEY}') = 'object' ORDER BY f.seq DESC LIMIT 1) "
     f"FROM (SELECT DISTINCT i.iid, i.name FROM frames INDEXED BY frames_session_records JOIN instances i "
     f"ON i.iid = frames.iid WHERE session_id = :sid AND channel = :ch AND type = '{SESSION_RECORD}' "
+    f"AND (:inst IS NULL OR i.name = :inst) "
     f"ORDER BY i.name LIMIT :limit) r ORDER BY r.name"
 )
 
@@ -716,13 +718,13 @@ class FrameStore(FrameAppends):
         ]
 
     async def session_records(
-        self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES,
+        self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES, instance: str | None = None,
     ) -> list[RecordedSession]:
         """The instances (at most `limit`, the first by name) whose log holds a `session_record` of the
         session, with the owner and last declaration each records: one query along
         `frames_session_records` (see "Schema")."""
         def read() -> list[RecordedSession]:
-            rows = self._db.execute(SESSION_RECORDS_SQL, {"sid": session_id, "ch": channel, "limit": limit})
+            rows = self._db.execute(SESSION_RECORDS_SQL, {"sid": session_id, "ch": channel, "limit": limit, "inst": instance})
             return [
                 RecordedSession(name, owner, None if declared is None else json.loads(declared))
                 for name, owner, declared in rows

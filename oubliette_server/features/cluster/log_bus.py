@@ -26,7 +26,6 @@ import trio
 from protocol import Frame
 
 from ...core.frame_log import AppendOutcome
-from ...core.server_owned import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
 from ...core.sessions import Session
 from ...store.api import (
     MAX_LIMIT,
@@ -130,18 +129,9 @@ class LogBus:
         return (await self.session_record(session))[0]
 
     async def session_record(self, session: Session) -> tuple[str | None, dict[str, Any] | None]:
-        """`(owner identity, last declaration)` of the session, read from its `session_record` frames.
-
-        Only the server appends that type (server_owned.py), so only what a server recorded is
-        read; the owner is the one the session was opened by, so the first recorded one counts.
-        """
-        owner: str | None = None
-        latest = None
-        for frame in await self.frames(session, (SESSION_RECORD,), 0):
-            declared = frame.payload.get(DECLARATION_KEY)
-            if isinstance(declared, dict):
-                latest = declared
-            recorded = frame.payload.get(OWNER_KEY)
-            if owner is None and isinstance(recorded, str):
-                owner = recorded
-        return owner, latest
+        """`(owner identity, last declaration)` of the session, from its `session_record` frames in
+        its instance's log: the store's `session_records` (one query along the records' own
+        index; the first owner recorded counts, for it opened the session). Only the server
+        appends that type (server_owned.py), so only what a server recorded is read."""
+        records = await self.store.session_records(session.channel, session.id, limit=1, instance=session.instance)
+        return (records[0].owner, records[0].declared) if records else (None, None)
