@@ -14,11 +14,16 @@ batch span processor's export thread is counted):
   `_meta` for the caller's pending entry (`current_meta`), and the caller's
   `caller_tool_response` on the fast path under the `_meta` it was given (`fast_call_span`).
 
-Three modes, alternating round by round so that load drifting hits all alike: `off` (no SDK: the
+Four modes, alternating round by round so that load drifting hits all alike: `off` (no SDK: the
 path the programs take without `OTEL_*`), `make` (the SDK set up with an exporter that drops
 every batch: making and ending spans), `export` (the SDK exporting over OTLP/HTTP to
 bench/otlp_sink.py, started here as a process of its own, with the programs' setup,
-protocol/telemetry.py). Each mode runs in a fresh process (the provider is set once per process).
+protocol/telemetry.py), and `sdk` (the SDK's floor: the same three spans, names, kinds,
+attributes and parents, made straight through the OpenTelemetry API and exported as `export`
+does, with none of the programs' code: no `_meta` read or written, no relay params parsed).
+`export − off` is what tracing costs the programs per call; `sdk` is the part of it that is the
+SDK's own work, which no change to the programs can remove while every span is exported.
+Each mode runs in a fresh process (the provider is set once per process).
 Not part of the test suite.
 """
 
@@ -37,7 +42,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-MODES = ("off", "make", "export")
+MODES = ("off", "make", "export", "sdk")
 
 
 def one_call(trace_spans: Any, parse_params: Any, connection: Any) -> None:
@@ -65,6 +70,27 @@ def one_call(trace_spans: Any, parse_params: Any, connection: Any) -> None:
         ended({"content": [], "isError": False})
 
 
+def sdk_call(tracer: Any, trace: Any, agent_context: Any) -> None:
+    """The three spans of one relayed call (client, server, the caller's answer), each under the
+    one before as in the programs, made and ended with the API alone: the SDK's share of
+    `one_call` with tracing on."""
+    kind = trace.SpanKind.SERVER
+    client = tracer.start_span("tools/call bench_echo", context=agent_context, kind=kind, attributes={
+        "mcp.method.name": "tools/call", "jsonrpc.request.id": "12",
+        "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "bench_echo"})
+    server = tracer.start_span("tools/call echo", context=trace.set_span_in_context(client), kind=kind, attributes={
+        "mcp.method.name": "tools/call", "gen_ai.tool.name": "echo", "gen_ai.operation.name": "execute_tool",
+        "mcp.session.id": "mcp:bench-s1", "oubliette.relay.method": "caller_tool", "oubliette.instance": "bench"})
+    answer = tracer.start_span("tools/call caller_tool_response", context=trace.set_span_in_context(server),
+                               kind=kind, attributes={
+                                   "mcp.method.name": "tools/call", "jsonrpc.request.id": "13",
+                                   "gen_ai.operation.name": "execute_tool",
+                                   "gen_ai.tool.name": "caller_tool_response"})
+    answer.end()
+    server.end()
+    client.end()
+
+
 class _Connection:
     session_key = "mcp:bench-s1"
     instance = "bench"
@@ -72,7 +98,7 @@ class _Connection:
 
 def run_mode(mode: str, calls: int, endpoint: str) -> dict[str, float]:
     """In this (fresh) process: set tracing up as `mode` says, run `calls` calls, report CPU µs per call."""
-    if mode == "export":
+    if mode in ("export", "sdk"):
         os.environ.update({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
                            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": "bench"})
         from protocol import telemetry
@@ -95,14 +121,26 @@ def run_mode(mode: str, calls: int, endpoint: str) -> dict[str, float]:
         telemetry._provider = provider
     from protocol import parse_params, telemetry, trace_spans
 
-    connection = _Connection()
+    if mode == "sdk":
+        from opentelemetry import trace
+
+        tracer = trace.get_tracer("oubliette")
+        agent_context = telemetry.extract({"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+
+        def call() -> None:
+            sdk_call(tracer, trace, agent_context)
+    else:
+        connection = _Connection()
+
+        def call() -> None:
+            one_call(trace_spans, parse_params, connection)
     for _ in range(min(calls, 500)):  # warm-up: imports, caches
-        one_call(trace_spans, parse_params, connection)
+        call()
     if telemetry._provider is not None:
         telemetry._provider.force_flush()
     started, wall = time.process_time(), time.perf_counter()
     for _ in range(calls):
-        one_call(trace_spans, parse_params, connection)
+        call()
     if telemetry._provider is not None:
         telemetry._provider.force_flush()  # the export of these calls' spans is counted
     return {"cpu_us": (time.process_time() - started) / calls * 1e6, "wall_us": (time.perf_counter() - wall) / calls * 1e6}
@@ -140,6 +178,10 @@ def main() -> int:
     for mode in MODES:
         print(f"  {mode:<6} median {statistics.median(results[mode]):8.1f} µs CPU per call  "
               f"({', '.join(f'{x:.1f}' for x in results[mode])})")
+    cost = statistics.median(results["export"]) - statistics.median(results["off"])
+    floor = statistics.median(results["sdk"])
+    print(f"  tracing's cost (export - off) {cost:.1f} µs per call; the SDK's own work (sdk) {floor:.1f} µs, "
+          f"{floor / cost * 100:.0f} % of it")
     print("  collector received: " + "; ".join(summary.strip().splitlines()))
     return 0
 
