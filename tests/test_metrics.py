@@ -240,3 +240,29 @@ async def test_toolset_calls_are_counted_by_toolset_and_outcome(deployment: Depl
     assert value(scraped, "oubliette_toolset_calls_total", toolset="ext", outcome="refused") == 1
     assert value(scraped, "oubliette_toolset_calls_total", toolset="unknown", outcome="refused") == 1
     assert value(scraped, "oubliette_clients_connected") == 1
+
+
+def test_the_docs_list_every_metric_the_server_registers_and_no_other() -> None:
+    """docs/OBSERVABILITY.md's table ("What is measured") is the metrics' contract: each metric a
+    server exports is a row with its type and labels, and each row is a metric the server exports."""
+    import re
+    from pathlib import Path
+
+    from oubliette_server.core.metrics import STATE_GAUGES
+
+    metrics = ServerMetrics()
+    metrics.watch(**{key: (lambda: 0) for key in STATE_GAUGES})
+    metrics.http_answered(200)  # the labelled metrics exported only from their first value on
+    metrics.toolset_call_ended("fs", None)
+    exported = {}
+    for family in metrics.registry.collect():
+        name = family.name + "_total" if family.type == "counter" else family.name
+        labels = {label for sample in family.samples for label in sample.labels if label != "le"}
+        exported[name] = (family.type, labels)
+    text = (Path(__file__).parent.parent / "docs" / "OBSERVABILITY.md").read_text()
+    table = text.split("### What is measured", 1)[1].split("\n\n", 2)[1]
+    documented = {}
+    for row in table.splitlines()[2:]:
+        name, type_, labels = (cell.strip() for cell in row.split("|")[1:4])
+        documented[name.strip("`")] = (type_, set(re.findall(r"`(\w+)`", labels)))
+    assert documented == exported
