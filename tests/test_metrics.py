@@ -57,6 +57,20 @@ async def decide_next(caller: Any, events: EventLog, seen: set[str], approve: bo
     assert not reply.is_error, text_of(reply)
 
 
+async def gauges_reach(server: Any, **expected: float) -> None:
+    """Scrape (over the Unix socket listener) until the `oubliette_<name>` gauges read `expected`:
+    the gauges are read from the server's state, which changes just after the event a test saw."""
+    wanted = {f"oubliette_{name}": number for name, number in expected.items()}
+    async with server.unix_rest() as rest:
+        with trio.fail_after(20):
+            while True:
+                scraped = samples((await rest.get("/metrics")).text)
+                read = {name: value(scraped, name) for name in wanted}
+                if read == wanted:
+                    return
+                await trio.sleep(0.05)
+
+
 @pytest.mark.real_programs
 async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deployment) -> None:
     async with deployment.http_server() as server, server.caller() as (caller, events):
@@ -74,9 +88,11 @@ async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deplo
                     nursery.start_soon(agent_call, agent, "myapp_send_notification", {"message": "a"}, results)
                     await answer_next(caller, events, requests, "send_notification", result={"sent": True})
                 await agent_call(agent, "myapp_slow_tool", {}, results)  # timed out (300 ms)
-                async with trio.open_nursery() as nursery:  # approved, then answered
+                async with trio.open_nursery() as nursery:  # approved, then answered; the gauges while each waits
                     nursery.start_soon(agent_call, agent, "myapp_delete_file", {"path": "/a"}, results)
+                    await gauges_reach(server, pending_approvals=1, pending_calls=0)
                     await decide_next(caller, events, approvals, approve=True)
+                    await gauges_reach(server, pending_approvals=0, pending_calls=1)
                     await answer_next(caller, events, requests, "delete_file", result={"deleted": True})
                 async with trio.open_nursery() as nursery:  # denied: nothing is relayed
                     nursery.start_soon(agent_call, agent, "myapp_delete_file", {"path": "/b"}, results)
@@ -84,6 +100,14 @@ async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deplo
             assert [r.is_error for r in results.values()] == [False, True, False, True], results
             assert "timed out" in text_of(results["myapp_slow_tool{}"])
 
+            async with RawRelay.connect(deployment) as guest:  # a guest connection, counted while connected
+                assert "result" in await guest.hello("box1", deployment.token("box1"), role="guest")
+                await gauges_reach(server, guests_connected=1, clients_connected=1)
+            await gauges_reach(server, guests_connected=0)
+            async with server.rest() as rest, trio.open_nursery() as nursery:  # a long poll, counted while it waits
+                nursery.start_soon(rest.get, "/v1/instances/box1/tether/poll?channel=host&wait_ms=20000")
+                await gauges_reach(server, long_poll_waiters=1)
+                nursery.cancel_scope.cancel()
             async with RawRelay.connect(deployment) as raw:  # a refused relay token
                 refused = await raw.hello("box1", "not-the-token")
                 assert refused["error"]["code"] == errors.UNAUTHORIZED
