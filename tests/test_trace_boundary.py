@@ -6,6 +6,7 @@ to a receiver on loopback (tests/test_telemetry.py), and the caller sees the tra
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -323,6 +324,24 @@ async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deploym
                 untraced = await agent.call_tool("pg.trace_id", {})
     assert text_of(traced) == TRACE_ID, text_of(traced)
     assert text_of(untraced) == "none"
+
+
+def test_the_guest_runtime_hands_its_otel_variables_to_the_agents_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MCP client starts its stdio server with a few safe variables and the config's `env`
+    only: the per-session MCP config carries the runtime's `OTEL_*` so that the agent's
+    `oubliette-client` exports where the runtime does (and nothing else of its environment)."""
+    from oubliette_client.mcp_config import mcp_config
+    from oubliette_client.settings import RelaySettings
+
+    for name in [name for name in os.environ if name.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+    monkeypatch.setenv("NOT_OTEL_SECRET", "kept out")
+    settings = RelaySettings(relay="unix:/oubliette/relay.sock", instance="box1", token="t0k", request_timeout=300)
+    env = mcp_config(settings, "mcp:s1")["mcpServers"]["oubliette"]["env"]
+    assert {name: value for name, value in env.items() if not name.startswith("OUBLIETTE_")} == {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
 
 
 # -- the server's span of a relay request, alone ---------------------------------------------------
