@@ -283,7 +283,7 @@ async def test_a_callers_traceparent_reaches_the_agent_command(
     written = tmp_path / "env.json"
     async with trio.open_nursery() as nursery:
         endpoint = await nursery.start(receiver.serve)
-        otel = _otel(endpoint, "oubliette-server") if server_tracing == "on" else {}
+        otel = {**_otel(endpoint, "oubliette-server"), "OTEL_BSP_SCHEDULE_DELAY": "50"} if server_tracing == "on" else {}
         with trio.fail_after(BOUND):
             async with Client(_server(deployment, _env_without_otel(**otel)), mode="legacy") as caller, \
                     deployment.guest("box1", [sys.executable, "-c", AGENT_WRITES_ENV, str(written)]):
@@ -292,18 +292,25 @@ async def test_a_callers_traceparent_reaches_the_agent_command(
                     meta=meta)
                 stop = structured(done)
                 assert stop["stop_reason"] == "end_turn" and "env written" in stop["text"], stop
+            if server_tracing == "on":
+                spans = await receiver.wait_for({"oubliette-server": {"tools/call session_message"}})
+                [message_span] = [span for span in spans["oubliette-server"] if span.name == "tools/call session_message"]
         nursery.cancel_scope.cancel()
     env = json.loads(written.read_text())
+    if server_tracing == "on":  # the agent command's TRACEPARENT is the server's exported span of the message
+        assert _ids(env["TRACEPARENT"]) == (message_span.trace_id.hex(), message_span.span_id.hex())
     if not isinstance(meta["traceparent"], str) or "not-a" in meta["traceparent"]:
         if server_tracing == "off":
             assert env == {"TRACEPARENT": None, "TRACESTATE": None}
         else:  # ignored: the server's span of the message is a root of its own, and that is handed on
             assert _ids(env["TRACEPARENT"])[0] != TRACE_ID and env["TRACESTATE"] is None
+            assert not message_span.parent_span_id
     elif server_tracing == "off":
         assert env == {"TRACEPARENT": PARENT, "TRACESTATE": "vendor=abc"}
     else:
         trace_id, span_id = _ids(env["TRACEPARENT"])
         assert trace_id == TRACE_ID and span_id != PARENT_SPAN and env["TRACESTATE"] == "vendor=abc"
+        assert message_span.parent_span_id.hex() == PARENT_SPAN, "the server's span is the caller's span's child"
 
 
 async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deployment: Deployment) -> None:
