@@ -1,7 +1,8 @@
 """Traces and structured logs (docs/OBSERVABILITY.md): W3C trace context in `_meta` and the
 environment (protocol/telemetry.py), the SDK set up from `OTEL_*` only when asked (and not even
 imported otherwise), one WARNING when the `otel` extra is missing, `--log-format json`, and both
-real programs exporting their spans over OTLP/HTTP to a receiver this test runs on loopback."""
+real programs exporting their spans over OTLP/HTTP (and the server over OTLP/gRPC) to a
+receiver this test runs on loopback."""
 
 from __future__ import annotations
 
@@ -204,11 +205,38 @@ def test_with_no_otel_variable_the_sdk_is_never_imported(deployment: Deployment)
 
 
 def test_grpc_is_the_other_protocol(deployment: Deployment) -> None:
-    """`OTEL_EXPORTER_OTLP_PROTOCOL=grpc` loads the gRPC exporter (a collector that is down costs no more than the deadline)."""
-    done = _probe(deployment, _env_without_otel(
-        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", OTEL_EXPORTER_OTLP_PROTOCOL="grpc"))
+    """`OTEL_EXPORTER_OTLP_PROTOCOL=grpc`: the server exports its spans with the gRPC exporter (not
+    the HTTP one) to an OTLP/gRPC receiver on loopback, which decodes them with opentelemetry-proto."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list[Any] = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (the service's method name)
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    receiver = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), receiver)
+    port = receiver.add_insecure_port("127.0.0.1:0")
+    receiver.start()
+    try:
+        done = _probe(deployment, _env_without_otel(
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc"))
+    finally:
+        receiver.stop(grace=None)
     assert "'opentelemetry.exporter.otlp.proto.grpc.trace_exporter'" in done.stderr, done.stderr
     assert "'opentelemetry.exporter.otlp.proto.http.trace_exporter'" not in done.stderr
+    exported = {
+        (attribute.value.string_value, span.name)
+        for request in received for resource_spans in request.resource_spans
+        for attribute in resource_spans.resource.attributes if attribute.key == "service.name"
+        for scope in resource_spans.scope_spans for span in scope.spans
+    }
+    assert {("oubliette-server", "initialize"), ("oubliette-server", "tools/list")} <= exported, (exported, done.stderr)
 
 
 def test_without_the_extra_one_warning_names_the_pip_command(deployment: Deployment) -> None:
