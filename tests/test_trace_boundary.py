@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import pytest
 import trio
@@ -313,10 +314,10 @@ async def test_a_callers_traceparent_reaches_the_agent_command(
         assert message_span.parent_span_id.hex() == PARENT_SPAN, "the server's span is the caller's span's child"
 
 
-async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deployment: Deployment) -> None:
-    """The agent's `tools/call` of a host toolset's tool with `_meta.traceparent` → the client →
-    `toolset_call`'s `_meta` → the server (here tracing nothing: it passes the context on) → the
-    toolset's MCP server receives the same trace in its `tools/call`'s `_meta`."""
+@asynccontextmanager
+async def toolset_agent(deployment: Deployment) -> AsyncIterator[Any]:
+    """An in-process server with the host toolset `pg` (tests/progress_mcp_server.py) allowed to
+    box1, and an agent (a real oubliette-client under the SDK's client) in a session of it."""
     from test_caller_responses import INSTANCE, SESSION, in_process
 
     script = str(Path(__file__).with_name("progress_mcp_server.py"))
@@ -327,10 +328,32 @@ async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deploym
             owner, _events = proc.open_caller()
             await proc.declare(owner, [])
             async with deployment.agent(INSTANCE, f"mcp:{SESSION}") as agent:
-                traced = await agent.call_tool("pg.trace_id", {}, meta={"traceparent": PARENT})
-                untraced = await agent.call_tool("pg.trace_id", {})
+                yield agent
+
+
+async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deployment: Deployment) -> None:
+    """The agent's `tools/call` of a host toolset's tool with `_meta.traceparent` → the client →
+    `toolset_call`'s `_meta` → the server (here tracing nothing: it passes the context on) → the
+    toolset's MCP server receives the same trace in its `tools/call`'s `_meta`."""
+    async with toolset_agent(deployment) as agent:
+        traced = await agent.call_tool("pg.trace_id", {}, meta={"traceparent": PARENT})
+        untraced = await agent.call_tool("pg.trace_id", {})
     assert text_of(traced) == TRACE_ID, text_of(traced)
     assert text_of(untraced) == "none"
+
+
+async def test_a_traced_toolset_call_hands_the_servers_span_to_the_toolsets_mcp_server(
+    deployment: Deployment, recording: Any,
+) -> None:
+    """The server recording spans: the `toolset_call`'s span (`tools/call pg.trace_parent`, under
+    the agent's context) is the parent the toolset's MCP server receives in its `tools/call`'s
+    `_meta` (through the SDK's client span, a no-op here), so the toolset's work joins the trace."""
+    async with toolset_agent(deployment) as agent:
+        traced = await agent.call_tool("pg.trace_parent", {}, meta={"traceparent": PARENT})
+    [span] = [span for span in recording.get_finished_spans() if span.name == "tools/call pg.trace_parent"]
+    assert format(span.parent.span_id, "016x") == PARENT_SPAN
+    assert span.attributes["oubliette.relay.method"] == "toolset_call"
+    assert text_of(traced) == f"{TRACE_ID}-{span.context.span_id:016x}", text_of(traced)
 
 
 def test_the_guest_runtime_hands_its_otel_variables_to_the_agents_client(monkeypatch: pytest.MonkeyPatch) -> None:
