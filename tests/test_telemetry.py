@@ -156,7 +156,8 @@ def test_a_json_line_carries_fields_and_the_span_it_was_written_in() -> None:
 # -- the SDK only when asked ----------------------------------------------------------------------
 
 #: Serve one caller on stdio (initialize, then end of input), then report which OpenTelemetry
-#: modules the server process imported (at exit, after everything it did).
+#: modules the server process (or, with `main` set to the client's, the client) imported (at
+#: exit, after everything it did).
 PROBE = """
 import atexit, sys
 atexit.register(lambda: print("MODULES", sorted(m for m in sys.modules if m.startswith("opentelemetry.sdk")
@@ -168,9 +169,11 @@ if {block!r}:
             if name.startswith("opentelemetry.sdk") or name.startswith("opentelemetry.exporter"):
                 raise ImportError(f"No module named {{name!r}}")
     sys.meta_path.insert(0, Missing())
-from oubliette_server.program.cli import main
+from {main} import main
 sys.exit(main({argv!r}))
 """
+SERVER_MAIN = "oubliette_server.program.cli"
+CLIENT_MAIN = "oubliette_client.cli"
 CALLER_LINES = "".join(json.dumps(line) + "\n" for line in [
     {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
         "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}},
@@ -187,7 +190,7 @@ def _env_without_otel(**extra: str) -> dict[str, str]:
 def _probe(deployment: Deployment, env: dict[str, str], block: bool = False) -> subprocess.CompletedProcess[str]:
     argv = ["--relay", deployment.relay, "--data-dir", str(deployment.data_dir), "--log-level", "WARNING"]
     done = subprocess.run(
-        [PYTHON, "-c", PROBE.format(block=block, argv=argv)], input=CALLER_LINES,
+        [PYTHON, "-c", PROBE.format(block=block, argv=argv, main=SERVER_MAIN)], input=CALLER_LINES,
         capture_output=True, text=True, env=env, timeout=60,
     )
     assert done.returncode == 0, done.stderr

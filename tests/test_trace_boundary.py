@@ -315,9 +315,10 @@ async def test_a_callers_traceparent_reaches_the_agent_command(
 
 
 @asynccontextmanager
-async def toolset_agent(deployment: Deployment) -> AsyncIterator[Any]:
+async def toolset_agent(deployment: Deployment, client: Any = None) -> AsyncIterator[Any]:
     """An in-process server with the host toolset `pg` (tests/progress_mcp_server.py) allowed to
-    box1, and an agent (a real oubliette-client under the SDK's client) in a session of it."""
+    box1, and an agent (a real oubliette-client under the SDK's client; `client`: the SDK client's
+    transport to it instead of the default) in a session of it."""
     from test_caller_responses import INSTANCE, SESSION, in_process
 
     script = str(Path(__file__).with_name("progress_mcp_server.py"))
@@ -327,8 +328,31 @@ async def toolset_agent(deployment: Deployment) -> AsyncIterator[Any]:
             await proc.server.update_allowed_toolsets(INSTANCE, ["progress"])
             owner, _events = proc.open_caller()
             await proc.declare(owner, [])
-            async with deployment.agent(INSTANCE, f"mcp:{SESSION}") as agent:
-                yield agent
+            if client is not None:
+                async with Client(client, mode="legacy") as agent:
+                    yield agent
+            else:
+                async with deployment.agent(INSTANCE, f"mcp:{SESSION}") as agent:
+                    yield agent
+
+
+async def test_the_client_imports_no_sdk_without_an_otel_variable(deployment: Deployment, tmp_path: Path) -> None:
+    """No `OTEL_*` set: the agent's oubliette-client relays calls, with and without the agent's
+    trace context, and never loads an OpenTelemetry SDK or exporter module (the server's own check
+    is tests/test_telemetry.py's)."""
+    from mcp.client.stdio import stdio_client
+    from test_caller_responses import INSTANCE, SESSION
+    from test_telemetry import CLIENT_MAIN, PROBE
+
+    errlog = tmp_path / "client.stderr"
+    params = StdioServerParameters(command=PYTHON, args=["-c", PROBE.format(block=False, argv=[], main=CLIENT_MAIN)],
+                                   env=_env_without_otel(**deployment.client_env(INSTANCE, f"mcp:{SESSION}")))
+    with errlog.open("w") as err:
+        async with toolset_agent(deployment, stdio_client(params, errlog=err)) as agent:
+            traced = await agent.call_tool("pg.trace_id", {}, meta={"traceparent": PARENT})
+            untraced = await agent.call_tool("pg.trace_id", {})
+    assert (text_of(traced), text_of(untraced)) == (TRACE_ID, "none")
+    assert "MODULES []" in errlog.read_text(), errlog.read_text()
 
 
 async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deployment: Deployment) -> None:
