@@ -271,6 +271,8 @@ print("env written")
     ("on", {"traceparent": PARENT, "tracestate": "vendor=abc"}),
     ("off", {"traceparent": "00-not-a-traceparent-01"}),
     ("on", {"traceparent": ["not", "a", "string"]}),
+    ("off", {"traceparent": PARENT, "tracestate": "vendor=abc", "baggage": 3}),  # the SDK's own extract
+    ("on", {"traceparent": PARENT, "tracestate": "vendor=abc", "baggage": {"not": "a string"}}),
 ])
 async def test_a_callers_traceparent_reaches_the_agent_command(
     deployment: Deployment, tmp_path: Path, server_tracing: str, meta: dict[str, Any],
@@ -279,7 +281,8 @@ async def test_a_callers_traceparent_reaches_the_agent_command(
     guest runtime starts the agent command with `TRACEPARENT` / `TRACESTATE`: the caller's own
     (the server passes it on without tracing) or the server's span of the message, in the
     caller's trace. An invalid one is ignored: the turn runs, under the server's own root span
-    when it traces, else with no `TRACEPARENT`."""
+    when it traces, else with no `TRACEPARENT`; so is a `baggage` that is not a string (the MCP
+    SDK's extraction of `_meta` raised on it), the rest of the context kept."""
     receiver = WatchedReceiver()
     written = tmp_path / "env.json"
     async with trio.open_nursery() as nursery:
@@ -362,8 +365,10 @@ async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deploym
     async with toolset_agent(deployment) as agent:
         traced = await agent.call_tool("pg.trace_id", {}, meta={"traceparent": PARENT})
         untraced = await agent.call_tool("pg.trace_id", {})
+        bad_baggage = await agent.call_tool("pg.trace_id", {}, meta={"traceparent": PARENT, "baggage": 3})
     assert text_of(traced) == TRACE_ID, text_of(traced)
     assert text_of(untraced) == "none"
+    assert text_of(bad_baggage) == TRACE_ID, "a non-string baggage is ignored (the SDK's path), the trace kept"
 
 
 async def test_a_traced_toolset_call_hands_the_servers_span_to_the_toolsets_mcp_server(
