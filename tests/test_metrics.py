@@ -116,6 +116,9 @@ async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deplo
             async with server.rest(token=None) as rest:  # no token, no metrics
                 unauthorized = await rest.get("/metrics")
                 assert unauthorized.status_code == 401, unauthorized.text
+            async with server.rest(token=deployment.token("box1")) as rest:  # an instance's token is not enough
+                instance_only = await rest.get("/metrics")
+                assert instance_only.status_code == 401, instance_only.text
             async with server.rest() as rest:
                 scrape = await rest.get("/metrics")
     assert scrape.status_code == 200, scrape.text
@@ -133,7 +136,7 @@ async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deplo
     assert value(scraped, "oubliette_approvals_total", decision="timed_out") == 0
     assert value(scraped, "oubliette_approval_decision_seconds_count") == 2
     assert value(scraped, "oubliette_auth_refusals_total", door="relay", reason="bad_token") == 1
-    assert value(scraped, "oubliette_auth_refusals_total", door="http", reason="bad_token") == 1
+    assert value(scraped, "oubliette_auth_refusals_total", door="http", reason="bad_token") == 2
     assert value(scraped, "oubliette_auth_refusals_total", door="http", reason="missing_token") == 1
     assert value(scraped, "oubliette_frames_appended_total", type="caller_tool_request") == 3
     assert value(scraped, "oubliette_frames_appended_total", type="caller_tool_result") == 2
@@ -143,7 +146,7 @@ async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deplo
     assert value(scraped, "oubliette_frames_appended_total", type="user.message") == 1
     appended = sum(v for (name, _), v in scraped.items() if name == "oubliette_frames_appended_total")
     assert value(scraped, "oubliette_store_append_seconds_count") == appended
-    assert value(scraped, "oubliette_http_requests_total", status="401") == 2
+    assert value(scraped, "oubliette_http_requests_total", status="401") == 3
     assert value(scraped, "oubliette_http_requests_total", status="200") >= 1  # the caller's MCP requests
     # The gauges, read at the scrape: the agent (a client connection) and the HTTP caller are connected.
     assert value(scraped, "oubliette_pending_calls") == 0
