@@ -152,6 +152,11 @@ async def test_one_trace_from_the_agents_call_to_the_callers_pending_entry(deplo
     assert attributes["mcp.method.name"] == "tools/call" and attributes["gen_ai.tool.name"] == "send_notification"
     assert attributes["mcp.session.id"] == "mcp:s1" and attributes["oubliette.relay.method"] == "caller_tool"
     assert server_span.kind == server_span.SPAN_KIND_SERVER and mcp_span.kind == mcp_span.SPAN_KIND_SERVER
+    # The client's span, made by the MCP SDK or by the fast path in its stead: the MCP conventions' attributes.
+    client_attributes = {kv.key: kv.value.string_value for kv in mcp_span.attributes}
+    assert {key: client_attributes.get(key) for key in ("mcp.method.name", "gen_ai.tool.name", "gen_ai.operation.name")} == {
+        "mcp.method.name": "tools/call", "gen_ai.tool.name": "myapp_send_notification", "gen_ai.operation.name": "execute_tool"}
+    assert client_attributes.get("jsonrpc.request.id"), client_attributes
 
     # No context from the agent: the client's tools/call span is the root, the server's span its child.
     root_trace, root_parent = _ids(root_request["_meta"]["traceparent"])
@@ -525,6 +530,25 @@ async def test_the_servers_span_of_a_gated_call_and_of_its_approval_wait(recordi
     assert dict(wait.attributes) == {"gen_ai.tool.name": "delete_file", "oubliette.approval.request_id": "apr-1",
                                      "oubliette.approval.decision": "denied"}
     assert (wait.end_time - wait.start_time) / 1e9 >= 0.01
+
+
+def test_the_fast_paths_span_is_the_one_the_sdk_makes(recording: Any) -> None:
+    """`fast_call_span` (the client's fast `tools/call`, a stdio caller's fast `caller_tool_response`)
+    makes the span the MCP SDK would: its name, kind and the MCP conventions' attributes, under the
+    call's `_meta.traceparent`; a tool error marks it."""
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    from protocol.trace_spans import fast_call_span
+
+    with fast_call_span("send_notification", 7, {"traceparent": PARENT}) as ended:
+        ended({"content": [], "isError": True})
+    [span] = recording.get_finished_spans()
+    assert (span.name, span.kind) == ("tools/call send_notification", SpanKind.SERVER)
+    assert format(span.context.trace_id, "032x") == TRACE_ID and format(span.parent.span_id, "016x") == PARENT_SPAN
+    assert dict(span.attributes) == {
+        "mcp.method.name": "tools/call", "jsonrpc.request.id": "7", "gen_ai.operation.name": "execute_tool",
+        "gen_ai.tool.name": "send_notification", "error.type": "tool_error"}
+    assert span.status.status_code == StatusCode.ERROR
 
 
 async def test_a_client_span_left_by_an_exception_is_an_error_and_a_cancellation_is_not(recording: Any) -> None:
