@@ -30,6 +30,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from protocol import VERSION
 from protocol.fast_tool_calls import FastToolCalls, Handler, call_result, fast_calls_enabled, tool_error
 from protocol.stdio_streams import claimed_stdio
+from protocol.telemetry import guard_sdk_extraction
 
 from .permission_prompt import PERMISSION_PROMPT
 from .progress import DEFAULT_PROGRESS_INTERVAL, AgentProgress
@@ -96,6 +97,7 @@ class SandboxToolServer:
         #: starts serving: `run_stdio`, or `early_handshake.serve_stdio`).
         self.relay_deadline = float("inf")
         self._unannounced = False
+        guard_sdk_extraction()  # an agent's malformed `_meta.baggage` must not fail its call
         self.server = Server(
             "oubliette-client", version=VERSION,
             on_list_tools=self._list_tools, on_call_tool=self._call_tool,

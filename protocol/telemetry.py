@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SHUTDOWN_SECONDS", "MISSING_EXTRA", "tracing_requested", "configure_tracing", "shutdown_tracing",
     "setup_observability", "inject", "extract", "traceparent_env", "context_from_env", "tracing_configured",
+    "guard_sdk_extraction",
 ]
 
 log = logging.getLogger("oubliette.telemetry")
@@ -248,6 +249,47 @@ def extract(meta: Any, context: Context | None = None) -> Context:
         return _w3c().extract(meta, context=base, getter=_StringGetter())  # type: ignore[arg-type]
     except Exception:  # a peer's malformed header must never fail its request
         return base
+
+
+def guard_sdk_extraction() -> None:
+    """Make the global propagator read a peer's carrier as `extract` does: string values only,
+    and never an error. The MCP SDK extracts every request's `_meta` with the global propagator
+    and the default getter, and catches only ValueError and TypeError: a `_meta.baggage` that is
+    not a string (a number, an object) raised AttributeError in the W3C baggage propagator and
+    failed the request. Both programs call this where they build the SDK's server; idempotent."""
+    from opentelemetry import propagate
+
+    current = propagate.get_global_textmap()
+    if not isinstance(current, _PeerCarriers):
+        propagate.set_global_textmap(_PeerCarriers(current))  # type: ignore[arg-type]  # duck-typed: the API stays unimported until here
+
+
+class _PeerCarriers:
+    """A propagator (the global one, wrapped) that reads a mapping carrier through `_StringGetter`
+    and, whatever it holds, returns the context it was given rather than raise."""
+
+    def __init__(self, inner: TextMapPropagator) -> None:
+        self.inner = inner
+
+    def extract(self, carrier: Any, context: Context | None = None, getter: Any = None) -> Context:
+        """The inner propagator's `extract`, on string values only; on any failure, `context`."""
+        try:
+            if isinstance(carrier, Mapping):
+                return self.inner.extract(carrier, context, getter=_StringGetter())  # type: ignore[arg-type]
+            return self.inner.extract(carrier, context, **({} if getter is None else {"getter": getter}))
+        except Exception:  # a peer's malformed header must never fail its request
+            from opentelemetry import context as otel_context
+
+            return otel_context.get_current() if context is None else context
+
+    def inject(self, carrier: Any, context: Context | None = None, setter: Any = None) -> None:
+        """The inner propagator's `inject`, unchanged (what this process writes is well-formed)."""
+        self.inner.inject(carrier, context, **({} if setter is None else {"setter": setter}))
+
+    @property
+    def fields(self) -> set[str]:
+        """The inner propagator's fields."""
+        return self.inner.fields
 
 
 def traceparent_env(context: Context | None = None) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """A tiny stdio MCP server whose tool `count` reports progress before it answers (for
-test_agent_approvals.py), and whose tool `trace_id` says which trace its call arrived in
-(test_trace_boundary.py)."""
+test_agent_approvals.py), and whose tools `trace_id` and `trace_parent` say which trace (and
+span) its call arrived in (test_trace_boundary.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,16 @@ async def trace_id() -> str:
 
     context = trace.get_current_span().get_span_context()
     return format(context.trace_id, "032x") if context.is_valid else "none"
+
+
+@server.tool()
+async def trace_parent() -> str:
+    """`TRACE_ID-SPAN_ID` of the `_meta.traceparent` this call arrived with, or "none": with no
+    SDK set up here the SDK's span of the call is a no-op carrying its parent's ids."""
+    from opentelemetry import trace
+
+    context = trace.get_current_span().get_span_context()
+    return f"{context.trace_id:032x}-{context.span_id:016x}" if context.is_valid else "none"
 
 
 if __name__ == "__main__":

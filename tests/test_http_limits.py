@@ -5,6 +5,7 @@ never holds a token. (The slow-body flood is in test_faults.py.)"""
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 import subprocess
@@ -130,6 +131,25 @@ async def test_every_request_leaves_one_access_line_and_no_token(deployment: Dep
     assert "POST /v1/instances/box1/tether 401 " in missing and missing.endswith("- missing bearer token"), missing
     assert "GET /nowhere 404 " in unknown and "no such endpoint" in unknown, unknown
     assert "POST /mcp 421 " in host and '- /mcp does not accept the Host header "evil.example:80"' in host, host
+    log = server.stderr.decode(errors="replace")
+    assert server.token not in log and wrong not in log and "query-not-logged" not in log
+
+
+async def test_json_access_lines_carry_the_request_fields(deployment: Deployment) -> None:
+    """`--log-format json`: each request's line has its facts as keys (peer, method, path, status,
+    duration, refusal reason) for a log shipper, as the relay's lines do; still never the token."""
+    wrong = "not-the-token-" + "x" * 20
+    async with deployment.http_server("--log-level", "INFO", "--log-format", "json") as server:
+        async with server.rest() as rest:
+            assert (await rest.get("/v1/health", params={"secret": "query-not-logged"})).status_code == 200
+        async with server.rest(token=wrong) as rest:
+            assert (await rest.get("/v1/health")).status_code == 401
+        lines = [json.loads(line) for line in await server.wait_stderr('"oubliette.access"', '"method"', count=2)]
+    ok, refused = lines
+    assert ok["peer"].startswith("127.0.0.1:") and (ok["method"], ok["path"], ok["status"]) == ("GET", "/v1/health", 200)
+    assert ok["reason"] is None and 0 <= ok["duration_s"] < 60 and ok["level"] == "INFO", ok
+    assert (refused["status"], refused["reason"]) == (401, "this bearer token is not valid for this resource"), refused
+    assert refused["message"].endswith(" ms - this bearer token is not valid for this resource"), refused
     log = server.stderr.decode(errors="replace")
     assert server.token not in log and wrong not in log and "query-not-logged" not in log
 

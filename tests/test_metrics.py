@@ -57,6 +57,20 @@ async def decide_next(caller: Any, events: EventLog, seen: set[str], approve: bo
     assert not reply.is_error, text_of(reply)
 
 
+async def gauges_reach(server: Any, **expected: float) -> None:
+    """Scrape (over the Unix socket listener) until the `oubliette_<name>` gauges read `expected`:
+    the gauges are read from the server's state, which changes just after the event a test saw."""
+    wanted = {f"oubliette_{name}": number for name, number in expected.items()}
+    async with server.unix_rest() as rest:
+        with trio.fail_after(20):
+            while True:
+                scraped = samples((await rest.get("/metrics")).text)
+                read = {name: value(scraped, name) for name in wanted}
+                if read == wanted:
+                    return
+                await trio.sleep(0.05)
+
+
 @pytest.mark.real_programs
 async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deployment) -> None:
     async with deployment.http_server() as server, server.caller() as (caller, events):
@@ -74,9 +88,11 @@ async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deplo
                     nursery.start_soon(agent_call, agent, "myapp_send_notification", {"message": "a"}, results)
                     await answer_next(caller, events, requests, "send_notification", result={"sent": True})
                 await agent_call(agent, "myapp_slow_tool", {}, results)  # timed out (300 ms)
-                async with trio.open_nursery() as nursery:  # approved, then answered
+                async with trio.open_nursery() as nursery:  # approved, then answered; the gauges while each waits
                     nursery.start_soon(agent_call, agent, "myapp_delete_file", {"path": "/a"}, results)
+                    await gauges_reach(server, pending_approvals=1, pending_calls=0)
                     await decide_next(caller, events, approvals, approve=True)
+                    await gauges_reach(server, pending_approvals=0, pending_calls=1)
                     await answer_next(caller, events, requests, "delete_file", result={"deleted": True})
                 async with trio.open_nursery() as nursery:  # denied: nothing is relayed
                     nursery.start_soon(agent_call, agent, "myapp_delete_file", {"path": "/b"}, results)
@@ -84,6 +100,14 @@ async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deplo
             assert [r.is_error for r in results.values()] == [False, True, False, True], results
             assert "timed out" in text_of(results["myapp_slow_tool{}"])
 
+            async with RawRelay.connect(deployment) as guest:  # a guest connection, counted while connected
+                assert "result" in await guest.hello("box1", deployment.token("box1"), role="guest")
+                await gauges_reach(server, guests_connected=1, clients_connected=1)
+            await gauges_reach(server, guests_connected=0)
+            async with server.rest() as rest, trio.open_nursery() as nursery:  # a long poll, counted while it waits
+                nursery.start_soon(rest.get, "/v1/instances/box1/tether/poll?channel=host&wait_ms=20000")
+                await gauges_reach(server, long_poll_waiters=1)
+                nursery.cancel_scope.cancel()
             async with RawRelay.connect(deployment) as raw:  # a refused relay token
                 refused = await raw.hello("box1", "not-the-token")
                 assert refused["error"]["code"] == errors.UNAUTHORIZED
@@ -92,6 +116,9 @@ async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deplo
             async with server.rest(token=None) as rest:  # no token, no metrics
                 unauthorized = await rest.get("/metrics")
                 assert unauthorized.status_code == 401, unauthorized.text
+            async with server.rest(token=deployment.token("box1")) as rest:  # an instance's token is not enough
+                instance_only = await rest.get("/metrics")
+                assert instance_only.status_code == 401, instance_only.text
             async with server.rest() as rest:
                 scrape = await rest.get("/metrics")
     assert scrape.status_code == 200, scrape.text
@@ -109,7 +136,7 @@ async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deplo
     assert value(scraped, "oubliette_approvals_total", decision="timed_out") == 0
     assert value(scraped, "oubliette_approval_decision_seconds_count") == 2
     assert value(scraped, "oubliette_auth_refusals_total", door="relay", reason="bad_token") == 1
-    assert value(scraped, "oubliette_auth_refusals_total", door="http", reason="bad_token") == 1
+    assert value(scraped, "oubliette_auth_refusals_total", door="http", reason="bad_token") == 2
     assert value(scraped, "oubliette_auth_refusals_total", door="http", reason="missing_token") == 1
     assert value(scraped, "oubliette_frames_appended_total", type="caller_tool_request") == 3
     assert value(scraped, "oubliette_frames_appended_total", type="caller_tool_result") == 2
@@ -119,7 +146,7 @@ async def test_metrics_count_real_calls_approvals_and_refusals(deployment: Deplo
     assert value(scraped, "oubliette_frames_appended_total", type="user.message") == 1
     appended = sum(v for (name, _), v in scraped.items() if name == "oubliette_frames_appended_total")
     assert value(scraped, "oubliette_store_append_seconds_count") == appended
-    assert value(scraped, "oubliette_http_requests_total", status="401") == 2
+    assert value(scraped, "oubliette_http_requests_total", status="401") == 3
     assert value(scraped, "oubliette_http_requests_total", status="200") >= 1  # the caller's MCP requests
     # The gauges, read at the scrape: the agent (a client connection) and the HTTP caller are connected.
     assert value(scraped, "oubliette_pending_calls") == 0
@@ -240,3 +267,29 @@ async def test_toolset_calls_are_counted_by_toolset_and_outcome(deployment: Depl
     assert value(scraped, "oubliette_toolset_calls_total", toolset="ext", outcome="refused") == 1
     assert value(scraped, "oubliette_toolset_calls_total", toolset="unknown", outcome="refused") == 1
     assert value(scraped, "oubliette_clients_connected") == 1
+
+
+def test_the_docs_list_every_metric_the_server_registers_and_no_other() -> None:
+    """docs/OBSERVABILITY.md's table ("What is measured") is the metrics' contract: each metric a
+    server exports is a row with its type and labels, and each row is a metric the server exports."""
+    import re
+    from pathlib import Path
+
+    from oubliette_server.core.metrics import STATE_GAUGES
+
+    metrics = ServerMetrics()
+    metrics.watch(**{key: (lambda: 0) for key in STATE_GAUGES})
+    metrics.http_answered(200)  # the labelled metrics exported only from their first value on
+    metrics.toolset_call_ended("fs", None)
+    exported = {}
+    for family in metrics.registry.collect():
+        name = family.name + "_total" if family.type == "counter" else family.name
+        labels = {label for sample in family.samples for label in sample.labels if label != "le"}
+        exported[name] = (family.type, labels)
+    text = (Path(__file__).parent.parent / "docs" / "OBSERVABILITY.md").read_text()
+    table = text.split("### What is measured", 1)[1].split("\n\n", 2)[1]
+    documented = {}
+    for row in table.splitlines()[2:]:
+        name, type_, labels = (cell.strip() for cell in row.split("|")[1:4])
+        documented[name.strip("`")] = (type_, set(re.findall(r"`(\w+)`", labels)))
+    assert documented == exported

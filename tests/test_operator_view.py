@@ -215,26 +215,43 @@ async def test_tail_follows_resumes_filters_and_ends_quietly_on_ctrl_c() -> None
 
 
 async def test_status_and_tail_across_two_servers_on_postgres(pg_url: str) -> None:
-    """With servers A and B on one database and the guest of box1 on B, status names B as the
-    guest's server; tail, one more client of the database, follows frames stored through both."""
+    """With servers A and B on one database and the guest of box1 on B, status read through A names
+    B as the guest's server and as the one waiting on the pending requests of B's caller (with its
+    owner and declared tools); tail, one more client of the database, follows frames stored through both."""
     a, b = Deployment(store=pg_url), Deployment(store=pg_url)
     try:
         async with a.http_server("--config", str(a.config_file(INSTANCE, QUIET))) as server_a, \
                 b.http_server("--config", str(b.config_file(INSTANCE, QUIET))) as server_b, \
                 b.guest(INSTANCE, LOOP_AGENT):
             await server_b.wait_connected(INSTANCE)
-            with trio.fail_after(WAIT):
-                while True:  # the lease is taken just after the guest's hello
-                    report = json.loads((await run(a, "status", "--json", "--config", str(a.root / "oubliette.toml"))).stdout)
-                    if instance_of(report, INSTANCE)["guest"]["connected"]:
-                        break
-                    await trio.sleep(0.1)
+            async with server_b.caller(events=False) as (client, _):  # a caller of B leaves two requests pending
+                stop = await LoopCaller(client).message(
+                    "s1", script([("myapp_notify", {"n": 1}), ("myapp_delete", {"n": 2})]),
+                    [tool("notify"), tool("delete", requires_approval=True)], wait=60,
+                )
+                assert stop.get("stop_reason") in ("requires_action", "requires_approval"), stop
+                with trio.fail_after(WAIT):
+                    while True:  # the lease is taken just after the guest's hello; both requests stored
+                        report = json.loads((await run(a, "status", "--json", "--config", str(a.root / "oubliette.toml"))).stdout)
+                        box1 = instance_of(report, INSTANCE)
+                        session = next((s for s in box1["sessions"] if s["id"] == "s1"), {"pending": []})
+                        if box1["guest"]["connected"] and len(session["pending"]) == 2:
+                            break
+                        await trio.sleep(0.1)
+                table = (await run(a, "status", "--config", str(a.root / "oubliette.toml"))).stdout
             assert report["shared"] is True
             assert instance_of(report, INSTANCE)["guest"] == {
                 "connected": True, "server": await server_id(server_b), "source": "lease"}
             assert (await server_id(server_a)) != (await server_id(server_b))
-            table = (await run(a, "status", "--config", str(a.root / "oubliette.toml"))).stdout
             assert "connected to " + await server_id(server_b) in table and "not connected" in table  # box2
+            # Read through A: B's caller owns the session, and B is the server waiting on each request.
+            assert session["owner_recorded"] is True and session["caller_tools"] == ["notify", "delete"], session
+            pending = {p["kind"]: p for p in session["pending"]}
+            assert pending["caller_tool"]["tool"] == "notify" and pending["approval"]["tool"] == "myapp_delete"
+            for entry in pending.values():
+                assert entry["server"] == await server_id(server_b), entry
+                assert entry["expires_at"] > entry["requested_at"] and entry["age_seconds"] >= 0
+                assert entry["request_id"] in table
 
             async with tail(a, QUIET, "--types", "note") as follower:
                 await follower.started()

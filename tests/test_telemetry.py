@@ -1,7 +1,8 @@
 """Traces and structured logs (docs/OBSERVABILITY.md): W3C trace context in `_meta` and the
 environment (protocol/telemetry.py), the SDK set up from `OTEL_*` only when asked (and not even
 imported otherwise), one WARNING when the `otel` extra is missing, `--log-format json`, and both
-real programs exporting their spans over OTLP/HTTP to a receiver this test runs on loopback."""
+real programs exporting their spans over OTLP/HTTP (and the server over OTLP/gRPC) to a
+receiver this test runs on loopback."""
 
 from __future__ import annotations
 
@@ -155,7 +156,8 @@ def test_a_json_line_carries_fields_and_the_span_it_was_written_in() -> None:
 # -- the SDK only when asked ----------------------------------------------------------------------
 
 #: Serve one caller on stdio (initialize, then end of input), then report which OpenTelemetry
-#: modules the server process imported (at exit, after everything it did).
+#: modules the server process (or, with `main` set to the client's, the client) imported (at
+#: exit, after everything it did).
 PROBE = """
 import atexit, sys
 atexit.register(lambda: print("MODULES", sorted(m for m in sys.modules if m.startswith("opentelemetry.sdk")
@@ -167,9 +169,11 @@ if {block!r}:
             if name.startswith("opentelemetry.sdk") or name.startswith("opentelemetry.exporter"):
                 raise ImportError(f"No module named {{name!r}}")
     sys.meta_path.insert(0, Missing())
-from oubliette_server.program.cli import main
+from {main} import main
 sys.exit(main({argv!r}))
 """
+SERVER_MAIN = "oubliette_server.program.cli"
+CLIENT_MAIN = "oubliette_client.cli"
 CALLER_LINES = "".join(json.dumps(line) + "\n" for line in [
     {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
         "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}},
@@ -186,7 +190,7 @@ def _env_without_otel(**extra: str) -> dict[str, str]:
 def _probe(deployment: Deployment, env: dict[str, str], block: bool = False) -> subprocess.CompletedProcess[str]:
     argv = ["--relay", deployment.relay, "--data-dir", str(deployment.data_dir), "--log-level", "WARNING"]
     done = subprocess.run(
-        [PYTHON, "-c", PROBE.format(block=block, argv=argv)], input=CALLER_LINES,
+        [PYTHON, "-c", PROBE.format(block=block, argv=argv, main=SERVER_MAIN)], input=CALLER_LINES,
         capture_output=True, text=True, env=env, timeout=60,
     )
     assert done.returncode == 0, done.stderr
@@ -204,11 +208,38 @@ def test_with_no_otel_variable_the_sdk_is_never_imported(deployment: Deployment)
 
 
 def test_grpc_is_the_other_protocol(deployment: Deployment) -> None:
-    """`OTEL_EXPORTER_OTLP_PROTOCOL=grpc` loads the gRPC exporter (a collector that is down costs no more than the deadline)."""
-    done = _probe(deployment, _env_without_otel(
-        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", OTEL_EXPORTER_OTLP_PROTOCOL="grpc"))
+    """`OTEL_EXPORTER_OTLP_PROTOCOL=grpc`: the server exports its spans with the gRPC exporter (not
+    the HTTP one) to an OTLP/gRPC receiver on loopback, which decodes them with opentelemetry-proto."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list[Any] = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (the service's method name)
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    receiver = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), receiver)
+    port = receiver.add_insecure_port("127.0.0.1:0")
+    receiver.start()
+    try:
+        done = _probe(deployment, _env_without_otel(
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc"))
+    finally:
+        receiver.stop(grace=None)
     assert "'opentelemetry.exporter.otlp.proto.grpc.trace_exporter'" in done.stderr, done.stderr
     assert "'opentelemetry.exporter.otlp.proto.http.trace_exporter'" not in done.stderr
+    exported = {
+        (attribute.value.string_value, span.name)
+        for request in received for resource_spans in request.resource_spans
+        for attribute in resource_spans.resource.attributes if attribute.key == "service.name"
+        for scope in resource_spans.scope_spans for span in scope.spans
+    }
+    assert {("oubliette-server", "initialize"), ("oubliette-server", "tools/list")} <= exported, (exported, done.stderr)
 
 
 def test_without_the_extra_one_warning_names_the_pip_command(deployment: Deployment) -> None:

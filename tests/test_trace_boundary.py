@@ -6,9 +6,11 @@ to a receiver on loopback (tests/test_telemetry.py), and the caller sees the tra
 from __future__ import annotations
 
 import json
+import os
 import sys
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import pytest
 import trio
@@ -150,6 +152,11 @@ async def test_one_trace_from_the_agents_call_to_the_callers_pending_entry(deplo
     assert attributes["mcp.method.name"] == "tools/call" and attributes["gen_ai.tool.name"] == "send_notification"
     assert attributes["mcp.session.id"] == "mcp:s1" and attributes["oubliette.relay.method"] == "caller_tool"
     assert server_span.kind == server_span.SPAN_KIND_SERVER and mcp_span.kind == mcp_span.SPAN_KIND_SERVER
+    # The client's span, made by the MCP SDK or by the fast path in its stead: the MCP conventions' attributes.
+    client_attributes = {kv.key: kv.value.string_value for kv in mcp_span.attributes}
+    assert {key: client_attributes.get(key) for key in ("mcp.method.name", "gen_ai.tool.name", "gen_ai.operation.name")} == {
+        "mcp.method.name": "tools/call", "gen_ai.tool.name": "myapp_send_notification", "gen_ai.operation.name": "execute_tool"}
+    assert client_attributes.get("jsonrpc.request.id"), client_attributes
 
     # No context from the agent: the client's tools/call span is the root, the server's span its child.
     root_trace, root_parent = _ids(root_request["_meta"]["traceparent"])
@@ -269,6 +276,8 @@ print("env written")
     ("on", {"traceparent": PARENT, "tracestate": "vendor=abc"}),
     ("off", {"traceparent": "00-not-a-traceparent-01"}),
     ("on", {"traceparent": ["not", "a", "string"]}),
+    ("off", {"traceparent": PARENT, "tracestate": "vendor=abc", "baggage": 3}),  # the SDK's own extract
+    ("on", {"traceparent": PARENT, "tracestate": "vendor=abc", "baggage": {"not": "a string"}}),
 ])
 async def test_a_callers_traceparent_reaches_the_agent_command(
     deployment: Deployment, tmp_path: Path, server_tracing: str, meta: dict[str, Any],
@@ -277,12 +286,13 @@ async def test_a_callers_traceparent_reaches_the_agent_command(
     guest runtime starts the agent command with `TRACEPARENT` / `TRACESTATE`: the caller's own
     (the server passes it on without tracing) or the server's span of the message, in the
     caller's trace. An invalid one is ignored: the turn runs, under the server's own root span
-    when it traces, else with no `TRACEPARENT`."""
+    when it traces, else with no `TRACEPARENT`; so is a `baggage` that is not a string (the MCP
+    SDK's extraction of `_meta` raised on it), the rest of the context kept."""
     receiver = WatchedReceiver()
     written = tmp_path / "env.json"
     async with trio.open_nursery() as nursery:
         endpoint = await nursery.start(receiver.serve)
-        otel = _otel(endpoint, "oubliette-server") if server_tracing == "on" else {}
+        otel = {**_otel(endpoint, "oubliette-server"), "OTEL_BSP_SCHEDULE_DELAY": "50"} if server_tracing == "on" else {}
         with trio.fail_after(BOUND):
             async with Client(_server(deployment, _env_without_otel(**otel)), mode="legacy") as caller, \
                     deployment.guest("box1", [sys.executable, "-c", AGENT_WRITES_ENV, str(written)]):
@@ -291,24 +301,32 @@ async def test_a_callers_traceparent_reaches_the_agent_command(
                     meta=meta)
                 stop = structured(done)
                 assert stop["stop_reason"] == "end_turn" and "env written" in stop["text"], stop
+            if server_tracing == "on":
+                spans = await receiver.wait_for({"oubliette-server": {"tools/call session_message"}})
+                [message_span] = [span for span in spans["oubliette-server"] if span.name == "tools/call session_message"]
         nursery.cancel_scope.cancel()
     env = json.loads(written.read_text())
+    if server_tracing == "on":  # the agent command's TRACEPARENT is the server's exported span of the message
+        assert _ids(env["TRACEPARENT"]) == (message_span.trace_id.hex(), message_span.span_id.hex())
     if not isinstance(meta["traceparent"], str) or "not-a" in meta["traceparent"]:
         if server_tracing == "off":
             assert env == {"TRACEPARENT": None, "TRACESTATE": None}
         else:  # ignored: the server's span of the message is a root of its own, and that is handed on
             assert _ids(env["TRACEPARENT"])[0] != TRACE_ID and env["TRACESTATE"] is None
+            assert not message_span.parent_span_id
     elif server_tracing == "off":
         assert env == {"TRACEPARENT": PARENT, "TRACESTATE": "vendor=abc"}
     else:
         trace_id, span_id = _ids(env["TRACEPARENT"])
         assert trace_id == TRACE_ID and span_id != PARENT_SPAN and env["TRACESTATE"] == "vendor=abc"
+        assert message_span.parent_span_id.hex() == PARENT_SPAN, "the server's span is the caller's span's child"
 
 
-async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deployment: Deployment) -> None:
-    """The agent's `tools/call` of a host toolset's tool with `_meta.traceparent` → the client →
-    `toolset_call`'s `_meta` → the server (here tracing nothing: it passes the context on) → the
-    toolset's MCP server receives the same trace in its `tools/call`'s `_meta`."""
+@asynccontextmanager
+async def toolset_agent(deployment: Deployment, client: Any = None) -> AsyncIterator[Any]:
+    """An in-process server with the host toolset `pg` (tests/progress_mcp_server.py) allowed to
+    box1, and an agent (a real oubliette-client under the SDK's client; `client`: the SDK client's
+    transport to it instead of the default) in a session of it."""
     from test_caller_responses import INSTANCE, SESSION, in_process
 
     script = str(Path(__file__).with_name("progress_mcp_server.py"))
@@ -318,11 +336,76 @@ async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deploym
             await proc.server.update_allowed_toolsets(INSTANCE, ["progress"])
             owner, _events = proc.open_caller()
             await proc.declare(owner, [])
-            async with deployment.agent(INSTANCE, f"mcp:{SESSION}") as agent:
-                traced = await agent.call_tool("pg.trace_id", {}, meta={"traceparent": PARENT})
-                untraced = await agent.call_tool("pg.trace_id", {})
+            if client is not None:
+                async with Client(client, mode="legacy") as agent:
+                    yield agent
+            else:
+                async with deployment.agent(INSTANCE, f"mcp:{SESSION}") as agent:
+                    yield agent
+
+
+async def test_the_client_imports_no_sdk_without_an_otel_variable(deployment: Deployment, tmp_path: Path) -> None:
+    """No `OTEL_*` set: the agent's oubliette-client relays calls, with and without the agent's
+    trace context, and never loads an OpenTelemetry SDK or exporter module (the server's own check
+    is tests/test_telemetry.py's)."""
+    from mcp.client.stdio import stdio_client
+    from test_caller_responses import INSTANCE, SESSION
+    from test_telemetry import CLIENT_MAIN, PROBE
+
+    errlog = tmp_path / "client.stderr"
+    params = StdioServerParameters(command=PYTHON, args=["-c", PROBE.format(block=False, argv=[], main=CLIENT_MAIN)],
+                                   env=_env_without_otel(**deployment.client_env(INSTANCE, f"mcp:{SESSION}")))
+    with errlog.open("w") as err:
+        async with toolset_agent(deployment, stdio_client(params, errlog=err)) as agent:
+            traced = await agent.call_tool("pg.trace_id", {}, meta={"traceparent": PARENT})
+            untraced = await agent.call_tool("pg.trace_id", {})
+    assert (text_of(traced), text_of(untraced)) == (TRACE_ID, "none")
+    assert "MODULES []" in errlog.read_text(), errlog.read_text()
+
+
+async def test_a_toolset_call_hands_the_trace_to_the_toolsets_mcp_server(deployment: Deployment) -> None:
+    """The agent's `tools/call` of a host toolset's tool with `_meta.traceparent` → the client →
+    `toolset_call`'s `_meta` → the server (here tracing nothing: it passes the context on) → the
+    toolset's MCP server receives the same trace in its `tools/call`'s `_meta`."""
+    async with toolset_agent(deployment) as agent:
+        traced = await agent.call_tool("pg.trace_id", {}, meta={"traceparent": PARENT})
+        untraced = await agent.call_tool("pg.trace_id", {})
+        bad_baggage = await agent.call_tool("pg.trace_id", {}, meta={"traceparent": PARENT, "baggage": 3})
     assert text_of(traced) == TRACE_ID, text_of(traced)
     assert text_of(untraced) == "none"
+    assert text_of(bad_baggage) == TRACE_ID, "a non-string baggage is ignored (the SDK's path), the trace kept"
+
+
+async def test_a_traced_toolset_call_hands_the_servers_span_to_the_toolsets_mcp_server(
+    deployment: Deployment, recording: Any,
+) -> None:
+    """The server recording spans: the `toolset_call`'s span (`tools/call pg.trace_parent`, under
+    the agent's context) is the parent the toolset's MCP server receives in its `tools/call`'s
+    `_meta` (through the SDK's client span, a no-op here), so the toolset's work joins the trace."""
+    async with toolset_agent(deployment) as agent:
+        traced = await agent.call_tool("pg.trace_parent", {}, meta={"traceparent": PARENT})
+    [span] = [span for span in recording.get_finished_spans() if span.name == "tools/call pg.trace_parent"]
+    assert format(span.parent.span_id, "016x") == PARENT_SPAN
+    assert span.attributes["oubliette.relay.method"] == "toolset_call"
+    assert text_of(traced) == f"{TRACE_ID}-{span.context.span_id:016x}", text_of(traced)
+
+
+def test_the_guest_runtime_hands_its_otel_variables_to_the_agents_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MCP client starts its stdio server with a few safe variables and the config's `env`
+    only: the per-session MCP config carries the runtime's `OTEL_*` so that the agent's
+    `oubliette-client` exports where the runtime does (and nothing else of its environment)."""
+    from oubliette_client.mcp_config import mcp_config
+    from oubliette_client.settings import RelaySettings
+
+    for name in [name for name in os.environ if name.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+    monkeypatch.setenv("NOT_OTEL_SECRET", "kept out")
+    settings = RelaySettings(relay="unix:/oubliette/relay.sock", instance="box1", token="t0k", request_timeout=300)
+    env = mcp_config(settings, "mcp:s1")["mcpServers"]["oubliette"]["env"]
+    assert {name: value for name, value in env.items() if not name.startswith("OUBLIETTE_")} == {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
 
 
 # -- the server's span of a relay request, alone ---------------------------------------------------
@@ -447,6 +530,25 @@ async def test_the_servers_span_of_a_gated_call_and_of_its_approval_wait(recordi
     assert dict(wait.attributes) == {"gen_ai.tool.name": "delete_file", "oubliette.approval.request_id": "apr-1",
                                      "oubliette.approval.decision": "denied"}
     assert (wait.end_time - wait.start_time) / 1e9 >= 0.01
+
+
+def test_the_fast_paths_span_is_the_one_the_sdk_makes(recording: Any) -> None:
+    """`fast_call_span` (the client's fast `tools/call`, a stdio caller's fast `caller_tool_response`)
+    makes the span the MCP SDK would: its name, kind and the MCP conventions' attributes, under the
+    call's `_meta.traceparent`; a tool error marks it."""
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    from protocol.trace_spans import fast_call_span
+
+    with fast_call_span("send_notification", 7, {"traceparent": PARENT}) as ended:
+        ended({"content": [], "isError": True})
+    [span] = recording.get_finished_spans()
+    assert (span.name, span.kind) == ("tools/call send_notification", SpanKind.SERVER)
+    assert format(span.context.trace_id, "032x") == TRACE_ID and format(span.parent.span_id, "016x") == PARENT_SPAN
+    assert dict(span.attributes) == {
+        "mcp.method.name": "tools/call", "jsonrpc.request.id": "7", "gen_ai.operation.name": "execute_tool",
+        "gen_ai.tool.name": "send_notification", "error.type": "tool_error"}
+    assert span.status.status_code == StatusCode.ERROR
 
 
 async def test_a_client_span_left_by_an_exception_is_an_error_and_a_cancellation_is_not(recording: Any) -> None:

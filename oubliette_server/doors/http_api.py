@@ -416,7 +416,8 @@ class AccessLog(HttpMiddleware):
     query string), status, duration, and for an error status the reason the answer gave (the
     JSON error's message, or the start of a plain-text body, e.g. the SDK's `Invalid Host
     header`). Never a header, so never a token. A request that ended without a response (the
-    client went away, the server stopped) is logged with status `-`. `on_answered(status)` hears
+    client went away, the server stopped) is logged with status `-`. The facts are also the
+    record's extra fields (`--log-format json` writes them as keys). `on_answered(status)` hears
     of every request's status (None: no answer), logged or not (metrics).
     """
 
@@ -452,10 +453,13 @@ class AccessLog(HttpMiddleware):
                 client = scope.get("client")
                 reason = _refusal_reason(bytes(error_body)) if status is not None and status >= 400 else ""
                 host = "unix" if not client else f"[{client[0]}]:{client[1]}" if ":" in client[0] else f"{client[0]}:{client[1]}"
+                seconds = trio.current_time() - began
+                # The same facts as keys of their own for `--log-format json` (as the relay's lines have).
+                fields = {"peer": host, "method": describe(scope["method"]), "path": describe(scope["path"]),
+                          "status": status, "duration_s": round(seconds, 4), "reason": describe(reason) if reason else None}
                 access_log.info(
-                    "%s %s %s %s %.1f ms%s", host, scope["method"],
-                    describe(scope["path"]), status if status is not None else "-",
-                    (trio.current_time() - began) * 1000, f" - {describe(reason)}" if reason else "",
+                    "%s %s %s %s %.1f ms%s", host, fields["method"], fields["path"], status if status is not None else "-",
+                    seconds * 1000, f" - {fields['reason']}" if reason else "", extra=fields,
                 )
 
 

@@ -12,6 +12,7 @@ from mcp.server.request_state import RequestStateBoundary, RequestStateSecurity
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
 from protocol import VERSION
+from protocol.telemetry import guard_sdk_extraction
 
 from ...core.callers import CallerConnection
 from .tools import CallerApi
@@ -34,6 +35,7 @@ def build_caller_server(
     `release_caller(caller)` runs after each tool call (a transport that makes callers per
     request forgets the ones that own nothing).
     """
+    guard_sdk_extraction()  # a caller's malformed `_meta.baggage` must not fail its request
 
     async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
         resolve_caller(ctx, None)
