@@ -424,6 +424,9 @@ async def test_append_once_stores_one_frame_per_instance_and_id(store: FrameStor
     assert not stored_again and again == first, "the frame stored before, not the resend's fields"
     via_append = await add(store, "box1", append_id="a-1")
     assert via_append == first, "`append` with an id is `append_once`"
+    assert await store.frame_of_append_id("box1", "a-1") == first
+    assert await store.frame_of_append_id("box1", "a-9") is None
+    assert await store.frame_of_append_id("nobody", "a-1") is None
     other, other_stored = await once(store, "box2", "a-1")
     assert other_stored and other.seq == 1 and other.instance == "box2"
     plain = [await add(store, "box1", payload={"i": i}) for i in range(2)]

@@ -573,6 +573,10 @@ class FrameStoreAPI(Protocol):
         deciding between servers racing)."""
         ...
 
+    async def frame_of_append_id(self, instance: str, append_id: str) -> Frame | None:
+        """The frame of `instance` stored with `append_id` (`append_once`), or None."""
+        ...
+
     async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
         """Append several frames in one transaction (consecutive seqs, one wake-up)."""
         ...

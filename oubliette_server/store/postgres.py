@@ -667,17 +667,27 @@ class PostgresFrameStore(FrameAppends):
                 rows, refused = [], exc
             if rows:
                 return (await self._appended(instance, [prepared], int(rows[0][0] or 0), ts))[0], True
-            found = await statements.rows(_FRAME_OF_APPEND_ID, [instance.encode(), aid.encode()], read_only=True)
-            if found:
-                text_of = bytes.decode
-                seq, fts, fch, fsid, ftyp, fmid, frt, payload = found[0]
-                return make_frame(
-                    int(seq), text_of(fts), instance, text_of(fch), text_of(fsid), text_of(ftyp),  # type: ignore[arg-type]
-                    text_of(fmid), None if frt is None else text_of(frt), json.loads(payload),  # type: ignore[arg-type]
-                ), False
+            found = await self.frame_of_append_id(instance, aid)
+            if found is not None:
+                return found, False
             if refused is not None:
                 raise refused
         raise StoreUnavailable(f"the PostgreSQL store {self.describe()} could not append the frame of {aid!r}")
+
+    async def frame_of_append_id(self, instance: str, append_id: str) -> Frame | None:
+        """The frame of `instance` stored with `append_id`, or None (one read on the Trio loop)."""
+        statements = self._statements
+        if statements is None:
+            raise RuntimeError("the frame store is closed")
+        rows = await statements.rows(_FRAME_OF_APPEND_ID, [instance.encode(), append_id.encode()], read_only=True)
+        if not rows:
+            return None
+        text = bytes.decode
+        seq, ts, ch, sid, typ, mid, rt, payload = rows[0]
+        return make_frame(
+            int(seq), text(ts), instance, text(ch), text(sid), text(typ), text(mid),  # type: ignore[arg-type]
+            None if rt is None else text(rt), json.loads(payload),  # type: ignore[arg-type]
+        )
 
     async def _appended(self, instance: str, prepared: list[tuple], first: int, ts: str) -> list[Frame]:
         """The frames just committed from `first` on; wakes this server's waiters, prunes now and then."""

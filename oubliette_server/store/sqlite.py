@@ -520,18 +520,28 @@ class FrameStore(FrameAppends):
         key = (instance, prepared[-1])
         while (pending := self._once_in_flight.get(key)) is not None:
             await pending.wait()
-        iid = self._iid(instance) if isinstance(instance, str) else None
-        row = None if iid is None else self._db.execute(_FRAME_OF_APPEND_ID, (iid, prepared[-1])).fetchone()
-        if row is not None:
+        stored = self._frame_of_append_id(instance, prepared[-1])
+        if stored is not None:
             await trio.lowlevel.checkpoint()  # nothing was stored: a cancellation here loses nothing
-            seq, ts, ch, sid, typ, mid, rt, payload = row
-            return _frame(seq, ts, instance, ch, sid, typ, mid, rt, json.loads(payload)), False
+            return stored, False
         done = self._once_in_flight[key] = trio.Event()
         try:
             return (await self._append(instance, [prepared]))[0], True
         finally:
             del self._once_in_flight[key]
             done.set()
+
+    async def frame_of_append_id(self, instance: str, append_id: str) -> Frame | None:
+        """The frame of `instance` stored with `append_id`, or None (along `frames_by_append_id`)."""
+        return await _on_loop(self._frame_of_append_id, instance, append_id)
+
+    def _frame_of_append_id(self, instance: str, append_id: str) -> Frame | None:
+        iid = self._iid(instance) if isinstance(instance, str) else None
+        row = None if iid is None else self._db.execute(_FRAME_OF_APPEND_ID, (iid, append_id)).fetchone()
+        if row is None:
+            return None
+        seq, ts, ch, sid, typ, mid, rt, payload = row
+        return _frame(seq, ts, instance, ch, sid, typ, mid, rt, json.loads(payload))
 
     async def _append(self, instance: str, prepared: list[tuple]) -> list[Frame]:
         if not isinstance(instance, str) or not instance:
