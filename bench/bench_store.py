@@ -115,7 +115,7 @@ async def bench_append(workdir: Path, n_single: int, n_batched: int, batch: int,
     ts = format_ts(time.time())
     text = json.dumps(PAYLOAD, separators=(",", ":"))
     rows = [
-        (1, i + 1, ts, k["channel"], k["session_id"], k["type"], f"m-{i:032x}", k["reply_to"], text)
+        (1, i + 1, ts, k["channel"], k["session_id"], k["type"], f"m-{i:032x}", k["reply_to"], text, None)
         for i, k in enumerate(kws)
     ]
     ins = store_mod._INSERT_FRAME
@@ -136,14 +136,14 @@ async def bench_append(workdir: Path, n_single: int, n_batched: int, batch: int,
         w2, c2 = time.perf_counter(), time.thread_time()
         for i, k in enumerate(kws[start : start + chunk], start + 1):
             row = (1, i, format_ts(time.time()), k["channel"], k["session_id"], k["type"],
-                   "m-" + os.urandom(16).hex(), k["reply_to"], dumps(k["payload"]))
+                   "m-" + os.urandom(16).hex(), k["reply_to"], dumps(k["payload"]), None)
             db2.execute("BEGIN")
             db2.execute(ins, row)
             db2.execute("COMMIT")
         w3, c3 = time.perf_counter(), time.thread_time()
         for i, k in enumerate(kws[start : start + chunk], start + 1):
             row = (1, i, format_ts(time.time()), k["channel"], k["session_id"], k["type"],
-                   "m-" + os.urandom(16).hex(), k["reply_to"], dumps(k["payload"]))
+                   "m-" + os.urandom(16).hex(), k["reply_to"], dumps(k["payload"]), None)
             db3.execute(ins, row)
             await trio.lowlevel.cancel_shielded_checkpoint()
         w4, c4 = time.perf_counter(), time.thread_time()
@@ -213,18 +213,18 @@ def generate(path: Path, n: int) -> tuple[FrameStore, float]:
             ch = "host" if sid % 2 else "mcp"
             user = f"m-u{turn}"
             if k == 0:
-                yield (1, seq, ts, ch, f"s{sid}", "user.message", user, None, '{"text":"hi"}')
+                yield (1, seq, ts, ch, f"s{sid}", "user.message", user, None, '{"text":"hi"}', None)
             elif k == 1:
-                yield (1, seq, ts, ch, f"s{sid}", "status.presence", f"m-{seq}", user, small)
+                yield (1, seq, ts, ch, f"s{sid}", "status.presence", f"m-{seq}", user, small, None)
             elif k == TURN - 3:
                 typ = "approval_request" if turn % 50 == 0 else "caller_tool_request"
-                yield (1, seq, ts, ch, f"s{sid}", typ, f"m-r{turn}", user, '{"tool":"x"}')
+                yield (1, seq, ts, ch, f"s{sid}", typ, f"m-r{turn}", user, '{"tool":"x"}', None)
             elif k == TURN - 2:
-                yield (1, seq, ts, ch, f"s{sid}", "caller_tool_result", f"m-{seq}", f"m-r{turn}", "{}")
+                yield (1, seq, ts, ch, f"s{sid}", "caller_tool_result", f"m-{seq}", f"m-r{turn}", "{}", None)
             elif k == TURN - 1:
-                yield (1, seq, ts, ch, f"s{sid}", "assistant.done", f"m-{seq}", user, delta)
+                yield (1, seq, ts, ch, f"s{sid}", "assistant.done", f"m-{seq}", user, delta, None)
             else:
-                yield (1, seq, ts, ch, f"s{sid}", "assistant.delta", f"m-{seq}", user, delta)
+                yield (1, seq, ts, ch, f"s{sid}", "assistant.delta", f"m-{seq}", user, delta, None)
 
     t0 = time.perf_counter()
     db.execute("INSERT INTO instances (name, last_seq, pruned_below) VALUES (?, 0, 0)", (INSTANCE,))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -165,10 +166,20 @@ class GuestRuntime:
     # -- turns ---------------------------------------------------------------------------
 
     async def _append(self, frame: Frame, type: str, payload: dict[str, Any]) -> None:
-        params = {
+        """Append a frame of the turn, sent again after each lost connection until it is answered.
+
+        One `append_id` for every attempt, sent to a server whose hello listed the feature, so a
+        resend of a frame the server stored before its answer was lost is stored once
+        (docs/PROTOCOL.md, "Exactly-once appends"); an older server gets no id (at least once)."""
+        plain = {
             "session": {"channel": frame.session.channel, "id": frame.session.id},
             "type": type, "payload": payload, "reply_to": frame.msg_id,
         }
+        once = {**plain, "append_id": secrets.token_hex(16)}
+
+        def params(features: frozenset[str]) -> dict[str, Any]:
+            return once if messages.APPEND_ID_FEATURE in features else plain
+
         while True:
             try:
                 await self.link.request(messages.APPEND_FRAME, params, wait_for_connection=True)

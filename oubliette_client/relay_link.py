@@ -111,6 +111,9 @@ class RelayLink:
         self._logged_reason: str | None = None
         self.report_failures = True
         """Log why the link is down (False: the owner reports `failure_line()` itself, e.g. `tools`)."""
+        self.features: frozenset[str] = frozenset()
+        """What the server of the current connection listed in its hello result (empty while down):
+        a request whose params depend on it is built for the connection it goes out on (`request`)."""
 
     # -- state ---------------------------------------------------------------------------
 
@@ -150,9 +153,13 @@ class RelayLink:
     # -- requests ------------------------------------------------------------------------
 
     async def request(
-        self, method: str, params: dict[str, Any], *, wait_for_connection: bool = False, timeout: float | None = None
+        self, method: str, params: dict[str, Any] | Callable[[frozenset[str]], dict[str, Any]], *,
+        wait_for_connection: bool = False, timeout: float | None = None,
     ) -> Any:
         """Send a request and return its result; `timeout` defaults to `request_timeout`.
+
+        `params` may be a function of the connection's `features`, called for the connection
+        the request is sent on (a resend after a reconnect may reach another server).
 
         Raises `RelayError`: `TIMEOUT` when the deadline passes (the server is told
         `cancel`), `PEER_DISCONNECTED` when the link is or goes down, the server's error.
@@ -165,6 +172,8 @@ class RelayLink:
         peer = self._peer
         if not self.connected or peer is None:
             raise self.unavailable_error()
+        if callable(params):
+            params = params(self.features)
         return await peer.request(method, params, timeout=self.request_timeout if timeout is None else timeout)
 
     async def notify(self, method: str, params: dict[str, Any]) -> None:
@@ -258,10 +267,11 @@ class RelayLink:
             async with trio.open_nursery() as nursery:
                 await nursery.start(peer.serve, handlers)
                 try:
-                    await peer.request(messages.HELLO, hello, timeout=limits.hello_timeout)
+                    result = await peer.request(messages.HELLO, hello, timeout=limits.hello_timeout)
                 except RelayError as err:
                     nursery.cancel_scope.cancel()
                     return self._hello_failed(err)
+                self.features = messages.server_features(result)
                 self._peer = peer
                 self.handshakes += 1
                 self.refused = self._logged_reason = None
@@ -274,6 +284,7 @@ class RelayLink:
             return False
         finally:
             self._peer = None
+            self.features = frozenset()
             if self.connected:
                 self._set_state(False)
 

@@ -92,7 +92,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         'SessionRef', 'Frame', 'utc_timestamp',
     ),
     "messages": (
-        'PROTOCOL_VERSION', 'HELLO', 'CALLER_TOOLS_CONFIG', 'CALLER_TOOL', 'CANCEL', 'USER_MESSAGE',
+        'PROTOCOL_VERSION', 'APPEND_ID_FEATURE', 'APPEND_ID_RULE', 'server_features', 'is_append_id', 'HELLO',
+        'CALLER_TOOLS_CONFIG', 'CALLER_TOOL', 'CANCEL', 'USER_MESSAGE',
         'ACK', 'APPEND_FRAME', 'TOOLSETS_CONFIG', 'TOOLSET_CALL', 'APPROVAL', 'PROGRESS', 'METHODS',
         'ROLE_CLIENT', 'ROLE_GUEST', 'ROLES', 'Hello', 'HelloResult', 'CallerToolSpec',
         'CallerToolsConfig', 'CallerToolCall', 'CallerToolResult', 'Cancel', 'ToolsetToolSpec', 'UnavailableToolset',

@@ -8,6 +8,7 @@ The tether frame is :mod:`protocol.frames`; tool descriptors are :mod:`protocol.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import attrs
@@ -17,6 +18,10 @@ from .frames import Frame, SessionRef
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "APPEND_ID_FEATURE",
+    "APPEND_ID_RULE",
+    "server_features",
+    "is_append_id",
     "HELLO",
     "CALLER_TOOLS_CONFIG",
     "CALLER_TOOL",
@@ -86,6 +91,20 @@ METHODS: tuple[str, ...] = (
     PROGRESS,
 )
 
+#: The `hello` result's `features` entry of a server that stores a guest's `append_frame` once
+#: per `append_id` (docs/PROTOCOL.md, "Exactly-once appends"); a guest sends `append_id` only then.
+APPEND_ID_FEATURE = "append_id"
+#: What an `append_id` may be, as a regular expression to match in full (`re.fullmatch`): short,
+#: and of characters every store keeps as they are (the sandbox chooses it).
+APPEND_ID_RULE = r"[A-Za-z0-9_-]{1,64}"
+_APPEND_ID_RE = re.compile(APPEND_ID_RULE)
+
+
+def is_append_id(value: Any) -> bool:
+    """Whether `value` is an `append_id` (`APPEND_ID_RULE` in full: Python's `$` would also
+    match before a final newline, which the JSON Schema's `^…$` lets through here)."""
+    return isinstance(value, str) and _APPEND_ID_RE.fullmatch(value) is not None
+
 ROLE_CLIENT = "client"
 ROLE_GUEST = "guest"
 ROLES: tuple[str, ...] = (ROLE_CLIENT, ROLE_GUEST)
@@ -120,6 +139,16 @@ class HelloResult:
     server_version: str
     instance: str
     session: str | None = None
+    features: list[str] = attrs.field(factory=list)  # what this server does beyond the protocol's base
+
+
+def server_features(result: Any) -> frozenset[str]:
+    """The `features` a `hello` result lists (none from an older server, or from a malformed
+    result: a requester never validates a result, so this reads it defensively)."""
+    features = result.get("features") if isinstance(result, dict) else None
+    if not isinstance(features, list):
+        return frozenset()
+    return frozenset(f for f in features if isinstance(f, str))
 
 
 # --- caller tools ----------------------------------------------------------------------
@@ -323,6 +352,7 @@ class AppendFrame:
     type: str
     payload: dict[str, Any] = attrs.field(factory=dict)
     reply_to: str | None = None
+    append_id: str | None = None  # chosen once per frame, the same on every resend: stored once
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from .errors import METHOD_NOT_FOUND, RelayError
 from .frames import FRAME_SCHEMA, SESSION_REF_SCHEMA
 from .messages import (
     ACK,
+    APPEND_ID_RULE,
     APPEND_FRAME,
     APPROVAL,
     CALLER_TOOL,
@@ -125,6 +126,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                 "server_version": STRING,
                 "instance": NON_EMPTY,
                 "session": OPT_STRING,
+                "features": {"type": "array", "maxItems": 64, "items": {"type": "string", "maxLength": 64}},
             },
         ),
     ),
@@ -163,6 +165,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                 "type": NON_EMPTY,
                 "payload": OBJECT,
                 "reply_to": OPT_STRING,
+                "append_id": {"type": ["string", "null"], "pattern": f"^{APPEND_ID_RULE}$"},
             },
         ),
     ),

@@ -537,3 +537,59 @@ async def test_the_guest_runtime_is_started_as_a_service() -> None:
             await runtime.link.attempted.wait()
             nursery.cancel_scope.cancel()
     assert not runtime.config_dir.exists()
+
+
+# -- exactly-once appends: the guest's side (a fake link, no server) -----------------------
+
+
+class RecordingPeer:
+    """A relay connection whose server listed `features` in its hello: records each request's
+    params, and breaks (PEER_DISCONNECTED) after recording unless it is the last one."""
+
+    is_closed = False
+
+    def __init__(self, link: Any, features: frozenset[str], then: "RecordingPeer | None" = None) -> None:
+        self.link, self.features, self.then = link, features, then
+        self.sent: list[dict[str, Any]] = []
+
+    def connect(self) -> None:
+        self.link._peer, self.link.features = self, self.features
+        self.link._set_state(True)
+
+    async def request(self, method: str, params: Any, timeout: float) -> Any:
+        from protocol import PEER_DISCONNECTED, RelayError
+
+        self.sent.append(params)
+        if self.then is None:
+            return {"seq": 1, "msg_id": "m-stored"}
+        self.then.connect()  # the link reconnects, perhaps to another server
+        raise RelayError(PEER_DISCONNECTED, "connection lost before the answer")
+
+
+@pytest.mark.parametrize("first, second", [
+    ({"append_id"}, {"append_id"}),  # a new server, then another new one: the same id both times
+    (set(), {"append_id"}),  # an older server first (no id), then a new one (the id)
+    ({"append_id"}, set()),  # a new server, then an older one: no id to the older one
+])
+async def test_the_guest_sends_one_append_id_per_frame_to_servers_that_list_it(first: set[str], second: set[str]) -> None:
+    from oubliette_client.guest import GuestRuntime
+    from oubliette_client.settings import RelaySettings
+    from protocol import Frame, SessionRef
+
+    runtime = GuestRuntime(RelaySettings(relay="unix:/nonexistent/relay.sock", instance="box1", token="t"), ["true"])
+    last = RecordingPeer(runtime.link, frozenset(second))
+    broken = RecordingPeer(runtime.link, frozenset(first), then=last)
+    broken.connect()
+    message = Frame(v=1, seq=3, ts="2026-11-22T10:00:00.123Z", instance="box1", session=SessionRef(channel="mcp", id="s1"),
+                    type="user.message", msg_id="m-1", payload={"text": "hi"})
+    with trio.fail_after(5):
+        await runtime._append(message, "status.presence", {"state": "thinking"})
+        sent = [*broken.sent, *last.sent]
+        await runtime._append(message, "status.presence", {"state": "thinking"})
+    assert len(sent) == 2 and [p.get("append_id") is not None for p in sent] == [bool(first), bool(second)], sent
+    ids = {p["append_id"] for p in sent if "append_id" in p}
+    assert len(ids) <= 1, f"one id per frame, on every attempt: {sent}"
+    assert all(len(i) == 32 for i in ids)
+    if second:
+        assert last.sent[-1]["append_id"] not in ids, "the next frame has an id of its own"
+    assert {k: v for k, v in sent[0].items() if k != "append_id"} == {k: v for k, v in sent[1].items() if k != "append_id"}

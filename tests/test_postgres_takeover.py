@@ -28,6 +28,7 @@ from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore
 from test_approvals_matrix import DELETE, GATED, call, decide
 from test_caller_loop import IDLE, INSTANCE, LOOP_AGENT, LoopCaller, ends_with, script, tool
 from test_http_api import post
+from test_relay_socket import response_to
 
 TOOL = "myapp_send_notification"
 LEASE_TTL = 1.5
@@ -141,6 +142,36 @@ async def test_a_guest_that_connects_to_another_server_takes_its_instance_over(p
         assert message["params"]["frame"]["seq"] == sent["ingress_seq"]
         assert dropped_after <= LEASE_TTL, dropped_after
         await server_b.wait_stderr("another server", "box1")  # the delivery check or the renewal said why
+
+
+async def test_a_guest_append_resent_to_another_server_is_stored_once(pg_url: str) -> None:
+    """The guest's append reached A, which stored it, and the answer was lost (A died, the
+    connection broke): the guest resends it to B with the same `append_id` and gets the same
+    seq and msg_id; one frame is in the log. Both servers list the feature in their hello
+    result; a malformed id is refused (-32602) and stores nothing."""
+    async with servers(pg_url) as (a, server_a, b, server_b):
+        token = a.token(INSTANCE)
+        async with server_a.rest() as rest:
+            await post(rest, INSTANCE, {
+                "type": "user.message", "session": {"channel": "host", "id": "t1"}, "payload": {"text": "hi"},
+            })
+        frame = {"session": {"channel": "host", "id": "t1"}, "type": "status.presence", "payload": {"state": "thinking"}}
+        answers = []
+        for server in (a, b):
+            async with RawRelay.connect(server) as guest:
+                hello = await guest.hello(INSTANCE, token, role="guest")
+                assert hello["result"]["features"] == ["append_id"], hello
+                await guest.send({"jsonrpc": "2.0", "id": 1, "method": "append_frame",
+                                  "params": {**frame, "append_id": "presence-1"}})
+                answers.append(await response_to(guest, 1))
+                for n, bad in enumerate(("x" * 65, "a/b", 7, "abc\n"), start=2):
+                    await guest.send({"jsonrpc": "2.0", "id": n, "method": "append_frame",
+                                      "params": {**frame, "append_id": bad}})
+                    error = (await response_to(guest, n))["error"]
+                    assert error["code"] == -32602 and "append_id" in error["message"], error
+        assert answers[0]["result"] == answers[1]["result"], answers
+        presence = [f for f in await all_frames(pg_url) if f.type == "status.presence"]
+        assert [f.seq for f in presence] == [answers[0]["result"]["seq"]], presence
 
 
 async def test_a_message_through_another_server_does_not_start_an_instance_held_elsewhere(pg_url: str) -> None:

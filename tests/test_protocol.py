@@ -21,6 +21,7 @@ import protocol
 from protocol import (
     ACK,
     APPEND_FRAME,
+    APPEND_ID_FEATURE,
     CALLER_TOOL,
     CALLER_TOOLS_CONFIG,
     CANCEL,
@@ -169,6 +170,9 @@ SAMPLES: dict[str, Any] = {
     "hello_result": HelloResult(
         protocol=PROTOCOL_VERSION, server_version="0.1.0", instance="box1", session="s-1"
     ),
+    "hello_result-features": HelloResult(
+        protocol=PROTOCOL_VERSION, server_version="0.1.0", instance="box1", features=[APPEND_ID_FEATURE]
+    ),
     "caller_tool_spec": CallerToolSpec(
         name="get_weather",
         description="Weather",
@@ -199,6 +203,9 @@ SAMPLES: dict[str, Any] = {
         type="assistant.delta",
         payload={"text": "hello"},
         reply_to="m-1",
+    ),
+    "append_frame-append_id": AppendFrame(
+        session=SessionRef(channel="mcp", id="s"), type="status.presence", append_id="0f3a-b_9",
     ),
     "append_frame-minimal": AppendFrame(
         session=SessionRef(channel="mcp", id="s"), type="status.presence"
@@ -896,6 +903,14 @@ def test_schemas_defaults_match_classes() -> None:
             "does not match",
         ),
         (APPEND_FRAME, {"session": {"channel": "mcp", "id": "s"}}, "$", "'type' is a required property"),
+        (APPEND_FRAME, {"session": {"channel": "mcp", "id": "s"}, "type": "t", "append_id": "a" * 65}, "$.append_id",
+         "does not match"),
+        (APPEND_FRAME, {"session": {"channel": "mcp", "id": "s"}, "type": "t", "append_id": "a/b"}, "$.append_id",
+         "does not match"),
+        (APPEND_FRAME, {"session": {"channel": "mcp", "id": "s"}, "type": "t", "append_id": 7}, "$.append_id",
+         "not of type"),
+        ("hello_result", {"protocol": "p", "server_version": "1", "instance": "i", "features": "append_id"},
+         "$.features", "not of type 'array'"),
         ("frame", {**unstructure(_frame()), "payload": []}, "$.payload", "not of type 'object'"),
         ("hello_result", {"protocol": "p", "instance": "i"}, "$", "'server_version'"),
         (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -264,6 +265,68 @@ async def test_guest_frames_two_racing_ends_store_one(guests: Guests) -> None:
             nursery.start_soon(end, "assistant.done")
             nursery.start_soon(end, "session.error")
     assert outcomes.count("stored") == 1, f"GuestFrames: racing ends of m1 gave {outcomes}"
+
+
+class Events:
+    """A session follower (`EventSink`) that keeps what it is pushed."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def push(self, event: dict) -> None:
+        self.events.append(event)
+
+
+def once(type: str, append_id: Any, reply_to: str | None = "m1", **payload: Any) -> messages.AppendFrame:
+    return attrs.evolve(append(type, reply_to, **payload), append_id=append_id)
+
+
+async def test_guest_frames_a_resend_with_its_append_id_stores_once(guests: Guests) -> None:
+    """A guest resends a frame (its connection broke before the answer) with the same `append_id`:
+    one frame in the log, the same seq and msg_id in both answers, one event to the session's
+    followers; another id, or none, stores as before."""
+    await guests.message("one", "m1")
+    follower = Events()
+    session = guests.sessions.get(INSTANCE, "mcp", "s1")
+    assert session is not None
+    guests.sessions.follow(session, follower)
+    guest = FakeRelayConnection(INSTANCE)
+
+    first = await guests.frames.append_frame(guest, once("status.presence", "p-1", state="thinking"))
+    again = await guests.frames.append_frame(FakeRelayConnection(INSTANCE), once("status.presence", "p-1", state="thinking"))
+    other = await guests.frames.append_frame(guest, once("status.presence", "p-2", state="thinking"))
+    plain = [await guests.frames.append_frame(guest, append("assistant.delta", "m1", text="x")) for _ in range(2)]
+
+    assert again == first, f"GuestFrames: a resend got {again}, the first send {first}"
+    presence = [f for f in await guests.stored() if f.type == "status.presence"]
+    assert [f.seq for f in presence] == [first.seq, other.seq], f"GuestFrames: stored {presence}"
+    assert plain[0].seq != plain[1].seq, "GuestFrames: frames without an append_id are each stored"
+    assert [e["seq"] for e in follower.events if e["type"] == "status.presence"] == [first.seq, other.seq], (
+        f"GuestFrames: the resend was pushed again: {follower.events}")
+
+
+async def test_guest_frames_a_resent_turn_end_gets_its_frame_not_a_refusal(guests: Guests) -> None:
+    """The end of a turn was stored, its answer lost: its resend is answered with the stored end
+    (the turn ended with it); another end of that turn is still refused."""
+    await guests.message("one", "m1")
+    guest = FakeRelayConnection(INSTANCE)
+    done = await guests.frames.append_frame(guest, once("assistant.done", "d-1", text="done"))
+    assert await guests.frames.append_frame(guest, once("assistant.done", "d-1", text="done")) == done
+    with pytest.raises(RelayError) as late:
+        await guests.frames.append_frame(guest, once("session.error", "e-1", message="late"))
+    assert late.value.code == errors.INVALID_REQUEST, f"GuestFrames: a second end of m1: {late.value!r}"
+    ends = [f for f in await guests.stored() if f.type in ("assistant.done", "session.error")]
+    assert len(ends) == 1, f"GuestFrames: the turn of m1 ended {len(ends)} times"
+
+
+@pytest.mark.parametrize("append_id", ["a" * 65, "a b", "abc\n", "", "é", 7])
+async def test_guest_frames_refuses_a_malformed_append_id(guests: Guests, append_id: Any) -> None:
+    await guests.message("one", "m1")
+    before = await guests.stored()
+    with pytest.raises(RelayError) as refused:
+        await guests.frames.append_frame(FakeRelayConnection(INSTANCE), once("status.presence", append_id))
+    assert refused.value.code == errors.INVALID_PARAMS, f"GuestFrames: append_id {append_id!r}: {refused.value!r}"
+    assert await guests.stored() == before, f"GuestFrames: a frame with append_id {append_id!r} was stored"
 
 
 async def test_guest_frames_ack_moves_the_delivery_cursor(guests: Guests) -> None:

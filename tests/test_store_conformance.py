@@ -404,6 +404,139 @@ async def test_retention_drops_old_claims_with_their_frames(pg_url: str) -> None
         assert count == 2
 
 
+# -- append_once: a resent guest append stores once ---------------------------------------
+
+
+def once(store: FrameStoreAPI, instance: str, append_id: str, text: str = "x") -> Any:
+    return store.append_once(
+        instance, append_id, channel="mcp", session_id="s1", type="status.presence", payload={"text": text},
+    )
+
+
+async def test_append_once_stores_one_frame_per_instance_and_id(store: FrameStoreAPI) -> None:
+    """The same (instance, append_id) twice is one frame, and the second call gets the first's
+    seq, msg_id, ts and payload back without waking anyone; the same id in another instance is
+    another frame; without an id every append stores, as before."""
+    first, stored = await once(store, "box1", "a-1", "first")
+    assert stored and first.seq == 1
+    with trio.testing.assert_checkpoints():
+        again, stored_again = await once(store, "box1", "a-1", "the resend")
+    assert not stored_again and again == first, "the frame stored before, not the resend's fields"
+    via_append = await add(store, "box1", append_id="a-1")
+    assert via_append == first, "`append` with an id is `append_once`"
+    assert await store.frame_of_append_id("box1", "a-1") == first
+    assert await store.frame_of_append_id("box1", "a-9") is None
+    assert await store.frame_of_append_id("nobody", "a-1") is None
+    other, other_stored = await once(store, "box2", "a-1")
+    assert other_stored and other.seq == 1 and other.instance == "box2"
+    plain = [await add(store, "box1", payload={"i": i}) for i in range(2)]
+    assert [f.seq for f in plain] == [2, 3], "no id: stored each time, and no seq was spent on the resend"
+    assert await seqs(store, "box1") == [1, 2, 3]
+    assert await seqs(store, "box2") == [1]
+    assert (await once(store, "box1", "a-2"))[1]
+    racers: list[Any] = []
+
+    async def race(i: int) -> None:
+        racers.append(await once(store, "box1", "a-3", f"racer {i}"))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(race, i)
+    assert [stored for _, stored in racers].count(True) == 1
+    assert all(frame == racers[0][0] for frame, _ in racers)
+    assert await seqs(store, "box1") == [1, 2, 3, 4, 5]
+
+
+async def test_append_once_refuses_a_bad_id_and_stores_nothing(store: FrameStoreAPI) -> None:
+    for bad in ("", "a" * 65, "a b", "abc\n", "é"):
+        with pytest.raises(ValueError, match="append_id"):
+            await once(store, "box1", bad)
+    with pytest.raises(ValueError):
+        await store.append_once("box1", None, channel="mcp", session_id="s1", type="t", payload={})  # type: ignore[arg-type]
+    assert await store.last_seq("box1") == 0
+
+
+async def test_append_once_one_frame_across_two_store_objects(pg_url: str) -> None:
+    """Two servers on one database race appends with the same ids (the guest resent to the other
+    server while the first still stored): each id is one frame, both calls return it, and no seq
+    is lost (PostgreSQL only: a SQLite log has one writer process)."""
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as a, backend.open() as b:
+        results: dict[str, list[Any]] = {}
+
+        async def send(store: FrameStoreAPI, append_id: str, who: str) -> None:
+            results.setdefault(append_id, []).append(await once(store, "box1", append_id, who))
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for n in range(20):
+                    nursery.start_soon(send, a, f"id-{n}", "a")
+                    nursery.start_soon(send, b, f"id-{n}", "b")
+        for append_id, got in results.items():
+            assert [stored for _, stored in got].count(True) == 1, (append_id, got)
+            assert got[0][0] == got[1][0], "both servers answer with the one frame"
+        assert await seqs(store=a, limit=200) == list(range(1, 21)), "gapless: the loser spent no seq"
+
+        # The race itself, made certain: both statements start (each sees no frame of the id)
+        # while a third connection holds the instance's row, so both wait at the seq; released,
+        # one stores and the other breaks the unique index, finds the frame and returns it.
+        import psycopg
+
+        with psycopg.connect(pg_url) as blocker:
+            blocker.execute("SELECT 1 FROM instances WHERE name = 'box1' FOR UPDATE")
+            raced: list[Any] = []
+
+            async def send_raced(store: FrameStoreAPI, who: str) -> None:
+                raced.append(await once(store, "box1", "raced", who))
+
+            with trio.fail_after(30):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(send_raced, a, "a")
+                    nursery.start_soon(send_raced, b, "b")
+                    with psycopg.connect(pg_url, autocommit=True) as watcher:
+                        while watcher.execute(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                            "AND query LIKE 'WITH found AS%'"
+                        ).fetchone()[0] < 2:  # type: ignore[index]
+                            await trio.sleep(0.01)
+                    blocker.rollback()
+        assert [stored for _, stored in raced].count(True) == 1, raced
+        assert raced[0][0] == raced[1][0] and raced[0][0].seq == 21
+        assert await seqs(store=a, limit=200) == list(range(1, 22)), "gapless: the loser spent no seq"
+
+
+async def test_a_log_made_before_append_ids_gets_them_when_opened(backend: Backend) -> None:
+    """A store made by an earlier version (no `append_id` column; on PostgreSQL, schema version 6)
+    gets the column and its unique index when a server opens it; its old frames stay as they were."""
+    async with backend.open() as store:
+        await add(store, "box1")
+    if backend.name == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(backend.location) as conn:
+            conn.execute("DROP INDEX frames_by_append_id")
+            conn.execute("ALTER TABLE frames DROP COLUMN append_id")
+            assert "append_id" not in {row[1] for row in conn.execute("PRAGMA table_info(frames)")}
+    else:
+        import psycopg
+
+        with psycopg.connect(backend.location, autocommit=True) as conn:
+            conn.execute("ALTER TABLE frames DROP COLUMN append_id")  # drops its index too
+            conn.execute("DELETE FROM oubliette_schema WHERE version = 7")
+    async with backend.open() as store:
+        first, stored = await once(store, "box1", "a-1")
+        assert stored and first.seq == 2
+        assert (await once(store, "box1", "a-1"))[0] == first
+        assert await seqs(store, "box1") == [1, 2]
+    if backend.name == "sqlite":
+        with sqlite3.connect(backend.location) as conn:
+            assert conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'frames_by_append_id'").fetchone()
+    else:
+        with psycopg.connect(backend.location) as conn:
+            assert conn.execute("SELECT 1 FROM pg_indexes WHERE indexname = 'frames_by_append_id'").fetchone(), \
+                "migration 7 applied to a database at version 6"
+
+
 # -- retention and cursors -----------------------------------------------------------------
 
 

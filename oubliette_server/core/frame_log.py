@@ -37,8 +37,10 @@ class AppendFrame(Protocol):
     async def __call__(
         self, session: Session, type: str, payload: dict[str, Any], *,
         reply_to: str | None = None, msg_id: str | None = None, skip: EventSink | None = None,
+        append_id: str | None = None,
     ) -> Frame:
-        """Store a frame of `session`, then push it to the session's followers but `skip`."""
+        """Store a frame of `session`, then push it to the session's followers but `skip` (with
+        `append_id`: unless it was stored before, then return that frame and push nothing)."""
         ...
 
 
@@ -130,23 +132,38 @@ class FrameLog:
         reply_to: str | None = None,
         msg_id: str | None = None,
         skip: EventSink | None = None,
+        append_id: str | None = None,
     ) -> Frame:
         """Store a frame of `session` and push it to everyone following the session but `skip`
-        (the caller whose own answer the frame records, which needs no event of it)."""
+        (the caller whose own answer the frame records, which needs no event of it).
+
+        With `append_id` (a guest's, docs/TETHER.md "Exactly-once appends"), a frame stored with
+        that id before is returned instead, and nothing is stored or pushed: its followers heard
+        of it when it was stored (from this server, or another's log tail)."""
         self._check(session, type, payload, msg_id=msg_id, reply_to=reply_to)
-        return await self._store_and_push(session, type, payload, reply_to=reply_to, msg_id=msg_id, skip=skip)
+        return await self._store_and_push(
+            session, type, payload, reply_to=reply_to, msg_id=msg_id, skip=skip, append_id=append_id,
+        )
 
     async def _store_and_push(
         self, session: Session, type: str, payload: dict[str, Any], *,
-        reply_to: str | None, msg_id: str | None, skip: EventSink | None = None,
+        reply_to: str | None, msg_id: str | None, skip: EventSink | None = None, append_id: str | None = None,
     ) -> Frame:
         """`append` once the frame passed `Limits.check_frame`."""
         began = trio.current_time()
         with self.local_appends.appending(session.instance) as stored_here:
-            frame = await self.store.append(
-                session.instance, channel=session.channel, session_id=session.id,
-                type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
-            )
+            if append_id is None:
+                frame = await self.store.append(
+                    session.instance, channel=session.channel, session_id=session.id,
+                    type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
+                )
+            else:
+                frame, stored = await self.store.append_once(
+                    session.instance, append_id, channel=session.channel, session_id=session.id,
+                    type=type, payload=payload, msg_id=msg_id, reply_to=reply_to,
+                )
+                if not stored:
+                    return frame  # stored (and pushed) before: nothing new to tell anyone
             stored_here(frame.seq)
         self.on_stored(type, trio.current_time() - began)
         push_frame(session, frame, skip)

@@ -199,7 +199,7 @@ class RelayConnection:
         await self._on_open(self)  # if it fails, the hello is refused and `on_close` still runs
         return messages.HelloResult(
             protocol=PROTOCOL_VERSION, server_version=SERVER_VERSION,
-            instance=hello.instance, session=hello.session,
+            instance=hello.instance, session=hello.session, features=[messages.APPEND_ID_FEATURE],
         )
 
 

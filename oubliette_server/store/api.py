@@ -22,6 +22,7 @@ import trio
 
 from protocol import RelayError, errors
 from protocol.frames import FRAME_VERSION, Frame, SessionRef
+from protocol.messages import is_append_id
 from protocol.timestamps import format_ts
 
 __all__ = [
@@ -266,7 +267,8 @@ async def when_store_is_back(attempt: Callable[[], Any]) -> Any:
 # Argument checks shared by the stores
 
 
-Prepared = tuple[str, str, str, str, "str | None", str, dict]
+#: `(channel, session_id, type, msg_id, reply_to, payload_json, payload_copy, append_id)`.
+Prepared = tuple[str, str, str, str, "str | None", str, dict, "str | None"]
 
 
 # Payload values whose JSON text decodes to an equal value of the same type (see prepare_frame).
@@ -276,9 +278,11 @@ _FLAT_TYPES = frozenset({str, int, float, bool, type(None)})
 _ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
 
-def prepare_frame(channel: Any, session_id: Any, type: Any, payload: Any, msg_id: Any, reply_to: Any) -> Prepared:
-    """Check one frame's fields and encode its payload: `(channel, session_id, type, msg_id,
-    reply_to, payload_json, payload_copy)`; `ValueError`/`TypeError` name the bad field."""
+def prepare_frame(
+    channel: Any, session_id: Any, type: Any, payload: Any, msg_id: Any, reply_to: Any, append_id: Any = None,
+) -> Prepared:
+    """Check one frame's fields and encode its payload: a `Prepared` tuple; `ValueError`/`TypeError`
+    name the bad field."""
     for name, value in (("channel", channel), ("session_id", session_id), ("type", type)):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name} must be a non-empty string, got {value!r}")
@@ -290,6 +294,8 @@ def prepare_frame(channel: Any, session_id: Any, type: Any, payload: Any, msg_id
         raise ValueError(f"msg_id must be a non-empty string or None, got {msg_id!r}")
     if reply_to is not None and not isinstance(reply_to, str):
         raise TypeError(f"reply_to must be a string or None, got {reply_to!r}")
+    if append_id is not None and not is_append_id(append_id):
+        raise ValueError(f"append_id must be 1-64 of A-Z a-z 0-9 _ - or None, got {append_id!r}")
     # allow_nan=False: NaN/Infinity are not JSON.  The returned frame holds exactly what a later
     # query returns (and is not shared with the caller): the decoded text, or, for a flat payload
     # (string keys, values of exactly str/int/float/bool/None), a plain copy, which decodes
@@ -297,8 +303,8 @@ def prepare_frame(channel: Any, session_id: Any, type: Any, payload: Any, msg_id
     text = _ENCODE(payload)
     for key, value in payload.items():
         if key.__class__ is not str or value.__class__ not in _FLAT_TYPES:
-            return channel, session_id, type, msg_id, reply_to, text, json.loads(text)
-    return channel, session_id, type, msg_id, reply_to, text, dict(payload)
+            return channel, session_id, type, msg_id, reply_to, text, json.loads(text), append_id
+    return channel, session_id, type, msg_id, reply_to, text, dict(payload), append_id
 
 
 def prepare_frames(frames: list[dict]) -> list[Prepared]:
@@ -428,8 +434,9 @@ class FrameAppends(LongPollWaiters):
     """The append methods both stores share: arguments checked and prepared once, here.
 
     A store implements `_append(instance, prepared)` (every frame or none, consecutive seqs,
-    one commit) and `_append_claimed(instance, request_id, prepared)` (the frame, or None when
-    the request's outcome was recorded before: where the claim lives is the store's own).
+    one commit), `_append_claimed(instance, request_id, prepared)` (the frame, or None when
+    the request's outcome was recorded before: where the claim lives is the store's own) and
+    `_append_once(instance, prepared)` (the frame of the prepared `append_id`, stored now or before).
     """
 
     async def append(
@@ -442,12 +449,40 @@ class FrameAppends(LongPollWaiters):
         payload: dict,
         msg_id: str | None = None,
         reply_to: str | None = None,
+        append_id: str | None = None,
     ) -> Frame:
         """Append one frame with the next seq of `instance` (`msg_id` defaults to "m-" and 32
         random hex digits) and wake the instance's waiters; committed when this returns; if it
-        raises, nothing was stored."""
+        raises, nothing was stored. With `append_id`, as `append_once`: the frame stored with
+        that id before, if there is one."""
+        if append_id is not None:
+            return (await self.append_once(
+                instance, append_id, channel=channel, session_id=session_id, type=type, payload=payload,
+                msg_id=msg_id, reply_to=reply_to,
+            ))[0]
         prepared = [prepare_frame(channel, session_id, type, payload, msg_id, reply_to)]
         return (await self._append(instance, prepared))[0]
+
+    async def append_once(
+        self,
+        instance: str,
+        append_id: str,
+        *,
+        channel: str,
+        session_id: str,
+        type: str,
+        payload: dict,
+        msg_id: str | None = None,
+        reply_to: str | None = None,
+    ) -> tuple[Frame, bool]:
+        """Append one frame unless `instance` already has the frame of `append_id` (a resend):
+        `(frame, True)` when this call stored it, `(the frame stored before, False)` when not
+        (nothing is stored, nobody is woken). The check and the append are one step, also
+        between servers sharing the store: of two appends racing with one id, one stores."""
+        if append_id is None:
+            raise ValueError("append_once needs an append_id")
+        prepared = prepare_frame(channel, session_id, type, payload, msg_id, reply_to, append_id)
+        return await self._append_once(instance, prepared)
 
     async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
         """Append several frames in one transaction (consecutive seqs, one commit, one wake-up);
@@ -477,6 +512,9 @@ class FrameAppends(LongPollWaiters):
         raise NotImplementedError
 
     async def _append_claimed(self, instance: str, request_id: str, prepared: list[Prepared]) -> Frame | None:
+        raise NotImplementedError
+
+    async def _append_once(self, instance: str, prepared: Prepared) -> tuple[Frame, bool]:
         raise NotImplementedError
 
 
@@ -516,9 +554,27 @@ class FrameStoreAPI(Protocol):
 
     async def append(
         self, instance: str, *, channel: str, session_id: str, type: str, payload: dict,
-        msg_id: str | None = None, reply_to: str | None = None,
+        msg_id: str | None = None, reply_to: str | None = None, append_id: str | None = None,
     ) -> Frame:
-        """Append one frame with the next seq of `instance`; committed when it returns."""
+        """Append one frame with the next seq of `instance`; committed when it returns (with
+        `append_id`: the frame stored with it before, if any, as `append_once`)."""
+        ...
+
+    async def append_once(
+        self, instance: str, append_id: str, *, channel: str, session_id: str, type: str, payload: dict,
+        msg_id: str | None = None, reply_to: str | None = None,
+    ) -> tuple[Frame, bool]:
+        """Append one frame unless `instance` has the frame of `append_id` already: `(frame, True)`
+        when this call stored it, `(the stored frame, False)` when it was stored before.
+
+        A resent guest append stores once (docs/TETHER.md, "Exactly-once appends"): the frames
+        table has a unique index on (instance, append_id), and the check, the seq and the insert
+        are one step (SQLite: the single writer; PostgreSQL: one statement, the unique index
+        deciding between servers racing)."""
+        ...
+
+    async def frame_of_append_id(self, instance: str, append_id: str) -> Frame | None:
+        """The frame of `instance` stored with `append_id` (`append_once`), or None."""
         ...
 
     async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:

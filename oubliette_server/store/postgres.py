@@ -197,6 +197,13 @@ CREATE TABLE server_leases (
 CREATE INDEX frames_session_records ON frames (session_id, channel, instance, seq)
     WHERE type = '{SESSION_RECORD}';
 """),
+    # A guest's append stored once however often it is resent (`append_once`, docs/TETHER.md,
+    # "Exactly-once appends"): the unique index decides between servers racing with one id.
+    # NULL in every older frame, so the index is built without reading payloads; self-contained.
+    (7, """
+ALTER TABLE frames ADD COLUMN append_id text;
+CREATE UNIQUE INDEX frames_by_append_id ON frames (instance, append_id) WHERE append_id IS NOT NULL;
+"""),
 ]
 SCHEMA_VERSION = max(version for version, _ in MIGRATIONS)
 
@@ -212,6 +219,22 @@ _APPEND_ONE = (
     b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
     b"SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8 FROM bumped RETURNING seq) "
     b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
+)
+#: `append_once`'s one statement: the frame of `$10` if the instance has it (then nothing is bumped
+#: or stored: no row comes back), else `_APPEND_ONE`'s bump, insert and NOTIFY. Of two servers
+#: racing with one id, the second waits for the first's bump (the instance's row lock), then its
+#: insert breaks the unique index and the whole statement fails: no seq is lost.
+_APPEND_ONCE = (
+    b"WITH found AS (SELECT seq FROM frames WHERE instance = $1 AND append_id = $10), "
+    b"bumped AS (INSERT INTO instances (name, last_seq) SELECT $1, 1 WHERE NOT EXISTS (SELECT 1 FROM found) "
+    b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1 RETURNING last_seq), "
+    b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, "
+    b"append_id) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10 FROM bumped RETURNING seq) "
+    b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
+)
+_FRAME_OF_APPEND_ID = (
+    b"SELECT seq, ts, channel, session_id, type, msg_id, reply_to, payload FROM frames "
+    b"WHERE instance = $1 AND append_id = $2"
 )
 #: The frames of an instance after a seq, in one snapshot with its `last_seq` and `pruned_below`
 #: (`_build`'s statement without filters), run on the Trio loop: the log tail's one read per wake.
@@ -589,7 +612,7 @@ class PostgresFrameStore(FrameAppends):
         ts = format_ts(self._clock())
 
         if claim is None and n == 1 and self._statements is not None:
-            ch, sid, typ, mid, rt, text, _ = prepared[0]
+            ch, sid, typ, mid, rt, text, _, _ = prepared[0]
             rows = await self._statements.rows(_APPEND_ONE, [
                 instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
                 None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
@@ -607,7 +630,7 @@ class PostgresFrameStore(FrameAppends):
                 with conn.cursor() as cur:
                     cur.executemany(_INSERT_FRAME, [
                         (instance, first + i, ts, ch, sid, typ, mid, rt, text)
-                        for i, (ch, sid, typ, mid, rt, text, _) in enumerate(prepared)
+                        for i, (ch, sid, typ, mid, rt, text, _, _) in enumerate(prepared)
                     ])
                 if claim is not None:
                     conn.execute(
@@ -621,12 +644,57 @@ class PostgresFrameStore(FrameAppends):
             return []
         return await self._appended(instance, prepared, first, ts)
 
+    async def _append_once(self, instance: str, prepared: tuple) -> tuple[Frame, bool]:
+        """`_APPEND_ONCE` on the Trio loop; when it stored nothing (the id's frame was there) or
+        lost a race on the unique index, the frame stored with the id is read and returned."""
+        check_instance(instance)
+        _no_nul(prepared)
+        if "\x00" in instance:
+            raise ValueError("instance must not contain NUL characters")
+        ch, sid, typ, mid, rt, text, _, aid = prepared
+        for _attempt in range(3):  # again only if retention deleted the frame between the two reads
+            statements = self._statements
+            if statements is None:
+                raise RuntimeError("the frame store is closed")
+            ts = format_ts(self._clock())
+            refused: psycopg.DatabaseError | None = None
+            try:
+                rows = await statements.rows(_APPEND_ONCE, [
+                    instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
+                    None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(), aid.encode(),
+                ])
+            except psycopg.DatabaseError as exc:  # perhaps a racing server stored the id first
+                rows, refused = [], exc
+            if rows:
+                return (await self._appended(instance, [prepared], int(rows[0][0] or 0), ts))[0], True
+            found = await self.frame_of_append_id(instance, aid)
+            if found is not None:
+                return found, False
+            if refused is not None:
+                raise refused
+        raise StoreUnavailable(f"the PostgreSQL store {self.describe()} could not append the frame of {aid!r}")
+
+    async def frame_of_append_id(self, instance: str, append_id: str) -> Frame | None:
+        """The frame of `instance` stored with `append_id`, or None (one read on the Trio loop)."""
+        statements = self._statements
+        if statements is None:
+            raise RuntimeError("the frame store is closed")
+        rows = await statements.rows(_FRAME_OF_APPEND_ID, [instance.encode(), append_id.encode()], read_only=True)
+        if not rows:
+            return None
+        text = bytes.decode
+        seq, ts, ch, sid, typ, mid, rt, payload = rows[0]
+        return make_frame(
+            int(seq), text(ts), instance, text(ch), text(sid), text(typ), text(mid),  # type: ignore[arg-type]
+            None if rt is None else text(rt), json.loads(payload),  # type: ignore[arg-type]
+        )
+
     async def _appended(self, instance: str, prepared: list[tuple], first: int, ts: str) -> list[Frame]:
         """The frames just committed from `first` on; wakes this server's waiters, prunes now and then."""
         n = len(prepared)
         stored = [
             make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
-            for i, (ch, sid, typ, mid, rt, _, obj) in enumerate(prepared)
+            for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared)
         ]
         self._wake_instance(instance)
         count = self._appends_since_prune.get(instance, 0) + n

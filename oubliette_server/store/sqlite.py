@@ -66,7 +66,7 @@ Schema (``PRAGMA user_version = 1``)
     frame with ``seq <= pruned_below`` has been deleted by retention; the retained log of an
     instance is always the contiguous range ``pruned_below+1 .. last_seq``.
 
-    ``frames(iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload)``,
+    ``frames(iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload, append_id)``,
     ``PRIMARY KEY (iid, seq) WITHOUT ROWID`` — the table is clustered by instance and seq, so
     "frames of an instance after a seq" is one b-tree range scan.  The instance name is
     interned as a small integer (``iid``) to keep the table and its indexes small.
@@ -81,6 +81,11 @@ Schema (``PRAGMA user_version = 1``)
       is no channel filter), merges them and reads just the winning rows, so its cost does
       not depend on how rare the types are.  (More than 16 types: row-by-row filter.)
     * ``frames_by_reply (iid, reply_to, seq) WHERE reply_to IS NOT NULL`` — ``reply_to``.
+    * ``frames_by_append_id (iid, append_id) WHERE append_id IS NOT NULL``, unique — the frame a
+      guest appended with an ``append_id`` (``append_once``: a resend finds it and stores
+      nothing). The nullable ``append_id`` column and this index are added to a store file made
+      before them when the server opens it (``ALTER TABLE … ADD COLUMN``, then ``CREATE UNIQUE
+      INDEX IF NOT EXISTS``: the column is NULL in every old frame, so the index is built at once).
     * ``frames_session_records (session_id, channel, iid, seq) WHERE type = 'session_record'``
       — the instances whose log records a session (``session_records``), across instances in
       one query: it holds the server's session records only, a few per session.  Added to a
@@ -202,6 +207,7 @@ CREATE TABLE IF NOT EXISTS frames (
     msg_id     TEXT    NOT NULL,
     reply_to   TEXT,
     payload    TEXT    NOT NULL,
+    append_id  TEXT,
     PRIMARY KEY (iid, seq)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS frames_by_session ON frames (iid, session_id, channel, seq);
@@ -218,6 +224,15 @@ CREATE TABLE IF NOT EXISTS cursors (
 """
 
 _COLS = "seq, ts, channel, session_id, type, msg_id, reply_to, payload"
+
+# `append_once`'s index: one frame per (instance, append_id). Made after the column, which a store
+# file made before it gets when the server opens it (`_setup`).
+_APPEND_ID_INDEX = (
+    "CREATE UNIQUE INDEX IF NOT EXISTS frames_by_append_id ON frames (iid, append_id) WHERE append_id IS NOT NULL"
+)
+_FRAME_OF_APPEND_ID = (
+    f"SELECT {_COLS} FROM frames INDEXED BY frames_by_append_id WHERE iid = ? AND append_id = ? AND append_id IS NOT NULL"
+)
 
 # The records of one session in one instance, along `frames_session_records` (the type is written
 # out, not bound: SQLite uses a partial index only for a query whose WHERE names its condition).
@@ -241,8 +256,8 @@ SESSION_RECORDS_SQL = (
 )
 
 _INSERT_FRAME = (
-    "INSERT INTO frames (iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO frames (iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload, append_id) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # A new instance's row, created in the transaction of its first frames.
 _NEW_INSTANCE = "INSERT INTO instances (name, last_seq, pruned_below) VALUES (?, 0, 0)"
@@ -314,6 +329,8 @@ class FrameStore(FrameAppends):
         FrameAppends.__init__(self)
         # (instance, request_id) of the outcomes `append_outcome` recorded, newest last (bounded).
         self._outcomes: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        # (instance, append_id) of the `append_once` calls between their check and their commit.
+        self._once_in_flight: dict[tuple[str, str], trio.Event] = {}
         if read_only:
             return
         try:
@@ -366,6 +383,9 @@ class FrameStore(FrameAppends):
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     db.execute(stmt)
+            if "append_id" not in {row[1] for row in db.execute("PRAGMA table_info(frames)")}:
+                db.execute("ALTER TABLE frames ADD COLUMN append_id TEXT")  # a file made before append_once
+            db.execute(_APPEND_ID_INDEX)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     @property
@@ -493,6 +513,36 @@ class FrameStore(FrameAppends):
             self._outcomes.popitem(last=False)
         return frame
 
+    async def _append_once(self, instance: str, prepared: tuple) -> tuple[Frame, bool]:
+        """This process is the only writer of its log: the frame of the id is looked up and, if
+        there is none, its append is handed a seq with no checkpoint between. An append of the
+        same id still in its group commit is waited for first (it may yet fail)."""
+        key = (instance, prepared[-1])
+        while (pending := self._once_in_flight.get(key)) is not None:
+            await pending.wait()
+        stored = self._frame_of_append_id(instance, prepared[-1])
+        if stored is not None:
+            await trio.lowlevel.checkpoint()  # nothing was stored: a cancellation here loses nothing
+            return stored, False
+        done = self._once_in_flight[key] = trio.Event()
+        try:
+            return (await self._append(instance, [prepared]))[0], True
+        finally:
+            del self._once_in_flight[key]
+            done.set()
+
+    async def frame_of_append_id(self, instance: str, append_id: str) -> Frame | None:
+        """The frame of `instance` stored with `append_id`, or None (along `frames_by_append_id`)."""
+        return await _on_loop(self._frame_of_append_id, instance, append_id)
+
+    def _frame_of_append_id(self, instance: str, append_id: str) -> Frame | None:
+        iid = self._iid(instance) if isinstance(instance, str) else None
+        row = None if iid is None else self._db.execute(_FRAME_OF_APPEND_ID, (iid, append_id)).fetchone()
+        if row is None:
+            return None
+        seq, ts, ch, sid, typ, mid, rt, payload = row
+        return _frame(seq, ts, instance, ch, sid, typ, mid, rt, json.loads(payload))
+
     async def _append(self, instance: str, prepared: list[tuple]) -> list[Frame]:
         if not isinstance(instance, str) or not instance:
             raise ValueError(f"instance must be a non-empty string, got {instance!r}")
@@ -535,7 +585,7 @@ class FrameStore(FrameAppends):
                 v=FRAME_VERSION, seq=first + i, ts=ts, instance=instance, session=SessionRef(channel=ch, id=sid),
                 type=typ, msg_id=mid, reply_to=rt, payload=obj,
             )
-            for i, (ch, sid, typ, mid, rt, _, obj) in enumerate(prepared)
+            for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared)
         ]
 
     def _commit(self, group: _Group) -> None:
@@ -550,8 +600,8 @@ class FrameStore(FrameAppends):
                 # A lone frame of a known instance: one INSERT in autocommit mode is its own
                 # transaction (SQLite commits it before execute returns, or rolls it back and
                 # raises), with the same durability as BEGIN/INSERT/COMMIT at a third of the calls.
-                instance, first, ts, ((ch, sid, typ, mid, rt, text, _),) = parts[0]
-                db.execute(_INSERT_FRAME, (iids[instance], first, ts, ch, sid, typ, mid, rt, text))
+                instance, first, ts, ((ch, sid, typ, mid, rt, text, _, aid),) = parts[0]
+                db.execute(_INSERT_FRAME, (iids[instance], first, ts, ch, sid, typ, mid, rt, text, aid))
             else:
                 self._commit_transaction(db, parts, group.base, created)
         except BaseException as exc:
@@ -611,9 +661,9 @@ class FrameStore(FrameAppends):
                     iids[instance] = db.execute(_NEW_INSTANCE, (instance,)).lastrowid
                     created.append(instance)
             db.executemany(_INSERT_FRAME, [
-                (iids[instance], first + i, ts, ch, sid, typ, mid, rt, text)
+                (iids[instance], first + i, ts, ch, sid, typ, mid, rt, text, aid)
                 for instance, first, ts, prepared in parts
-                for i, (ch, sid, typ, mid, rt, text, _) in enumerate(prepared)
+                for i, (ch, sid, typ, mid, rt, text, _, aid) in enumerate(prepared)
             ])
             db.execute("COMMIT")
         except BaseException:

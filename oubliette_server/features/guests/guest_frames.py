@@ -25,9 +25,13 @@ class GuestFrames:
 
     Needs: the session registry, the frame log's `append`, guest delivery (for acks), and the
     store (is a forgotten session in the log?).
-    Raises: `RelayError(INVALID_PARAMS)` for a frame type or payload key a guest may not append or
-    a session key outside the grammar (protocol/session_keys.py); `RelayError(NOT_FOUND)` for a
-    session the server does not know.
+    A frame sent with an `append_id` is stored once however often the guest resends it (to this
+    server or another sharing the store, docs/TETHER.md "Exactly-once appends"): a resend is
+    answered with the stored frame's seq and msg_id, also a resent turn end.
+
+    Raises: `RelayError(INVALID_PARAMS)` for a frame type or payload key a guest may not append,
+    a session key outside the grammar (protocol/session_keys.py) or a malformed `append_id`;
+    `RelayError(NOT_FOUND)` for a session the server does not know.
     """
 
     def __init__(
@@ -44,9 +48,14 @@ class GuestFrames:
         Raises: `RelayError(INVALID_PARAMS)` for a bad session key, a type or payload key only the
         server writes (`refuse_server_owned`, the rule of every door) or another type a guest may not
         append, before any turn is touched; `RelayError(NOT_FOUND)` for an unknown session; the frame
-        log's refusals (limits) as they are. Nothing is stored then.
+        log's refusals (limits) as they are. Nothing is stored then. A resend of a frame stored with
+        its `append_id` is answered with that frame (`FrameLog.append`), nothing stored again.
         """
         check_session(request.session.channel, request.session.id)
+        if request.append_id is not None and not messages.is_append_id(request.append_id):
+            raise RelayError(
+                errors.INVALID_PARAMS, "append_id must be 1-64 characters of A-Z a-z 0-9 _ - (chosen once per frame)",
+            )
         refuse_server_owned(request.type, request.payload)
         if request.type not in GUEST_FRAME_TYPES:
             raise RelayError(
@@ -59,6 +68,9 @@ class GuestFrames:
         if ends_turn:
             assert request.reply_to is not None
             if not await self.delivery.turn_ended(connection, request.reply_to):
+                resent = await self._stored_before(connection.instance, request.append_id)
+                if resent is not None:
+                    return resent  # this end was stored: the turn ended with it
                 raise RelayError(
                     errors.INVALID_REQUEST,
                     f"the turn of message {request.reply_to!r} has ended already (a turn ends once; the server "
@@ -67,12 +79,21 @@ class GuestFrames:
         elif request.reply_to is not None:
             self.delivery.turn_started(connection, request.reply_to)
         try:
-            frame = await self.append(session, request.type, request.payload, reply_to=request.reply_to)
+            frame = await self.append(
+                session, request.type, request.payload, reply_to=request.reply_to, append_id=request.append_id,
+            )
         finally:
             if ends_turn:
                 assert request.reply_to is not None
                 self.delivery.turn_end_stored(connection, request.reply_to)
         return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
+
+    async def _stored_before(self, instance: str, append_id: str | None) -> messages.AppendFrameResult | None:
+        """Where the frame of `append_id` landed, if the log has it (a resent turn end)."""
+        if append_id is None:
+            return None
+        frame = await self.store.frame_of_append_id(instance, append_id)
+        return None if frame is None else messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
 
     async def _known_session(self, instance: str, channel: str, session_id: str) -> Session:
         """The session if the server holds it or its log has frames of it (made again after it was
