@@ -41,7 +41,7 @@ import trio
 
 from protocol import Frame, RelayError, errors, messages
 from protocol.frames import FrameType
-from protocol.trace_spans import turn_environment
+from protocol.trace_spans import Turn, turn_span
 
 from .mcp_config import write_mcp_config
 from .relay_link import RelayLink
@@ -198,12 +198,16 @@ class GuestRuntime:
         return [arg.replace(MCP_CONFIG_PLACEHOLDER, path) for arg in self.command]
 
     async def _run_turn(self, key: str, frame: Frame) -> None:
+        # The turn's span when this process traces (docs/OBSERVABILITY.md), in the caller's trace.
+        with turn_span(frame.payload.get("_meta"), key, self.settings.instance, frame.msg_id) as turn:
+            await self._turn(key, frame, turn)
+
+    async def _turn(self, key: str, frame: Frame, turn: Turn) -> None:
         text = str(frame.payload.get("text", ""))
         log.info("turn for %s (seq %d)", key, frame.seq)
         await self._append(frame, FrameType.STATUS_PRESENCE, {"state": "thinking"})
         env = {**os.environ, **self.settings.environment(key), "OUBLIETTE_MSG_ID": frame.msg_id}
-        if "_meta" in frame.payload:  # the caller's trace (docs/OBSERVABILITY.md): the agent's spans join it
-            env.update(turn_environment(frame.payload["_meta"]))
+        env.update(turn.environment)  # the caller's trace, through the turn's span: the agent's spans join it
         lines: list[str] = []
         stderr = bytearray()
         command = self._turn_command(key)
@@ -211,6 +215,7 @@ class GuestRuntime:
         if lifeline is not None and shutil.which(command[0], path=env.get("PATH")) is None:
             # The shell would say it in an exit status of 127; say it as plainly as an exec would.
             message = f"cannot start the agent command: {command[0]!r} is not an executable found on PATH"
+            turn.failed("start_failed", message)
             await self._append(frame, FrameType.SESSION_ERROR, {"message": message})
             return
         try:
@@ -220,7 +225,9 @@ class GuestRuntime:
                 start_new_session=True, pass_fds=() if lifeline is None else (lifeline,),
             )
         except OSError as exc:
-            await self._append(frame, FrameType.SESSION_ERROR, {"message": f"cannot start the agent command: {exc}"})
+            message = f"cannot start the agent command: {exc}"
+            turn.failed("start_failed", message)
+            await self._append(frame, FrameType.SESSION_ERROR, {"message": message})
             return
         code: int | None = None
         try:
@@ -240,8 +247,10 @@ class GuestRuntime:
         if code is None:
             message = f"the agent command did not finish within {self.turn_timeout:g} s (the turn timeout); it was stopped"
             log.warning("turn for %s (seq %d) failed: %s", key, frame.seq, message)
+            turn.failed("timeout", message)
             await self._append(frame, FrameType.SESSION_ERROR, {"message": message, "text": "\n".join(lines)})
             return
+        turn.exited(code)
         if code == 0:
             await self._append(frame, FrameType.ASSISTANT_DONE, {"text": "\n".join(lines)})
         else:

@@ -7,7 +7,8 @@ covers the relay request; one span per program per hop, so the request gets no s
 own), the server opens its span under it (`traced_relay_handler`) and hands its own on to the
 caller (the pending entry, the `caller_tool_request` frame); an approval's wait is a span of its own, handed to the
 caller the same way (`approval_wait_span`); and a caller's `session_message` reaches the agent
-command as `TRACEPARENT` (`turn_environment`). Names and attributes follow the OpenTelemetry
+command as `TRACEPARENT` (`turn_environment`), through the guest runtime's span of the turn
+when that traces (`turn_span`). Names and attributes follow the OpenTelemetry
 semantic conventions for MCP (`tools/call {tool}`, `mcp.method.name`, `gen_ai.tool.name`,
 `mcp.session.id`).
 
@@ -28,7 +29,7 @@ from . import telemetry
 __all__ = [
     "current_meta", "tracing_on", "traced_relay_handler", "approval_wait_span",
     "record_approval_decision",
-    "turn_environment", "fast_call_span", "TARGET_FIELDS",
+    "turn_environment", "turn_span", "Turn", "TURN_SPAN", "fast_call_span", "TARGET_FIELDS",
 ]
 
 #: The relay request methods that open a span in the server, and the params field naming the tool.
@@ -221,3 +222,59 @@ def turn_environment(meta: Any) -> dict[str, str]:
     if not trace.get_current_span(context).get_span_context().is_valid:
         return {}
     return telemetry.traceparent_env(context)
+
+
+TURN_SPAN = "process user.message"
+"""The name of the guest runtime's span of a turn. The OpenTelemetry messaging conventions name
+the processing of a received message `{operation} {destination}` with a low-cardinality
+destination: the turn processes a `user.message` frame (kind CONSUMER). The session (`channel:id`)
+is an attribute, not part of the name: span names stay few so backends can group them."""
+
+
+class Turn:
+    """What the guest runtime hands its agent command and records of one turn: `environment` is
+    `TRACEPARENT` / `TRACESTATE` (and `BAGGAGE`) for the command; `exited` / `failed` mark how the
+    turn ended on the span (no-ops without one)."""
+
+    __slots__ = ("environment", "_span")
+
+    def __init__(self, environment: dict[str, str], span: Any = None) -> None:
+        self.environment = environment
+        self._span = span if span is not None and span.is_recording() else None
+
+    def exited(self, code: int) -> None:
+        """The agent command exited with `code`: `process.exit.code`, and a non-zero one is an
+        error (`error.type` the code, as the conventions give an exit status)."""
+        if self._span is None:
+            return
+        self._span.set_attribute("process.exit.code", code)
+        if code != 0:
+            self.failed(str(code), f"the agent command exited with status {code}")
+
+    def failed(self, error_type: str, description: str) -> None:
+        """The turn failed without an exit status of its own (`start_failed`, `timeout`) or with one
+        (`exited`): status ERROR with `error.type`."""
+        if self._span is None:
+            return
+        self._span.set_attribute("error.type", error_type)
+        self._span.set_status(_api.StatusCode.ERROR, description)
+
+
+@contextmanager
+def turn_span(meta: Any, session: str, instance: str, msg_id: str) -> Iterator[Turn]:
+    """The guest runtime's span of one turn (`TURN_SPAN`, kind CONSUMER) around the whole turn,
+    parented on the `user.message` frame's `_meta` (`meta`: the caller's context, through the
+    server's span); a root of its own without a valid one. The agent command gets this span as
+    `TRACEPARENT`, so the agent's own spans nest under the turn. Attributes: `mcp.session.id`
+    (`session`, the key `channel:id`), `oubliette.instance`, `oubliette.msg_id`; the outcome
+    through the yielded `Turn`. Tracing off in this process: no span (and no SDK), the frame's
+    context handed on as it came (`turn_environment`)."""
+    if not tracing_on():
+        yield Turn(turn_environment(meta))
+        return
+    _get_tracer()
+    parent = telemetry.extract(meta, _api.context.Context())  # a root when there is nothing valid
+    with _start(TURN_SPAN, "CONSUMER", {
+        "mcp.session.id": session, "oubliette.instance": instance, "oubliette.msg_id": msg_id,
+    }, parent) as span:
+        yield Turn(telemetry.traceparent_env(_api.trace.set_span_in_context(span, parent)), span)

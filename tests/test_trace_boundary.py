@@ -322,6 +322,67 @@ async def test_a_callers_traceparent_reaches_the_agent_command(
         assert message_span.parent_span_id.hex() == PARENT_SPAN, "the server's span is the caller's span's child"
 
 
+AGENT_EXITS_AS_TOLD = """
+import json, os, sys
+code = int(sys.stdin.read().strip())
+with open(sys.argv[1], "a") as out:
+    out.write(json.dumps({name: os.environ.get(name) for name in ("TRACEPARENT", "TRACESTATE", "OUBLIETTE_MSG_ID")}) + "\\n")
+print("env written")
+sys.exit(code)
+"""
+
+
+def _attributes(span: Any) -> dict[str, Any]:
+    """An OTLP span's attributes as Python values (strings and integers)."""
+    return {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in span.attributes}
+
+
+async def test_the_guest_runtime_makes_a_span_of_each_turn(deployment: Deployment, tmp_path: Path) -> None:
+    """With the guest runtime exporting too, each turn is its span (`process user.message`, kind
+    CONSUMER, service `oubliette-guest`) under the server's span of the caller's `session_message`,
+    in the caller's trace; the agent command's `TRACEPARENT` names it, so the agent's spans nest
+    under the turn. A command that exits 3 makes the span an error with `process.exit.code` 3."""
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+    receiver = WatchedReceiver()
+    written = tmp_path / "env.jsonl"
+    async with trio.open_nursery() as nursery:
+        endpoint = await nursery.start(receiver.serve)
+        server = _server(deployment, _env_without_otel(**_otel(endpoint, "oubliette-server"), OTEL_BSP_SCHEDULE_DELAY="50"))
+        guest_env = _env_without_otel(**_otel(endpoint, "oubliette-guest"), OTEL_BSP_SCHEDULE_DELAY="50")
+        with trio.fail_after(BOUND):
+            async with Client(server, mode="legacy") as caller, \
+                    deployment.guest("box1", [sys.executable, "-c", AGENT_EXITS_AS_TOLD, str(written)], env=guest_env):
+                stops = []
+                for code in ("0", "3"):
+                    done = await caller.call_tool(
+                        "session_message", {"instance": "box1", "session_id": "s1", "message": code, "wait": True},
+                        meta={"traceparent": PARENT, "tracestate": "vendor=abc"})
+                    stops.append(structured(done)["stop_reason"])
+                assert stops == ["end_turn", "error"], stops
+                spans = await receiver.wait_for_count(
+                    {"oubliette-server": 2, "oubliette-guest": 2}, "tools/call session_message", "process user.message")
+        nursery.cancel_scope.cancel()
+    messages = sorted((span for span in spans["oubliette-server"] if span.name == "tools/call session_message"),
+                      key=lambda span: span.start_time_unix_nano)
+    turns = sorted((span for span in spans["oubliette-guest"] if span.name == "process user.message"),
+                   key=lambda span: span.start_time_unix_nano)
+    envs = [json.loads(line) for line in written.read_text().splitlines()]
+    for message, turn, env in zip(messages, turns, envs, strict=True):
+        assert turn.kind == Span.SPAN_KIND_CONSUMER
+        assert turn.trace_id.hex() == message.trace_id.hex() == TRACE_ID
+        assert turn.parent_span_id == message.span_id, "the turn is the child of the server's span of the message"
+        assert _ids(env["TRACEPARENT"]) == (TRACE_ID, turn.span_id.hex()) and env["TRACESTATE"] == "vendor=abc"
+        attributes = _attributes(turn)
+        assert {key: attributes[key] for key in ("mcp.session.id", "oubliette.instance", "oubliette.msg_id")} == {
+            "mcp.session.id": "mcp:s1", "oubliette.instance": "box1", "oubliette.msg_id": env["OUBLIETTE_MSG_ID"]}
+    ok, failed = turns
+    assert _attributes(ok)["process.exit.code"] == 0 and "error.type" not in _attributes(ok)
+    assert ok.status.code != Status.STATUS_CODE_ERROR
+    assert _attributes(failed)["process.exit.code"] == 3 and _attributes(failed)["error.type"] == "3"
+    assert failed.status.code == Status.STATUS_CODE_ERROR
+
+
 @asynccontextmanager
 async def toolset_agent(deployment: Deployment, client: Any = None) -> AsyncIterator[Any]:
     """An in-process server with the host toolset `pg` (tests/progress_mcp_server.py) allowed to
@@ -570,3 +631,57 @@ async def test_a_client_span_left_by_an_exception_is_an_error_and_a_cancellation
     assert failed.status.status_code == StatusCode.ERROR and failed.attributes["error.type"] == "ConnectionResetError"
     assert "the relay went away" in (failed.status.description or "")
     assert cancelled.status.status_code == StatusCode.UNSET and "error.type" not in cancelled.attributes
+
+
+def test_the_turns_span_under_the_messages_context(recording: Any) -> None:
+    """`turn_span`: `process user.message`, kind CONSUMER, under the frame's `_meta`, with the
+    session, instance and message id; the agent command's `TRACEPARENT` is this span (the
+    `tracestate` kept); a command's exit status is `process.exit.code`, a non-zero one an error."""
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    from protocol.trace_spans import turn_span
+
+    handed = []
+    for code in (0, 3):
+        with turn_span({"traceparent": PARENT, "tracestate": "vendor=abc"}, "mcp:s1", "box1", f"m{code}") as turn:
+            handed.append(turn.environment)
+            turn.exited(code)
+    ok, failed = recording.get_finished_spans()
+    for span, environment, code in ((ok, handed[0], 0), (failed, handed[1], 3)):
+        assert (span.name, span.kind) == ("process user.message", SpanKind.CONSUMER)
+        assert format(span.context.trace_id, "032x") == TRACE_ID and format(span.parent.span_id, "016x") == PARENT_SPAN
+        assert environment == {"TRACEPARENT": f"00-{TRACE_ID}-{span.context.span_id:016x}-01", "TRACESTATE": "vendor=abc"}
+        assert {key: span.attributes[key] for key in ("mcp.session.id", "oubliette.instance", "oubliette.msg_id",
+                                                      "process.exit.code")} == {
+            "mcp.session.id": "mcp:s1", "oubliette.instance": "box1", "oubliette.msg_id": f"m{code}", "process.exit.code": code}
+    assert ok.status.status_code == StatusCode.UNSET and "error.type" not in ok.attributes
+    assert failed.status.status_code == StatusCode.ERROR and failed.attributes["error.type"] == "3"
+
+
+@pytest.mark.parametrize("meta", [None, {}, {"traceparent": "00-not-a-traceparent-01"}, {"traceparent": 7}, "text"])
+def test_a_turn_without_a_valid_context_is_a_root_and_its_failure_an_error(recording: Any, meta: Any) -> None:
+    """No `_meta`, or an invalid one: the turn's span is a root of its own (never an error), and
+    the agent command gets it; a turn that failed without an exit status says how."""
+    from opentelemetry.trace import StatusCode
+
+    from protocol.trace_spans import turn_span
+
+    with turn_span(meta, "mcp:s1", "box1", "m1") as turn:
+        turn.failed("timeout", "the agent command did not finish")
+    [span] = recording.get_finished_spans()
+    assert span.parent is None and format(span.context.trace_id, "032x") != TRACE_ID
+    assert turn.environment == {"TRACEPARENT": f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-{span.context.trace_flags:02x}"}
+    assert span.status.status_code == StatusCode.ERROR and span.attributes["error.type"] == "timeout"
+    assert "process.exit.code" not in span.attributes
+
+
+def test_without_tracing_a_turn_hands_on_the_messages_context_and_makes_no_span() -> None:
+    """Tracing off in the guest runtime: no span, the frame's context handed on as it came."""
+    from protocol.trace_spans import turn_span
+
+    with turn_span({"traceparent": PARENT, "tracestate": "vendor=abc"}, "mcp:s1", "box1", "m1") as turn:
+        turn.exited(3)  # nothing to mark
+    assert turn.environment == {"TRACEPARENT": PARENT, "TRACESTATE": "vendor=abc"}
+    with turn_span(None, "mcp:s1", "box1", "m2") as turn:
+        pass
+    assert turn.environment == {}
