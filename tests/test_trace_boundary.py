@@ -685,3 +685,47 @@ def test_without_tracing_a_turn_hands_on_the_messages_context_and_makes_no_span(
     with turn_span(None, "mcp:s1", "box1", "m2") as turn:
         pass
     assert turn.environment == {}
+
+
+@pytest.mark.parametrize(("command", "timeout", "outcome"), [
+    (["sh", "-c", "exit 3"], 30.0, ("3", 3)),
+    (["sh", "-c", "sleep 30"], 0.3, ("timeout", None)),
+    (["/nonexistent/agent-command"], 30.0, ("start_failed", None)),
+])
+async def test_the_guest_runtimes_turn_is_one_span_with_its_outcome(
+    recording: Any, command: list[str], timeout: float, outcome: tuple[str, int | None],
+) -> None:
+    """The guest runtime alone (a fake relay link): its turn's span covers the whole turn, from
+    before the `thinking` status to after the turn's last frame, and says how the turn failed
+    (`error.type`: the exit status, `timeout`, `start_failed`; `process.exit.code` when it exited)."""
+    import time
+
+    from opentelemetry.trace import StatusCode
+    from test_guest import RecordingPeer
+
+    from oubliette_client.guest import GuestRuntime
+    from oubliette_client.settings import RelaySettings
+    from protocol import Frame, SessionRef
+
+    runtime = GuestRuntime(RelaySettings(relay="unix:/nonexistent/relay.sock", instance="box1", token="t"), command,
+                           turn_timeout=timeout)
+    peer = RecordingPeer(runtime.link, frozenset())
+    peer.connect()
+    appended: list[tuple[int, str]] = []
+    record = peer.request
+
+    async def request(method: str, params: Any, timeout: float) -> Any:
+        appended.append((time.time_ns(), params["type"]))
+        return await record(method, params, timeout)
+
+    peer.request = request  # type: ignore[method-assign]
+    message = Frame(v=1, seq=3, ts="2026-11-22T10:00:00.123Z", instance="box1", session=SessionRef(channel="mcp", id="s1"),
+                    type="user.message", msg_id="m-1", payload={"text": "hi", "_meta": {"traceparent": PARENT}})
+    with trio.fail_after(BOUND):
+        await runtime._run_turn("mcp:s1", message)
+    [span] = recording.get_finished_spans()
+    assert span.name == "process user.message" and format(span.parent.span_id, "016x") == PARENT_SPAN
+    assert [kind for _, kind in appended] == ["status.presence", "session.error"]
+    assert span.start_time <= appended[0][0] and span.end_time >= appended[-1][0]
+    assert span.status.status_code == StatusCode.ERROR
+    assert (span.attributes["error.type"], span.attributes.get("process.exit.code")) == outcome
