@@ -7,7 +7,8 @@ one read of the session's `session_record` frames per instance; now it is one qu
 partial index `frames_session_records` (`FrameStoreAPI.session_records`). This runs both reads
 for ids no log records, against a throwaway PostgreSQL 15 (tests/postgres.py) holding
 `--instances` instances, each with a session and its record, and prints the median time of
-each. With `--index-frames N` it also times building the index (migration 6) over N frames.
+each. With `--index-frames N` it also times building the index (migration 6) over N frames,
+then migration 7 (the `append_id` column and its unique index) over the same frames.
 
     python bench/bench_learn.py                       # 1,000 instances, ~20 s
     python bench/bench_learn.py --index-frames 1000000
@@ -66,7 +67,8 @@ async def run(url: str, instances: int, rounds: int) -> None:
 
 
 def time_index_build(url: str, frames: int) -> None:
-    """CREATE INDEX of migration 6 over `frames` frames, one in 100 a session record."""
+    """CREATE INDEX of migration 6 over `frames` frames, one in 100 a session record; then
+    migration 7 (`append_id`) over the same table."""
     import psycopg
 
     store_url = url
@@ -87,6 +89,16 @@ def time_index_build(url: str, frames: int) -> None:
         row = conn.execute("SELECT count(*), pg_size_pretty(pg_table_size('frames')) FROM frames").fetchone()
         assert row is not None
         print(f"CREATE INDEX frames_session_records over {row[0]:,} frames ({row[1]}): {took:.2f} s")
+        # Migration 7 (a guest's append_id): a nullable column, then its unique partial index.
+        conn.execute("DROP INDEX frames_by_append_id")
+        conn.execute("ALTER TABLE frames DROP COLUMN append_id")
+        conn.execute("VACUUM ANALYZE frames")
+        began = time.perf_counter()
+        with conn.transaction():
+            conn.execute("ALTER TABLE frames ADD COLUMN append_id text")
+            conn.execute("CREATE UNIQUE INDEX frames_by_append_id ON frames (instance, append_id) "
+                         "WHERE append_id IS NOT NULL")
+        print(f"migration 7 (append_id column and index) over {row[0]:,} frames: {time.perf_counter() - began:.2f} s")
 
 
 async def _schema(url: str) -> None:
