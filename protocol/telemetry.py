@@ -245,10 +245,7 @@ def extract(meta: Any, context: Context | None = None) -> Context:
     quick = _version_00(meta, base)
     if quick is not None:
         return quick
-    try:
-        return _w3c().extract(meta, context=base, getter=_StringGetter())  # type: ignore[arg-type]
-    except Exception:  # a peer's malformed header must never fail its request
-        return base
+    return _PeerCarriers(_w3c()).extract(meta, base)  # a peer's carrier: strings only, never an error
 
 
 def guard_sdk_extraction() -> None:

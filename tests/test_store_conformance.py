@@ -15,7 +15,7 @@ import subprocess
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import pytest
 import trio
@@ -79,6 +79,24 @@ async def add(store: FrameStoreAPI, instance: str = "box1", **kw: Any) -> Any:
     kw.setdefault("type", "assistant.delta")
     kw.setdefault("payload", {})
     return await store.append(instance, **kw)
+
+
+async def race_on_two_stores(
+    a: FrameStoreAPI, b: FrameStoreAPI, keys: list[str], call: Callable[[FrameStoreAPI, str, str], Awaitable[Any]],
+) -> dict[str, list[Any]]:
+    """`call(store, key, who)` for every key on both stores at once (`who`: "a" or "b"), as two
+    servers sharing one database race: each key's results, in the order they came."""
+    results: dict[str, list[Any]] = {}
+
+    async def one(store: FrameStoreAPI, key: str, who: str) -> None:
+        results.setdefault(key, []).append(await call(store, key, who))
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for key in keys:
+                nursery.start_soon(one, a, key, "a")
+                nursery.start_soon(one, b, key, "b")
+    return results
 
 
 async def seqs(store: FrameStoreAPI, instance: str = "box1", **kw: Any) -> list[int]:
@@ -378,16 +396,7 @@ async def test_append_outcome_one_winner_across_two_store_objects(pg_url: str) -
     has one writer process)."""
     backend = Backend("postgres", pg_url)
     async with backend.open() as a, backend.open() as b:
-        results: dict[str, list[Any]] = {}
-
-        async def answer(store: FrameStoreAPI, request_id: str, who: str) -> None:
-            results.setdefault(request_id, []).append(await outcome(store, request_id, who))
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                for n in range(20):
-                    nursery.start_soon(answer, a, f"r{n}", "a")
-                    nursery.start_soon(answer, b, f"r{n}", "b")
+        results = await race_on_two_stores(a, b, [f"r{n}" for n in range(20)], outcome)
         for request_id, got in results.items():
             assert len([f for f in got if f is not None]) == 1, (request_id, got)
         frames = await a.query("box1", FrameQuery(limit=200))
@@ -462,16 +471,8 @@ async def test_append_once_one_frame_across_two_store_objects(pg_url: str) -> No
     is lost (PostgreSQL only: a SQLite log has one writer process)."""
     backend = Backend("postgres", pg_url)
     async with backend.open() as a, backend.open() as b:
-        results: dict[str, list[Any]] = {}
-
-        async def send(store: FrameStoreAPI, append_id: str, who: str) -> None:
-            results.setdefault(append_id, []).append(await once(store, "box1", append_id, who))
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                for n in range(20):
-                    nursery.start_soon(send, a, f"id-{n}", "a")
-                    nursery.start_soon(send, b, f"id-{n}", "b")
+        results = await race_on_two_stores(
+            a, b, [f"id-{n}" for n in range(20)], lambda store, append_id, who: once(store, "box1", append_id, who))
         for append_id, got in results.items():
             assert [stored for _, stored in got].count(True) == 1, (append_id, got)
             assert got[0][0] == got[1][0], "both servers answer with the one frame"
