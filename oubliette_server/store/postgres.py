@@ -290,11 +290,15 @@ def safe_url(url: str) -> str:
     return f"postgresql://{user}{host}{port}/{dbname}"
 
 
-def _no_nul(prepared: tuple) -> None:
+def _no_nul(instance: str, prepared: list[tuple]) -> None:
     """PostgreSQL text cannot hold NUL; refuse it as bad input (SQLite would store it)."""
-    for value in prepared[:5]:
-        if isinstance(value, str) and "\x00" in value:
-            raise ValueError("frame fields must not contain NUL characters")
+    check_instance(instance)
+    for one in prepared:
+        for value in one[:5]:
+            if isinstance(value, str) and "\x00" in value:
+                raise ValueError("frame fields must not contain NUL characters")
+    if "\x00" in instance:
+        raise ValueError("instance must not contain NUL characters")
 
 
 class PostgresFrameStore(FrameAppends):
@@ -599,11 +603,7 @@ class PostgresFrameStore(FrameAppends):
         return frames[0] if frames else None
 
     async def _append(self, instance: str, prepared: list[tuple], claim: str | None = None) -> list[Frame]:
-        check_instance(instance)
-        for p in prepared:
-            _no_nul(p)
-        if "\x00" in instance:
-            raise ValueError("instance must not contain NUL characters")
+        _no_nul(instance, prepared)
         await trio.lowlevel.checkpoint_if_cancelled()
         if not prepared:
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -647,10 +647,7 @@ class PostgresFrameStore(FrameAppends):
     async def _append_once(self, instance: str, prepared: tuple) -> tuple[Frame, bool]:
         """`_APPEND_ONCE` on the Trio loop; when it stored nothing (the id's frame was there) or
         lost a race on the unique index, the frame stored with the id is read and returned."""
-        check_instance(instance)
-        _no_nul(prepared)
-        if "\x00" in instance:
-            raise ValueError("instance must not contain NUL characters")
+        _no_nul(instance, [prepared])
         ch, sid, typ, mid, rt, text, _, aid = prepared
         for _attempt in range(3):  # again only if retention deleted the frame between the two reads
             statements = self._statements
