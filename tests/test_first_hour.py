@@ -97,6 +97,11 @@ def data_env(deployment: Deployment) -> dict[str, str]:
 USAGE_MISTAKES = [
     (["oubliette_server", "--no-stdio", "--relay", "bogus:xyz"], "bogus:xyz"),
     (["oubliette_server", "--no-stdio", "--relay", "tcp:127.0.0.1"], "tcp:HOST:PORT"),
+    # a URL is not a relay address (it was once taken for a Unix socket named "http:/…")
+    (["oubliette_server", "--no-stdio", "--relay", "http://0.0.0.0:7000"], "http://0.0.0.0:7000"),
+    (["oubliette_server", "--no-stdio", "--relay", "/tmp/relay.sock"], "must start with unix: or tcp:"),
+    (["oubliette_client", "--relay", "http://0.0.0.0:7000", "--instance", "a", "--token", "t"], "http://0.0.0.0:7000"),
+    (["oubliette_client", "run", "--relay", "http://0.0.0.0:7000", "--instance", "a", "--token", "t", "--", "true"], "must start with unix: or tcp:"),
     (["oubliette_server", "--no-stdio", "--http", "bogus"], "HOST:PORT"),
     (["oubliette_server", "--no-stdio", "--http", "127.0.0.1"], "HOST:PORT"),  # not silently port 8000
     (["oubliette_server", "--log-level", "bogus"], "bogus"),

@@ -489,7 +489,7 @@ async def test_mcp_rejects_a_foreign_host_header(deployment: Deployment) -> None
         assert rejected.status_code == 421, (rejected.status_code, rejected.text)
         # it says which option accepts that Host, in the documented JSON error shape
         assert rejected.json()["error"]["message"] == (
-            '/mcp does not accept the Host header "evil.example:8080" (it accepts 127.0.0.1, localhost and [::1]); '
+            '/mcp does not accept the Host header "evil.example:8080" (it accepts 127.0.0.1, localhost and [::1], with any port or none); '
             "to accept it, start the server with --allowed-host evil.example:8080 (or [server] allowed_hosts in the config file)"
         )
         plain = await rest.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "evil.example"})
@@ -497,6 +497,19 @@ async def test_mcp_rejects_a_foreign_host_header(deployment: Deployment) -> None
         accepted = await rest.post("/mcp", json=INITIALIZE, headers=MCP_HEADERS)
         assert accepted.status_code == 200, accepted.text
         assert initialize_result(accepted)["serverInfo"]["name"] == "oubliette-server"
+
+
+async def test_mcp_accepts_loopback_hosts_without_a_port(deployment: Deployment) -> None:
+    """A client on the Unix listener, or on TCP without a port, sends a bare `Host: localhost`
+    (or 127.0.0.1, [::1]): the names the refusal says it accepts, accepted with no port too."""
+    async with deployment.http_server() as server, server.rest() as rest, server.unix_rest() as unix:
+        for client in (rest, unix):
+            for host in ("localhost", "127.0.0.1", "[::1]"):
+                accepted = await client.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": host})
+                assert accepted.status_code == 200, (host, accepted.status_code, accepted.text)
+            # the check still holds on the Unix listener: a proxy in front of it forwards the browser's Host
+            foreign = await client.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "evil.example"})
+            assert foreign.status_code == 421, foreign.text
 
 
 async def test_allowed_host_flag_lets_a_host_through(deployment: Deployment) -> None:

@@ -269,11 +269,17 @@ class ExplainMisdirected(HttpMiddleware):
         await self.app(scope, receive, explained)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+"""The Host names /mcp always accepts, with any port or none: a client on the documented Unix
+listener, or on TCP without a port, sends the bare name. The check stays on a Unix listener too:
+a reverse proxy in front of one forwards the browser's own Host (docs/SECURITY.md)."""
+
+
 def _host_refusal(scope: dict[str, Any]) -> str:
     host = next((value.decode("latin-1") for name, value in scope.get("headers", []) if name == b"host"), "")
     shown = json.dumps(host[:200])
     return (
-        f"/mcp does not accept the Host header {shown} (it accepts 127.0.0.1, localhost and [::1]); "
+        f"/mcp does not accept the Host header {shown} (it accepts 127.0.0.1, localhost and [::1], with any port or none); "
         f"to accept it, start the server with --allowed-host {host[:200] or 'HOST:PORT'} "
         "(or [server] allowed_hosts in the config file)"
     )
@@ -854,7 +860,7 @@ class HttpApi:
 
     def asgi_app(self) -> Any:
         """The ASGI app: `/mcp` (with Host checks) and the tether routes, behind the bearer-token check."""
-        allowed = ["127.0.0.1:*", "localhost:*", "[::1]:*", *self.allowed_hosts]
+        allowed = [*LOOPBACK_HOSTS, *(f"{host}:*" for host in LOOPBACK_HOSTS), *self.allowed_hosts]
         starlette = self.mcp.streamable_http_app(
             streamable_http_path="/mcp",
             transport_security=TransportSecuritySettings(
