@@ -57,8 +57,8 @@ class RelayRefused(RelayUnavailable):
     """The relay refused this instance for good (wrong token, unknown instance, wrong protocol): waiting cannot help."""
 
 
-#: What to check when the relay cannot be reached.
-CONNECT_HINT = "is oubliette-server running? set OUBLIETTE_RELAY or --relay"
+#: What to check when the relay cannot be reached (a server that is starting has no socket yet).
+CONNECT_HINT = "is oubliette-server running, or still starting? set OUBLIETTE_RELAY or --relay"
 
 
 class RelayLink:
@@ -134,13 +134,16 @@ class RelayLink:
         while not self.connected and self.refused is None:
             await self._state_changed.wait()
 
-    def failure_line(self) -> str:
-        """One line for a person: why the link is not up (unreachable relay, or refused)."""
+    def failure_line(self, waited: float | None = None) -> str:
+        """One line for a person: why the link is not up (unreachable relay, or refused); `waited`:
+        the seconds a command gave the relay before giving up, said with the option that sets them."""
         if self.refused is not None:
             line = f"the relay at {self.address} refused instance {self.settings.instance!r}: {self.refused}"
             if "oubliette-server token" in self.refused:
                 return line  # the server said how to print its token (with --store when it needs it)
             return f"{line} (check OUBLIETTE_TOKEN: `oubliette-server token {self.settings.instance}` prints it)"
+        if waited is not None:
+            return f"{self.last_error}; no relay within {waited:g} s ({CONNECT_HINT}; --connect-wait waits longer)"
         return f"{self.last_error} ({CONNECT_HINT})"
 
     def unavailable_error(self) -> RelayError:

@@ -10,6 +10,8 @@ it receives, so a test can prove that a refused request never reached it.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 from contextlib import asynccontextmanager
@@ -467,6 +469,22 @@ async def test_relay_down_endpoint_exits_1_with_one_line_saying_why(deployment: 
     assert status == 1 and out == b""
     assert len(err) == 1, err
     assert "cannot connect" in err[0] and deployment.relay in err[0] and "oubliette-server running" in err[0], err
+    # a server may still be starting (its socket not bound yet): the line says how long the
+    # command waited and which option waits longer
+    assert err[0].endswith(
+        "; no relay within 0.3 s (is oubliette-server running, or still starting? set OUBLIETTE_RELAY or --relay; "
+        "--connect-wait waits longer)"
+    ), err
+
+
+def test_tools_and_endpoint_wait_for_a_server_that_is_starting() -> None:
+    """Their default relay wait outlasts a server's start on a loaded host (5-6.5 s seen)."""
+    from oubliette_client.cli import main
+
+    for command in ("tools", "endpoint"):
+        with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as shown:
+            main([command, "--help"])
+        assert "seconds to wait for the relay (default 15)" in " ".join(shown.getvalue().split()), shown.getvalue()
 
 
 async def test_relay_down_tools_exits_1_with_one_line_saying_why(deployment: Deployment) -> None:

@@ -220,7 +220,7 @@ async def test_run_says_why_it_cannot_connect_and_stops_cleanly_on_sigterm(deplo
     async with program(["oubliette_client", "run", "--", "cat"], env) as (guest, stderr):
         # at the default log level, with the reason and what to check
         await stderr.wait_for(f"cannot connect to unix:{deployment.data_dir / 'relay.sock'}".encode())
-        await stderr.wait_for(b"is oubliette-server running?")
+        await stderr.wait_for(b"is oubliette-server running, or still starting?")
         guest.send_signal(signal.SIGTERM)
         with trio.fail_after(RUN_BOUND):
             assert await guest.wait() == 0
