@@ -499,6 +499,23 @@ async def test_mcp_rejects_a_foreign_host_header(deployment: Deployment) -> None
         assert initialize_result(accepted)["serverInfo"]["name"] == "oubliette-server"
 
 
+@pytest.mark.real_programs  # the 413 leaves Starlette's body stream unclosed in process, as above
+async def test_an_oversized_mcp_body_is_a_json_rpc_error_naming_the_limit(deployment: Deployment) -> None:
+    """A 20 MB body on /mcp: 413 with a JSON-RPC error that says the limit, not plain text."""
+    from oubliette_server.doors.http_api import MCP_MAX_BODY_BYTES
+
+    huge = {**INITIALIZE, "params": {**INITIALIZE["params"], "padding": "x" * (20 * 1024 * 1024)}}
+    async with deployment.http_server() as server, server.rest() as rest:
+        refused = await rest.post("/mcp", content=json.dumps(huge).encode(), headers=MCP_HEADERS)
+        assert refused.status_code == 413, refused.text
+        assert refused.json()["error"] == {"code": -32600, "message": (
+            f"Request body too large: /mcp takes at most {MCP_MAX_BODY_BYTES} bytes in one request "
+            "(a value inside it is also held to the size limits of docs/SECURITY.md)"
+        )}
+        accepted = await rest.post("/mcp", json=INITIALIZE, headers=MCP_HEADERS)
+        assert accepted.status_code == 200, accepted.text
+
+
 async def test_mcp_accepts_loopback_hosts_without_a_port(deployment: Deployment) -> None:
     """A client on the Unix listener, or on TCP without a port, sends a bare `Host: localhost`
     (or 127.0.0.1, [::1]): the names the refusal says it accepts, accepted with no port too."""
