@@ -208,6 +208,11 @@ async def test_same_host_defaults_meet_and_mistakes_are_said(deployment: Deploym
             status, out, err = await run(["oubliette_client", *args], wrong)
             assert status == 1, (args, err)
             assert_one_line(err, "refused", "oubliette-server token box1")
+        # box1's token with a mistyped instance: the line names the instance it was checked for
+        typo = {**client, "OUBLIETTE_INSTANCE": "bxo1"}
+        status, out, err = await run(["oubliette_client", "tools", "list"], typo)
+        assert status == 1, err
+        assert_one_line(err, "wrong token for instance 'bxo1' (the token was checked for that instance: check OUBLIETTE_INSTANCE")
 
         server.send_signal(signal.SIGTERM)
         with trio.fail_after(RUN_BOUND):
