@@ -126,7 +126,7 @@ class SandboxTools:
         """Log once, after the first attempt (or at `deadline`), when the relay is not reachable."""
         await self.wait_first_attempt(deadline)
         if not self.link.connected:
-            log.warning("relay not available yet (%s); serving MCP anyway", self.link.last_error)
+            log.warning("relay not available yet (%s)", self.link.last_error)
 
     def listed_tools(self) -> list[dict[str, Any]]:
         """The agent's `tools/list` entries as JSON (MCP `Tool`): every relayed tool with its
