@@ -26,6 +26,7 @@ import gc
 import logging
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -293,7 +294,7 @@ async def idle_server_rss(workdir: Path) -> int:
     process = await trio.lowlevel.open_process(
         [PYTHON, "-m", "oubliette_server", "--relay", f"unix:{workdir / 'relay.sock'}",
          "--data-dir", str(workdir / "data"), "--log-level", "WARNING"],
-        stdin=-1, stdout=-1, stderr=-1,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     try:
         assert process.stderr is not None
