@@ -207,5 +207,9 @@ def test_the_dockerfile_runs_what_the_bwrap_test_runs() -> None:
     assert "--setenv OUBLIETTE_RELAY unix:/oubliette/relay.sock" in BWRAP_RUN.read_text()
     assert f"useradd --create-home --uid {AGENT_UID} agent" in dockerfile and "USER agent" in dockerfile
     assert "--group-add" in dockerfile and "--relay-group" in dockerfile
-    for package in ("protocol", "oubliette_server", "oubliette_client"):
+    # The image installs the sandbox distribution (tests/test_packaging.py installs the same one): no server.
+    for package in ("protocol", "oubliette_client"):
         assert f"COPY {package} ./{package}" in dockerfile
+    assert "COPY sandbox/pyproject.toml sandbox/README.md ./sandbox/" in dockerfile
+    assert "RUN pip wheel --no-deps -w /wheels ./sandbox" in dockerfile
+    assert "oubliette_server" not in dockerfile
