@@ -19,6 +19,7 @@ from oubliette_client import (
     RelayRefused,
     RelaySettings,
     RelayUnavailable,
+    SandboxClient,
     ToolCallError,
     open_sandbox_client,
     settings_from_environment,
@@ -48,22 +49,23 @@ def echo_toolset_config(deployment: Deployment) -> Path:
     return path
 
 
-async def declare(caller: Any, *tools: dict[str, Any]) -> None:
+async def declare_and_see(caller: Any, client: SandboxClient, *tools: dict[str, Any]) -> int:
+    """Declare `tools` for session s1 and wait until the client's tool set has changed; its new version."""
+    seen = client.tools_version
     result = await caller.call_tool("session_message", {
         "instance": "box1", "session_id": "s1", "message": "hi",
         "context": {"caller_id": "myapp", "caller_tools": list(tools)},
     })
     assert not result.is_error, text_of(result)
+    with trio.fail_after(EVENT_TIMEOUT):
+        return await client.wait_tools_changed(seen)
 
 
 async def test_lists_and_calls_the_callers_and_a_toolsets_tools(deployment: Deployment) -> None:
     async with deployment.caller("--config", str(echo_toolset_config(deployment))) as (caller, events), \
             open_sandbox_client(settings(deployment)) as client:
         assert [(t.name, t.kind) for t in client.tools] == [("ext.echo_external", "toolset")]
-        seen = client.tools_version
-        await declare(caller, NOTIFY)
-        with trio.fail_after(EVENT_TIMEOUT):
-            await client.wait_tools_changed(seen)
+        await declare_and_see(caller, client, NOTIFY)
         assert [(t.name, t.kind, t.owner, t.tool) for t in client.tools] == [
             ("myapp_send_notification", "caller", "myapp", "send_notification"),
             ("ext.echo_external", "toolset", "echo", "echo_external"),
@@ -90,10 +92,7 @@ async def test_lists_and_calls_the_callers_and_a_toolsets_tools(deployment: Depl
 
 async def test_progress_reaches_the_callback_while_the_call_waits(deployment: Deployment) -> None:
     async with deployment.caller() as (caller, events), open_sandbox_client(settings(deployment)) as client:
-        seen = client.tools_version
-        await declare(caller, NOTIFY)
-        with trio.fail_after(EVENT_TIMEOUT):
-            await client.wait_tools_changed(seen)
+        await declare_and_see(caller, client, NOTIFY)
         reports: list[Progress] = []
         reported = trio.Event()
 
@@ -120,10 +119,7 @@ async def test_progress_reaches_the_callback_while_the_call_waits(deployment: De
 
 async def test_cancelling_a_call_tells_the_caller_and_leaves_nothing_pending(deployment: Deployment) -> None:
     async with deployment.caller() as (caller, events), open_sandbox_client(settings(deployment)) as client:
-        seen = client.tools_version
-        await declare(caller, NOTIFY)
-        with trio.fail_after(EVENT_TIMEOUT):
-            await client.wait_tools_changed(seen)
+        await declare_and_see(caller, client, NOTIFY)
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 async def cancel_once_requested() -> None:
@@ -145,19 +141,14 @@ async def test_the_tool_set_follows_each_declaration(deployment: Deployment) -> 
         assert client.tools == []
         versions = [client.tools_version]
         for tools, names in (([NOTIFY, DOUBLE], ["myapp_send_notification", "myapp_double"]), ([DOUBLE], ["myapp_double"]), ([], [])):
-            await declare(caller, *tools)
-            with trio.fail_after(EVENT_TIMEOUT):
-                versions.append(await client.wait_tools_changed(versions[-1]))
+            versions.append(await declare_and_see(caller, client, *tools))
             assert [t.name for t in client.tools] == names
         assert versions == sorted(set(versions))
 
 
 async def test_each_failure_is_the_exception_the_docs_name(deployment: Deployment) -> None:
     async with deployment.caller() as (caller, events), open_sandbox_client(settings(deployment)) as client:
-        seen = client.tools_version
-        await declare(caller, NOTIFY)
-        with trio.fail_after(EVENT_TIMEOUT):
-            await client.wait_tools_changed(seen)
+        await declare_and_see(caller, client, NOTIFY)
         with pytest.raises(ToolCallError) as unknown:
             await client.call("myapp_nothing", {})
         assert unknown.value.category == "not_found" and "myapp_send_notification" in str(unknown.value)

@@ -382,6 +382,14 @@ async def test_a_relay_group_lets_its_members_in_and_nobody_else(deployment: Dep
     assert (member, stranger) == ("ok", "EACCES")
 
 
+def test_a_relay_group_may_come_from_the_config_file(tmp_path: Path) -> None:
+    from oubliette_server.program.config import ServerConfig, load_config_file
+
+    for value in ('"4243"', "4243"):
+        (tmp_path / "c.toml").write_text(f"[server]\nrelay_group = {value}\n")
+        assert ServerConfig(**load_config_file(tmp_path / "c.toml")).relay_gid == RELAY_GROUP
+
+
 @pytest.mark.parametrize(("flags", "said"), [
     (["--relay-group", "no-such-group-here"], "relay_group: no group named 'no-such-group-here' on this host"),
     (["--relay", "tcp:127.0.0.1:0", "--relay-group", "4243"], "relay_group applies to a Unix relay socket"),
