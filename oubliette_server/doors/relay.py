@@ -246,9 +246,14 @@ class RelayListener:
     `nursery.start(listener.serve)`: it is listening once started.
     """
 
-    def __init__(self, address: RelayAddress, connection_factory: Callable[[trio.abc.Stream, str], RelayConnection]) -> None:
+    def __init__(
+        self, address: RelayAddress, connection_factory: Callable[[trio.abc.Stream, str], RelayConnection],
+        group: int | None = None,
+    ) -> None:
         self.address = address
         self._connection_factory = connection_factory
+        self.group = group
+        """The group that may use the Unix socket besides the server's user (mode 0660), or None (0600)."""
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen and run one connection per accepted stream until cancelled.
@@ -285,10 +290,13 @@ class RelayListener:
         if os.path.exists(path):
             await self._remove_stale_socket(path)
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        # 0600 before listen: until then nobody can connect, so the file's first mode does not
-        # matter, and the process-wide umask is never changed (other tasks and threads create files).
+        # 0600 (0660 with the sandboxes' group) before listen: until then nobody can connect, so the
+        # file's first mode does not matter, and the process-wide umask is never changed (other
+        # tasks and threads create files).
         await sock.bind(path)
-        os.chmod(path, 0o600)
+        if self.group is not None:
+            os.chown(path, -1, self.group)
+        os.chmod(path, 0o600 if self.group is None else 0o660)
         sock.listen(128)
         return [trio.SocketListener(sock)]
 

@@ -239,7 +239,7 @@ class OublietteServer:
                     await nursery.start(self.leases.serve)
                 if self.abandoned is not None:
                     await nursery.start(self.abandoned.serve)
-                await nursery.start(RelayListener(address, self._relay_connection).serve)
+                await nursery.start(RelayListener(address, self._relay_connection, self.config.relay_gid).serve)
                 self.relay_listening = True
                 try:
                     task_status.started()

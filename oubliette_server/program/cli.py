@@ -1,6 +1,6 @@
 """`oubliette-server`: serve callers on stdio and sandboxes on the relay socket; or print a token.
 
-    oubliette-server [serve] [--relay unix:PATH|tcp:HOST:PORT] [--data-dir DIR] [--caller-timeout SECONDS]
+    oubliette-server [serve] [--relay unix:PATH|tcp:HOST:PORT] [--relay-group GROUP] [--data-dir DIR] [--caller-timeout SECONDS]
                      [--approval-timeout SECONDS] [--approval-delivery auto|elicitation|tool]
     oubliette-server [serve] [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE] [--store postgresql://…]
                      [--metrics HOST:PORT|unix:PATH]…
@@ -56,7 +56,7 @@ from .data_dir_lock import DataDirInUse, hold_data_dir
 PROG = "oubliette-server"
 SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
-VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
+VALUE_OPTIONS = {"--relay", "--relay-group", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
                  "--session", "--types", "--after-seq", "--poll-interval"}
 EPILOG = """subcommands:
   serve                 serve callers and sandboxes (the default)
@@ -84,6 +84,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     )
     _add_common(parser)
     parser.add_argument("--relay", help="relay address: unix:PATH (default <data-dir>/relay.sock) or tcp:HOST:PORT")
+    parser.add_argument(
+        "--relay-group", metavar="GROUP",
+        help="let this group (name or number) use the Unix relay socket: mode 0660 with that group instead of "
+        "0600, for sandboxes whose agent runs as another user (docs/SECURITY.md)",
+    )
     parser.add_argument(
         "--caller-timeout", type=cli_seconds, default=None,
         help=f"seconds a relayed caller tool call waits for the caller (default {DEFAULT_CALLER_TIMEOUT:g}; per tool: timeout_ms)",
@@ -271,6 +276,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         settings["data_dir"] = args.data_dir
     if args.relay is not None:
         settings["relay"] = args.relay
+    if args.relay_group is not None:
+        settings["relay_group"] = args.relay_group
     settings["caller_timeout"] = float(
         args.caller_timeout if args.caller_timeout is not None else settings.get("caller_timeout", DEFAULT_CALLER_TIMEOUT)
     )

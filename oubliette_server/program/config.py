@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import shlex
 import tomllib
@@ -35,6 +36,17 @@ DEFAULT_STORE_LEASE_TTL = 10.0
 STORE_URL_SCHEMES = ("postgresql://", "postgres://")
 
 
+def relay_group_id(group: str | int) -> int:
+    """A group's id from its name or number (a number need not name a group in /etc/group: a
+    container's `--group-add` takes numbers). Raises `ValueError` for an unknown name."""
+    if isinstance(group, int) or group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"relay_group: no group named {group!r} on this host") from None
+
+
 def default_data_dir() -> Path:
     """`$OUBLIETTE_DATA_DIR`, else the XDG data home's `oubliette` folder."""
     env = os.environ.get("OUBLIETTE_DATA_DIR")
@@ -51,6 +63,24 @@ class ServerConfig:
     data_dir: Path = attrs.field(factory=default_data_dir, converter=Path)
     relay: str | None = None
     """`unix:PATH` or `tcp:HOST:PORT`; None means `unix:<data_dir>/relay.sock`."""
+    relay_group: str | int | None = attrs.field(default=None)
+    """A group (name or number) whose members may connect to the Unix relay socket: the socket is
+    then mode 0660 with that group instead of 0600, for sandboxes whose agent runs as another uid
+    (docs/SECURITY.md, "The relay socket"). None: the server's user alone."""
+
+    @relay_group.validator
+    def _check_relay_group(self, attribute: Any, value: str | int | None) -> None:
+        if value is None:
+            return
+        if not self.relay_address.startswith("unix:"):
+            raise ValueError("relay_group applies to a Unix relay socket, not to a tcp: relay address")
+        relay_group_id(value)
+
+    @property
+    def relay_gid(self) -> int | None:
+        """The numeric group of `relay_group` (None when it is not set)."""
+        return None if self.relay_group is None else relay_group_id(self.relay_group)
+
     caller_timeout: float = DEFAULT_CALLER_TIMEOUT
     """Seconds a relayed caller tool call waits for the caller (per tool: `timeout_ms`)."""
     approval_timeout: float = DEFAULT_APPROVAL_TIMEOUT
@@ -205,7 +235,7 @@ class ServerConfig:
 
 
 SERVER_KEYS = {
-    "relay": str, "data_dir": str, "caller_timeout": (int, float), "approval_timeout": (int, float), "approval_delivery": str, "store_path": str,
+    "relay": str, "relay_group": (str, int), "data_dir": str, "caller_timeout": (int, float), "approval_timeout": (int, float), "approval_delivery": str, "store_path": str,
     "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "metrics": list, "allowed_hosts": list,
     "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
     "max_client_connections": int,
