@@ -163,6 +163,22 @@ def _operator_parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _config_beside_the_server(args: argparse.Namespace) -> ServerConfig:
+    """The running server's config as `status`, `tail` and `backup` see it: its config file, if
+    given (data dir, store, instances, HTTP listeners), then `--data-dir` and `--store`; their
+    log lines set up on stderr.
+
+    Raises: `ValueError` or `TypeError` naming a mistake in the file or a flag.
+    """
+    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = load_config_file(args.config) if args.config is not None else {}
+    if args.data_dir is not None:
+        settings["data_dir"] = args.data_dir
+    if args.store is not None:
+        settings["store_url"] = args.store
+    return ServerConfig(**settings)
+
+
 def _run_operator(command: str, rest: list[str]) -> int:
     """`status` or `tail`: read the store beside the running server(s), never locking or writing it."""
     import trio
@@ -175,14 +191,8 @@ def _run_operator(command: str, rest: list[str]) -> int:
 
     parser = _operator_parser(command)
     args = parser.parse_args(rest)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:  # the server's own config file, if given: its data dir, store, instances and HTTP listeners
-        settings = load_config_file(args.config) if args.config is not None else {}
-        if args.data_dir is not None:
-            settings["data_dir"] = args.data_dir
-        if args.store is not None:
-            settings["store_url"] = args.store
-        config = ServerConfig(**settings)
+    try:
+        config = _config_beside_the_server(args)
         http = getattr(args, "http", None) or next((b for b in config.http if not b.endswith(":0")), None)
         if http is not None:
             check_http_bind(http)
@@ -239,14 +249,8 @@ def _run_backup(rest: list[str]) -> int:
     parser.add_argument("--config", type=Path, help="the server's TOML config file: its data dir and store")
     parser.add_argument("--store", metavar="postgresql://…", help="refused: a PostgreSQL store is backed up with pg_dump")
     args = parser.parse_args(rest)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = load_config_file(args.config) if args.config is not None else {}
-        if args.data_dir is not None:
-            settings["data_dir"] = args.data_dir
-        if args.store is not None:
-            settings["store_url"] = args.store
-        config = ServerConfig(**settings)
+        config = _config_beside_the_server(args)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     if config.store_url is not None:
