@@ -169,6 +169,8 @@ async def test_every_endpoint_the_deploy_files_probe_answers_on_a_running_server
 
 
 def test_the_dockerfiles_copy_what_exists_and_run_the_programs() -> None:
+    sources = [line[1:] for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")]
+    assert sources and all((ROOT / source).exists() for source in sources), sources  # the build context
     for dockerfile in DOCKERFILES:
         for line in re.findall(r"^COPY (?!--from)(.+)$", dockerfile.read_text(), re.M):
             *sources, _ = line.split()
