@@ -8,7 +8,9 @@ ones. A copy with `cp` of a live store would miss the commits still in its `-wal
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
+from contextlib import closing
 from typing import Any
 
 import trio
@@ -60,6 +62,8 @@ async def test_a_backup_taken_under_traffic_restores_a_consistent_log_and_the_sa
             assert f"into {restored.data_dir}: frames.sqlite3, secret" in done.stdout.decode()
             assert len(acknowledged) > floor, "the server stored no frame while the backup ran"
 
+        with closing(sqlite3.connect(restored.data_dir / "frames.sqlite3")) as copy:
+            assert copy.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
         assert restored.http_token() == deployment.http_token()
         assert restored.token("box1") == deployment.token("box1")
         async with restored.http_server("--config", str(config)) as again, again.rest() as rest:
