@@ -154,12 +154,15 @@ class Deployment:
         return _STORE_TOKENS[key]
 
     @asynccontextmanager
-    async def http_server(self, *extra: str, nofile: int | None = None) -> AsyncIterator["HttpServer"]:
+    async def http_server(
+        self, *extra: str, nofile: int | None = None, env: dict[str, str] | None = None,
+    ) -> AsyncIterator["HttpServer"]:
         """Start oubliette-server with TCP (port 0) and Unix HTTP listeners and no stdio caller.
 
         It reads the server's stderr until the ready line, then keeps draining it
         (into `HttpServer.stderr`) so the pipe never fills. `nofile`: the server's
-        `RLIMIT_NOFILE` (its descriptor limit), set in the child before it starts.
+        `RLIMIT_NOFILE` (its descriptor limit), set in the child before it starts; `env`:
+        variables added to the server's environment.
         """
 
         def limit_descriptors() -> None:
@@ -171,6 +174,7 @@ class Deployment:
              "--http", "127.0.0.1:0", "--http", f"unix:{self.root / 'http.sock'}", "--no-stdio",
              "--log-level", "WARNING", *self.store_args(), *extra],
             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit_descriptors,
+            env={**os.environ, **env} if env else None,
         )
         assert process.stderr is not None
         buffer = bytearray()
