@@ -19,7 +19,9 @@ from ..doors.connection_limits import (
     DEFAULT_HTTP_BODY_TIMEOUT,
     DEFAULT_HTTP_KEEP_ALIVE_MAX_REQUESTS,
     DEFAULT_HTTP_KEEP_ALIVE_TIMEOUT,
+    DEFAULT_RELAY_HELLO_TIMEOUT,
     HttpLimits,
+    RelayLimits,
 )
 from ..features.approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
 
@@ -105,6 +107,26 @@ class ServerConfig:
     """Seconds one frame to a sandbox may take to be written; a sandbox that does not read is disconnected."""
     max_client_connections: int = attrs.field(default=DEFAULT_MAX_CLIENT_CONNECTIONS)
     """Client-role relay connections one instance may have on this server; the next one's hello is refused."""
+    relay_max_connections: int | None = attrs.field(default=None)
+    """Relay connections open at once; at the cap the oldest one without a valid hello is evicted for a
+    new one. None: the relay's share of the descriptor limit (`RLIMIT_NOFILE`): 1024 gives 384."""
+    relay_hello_timeout: float = attrs.field(default=DEFAULT_RELAY_HELLO_TIMEOUT)
+    """Seconds a new relay connection has to send its whole hello; then it is closed."""
+
+    @relay_max_connections.validator
+    def _check_relay_cap(self, attribute: Any, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise ValueError(f"relay_max_connections must be at least 1; got {value!r}")
+
+    @relay_hello_timeout.validator
+    def _check_relay_hello_timeout(self, attribute: Any, value: float) -> None:
+        if not value > 0:
+            raise ValueError(f"relay_hello_timeout must be a positive number of seconds; got {value!r}")
+
+    @property
+    def relay_limits(self) -> RelayLimits:
+        """What sandbox connections may hold of the server (docs/SECURITY.md, "Relay connections that never say hello")."""
+        return RelayLimits(max_connections=self.relay_max_connections, hello_timeout=self.relay_hello_timeout)
 
     @max_client_connections.validator
     def _check_max_client_connections(self, attribute: Any, value: int) -> None:
@@ -208,7 +230,7 @@ SERVER_KEYS = {
     "relay": str, "data_dir": str, "caller_timeout": (int, float), "approval_timeout": (int, float), "approval_delivery": str, "store_path": str,
     "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "metrics": list, "allowed_hosts": list,
     "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
-    "max_client_connections": int,
+    "max_client_connections": int, "relay_max_connections": int, "relay_hello_timeout": (int, float),
     "max_payload_bytes": int, "max_payload_depth": int, "max_sessions": int,
     "http_max_connections": int, "http_body_timeout": (int, float), "http_keep_alive_timeout": (int, float),
     "http_keep_alive_max_requests": int,
