@@ -35,19 +35,19 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from harness import Deployment, hello_and_health, never_say_hello  # noqa: E402
+from harness import Deployment, Progress, hello_and_health, never_say_hello  # noqa: E402
 
 
 async def probe(args: argparse.Namespace, deployment: Deployment) -> None:
     async with deployment.http_server(nofile=args.nofile) as server:
-        opened = [0]
+        closed = Progress()
         failed_hellos = failed_health = 0
         async with trio.open_nursery() as flood:
             for _ in range(args.flood):
-                flood.start_soon(never_say_hello, deployment, opened)
+                flood.start_soon(never_say_hello, deployment, closed)
             await trio.sleep(args.settle)  # the flood's steady state: every flooder connected, closed, back
             print(f"flood: {args.flood} relay connections that never say hello, the server's RLIMIT_NOFILE "
-                  f"{args.nofile}; {opened[0]} connections made and closed in the first {args.settle:g} s")
+                  f"{args.nofile}; {closed.done} connections closed by the server in the first {args.settle:g} s")
             for round_ in range(1, args.rounds + 1):
                 began = time.monotonic()
                 hello, health = await hello_and_health(deployment, server, args.timeout)
@@ -57,7 +57,7 @@ async def probe(args: argparse.Namespace, deployment: Deployment) -> None:
             flood.cancel_scope.cancel()
         log = server.stderr.decode(errors="replace")
     print(f"\n{args.rounds} rounds: the valid hello failed in {failed_hellos}, /v1/health in {failed_health}; "
-          f"{opened[0]} flood connections made and closed in all")
+          f"{closed.done} flood connections closed by the server in all")
     print(f"server stderr: {log.count('Too many open files')} 'Too many open files', "
           f"{log.count('Traceback')} tracebacks, {log.count('under pressure')} flood WARNING lines")
     for line in [line for line in log.splitlines() if "under pressure" in line][:3]:

@@ -570,10 +570,27 @@ class RawRelay:
 FLOOD_RECONNECT_PAUSE = 0.01
 
 
-async def never_say_hello(deployment: Deployment, opened: list[int]) -> None:
+class Progress:
+    """A count that can be awaited (cases finished, connections closed): `advance`, `reach`."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self._changed = trio.Event()
+
+    def advance(self) -> None:
+        self.done += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def reach(self, count: int) -> None:
+        while self.done < count:
+            await self._changed.wait()
+
+
+async def never_say_hello(deployment: Deployment, closed: Progress) -> None:
     """One relay connection that never sends a byte, opened again as soon as the server closes it:
     an attacker without a token (docs/SECURITY.md, "Relay connections that never say hello").
-    `opened[0]` counts the connections made. Runs until cancelled."""
+    `closed` counts the connections the server closed. Runs until cancelled."""
     while True:
         try:
             stream = await trio.open_unix_socket(str(deployment.socket))
@@ -589,7 +606,7 @@ async def never_say_hello(deployment: Deployment, opened: list[int]) -> None:
                     # Trio's connect to a Unix socket with a full backlog returns it unconnected.
                     await trio.sleep(FLOOD_RECONNECT_PAUSE)
                     continue
-        opened[0] += 1
+        closed.advance()
 
 
 async def hello_outcome(deployment: Deployment, timeout: float, instance: str = "box1") -> str:

@@ -32,7 +32,7 @@ from typing import Any, AsyncContextManager, AsyncIterator, Callable, Iterator
 
 import trio
 
-from harness import Deployment, HandMcp, RawRelay, hello_and_health, never_say_hello, structured, text_of
+from harness import Deployment, HandMcp, Progress, RawRelay, hello_and_health, never_say_hello, structured, text_of
 
 KILL_BOUND = 5.0
 """How soon after SIGKILL of the client the caller must be told the request was cancelled."""
@@ -205,10 +205,10 @@ async def test_a_flood_of_connections_that_never_say_hello_leaves_sandboxes_and_
     valid token is answered and `/v1/health` answers 200; the evictions are counted in the flood
     WARNING and the metric, and the log has no traceback and no "Too many open files"."""
     async with deployment.http_server(nofile=PREHELLO_NOFILE) as server:
-        opened = [0]
+        closed = Progress()
         async with trio.open_nursery() as flood:
             for _ in range(PREHELLO_FLOOD):
-                flood.start_soon(never_say_hello, deployment, opened)
+                flood.start_soon(never_say_hello, deployment, closed)
             await server.wait_stderr("under pressure")  # the flood has reached a limit
             rounds = [await hello_and_health(deployment, server, ANSWERED_WITHIN) for _ in range(PREHELLO_ROUNDS)]
             flood.cancel_scope.cancel()
