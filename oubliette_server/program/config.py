@@ -107,27 +107,6 @@ class ServerConfig:
     """Seconds one frame to a sandbox may take to be written; a sandbox that does not read is disconnected."""
     max_client_connections: int = attrs.field(default=DEFAULT_MAX_CLIENT_CONNECTIONS)
     """Client-role relay connections one instance may have on this server; the next one's hello is refused."""
-    relay_max_connections: int | None = attrs.field(default=None)
-    """Relay connections open at once; at the cap the oldest one without a valid hello is evicted for a
-    new one. None: the relay's share of the descriptor limit (`RLIMIT_NOFILE`): 1024 gives 384."""
-    relay_hello_timeout: float = attrs.field(default=DEFAULT_RELAY_HELLO_TIMEOUT)
-    """Seconds a new relay connection has to send its whole hello; then it is closed."""
-
-    @relay_max_connections.validator
-    def _check_relay_cap(self, attribute: Any, value: int | None) -> None:
-        if value is not None and value < 1:
-            raise ValueError(f"relay_max_connections must be at least 1; got {value!r}")
-
-    @relay_hello_timeout.validator
-    def _check_relay_hello_timeout(self, attribute: Any, value: float) -> None:
-        if not value > 0:
-            raise ValueError(f"relay_hello_timeout must be a positive number of seconds; got {value!r}")
-
-    @property
-    def relay_limits(self) -> RelayLimits:
-        """What sandbox connections may hold of the server (docs/SECURITY.md, "Relay connections that never say hello")."""
-        return RelayLimits(max_connections=self.relay_max_connections, hello_timeout=self.relay_hello_timeout)
-
     @max_client_connections.validator
     def _check_max_client_connections(self, attribute: Any, value: int) -> None:
         if not 1 <= value <= 10_000:
@@ -140,24 +119,31 @@ class ServerConfig:
     allowed_hosts: list[str] = attrs.field(factory=list)
     """Extra Host header values accepted on /mcp besides loopback ones (e.g. `oubliette.internal:*`)."""
     http_max_connections: int | None = attrs.field(default=None)
-    """HTTP connections open at once over all listeners; one more is answered 503. None: the
-    descriptor limit (`RLIMIT_NOFILE`) less a reserve of a quarter of it, at least 64."""
+    """HTTP connections open at once over all listeners; one more is answered 503. None: HTTP's
+    share of the descriptor limit (`RLIMIT_NOFILE`): 1024 gives 384."""
     http_body_timeout: float = attrs.field(default=DEFAULT_HTTP_BODY_TIMEOUT)
     """Seconds a request's whole body has to arrive in; a slower one is cut off with 408."""
     http_keep_alive_timeout: float = attrs.field(default=DEFAULT_HTTP_KEEP_ALIVE_TIMEOUT)
     """Seconds an idle HTTP connection is kept for its next request (and a new one has to send its headers)."""
     http_keep_alive_max_requests: int = attrs.field(default=DEFAULT_HTTP_KEEP_ALIVE_MAX_REQUESTS)
     """Requests one HTTP connection may make before the server closes it."""
+    relay_max_connections: int | None = attrs.field(default=None)
+    """Relay connections open at once; at the cap the oldest ones without a valid hello are evicted for
+    a new one. None: the relay's share of the descriptor limit (`RLIMIT_NOFILE`): 1024 gives 384."""
+    relay_hello_timeout: float = attrs.field(default=DEFAULT_RELAY_HELLO_TIMEOUT)
+    """Seconds a new relay connection has to send its whole hello; then it is closed."""
 
     @http_max_connections.validator
     @http_keep_alive_max_requests.validator
-    def _check_http_counts(self, attribute: Any, value: int | None) -> None:
+    @relay_max_connections.validator
+    def _check_door_counts(self, attribute: Any, value: int | None) -> None:
         if value is not None and value < 1:
             raise ValueError(f"{attribute.name} must be at least 1; got {value!r}")
 
     @http_body_timeout.validator
     @http_keep_alive_timeout.validator
-    def _check_http_seconds(self, attribute: Any, value: float) -> None:
+    @relay_hello_timeout.validator
+    def _check_door_seconds(self, attribute: Any, value: float) -> None:
         if not value > 0:
             raise ValueError(f"{attribute.name} must be a positive number of seconds; got {value!r}")
 
@@ -168,6 +154,11 @@ class ServerConfig:
             max_connections=self.http_max_connections, body_timeout=self.http_body_timeout,
             keep_alive_timeout=self.http_keep_alive_timeout, keep_alive_max_requests=self.http_keep_alive_max_requests,
         )
+
+    @property
+    def relay_limits(self) -> RelayLimits:
+        """What sandbox connections may hold of the server (docs/SECURITY.md, "Relay connections that never say hello")."""
+        return RelayLimits(max_connections=self.relay_max_connections, hello_timeout=self.relay_hello_timeout)
 
     tool_separator: str = attrs.field(default=".")
     """Between a toolset's prefix and its tools' names: "." (the default) or "_" for hosts that reject dots."""
