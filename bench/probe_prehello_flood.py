@@ -17,8 +17,13 @@ It prints each round, the totals, the flood connections made, and what the serve
 ("Too many open files", tracebacks, flood WARNING lines). Issue 31, item 2: at ``--nofile 1024``
 and 1,100 flooders, the hello failed in 4-6 of 9 rounds and the health in 2 of 9 before the relay
 had a cap (docs/SECURITY.md, "Relay connections that never say hello"). For the figures before,
-run it with a virtualenv of the older checkout (its ``python`` runs its server). Not part of the
-test suite; it works in a temporary directory and removes it, and the server, at the end.
+run it from an older checkout's directory with that checkout's virtualenv (``python -m`` finds
+the server's package in the current directory first)::
+
+    cd OLD && .venv/bin/python NEW/bench/probe_prehello_flood.py
+
+Not part of the test suite; it works in a temporary directory and removes it, and the server,
+at the end.
 """
 
 from __future__ import annotations
