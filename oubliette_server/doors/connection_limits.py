@@ -8,7 +8,7 @@ second for as long as the flood lasted. So:
 
 - `ConnectionAcceptor` runs the accept loop of a set of listeners with an optional cap on the
   connections open at once. Over the cap, the relay makes room by closing its oldest
-  connection that has not said a valid hello (`evict`), so connections that never say hello
+  connections that have not said a valid hello (`evict`), so connections that never say hello
   cannot keep a sandbox with a token out; otherwise (HTTP, or a relay full of authenticated
   sandboxes) the newcomer is handed to a `refuse` coroutine (HTTP answers 503) in one of a
   few refusal slots, or closed at once, and when the slots are busy too the loop stops
@@ -47,8 +47,7 @@ REFUSAL_SLOTS = 16
 #: How long a refusal may take (write the answer, let the client read it).
 REFUSE_SECONDS = 1.0
 #: Connections evicted at once when the cap is reached: the accept loop waits for one of them to
-#: end, and the others' slots are then free for the next accepts (one at a time, a flood of
-#: connections that never say hello was accepted at ~200 a second on a loaded host).
+#: end, and the others' slots then take the next accepts without a wait of their own.
 EVICTIONS_AT_ONCE = 16
 #: The least number of descriptors kept out of both doors' reach by the derived caps.
 MIN_FD_RESERVE = 64
@@ -169,11 +168,11 @@ class ConnectionAcceptor:
 
     Owns: the listeners given to `serve` (closed when it ends) and each accepted stream (closed
     when its handler returns). At the cap, `evict(n)` may end up to `n` connections being
-    handled to make room, and says how many it ended (the newcomer waits for the first slot
-    they free; counted in `flood` as "connections without a valid hello evicted"). Otherwise the newcomer goes to
-    `refuse(stream)` (with at most `REFUSAL_SLOTS` refusals at once, each cut at
-    `REFUSE_SECONDS`), or is closed at once without `refuse`; either way it is counted in
-    `flood` as "connections refused at the cap".
+    handled to make room, and says how many it ended: the newcomer waits for the first slot
+    they free, and they are counted in `flood` as "connections without a valid hello evicted".
+    Otherwise the newcomer goes to `refuse(stream)` (with at most `REFUSAL_SLOTS` refusals at
+    once, each cut at `REFUSE_SECONDS`), or is closed at once without `refuse`; either way it
+    is counted in `flood` as "connections refused at the cap".
     Raises: an accept error other than running out of descriptors or memory (the listener is
     broken). A handler's exception is logged on `log`, never raised.
     """

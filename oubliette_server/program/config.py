@@ -107,6 +107,7 @@ class ServerConfig:
     """Seconds one frame to a sandbox may take to be written; a sandbox that does not read is disconnected."""
     max_client_connections: int = attrs.field(default=DEFAULT_MAX_CLIENT_CONNECTIONS)
     """Client-role relay connections one instance may have on this server; the next one's hello is refused."""
+
     @max_client_connections.validator
     def _check_max_client_connections(self, attribute: Any, value: int) -> None:
         if not 1 <= value <= 10_000:
