@@ -185,7 +185,7 @@ def test_a_json_line_carries_fields_and_the_span_it_was_written_in() -> None:
     record = logging.LogRecord("oubliette.access", logging.INFO, __file__, 1, "a %s", ("b\nc",), None)
     record.peer = "unix"
     outside = json.loads(formatter.format(record))
-    assert outside["level"] == "INFO" and outside["logger"] == "oubliette.access" and outside["message"] == "a b\nc"
+    assert outside["level"] == "INFO" and outside["logger"] == "oubliette.access" and outside["message"] == "a b\\nc"
     assert outside["peer"] == "unix" and outside["time"].endswith("Z") and "trace_id" not in outside
     with tracer.start_as_current_span("call"):
         trace_id, span_id = _current_ids()

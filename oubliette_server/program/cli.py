@@ -18,7 +18,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -36,7 +35,7 @@ from protocol.interrupts import (
     is_interrupt,
     raise_on_interrupt,
 )
-from protocol.log_format import add_log_format_option
+from protocol.log_format import add_log_format_option, configure_logging
 from protocol.telemetry import setup_observability
 
 from ..core.auth import HTTP_ADMIN, TokenAuthority, check_instance_id
@@ -173,7 +172,7 @@ def _run_operator(command: str, rest: list[str]) -> int:
 
     parser = _operator_parser(command)
     args = parser.parse_args(rest)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:  # the server's own config file, if given: its data dir, store, instances and HTTP listeners
         settings = load_config_file(args.config) if args.config is not None else {}
         if args.data_dir is not None:
