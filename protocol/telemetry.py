@@ -204,9 +204,10 @@ PEER_FIELDS = ("traceparent", "tracestate", "baggage")
 
 
 def _members(header: str, most: int, member: re.Pattern[str], member_chars: int) -> list[str] | None:
-    """The non-empty members of a W3C list header, or None when one is malformed or there are too many."""
+    """The non-empty members of a W3C list header, or None when one is malformed, there are too many
+    or none (OpenTelemetry's baggage propagator warns of a header of blanks)."""
     members = [m for m in _LIST_SEPARATOR.split(header.strip(" \t")) if m]
-    if len(members) > most or any(len(m) > member_chars or not member.fullmatch(m) for m in members):
+    if not members or len(members) > most or any(len(m) > member_chars or not member.fullmatch(m) for m in members):
         return None
     return members
 

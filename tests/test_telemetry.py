@@ -119,6 +119,7 @@ WELL_FORMED_STATE = ",".join(f"k{n}=v{n}" for n in range(32))
     ({"traceparent": f"ff-{TRACE_ID}-b7ad6b7169203331-01"}, set()),
     ({"tracestate": "vendor=abc"}, set()),  # a tracestate alone says nothing
     ({"baggage": "tenant=t1;p=1, user=u%201"}, {"baggage"}),
+    ({"baggage": "\t"}, set()),  # no member: the propagator warned of it (found by the log-lines fuzz)
     ({"baggage": "tenant=" + "x" * 8190}, set()),  # past 8,192 bytes
     ({"baggage": ",".join(f"k{n}=v" for n in range(65))}, set()),  # 65 members
     ({"baggage": "tenant=t1,\x9b=x"}, set()),
