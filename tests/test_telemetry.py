@@ -129,7 +129,8 @@ WELL_FORMED_STATE = ",".join(f"k{n}=v{n}" for n in range(32))
 def test_trace_context_is_dropped_unless_well_formed_and_within_w3c_limits(meta: dict[str, Any], kept: set[str]) -> None:
     """`peer_trace_context` keeps each key only when well-formed and within W3C's limits, and
     OpenTelemetry, handed what it keeps, logs nothing (it logged a 900 KB tracestate whole)."""
-    from protocol.telemetry import guard_sdk_extraction, peer_trace_context
+    from protocol.telemetry import ENV_CARRIERS, guard_sdk_extraction, peer_trace_context
+    from protocol.trace_spans import turn_environment
 
     assert set(peer_trace_context(meta)) == kept
     guard_sdk_extraction()
@@ -143,6 +144,8 @@ def test_trace_context_is_dropped_unless_well_formed_and_within_w3c_limits(meta:
     try:
         extract(meta)
         propagate.extract(meta)  # the MCP SDK's own extraction, through guard_sdk_extraction
+        turn_environment(meta)  # the guest runtime: a user.message payload's `_meta`
+        context_from_env({name: meta[key] for key, name in ENV_CARRIERS.items() if isinstance(meta.get(key), str)})
     finally:
         otel.removeHandler(handler)
     assert records == []
