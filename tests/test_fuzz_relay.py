@@ -864,3 +864,113 @@ def test_session_keys_at_every_door() -> None:
         assert not wrong, "\n".join(wrong)
 
     check()
+
+
+# -- the class "peer strings in log lines" (hypothesis) ---------------------------------------------
+# Strings a peer chooses, drawn by hypothesis from the characters that forge a log line or drive a
+# terminal (newline, CR, ESC, the 8-bit CSI U+009B, C1 controls, bidi overrides and isolates, line
+# separators, NUL, lone surrogates) and around 900 KB, are played at the doors of one in-process
+# server whose log goes through both real formats (protocol/log_format.py), at DEBUG: a relay hello's
+# claims, a relay request's tool and `_meta` trace context, a guest's frame type and reply_to, an HTTP
+# frame's type and msg_id and an HTTP path. Every line either format writes must be bounded and
+# hold no unprintable character (docs/SECURITY.md, "Peer strings in log lines and on the terminal").
+
+LOG_ALPHABET = "ab=,;-0 \n\r\t\x00\x1b\x7f\x85\x9b\u200f\u202a\u202e\u2066\u2069\u2028\u2029\ud800\U000e0001é"
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def peer_strings_strategy() -> Any:
+    from hypothesis import strategies as st
+
+    huge = st.sampled_from([5_000, 100_000]).flatmap(  # escaped, each still fits one relay line
+        lambda n: st.sampled_from(["x" * n, "k=" + "v" * n, "\n" * n, "\x9b" * n, "a=\u202e" + "b" * n]))
+    return st.one_of(st.text(alphabet=LOG_ALPHABET, min_size=1, max_size=40), huge)
+
+
+async def play_peer_strings(deployment: Deployment, strings: list[str]) -> None:
+    """Each string at each door once; every answer awaited, so what the server logs for it is written."""
+    import urllib.parse
+
+    from test_relay_socket import response_to
+    from test_session_keys import serving
+
+    async with serving(deployment) as served, served.http.rest() as rest:
+        caller, _ = served.callers.open_caller()
+        opened = await served.callers.call(caller, "session_message", {"instance": INSTANCE, "session_id": SESSION, "message": "hi"})
+        assert not opened.is_error, text_of(opened)
+        token = served.app.tokens.token_for(INSTANCE)
+        async with RawRelay.connect(deployment) as client, RawRelay.connect(deployment) as guest:
+            await client.hello(INSTANCE, token)
+            await guest.hello(INSTANCE, token, role="guest")
+            for n, text in enumerate(strings):
+                for claims in ({"role": text[:100], "instance": text, "token": "t"}, {"role": "client", "session": text}):
+                    async with RawRelay.connect(deployment) as claimed:
+                        await claimed.send({"jsonrpc": "2.0", "id": 0, "method": "hello", "params": {
+                            "protocol": PROTOCOL, "instance": INSTANCE, "token": token, **claims}})
+                        assert await claimed.receive() is not None  # answered: what it logs is written
+                for params in ({"tool": text}, {"tool": "t", "_meta": {"traceparent": TRACEPARENT, "tracestate": text}},
+                               {"tool": "t", "_meta": {"baggage": text}}, {"tool": "t", "_meta": {"traceparent": text}}):
+                    await client.send({"jsonrpc": "2.0", "id": n, "method": "caller_tool", "params": {"arguments": {}, **params}})
+                    assert "error" in await response_to(client, n)
+                for frame in ({"type": text}, {"type": "status.presence", "reply_to": text}):
+                    await guest.send({"jsonrpc": "2.0", "id": n, "method": "append_frame", "params": {
+                        "session": {"channel": "mcp", "id": SESSION}, "payload": {}, **frame}})
+                    await response_to(guest, n)
+                for fields in ({"type": text}, {"type": "note", "msg_id": text}):
+                    body = {"session": {"channel": "host", "id": "s"}, "payload": {}, **fields}
+                    response = await rest.post(f"/v1/instances/{INSTANCE}/tether", content=json.dumps(body).encode(),
+                                               headers={"content-type": "application/json"})
+                    assert response.status_code in (201, 400), response.text[:300]
+                path = f"/v1/instances/{urllib.parse.quote(text[:5000], safe='', errors='surrogatepass')}/tether"
+                assert (await rest.get(path)).status_code >= 400
+
+
+def test_peer_strings_in_log_lines() -> None:
+    """Hypothesis-drawn hostile strings at every door: each log line bounded and escaped, in both formats."""
+    import io
+    import logging
+
+    from hypothesis import HealthCheck, given, settings
+
+    from protocol.log_format import TEXT_FORMAT, JsonFormatter, TextFormatter
+    from protocol.peer_text import MESSAGE_CHARS
+
+    @settings(max_examples=8, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st_lists_of_peer_strings())
+    def check(strings: list[str]) -> None:
+        outputs = {"text": io.StringIO(), "json": io.StringIO()}
+        handlers = [logging.StreamHandler(outputs["text"]), logging.StreamHandler(outputs["json"])]
+        handlers[0].setFormatter(TextFormatter(TEXT_FORMAT))
+        handlers[1].setFormatter(JsonFormatter())
+        for handler in handlers:  # the server's lines only, not those of this test's own HTTP client
+            handler.addFilter(lambda record: not record.name.startswith(("httpx2", "httpcore2")))
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.DEBUG)
+        for handler in handlers:
+            root.addHandler(handler)
+        deployment = Deployment()
+        try:
+            trio.run(play_peer_strings, deployment, strings)
+        finally:
+            for handler in handlers:
+                root.removeHandler(handler)
+            root.setLevel(level)
+            deployment.cleanup()
+        text, as_json = outputs["text"].getvalue(), outputs["json"].getvalue()
+        assert "oubliette.access" in text, "the doors were played with the log at DEBUG"
+        for line in text.splitlines():
+            assert len(line) <= MESSAGE_CHARS + 400, f"{len(line)} characters: {line[:300]!r}"
+            assert line.isprintable(), f"an unprintable character: {line[:300]!r}"
+        for line in as_json.splitlines():
+            assert len(line) <= 6 * MESSAGE_CHARS, f"{len(line)} characters: {line[:300]!r}"
+            assert line.isprintable() and isinstance(json.loads(line), dict), f"{line[:300]!r}"
+
+    check()
+
+
+def st_lists_of_peer_strings() -> Any:
+    from hypothesis import strategies as st
+
+    return st.lists(peer_strings_strategy(), min_size=3, max_size=3)

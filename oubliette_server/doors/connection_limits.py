@@ -28,7 +28,6 @@ import errno
 import logging
 import resource
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import attrs
 import trio
@@ -304,9 +303,3 @@ class GuardedStream(trio.abc.HalfCloseableStream):
     async def aclose(self) -> None:
         """Close the socket (a send in progress then fails with `ClosedResourceError`)."""
         await self.inner.aclose()
-
-
-def describe(value: Any) -> str:
-    """A value for a log line on one line: control characters escaped, at most 200 characters."""
-    text = str(value).encode("unicode_escape").decode("ascii")
-    return text if len(text) <= 200 else text[:197] + "..."

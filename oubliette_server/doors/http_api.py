@@ -44,6 +44,7 @@ from starlette.routing import Route
 
 from protocol import RelayError, errors
 from protocol.limits import LimitExceeded
+from protocol.peer_text import bounded
 
 from ..core.auth import HTTP_ADMIN
 from ..core.callers import CallerConnection, CallerRegistry, keyed_identity
@@ -60,7 +61,6 @@ from .connection_limits import (
     FloodLog,
     GuardedStream,
     HttpLimits,
-    describe,
 )
 from .health import Readiness
 
@@ -424,10 +424,10 @@ class ErrorBoundary(HttpMiddleware):
                 log.debug("%s %s: the client went away before its request was read", scope["method"], scope["path"])
                 return
             if isinstance(exc, sqlite3.Error):
-                log.error("%s %s: the frame store failed: %s", scope["method"], describe(scope["path"]), exc)
+                log.error("%s %s: the frame store failed: %s", scope["method"], bounded(scope["path"]), exc)
                 err = RelayError(errors.INTERNAL_ERROR, f"the frame store failed: {exc}")
             else:
-                log.exception("%s %s failed", scope["method"], describe(scope["path"]))
+                log.exception("%s %s failed", scope["method"], bounded(scope["path"]))
                 err = RelayError(errors.INTERNAL_ERROR, "internal server error (the server log says more)")
         else:
             return
@@ -481,8 +481,8 @@ class AccessLog(HttpMiddleware):
                 host = "unix" if not client else f"[{client[0]}]:{client[1]}" if ":" in client[0] else f"{client[0]}:{client[1]}"
                 seconds = trio.current_time() - began
                 # The same facts as keys of their own for `--log-format json` (as the relay's lines have).
-                fields = {"peer": host, "method": describe(scope["method"]), "path": describe(scope["path"]),
-                          "status": status, "duration_s": round(seconds, 4), "reason": describe(reason) if reason else None}
+                fields = {"peer": host, "method": bounded(scope["method"]), "path": bounded(scope["path"]),
+                          "status": status, "duration_s": round(seconds, 4), "reason": bounded(reason) if reason else None}
                 access_log.info(
                     "%s %s %s %s %.1f ms%s", host, fields["method"], fields["path"], status if status is not None else "-",
                     seconds * 1000, f" - {fields['reason']}" if reason else "", extra=fields,

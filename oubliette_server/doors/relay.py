@@ -46,9 +46,10 @@ from protocol import (
     errors,
     messages,
 )
+from protocol.peer_text import bounded
 
 from ..core.auth import check_hello
-from .connection_limits import ConnectionAcceptor, FloodLog, RelayLimits, describe
+from .connection_limits import ConnectionAcceptor, FloodLog, RelayLimits
 
 log = logging.getLogger("oubliette.server.relay")
 access_log = logging.getLogger("oubliette.access")
@@ -246,15 +247,15 @@ class RelayConnection:
             return
         role, instance, session = (self.role, self.instance, self.session_key) if self.role else self._claimed or (None, None, None)
         fields: dict[str, Any] = {
-            "event": event, "peer": self.peer, "role": describe(role) if role else None,
-            "instance": describe(instance) if instance else None, "session": describe(session) if session else None,
+            "event": event, "peer": self.peer, "role": bounded(role) if role else None,
+            "instance": bounded(instance) if instance else None, "session": bounded(session) if session else None,
         }
         tail = ""
         if duration:
             fields["duration_s"] = round(trio.current_time() - self._began, 3)
             tail += f" after {fields['duration_s']:.3f} s"
         if reason:
-            fields["reason"] = describe(reason)
+            fields["reason"] = bounded(reason)
             tail += f" - {fields['reason']}"
         access_log.info(
             "%s relay %s %s %s %s%s", self.peer, fields["role"] or "-", fields["instance"] or "-",

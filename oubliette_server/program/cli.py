@@ -19,7 +19,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -37,7 +36,7 @@ from protocol.interrupts import (
     is_interrupt,
     raise_on_interrupt,
 )
-from protocol.log_format import add_log_format_option
+from protocol.log_format import add_log_format_option, configure_logging
 from protocol.telemetry import setup_observability
 
 from ..core.auth import HTTP_ADMIN, TokenAuthority, check_instance_id
@@ -175,7 +174,7 @@ def _config_beside_the_server(args: argparse.Namespace) -> ServerConfig:
 
     Raises: `ValueError` or `TypeError` naming a mistake in the file or a flag.
     """
-    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     settings = load_config_file(args.config) if args.config is not None else {}
     if args.data_dir is not None:
         settings["data_dir"] = args.data_dir
