@@ -457,8 +457,7 @@ async def test_socket_files_are_private_without_changing_the_process_umask(
     monkeypatch.setattr(os, "umask", no_umask)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            await nursery.start(app.serve)
-            await nursery.start(app.http_api().serve, config.http)
+            await nursery.start(app.serve)  # the relay and the HTTP listener `config.http` names
             for path in (deployment.socket, http_socket):
                 mode = os.stat(path).st_mode
                 assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600, (path, oct(mode))

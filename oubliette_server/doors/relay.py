@@ -27,6 +27,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
+import attrs
 import trio
 
 from protocol import (
@@ -243,14 +244,15 @@ class RelayListener:
     """Accepts sandbox connections on one address; `connection_factory(stream, peer_name)` makes each one.
 
     Owns the listening socket (and the Unix socket file, removed at the end). Start it with
-    `nursery.start(listener.serve)`: it is listening once started.
+    `nursery.start(listener.serve)`: it is listening once started, which returns the bound
+    address (a TCP port 0 replaced by the port the system chose).
     """
 
     def __init__(self, address: RelayAddress, connection_factory: Callable[[trio.abc.Stream, str], RelayConnection]) -> None:
         self.address = address
         self._connection_factory = connection_factory
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[RelayAddress] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen and run one connection per accepted stream until cancelled.
 
         Raises: `OSError` when the address cannot be bound, or a Unix socket path is in use by a
@@ -268,7 +270,7 @@ class RelayListener:
             async with trio.open_nursery() as nursery:
                 await nursery.start(flood.serve)
                 await nursery.start(ConnectionAcceptor(flood, log).serve, self._handle, listeners)
-                task_status.started()
+                task_status.started(self._bound(listeners))
         finally:
             if self.address.kind == "unix":
                 with trio.CancelScope(shield=True):
@@ -276,6 +278,12 @@ class RelayListener:
                         os.unlink(self.address.path)
                     except FileNotFoundError:
                         pass
+
+    def _bound(self, listeners: list[trio.SocketListener]) -> RelayAddress:
+        """The address listened on: a TCP port 0 is the port the system chose."""
+        if self.address.kind != "tcp" or self.address.port != 0:
+            return self.address
+        return attrs.evolve(self.address, port=listeners[0].socket.getsockname()[1])
 
     async def _open(self) -> list[trio.SocketListener]:
         if self.address.kind == "tcp":

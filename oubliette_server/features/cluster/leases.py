@@ -17,6 +17,7 @@ guest delivery (which knows the guests connected here). Raises: `StoreUnavailabl
 from __future__ import annotations
 
 import logging
+from typing import Awaitable, Callable
 
 import trio
 
@@ -26,6 +27,17 @@ from ..guests.delivery import GuestDelivery, GuestPeer
 log = logging.getLogger("oubliette.server.guests")
 
 DEFAULT_LEASE_TTL = 10.0
+
+
+def holds_lease(store: LeaseStore, server_id: str) -> Callable[[str], Awaitable[bool]]:
+    """`holds(instance)`: whether this server still holds `instance`'s lease (no other server
+    took it). Guest delivery asks it before each batch; it needs only the store, so delivery can
+    be built before the leases that read delivery's guests."""
+
+    async def holds(instance: str) -> bool:
+        return await store.lease_holder(instance) in (server_id, None)
+
+    return holds
 
 
 class InstanceLeases:
@@ -38,6 +50,8 @@ class InstanceLeases:
         self.server_id = server_id
         self.ttl = ttl
         self.delivery = delivery
+        self.holds = holds_lease(store, server_id)
+        """Whether this server still holds `instance`'s lease (no other server took it)."""
         self._nursery: trio.Nursery | None = None
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -61,10 +75,6 @@ class InstanceLeases:
         previous = await self.store.take_lease(connection.instance, self.server_id, self.ttl)
         if previous is not None:
             log.warning("%r takes instance %s over from server %s", connection, connection.instance, previous)
-
-    async def holds(self, instance: str) -> bool:
-        """Whether this server still holds `instance`'s lease (no other server took it)."""
-        return await self.store.lease_holder(instance) in (self.server_id, None)
 
     async def held_anywhere(self, instance: str) -> bool:
         """Whether a server of the deployment holds (or held, and died without releasing) a lease
