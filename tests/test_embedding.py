@@ -17,6 +17,7 @@ from pathlib import Path
 import attrs
 import httpx2
 import trio
+import trio.testing
 
 from harness import Deployment
 from oubliette_server import OublietteServer, ServerConfig, ServingAddresses
@@ -133,3 +134,30 @@ def test_the_server_config_reference_is_the_class() -> None:
         f"docs/EMBEDDING.md's ServerConfig table lists {list(written)}; the class has {list(expected)}")
     wrong = {name: (written[name], want) for name, want in expected.items() if written[name] != want}
     assert not wrong, f"docs/EMBEDDING.md's ServerConfig rows (written, class): {wrong}"
+
+
+async def test_drain_lets_an_http_post_in_flight_answer_first(deployment: Deployment) -> None:
+    """A graceful stop drains HTTP as it drains the relay: `drain` returns once a POST being
+    answered (here one whose body is still arriving) has its answer, not before."""
+    http_socket = deployment.root / "http.sock"
+    body = b'{"message": "hi"}'
+    head = b"POST /v1/nothing HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    async with deployment.embedded(http=[f"unix:{http_socket}"]) as embedded:
+        stream = await trio.open_unix_socket(str(http_socket))
+        await stream.send_all(head + b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
+        await trio.testing.wait_all_tasks_blocked()
+        drained = trio.Event()
+
+        async def drain() -> None:
+            await embedded.app.drain(BOUND)
+            drained.set()
+
+        embedded.nursery.start_soon(drain)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not drained.is_set(), "drain: returned while an HTTP POST was being answered"
+        await stream.send_all(body[5:])
+        with trio.fail_after(BOUND):
+            answer = await stream.receive_some()
+            await drained.wait()
+        assert answer.startswith(b"HTTP/1.1 404"), answer
+        await stream.aclose()

@@ -708,3 +708,32 @@ async def test_a_refusal_waits_only_so_long_for_a_body_that_never_comes(deployme
             status, headers = await h11_response(stream, conn)
             assert (status, headers.get(b"connection")) == (404, b"close")
         assert (await rest.get("/v1/health")).status_code == 200
+
+
+# -- graceful stop --------------------------------------------------------------------------
+
+
+async def test_a_graceful_stop_waits_for_requests_that_change_something_not_for_gets() -> None:
+    """`CountRequests` counts a POST while it is answered; a GET (an SSE stream, a long poll) is
+    never counted, or every stop with a reader connected would wait its whole grace."""
+    from oubliette_server.core.in_flight import InFlight
+    from oubliette_server.doors.http_api import CountRequests
+
+    release = trio.Event()
+
+    async def answering(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await release.wait()
+
+    in_flight = InFlight()
+    counted = CountRequests(answering, in_flight)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(counted, {"type": "http", "method": "GET"}, None, None)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.fail_after(1):
+            await in_flight.wait_none()  # the GET is not waited for
+        nursery.start_soon(counted, {"type": "http", "method": "POST"}, None, None)
+        await trio.testing.wait_all_tasks_blocked()
+        assert in_flight.count == 1, f"CountRequests: {in_flight.count} requests counted, one POST in flight"
+        release.set()
+        with trio.fail_after(1):
+            await in_flight.wait_none()

@@ -47,6 +47,7 @@ from protocol.limits import LimitExceeded
 
 from ..core.auth import HTTP_ADMIN
 from ..core.callers import CallerConnection, CallerRegistry, keyed_identity
+from ..core.in_flight import InFlight
 from ..core.instances import InstanceDirectory
 from ..core.metrics import CONTENT_TYPE, ServerMetrics
 from ..features.tether import Tether
@@ -147,6 +148,28 @@ class HttpMiddleware:
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """The middleware's own work on one request it wants."""
         raise NotImplementedError
+
+
+class CountRequests(HttpMiddleware):
+    """ASGI middleware: each HTTP request but a GET is counted in `in_flight` while it is answered,
+    so that a graceful stop (`OublietteServer.drain`) lets it finish. A GET (an SSE stream, a long
+    poll, a read) is not: it may last for ever, and its client reads again from its cursor."""
+
+    def __init__(self, app: Any, in_flight: InFlight) -> None:
+        super().__init__(app)
+        self.in_flight = in_flight
+
+    def wants(self, scope: dict[str, Any]) -> bool:
+        """HTTP requests other than GET (and HEAD)."""
+        return scope["type"] == "http" and scope["method"] not in ("GET", "HEAD")
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Count the request for as long as the app answers it."""
+        self.in_flight.started()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight.finished()
 
 
 class DrainRequestBody(HttpMiddleware):
@@ -764,8 +787,11 @@ class HttpApi:
         identity: dict[str, Any] | None = None,
         limits: HttpLimits | None = None,
         metrics: ServerMetrics | None = None,
+        in_flight: InFlight | None = None,
     ) -> None:
         self.metrics = metrics
+        self.in_flight = in_flight or InFlight()
+        """The requests (but GETs) being answered: a graceful stop waits for them (`CountRequests`)."""
         self.limits = limits or HttpLimits()
         """What HTTP clients may hold: the connection cap, the body deadline, keep-alive limits."""
         self.flood = FloodLog(log, "HTTP")
@@ -879,9 +905,9 @@ class HttpApi:
         """`app` in the middleware every listener has outside it: the access log, the body deadline."""
         body_timeout = self.limits.body_timeout
         cut = flood or self.flood
-        return AccessLog(DrainRequestBody(
+        return AccessLog(CountRequests(DrainRequestBody(
             app, body_timeout, lambda: cut.count(f"requests cut off at the {body_timeout:g} s body deadline"),
-        ), self.metrics.http_answered if self.metrics else None)
+        ), self.in_flight), self.metrics.http_answered if self.metrics else None)
 
     def _metrics_routes(self) -> list[Route]:
         """`GET /metrics`, when the server keeps metrics."""

@@ -26,6 +26,7 @@ from ..core.auth import TokenAuthority, ensure_private_dir
 from ..core.callers import CallerConnection, CallerRegistry
 from ..core.client_connections import ClientConnections
 from ..core.frame_log import FrameLog
+from ..core.in_flight import InFlight
 from ..core.instances import InstanceDirectory
 from ..core.metrics import ServerMetrics, decision_of
 from ..core.pending_requests import Crossing, SharedStore, SingleServer
@@ -226,9 +227,10 @@ class OublietteServer:
             callers=self.callers.count, long_poll_waiters=self.store.waiter_count,
         )
         self._relay_verify_token = self.metrics.checking_relay_tokens(self.tokens.verify)
-        self._requests_in_flight = 0
-        self._drained = trio.Event()
-        self._drained.set()
+        self.relay_requests = InFlight()
+        """The relay requests being answered (`drain` waits for them)."""
+        self.http_requests = InFlight()
+        """The HTTP requests other than GETs being answered (`drain` waits for them)."""
 
     # -- running -------------------------------------------------------------------------
 
@@ -323,28 +325,21 @@ class OublietteServer:
             limits=self.config.http_limits,
             readiness=self.readiness,
             metrics=self.metrics,
+            in_flight=self.http_requests,
         )
 
     def identity(self) -> dict[str, Any]:
         """This server and its store, as `/v1/health` reports them (no secrets)."""
         return {"server": {"id": self.server_id, "version": SERVER_VERSION}, "store": self.store.describe()}
 
-    def relay_request_started(self) -> None:
-        """Count a relay request in flight (called by each `RelayConnection`); `drain` waits for the count to reach zero."""
-        if self._requests_in_flight == 0:
-            self._drained = trio.Event()
-        self._requests_in_flight += 1
-
-    def relay_request_finished(self) -> None:
-        """A relay request answered or ended; at zero in flight, `drain` returns."""
-        self._requests_in_flight -= 1
-        if self._requests_in_flight == 0:
-            self._drained.set()
-
     async def drain(self, timeout: float) -> None:
-        """Let relay requests that are ending send their answers (bounded) before shutdown."""
+        """A graceful stop's first step: let the relay and HTTP requests in flight send their
+        answers, for at most `timeout` seconds; then cancel `serve`. Listeners keep accepting
+        meanwhile (a request that arrives now is waited for too). HTTP GETs — SSE streams, long
+        polls — are not waited for: their clients read again from their cursor."""
         with trio.move_on_after(timeout):
-            await self._drained.wait()
+            await self.relay_requests.wait_none()
+            await self.http_requests.wait_none()
 
     # -- callers -------------------------------------------------------------------------
 
@@ -381,8 +376,8 @@ class OublietteServer:
             on_open=self.relay_connection_opened,
             on_close=self.relay_connection_closed,
             limits=PeerLimits(write_timeout=self.config.relay_write_timeout),
-            on_request_started=self.relay_request_started,
-            on_request_finished=self.relay_request_finished,
+            on_request_started=self.relay_requests.started,
+            on_request_finished=self.relay_requests.finished,
         )
 
     async def relay_connection_opened(self, connection: RelayConnection) -> None:

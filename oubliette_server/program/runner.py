@@ -41,7 +41,7 @@ async def stop_on_signals(
 ) -> None:
     """SIGTERM/SIGINT end the server cleanly: listeners close, started guests are stopped, the store closes.
 
-    First the relay requests in flight may send their answers (`drain`, at most `grace` seconds,
+    First the relay and HTTP requests in flight may send their answers (`drain`, at most `grace` seconds,
     as hypercorn's `graceful_timeout`; the same drain a stdio hang-up gets); a second signal
     ends the wait at once. The first signal is appended to `received`, so the program can exit
     with its status.
