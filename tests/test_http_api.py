@@ -737,3 +737,16 @@ async def test_a_graceful_stop_waits_for_requests_that_change_something_not_for_
         release.set()
         with trio.fail_after(1):
             await in_flight.wait_none()
+
+
+async def test_mcp_on_the_unix_socket_listener_takes_any_host_header(deployment: Deployment) -> None:
+    """No browser reaches a socket file, so DNS rebinding cannot: a Unix-socket client's URL
+    (`http://localhost/mcp`, `http://oubliette/mcp`) names no host, and `/mcp` answers it."""
+    http_socket = deployment.root / "http.sock"
+    async with deployment.embedded(http=[f"unix:{http_socket}"]), httpx2.AsyncClient(
+        transport=httpx2.AsyncHTTPTransport(uds=str(http_socket)), timeout=20,
+    ) as over_unix:
+        for url in ("http://localhost/mcp", "http://oubliette/mcp", "http://evil.example:8080/mcp"):
+            answered = await over_unix.post(url, json=INITIALIZE, headers=MCP_HEADERS)
+            assert answered.status_code == 200, (url, answered.status_code, answered.text)
+            assert initialize_result(answered)["serverInfo"]["name"] == "oubliette-server"

@@ -76,6 +76,8 @@ SSE_KEEPALIVE_SECONDS = 15.0
 INSTANCE_ROUTE = re.compile(r"^/v1/instances/([^/]+)/")
 MCP_PATHS = ("/mcp", "/mcp/")
 PUBLIC_PATHS = frozenset({"/livez", "/readyz"})
+#: The `Host` every request on a Unix socket listener is read with (`UnixSocketHost`): a loopback name.
+UNIX_SOCKET_HOST = b"localhost:0"
 """Paths served without a token: they say only whether the server is alive and ready."""
 STORE_RETRY_AFTER = "2"
 """`Retry-After` (seconds) of a 503 for an unavailable store: the store reconnects by itself."""
@@ -258,6 +260,24 @@ def _declares_body(scope: dict[str, Any]) -> bool:
         if name == b"transfer-encoding":
             return b"chunked" in value.lower()
     return False
+
+
+class UnixSocketHost(HttpMiddleware):
+    """ASGI middleware: on the Unix socket listener a request's `Host` is read as `localhost`.
+
+    `/mcp`'s Host check is DNS-rebinding protection, for a browser tricked into reaching a TCP
+    port on loopback; no browser reaches a socket file, and a Unix-socket client's URL names no
+    host (`http://localhost/mcp`, `http://oubliette/mcp` and the rest all mean the socket).
+    """
+
+    def wants(self, scope: dict[str, Any]) -> bool:
+        """HTTP requests on a Unix socket (hypercorn gives them no `server` address)."""
+        return scope["type"] == "http" and scope.get("server") is None
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Run the app with the request's `Host` replaced."""
+        headers = [(name, value) for name, value in scope["headers"] if name != b"host"]
+        await self.app({**scope, "headers": [*headers, (b"host", UNIX_SOCKET_HOST)]}, receive, send)
 
 
 class ExplainMisdirected(HttpMiddleware):
@@ -898,7 +918,7 @@ class HttpApi:
         starlette.router.default = _not_found  # unknown paths answer the JSON error shape too
         starlette.add_middleware(ErrorBoundary)  # inside Starlette's own (plain-text 500) error middleware
         refused = functools.partial(self.metrics.auth_refused, "http") if self.metrics else lambda reason: None
-        watched = ExplainMisdirected(StreamWatch(starlette, self._standalone_stream_dropped))
+        watched = UnixSocketHost(ExplainMisdirected(StreamWatch(starlette, self._standalone_stream_dropped)))
         return self._outer(BearerAuth(watched, self.verify_token, refused))
 
     def _outer(self, app: Any, flood: FloodLog | None = None) -> Any:
