@@ -16,6 +16,7 @@ from pathlib import Path
 
 import attrs
 import httpx2
+import pytest
 import trio
 import trio.testing
 
@@ -97,6 +98,16 @@ async def test_serve_stops_the_toolset_servers_its_config_started(deployment: De
             nursery.cancel_scope.cancel()
     left = [pid for pid, command in _children().items() if pid in running]
     assert not left, f"serve: the MCP toolset's server {left} outlived the cancel"
+
+
+def test_server_config_takes_toolsets_as_the_config_files_tables(tmp_path: Path) -> None:
+    table = {"kind": "command", "prefix": "ext", "command": [sys.executable, "examples/mcp_echo.py"]}
+    by_id = ServerConfig(data_dir=tmp_path, toolsets={"echo": table}).toolsets
+    listed = ServerConfig(data_dir=tmp_path, toolsets=[{"id": "echo", **table}]).toolsets
+    assert by_id == listed and [entry.id for entry in by_id] == ["echo"], f"ServerConfig.toolsets: {by_id} {listed}"
+    assert ServerConfig(data_dir=tmp_path, toolsets=by_id).toolsets == by_id, "ServerConfig.toolsets: entries changed"
+    with pytest.raises(ValueError, match=re.escape("ServerConfig.toolsets: [toolsets.echo]: kind must be one of")):
+        ServerConfig(data_dir=tmp_path, toolsets={"echo": {**table, "kind": "rpc"}})
 
 
 def _reference_rows() -> dict[str, tuple[str, str, str]]:

@@ -85,11 +85,13 @@ class ServingAddresses:
 class OublietteServer:
     """The host daemon as a library: run it in your nursery with `await nursery.start(server.serve)`.
 
-    Owns: the frame store (run by `serve`, closed when it ends), the relay listener, and the nurseries of
-    its services (callers' event senders, toolsets, start commands). `serve` reports started once
-    the relay socket is bound; cancelling it closes every connection and stops every child.
+    Owns: the frame store (run by `serve`, closed when it ends), the relay, HTTP and metrics
+    listeners its config names, the configured toolsets, and the nurseries of its services
+    (callers' event senders, toolsets, start commands). `serve` reports started, with the
+    `ServingAddresses`, once all of them are up; cancelling it closes every connection and stops
+    every child (docs/EMBEDDING.md).
     Needs: a `ServerConfig`; the data directory is created (mode 0700) with the token secret.
-    Raises: `OSError` from `serve` when the relay address cannot be bound.
+    Raises: `OSError` from `serve` when the relay or an HTTP address cannot be bound.
 
     The services are attributes, for embedding and tests: `store`, `sessions`, `frame_log`,
     `callers`, `caller_tools` (with `calls`, its pending calls), `approvals` (and `connection_approvals`, the

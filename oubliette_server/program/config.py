@@ -46,12 +46,19 @@ def default_data_dir() -> Path:
 
 
 def _toolset_entries(value: Any) -> list[Any]:
-    """`ServerConfig.toolsets`: entries as given, or a `[toolsets]`-shaped mapping checked as the config file's is."""
-    if isinstance(value, Mapping):
-        from ..features.toolsets.from_config import parse_toolsets
+    """`ServerConfig.toolsets` as entries: `ToolsetEntry` values as given; a `[toolsets]`-shaped
+    mapping (id → table), or tables with their `id`, checked as the config file's are."""
+    if not isinstance(value, Mapping) and not any(isinstance(item, Mapping) for item in value):
+        return list(value)
+    from ..features.toolsets.from_config import parse_toolsets
 
+    if isinstance(value, Mapping):
         return parse_toolsets(dict(value), "ServerConfig.toolsets")
-    return list(value)
+    return [
+        parse_toolsets({item["id"]: {k: v for k, v in item.items() if k != "id"}}, "ServerConfig.toolsets")[0]
+        if isinstance(item, Mapping) else item
+        for item in value
+    ]
 
 
 def _allowlists(value: Any) -> dict[str, list[str]]:

@@ -84,7 +84,8 @@ class InstanceStarter:
             event.set()
 
     def wake(self, instance: str) -> bool:
-        """Start the instance's guest if it has a start command and is not up; True if started."""
+        """Start the instance's guest if it has a start command and is not up; True if started
+        (before `serve`: when it starts). False once the server is stopping."""
         command = self._start_command(instance)
         if not command or self._is_connected(instance):
             return False
