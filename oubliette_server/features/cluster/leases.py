@@ -21,6 +21,7 @@ from typing import Awaitable, Callable
 
 import trio
 
+from ...core.task_host import TaskHost
 from ...store.api import LeaseStore, StoreUnavailable
 from ..guests.delivery import GuestDelivery, GuestPeer
 
@@ -52,22 +53,19 @@ class InstanceLeases:
         self.delivery = delivery
         self.holds = holds_lease(store, server_id)
         """Whether this server still holds `instance`'s lease (no other server took it)."""
-        self._nursery: trio.Nursery | None = None
+        self._tasks = TaskHost()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Renew this server's leases every `ttl / 3` seconds until cancelled."""
         await self.renew()  # this server's own lease exists before any request names it
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            await nursery.start(self._tasks.serve)
             task_status.started()
-            try:
-                while True:
-                    # A heartbeat on a clock, not a wait for an event: the lease's expiry is what
-                    # tells the other servers this one died.
-                    await trio.sleep(self.ttl / 3)
-                    await self.renew()
-            finally:
-                self._nursery = None
+            while True:
+                # A heartbeat on a clock, not a wait for an event: the lease's expiry is what
+                # tells the other servers this one died.
+                await trio.sleep(self.ttl / 3)
+                await self.renew()
 
     async def take(self, connection: GuestPeer) -> None:
         """A guest connected here: take its instance's lease (from another server if need be)."""
@@ -107,9 +105,9 @@ class InstanceLeases:
                 guest.close_soon()
 
     def release_soon(self, instance: str) -> None:
-        """The instance's guest left this server: drop the lease, unless a new guest came meanwhile."""
-        if self._nursery is not None:
-            self._nursery.start_soon(self._release, instance)
+        """The instance's guest left this server: drop the lease, unless a new guest came meanwhile
+        (once the server is stopping, it expires by itself)."""
+        self._tasks.start_soon(self._release, instance)
 
     async def _release(self, instance: str) -> None:
         if self.delivery.guest_for(instance) is not None:
