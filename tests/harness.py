@@ -466,22 +466,18 @@ class EmbeddedApp:
 
 
 @asynccontextmanager
-async def embedded_app(
-    config: Any, *, store: Any = None, before_http: Callable[[Any], Any] | None = None,
-) -> AsyncIterator[EmbeddedApp]:
+async def embedded_app(config: Any, *, store: Any = None) -> AsyncIterator[EmbeddedApp]:
     """The one embedded-server helper: `OublietteServer(config, store=store)` started in a
-    nursery of the test's Trio loop as `run_server` starts it (the relay first, `before_http`
-    next, then the HTTP listeners `config.http` asks for), stopped when the block ends."""
+    nursery of the test's Trio loop with `nursery.start(app.serve)`, as `run_server` starts it
+    (relay, configured toolsets, the HTTP and metrics listeners `config` names), stopped when the
+    block ends."""
     from oubliette_server.program.app import OublietteServer
 
     app = OublietteServer(config, store=store)
     async with trio.open_nursery() as nursery:
-        await nursery.start(app.serve)
-        if before_http is not None:
-            await before_http(app)
-        urls: list[str] = await nursery.start(app.http_api().serve, config.http) if config.http else []
+        bound = await nursery.start(app.serve)
         try:
-            yield EmbeddedApp(app, nursery, urls)
+            yield EmbeddedApp(app, nursery, bound.http)
         finally:
             nursery.cancel_scope.cancel()
 
@@ -777,14 +773,7 @@ class InProcessDeployment(Deployment):
 
         config = build_config(_serve_parser().parse_args(
             ["--relay", self.relay, "--data-dir", str(self.data_dir), *extra]))
-
-        async def register_toolsets(app: Any) -> None:
-            if config.toolsets or config.allowlists:
-                from oubliette_server.features.toolsets.from_config import register_from_config
-
-                await register_from_config(app, config.toolsets, config.allowlists)
-
-        async with embedded_app(config, before_http=register_toolsets) as embedded:
+        async with embedded_app(config) as embedded:
             yield embedded.app, embedded.urls
 
     @asynccontextmanager

@@ -457,8 +457,7 @@ async def test_socket_files_are_private_without_changing_the_process_umask(
     monkeypatch.setattr(os, "umask", no_umask)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            await nursery.start(app.serve)
-            await nursery.start(app.http_api().serve, config.http)
+            await nursery.start(app.serve)  # the relay and the HTTP listener `config.http` names
             for path in (deployment.socket, http_socket):
                 mode = os.stat(path).st_mode
                 assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600, (path, oct(mode))
@@ -524,9 +523,9 @@ async def test_mcp_accepts_loopback_hosts_without_a_port(deployment: Deployment)
             for host in ("localhost", "127.0.0.1", "[::1]"):
                 accepted = await client.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": host})
                 assert accepted.status_code == 200, (host, accepted.status_code, accepted.text)
-            # the check still holds on the Unix listener: a proxy in front of it forwards the browser's Host
-            foreign = await client.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "evil.example"})
-            assert foreign.status_code == 421, foreign.text
+        # on TCP, any other name is still refused (on the Unix listener no Host is checked)
+        foreign = await rest.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "evil.example"})
+        assert foreign.status_code == 421, foreign.text
 
 
 async def test_allowed_host_flag_lets_a_host_through(deployment: Deployment) -> None:
@@ -739,3 +738,45 @@ async def test_a_refusal_waits_only_so_long_for_a_body_that_never_comes(deployme
             status, headers = await h11_response(stream, conn)
             assert (status, headers.get(b"connection")) == (404, b"close")
         assert (await rest.get("/v1/health")).status_code == 200
+
+
+# -- graceful stop --------------------------------------------------------------------------
+
+
+async def test_a_graceful_stop_waits_for_requests_that_change_something_not_for_gets() -> None:
+    """`CountRequests` counts a POST while it is answered; a GET (an SSE stream, a long poll) is
+    never counted, or every stop with a reader connected would wait its whole grace."""
+    from oubliette_server.core.in_flight import InFlight
+    from oubliette_server.doors.http_api import CountRequests
+
+    release = trio.Event()
+
+    async def answering(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await release.wait()
+
+    in_flight = InFlight()
+    counted = CountRequests(answering, in_flight)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(counted, {"type": "http", "method": "GET"}, None, None)
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.fail_after(1):
+            await in_flight.wait_none()  # the GET is not waited for
+        nursery.start_soon(counted, {"type": "http", "method": "POST"}, None, None)
+        await trio.testing.wait_all_tasks_blocked()
+        assert in_flight.count == 1, f"CountRequests: {in_flight.count} requests counted, one POST in flight"
+        release.set()
+        with trio.fail_after(1):
+            await in_flight.wait_none()
+
+
+async def test_mcp_on_the_unix_socket_listener_takes_any_host_header(deployment: Deployment) -> None:
+    """No browser reaches a socket file, so DNS rebinding cannot: a Unix-socket client's URL
+    (`http://localhost/mcp`, `http://oubliette/mcp`) names no host, and `/mcp` answers it."""
+    http_socket = deployment.root / "http.sock"
+    async with deployment.embedded(http=[f"unix:{http_socket}"]), httpx2.AsyncClient(
+        transport=httpx2.AsyncHTTPTransport(uds=str(http_socket)), timeout=20,
+    ) as over_unix:
+        for url in ("http://localhost/mcp", "http://oubliette/mcp", "http://evil.example:8080/mcp"):
+            answered = await over_unix.post(url, json=INITIALIZE, headers=MCP_HEADERS)
+            assert answered.status_code == 200, (url, answered.status_code, answered.text)
+            assert initialize_result(answered)["serverInfo"]["name"] == "oubliette-server"

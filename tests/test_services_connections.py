@@ -117,6 +117,28 @@ async def test_caller_registry_closes_a_caller_once() -> None:
         assert session.sent == [], "CallerConnection: a closed caller got an event"
 
 
+async def test_caller_registry_a_caller_opened_before_it_serves_gets_its_events_once_it_does() -> None:
+    callers = Callers()
+    caller, session = callers.open()  # before `serve`: an embedder's caller, opened early
+    caller.push({"seq": 1})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(callers.registry.serve)
+        assert await session.wait_sent(1, BOUND) == [{"seq": 1}], (
+            f"CallerRegistry: a caller opened before serve never got its sender (sent {session.data()})")
+        nursery.cancel_scope.cancel()
+
+
+async def test_caller_registry_a_caller_opened_after_it_stopped_gets_no_sender() -> None:
+    callers = Callers()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(callers.registry.serve)
+        nursery.cancel_scope.cancel()
+    caller, session = callers.open()
+    caller.push({"seq": 1})
+    await trio.testing.wait_all_tasks_blocked()
+    assert session.sent == [], "CallerRegistry: a stopped registry started a sender"
+
+
 async def test_caller_registry_a_failing_sender_closes_its_caller_only() -> None:
     async with serving_callers() as callers:
         broken, broken_session = callers.open()

@@ -27,7 +27,6 @@ from oubliette_client.sandbox_tools import SandboxTools
 from oubliette_client.settings import RelaySettings
 from oubliette_server.program.app import OublietteServer
 from oubliette_server.program.config import load_config_file
-from oubliette_server.features.toolsets.from_config import register_from_config
 from oubliette_server.features.toolsets import (
     FunctionToolset,
     McpToolset,
@@ -629,18 +628,18 @@ async def test_config_file_toolsets_and_allowlists_are_registered(
         'box1 = ["ext", "listed", "ghost"]\n'
     )
     settings = load_config_file(deployment.root / "toolsets.toml")
-    async with running(deployment, toolsets=settings["toolsets"], allowlists=settings["allowlists"]) as run:
-        with caplog.at_level(logging.WARNING, logger="oubliette.server.toolsets"):
-            await register_from_config(run.server, run.server.config.toolsets, run.server.config.allowlists)
-        definitions = run.server.toolsets.registry.definitions
-        assert [t.name for t in definitions["ext"].tools] == ["echo_external"]
-        assert [t.name for t in definitions["listed"].tools] == ["echo_external"]
-        assert run.server.toolsets.registry.allowed_ids("box1") == ["ext", "listed"]
-        assert any("ghost" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-        tools, _scope = await run.client("box1", "mcp:s1")
-        assert toolset_names(tools) == {"ext.echo_external", "listed.echo_external"}
-        outcome = await tools.call("ext.echo_external", {"message": "configured"})
-        assert not outcome.is_error and outcome.result == {"echo": "configured"}
+    # `serve` registers the config's toolsets and allowlists, as `oubliette-server --config` does.
+    with caplog.at_level(logging.WARNING, logger="oubliette.server.toolsets"):
+        async with running(deployment, toolsets=settings["toolsets"], allowlists=settings["allowlists"]) as run:
+            definitions = run.server.toolsets.registry.definitions
+            assert [t.name for t in definitions["ext"].tools] == ["echo_external"]
+            assert [t.name for t in definitions["listed"].tools] == ["echo_external"]
+            assert run.server.toolsets.registry.allowed_ids("box1") == ["ext", "listed"]
+            assert any("ghost" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+            tools, _scope = await run.client("box1", "mcp:s1")
+            assert toolset_names(tools) == {"ext.echo_external", "listed.echo_external"}
+            outcome = await tools.call("ext.echo_external", {"message": "configured"})
+            assert not outcome.is_error and outcome.result == {"echo": "configured"}
 
 
 # -- 7. MCP toolset lifecycle ----------------------------------------------------------------

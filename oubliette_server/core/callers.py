@@ -187,8 +187,7 @@ class CallerRegistry:
         """A new caller; its events flow once the registry is serving."""
         caller = CallerConnection(transport, label, on_failed=self.close)
         self._callers.add(caller)
-        if self._tasks.nursery is not None:
-            self._tasks.nursery.start_soon(caller.run_sender)
+        self._tasks.start_soon(caller.run_sender)  # before `serve`: when it starts
         log.info("%r connected", caller)
         return caller
 

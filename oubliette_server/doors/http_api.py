@@ -48,6 +48,7 @@ from protocol.peer_text import bounded
 
 from ..core.auth import HTTP_ADMIN
 from ..core.callers import CallerConnection, CallerRegistry, keyed_identity
+from ..core.in_flight import InFlight
 from ..core.instances import InstanceDirectory
 from ..core.metrics import CONTENT_TYPE, ServerMetrics
 from ..features.tether import Tether
@@ -75,6 +76,8 @@ SSE_KEEPALIVE_SECONDS = 15.0
 INSTANCE_ROUTE = re.compile(r"^/v1/instances/([^/]+)/")
 MCP_PATHS = ("/mcp", "/mcp/")
 PUBLIC_PATHS = frozenset({"/livez", "/readyz"})
+#: The `Host` every request on a Unix socket listener is read with (`UnixSocketHost`): a loopback name.
+UNIX_SOCKET_HOST = b"localhost:0"
 """Paths served without a token: they say only whether the server is alive and ready."""
 STORE_RETRY_AFTER = "2"
 """`Retry-After` (seconds) of a 503 for an unavailable store: the store reconnects by itself."""
@@ -147,6 +150,28 @@ class HttpMiddleware:
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """The middleware's own work on one request it wants."""
         raise NotImplementedError
+
+
+class CountRequests(HttpMiddleware):
+    """ASGI middleware: each HTTP request but a GET is counted in `in_flight` while it is answered,
+    so that a graceful stop (`OublietteServer.drain`) lets it finish. A GET (an SSE stream, a long
+    poll, a read) is not: it may last for ever, and its client reads again from its cursor."""
+
+    def __init__(self, app: Any, in_flight: InFlight) -> None:
+        super().__init__(app)
+        self.in_flight = in_flight
+
+    def wants(self, scope: dict[str, Any]) -> bool:
+        """HTTP requests other than GET (and HEAD)."""
+        return scope["type"] == "http" and scope["method"] not in ("GET", "HEAD")
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Count the request for as long as the app answers it."""
+        self.in_flight.started()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight.finished()
 
 
 class DrainRequestBody(HttpMiddleware):
@@ -237,6 +262,24 @@ def _declares_body(scope: dict[str, Any]) -> bool:
     return False
 
 
+class UnixSocketHost(HttpMiddleware):
+    """ASGI middleware: on the Unix socket listener a request's `Host` is read as `localhost`.
+
+    `/mcp`'s Host check is DNS-rebinding protection, for a browser tricked into reaching a TCP
+    port on loopback; no browser reaches a socket file, and a Unix-socket client's URL names no
+    host (`http://localhost/mcp`, `http://oubliette/mcp` and the rest all mean the socket).
+    """
+
+    def wants(self, scope: dict[str, Any]) -> bool:
+        """HTTP requests on a Unix socket (hypercorn gives them no `server` address)."""
+        return scope["type"] == "http" and scope.get("server") is None
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Run the app with the request's `Host` replaced."""
+        headers = [(name, value) for name, value in scope["headers"] if name != b"host"]
+        await self.app({**scope, "headers": [*headers, (b"host", UNIX_SOCKET_HOST)]}, receive, send)
+
+
 #: The largest `/mcp` request body (the SDK refuses a larger one before parsing it); 4 MiB, the
 #: SDK's own default, named here so the limit and the refusal that quotes it are one number. A
 #: value inside it is still held to the size limits (docs/SECURITY.md).
@@ -282,9 +325,8 @@ class ExplainRefusals(HttpMiddleware):
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
-"""The Host names /mcp always accepts, with any port or none: a client on the documented Unix
-listener, or on TCP without a port, sends the bare name. The check stays on a Unix listener too:
-a reverse proxy in front of one forwards the browser's own Host (docs/SECURITY.md)."""
+"""The Host names /mcp always accepts on TCP, with any port or none (a client that names no port
+sends the bare name); on a Unix socket the Host is not checked at all (`UnixSocketHost`)."""
 
 
 def _host_refusal(scope: dict[str, Any]) -> str:
@@ -790,8 +832,11 @@ class HttpApi:
         identity: dict[str, Any] | None = None,
         limits: HttpLimits | None = None,
         metrics: ServerMetrics | None = None,
+        in_flight: InFlight | None = None,
     ) -> None:
         self.metrics = metrics
+        self.in_flight = in_flight or InFlight()
+        """The requests (but GETs) being answered: a graceful stop waits for them (`CountRequests`)."""
         self.limits = limits or HttpLimits()
         """What HTTP clients may hold: the connection cap, the body deadline, keep-alive limits."""
         self.flood = FloodLog(log, "HTTP")
@@ -899,16 +944,16 @@ class HttpApi:
         starlette.router.default = _not_found  # unknown paths answer the JSON error shape too
         starlette.add_middleware(ErrorBoundary)  # inside Starlette's own (plain-text 500) error middleware
         refused = functools.partial(self.metrics.auth_refused, "http") if self.metrics else lambda reason: None
-        watched = ExplainRefusals(StreamWatch(starlette, self._standalone_stream_dropped))
+        watched = UnixSocketHost(ExplainRefusals(StreamWatch(starlette, self._standalone_stream_dropped)))
         return self._outer(BearerAuth(watched, self.verify_token, refused))
 
     def _outer(self, app: Any, flood: FloodLog | None = None) -> Any:
         """`app` in the middleware every listener has outside it: the access log, the body deadline."""
         body_timeout = self.limits.body_timeout
         cut = flood or self.flood
-        return AccessLog(DrainRequestBody(
+        return AccessLog(CountRequests(DrainRequestBody(
             app, body_timeout, lambda: cut.count(f"requests cut off at the {body_timeout:g} s body deadline"),
-        ), self.metrics.http_answered if self.metrics else None)
+        ), self.in_flight), self.metrics.http_answered if self.metrics else None)
 
     def _metrics_routes(self) -> list[Route]:
         """`GET /metrics`, when the server keeps metrics."""

@@ -30,6 +30,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
+import attrs
 import trio
 
 from protocol import (
@@ -271,7 +272,8 @@ class RelayListener:
     connections that never say hello cannot keep out a sandbox with a valid token; when every
     connection has passed its hello the newcomer is closed at once. Owns the listening socket
     (and the Unix socket file, removed at the end). Start it with `nursery.start(listener.serve)`:
-    it is listening once started.
+    it is listening once started, which returns the bound address (a TCP port 0 replaced by the
+    port the system chose).
     """
 
     def __init__(
@@ -289,7 +291,7 @@ class RelayListener:
         """Connections in the order they started, the oldest first; those that passed their
         hello are dropped from the front as eviction meets them (or when they end)."""
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[RelayAddress] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen and run one connection per accepted stream until cancelled.
 
         Raises: `OSError` when the address cannot be bound, or a Unix socket path is in use by a
@@ -308,7 +310,7 @@ class RelayListener:
                 await nursery.start(flood.serve)
                 acceptor = ConnectionAcceptor(flood, log, cap=self.limits.connection_cap, evict=self._evict_oldest)
                 await nursery.start(acceptor.serve, self._handle, listeners)
-                task_status.started()
+                task_status.started(self._bound(listeners))
         finally:
             if self.address.kind == "unix":
                 with trio.CancelScope(shield=True):
@@ -316,6 +318,12 @@ class RelayListener:
                         os.unlink(self.address.path)
                     except FileNotFoundError:
                         pass
+
+    def _bound(self, listeners: list[trio.SocketListener]) -> RelayAddress:
+        """The address listened on: a TCP port 0 is the port the system chose."""
+        if self.address.kind != "tcp" or self.address.port != 0:
+            return self.address
+        return attrs.evolve(self.address, port=listeners[0].socket.getsockname()[1])
 
     async def _open(self) -> list[trio.SocketListener]:
         if self.address.kind == "tcp":

@@ -8,11 +8,13 @@ The path of one relayed call through the rooms is in docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import socket
 from typing import Any, Awaitable, Callable
 
+import attrs
 import trio
 
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
@@ -24,6 +26,7 @@ from ..core.auth import TokenAuthority, ensure_private_dir
 from ..core.callers import CallerConnection, CallerRegistry
 from ..core.client_connections import ClientConnections
 from ..core.frame_log import FrameLog
+from ..core.in_flight import InFlight
 from ..core.instances import InstanceDirectory
 from ..core.metrics import ServerMetrics, decision_of
 from ..core.pending_requests import Crossing, SharedStore, SingleServer
@@ -43,7 +46,7 @@ from ..features.caller_tool_relay import (
     CallerToolRelay,
     cancel_unanswered_requests,
 )
-from ..features.cluster import AbandonedRequests, InstanceLeases, LogBus, LogTail
+from ..features.cluster import AbandonedRequests, InstanceLeases, LogBus, LogTail, holds_lease
 from ..features.guests import (
     FailedStarts,
     GuestDelivery,
@@ -54,6 +57,7 @@ from ..features.guests import (
 )
 from ..features.tether import Tether
 from ..features.toolsets import ToolsetService
+from ..features.toolsets.from_config import register_from_config
 from ..features.turns import TurnWaits
 from ..store.api import FrameStoreAPI, SharedStoreAPI, shared_store
 from ..store.opener import open_store
@@ -65,14 +69,29 @@ log = logging.getLogger("oubliette.server")
 TRACED_METHODS = frozenset({messages.CALLER_TOOL, messages.TOOLSET_CALL, messages.APPROVAL})
 
 
+@attrs.frozen
+class ServingAddresses:
+    """Where a serving `OublietteServer` listens: what `nursery.start(server.serve)` returns, and
+    what the command line's ready line prints."""
+
+    relay: str
+    """The relay address (`unix:PATH` or `tcp:HOST:PORT`; a TCP port 0 is the port bound)."""
+    http: list[str] = attrs.field(factory=list)
+    """The URL of each `http` listener (`http://127.0.0.1:PORT`, `http://unix:PATH`), in order."""
+    metrics: list[str] = attrs.field(factory=list)
+    """The URL of each `metrics` listener, in order."""
+
+
 class OublietteServer:
     """The host daemon as a library: run it in your nursery with `await nursery.start(server.serve)`.
 
-    Owns: the frame store (run by `serve`, closed when it ends), the relay listener, and the nurseries of
-    its services (callers' event senders, toolsets, start commands). `serve` reports started once
-    the relay socket is bound; cancelling it closes every connection and stops every child.
+    Owns: the frame store (run by `serve`, closed when it ends), the relay, HTTP and metrics
+    listeners its config names, the configured toolsets, and the nurseries of its services
+    (callers' event senders, toolsets, start commands). `serve` reports started, with the
+    `ServingAddresses`, once all of them are up; cancelling it closes every connection and stops
+    every child (docs/EMBEDDING.md).
     Needs: a `ServerConfig`; the data directory is created (mode 0700) with the token secret.
-    Raises: `OSError` from `serve` when the relay address cannot be bound.
+    Raises: `OSError` from `serve` when the relay or an HTTP address cannot be bound.
 
     The services are attributes, for embedding and tests: `store`, `sessions`, `frame_log`,
     `callers`, `caller_tools` (with `calls`, its pending calls), `approvals` (and `connection_approvals`, the
@@ -98,45 +117,57 @@ class OublietteServer:
         """Which server of a deployment this is (host, process, a random tag)."""
         self.metrics = ServerMetrics()
         """This server's Prometheus metrics (its own registry); each service gets only the hook it calls."""
+        # Each service is built after everything it uses. The one cycle — a stored `user.message`
+        # wakes a start command, whose failure is stored in the log — is broken by this channel:
+        # the frame log sends the instance, and `serve` hands it to the starter.
+        wake_send, self._wakes = trio.open_memory_channel[str](math.inf)
         self.sessions = SessionRegistry(config.max_sessions)
         self.clients = ClientConnections(self.config.max_client_connections)
-        self.instances = InstanceDirectory(
-            config.instances, self.store.last_seq,
-            lambda: [*self.guests.connected_instances(), *self.clients.instances()],
-            # With a shared store, an instance whose guest is on another server exists here too.
-            held_elsewhere=self._held_anywhere if self.store.shared else None,
-        )
-        self.starter = InstanceStarter(
-            config.start_command, self.tokens.token_for, config.relay_address,
-            lambda instance: self.guests.guest_for(instance) is not None,
-            start_grace=config.start_timeout,
-            on_start_failed=lambda instance, reason: self.failed_starts.start_failed(instance, reason),
-        )
         # With a shared store, the frames other servers append reach the followers held here
         # through this server's one tail of the log; the frame log tells it which are its own.
         self.log_tail: LogTail | None = None
         if self.shared_store is not None:
             self.log_tail = LogTail(self.shared_store, self.sessions, on_pushed=self.metrics.log_tail_pushed)
         self.frame_log = FrameLog(
-            self.store, self.sessions, on_user_message=self._user_message_arrived, limits=self.limits,
+            self.store, self.sessions, on_user_message=wake_send.send_nowait, limits=self.limits,
             on_stored=self.metrics.frame_stored, local_appends=self.log_tail,
         )
-        self.guests = GuestDelivery(self.store, on_undeliverable=self._undeliverable)
-        # With a shared store, which server holds an instance's guest is a lease in the database,
-        # and every server closes the caller tool requests a dead server left open.
+        # With a shared store, which server holds an instance's guest is a lease in the database:
+        # delivery stops as soon as another server takes the instance over.
+        self.guests = GuestDelivery(
+            self.store, on_undeliverable=self._undeliverable,
+            holds=None if self.shared_store is None else holds_lease(self.shared_store, self.server_id),
+        )
+        # ... and every server closes the caller tool requests a dead server left open.
         self.leases: InstanceLeases | None = None
         self.abandoned: AbandonedRequests | None = None
         if self.shared_store is not None:
             self.leases = InstanceLeases(self.shared_store, self.server_id, config.store_lease_ttl, self.guests)
-            self.guests.holds = self.leases.holds
+            self.abandoned = AbandonedRequests(
+                self.shared_store, self.sessions, self.frame_log.append_outcome,
+                period=config.store_lease_ttl, grace=config.store_lease_ttl,
+            )
+        guests, clients = self.guests, self.clients
+
+        def guest_here(instance: str) -> bool:
+            return guests.guest_for(instance) is not None
+
+        self.instances = InstanceDirectory(
+            config.instances, self.store.last_seq, lambda: [*guests.connected_instances(), *clients.instances()],
+            # With a shared store, an instance whose guest is on another server exists here too.
+            held_elsewhere=None if self.leases is None else self.leases.held_anywhere,
+        )
         # Whether a message can reach a guest: connected here, to another server (its live lease),
         # or startable; else `session_message` says so instead of waiting in silence.
         self.presence = GuestPresence(
-            lambda instance: self.guests.guest_for(instance) is not None, config.start_command,
-            self.instances.named, self.instances.connected_instances,
+            guest_here, config.start_command, self.instances.named, self.instances.connected_instances,
             live_holder=None if self.leases is None else self.leases.live_holder,
         )
         self.failed_starts = FailedStarts(self.guests, self.sessions, self.frame_log.append, self.presence.connected_anywhere)
+        self.starter = InstanceStarter(
+            config.start_command, self.tokens.token_for, config.relay_address, guest_here,
+            start_grace=config.start_timeout, on_start_failed=self.failed_starts.start_failed,
+        )
         # With a shared store the log is the bus between servers for caller tool calls and approvals:
         # the one place that picks how pending requests cross servers (pending_requests/).
         self.crossing: Crossing = (
@@ -170,11 +201,6 @@ class OublietteServer:
         self.register_command_toolset = self.toolsets.register_command_toolset
         self.unregister_toolset = self.toolsets.unregister_toolset
         self.update_allowed_toolsets = self.toolsets.update_allowed_toolsets
-        if self.shared_store is not None:
-            self.abandoned = AbandonedRequests(
-                self.shared_store, self.sessions, self.frame_log.append_outcome,
-                period=config.store_lease_ttl, grace=config.store_lease_ttl,
-            )
         self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests, self.store)
         self.orphans = OrphanedTurns(self.guests, self.sessions, self.frame_log.append)
         self.tether = Tether(self.store, self.frame_log, self.instances, self.limits)
@@ -203,20 +229,26 @@ class OublietteServer:
             callers=self.callers.count, long_poll_waiters=self.store.waiter_count,
         )
         self._relay_verify_token = self.metrics.checking_relay_tokens(self.tokens.verify)
-        self._requests_in_flight = 0
-        self._drained = trio.Event()
-        self._drained.set()
+        self.relay_requests = InFlight()
+        """The relay requests being answered (`drain` waits for them)."""
+        self.http_requests = InFlight()
+        """The HTTP requests other than GETs being answered (`drain` waits for them)."""
 
     # -- running -------------------------------------------------------------------------
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the services and listen for sandboxes until cancelled.
+    async def serve(self, *, task_status: trio.TaskStatus[ServingAddresses] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start everything `config` names and serve until cancelled.
 
-        Needs: `await nursery.start(server.serve)`; it reports started once the relay listens.
-        Raises: `OSError` when the relay address cannot be bound (before started).
-        Cancellation: every relay connection and service task ends, then the store is closed.
+        Needs: `await nursery.start(server.serve)`, which returns the `ServingAddresses` once the
+        relay listens, the configured toolsets and allowlists are registered and every HTTP and
+        metrics listener is bound.
+        Raises: `OSError` when the relay or an HTTP address cannot be bound (before started).
+        Cancellation: every listener closes (Unix socket files removed), every relay and HTTP
+        connection and service task ends, toolset processes and start commands are stopped,
+        then the store is closed.
         """
-        address = parse_relay_address(self.config.relay_address)
+        config = self.config
+        address = parse_relay_address(config.relay_address)
         async with self.store.running():
             shared = await self.store.shared_secret(self.tokens.secret)
             if shared is not None:
@@ -235,20 +267,42 @@ class OublietteServer:
                 await nursery.start(self.toolsets.serve)
                 await nursery.start(self.failed_starts.serve)
                 await nursery.start(self.starter.serve)
+                await nursery.start(self._wake_on_messages)
                 if self.leases is not None:
                     await nursery.start(self.leases.serve)
                 if self.abandoned is not None:
                     await nursery.start(self.abandoned.serve)
-                await nursery.start(RelayListener(
+                relay = await nursery.start(RelayListener(
                     address, self._relay_connection, self.config.relay_limits, on_evicted=self.metrics.relay_evicted,
                     group=self.config.relay_gid,
                 ).serve)
                 self.relay_listening = True
                 try:
-                    task_status.started()
+                    if config.toolsets or config.allowlists:
+                        await register_from_config(self.toolsets, config.toolsets, config.allowlists)
+                    http: list[str] = []
+                    metrics: list[str] = []
+                    if config.http or config.metrics:
+                        api = self.http_api()
+                        if config.http:
+                            http = await nursery.start(api.serve, config.http)
+                            log.info("HTTP listening on %s", ", ".join(http))
+                        if config.metrics:
+                            metrics = await nursery.start(api.serve_metrics, config.metrics)
+                            log.info("metrics (no token) listening on %s", ", ".join(metrics))
+                    # The relay as configured (as the ready line always printed it), unless the
+                    # system chose its TCP port.
+                    relay_text = config.relay_address if relay == address else str(relay)
+                    task_status.started(ServingAddresses(relay=relay_text, http=http, metrics=metrics))
                     await trio.sleep_forever()
                 finally:
                     self.relay_listening = False
+
+    async def _wake_on_messages(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hand each instance the frame log says got a `user.message` to the starter (`_user_message_arrived`)."""
+        task_status.started()
+        async for instance in self._wakes:
+            self._user_message_arrived(instance)
 
     def caller_api(self) -> CallerApi:
         """The caller-facing tools, bound to this server's services (one per transport)."""
@@ -276,28 +330,21 @@ class OublietteServer:
             limits=self.config.http_limits,
             readiness=self.readiness,
             metrics=self.metrics,
+            in_flight=self.http_requests,
         )
 
     def identity(self) -> dict[str, Any]:
         """This server and its store, as `/v1/health` reports them (no secrets)."""
         return {"server": {"id": self.server_id, "version": SERVER_VERSION}, "store": self.store.describe()}
 
-    def relay_request_started(self) -> None:
-        """Count a relay request in flight (called by each `RelayConnection`); `drain` waits for the count to reach zero."""
-        if self._requests_in_flight == 0:
-            self._drained = trio.Event()
-        self._requests_in_flight += 1
-
-    def relay_request_finished(self) -> None:
-        """A relay request answered or ended; at zero in flight, `drain` returns."""
-        self._requests_in_flight -= 1
-        if self._requests_in_flight == 0:
-            self._drained.set()
-
     async def drain(self, timeout: float) -> None:
-        """Let relay requests that are ending send their answers (bounded) before shutdown."""
+        """A graceful stop's first step: let the relay and HTTP requests in flight send their
+        answers, for at most `timeout` seconds; then cancel `serve`. Listeners keep accepting
+        meanwhile (a request that arrives now is waited for too). HTTP GETs — SSE streams, long
+        polls — are not waited for: their clients read again from their cursor."""
         with trio.move_on_after(timeout):
-            await self._drained.wait()
+            await self.relay_requests.wait_none()
+            await self.http_requests.wait_none()
 
     # -- callers -------------------------------------------------------------------------
 
@@ -334,8 +381,8 @@ class OublietteServer:
             on_open=self.relay_connection_opened,
             on_close=self.relay_connection_closed,
             limits=PeerLimits(write_timeout=self.config.relay_write_timeout, hello_timeout=self.config.relay_hello_timeout),
-            on_request_started=self.relay_request_started,
-            on_request_finished=self.relay_request_finished,
+            on_request_started=self.relay_requests.started,
+            on_request_finished=self.relay_requests.finished,
         )
 
     async def relay_connection_opened(self, connection: RelayConnection) -> None:
@@ -401,10 +448,6 @@ class OublietteServer:
             self.starter.wake(instance)
         else:
             self.starter.wake_if(instance, self.leases.not_held_elsewhere)
-
-    async def _held_anywhere(self, instance: str) -> bool:
-        """Shared store: whether a server of the deployment holds `instance`'s guest lease."""
-        return self.leases is not None and await self.leases.held_anywhere(instance)
 
     async def _start_needed(self, instance: str) -> bool:
         """A guest left: start the instance again if a message waits for it, unless (shared store)

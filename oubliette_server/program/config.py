@@ -6,6 +6,7 @@ import grp
 import os
 import shlex
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,31 @@ def default_data_dir() -> Path:
         return Path(env)
     xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(xdg) / "oubliette"
+
+
+def _toolset_entries(value: Any) -> list[Any]:
+    """`ServerConfig.toolsets` as entries: `ToolsetEntry` values as given; a `[toolsets]`-shaped
+    mapping (id → table), or tables with their `id`, checked as the config file's are."""
+    if not isinstance(value, Mapping) and not any(isinstance(item, Mapping) for item in value):
+        return list(value)
+    from ..features.toolsets.from_config import parse_toolsets
+
+    if isinstance(value, Mapping):
+        return parse_toolsets(dict(value), "ServerConfig.toolsets")
+    return [
+        parse_toolsets({item["id"]: {k: v for k, v in item.items() if k != "id"}}, "ServerConfig.toolsets")[0]
+        if isinstance(item, Mapping) else item
+        for item in value
+    ]
+
+
+def _allowlists(value: Any) -> dict[str, list[str]]:
+    """`ServerConfig.allowlists`, checked as the config file's `[allowlists]` is."""
+    if not value:
+        return {}
+    from ..features.toolsets.from_config import parse_allowlists
+
+    return parse_allowlists(value, "ServerConfig.allowlists")
 
 
 @attrs.define
@@ -223,10 +249,11 @@ class ServerConfig:
         """The limits every ingress checks (protocol/limits.py)."""
         return Limits(max_payload_bytes=self.max_payload_bytes, max_depth=self.max_payload_depth)
 
-    toolsets: list[Any] = attrs.field(factory=list)
-    """Toolsets from the config file (`toolsets.from_config.ToolsetEntry`), registered at start."""
-    allowlists: dict[str, list[str]] = attrs.field(factory=dict)
-    """Instance id → allowed toolset ids, from the config file."""
+    toolsets: list[Any] = attrs.field(factory=list, converter=_toolset_entries)
+    """Toolsets registered when `serve` starts (`toolsets.from_config.ToolsetEntry`); a mapping of
+    toolset id to its `[toolsets.ID]` table, as in the config file, is checked and converted."""
+    allowlists: dict[str, list[str]] = attrs.field(factory=dict, converter=_allowlists)
+    """Instance id → the toolset ids its agents see, set when `serve` starts."""
     instances: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     """Per-instance settings from the config file, e.g. `{"box1": {"start": ["docker", "start", "box1"]}}`."""
 

@@ -1,4 +1,10 @@
-"""Run the command-line server: relay listener, HTTP listeners, and the stdio caller."""
+"""The command-line server around `OublietteServer.serve`: signals, the ready line, the stdio caller.
+
+What runs — the relay, the HTTP and metrics listeners, the configured toolsets — is the
+library's (`OublietteServer.serve` starts everything its `ServerConfig` names); this shell adds
+only what a program needs: stopping on SIGTERM/SIGINT, announcing where it listens, and serving
+the caller on stdio.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +20,7 @@ import trio
 
 from protocol.gc_freeze import freeze_startup_heap
 
-from ..features.toolsets.from_config import register_from_config
-from .app import OublietteServer
+from .app import OublietteServer, ServingAddresses
 from .config import ServerConfig
 
 log = logging.getLogger("oubliette.server")
@@ -24,11 +29,11 @@ SHUTDOWN_DRAIN_SECONDS = 2.0
 READY_PREFIX = "oubliette-server ready "
 
 
-def announce_ready(relay: str, http: list[str], metrics: list[str] | None = None) -> None:
+def announce_ready(bound: ServingAddresses) -> None:
     """One machine-readable stderr line once every listener is bound (stdout carries MCP)."""
-    ready: dict[str, object] = {"relay": relay, "http": http}
-    if metrics:
-        ready["metrics"] = metrics
+    ready: dict[str, object] = {"relay": bound.relay, "http": bound.http}
+    if bound.metrics:
+        ready["metrics"] = bound.metrics
     print(READY_PREFIX + json.dumps(ready), file=sys.stderr, flush=True)
     notify_systemd("READY=1")
 
@@ -59,7 +64,7 @@ async def stop_on_signals(
 ) -> None:
     """SIGTERM/SIGINT end the server cleanly: listeners close, started guests are stopped, the store closes.
 
-    First the relay requests in flight may send their answers (`drain`, at most `grace` seconds,
+    First the relay and HTTP requests in flight may send their answers (`drain`, at most `grace` seconds,
     as hypercorn's `graceful_timeout`; the same drain a stdio hang-up gets); a second signal
     ends the wait at once. The first signal is appended to `received`, so the program can exit
     with its status.
@@ -95,20 +100,7 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> int | None:
     received: list[int] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stop_on_signals, nursery.cancel_scope, received, app.drain)
-        await nursery.start(app.serve)
-        if config.toolsets or config.allowlists:
-            await register_from_config(app, config.toolsets, config.allowlists)
-        http_urls: list[str] = []
-        metrics_urls: list[str] = []
-        if config.http or config.metrics:
-            api = app.http_api()
-            if config.http:
-                http_urls = await nursery.start(api.serve, config.http)
-                log.info("HTTP listening on %s", ", ".join(http_urls))
-            if config.metrics:
-                metrics_urls = await nursery.start(api.serve_metrics, config.metrics)
-                log.info("metrics (no token) listening on %s", ", ".join(metrics_urls))
-        announce_ready(config.relay_address, http_urls, metrics_urls)
+        announce_ready(await nursery.start(app.serve))
         freeze_startup_heap()  # start-up is done: no collection walks its objects again (protocol/gc_freeze.py)
         if stdio:
             await _serve_the_stdio_caller(app, config, nursery)

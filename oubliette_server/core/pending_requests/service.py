@@ -88,8 +88,7 @@ class PendingRequests(Generic[E]):
         gone = self._book.followed_sessions(caller, session)  # across servers only
         if gone:
             failed += sum(1 for entry in self._book.remote_of(gone) if self.is_open(entry))
-            if self._tasks.nursery is not None:
-                self._tasks.nursery.start_soon(self._close_remote, gone)
+            self._tasks.start_soon(self._close_remote, gone)
         return failed
 
     def _end_disconnected(self, entry: E) -> None:

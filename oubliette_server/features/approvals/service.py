@@ -350,8 +350,7 @@ class ApprovalService(PendingRequests[PendingApproval]):
                 log.warning("approval %s timed out; storing it when the store is back: %s", entry.request_id, exc)
                 self._decide(entry, timeout)
                 entry.recorded.set()
-                if self._tasks.nursery is not None:
-                    self._tasks.nursery.start_soon(when_store_is_back, lambda: self._store_outcome(entry, timeout))
+                self._tasks.start_soon(when_store_is_back, lambda: self._store_outcome(entry, timeout))
                 return
         if outcome is None:  # the winner is committed before we lost: unreachable but for retention
             raise RelayError(errors.INTERNAL_ERROR, f"approval '{entry.request_id}' ended, but its decision is not in the log")
@@ -408,8 +407,7 @@ class ApprovalService(PendingRequests[PendingApproval]):
                     self._overrule(entry, decision_of(winner.payload))
         except StoreUnavailable as exc:
             log.warning("approval %s was %s; storing it when the store is back: %s", entry.request_id, decision.describe(), exc)
-            if self._tasks.nursery is not None:
-                self._tasks.nursery.start_soon(when_store_is_back, lambda: self._store_decision(entry, decision))
+            self._tasks.start_soon(when_store_is_back, lambda: self._store_decision(entry, decision))
         finally:
             entry.recorded.set()
 

@@ -278,8 +278,7 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
             stored = await self._record(session, "caller_tool_cancelled", payload)
         except StoreUnavailable as exc:
             log.warning("request %s ended (%s); storing its end when the store is back: %s", call.request_id, reason, exc)
-            if self._tasks.nursery is not None:
-                self._tasks.nursery.start_soon(when_store_is_back, lambda: self._record(session, "caller_tool_cancelled", payload))
+            self._tasks.start_soon(when_store_is_back, lambda: self._record(session, "caller_tool_cancelled", payload))
             return
         if stored is None:
             winner = await self.crossing.outcome_of(call.session, call.request_id, call.frame_seq, OUTCOME_TYPES)

@@ -7,8 +7,8 @@ With one server (SQLite) these do nothing; the features call them the same way e
 """
 
 from .abandoned_requests import AbandonedRequests
-from .leases import InstanceLeases
+from .leases import InstanceLeases, holds_lease
 from .log_bus import LogBus
 from .log_tail import LogTail
 
-__all__ = ["AbandonedRequests", "InstanceLeases", "LogBus", "LogTail"]
+__all__ = ["AbandonedRequests", "InstanceLeases", "LogBus", "LogTail", "holds_lease"]

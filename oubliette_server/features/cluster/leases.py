@@ -17,15 +17,28 @@ guest delivery (which knows the guests connected here). Raises: `StoreUnavailabl
 from __future__ import annotations
 
 import logging
+from typing import Awaitable, Callable
 
 import trio
 
+from ...core.task_host import TaskHost
 from ...store.api import LeaseStore, StoreUnavailable
 from ..guests.delivery import GuestDelivery, GuestPeer
 
 log = logging.getLogger("oubliette.server.guests")
 
 DEFAULT_LEASE_TTL = 10.0
+
+
+def holds_lease(store: LeaseStore, server_id: str) -> Callable[[str], Awaitable[bool]]:
+    """`holds(instance)`: whether this server still holds `instance`'s lease (no other server
+    took it). Guest delivery asks it before each batch; it needs only the store, so delivery can
+    be built before the leases that read delivery's guests."""
+
+    async def holds(instance: str) -> bool:
+        return await store.lease_holder(instance) in (server_id, None)
+
+    return holds
 
 
 class InstanceLeases:
@@ -38,22 +51,21 @@ class InstanceLeases:
         self.server_id = server_id
         self.ttl = ttl
         self.delivery = delivery
-        self._nursery: trio.Nursery | None = None
+        self.holds = holds_lease(store, server_id)
+        """Whether this server still holds `instance`'s lease (no other server took it)."""
+        self._tasks = TaskHost()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Renew this server's leases every `ttl / 3` seconds until cancelled."""
         await self.renew()  # this server's own lease exists before any request names it
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            await nursery.start(self._tasks.serve)
             task_status.started()
-            try:
-                while True:
-                    # A heartbeat on a clock, not a wait for an event: the lease's expiry is what
-                    # tells the other servers this one died.
-                    await trio.sleep(self.ttl / 3)
-                    await self.renew()
-            finally:
-                self._nursery = None
+            while True:
+                # A heartbeat on a clock, not a wait for an event: the lease's expiry is what
+                # tells the other servers this one died.
+                await trio.sleep(self.ttl / 3)
+                await self.renew()
 
     async def take(self, connection: GuestPeer) -> None:
         """A guest connected here: take its instance's lease (from another server if need be)."""
@@ -61,10 +73,6 @@ class InstanceLeases:
         previous = await self.store.take_lease(connection.instance, self.server_id, self.ttl)
         if previous is not None:
             log.warning("%r takes instance %s over from server %s", connection, connection.instance, previous)
-
-    async def holds(self, instance: str) -> bool:
-        """Whether this server still holds `instance`'s lease (no other server took it)."""
-        return await self.store.lease_holder(instance) in (self.server_id, None)
 
     async def held_anywhere(self, instance: str) -> bool:
         """Whether a server of the deployment holds (or held, and died without releasing) a lease
@@ -97,9 +105,9 @@ class InstanceLeases:
                 guest.close_soon()
 
     def release_soon(self, instance: str) -> None:
-        """The instance's guest left this server: drop the lease, unless a new guest came meanwhile."""
-        if self._nursery is not None:
-            self._nursery.start_soon(self._release, instance)
+        """The instance's guest left this server: drop the lease, unless a new guest came meanwhile
+        (once the server is stopping, it expires by itself)."""
+        self._tasks.start_soon(self._release, instance)
 
     async def _release(self, instance: str) -> None:
         if self.delivery.guest_for(instance) is not None:

@@ -56,8 +56,7 @@ class FailedStarts:
 
     def start_failed(self, instance: str, reason: str) -> None:
         """The instance's start failed (`InstanceStarter`'s `on_start_failed`): end its waiting turns."""
-        if self._tasks.nursery is not None:
-            self._tasks.nursery.start_soon(self._end_waiting, instance, reason)
+        self._tasks.start_soon(self._end_waiting, instance, reason)
 
     async def _end_waiting(self, instance: str, reason: str) -> None:
         try:

@@ -84,20 +84,20 @@ class InstanceStarter:
             event.set()
 
     def wake(self, instance: str) -> bool:
-        """Start the instance's guest if it has a start command and is not up; True if started."""
+        """Start the instance's guest if it has a start command and is not up; True if started
+        (before `serve`: when it starts). False once the server is stopping."""
         command = self._start_command(instance)
         if not command or self._is_connected(instance):
             return False
         since = self._starting.get(instance)
         if since is not None and trio.current_time() - since < self.start_grace:
             return False
-        nursery = self._tasks.nursery
-        if nursery is None:
-            return False
+        if self._tasks.stopped:
+            return False  # the server is stopping: no new guest
         started = self._starting[instance] = trio.current_time()
         connected = self._connected[instance] = trio.Event()
         self.starts[instance] = self.starts.get(instance, 0) + 1
-        nursery.start_soon(self._run, instance, command, started, connected)
+        self._tasks.start_soon(self._run, instance, command, started, connected)  # before `serve`: when it starts
         return True
 
     def wake_if(self, instance: str, needed: Callable[[str], Awaitable[bool]]) -> None:
@@ -106,8 +106,7 @@ class InstanceStarter:
         Why: a sync hook (a connection that closed) cannot read the store; the check runs as a
         task of this service's nursery, and only for instances that have a start command.
         """
-        nursery = self._tasks.nursery
-        if nursery is None or not self._start_command(instance):
+        if not self._start_command(instance):
             return
 
         async def check() -> None:
@@ -117,7 +116,7 @@ class InstanceStarter:
             except Exception:  # the store failed: the next message wakes the instance anyway
                 log.exception("could not check whether instance %r has undelivered messages", instance)
 
-        nursery.start_soon(check)
+        self._tasks.start_soon(check)
 
     def _start_failed(self, instance: str, started: float, reason: str) -> None:
         """Allow a new start and report the failure, unless its guest connected meanwhile or a later
@@ -169,7 +168,8 @@ class InstanceStarter:
             else:
                 # Read in the service's nursery: a child the command left running (a guest runtime it
                 # put in the background) may hold its stderr for as long as it lives.
-                (self._tasks.nursery or nursery).start_soon(stderr.read, instance, process.stderr)
+                if not self._tasks.start_soon(stderr.read, instance, process.stderr):
+                    nursery.start_soon(stderr.read, instance, process.stderr)  # stopping: read it here
         if failure is not None:
             log.error("cannot run the start command of %s: %s", instance, failure)
             self._start_failed(instance, started, f"cannot run the start command of {instance}: {failure}")

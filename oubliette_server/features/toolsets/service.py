@@ -275,9 +275,9 @@ class ToolsetService:
     def detach(self, connection: ClientPeer) -> None:
         """A client connection is gone; if it was its session's last, the router is stopped in the service's nursery.
 
-        When the service is stopping (no nursery), the router is left to the nursery's teardown.
+        When the service is stopping, the router is left to the nursery's teardown.
         """
-        self.sessions.detach(connection, self._tasks.nursery)
+        self.sessions.detach(connection, self._tasks.start_soon)
 
     def _approval_timeouts_ms(self, toolset_id: str, timeout: ApprovalTimeout) -> tuple[int | None, dict[str, int]]:
         """`approval_timeout` as milliseconds: (the toolset's default, per tool); the server's default if not given."""

@@ -9,9 +9,7 @@ rebind the routers and `push` tells the connections whose list changed.
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable, Protocol
-
-import trio
+from typing import Any, Awaitable, Callable, Protocol
 
 from .registry import ToolsetRegistry
 from .router import ToolRouter
@@ -60,8 +58,8 @@ class ToolsetSessions:
         await router.bind(self.registry.allowed_definitions(key[0]))
         return router
 
-    def detach(self, connection: RouterHolder, nursery: trio.Nursery | None) -> None:
-        """The connection is gone; the session's last one stops the router (in `nursery`)."""
+    def detach(self, connection: RouterHolder, start_soon: Callable[[Callable[[], Awaitable[Any]]], object]) -> None:
+        """The connection is gone; the session's last one stops the router (a task `start_soon` starts)."""
         router = self._router_of.pop(connection, None)
         if router is None:
             return
@@ -70,8 +68,7 @@ class ToolsetSessions:
             key = self._key(connection)
             if self._routers.get(key) is router:
                 del self._routers[key]
-            if nursery is not None:
-                nursery.start_soon(router.stop)
+            start_soon(router.stop)
 
     def router_of(self, connection: RouterHolder) -> ToolRouter | None:
         """The router of the connection's session, or None when it is not attached."""
