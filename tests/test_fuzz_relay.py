@@ -841,6 +841,16 @@ async def play_session_keys(deployment: Deployment, pairs: list[tuple[str, str]]
     return wrong
 
 
+def play_on_a_new_server(play: Callable[[Deployment, Any], Any], drawn: Any) -> None:
+    """One hypothesis example: `play(deployment, drawn)` on a deployment of its own; it lists what went wrong."""
+    deployment = Deployment()
+    try:
+        wrong = trio.run(play, deployment, drawn)
+    finally:
+        deployment.cleanup()
+    assert not wrong, "\n".join(wrong)
+
+
 def test_session_keys_at_every_door() -> None:
     """Hypothesis-drawn session keys at every door: the rule holds at each (docs/SECURITY.md)."""
     from hypothesis import HealthCheck, given, settings
@@ -850,12 +860,7 @@ def test_session_keys_at_every_door() -> None:
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(st.lists(st.tuples(session_keys_strategy(), session_keys_strategy()), min_size=6, max_size=6))
     def check(pairs: list[tuple[str, str]]) -> None:
-        deployment = Deployment()
-        try:
-            wrong = trio.run(play_session_keys, deployment, pairs)
-        finally:
-            deployment.cleanup()
-        assert not wrong, "\n".join(wrong)
+        play_on_a_new_server(play_session_keys, pairs)
 
     check()
 
@@ -955,11 +960,6 @@ def test_an_append_id_names_one_frame() -> None:
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(append_frames_strategy())
     def check(drawn: list[tuple[dict, tuple[bool, set[str]], dict]]) -> None:
-        deployment = Deployment()
-        try:
-            wrong = trio.run(play_append_ids, deployment, drawn)
-        finally:
-            deployment.cleanup()
-        assert not wrong, "\n".join(wrong)
+        play_on_a_new_server(play_append_ids, drawn)
 
     check()

@@ -16,11 +16,11 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
-from harness import DEMO_AGENT, EVENT_TIMEOUT, Deployment, structured, text_of
+from harness import DEMO_AGENT, EVENT_TIMEOUT, Deployment, HttpServer, structured, text_of
 from test_ownership import poll_frames
 
 GUEST_GONE_BOUND = 5.0
@@ -70,26 +70,33 @@ async def test_killed_guest_ends_the_turn_with_an_error_at_once(deployment: Depl
     assert [(f["reply_to"], f["payload"]["reason"]) for f in frames["frames"]] == [(turn["msg_id"], "guest_disconnected")]
 
 
-async def test_a_request_left_open_by_a_killed_server_is_cancelled_on_restart(deployment: Deployment) -> None:
+async def stopped_with_a_request_pending(deployment: Deployment, session_id: str, stop: Callable[[HttpServer], None]) -> dict:
+    """A real server with an agent's caller tool request waiting for its caller in `session_id`,
+    stopped by `stop(server)` (which must end its process); the request's event."""
     async with deployment.http_server() as server:
         async with server.caller() as (caller, events):
             declared = await caller.call_tool("session_message", {
-                "instance": "box1", "session_id": "r1", "message": "hi",
+                "instance": "box1", "session_id": session_id, "message": "hi",
                 "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
             })
             assert not declared.is_error, text_of(declared)
-            async with deployment.agent("box1", "mcp:r1") as agent, trio.open_nursery() as nursery:
+            async with deployment.agent("box1", f"mcp:{session_id}") as agent, trio.open_nursery() as nursery:
 
                 async def agent_call() -> None:
                     await agent.call_tool("myapp_send_notification", {"message": "hi"})
 
                 nursery.start_soon(agent_call)
                 request = await events.wait_type("caller_tool_request", timeout=EVENT_TIMEOUT)
-                server.process.kill()  # kill -9: no outcome frame is written
-                with trio.fail_after(10):
+                stop(server)
+                with trio.fail_after(15):
                     await server.process.wait()
                 nursery.cancel_scope.cancel()
+    return request
 
+
+async def test_a_request_left_open_by_a_killed_server_is_cancelled_on_restart(deployment: Deployment) -> None:
+    # kill -9: no outcome frame is written
+    request = await stopped_with_a_request_pending(deployment, "r1", lambda server: server.process.kill())
     async with deployment.http_server() as restarted:
         cancelled = await poll_frames(restarted, "r1", "caller_tool_cancelled")
         requests = await poll_frames(restarted, "r1", "caller_tool_request")
@@ -102,25 +109,7 @@ async def test_a_request_left_open_by_a_killed_server_is_cancelled_on_restart(de
 async def test_a_request_pending_at_sigterm_is_stored_as_ended_by_the_shutdown(deployment: Deployment) -> None:
     """The server stops (SIGTERM) while a caller tool request waits for its caller: the log says
     the server's shutdown ended it, not the agent (which cancelled nothing)."""
-    async with deployment.http_server() as server:
-        async with server.caller() as (caller, events):
-            declared = await caller.call_tool("session_message", {
-                "instance": "box1", "session_id": "t1", "message": "hi",
-                "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
-            })
-            assert not declared.is_error, text_of(declared)
-            async with deployment.agent("box1", "mcp:t1") as agent, trio.open_nursery() as nursery:
-
-                async def agent_call() -> None:
-                    await agent.call_tool("myapp_send_notification", {"message": "hi"})
-
-                nursery.start_soon(agent_call)
-                request = await events.wait_type("caller_tool_request", timeout=EVENT_TIMEOUT)
-                server.process.send_signal(signal.SIGTERM)
-                with trio.fail_after(15):
-                    assert await server.process.wait() == 0
-                nursery.cancel_scope.cancel()
-
+    request = await stopped_with_a_request_pending(deployment, "t1", lambda server: server.process.send_signal(signal.SIGTERM))
     async with deployment.http_server() as restarted:
         cancelled = await poll_frames(restarted, "t1", "caller_tool_cancelled")
     assert [(f["payload"]["request_id"], f["payload"]["reason"]) for f in cancelled] == [

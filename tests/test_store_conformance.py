@@ -266,20 +266,45 @@ async def test_session_records_are_bounded_and_read_by_their_index(backend: Back
         assert {r.owner for r in found} == {"key:owner"}
         assert await store.session_records("mcp", "s1", instance="box001") == [RecordedSession("box001", "key:owner", None)]
         plans = []
-        for instance in (None, "box001"):  # across instances (learn), and in one (LogBus.session_record)
-            params = {"sid": "s1", "ch": "mcp", "limit": 100, "inst": instance}
+        # Across instances (learn), in one (LogBus.session_record), and one owner's across instances.
+        for instance, owner in ((None, None), ("box001", None), (None, "key:owner")):
+            params = {"sid": "s1", "ch": "mcp", "limit": 100, "inst": instance, "owner": owner}
+            module = sqlite_store if isinstance(store, FrameStore) else postgres_store
+            sql = module.SESSION_RECORDS_SQL if owner is None else module.OWNED_SESSION_RECORDS_SQL
             if isinstance(store, FrameStore):
-                plans.append([row[3] for row in store._db.execute(
-                    "EXPLAIN QUERY PLAN " + sqlite_store.SESSION_RECORDS_SQL, params)])
+                plans.append([row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql, params)])
             else:
                 import psycopg
 
                 with psycopg.connect(backend.location) as conn:
                     conn.execute("ANALYZE frames")
-                    plans.append([row[0] for row in conn.execute("EXPLAIN " + postgres_store.SESSION_RECORDS_SQL, params)])
+                    plans.append([row[0] for row in conn.execute("EXPLAIN " + sql, params)])
     for plan in plans:
-        assert sum("frames_session_records" in step for step in plan) == 3, plan  # the instances, an owner, a declaration
+        along = [step for step in plan if "frames_session_records" in step or "frames_session_owners" in step]
+        assert len(along) >= 3, plan  # the instances, an owner, a declaration: each along a records index
         assert not any("Seq Scan" in step or step.startswith(("SCAN frames", "SCAN f ")) for step in plan), plan
+    assert any("frames_session_owners" in step for step in plans[2]), plans[2]  # one owner's instances, by its index
+
+
+async def test_a_callers_own_session_records_are_found_whatever_others_recorded_under_its_id(store: FrameStoreAPI) -> None:
+    """A session id is a name: another caller may record it in more instances than the bound, all
+    named before the owner's. `owner=` finds the owner's own instances all the same (the first
+    owner is what counts), within the bound."""
+    for n in range(MAX_RECORDED_INSTANCES):
+        await record(store, f"a{n:03}", {OWNER_KEY: "key:other"})
+    await record(store, "zz-mine", {OWNER_KEY: "key:me", DECLARATION_KEY: {"caller_id": "app", "tools": []}})
+    await record(store, "zz-mine", {OWNER_KEY: "key:other"})
+    await record(store, "zz-theirs", {OWNER_KEY: "key:other"})
+    await record(store, "zz-theirs", {OWNER_KEY: "key:me"})  # not its first owner: not the caller's
+    assert "zz-mine" not in [r.instance for r in await store.session_records("mcp", "s1")], \
+        "the bound is filled by the other caller's instances"
+    assert await store.session_records("mcp", "s1", owner="key:me") == [
+        RecordedSession("zz-mine", "key:me", {"caller_id": "app", "tools": []})
+    ]
+    assert await store.session_records("mcp", "s1", owner="key:me", instance="zz-mine") != []
+    assert await store.session_records("mcp", "s1", owner="key:me", instance="a000") == []
+    assert await store.session_records("mcp", "s1", owner="key:nobody") == []
+    assert len(await store.session_records("mcp", "s1", owner="key:other")) == MAX_RECORDED_INSTANCES
 
 
 async def test_a_log_made_before_the_records_index_gets_it_when_opened(backend: Backend) -> None:

@@ -671,11 +671,14 @@ class FrameStoreAPI(Protocol):
 
     async def session_records(
         self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES, instance: str | None = None,
+        owner: str | None = None,
     ) -> list[RecordedSession]:
         """The instances whose log holds a `session_record` of (`channel`, `session_id`), at most
-        `limit` of them (only `instance`, when given), each with the owner and last declaration it
-        records: one query, served by an index on the records alone, however many instances the
-        store has. The one home of the rule "the first owner recorded, the last declaration"."""
+        `limit` of them (only `instance`, when given; with `owner`, only those whose first owner is
+        `owner`), each with the owner and last declaration it records: one query, served by an index
+        on the records alone, however many instances the store has. The one home of the rule "the
+        first owner recorded, the last declaration". `owner` finds a caller's own sessions however
+        many instances other callers recorded the same id in (a session id is a name, not a secret)."""
         ...
 
     async def get_cursor(self, instance: str, name: str) -> int:
