@@ -7,8 +7,10 @@ one read of the session's `session_record` frames per instance; now it is one qu
 partial index `frames_session_records` (`FrameStoreAPI.session_records`). This runs both reads
 for ids no log records, against a throwaway PostgreSQL 15 (tests/postgres.py) holding
 `--instances` instances, each with a session and its record, and prints the median time of
-each. With `--index-frames N` it also times building the index (migration 6) over N frames,
-then migration 7 (the `append_id` column and its unique index) over the same frames.
+each, and of the lookup of one caller's own sessions by its identity (`owner=`, along
+`frames_session_owners`). With `--index-frames N` it also times building the index (migration 6)
+over N frames, then migration 7 (the `append_id` column and its unique index) and migration 9
+(`frames_session_owners`) over the same frames.
 
     python bench/bench_learn.py                       # 1,000 instances, ~20 s
     python bench/bench_learn.py --index-frames 1000000
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from oubliette_server.core.server_owned import OWNER_KEY, SESSION_RECORD  # noqa: E402
 from oubliette_server.core.sessions import Session  # noqa: E402
 from oubliette_server.features.cluster.log_bus import LogBus  # noqa: E402
+from oubliette_server.store import postgres as postgres_store  # noqa: E402
 from oubliette_server.store.postgres import PostgresFrameStore  # noqa: E402
 
 
@@ -48,6 +51,11 @@ async def one_query(store: PostgresFrameStore, session_id: str) -> int:
     return len(await store.session_records("mcp", session_id))
 
 
+async def by_owner(store: PostgresFrameStore, session_id: str) -> int:
+    """The caller's own, by its identity (`owner=`), when only other callers' sessions of the id were found."""
+    return len(await store.session_records("mcp", session_id, owner="key:owner"))
+
+
 async def run(url: str, instances: int, rounds: int) -> None:
     store = PostgresFrameStore(url)
     async with store.running():
@@ -56,7 +64,8 @@ async def run(url: str, instances: int, rounds: int) -> None:
                 {"channel": "mcp", "session_id": f"s-{n}", "type": SESSION_RECORD, "payload": {OWNER_KEY: "key:owner"}},
                 *({"channel": "mcp", "session_id": f"s-{n}", "type": "user.message", "payload": {"i": i}} for i in range(9)),
             ])
-        for name, read in (("one read per instance (before)", per_instance), ("one query (now)", one_query)):
+        for name, read in (("one read per instance (before)", per_instance), ("one query (now)", one_query),
+                           ("one owner's, by identity", by_owner)):
             times = []
             for r in range(rounds):
                 began = time.perf_counter()
@@ -75,6 +84,7 @@ def time_index_build(url: str, frames: int) -> None:
     trio.run(lambda: _schema(store_url))
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("DROP INDEX frames_session_records")
+        conn.execute("DROP INDEX frames_session_owners")
         conn.execute(
             "INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
             "SELECT 'box' || (g %% 100), g, '2026-01-01T00:00:00.000Z', 'mcp', 's-' || (g / 50), "
@@ -99,6 +109,10 @@ def time_index_build(url: str, frames: int) -> None:
             conn.execute("CREATE UNIQUE INDEX frames_by_append_id ON frames (instance, append_id) "
                          "WHERE append_id IS NOT NULL")
         print(f"migration 7 (append_id column and index) over {row[0]:,} frames: {time.perf_counter() - began:.2f} s")
+        # Migration 9 (one owner's session records): a second partial index, the records' owner in it.
+        began = time.perf_counter()
+        conn.execute(dict(postgres_store.MIGRATIONS)[9])
+        print(f"migration 9 (frames_session_owners) over {row[0]:,} frames: {time.perf_counter() - began:.2f} s")
 
 
 async def _schema(url: str) -> None:

@@ -847,6 +847,16 @@ async def play_session_keys(deployment: Deployment, pairs: list[tuple[str, str]]
     return wrong
 
 
+def play_on_a_new_server(play: Callable[[Deployment, Any], Any], drawn: Any) -> None:
+    """One hypothesis example: `play(deployment, drawn)` on a deployment of its own; it lists what went wrong."""
+    deployment = Deployment()
+    try:
+        wrong = trio.run(play, deployment, drawn)
+    finally:
+        deployment.cleanup()
+    assert not wrong, "\n".join(wrong)
+
+
 def test_session_keys_at_every_door() -> None:
     """Hypothesis-drawn session keys at every door: the rule holds at each (docs/SECURITY.md)."""
     from hypothesis import HealthCheck, given, settings
@@ -856,12 +866,107 @@ def test_session_keys_at_every_door() -> None:
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(st.lists(st.tuples(session_keys_strategy(), session_keys_strategy()), min_size=6, max_size=6))
     def check(pairs: list[tuple[str, str]]) -> None:
-        deployment = Deployment()
-        try:
-            wrong = trio.run(play_session_keys, deployment, pairs)
-        finally:
-            deployment.cleanup()
-        assert not wrong, "\n".join(wrong)
+        play_on_a_new_server(play_session_keys, pairs)
+
+    check()
+
+
+# -- the class "an append_id names one frame" (hypothesis) ---------------------------------------
+# A guest's `append_id` makes a resend store once (docs/TETHER.md, "Exactly-once appends"); a
+# resend is only a resend if it is the same frame. Hypothesis draws a frame a guest may append and
+# a second one under the same id: the same frame (its payload's keys perhaps in another order) is
+# answered with the first's seq and msg_id; any other session, type, reply_to or payload is refused
+# with -32602 naming the id, and the log is as it was. "The same frame" is written again here:
+# equal fields and equal payloads as sorted-key JSON (so 1, 1.0 and true differ).
+
+APPEND_TYPES = ("assistant.delta", "status.presence", "assistant.done", "session.error")
+APPEND_SESSIONS = (SESSION, "s2")
+
+
+def append_frames_strategy() -> Any:
+    from hypothesis import strategies as st
+
+    values = st.one_of(
+        st.integers(-2, 2), st.sampled_from([0.0, -0.0, 1.0, 2.5]), st.booleans(), st.none(),
+        st.text(alphabet="ab é\n\x00", max_size=4), st.lists(st.integers(0, 1), max_size=2),
+    )
+    payloads = st.dictionaries(st.sampled_from(["text", "state", "n", "k"]), values, max_size=3)
+    frames = st.fixed_dictionaries({
+        "session": st.sampled_from(APPEND_SESSIONS), "type": st.sampled_from(APPEND_TYPES),
+        "reply_to": st.sampled_from([None, "a", "b"]), "payload": payloads,
+    })
+    # The second send: the first again (keys shuffled), or the first with some fields drawn anew.
+    again = st.tuples(st.booleans(), st.sets(st.sampled_from(["session", "type", "reply_to", "payload"]), min_size=1))
+    return st.lists(st.tuples(frames, again, frames), min_size=4, max_size=4)
+
+
+def same_frame(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The rule, written again: every field equal, the payloads as sorted-key JSON."""
+    return all(a[k] == b[k] for k in ("session", "type", "reply_to")) and \
+        json.dumps(a["payload"], sort_keys=True) == json.dumps(b["payload"], sort_keys=True)
+
+
+async def play_append_ids(deployment: Deployment, drawn: list[tuple[dict, tuple[bool, set[str]], dict]]) -> list[str]:
+    """Each drawn pair sent under one fresh id at the guest door; what went against the rule."""
+    from test_relay_socket import response_to
+    from test_session_keys import serving
+
+    wrong: list[str] = []
+    async with serving(deployment) as served:
+        caller, _ = served.callers.open_caller()
+        for session_id in APPEND_SESSIONS:
+            opened = await served.callers.call(caller, "session_message", {"instance": INSTANCE, "session_id": session_id, "message": "hi"})
+            assert not opened.is_error, text_of(opened)
+        token = served.app.tokens.token_for(INSTANCE)
+        async with RawRelay.connect(deployment) as guest:
+            await guest.hello(INSTANCE, token, role="guest")
+            n = 0
+
+            async def send(frame: dict[str, Any], append_id: str) -> dict[str, Any]:
+                nonlocal n
+                n += 1
+                params = {"session": {"channel": "mcp", "id": frame["session"]}, "type": frame["type"],
+                          "payload": frame["payload"], "reply_to": frame["reply_to"], "append_id": append_id}
+                await guest.send({"jsonrpc": "2.0", "id": n, "method": "append_frame", "params": params})
+                return await response_to(guest, n)
+
+            for i, (first, (resend, redrawn), other) in enumerate(drawn):
+                append_id = f"fuzz-{i}"
+                # A turn ends once: each pair replies to messages of its own (the names drawn are a, b).
+                first, other = ({**f, "reply_to": f["reply_to"] and f"m-{i}-{f['reply_to']}"} for f in (first, other))
+                if resend:
+                    second = {**first, "payload": dict(reversed(list(first["payload"].items())))}
+                else:
+                    second = {**first, **{field: other[field] for field in redrawn}}
+                stored = await send(first, append_id)
+                if "result" not in stored:
+                    wrong.append(f"{first}: the first send was refused: {stored}")
+                    continue
+                last = await served.app.store.last_seq(INSTANCE)
+                answer = await send(second, append_id)
+                if same_frame(first, second):
+                    if answer.get("result") != stored["result"]:
+                        wrong.append(f"{first} resent as {second}: {answer}, not the first answer {stored['result']}")
+                else:
+                    error = answer.get("error", {})
+                    if error.get("code") != -32602 or repr(append_id) not in error.get("message", ""):
+                        wrong.append(f"{first} then {second} under one id: {answer}, not -32602 naming {append_id!r}")
+                if await served.app.store.last_seq(INSTANCE) != last:
+                    wrong.append(f"{first} then {second} under one id: the second send stored a frame")
+    return wrong
+
+
+def test_an_append_id_names_one_frame() -> None:
+    """Hypothesis-drawn pairs of frames under one `append_id` at a guest's door: a resend of the same
+    frame is answered with the first's seq and msg_id, any other frame is refused (docs/SECURITY.md)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    # No shrinking: each example starts a server, and the failing pairs are printed as drawn.
+    @settings(max_examples=10, deadline=None, derandomize=True, database=None, phases=[Phase.generate],
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(append_frames_strategy())
+    def check(drawn: list[tuple[dict, tuple[bool, set[str]], dict]]) -> None:
+        play_on_a_new_server(play_append_ids, drawn)
 
     check()
 

@@ -4,6 +4,8 @@
   and a waiting `session_message` returns `stop_reason: "error"` at once;
 - kill -9 of the server with a caller tool request pending: after a restart the log
   has a `caller_tool_cancelled` frame (reason "server restarted") for it;
+- SIGTERM of the server with a caller tool request pending: the log has one
+  `caller_tool_cancelled` for it, reason "server shutdown" (not the agent's cancel);
 - kill -9 of the server mid-turn, seen from the guest runtime: it waits for the relay to come
   back without spinning (its CPU stays low) and still stops at once on SIGTERM.
 """
@@ -11,13 +13,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
-from harness import DEMO_AGENT, EVENT_TIMEOUT, Deployment, structured, text_of
+from harness import DEMO_AGENT, EVENT_TIMEOUT, Deployment, HttpServer, structured, text_of
 from test_ownership import poll_frames
 
 GUEST_GONE_BOUND = 5.0
@@ -67,26 +70,33 @@ async def test_killed_guest_ends_the_turn_with_an_error_at_once(deployment: Depl
     assert [(f["reply_to"], f["payload"]["reason"]) for f in frames["frames"]] == [(turn["msg_id"], "guest_disconnected")]
 
 
-async def test_a_request_left_open_by_a_killed_server_is_cancelled_on_restart(deployment: Deployment) -> None:
+async def stopped_with_a_request_pending(deployment: Deployment, session_id: str, stop: Callable[[HttpServer], None]) -> dict:
+    """A real server with an agent's caller tool request waiting for its caller in `session_id`,
+    stopped by `stop(server)` (which must end its process); the request's event."""
     async with deployment.http_server() as server:
         async with server.caller() as (caller, events):
             declared = await caller.call_tool("session_message", {
-                "instance": "box1", "session_id": "r1", "message": "hi",
+                "instance": "box1", "session_id": session_id, "message": "hi",
                 "context": {"caller_id": "myapp", "caller_tools": [NOTIFY]},
             })
             assert not declared.is_error, text_of(declared)
-            async with deployment.agent("box1", "mcp:r1") as agent, trio.open_nursery() as nursery:
+            async with deployment.agent("box1", f"mcp:{session_id}") as agent, trio.open_nursery() as nursery:
 
                 async def agent_call() -> None:
                     await agent.call_tool("myapp_send_notification", {"message": "hi"})
 
                 nursery.start_soon(agent_call)
                 request = await events.wait_type("caller_tool_request", timeout=EVENT_TIMEOUT)
-                server.process.kill()  # kill -9: no outcome frame is written
-                with trio.fail_after(10):
+                stop(server)
+                with trio.fail_after(15):
                     await server.process.wait()
                 nursery.cancel_scope.cancel()
+    return request
 
+
+async def test_a_request_left_open_by_a_killed_server_is_cancelled_on_restart(deployment: Deployment) -> None:
+    # kill -9: no outcome frame is written
+    request = await stopped_with_a_request_pending(deployment, "r1", lambda server: server.process.kill())
     async with deployment.http_server() as restarted:
         cancelled = await poll_frames(restarted, "r1", "caller_tool_cancelled")
         requests = await poll_frames(restarted, "r1", "caller_tool_request")
@@ -94,6 +104,17 @@ async def test_a_request_left_open_by_a_killed_server_is_cancelled_on_restart(de
         (request["request_id"], "server restarted")
     ]
     assert [f["payload"]["request_id"] for f in requests] == [request["request_id"]]
+
+
+async def test_a_request_pending_at_sigterm_is_stored_as_ended_by_the_shutdown(deployment: Deployment) -> None:
+    """The server stops (SIGTERM) while a caller tool request waits for its caller: the log says
+    the server's shutdown ended it, not the agent (which cancelled nothing)."""
+    request = await stopped_with_a_request_pending(deployment, "t1", lambda server: server.process.send_signal(signal.SIGTERM))
+    async with deployment.http_server() as restarted:
+        cancelled = await poll_frames(restarted, "t1", "caller_tool_cancelled")
+    assert [(f["payload"]["request_id"], f["payload"]["reason"]) for f in cancelled] == [
+        (request["request_id"], "server shutdown")
+    ]
 
 
 async def test_a_guest_whose_server_died_mid_turn_waits_quietly_and_stops_on_sigterm(deployment: Deployment) -> None:

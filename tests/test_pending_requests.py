@@ -19,7 +19,7 @@ import trio.testing
 from oubliette_server.features.approvals.service import ApprovalService, Decision
 from oubliette_server.features.caller_tool_relay.pending import CallerCallRegistry, NoLongerPending
 from oubliette_server.core.callers import CallerConnection
-from oubliette_server.core.pending_requests import RESOLVED_MEMORY, RequestBook, SharedStore, SingleServer
+from oubliette_server.core.pending_requests import RESOLVED_MEMORY, SERVER_SHUTDOWN, RequestBook, SharedStore, SingleServer
 from oubliette_server.core.sessions import Session
 from oubliette_server.store.api import AnswerNotRecorded, StoreUnavailable
 from protocol import RelayError, errors
@@ -161,6 +161,36 @@ async def test_the_agents_cancel_ends_a_call_and_a_late_answer_is_told() -> None
     assert t.outcome == []
     assert t.log.frames[-1].type == "caller_tool_cancelled"
     assert t.log.frames[-1].payload["reason"] == "cancelled by the agent"
+
+
+async def test_the_servers_shutdown_is_stored_as_its_own_cause_not_the_agents_cancel() -> None:
+    """The server stopping cancels everything with the reason `SERVER_SHUTDOWN` (program/runner.py):
+    a caller tool request it ends records "server shutdown" and an approval `who: "server_shutdown"`; the
+    agent's own cancel (no reason) still records "cancelled by the agent"."""
+    log, session, caller = world()
+    calls = CallerCallRegistry(log.append, default_timeout=10)
+    approvals = ApprovalService(log.append, default_timeout=10)
+    outcome: list[Any] = []
+    with trio.fail_after(5):
+        async with trio.open_nursery() as server:
+            await relay_in_background(server, calls, session, outcome)
+
+            async def gated() -> None:
+                await approvals.request(session, "notify", {}, origin="caller", caller=caller)
+
+            server.start_soon(gated)
+            await calls.wait_pending(session)
+            await approvals.wait_pending(session)
+            server.cancel_scope.cancel(reason=SERVER_SHUTDOWN)
+    ends = {f.type: f.payload for f in log.frames if f.type in ("caller_tool_cancelled", "approval_resolved")}
+    assert ends["caller_tool_cancelled"]["reason"] == "server shutdown", ends
+    assert (ends["approval_resolved"]["who"], ends["approval_resolved"]["approve"]) == ("server_shutdown", False), ends
+    with pytest.raises(NoLongerPending, match="the server shut down"):
+        [request] = [f for f in log.frames if f.type == "caller_tool_request"]
+        await calls.respond(caller, "s1", request.payload["request_id"], {"ok": 1})
+    async with one_pending_call() as t:
+        t.scope.cancel()
+    assert t.log.frames[-1].payload["reason"] == "cancelled by the agent", "the agent's cancel is still the agent's"
 
 
 async def test_a_failed_store_leaves_the_request_pending_under_its_claim() -> None:

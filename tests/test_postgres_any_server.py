@@ -155,3 +155,41 @@ async def test_answers_on_other_servers_reach_an_agent_on_the_server_the_session
     assert [o.payload.get("result") for o in outcomes.values()] == ["from C", "deleted on A"]
     [decision] = one_decision_each(await session_frames(pg_url, "s2", "approval_"))
     assert decision.payload["approve"] is True
+
+
+async def test_sessions_a_stranger_opens_under_the_owners_id_do_not_hide_it_from_another_server(pg_url: str) -> None:
+    """A session id is a name, not a secret: a second caller with the same HTTP token opens the
+    owner's session id in 100 other instances (named before the owner's). Server B, which holds
+    none of them, still finds the owner's session by its identity: the owner's answer sent to B
+    resolves the agent's call on A (it was refused as "belongs to another caller"); the stranger's
+    answer to that request is refused."""
+    decoys = [f"a{n:03}" for n in range(100)]
+    a, b = Deployment(store=pg_url), Deployment(store=pg_url)
+    try:
+        async with a.http_server("--config", str(a.config_file(INSTANCE, *decoys))) as server_a, \
+                b.http_server("--config", str(b.config_file(INSTANCE, *decoys))) as server_b, \
+                a.guest(INSTANCE, LOOP_AGENT):
+            await server_a.wait_connected(INSTANCE)
+            async with server_a.caller(mode="auto", events=False) as (owner_a, _), \
+                    server_a.caller(mode="auto", events=False) as (stranger_a, _), \
+                    server_b.caller(mode="auto", events=False) as (owner_b, _), \
+                    server_b.caller(mode="auto", events=False) as (stranger_b, _):
+                owner_a, stranger_a, owner_b, stranger_b = map(LoopCaller, (owner_a, stranger_a, owner_b, stranger_b))
+                stop = ends_with(await owner_a.message("s-victim", steps(call(TOOL, arguments={"n": 1})),
+                                                       [tool("send_notification")], wait=60), "requires_action")
+                [request] = stop["pending"]
+                for decoy in decoys:
+                    opened = await stranger_a.call("session_message", instance=decoy, session_id="s-victim", message="mine")
+                    assert "error" not in opened, opened
+                stranger_b.owner_key = stranger_a.owner_key
+                owner_b.owner_key = owner_a.owner_key
+
+                refused = await stranger_b.answer("s-victim", request["request_id"], result="hijacked")
+                assert "error" in refused, refused  # its own s-victim sessions hold no such request
+                end = ends_with(await owner_b.answer("s-victim", request["request_id"], result="from B", wait=60), "end_turn")
+                assert f"{TOOL} -> from B" in end["text"], end
+    finally:
+        a.cleanup()
+        b.cleanup()
+    outcomes = one_outcome_each(await session_frames(pg_url, "s-victim", "caller_tool_"))
+    assert [o.payload.get("result") for o in outcomes.values()] == ["from B"]

@@ -24,7 +24,7 @@ from oubliette_server.core.sessions import SessionRegistry
 from oubliette_server.features.approvals.service import ApprovalService, Decision
 from oubliette_server.features.caller_tool_relay.pending import CallerCallRegistry
 from oubliette_server.features.cluster.log_bus import LogBus
-from oubliette_server.store.api import FrameQuery
+from oubliette_server.store.api import MAX_RECORDED_INSTANCES, FrameQuery
 from oubliette_server.store.sqlite import FrameStore
 from protocol import RelayError
 
@@ -165,3 +165,32 @@ async def test_an_unknown_id_costs_one_store_read_however_many_instances_the_log
         f"SessionRegistry.learn: a session recorded on one instance of 40 cost {counting.reads}"
     counting.reads.clear()
     assert await c.sessions.owns(owner, "s-37", "mcp") == [session] and counting.reads == [], "a session learnt is held"
+
+
+async def test_sessions_other_callers_open_under_the_owners_id_do_not_hide_its_own() -> None:
+    """A session id is a name, not a secret: a stranger opens `s1` in more instances than the bound
+    of one lookup, all named before the owner's, and in one more that this server holds. The
+    owner's answer on this server still finds its own session (by its identity), and the stranger
+    is refused as before."""
+    store = FrameStore.in_memory()
+    await written_elsewhere(store)  # the owner's s1, in box1
+    for n in range(MAX_RECORDED_INSTANCES):
+        await store.append(f"a{n:03}", channel="mcp", session_id="s1", type=SESSION_RECORD, payload={OWNER_KEY: "key:stranger"})
+    c = ServerC(store)
+    owner, stranger = caller("key:owner"), caller("key:stranger")
+
+    [session] = await c.sessions.owns(owner, "s1", "mcp")
+    assert (session.instance, session.owner_identity) == (INSTANCE, "key:owner"), \
+        "SessionRegistry.owns: the stranger's instances hid the owner's session"
+    assert await c.sessions.owns(stranger, "s1", "mcp") != []
+
+    held = ServerC(store)  # another server, holding only a session the stranger opened through it
+    await held.sessions.claim("a000", "mcp", "s1", stranger, has_history=lambda session_id: _true())
+    [session] = await held.sessions.owns(owner, "s1", "mcp")
+    assert session.instance == INSTANCE, "SessionRegistry.owns: a stranger's session held here hid the owner's"
+    with pytest.raises(RelayError, match="belongs to another caller"):
+        await held.sessions.owns(caller("key:third"), "s1", "mcp")
+
+
+async def _true() -> bool:
+    return True

@@ -319,6 +319,26 @@ async def test_guest_frames_a_resent_turn_end_gets_its_frame_not_a_refusal(guest
     assert len(ends) == 1, f"GuestFrames: the turn of m1 ended {len(ends)} times"
 
 
+async def test_guest_frames_refuse_an_append_id_sent_again_with_another_frame(guests: Guests) -> None:
+    """The end of m2 sent with the `append_id` of m1's end is not a resend: refused with -32602
+    naming the id (it used to be answered with m1's seq, and m2's end was lost); so is m1's end
+    resent with another text after its turn ended. Nothing is stored; m2's end with an id of its
+    own is stored and ends m2's turn."""
+    await guests.message("one", "m1")
+    guest = FakeRelayConnection(INSTANCE)
+    done = await guests.frames.append_frame(guest, once("assistant.done", "d-1", text="done"))
+    await guests.message("two", "m2")
+    before = await guests.stored()
+    for resent in (once("assistant.done", "d-1", reply_to="m2", text="done"), once("assistant.done", "d-1", text="other")):
+        with pytest.raises(RelayError) as refused:
+            await guests.frames.append_frame(guest, resent)
+        assert refused.value.code == errors.INVALID_PARAMS and "'d-1'" in refused.value.message, (
+            f"GuestFrames: {resent} answered as a resend of {done}: {refused.value!r}")
+    assert await guests.stored() == before, "GuestFrames: a refused append_id stored something"
+    ended = await guests.frames.append_frame(guest, once("assistant.done", "d-2", reply_to="m2", text="two done"))
+    assert ended.seq > done.seq and (await guests.stored())[-1].reply_to == "m2", "GuestFrames: m2's own end was not stored"
+
+
 @pytest.mark.parametrize("append_id", ["a" * 65, "a b", "abc\n", "", "é", 7])
 async def test_guest_frames_refuses_a_malformed_append_id(guests: Guests, append_id: Any) -> None:
     await guests.message("one", "m1")

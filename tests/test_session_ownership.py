@@ -63,7 +63,7 @@ async def test_owns_knows_the_owner_recorded_in_a_shared_log() -> None:
     async def recorded(session: object) -> tuple[str | None, None]:
         return caller.identity, None
 
-    async def no_records(channel: str, session_id: str) -> list[Any]:
+    async def no_records(channel: str, session_id: str, owner: str | None = None) -> list[Any]:
         return []
 
     registry.learn_from(recorded, no_records)

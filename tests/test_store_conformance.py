@@ -22,6 +22,7 @@ import trio
 import trio.testing
 
 from oubliette_server.program.config import ServerConfig
+from protocol import errors
 from oubliette_server.store.sqlite import FrameStore
 from oubliette_server.store import postgres as postgres_store
 from oubliette_server.store import sqlite as sqlite_store
@@ -34,6 +35,7 @@ from oubliette_server.store.api import (
     FrameQuery,
     FrameStoreAPI,
     RecordedSession,
+    AppendIdReused,
     StoreUnavailable,
 )
 from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore
@@ -264,20 +266,45 @@ async def test_session_records_are_bounded_and_read_by_their_index(backend: Back
         assert {r.owner for r in found} == {"key:owner"}
         assert await store.session_records("mcp", "s1", instance="box001") == [RecordedSession("box001", "key:owner", None)]
         plans = []
-        for instance in (None, "box001"):  # across instances (learn), and in one (LogBus.session_record)
-            params = {"sid": "s1", "ch": "mcp", "limit": 100, "inst": instance}
+        # Across instances (learn), in one (LogBus.session_record), and one owner's across instances.
+        for instance, owner in ((None, None), ("box001", None), (None, "key:owner")):
+            params = {"sid": "s1", "ch": "mcp", "limit": 100, "inst": instance, "owner": owner}
+            module = sqlite_store if isinstance(store, FrameStore) else postgres_store
+            sql = module.SESSION_RECORDS_SQL if owner is None else module.OWNED_SESSION_RECORDS_SQL
             if isinstance(store, FrameStore):
-                plans.append([row[3] for row in store._db.execute(
-                    "EXPLAIN QUERY PLAN " + sqlite_store.SESSION_RECORDS_SQL, params)])
+                plans.append([row[3] for row in store._db.execute("EXPLAIN QUERY PLAN " + sql, params)])
             else:
                 import psycopg
 
                 with psycopg.connect(backend.location) as conn:
                     conn.execute("ANALYZE frames")
-                    plans.append([row[0] for row in conn.execute("EXPLAIN " + postgres_store.SESSION_RECORDS_SQL, params)])
+                    plans.append([row[0] for row in conn.execute("EXPLAIN " + sql, params)])
     for plan in plans:
-        assert sum("frames_session_records" in step for step in plan) == 3, plan  # the instances, an owner, a declaration
+        along = [step for step in plan if "frames_session_records" in step or "frames_session_owners" in step]
+        assert len(along) >= 3, plan  # the instances, an owner, a declaration: each along a records index
         assert not any("Seq Scan" in step or step.startswith(("SCAN frames", "SCAN f ")) for step in plan), plan
+    assert any("frames_session_owners" in step for step in plans[2]), plans[2]  # one owner's instances, by its index
+
+
+async def test_a_callers_own_session_records_are_found_whatever_others_recorded_under_its_id(store: FrameStoreAPI) -> None:
+    """A session id is a name: another caller may record it in more instances than the bound, all
+    named before the owner's. `owner=` finds the owner's own instances all the same (the first
+    owner is what counts), within the bound."""
+    for n in range(MAX_RECORDED_INSTANCES):
+        await record(store, f"a{n:03}", {OWNER_KEY: "key:other"})
+    await record(store, "zz-mine", {OWNER_KEY: "key:me", DECLARATION_KEY: {"caller_id": "app", "tools": []}})
+    await record(store, "zz-mine", {OWNER_KEY: "key:other"})
+    await record(store, "zz-theirs", {OWNER_KEY: "key:other"})
+    await record(store, "zz-theirs", {OWNER_KEY: "key:me"})  # not its first owner: not the caller's
+    assert "zz-mine" not in [r.instance for r in await store.session_records("mcp", "s1")], \
+        "the bound is filled by the other caller's instances"
+    assert await store.session_records("mcp", "s1", owner="key:me") == [
+        RecordedSession("zz-mine", "key:me", {"caller_id": "app", "tools": []})
+    ]
+    assert await store.session_records("mcp", "s1", owner="key:me", instance="zz-mine") != []
+    assert await store.session_records("mcp", "s1", owner="key:me", instance="a000") == []
+    assert await store.session_records("mcp", "s1", owner="key:nobody") == []
+    assert len(await store.session_records("mcp", "s1", owner="key:other")) == MAX_RECORDED_INSTANCES
 
 
 async def test_a_log_made_before_the_records_index_gets_it_when_opened(backend: Backend) -> None:
@@ -423,15 +450,17 @@ def once(store: FrameStoreAPI, instance: str, append_id: str, text: str = "x") -
 
 
 async def test_append_once_stores_one_frame_per_instance_and_id(store: FrameStoreAPI) -> None:
-    """The same (instance, append_id) twice is one frame, and the second call gets the first's
-    seq, msg_id, ts and payload back without waking anyone; the same id in another instance is
-    another frame; without an id every append stores, as before."""
+    """The same frame with the same (instance, append_id) twice is one frame, and the second call
+    gets the first's seq, msg_id, ts and payload back without waking anyone; the same id in
+    another instance is another frame; without an id every append stores, as before."""
     first, stored = await once(store, "box1", "a-1", "first")
     assert stored and first.seq == 1
     with trio.testing.assert_checkpoints():
-        again, stored_again = await once(store, "box1", "a-1", "the resend")
-    assert not stored_again and again == first, "the frame stored before, not the resend's fields"
-    via_append = await add(store, "box1", append_id="a-1")
+        again, stored_again = await once(store, "box1", "a-1", "first")
+    assert not stored_again and again == first, "the frame stored before"
+    via_append = await add(
+        store, "box1", append_id="a-1", channel="mcp", type="status.presence", payload={"text": "first"},
+    )
     assert via_append == first, "`append` with an id is `append_once`"
     assert await store.frame_of_append_id("box1", "a-1") == first
     assert await store.frame_of_append_id("box1", "a-9") is None
@@ -446,7 +475,7 @@ async def test_append_once_stores_one_frame_per_instance_and_id(store: FrameStor
     racers: list[Any] = []
 
     async def race(i: int) -> None:
-        racers.append(await once(store, "box1", "a-3", f"racer {i}"))
+        racers.append(await once(store, "box1", "a-3", "one frame"))
 
     async with trio.open_nursery() as nursery:
         for i in range(8):
@@ -454,6 +483,30 @@ async def test_append_once_stores_one_frame_per_instance_and_id(store: FrameStor
     assert [stored for _, stored in racers].count(True) == 1
     assert all(frame == racers[0][0] for frame, _ in racers)
     assert await seqs(store, "box1") == [1, 2, 3, 4, 5]
+
+
+async def test_append_once_refuses_an_id_sent_again_with_another_frame(store: FrameStoreAPI) -> None:
+    """A resend is only a resend if it is the same frame: the id with another session, type,
+    reply_to or payload is refused (-32602 naming the id and what differs), nothing stored or
+    woken; the same payload with its keys in another order is the same frame; 1, 1.0 and true
+    are three payloads (canonical JSON, not Python's ==)."""
+    fields = dict(channel="mcp", session_id="s1", type="assistant.done", reply_to="m-1", payload={"text": "done", "n": 1})
+    first, _ = await store.append_once("box1", "end-1", **fields)  # type: ignore[arg-type]
+    for name, changed in [
+        ("session", {"session_id": "s2"}), ("session", {"channel": "host"}), ("type", {"type": "session.error"}),
+        ("reply_to", {"reply_to": "m-2"}), ("reply_to", {"reply_to": None}), ("payload", {"payload": {"text": "other", "n": 1}}),
+        ("payload", {"payload": {"text": "done", "n": 1.0}}), ("payload", {"payload": {"text": "done", "n": True}}),
+        ("payload", {"payload": {"text": "done"}}),
+    ]:
+        with pytest.raises(AppendIdReused) as refused:
+            await store.append_once("box1", "end-1", **{**fields, **changed})  # type: ignore[arg-type]
+        assert refused.value.code == errors.INVALID_PARAMS and "'end-1'" in refused.value.message, refused.value
+        assert refused.value.data == {"append_id": "end-1", "differs": [name]}, (changed, refused.value.data)
+        with pytest.raises(AppendIdReused):
+            await store.append("box1", append_id="end-1", **{**fields, **changed})  # type: ignore[arg-type]
+    assert await seqs(store, "box1") == [first.seq], "a refused id stored nothing"
+    again, stored = await store.append_once("box1", "end-1", **{**fields, "payload": {"n": 1, "text": "done"}})  # type: ignore[arg-type]
+    assert (again, stored) == (first, False), "the same frame, its keys in another order, is a resend"
 
 
 async def test_append_once_refuses_a_bad_id_and_stores_nothing(store: FrameStoreAPI) -> None:
@@ -472,7 +525,7 @@ async def test_append_once_one_frame_across_two_store_objects(pg_url: str) -> No
     backend = Backend("postgres", pg_url)
     async with backend.open() as a, backend.open() as b:
         results = await race_on_two_stores(
-            a, b, [f"id-{n}" for n in range(20)], lambda store, append_id, who: once(store, "box1", append_id, who))
+            a, b, [f"id-{n}" for n in range(20)], lambda store, append_id, who: once(store, "box1", append_id))
         for append_id, got in results.items():
             assert [stored for _, stored in got].count(True) == 1, (append_id, got)
             assert got[0][0] == got[1][0], "both servers answer with the one frame"
@@ -488,7 +541,7 @@ async def test_append_once_one_frame_across_two_store_objects(pg_url: str) -> No
             raced: list[Any] = []
 
             async def send_raced(store: FrameStoreAPI, who: str) -> None:
-                raced.append(await once(store, "box1", "raced", who))
+                raced.append(await once(store, "box1", "raced"))
 
             with trio.fail_after(30):
                 async with trio.open_nursery() as nursery:
@@ -599,6 +652,7 @@ async def test_cursors_set_advance_and_persist(backend: Backend) -> None:
 APPENDER = """
 import sys, trio
 from oubliette_server.program.config import ServerConfig
+from protocol import errors
 from oubliette_server.store.sqlite import FrameStore
 from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore
 

@@ -137,9 +137,10 @@ class FrameLog:
         """Store a frame of `session` and push it to everyone following the session but `skip`
         (the caller whose own answer the frame records, which needs no event of it).
 
-        With `append_id` (a guest's, docs/TETHER.md "Exactly-once appends"), a frame stored with
-        that id before is returned instead, and nothing is stored or pushed: its followers heard
-        of it when it was stored (from this server, or another's log tail)."""
+        With `append_id` (a guest's, docs/TETHER.md "Exactly-once appends"), the same frame stored
+        with that id before is returned instead, and nothing is stored or pushed: its followers heard
+        of it when it was stored (from this server, or another's log tail); another frame under that
+        id is refused (`AppendIdReused`)."""
         self._check(session, type, payload, msg_id=msg_id, reply_to=reply_to)
         return await self._store_and_push(
             session, type, payload, reply_to=reply_to, msg_id=msg_id, skip=skip, append_id=append_id,

@@ -146,11 +146,12 @@ async def _nothing_recorded(session: Session) -> tuple[str | None, dict[str, Any
     return None, None
 
 
-#: The instances whose log records a session `(channel, session_id)`, with what each records.
-RecordsFn = Callable[[str, str], Awaitable[list[RecordedSession]]]
+#: The instances whose log records a session `(channel, session_id, owner)`, with what each records
+#: (with an owner identity: only the instances it opened the session in).
+RecordsFn = Callable[[str, str, "str | None"], Awaitable[list[RecordedSession]]]
 
 
-async def _no_records(channel: str, session_id: str) -> list[RecordedSession]:
+async def _no_records(channel: str, session_id: str, owner: str | None = None) -> list[RecordedSession]:
     """No instance's log is searched for a session (one server)."""
     return []
 
@@ -228,18 +229,21 @@ class SessionRegistry:
         self._read_record = read_record
         self._find_records = find_records
 
-    async def learn(self, session_id: str, channel: str, instance: str | None = None) -> list[Session]:
-        """The sessions with this id (of `instance`, else of any instance) that the log records an
-        owner of, made here with that owner and its last declaration: any server then serves the
-        owner as the server it opened the session on does (docs/SCALING.md, "Every server knows
-        every session"). Sessions held with a known owner are returned as they are; an id no log
-        records makes nothing: a guess costs one store read (of `instance`'s log, else one query
-        across every instance's, at most `MAX_RECORDED_INSTANCES` of them), never memory.
+    async def learn(
+        self, session_id: str, channel: str, instance: str | None = None, owner: str | None = None,
+    ) -> list[Session]:
+        """The sessions with this id (of `instance`, else of any instance; with `owner`, an identity,
+        only the ones it opened) that the log records an owner of, made here with that owner and its
+        last declaration: any server then serves the owner as the server it opened the session on
+        does (docs/SCALING.md, "Every server knows every session"). Sessions held with a known owner
+        are returned as they are; an id no log records makes nothing: a guess costs one store read
+        (of `instance`'s log, else one query across every instance's, at most
+        `MAX_RECORDED_INSTANCES` of them), never memory.
         """
         found = [s for s in self.find_by_id(session_id, instance) if s.channel == channel]
         known = {s.instance for s in found if s.owner_known}
         if instance is None:
-            records = await self._find_records(channel, session_id)
+            records = await self._find_records(channel, session_id, owner)
         elif instance in known:
             records = []
         else:
@@ -313,14 +317,29 @@ class SessionRegistry:
         identity its log recorded is the caller's (docs/SCALING.md, "Caller identity"), even if
         this server never held it (`learn`).
         """
+        mine, known = await self.mine_first(caller, session_id, channel, instance)
+        if known and not mine:
+            raise not_yours(session_id)
+        return mine
+
+    async def mine_first(
+        self, caller: CallerConnection, session_id: str, channel: str, instance: str | None = None,
+    ) -> tuple[list[Session], list[Session]]:
+        """`(the caller's sessions of channel with this id, every one found)`: held here, else learned.
+
+        A session id is a name anybody may use: when only other callers' sessions of the id are
+        found (held here, or the first `MAX_RECORDED_INSTANCES` the log records), the caller's own
+        are looked up by its identity (one more bounded read), so what others named their sessions
+        never hides the caller's. In one instance an id is one session: nothing can hide it.
+        """
         known = [s for s in self.find_by_id(session_id, instance) if s.channel == channel]
         if not known:
             known = await self.learn(session_id, channel, instance)
         await self.load_owners(known)
         mine = [s for s in known if s.is_owner(caller)]
-        if known and not mine:
-            raise not_yours(session_id)
-        return mine
+        if known and not mine and instance is None:
+            mine = [s for s in await self.learn(session_id, channel, instance, caller.identity) if s.is_owner(caller)]
+        return mine, known
 
     async def load_owners(self, sessions: list[Session]) -> None:
         """Read the recorded owner of each session that has no owner in this process (shared store)."""

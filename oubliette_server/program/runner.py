@@ -20,6 +20,7 @@ import trio
 
 from protocol.gc_freeze import freeze_startup_heap
 
+from ..core.pending_requests import SERVER_SHUTDOWN
 from .app import OublietteServer, ServingAddresses
 from .config import ServerConfig
 
@@ -67,7 +68,7 @@ async def stop_on_signals(
     First the relay and HTTP requests in flight may send their answers (`drain`, at most `grace` seconds,
     as hypercorn's `graceful_timeout`; the same drain a stdio hang-up gets); a second signal
     ends the wait at once. The first signal is appended to `received`, so the program can exit
-    with its status.
+    with its status. The cancel carries `SERVER_SHUTDOWN`: a request it ends records the shutdown.
     """
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
@@ -81,7 +82,7 @@ async def stop_on_signals(
                 async for again in signals:
                     log.info("received %s again; stopping now", signal.Signals(again).name)
                     draining.cancel_scope.cancel()
-        cancel_scope.cancel()
+        cancel_scope.cancel(reason=SERVER_SHUTDOWN)  # what a request it ends records (not the agent's cancel)
 
 
 async def _drain_then_stop(drain: Callable[[float], Awaitable[None]], grace: float, scope: trio.CancelScope) -> None:
@@ -116,4 +117,4 @@ async def _serve_the_stdio_caller(app: OublietteServer, config: ServerConfig, nu
         return
     log.info("stdio caller disconnected; shutting down")
     await app.drain(SHUTDOWN_DRAIN_SECONDS)
-    nursery.cancel_scope.cancel()
+    nursery.cancel_scope.cancel(reason=SERVER_SHUTDOWN)

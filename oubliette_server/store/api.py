@@ -42,11 +42,13 @@ __all__ = [
     "FrameQuery",
     "FrameStoreAPI",
     "AnswerNotRecorded",
+    "AppendIdReused",
     "OUTAGE_RETRY",
     "RecordedSession",
     "StoreUnavailable",
     "check_cursor_args",
     "check_instance",
+    "check_resend",
     "check_retention",
     "check_timeout",
     "is_int",
@@ -242,6 +244,54 @@ def _rebuild_not_recorded(message: str) -> AnswerNotRecorded:
     exc = AnswerNotRecorded.__new__(AnswerNotRecorded)
     StoreUnavailable.__init__(exc, message)
     return exc
+
+
+class AppendIdReused(RelayError):
+    """An `append_once` whose `append_id` the instance's log holds for another frame (a session,
+    type, `reply_to` or payload that differs): not a resend, so it is refused (INVALID_PARAMS,
+    naming the id) rather than answered with the stored frame, which would acknowledge a frame
+    that was never stored (docs/TETHER.md, "Exactly-once appends")."""
+
+    def __init__(self, append_id: str, fields: list[str], seq: int) -> None:
+        super().__init__(
+            errors.INVALID_PARAMS,
+            f"append_id {append_id!r} was used for another frame (seq {seq}; its {', '.join(fields)} differ): "
+            "a resend must be the same frame; choose a new append_id for a new frame",
+            {"append_id": append_id, "differs": fields},
+        )
+
+    def __reduce__(self) -> Any:  # keep pickling (and copying) working
+        return (_rebuild_reused, (self.message, self.data))
+
+
+def _rebuild_reused(message: str, data: Any) -> AppendIdReused:
+    exc = AppendIdReused.__new__(AppendIdReused)
+    RelayError.__init__(exc, errors.INVALID_PARAMS, message, data)
+    return exc
+
+
+# Canonical JSON (sorted keys): two payloads are the same frame's when their texts are equal.
+# Not `==` on the dicts: Python takes 1, 1.0 and true for one value, which JSON does not.
+_CANONICAL = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False, sort_keys=True).encode
+
+
+def check_resend(
+    stored: Frame, append_id: str, channel: str, session_id: str, type: str, payload: dict[str, Any],
+    reply_to: str | None,
+) -> None:
+    """`AppendIdReused` unless `stored` (the frame of `append_id`) is the frame being appended again:
+    the same session, type, `reply_to` and payload (canonical JSON). Its `msg_id` is not compared:
+    the server chose it for the stored frame (a guest never sends one)."""
+    differs = [
+        name for name, same in (
+            ("session", (stored.session.channel, stored.session.id) == (channel, session_id)),
+            ("type", stored.type == type),
+            ("reply_to", stored.reply_to == reply_to),
+            ("payload", _CANONICAL(stored.payload) == _CANONICAL(payload)),
+        ) if not same
+    ]
+    if differs:
+        raise AppendIdReused(append_id, differs, stored.seq)
 
 
 #: The first pause before a store operation that met `StoreUnavailable` is tried again (a wait
@@ -478,11 +528,16 @@ class FrameAppends(LongPollWaiters):
         """Append one frame unless `instance` already has the frame of `append_id` (a resend):
         `(frame, True)` when this call stored it, `(the frame stored before, False)` when not
         (nothing is stored, nobody is woken). The check and the append are one step, also
-        between servers sharing the store: of two appends racing with one id, one stores."""
+        between servers sharing the store: of two appends racing with one id, one stores.
+
+        Raises: `AppendIdReused` when the frame stored with the id is another frame (`check_resend`)."""
         if append_id is None:
             raise ValueError("append_once needs an append_id")
         prepared = prepare_frame(channel, session_id, type, payload, msg_id, reply_to, append_id)
-        return await self._append_once(instance, prepared)
+        frame, stored = await self._append_once(instance, prepared)
+        if not stored:
+            check_resend(frame, append_id, channel, session_id, type, prepared[6], reply_to)
+        return frame, stored
 
     async def append_many(self, instance: str, frames: list[dict]) -> list[Frame]:
         """Append several frames in one transaction (consecutive seqs, one commit, one wake-up);
@@ -570,7 +625,8 @@ class FrameStoreAPI(Protocol):
         A resent guest append stores once (docs/TETHER.md, "Exactly-once appends"): the frames
         table has a unique index on (instance, append_id), and the check, the seq and the insert
         are one step (SQLite: the single writer; PostgreSQL: one statement, the unique index
-        deciding between servers racing)."""
+        deciding between servers racing). A resend is the same frame: an id stored with another
+        session, type, `reply_to` or payload raises `AppendIdReused` (`check_resend`)."""
         ...
 
     async def frame_of_append_id(self, instance: str, append_id: str) -> Frame | None:
@@ -615,11 +671,14 @@ class FrameStoreAPI(Protocol):
 
     async def session_records(
         self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES, instance: str | None = None,
+        owner: str | None = None,
     ) -> list[RecordedSession]:
         """The instances whose log holds a `session_record` of (`channel`, `session_id`), at most
-        `limit` of them (only `instance`, when given), each with the owner and last declaration it
-        records: one query, served by an index on the records alone, however many instances the
-        store has. The one home of the rule "the first owner recorded, the last declaration"."""
+        `limit` of them (only `instance`, when given; with `owner`, only those whose first owner is
+        `owner`), each with the owner and last declaration it records: one query, served by an index
+        on the records alone, however many instances the store has. The one home of the rule "the
+        first owner recorded, the last declaration". `owner` finds a caller's own sessions however
+        many instances other callers recorded the same id in (a session id is a name, not a secret)."""
         ...
 
     async def get_cursor(self, instance: str, name: str) -> int:

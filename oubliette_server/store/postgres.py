@@ -247,6 +247,13 @@ CREATE INDEX frames_session_records ON frames (session_id, channel, instance, se
 ALTER TABLE frames ADD COLUMN append_id text;
 CREATE UNIQUE INDEX frames_by_append_id ON frames (instance, append_id) WHERE append_id IS NOT NULL;
 """),
+    # The instances where one owner recorded a session (`session_records(..., owner=…)`, docs/SCALING.md,
+    # "Every server knows every session"): a caller's own sessions are found whatever other callers
+    # recorded under the same id. Partial, on the session records only, as migration 6; self-contained.
+    (9, f"""
+CREATE INDEX frames_session_owners ON frames (session_id, channel, (payload::jsonb ->> '{OWNER_KEY}'), instance)
+    WHERE type = '{SESSION_RECORD}';
+"""),
 ]
 SCHEMA_VERSION = max(version for version, _ in MIGRATIONS)
 
@@ -295,15 +302,29 @@ _RECORDS_OF = (
 #: `PostgresFrameStore.session_records`: the first `%(limit)s` instances (by name, as `instances()`
 #: sorts them; only `%(inst)s` when it is not NULL) with a record of the session, each with its
 #: first owner and its last declaration.
-SESSION_RECORDS_SQL = (
-    "SELECT r.instance, o.owner, d.declared FROM ("
-    "SELECT instance FROM frames WHERE session_id = %(sid)s AND channel = %(ch)s "
-    f"AND type = '{SESSION_RECORD}' AND (%(inst)s::text IS NULL OR instance = %(inst)s) GROUP BY instance ORDER BY instance COLLATE \"C\" LIMIT %(limit)s) r "
+_OWNER_AND_DECLARATION = (
     f"LEFT JOIN LATERAL (SELECT f.payload::jsonb ->> '{OWNER_KEY}' AS owner {_RECORDS_OF} "
     f"AND jsonb_typeof(f.payload::jsonb -> '{OWNER_KEY}') = 'string' ORDER BY f.seq LIMIT 1) o ON true "
     f"LEFT JOIN LATERAL (SELECT (f.payload::jsonb -> '{DECLARATION_KEY}')::text AS declared {_RECORDS_OF} "
     f"AND jsonb_typeof(f.payload::jsonb -> '{DECLARATION_KEY}') = 'object' ORDER BY f.seq DESC LIMIT 1) d ON true "
-    "ORDER BY r.instance COLLATE \"C\""
+)
+SESSION_RECORDS_SQL = (
+    "SELECT r.instance, o.owner, d.declared FROM ("
+    "SELECT instance FROM frames WHERE session_id = %(sid)s AND channel = %(ch)s "
+    f"AND type = '{SESSION_RECORD}' AND (%(inst)s::text IS NULL OR instance = %(inst)s) GROUP BY instance ORDER BY instance COLLATE \"C\" LIMIT %(limit)s) r "
+    + _OWNER_AND_DECLARATION
+    + "ORDER BY r.instance COLLATE \"C\""
+)
+#: `PostgresFrameStore.session_records(..., owner=…)`: the same, of the instances whose first owner
+#: is `%(owner)s`, found along `frames_session_owners` (migration 9: the instances where it recorded
+#: the session), so what other callers recorded under the id takes none of the `%(limit)s` places.
+OWNED_SESSION_RECORDS_SQL = (
+    "SELECT r.instance, o.owner, d.declared FROM ("
+    "SELECT instance FROM frames WHERE session_id = %(sid)s AND channel = %(ch)s "
+    f"AND type = '{SESSION_RECORD}' AND (payload::jsonb ->> '{OWNER_KEY}') = %(owner)s "
+    "AND (%(inst)s::text IS NULL OR instance = %(inst)s) GROUP BY instance) r "
+    + _OWNER_AND_DECLARATION
+    + "WHERE o.owner = %(owner)s ORDER BY r.instance COLLATE \"C\" LIMIT %(limit)s"
 )
 _CLAIM = (
     "INSERT INTO resolutions (instance, request_id, seq) VALUES (%s, %s, 0) "
@@ -611,14 +632,17 @@ class PostgresFrameStore(FrameAppends):
 
     async def session_records(
         self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES, instance: str | None = None,
+        owner: str | None = None,
     ) -> list[RecordedSession]:
-        """The instances (at most `limit`, by name) whose log holds a `session_record` of the session,
-        with the owner and last declaration each records: one statement along the partial index
-        `frames_session_records` (migration 6), however many instances the log has."""
-        params = {"sid": session_id, "ch": channel, "limit": limit, "inst": instance}
+        """The instances (at most `limit`, by name) whose log holds a `session_record` of the session
+        (with `owner`: whose first owner is `owner`), with the owner and last declaration each records:
+        one statement along the partial index `frames_session_records` (migration 6; with `owner`,
+        `frames_session_owners`, migration 9), however many instances the log has."""
+        params = {"sid": session_id, "ch": channel, "limit": limit, "inst": instance, "owner": owner}
+        sql = SESSION_RECORDS_SQL if owner is None else OWNED_SESSION_RECORDS_SQL
 
         def read(conn: psycopg.Connection) -> list[RecordedSession]:
-            rows = conn.execute(SESSION_RECORDS_SQL, params).fetchall()  # type: ignore[call-overload]
+            rows = conn.execute(sql, params).fetchall()  # type: ignore[call-overload]
             return [
                 RecordedSession(name, owner, None if declared is None else json.loads(declared))
                 for name, owner, declared in rows

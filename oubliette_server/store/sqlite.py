@@ -91,6 +91,10 @@ Schema (``PRAGMA user_version = 1``)
       one query: it holds the server's session records only, a few per session.  Added to a
       store file made before it when the server opens it (``CREATE INDEX IF NOT EXISTS``: one
       pass over the frames, once).
+    * ``frames_session_owners (session_id, channel, json_extract(payload, '$.owner'), iid) WHERE
+      type = 'session_record'`` — the instances where a given owner recorded a session
+      (``session_records(..., owner=…)``), whatever other callers recorded under the same id.
+      Added the same way.
 
     The plan for each filter combination is pinned with ``INDEXED BY`` (a missing index is an
     error, not a silent full scan); :meth:`FrameStore.query_plan` shows it, and the tests
@@ -215,6 +219,8 @@ CREATE INDEX IF NOT EXISTS frames_by_type ON frames (iid, type, seq);
 CREATE INDEX IF NOT EXISTS frames_by_reply ON frames (iid, reply_to, seq) WHERE reply_to IS NOT NULL;
 CREATE INDEX IF NOT EXISTS frames_session_records ON frames (session_id, channel, iid, seq)
     WHERE type = '{SESSION_RECORD}';
+CREATE INDEX IF NOT EXISTS frames_session_owners ON frames (session_id, channel, json_extract(payload, '$.{OWNER_KEY}'), iid)
+    WHERE type = '{SESSION_RECORD}';
 CREATE TABLE IF NOT EXISTS cursors (
     instance TEXT    NOT NULL,
     name     TEXT    NOT NULL,
@@ -240,19 +246,33 @@ _RECORDS_OF = (
     "FROM frames f INDEXED BY frames_session_records WHERE f.session_id = :sid AND f.channel = :ch "
     f"AND f.type = '{SESSION_RECORD}' AND f.iid = r.iid"
 )
+_FIRST_OWNER = (
+    f"(SELECT json_extract(f.payload, '$.{OWNER_KEY}') {_RECORDS_OF} "
+    f"AND json_type(f.payload, '$.{OWNER_KEY}') = 'text' ORDER BY f.seq LIMIT 1)"
+)
+_LAST_DECLARATION = (
+    f"(SELECT json_extract(f.payload, '$.{DECLARATION_KEY}') {_RECORDS_OF} "
+    f"AND json_type(f.payload, '$.{DECLARATION_KEY}') = 'object' ORDER BY f.seq DESC LIMIT 1)"
+)
 #: `FrameStore.session_records`: the first `:limit` instances (by name, as `instances()` sorts them;
 #: only `:inst` when it is not NULL) with a record of the session, each with its first owner and
 #: its last declaration.
 SESSION_RECORDS_SQL = (
-    f"SELECT r.name, "
-    f"(SELECT json_extract(f.payload, '$.{OWNER_KEY}') {_RECORDS_OF} "
-    f"AND json_type(f.payload, '$.{OWNER_KEY}') = 'text' ORDER BY f.seq LIMIT 1), "
-    f"(SELECT json_extract(f.payload, '$.{DECLARATION_KEY}') {_RECORDS_OF} "
-    f"AND json_type(f.payload, '$.{DECLARATION_KEY}') = 'object' ORDER BY f.seq DESC LIMIT 1) "
+    f"SELECT r.name, {_FIRST_OWNER}, {_LAST_DECLARATION} "
     f"FROM (SELECT DISTINCT i.iid, i.name FROM frames INDEXED BY frames_session_records JOIN instances i "
     f"ON i.iid = frames.iid WHERE session_id = :sid AND channel = :ch AND type = '{SESSION_RECORD}' "
     f"AND (:inst IS NULL OR i.name = :inst) "
     f"ORDER BY i.name LIMIT :limit) r ORDER BY r.name"
+)
+#: `FrameStore.session_records(..., owner=…)`: the same, of the instances whose first owner is
+#: `:owner`, found along `frames_session_owners` (the instances where it recorded the session),
+#: so what other callers recorded under the id takes none of the `:limit` places.
+OWNED_SESSION_RECORDS_SQL = (
+    f"SELECT r.name, r.owner, {_LAST_DECLARATION} FROM ("
+    f"SELECT r.iid, r.name, {_FIRST_OWNER} AS owner FROM (SELECT DISTINCT iid FROM frames "
+    f"INDEXED BY frames_session_owners WHERE session_id = :sid AND channel = :ch AND type = '{SESSION_RECORD}' "
+    f"AND json_extract(payload, '$.{OWNER_KEY}') = :owner) m JOIN instances r ON r.iid = m.iid "
+    f"WHERE (:inst IS NULL OR r.name = :inst) AND owner = :owner ORDER BY r.name LIMIT :limit) r ORDER BY r.name"
 )
 
 _INSERT_FRAME = (
@@ -787,12 +807,15 @@ class FrameStore(FrameAppends):
 
     async def session_records(
         self, channel: str, session_id: str, limit: int = MAX_RECORDED_INSTANCES, instance: str | None = None,
+        owner: str | None = None,
     ) -> list[RecordedSession]:
         """The instances (at most `limit`, the first by name) whose log holds a `session_record` of the
-        session, with the owner and last declaration each records: one query along
-        `frames_session_records` (see "Schema")."""
+        session (with `owner`: whose first owner is `owner`), with the owner and last declaration each
+        records: one query along `frames_session_records` (`frames_session_owners`; see "Schema")."""
+        sql = SESSION_RECORDS_SQL if owner is None else OWNED_SESSION_RECORDS_SQL
+
         def read() -> list[RecordedSession]:
-            rows = self._db.execute(SESSION_RECORDS_SQL, {"sid": session_id, "ch": channel, "limit": limit, "inst": instance})
+            rows = self._db.execute(sql, {"sid": session_id, "ch": channel, "limit": limit, "inst": instance, "owner": owner})
             return [
                 RecordedSession(name, owner, None if declared is None else json.loads(declared))
                 for name, owner, declared in rows

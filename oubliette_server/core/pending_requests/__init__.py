@@ -10,6 +10,9 @@ store is shared: the composition root (app.py) picks the crossing once.
 
 from .book import RESOLVED_MEMORY, RequestBook
 from .crossing import Crossing, SharedLog, SharedStore, SingleServer
-from .service import PendingRequests
+from .service import SERVER_SHUTDOWN, PendingRequests, shut_down
 
-__all__ = ["RESOLVED_MEMORY", "Crossing", "PendingRequests", "RequestBook", "SharedLog", "SharedStore", "SingleServer"]
+__all__ = [
+    "RESOLVED_MEMORY", "SERVER_SHUTDOWN", "Crossing", "PendingRequests", "RequestBook", "SharedLog", "SharedStore",
+    "SingleServer", "shut_down",
+]

@@ -101,9 +101,10 @@ class Crossing(Protocol):
         no owner of it (nothing on one server, whose memory is all there is)."""
         ...
 
-    async def recorded_sessions(self, channel: str, session_id: str) -> list[RecordedSession]:
-        """The instances whose log records an owner or declaration of the session, with what each
-        records: one store read, bounded (`MAX_RECORDED_INSTANCES`); none on one server."""
+    async def recorded_sessions(self, channel: str, session_id: str, owner: str | None = None) -> list[RecordedSession]:
+        """The instances whose log records an owner or declaration of the session (with `owner`: only
+        those `owner` opened), with what each records: one store read, bounded
+        (`MAX_RECORDED_INSTANCES`); none on one server."""
         ...
 
     async def session_record(self, session_of: Callable[[], Session]) -> SessionRecord | None:
@@ -161,7 +162,7 @@ class SingleServer:
         """Nothing: every session this server serves was opened here."""
         return None, None
 
-    async def recorded_sessions(self, channel: str, session_id: str) -> list[RecordedSession]:
+    async def recorded_sessions(self, channel: str, session_id: str, owner: str | None = None) -> list[RecordedSession]:
         """None: no other server opens sessions."""
         return []
 
@@ -245,9 +246,9 @@ class SharedStore:
         """Read from the session's `session_record` frames."""
         return await self.log.session_record(session)
 
-    async def recorded_sessions(self, channel: str, session_id: str) -> list[RecordedSession]:
+    async def recorded_sessions(self, channel: str, session_id: str, owner: str | None = None) -> list[RecordedSession]:
         """The store's `session_records`: one indexed query over every instance's log."""
-        return await self.log.store.session_records(channel, session_id)
+        return await self.log.store.session_records(channel, session_id, owner=owner)
 
     async def session_record(self, session_of: Callable[[], Session]) -> SessionRecord | None:
         """Read from the session's `session_record` frames."""

@@ -20,6 +20,17 @@ from .crossing import Crossing, SingleServer
 if TYPE_CHECKING:
     from protocol import Frame
 
+#: The reason a stopping server gives trio when it cancels everything (`trio.CancelScope.cancel(reason=...)`,
+#: program/runner.py). A request cancelled with it records the server's shutdown as its end, not the
+#: agent's cancel: trio hands a scope's reason down to every scope inside it not cancelled before.
+SERVER_SHUTDOWN = "server shutdown"
+
+
+def shut_down(cancelled: trio.Cancelled) -> bool:
+    """`cancelled` comes from the server stopping (SIGTERM, SIGINT, its stdio caller gone), not from
+    the agent's cancel or its connection ending, which reach a request's handler with no such reason."""
+    return cancelled.reason == SERVER_SHUTDOWN
+
 
 class PendingRequests(Generic[E]):
     """The pending requests of one kind of the whole server, by request id.
@@ -130,8 +141,9 @@ class PendingRequests(Generic[E]):
             entry.waiting.cancel()
 
     async def _end_if_open(self, entry: E, end: Callable[[], None]) -> None:
-        """The agent cancelled: holding `entry`'s claim (an answer being stored goes first: stored,
-        it wins), `end()` it if still open; shielded, for the cancel must finish."""
+        """The agent cancelled, or the server stops (`shut_down`): holding `entry`'s claim (an answer
+        being stored goes first: stored, it wins), `end()` it if still open; shielded, for the cancel
+        must finish."""
         with trio.CancelScope(shield=True):
             async with entry.claim:
                 if self.is_open(entry):

@@ -441,11 +441,10 @@ class CallerApi:
         return Decision(approve=item["approve"], who=who, reason=item.get("reason"))
 
     async def _approval_session(self, caller: CallerConnection, session_id: str, instance: str | None) -> Session:
-        """The session an `approval_response` is for: held here, or (shared store) learned from the log."""
-        matches = self.sessions.find_by_id(session_id, instance) \
-            or await self.sessions.learn(session_id, SESSION_CHANNEL, instance)
-        if len(matches) > 1:
-            matches = [s for s in matches if s.owner is caller] or matches
+        """The session an `approval_response` is for: held here, or (shared store) learned from the log;
+        the caller's own first (`SessionRegistry.mine_first`: other callers' sessions of the id never hide it)."""
+        mine, known = await self.sessions.mine_first(caller, session_id, SESSION_CHANNEL, instance)
+        matches = mine or known
         if not matches:
             raise RelayError(errors.NOT_FOUND, f"unknown session '{session_id}'")
         if len(matches) > 1:

@@ -44,7 +44,7 @@ from protocol.schema_check import schema_problem
 from protocol.timestamps import utc_timestamp
 from protocol.trace_spans import approval_wait_span
 
-from ...core.pending_requests import Crossing, PendingRequests
+from ...core.pending_requests import Crossing, PendingRequests, shut_down
 from ...core.sessions import Session
 from ...store.api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
 
@@ -268,8 +268,8 @@ class ApprovalService(PendingRequests[PendingApproval]):
     ) -> Decision:
         """Ask `caller` to decide on the call and wait for exactly one decision.
 
-        Cancellation: the approval is decided "cancelled" (denied), its `approval_resolved`
-        frame is appended under a shield, and `Cancelled` propagates.
+        Cancellation: the approval is decided "cancelled" (denied; "server_shutdown" when the server stops,
+        `shut_down`), its `approval_resolved` frame is appended under a shield, and `Cancelled` propagates.
         """
         started = trio.current_time()
         seconds = self.default_timeout if timeout is None else timeout
@@ -310,10 +310,12 @@ class ApprovalService(PendingRequests[PendingApproval]):
                     )))
                 if not entry.recorded.is_set():  # a denial this server took: stored before the call hears it
                     await self._record(entry)
-            except trio.Cancelled:
-                await self._end_if_open(entry, lambda: self._decide(
-                    entry, Decision(approve=False, who="cancelled", reason="the agent cancelled the call"),
-                ))
+            except trio.Cancelled as cancelled:
+                if shut_down(cancelled):
+                    withdrawn = Decision(approve=False, who="server_shutdown", reason="the server shut down before a decision")
+                else:
+                    withdrawn = Decision(approve=False, who="cancelled", reason="the agent cancelled the call")
+                await self._end_if_open(entry, lambda: self._decide(entry, withdrawn))
                 if not entry.recorded.is_set():
                     with trio.CancelScope(shield=True):
                         await self._record(entry)  # with a shared store it loses to a decision stored first

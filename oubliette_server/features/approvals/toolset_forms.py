@@ -21,7 +21,7 @@ from .service import ApprovalService
 
 log = logging.getLogger("oubliette.server.approvals.toolset_forms")
 
-NOT_ASKED = ("timeout", "cancelled", "disconnect")
+NOT_ASKED = ("timeout", "cancelled", "disconnect", "server_shutdown")
 
 
 class ToolsetForms:

@@ -41,7 +41,7 @@ from protocol.frames import is_past, utc_timestamp
 from protocol.schema_check import schema_problem
 from protocol.trace_spans import current_meta
 
-from ...core.pending_requests import Crossing, PendingRequests
+from ...core.pending_requests import SERVER_SHUTDOWN, Crossing, PendingRequests, shut_down
 from ...core.sessions import Session
 from ...store.api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
 from ..cluster.log_bus import OUTCOME_TYPES, PROGRESS, REQUEST, REQUEST_TYPES
@@ -220,10 +220,13 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
                     call, "timed out", error=_timed_out(spec, session, timeout), unrecorded="timeout",
                 ))
             await self._record_end(call)
-        except trio.Cancelled:
+        except trio.Cancelled as cancelled:
+            if shut_down(cancelled):
+                how, reason = "cancelled: the server shut down", SERVER_SHUTDOWN
+            else:
+                how = reason = "cancelled by the agent"
             await self._end_if_open(call, lambda: self._finish(
-                call, "cancelled by the agent", error=RelayError(errors.CANCELLED, "cancelled"),
-                unrecorded="cancelled by the agent",
+                call, how, error=RelayError(errors.CANCELLED, how), unrecorded=reason,
             ))
             with trio.CancelScope(shield=True):
                 await self._record_end(call)

@@ -9,7 +9,7 @@ from protocol.session_keys import check_session, shown
 from ...core.frame_log import AppendFrame as Append
 from ...core.server_owned import refuse_server_owned
 from ...core.sessions import Session, SessionRegistry, session_has_frames
-from ...store.api import FrameStoreAPI
+from ...store.api import FrameStoreAPI, check_resend
 from .delivery import GuestDelivery, GuestPeer
 
 GUEST_FRAME_TYPES = frozenset({FrameType.ASSISTANT_DELTA, FrameType.STATUS_PRESENCE, *TURN_END_TYPES})
@@ -27,10 +27,12 @@ class GuestFrames:
     store (is a forgotten session in the log?).
     A frame sent with an `append_id` is stored once however often the guest resends it (to this
     server or another sharing the store, docs/TETHER.md "Exactly-once appends"): a resend is
-    answered with the stored frame's seq and msg_id, also a resent turn end.
+    answered with the stored frame's seq and msg_id, also a resent turn end; an id sent again with
+    another frame is refused (`AppendIdReused`, -32602 naming the id), nothing stored.
 
     Raises: `RelayError(INVALID_PARAMS)` for a frame type or payload key a guest may not append,
-    a session key outside the grammar (protocol/session_keys.py) or a malformed `append_id`;
+    a session key outside the grammar (protocol/session_keys.py), a malformed `append_id` or one
+    used before for another frame;
     `RelayError(NOT_FOUND)` for a session the server does not know.
     """
 
@@ -71,7 +73,7 @@ class GuestFrames:
         if ends_turn:
             assert request.reply_to is not None
             if not await self.delivery.turn_ended(connection, request.reply_to):
-                resent = await self._stored_before(connection.instance, request.append_id)
+                resent = await self._stored_before(connection.instance, request)
                 if resent is not None:
                     return resent  # this end was stored: the turn ended with it
                 raise RelayError(
@@ -91,12 +93,19 @@ class GuestFrames:
                 self.delivery.turn_end_stored(connection, request.reply_to)
         return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
 
-    async def _stored_before(self, instance: str, append_id: str | None) -> messages.AppendFrameResult | None:
-        """Where the frame of `append_id` landed, if the log has it (a resent turn end)."""
-        if append_id is None:
+    async def _stored_before(self, instance: str, request: messages.AppendFrame) -> messages.AppendFrameResult | None:
+        """Where the frame of the request's `append_id` landed, if the log has it (a resent turn end);
+        `AppendIdReused` if the id's frame is another frame (`check_resend`, as `append_once`)."""
+        if request.append_id is None:
             return None
-        frame = await self.store.frame_of_append_id(instance, append_id)
-        return None if frame is None else messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
+        frame = await self.store.frame_of_append_id(instance, request.append_id)
+        if frame is None:
+            return None
+        check_resend(
+            frame, request.append_id, request.session.channel, request.session.id, request.type, request.payload,
+            request.reply_to,
+        )
+        return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
 
     async def _known_session(self, instance: str, channel: str, session_id: str) -> Session:
         """The session if the server holds it or its log has frames of it (made again after it was
