@@ -214,6 +214,7 @@ class RelayPeer:
         self._in_flight: dict[Any, trio.CancelScope] = {}
         self._scope: trio.CancelScope | None = None
         self._close_reason: str | None = None
+        self._close_after_answer: str | None = None
         self._hello_deadline = math.inf
         self.opened = trio.Event()
         """Set once the handshake completed (server: hello answered; client: answer read)."""
@@ -285,6 +286,12 @@ class RelayPeer:
         self._wake_room_waiters()
         if self._scope is not None:
             self._scope.cancel()
+
+    def close_after_answer(self, reason: str) -> None:
+        """End the connection once the next answer is queued (written first), logging `reason`: a
+        handler that refuses a request and ends its connection calls it, so the peer reads why."""
+        log.warning("%r: closing after this answer: %s", self.name, reason)
+        self._close_after_answer = reason
 
     def _wake_room_waiters(self) -> None:
         self._pushed.wake_all()
@@ -645,6 +652,8 @@ class RelayPeer:
                 on_written()
             return
         self._answer(data, on_written)
+        if self._close_after_answer is not None:
+            self._close_after_flush(self._close_after_answer)
 
     async def _on_notification(self, event: NotificationReceived, handlers: Mapping[str, HandlerEntry[Any]]) -> None:
         """Notifications run in order, in the read loop: keep their handlers short."""

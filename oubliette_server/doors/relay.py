@@ -170,6 +170,10 @@ class RelayConnection:
         """End this connection (e.g. a newer guest replaced it)."""
         self._peer.close("replaced by a newer connection")
 
+    def close_after_answer(self, reason: str) -> None:
+        """End this connection once the answer being made is written (the peer reads why)."""
+        self._peer.close_after_answer(reason)
+
     async def run(self) -> None:
         """Serve the connection until it ends; `on_close` runs whenever `on_open` did."""
         try:
