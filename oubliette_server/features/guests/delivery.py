@@ -120,9 +120,9 @@ class GuestDelivery:
             channel, session_id, _ = turns[msg_id]
             turns[msg_id] = (channel, session_id, True)
 
-    def turn_ending(self, msg_id: str) -> None:
-        """The guest sends the end of the turn of `msg_id`: it is no turn in flight any more (no
-        orphan). Whether it is the turn's end is the store's to say (`TurnEnded`)."""
+    def turn_over(self, msg_id: str) -> None:
+        """The turn of `msg_id` has its end in the log (stored now, or before: `TurnEnded`): it is
+        no turn in flight any more, and no orphan when its guest goes."""
         for turns in self._in_flight.values():
             turns.pop(msg_id, None)
 

@@ -68,22 +68,25 @@ class GuestFrames:
             )
         assert connection.instance is not None
         session = await self._known_session(connection.instance, request.session.channel, request.session.id)
+        ends_turn = request.type in TURN_END_TYPES and request.reply_to is not None
         if request.reply_to is not None:
             await self._refuse_if_taken_over(connection)
-            if request.type in TURN_END_TYPES:
-                self.delivery.turn_ending(request.reply_to)
-            else:
+            if not ends_turn:
                 self.delivery.turn_started(connection, request.reply_to)
         try:
             frame = await self.append(
                 session, request.type, request.payload, reply_to=request.reply_to, append_id=request.append_id,
             )
         except TurnEnded as ended:  # (a resend with the end's append_id gets the stored end from `append`)
+            self.delivery.turn_over(ended.end.reply_to or "")
             raise RelayError(
                 errors.INVALID_REQUEST,
                 f"{ended.message} (the server ends a turn with session.error when its guest disconnects mid-turn, "
                 "or its start fails)",
             ) from None
+        if ends_turn:
+            # Only once the end is stored: an end cut short (the guest left mid-append) leaves an orphan.
+            self.delivery.turn_over(frame.reply_to or "")
         return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
 
     async def _refuse_if_taken_over(self, connection: GuestPeer) -> None:
