@@ -319,7 +319,9 @@ class RelayPeer:
         """The only task that writes to the stream."""
         try:
             async for item in self._receive:
-                if item is _CLOSE:
+                if item is _CLOSE:  # what was queued before it is written: the connection ends now
+                    if self._scope is not None:
+                        self._scope.cancel()
                     return
                 if item.room is not None:
                     item.room.give()

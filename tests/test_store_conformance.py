@@ -102,6 +102,35 @@ async def race_on_two_stores(
     return results
 
 
+async def race_held_at_the_row(
+    pg_url: str, a: FrameStoreAPI, b: FrameStoreAPI, call: Callable[[FrameStoreAPI, str], Awaitable[Any]], statement: str,
+) -> list[Any]:
+    """`call(store, who)` on both stores at once, the race made certain: a third connection holds
+    box1's row of `instances` until both statements (beginning with `statement`) wait for it, then
+    lets go. The results, in the order they came."""
+    import psycopg
+
+    raced: list[Any] = []
+
+    async def send(store: FrameStoreAPI, who: str) -> None:
+        raced.append(await call(store, who))
+
+    with psycopg.connect(pg_url) as blocker:
+        blocker.execute("SELECT 1 FROM instances WHERE name = 'box1' FOR UPDATE")
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send, a, "a")
+                nursery.start_soon(send, b, "b")
+                with psycopg.connect(pg_url, autocommit=True) as watcher:
+                    while watcher.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                        (statement + "%",),
+                    ).fetchone()[0] < 2:  # type: ignore[index]
+                        await trio.sleep(0.01)  # pg_stat_activity has no event to wait on
+                blocker.rollback()
+    return raced
+
+
 async def seqs(store: FrameStoreAPI, instance: str = "box1", **kw: Any) -> list[int]:
     return [f.seq for f in await store.query(instance, FrameQuery(**kw))]
 
@@ -484,26 +513,8 @@ async def test_append_once_one_frame_across_two_store_objects(pg_url: str) -> No
         # The race itself, made certain: both statements start (each sees no frame of the id)
         # while a third connection holds the instance's row, so both wait at the seq; released,
         # one stores and the other breaks the unique index, finds the frame and returns it.
-        import psycopg
-
-        with psycopg.connect(pg_url) as blocker:
-            blocker.execute("SELECT 1 FROM instances WHERE name = 'box1' FOR UPDATE")
-            raced: list[Any] = []
-
-            async def send_raced(store: FrameStoreAPI, who: str) -> None:
-                raced.append(await once(store, "box1", "raced", who))
-
-            with trio.fail_after(30):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(send_raced, a, "a")
-                    nursery.start_soon(send_raced, b, "b")
-                    with psycopg.connect(pg_url, autocommit=True) as watcher:
-                        while watcher.execute(
-                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                            "AND query LIKE 'WITH found AS%'"
-                        ).fetchone()[0] < 2:  # type: ignore[index]
-                            await trio.sleep(0.01)
-                    blocker.rollback()
+        raced = await race_held_at_the_row(
+            pg_url, a, b, lambda store, who: once(store, "box1", "raced", who), "WITH found AS")
         assert [stored for _, stored in raced].count(True) == 1, raced
         assert raced[0][0] == raced[1][0] and raced[0][0].seq == 21
         assert await seqs(store=a, limit=200) == list(range(1, 22)), "gapless: the loser spent no seq"
@@ -621,26 +632,8 @@ async def test_a_turn_ends_once_across_two_store_objects(pg_url: str) -> None:
             assert got[0] == got[1], (msg_id, got)
         assert await seqs(store=a, limit=200) == list(range(1, 21)), "gapless: the loser spent no seq"
 
-        import psycopg
-
-        with psycopg.connect(pg_url) as blocker:
-            blocker.execute("SELECT 1 FROM instances WHERE name = 'box1' FOR UPDATE")
-            raced: list[Any] = []
-
-            async def send_raced(store: FrameStoreAPI, who: str) -> None:
-                raced.append(await end_or_refused(store, "m-raced", who))
-
-            with trio.fail_after(30):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(send_raced, a, "a")
-                    nursery.start_soon(send_raced, b, "b")
-                    with psycopg.connect(pg_url, autocommit=True) as watcher:
-                        while watcher.execute(
-                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                            "AND query LIKE 'WITH bumped AS%'"
-                        ).fetchone()[0] < 2:  # type: ignore[index]
-                            await trio.sleep(0.01)
-                    blocker.rollback()
+        raced = await race_held_at_the_row(
+            pg_url, a, b, lambda store, who: end_or_refused(store, "m-raced", who), "WITH bumped AS")
         assert raced[0] == raced[1] and raced[0].seq == 21, raced
         assert await seqs(store=a, limit=200) == list(range(1, 22)), "gapless: the loser spent no seq"
 

@@ -68,10 +68,10 @@ class GuestFrames:
             )
         assert connection.instance is not None
         session = await self._known_session(connection.instance, request.session.channel, request.session.id)
-        ends_turn = request.type in TURN_END_TYPES and request.reply_to is not None
+        ends = request.reply_to if request.type in TURN_END_TYPES else None  # the message whose turn this ends
         if request.reply_to is not None:
             await self._refuse_if_taken_over(connection)
-            if not ends_turn:
+            if ends is None:
                 self.delivery.turn_started(connection, request.reply_to)
         try:
             frame = await self.append(
@@ -84,9 +84,9 @@ class GuestFrames:
                 f"{ended.message} (the server ends a turn with session.error when its guest disconnects mid-turn, "
                 "or its start fails)",
             ) from None
-        if ends_turn:
+        if ends is not None:
             # Only once the end is stored: an end cut short (the guest left mid-append) leaves an orphan.
-            self.delivery.turn_over(frame.reply_to or "")
+            self.delivery.turn_over(ends)
         return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
 
     async def _refuse_if_taken_over(self, connection: GuestPeer) -> None:
