@@ -25,7 +25,9 @@ One real ``oubliette-server`` (a caller on its stdio, an HTTP listener on a Unix
    seconds (default 60) it records the server's RSS and open file descriptors (``/proc/PID/fd``).
    It reports both at the start and the end, and the growth rate over the last two thirds of the
    run (the first third is warm-up: caches and the allocator's arenas filling); a leak shows as
-   steady growth there, a plateau as none. Lost or wrong calls and frames fail the run as above.
+   steady growth there, a plateau as none. It also says where RSS levelled off (the first sample
+   within 1 MiB of the run's highest: its time, calls and RSS), and ``--samples`` prints every
+   sample (seconds, calls, RSS, fds). Lost or wrong calls and frames fail the run as above.
 
 It prints the throughput of each part, the server's RSS (``VmRSS`` of ``/proc/PID/status``)
 before, between and after, and the lost and duplicated counts for the calls and for each reader
@@ -64,6 +66,8 @@ INGRESS_SESSION = "soak"
 ANSWERS_IN_FLIGHT = 64  # caller_tool_response calls at a time
 CALL_TIMEOUT = 600.0  # the server's caller timeout for this run: the caller holds every answer on purpose
 PART_TIMEOUT = 1800.0
+PLATEAU_KIB = 1024  # the steady part's RSS has levelled off once it stays this close to its highest
+Sample = tuple[float, int, int, int]  # seconds into the steady part, RSS KiB, open fds, calls done
 
 
 class SoakError(RuntimeError):
@@ -365,7 +369,7 @@ async def part_steady(caller: Client, answers: trio.MemoryReceiveChannel[dict[st
     )
     counts = Counter[str]()
     problems: list[str] = []
-    samples: list[tuple[float, int, int]] = []
+    samples: list[Sample] = []
     base = f"/v1/instances/{INGRESS_INSTANCE}/tether"
     query = {"channel": "host", "session_id": "steady", "types": "user.message"}
 
@@ -424,21 +428,21 @@ async def part_steady(caller: Client, answers: trio.MemoryReceiveChannel[dict[st
     async with Client(params, mode="legacy") as agent, trio.open_nursery() as nursery:
         nursery.start_soon(answerer)
         start = time.perf_counter()
-        samples.append((0.0, rss_kib(pid), open_fds(pid)))
+        samples.append((0.0, rss_kib(pid), open_fds(pid), 0))
         nursery.start_soon(caller_load, agent)
         nursery.start_soon(frame_load)
         nursery.start_soon(reader)
         while (elapsed := time.perf_counter() - start) < args.duration:
             await trio.sleep(min(args.sample, args.duration - elapsed))
-            samples.append((time.perf_counter() - start, rss_kib(pid), open_fds(pid)))
-            t, rss, fds = samples[-1]
+            samples.append((time.perf_counter() - start, rss_kib(pid), open_fds(pid), counts["calls"]))
+            t, rss, fds, _ = samples[-1]
             print(f"  steady: {t:6.0f} s  RSS {rss / 1024:6.1f} MiB  fds {fds:4d}  calls {counts['calls']}  "
                   f"frames posted {counts['posted']} read {counts['read']}", file=sys.stderr, flush=True)
         nursery.cancel_scope.cancel()
     return {"samples": samples, "counts": dict(counts), "problems": problems}
 
 
-def growth_per_hour(samples: list[tuple[float, int, int]], column: int) -> float:
+def growth_per_hour(samples: list[Sample], column: int) -> float:
     """Least-squares slope of one sample column over the last two thirds of the run, per hour."""
     end = samples[-1][0]
     tail = [s for s in samples if s[0] >= end / 3] or samples
@@ -452,9 +456,16 @@ def growth_per_hour(samples: list[tuple[float, int, int]], column: int) -> float
     return 3600 * sum((s[0] - mean_t) * (s[column] - mean_v) for s in tail) / var
 
 
-def report_steady(steady: dict[str, Any], pid: int) -> bool:
+def levelled_off(samples: list[Sample]) -> Sample:
+    """The first sample from which RSS stays within `PLATEAU_KIB` of the run's highest: where it
+    levelled off (if that is in the last third of the run, it was still rising)."""
+    highest = max(s[1] for s in samples)
+    return next(s for s in samples if highest - s[1] <= PLATEAU_KIB)
+
+
+def report_steady(steady: dict[str, Any], pid: int, show_samples: bool = False) -> bool:
     samples, counts, problems = steady["samples"], steady["counts"], steady["problems"]
-    (_, rss0, fds0), (t1, rss1, fds1) = samples[0], samples[-1]
+    (_, rss0, fds0, _), (t1, rss1, fds1, _) = samples[0], samples[-1]
     print()
     print("Oubliette soak, steady load")
     print(f"  python {sys.version.split()[0]}, trio {trio.__version__}, {os.cpu_count()} CPUs, server pid {pid}")
@@ -463,6 +474,13 @@ def report_steady(steady: dict[str, Any], pid: int) -> bool:
     print(f"  RSS: start {rss0 / 1024:.1f} MiB, end {rss1 / 1024:.1f} MiB; "
           f"growth over the last two thirds {growth_per_hour(samples, 1) / 1024:+.1f} MiB/h")
     print(f"  fds: start {fds0}, end {fds1}; growth over the last two thirds {growth_per_hour(samples, 2):+.1f}/h")
+    t, rss, _, calls = levelled_off(samples)
+    print(f"  RSS {'levelled off' if t < 2 * t1 / 3 else 'still rising'}: within {PLATEAU_KIB // 1024} MiB of its highest ({max(s[1] for s in samples) / 1024:.1f} MiB) "
+          f"from {t:.0f} s on, {calls} calls in ({rss / 1024:.1f} MiB then)")
+    if show_samples:
+        print("  samples:   seconds   calls  RSS MiB  fds")
+        for t, rss, fds, calls in samples:
+            print(f"           {t:9.0f} {calls:7d} {rss / 1024:8.1f} {fds:4d}")
     for line in problems[:10]:
         print(f"  problem: {line}")
     ok = not problems and counts.get("calls", 0) > 0
@@ -517,7 +535,7 @@ async def soak_steady(server_params: StdioServerParameters, data_dir: Path, rela
         async with Client(server_params, mode="legacy", logging_callback=on_log) as caller:
             pid = server_pid(data_dir)
             steady = await part_steady(caller, receive, pid, data_dir, relay, http_socket, args)
-    return report_steady(steady, pid)
+    return report_steady(steady, pid, args.samples)
 
 
 def report(calls: dict[str, Any] | None, frames: dict[str, Any] | None, rss: dict[str, int], pid: int) -> bool:
@@ -576,6 +594,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=20, help="steady part: relayed calls per second (default 20)")
     parser.add_argument("--frame-rate", type=float, default=20, help="steady part: ingress frames per second (default 20)")
     parser.add_argument("--sample", type=float, default=60, help="steady part: seconds between RSS/fd samples (default 60)")
+    parser.add_argument("--samples", action="store_true",
+                        help="steady part: print every sample (seconds, calls, RSS, fds) in the report")
     args = parser.parse_args()
     if min(args.calls, args.instances, args.agents_per_instance, args.frames, args.posters) < 1:
         parser.error("counts must be positive")

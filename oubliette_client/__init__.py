@@ -13,15 +13,20 @@ from protocol import lazy_exports
 
 if TYPE_CHECKING:
     from .guest import GuestRuntime
-    from .relay_link import RelayLink
-    from .settings import RelaySettings
+    from .library import Progress, SandboxClient, ToolCallError, open_sandbox_client
+    from .relay_link import RelayLink, RelayRefused, RelayUnavailable
+    from .settings import RelaySettings, settings_from_environment
     from .stdio_server import SandboxToolServer
 
-__all__ = ["GuestRuntime", "RelayLink", "RelaySettings", "SandboxToolServer"]
+__all__ = [
+    "GuestRuntime", "Progress", "RelayLink", "RelayRefused", "RelaySettings", "RelayUnavailable", "SandboxClient",
+    "SandboxToolServer", "ToolCallError", "open_sandbox_client", "settings_from_environment",
+]
 
 _MODULE_OF = {
-    "GuestRuntime": ".guest", "RelayLink": ".relay_link",
-    "RelaySettings": ".settings", "SandboxToolServer": ".stdio_server",
+    "GuestRuntime": ".guest", "RelayLink": ".relay_link", "RelayRefused": ".relay_link", "RelayUnavailable": ".relay_link",
+    "RelaySettings": ".settings", "settings_from_environment": ".settings", "SandboxToolServer": ".stdio_server",
+    "Progress": ".library", "SandboxClient": ".library", "ToolCallError": ".library", "open_sandbox_client": ".library",
 }
 
 

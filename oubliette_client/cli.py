@@ -123,7 +123,8 @@ def _endpoint_main(argv: list[str], tools: bool) -> int:
         + ("(one action: list | describe NAME | call NAME JSON)." if tools else "(one JSON request per stdin line)."),
     )
     add_relay_arguments(parser)
-    parser.add_argument("--connect-wait", type=cli_seconds, default=5.0, help="seconds to wait for the relay (default 5)")
+    # A server that is starting (its store opened, its socket bound) took 5-6.5 s on a loaded host.
+    parser.add_argument("--connect-wait", type=cli_seconds, default=15.0, help="seconds to wait for the relay (default 15)")
     _add_common(parser, "WARNING")
     if tools:
         parser.add_argument("words", nargs="*", help="list | describe NAME | call NAME JSON")

@@ -22,12 +22,17 @@ SDK and gets its answer.
 
 The agent's first request (an `initialize`, or any request of a 2026-07-28 agent) is answered
 only once the relay has given its verdict on this client's hello, at most `HELLO_VERDICT_WAIT`
-from the start (and never past `--connect-wait`; an unreachable relay settles at once): a relay that refuses the instance for
-good (a wrong token, an unknown instance) gets that request — and every request in the next
-`REFUSED_LINGER` seconds — a JSON-RPC error with the reason, and the program then exits 1 with
-the same line on stderr, so a host's health check (`claude mcp
-list`) shows a failure instead of a healthy server whose every call fails. A relay that is
-merely unreachable may come back: the client serves, and each call's error says why. `OUBLIETTE_EARLY_HANDSHAKE=0` (or false/no/off) turns the early answers
+from the start (and never past `--connect-wait`): a relay that refuses the instance for good (a
+wrong token, an unknown instance), or that cannot be reached at all until then (no socket at the
+path, nothing listening), gets that request — and every request in the next `REFUSED_LINGER`
+seconds — a JSON-RPC error with the reason, and the program then exits 1 with the same line on
+stderr, so a host's health check (`claude mcp list`) shows a failure instead of a healthy server
+whose every call fails. Failing the start is right for an unreachable relay too: the guest
+runtime starts an agent only for a message it just received over that relay, so a relay not
+there at the agent's start is a wrong address or a missing mount, not a blip. A relay that is
+merely slow (connected, its hello not answered yet) is waited for: the client serves, and the
+first list waits for it. A relay lost after the start may come back: the client serves on, and
+each call's error says why. `OUBLIETTE_EARLY_HANDSHAKE=0` (or false/no/off) turns the early answers
 off: then every line waits for the SDK, as before.
 
 Owns: the relay link's task, the stdin reader task, and the SDK's serving, in one nursery; at most
@@ -179,7 +184,15 @@ class EarlyHandshake:
         """Before the agent's first request is answered: wait (bounded) for the relay's verdict on
         the hello; a refusal for good is kept in `refusal`."""
         link = self.tools.link
-        await self.tools.wait_first_attempt(min(self._relay_deadline, self._started + HELLO_VERDICT_WAIT))
+        deadline = min(self._relay_deadline, self._started + HELLO_VERDICT_WAIT)
+        await self.tools.wait_first_attempt(deadline)
+        if link.attempted.is_set() and not link.connected and link.refused is None:
+            with trio.move_on_at(deadline):  # unreachable: a server that is restarting gets until the deadline
+                await link.wait_settled()
+            if not link.connected and link.refused is None:
+                self.refusal = link.failure_line()
+                self._refusal_code = errors.PEER_DISCONNECTED
+                return
         if link.refused is not None:
             self.refusal = link.failure_line()
             self._refusal_code = link.refused_code or errors.UNAUTHORIZED

@@ -97,7 +97,7 @@ class ActionEndpoint:
             with trio.move_on_after(self.connect_wait):
                 await (link.wait_settled() if self.require_connection else link.wait_connected())
             if self.require_connection and not link.connected:
-                failure = link.failure_line()
+                failure = link.failure_line(waited=self.connect_wait)
                 nursery.cancel_scope.cancel()
             else:
                 try:

@@ -51,6 +51,9 @@ log = logging.getLogger("oubliette.client.guest")
 
 MCP_CONFIG_PLACEHOLDER = "{mcp_config}"
 STDERR_TAIL = 4096
+#: How much of a failed agent's last output its `session.error` message quotes (`output_end`).
+OUTPUT_END_LINES = 3
+OUTPUT_END_CHARS = 300
 #: Seconds a cancelled turn's process group gets between SIGTERM and SIGKILL.
 TERMINATE_GRACE = 2.0
 #: Seconds one turn's agent command may run before it is stopped (`--turn-timeout`).
@@ -255,10 +258,10 @@ class GuestRuntime:
             await self._append(frame, FrameType.ASSISTANT_DONE, {"text": "\n".join(lines)})
         else:
             tail = bytes(stderr[-STDERR_TAIL:]).decode(errors="replace")
-            log.warning("turn for %s (seq %d) failed: the agent command exited with status %d", key, frame.seq, code)
+            message = f"the agent command exited with status {code}{output_end(tail, lines)}"
+            log.warning("turn for %s (seq %d) failed: %s", key, frame.seq, message)
             await self._append(frame, FrameType.SESSION_ERROR, {
-                "message": f"the agent command exited with status {code}", "exit_code": code, "stderr": tail,
-                "text": "\n".join(lines),
+                "message": message, "exit_code": code, "stderr": tail, "text": "\n".join(lines),
             })
 
     @staticmethod
@@ -282,6 +285,23 @@ class GuestRuntime:
         while chunk := await stream.receive_some(65536):
             into.extend(chunk)
             del into[:-STDERR_TAIL * 4]
+
+
+def output_end(stderr: str, stdout: list[str]) -> str:
+    """What a failed agent last said, for the caller's stop and the log line: the last
+    `OUTPUT_END_LINES` non-empty lines of its stderr and of its stdout, each at most
+    `OUTPUT_END_CHARS` characters from its end, unprintable characters escaped ("" when it said
+    nothing). A CLI that is not logged in says so on stdout and exits 1; without this the caller
+    read only the exit status."""
+    said = []
+    for name, text in (("stderr", stderr), ("stdout", "\n".join(stdout))):
+        last = " | ".join([line.strip() for line in text.splitlines() if line.strip()][-OUTPUT_END_LINES:])
+        if last:
+            if len(last) > OUTPUT_END_CHARS:
+                last = "…" + last[-OUTPUT_END_CHARS:]
+            shown = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in last)
+            said.append(f"its {name} ends: {shown}")
+    return "; " + "; ".join(said) if said else ""
 
 
 def lifeline_command(command: list[str], lifeline: int) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Protocol
 
 import attrs
 import trio
@@ -28,6 +28,20 @@ DEFAULT_PROGRESS_INTERVAL = 15.0
 SendProgress = Callable[[float, "float | None", "str | None"], Awaitable[None]]
 
 _refs = itertools.count(1)
+
+
+def new_progress_ref() -> str:
+    """A `progress_ref` no other call of this process carries: the server's reports on a call name it."""
+    return f"p-{next(_refs)}"
+
+
+class ProgressSink(Protocol):
+    """Where the relay's progress reports on one call go (`SandboxTools.call`): `report` never waits."""
+
+    ref: str
+
+    def report(self, progress: float, total: float | None = None, message: str | None = None) -> None:
+        """Take one report on the call (called in the relay connection's task; must not block)."""
 
 
 @attrs.frozen
@@ -47,7 +61,7 @@ class AgentProgress:
     """
 
     def __init__(self, send: SendProgress, interval: float = DEFAULT_PROGRESS_INTERVAL, waiting_for: str = "") -> None:
-        self.ref = f"p-{next(_refs)}"
+        self.ref = new_progress_ref()
         """The `progress_ref` the relay request carries, so the server's reports reach this call."""
         self._send = send
         self.interval = interval

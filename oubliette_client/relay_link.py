@@ -57,8 +57,8 @@ class RelayRefused(RelayUnavailable):
     """The relay refused this instance for good (wrong token, unknown instance, wrong protocol): waiting cannot help."""
 
 
-#: What to check when the relay cannot be reached.
-CONNECT_HINT = "is oubliette-server running? set OUBLIETTE_RELAY or --relay"
+#: What to check when the relay cannot be reached (a server that is starting has no socket yet).
+CONNECT_HINT = "is oubliette-server running, or still starting? set OUBLIETTE_RELAY or --relay"
 
 
 class RelayLink:
@@ -97,6 +97,7 @@ class RelayLink:
         self.address = self.addresses[0]
         """The address the link uses now (it moves to the next one after a failure)."""
         self.last_error = "not connected yet"
+        self._hint: str | None = CONNECT_HINT
         self.connected = False
         self.handshakes = 0
         """Completed handshakes: only a connection that was up makes the next attempt start quick again."""
@@ -117,10 +118,12 @@ class RelayLink:
 
     # -- state ---------------------------------------------------------------------------
 
-    def _set_state(self, connected: bool, error: str | None = None) -> None:
+    def _set_state(self, connected: bool, error: str | None = None, hint: str | None = CONNECT_HINT) -> None:
+        """`hint`: what a person should check for `error` (`failure_line`); None when it says so itself."""
         self.connected = connected
         if error is not None:
             self.last_error = error
+            self._hint = hint
         self._state_changed.set()
         self._state_changed = trio.Event()
 
@@ -134,14 +137,19 @@ class RelayLink:
         while not self.connected and self.refused is None:
             await self._state_changed.wait()
 
-    def failure_line(self) -> str:
-        """One line for a person: why the link is not up (unreachable relay, or refused)."""
+    def failure_line(self, waited: float | None = None) -> str:
+        """One line for a person: why the link is not up (unreachable relay, or refused); `waited`:
+        the seconds a command gave the relay before giving up, said with the option that sets them."""
         if self.refused is not None:
             line = f"the relay at {self.address} refused instance {self.settings.instance!r}: {self.refused}"
             if "oubliette-server token" in self.refused:
                 return line  # the server said how to print its token (with --store when it needs it)
             return f"{line} (check OUBLIETTE_TOKEN: `oubliette-server token {self.settings.instance}` prints it)"
-        return f"{self.last_error} ({CONNECT_HINT})"
+        if self._hint is None:
+            return self.last_error if waited is None else f"{self.last_error}; gave up after {waited:g} s"
+        if waited is not None:
+            return f"{self.last_error}; no relay within {waited:g} s ({self._hint}; --connect-wait waits longer)"
+        return f"{self.last_error} ({self._hint})"
 
     def unavailable_error(self) -> RelayError:
         """The error requests get while the link is down, with the last reason."""
@@ -270,7 +278,7 @@ class RelayLink:
                     result = await peer.request(messages.HELLO, hello, timeout=limits.hello_timeout)
                 except RelayError as err:
                     nursery.cancel_scope.cancel()
-                    return self._hello_failed(err)
+                    return self._hello_failed(err, peer.refusal)
                 self.features = messages.server_features(result)
                 self._peer = peer
                 self.handshakes += 1
@@ -288,7 +296,16 @@ class RelayLink:
             if self.connected:
                 self._set_state(False)
 
-    def _hello_failed(self, err: RelayError) -> bool:
+    def _hello_failed(self, err: RelayError, protocol_error: str | None) -> bool:
+        """Why the hello failed; True if the relay refused it for good. `protocol_error`: what the
+        peer sent that is not the relay protocol (an HTTP server, another program's port)."""
+        if protocol_error is not None:
+            self._set_state(False, (
+                f"the peer at {self.address} is not an oubliette-server relay ({protocol_error}); check that "
+                "OUBLIETTE_RELAY or --relay names the server's relay address (its --relay), not its --http"
+            ), hint=None)
+            self._log_once(logging.WARNING, f"{self.failure_line()}; retrying")
+            return False
         if err.code in (errors.TIMEOUT, errors.PEER_DISCONNECTED):
             if err.code == errors.TIMEOUT:
                 self._set_state(False, f"the relay at {self.address} did not answer hello")

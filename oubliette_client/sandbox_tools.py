@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 from .permission_prompt import APPROVAL_MARGIN, APPROVAL_WAIT, PERMISSION_PROMPT, permission_prompt
 from .permission_prompt import DESCRIPTION as PERMISSION_DESCRIPTION
 from .permission_prompt import INPUT_SCHEMA as PERMISSION_SCHEMA
-from .progress import AgentProgress
+from .progress import AgentProgress, ProgressSink
 from .relay_link import RelayLink
 from .settings import RelaySettings
 from .tool_registry import PublishedTool, ToolRegistry
@@ -80,7 +80,7 @@ class SandboxTools:
         self.unavailable_toolsets: list[UnavailableToolset] = []
         """The allowed toolsets the server could not start (from the last `toolsets_config`)."""
         self.separator = "."
-        self._progress: dict[str, AgentProgress] = {}
+        self._progress: dict[str, ProgressSink] = {}
         self.link = RelayLink(
             settings, "client", self._on_relay_notification, self._commit_handshake_config,
             request_timeout=settings.request_timeout,
@@ -126,7 +126,7 @@ class SandboxTools:
         """Log once, after the first attempt (or at `deadline`), when the relay is not reachable."""
         await self.wait_first_attempt(deadline)
         if not self.link.connected:
-            log.warning("relay not available yet (%s); serving MCP anyway", self.link.last_error)
+            log.warning("relay not available yet (%s)", self.link.last_error)
 
     def listed_tools(self) -> list[dict[str, Any]]:
         """The agent's `tools/list` entries as JSON (MCP `Tool`): every relayed tool with its
@@ -192,7 +192,7 @@ class SandboxTools:
         meta = current_meta()
         return await self.link.request(method, params if meta is None else {**params, "_meta": meta}, **kwargs)
 
-    def _track(self, progress: AgentProgress | None) -> str | None:
+    def _track(self, progress: ProgressSink | None) -> str | None:
         if progress is None:
             return None
         self._progress[progress.ref] = progress
@@ -202,7 +202,7 @@ class SandboxTools:
         if ref is not None:
             self._progress.pop(ref, None)
 
-    async def call(self, name: str, arguments: Any, progress: AgentProgress | None = None) -> CallOutcome:
+    async def call(self, name: str, arguments: Any, progress: ProgressSink | None = None) -> CallOutcome:
         """Validate and relay one call; every failure comes back as an outcome with a clear text.
 
         With `progress`, the server's progress reports on the call (the caller's, a toolset's)

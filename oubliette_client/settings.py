@@ -93,35 +93,50 @@ def add_relay_arguments(parser: argparse.ArgumentParser, *, session: bool = True
         parser.add_argument("--session", help="session key channel:id (env OUBLIETTE_SESSION)")
 
 
-def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RelaySettings:
-    """Settings from the parsed flags, falling back to the `OUBLIETTE_*` environment.
+def settings_from_environment(
+    env: Mapping[str, str] = os.environ, *,
+    relay: str | None = None, instance: str | None = None, token: str | None = None, session: str | None = None,
+) -> RelaySettings:
+    """The settings `oubliette-client` would use: each given value, else its `OUBLIETTE_*` variable
+    (`OUBLIETTE_RELAY`, `OUBLIETTE_INSTANCE`, `OUBLIETTE_TOKEN`, `OUBLIETTE_SESSION`,
+    `OUBLIETTE_REQUEST_TIMEOUT`), else the default relay. The one rule of the command line and
+    of an agent that embeds the client (docs/EMBEDDING.md, "The sandbox side").
 
-    Raises: `SystemExit` through `parser.error` when the instance or token is missing, the
-    relay address is malformed, or `OUBLIETTE_REQUEST_TIMEOUT` is not a positive number.
+    Raises: `ValueError` when the instance or token is missing, the relay address is malformed,
+    or `OUBLIETTE_REQUEST_TIMEOUT` is not a positive number.
     """
-    env = os.environ
-    instance = args.instance or env.get("OUBLIETTE_INSTANCE")
-    token = args.token or env.get("OUBLIETTE_TOKEN")
+    instance = instance or env.get("OUBLIETTE_INSTANCE")
+    token = token or env.get("OUBLIETTE_TOKEN")
     missing = [name for name, value in (("--instance/OUBLIETTE_INSTANCE", instance), ("--token/OUBLIETTE_TOKEN", token)) if not value]
     if missing:
-        parser.error("missing " + " and ".join(missing))
-    relay = args.relay or env.get("OUBLIETTE_RELAY") or default_relay(env)
-    try:
-        relay_addresses(relay)
-    except ValueError as exc:
-        parser.error(str(exc))
+        raise ValueError("missing " + " and ".join(missing))
+    relay = relay or env.get("OUBLIETTE_RELAY") or default_relay(env)
+    relay_addresses(relay)
     return RelaySettings(
         relay=relay,
         instance=instance or "",
         token=token or "",
-        session=getattr(args, "session", None) or env.get("OUBLIETTE_SESSION") or None,
-        request_timeout=_request_timeout(parser, env.get("OUBLIETTE_REQUEST_TIMEOUT")),
+        session=session or env.get("OUBLIETTE_SESSION") or None,
+        request_timeout=seconds_setting(env.get("OUBLIETTE_REQUEST_TIMEOUT"), DEFAULT_REQUEST_TIMEOUT, "OUBLIETTE_REQUEST_TIMEOUT"),
     )
 
 
-def positive_seconds(parser: argparse.ArgumentParser, value: Any, default: float, name: str) -> float:
-    """`value` (a flag's or an environment variable's), else `default`, as positive seconds; a usage
-    error naming `name` otherwise. One rule for every duration the client reads."""
+def settings_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RelaySettings:
+    """Settings from the parsed flags, falling back to the `OUBLIETTE_*` environment (`settings_from_environment`).
+
+    Raises: `SystemExit` through `parser.error` for what `settings_from_environment` refuses.
+    """
+    try:
+        return settings_from_environment(
+            os.environ, relay=args.relay, instance=args.instance, token=args.token, session=getattr(args, "session", None),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def seconds_setting(value: Any, default: float, name: str) -> float:
+    """`value` (a flag's or an environment variable's), else `default`, as positive seconds.
+    One rule for every duration the client reads. Raises: `ValueError` naming `name`."""
     if value is None or value == "":
         return default
     try:
@@ -129,9 +144,13 @@ def positive_seconds(parser: argparse.ArgumentParser, value: Any, default: float
     except ValueError:
         seconds = 0.0
     if not seconds > 0:
-        parser.error(f"{name} must be a positive number of seconds, not {value!r}")
+        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
     return seconds
 
 
-def _request_timeout(parser: argparse.ArgumentParser, value: str | None) -> float:
-    return positive_seconds(parser, value, DEFAULT_REQUEST_TIMEOUT, "OUBLIETTE_REQUEST_TIMEOUT")
+def positive_seconds(parser: argparse.ArgumentParser, value: Any, default: float, name: str) -> float:
+    """`seconds_setting`, a usage error through `parser.error` when it refuses."""
+    try:
+        return seconds_setting(value, default, name)
+    except ValueError as exc:
+        parser.error(str(exc))

@@ -87,7 +87,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         'notification', 'result_response', 'error_response',
     ),
     "frames": (
-        'DEFAULT_CHANNEL', 'FRAME_VERSION', 'FRAME_TYPES', 'FrameType', 'TURN_END_TYPES', 'SESSION_CHANNEL_SCHEMA',
+        'DEFAULT_CHANNEL', 'FRAME_VERSION', 'FRAME_TYPES', 'FRAME_TYPE_RULE', 'FRAME_TYPE_SCHEMA', 'MAX_FRAME_TYPE_CHARS',
+        'frame_type_problem', 'FrameType', 'TURN_END_TYPES', 'SESSION_CHANNEL_SCHEMA',
         'SESSION_ID_SCHEMA', 'SESSION_REF_SCHEMA', 'FRAME_SCHEMA', 'INGRESS_FIELDS', 'INGRESS_SCHEMA',
         'SessionRef', 'Frame', 'utc_timestamp',
     ),

@@ -25,7 +25,11 @@ class RelayAddress:
 
 
 def parse_relay_address(text: str) -> RelayAddress:
-    """Parse `unix:PATH`, `tcp:HOST:PORT`, or a bare path (taken as a Unix socket)."""
+    """Parse `unix:PATH` or `tcp:HOST:PORT`; anything else raises `ValueError` (a usage error).
+
+    No bare path: `http://0.0.0.0:7000` has a slash, and was once taken for a Unix socket named
+    `http:/…`, so a mistyped address made a directory instead of an error.
+    """
     if text.startswith("unix:"):
         path = text[len("unix:"):]
         if not path:
@@ -36,8 +40,6 @@ def parse_relay_address(text: str) -> RelayAddress:
         if not sep or not host or not port.isdigit():
             raise ValueError(f"relay address {text!r} must look like tcp:HOST:PORT")
         return RelayAddress("tcp", host=host.strip("[]"), port=int(port))
-    if "/" in text:
-        return RelayAddress("unix", path=text)
     raise ValueError(f"relay address {text!r} must start with unix: or tcp:")
 
 

@@ -15,6 +15,7 @@ the server may send (HTTP ingress), is derived from it.
 from __future__ import annotations
 
 import copy
+import re
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
@@ -22,13 +23,17 @@ import attrs
 
 from .convert import unstructure
 from .schema_parts import NON_EMPTY, OBJECT, OPT_STRING, SEQ, TIMESTAMP, obj
-from .session_keys import DEFAULT_CHANNEL, SESSION_CHANNEL_SCHEMA, SESSION_ID_SCHEMA
+from .session_keys import DEFAULT_CHANNEL, SESSION_CHANNEL_SCHEMA, SESSION_ID_SCHEMA, shown
 from .timestamps import utc_timestamp
 
 __all__ = [
     "DEFAULT_CHANNEL",
     "FRAME_VERSION",
     "FRAME_TYPES",
+    "FRAME_TYPE_RULE",
+    "FRAME_TYPE_SCHEMA",
+    "MAX_FRAME_TYPE_CHARS",
+    "frame_type_problem",
     "FrameType",
     "TURN_END_TYPES",
     "SESSION_CHANNEL_SCHEMA",
@@ -73,6 +78,26 @@ FRAME_TYPES: tuple[str, ...] = (
     "approval_resolved",
     FrameType.SESSION_ERROR,
 )
+
+#: A frame type's rule, at every door that names one (HTTP ingress, a guest's `append_frame`, the
+#: read filters; `Limits.check_frame` before every append): lower-case dotted names, at most 64
+#: characters — three times the longest the server writes, and a bound on what a type costs
+#: every envelope, log line and terminal it reaches (a 5,000-character type was stored and
+#: printed whole by `oubliette-server tail`).
+FRAME_TYPE_RULE = r"[a-z][a-z0-9_]*(\.[a-z0-9_]+)*"
+MAX_FRAME_TYPE_CHARS = 64
+FRAME_TYPE_SCHEMA: dict[str, Any] = {
+    "type": "string", "pattern": f"^{FRAME_TYPE_RULE}$", "maxLength": MAX_FRAME_TYPE_CHARS,
+}
+_FRAME_TYPE_RE = re.compile(FRAME_TYPE_RULE)
+
+
+def frame_type_problem(value: object) -> str | None:
+    """Why `value` is not a frame type (`FRAME_TYPE_RULE`, at most `MAX_FRAME_TYPE_CHARS`), or None."""
+    if isinstance(value, str) and len(value) <= MAX_FRAME_TYPE_CHARS and _FRAME_TYPE_RE.fullmatch(value):
+        return None
+    return (f"invalid frame type {shown(value)}: use at most {MAX_FRAME_TYPE_CHARS} characters of "
+            "a-z 0-9 _ in dot-separated parts, starting with a letter (e.g. user.message)")
 
 
 # --- models ----------------------------------------------------------------------------
@@ -178,7 +203,7 @@ INGRESS_FIELDS: tuple[str, ...] = ("v", "type", "session", "payload", "msg_id", 
 # How ingress narrows each of those frame members (merged over the frame's own schema).
 _INGRESS_NARROWING: dict[str, dict[str, Any]] = {
     "v": {"const": FRAME_VERSION},
-    "type": {"pattern": r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$"},
+    "type": FRAME_TYPE_SCHEMA,
     "session": {
         "properties": {
             "channel": SESSION_CHANNEL_SCHEMA,

@@ -17,7 +17,7 @@ Depth is counted in containers: ``0`` is 0 deep, ``[0]`` 1, ``{"a": [0]}`` 2. Th
 walk is iterative and bounded by the size limit, so a 100,000-deep (or cyclic) value
 costs no stack and little time.
 
-This module uses no Trio; it imports only the error type, the frame types and the session
+This module uses no Trio; it imports only the error type, the frame types' rule and the session
 keys' length limits.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 
 from .errors import INVALID_PARAMS, RelayError
-from .frames import FRAME_TYPES
+from .frames import MAX_FRAME_TYPE_CHARS, frame_type_problem
 from .session_keys import MAX_CHANNEL_CHARS, MAX_SESSION_ID_CHARS, shown
 
 __all__ = [
@@ -119,7 +119,7 @@ def _compute_envelope_overhead() -> int:
     the response to the client's ``caller_tool`` request (``{"result": value}``).
     """
     delivered = _frame_overhead(
-        "i" * _MAX_INSTANCE, "c" * MAX_CHANNEL_CHARS, "s" * MAX_SESSION_ID_CHARS, max(FRAME_TYPES, key=len),
+        "i" * _MAX_INSTANCE, "c" * MAX_CHANNEL_CHARS, "s" * MAX_SESSION_ID_CHARS, "t" * MAX_FRAME_TYPE_CHARS,
         "m" * _MAX_MSG_ID, "r" * _MAX_MSG_ID,
     )
     response = _bytes({"jsonrpc": "2.0", "id": "x" * _MAX_RPC_ID, "result": {"result": 0}}) - 1
@@ -274,12 +274,16 @@ class Limits:
     ) -> None:
         """The last line before storing: a stored frame is always deliverable.
 
-        Refuses a ``msg_id`` or ``reply_to`` over 128 characters or not text (a lone surrogate:
+        Refuses a ``type`` outside its rule (``protocol.frames.frame_type_problem``: at most 64
+        characters), a ``msg_id`` or ``reply_to`` over 128 characters or not text (a lone surrogate:
         it could not be encoded, and a peer chooses it), a payload nested deeper than
         ``max_depth``, or a frame whose delivery line
         (the guest's ``user_message`` notification, the largest envelope a frame travels
         in, with the largest seq) would exceed ``max_frame_bytes``.
         """
+        problem = frame_type_problem(type)
+        if problem is not None:
+            raise RelayError(INVALID_PARAMS, problem)
         what = f"the payload of a {type!r} frame"
         for name, value in (("msg_id", msg_id), ("reply_to", reply_to)):
             if value is not None:

@@ -219,8 +219,9 @@ class RelayPeer:
         self.opened = trio.Event()
         """Set once the handshake completed (server: hello answered; client: answer read)."""
         self.refusal: str | None = None
-        """Server: why the connection was refused before its handshake completed (the refused
-        hello's error message, or the protocol error); its owner logs it (the relay access log)."""
+        """Why the connection ended before its handshake completed, logged by its owner: a server's
+        refused hello (its error message) or, either side, the peer's protocol error (a client's
+        peer that is not a relay at all: `RelayLink` says so, not "is the server running?")."""
         self.closed = trio.Event()
         """Set once the connection ended; :attr:`close_reason` says why."""
 
@@ -549,8 +550,8 @@ class RelayPeer:
     def _protocol_error(self, err: RemoteProtocolError) -> bool:
         """Answer a protocol break with one error object, then close (after flushing).
 
-        Before a server's handshake it is a refusal (`refusal`, logged by the owner), else a WARNING."""
-        if self._core.our_role == ROLE_SERVER and not self._core.handshake_complete:
+        Before the handshake it is a refusal (`refusal`, logged by the owner), else a WARNING."""
+        if not self._core.handshake_complete:
             self.refusal = f"protocol error: {err.message}"
             log.debug("%r: protocol error before hello, closing: %s", self.name, err.message)
         else:

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 __all__ = [
     "SHUTDOWN_SECONDS", "MISSING_EXTRA", "tracing_requested", "configure_tracing", "shutdown_tracing",
     "setup_observability", "inject", "extract", "traceparent_env", "context_from_env", "tracing_configured",
-    "guard_sdk_extraction",
+    "guard_sdk_extraction", "peer_trace_context", "PEER_FIELDS", "TRACEPARENT_CHARS", "TRACESTATE_CHARS",
+    "TRACESTATE_MEMBERS", "BAGGAGE_BYTES", "BAGGAGE_MEMBERS", "BAGGAGE_MEMBER_CHARS",
 ]
 
 log = logging.getLogger("oubliette.telemetry")
@@ -176,15 +177,75 @@ def setup_observability(service_name_default: str, log_level: str | int, log_for
 # -- W3C trace context in carriers ----------------------------------------------------------------
 
 
-class _StringGetter:
-    """Reads a carrier that an untrusted peer filled: a value that is not a string is absent."""
+#: W3C Trace Context's limits (https://www.w3.org/TR/trace-context/): a version-00 `traceparent`
+#: is 55 characters; a `tracestate` at most 32 list members and 512 characters.
+TRACEPARENT_CHARS = 55
+TRACESTATE_CHARS = 512
+TRACESTATE_MEMBERS = 32
+#: W3C Baggage's limits (https://www.w3.org/TR/baggage/): 8,192 bytes and 64 list members; one
+#: member at most 4,096 (the OpenTelemetry propagator's own cap, past which it logs the key).
+BAGGAGE_BYTES = 8192
+BAGGAGE_MEMBERS = 64
+BAGGAGE_MEMBER_CHARS = 4096
 
-    def get(self, carrier: Mapping[str, Any], key: str) -> list[str] | None:
-        value = carrier.get(key)
-        return [value] if isinstance(value, str) else None
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_TRACESTATE_MEMBER = re.compile(
+    r"(?:[a-z][_0-9a-z*/-]{0,255}|[a-z0-9][_0-9a-z*/-]{0,240}@[a-z][_0-9a-z*/-]{0,13})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
+_TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_BAGGAGE_VALUE = r"[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*"
+_BAGGAGE_MEMBER = re.compile(
+    rf"{_TOKEN}[ \t]*=[ \t]*{_BAGGAGE_VALUE}[ \t]*(?:;[ \t]*{_TOKEN}[ \t]*(?:=[ \t]*{_BAGGAGE_VALUE}[ \t]*)?)*"
+)
+_LIST_SEPARATOR = re.compile(r"[ \t]*,[ \t]*")
+#: The carrier keys a peer's trace context is read from (W3C's; SEP-414's `_meta` keys).
+PEER_FIELDS = ("traceparent", "tracestate", "baggage")
 
-    def keys(self, carrier: Mapping[str, Any]) -> list[str]:
-        return [key for key in carrier if isinstance(key, str)]
+
+def _members(header: str, most: int, member: re.Pattern[str], member_chars: int) -> list[str] | None:
+    """The non-empty members of a W3C list header, or None when one is malformed, there are too many
+    or none (OpenTelemetry's baggage propagator warns of a header of blanks)."""
+    members = [m for m in _LIST_SEPARATOR.split(header.strip(" \t")) if m]
+    if not members or len(members) > most or any(len(m) > member_chars or not member.fullmatch(m) for m in members):
+        return None
+    return members
+
+
+def _is_traceparent(value: str) -> bool:
+    match = _TRACEPARENT.fullmatch(value) if len(value) == TRACEPARENT_CHARS else None
+    return match is not None and match[1] != "ff" and match[2] != "0" * 32 and match[3] != "0" * 16
+
+
+def _is_tracestate(value: str) -> bool:
+    if len(value) > TRACESTATE_CHARS:
+        return False
+    members = _members(value, TRACESTATE_MEMBERS, _TRACESTATE_MEMBER, TRACESTATE_CHARS)
+    return members is not None and len({m.partition("=")[0] for m in members}) == len(members)
+
+
+def _is_baggage(value: str) -> bool:
+    return (value.isascii() and len(value) <= BAGGAGE_BYTES
+            and _members(value, BAGGAGE_MEMBERS, _BAGGAGE_MEMBER, BAGGAGE_MEMBER_CHARS) is not None)
+
+
+def peer_trace_context(carrier: Mapping[str, Any]) -> dict[str, str]:
+    """The trace context of a carrier a peer filled, each key kept only when well-formed and within
+    W3C's limits (`traceparent` a valid 55-character header, `tracestate` beside it, `baggage`):
+    the one door every peer's context passes (`extract`, and the MCP SDK's own extraction through
+    `guard_sdk_extraction`), so no library sees — or logs — a malformed or oversized value (a
+    900 KB `tracestate` made OpenTelemetry log all of it, per request)."""
+    clean: dict[str, str] = {}
+    traceparent = carrier.get("traceparent")
+    if isinstance(traceparent, str) and _is_traceparent(traceparent):
+        clean["traceparent"] = traceparent
+        tracestate = carrier.get("tracestate")
+        if isinstance(tracestate, str) and _is_tracestate(tracestate):
+            clean["tracestate"] = tracestate
+    baggage = carrier.get("baggage")
+    if isinstance(baggage, str) and _is_baggage(baggage):
+        clean["baggage"] = baggage
+    return clean
 
 
 def _w3c() -> TextMapPropagator:
@@ -200,29 +261,21 @@ def _w3c() -> TextMapPropagator:
     return _propagator
 
 
-_TRACEPARENT_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
-
-
-def _version_00(meta: Mapping[str, Any], base: Context) -> Context | None:
-    """`extract` of the usual carrier in a few µs instead of the propagators' ~16–24: a
-    well-formed version-00 `traceparent`, valid ids, no `baggage`. None for anything else, which
-    the propagators then read (and ignore if invalid) as before: this is only a shortcut, the
-    result is the same context the W3C propagator would build."""
-    traceparent = meta.get("traceparent")
-    if not isinstance(traceparent, str) or "baggage" in meta:
-        return None
-    match = _TRACEPARENT_00.fullmatch(traceparent)
-    if match is None:
-        return None
-    trace_id, span_id = int(match[1], 16), int(match[2], 16)
-    if not trace_id or not span_id:
+def _version_00(clean: Mapping[str, str], base: Context) -> Context | None:
+    """`extract` of the usual carrier in a few µs instead of the propagators' ~16–24: a version-00
+    `traceparent` (already well-formed: `peer_trace_context`), no `baggage`. None for anything
+    else, which the propagators then read: this is only a shortcut, the result is the same
+    context the W3C propagator would build."""
+    traceparent = clean.get("traceparent")
+    if traceparent is None or not traceparent.startswith("00-") or "baggage" in clean:
         return None
     from opentelemetry import trace
 
-    tracestate = meta.get("tracestate")
+    tracestate = clean.get("tracestate")
     span_context = trace.SpanContext(
-        trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(int(match[3], 16)),
-        trace_state=trace.TraceState.from_header([tracestate]) if isinstance(tracestate, str) else None,
+        int(traceparent[3:35], 16), int(traceparent[36:52], 16), is_remote=True,
+        trace_flags=trace.TraceFlags(int(traceparent[53:55], 16)),
+        trace_state=trace.TraceState.from_header([tracestate]) if tracestate is not None else None,
     )
     return trace.set_span_in_context(trace.NonRecordingSpan(span_context), base)
 
@@ -235,25 +288,30 @@ def inject(meta: MutableMapping[str, Any], context: Context | None = None) -> No
 
 def extract(meta: Any, context: Context | None = None) -> Context:
     """The context `meta`'s `traceparent`/`tracestate`/`baggage` describe, on top of `context`
-    (default: the current one). Anything invalid — no mapping, a malformed or non-string
-    `traceparent` — is ignored: the result is then `context` itself, never an error."""
+    (default: the current one). Anything not well-formed (`peer_trace_context`) — no mapping, a
+    malformed, oversized or non-string value — is dropped: the result is then `context` itself,
+    never an error."""
     from opentelemetry import context as otel_context
 
     base = otel_context.get_current() if context is None else context
     if not isinstance(meta, Mapping):
         return base
-    quick = _version_00(meta, base)
+    clean = peer_trace_context(meta)
+    if not clean:
+        return base
+    quick = _version_00(clean, base)
     if quick is not None:
         return quick
-    return _PeerCarriers(_w3c()).extract(meta, base)  # a peer's carrier: strings only, never an error
+    return _PeerCarriers(_w3c()).extract(clean, base)
 
 
 def guard_sdk_extraction() -> None:
-    """Make the global propagator read a peer's carrier as `extract` does: string values only,
-    and never an error. The MCP SDK extracts every request's `_meta` with the global propagator
-    and the default getter, and catches only ValueError and TypeError: a `_meta.baggage` that is
-    not a string (a number, an object) raised AttributeError in the W3C baggage propagator and
-    failed the request. Both programs call this where they build the SDK's server; idempotent."""
+    """Make the global propagator read a peer's carrier as `extract` does: well-formed W3C values
+    only (`peer_trace_context`), and never an error. The MCP SDK extracts every request's `_meta`
+    with the global propagator and the default getter, and catches only ValueError and TypeError:
+    a `_meta.baggage` that is not a string (a number, an object) raised AttributeError in the W3C
+    baggage propagator and failed the request. Both programs call this where they build the SDK's
+    server; idempotent."""
     from opentelemetry import propagate
 
     current = propagate.get_global_textmap()
@@ -261,19 +319,30 @@ def guard_sdk_extraction() -> None:
         propagate.set_global_textmap(_PeerCarriers(current))  # type: ignore[arg-type]  # duck-typed: the API stays unimported until here
 
 
+def _carrier_values(carrier: Any, getter: Any) -> Mapping[str, Any]:
+    """`PEER_FIELDS` of a carrier: a mapping as it is, anything else through its getter (several
+    values of one field joined as W3C lists are, with commas)."""
+    if isinstance(carrier, Mapping) or getter is None:
+        return carrier if isinstance(carrier, Mapping) else {}
+    values = {}
+    for key in PEER_FIELDS:
+        found = getter.get(carrier, key)
+        if isinstance(found, (list, tuple)) and found and all(isinstance(v, str) for v in found):
+            values[key] = ",".join(found)
+    return values
+
+
 class _PeerCarriers:
-    """A propagator (the global one, wrapped) that reads a mapping carrier through `_StringGetter`
+    """A propagator (the global one, wrapped) that reads a carrier through `peer_trace_context`
     and, whatever it holds, returns the context it was given rather than raise."""
 
     def __init__(self, inner: TextMapPropagator) -> None:
         self.inner = inner
 
     def extract(self, carrier: Any, context: Context | None = None, getter: Any = None) -> Context:
-        """The inner propagator's `extract`, on string values only; on any failure, `context`."""
+        """The inner propagator's `extract`, on the well-formed W3C values only; on any failure, `context`."""
         try:
-            if isinstance(carrier, Mapping):
-                return self.inner.extract(carrier, context, getter=_StringGetter())  # type: ignore[arg-type]
-            return self.inner.extract(carrier, context, **({} if getter is None else {"getter": getter}))
+            return self.inner.extract(peer_trace_context(_carrier_values(carrier, getter)), context)
         except Exception:  # a peer's malformed header must never fail its request
             from opentelemetry import context as otel_context
 

@@ -12,6 +12,7 @@ Tokens are computed in process, as `oubliette-server token` computes them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import resource
@@ -155,12 +156,15 @@ class Deployment:
         return _STORE_TOKENS[key]
 
     @asynccontextmanager
-    async def http_server(self, *extra: str, nofile: int | None = None) -> AsyncIterator["HttpServer"]:
+    async def http_server(
+        self, *extra: str, nofile: int | None = None, env: dict[str, str] | None = None,
+    ) -> AsyncIterator["HttpServer"]:
         """Start oubliette-server with TCP (port 0) and Unix HTTP listeners and no stdio caller.
 
         It reads the server's stderr until the ready line, then keeps draining it
         (into `HttpServer.stderr`) so the pipe never fills. `nofile`: the server's
-        `RLIMIT_NOFILE` (its descriptor limit), set in the child before it starts.
+        `RLIMIT_NOFILE` (its descriptor limit), set in the child before it starts; `env`:
+        variables added to the server's environment.
         """
 
         def limit_descriptors() -> None:
@@ -172,6 +176,7 @@ class Deployment:
              "--http", "127.0.0.1:0", "--http", f"unix:{self.root / 'http.sock'}", "--no-stdio",
              "--log-level", "WARNING", *self.store_args(), *extra],
             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit_descriptors,
+            env={**os.environ, **env} if env else None,
         )
         assert process.stderr is not None
         buffer = bytearray()
@@ -585,6 +590,94 @@ class RawRelay:
                 if not chunk:
                     return True
                 self._buffer.extend(chunk)
+
+
+#: A flooder whose connect found the relay's listen backlog full tries again after this long: the
+#: attacker's own pace (nothing tells it a place freed), so the test's process does not spin.
+FLOOD_RECONNECT_PAUSE = 0.01
+
+
+class Progress:
+    """A count that can be awaited (cases finished, connections closed): `advance`, `reach`."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self._changed = trio.Event()
+
+    def advance(self) -> None:
+        self.done += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def reach(self, count: int) -> None:
+        while self.done < count:
+            await self._changed.wait()
+
+
+async def never_say_hello(deployment: Deployment, closed: Progress) -> None:
+    """One relay connection that never sends a byte, opened again as soon as the server closes it:
+    an attacker without a token (docs/SECURITY.md, "Relay connections that never say hello").
+    `closed` counts the connections the server closed. Runs until cancelled."""
+    while True:
+        try:
+            stream = await trio.open_unix_socket(str(deployment.socket))
+        except OSError:
+            await trio.sleep(FLOOD_RECONNECT_PAUSE)
+            continue
+        async with stream:
+            try:
+                while await stream.receive_some(65536):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ENOTCONN:
+                    # Trio's connect to a Unix socket with a full backlog returns it unconnected.
+                    await trio.sleep(FLOOD_RECONNECT_PAUSE)
+                    continue
+        closed.advance()
+
+
+async def hello_outcome(deployment: Deployment, timeout: float, instance: str = "box1") -> str:
+    """"ok" when a sandbox's hello with a valid token is answered with a result within `timeout`
+    seconds of starting to connect; else what happened instead."""
+    with trio.move_on_after(timeout):
+        try:
+            async with RawRelay.connect(deployment) as relay:
+                answer = await relay.hello(instance, deployment.token(instance))
+        except (OSError, trio.BrokenResourceError, trio.TooSlowError, AssertionError) as exc:
+            return f"failed: {exc or type(exc).__name__}"
+        return "ok" if "result" in answer else f"refused: {answer.get('error')}"
+    return f"no answer within {timeout:g} s"
+
+
+async def health_outcome(server: HttpServer, timeout: float) -> str:
+    """"ok" when the operator's `GET /v1/health` (on the HTTP Unix socket) answers 200 within
+    `timeout` seconds; else what happened instead."""
+    import httpx2
+
+    with trio.move_on_after(timeout):
+        try:
+            async with server.unix_rest() as rest:
+                response = await rest.get("/v1/health")
+        except httpx2.TransportError as exc:
+            return f"failed: {type(exc).__name__}: {exc}"
+        return "ok" if response.status_code == 200 else f"status {response.status_code}"
+    return f"no answer within {timeout:g} s"
+
+
+async def hello_and_health(deployment: Deployment, server: HttpServer, timeout: float) -> tuple[str, str]:
+    """`hello_outcome` and `health_outcome`, at the same time."""
+    outcomes: dict[str, str] = {}
+    async with trio.open_nursery() as nursery:
+
+        async def hello() -> None:
+            outcomes["hello"] = await hello_outcome(deployment, timeout)
+
+        async def health() -> None:
+            outcomes["health"] = await health_outcome(server, timeout)
+
+        nursery.start_soon(hello)
+        nursery.start_soon(health)
+    return outcomes["hello"], outcomes["health"]
 
 
 def env_without_oubliette() -> dict[str, str]:

@@ -255,17 +255,28 @@ async def test_client_started_before_the_server_picks_up_tools_later(deployment:
 async def test_call_while_the_relay_is_down_says_it_is_unavailable(deployment: Deployment) -> None:
     """The server goes away while the agent stays up: the known tool stays listed, calls say why they fail."""
     changes = ListChanged()
-    async with deployment.agent("box1", "mcp:s1", extra_args=("--connect-wait", "0.5"),
-                                message_handler=changes) as agent:
-        assert tool_names(await agent.list_tools()) == set()
+    stop, gone = trio.Event(), trio.Event()
+
+    async def caller_until_stopped(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with deployment.caller() as (caller, _events):
+            task_status.started(caller)
+            await stop.wait()
+        gone.set()  # the server process exited and its end of the relay socket is closed
+
+    # the agent starts with its relay (a client that cannot reach it at the start fails), which then goes
+    async with trio.open_nursery() as nursery:
+        caller = await nursery.start(caller_until_stopped)
+        async with deployment.agent("box1", "mcp:s1", extra_args=("--connect-wait", "0.5"),
+                                    message_handler=changes) as agent:
+            assert tool_names(await agent.list_tools()) == set()  # a change after this list is announced
             await declare(caller, "box1", "s1", [NOTIFY])
             await changes.wait_beyond(0, timeout=RECONNECT_BOUND)
             assert tool_names(await agent.list_tools()) == {"myapp_send_notification"}
-        # The caller context has ended: the server process exited and its end of the relay socket is closed.
-        listing = await agent.list_tools()
-        assert tool_names(listing) == {"myapp_send_notification"}, "the tools it last knew stay listed"
-        result = await agent.call_tool("myapp_send_notification", {"message": "anyone?"})
+            stop.set()
+            await gone.wait()
+            listing = await agent.list_tools()
+            assert tool_names(listing) == {"myapp_send_notification"}, "the tools it last knew stay listed"
+            result = await agent.call_tool("myapp_send_notification", {"message": "anyone?"})
     assert result.is_error
     assert "unavailable" in text_of(result)
     assert deployment.relay in text_of(result)

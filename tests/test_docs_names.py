@@ -12,7 +12,8 @@ like a code name is resolved against the repository, read with `ast` (nothing is
   of its bases in the repository);
 - `name()` is a function or method the repository defines (or calls, for a library's own);
 - any other identifier with an underscore or a capital (`refuse_server_owned`, `FrameLog`,
-  `OUBLIETTE_FAST_CALLS`, `caller_tool_request`) appears in the code as a name or a string.
+  `OUBLIETTE_FAST_CALLS`, `caller_tool_request`) appears in the code as a name or a string, or
+  in a file of deploy/ (a unit's `KillMode`, a manifest's `readinessProbe`).
 
 Words that are not code are skipped: plain lowercase words, flags, values, JSON, commands.
 `NOT_CODE` lists the few tokens that look like code names and are not the repository's.
@@ -42,6 +43,7 @@ NOT_CODE: dict[str, str] = {
     "readinessProbe": "Kubernetes",
     "livenessProbe": "Kubernetes",
     "BusyResourceError": "trio's",
+    "pg_restore": "PostgreSQL's program",
     "gen_ai.tool.name": "an OpenTelemetry attribute the MCP SDK sets",
     "parentbased_always_on": "an OpenTelemetry sampler",
     "parentbased_traceidratio": "an OpenTelemetry sampler",
@@ -88,6 +90,8 @@ class Index:
                 if source.resolve() != Path(__file__).resolve():  # its own examples of missing names
                     self._read(source)
         self.strings |= set(re.findall(r"[\w.\-]+", (ROOT / "pyproject.toml").read_text()))
+        for deployment_file in (p for p in (ROOT / "deploy").rglob("*") if p.is_file()):  # docs/DEPLOY.md's unit keys, manifest fields
+            self.strings |= set(re.findall(r"[\w.\-]+", deployment_file.read_text()))
 
     def _read(self, source: Path) -> None:
         tree = ast.parse(source.read_text(encoding="utf-8"))

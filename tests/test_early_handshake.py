@@ -196,7 +196,8 @@ async def test_the_handshake_is_answered_while_the_sdk_is_held_and_the_rest_afte
 
 async def test_a_first_line_that_is_not_initialize_waits_for_the_sdk(deployment: Deployment, tmp_path: Path) -> None:
     with (tmp_path / "client.log").open("w") as client_err:
-        async with gated_client(deployment, "s-first", client_err) as client:
+        # with a relay: a client that cannot reach its relay at the start fails its first request
+        async with caller_and_session(deployment, "s-first", client_err), gated_client(deployment, "s-first", client_err) as client:
             await client.wanted()
             agent = client.agent
             await agent.send({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
@@ -214,7 +215,8 @@ async def test_a_first_line_that_is_not_initialize_waits_for_the_sdk(deployment:
 
 async def test_eof_before_the_sdk_is_loaded_ends_the_client_cleanly(deployment: Deployment, tmp_path: Path) -> None:
     with (tmp_path / "client.log").open("w") as client_err:
-        async with gated_client(deployment, "s-eof", client_err) as client:
+        # with a relay: a client that cannot reach its relay at the start fails its first request
+        async with caller_and_session(deployment, "s-eof", client_err), gated_client(deployment, "s-eof", client_err) as client:
             await client.wanted()
             await client.agent.send(initialize())
             assert "result" in await client.agent.response(0)
@@ -273,7 +275,8 @@ async def test_lines_sent_while_the_sdk_loads_wait_in_order_and_none_is_lost(dep
 
     count = MAX_WAITING_LINES * 3
     with (tmp_path / "client.log").open("w") as client_err:
-        async with gated_client(deployment, "s-many", client_err) as client:
+        # with a relay: a client that cannot reach its relay at the start fails its first request
+        async with caller_and_session(deployment, "s-many", client_err), gated_client(deployment, "s-many", client_err) as client:
             await client.wanted()
             agent = client.agent
             await agent.send(initialize())

@@ -10,6 +10,9 @@ it receives, so a test can prove that a refused request never reached it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
 import subprocess
 from contextlib import asynccontextmanager
@@ -467,6 +470,43 @@ async def test_relay_down_endpoint_exits_1_with_one_line_saying_why(deployment: 
     assert status == 1 and out == b""
     assert len(err) == 1, err
     assert "cannot connect" in err[0] and deployment.relay in err[0] and "oubliette-server running" in err[0], err
+    # a server may still be starting (its socket not bound yet): the line says how long the
+    # command waited and which option waits longer
+    assert err[0].endswith(
+        "; no relay within 0.3 s (is oubliette-server running, or still starting? set OUBLIETTE_RELAY or --relay; "
+        "--connect-wait waits longer)"
+    ), err
+
+
+async def test_a_peer_that_is_not_a_relay_is_named_so(deployment: Deployment) -> None:
+    """A relay address that reaches another program (an HTTP server, say the server's own --http):
+    one line that says the peer is not a relay, not "is oubliette-server running?"."""
+
+    async def http_server(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, http_server, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        env = {**client_env(deployment), "OUBLIETTE_RELAY": f"tcp:127.0.0.1:{port}"}
+        out, err, status = await run_failing(env, "tools", "--connect-wait", "0.5", "list")
+        nursery.cancel_scope.cancel()
+    assert status == 1 and out == b"", err
+    assert len(err) == 1, err  # the retries log nothing more at the default level
+    assert err[0].startswith(f"oubliette-client: error: the peer at tcp:127.0.0.1:{port} is not an oubliette-server relay ("), err
+    assert err[0].endswith("names the server's relay address (its --relay), not its --http; gave up after 0.5 s"), err
+    assert "is oubliette-server running" not in err[0]
+
+
+def test_tools_and_endpoint_wait_for_a_server_that_is_starting() -> None:
+    """Their default relay wait outlasts a server's start on a loaded host (5-6.5 s seen)."""
+    from oubliette_client.cli import main
+
+    for command in ("tools", "endpoint"):
+        with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as shown:
+            main([command, "--help"])
+        assert "seconds to wait for the relay (default 15)" in " ".join(shown.getvalue().split()), shown.getvalue()
 
 
 async def test_relay_down_tools_exits_1_with_one_line_saying_why(deployment: Deployment) -> None:

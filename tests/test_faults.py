@@ -14,6 +14,8 @@ it again, and the retry after the store is back delivers exactly once, with one 
 the same for an approval decision (nothing runs until the decision is stored).
 
 A flood of slow HTTP clients: the relay and a new sandbox are still served, the log stays readable.
+A flood of relay connections that never say hello: a sandbox with a valid token and the operator's
+health request are still answered, every time.
 
 (Killing the guest runtime and the server mid-call is in test_orphans.py, killing an HTTP caller in
 test_ownership.py, a caller that disconnects in test_caller_tool_relay.py.)
@@ -30,7 +32,7 @@ from typing import Any, AsyncContextManager, AsyncIterator, Callable, Iterator
 
 import trio
 
-from harness import Deployment, HandMcp, RawRelay, structured, text_of
+from harness import Deployment, HandMcp, Progress, RawRelay, hello_and_health, never_say_hello, structured, text_of
 
 KILL_BOUND = 5.0
 """How soon after SIGKILL of the client the caller must be told the request was cancelled."""
@@ -183,6 +185,44 @@ async def test_a_flood_of_slow_http_clients_leaves_the_relay_and_the_log_usable(
     assert "Traceback" not in log and "Too many open files" not in log, log[-3000:]
     assert 1 <= len(flood_lines) <= 3 and len(server.stderr_lines("under pressure")) <= 3, log[-3000:]
     assert f"connections refused at the cap of {FLOOD_CAP}" in flood_lines[0], flood_lines
+
+
+# -- a flood of relay connections that never say hello (docs/SECURITY.md) ------------------------
+
+PREHELLO_NOFILE = 256
+"""The server's descriptor limit: its derived relay cap is 96 (docs/SECURITY.md), HTTP's 96."""
+PREHELLO_FLOOD = 500
+"""More than the descriptor limit and the 128 places the relay's listen backlog had before: without
+the relay's cap a sandbox's connect failed at once, or waited for a flooder's hello deadline."""
+PREHELLO_ROUNDS = 5
+ANSWERED_WITHIN = 10.0
+"""Seconds a round's hello and health request have (a sandbox's client waits 10 s for its hello's answer)."""
+
+
+async def test_a_flood_of_connections_that_never_say_hello_leaves_sandboxes_and_health_served(deployment: Deployment) -> None:
+    """500 relay connections that never send a byte, each opened again as soon as the server closes
+    it, against a server whose descriptor limit is 256: in every round a sandbox's hello with a
+    valid token is answered and `/v1/health` answers 200; the evictions are counted in the flood
+    WARNING and the metric, and the log has no traceback and no "Too many open files"."""
+    async with deployment.http_server(nofile=PREHELLO_NOFILE) as server:
+        closed = Progress()
+        async with trio.open_nursery() as flood:
+            for _ in range(PREHELLO_FLOOD):
+                flood.start_soon(never_say_hello, deployment, closed)
+            await server.wait_stderr("under pressure")  # the flood has reached a limit
+            rounds = [await hello_and_health(deployment, server, ANSWERED_WITHIN) for _ in range(PREHELLO_ROUNDS)]
+            flood.cancel_scope.cancel()
+        assert rounds == [("ok", "ok")] * PREHELLO_ROUNDS, rounds
+        async with server.unix_rest() as rest:
+            metrics = (await rest.get("/metrics")).text
+        [evictions] = [line for line in metrics.splitlines() if line.startswith("oubliette_relay_evictions_total ")]
+        assert float(evictions.split()[1]) >= PREHELLO_FLOOD - 96, evictions
+        server.process.terminate()
+        with trio.fail_after(10):
+            await server.process.wait()
+    log = server.stderr.decode(errors="replace")
+    assert "Traceback" not in log and "Too many open files" not in log, log[-3000:]
+    assert "connections without a valid hello evicted at the cap of 96" in log, log[-3000:]
 
 
 @contextlib.contextmanager

@@ -97,6 +97,11 @@ def data_env(deployment: Deployment) -> dict[str, str]:
 USAGE_MISTAKES = [
     (["oubliette_server", "--no-stdio", "--relay", "bogus:xyz"], "bogus:xyz"),
     (["oubliette_server", "--no-stdio", "--relay", "tcp:127.0.0.1"], "tcp:HOST:PORT"),
+    # a URL is not a relay address (it was once taken for a Unix socket named "http:/…")
+    (["oubliette_server", "--no-stdio", "--relay", "http://0.0.0.0:7000"], "http://0.0.0.0:7000"),
+    (["oubliette_server", "--no-stdio", "--relay", "/tmp/relay.sock"], "must start with unix: or tcp:"),
+    (["oubliette_client", "--relay", "http://0.0.0.0:7000", "--instance", "a", "--token", "t"], "http://0.0.0.0:7000"),
+    (["oubliette_client", "run", "--relay", "http://0.0.0.0:7000", "--instance", "a", "--token", "t", "--", "true"], "must start with unix: or tcp:"),
     (["oubliette_server", "--no-stdio", "--http", "bogus"], "HOST:PORT"),
     (["oubliette_server", "--no-stdio", "--http", "127.0.0.1"], "HOST:PORT"),  # not silently port 8000
     (["oubliette_server", "--log-level", "bogus"], "bogus"),
@@ -203,6 +208,11 @@ async def test_same_host_defaults_meet_and_mistakes_are_said(deployment: Deploym
             status, out, err = await run(["oubliette_client", *args], wrong)
             assert status == 1, (args, err)
             assert_one_line(err, "refused", "oubliette-server token box1")
+        # box1's token with a mistyped instance: the line names the instance it was checked for
+        typo = {**client, "OUBLIETTE_INSTANCE": "bxo1"}
+        status, out, err = await run(["oubliette_client", "tools", "list"], typo)
+        assert status == 1, err
+        assert_one_line(err, "wrong token for instance 'bxo1' (the token was checked for that instance: check OUBLIETTE_INSTANCE")
 
         server.send_signal(signal.SIGTERM)
         with trio.fail_after(RUN_BOUND):
@@ -215,7 +225,7 @@ async def test_run_says_why_it_cannot_connect_and_stops_cleanly_on_sigterm(deplo
     async with program(["oubliette_client", "run", "--", "cat"], env) as (guest, stderr):
         # at the default log level, with the reason and what to check
         await stderr.wait_for(f"cannot connect to unix:{deployment.data_dir / 'relay.sock'}".encode())
-        await stderr.wait_for(b"is oubliette-server running?")
+        await stderr.wait_for(b"is oubliette-server running, or still starting?")
         guest.send_signal(signal.SIGTERM)
         with trio.fail_after(RUN_BOUND):
             assert await guest.wait() == 0

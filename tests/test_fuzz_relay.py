@@ -9,14 +9,16 @@ bytes, truncated and mis-shaped JSON-RPC, wrong types, deep nesting, lines over 
 slow and half lines, a valid `hello` then garbage, wrong roles and methods, someone else's
 request ids, cancels of unknown ids, acks out of range. A list of hand-made cases makes sure the
 rare ones (deep, oversize, held-open half lines, bursts of requests refused at once) are surely
-in the set.
+in the set. Then a flood: 200 connections that never say hello, each opened again as soon as
+the server closes it, past the relay's cap (64 here, `relay_max_connections`).
 
 Asserted: the server never exits; each bad connection is answered or closed within its deadline
 (a connection that is neither answered nor closed in time fails the test), and a connection
 whose first line is not a valid `hello` always gets an error object before the close; a burst
 of requests (more than the 64 queued frames that once held the answers too) gets every answer,
 with the connection open; every line the server sends is a JSON-RPC object; every healthy call returns its own result, during
-the fuzz and after it.
+the fuzz, during the flood and after them; during the flood a new sandbox's hello is answered, and
+the flood is evicted (the relay listener's flood WARNING says so).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ import trio
 from mcp import Client
 from mcp.shared.message import SessionMessage
 
-from harness import EVENT_TIMEOUT, PYTHON, Deployment, EventLog, RawRelay, structured, text_of
+from harness import (
+    EVENT_TIMEOUT, PYTHON, Deployment, EventLog, Progress, RawRelay, hello_outcome, never_say_hello, structured, text_of,
+)
 from oubliette_server.core.server_owned import SERVER_OWNED_KEYS, SERVER_OWNED_TYPES, SESSION_RECORD
 from oubliette_server.store.sqlite import MAX_LIMIT, FrameQuery, FrameStore
 
@@ -46,7 +50,7 @@ SESSION = "s1"
 SESSION_KEY = f"mcp:{SESSION}"
 PROTOCOL = "oubliette-relay/1"
 MAX_FRAME_BYTES = 1024 * 1024
-HELLO_TIMEOUT = 10.0  # the server's (oubliette_server.doors.relay.HELLO_TIMEOUT)
+HELLO_TIMEOUT = 5.0  # the server's (relay_hello_timeout, oubliette_server.doors.connection_limits.DEFAULT_RELAY_HELLO_TIMEOUT)
 
 GENERATED = 2000  # seeded generated cases; the hand-made ones come on top
 POOL = 16  # raw connections at a time
@@ -54,6 +58,9 @@ HEALTHY_EVERY = 40  # finished cases between two healthy calls (the calls overla
 DEADLINE = 15.0  # for a connection that sends EOF (or a line over the limit): answered or closed by then (margin for a loaded machine)
 HELD_OPEN_DEADLINE = HELLO_TIMEOUT + 15.0  # a half line held open before hello waits out the hello timeout
 TEST_DEADLINE = 300.0  # the whole test, so that no failure mode can hang the run
+RELAY_CAP = 64  # the server's relay_max_connections: above the cases at a time and the healthy session's
+FLOOD = 200  # connections that never say hello, past RELAY_CAP
+FLOOD_CALLS = 5  # healthy calls during the flood
 
 NOTIFY = {
     "name": "send_notification",
@@ -419,10 +426,12 @@ async def running_server(deployment: Deployment) -> AsyncIterator[tuple[Server, 
     """The real oubliette-server with this test as its stdio caller; a watcher fails the test at
     once if the process exits while the test runs."""
     stderr_path = deployment.root / "server.stderr"
+    config = deployment.root / "fuzz.toml"
+    config.write_text(f"[server]\nrelay_max_connections = {RELAY_CAP}\n")
     with open(stderr_path, "wb") as stderr:
         process = await trio.lowlevel.open_process(
             [PYTHON, "-m", "oubliette_server", "--relay", deployment.relay, "--data-dir", str(deployment.data_dir),
-             "--log-level", "WARNING"],
+             "--log-level", "WARNING", "--config", str(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
         )
     server = Server(process, stderr_path)
@@ -639,7 +648,7 @@ async def test_relay_fuzz_keeps_server_and_healthy_session_alive(deployment: Dep
     assert len(all_cases) >= 2000
     failures: list[str] = []
     replaced: list[Case] = []
-    healthy_calls = {"during": 0, "after": 0}
+    healthy_calls: dict[str, Any] = {"during": 0, "in_flood": 0, "new_sandbox": None, "after": 0}
 
     with trio.fail_after(TEST_DEADLINE):
         await fuzz_against_a_healthy_session(deployment, token_for, all_cases, failures, replaced, healthy_calls)
@@ -647,6 +656,8 @@ async def test_relay_fuzz_keeps_server_and_healthy_session_alive(deployment: Dep
     assert not failures, f"{len(failures)} of {len(all_cases)} bad connections misbehaved:\n" + "\n".join(failures[:40])
     assert await server_owned_in_log(deployment) == []
     assert healthy_calls["during"] >= 10, healthy_calls  # the session was used throughout, not just before and after
+    assert healthy_calls["in_flood"] == FLOOD_CALLS and healthy_calls["new_sandbox"] == "ok", healthy_calls
+    assert f"connections without a valid hello evicted at the cap of {RELAY_CAP}" in (deployment.root / "server.stderr").read_text()
     # Concurrent guests of one instance replace each other; most must still have been played.
     guests = sum(1 for c in all_cases if c.phase == "guest")
     assert len(replaced) < guests / 2, f"{len(replaced)} of {guests} guest cases were replaced before playing"
@@ -679,23 +690,6 @@ def declared_by_the_server(frame: Any) -> bool:
         and [tool.get("name") for tool in declared.get("tools", [])] == [NOTIFY["name"]]
 
 
-class Progress:
-    """How many cases have finished; awaitable, so the healthy session paces itself on it."""
-
-    def __init__(self) -> None:
-        self.done = 0
-        self._changed = trio.Event()
-
-    def advance(self) -> None:
-        self.done += 1
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def reach(self, count: int) -> None:
-        while self.done < count:
-            await self._changed.wait()
-
-
 async def fuzz_against_a_healthy_session(
     deployment: Deployment, token_for: Callable[[str], str], all_cases: list[Case],
     failures: list[str], replaced: list[Case], healthy_calls: dict[str, int],
@@ -705,7 +699,7 @@ async def fuzz_against_a_healthy_session(
         await declare(caller)
         async with deployment.agent(INSTANCE, SESSION_KEY) as agent:
             await healthy_call(server, agent, caller, events, "healthy-before")
-            progress = Progress()
+            progress = Progress()  # cases finished: the healthy session paces itself on it
 
             async def keep_calling() -> None:
                 """A healthy call every HEALTHY_EVERY finished cases, until the last case is done."""
@@ -746,6 +740,18 @@ async def fuzz_against_a_healthy_session(
                 nursery.start_soon(keep_calling)
                 nursery.start_soon(fuzz)
 
+            server.check_alive()
+            async with trio.open_nursery() as flood:  # the cases are done: a flood past the relay's cap
+                closed = Progress()
+                for _ in range(FLOOD):
+                    flood.start_soon(never_say_hello, deployment, closed)
+                with trio.fail_after(EVENT_TIMEOUT):
+                    await closed.reach(FLOOD)  # as many closed by the server as there are flooders
+                for n in range(FLOOD_CALLS):
+                    await healthy_call(server, agent, caller, events, f"healthy-in-flood-{n}")
+                    healthy_calls["in_flood"] = n + 1
+                healthy_calls["new_sandbox"] = await hello_outcome(deployment, EVENT_TIMEOUT)
+                flood.cancel_scope.cancel()
             server.check_alive()
             for n in range(5):
                 await healthy_call(server, agent, caller, events, f"healthy-after-{n}")
@@ -858,3 +864,113 @@ def test_session_keys_at_every_door() -> None:
         assert not wrong, "\n".join(wrong)
 
     check()
+
+
+# -- the class "peer strings in log lines" (hypothesis) ---------------------------------------------
+# Strings a peer chooses, drawn by hypothesis from the characters that forge a log line or drive a
+# terminal (newline, CR, ESC, the 8-bit CSI U+009B, C1 controls, bidi overrides and isolates, line
+# separators, NUL, lone surrogates) and around 900 KB, are played at the doors of one in-process
+# server whose log goes through both real formats (protocol/log_format.py), at DEBUG: a relay hello's
+# claims, a relay request's tool and `_meta` trace context, a guest's frame type and reply_to, an HTTP
+# frame's type and msg_id and an HTTP path. Every line either format writes must be bounded and
+# hold no unprintable character (docs/SECURITY.md, "Peer strings in log lines and on the terminal").
+
+LOG_ALPHABET = "ab=,;-0 \n\r\t\x00\x1b\x7f\x85\x9b\u200f\u202a\u202e\u2066\u2069\u2028\u2029\ud800\U000e0001é"
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def peer_strings_strategy() -> Any:
+    from hypothesis import strategies as st
+
+    huge = st.sampled_from([5_000, 100_000]).flatmap(  # escaped, each still fits one relay line
+        lambda n: st.sampled_from(["x" * n, "k=" + "v" * n, "\n" * n, "\x9b" * n, "a=\u202e" + "b" * n]))
+    return st.one_of(st.text(alphabet=LOG_ALPHABET, min_size=1, max_size=40), huge)
+
+
+async def play_peer_strings(deployment: Deployment, strings: list[str]) -> None:
+    """Each string at each door once; every answer awaited, so what the server logs for it is written."""
+    import urllib.parse
+
+    from test_relay_socket import response_to
+    from test_session_keys import serving
+
+    async with serving(deployment) as served, served.http.rest() as rest:
+        caller, _ = served.callers.open_caller()
+        opened = await served.callers.call(caller, "session_message", {"instance": INSTANCE, "session_id": SESSION, "message": "hi"})
+        assert not opened.is_error, text_of(opened)
+        token = served.app.tokens.token_for(INSTANCE)
+        async with RawRelay.connect(deployment) as client, RawRelay.connect(deployment) as guest:
+            await client.hello(INSTANCE, token)
+            await guest.hello(INSTANCE, token, role="guest")
+            for n, text in enumerate(strings):
+                for claims in ({"role": text[:100], "instance": text, "token": "t"}, {"role": "client", "session": text}):
+                    async with RawRelay.connect(deployment) as claimed:
+                        await claimed.send({"jsonrpc": "2.0", "id": 0, "method": "hello", "params": {
+                            "protocol": PROTOCOL, "instance": INSTANCE, "token": token, **claims}})
+                        assert await claimed.receive() is not None  # answered: what it logs is written
+                for params in ({"tool": text}, {"tool": "t", "_meta": {"traceparent": TRACEPARENT, "tracestate": text}},
+                               {"tool": "t", "_meta": {"baggage": text}}, {"tool": "t", "_meta": {"traceparent": text}}):
+                    await client.send({"jsonrpc": "2.0", "id": n, "method": "caller_tool", "params": {"arguments": {}, **params}})
+                    assert "error" in await response_to(client, n)
+                for frame in ({"type": text}, {"type": "status.presence", "reply_to": text}):
+                    await guest.send({"jsonrpc": "2.0", "id": n, "method": "append_frame", "params": {
+                        "session": {"channel": "mcp", "id": SESSION}, "payload": {}, **frame}})
+                    await response_to(guest, n)
+                for fields in ({"type": text}, {"type": "note", "msg_id": text}):
+                    body = {"session": {"channel": "host", "id": "s"}, "payload": {}, **fields}
+                    response = await rest.post(f"/v1/instances/{INSTANCE}/tether", content=json.dumps(body).encode(),
+                                               headers={"content-type": "application/json"})
+                    assert response.status_code in (201, 400), response.text[:300]
+                path = f"/v1/instances/{urllib.parse.quote(text[:5000], safe='', errors='surrogatepass')}/tether"
+                assert (await rest.get(path)).status_code >= 400
+
+
+def test_peer_strings_in_log_lines() -> None:
+    """Hypothesis-drawn hostile strings at every door: each log line bounded and escaped, in both formats."""
+    import io
+    import logging
+
+    from hypothesis import HealthCheck, given, settings
+
+    from protocol.log_format import TEXT_FORMAT, JsonFormatter, TextFormatter
+    from protocol.peer_text import MESSAGE_CHARS
+
+    @settings(max_examples=8, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st_lists_of_peer_strings())
+    def check(strings: list[str]) -> None:
+        outputs = {"text": io.StringIO(), "json": io.StringIO()}
+        handlers = [logging.StreamHandler(outputs["text"]), logging.StreamHandler(outputs["json"])]
+        handlers[0].setFormatter(TextFormatter(TEXT_FORMAT))
+        handlers[1].setFormatter(JsonFormatter())
+        for handler in handlers:  # the server's lines only, not those of this test's own HTTP client
+            handler.addFilter(lambda record: not record.name.startswith(("httpx2", "httpcore2")))
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.DEBUG)
+        for handler in handlers:
+            root.addHandler(handler)
+        deployment = Deployment()
+        try:
+            trio.run(play_peer_strings, deployment, strings)
+        finally:
+            for handler in handlers:
+                root.removeHandler(handler)
+            root.setLevel(level)
+            deployment.cleanup()
+        text, as_json = outputs["text"].getvalue(), outputs["json"].getvalue()
+        assert "oubliette.access" in text, "the doors were played with the log at DEBUG"
+        for line in text.splitlines():
+            assert len(line) <= MESSAGE_CHARS + 400, f"{len(line)} characters: {line[:300]!r}"
+            assert line.isprintable(), f"an unprintable character: {line[:300]!r}"
+        for line in as_json.splitlines():
+            assert len(line) <= 6 * MESSAGE_CHARS, f"{len(line)} characters: {line[:300]!r}"
+            assert line.isprintable() and isinstance(json.loads(line), dict), f"{line[:300]!r}"
+
+    check()
+
+
+def st_lists_of_peer_strings() -> Any:
+    from hypothesis import strategies as st
+
+    return st.lists(peer_strings_strategy(), min_size=3, max_size=3)

@@ -249,7 +249,12 @@ async def test_nonzero_exit_is_session_error(deployment: Deployment) -> None:
     async with deployment.caller() as (caller, events), deployment.guest("box1", agent_command(deployment, "fail", FAILING_AGENT)):
         reply = await send_and_wait(caller, "s-fail", "fail please")
         assert reply["stop_reason"] == "error"
-        assert "3" in reply["text"]
+        # the caller reads why: the end of the agent's stderr and stdout, not only its exit status
+        assert reply["text"] == (
+            "the agent command exited with status 3; its stderr ends: noise line 01998 "
+            "........................................ | noise line 01999 ........................................ | "
+            "boom: the agent gave up; its stdout ends: partial answer"
+        )
         msg_id = reply["msg_id"]
 
         error = await turn_end(events, msg_id)
@@ -269,6 +274,21 @@ async def test_nonzero_exit_is_session_error(deployment: Deployment) -> None:
         # The session goes on: the next message is a normal turn.
         again = await send_and_wait(caller, "s-fail", "hello")
         assert again["stop_reason"] == "end_turn" and again["text"] == "fine: hello"
+
+
+def test_a_failed_agents_last_words_are_bounded_and_escaped() -> None:
+    """`output_end` quotes the last lines of each stream, at most OUTPUT_END_CHARS of them, with
+    controls, C1 controls and bidi overrides escaped: it reaches the caller and a log line."""
+    from oubliette_client.guest import OUTPUT_END_CHARS, output_end
+
+    # `claude -p` not logged in: one line on stdout, nothing on stderr
+    assert output_end("", ["Not logged in · Please run /login"]) == "; its stdout ends: Not logged in · Please run /login"
+    assert output_end("", []) == "" and output_end("\n \n", ["", "  "]) == ""
+    hostile = output_end("a\x1b[2Jb\x9b31m\u202egnp.exe\n" + "x" * 5000, [])
+    assert "\x1b" not in hostile and "\x9b" not in hostile and "\u202e" not in hostile
+    assert len(hostile) < OUTPUT_END_CHARS + 40 and hostile.endswith("x" * 20)
+    escaped = output_end("a\x1b[2Jb\x9b31m\u202egnp.exe", [])
+    assert escaped == "; its stderr ends: a\\x1b[2Jb\\x9b31m\\u202egnp.exe"
 
 
 HANGING_AGENT = """

@@ -508,7 +508,7 @@ async def test_mcp_rejects_a_foreign_host_header(deployment: Deployment) -> None
         assert rejected.status_code == 421, (rejected.status_code, rejected.text)
         # it says which option accepts that Host, in the documented JSON error shape
         assert rejected.json()["error"]["message"] == (
-            '/mcp does not accept the Host header "evil.example:8080" (it accepts 127.0.0.1, localhost and [::1]); '
+            '/mcp does not accept the Host header "evil.example:8080" (it accepts 127.0.0.1, localhost and [::1], with any port or none); '
             "to accept it, start the server with --allowed-host evil.example:8080 (or [server] allowed_hosts in the config file)"
         )
         plain = await rest.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "evil.example"})
@@ -516,6 +516,36 @@ async def test_mcp_rejects_a_foreign_host_header(deployment: Deployment) -> None
         accepted = await rest.post("/mcp", json=INITIALIZE, headers=MCP_HEADERS)
         assert accepted.status_code == 200, accepted.text
         assert initialize_result(accepted)["serverInfo"]["name"] == "oubliette-server"
+
+
+@pytest.mark.real_programs  # the 413 leaves Starlette's body stream unclosed in process, as above
+async def test_an_oversized_mcp_body_is_a_json_rpc_error_naming_the_limit(deployment: Deployment) -> None:
+    """A 20 MB body on /mcp: 413 with a JSON-RPC error that says the limit, not plain text."""
+    from oubliette_server.doors.http_api import MCP_MAX_BODY_BYTES
+
+    huge = {**INITIALIZE, "params": {**INITIALIZE["params"], "padding": "x" * (20 * 1024 * 1024)}}
+    async with deployment.http_server() as server, server.rest() as rest:
+        refused = await rest.post("/mcp", content=json.dumps(huge).encode(), headers=MCP_HEADERS)
+        assert refused.status_code == 413, refused.text
+        assert refused.json()["error"] == {"code": -32600, "message": (
+            f"Request body too large: /mcp takes at most {MCP_MAX_BODY_BYTES} bytes in one request "
+            "(a value inside it is also held to the size limits of docs/SECURITY.md)"
+        )}
+        accepted = await rest.post("/mcp", json=INITIALIZE, headers=MCP_HEADERS)
+        assert accepted.status_code == 200, accepted.text
+
+
+async def test_mcp_accepts_loopback_hosts_without_a_port(deployment: Deployment) -> None:
+    """A client on the Unix listener, or on TCP without a port, sends a bare `Host: localhost`
+    (or 127.0.0.1, [::1]): the names the refusal says it accepts, accepted with no port too."""
+    async with deployment.http_server() as server, server.rest() as rest, server.unix_rest() as unix:
+        for client in (rest, unix):
+            for host in ("localhost", "127.0.0.1", "[::1]"):
+                accepted = await client.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": host})
+                assert accepted.status_code == 200, (host, accepted.status_code, accepted.text)
+            # the check still holds on the Unix listener: a proxy in front of it forwards the browser's Host
+            foreign = await client.post("/mcp", json=INITIALIZE, headers={**MCP_HEADERS, "Host": "evil.example"})
+            assert foreign.status_code == 421, foreign.text
 
 
 async def test_allowed_host_flag_lets_a_host_through(deployment: Deployment) -> None:

@@ -19,7 +19,7 @@ from trio.testing import MockClock
 
 from harness import Deployment
 
-from oubliette_server.doors.connection_limits import FloodLog, GuardedStream, default_connection_cap
+from oubliette_server.doors.connection_limits import FloodLog, GuardedStream, descriptor_shares
 
 
 async def _raw_request(url: str, data: bytes) -> trio.SocketStream:
@@ -180,12 +180,12 @@ async def test_the_flood_log_says_a_burst_in_one_line_per_interval(autojump_cloc
         nursery.cancel_scope.cancel()
 
 
-def test_the_default_cap_keeps_a_reserve_of_descriptors() -> None:
-    """A quarter of the descriptor limit (at least 64) stays out of HTTP's reach."""
-    assert default_connection_cap(1024) == 768
-    assert default_connection_cap(256) == 192
-    assert default_connection_cap(100) == 36
-    assert default_connection_cap(10) == 1
+def test_the_default_caps_share_the_descriptors_and_keep_a_reserve() -> None:
+    """A quarter of the descriptor limit (at least 64) stays out of both doors' reach; HTTP and
+    the relay each get half of the rest (at least 1), so a flood of one leaves the other its own."""
+    assert [(s.http, s.relay, s.reserve) for s in map(descriptor_shares, (1024, 256, 100, 10))] == [
+        (384, 384, 256), (96, 96, 64), (18, 18, 64), (1, 1, 8),
+    ]
 
 
 async def test_a_guarded_stream_writes_one_at_a_time_within_its_deadline() -> None:

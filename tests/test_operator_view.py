@@ -324,3 +324,71 @@ async def test_read_status_reads_owner_declaration_and_open_requests_from_frames
     table = format_status(report)
     assert "key:alice" in table and "myapp: notify, rm" in table and "ctr-2" in table and "3s" in table
     store.close()
+
+
+# -- what peers wrote, on the operator's terminal ---------------------------------------------------
+
+#: An 8-bit CSI (U+009B: a terminal reads `\x9b2J` as "clear the screen"), ESC, C1 controls, the bidi
+#: overrides and isolates, a line separator: what a sandbox could write to drive or spoof the terminal.
+HOSTILE = "\x9b2J\x1b]0;pwned\x07\x85\u202a\u202e\u2066\u2069\u2028exe.txt"
+
+
+def unprintable(text: str) -> set[str]:
+    return {char for char in text if not char.isprintable()}
+
+
+async def test_tail_and_status_escape_what_peers_wrote() -> None:
+    """Frames a sandbox or a caller shaped (a payload, an owner, caller tool names, and a 5,000-character
+    type stored before types had a limit) reach every operator output escaped: `tail` lines and
+    `--json`, the `status` table and `--json`; the JSON still reads back as what was stored."""
+    from oubliette_server.program.operator_view import UnknownLiveness, format_frame, frame_json, print_status
+    from protocol.frames import MAX_FRAME_TYPE_CHARS
+
+    async def hostile_store() -> FrameStore:
+        store = FrameStore.in_memory()
+        await store.append(INSTANCE, channel="mcp", session_id="s1", type="session_record", payload={
+            "owner": "key:" + HOSTILE, "caller_tools": {"caller_id": "myapp", "tools": [{"name": "rm" + HOSTILE}]}})
+        await store.append(INSTANCE, channel="mcp", session_id="s1", type="caller_tool_request", payload={
+            "request_id": "ctr-" + HOSTILE, "tool": "rm" + HOSTILE, "arguments": {}})
+        await store.append(INSTANCE, channel="mcp", session_id="s1", type="t" + HOSTILE + "t" * 5000, payload={"text": HOSTILE})
+        return store
+
+    store = await hostile_store()
+    frames = await store.query(INSTANCE, FrameQuery(limit=10))
+    store.close()
+    for frame in frames:
+        line = format_frame(frame)
+        assert unprintable(line) == set(), line
+        assert "9b2J" in line and "\\u202e" in line  # \x9b in the type, \u009b in the JSON summary
+        document = frame_json(frame)
+        assert unprintable(document) == set() and json.loads(document) == frame.to_wire()
+    assert len(format_frame(frames[-1])) < MAX_FRAME_TYPE_CHARS + 250  # the type cut, the summary short
+    written: list[str] = []
+    for as_json in (False, True):
+        await print_status(await hostile_store(), UnknownLiveness(), as_json=as_json, write=written.append)
+    table, document = written
+    assert unprintable(table) - {"\n"} == set() and "key:\\x9b2J" in table and "rm\\x9b2J" in table
+    assert unprintable(document) - {"\n"} == set()
+    assert instance_of(json.loads(document), INSTANCE)["sessions"][0]["owner"] == "key:" + HOSTILE
+
+
+async def test_tail_escapes_what_a_sandbox_wrote_through_http_ingress() -> None:
+    """The real `tail`, text and `--json`, following frames a sandbox posted to HTTP ingress with its
+    instance token: C1 controls and bidi overrides arrive escaped, never raw, on the terminal."""
+    deployment = Deployment()
+    try:
+        async with deployment.http_server("--config", str(deployment.config_file(QUIET))) as server:
+            async with tail(deployment, QUIET) as text, tail(deployment, QUIET, "--json") as as_json:
+                await text.started()
+                await as_json.started()
+                async with server.rest(deployment.token(QUIET)) as rest:
+                    response = await rest.post(f"/v1/instances/{QUIET}/tether", json={
+                        "v": 1, "session": {"channel": "tg", "id": "1"}, "type": "note", "payload": {"text": HOSTILE}})
+                assert response.status_code == 201, response.text
+                (line,) = await text.lines(1)
+                (document,) = await as_json.lines(1)
+                assert unprintable(line) == set() and "\\u009b2J" in line and "\\u202e" in line, line
+                assert unprintable(document) == set() and json.loads(document)["payload"] == {"text": HOSTILE}
+                assert (await text.interrupt())[0] == 130 and (await as_json.interrupt())[0] == 130
+    finally:
+        deployment.cleanup()

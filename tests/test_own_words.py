@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OUTSIDE = re.compile(r"seed 00\d|issue \d|DESIGN\.md", re.I)
 HELP = [
-    ["oubliette-server"], ["oubliette-server", "token"], ["oubliette-server", "http-token"],
+    ["oubliette-server"], ["oubliette-server", "token"], ["oubliette-server", "http-token"], ["oubliette-server", "backup"],
     ["oubliette-client"], ["oubliette-client", "run"], ["oubliette-client", "endpoint"],
     ["oubliette-client", "tools"], ["oubliette-client", "demo-agent"],
 ]

@@ -781,6 +781,30 @@ async def test_server_hello_deadline(mock_clock: trio.testing.MockClock) -> None
     assert await left.receive_some() == b""
 
 
+async def test_server_hello_deadline_covers_a_trickled_hello(mock_clock: trio.testing.MockClock) -> None:
+    """A hello line sent a byte every half second is cut at the deadline from the connection's
+    start, not from its last byte (docs/SECURITY.md, "Relay connections that never say hello")."""
+    mock_clock.autojump_threshold = 0
+    left, right = trio.testing.memory_stream_pair()
+    peer = RelayPeer(right, RelayCore("server"), name="server", limits=PeerLimits(hello_timeout=4))
+    line = b'{"jsonrpc": "2.0", "id": 0, "method": "hello", "params": {"protocol": "oubliette-relay/1"}}\n'
+
+    async def trickle() -> None:
+        for byte in line:
+            await left.send_all(bytes([byte]))
+            await trio.sleep(0.5)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(peer.serve, {})
+        nursery.start_soon(trickle)
+        start = trio.current_time()
+        with trio.fail_after(60):
+            await peer.closed.wait()
+        assert trio.current_time() - start == pytest.approx(4)
+        nursery.cancel_scope.cancel()
+    assert peer.refusal == "protocol error: no hello within 4 s"
+
+
 async def test_protocol_error_gets_one_error_object_then_the_end() -> None:
     left, right = trio.testing.memory_stream_pair()
     peer = RelayPeer(right, RelayCore("server"), name="server")

@@ -3,7 +3,8 @@
 A refused token is permanent, so `oubliette-client` (the stdio MCP server an agent's host spawns)
 must not look healthy: the agent's first request (`initialize`, or a 2026-07-28 agent's first
 request) gets a JSON-RPC error saying why, and the program exits 1 with the same line on stderr.
-An unreachable relay may come back: the client starts and serves, and calls say why they fail.
+An unreachable relay at the start (no socket at the path, nothing listening) fails the start the
+same way (PEER_DISCONNECTED, -32002); a relay lost after the start may come back: calls say why they fail.
 All with the real programs: oubliette-server as the caller's stdio server (it binds the relay),
 oubliette-client spawned by the MCP SDK's client or driven line by line.
 """
@@ -72,14 +73,19 @@ async def test_initialize_of_a_refused_token_is_an_error_and_the_client_exits_1(
     assert REFUSAL in stderr, stderr
 
 
-async def test_claude_code_lists_a_refused_client_as_failed(deployment: Deployment, tmp_path: Path) -> None:
-    """`claude mcp list` (the real Claude Code) says "Failed to connect", not "Connected", for a refused token."""
+@pytest.mark.parametrize("broken", ["wrong token", "no relay socket"])
+async def test_claude_code_lists_a_broken_client_as_failed(deployment: Deployment, tmp_path: Path, broken: str) -> None:
+    """`claude mcp list` (the real Claude Code) says "Failed to connect", not "Connected", for a
+    refused token and for a relay socket path where nothing listens."""
     from test_claude_code import claude_binary, claude_env
 
     home = tmp_path / "home"
     home.mkdir()
     env = claude_env("http://127.0.0.1:9", home, {})  # `mcp list` asks no model
-    client_env = [word for key, value in deployment.client_env("box1", token="wrong").items() for word in ("-e", f"{key}={value}")]
+    settings = deployment.client_env("box1", token="wrong")
+    if broken == "no relay socket":
+        settings = {**deployment.client_env("box1"), "OUBLIETTE_RELAY": f"unix:{tmp_path / 'nothing-here.sock'}"}
+    client_env = [word for key, value in settings.items() for word in ("-e", f"{key}={value}")]
     async with deployment.caller():
         with trio.fail_after(120):
             await trio.run_process(
@@ -93,9 +99,35 @@ async def test_claude_code_lists_a_refused_client_as_failed(deployment: Deployme
     assert "Failed to connect" in line and "Connected" not in line.replace("Failed to connect", ""), line
 
 
-async def test_an_unreachable_relay_still_starts_and_says_why_in_each_call(deployment: Deployment) -> None:
-    params = StdioServerParameters(command=PYTHON, args=["-m", "oubliette_client"], env=deployment.client_env("box1", "mcp:s1", token="any"))
+@pytest.mark.parametrize("early", ["1", "0"])
+async def test_initialize_with_an_unreachable_relay_is_an_error_and_the_client_exits_1(deployment: Deployment, early: str) -> None:
+    """No server: nothing listens on the relay socket (a missing mount, a wrong path). The start
+    fails with the reason, so `claude mcp list` cannot show it as connected."""
+    process = await trio.lowlevel.open_process(
+        [PYTHON, "-m", "oubliette_client"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, **deployment.client_env("box1", "mcp:s1", token="any"), "OUBLIETTE_EARLY_HANDSHAKE": early},
+    )
+    agent = HandMcp(process)
     with trio.fail_after(BOUND):
-        async with Client(params, mode="legacy") as agent:  # no server: nothing listens on the relay socket
-            result = await agent.call_tool("ext.anything", {})
-    assert result.is_error and "is unavailable (cannot connect to" in text_of(result), text_of(result)
+        await agent.send(initialize())
+        answer = await agent.response(0)
+        code = await process.wait()
+        assert process.stderr is not None
+        stderr = (await process.stderr.receive_some(65536)).decode()
+    unreachable = f"cannot connect to {deployment.relay}: No such file or directory (is oubliette-server running"
+    assert answer["error"]["code"] == -32002 and unreachable in answer["error"]["message"], answer
+    assert code == 1
+    assert f"oubliette-client: error: {unreachable}" in stderr, stderr
+
+
+async def test_a_relay_lost_after_the_start_is_said_in_each_call(deployment: Deployment) -> None:
+    """Started with its relay, the client serves on when the relay goes (it may come back)."""
+    params = StdioServerParameters(command=PYTHON, args=["-m", "oubliette_client"], env=deployment.client_env("box1", "mcp:s1"))
+    async with deployment.http_server() as server:
+        with trio.fail_after(BOUND):
+            async with Client(params, mode="legacy") as agent:
+                await agent.list_tools()
+                server.process.kill()
+                await server.process.wait()
+                result = await agent.call_tool("ext.anything", {})
+    assert result.is_error and "is unavailable (" in text_of(result), text_of(result)

@@ -44,7 +44,7 @@ async def test_admitted_refused_and_closed_connections_each_leave_one_line(deplo
             assert await relay.closed()
         refused = (await server.wait_stderr(ACCESS, " refused after ", count=2))[1]
         assert f"{ACCESS}unix relay guest box1 - refused after " in refused, refused
-        assert " s - wrong token for instance 'box1' (check OUBLIETTE_TOKEN" in refused, refused
+        assert " s - wrong token for instance 'box1' (the token was checked for that instance: check OUBLIETTE_INSTANCE; check OUBLIETTE_TOKEN" in refused, refused
 
         async with RawRelay.connect(deployment) as relay:  # a token of the wrong type is echoed by the schema check
             answer = await relay.hello("box1", ["SECRET-not-a-string"])  # type: ignore[arg-type]

@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import attrs
 import pytest
 import trio
 
-from harness import EVENT_TIMEOUT, Deployment, EventLog, RawRelay, structured, text_of
+from harness import EVENT_TIMEOUT, PYTHON, Deployment, EventLog, RawRelay, structured, text_of
 
 pytestmark = pytest.mark.in_process
 
@@ -338,6 +340,67 @@ async def test_relay_socket_is_private(deployment: Deployment) -> None:
         os.umask(old_umask)
     assert stat.S_ISSOCK(info.st_mode)
     assert stat.S_IMODE(info.st_mode) == 0o600, oct(stat.S_IMODE(info.st_mode))
+
+
+#: A group of no user of the machine, and a user outside it: a sandbox's agent (docs/SECURITY.md, "The relay socket").
+RELAY_GROUP = 4243
+OTHER_UID = 10001
+
+
+async def connect_as(uid: int, groups: list[int], path: Path) -> str:
+    """Connect to the Unix socket at `path` as `uid` with these supplementary groups: "ok" or the errno's name."""
+    probe = (
+        "import errno, socket\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        f"try:\n    s.connect({str(path)!r}); print('ok')\n"
+        "except OSError as exc:\n    print(errno.errorcode[exc.errno])\n"
+    )
+    groups_flag = ["--groups", ",".join(map(str, groups))] if groups else ["--clear-groups"]
+    done = await trio.run_process(
+        ["setpriv", "--reuid", str(uid), "--regid", str(uid), *groups_flag, "--", PYTHON, "-c", probe],
+        capture_stdout=True, capture_stderr=True,
+    )
+    return done.stdout.decode().strip()
+
+
+@pytest.mark.real_programs
+async def test_a_relay_group_lets_its_members_in_and_nobody_else(deployment: Deployment) -> None:
+    """`--relay-group`: the socket is 0660 with that group (not 0600, never open to all), even under
+    a permissive umask; a process of another uid connects with the group and is refused without it."""
+    assert os.getuid() != OTHER_UID
+    deployment.root.chmod(0o711)  # the socket's directory may be entered; the socket's mode decides
+    old_umask = os.umask(0)
+    try:
+        async with deployment.caller("--relay-group", str(RELAY_GROUP)):
+            info = os.stat(deployment.socket)
+            member = await connect_as(OTHER_UID, [RELAY_GROUP], deployment.socket)
+            stranger = await connect_as(OTHER_UID, [], deployment.socket)
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(info.st_mode) == 0o660, oct(stat.S_IMODE(info.st_mode))
+    assert info.st_gid == RELAY_GROUP
+    assert (member, stranger) == ("ok", "EACCES")
+
+
+def test_a_relay_group_may_come_from_the_config_file(tmp_path: Path) -> None:
+    from oubliette_server.program.config import ServerConfig, load_config_file
+
+    for value in ('"4243"', "4243"):
+        (tmp_path / "c.toml").write_text(f"[server]\nrelay_group = {value}\n")
+        assert ServerConfig(**load_config_file(tmp_path / "c.toml")).relay_gid == RELAY_GROUP
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--relay-group", "no-such-group-here"], "relay_group: no group named 'no-such-group-here' on this host"),
+    (["--relay", "tcp:127.0.0.1:0", "--relay-group", "4243"], "relay_group applies to a Unix relay socket"),
+])
+async def test_a_relay_group_that_cannot_apply_is_a_usage_error(deployment: Deployment, flags: list[str], said: str) -> None:
+    done = await trio.run_process(
+        [PYTHON, "-m", "oubliette_server", "--no-stdio", "--data-dir", str(deployment.data_dir), *flags],
+        capture_stdout=True, capture_stderr=True, check=False, stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2
+    assert said in done.stderr.decode()
 
 
 # -- cancel -----------------------------------------------------------------------------

@@ -5,12 +5,16 @@ describes: a read-only system (only /usr, /lib*, /bin, /sbin, /etc, and read-onl
 and this checkout that hold the installed programs), no network (its own network namespace:
 not even the host's loopback), its own PID namespace, a private /tmp, and the relay socket
 bound at /oubliette/relay.sock. A full relayed caller tool call and a tether turn go through
-it. bubblewrap is the Debian package `bubblewrap`; .ci/run installs it when it is missing.
+it. The agent's side runs as uid 10001, as the Docker image's agent does, while the server runs
+as this test's user (root): the server's `--relay-group` makes the socket 0660 with a group the
+sandbox's user is given (`bwrap-run.sh --uid`), and nothing else (docs/SECURITY.md, "The relay socket").
+bubblewrap is the Debian package `bubblewrap`; .ci/run installs it when it is missing.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +28,9 @@ from harness import EVENT_TIMEOUT, PYTHON, Deployment, structured
 
 REPO = Path(__file__).resolve().parent.parent
 BWRAP_RUN = REPO / "examples" / "sandbox" / "bwrap-run.sh"
+#: The Docker image's agent user (examples/sandbox/Dockerfile), and the relay socket's group (no user's own).
+AGENT_UID = 10001
+RELAY_GROUP = 4243
 CALLER_TOOLS = [{
     "name": "send_notification",
     "description": "Send a notification to the user of myapp",
@@ -39,9 +46,24 @@ def read_only_paths() -> list[str]:
 
 
 def sandboxed(socket: Path, *command: str) -> list[str]:
-    """The script as a user runs it: no `--ro` paths given, the venv's Python as the command."""
+    """The script as a user runs it: no `--ro` paths given, the agent's uid, the venv's Python as the command."""
     assert shutil.which("bwrap"), "bubblewrap is not installed: apt-get install -y bubblewrap (.ci/run does)"
-    return ["sh", str(BWRAP_RUN), str(socket), "--", *command]
+    assert os.getuid() != AGENT_UID
+    return ["sh", str(BWRAP_RUN), str(socket), "--uid", str(AGENT_UID), "--", *command]
+
+
+def uid_of_process_with(token: str) -> int:
+    """The uid of the process whose environment holds `token` and that runs `oubliette_client run`."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if cmdline[1:4] == [b"-m", b"oubliette_client", b"run"] and f"OUBLIETTE_TOKEN={token}".encode() in environ:
+            return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+    raise AssertionError("no guest runtime found")
 
 
 def sandbox_env(deployment: Deployment, instance: str) -> dict[str, str]:
@@ -87,12 +109,14 @@ out["oubliette"] = sorted(os.listdir("/oubliette"))
 out["host_file"] = os.path.exists("{deployment.root / 'host-secret'}")
 open("/tmp/mine", "w").close(); out["tmp"] = sorted(os.listdir("/tmp"))
 out["pid"] = os.getpid()
+out["ids"] = [os.getuid(), os.getgid(), os.getgroups()]
 out["env"] = sorted(k for k in os.environ if k.startswith("OUBLIETTE_"))
 print(__import__("json").dumps(out))
 """
     deployment.data_dir.mkdir(parents=True, exist_ok=True)
     sock = trio.socket.socket(trio.socket.AF_UNIX)
     await sock.bind(str(deployment.socket))
+    os.chown(deployment.socket, -1, RELAY_GROUP)  # as `oubliette-server --relay-group` leaves it
     try:
         with trio.fail_after(EVENT_TIMEOUT):
             done = await trio.run_process(
@@ -113,12 +137,14 @@ print(__import__("json").dumps(out))
     bound_under_tmp = {Path(p).parts[2] for p in read_only_paths() if Path(p).parts[1:2] == ("tmp",) and len(Path(p).parts) > 2}
     assert out["tmp"] == sorted({"mine"} | bound_under_tmp)
     assert out["pid"] < 10  # its own PID namespace
+    assert out["ids"] == [AGENT_UID, AGENT_UID, [RELAY_GROUP]]  # not root; of the host's groups, the socket's alone
     assert out["env"] == ["OUBLIETTE_INSTANCE", "OUBLIETTE_RELAY", "OUBLIETTE_TOKEN"]
     assert not (REPO / "oubliette-probe").exists()
 
 
 async def test_relayed_call_and_tether_turn_through_the_sandbox(deployment: Deployment) -> None:
-    async with deployment.caller() as (caller, log), sandboxed_guest(deployment, "box1") as guest:
+    async with deployment.caller("--relay-group", str(RELAY_GROUP)) as (caller, log), \
+            sandboxed_guest(deployment, "box1") as guest:
 
         with trio.fail_after(60):
             stopped = structured(await caller.call_tool("session_message", {
@@ -150,6 +176,19 @@ async def test_relayed_call_and_tether_turn_through_the_sandbox(deployment: Depl
         assert done["reply_to"] == sent["msg_id"]
         assert "You said: hi from the host" in done["payload"]["text"]
         assert guest.returncode is None  # the sandbox is still serving
+        assert uid_of_process_with(deployment.token("box1")) == AGENT_UID  # the server is root, the guest is not
+
+
+async def test_without_a_relay_group_the_agent_user_is_not_let_in(deployment: Deployment) -> None:
+    """The socket stays 0600, the server's user's alone: bwrap-run.sh says what to do instead of
+    giving the agent root's group."""
+    async with deployment.caller():
+        done = await trio.run_process(
+            sandboxed(deployment.socket, PYTHON, "-m", "oubliette_client", "tools", "list"),
+            env=sandbox_env(deployment, "box1"), capture_stdout=True, capture_stderr=True, check=False,
+        )
+    assert done.returncode == 2
+    assert b"start oubliette-server with --relay-group GROUP so that uid 10001 may use it" in done.stderr
 
 
 async def test_bwrap_run_refuses_a_bad_command_line() -> None:
@@ -166,5 +205,12 @@ def test_the_dockerfile_runs_what_the_bwrap_test_runs() -> None:
     assert 'CMD ["oubliette-client", "demo-agent", "--mcp-config", "{mcp_config}"]' in dockerfile
     assert "ENV OUBLIETTE_RELAY=unix:/oubliette/relay.sock" in dockerfile
     assert "--setenv OUBLIETTE_RELAY unix:/oubliette/relay.sock" in BWRAP_RUN.read_text()
-    for package in ("protocol", "oubliette_server", "oubliette_client"):
-        assert f"COPY {package} ./{package}" in dockerfile
+    assert f"useradd --create-home --uid {AGENT_UID} agent" in dockerfile and "USER agent" in dockerfile
+    assert "--group-add" in dockerfile and "--relay-group" in dockerfile
+    # The image installs the sandbox distribution (tests/test_packaging.py installs the same one): no server.
+    assert "COPY . ./" in dockerfile  # the build context: what .dockerignore lets in
+    context = (REPO / ".dockerignore").read_text().splitlines()
+    for package in ("protocol", "oubliette_client", "sandbox"):
+        assert f"!{package}" in context
+    assert "RUN pip wheel --no-deps -w /wheels ./sandbox" in dockerfile
+    assert "oubliette_server" not in dockerfile

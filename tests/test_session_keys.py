@@ -150,6 +150,48 @@ async def test_frame_ids_a_peer_chooses_are_bounded_too(deployment: Deployment) 
         assert await served.held_and_stored() == before
 
 
+async def test_frame_types_are_bounded_at_every_door(deployment: Deployment) -> None:
+    """Issue 31: a frame type had a pattern but no length at HTTP ingress, so a 5,000-character type
+    was stored and printed whole by `oubliette-server tail`. Every door that names a type — HTTP
+    ingress, a guest's `append_frame`, the read filters of the caller tools and HTTP, and
+    `Limits.check_frame` before every append — refuses one over 64 characters clearly; nothing stored."""
+    from protocol.frames import MAX_FRAME_TYPE_CHARS
+    from protocol.limits import Limits
+
+    long_type, longest = "t" * 5000, "t" * MAX_FRAME_TYPE_CHARS
+    async with serving(deployment) as served, served.http.rest() as rest:
+        owner, _ = served.callers.open_caller()
+        await served.callers.call(owner, "session_message", {"instance": INSTANCE, "session_id": "s1", "message": "hi"})
+        before = await served.held_and_stored()
+
+        async def ingress(type_: str) -> Any:
+            body = {"type": type_, "session": {"channel": "host", "id": "s"}, "payload": {"text": "x"}}
+            return await rest.post(f"/v1/instances/{INSTANCE}/tether", content=json.dumps(body).encode(),
+                                   headers={"content-type": "application/json"})
+
+        for type_ in (long_type, longest + "t", "a\u009b", "x.\u202e"):
+            response = await ingress(type_)
+            assert response.status_code == 400 and "invalid frame type" in response.text, response.text
+            assert len(response.text) < LONGEST_MESSAGE
+        async with RawRelay.connect(deployment) as guest:
+            await guest.hello(INSTANCE, served.app.tokens.token_for(INSTANCE), role="guest")
+            await guest.send({"jsonrpc": "2.0", "id": 1, "method": "append_frame", "params": {
+                "session": {"channel": "mcp", "id": "s1"}, "type": long_type, "payload": {}}})
+            error = (await response_to(guest, 1))["error"]
+            assert error["code"] == INVALID_PARAMS and "invalid frame type" in error["message"], error
+            assert len(error["message"]) < LONGEST_MESSAGE
+        for tool, arguments in (("session_events", {"instance": INSTANCE, "session_id": "s1", "types": [long_type]}),
+                                ("tether_read", {"instance": INSTANCE, "types": [long_type]})):
+            result = await served.callers.call(owner, tool, arguments)
+            assert result.is_error and len(text_of(result)) < LONGEST_MESSAGE, (tool, text_of(result)[:LONGEST_MESSAGE])
+        poll = await rest.get(f"/v1/instances/{INSTANCE}/tether/poll", params={"types": long_type})
+        assert poll.status_code == 400 and "invalid frame type" in poll.text, poll.text[:LONGEST_MESSAGE]
+        assert await served.held_and_stored() == before
+        assert (await ingress(longest)).status_code == 201  # the limit itself is a type
+    with pytest.raises(RelayError, match="invalid frame type"):
+        Limits().check_frame({}, instance=INSTANCE, channel="mcp", session_id="s1", type=long_type)
+
+
 async def test_a_guest_cannot_open_a_session(deployment: Deployment) -> None:
     """A well-formed key the server does not know (not held, no frames in the log) is NOT_FOUND:
     what a guest cannot create it cannot exhaust."""

@@ -69,8 +69,7 @@ def test_extract_keeps_tracestate_and_baggage() -> None:
     {"traceparent": PARENT, "tracestate": "not a tracestate !"},
     {"traceparent": "00-00000000000000000000000000000000-b7ad6b7169203331-01"},
     {"traceparent": f"00-{TRACE_ID}-0000000000000000-01"},
-    {"traceparent": f" 00-{TRACE_ID}-b7ad6b7169203331-01 "},  # spaces: the propagator's own path
-    {"traceparent": f"01-{TRACE_ID}-b7ad6b7169203331-01-later"},  # a later version
+    {"traceparent": f"01-{TRACE_ID}-b7ad6b7169203331-01"},  # a later version, in 55 characters
     {"traceparent": f"00-{TRACE_ID.upper()}-b7ad6b7169203331-01"},
 ])
 def test_extract_reads_a_traceparent_as_the_w3c_propagator_does(meta: dict[str, Any]) -> None:
@@ -78,10 +77,9 @@ def test_extract_reads_a_traceparent_as_the_w3c_propagator_does(meta: dict[str, 
     propagator would: same ids, flags, tracestate and remoteness, or none at all."""
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    from protocol.telemetry import _StringGetter
-
+    strings = {key: value for key, value in meta.items() if isinstance(value, str)}
     ours = trace.get_current_span(extract(meta)).get_span_context()
-    theirs = trace.get_current_span(TraceContextTextMapPropagator().extract(meta, getter=_StringGetter())).get_span_context()
+    theirs = trace.get_current_span(TraceContextTextMapPropagator().extract(strings)).get_span_context()
     assert (ours.trace_id, ours.span_id, ours.trace_flags, ours.is_remote, ours.is_valid) == (
         theirs.trace_id, theirs.span_id, theirs.trace_flags, theirs.is_remote, theirs.is_valid)
     assert dict(ours.trace_state or {}) == dict(theirs.trace_state or {})
@@ -102,6 +100,55 @@ def test_an_invalid_carrier_is_ignored_never_an_error(meta: Any) -> None:
         ours = trace.get_current_span()
         assert trace.get_current_span(extract(meta)) is ours
     assert not trace.get_current_span(extract(meta)).get_span_context().is_valid
+
+
+WELL_FORMED_STATE = ",".join(f"k{n}=v{n}" for n in range(32))
+
+
+@pytest.mark.parametrize(("meta", "kept"), [
+    ({"traceparent": PARENT, "tracestate": "x" * 900_000}, {"traceparent"}),  # issue 31: logged whole
+    ({"traceparent": PARENT, "tracestate": "vendor=" + "a" * 506}, {"traceparent"}),  # 513 characters
+    ({"traceparent": PARENT, "tracestate": WELL_FORMED_STATE + ",k32=v"}, {"traceparent"}),  # 33 members
+    ({"traceparent": PARENT, "tracestate": "vendor=abc,vendor=def"}, {"traceparent"}),  # a key twice
+    ({"traceparent": PARENT, "tracestate": "Vendor=abc"}, {"traceparent"}),
+    ({"traceparent": PARENT, "tracestate": WELL_FORMED_STATE}, {"traceparent", "tracestate"}),
+    ({"traceparent": PARENT, "tracestate": "vendor=" + "a" * 255}, {"traceparent", "tracestate"}),
+    ({"traceparent": f" {PARENT} "}, set()),  # 57 characters
+    ({"traceparent": f"01-{TRACE_ID}-b7ad6b7169203331-01-later"}, set()),  # past 55 characters
+    ({"traceparent": PARENT + "\u202e"}, set()),
+    ({"traceparent": f"ff-{TRACE_ID}-b7ad6b7169203331-01"}, set()),
+    ({"tracestate": "vendor=abc"}, set()),  # a tracestate alone says nothing
+    ({"baggage": "tenant=t1;p=1, user=u%201"}, {"baggage"}),
+    ({"baggage": "\t"}, set()),  # no member: the propagator warned of it (found by the log-lines fuzz)
+    ({"baggage": "tenant=" + "x" * 8190}, set()),  # past 8,192 bytes
+    ({"baggage": ",".join(f"k{n}=v" for n in range(65))}, set()),  # 65 members
+    ({"baggage": "tenant=t1,\x9b=x"}, set()),
+    ({"baggage": "tenant=t\u00fc"}, set()),
+    ({"baggage": "x" * 5000 + "=1"}, set()),  # one member past 4,096: the propagator would log its key
+])
+def test_trace_context_is_dropped_unless_well_formed_and_within_w3c_limits(meta: dict[str, Any], kept: set[str]) -> None:
+    """`peer_trace_context` keeps each key only when well-formed and within W3C's limits, and
+    OpenTelemetry, handed what it keeps, logs nothing (it logged a 900 KB tracestate whole)."""
+    from protocol.telemetry import ENV_CARRIERS, guard_sdk_extraction, peer_trace_context
+    from protocol.trace_spans import turn_environment
+
+    assert set(peer_trace_context(meta)) == kept
+    guard_sdk_extraction()
+    from opentelemetry import propagate
+
+    otel = logging.getLogger("opentelemetry")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    otel.addHandler(handler)
+    try:
+        extract(meta)
+        propagate.extract(meta)  # the MCP SDK's own extraction, through guard_sdk_extraction
+        turn_environment(meta)  # the guest runtime: a user.message payload's `_meta`
+        context_from_env({name: meta[key] for key, name in ENV_CARRIERS.items() if isinstance(meta.get(key), str)})
+    finally:
+        otel.removeHandler(handler)
+    assert records == []
 
 
 def test_traceparent_env_hands_the_span_to_a_child_process() -> None:
@@ -142,7 +189,7 @@ def test_a_json_line_carries_fields_and_the_span_it_was_written_in() -> None:
     record = logging.LogRecord("oubliette.access", logging.INFO, __file__, 1, "a %s", ("b\nc",), None)
     record.peer = "unix"
     outside = json.loads(formatter.format(record))
-    assert outside["level"] == "INFO" and outside["logger"] == "oubliette.access" and outside["message"] == "a b\nc"
+    assert outside["level"] == "INFO" and outside["logger"] == "oubliette.access" and outside["message"] == "a b\\nc"
     assert outside["peer"] == "unix" and outside["time"].endswith("Z") and "trace_id" not in outside
     with tracer.start_as_current_span("call"):
         trace_id, span_id = _current_ids()

@@ -452,3 +452,22 @@ async def test_a_burst_of_caller_timeouts_gets_every_answer(deployment: Deployme
             assert sorted(answers) == list(range(1, BURST + 1))
             assert {answer["error"]["code"] for answer in answers.values()} == {-32001}
             assert (await guest_round_trip(relay, BURST + 1))["error"]["code"] == METHOD_NOT_FOUND  # still up
+
+
+# -- peer strings in log lines ----------------------------------------------------------------
+
+
+async def test_a_huge_tracestate_is_dropped_and_the_log_stays_small(deployment: Deployment) -> None:
+    """Issue 31: a relay request whose `_meta.tracestate` was 900 KB and invalid made OpenTelemetry
+    log all of it at WARNING, tracing off, default log level: 50 requests, 45 MB of log. Now the
+    trace context is dropped at the door (`telemetry.peer_trace_context`) and every request, over
+    the relay and over `/mcp`, is still answered, each adding at most a few hundred bytes of log."""
+    from bench_peer_logs import INSTANCE, flood  # bench/, on the tests' path
+
+    requests = 20
+    async with deployment.http_server("--config", str(deployment.config_file(INSTANCE)), "--log-level", "INFO") as server:
+        results = await flood(deployment, server, requests, 900_000)
+    for door, answered, _, written in results:
+        assert answered == requests, door
+        assert written < 600 * requests, f"{door}: {written} bytes of log for {requests} requests"
+    assert "xxxxxxxx" not in server.stderr.decode(errors="replace")

@@ -143,5 +143,9 @@ def check_hello(
     if hello.session is not None:
         check_session_key(hello.session)
     if not verify_token(hello.instance, hello.token):
-        hint = f" (check OUBLIETTE_TOKEN: {token_hint(hello.instance)})" if token_hint else ""
-        raise RelayError(errors.UNAUTHORIZED, f"wrong token for instance '{hello.instance}'{hint}")
+        # A token opens one instance: the instance's name may be the mistake (bxo1 for box1).
+        hint = f"; check OUBLIETTE_TOKEN: {token_hint(hello.instance)}" if token_hint else ""
+        raise RelayError(errors.UNAUTHORIZED, (
+            f"wrong token for instance '{hello.instance}' (the token was checked for that instance: check "
+            f"OUBLIETTE_INSTANCE{hint})"
+        ))

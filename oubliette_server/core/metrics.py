@@ -165,6 +165,9 @@ class ServerMetrics:
         self.auth_refusals = Counter(
             "oubliette_auth_refusals", "Requests refused for their credentials, by door (relay, http) and reason.",
             ["door", "reason"], registry=r)
+        self.relay_evictions = Counter(
+            "oubliette_relay_evictions", "Relay connections closed before a valid hello to make room for a new one "
+            "at relay_max_connections.", registry=r)
         self.toolset_calls = Counter(
             "oubliette_toolset_calls", "Calls of host toolsets by the agents, by toolset and outcome.",
             ["toolset", "outcome"], registry=r)
@@ -220,6 +223,10 @@ class ServerMetrics:
     def auth_refused(self, door: str, reason: str) -> None:
         """A relay hello or an HTTP request was refused for its credentials."""
         self.auth_refusals.labels(door, reason).inc()
+
+    def relay_evicted(self) -> None:
+        """A relay connection without a valid hello was evicted at the relay's cap."""
+        self.relay_evictions.inc()
 
     def toolset_call_ended(self, toolset: str, error: BaseException | None) -> None:
         """A `toolset_call` of `toolset` (its id; "unknown" for a name no toolset publishes) ended."""

@@ -7,15 +7,19 @@ limit: a new sandbox's relay hello, the operator's requests and SQLite itself th
 second for as long as the flood lasted. So:
 
 - `ConnectionAcceptor` runs the accept loop of a set of listeners with an optional cap on the
-  connections open at once; a connection over the cap is handed to a `refuse` coroutine (HTTP
-  answers 503) in one of a few refusal slots, and when those are busy too the loop stops
-  accepting until one frees, so the count of descriptors it holds is bounded by the cap plus
-  the refusal slots. An accept that fails for lack of descriptors or memory (`EMFILE`,
-  `ENFILE`, `ENOMEM`, `ENOBUFS`) is retried after a short pause, counted, never a traceback.
+  connections open at once. Over the cap, the relay makes room by closing its oldest
+  connections that have not said a valid hello (`evict`), so connections that never say hello
+  cannot keep a sandbox with a token out; otherwise (HTTP, or a relay full of authenticated
+  sandboxes) the newcomer is handed to a `refuse` coroutine (HTTP answers 503) in one of a
+  few refusal slots, or closed at once, and when the slots are busy too the loop stops
+  accepting until one frees. So the descriptors it holds are bounded by the cap plus the
+  refusal slots. An accept that fails for lack of descriptors or memory (`EMFILE`, `ENFILE`,
+  `ENOMEM`, `ENOBUFS`) is retried after a short pause, counted, never a traceback.
 - `FloodLog` turns such events into one WARNING per interval with counts, instead of a line
   per connection.
-- `default_connection_cap` derives the HTTP cap from `RLIMIT_NOFILE`, keeping a reserve for
-  the relay, SQLite, start commands and the server's own pipes.
+- `descriptor_shares` divides `RLIMIT_NOFILE` between the HTTP cap, the relay cap and a
+  reserve for SQLite, start commands and the server's own pipes; `HttpLimits` and
+  `RelayLimits` are each door's limits, with their defaults.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import errno
 import logging
 import resource
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import attrs
 import trio
@@ -42,8 +45,13 @@ FLOOD_LOG_SECONDS = 10.0
 REFUSAL_SLOTS = 16
 #: How long a refusal may take (write the answer, let the client read it).
 REFUSE_SECONDS = 1.0
-#: The least number of descriptors kept out of HTTP's reach by the derived cap.
+#: Connections evicted at once when the cap is reached: the accept loop waits for one of them to
+#: end, and the others' slots then take the next accepts without a wait of their own.
+EVICTIONS_AT_ONCE = 16
+#: The least number of descriptors kept out of both doors' reach by the derived caps.
 MIN_FD_RESERVE = 64
+#: Seconds a relay connection has, from being accepted, to send its whole `hello` line.
+DEFAULT_RELAY_HELLO_TIMEOUT = 5.0
 
 DEFAULT_HTTP_BODY_TIMEOUT = 30.0
 DEFAULT_HTTP_KEEP_ALIVE_TIMEOUT = 5.0
@@ -59,17 +67,32 @@ def fd_limit() -> int:
     return 2**20 if soft == resource.RLIM_INFINITY else soft
 
 
-def default_connection_cap(nofile: int | None = None) -> int:
-    """The HTTP connection cap when none is configured: the descriptor limit less a reserve of a
-    quarter of it (at least `MIN_FD_RESERVE`), never below 1. 1024 descriptors give 768."""
+@attrs.frozen
+class DescriptorShares:
+    """How the descriptor limit is shared by the caps that are not configured (docs/SECURITY.md)."""
+
+    http: int
+    """HTTP connections open at once (`http_max_connections`' default)."""
+    relay: int
+    """Relay connections open at once (`relay_max_connections`' default)."""
+    reserve: int
+    """Out of both doors' reach: the store, start commands, the server's own pipes, refusals."""
+
+
+def descriptor_shares(nofile: int | None = None) -> DescriptorShares:
+    """A reserve of a quarter of the descriptor limit (at least `MIN_FD_RESERVE`), the rest half
+    to HTTP and half to the relay, each at least 1: 1024 descriptors give 384, 384 and 256.
+
+    Why shares: a flood through one door must leave the other door and the store their descriptors."""
     limit = fd_limit() if nofile is None else nofile
-    return max(1, limit - max(MIN_FD_RESERVE, limit // 4))
+    doors = max(2, limit - max(MIN_FD_RESERVE, limit // 4))
+    return DescriptorShares(http=doors // 2, relay=doors - doors // 2, reserve=max(0, limit - doors))
 
 
 @attrs.frozen
 class HttpLimits:
     """What one HTTP client, and all of them together, may hold of the server (docs/SECURITY.md,
-    "Slow HTTP clients"): the cap on open connections (None: `default_connection_cap()`),
+    "Slow HTTP clients"): the cap on open connections (None: HTTP's `descriptor_shares()`),
     the seconds a request's whole body has to arrive, and hypercorn's keep-alive limits."""
 
     max_connections: int | None = None
@@ -80,7 +103,23 @@ class HttpLimits:
     @property
     def connection_cap(self) -> int:
         """The configured cap, or the one derived from `RLIMIT_NOFILE` now."""
-        return self.max_connections if self.max_connections is not None else default_connection_cap()
+        return self.max_connections if self.max_connections is not None else descriptor_shares().http
+
+
+@attrs.frozen
+class RelayLimits:
+    """What sandbox connections, before and after their hello, may hold of the server
+    (docs/SECURITY.md, "Relay connections that never say hello"): the cap on open relay
+    connections (None: the relay's `descriptor_shares()`), at which the oldest one without a
+    valid hello yet is closed to make room, and the seconds a new one has to send its hello."""
+
+    max_connections: int | None = None
+    hello_timeout: float = DEFAULT_RELAY_HELLO_TIMEOUT
+
+    @property
+    def connection_cap(self) -> int:
+        """The configured cap, or the one derived from `RLIMIT_NOFILE` now."""
+        return self.max_connections if self.max_connections is not None else descriptor_shares().relay
 
 
 class FloodLog:
@@ -127,16 +166,19 @@ class ConnectionAcceptor:
     """The accept loop of a set of listeners: at most `cap` connections handled at once.
 
     Owns: the listeners given to `serve` (closed when it ends) and each accepted stream (closed
-    when its handler returns). A connection over the cap goes to `refuse(stream)` (with at most
-    `REFUSAL_SLOTS` refusals at once, each cut at `REFUSE_SECONDS`), or is closed at once
-    without `refuse`; either way it is counted in `flood` as "connections refused at the cap".
+    when its handler returns). At the cap, `evict(n)` may end up to `n` connections being
+    handled to make room, and says how many it ended: the newcomer waits for the first slot
+    they free, and they are counted in `flood` as "connections without a valid hello evicted".
+    Otherwise the newcomer goes to `refuse(stream)` (with at most `REFUSAL_SLOTS` refusals at
+    once, each cut at `REFUSE_SECONDS`), or is closed at once without `refuse`; either way it
+    is counted in `flood` as "connections refused at the cap".
     Raises: an accept error other than running out of descriptors or memory (the listener is
     broken). A handler's exception is logged on `log`, never raised.
     """
 
     def __init__(
         self, flood: FloodLog, log: logging.Logger, *, cap: int | None = None,
-        refuse: Handler | None = None,
+        refuse: Handler | None = None, evict: Callable[[int], int] | None = None,
     ) -> None:
         self.flood = flood
         self.log = log
@@ -144,6 +186,7 @@ class ConnectionAcceptor:
         self._connections = trio.CapacityLimiter(cap) if cap is not None else None
         self._refusals = trio.CapacityLimiter(REFUSAL_SLOTS)
         self._refuse = refuse
+        self._evict = evict
 
     @property
     def open_connections(self) -> int:
@@ -177,6 +220,14 @@ class ConnectionAcceptor:
                 try:
                     self._connections.acquire_on_behalf_of_nowait(stream)
                 except trio.WouldBlock:
+                    evicted = self._evict(EVICTIONS_AT_ONCE) if self._evict is not None else 0
+                    if evicted:
+                        self.flood.count(f"connections without a valid hello evicted at the cap of {self.cap}", evicted)
+                        # The evicted connections' tasks end at their next checkpoint and give their slots,
+                        # the first to this waiter: the descriptors held stay within the cap plus this one.
+                        await self._connections.acquire_on_behalf_of(stream)
+                        nursery.start_soon(self._run, stream, handler, self._connections)
+                        continue
                     self.flood.count(f"connections refused at the cap of {self.cap}")
                     if self._refuse is None:
                         await trio.aclose_forcefully(stream)
@@ -252,9 +303,3 @@ class GuardedStream(trio.abc.HalfCloseableStream):
     async def aclose(self) -> None:
         """Close the socket (a send in progress then fails with `ClosedResourceError`)."""
         await self.inner.aclose()
-
-
-def describe(value: Any) -> str:
-    """A value for a log line on one line: control characters escaped, at most 200 characters."""
-    text = str(value).encode("unicode_escape").decode("ascii")
-    return text if len(text) <= 200 else text[:197] + "..."

@@ -44,6 +44,7 @@ from starlette.routing import Route
 
 from protocol import RelayError, errors
 from protocol.limits import LimitExceeded
+from protocol.peer_text import bounded
 
 from ..core.auth import HTTP_ADMIN
 from ..core.callers import CallerConnection, CallerRegistry, keyed_identity
@@ -60,7 +61,6 @@ from .connection_limits import (
     FloodLog,
     GuardedStream,
     HttpLimits,
-    describe,
 )
 from .health import Readiness
 
@@ -237,8 +237,14 @@ def _declares_body(scope: dict[str, Any]) -> bool:
     return False
 
 
-class ExplainMisdirected(HttpMiddleware):
-    """ASGI middleware: two of `/mcp`'s refusals say why and what to do.
+#: The largest `/mcp` request body (the SDK refuses a larger one before parsing it); 4 MiB, the
+#: SDK's own default, named here so the limit and the refusal that quotes it are one number. A
+#: value inside it is still held to the size limits (docs/SECURITY.md).
+MCP_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class ExplainRefusals(HttpMiddleware):
+    """ASGI middleware: three of `/mcp`'s refusals say why and what to do.
 
     - 421 for a `Host` it does not accept: the SDK's DNS-rebinding protection answers a bare
       "Invalid Host header"; behind a proxy or in a container network the fix is
@@ -248,12 +254,15 @@ class ExplainMisdirected(HttpMiddleware):
       stickiness"): the SDK's "Session not found" does not say that a 2025-11-25 session lives
       in the memory of the server that opened it. The response stays a JSON-RPC error (what MCP
       clients read) with the same code and a message that begins with the SDK's words.
+    - 413 for a body over `MCP_MAX_BODY_BYTES`: the SDK's plain-text "Request body too large"
+      named no limit; it becomes a JSON-RPC error that does.
     """
 
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Run the app, rewriting those two refusals."""
         replaced = False
-        session_id = _header(scope, b"mcp-session-id") if scope.get("path") in MCP_PATHS else None
+        on_mcp = scope.get("path") in MCP_PATHS
+        session_id = _header(scope, b"mcp-session-id") if on_mcp else None
 
         async def explained(message: dict[str, Any]) -> None:
             nonlocal replaced
@@ -263,20 +272,37 @@ class ExplainMisdirected(HttpMiddleware):
             elif message["type"] == "http.response.start" and message["status"] == 404 and session_id is not None:
                 replaced = True
                 await _unknown_session(session_id)(scope, receive, send)
+            elif message["type"] == "http.response.start" and message["status"] == 413 and on_mcp:
+                replaced = True
+                await _mcp_body_too_large()(scope, receive, send)
             elif not replaced:  # the SDK's own body of a replaced response is dropped
                 await send(message)
 
         await self.app(scope, receive, explained)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+"""The Host names /mcp always accepts, with any port or none: a client on the documented Unix
+listener, or on TCP without a port, sends the bare name. The check stays on a Unix listener too:
+a reverse proxy in front of one forwards the browser's own Host (docs/SECURITY.md)."""
+
+
 def _host_refusal(scope: dict[str, Any]) -> str:
     host = next((value.decode("latin-1") for name, value in scope.get("headers", []) if name == b"host"), "")
     shown = json.dumps(host[:200])
     return (
-        f"/mcp does not accept the Host header {shown} (it accepts 127.0.0.1, localhost and [::1]); "
+        f"/mcp does not accept the Host header {shown} (it accepts 127.0.0.1, localhost and [::1], with any port or none); "
         f"to accept it, start the server with --allowed-host {host[:200] or 'HOST:PORT'} "
         "(or [server] allowed_hosts in the config file)"
     )
+
+
+def _mcp_body_too_large() -> JSONResponse:
+    """The 413 of a `/mcp` body over `MCP_MAX_BODY_BYTES`: a JSON-RPC error (id null) naming the limit."""
+    return JSONResponse({"jsonrpc": "2.0", "id": None, "error": {"code": errors.INVALID_REQUEST, "message": (
+        f"Request body too large: /mcp takes at most {MCP_MAX_BODY_BYTES} bytes in one request "
+        "(a value inside it is also held to the size limits of docs/SECURITY.md)"
+    )}}, status_code=413)
 
 
 def _unknown_session(session_id: str) -> JSONResponse:
@@ -398,10 +424,10 @@ class ErrorBoundary(HttpMiddleware):
                 log.debug("%s %s: the client went away before its request was read", scope["method"], scope["path"])
                 return
             if isinstance(exc, sqlite3.Error):
-                log.error("%s %s: the frame store failed: %s", scope["method"], describe(scope["path"]), exc)
+                log.error("%s %s: the frame store failed: %s", scope["method"], bounded(scope["path"]), exc)
                 err = RelayError(errors.INTERNAL_ERROR, f"the frame store failed: {exc}")
             else:
-                log.exception("%s %s failed", scope["method"], describe(scope["path"]))
+                log.exception("%s %s failed", scope["method"], bounded(scope["path"]))
                 err = RelayError(errors.INTERNAL_ERROR, "internal server error (the server log says more)")
         else:
             return
@@ -455,8 +481,8 @@ class AccessLog(HttpMiddleware):
                 host = "unix" if not client else f"[{client[0]}]:{client[1]}" if ":" in client[0] else f"{client[0]}:{client[1]}"
                 seconds = trio.current_time() - began
                 # The same facts as keys of their own for `--log-format json` (as the relay's lines have).
-                fields = {"peer": host, "method": describe(scope["method"]), "path": describe(scope["path"]),
-                          "status": status, "duration_s": round(seconds, 4), "reason": describe(reason) if reason else None}
+                fields = {"peer": host, "method": bounded(scope["method"]), "path": bounded(scope["path"]),
+                          "status": status, "duration_s": round(seconds, 4), "reason": bounded(reason) if reason else None}
                 access_log.info(
                     "%s %s %s %s %.1f ms%s", host, fields["method"], fields["path"], status if status is not None else "-",
                     seconds * 1000, f" - {fields['reason']}" if reason else "", extra=fields,
@@ -854,9 +880,10 @@ class HttpApi:
 
     def asgi_app(self) -> Any:
         """The ASGI app: `/mcp` (with Host checks) and the tether routes, behind the bearer-token check."""
-        allowed = ["127.0.0.1:*", "localhost:*", "[::1]:*", *self.allowed_hosts]
+        allowed = [*LOOPBACK_HOSTS, *(f"{host}:*" for host in LOOPBACK_HOSTS), *self.allowed_hosts]
         starlette = self.mcp.streamable_http_app(
             streamable_http_path="/mcp",
+            max_request_body_size=MCP_MAX_BODY_BYTES,
             transport_security=TransportSecuritySettings(
                 enable_dns_rebinding_protection=True,
                 allowed_hosts=allowed,
@@ -872,7 +899,7 @@ class HttpApi:
         starlette.router.default = _not_found  # unknown paths answer the JSON error shape too
         starlette.add_middleware(ErrorBoundary)  # inside Starlette's own (plain-text 500) error middleware
         refused = functools.partial(self.metrics.auth_refused, "http") if self.metrics else lambda reason: None
-        watched = ExplainMisdirected(StreamWatch(starlette, self._standalone_stream_dropped))
+        watched = ExplainRefusals(StreamWatch(starlette, self._standalone_stream_dropped))
         return self._outer(BearerAuth(watched, self.verify_token, refused))
 
     def _outer(self, app: Any, flood: FloodLog | None = None) -> Any:

@@ -15,7 +15,10 @@ cancellation; one connection's failure never reaches the listener.
 The relay access log: one INFO line on `oubliette.access` (as the HTTP API's) when a connection
 is admitted, when it is refused (the reason: a wrong token, a bad hello, a limit, no hello in
 time) and when an admitted one closes (its duration and why) - never a token. The fields are
-also on the record (`extra`), so `--log-format json` writes them as their own keys.
+also on the record (`extra`), so `--log-format json` writes them as their own keys. A
+connection evicted at the relay's cap before its hello has no line: a flood of them is counted
+in the listener's flood WARNING and a metric instead (docs/SECURITY.md, "Relay connections that
+never say hello").
 """
 
 from __future__ import annotations
@@ -43,9 +46,10 @@ from protocol import (
     errors,
     messages,
 )
+from protocol.peer_text import bounded
 
 from ..core.auth import check_hello
-from .connection_limits import ConnectionAcceptor, FloodLog, describe
+from .connection_limits import ConnectionAcceptor, FloodLog, RelayLimits
 
 log = logging.getLogger("oubliette.server.relay")
 access_log = logging.getLogger("oubliette.access")
@@ -55,6 +59,11 @@ access_log = logging.getLogger("oubliette.access")
 _TOKEN_VALUE = re.compile(r"(\$\.token\b).*", re.DOTALL)
 
 SERVER_VERSION = VERSION
+#: The Unix socket's listen backlog, as `trio.open_tcp_listeners` asks for TCP (the kernel caps it at
+#: `net.core.somaxconn`). A connection waiting there holds no descriptor of the server, and it is
+#: accepted in turn; with a short backlog, connections that never say hello kept it full and a
+#: sandbox's connect failed at once (EAGAIN) instead of waiting its turn.
+UNIX_BACKLOG = 0xFFFF
 
 #: What a relay handler takes: the connection asking, then its structured params.
 RelayHandlers = Mapping[tuple[str, str], HandlerEntry[Any]]
@@ -119,6 +128,8 @@ class RelayConnection:
         self._opened_tasks: list[Callable[[], Awaitable[None]]] = []
         self._began = trio.current_time()
         self._claimed: tuple[str, str, str | None] | None = None  # the hello's role, instance, session
+        self._scope = trio.CancelScope()  # `evict` cancels it, even before `run` entered it
+        self._evicted = False
         self._peer = RelayPeer(
             stream, RelayCore(ROLE_SERVER), name=self, limits=limits,
             on_request_started=on_request_started, on_request_finished=on_request_finished,
@@ -174,19 +185,32 @@ class RelayConnection:
         """End this connection once the answer being made is written (the peer reads why)."""
         self._peer.close_after_answer(reason)
 
+    @property
+    def authenticated(self) -> bool:
+        """Whether its hello's token (and the rest of the hello) passed; from then on it is never evicted."""
+        return self.role is not None
+
+    def evict(self) -> None:
+        """End this connection before its hello passed, without a word or an access line: the relay
+        is at its cap and a newer connection needs the room (the listener counts it)."""
+        self._evicted = True
+        self._scope.cancel()
+
     async def run(self) -> None:
-        """Serve the connection until it ends; `on_close` runs whenever `on_open` did."""
+        """Serve the connection until it ends (or is evicted); `on_close` runs whenever `on_open` did."""
         try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(functools.partial(
-                    self._peer.serve, self._handlers, unknown_method=self._handlers.unknown_method))
-                nursery.start_soon(self._run_when_open, nursery)
-                await self._peer.closed.wait()
-                nursery.cancel_scope.cancel()
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(functools.partial(
+                        self._peer.serve, self._handlers, unknown_method=self._handlers.unknown_method))
+                    nursery.start_soon(self._run_when_open, nursery)
+                    await self._peer.closed.wait()
+                    nursery.cancel_scope.cancel()
         finally:
             if self.role is not None:
                 self._on_close(self)
-            self._log_end()
+            if not self._evicted:
+                self._log_end()
 
     async def _run_when_open(self, nursery: trio.Nursery) -> None:
         await self._peer.opened.wait()
@@ -227,15 +251,15 @@ class RelayConnection:
             return
         role, instance, session = (self.role, self.instance, self.session_key) if self.role else self._claimed or (None, None, None)
         fields: dict[str, Any] = {
-            "event": event, "peer": self.peer, "role": describe(role) if role else None,
-            "instance": describe(instance) if instance else None, "session": describe(session) if session else None,
+            "event": event, "peer": self.peer, "role": bounded(role) if role else None,
+            "instance": bounded(instance) if instance else None, "session": bounded(session) if session else None,
         }
         tail = ""
         if duration:
             fields["duration_s"] = round(trio.current_time() - self._began, 3)
             tail += f" after {fields['duration_s']:.3f} s"
         if reason:
-            fields["reason"] = describe(reason)
+            fields["reason"] = bounded(reason)
             tail += f" - {fields['reason']}"
         access_log.info(
             "%s relay %s %s %s %s%s", self.peer, fields["role"] or "-", fields["instance"] or "-",
@@ -246,13 +270,28 @@ class RelayConnection:
 class RelayListener:
     """Accepts sandbox connections on one address; `connection_factory(stream, peer_name)` makes each one.
 
-    Owns the listening socket (and the Unix socket file, removed at the end). Start it with
-    `nursery.start(listener.serve)`: it is listening once started.
+    At most `limits.connection_cap` connections at once: at the cap, the oldest connections
+    whose hello has not passed yet are evicted for the newcomer (`on_evicted` is told of each), so
+    connections that never say hello cannot keep out a sandbox with a valid token; when every
+    connection has passed its hello the newcomer is closed at once. Owns the listening socket
+    (and the Unix socket file, removed at the end). Start it with `nursery.start(listener.serve)`:
+    it is listening once started.
     """
 
-    def __init__(self, address: RelayAddress, connection_factory: Callable[[trio.abc.Stream, str], RelayConnection]) -> None:
+    def __init__(
+        self, address: RelayAddress, connection_factory: Callable[[trio.abc.Stream, str], RelayConnection],
+        limits: RelayLimits = RelayLimits(), on_evicted: Callable[[], None] = lambda: None,
+        group: int | None = None,
+    ) -> None:
         self.address = address
         self._connection_factory = connection_factory
+        self.limits = limits
+        self._on_evicted = on_evicted
+        self.group = group
+        """The group that may use the Unix socket besides the server's user (mode 0660), or None (0600)."""
+        self._before_hello: dict[RelayConnection, None] = {}
+        """Connections in the order they started, the oldest first; those that passed their
+        hello are dropped from the front as eviction meets them (or when they end)."""
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen and run one connection per accepted stream until cancelled.
@@ -271,7 +310,8 @@ class RelayListener:
             flood = FloodLog(log, f"relay listener {self.address}")
             async with trio.open_nursery() as nursery:
                 await nursery.start(flood.serve)
-                await nursery.start(ConnectionAcceptor(flood, log).serve, self._handle, listeners)
+                acceptor = ConnectionAcceptor(flood, log, cap=self.limits.connection_cap, evict=self._evict_oldest)
+                await nursery.start(acceptor.serve, self._handle, listeners)
                 task_status.started()
         finally:
             if self.address.kind == "unix":
@@ -289,11 +329,14 @@ class RelayListener:
         if os.path.exists(path):
             await self._remove_stale_socket(path)
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        # 0600 before listen: until then nobody can connect, so the file's first mode does not
-        # matter, and the process-wide umask is never changed (other tasks and threads create files).
+        # 0600 (0660 with the sandboxes' group) before listen: until then nobody can connect, so the
+        # file's first mode does not matter, and the process-wide umask is never changed (other
+        # tasks and threads create files).
         await sock.bind(path)
-        os.chmod(path, 0o600)
-        sock.listen(128)
+        if self.group is not None:
+            os.chown(path, -1, self.group)
+        os.chmod(path, 0o600 if self.group is None else 0o660)
+        sock.listen(UNIX_BACKLOG)
         return [trio.SocketListener(sock)]
 
     @staticmethod
@@ -306,12 +349,29 @@ class RelayListener:
         await probe.aclose()
         raise OSError("in use by another server (stop it, or pass another --relay or --data-dir)")
 
+    def _evict_oldest(self, count: int) -> int:
+        """Evict the `count` oldest connections whose hello has not passed (fewer when there are not
+        so many); how many it evicted."""
+        evicted = 0
+        while self._before_hello and evicted < count:
+            connection = next(iter(self._before_hello))
+            del self._before_hello[connection]
+            if not connection.authenticated:
+                connection.evict()
+                self._on_evicted()
+                evicted += 1
+        return evicted
+
     async def _handle(self, stream: trio.abc.Stream) -> None:
         peer = "unix" if self.address.kind == "unix" else _peer_name(stream)
+        connection = self._connection_factory(stream, peer)
+        self._before_hello[connection] = None
         try:
-            await self._connection_factory(stream, peer).run()
+            await connection.run()
         except Exception:  # one connection's failure must never take the listener (and the server) down
             log.exception("relay connection from %s failed", peer)
+        finally:
+            self._before_hello.pop(connection, None)
 
 
 def _peer_name(stream: trio.abc.Stream) -> str:

@@ -12,7 +12,7 @@ import time
 from typing import Any, AsyncIterator
 
 from protocol import FRAME_TYPES, INGRESS_SCHEMA, Frame, RelayError, errors
-from protocol.frames import FrameType
+from protocol.frames import FrameType, frame_type_problem
 from protocol.limits import Limits
 from protocol.schema_check import first_problem
 from protocol.session_keys import channel_problem, check_session, session_id_problem
@@ -73,7 +73,8 @@ class Tether:
         instance = await self.instances.require_known(instance)
         if isinstance(body, dict) and "payload" in body:
             self.limits.check_value(body["payload"], "payload")
-        problem = first_problem(_ingress_validator, body, "invalid frame")
+        problem = (isinstance(body, dict) and "type" in body and frame_type_problem(body["type"])) or first_problem(
+            _ingress_validator, body, "invalid frame")
         if problem is not None:
             raise RelayError(errors.INVALID_PARAMS, problem)
         return await self.frame_log.ingress(
@@ -101,7 +102,8 @@ class Tether:
             raise RelayError(errors.INVALID_PARAMS, f"wait_ms must be between 0 and {MAX_WAIT_MS}, got {wait_ms}")
         # A filter is a session key too: held to the same rule (protocol/session_keys.py).
         problem = (channel is not None and channel_problem(channel)) or (
-            session_id is not None and session_id_problem(session_id))
+            session_id is not None and session_id_problem(session_id)) or next(
+            filter(None, map(frame_type_problem, types or ())), None)  # a type filter too
         if problem:
             raise RelayError(errors.INVALID_PARAMS, problem)
         query = self._query(channel, session_id, after_seq, limit, types, reply_to)

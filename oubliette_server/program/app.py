@@ -240,7 +240,10 @@ class OublietteServer:
                     await nursery.start(self.leases.serve)
                 if self.abandoned is not None:
                     await nursery.start(self.abandoned.serve)
-                await nursery.start(RelayListener(address, self._relay_connection).serve)
+                await nursery.start(RelayListener(
+                    address, self._relay_connection, self.config.relay_limits, on_evicted=self.metrics.relay_evicted,
+                    group=self.config.relay_gid,
+                ).serve)
                 self.relay_listening = True
                 try:
                     task_status.started()
@@ -331,7 +334,7 @@ class OublietteServer:
             handlers=self.relay_handlers,
             on_open=self.relay_connection_opened,
             on_close=self.relay_connection_closed,
-            limits=PeerLimits(write_timeout=self.config.relay_write_timeout),
+            limits=PeerLimits(write_timeout=self.config.relay_write_timeout, hello_timeout=self.config.relay_hello_timeout),
             on_request_started=self.relay_request_started,
             on_request_finished=self.relay_request_finished,
         )

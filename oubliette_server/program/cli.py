@@ -1,6 +1,6 @@
 """`oubliette-server`: serve callers on stdio and sandboxes on the relay socket; or print a token.
 
-    oubliette-server [serve] [--relay unix:PATH|tcp:HOST:PORT] [--data-dir DIR] [--caller-timeout SECONDS]
+    oubliette-server [serve] [--relay unix:PATH|tcp:HOST:PORT] [--relay-group GROUP] [--data-dir DIR] [--caller-timeout SECONDS]
                      [--approval-timeout SECONDS] [--approval-delivery auto|elicitation|tool]
     oubliette-server [serve] [--http HOST:PORT|unix:PATH]… [--no-stdio] [--config FILE] [--store postgresql://…]
                      [--metrics HOST:PORT|unix:PATH]…
@@ -8,6 +8,7 @@
     oubliette-server http-token [--data-dir DIR | --store postgresql://…]
     oubliette-server status [--data-dir DIR | --store postgresql://…] [--config FILE] [--http HOST:PORT|unix:PATH] [--json]
     oubliette-server tail INSTANCE [--session CHANNEL:ID] [--types T,...] [--after-seq N] [--json] [--data-dir DIR | --store …]
+    oubliette-server backup DEST [--data-dir DIR] [--config FILE]
 
 Logs go to stderr; stdout carries the caller's MCP. Options may come before or after the
 subcommand. An operator mistake is one line on stderr: exit status 2 for a usage error, 1 for
@@ -18,7 +19,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -36,7 +36,7 @@ from protocol.interrupts import (
     is_interrupt,
     raise_on_interrupt,
 )
-from protocol.log_format import add_log_format_option
+from protocol.log_format import add_log_format_option, configure_logging
 from protocol.telemetry import setup_observability
 
 from ..core.auth import HTTP_ADMIN, TokenAuthority, check_instance_id
@@ -54,9 +54,9 @@ from .config import (
 from .data_dir_lock import DataDirInUse, hold_data_dir
 
 PROG = "oubliette-server"
-SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail")
+SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail", "backup")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
-VALUE_OPTIONS = {"--relay", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
+VALUE_OPTIONS = {"--relay", "--relay-group", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
                  "--session", "--types", "--after-seq", "--poll-interval"}
 EPILOG = """subcommands:
   serve                 serve callers and sandboxes (the default)
@@ -64,6 +64,7 @@ EPILOG = """subcommands:
   http-token            print the HTTP API's bearer token
   status                instances, guest connections, sessions, pending requests (docs/OBSERVABILITY.md)
   tail INSTANCE         follow an instance's frames as they are stored (Ctrl-C ends it)
+  backup DEST           copy a running server's SQLite data directory, consistent, into DEST (docs/DEPLOY.md)
 
 Options may come before or after the subcommand, e.g. `oubliette-server --data-dir X token box1`.
 Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
@@ -84,6 +85,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     )
     _add_common(parser)
     parser.add_argument("--relay", help="relay address: unix:PATH (default <data-dir>/relay.sock) or tcp:HOST:PORT")
+    parser.add_argument(
+        "--relay-group", metavar="GROUP",
+        help="let this group (name or number) use the Unix relay socket: mode 0660 with that group instead of "
+        "0600, for sandboxes whose agent runs as another user (docs/SECURITY.md)",
+    )
     parser.add_argument(
         "--caller-timeout", type=cli_seconds, default=None,
         help=f"seconds a relayed caller tool call waits for the caller (default {DEFAULT_CALLER_TIMEOUT:g}; per tool: timeout_ms)",
@@ -161,6 +167,22 @@ def _operator_parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _config_beside_the_server(args: argparse.Namespace) -> ServerConfig:
+    """The running server's config as `status`, `tail` and `backup` see it: its config file, if
+    given (data dir, store, instances, HTTP listeners), then `--data-dir` and `--store`; their
+    log lines set up on stderr.
+
+    Raises: `ValueError` or `TypeError` naming a mistake in the file or a flag.
+    """
+    configure_logging(args.log_level)
+    settings = load_config_file(args.config) if args.config is not None else {}
+    if args.data_dir is not None:
+        settings["data_dir"] = args.data_dir
+    if args.store is not None:
+        settings["store_url"] = args.store
+    return ServerConfig(**settings)
+
+
 def _run_operator(command: str, rest: list[str]) -> int:
     """`status` or `tail`: read the store beside the running server(s), never locking or writing it."""
     import trio
@@ -173,14 +195,8 @@ def _run_operator(command: str, rest: list[str]) -> int:
 
     parser = _operator_parser(command)
     args = parser.parse_args(rest)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:  # the server's own config file, if given: its data dir, store, instances and HTTP listeners
-        settings = load_config_file(args.config) if args.config is not None else {}
-        if args.data_dir is not None:
-            settings["data_dir"] = args.data_dir
-        if args.store is not None:
-            settings["store_url"] = args.store
-        config = ServerConfig(**settings)
+    try:
+        config = _config_beside_the_server(args)
         http = getattr(args, "http", None) or next((b for b in config.http if not b.endswith(":0")), None)
         if http is not None:
             check_http_bind(http)
@@ -222,6 +238,29 @@ def _run_operator(command: str, rest: list[str]) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when stdout is flushed at exit
             return 0
         raise
+    return 0
+
+
+def _run_backup(rest: list[str]) -> int:
+    """`backup DEST`: the frame log (one snapshot) and the secret, beside the running server."""
+    from .backup import backup_data_dir
+
+    parser = OneLineParser(prog=f"{PROG} backup", description="Copy the data directory of a server on SQLite, "
+                           "while it runs, into DEST (a new or empty directory): a consistent snapshot of the "
+                           "frame log and the secret; DEST is a data directory to restore (docs/DEPLOY.md).")
+    parser.add_argument("dest", type=Path)
+    _add_common(parser)
+    parser.add_argument("--config", type=Path, help="the server's TOML config file: its data dir and store")
+    parser.add_argument("--store", metavar="postgresql://…", help="refused: a PostgreSQL store is backed up with pg_dump")
+    args = parser.parse_args(rest)
+    try:
+        config = _config_beside_the_server(args)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    if config.store_url is not None:
+        parser.error("the store is PostgreSQL: back it up with pg_dump (docs/DEPLOY.md); backup copies a SQLite data directory")
+    written = backup_data_dir(config, args.dest)
+    print(f"backed up {config.data_dir} into {args.dest}: {', '.join(p.name for p in written)}")
     return 0
 
 
@@ -271,6 +310,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         settings["data_dir"] = args.data_dir
     if args.relay is not None:
         settings["relay"] = args.relay
+    if args.relay_group is not None:
+        settings["relay_group"] = args.relay_group
     settings["caller_timeout"] = float(
         args.caller_timeout if args.caller_timeout is not None else settings.get("caller_timeout", DEFAULT_CALLER_TIMEOUT)
     )
@@ -333,6 +374,8 @@ def _run(argv: list[str]) -> int:
     command, rest = split_subcommand(argv)
     if command in ("status", "tail"):
         return _run_operator(command, rest)
+    if command == "backup":
+        return _run_backup(rest)
     if command == "serve":
         parser = _serve_parser()
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import shlex
 import tomllib
@@ -19,7 +20,9 @@ from ..doors.connection_limits import (
     DEFAULT_HTTP_BODY_TIMEOUT,
     DEFAULT_HTTP_KEEP_ALIVE_MAX_REQUESTS,
     DEFAULT_HTTP_KEEP_ALIVE_TIMEOUT,
+    DEFAULT_RELAY_HELLO_TIMEOUT,
     HttpLimits,
+    RelayLimits,
 )
 from ..features.approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
 
@@ -33,6 +36,17 @@ DEFAULT_STORE_POOL_SIZE = 4
 DEFAULT_STORE_CONNECT_TIMEOUT = 10.0
 DEFAULT_STORE_LEASE_TTL = 10.0
 STORE_URL_SCHEMES = ("postgresql://", "postgres://")
+
+
+def relay_group_id(group: str | int) -> int:
+    """A group's id from its name or number (a number need not name a group in /etc/group: a
+    container's `--group-add` takes numbers). Raises `ValueError` for an unknown name."""
+    if isinstance(group, int) or group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"relay_group: no group named {group!r} on this host") from None
 
 
 def default_data_dir() -> Path:
@@ -51,6 +65,24 @@ class ServerConfig:
     data_dir: Path = attrs.field(factory=default_data_dir, converter=Path)
     relay: str | None = None
     """`unix:PATH` or `tcp:HOST:PORT`; None means `unix:<data_dir>/relay.sock`."""
+    relay_group: str | int | None = attrs.field(default=None)
+    """A group (name or number) whose members may connect to the Unix relay socket: the socket is
+    then mode 0660 with that group instead of 0600, for sandboxes whose agent runs as another uid
+    (docs/SECURITY.md, "The relay socket"). None: the server's user alone."""
+
+    @relay_group.validator
+    def _check_relay_group(self, attribute: Any, value: str | int | None) -> None:
+        if value is None:
+            return
+        if not self.relay_address.startswith("unix:"):
+            raise ValueError("relay_group applies to a Unix relay socket, not to a tcp: relay address")
+        relay_group_id(value)
+
+    @property
+    def relay_gid(self) -> int | None:
+        """The numeric group of `relay_group` (None when it is not set)."""
+        return None if self.relay_group is None else relay_group_id(self.relay_group)
+
     caller_timeout: float = DEFAULT_CALLER_TIMEOUT
     """Seconds a relayed caller tool call waits for the caller (per tool: `timeout_ms`)."""
     approval_timeout: float = DEFAULT_APPROVAL_TIMEOUT
@@ -118,24 +150,31 @@ class ServerConfig:
     allowed_hosts: list[str] = attrs.field(factory=list)
     """Extra Host header values accepted on /mcp besides loopback ones (e.g. `oubliette.internal:*`)."""
     http_max_connections: int | None = attrs.field(default=None)
-    """HTTP connections open at once over all listeners; one more is answered 503. None: the
-    descriptor limit (`RLIMIT_NOFILE`) less a reserve of a quarter of it, at least 64."""
+    """HTTP connections open at once over all listeners; one more is answered 503. None: HTTP's
+    share of the descriptor limit (`RLIMIT_NOFILE`): 1024 gives 384."""
     http_body_timeout: float = attrs.field(default=DEFAULT_HTTP_BODY_TIMEOUT)
     """Seconds a request's whole body has to arrive in; a slower one is cut off with 408."""
     http_keep_alive_timeout: float = attrs.field(default=DEFAULT_HTTP_KEEP_ALIVE_TIMEOUT)
     """Seconds an idle HTTP connection is kept for its next request (and a new one has to send its headers)."""
     http_keep_alive_max_requests: int = attrs.field(default=DEFAULT_HTTP_KEEP_ALIVE_MAX_REQUESTS)
     """Requests one HTTP connection may make before the server closes it."""
+    relay_max_connections: int | None = attrs.field(default=None)
+    """Relay connections open at once; at the cap the oldest ones without a valid hello are evicted for
+    a new one. None: the relay's share of the descriptor limit (`RLIMIT_NOFILE`): 1024 gives 384."""
+    relay_hello_timeout: float = attrs.field(default=DEFAULT_RELAY_HELLO_TIMEOUT)
+    """Seconds a new relay connection has to send its whole hello; then it is closed."""
 
     @http_max_connections.validator
     @http_keep_alive_max_requests.validator
-    def _check_http_counts(self, attribute: Any, value: int | None) -> None:
+    @relay_max_connections.validator
+    def _check_door_counts(self, attribute: Any, value: int | None) -> None:
         if value is not None and value < 1:
             raise ValueError(f"{attribute.name} must be at least 1; got {value!r}")
 
     @http_body_timeout.validator
     @http_keep_alive_timeout.validator
-    def _check_http_seconds(self, attribute: Any, value: float) -> None:
+    @relay_hello_timeout.validator
+    def _check_door_seconds(self, attribute: Any, value: float) -> None:
         if not value > 0:
             raise ValueError(f"{attribute.name} must be a positive number of seconds; got {value!r}")
 
@@ -146,6 +185,11 @@ class ServerConfig:
             max_connections=self.http_max_connections, body_timeout=self.http_body_timeout,
             keep_alive_timeout=self.http_keep_alive_timeout, keep_alive_max_requests=self.http_keep_alive_max_requests,
         )
+
+    @property
+    def relay_limits(self) -> RelayLimits:
+        """What sandbox connections may hold of the server (docs/SECURITY.md, "Relay connections that never say hello")."""
+        return RelayLimits(max_connections=self.relay_max_connections, hello_timeout=self.relay_hello_timeout)
 
     tool_separator: str = attrs.field(default=".")
     """Between a toolset's prefix and its tools' names: "." (the default) or "_" for hosts that reject dots."""
@@ -205,10 +249,10 @@ class ServerConfig:
 
 
 SERVER_KEYS = {
-    "relay": str, "data_dir": str, "caller_timeout": (int, float), "approval_timeout": (int, float), "approval_delivery": str, "store_path": str,
+    "relay": str, "relay_group": (str, int), "data_dir": str, "caller_timeout": (int, float), "approval_timeout": (int, float), "approval_delivery": str, "store_path": str,
     "retention_frames": int, "retention_seconds": (int, float), "session_wait_limit": (int, float), "http": list, "metrics": list, "allowed_hosts": list,
     "tool_separator": str, "start_timeout": (int, float), "relay_write_timeout": (int, float),
-    "max_client_connections": int,
+    "max_client_connections": int, "relay_max_connections": int, "relay_hello_timeout": (int, float),
     "max_payload_bytes": int, "max_payload_depth": int, "max_sessions": int,
     "http_max_connections": int, "http_body_timeout": (int, float), "http_keep_alive_timeout": (int, float),
     "http_keep_alive_max_requests": int,

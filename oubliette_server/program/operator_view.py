@@ -25,6 +25,12 @@ What each fact is read from, so that it is true whichever server wrote it:
 With PostgreSQL a wait is woken by the store's LISTEN at once; with SQLite nothing in this
 process appends, so each wait lasts `poll_interval` and then reads again: a bounded poll,
 the only way one process learns of another's SQLite commits.
+
+What a sandbox, a caller or an HTTP client wrote reaches the operator's terminal only escaped
+(protocol/peer_text.py): every character that is not printable — C0 and C1 controls (an 8-bit
+CSI, U+009B, drives a terminal as ESC [ does), the bidi overrides and isolates — is written as an
+escape, in the table and `tail` lines as in `--json` (docs/SECURITY.md, "Peer strings in log
+lines and on the terminal"); a frame type is shown at most `MAX_FRAME_TYPE_CHARS` long.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ import attrs
 import trio
 
 from protocol import Frame
+from protocol.frames import MAX_FRAME_TYPE_CHARS
+from protocol.peer_text import bounded, escape, json_text
 
 from ..core.server_owned import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
 from ..store.api import MAX_LIMIT, CursorPruned, FrameQuery, FrameStoreAPI
@@ -365,6 +373,7 @@ def _tools_text(session: SessionView) -> str:
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    rows = [tuple(escape(cell) for cell in row) for row in rows]  # what peers named, escaped
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (header, *rows)
@@ -395,19 +404,21 @@ async def follow(
 
 
 def summarize(payload: dict[str, Any], limit: int = SUMMARY_CHARS) -> str:
-    """A payload in one short line: its compact JSON, cut at `limit` characters."""
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    """A payload in one short line: its compact JSON (unprintable characters as JSON escapes), cut at `limit` characters."""
+    text = json_text(json.dumps(payload, ensure_ascii=False, separators=(",", ":")))
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def format_frame(frame: Frame) -> str:
-    """One `tail` line: seq, time, session, type, a short payload summary."""
-    return f"{frame.seq} {frame.ts} {frame.session.channel}:{frame.session.id} {frame.type} {summarize(frame.payload)}"
+    """One `tail` line: seq, time, session, type, a short payload summary, each escaped (a frame
+    stored before types had a length limit is shown cut)."""
+    return (f"{frame.seq} {frame.ts} {escape(frame.session.key)} {bounded(frame.type, MAX_FRAME_TYPE_CHARS)} "
+            f"{summarize(frame.payload)}")
 
 
 def frame_json(frame: Frame) -> str:
-    """One `tail --json` line: the frame as stored, one JSON object."""
-    return json.dumps(frame.to_wire(), ensure_ascii=False, separators=(",", ":"))
+    """One `tail --json` line: the frame as stored, one JSON object (unprintable characters as JSON escapes)."""
+    return json_text(json.dumps(frame.to_wire(), ensure_ascii=False, separators=(",", ":")))
 
 
 # -- the two commands -----------------------------------------------------------------------------
@@ -424,7 +435,7 @@ async def print_status(
         if liveness is None:
             liveness = LeaseLiveness(cast(LeaseStore, store)) if store.shared else UnknownLiveness()
         report = await read_status(store, liveness, instances=instances)
-    write(json.dumps(report.to_json(), indent=2) if as_json else format_status(report))
+    write(json_text(json.dumps(report.to_json(), indent=2, ensure_ascii=False)) if as_json else format_status(report))
 
 
 async def print_frames(

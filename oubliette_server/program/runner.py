@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 from typing import Awaitable, Callable
 
@@ -28,6 +30,27 @@ def announce_ready(relay: str, http: list[str], metrics: list[str] | None = None
     if metrics:
         ready["metrics"] = metrics
     print(READY_PREFIX + json.dumps(ready), file=sys.stderr, flush=True)
+    notify_systemd("READY=1")
+
+
+def notify_systemd(state: str) -> None:
+    """Tell the service manager `state` (`READY=1`, `STOPPING=1`) when it asked to be told.
+
+    Why: a `Type=notify` unit (deploy/oubliette-server.service) starts what depends on the server
+    only once it is ready, without polling a probe. systemd's protocol is one datagram to the
+    socket in `$NOTIFY_SOCKET` (`@` names the abstract namespace); the send never waits, and a
+    failure is logged, never fatal. Without the variable it does nothing.
+    """
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    target = "\0" + address[1:] if address.startswith("@") else address
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as notify:
+            notify.setblocking(False)
+            notify.sendto(state.encode(), target)
+    except OSError as exc:
+        log.warning("could not tell the service manager %s at NOTIFY_SOCKET %s: %s", state, address, exc)
 
 
 async def stop_on_signals(
@@ -44,6 +67,7 @@ async def stop_on_signals(
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("received %s; shutting down", signal.Signals(signum).name)
+            notify_systemd("STOPPING=1")
             received.append(signum)
             break
         if drain is not None:

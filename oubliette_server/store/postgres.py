@@ -66,6 +66,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -110,6 +111,48 @@ from .postgres_loop import LoopStatements
 __all__ = ["MIGRATIONS", "NOTIFY_CHANNEL", "PostgresFrameStore", "safe_url"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds between two of the connection pool's own warnings that reach the log (`PoolLogThrottle`).
+POOL_LOG_INTERVAL = 30.0
+
+
+class PoolLogThrottle(logging.Filter):
+    """Keeps psycopg_pool's own warnings (logger `psycopg.pool`) to one line per `interval`.
+
+    During a database outage the pool warns of every failed connection attempt, each message two
+    lines long (libpq's hint on its own line): 20 per server per 9 s were seen. The first passes,
+    on one line; the next passes `interval` seconds later saying how many were held back; the
+    store's own `StoreUnavailable` lines already say what fails and what to do.
+    """
+
+    def __init__(self, interval: float = POOL_LOG_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.interval = interval
+        self._clock = clock
+        self._next = -math.inf
+        self._held = 0
+        self._lock = threading.Lock()  # the pool logs from its worker threads
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether `record` is written (flattened to one line), else counted until the next one is."""
+        with self._lock:
+            now = self._clock()
+            if now < self._next:
+                self._held += 1
+                return False
+            held, self._next, self._held = self._held, now + self.interval, 0
+        message = " ".join(record.getMessage().split())
+        if held:
+            message += f" ({held} more pool warning(s) in the last {self.interval:g} s not logged)"
+        record.msg, record.args = message, None
+        return True
+
+
+def throttle_pool_log() -> None:
+    """Install `PoolLogThrottle` on the pool's logger, once per process."""
+    pool_log = logging.getLogger("psycopg.pool")
+    if not any(isinstance(f, PoolLogThrottle) for f in pool_log.filters):
+        pool_log.addFilter(PoolLogThrottle())
 
 NOTIFY_CHANNEL = "oubliette_frames"
 #: The advisory lock key that serialises migrations between servers ("oubliett" in ASCII).
@@ -391,6 +434,7 @@ class PostgresFrameStore(FrameAppends):
             await trio.to_thread.run_sync(self._probe)
         except psycopg.Error as exc:
             raise StoreUnavailable(f"cannot reach the PostgreSQL store {self.describe()}: {_first_line(exc)}") from None
+        throttle_pool_log()
         pool = psycopg_pool.ConnectionPool(
             self.url, min_size=self.pool_size, max_size=self.pool_size, open=False,
             timeout=self.connect_timeout, name="oubliette-store",

@@ -370,6 +370,24 @@ class FrameStore(FrameAppends):
         are woken by nobody: they wait their whole timeout, then query again."""
         return cls(path, retention_frames=None, read_only=True)
 
+    def backup_to(self, target: str | os.PathLike[str]) -> None:
+        """Copy this store, as of one commit, to the new file `target` (mode 0600), while its
+        server goes on writing it (`oubliette-server backup`, docs/DEPLOY.md).
+
+        Why not `cp`: a copy of a live store's file and its `-wal` can catch a commit half-way.
+        SQLite's online backup copies every page in one step, inside one read transaction, and
+        WAL lets the server keep committing meanwhile: the copy is one consistent snapshot.
+        Raises `FileExistsError` if `target` exists.
+        """
+        target = Path(target)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        copy = sqlite3.connect(target, isolation_level=None)
+        try:
+            self._db.backup(copy)  # pages=-1: every page in one step, so one snapshot
+        finally:
+            copy.close()
+
     @classmethod
     def in_memory(cls, **kw: Any) -> FrameStore:
         """A store that lives in RAM only (for tests)."""

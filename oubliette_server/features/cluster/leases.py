@@ -88,7 +88,7 @@ class InstanceLeases:
         try:
             held = await self.store.renew_leases(self.server_id, instances, self.ttl)
         except StoreUnavailable as exc:
-            log.warning("could not renew the leases of %d instance(s): %s", len(instances), exc)
+            log.warning("could not renew this server's lease, nor those of its %d instance(s): %s", len(instances), exc)
             return
         for instance in set(instances) - held:
             guest = self.delivery.guest_for(instance)

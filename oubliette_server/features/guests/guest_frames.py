@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from protocol import RelayError, errors, messages
-from protocol.frames import TURN_END_TYPES, FrameType
-from protocol.session_keys import check_session
+from protocol.frames import TURN_END_TYPES, FrameType, frame_type_problem
+from protocol.session_keys import check_session, shown
 
 from ...core.frame_log import AppendFrame as Append
 from ...core.server_owned import refuse_server_owned
@@ -60,11 +60,14 @@ class GuestFrames:
             raise RelayError(
                 errors.INVALID_PARAMS, "append_id must be 1-64 characters of A-Z a-z 0-9 _ - (chosen once per frame)",
             )
+        problem = frame_type_problem(request.type)
+        if problem is not None:
+            raise RelayError(errors.INVALID_PARAMS, problem)
         refuse_server_owned(request.type, request.payload)
         if request.type not in GUEST_FRAME_TYPES:
             raise RelayError(
                 errors.INVALID_PARAMS,
-                f"a guest may append {', '.join(sorted(GUEST_FRAME_TYPES))}; not {request.type!r}",
+                f"a guest may append {', '.join(sorted(GUEST_FRAME_TYPES))}; not {shown(request.type)}",
             )
         assert connection.instance is not None
         session = await self._known_session(connection.instance, request.session.channel, request.session.id)
