@@ -9,8 +9,9 @@ for ids no log records, against a throwaway PostgreSQL 15 (tests/postgres.py) ho
 `--instances` instances, each with a session and its record, and prints the median time of
 each, and of the lookup of one caller's own sessions by its identity (`owner=`, along
 `frames_session_owners`). With `--index-frames N` it also times building the index (migration 6)
-over N frames, then migration 7 (the `append_id` column and its unique index) and migration 9
-(`frames_session_owners`) over the same frames.
+over N frames, then migration 7 (the `append_id` column and its unique index), migration 8 (the
+`ends_turn` column, filled on each turn's first end, and its unique index; one frame in ten made a
+turn end first) and migration 9 (`frames_session_owners`) over the same frames.
 
     python bench/bench_learn.py                       # 1,000 instances, ~20 s
     python bench/bench_learn.py --index-frames 1000000
@@ -32,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from oubliette_server.core.server_owned import OWNER_KEY, SESSION_RECORD  # noqa: E402
 from oubliette_server.core.sessions import Session  # noqa: E402
 from oubliette_server.features.cluster.log_bus import LogBus  # noqa: E402
-from oubliette_server.store import postgres as postgres_store  # noqa: E402
-from oubliette_server.store.postgres import PostgresFrameStore  # noqa: E402
+from oubliette_server.store.api import TURN_ENDS_INDEX  # noqa: E402
+from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore  # noqa: E402
 
 
 async def per_instance(store: PostgresFrameStore, session_id: str) -> int:
@@ -77,7 +78,7 @@ async def run(url: str, instances: int, rounds: int) -> None:
 
 def time_index_build(url: str, frames: int) -> None:
     """CREATE INDEX of migration 6 over `frames` frames, one in 100 a session record; then
-    migration 7 (`append_id`) over the same table."""
+    migrations 7 (`append_id`) and 8 (`ends_turn`) over the same table."""
     import psycopg
 
     store_url = url
@@ -109,9 +110,23 @@ def time_index_build(url: str, frames: int) -> None:
             conn.execute("CREATE UNIQUE INDEX frames_by_append_id ON frames (instance, append_id) "
                          "WHERE append_id IS NOT NULL")
         print(f"migration 7 (append_id column and index) over {row[0]:,} frames: {time.perf_counter() - began:.2f} s")
+        # Migration 8 (one turn end per message): one frame in ten made a turn end replying to the
+        # frame before it, then the column, its backfill (each turn's first end) and its unique index.
+        conn.execute(f"DROP INDEX {TURN_ENDS_INDEX}")
+        conn.execute("ALTER TABLE frames DROP COLUMN ends_turn")
+        conn.execute("UPDATE frames SET type = 'assistant.done', reply_to = 'm-' || (seq - 1) WHERE seq % 10 = 5")
+        conn.execute("VACUUM ANALYZE frames")
+        began = time.perf_counter()
+        with conn.transaction():
+            for statement in dict(MIGRATIONS)[8].split(";"):
+                if statement.strip():
+                    conn.execute(statement)  # type: ignore[arg-type]  # our own constant SQL
+        ends = conn.execute("SELECT count(*) FROM frames WHERE ends_turn IS NOT NULL").fetchone()
+        print(f"migration 8 (ends_turn column, filled on {ends[0] if ends else 0:,} turn ends, and its unique index) "
+              f"over {row[0]:,} frames: {time.perf_counter() - began:.2f} s")
         # Migration 9 (one owner's session records): a second partial index, the records' owner in it.
         began = time.perf_counter()
-        conn.execute(dict(postgres_store.MIGRATIONS)[9])
+        conn.execute(dict(MIGRATIONS)[9])
         print(f"migration 9 (frames_session_owners) over {row[0]:,} frames: {time.perf_counter() - began:.2f} s")
 
 

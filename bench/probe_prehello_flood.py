@@ -14,7 +14,7 @@ the same time, each counted as failed unless answered (a result; 200) within ``-
 seconds (``hello_and_health``).
 
 It prints each round, the totals, the flood connections made, and what the server's stderr holds
-("Too many open files", tracebacks, flood WARNING lines). Issue 31, item 2: at ``--nofile 1024``
+("Too many open files", tracebacks, flood WARNING lines). Seen in an attack: at ``--nofile 1024``
 and 1,100 flooders, the hello failed in 4-6 of 9 rounds and the health in 2 of 9 before the relay
 had a cap (docs/SECURITY.md, "Relay connections that never say hello"). For the figures before,
 run it from an older checkout's directory with that checkout's virtualenv (``python -m`` finds

@@ -214,6 +214,7 @@ class RelayPeer:
         self._in_flight: dict[Any, trio.CancelScope] = {}
         self._scope: trio.CancelScope | None = None
         self._close_reason: str | None = None
+        self._close_after_answer: str | None = None
         self._hello_deadline = math.inf
         self.opened = trio.Event()
         """Set once the handshake completed (server: hello answered; client: answer read)."""
@@ -287,6 +288,12 @@ class RelayPeer:
         if self._scope is not None:
             self._scope.cancel()
 
+    def close_after_answer(self, reason: str) -> None:
+        """End the connection once the next answer is queued (written first), logging `reason`: a
+        handler that refuses a request and ends its connection calls it, so the peer reads why."""
+        log.warning("%r: closing after this answer: %s", self.name, reason)
+        self._close_after_answer = reason
+
     def _wake_room_waiters(self) -> None:
         self._pushed.wake_all()
         self._answers.wake_all()
@@ -313,7 +320,9 @@ class RelayPeer:
         """The only task that writes to the stream."""
         try:
             async for item in self._receive:
-                if item is _CLOSE:
+                if item is _CLOSE:  # what was queued before it is written: the connection ends now
+                    if self._scope is not None:
+                        self._scope.cancel()
                     return
                 if item.room is not None:
                     item.room.give()
@@ -646,6 +655,8 @@ class RelayPeer:
                 on_written()
             return
         self._answer(data, on_written)
+        if self._close_after_answer is not None:
+            self._close_after_flush(self._close_after_answer)
 
     async def _on_notification(self, event: NotificationReceived, handlers: Mapping[str, HandlerEntry[Any]]) -> None:
         """Notifications run in order, in the read loop: keep their handlers short."""

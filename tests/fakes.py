@@ -21,7 +21,7 @@ class FakeRelayConnection:
     """A relay connection (`GuestPeer`, `ClientPeer`) with nobody on the other end.
 
     Records every notification a service queues or sends (`notified`, as `(method, params)`),
-    answers `request` from `replies` (a value, or a `RelayError` to raise), and `close`/`close_soon`
+    answers `request` from `replies` (a value, or a `RelayError` to raise), and `close`/`close_soon`/`close_after_answer`
     set `closed`. `refuse(seq)` makes `send_notification` raise for the frame with that seq, as a
     connection does for a frame it cannot send.
     """
@@ -76,6 +76,10 @@ class FakeRelayConnection:
 
     def close_soon(self) -> None:
         """End the connection (sets `closed`)."""
+        self.closed.set()
+
+    def close_after_answer(self, reason: str) -> None:
+        """End the connection after the answer being made (sets `closed`)."""
         self.closed.set()
 
     def close(self) -> None:

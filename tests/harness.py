@@ -11,6 +11,7 @@ Tokens are computed in process, as `oubliette-server token` computes them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -225,6 +226,28 @@ class Deployment:
 
     def cleanup(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def turn_ends(self, instance: str) -> dict[str, int]:
+        """How many turn ends (`TURN_END_TYPES`) each `user.message` of `instance` has in this
+        deployment's log (its SQLite file, or its PostgreSQL database), read directly."""
+        from protocol.frames import TURN_END_TYPES
+
+        sql = "SELECT f.type, f.msg_id, f.reply_to FROM frames f "
+        if self.store:
+            import psycopg
+
+            with psycopg.connect(self.store) as pg:
+                rows = pg.execute(sql + "WHERE f.instance = %s", (instance,)).fetchall()
+        else:
+            import sqlite3
+
+            with contextlib.closing(sqlite3.connect(self.data_dir / "frames.sqlite3")) as db:
+                rows = db.execute(sql + "JOIN instances i ON i.iid = f.iid WHERE i.name = ?", (instance,)).fetchall()
+        ends = {msg_id: 0 for type, msg_id, _ in rows if type == "user.message"}
+        for type, _, reply_to in rows:
+            if type in TURN_END_TYPES and reply_to in ends:
+                ends[reply_to] += 1
+        return ends
 
     def config_file(self, *instances: str, start: dict[str, list[str]] | None = None) -> Path:
         """A server config file (pass it as `--config PATH`) that declares `instances`.

@@ -332,3 +332,87 @@ async def test_a_store_failure_between_decision_and_record_leaves_the_approval_p
         assert [(f["type"], f["payload"].get("approve")) for f in frames] == [
             ("approval_request", None), ("approval_resolved", True),
         ], "one request, one decision: the one the gated call got"
+
+
+# -- every turn-end path under concurrency: one end per message ------------------------------
+
+BURST = 60
+SESSION = {"channel": "host", "id": "b"}
+
+
+async def post_message(rest: Any, instance: str, text: str) -> None:
+    response = await rest.post(f"/v1/instances/{instance}/tether", json={
+        "type": "user.message", "session": SESSION, "payload": {"text": text},
+    })
+    assert response.status_code == 201, response.text
+
+
+async def burst_to_a_failing_start(deployment: Deployment, messages: int = BURST) -> dict[str, int]:
+    """`messages` posted at once to `box2`, whose start command exits 1: each one wakes it, and each
+    failed start ends the turns waiting for it (failed starts overlap while the burst arrives).
+    Once every message has an end, the server stops: the turn ends of each message in its log."""
+    config = deployment.config_file(start={"box2": [sys.executable, "-c", "import sys; sys.exit(1)"]})
+    async with deployment.http_server("--config", str(config)) as server, server.rest() as rest:
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for n in range(messages):
+                    nursery.start_soon(post_message, rest, "box2", f"m{n}")
+            after = 0
+            ended: set[str] = set()
+            while len(ended) < messages:  # the failed starts' session.error frames, as they come
+                polled = (await rest.get("/v1/instances/box2/tether/poll", params={
+                    "after_seq": after, "wait_ms": 10_000, "types": "session.error"})).json()
+                ended.update(f["reply_to"] for f in polled["frames"])
+                after = polled.get("next_seq", after)
+    return deployment.turn_ends("box2")
+
+
+async def test_a_burst_to_a_failing_start_ends_each_message_once(pg_deployment: Deployment) -> None:
+    """A turn ends once whichever path ends it (docs/SECURITY.md, "One turn end per message"): the
+    failed starts of a burst overlap in ending the same waiting turns, and the store refuses each
+    second end. (PostgreSQL: its slower reads let the failed starts overlap; on main, 35-60 of 60
+    messages had two or more ends.)"""
+    ends = await burst_to_a_failing_start(pg_deployment)
+    assert len(ends) == BURST and set(ends.values()) == {1}, sorted(ends.values())
+
+
+async def test_a_guests_racing_turn_ends_and_its_orphans_end_each_message_once(deployment: Deployment) -> None:
+    """The same through the guest's door: a guest sending `assistant.done` and `session.error` for
+    each message at once (one stored, one refused as ended already); a guest ending every other
+    turn as its connection drops (its end races the orphan's `session.error`). Read from the log
+    file once the server stopped."""
+    async with deployment.http_server("--config", str(deployment.config_file("box1"))) as server, server.rest() as rest:
+        with trio.fail_after(120):
+            for n in range(20):
+                await post_message(rest, "box1", f"g{n}")
+            async with RawRelay.connect(deployment) as guest:
+                assert "result" in await guest.hello("box1", deployment.token("box1"), role="guest")
+                delivered = [await guest.receive() for _ in range(20)]
+                request_id = 0
+                for d in delivered:  # started (a frame replying to it), then ended twice at once
+                    assert d is not None
+                    for type in ("status.presence", "assistant.done", "session.error"):
+                        request_id += 1
+                        await guest.send({"jsonrpc": "2.0", "id": request_id, "method": "append_frame", "params": {
+                            "session": SESSION, "type": type, "payload": {}, "reply_to": d["params"]["frame"]["msg_id"]}})
+                answers = [await guest.receive() for _ in range(request_id)]
+            refused = [a for a in answers if a is not None and "error" in a]
+            assert len(refused) == 20 and all("ended already" in a["error"]["message"] for a in refused), refused
+
+            for n in range(20):
+                await post_message(rest, "box1", f"o{n}")
+            async with RawRelay.connect(deployment) as guest:
+                assert "result" in await guest.hello("box1", deployment.token("box1"), role="guest")
+                delivered = [await guest.receive() for _ in range(20)]
+                msg_ids = [d["params"]["frame"]["msg_id"] for d in delivered if d is not None]
+                for n, msg_id in enumerate(msg_ids):  # each started (stored), then every other one ended
+                    await guest.send({"jsonrpc": "2.0", "id": n, "method": "append_frame", "params": {
+                        "session": SESSION, "type": "status.presence", "payload": {}, "reply_to": msg_id}})
+                started = [await guest.receive() for _ in msg_ids]
+                assert all(a is not None and "result" in a for a in started), started
+                for n, msg_id in enumerate(msg_ids[1::2]):  # as the connection drops: no answer read
+                    await guest.send({"jsonrpc": "2.0", "id": 100 + n, "method": "append_frame", "params": {
+                        "session": SESSION, "type": "assistant.done", "payload": {}, "reply_to": msg_id}})
+            await server.wait_stderr("disconnected mid-turn; ended")
+    ends = deployment.turn_ends("box1")
+    assert len(ends) == 40 and set(ends.values()) == {1}, ends

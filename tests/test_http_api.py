@@ -152,6 +152,25 @@ FILTER_CASES = [
 ]
 
 
+async def test_a_second_turn_end_posted_to_the_tether_is_refused(deployment: Deployment) -> None:
+    """A producer posting turn ends: the first replying to a message is stored, a second (either
+    type) is HTTP 400 naming the end that stands, nothing stored (docs/SECURITY.md, "One turn end
+    per message"); an end replying to another message is stored."""
+    session = {"channel": "host", "id": "t"}
+    async with deployment.http_server("--config", str(deployment.config_file("box1"))) as server, server.rest() as rest:
+        first, second = [
+            (await post(rest, "box1", {"type": "user.message", "session": session, "payload": {"text": t}}))["msg_id"]
+            for t in ("one", "two")]
+        done = await post(rest, "box1", {"type": "assistant.done", "session": session, "payload": {}, "reply_to": first})
+        for type in ("assistant.done", "session.error"):
+            refused = await rest.post(TETHER.format("box1"), json={
+                "type": type, "session": session, "payload": {}, "reply_to": first})
+            assert_error(refused, 400, "invalid_request", "has ended already", f"seq {done['ingress_seq']}")
+        await post(rest, "box1", {"type": "session.error", "session": session, "payload": {}, "reply_to": second})
+        frames = (await poll(rest, "box1", {"after_seq": 0, "types": "assistant.done,session.error"}))["frames"]
+    assert [(f["type"], f["reply_to"]) for f in frames] == [("assistant.done", first), ("session.error", second)], frames
+
+
 async def test_poll_filters(deployment: Deployment) -> None:
     """channel, session_id, types (comma-separated or repeated), reply_to_msg_id, after_seq, limit."""
     config = deployment.config_file("box1")

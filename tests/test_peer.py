@@ -401,6 +401,9 @@ class Server:
             raise ValueError("a bug")
         if call.tool == "refuse":
             raise RelayError(-32004, "no thanks")
+        if call.tool == "refuse and close":
+            self.peer.close_after_answer("the test closes after this answer")
+            raise RelayError(-32004, "no thanks, and goodbye")
         if call.tool == "late":  # like a caller that never answers: the server's own deadline passes
             await trio.sleep(10)
             raise RelayError(TIMEOUT, "the caller did not answer within 10 s")
@@ -467,6 +470,17 @@ async def test_peer_handler_errors_become_error_responses_in_one_place() -> None
         assert missing.value.code == METHOD_NOT_FOUND and "toolset_call" in missing.value.message
         # The connection is still fine.
         assert await client.request("caller_tool", {"tool": "t", "arguments": {}}, timeout=5) == {"result": {"echo": {}}}
+
+
+async def test_a_handler_that_closes_after_its_answer_has_the_answer_read_first() -> None:
+    """`close_after_answer`: the refusal reaches the peer, then the connection ends."""
+    async with peers() as (client, server, _):
+        with pytest.raises(RelayError) as refused:
+            await client.request("caller_tool", {"tool": "refuse and close", "arguments": {}}, timeout=5)
+        assert refused.value.code == -32004 and refused.value.message == "no thanks, and goodbye", refused.value
+        with trio.fail_after(5):
+            await client.closed.wait()
+        assert server.peer.close_reason == "the test closes after this answer"
 
 
 async def test_peer_request_timeout_is_a_relay_error_and_sends_cancel(mock_clock: trio.testing.MockClock) -> None:

@@ -144,6 +144,41 @@ async def test_a_guest_that_connects_to_another_server_takes_its_instance_over(p
         await server_b.wait_stderr("another server", "box1")  # the delivery check or the renewal said why
 
 
+async def test_both_guests_of_a_taken_over_instance_answer_one_message_and_one_end_is_stored(pg_url: str) -> None:
+    """A message arrives as box1's guest moves from B to A: B delivered it to its guest, which
+    started the turn; the new guest connects to A, which delivers it again (it was never
+    acknowledged). Both guests end the turn at once. B, whose lease A took, refuses its guest's
+    end with a clear error and closes that guest after the answer; A stores the new guest's end:
+    the log holds one turn end, and B ends no orphan of the turn A's guest runs."""
+    async with servers(pg_url) as (a, server_a, b, server_b):
+        token = a.token(INSTANCE)
+        session = {"channel": "host", "id": "t1"}
+        async with RawRelay.connect(b) as old:
+            assert "result" in await old.hello(INSTANCE, token, role="guest")
+            async with server_b.rest() as rest:
+                sent = await post(rest, INSTANCE, {"type": "user.message", "session": session, "payload": {"text": "hi"}})
+            delivered = await old.receive(timeout=10)
+            assert delivered is not None and delivered["params"]["frame"]["seq"] == sent["ingress_seq"], delivered
+            msg_id = delivered["params"]["frame"]["msg_id"]
+            await old.send({"jsonrpc": "2.0", "id": 1, "method": "append_frame", "params": {
+                "session": session, "type": "status.presence", "payload": {"state": "thinking"}, "reply_to": msg_id}})
+            assert "result" in await response_to(old, 1)
+            async with RawRelay.connect(a) as new:
+                assert "result" in await new.hello(INSTANCE, token, role="guest")
+                again = await new.receive(timeout=10)
+                assert again is not None and again["params"]["frame"]["msg_id"] == msg_id, again
+                for guest, who in ((old, "old"), (new, "new")):
+                    await guest.send({"jsonrpc": "2.0", "id": 2, "method": "append_frame", "params": {
+                        "session": session, "type": "assistant.done", "payload": {"text": who}, "reply_to": msg_id}})
+                refused, stored = await response_to(old, 2), await response_to(new, 2)
+                assert await old.closed(timeout=5), "B kept the guest of the instance A took over"
+        assert "result" in stored, stored
+        assert refused["error"]["code"] == -32600 and "no longer holds instance 'box1'" in refused["error"]["message"], refused
+        await server_b.wait_stderr("no longer holds instance", "box1")
+        ends = [f for f in await all_frames(pg_url) if f.type in ("assistant.done", "session.error")]
+        assert [(f.reply_to, f.payload.get("text")) for f in ends] == [(msg_id, "new")], ends
+
+
 async def test_a_guest_append_resent_to_another_server_is_stored_once(pg_url: str) -> None:
     """The guest's append reached A, which stored it, and the answer was lost (A died, the
     connection broke): the guest resends it to B with the same `append_id` and gets the same

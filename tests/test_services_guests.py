@@ -16,7 +16,9 @@ import trio.testing
 from fakes import FakeRelayConnection
 from oubliette_server.core.frame_log import FrameLog
 from oubliette_server.features.guests.delivery import GUEST_CURSOR, GuestDelivery
+from oubliette_server.features.guests.failed_starts import FailedStarts
 from oubliette_server.features.guests.guest_frames import GuestFrames
+from oubliette_server.features.guests.orphans import OrphanedTurns
 from oubliette_server.core.sessions import SessionRegistry
 from oubliette_server.store.sqlite import FrameStore
 from oubliette_server.store.api import FrameQuery, StoreUnavailable
@@ -265,6 +267,118 @@ async def test_guest_frames_two_racing_ends_store_one(guests: Guests) -> None:
             nursery.start_soon(end, "assistant.done")
             nursery.start_soon(end, "session.error")
     assert outcomes.count("stored") == 1, f"GuestFrames: racing ends of m1 gave {outcomes}"
+
+
+async def test_guest_frames_refuses_a_turn_of_an_instance_another_server_took_over() -> None:
+    """Shared store: once another server holds the instance's lease, this server's guest may not
+    store frames of a turn (that server's guest runs it now): a clear refusal, nothing stored,
+    and the connection closed after the answer; frames before the takeover were stored."""
+    held = [True]
+
+    async def holds(instance: str) -> bool:
+        return held[0]
+
+    guests = Guests(holds)
+    await guests.message("one", "m1")
+    guest = FakeRelayConnection(INSTANCE)
+    await guests.frames.append_frame(guest, append("status.presence", "m1", state="thinking"))
+    held[0] = False
+    before = await guests.stored()
+    for late in (append("assistant.delta", "m1", text="x"), append("assistant.done", "m1", text="done")):
+        with pytest.raises(RelayError) as refused:
+            await guests.frames.append_frame(guest, late)
+        assert refused.value.code == errors.INVALID_REQUEST and "no longer holds instance" in refused.value.message, (
+            f"GuestFrames after a takeover: {refused.value!r}")
+    assert await guests.stored() == before, "GuestFrames: stored a turn frame of an instance taken over"
+    assert guest.closed.is_set(), "GuestFrames: kept the guest of an instance taken over"
+
+
+async def test_orphans_leave_the_turns_of_an_instance_another_server_took_over() -> None:
+    """The guest of an instance taken over leaves mid-turn: this server ends none of its turns with
+    `session.error` (the other server delivers their messages to its guest, which ends them)."""
+    held = [True]
+
+    async def holds(instance: str) -> bool:
+        return held[0]
+
+    guests = Guests(holds)
+    orphans = OrphanedTurns(guests.delivery, guests.sessions, guests.log.append)
+    guest = FakeRelayConnection(INSTANCE)
+    await guests.message("one", "m1")
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(orphans.serve)
+            scope = await delivering(nursery, guests, guest)
+            await guest.wait_notified(messages.USER_MESSAGE, 1, BOUND)
+            await guests.frames.append_frame(guest, append("status.presence", "m1", state="thinking"))
+            scope.cancel()
+            held[0] = False
+            orphans.guest_gone(guest)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    ends = [f for f in await guests.stored() if f.type in ("assistant.done", "session.error")]
+    assert ends == [], f"OrphanedTurns: ended turns of an instance another server holds: {ends}"
+
+
+async def test_failed_starts_overlapping_end_each_waiting_turn_once(guests: Guests) -> None:
+    """A burst of messages to an instance whose start command fails: several failed starts end the
+    same waiting turns at once; each turn ends once (the store refuses a second end)."""
+    failed = FailedStarts(guests.delivery, guests.sessions, guests.log.append, lambda instance: _false())
+    for n in range(60):
+        await guests.message(f"m{n}", f"m{n}")
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(failed.serve)
+            for _ in range(3):
+                failed.start_failed(INSTANCE, "the start command exited with status 1")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    ends: dict[str | None, int] = {}
+    for frame in await guests.stored():
+        if frame.type == "session.error":
+            ends[frame.reply_to] = ends.get(frame.reply_to, 0) + 1
+    assert ends == {f"m{n}": 1 for n in range(60)}, f"FailedStarts: turn ends per message {sorted(set(ends.values()))}"
+
+
+async def _false() -> bool:
+    return False
+
+
+async def test_guest_frames_an_end_racing_the_orphans_of_its_turn_stores_one() -> None:
+    """The guest sends a turn's end as its connection closes: the guest's end and the orphan's
+    `session.error` race for the turn; one of them is stored."""
+    guests = Guests()
+    orphans = OrphanedTurns(guests.delivery, guests.sessions, guests.log.append)
+    guest = FakeRelayConnection(INSTANCE)
+    for n in range(20):
+        await guests.message(f"m{n}", f"m{n}")
+    outcomes: list[str] = []
+
+    async def end(msg_id: str) -> None:
+        try:
+            await guests.frames.append_frame(guest, append("assistant.done", msg_id, text="done"))
+            outcomes.append("stored")
+        except RelayError as exc:
+            outcomes.append(exc.message)
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(orphans.serve)
+            scope = await delivering(nursery, guests, guest)
+            await guest.wait_notified(messages.USER_MESSAGE, 20, BOUND)
+            for n in range(20):
+                await guests.frames.append_frame(guest, append("status.presence", f"m{n}", state="thinking"))
+            scope.cancel()
+            for n in range(20):
+                nursery.start_soon(end, f"m{n}")
+            orphans.guest_gone(guest)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    ends: dict[str | None, int] = {}
+    for frame in await guests.stored():
+        if frame.type in ("assistant.done", "session.error"):
+            ends[frame.reply_to] = ends.get(frame.reply_to, 0) + 1
+    assert ends == {f"m{n}": 1 for n in range(20)}, f"GuestFrames and OrphanedTurns: turn ends per message {ends}"
 
 
 class Events:

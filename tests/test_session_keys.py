@@ -151,7 +151,7 @@ async def test_frame_ids_a_peer_chooses_are_bounded_too(deployment: Deployment) 
 
 
 async def test_frame_types_are_bounded_at_every_door(deployment: Deployment) -> None:
-    """Issue 31: a frame type had a pattern but no length at HTTP ingress, so a 5,000-character type
+    """Seen in an attack: a frame type had a pattern but no length at HTTP ingress, so a 5,000-character type
     was stored and printed whole by `oubliette-server tail`. Every door that names a type — HTTP
     ingress, a guest's `append_frame`, the read filters of the caller tools and HTTP, and
     `Limits.check_frame` before every append — refuses one over 64 characters clearly; nothing stored."""

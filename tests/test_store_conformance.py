@@ -21,8 +21,9 @@ import pytest
 import trio
 import trio.testing
 
-from oubliette_server.program.config import ServerConfig
 from protocol import errors
+from protocol.frames import TURN_END_TYPES
+from oubliette_server.program.config import ServerConfig
 from oubliette_server.store.sqlite import FrameStore
 from oubliette_server.store import postgres as postgres_store
 from oubliette_server.store import sqlite as sqlite_store
@@ -37,6 +38,7 @@ from oubliette_server.store.api import (
     RecordedSession,
     AppendIdReused,
     StoreUnavailable,
+    TurnEnded,
 )
 from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore
 
@@ -99,6 +101,35 @@ async def race_on_two_stores(
                 nursery.start_soon(one, a, key, "a")
                 nursery.start_soon(one, b, key, "b")
     return results
+
+
+async def race_held_at_the_row(
+    pg_url: str, a: FrameStoreAPI, b: FrameStoreAPI, call: Callable[[FrameStoreAPI, str], Awaitable[Any]], statement: str,
+) -> list[Any]:
+    """`call(store, who)` on both stores at once, the race made certain: a third connection holds
+    box1's row of `instances` until both statements (beginning with `statement`) wait for it, then
+    lets go. The results, in the order they came."""
+    import psycopg
+
+    raced: list[Any] = []
+
+    async def send(store: FrameStoreAPI, who: str) -> None:
+        raced.append(await call(store, who))
+
+    with psycopg.connect(pg_url) as blocker:
+        blocker.execute("SELECT 1 FROM instances WHERE name = 'box1' FOR UPDATE")
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send, a, "a")
+                nursery.start_soon(send, b, "b")
+                with psycopg.connect(pg_url, autocommit=True) as watcher:
+                    while watcher.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                        (statement + "%",),
+                    ).fetchone()[0] < 2:  # type: ignore[index]
+                        await trio.sleep(0.01)  # pg_stat_activity has no event to wait on
+                blocker.rollback()
+    return raced
 
 
 async def seqs(store: FrameStoreAPI, instance: str = "box1", **kw: Any) -> list[int]:
@@ -534,26 +565,8 @@ async def test_append_once_one_frame_across_two_store_objects(pg_url: str) -> No
         # The race itself, made certain: both statements start (each sees no frame of the id)
         # while a third connection holds the instance's row, so both wait at the seq; released,
         # one stores and the other breaks the unique index, finds the frame and returns it.
-        import psycopg
-
-        with psycopg.connect(pg_url) as blocker:
-            blocker.execute("SELECT 1 FROM instances WHERE name = 'box1' FOR UPDATE")
-            raced: list[Any] = []
-
-            async def send_raced(store: FrameStoreAPI, who: str) -> None:
-                raced.append(await once(store, "box1", "raced"))
-
-            with trio.fail_after(30):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(send_raced, a, "a")
-                    nursery.start_soon(send_raced, b, "b")
-                    with psycopg.connect(pg_url, autocommit=True) as watcher:
-                        while watcher.execute(
-                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                            "AND query LIKE 'WITH found AS%'"
-                        ).fetchone()[0] < 2:  # type: ignore[index]
-                            await trio.sleep(0.01)
-                    blocker.rollback()
+        raced = await race_held_at_the_row(
+            pg_url, a, b, lambda store, who: once(store, "box1", "raced", who), "WITH found AS")
         assert [stored for _, stored in raced].count(True) == 1, raced
         assert raced[0][0] == raced[1][0] and raced[0][0].seq == 21
         assert await seqs(store=a, limit=200) == list(range(1, 22)), "gapless: the loser spent no seq"
@@ -591,6 +604,122 @@ async def test_a_log_made_before_append_ids_gets_them_when_opened(backend: Backe
                 "migration 7 applied to a database at version 6"
 
 
+# -- one turn end per message: the unique index on (instance, ends_turn) ---------------------
+
+
+def end(store: FrameStoreAPI, msg_id: str, type: str = "assistant.done", instance: str = "box1", **kw: Any) -> Any:
+    """An end of the turn of `msg_id` (through `append`, or `append_once` with `append_id`)."""
+    if "append_id" in kw:
+        return store.append_once(
+            instance, kw.pop("append_id"), channel="mcp", session_id="s1", type=type, payload=kw, reply_to=msg_id,
+        )
+    return store.append(instance, channel="mcp", session_id="s1", type=type, payload=kw, reply_to=msg_id)
+
+
+async def test_a_turn_ends_once_whichever_append_stores_its_end(store: FrameStoreAPI) -> None:
+    """The first end of a message's turn is stored; a second one (the other type, through `append`,
+    `append_once` with a new id or `append_many`) raises `TurnEnded` carrying the stored end, stores
+    nothing and spends no seq; the first end's resend (its `append_id`) gets it back; frames that end
+    nothing (a delta replying to the message, an end replying to nothing) and another message's or
+    another instance's end are stored as before."""
+    message = await add(store, "box1", type="user.message", payload={"text": "hi"})
+    done = await end(store, message.msg_id, text="done", append_id="d-1")
+    done = done[0]
+    for second in (
+        end(store, message.msg_id, "session.error", message="late"),
+        end(store, message.msg_id, "assistant.done", text="again", append_id="d-2"),
+        store.append_many("box1", [{"channel": "mcp", "session_id": "s1", "type": "session.error",
+                                    "payload": {}, "reply_to": message.msg_id}]),
+    ):
+        with pytest.raises(TurnEnded) as refused:
+            await second
+        assert refused.value.end == done and "ended already" in refused.value.message, refused.value
+        assert refused.value.code == errors.INVALID_REQUEST
+    assert await end(store, message.msg_id, text="done", append_id="d-1") == (done, False), "a resend is not a second end"
+    with pytest.raises(ValueError, match="ends once"):
+        await store.append_many("box1", [
+            {"channel": "mcp", "session_id": "s1", "type": t, "payload": {}, "reply_to": "m-other"}
+            for t in ("assistant.done", "session.error")])
+    delta = await add(store, "box1", reply_to=message.msg_id)
+    loose = [await add(store, "box1", type="session.error") for _ in range(2)]
+    other = await end(store, "m-other", "session.error")
+    elsewhere = await end(store, message.msg_id, instance="box2")
+    assert [delta.seq, *(f.seq for f in loose), other.seq] == [3, 4, 5, 6], "no seq spent on a refused end"
+    assert elsewhere.seq == 1
+    ends = await store.query("box1", FrameQuery(types=TURN_END_TYPES, reply_to=message.msg_id))
+    assert ends == [done]
+
+    racers: list[Any] = []
+
+    async def race(i: int) -> None:
+        try:
+            racers.append(await end(store, "m-raced", "session.error" if i % 2 else "assistant.done", i=i))
+        except TurnEnded as exc:
+            racers.append(exc.end)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(race, i)
+    assert all(frame == racers[0] for frame in racers), racers
+    assert await seqs(store, "box1") == list(range(1, 8)), "one of eight racing ends stored, no seq spent"
+
+
+async def test_a_turn_ends_once_across_two_store_objects(pg_url: str) -> None:
+    """Two servers on one database end the same turns at once (a guest's end on one, an orphan's or
+    a failed start's on the other): each turn has one end, both calls name it, and no seq is lost
+    (PostgreSQL only: a SQLite log has one writer process). Then the race made certain: both
+    statements wait at the instance's row, held by a third connection; released, one stores and
+    the other breaks the unique index."""
+    backend = Backend("postgres", pg_url)
+
+    async def end_or_refused(store: FrameStoreAPI, msg_id: str, who: str) -> Any:
+        try:
+            return await end(store, msg_id, "assistant.done" if who == "a" else "session.error", who=who)
+        except TurnEnded as exc:
+            return exc.end
+
+    async with backend.open() as a, backend.open() as b:
+        results = await race_on_two_stores(a, b, [f"m-{n}" for n in range(20)], end_or_refused)
+        for msg_id, got in results.items():
+            assert got[0] == got[1], (msg_id, got)
+        assert await seqs(store=a, limit=200) == list(range(1, 21)), "gapless: the loser spent no seq"
+
+        raced = await race_held_at_the_row(
+            pg_url, a, b, lambda store, who: end_or_refused(store, "m-raced", who), "WITH bumped AS")
+        assert raced[0] == raced[1] and raced[0].seq == 21, raced
+        assert await seqs(store=a, limit=200) == list(range(1, 22)), "gapless: the loser spent no seq"
+
+
+async def test_a_log_made_before_turn_ends_were_unique_gets_the_index_when_opened(backend: Backend) -> None:
+    """A store made by an earlier version (no `ends_turn` column; on PostgreSQL, schema version 7)
+    that already holds two ends of one turn: opened, the first end is the turn's (the column is
+    filled on it alone), the index is built, and a third end is refused with the first."""
+    async with backend.open() as store:
+        message = await add(store, "box1", type="user.message", payload={})
+    if backend.name == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(backend.location) as conn:
+            conn.execute("DROP INDEX frames_turn_ends")
+            conn.execute("ALTER TABLE frames DROP COLUMN ends_turn")
+            for seq, type in ((2, "assistant.done"), (3, "session.error")):
+                conn.execute("INSERT INTO frames VALUES (1, ?, 'ts', 'mcp', 's1', ?, ?, ?, '{}', NULL)",
+                             (seq, type, f"m-{seq}", message.msg_id))
+    else:
+        import psycopg
+
+        with psycopg.connect(backend.location, autocommit=True) as conn:
+            conn.execute("ALTER TABLE frames DROP COLUMN ends_turn")  # drops its index too
+            conn.execute("DELETE FROM oubliette_schema WHERE version = 8")
+            for seq, type in ((2, "assistant.done"), (3, "session.error")):
+                conn.execute("INSERT INTO frames VALUES ('box1', %s, 'ts', 'mcp', 's1', %s, %s, %s, '{}', NULL)",
+                             (seq, type, f"m-{seq}", message.msg_id))
+            conn.execute("UPDATE instances SET last_seq = 3")
+    async with backend.open() as store:
+        with pytest.raises(TurnEnded) as refused:
+            await end(store, message.msg_id, "session.error")
+        assert (refused.value.end.seq, refused.value.end.type) == (2, "assistant.done")
+        assert (await end(store, "m-next")).seq == 4
 # -- retention and cursors -----------------------------------------------------------------
 
 

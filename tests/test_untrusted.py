@@ -458,7 +458,7 @@ async def test_a_burst_of_caller_timeouts_gets_every_answer(deployment: Deployme
 
 
 async def test_a_huge_tracestate_is_dropped_and_the_log_stays_small(deployment: Deployment) -> None:
-    """Issue 31: a relay request whose `_meta.tracestate` was 900 KB and invalid made OpenTelemetry
+    """Seen in an attack: a relay request whose `_meta.tracestate` was 900 KB and invalid made OpenTelemetry
     log all of it at WARNING, tracing off, default log level: 50 requests, 45 MB of log. Now the
     trace context is dropped at the door (`telemetry.peer_trace_context`) and every request, over
     the relay and over `/mcp`, is still answered, each adding at most a few hundred bytes of log."""

@@ -182,6 +182,10 @@ class RelayConnection:
         """End this connection (e.g. a newer guest replaced it)."""
         self._peer.close("replaced by a newer connection")
 
+    def close_after_answer(self, reason: str) -> None:
+        """End this connection once the answer being made is written (the peer reads why)."""
+        self._peer.close_after_answer(reason)
+
     @property
     def authenticated(self) -> bool:
         """Whether its hello's token (and the rest of the hello) passed; from then on it is never evicted."""

@@ -7,6 +7,7 @@ The path of one relayed call through the rooms is in docs/ARCHITECTURE.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -59,7 +60,7 @@ from ..features.tether import Tether
 from ..features.toolsets import ToolsetService
 from ..features.toolsets.from_config import register_from_config
 from ..features.turns import TurnWaits
-from ..store.api import FrameStoreAPI, SharedStoreAPI, shared_store
+from ..store.api import FrameStoreAPI, SharedStoreAPI, TurnEnded, shared_store
 from ..store.opener import open_store
 from .config import ServerConfig
 
@@ -457,10 +458,12 @@ class OublietteServer:
         return await self.guests.has_undelivered(instance)
 
     async def _undeliverable(self, instance: str, frame: Frame, reason: str) -> None:
-        """Guest delivery's safety net: end the frame's turn with `session.error` so nobody waits on it."""
+        """Guest delivery's safety net: end the frame's turn with `session.error` so nobody waits on it
+        (unless it has ended already: the store keeps the first end, `TurnEnded`)."""
         session = self.sessions.get_or_create(instance, frame.channel, frame.session_id)
-        await self.frame_log.append(
-            session, FrameType.SESSION_ERROR,
-            {"message": f"message {frame.msg_id} (seq {frame.seq}) cannot be delivered to the guest: {reason}"},
-            reply_to=frame.msg_id,
-        )
+        with contextlib.suppress(TurnEnded):
+            await self.frame_log.append(
+                session, FrameType.SESSION_ERROR,
+                {"message": f"message {frame.msg_id} (seq {frame.seq}) cannot be delivered to the guest: {reason}"},
+                reply_to=frame.msg_id,
+            )

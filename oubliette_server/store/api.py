@@ -21,7 +21,7 @@ import attrs
 import trio
 
 from protocol import RelayError, errors
-from protocol.frames import FRAME_VERSION, Frame, SessionRef
+from protocol.frames import FRAME_VERSION, TURN_END_TYPES, Frame, SessionRef
 from protocol.messages import is_append_id
 from protocol.timestamps import format_ts
 
@@ -46,11 +46,16 @@ __all__ = [
     "OUTAGE_RETRY",
     "RecordedSession",
     "StoreUnavailable",
+    "TURN_ENDS_INDEX",
+    "TurnEnded",
     "check_cursor_args",
     "check_instance",
     "check_resend",
     "check_retention",
     "check_timeout",
+    "ended_turns",
+    "ends_turn",
+    "first_turn_ends_sql",
     "is_int",
     "format_ts",
     "make_frame",
@@ -240,6 +245,27 @@ class AnswerNotRecorded(StoreUnavailable):
         return (_rebuild_not_recorded, (self.message,))
 
 
+class TurnEnded(RelayError):
+    """A turn end (`TURN_END_TYPES`) for a message whose turn has ended already: nothing was stored.
+
+    A message's turn ends once (docs/SECURITY.md, "One turn end per message"): every frame that
+    ends a turn fills the `ends_turn` column with the message's msg_id, and a unique index on
+    (instance, `ends_turn`) makes the database refuse a second one, whichever path or server
+    wrote it. `end` is the frame that ended the turn. An `INVALID_REQUEST` `RelayError`, so a door
+    tells its peer as it is; the server's own paths (orphans, failed starts) take it as done."""
+
+    def __init__(self, end: Frame) -> None:
+        super().__init__(
+            errors.INVALID_REQUEST,
+            f"the turn of message {end.reply_to!r} has ended already (seq {end.seq}, {end.type}): a turn ends "
+            "once; nothing was stored",
+        )
+        self.end = end
+
+    def __reduce__(self) -> Any:  # keep pickling (and copying) working
+        return (TurnEnded, (self.end,))
+
+
 def _rebuild_not_recorded(message: str) -> AnswerNotRecorded:
     exc = AnswerNotRecorded.__new__(AnswerNotRecorded)
     StoreUnavailable.__init__(exc, message)
@@ -311,6 +337,41 @@ async def when_store_is_back(attempt: Callable[[], Any]) -> Any:
             return await attempt()
         except StoreUnavailable:
             delay = min(delay * 2, OUTAGE_RETRY_MAX)
+
+
+# --------------------------------------------------------------------------------------------
+# One turn end per message: the rule both stores keep in their `ends_turn` column
+
+_TURN_ENDS = frozenset(TURN_END_TYPES)
+#: The unique index on (instance, `ends_turn`) of both stores: a second end of one turn breaks it.
+TURN_ENDS_INDEX = "frames_turn_ends"
+_TURN_END_SQL = ", ".join(f"'{t}'" for t in TURN_END_TYPES)
+
+
+def ends_turn(type: str, reply_to: str | None) -> str | None:
+    """The msg_id of the message whose turn a frame of `type` replying to `reply_to` ends, or None:
+    what the store writes in the frame's `ends_turn` column, unique per instance."""
+    return reply_to if reply_to is not None and type in _TURN_ENDS else None
+
+
+def ended_turns(prepared: list[Prepared]) -> list[str]:
+    """The msg_ids whose turns these frames end (usually none); `ValueError` for two ends of one
+    turn in one append (the database would refuse the whole append)."""
+    ends = [msg_id for _, _, typ, _, rt, _, _, _ in prepared if (msg_id := ends_turn(typ, rt)) is not None]
+    if len(set(ends)) != len(ends):
+        raise ValueError("one append holds two ends of one turn; a turn ends once")
+    return ends
+
+
+def first_turn_ends_sql(key: str) -> str:
+    """The backfill of an older log (`key`: the frames' instance column): `ends_turn` set on the
+    first end of each message's turn only, so the unique index can be built over a log that
+    already holds a second end (stored before the index existed; readers take the first)."""
+    return (
+        f"UPDATE frames SET ends_turn = reply_to WHERE type IN ({_TURN_END_SQL}) AND reply_to IS NOT NULL "
+        f"AND NOT EXISTS (SELECT 1 FROM frames e WHERE e.{key} = frames.{key} AND e.reply_to = frames.reply_to "
+        f"AND e.type IN ({_TURN_END_SQL}) AND e.seq < frames.seq)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,6 +548,8 @@ class FrameAppends(LongPollWaiters):
     one commit), `_append_claimed(instance, request_id, prepared)` (the frame, or None when
     the request's outcome was recorded before: where the claim lives is the store's own) and
     `_append_once(instance, prepared)` (the frame of the prepared `append_id`, stored now or before).
+    Each stores `ends_turn` (the column of `ends_turn(type, reply_to)`) and raises `TurnEnded` with
+    the stored end when its unique index refuses a frame.
     """
 
     async def append(
@@ -504,7 +567,7 @@ class FrameAppends(LongPollWaiters):
         """Append one frame with the next seq of `instance` (`msg_id` defaults to "m-" and 32
         random hex digits) and wake the instance's waiters; committed when this returns; if it
         raises, nothing was stored. With `append_id`, as `append_once`: the frame stored with
-        that id before, if there is one."""
+        that id before, if there is one. A second end of a message's turn raises `TurnEnded`."""
         if append_id is not None:
             return (await self.append_once(
                 instance, append_id, channel=channel, session_id=session_id, type=type, payload=payload,
@@ -612,7 +675,13 @@ class FrameStoreAPI(Protocol):
         msg_id: str | None = None, reply_to: str | None = None, append_id: str | None = None,
     ) -> Frame:
         """Append one frame with the next seq of `instance`; committed when it returns (with
-        `append_id`: the frame stored with it before, if any, as `append_once`)."""
+        `append_id`: the frame stored with it before, if any, as `append_once`).
+
+        A frame that ends a turn (`TURN_END_TYPES`, replying to a message) is stored only if that
+        turn has no end yet: the frames table has a unique index on (instance, `ends_turn`), so of
+        two ends of one turn, by any path or server, one is stored and the other raises `TurnEnded`
+        (carrying the stored end), nothing stored and no seq spent (docs/SECURITY.md, "One turn end
+        per message")."""
         ...
 
     async def append_once(

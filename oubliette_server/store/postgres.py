@@ -41,6 +41,12 @@ Outcomes
     in the transaction of the outcome frame, so of two servers racing, the second one's insert
     waits for the first commit and then finds the row: nothing is written, it lost.
 
+Turn ends
+    A frame that ends a turn carries the msg_id it ends in `ends_turn`, under a unique index on
+    (instance, `ends_turn`) (migration 8). Of two ends of one turn, from any path of any server,
+    the second one's insert waits for the first's commit, then breaks the index: its statement
+    rolls back (no seq spent) and the append raises `TurnEnded` with the stored end.
+
 Schema and migrations
     Versioned migrations (`MIGRATIONS`) are applied at start in one transaction holding a
     transaction-scoped advisory lock, so several servers starting together apply each
@@ -87,10 +93,15 @@ from .api import (
     FrameQuery,
     RecordedSession,
     StoreUnavailable,
+    TURN_ENDS_INDEX,
+    TurnEnded,
     check_cursor_args,
     check_instance,
     check_retention,
     check_timeout,
+    ended_turns,
+    ends_turn,
+    first_turn_ends_sql,
     format_ts,
     make_frame,
     retention_cut,
@@ -247,6 +258,15 @@ CREATE INDEX frames_session_records ON frames (session_id, channel, instance, se
 ALTER TABLE frames ADD COLUMN append_id text;
 CREATE UNIQUE INDEX frames_by_append_id ON frames (instance, append_id) WHERE append_id IS NOT NULL;
 """),
+    # One end per message's turn (`TurnEnded`, docs/SECURITY.md "One turn end per message"): the
+    # unique index refuses a second end, whichever path or server stores it. The column is filled
+    # on the first end of each turn of an older log only (it may hold a second end stored before);
+    # self-contained.
+    (8, f"""
+ALTER TABLE frames ADD COLUMN ends_turn text;
+{first_turn_ends_sql("instance")};
+CREATE UNIQUE INDEX {TURN_ENDS_INDEX} ON frames (instance, ends_turn) WHERE ends_turn IS NOT NULL;
+"""),
     # The instances where one owner recorded a session (`session_records(..., owner=…)`, docs/SCALING.md,
     # "Every server knows every session"): a caller's own sessions are found whatever other callers
     # recorded under the same id. Partial, on the session records only, as migration 6; self-contained.
@@ -266,8 +286,8 @@ _BUMP_SEQ = (
 _APPEND_ONE = (
     b"WITH bumped AS (INSERT INTO instances (name, last_seq) VALUES ($1, 1) "
     b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1 RETURNING last_seq), "
-    b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
-    b"SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8 FROM bumped RETURNING seq) "
+    b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, "
+    b"ends_turn) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10 FROM bumped RETURNING seq) "
     b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
 )
 #: `append_once`'s one statement: the frame of `$10` if the instance has it (then nothing is bumped
@@ -279,13 +299,13 @@ _APPEND_ONCE = (
     b"bumped AS (INSERT INTO instances (name, last_seq) SELECT $1, 1 WHERE NOT EXISTS (SELECT 1 FROM found) "
     b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1 RETURNING last_seq), "
     b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, "
-    b"append_id) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10 FROM bumped RETURNING seq) "
+    b"append_id, ends_turn) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10, $11 FROM bumped RETURNING seq) "
     b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
 )
-_FRAME_OF_APPEND_ID = (
-    b"SELECT seq, ts, channel, session_id, type, msg_id, reply_to, payload FROM frames "
-    b"WHERE instance = $1 AND append_id = $2"
-)
+_FRAME_BY = b"SELECT seq, ts, channel, session_id, type, msg_id, reply_to, payload FROM frames WHERE instance = $1 AND "
+_FRAME_OF_APPEND_ID = _FRAME_BY + b"append_id = $2"
+#: The stored end of a message's turn, along the unique index.
+_END_OF_TURN = _FRAME_BY + b"ends_turn = $2"
 #: The frames of an instance after a seq, in one snapshot with its `last_seq` and `pruned_below`
 #: (`_build`'s statement without filters), run on the Trio loop: the log tail's one read per wake.
 _FRAMES_AFTER = (
@@ -331,8 +351,8 @@ _CLAIM = (
     "ON CONFLICT (instance, request_id) DO NOTHING RETURNING request_id"
 )
 _INSERT_FRAME = (
-    "INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload) "
-    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+    "INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, ends_turn) "
+    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 )
 
 _T = TypeVar("_T")
@@ -681,10 +701,15 @@ class PostgresFrameStore(FrameAppends):
 
         if claim is None and n == 1 and self._statements is not None:
             ch, sid, typ, mid, rt, text, _, _ = prepared[0]
-            rows = await self._statements.rows(_APPEND_ONE, [
-                instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
-                None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
-            ])
+            ends = ends_turn(typ, rt)
+            try:
+                rows = await self._statements.rows(_APPEND_ONE, [
+                    instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
+                    None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
+                    None if ends is None else ends.encode(),
+                ])
+            except psycopg.errors.UniqueViolation:
+                raise await self._turn_ended(instance, prepared) from None
             return await self._appended(instance, prepared, int(rows[0][0] or 0), ts)
 
         def write(conn: psycopg.Connection) -> int:
@@ -697,7 +722,7 @@ class PostgresFrameStore(FrameAppends):
                 first = last - n + 1
                 with conn.cursor() as cur:
                     cur.executemany(_INSERT_FRAME, [
-                        (instance, first + i, ts, ch, sid, typ, mid, rt, text)
+                        (instance, first + i, ts, ch, sid, typ, mid, rt, text, ends_turn(typ, rt))
                         for i, (ch, sid, typ, mid, rt, text, _, _) in enumerate(prepared)
                     ])
                 if claim is not None:
@@ -707,16 +732,30 @@ class PostgresFrameStore(FrameAppends):
                 conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, notice_payload(instance, first, last)))
             return first
 
-        first = await self._run(write)
+        try:
+            first = await self._run(write)
+        except psycopg.errors.UniqueViolation:
+            raise await self._turn_ended(instance, prepared) from None
         if not first:
             return []
         return await self._appended(instance, prepared, first, ts)
+
+    async def _turn_ended(self, instance: str, prepared: list[tuple]) -> Exception:
+        """What to raise for an append the unique index refused: `TurnEnded` with the stored end of
+        the turn it would have ended again (the statement rolled back: no seq was spent)."""
+        for msg_id in ended_turns(prepared):
+            stored = await self._frame_by(_END_OF_TURN, instance, msg_id)
+            if stored is not None:
+                return TurnEnded(stored)
+        return StoreUnavailable(f"the PostgreSQL store {self.describe()} refused the append (a unique index) "
+                                "and holds no frame that explains it (retention deleted it meanwhile); send it again")
 
     async def _append_once(self, instance: str, prepared: tuple) -> tuple[Frame, bool]:
         """`_APPEND_ONCE` on the Trio loop; when it stored nothing (the id's frame was there) or
         lost a race on the unique index, the frame stored with the id is read and returned."""
         _no_nul(instance, [prepared])
         ch, sid, typ, mid, rt, text, _, aid = prepared
+        ends = ends_turn(typ, rt)
         for _attempt in range(3):  # again only if retention deleted the frame between the two reads
             statements = self._statements
             if statements is None:
@@ -727,24 +766,33 @@ class PostgresFrameStore(FrameAppends):
                 rows = await statements.rows(_APPEND_ONCE, [
                     instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
                     None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(), aid.encode(),
+                    None if ends is None else ends.encode(),
                 ])
-            except psycopg.DatabaseError as exc:  # perhaps a racing server stored the id first
+            except psycopg.DatabaseError as exc:  # perhaps a racing server stored the id (or the turn's end) first
                 rows, refused = [], exc
             if rows:
                 return (await self._appended(instance, [prepared], int(rows[0][0] or 0), ts))[0], True
             found = await self.frame_of_append_id(instance, aid)
             if found is not None:
                 return found, False
-            if refused is not None:
+            if isinstance(refused, psycopg.errors.UniqueViolation) and ends is not None:
+                ended = await self._turn_ended(instance, [prepared])
+                if isinstance(ended, TurnEnded):
+                    raise ended
+            elif refused is not None:
                 raise refused
         raise StoreUnavailable(f"the PostgreSQL store {self.describe()} could not append the frame of {aid!r}")
 
     async def frame_of_append_id(self, instance: str, append_id: str) -> Frame | None:
         """The frame of `instance` stored with `append_id`, or None (one read on the Trio loop)."""
+        return await self._frame_by(_FRAME_OF_APPEND_ID, instance, append_id)
+
+    async def _frame_by(self, sql: bytes, instance: str, key: str) -> Frame | None:
+        """The frame of `instance` that `sql` (by a key, along a unique index) finds, or None."""
         statements = self._statements
         if statements is None:
             raise RuntimeError("the frame store is closed")
-        rows = await statements.rows(_FRAME_OF_APPEND_ID, [instance.encode(), append_id.encode()], read_only=True)
+        rows = await statements.rows(sql, [instance.encode(), key.encode()], read_only=True)
         if not rows:
             return None
         text = bytes.decode

@@ -10,7 +10,8 @@ this module sends it with `PGconn.send_query_params` and waits for the socket wi
 Owns: up to `size` autocommit connections, made on first use (in a worker thread: connecting
 blocks) and replaced when broken. Needs: a libpq URI.
 Raises: `StoreUnavailable` when the database cannot be reached or a statement's fate is
-unknown; `psycopg.DatabaseError` for a statement the database refused (nothing was stored).
+unknown; `psycopg.DatabaseError` (the class of its SQLSTATE) for a statement the database refused
+(nothing was stored).
 Cancellation: a statement once sent is waited for under a shield (bounded by `timeout`): it may
 commit, so the caller learns its outcome; cancellation is delivered at the next checkpoint.
 """
@@ -88,7 +89,7 @@ class LoopStatements:
                 if refused.sqlstate is None or refused.sqlstate.startswith(("08", "57P")):
                     # libpq's own report of a lost connection, or the server going away
                     raise StoreUnavailable(f"the PostgreSQL store {self.describe} is unavailable: {refused.message}") from None
-                raise psycopg.DatabaseError(refused.message) from None
+                raise _refusal(refused) from None
         raise AssertionError("unreachable")
 
     async def _on_a_connection(
@@ -132,6 +133,16 @@ class LoopStatements:
         """Close the idle connections (those in use are closed as their statements end)."""
         while self._idle:
             self._idle.pop().close()
+
+
+def _refusal(refused: _Refused) -> psycopg.DatabaseError:
+    """The database's refusal as psycopg's error class of its SQLSTATE (`psycopg.errors.UniqueViolation`
+    for a unique index: the store tells which), a plain `psycopg.DatabaseError` for an unknown one."""
+    try:
+        kind = psycopg.errors.lookup(refused.sqlstate) if refused.sqlstate else psycopg.DatabaseError
+    except KeyError:
+        kind = psycopg.DatabaseError
+    return kind(refused.message)
 
 
 def _usable(pg: pq.abc.PGconn) -> bool:

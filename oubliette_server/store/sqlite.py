@@ -66,7 +66,7 @@ Schema (``PRAGMA user_version = 1``)
     frame with ``seq <= pruned_below`` has been deleted by retention; the retained log of an
     instance is always the contiguous range ``pruned_below+1 .. last_seq``.
 
-    ``frames(iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload, append_id)``,
+    ``frames(iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload, append_id, ends_turn)``,
     ``PRIMARY KEY (iid, seq) WITHOUT ROWID`` — the table is clustered by instance and seq, so
     "frames of an instance after a seq" is one b-tree range scan.  The instance name is
     interned as a small integer (``iid``) to keep the table and its indexes small.
@@ -86,6 +86,11 @@ Schema (``PRAGMA user_version = 1``)
       nothing). The nullable ``append_id`` column and this index are added to a store file made
       before them when the server opens it (``ALTER TABLE … ADD COLUMN``, then ``CREATE UNIQUE
       INDEX IF NOT EXISTS``: the column is NULL in every old frame, so the index is built at once).
+    * ``frames_turn_ends (iid, ends_turn) WHERE ends_turn IS NOT NULL``, unique — one end per
+      message's turn (``TurnEnded``): ``ends_turn`` is the msg_id a turn end (``TURN_END_TYPES``)
+      replies to, NULL in every other frame. A store file made before it gets the column, filled
+      on the first end of each turn only (``first_turn_ends_sql``: a log may hold a second end
+      stored before), and then the index, when the server opens it.
     * ``frames_session_records (session_id, channel, iid, seq) WHERE type = 'session_record'``
       — the instances whose log records a session (``session_records``), across instances in
       one query: it holds the server's session records only, a few per session.  Added to a
@@ -161,9 +166,14 @@ from .api import (
     RecordedSession,
     StoreDamaged,
     StoreUnavailable,
+    TURN_ENDS_INDEX,
+    TurnEnded,
     check_cursor_args,
     check_retention,
     check_timeout,
+    ended_turns,
+    ends_turn,
+    first_turn_ends_sql,
     format_ts,
     retention_cut,
 )
@@ -212,6 +222,7 @@ CREATE TABLE IF NOT EXISTS frames (
     reply_to   TEXT,
     payload    TEXT    NOT NULL,
     append_id  TEXT,
+    ends_turn  TEXT,
     PRIMARY KEY (iid, seq)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS frames_by_session ON frames (iid, session_id, channel, seq);
@@ -238,6 +249,13 @@ _APPEND_ID_INDEX = (
 )
 _FRAME_OF_APPEND_ID = (
     f"SELECT {_COLS} FROM frames INDEXED BY frames_by_append_id WHERE iid = ? AND append_id = ? AND append_id IS NOT NULL"
+)
+# One end per message's turn (`TurnEnded`): made after the column and its backfill (`_setup`).
+_TURN_ENDS_UNIQUE = (
+    f"CREATE UNIQUE INDEX IF NOT EXISTS {TURN_ENDS_INDEX} ON frames (iid, ends_turn) WHERE ends_turn IS NOT NULL"
+)
+_END_OF_TURN = (
+    f"SELECT {_COLS} FROM frames INDEXED BY {TURN_ENDS_INDEX} WHERE iid = ? AND ends_turn = ? AND ends_turn IS NOT NULL"
 )
 
 # The records of one session in one instance, along `frames_session_records` (the type is written
@@ -276,8 +294,8 @@ OWNED_SESSION_RECORDS_SQL = (
 )
 
 _INSERT_FRAME = (
-    "INSERT INTO frames (iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload, append_id) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO frames (iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload, append_id, ends_turn) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 # A new instance's row, created in the transaction of its first frames.
 _NEW_INSTANCE = "INSERT INTO instances (name, last_seq, pruned_below) VALUES (?, 0, 0)"
@@ -351,6 +369,8 @@ class FrameStore(FrameAppends):
         self._outcomes: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         # (instance, append_id) of the `append_once` calls between their check and their commit.
         self._once_in_flight: dict[tuple[str, str], trio.Event] = {}
+        # (instance, msg_id) of the turn ends between their check and their commit.
+        self._ends_in_flight: dict[tuple[str, str], trio.Event] = {}
         if read_only:
             return
         try:
@@ -421,9 +441,14 @@ class FrameStore(FrameAppends):
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     db.execute(stmt)
-            if "append_id" not in {row[1] for row in db.execute("PRAGMA table_info(frames)")}:
+            columns = {row[1] for row in db.execute("PRAGMA table_info(frames)")}
+            if "append_id" not in columns:
                 db.execute("ALTER TABLE frames ADD COLUMN append_id TEXT")  # a file made before append_once
             db.execute(_APPEND_ID_INDEX)
+            if "ends_turn" not in columns:  # a file made before one turn end per message
+                db.execute("ALTER TABLE frames ADD COLUMN ends_turn TEXT")
+                db.execute(first_turn_ends_sql("iid"))
+            db.execute(_TURN_ENDS_UNIQUE)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     @property
@@ -574,8 +599,16 @@ class FrameStore(FrameAppends):
         return await _on_loop(self._frame_of_append_id, instance, append_id)
 
     def _frame_of_append_id(self, instance: str, append_id: str) -> Frame | None:
+        return self._one_frame(_FRAME_OF_APPEND_ID, instance, append_id)
+
+    def _end_of_turn(self, instance: str, msg_id: str) -> Frame | None:
+        """The stored end of the turn of `msg_id` (along the unique index), or None."""
+        return self._one_frame(_END_OF_TURN, instance, msg_id)
+
+    def _one_frame(self, sql: str, instance: str, key: str) -> Frame | None:
+        """The frame of `instance` that `sql` (by iid and a key, along a unique index) finds, or None."""
         iid = self._iid(instance) if isinstance(instance, str) else None
-        row = None if iid is None else self._db.execute(_FRAME_OF_APPEND_ID, (iid, append_id)).fetchone()
+        row = None if iid is None else self._db.execute(sql, (iid, key)).fetchone()
         if row is None:
             return None
         seq, ts, ch, sid, typ, mid, rt, payload = row
@@ -584,6 +617,36 @@ class FrameStore(FrameAppends):
     async def _append(self, instance: str, prepared: list[tuple]) -> list[Frame]:
         if not isinstance(instance, str) or not instance:
             raise ValueError(f"instance must be a non-empty string, got {instance!r}")
+        ends = ended_turns(prepared)
+        if ends:
+            return await self._append_turn_ends(instance, prepared, ends)
+        return await self._append_now(instance, prepared)
+
+    async def _append_turn_ends(self, instance: str, prepared: list[tuple], ends: list[str]) -> list[Frame]:
+        """The append of frames ending the turns of `ends`: this process is the only writer of its
+        log, so each turn's stored end is looked up and, if there is none, the append is handed
+        its seq with no checkpoint between (`TurnEnded` otherwise; the unique index is the last
+        line). An end of the same turn still in its group commit is waited for first (it may fail)."""
+        keys = [(instance, msg_id) for msg_id in ends]
+        while (pending := next((self._ends_in_flight[k] for k in keys if k in self._ends_in_flight), None)) is not None:
+            await pending.wait()
+        for msg_id in ends:
+            stored = self._end_of_turn(instance, msg_id)
+            if stored is not None:
+                await trio.lowlevel.checkpoint()  # nothing was stored: a cancellation here loses nothing
+                raise TurnEnded(stored)
+        done = trio.Event()
+        for key in keys:
+            self._ends_in_flight[key] = done
+        try:
+            return await self._append_now(instance, prepared)
+        finally:
+            for key in keys:
+                del self._ends_in_flight[key]
+            done.set()
+
+    async def _append_now(self, instance: str, prepared: list[tuple]) -> list[Frame]:
+        """Hand out the seqs and join (or lead) a group commit."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if not prepared:
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -639,7 +702,7 @@ class FrameStore(FrameAppends):
                 # transaction (SQLite commits it before execute returns, or rolls it back and
                 # raises), with the same durability as BEGIN/INSERT/COMMIT at a third of the calls.
                 instance, first, ts, ((ch, sid, typ, mid, rt, text, _, aid),) = parts[0]
-                db.execute(_INSERT_FRAME, (iids[instance], first, ts, ch, sid, typ, mid, rt, text, aid))
+                db.execute(_INSERT_FRAME, (iids[instance], first, ts, ch, sid, typ, mid, rt, text, aid, ends_turn(typ, rt)))
             else:
                 self._commit_transaction(db, parts, group.base, created)
         except BaseException as exc:
@@ -699,7 +762,7 @@ class FrameStore(FrameAppends):
                     iids[instance] = db.execute(_NEW_INSTANCE, (instance,)).lastrowid
                     created.append(instance)
             db.executemany(_INSERT_FRAME, [
-                (iids[instance], first + i, ts, ch, sid, typ, mid, rt, text, aid)
+                (iids[instance], first + i, ts, ch, sid, typ, mid, rt, text, aid, ends_turn(typ, rt))
                 for instance, first, ts, prepared in parts
                 for i, (ch, sid, typ, mid, rt, text, _, aid) in enumerate(prepared)
             ])

@@ -65,6 +65,9 @@ class GuestPeer(Protocol):
     def close_soon(self) -> None:
         """End the connection (another connection, possibly on another server, took its place)."""
 
+    def close_after_answer(self, reason: str) -> None:
+        """End the connection once the answer to the request being served is written."""
+
 
 class GuestDelivery:
     """Tracks the one guest connection of each instance and feeds it messages.
@@ -85,9 +88,7 @@ class GuestDelivery:
         self._in_flight: dict[GuestPeer, dict[str, tuple[str, str, bool]]] = {}
         """Per guest connection: msg_id -> (channel, session_id, started) of its delivered, unanswered messages."""
         self._ended: dict[str, set[str]] = {}
-        self._ending: set[tuple[str, str]] = set()
-        """(instance, msg_id) of turn ends being checked and stored now: a second one is refused
-        while the first awaits the store (see `turn_ended`, `turn_end_stored`)."""
+        """Per instance: the msg_ids of orphaned turns whose `session.error` is being stored (not delivered again)."""
         self.connected_changed = trio.Event()
 
     def guest_for(self, instance: str) -> GuestPeer | None:
@@ -119,33 +120,16 @@ class GuestDelivery:
             channel, session_id, _ = turns[msg_id]
             turns[msg_id] = (channel, session_id, True)
 
-    async def turn_ended(self, connection: GuestPeer, msg_id: str) -> bool:
-        """Record the end of the turn of `msg_id`; False if it had ended already (refuse a second end).
-
-        True claims the end until `turn_end_stored` is called (after its frame is appended, or
-        failed to be): a second end arriving meanwhile is refused, though the log has no end yet.
-        """
-        assert connection.instance is not None
-        key = (connection.instance, msg_id)
+    def turn_over(self, msg_id: str) -> None:
+        """The turn of `msg_id` has its end in the log (stored now, or before: `TurnEnded`): it is
+        no turn in flight any more, and no orphan when its guest goes."""
         for turns in self._in_flight.values():
             turns.pop(msg_id, None)
-        if key in self._ending or msg_id in self._ended.get(connection.instance, ()):
-            return False
-        self._ending.add(key)
-        try:
-            answered = await self._answered(connection.instance, msg_id)
-        except BaseException:
-            self._ending.discard(key)
-            raise
-        if answered:
-            self._ending.discard(key)
-            return False
-        return True
 
-    def turn_end_stored(self, connection: GuestPeer, msg_id: str) -> None:
-        """The end claimed by `turn_ended` is in the log now (or was not stored): release the claim."""
-        assert connection.instance is not None
-        self._ending.discard((connection.instance, msg_id))
+    async def still_holds(self, instance: str) -> bool:
+        """Whether this server may serve `instance`'s guest: always alone on its log; with a shared
+        store, while no other server took its lease over (`holds`)."""
+        return self.holds is None or await self.holds(instance)
 
     def orphaned_turns(self, connection: GuestPeer) -> list[tuple[str, str, str]]:
         """The guest is gone: its turns in flight, `(msg_id, channel, session_id)`, now ended by the caller of this.
@@ -242,7 +226,7 @@ class GuestDelivery:
                     log.warning("guest of %s: %s; delivering from there", instance, exc)
                     cursor = exc.first_seq - 1
                     continue
-                if self.holds is not None and not await self.holds(instance):
+                if not await self.still_holds(instance):
                     # Another server took the instance over (its guest reconnected there): it
                     # delivers from the acknowledged cursor; sending here could run a turn twice.
                     log.warning("guest of %s: another server holds the instance now; closing %r", instance, connection)

@@ -7,7 +7,9 @@ within `start_timeout`; guests/instance_starter.py), every message waiting for t
 returns `stop_reason: "error"` with that text at once; the log, `session_events` and every
 server of a shared store read the same answer. As with orphaned turns, an ended message is
 not run later by a guest that connects after all (delivery skips answered messages): the
-caller sends it again once the start is fixed.
+caller sends it again once the start is fixed. A burst of messages may see several starts fail
+and overlap in ending the same waiting turns: each turn ends once, the store refusing a second
+end (`TurnEnded`), which is skipped here.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from protocol.frames import FrameType
 from ...core.frame_log import AppendFrame as Append
 from ...core.sessions import SessionRegistry
 from ...core.task_host import TaskHost
-from ...store.api import StoreUnavailable
+from ...store.api import StoreUnavailable, TurnEnded
 from .delivery import GuestDelivery
 
 log = logging.getLogger("oubliette.server.guests")
@@ -59,17 +61,22 @@ class FailedStarts:
         self._tasks.start_soon(self._end_waiting, instance, reason)
 
     async def _end_waiting(self, instance: str, reason: str) -> None:
+        ended = 0
         try:
             if await self.connected_anywhere(instance):
                 return
-            waiting = await self.delivery.waiting_messages(instance)
-            for frame in waiting:
+            for frame in await self.delivery.waiting_messages(instance):
                 session = self.sessions.get_or_create(instance, frame.channel, frame.session_id)
-                await self.append(
-                    session, FrameType.SESSION_ERROR, {"message": reason, "reason": START_FAILED_REASON}, reply_to=frame.msg_id,
-                )
+                try:
+                    await self.append(
+                        session, FrameType.SESSION_ERROR, {"message": reason, "reason": START_FAILED_REASON},
+                        reply_to=frame.msg_id,
+                    )
+                    ended += 1
+                except TurnEnded:
+                    pass  # another failed start (or the guest) ended it meanwhile
         except StoreUnavailable as exc:  # a database outage must not take the server down
             log.error("could not end the turns waiting for the start of %s: %s", instance, exc)
             return
-        if waiting:
-            log.warning("the start of %s failed; ended %d waiting turn(s) with session.error", instance, len(waiting))
+        if ended:
+            log.warning("the start of %s failed; ended %d waiting turn(s) with session.error", instance, ended)

@@ -9,7 +9,7 @@ from protocol.session_keys import check_session, shown
 from ...core.frame_log import AppendFrame as Append
 from ...core.server_owned import refuse_server_owned
 from ...core.sessions import Session, SessionRegistry, session_has_frames
-from ...store.api import FrameStoreAPI, check_resend
+from ...store.api import FrameStoreAPI, TurnEnded
 from .delivery import GuestDelivery, GuestPeer
 
 GUEST_FRAME_TYPES = frozenset({FrameType.ASSISTANT_DELTA, FrameType.STATUS_PRESENCE, *TURN_END_TYPES})
@@ -28,12 +28,16 @@ class GuestFrames:
     A frame sent with an `append_id` is stored once however often the guest resends it (to this
     server or another sharing the store, docs/TETHER.md "Exactly-once appends"): a resend is
     answered with the stored frame's seq and msg_id, also a resent turn end; an id sent again with
-    another frame is refused (`AppendIdReused`, -32602 naming the id), nothing stored.
+    another frame is refused (`AppendIdReused`, -32602 naming the id), nothing stored. A turn ends once: a
+    second end is refused by the store (`TurnEnded`, docs/SECURITY.md "One turn end per message").
+    With a shared store, a frame of a turn from the guest of an instance another server took over
+    is refused and the guest closed: that server's guest runs the turn now.
 
     Raises: `RelayError(INVALID_PARAMS)` for a frame type or payload key a guest may not append,
     a session key outside the grammar (protocol/session_keys.py), a malformed `append_id` or one
     used before for another frame;
-    `RelayError(NOT_FOUND)` for a session the server does not know.
+    `RelayError(NOT_FOUND)` for a session the server does not know; `RelayError(INVALID_REQUEST)`
+    for a second end of a turn, or a frame of a turn of an instance this server no longer holds.
     """
 
     def __init__(
@@ -69,43 +73,40 @@ class GuestFrames:
             )
         assert connection.instance is not None
         session = await self._known_session(connection.instance, request.session.channel, request.session.id)
-        ends_turn = request.type in TURN_END_TYPES and request.reply_to is not None
-        if ends_turn:
-            assert request.reply_to is not None
-            if not await self.delivery.turn_ended(connection, request.reply_to):
-                resent = await self._stored_before(connection.instance, request)
-                if resent is not None:
-                    return resent  # this end was stored: the turn ended with it
-                raise RelayError(
-                    errors.INVALID_REQUEST,
-                    f"the turn of message {request.reply_to!r} has ended already (a turn ends once; the server "
-                    "ends it with session.error when its guest disconnects mid-turn)",
-                )
-        elif request.reply_to is not None:
-            self.delivery.turn_started(connection, request.reply_to)
+        ends = request.reply_to if request.type in TURN_END_TYPES else None  # the message whose turn this ends
+        if request.reply_to is not None:
+            await self._refuse_if_taken_over(connection)
+            if ends is None:
+                self.delivery.turn_started(connection, request.reply_to)
         try:
             frame = await self.append(
                 session, request.type, request.payload, reply_to=request.reply_to, append_id=request.append_id,
             )
-        finally:
-            if ends_turn:
-                assert request.reply_to is not None
-                self.delivery.turn_end_stored(connection, request.reply_to)
+        except TurnEnded as ended:  # (a resend with the end's append_id gets the stored end from `append`)
+            self.delivery.turn_over(ended.end.reply_to or "")
+            raise RelayError(
+                errors.INVALID_REQUEST,
+                f"{ended.message} (the server ends a turn with session.error when its guest disconnects mid-turn, "
+                "or its start fails)",
+            ) from None
+        if ends is not None:
+            # Only once the end is stored: an end cut short (the guest left mid-append) leaves an orphan.
+            self.delivery.turn_over(ends)
         return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
 
-    async def _stored_before(self, instance: str, request: messages.AppendFrame) -> messages.AppendFrameResult | None:
-        """Where the frame of the request's `append_id` landed, if the log has it (a resent turn end);
-        `AppendIdReused` if the id's frame is another frame (`check_resend`, as `append_once`)."""
-        if request.append_id is None:
-            return None
-        frame = await self.store.frame_of_append_id(instance, request.append_id)
-        if frame is None:
-            return None
-        check_resend(
-            frame, request.append_id, request.session.channel, request.session.id, request.type, request.payload,
-            request.reply_to,
+    async def _refuse_if_taken_over(self, connection: GuestPeer) -> None:
+        """A frame of a turn from a guest whose instance another server took over (its lease,
+        shared store): refused, and the connection closed once the guest has read why. That
+        server delivers the turn's message to its own guest, which ends it there."""
+        assert connection.instance is not None
+        if await self.delivery.still_holds(connection.instance):
+            return
+        why = (
+            f"this server no longer holds instance {connection.instance!r}: another server took it over (a guest "
+            "connected there), and its guest runs the turns now; nothing was stored"
         )
-        return messages.AppendFrameResult(seq=frame.seq, msg_id=frame.msg_id)
+        connection.close_after_answer(why)
+        raise RelayError(errors.INVALID_REQUEST, why)
 
     async def _known_session(self, instance: str, channel: str, session_id: str) -> Session:
         """The session if the server holds it or its log has frames of it (made again after it was

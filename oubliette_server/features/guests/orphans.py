@@ -3,7 +3,10 @@
 When a guest connection closes, every message it was given and had not answered
 gets a `session.error` frame (reason `guest_disconnected`) replying to it, so a
 `session_message` waiting on that turn returns `stop_reason: "error"` at once and
-the message is not run again by the next guest.
+the message is not run again by the next guest. A turn that ended meanwhile (the store
+refuses a second end: `TurnEnded`) is left as it ended; and with a shared store, a server
+whose instance another server took over ends none: that server delivers the messages of
+those turns to its own guest (they were never acknowledged), which ends them.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from protocol.frames import FrameType
 
 from ...core.frame_log import AppendFrame as Append
 from ...core.sessions import SessionRegistry
-from ...store.api import StoreUnavailable
+from ...store.api import StoreUnavailable, TurnEnded
 from .delivery import GuestDelivery, GuestPeer
 
 log = logging.getLogger("oubliette.server.guests")
@@ -64,6 +67,10 @@ class OrphanedTurns:
 
     async def _close(self, instance: str, orphans: list[tuple[str, str, str]]) -> None:
         try:
+            if not await self.delivery.still_holds(instance):
+                log.warning("the guest of %s left mid-turn; another server holds the instance now and runs "
+                            "its %d turn(s)", instance, len(orphans))
+                return
             for msg_id, channel, session_id in orphans:
                 session = self.sessions.get_or_create(instance, channel, session_id)
                 try:
@@ -71,6 +78,8 @@ class OrphanedTurns:
                         session, FrameType.SESSION_ERROR,
                         {"message": GUEST_GONE_MESSAGE, "reason": GUEST_GONE_REASON}, reply_to=msg_id,
                     )
+                except TurnEnded:
+                    log.info("turn %s of %s had ended already; its end stands", msg_id, instance)
                 except StoreUnavailable as exc:  # a database outage must not take the server down
                     log.error("could not end turn %s of %s with session.error: %s", msg_id, instance, exc)
             log.warning("the guest of %s disconnected mid-turn; ended %d turn(s) with session.error", instance, len(orphans))
