@@ -29,7 +29,8 @@ seconds — a JSON-RPC error with the reason, and the program then exits 1 with 
 stderr, so a host's health check (`claude mcp list`) shows a failure instead of a healthy server
 whose every call fails. Failing the start is right for an unreachable relay too: the guest
 runtime starts an agent only for a message it just received over that relay, so a relay not
-there at the agent's start is a wrong address or a missing mount, not a blip. A relay that is
+there at the agent's start is a wrong address or a missing mount, not a blip (`--connect-wait 0`
+asks to serve at once whatever the relay, and does). A relay that is
 merely slow (connected, its hello not answered yet) is waited for: the client serves, and the
 first list waits for it. A relay lost after the start may come back: the client serves on, and
 each call's error says why. `OUBLIETTE_EARLY_HANDSHAKE=0` (or false/no/off) turns the early answers
@@ -186,7 +187,8 @@ class EarlyHandshake:
         link = self.tools.link
         deadline = min(self._relay_deadline, self._started + HELLO_VERDICT_WAIT)
         await self.tools.wait_first_attempt(deadline)
-        if link.attempted.is_set() and not link.connected and link.refused is None:
+        waits = self._relay_deadline > self._started  # `--connect-wait 0`: serve at once, relay or not
+        if waits and link.attempted.is_set() and not link.connected and link.refused is None:
             with trio.move_on_at(deadline):  # unreachable: a server that is restarting gets until the deadline
                 await link.wait_settled()
             if not link.connected and link.refused is None:

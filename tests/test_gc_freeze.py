@@ -48,7 +48,8 @@ def test_both_programs_freeze_their_startup_heap_unless_switched_off(deployment:
     agent_lines = CALLER_LINES + json.dumps(
         {"jsonrpc": "2.0", "id": 3, "method": "resources/list"}) + "\n"  # answered by the SDK, once loaded
     client = _frozen_at_exit(
-        "oubliette_client.cli", [], _env_without_otel(**extra, **deployment.client_env("box1", session="claude:s1")),
+        # the server above has exited: no relay, so the client is told to serve at once
+        "oubliette_client.cli", ["--connect-wait", "0"], _env_without_otel(**extra, **deployment.client_env("box1", session="claude:s1")),
         agent_lines)
     if switch is None:
         assert server > STARTUP_OBJECTS and client > STARTUP_OBJECTS, (server, client)

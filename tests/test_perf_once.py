@@ -41,7 +41,7 @@ def test_same_schema_is_compiled_once() -> None:
 def _programs(tmp: Path) -> dict[str, list[str]]:
     return {
         "client": [PYTHON, "-m", "oubliette_client", "--relay", f"unix:{tmp / 'none.sock'}",
-                   "--instance", "box1", "--token", "t", "--connect-wait", "0.1"],
+                   "--instance", "box1", "--token", "t", "--connect-wait", "0"],  # no relay: serve at once
         "server": [PYTHON, "-m", "oubliette_server", "--relay", f"unix:{tmp / 'relay.sock'}",
                    "--data-dir", str(tmp / "data")],
     }
