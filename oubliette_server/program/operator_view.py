@@ -11,8 +11,9 @@ What each fact is read from, so that it is true whichever server wrote it:
 - instances: every instance with frames (`FrameStoreAPI.instances`), and their last seq;
 - where a guest is connected: with PostgreSQL, the instance's live lease (`cluster/leases.py`),
   which names the server holding it; with SQLite the log says nothing of connections, so the
-  running server is asked (`GET /v1/health` on its HTTP listener, `--http`), else it is
-  reported as unknown, never guessed from old frames;
+  running server is asked (`GET /v1/health` on `--http`, or on the first HTTP listener its
+  `serving.json` names, serving_file.py), else it is reported as unknown, never guessed from
+  old frames;
 - sessions: one pass over each instance's retained frames: frame count, last activity (the
   newest frame's time), the owner and declared caller tools from the server's own
   `session_record` frames (server_owned.py), which every server writes, on SQLite as on
@@ -177,6 +178,8 @@ class UnknownLiveness:
         return GuestView(connected=None, server=None, source="unknown")
 
 
+#: The GUEST column when no server could be asked.
+UNKNOWN_GUEST = "unknown (no server to ask: none running on this data dir, no --http)"
 #: How long status waits for the running server's `/v1/health` answer (seconds).
 HEALTH_TIMEOUT = 5.0
 
@@ -360,7 +363,7 @@ def format_status(report: StatusReport) -> str:
 
 def _guest_text(guest: GuestView) -> str:
     if guest.connected is None:
-        return "unknown (no --http to ask)"
+        return UNKNOWN_GUEST
     if not guest.connected:
         return "not connected"
     return f"connected to {guest.server}" if guest.server else "connected"
