@@ -240,6 +240,32 @@ async def test_status_refuses_a_serving_file_whose_listener_is_another_servers()
         forged.cleanup()
 
 
+async def test_tail_says_when_an_instance_has_no_frames_and_is_not_configured() -> None:
+    """`tail nosuch` says in one stderr line that the instance has no frames and is not configured,
+    naming the known ones, then keeps following: a client of nosuch connects, a frame is stored,
+    tail prints it. A configured instance without frames (configured on the running server: tail
+    reads its serving.json, no --config) gets no such line."""
+    deployment = Deployment()
+    try:
+        async with deployment.http_server("--config", str(deployment.config_file(QUIET))) as server:
+            async with tail(deployment, "nosuch") as unknown, tail(deployment, QUIET) as configured:
+                assert await unknown.started() == 0
+                assert await unknown.stderr_line(2) == (
+                    "oubliette-server tail: instance 'nosuch' has no frames and is not configured (known: box2); "
+                    "still following it, in case its first guest has yet to connect")
+                assert await configured.started() == 0
+                async with RawRelay.connect(deployment) as relay:
+                    assert "result" in await relay.hello("nosuch", deployment.token("nosuch"))
+                    seq = await post(server, "nosuch", "tg:1", "note", "first")
+                (line,) = await unknown.lines(1)
+                assert int(line.split()[0]) == seq and "first" in line
+                status, stderr = await configured.interrupt()
+                assert status == 130 and "has no frames" not in stderr, stderr
+                assert (await unknown.interrupt())[0] == 130
+    finally:
+        deployment.cleanup()
+
+
 async def test_tail_follows_resumes_filters_and_ends_quietly_on_ctrl_c() -> None:
     """`tail` prints frames stored after it started (one line each, or JSON), resumes after a seq,
     keeps only the asked types and session, and Ctrl-C ends it with 130 and no traceback."""

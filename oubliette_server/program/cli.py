@@ -237,7 +237,7 @@ def _run_operator(command: str, rest: list[str]) -> int:
             return 0
         trio.run(lambda: operator_view.print_frames(
             store, args.instance, query, from_end=args.after_seq is None, as_json=args.json,
-            poll_interval=args.poll_interval,
+            poll_interval=args.poll_interval, configured=configured,
         ))
     except BaseException as exc:  # Ctrl-C (or a closed pipe) may come out of the store's nursery inside a group
         leaves = list(exception_leaves(exc))

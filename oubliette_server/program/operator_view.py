@@ -25,7 +25,9 @@ What each fact is read from, so that it is true whichever server wrote it:
 `tail` follows one instance's frames as `kubectl logs -f` does: `wait_for_frames` in a loop.
 With PostgreSQL a wait is woken by the store's LISTEN at once; with SQLite nothing in this
 process appends, so each wait lasts `poll_interval` and then reads again: a bounded poll,
-the only way one process learns of another's SQLite commits.
+the only way one process learns of another's SQLite commits. An instance with no frames that
+is not configured gets one stderr line saying so (`unknown_instance_notice`), and is followed
+all the same: an instance exists from its first guest's frame on, with nothing to configure.
 
 What a sandbox, a caller or an HTTP client wrote reaches the operator's terminal only escaped
 (protocol/peer_text.py): every character that is not printable — C0 and C1 controls (an 8-bit
@@ -441,17 +443,32 @@ async def print_status(
     write(json_text(json.dumps(report.to_json(), indent=2, ensure_ascii=False)) if as_json else format_status(report))
 
 
+async def unknown_instance_notice(store: FrameStoreAPI, instance: str, configured: Sequence[str]) -> str | None:
+    """The line `tail` writes when `instance` has no frames and is not configured (a typo, or an
+    instance whose first guest has yet to connect), naming the instances that exist; else None."""
+    if instance in configured or await store.last_seq(instance) > 0:
+        return None
+    known = sorted({*await store.instances(), *configured})
+    return (f"oubliette-server tail: instance '{instance}' has no frames and is not configured "
+            f"(known: {escape(', '.join(known)) if known else 'none'}); still following it, "
+            "in case its first guest has yet to connect")
+
+
 async def print_frames(
     store: FrameStoreAPI, instance: str, query: FrameQuery, *, from_end: bool, as_json: bool,
-    poll_interval: float = DEFAULT_POLL_INTERVAL, write: Any = print,
+    poll_interval: float = DEFAULT_POLL_INTERVAL, configured: Sequence[str] = (), write: Any = print,
 ) -> None:
     """`oubliette-server tail`: write each frame matching `query` as one line, until cancelled;
-    `from_end`: only frames stored from now on (the query's `after_seq` is the log's end now)."""
+    `from_end`: only frames stored from now on (the query's `after_seq` is the log's end now).
+    An instance with no frames that is not in `configured` is said so on stderr, then followed."""
     async with store.running():
         if from_end:
             query = attrs.evolve(query, after_seq=await store.last_seq(instance))
         # On stderr, so a script (or a test) knows from which seq on nothing is missed.
         sys.stderr.write(f"following {instance} after seq {query.after_seq} (Ctrl-C ends it)\n")
+        notice = await unknown_instance_notice(store, instance, configured)
+        if notice is not None:
+            sys.stderr.write(notice + "\n")
         sys.stderr.flush()
         async for frame in follow(store, instance, query, poll_interval=poll_interval):
             write(frame_json(frame) if as_json else format_frame(frame), flush=True)
