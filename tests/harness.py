@@ -157,9 +157,10 @@ class Deployment:
 
     @asynccontextmanager
     async def http_server(
-        self, *extra: str, nofile: int | None = None, env: dict[str, str] | None = None,
+        self, *extra: str, nofile: int | None = None, env: dict[str, str] | None = None, unix_http: bool = True,
     ) -> AsyncIterator["HttpServer"]:
-        """Start oubliette-server with TCP (port 0) and Unix HTTP listeners and no stdio caller.
+        """Start oubliette-server with TCP (port 0) and Unix HTTP listeners (`unix_http` False: TCP
+        only) and no stdio caller.
 
         It reads the server's stderr until the ready line, then keeps draining it
         (into `HttpServer.stderr`) so the pipe never fills. `nofile`: the server's
@@ -173,7 +174,7 @@ class Deployment:
 
         process = await trio.lowlevel.open_process(
             [PYTHON, "-m", "oubliette_server", "--relay", self.relay, "--data-dir", str(self.data_dir),
-             "--http", "127.0.0.1:0", "--http", f"unix:{self.root / 'http.sock'}", "--no-stdio",
+             "--http", "127.0.0.1:0", *(["--http", f"unix:{self.root / 'http.sock'}"] if unix_http else []), "--no-stdio",
              "--log-level", "WARNING", *self.store_args(), *extra],
             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit_descriptors,
             env={**os.environ, **env} if env else None,

@@ -8,6 +8,7 @@ while it writes its store (SQLite), or beside two servers on one real PostgreSQL
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from contextlib import asynccontextmanager
@@ -16,7 +17,7 @@ from typing import Any, AsyncIterator
 import pytest
 import trio
 
-from harness import PYTHON, Deployment, HttpServer
+from harness import PYTHON, Deployment, HttpServer, RawRelay
 from oubliette_server.store.sqlite import FrameStore
 from oubliette_server.store.api import FrameQuery, StoreUnavailable
 from test_caller_loop import INSTANCE, LOOP_AGENT, LoopCaller, script, tool
@@ -60,15 +61,19 @@ class Tail:
         self.buffer = b""
         self.stderr = b""
 
-    async def started(self) -> int:
-        """Wait for its "following … after seq N" line; N."""
+    async def stderr_line(self, number: int) -> str:
+        """Its `number`th stderr line (from 1), once written."""
         assert self.process.stderr is not None
         with trio.fail_after(WAIT):
-            while b"\n" not in self.stderr:
+            while self.stderr.count(b"\n") < number:
                 chunk = await self.process.stderr.receive_some(4096)
-                assert chunk, "tail exited before it started"
+                assert chunk, f"tail exited before its stderr line {number}: {self.stderr.decode()}"
                 self.stderr += chunk
-        line = self.stderr.decode().splitlines()[0]
+        return self.stderr.decode().splitlines()[number - 1]
+
+    async def started(self) -> int:
+        """Wait for its "following … after seq N" line; N."""
+        line = await self.stderr_line(1)
         assert line.startswith("following "), line
         return int(line.split("after seq ")[1].split()[0])
 
@@ -172,8 +177,91 @@ async def test_status_shows_guest_session_and_pending_requests_of_a_running_serv
                 assert f"connected to {await server_id(server)}" in table
                 assert "mcp:s1" in table and pending["caller_tool"]["request_id"] in table
                 assert pending["approval"]["request_id"] in table and session["owner"] in table
-                unknown = (await run(deployment, "status")).stdout  # no --http: nobody to ask
-                assert "unknown (no --http to ask)" in unknown
+                found = (await run(deployment, "status")).stdout  # no --http: the server's serving.json names it
+                assert f"connected to {await server_id(server)}" in found
+    finally:
+        deployment.cleanup()
+
+
+async def test_status_finds_the_listener_of_a_server_started_with_only_http_port_0() -> None:
+    """A server started with `--http 127.0.0.1:0` alone (no config, no Unix listener) leaves
+    `serving.json` in its data dir (mode 0600: pid, server id, the addresses bound), and `status
+    --data-dir` alone asks that listener who is connected. A clean stop removes the file; the file a
+    killed server left is not trusted (its pid is gone): status says unknown, it asks nobody."""
+    deployment = Deployment()
+    serving = deployment.data_dir / "serving.json"
+    try:
+        async with deployment.http_server(unix_http=False) as server:
+            async with server.rest() as rest:
+                identity = (await rest.get("/v1/health")).json()["server"]["id"]
+            assert serving.stat().st_mode & 0o777 == 0o600
+            assert json.loads(serving.read_text()) == {
+                "pid": server.process.pid, "server": identity, "relay": server.ready["relay"],
+                "http": server.ready["http"], "metrics": [], "instances": []}
+            async with RawRelay.connect(deployment) as relay:  # a client of box1 connected, and a frame of box1
+                assert "result" in await relay.hello(INSTANCE, deployment.token(INSTANCE))
+                await post(server, INSTANCE, "tg:1", "note", "a frame")
+                report = json.loads((await run(deployment, "status", "--json")).stdout)
+            assert instance_of(report, INSTANCE)["guest"] == {"connected": True, "server": identity, "source": "health"}
+        assert not serving.exists()  # stopped by SIGTERM: removed
+
+        async with deployment.http_server(unix_http=False) as server:
+            server.process.kill()
+            await server.process.wait()
+        assert json.loads(serving.read_text())["pid"] == server.process.pid  # left behind by the killed server
+        done = await run(deployment, "status")
+        assert "unknown (no server to ask: none running on this data dir, no --http)" in done.stdout, done.stdout
+    finally:
+        deployment.cleanup()
+
+
+async def test_status_refuses_a_serving_file_whose_listener_is_another_servers() -> None:
+    """A `serving.json` naming a live pid and a listener that answers as another server (a reused
+    pid, a moved port) is not believed: status says so in one line naming the file, exit 1."""
+    other, forged = Deployment(), Deployment()
+    try:
+        forged.data_dir.mkdir(parents=True)
+        with FrameStore(forged.data_dir / "frames.sqlite3") as store:
+            await store.append(INSTANCE, channel="tg", session_id="1", type="note", payload={})
+        async with other.http_server() as server:
+            (forged.data_dir / "serving.json").write_text(json.dumps({
+                "pid": os.getpid(), "server": "gone:1:abcdef", "relay": forged.relay,
+                "http": [f"http://unix:{server.unix_socket}"], "metrics": [], "instances": []}))
+            with trio.fail_after(WAIT):
+                done = await trio.run_process([PYTHON, "-m", "oubliette_server", "status", "--data-dir", str(forged.data_dir)],
+                                              capture_stdout=True, capture_stderr=True, check=False)
+            answered_as = await server_id(server)
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.decode() == (
+            f"oubliette-server: error: the server at unix:{server.unix_socket} is {answered_as}, not gone:1:abcdef "
+            f"that {forged.data_dir / 'serving.json'} names (a stale file?); pass --http\n")
+    finally:
+        other.cleanup()
+        forged.cleanup()
+
+
+async def test_tail_says_when_an_instance_has_no_frames_and_is_not_configured() -> None:
+    """`tail nosuch` says in one stderr line that the instance has no frames and is not configured,
+    naming the known ones, then keeps following: a client of nosuch connects, a frame is stored,
+    tail prints it. A configured instance without frames (configured on the running server: tail
+    reads its serving.json, no --config) gets no such line."""
+    deployment = Deployment()
+    try:
+        async with deployment.http_server("--config", str(deployment.config_file(QUIET))) as server:
+            async with tail(deployment, "nosuch") as unknown, tail(deployment, QUIET) as configured:
+                assert await unknown.started() == 0
+                assert await unknown.stderr_line(2) == (
+                    "oubliette-server tail: instance 'nosuch' has no frames and is not configured (known: box2); "
+                    "still following it, in case its first guest has yet to connect")
+                assert await configured.started() == 0
+                async with RawRelay.connect(deployment) as relay:
+                    assert "result" in await relay.hello("nosuch", deployment.token("nosuch"))
+                    seq = await post(server, "nosuch", "tg:1", "note", "first")
+                (line,) = await unknown.lines(1)
+                assert int(line.split()[0]) == seq and "first" in line
+                status, stderr = await configured.interrupt()
+                assert status == 130 and "has no frames" not in stderr, stderr
+                assert (await unknown.interrupt())[0] == 130
     finally:
         deployment.cleanup()
 

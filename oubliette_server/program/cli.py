@@ -192,17 +192,23 @@ def _run_operator(command: str, rest: list[str]) -> int:
     from ..store.api import FrameQuery
     from ..store.opener import open_reader
     from . import operator_view
+    from .serving_file import SERVING_FILE, read_serving
 
     parser = _operator_parser(command)
     args = parser.parse_args(rest)
     try:
         config = _config_beside_the_server(args)
-        http = getattr(args, "http", None) or next((b for b in config.http if not b.endswith(":0")), None)
+        # Who to ask which guests are connected: --http, else the running server's serving.json, else
+        # the config's first listener with a fixed port.
+        serving = read_serving(config.data_dir)
+        http = getattr(args, "http", None) or (serving.http_bind() if serving else None) or next(
+            (b for b in config.http if not b.endswith(":0")), None)
         if http is not None:
             check_http_bind(http)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     data_dir = config.data_dir
+    configured = sorted({*config.instances, *(serving.instances if serving else ())})
     query = FrameQuery()
     if command == "tail":
         reason = check_instance_id(args.instance)
@@ -223,12 +229,15 @@ def _run_operator(command: str, rest: list[str]) -> int:
             if http is not None and not store.shared:
                 token = TokenAuthority.for_data_dir(data_dir).token_for(HTTP_ADMIN)
                 liveness = operator_view.ask_health(http, token)
+                if serving is not None and http == serving.http_bind() and liveness.server != serving.server:
+                    raise OSError(f"the server at {http} is {liveness.server}, not {serving.server} that "
+                                  f"{data_dir / SERVING_FILE} names (a stale file?); pass --http")
             trio.run(lambda: operator_view.print_status(
-                store, liveness, as_json=args.json, instances=sorted(config.instances)))
+                store, liveness, as_json=args.json, instances=configured))
             return 0
         trio.run(lambda: operator_view.print_frames(
             store, args.instance, query, from_end=args.after_seq is None, as_json=args.json,
-            poll_interval=args.poll_interval,
+            poll_interval=args.poll_interval, configured=configured,
         ))
     except BaseException as exc:  # Ctrl-C (or a closed pipe) may come out of the store's nursery inside a group
         leaves = list(exception_leaves(exc))

@@ -11,8 +11,9 @@ What each fact is read from, so that it is true whichever server wrote it:
 - instances: every instance with frames (`FrameStoreAPI.instances`), and their last seq;
 - where a guest is connected: with PostgreSQL, the instance's live lease (`cluster/leases.py`),
   which names the server holding it; with SQLite the log says nothing of connections, so the
-  running server is asked (`GET /v1/health` on its HTTP listener, `--http`), else it is
-  reported as unknown, never guessed from old frames;
+  running server is asked (`GET /v1/health` on `--http`, or on the first HTTP listener its
+  `serving.json` names, serving_file.py), else it is reported as unknown, never guessed from
+  old frames;
 - sessions: one pass over each instance's retained frames: frame count, last activity (the
   newest frame's time), the owner and declared caller tools from the server's own
   `session_record` frames (server_owned.py), which every server writes, on SQLite as on
@@ -24,7 +25,9 @@ What each fact is read from, so that it is true whichever server wrote it:
 `tail` follows one instance's frames as `kubectl logs -f` does: `wait_for_frames` in a loop.
 With PostgreSQL a wait is woken by the store's LISTEN at once; with SQLite nothing in this
 process appends, so each wait lasts `poll_interval` and then reads again: a bounded poll,
-the only way one process learns of another's SQLite commits.
+the only way one process learns of another's SQLite commits. An instance with no frames that
+is not configured gets one stderr line saying so (`unknown_instance_notice`), and is followed
+all the same: an instance exists from its first guest's frame on, with nothing to configure.
 
 What a sandbox, a caller or an HTTP client wrote reaches the operator's terminal only escaped
 (protocol/peer_text.py): every character that is not printable — C0 and C1 controls (an 8-bit
@@ -177,6 +180,8 @@ class UnknownLiveness:
         return GuestView(connected=None, server=None, source="unknown")
 
 
+#: The GUEST column when no server could be asked.
+UNKNOWN_GUEST = "unknown (no server to ask: none running on this data dir, no --http)"
 #: How long status waits for the running server's `/v1/health` answer (seconds).
 HEALTH_TIMEOUT = 5.0
 
@@ -360,7 +365,7 @@ def format_status(report: StatusReport) -> str:
 
 def _guest_text(guest: GuestView) -> str:
     if guest.connected is None:
-        return "unknown (no --http to ask)"
+        return UNKNOWN_GUEST
     if not guest.connected:
         return "not connected"
     return f"connected to {guest.server}" if guest.server else "connected"
@@ -438,17 +443,32 @@ async def print_status(
     write(json_text(json.dumps(report.to_json(), indent=2, ensure_ascii=False)) if as_json else format_status(report))
 
 
+async def unknown_instance_notice(store: FrameStoreAPI, instance: str, configured: Sequence[str]) -> str | None:
+    """The line `tail` writes when `instance` has no frames and is not configured (a typo, or an
+    instance whose first guest has yet to connect), naming the instances that exist; else None."""
+    if instance in configured or await store.last_seq(instance) > 0:
+        return None
+    known = sorted({*await store.instances(), *configured})
+    return (f"oubliette-server tail: instance '{instance}' has no frames and is not configured "
+            f"(known: {escape(', '.join(known)) if known else 'none'}); still following it, "
+            "in case its first guest has yet to connect")
+
+
 async def print_frames(
     store: FrameStoreAPI, instance: str, query: FrameQuery, *, from_end: bool, as_json: bool,
-    poll_interval: float = DEFAULT_POLL_INTERVAL, write: Any = print,
+    poll_interval: float = DEFAULT_POLL_INTERVAL, configured: Sequence[str] = (), write: Any = print,
 ) -> None:
     """`oubliette-server tail`: write each frame matching `query` as one line, until cancelled;
-    `from_end`: only frames stored from now on (the query's `after_seq` is the log's end now)."""
+    `from_end`: only frames stored from now on (the query's `after_seq` is the log's end now).
+    An instance with no frames that is not in `configured` is said so on stderr, then followed."""
     async with store.running():
         if from_end:
             query = attrs.evolve(query, after_seq=await store.last_seq(instance))
         # On stderr, so a script (or a test) knows from which seq on nothing is missed.
         sys.stderr.write(f"following {instance} after seq {query.after_seq} (Ctrl-C ends it)\n")
+        notice = await unknown_instance_notice(store, instance, configured)
+        if notice is not None:
+            sys.stderr.write(notice + "\n")
         sys.stderr.flush()
         async for frame in follow(store, instance, query, poll_interval=poll_interval):
             write(frame_json(frame) if as_json else format_frame(frame), flush=True)

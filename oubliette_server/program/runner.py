@@ -2,8 +2,9 @@
 
 What runs — the relay, the HTTP and metrics listeners, the configured toolsets — is the
 library's (`OublietteServer.serve` starts everything its `ServerConfig` names); this shell adds
-only what a program needs: stopping on SIGTERM/SIGINT, announcing where it listens, and serving
-the caller on stdio.
+only what a program needs: stopping on SIGTERM/SIGINT, announcing where it listens (the ready
+line, and `serving.json` in the data directory for `status` and `tail`), and serving the caller
+on stdio.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from protocol.gc_freeze import freeze_startup_heap
 from ..core.pending_requests import SERVER_SHUTDOWN
 from .app import OublietteServer, ServingAddresses
 from .config import ServerConfig
+from .serving_file import ServingRecord, keep_serving_file
 
 log = logging.getLogger("oubliette.server")
 
@@ -101,7 +103,12 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> int | None:
     received: list[int] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stop_on_signals, nursery.cancel_scope, received, app.drain)
-        announce_ready(await nursery.start(app.serve))
+        bound = await nursery.start(app.serve)
+        # Before the ready line, so `status` run once the server is ready finds it (serving_file.py).
+        await nursery.start(keep_serving_file, config.data_dir, ServingRecord(
+            pid=os.getpid(), server=app.server_id, relay=bound.relay, http=bound.http, metrics=bound.metrics,
+            instances=sorted(config.instances)))
+        announce_ready(bound)
         freeze_startup_heap()  # start-up is done: no collection walks its objects again (protocol/gc_freeze.py)
         if stdio:
             await _serve_the_stdio_caller(app, config, nursery)
