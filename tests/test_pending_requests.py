@@ -9,6 +9,7 @@ stored (a failed store leaves the request pending), and the single-server crossi
 from __future__ import annotations
 
 import contextlib
+import logging
 from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
@@ -267,3 +268,32 @@ async def test_the_shared_store_crossing_announces_and_stores_through_the_log() 
     assert await shared.store_outcome(None, session, "caller_tool_result", {"request_id": "r1"}) is not None  # type: ignore[arg-type]
     assert await shared.store_outcome(None, session, "caller_tool_cancelled", {"request_id": "r1"}) is None  # type: ignore[arg-type]
     assert stored == [("caller_tool_result", "r1"), ("caller_tool_cancelled", "r1")]
+
+
+async def test_each_relayed_call_ends_with_one_log_line_naming_its_outcome(
+    caplog: pytest.LogCaptureFixture, autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Answered, timed out, cancelled by the agent, the caller gone: one INFO line each, with the
+    instance, session, request id, tool, outcome and duration, never the arguments or the result."""
+    caplog.set_level(logging.INFO, logger="oubliette.server.calls")
+    async with one_pending_call() as t:
+        await t.calls.respond(t.caller, "s1", t.call.request_id, {"secret": "the result"})
+    answered = t.call.request_id
+    log, session, caller = world()
+    calls = CallerCallRegistry(log.append, default_timeout=10)
+    outcome: list[Any] = []
+    async with trio.open_nursery() as nursery:
+        await relay_in_background(nursery, calls, session, outcome, timeout_ms=2000)
+    async with one_pending_call() as t:
+        t.scope.cancel()
+    cancelled = t.call.request_id
+    async with one_pending_call() as t:
+        t.calls.fail_caller(t.caller)
+    gone = t.call.request_id
+    lines = [r.getMessage() for r in caplog.records if r.name == "oubliette.server.calls" and "ended:" in r.message]
+    assert len(lines) == 4, lines
+    assert lines[0].startswith(f"caller tool request {answered} ended: resolved (instance box1, session mcp:s1, tool notify, ")
+    assert "ended: timed out (instance box1, session mcp:s1, tool notify, 2000.0 ms)" in lines[1], lines[1]
+    assert lines[2].startswith(f"caller tool request {cancelled} ended: cancelled by the agent (instance box1"), lines[2]
+    assert lines[3].startswith(f"caller tool request {gone} ended: closed: the caller disconnected (instance box1"), lines[3]
+    assert all(line.endswith(" ms)") for line in lines) and not any("the result" in line for line in lines)

@@ -38,6 +38,7 @@ import trio
 
 from protocol import CallerToolSpec, Frame, RelayError, errors
 from protocol.frames import is_past, utc_timestamp
+from protocol.peer_text import bounded
 from protocol.schema_check import schema_problem
 from protocol.trace_spans import current_meta
 
@@ -85,6 +86,8 @@ class PendingCall:
     unrecorded: str | None = None
     """The reason of an end the server decided whose `caller_tool_cancelled` frame is still to be
     stored (by the waiting task, before the agent hears of it)."""
+    how: str = ""
+    """How it ended, in the words a late answer is refused with ("resolved", "timed out", …)."""
     result: Any = None
     error: RelayError | None = None
     remote: bool = False
@@ -233,7 +236,14 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
             raise
         finally:
             self._pending.pop(request_id, None)
-            self._on_ended(call.done.is_set(), call.error, trio.current_time() - started)
+            seconds = trio.current_time() - started
+            self._on_ended(call.done.is_set(), call.error, seconds)
+            # One line per request's end, for the operator: never its arguments or its result.
+            log.info(
+                "caller tool request %s ended: %s (instance %s, session %s, tool %s, %.1f ms)", request_id,
+                call.how if call.done.is_set() else "not ended (its request was not stored)",
+                session.instance, session.key, bounded(spec.name), seconds * 1000,
+            )
         if call.error is not None:
             raise call.error
         return self.check_result(spec, call.result)
@@ -294,6 +304,7 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         outcome = outcome_of_frame(winner, call.session, call.tool)
         call.result = outcome.get("result")
         call.error = outcome.get("error")
+        call.how = how_it_ended(winner)
         self._remember(call.request_id, Finished(how_it_ended(winner), call.session, call.caller, call.frame_seq))
 
     async def _record(self, session: Session, type: str, payload: dict[str, Any], *, skip: Any = None) -> Frame | None:
@@ -349,6 +360,7 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         call.result = result
         call.error = error
         call.unrecorded = unrecorded
+        call.how = how
         self._ended(call)
         self._remember(call.request_id, Finished(how, call.session, call.caller, call.frame_seq, call.unconfirmed))
         self._notify(call.session)
