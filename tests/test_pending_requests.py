@@ -297,3 +297,28 @@ async def test_each_relayed_call_ends_with_one_log_line_naming_its_outcome(
     assert lines[2].startswith(f"caller tool request {cancelled} ended: cancelled by the agent (instance box1"), lines[2]
     assert lines[3].startswith(f"caller tool request {gone} ended: closed: the caller disconnected (instance box1"), lines[3]
     assert all(line.endswith(" ms)") for line in lines) and not any("the result" in line for line in lines)
+
+
+async def test_an_ended_approval_remembers_a_digest_of_the_callers_values_not_the_values() -> None:
+    """A decided approval is remembered (for retries) up to RESOLVED_MEMORY times: it keeps the
+    digest of its `updated_arguments`, not the values (up to max_payload_bytes each); a retry with
+    the same values is still an idempotent success, another is still refused."""
+    log, session, caller = world()
+    approvals = ApprovalService(log.append)
+    big = {"path": "/tmp/x", "blob": "x" * 100_000}
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: approvals.request(session, "notify", {}, origin="caller", caller=caller))
+            [entry] = await approvals.wait_pending(session)
+            await approvals.answer(caller, "s1", entry.request_id, Decision(approve=True, who="caller", updated_arguments=big))
+    remembered = approvals._finished[entry.request_id].decision
+    assert remembered.updated_arguments is None and remembered.tool_return is None and remembered.content is None
+    assert remembered.answer_digest is not None and len(remembered.answer_digest) == 64
+    retry = await approvals.answer(caller, "s1", entry.request_id, Decision(
+        approve=True, who="caller", updated_arguments={"blob": "x" * 100_000, "path": "/tmp/x"}))  # keys in another order
+    assert retry["already_resolved"] is True
+    assert (await approvals.answer(caller, "s1", entry.request_id, Decision(approve=True, who="caller")))["already_resolved"]
+    with pytest.raises(RelayError, match="already resolved: approved"):
+        await approvals.answer(caller, "s1", entry.request_id, Decision(
+            approve=True, who="caller", updated_arguments={**big, "path": "/tmp/y"}))
+    assert log.frames[-1].payload["updated_arguments"] == big, "the log keeps the whole decision"

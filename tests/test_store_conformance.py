@@ -566,7 +566,7 @@ async def test_append_once_one_frame_across_two_store_objects(pg_url: str) -> No
         # while a third connection holds the instance's row, so both wait at the seq; released,
         # one stores and the other breaks the unique index, finds the frame and returns it.
         raced = await race_held_at_the_row(
-            pg_url, a, b, lambda store, who: once(store, "box1", "raced", who), "WITH found AS")
+            pg_url, a, b, lambda store, who: once(store, "box1", "raced"), "WITH found AS")
         assert [stored for _, stored in raced].count(True) == 1, raced
         assert raced[0][0] == raced[1][0] and raced[0][0].seq == 21
         assert await seqs(store=a, limit=200) == list(range(1, 22)), "gapless: the loser spent no seq"

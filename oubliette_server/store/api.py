@@ -296,9 +296,10 @@ def _rebuild_reused(message: str, data: Any) -> AppendIdReused:
     return exc
 
 
-# Canonical JSON (sorted keys): two payloads are the same frame's when their texts are equal.
-# Not `==` on the dicts: Python takes 1, 1.0 and true for one value, which JSON does not.
-_CANONICAL = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False, sort_keys=True).encode
+#: Canonical JSON (sorted keys): two values are the same when their texts are equal (a frame's
+#: payload resent, an approval answered again). Not `==`: Python takes 1, 1.0 and true for one
+#: value, which JSON does not.
+canonical_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode
 
 
 def check_resend(
@@ -313,7 +314,7 @@ def check_resend(
             ("session", (stored.session.channel, stored.session.id) == (channel, session_id)),
             ("type", stored.type == type),
             ("reply_to", stored.reply_to == reply_to),
-            ("payload", _CANONICAL(stored.payload) == _CANONICAL(payload)),
+            ("payload", canonical_json(stored.payload) == canonical_json(payload)),
         ) if not same
     ]
     if differs:

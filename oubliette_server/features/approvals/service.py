@@ -31,6 +31,7 @@ the store is back (`when_store_is_back`).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import secrets
 from typing import TYPE_CHECKING, Any, Callable, Literal
@@ -46,7 +47,7 @@ from protocol.trace_spans import approval_wait_span
 
 from ...core.pending_requests import Crossing, PendingRequests, shut_down
 from ...core.sessions import Session
-from ...store.api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
+from ...store.api import AnswerNotRecorded, StoreUnavailable, canonical_json, when_store_is_back
 
 if TYPE_CHECKING:
     from ...core.callers import CallerConnection
@@ -86,6 +87,9 @@ class Decision:
     """A toolset elicitation's answer: the form's content (on approve)."""
     action: str | None = None
     """How a person answered an elicitation form (`accept`, `decline`, `cancel`); None otherwise."""
+    answer_digest: str | None = None
+    """Set in a decision as an ended approval remembers it (`compact`): the digest of the values it
+    no longer holds."""
 
     def describe(self) -> str:
         """The decision in words, as refusals of a contradicting re-answer quote it."""
@@ -95,12 +99,27 @@ class Decision:
         return verdict if self.who.startswith("caller") else f"{verdict} ({self.who})"
 
     def same_answer_as(self, other: Decision) -> bool:
-        """An identical re-answer (a retry): the same verdict, and for a tool return the same return."""
+        """An identical re-answer (a retry): the same verdict, and for a tool return the same return
+        (for an approval the same `updated_arguments`, or none); values compared as canonical JSON."""
         if self.kind != other.kind or self.approve != other.approve:
             return False
         if self.kind == "tool":
-            return self.status == other.status and self.tool_return == other.tool_return
-        return self.updated_arguments == other.updated_arguments or other.updated_arguments is None
+            return self.status == other.status and self.digest() == other.digest()
+        return other.updated_arguments is None or self.digest() == other.digest()
+
+    def digest(self) -> str:
+        """The SHA-256 of the value a re-answer must repeat: the tool return, or the updated arguments."""
+        if self.answer_digest is not None:
+            return self.answer_digest
+        value = self.tool_return if self.kind == "tool" else self.updated_arguments
+        return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+    def compact(self) -> Decision:
+        """This decision as an ended approval remembers it (up to `RESOLVED_MEMORY` of them): the
+        caller's values — `updated_arguments`, a `tool_return`, a form's `content`, each up to
+        `max_payload_bytes` — dropped for their digest, all a retry is compared with. Whole, 10,000
+        of them could hold 10 GiB."""
+        return attrs.evolve(self, updated_arguments=None, tool_return=None, content=None, answer_digest=self.digest())
 
 
 @attrs.define(eq=False)
@@ -387,7 +406,7 @@ class ApprovalService(PendingRequests[PendingApproval]):
     def _decide(self, entry: PendingApproval, decision: Decision) -> None:
         entry.decision = decision
         self._book.remember(entry.request_id, _Finished(
-            entry.session.id, entry.caller, decision, entry.frame_seq, entry.recorded, entry.session,
+            entry.session.id, entry.caller, decision.compact(), entry.frame_seq, entry.recorded, entry.session,
         ))
         self._ended(entry)
         self._notify(entry.session)
@@ -423,7 +442,8 @@ class ApprovalService(PendingRequests[PendingApproval]):
         finished = self._finished.get(entry.request_id)
         if finished is not None:
             self._finished[entry.request_id] = _Finished(
-                finished.session_id, finished.caller, decision, finished.frame_seq, finished.recorded, finished.session,
+                finished.session_id, finished.caller, decision.compact(), finished.frame_seq, finished.recorded,
+                finished.session,
             )
 
     # -- the caller's side ---------------------------------------------------------------
