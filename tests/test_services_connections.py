@@ -8,6 +8,7 @@ real programs: tests/test_toolsets.py, tests/test_toolsets_e2e.py, tests/test_fa
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -309,3 +310,20 @@ async def test_toolset_service_stops_a_sessions_toolsets_when_its_last_client_go
         await trio.testing.wait_all_tasks_blocked()
         assert spawned[0].closed, "ToolsetService.detach: the last client left and the toolset runs on"
         nursery.cancel_scope.cancel()
+
+
+def test_a_caller_that_reads_no_events_costs_two_log_lines_not_one_per_event(caplog: pytest.LogCaptureFixture) -> None:
+    """Its queue full, every further event is dropped: one WARNING when dropping starts, one with
+    the count when it reads again, whatever the number of frames the sandbox writes meanwhile."""
+    from oubliette_server.core.callers import EVENT_QUEUE_SIZE
+
+    caller = CallerConnection("stdio")
+    with caplog.at_level(logging.WARNING, logger="oubliette.server.callers"):
+        for seq in range(EVENT_QUEUE_SIZE + 5000):
+            caller.push({"seq": seq})
+        assert caller._receive.receive_nowait() == {"seq": 0}  # it reads one
+        caller.push({"seq": "next"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "oubliette.server.callers"]
+    assert len(lines) == 2, lines[:5]
+    assert f"dropping them from seq {EVENT_QUEUE_SIZE} until it does" in lines[0]
+    assert "reads events again; 5000 were dropped" in lines[1]

@@ -82,6 +82,7 @@ class CallerConnection:
         #: messages more severe than `EVENT_LEVEL` only.
         self.wants_events = True
         self._send, self._receive = trio.open_memory_channel[dict](EVENT_QUEUE_SIZE)
+        self._dropped = 0  # events dropped since the queue was last full
 
     def __repr__(self) -> str:
         return f"<CallerConnection {self.id} {self.transport} {self.label}>"
@@ -99,7 +100,16 @@ class CallerConnection:
         try:
             self._send.send_nowait(event)
         except trio.WouldBlock:
-            log.warning("%s is not reading events; dropped seq %s (read it with session_events)", self, event.get("seq"))
+            # One line when it starts dropping, one when it reads again: a sandbox writing frames
+            # fast must not make a line per dropped event.
+            if not self._dropped:
+                log.warning("%s is not reading events; dropping them from seq %s until it does (read them with "
+                            "session_events)", self, event.get("seq"))
+            self._dropped += 1
+        else:
+            if self._dropped:
+                log.warning("%s reads events again; %d were dropped (read them with session_events)", self, self._dropped)
+                self._dropped = 0
 
     async def run_sender(self) -> None:
         """Deliver queued events until the connection closes; a failure closes this caller only."""

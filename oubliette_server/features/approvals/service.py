@@ -119,7 +119,9 @@ class Decision:
         caller's values — `updated_arguments`, a `tool_return`, a form's `content`, each up to
         `max_payload_bytes` — dropped for their digest, all a retry is compared with. Whole, 10,000
         of them could hold 10 GiB."""
-        return attrs.evolve(self, updated_arguments=None, tool_return=None, content=None, answer_digest=self.digest())
+        kept = self.tool_return if self.kind == "tool" else self.updated_arguments
+        digest = None if kept is None else self.digest()  # no value: `digest` of None, nothing to keep
+        return attrs.evolve(self, updated_arguments=None, tool_return=None, content=None, answer_digest=digest)
 
 
 @attrs.define(eq=False)
