@@ -181,7 +181,9 @@ LISTEN_BACKOFF = (0.05, 2.0)
 #: How long a long poll waits for a pooled connection before it reports the store unavailable.
 FAIL_FAST_SECONDS = 2.0
 
-#: (version, statements): applied in order, each once, recorded in `oubliette_schema`.
+#: (version, statements): applied in order, each once, recorded in `oubliette_schema`. A number
+#: is never reused nor renumbered, since deployed databases record it: 4 was never released, so
+#: the list (and `oubliette_schema`) goes 1, 2, 3, 5, … (docs/SCALING.md).
 MIGRATIONS: list[tuple[int, str]] = [
     (1, """
 CREATE TABLE instances (
