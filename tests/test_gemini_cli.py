@@ -87,7 +87,9 @@ async def test_gemini_cli_as_the_agent_calls_a_caller_tool(deployment: Deploymen
         end = await notify_turn(caller, session)
     assert end["stop_reason"] == "end_turn", end
     assert end["text"].strip() == "Told the host: build is green."
-    assert tool in offered_tools(fake.main_requests[0]), sorted(offered_tools(fake.main_requests[0]))
+    first = fake.main_requests[0]
+    assert tool in offered_tools(first), sorted(offered_tools(first))
+    assert "Tell the host the build is green." in json.dumps(first["contents"])  # stdin, with `-p ""`
     [answered] = function_responses(fake.main_requests[-1])
     assert answered["name"] == tool, answered
     # Gemini CLI shows the model an MCP tool's text inside <untrusted_context> tags.
