@@ -99,7 +99,7 @@ def _run_main(argv: list[str]) -> int:
         "--turn-timeout", type=cli_seconds, default=None, metavar="SECONDS",
         help="stop a turn's agent command after this long (default $OUBLIETTE_TURN_TIMEOUT or 3600)",
     )
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the agent command; {mcp_config} becomes a config path")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the agent command; {mcp_config} (Claude Code) and {gemini_home} (Gemini CLI) become config paths")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:

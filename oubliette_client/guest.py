@@ -43,13 +43,12 @@ from protocol import Frame, RelayError, errors, messages
 from protocol.frames import FrameType
 from protocol.trace_spans import Turn, turn_span
 
-from .mcp_config import write_mcp_config
+from .mcp_config import SHAPES, write_mcp_config
 from .relay_link import RelayLink
 from .settings import RelaySettings
 
 log = logging.getLogger("oubliette.client.guest")
 
-MCP_CONFIG_PLACEHOLDER = "{mcp_config}"
 STDERR_TAIL = 4096
 #: How much of a failed agent's last output its `session.error` message quotes (`output_end`).
 OUTPUT_END_LINES = 3
@@ -69,7 +68,7 @@ class GuestRuntime:
 
     Owns: the `guest`-role `RelayLink`, one worker task per session, each turn's process
     group, and a temporary directory for per-session MCP configs (when `config_dir` is None).
-    Needs: `RelaySettings` and the command (`{mcp_config}` in it becomes a config path).
+    Needs: `RelaySettings` and the command (`{mcp_config}`, `{gemini_home}` in it become config paths).
     Raises: `ValueError` from the constructor when the command is empty.
     """
 
@@ -194,11 +193,14 @@ class GuestRuntime:
                 log.info("relay down while appending %s; retrying when it is back", type)
 
     def _turn_command(self, key: str) -> list[str]:
-        if not any(MCP_CONFIG_PLACEHOLDER in arg for arg in self.command):
-            return list(self.command)
-        assert self.config_dir is not None
-        path = str(write_mcp_config(self.config_dir, self.settings, key))
-        return [arg.replace(MCP_CONFIG_PLACEHOLDER, path) for arg in self.command]
+        """The command with each agent config placeholder it names replaced by the session's file."""
+        command = list(self.command)
+        for shape in SHAPES:
+            if any(shape.placeholder in arg for arg in command):
+                assert self.config_dir is not None
+                path = str(write_mcp_config(self.config_dir, self.settings, key, shape))
+                command = [arg.replace(shape.placeholder, path) for arg in command]
+        return command
 
     async def _run_turn(self, key: str, frame: Frame) -> None:
         # The turn's span when this process traces (docs/OBSERVABILITY.md), in the caller's trace.

@@ -1,9 +1,10 @@
-"""Per-session MCP config files: the shape Claude Code's `--mcp-config` reads.
+"""Per-session agent config files: each agent's shape of "start this `oubliette-client`".
 
-The guest runtime writes one for each session, so an agent command given
-`{mcp_config}` starts `oubliette-client` bound to that session. The file name
-must be distinct for distinct sessions (two sessions sharing a file would bind
-both agents to whichever wrote last), so it ends in a hash of the whole key.
+The guest runtime writes one for each session and placeholder in the agent command, so an
+agent given `{mcp_config}` (Claude Code's `--mcp-config`) or `{gemini_home}` (a Gemini CLI
+home holding `.gemini/settings.json`) starts `oubliette-client` bound to that session. The file name must be
+distinct for distinct sessions (two sessions sharing a file would bind both agents to
+whichever wrote last), so it ends in a hash of the whole key.
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import attrs
+
+from .permission_prompt import APPROVAL_WAIT
 from .settings import RelaySettings
 
 SERVER_NAME = "oubliette"
+#: The server's default caller timeout (seconds): how long a caller tool call may wait.
+CALLER_WAIT = 60.0
+#: An agent's limit on one MCP call (ms): it must outlast the longest wait behind the call, a
+#: gated caller tool's approval and then its answer (docs/AGENTS.md, "Timeouts").
+AGENT_TOOL_TIMEOUT_MS = int((APPROVAL_WAIT + CALLER_WAIT) * 1000)
+#: The auth method of a generated Gemini CLI home: an API key, from `GEMINI_API_KEY`.
+GEMINI_AUTH = "gemini-api-key"
 
 
 def client_command() -> list[str]:
@@ -34,23 +45,49 @@ def otel_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     return {name: value for name, value in environ.items() if name.startswith("OTEL_")}
 
 
-def mcp_config(settings: RelaySettings, session: str | None) -> dict[str, Any]:
-    """The `--mcp-config` document that starts this `oubliette-client` bound to `session`; it holds the token."""
+def client_entry(settings: RelaySettings, session: str | None) -> dict[str, Any]:
+    """The session's `oubliette-client` as every agent's stdio server entry names it (`command`,
+    `args`, `env`); it holds the token. Each agent's shape adds its own keys."""
     command = client_command()
-    return {
-        "mcpServers": {
-            SERVER_NAME: {
-                "type": "stdio",
-                "command": command[0],
-                "args": command[1:],
-                "env": {**settings.environment(session), **otel_environment()},
-            }
-        }
-    }
+    return {"command": command[0], "args": command[1:], "env": {**settings.environment(session), **otel_environment()}}
 
 
-def config_file_name(session: str | None) -> str:
-    """`mcp-<readable part>-<hash>.json`: the hash of the exact key makes the name injective.
+def mcp_config(settings: RelaySettings, session: str | None) -> dict[str, Any]:
+    """The `--mcp-config` document that starts this `oubliette-client` bound to `session`."""
+    return {"mcpServers": {SERVER_NAME: {"type": "stdio", **client_entry(settings, session)}}}
+
+
+def gemini_settings(settings: RelaySettings, session: str | None) -> dict[str, Any]:
+    """A Gemini CLI `settings.json` that starts this `oubliette-client` bound to `session`.
+
+    `timeout`: Gemini's limit on one call must outlast approvals and caller answers. `trust`:
+    `gemini -p` cannot ask a person to confirm a tool call; the gate is the server's approvals.
+    The auth method: this home replaces the user's, and Gemini will not start without one.
+    """
+    entry = {**client_entry(settings, session), "timeout": AGENT_TOOL_TIMEOUT_MS, "trust": True}
+    return {"security": {"auth": {"selectedType": GEMINI_AUTH}}, "mcpServers": {SERVER_NAME: entry}}
+
+
+@attrs.frozen
+class ConfigShape:
+    """One agent's config: the placeholder the agent command names it by, its file name's start,
+    its document, and `home`: where the file goes in a per-session directory that the placeholder
+    names instead (Gemini CLI takes a home, `GEMINI_CLI_HOME`: it ignores a system settings file
+    that root does not own)."""
+
+    placeholder: str
+    prefix: str
+    document: Callable[[RelaySettings, str | None], dict[str, Any]]
+    home: str | None = None
+
+
+CLAUDE_CODE = ConfigShape("{mcp_config}", "mcp", mcp_config)
+GEMINI_CLI = ConfigShape("{gemini_home}", "gemini", gemini_settings, home=".gemini/settings.json")
+SHAPES = (CLAUDE_CODE, GEMINI_CLI)
+
+
+def config_file_name(session: str | None, prefix: str = CLAUDE_CODE.prefix) -> str:
+    """`<prefix>-<readable part>-<hash>.json`: the hash of the exact key makes the name injective.
 
     The readable part only helps people; it maps other characters to `_` and is cut short,
     so it may repeat across sessions (`a@b`, `a_b`), but the SHA-256 of the key does not.
@@ -58,13 +95,21 @@ def config_file_name(session: str | None) -> str:
     key = "default" if session is None else session
     readable = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:64]
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-    return f"mcp-{readable}-{digest}.json"
+    return f"{prefix}-{readable}-{digest}.json"
 
 
-def write_mcp_config(directory: Path, settings: RelaySettings, session: str | None) -> Path:
-    """Write the config (mode 0600: it holds the token) and return its path."""
-    path = directory / config_file_name(session)
+def write_mcp_config(directory: Path, settings: RelaySettings, session: str | None,
+                     shape: ConfigShape = CLAUDE_CODE) -> Path:
+    """Write the session's config in `shape` (mode 0600: it holds the token) and return its path
+    (the session's home directory for a shape with a `home`)."""
+    name = config_file_name(session, shape.prefix)
+    if shape.home is None:
+        home, path = None, directory / name
+    else:
+        home = directory / name.removesuffix(".json")
+        path = home / shape.home
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
-        json.dump(mcp_config(settings, session), handle, indent=2)
-    return path
+        json.dump(shape.document(settings, session), handle, indent=2)
+    return path if home is None else home

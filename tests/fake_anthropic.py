@@ -10,8 +10,7 @@ said). Every request body is recorded, so a test asserts on the `tool_result` bl
 "model" was shown. A request that offers no tools (Claude Code's own side requests, such as a
 title) gets a short text and does not consume the script.
 
-h11 carries HTTP/1.1 (keep-alive, chunked streaming); one Trio task per connection, all in
-the server's nursery.
+The HTTP server and the script are tests/scripted_api.py's, shared with the Gemini stand-in.
 """
 
 from __future__ import annotations
@@ -23,12 +22,12 @@ from typing import Any, Callable, Union
 import h11
 import trio
 
+from scripted_api import ScriptedAPI
+
 Block = dict[str, Any]
 Reply = Union[list[Block], Callable[[dict[str, Any]], list[Block]]]
 
 _ids = itertools.count(1)
-MAX_REQUEST_BYTES = 64 * 1024 * 1024
-"""Claude Code sends the whole conversation (system prompt, tool schemas) in every request."""
 
 
 def text(value: str) -> Block:
@@ -105,79 +104,15 @@ def whole_message(blocks: list[Block], model: str) -> dict[str, Any]:
             "usage": {"input_tokens": 10, "output_tokens": 5}}
 
 
-class FakeAnthropic:
-    """The stand-in: `replies` are consumed one per main-loop request; `requests` records them all.
-
-    Start it with `await nursery.start(fake.serve)`; `url` is then its base URL. When the script
-    is used up, a further request gets the text "(script exhausted)", which no test expects.
-    """
-
-    def __init__(self, replies: list[Reply]) -> None:
-        self.replies = list(replies)
-        self.requests: list[dict[str, Any]] = []
-        """Every POST /v1/messages body, in arrival order."""
-        self.main_requests: list[dict[str, Any]] = []
-        """The requests that consumed a scripted reply (they offered tools)."""
-        self.errors: list[Exception] = []
-        """What the script's reply functions raised (their assertions on what the model saw)."""
-        self.url = ""
+class FakeAnthropic(ScriptedAPI[Block]):
+    """The Messages API stand-in: a request that offers tools consumes the next scripted reply;
+    when the script is used up, a further one gets the text "(script exhausted)"."""
 
     def _reply_for(self, body: dict[str, Any]) -> list[Block]:
         self.requests.append(body)
         if not body.get("tools"):
             return [text("ok")]
-        self.main_requests.append(body)
-        if not self.replies:
-            return [text("(script exhausted)")]
-        reply = self.replies.pop(0)
-        if not callable(reply):
-            return reply
-        try:
-            return reply(body)
-        except Exception as error:  # a failed expectation of the test's script: kept for the test
-            self.errors.append(error)
-            return [text(f"(script failed: {error!r})")]
-
-    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen on 127.0.0.1 (a free port) until cancelled; `task_status.started(url)`."""
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        task_status.started(self.url)
-        await trio.serve_listeners(self._connection, listeners)
-
-    async def _connection(self, stream: trio.SocketStream) -> None:
-        """One keep-alive connection: requests one after the other until the peer closes."""
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
-        try:
-            while True:
-                request, body = await self._read_request(conn, stream)
-                if request is None:
-                    return
-                await self._respond(conn, stream, request, body)
-                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
-                    return
-                conn.start_next_cycle()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError):
-            return
-        finally:
-            await trio.aclose_forcefully(stream)
-
-    async def _read_request(self, conn: h11.Connection, stream: trio.SocketStream) -> tuple[h11.Request | None, bytes]:
-        request: h11.Request | None = None
-        body = bytearray()
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(event, h11.Request):
-                request = event
-            elif isinstance(event, h11.Data):
-                body.extend(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return request, bytes(body)
-            elif isinstance(event, h11.ConnectionClosed):
-                return None, b""
+        return self.next_reply(body, [text("(script exhausted)")], lambda said: [text(said)])
 
     async def _respond(self, conn: h11.Connection, stream: trio.SocketStream, request: h11.Request, body: bytes) -> None:
         path = request.target.decode().split("?", 1)[0]
@@ -186,26 +121,9 @@ class FakeAnthropic:
             blocks = self._reply_for(payload)
             model = str(payload.get("model", "claude-stand-in"))
             if payload.get("stream"):
-                await self._send(conn, stream, h11.Response(status_code=200, headers=[
-                    ("content-type", "text/event-stream"), ("cache-control", "no-cache")]))
-                for event in stream_events(blocks, model):
-                    await self._send(conn, stream, h11.Data(data=event))
-                await self._send(conn, stream, h11.EndOfMessage())
+                await self._stream(conn, stream, stream_events(blocks, model))
                 return
-            await self._json(conn, stream, 200, whole_message(blocks, model), head=False)
+            await self._json(conn, stream, 200, whole_message(blocks, model))
             return
         error = {"type": "error", "error": {"type": "not_found_error", "message": f"{request.method.decode()} {path}"}}
         await self._json(conn, stream, 404, error, head=request.method == b"HEAD")
-
-    async def _json(self, conn: h11.Connection, stream: trio.SocketStream, status: int, value: Any, *, head: bool) -> None:
-        data = json.dumps(value).encode()
-        await self._send(conn, stream, h11.Response(status_code=status, headers=[
-            ("content-type", "application/json"), ("content-length", str(len(data)))]))
-        if not head:
-            await self._send(conn, stream, h11.Data(data=data))
-        await self._send(conn, stream, h11.EndOfMessage())
-
-    async def _send(self, conn: h11.Connection, stream: trio.SocketStream, event: Any) -> None:
-        data = conn.send(event)
-        if data:
-            await stream.send_all(data)

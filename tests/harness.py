@@ -316,14 +316,14 @@ class Deployment:
     @asynccontextmanager
     async def guest(
         self, instance: str, command: list[str], *, relay: str | None = None, token: str | None = None,
-        env: dict[str, str] | None = None,
+        env: dict[str, str] | None = None, cwd: Path | None = None,
     ) -> AsyncIterator[trio.Process]:
         """`oubliette-client run -- command` for `instance` (`relay`: another address, or a list;
-        `env`: its whole environment instead of this process's)."""
+        `env`: its whole environment instead of this process's; `cwd`: the agent's working directory)."""
         process = await trio.lowlevel.open_process(
             [PYTHON, "-m", "oubliette_client", "run", "--relay", relay or self.relay, "--instance", instance,
              "--token", token or self.token(instance), "--log-level", "WARNING", "--", *command],
-            env=env,
+            env=env, cwd=cwd,
         )
         try:
             yield process

@@ -85,14 +85,14 @@ def claude_env(fake_url: str, home: Path, documented: dict[str, str]) -> dict[st
 # -- what docs/CLAUDE_CODE.md shows ---------------------------------------------------------------
 
 
-def doc_blocks(language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```$", DOC.read_text(), re.S | re.M)
+def doc_blocks(language: str, doc: Path = DOC) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```$", doc.read_text(), re.S | re.M)
 
 
-def documented_lines() -> list[tuple[dict[str, str], list[str]]]:
-    """Each shell line of the doc (continuations joined): its leading `NAME=value`s, and its words."""
+def documented_lines(doc: Path = DOC) -> list[tuple[dict[str, str], list[str]]]:
+    """Each shell line of `doc` (continuations joined): its leading `NAME=value`s, and its words."""
     lines = []
-    for block in doc_blocks("sh"):
+    for block in doc_blocks("sh", doc):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             env: dict[str, str] = {}
@@ -347,6 +347,19 @@ async def call(caller: Any, name: str, **arguments: Any) -> dict[str, Any]:
     return structured(result)
 
 
+async def notify_turn(caller: Any, session: str) -> dict[str, Any]:
+    """The caller's side of a turn whose agent calls `send_notification` once: `session_message`
+    with `wait` stops at `requires_action` for that call, the caller answers it, and the turn's
+    end is returned."""
+    stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
+                      message="Tell the host the build is green.", context=CONTEXT, wait=WAIT)
+    assert stop["stop_reason"] == "requires_action", stop
+    [pending] = stop["pending"]
+    assert (pending["tool"], pending["arguments"]) == ("send_notification", {"message": "build is green"})
+    return await call(caller, "caller_tool_response", session_id=session, request_id=pending["request_id"],
+                      result={"status": "sent", "id": 7}, wait=WAIT)
+
+
 def toolset_config(deployment: Deployment) -> Path:
     """A server config: the reference command endpoint as toolset `ext` for INSTANCE, with the
     `_` separator Claude Code needs (docs/CLAUDE_CODE.md, "Tool names")."""
@@ -371,13 +384,7 @@ async def test_claude_code_as_the_agent_calls_a_host_toolset_and_a_caller_tool(d
     ]
     async with stand_in(script) as fake, claude_agent(deployment, fake), \
             deployment.caller("--config", str(toolset_config(deployment)), events=False) as (caller, _events):
-        stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
-                          message="Tell the host the build is green.", context=CONTEXT, wait=WAIT)
-        assert stop["stop_reason"] == "requires_action", stop
-        [pending] = stop["pending"]
-        assert (pending["tool"], pending["arguments"]) == ("send_notification", {"message": "build is green"})
-        end = await call(caller, "caller_tool_response", session_id=session, request_id=pending["request_id"],
-                         result={"status": "sent", "id": 7}, wait=WAIT)
+        end = await notify_turn(caller, session)
     assert end["stop_reason"] == "end_turn", end
     assert end["text"].strip() == "Told the host: build is green."
 
