@@ -56,7 +56,7 @@ async def run_agent(message: str, config_path: str | None, mode: str) -> int:
     """
     from mcp import Client
 
-    async with Client(_server_parameters(config_path), mode=mode) as client:  # type: ignore[arg-type]
+    async with Client(_server_parameters(config_path), mode=mode) as client:
         tools = [tool.name for tool in (await client.list_tools()).tools]
         print(f"I can use: {', '.join(tools) or 'no tools'}", flush=True)
         call = find_call(message, tools)

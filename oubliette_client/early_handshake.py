@@ -122,7 +122,7 @@ def _handshake_initialize(message: dict[str, Any]) -> str | None:
         return None
     if not isinstance(client, dict) or not isinstance(client.get("name"), str) or not isinstance(client.get("version"), str):
         return None
-    return version  # type: ignore[no-any-return]
+    return version
 
 
 class EarlyHandshake:
@@ -228,10 +228,10 @@ class EarlyHandshake:
             return True
         if method == "tools/list" and self.initialize_result is not None:
             await self.tools.wait_first_attempt(self._relay_deadline)
-            version = self.tools.registry.version
+            tools_version = self.tools.registry.version
             tools = self.tools.listed_tools()
             await self._write(response_line(message["id"], {"tools": tools}))
-            self.listed_version = version
+            self.listed_version = tools_version
             return True
         return False
 

@@ -92,7 +92,6 @@ class GuestRuntime:
         self._unfinished: set[int] = set()
         self._acked = 0
         self._nursery: trio.Nursery | None = None
-        self.turns_finished = 0
         self._lifeline: int | None = None
         """Read end of the pipe whose write end only this process holds (see the module docstring)."""
 
@@ -153,7 +152,6 @@ class GuestRuntime:
                 await self._run_turn(key, frame)
             finally:
                 self._unfinished.discard(frame.seq)
-                self.turns_finished += 1
                 await self._acknowledge()
 
     async def _acknowledge(self) -> None:

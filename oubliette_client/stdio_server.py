@@ -232,7 +232,10 @@ class SandboxToolServer:
                 fast = FastToolCalls(self.fast_route, stdout.write)
                 await nursery.start(fast.run)
                 lines = fast.lines(lines)
-            async with mcp.server.stdio.stdio_server(stdin=lines, stdout=stdout) as (read_stream, write_stream):
+            # The SDK types stdin as an anyio.AsyncFile but only iterates its lines.
+            async with mcp.server.stdio.stdio_server(stdin=lines, stdout=stdout) as (  # type: ignore[arg-type]
+                read_stream, write_stream,
+            ):
                 await self.server.run(
                     read_stream, write_stream,
                     self.server.create_initialization_options(NotificationOptions(tools_changed=True)),

@@ -179,8 +179,8 @@ class ToolRegistry:
         for caller_id in sorted(self._caller_tools):
             for spec in self._caller_tools[caller_id]:
                 self._publish_one(published, self._caller_tool(caller_id, spec))
-        for spec in self._toolset_tools:
-            self._publish_one(published, self._toolset_tool(spec))
+        for toolset_spec in self._toolset_tools:
+            self._publish_one(published, self._toolset_tool(toolset_spec))
         if [(t.name, t.descriptor) for t in published.values()] == [
             (t.name, t.descriptor) for t in self._published.values()
         ]:

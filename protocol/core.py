@@ -328,7 +328,7 @@ class RelayCore:
 
     # -- receiving --------------------------------------------------------------------------
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         """Feed bytes read from the stream; ``b""`` means the peer ended it."""
         if not data:
             self._eof = True

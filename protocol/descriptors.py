@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -123,7 +123,7 @@ class ToolDescriptor:
         """The JSON object of this descriptor (all seven members)."""
         from .convert import unstructure
 
-        return unstructure(self)  # type: ignore[no-any-return]
+        return unstructure(self)
 
     @classmethod
     def from_dict(cls, data: Any) -> ToolDescriptor:
@@ -354,12 +354,12 @@ ACTION_RESPONSE_SCHEMA: dict[str, Any] = {
 }
 
 
-def list_tools_response(tools: list[ToolDescriptor]) -> dict[str, Any]:
+def list_tools_response(tools: Sequence[ToolDescriptor | Mapping[str, Any]]) -> dict[str, Any]:
     """``{"type": "result", "tools": [<descriptor>, ...]}`` (descriptors or their dicts)."""
     return {"type": "result", "tools": [_descriptor_dict(t) for t in tools]}
 
 
-def describe_tool_response(tool: ToolDescriptor) -> dict[str, Any]:
+def describe_tool_response(tool: ToolDescriptor | Mapping[str, Any]) -> dict[str, Any]:
     """``{"type": "result", "tool": <descriptor>}``."""
     return {"type": "result", "tool": _descriptor_dict(tool)}
 

@@ -159,7 +159,7 @@ class Frame:
 
     def to_wire(self) -> dict[str, Any]:
         """The frame as JSON (:data:`FRAME_SCHEMA`); ``reply_to`` is left out when None."""
-        return unstructure(self)  # type: ignore[no-any-return]
+        return unstructure(self)
 
     def to_event(self) -> dict[str, Any]:
         """The flattened event a caller receives: the payload's members, then

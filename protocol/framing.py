@@ -106,12 +106,7 @@ class LineBuffer:
         """The per-line limit this buffer enforces (excluding the ``\\n``)."""
         return self._max_bytes
 
-    @property
-    def buffered(self) -> int:
-        """Bytes held that are not yet returned as a line."""
-        return len(self._buf)
-
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         """Add received bytes; ``b""`` marks the end of the stream."""
         if not data:
             self._eof = True

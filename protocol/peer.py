@@ -113,7 +113,9 @@ class HandlerEntry(Generic[P]):
     """
 
     params_type: type[P]
-    handler: Callable[[P], Awaitable[Any]]
+    #: Called with the params; a server's relay table (doors/relay.py) holds handlers that take the
+    #: connection first, bound per connection before the peer calls them.
+    handler: Callable[..., Awaitable[Any]]
 
 
 @attrs.define(eq=False)
@@ -469,7 +471,7 @@ class RelayPeer:
 
     # -- inbound ------------------------------------------------------------------------------
 
-    async def _receive_some(self) -> bytes | None:
+    async def _receive_some(self) -> bytes | bytearray | None:
         """Bytes from the stream; ``None`` when the hello deadline passed (after it, a quiet peer is
         never cut off: an agent may sit idle for hours, and the protocol has no keepalive)."""
         deadline = math.inf

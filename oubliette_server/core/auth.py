@@ -120,7 +120,7 @@ class TokenAuthority:
 
 
 def check_hello(
-    hello: messages.Hello, verify_token: Callable[[str, object], bool],
+    hello: messages.Hello, verify_token: Callable[[str, str], bool],
     token_hint: Callable[[str], str] | None = None,
 ) -> None:
     """Refuse a `hello` that the server must not accept, with the error its peer gets

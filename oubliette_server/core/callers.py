@@ -33,7 +33,7 @@ log = logging.getLogger("oubliette.server.callers")
 EVENT_LOGGER = "oubliette"
 LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 """MCP's logging levels (RFC 5424 severities), least severe first."""
-EVENT_LEVEL = "info"
+EVENT_LEVEL: types.LoggingLevel = "info"
 """The level every caller event is sent at: a caller's `logging/setLevel` above it (`notice` or
 higher) stops its events; `session_events` still reads them from the log."""
 EVENT_QUEUE_SIZE = 10_000

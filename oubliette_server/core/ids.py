@@ -30,11 +30,6 @@ TOOL_NAME = r"[A-Za-z0-9_.-]{1,128}"
 _INSTANCE_ID_RE = re.compile(INSTANCE_ID)
 
 
-def schema_pattern(rule: str) -> str:
-    """The rule as an anchored JSON Schema `pattern` (validate it with :func:`strict_validator`)."""
-    return f"^{rule}$"
-
-
 def instance_id_problem(value: object) -> str | None:
     """Why `value` is not a valid instance id, or None."""
     if isinstance(value, str) and _INSTANCE_ID_RE.fullmatch(value):

@@ -50,7 +50,6 @@ OUTCOME_OF_CODE = {
     errors.INVALID_REQUEST: "refused",
 }
 RELAYED_OUTCOMES = ("answered", "tool_error", "timed_out", "disconnected", "cancelled", "failed")
-TOOLSET_OUTCOMES = ("ok", "tool_error", "timed_out", "denied", "refused", "cancelled", "failed")
 APPROVAL_DECISIONS = ("approved", "denied", "tool_return", "timed_out", "disconnected", "cancelled", "failed")
 #: `Decision.who` of the decisions nobody made (approvals/service.py), as decision labels.
 UNANSWERED_DECISIONS = {"timeout": "timed_out", "disconnect": "disconnected", "cancelled": "cancelled"}

@@ -286,9 +286,9 @@ class SessionRegistry:
         the log may record its owner (opened on another server): that caller is taken, by identity.
         """
         if session_id is None:
-            session = self.get_or_create(instance, channel, new_session_id())
-            self.set_owner(session, caller)
-            return session
+            created = self.get_or_create(instance, channel, new_session_id())
+            self.set_owner(created, caller)
+            return created
         session = self.get(instance, channel, session_id)
         if session is not None and session.owner_known:
             session.check_owner(caller)
@@ -306,9 +306,9 @@ class SessionRegistry:
                 learned.check_owner(caller)
                 return learned
             raise not_yours(session_id)
-        session = self.get_or_create(instance, channel, session_id)
-        self.set_owner(session, caller)
-        return session
+        created = self.get_or_create(instance, channel, session_id)
+        self.set_owner(created, caller)
+        return created
 
     async def owns(self, caller: CallerConnection, session_id: str, channel: str, instance: str | None = None) -> list[Session]:
         """The caller's sessions of `channel` with this id; `not_yours` if only other callers have one.

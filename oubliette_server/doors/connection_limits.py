@@ -188,11 +188,6 @@ class ConnectionAcceptor:
         self._refuse = refuse
         self._evict = evict
 
-    @property
-    def open_connections(self) -> int:
-        """Connections being handled now (0 without a cap: they are not counted)."""
-        return self._connections.borrowed_tokens if self._connections is not None else 0
-
     async def serve(
         self, handler: Handler, listeners: list[trio.SocketListener], *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,

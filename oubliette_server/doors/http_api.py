@@ -41,6 +41,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from protocol import RelayError, errors
 from protocol.limits import LimitExceeded
@@ -387,7 +388,7 @@ class BearerAuth(HttpMiddleware):
         if self.verify_token(HTTP_ADMIN, token):
             return True
         match = INSTANCE_ROUTE.match(path)
-        return bool(match) and self.verify_token(match.group(1), token)
+        return match is not None and self.verify_token(match.group(1), token)
 
 
 class StreamWatch(HttpMiddleware):
@@ -656,7 +657,7 @@ class TetherRoutes:
         """`GET …/tether/poll`: frames after `after_seq`, long-polling up to `wait_ms`; 499 when the client left first."""
         try:
             instance = await self.instances.require_known(request.path_params["instance"])
-            filters = dict(
+            filters: dict[str, Any] = dict(
                 channel=request.query_params.get("channel") or None,
                 session_id=request.query_params.get("session_id") or None,
                 after_seq=_int_param(request, "after_seq", 0),
@@ -1081,7 +1082,7 @@ async def _refuse_busy(stream: trio.abc.Stream) -> None:
         pass
 
 
-async def _not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def _not_found(scope: Scope, receive: Receive, send: Send) -> None:
     """The router's answer for a path no route serves: the documented JSON error, 404."""
     err = RelayError(errors.NOT_FOUND, f"no such endpoint: {scope.get('method', '')} {scope.get('path', '')}".strip())
     await error_response(err, 404)(scope, receive, send)

@@ -217,7 +217,7 @@ def _run_operator(command: str, rest: list[str]) -> int:
         try:
             session = SessionRef.parse_key(args.session) if args.session is not None else None
             query = FrameQuery(
-                channel=session and session.channel, session_id=session and session.id,
+                channel=session.channel if session else None, session_id=session.id if session else None,
                 types=[t for t in (args.types or "").split(",") if t], after_seq=args.after_seq or 0,
             )
         except (ValueError, TypeError) as exc:

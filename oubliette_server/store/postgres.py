@@ -549,7 +549,7 @@ class PostgresFrameStore(FrameAppends):
                 if version not in applied:
                     for statement in statements.split(";"):
                         if statement.strip():
-                            conn.execute(statement)  # type: ignore[arg-type]  # our own constant SQL
+                            conn.execute(statement)
                     conn.execute("INSERT INTO oubliette_schema (version) VALUES (%s)", (version,))
                     log.info("frame store %s: applied schema migration %d", self.describe(), version)
 
@@ -664,7 +664,7 @@ class PostgresFrameStore(FrameAppends):
         sql = SESSION_RECORDS_SQL if owner is None else OWNED_SESSION_RECORDS_SQL
 
         def read(conn: psycopg.Connection) -> list[RecordedSession]:
-            rows = conn.execute(sql, params).fetchall()  # type: ignore[call-overload]
+            rows = conn.execute(sql, params).fetchall()
             return [
                 RecordedSession(name, owner, None if declared is None else json.loads(declared))
                 for name, owner, declared in rows
@@ -854,7 +854,7 @@ class PostgresFrameStore(FrameAppends):
         """`(last_seq, frames)` of one snapshot; `CursorPruned` if retention deleted frames after
         `q.after_seq` (in that same snapshot, so no gap is ever skipped)."""
         sql, params = self._build(instance, q)
-        rows = conn.execute(sql, params).fetchall()  # type: ignore[call-overload]
+        rows = conn.execute(sql, params).fetchall()
         if not rows:
             return 0, []
         last, pruned = rows[0][0], rows[0][1]
@@ -951,7 +951,7 @@ class PostgresFrameStore(FrameAppends):
     def _write_cursor(conn: psycopg.Connection, instance: str, name: str, seq: int, new_seq: str) -> int:
         with conn.transaction():
             cur = conn.execute(
-                "INSERT INTO cursors (instance, name, seq) VALUES (%s, %s, %s) "  # type: ignore[arg-type]
+                "INSERT INTO cursors (instance, name, seq) VALUES (%s, %s, %s) "
                 f"ON CONFLICT (instance, name) DO UPDATE SET seq = {new_seq} WHERE {new_seq} <> cursors.seq",
                 (instance, name, seq),
             )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NoReturn
 
 import psycopg
 import trio
@@ -135,7 +136,7 @@ class LoopStatements:
             self._idle.pop().close()
 
 
-def _refusal(refused: _Refused) -> psycopg.DatabaseError:
+def _refusal(refused: _Refused) -> psycopg.Error:
     """The database's refusal as psycopg's error class of its SQLSTATE (`psycopg.errors.UniqueViolation`
     for a unique index: the store tells which), a plain `psycopg.DatabaseError` for an unknown one."""
     try:
@@ -245,7 +246,7 @@ class _Outcome:
                 return
             self.take(result)
 
-    def raise_lost(self, pg: pq.abc.PGconn) -> None:
+    def raise_lost(self, pg: pq.abc.PGconn) -> NoReturn:
         """The connection ended: refused if the server said so before any rows, else unknown."""
         if self.refused is not None and not self.answered and self.refused.sqlstate is not None:
             raise self.refused

@@ -759,7 +759,9 @@ class FrameStore(FrameAppends):
             iids = self._iids
             for instance in base:
                 if instance not in iids:
-                    iids[instance] = db.execute(_NEW_INSTANCE, (instance,)).lastrowid
+                    rowid = db.execute(_NEW_INSTANCE, (instance,)).lastrowid
+                    assert rowid is not None  # an INSERT's cursor always has one
+                    iids[instance] = rowid
                     created.append(instance)
             db.executemany(_INSERT_FRAME, [
                 (iids[instance], first + i, ts, ch, sid, typ, mid, rt, text, aid, ends_turn(typ, rt))

@@ -136,7 +136,7 @@ class SingleServer:
         self, append: AppendFn, session: Session, type: str, payload: dict[str, Any], *, skip: Any = None,
     ) -> Frame | None:
         """Append the outcome as any frame: nobody else can store one."""
-        return await append(session, type, payload, skip=skip)  # type: ignore[no-any-return]
+        return await append(session, type, payload, skip=skip)
 
     async def outcome_of(self, session: Session, request_id: str, after_seq: int, types: tuple[str, ...]) -> Frame | None:
         """None: only this server stores outcomes, and it knows them."""

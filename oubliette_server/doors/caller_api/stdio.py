@@ -63,7 +63,10 @@ async def serve_stdio_caller(callers: CallerRegistry, tools: CallerApi) -> None:
                     await nursery.start(fast.run)
                     lines = fast.lines(stdin)
                     caller.write_line = stdout.write
-                async with mcp.server.stdio.stdio_server(stdin=lines, stdout=stdout) as (read_stream, write_stream):
+                # The SDK types stdout as an anyio.AsyncFile but only calls write and flush.
+                async with mcp.server.stdio.stdio_server(stdin=lines, stdout=stdout) as (  # type: ignore[arg-type]
+                    read_stream, write_stream,
+                ):
                     await server.run(read_stream, write_stream, initialization_options(server))
                 nursery.cancel_scope.cancel()  # answers still in flight: the caller has gone
     finally:

@@ -139,7 +139,7 @@ class CallerApi:
             origin="local", safety=schemas.SAFETY[name], input_schema=schema,
             result_schema=schemas.RESULT_SCHEMAS[name],
         ).to_dict()
-        tool = types.Tool(name=name, description=description, input_schema=schema, meta={DESCRIPTOR_META_KEY: descriptor})
+        tool = types.Tool(name=name, description=description, input_schema=schema, _meta={DESCRIPTOR_META_KEY: descriptor})
         self.tools[name] = (tool, handler)
         self._validators[name] = strict_validator(schema)  # compiled once; `$` is the end of the string
 

@@ -34,7 +34,7 @@ import datetime
 import hashlib
 import logging
 import secrets
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal, cast, get_args
 
 import attrs
 import trio
@@ -45,6 +45,7 @@ from protocol.schema_check import schema_problem
 from protocol.timestamps import utc_timestamp
 from protocol.trace_spans import approval_wait_span
 
+from ...core.frame_log import AppendFrame as AppendFn
 from ...core.pending_requests import Crossing, PendingRequests, shut_down
 from ...core.sessions import Session
 from ...store.api import AnswerNotRecorded, StoreUnavailable, canonical_json, when_store_is_back
@@ -62,7 +63,6 @@ ELICITATION_WHO = "elicitation"
 """`Decision.who` of an answer the person gave in the caller's MCP client."""
 
 Origin = Literal["caller", "toolset", "agent"]
-from ...core.frame_log import AppendFrame as AppendFn
 
 #: Told when a gated call's wait is over: its decision (None: it ended without one) and the
 #: seconds it took (the server's metrics).
@@ -259,10 +259,12 @@ class ApprovalService(PendingRequests[PendingApproval]):
     def _remote_entry(frame: Frame, session: Session) -> PendingApproval:
         """Another server's `approval_request` frame as a pending approval this server's owner answers."""
         p = frame.payload
-        origin = p.get("origin") if p.get("origin") in ("caller", "toolset", "agent") else "agent"
+        origin = p.get("origin")
+        arguments = p.get("arguments")
         return PendingApproval(
             request_id=str(p["request_id"]), session=session, tool_name=str(p.get("tool_name")),
-            arguments=p.get("arguments") if isinstance(p.get("arguments"), dict) else {}, origin=origin,
+            arguments=arguments if isinstance(arguments, dict) else {},
+            origin=cast(Origin, origin) if origin in get_args(Origin) else "agent",
             caller=session.owner, expires_at=str(p.get("expires_at", "")),
             input_schema=p.get("input_schema") if isinstance(p.get("input_schema"), dict) else None,
             allows_tool_return=p.get("allows_tool_return") is True,

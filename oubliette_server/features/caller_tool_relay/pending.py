@@ -42,6 +42,7 @@ from protocol.peer_text import bounded
 from protocol.schema_check import schema_problem
 from protocol.trace_spans import current_meta
 
+from ...core.frame_log import AppendFrame as AppendFn
 from ...core.pending_requests import SERVER_SHUTDOWN, Crossing, PendingRequests, shut_down
 from ...core.sessions import Session
 from ...store.api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
@@ -51,8 +52,6 @@ if TYPE_CHECKING:
     from ...core.callers import CallerConnection
 
 log = logging.getLogger("oubliette.server.calls")
-
-from ...core.frame_log import AppendFrame as AppendFn
 
 #: Hands a progress report (progress, total, message) to the agent's waiting call; never waits.
 ProgressFn = Callable[[float, "float | None", "str | None"], None]
@@ -448,10 +447,10 @@ class CallerCallRegistry(PendingRequests[PendingCall]):
         try:
             call = self._pending_of(caller, session_id, request_id)
         except NoLongerPending as ended:
-            stored = await self._stored_retry(ended.finished, request_id, result, error)
-            if stored is None:
+            retried = await self._stored_retry(ended.finished, request_id, result, error)
+            if retried is None:
                 raise
-            return stored
+            return retried
         if call.remote or call.in_log:
             # Another server's request, or one of this server's agent whose caller declared on
             # another server (it waits in the log): the log decides which outcome wins.

@@ -27,8 +27,6 @@ from ..guests.delivery import GuestDelivery, GuestPeer
 
 log = logging.getLogger("oubliette.server.guests")
 
-DEFAULT_LEASE_TTL = 10.0
-
 
 def holds_lease(store: LeaseStore, server_id: str) -> Callable[[str], Awaitable[bool]]:
     """`holds(instance)`: whether this server still holds `instance`'s lease (no other server

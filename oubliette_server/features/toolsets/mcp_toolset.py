@@ -114,7 +114,11 @@ class McpToolset(Toolset):
 
     async def _list_roots(self, context: Any) -> types.ListRootsResult:
         return types.ListRootsResult(
-            roots=[types.Root(uri=Path(root).resolve().as_uri(), name=Path(root).name) for root in self.roots]
+            # Validated from a dict: pydantic turns the string into the `FileUrl` the field is typed as.
+            roots=[
+                types.Root.model_validate({"uri": Path(root).resolve().as_uri(), "name": Path(root).name})
+                for root in self.roots
+            ]
         )
 
     async def _elicit(self, context: Any, params: Any) -> types.ElicitResult:
