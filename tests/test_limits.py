@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +26,8 @@ import trio
 from harness import EVENT_TIMEOUT, Deployment, EventLog, RawRelay, structured, text_of
 from oubliette_server.core.callers import CallerConnection, RequestScopedSink
 from oubliette_server.program.config import ServerConfig, load_config_file
-from protocol import framing
+from protocol import errors, framing
+from protocol.errors import RelayError
 from protocol.limits import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_FRAME_BYTES,
@@ -426,3 +428,73 @@ def test_the_documented_defaults_are_the_real_ones() -> None:
     assert f"{DEFAULT_MAX_PAYLOAD_BYTES:,}" in (docs / "SECURITY.md").read_text()
     assert f"max_payload_bytes = {DEFAULT_MAX_PAYLOAD_BYTES}" in (docs / "CONFIG.md").read_text()
     assert f"max_payload_depth = {DEFAULT_MAX_DEPTH}" in (docs / "CONFIG.md").read_text()
+
+
+# -- limits first, at the door (issue 34 item 7) -----------------------------------------
+
+
+class NoLookups:
+    """A door's lookups (sessions, instances), each refused and recorded: a door must refuse a value
+    over the limits before it looks anything up (a shared store's lookup queries the database)."""
+
+    def __init__(self) -> None:
+        self.looked_up: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def lookup(*args: Any, **kwargs: Any) -> Any:
+            self.looked_up.append(name)
+            raise RelayError(errors.NOT_FOUND, f"unknown ({name})")
+        return lookup
+
+
+async def test_the_caller_api_checks_limits_before_any_lookup(deployment: Deployment) -> None:
+    """An oversized answer for a session that does not exist gets the size refusal, with no lookup made."""
+    async with in_process(deployment) as proc:
+        caller, _ = proc.open_caller()
+        proc.tools.sessions = lookups = NoLookups()  # type: ignore[assignment]
+        for tool, args in (
+            ("caller_tool_response", {"session_id": "nobody", "request_id": "r1", "result": {"blob": TWO_MIB}}),
+            ("approval_response", {"session_id": "nobody", "request_id": "a1", "approve": False, "reason": TWO_MIB}),
+            ("session_message", {"instance": INSTANCE, "session_id": "nobody", "message": TWO_MIB}),
+        ):
+            refused = await proc.call(caller, tool, args)
+            assert refused.is_error and "max_payload_bytes" in text_of(refused), (tool, text_of(refused))
+        with pytest.raises(LimitExceeded):
+            await proc.tools.caller_tool_response_over_http(
+                INSTANCE, {"session_id": "nobody", "request_id": "r1", "result": {"blob": TWO_MIB}})
+        with pytest.raises(LimitExceeded):
+            await proc.tools.approval_response_over_http(
+                INSTANCE, {"session_id": "nobody", "request_id": "a1", "approve": False, "reason": TWO_MIB})
+        assert lookups.looked_up == []
+
+
+async def test_the_tether_door_checks_limits_and_grammar_before_the_instance_lookup(deployment: Deployment) -> None:
+    async with deployment.embedded_http_server(INSTANCE) as server, server.rest() as rest:
+        big = {"type": "user.message", "session": {"channel": "host", "id": "s"}, "payload": {"text": "x" * 1_048_400}}
+        response = await rest.post("/v1/instances/nobody/tether", json=big)
+        assert response.status_code == 413, response.text  # not 404: the size first
+        tether = server.app.tether
+        tether.instances = lookups = NoLookups()
+        with pytest.raises(LimitExceeded):
+            await tether.ingest(INSTANCE, big)
+        with pytest.raises(LimitExceeded):
+            await tether.send(INSTANCE, TWO_MIB)
+        with pytest.raises(RelayError) as bad_session:
+            await tether.send(INSTANCE, "hi", session_id="no spaces allowed")
+        assert bad_session.value.code == errors.INVALID_PARAMS, bad_session.value.message
+        assert lookups.looked_up == []
+
+
+async def test_the_relay_handler_table_checks_limits_before_its_handler(deployment: Deployment) -> None:
+    """`_limited` refuses the oversized field before the handler (and its session lookup) runs."""
+    handled: list[Any] = []
+
+    async def handler(connection: Any, params: Any) -> None:
+        handled.append(params)
+
+    async with in_process(deployment) as proc:
+        checked = proc.server._limited(handler, "append_frame", "payload")
+        with pytest.raises(LimitExceeded):
+            await checked(None, SimpleNamespace(payload={"text": TWO_MIB}))
+        await checked(None, SimpleNamespace(payload={"text": "fine"}))
+    assert [params.payload for params in handled] == [{"text": "fine"}]
