@@ -327,12 +327,35 @@ async def test_a_failing_event_sender_closes_only_its_caller(deployment: Deploym
         await healthy_events.wait_type("user.message", text="still here")
 
 
+class CountingMcpSession:
+    """A caller's MCP session that records the seq of each event it is asked to send; `fail`: each send fails."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.sent: list[int] = []
+
+    async def send_notification(self, notification: Any, related_request_id: Any = None) -> None:
+        self.sent.append(notification.params.data["seq"])
+        if self.fail:
+            raise ValueError("Maximum serialization depth exceeded")
+
+
 async def test_a_failing_request_scoped_sink_stops_only_its_events() -> None:
-    sink = RequestScopedSink(FailingMcpSession(), request_id=1)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(sink.run)
-        sink.push({"type": "assistant.delta", "seq": 1})
-    sink.push({"type": "assistant.delta", "seq": 2})  # after the failure: dropped, no error
+    """The failing sink sends nothing after its first failure and ends without raising; a sibling's
+    events all go out."""
+    failing, healthy = CountingMcpSession(fail=True), CountingMcpSession()
+    broken, sibling = RequestScopedSink(failing, request_id=1), RequestScopedSink(healthy, request_id=2)
+    with trio.fail_after(EVENT_TIMEOUT):  # a sink that went on after the failure would never end
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(broken.run)
+            nursery.start_soon(sibling.run)
+            for seq in (1, 2, 3):
+                broken.push({"type": "assistant.delta", "seq": seq})
+                sibling.push({"type": "assistant.delta", "seq": seq})
+            sibling.close()
+    broken.push({"type": "assistant.delta", "seq": 4})  # after the failure: dropped, no error
+    assert failing.sent == [1], "the failing sink stopped at its first failure"
+    assert healthy.sent == [1, 2, 3], "the other request's events all went out"
 
 
 # -- HTTP ingress -----------------------------------------------------------------------
