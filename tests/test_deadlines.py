@@ -92,7 +92,7 @@ async def test_a_start_command_that_connects_no_guest_is_stopped_at_its_deadline
 
 
 async def test_a_start_command_whose_guest_connects_keeps_running_past_the_deadline(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Virtual time: the deadline passes at once (stopping `sleep` then skips trio's SIGTERM grace: harmless)."""
     failures: list[str] = []
@@ -108,6 +108,7 @@ async def test_a_start_command_whose_guest_connects_keeps_running_past_the_deadl
         await trio.sleep(0.6)  # three times the deadline
         assert failures == [], "a start command whose guest is up is the guest: it keeps running"
         assert starter.starts == {"box1": 1}
+        assert not [r for r in caplog.records if "did not connect" in r.getMessage()], "nor was it stopped"
         nursery.cancel_scope.cancel()
 
 
