@@ -314,8 +314,14 @@ async def test_heartbeats_reach_the_agent_while_it_waits_and_stop_with_the_respo
         assert strictly_increasing(values), values
         assert all(message == "waiting for the caller's decision" for _v, _t, message in call.progress)
         sent = len(call.progress)
-        await trio.sleep(0.3)  # six heartbeat intervals: none may come after the response
+        # No sleeping to show none came after the response: a second call's heartbeats, sent on the same
+        # ordered stream, mark three intervals of the agent's own clock.
+        marker = AgentToolCall(proc.nursery, agent, "permission_prompt", PROMPT, progress=True)
+        second = await events.wait_for(lambda e: e.get("type") == "approval_request" and e is not request)
+        await marker.wait_progress(lambda seen: len(seen) >= 3)
         assert len(call.progress) == sent and call.progress_after_result == 0
+        await answer(proc, owner, request_id=second["request_id"], approve=False)
+        await marker.outcome()
 
 
 async def test_no_progress_without_a_progress_token(deployment: Deployment) -> None:
@@ -332,10 +338,16 @@ async def test_no_progress_without_a_progress_token(deployment: Deployment) -> N
                                     message_handler=on_message) as agent:
             call = AgentToolCall(proc.nursery, agent, "permission_prompt", PROMPT)
             request = await events.wait_type("approval_request")
-            await trio.sleep(0.3)  # six heartbeat intervals
-            await answer(proc, owner, request_id=request["request_id"], approve=False)
+            # No sleeping to show none came: a call that asks for progress, waiting alongside, marks
+            # three heartbeat intervals of the agent's own clock on the same ordered stream.
+            marker = AgentToolCall(proc.nursery, agent, "permission_prompt", PROMPT, progress=True)
+            second = await events.wait_for(lambda e: e.get("type") == "approval_request" and e is not request)
+            await marker.wait_progress(lambda progress: len(progress) >= 3)
+            assert len(seen) == len(marker.progress), "every progress notification was the marker's"
+            for asked in (request, second):
+                await answer(proc, owner, request_id=asked["request_id"], approve=False)
             await call.outcome()
-    assert seen == []
+            await marker.outcome()
 
 
 async def test_caller_progress_is_forwarded_to_the_agent(deployment: Deployment) -> None:

@@ -92,18 +92,32 @@ async def test_a_start_command_that_connects_no_guest_is_stopped_at_its_deadline
 
 
 async def test_a_start_command_whose_guest_connects_keeps_running_past_the_deadline() -> None:
+    """No sleeping to show no failure came: a second instance started just after, whose guest never
+    connects, is stopped at the same deadline; once its failure is reported, the first one's deadline
+    has passed too and its command still runs."""
+    pid_file = fresh_dir() / "pid"
+    commands = {"box1": ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 1000"], "box2": ["sleep", "1000"]}
     failures: list[str] = []
+    control_failed = trio.Event()
+
+    def on_start_failed(instance: str, reason: str) -> None:
+        failures.append(instance)
+        if instance == "box2":
+            control_failed.set()
+
     starter = InstanceStarter(
-        lambda instance: ["sleep", "1000"], lambda instance: "token", "unix:/nonexistent.sock",
-        lambda instance: False, start_grace=0.2, on_start_failed=lambda instance, reason: failures.append(reason),
+        commands.__getitem__, lambda instance: "token", "unix:/nonexistent.sock",
+        lambda instance: False, start_grace=0.5, on_start_failed=on_start_failed,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(starter.serve)
         starter.wake("box1")
         starter.guest_connected("box1")  # its guest runtime said hello
-        await trio.sleep(0.6)  # the deadline itself is what is tested: let it pass (real time; a MockClock
-        # would also jump through trio's SIGTERM grace when the test stops the command)
-        assert failures == [], "a start command whose guest is up is the guest: it keeps running"
+        starter.wake("box2")  # the control: no hello
+        with trio.fail_after(10):
+            await control_failed.wait()
+        assert failures == ["box2"], "a start command whose guest is up is the guest: it keeps running"
+        assert _alive(int(pid_file.read_text())), "and it was not stopped"
         nursery.cancel_scope.cancel()
 
 

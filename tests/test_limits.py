@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +26,8 @@ import trio
 from harness import EVENT_TIMEOUT, Deployment, EventLog, RawRelay, structured, text_of
 from oubliette_server.core.callers import CallerConnection, RequestScopedSink
 from oubliette_server.program.config import ServerConfig, load_config_file
-from protocol import framing
+from protocol import errors, framing
+from protocol.errors import RelayError
 from protocol.limits import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_FRAME_BYTES,
@@ -325,12 +327,35 @@ async def test_a_failing_event_sender_closes_only_its_caller(deployment: Deploym
         await healthy_events.wait_type("user.message", text="still here")
 
 
+class CountingMcpSession:
+    """A caller's MCP session that records the seq of each event it is asked to send; `fail`: each send fails."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.sent: list[int] = []
+
+    async def send_notification(self, notification: Any, related_request_id: Any = None) -> None:
+        self.sent.append(notification.params.data["seq"])
+        if self.fail:
+            raise ValueError("Maximum serialization depth exceeded")
+
+
 async def test_a_failing_request_scoped_sink_stops_only_its_events() -> None:
-    sink = RequestScopedSink(FailingMcpSession(), request_id=1)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(sink.run)
-        sink.push({"type": "assistant.delta", "seq": 1})
-    sink.push({"type": "assistant.delta", "seq": 2})  # after the failure: dropped, no error
+    """The failing sink sends nothing after its first failure and ends without raising; a sibling's
+    events all go out."""
+    failing, healthy = CountingMcpSession(fail=True), CountingMcpSession()
+    broken, sibling = RequestScopedSink(failing, request_id=1), RequestScopedSink(healthy, request_id=2)
+    with trio.fail_after(EVENT_TIMEOUT):  # a sink that went on after the failure would never end
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(broken.run)
+            nursery.start_soon(sibling.run)
+            for seq in (1, 2, 3):
+                broken.push({"type": "assistant.delta", "seq": seq})
+                sibling.push({"type": "assistant.delta", "seq": seq})
+            sibling.close()
+    broken.push({"type": "assistant.delta", "seq": 4})  # after the failure: dropped, no error
+    assert failing.sent == [1], "the failing sink stopped at its first failure"
+    assert healthy.sent == [1, 2, 3], "the other request's events all went out"
 
 
 # -- HTTP ingress -----------------------------------------------------------------------
@@ -426,3 +451,73 @@ def test_the_documented_defaults_are_the_real_ones() -> None:
     assert f"{DEFAULT_MAX_PAYLOAD_BYTES:,}" in (docs / "SECURITY.md").read_text()
     assert f"max_payload_bytes = {DEFAULT_MAX_PAYLOAD_BYTES}" in (docs / "CONFIG.md").read_text()
     assert f"max_payload_depth = {DEFAULT_MAX_DEPTH}" in (docs / "CONFIG.md").read_text()
+
+
+# -- limits first, at the door (issue 34 item 7) -----------------------------------------
+
+
+class NoLookups:
+    """A door's lookups (sessions, instances), each refused and recorded: a door must refuse a value
+    over the limits before it looks anything up (a shared store's lookup queries the database)."""
+
+    def __init__(self) -> None:
+        self.looked_up: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def lookup(*args: Any, **kwargs: Any) -> Any:
+            self.looked_up.append(name)
+            raise RelayError(errors.NOT_FOUND, f"unknown ({name})")
+        return lookup
+
+
+async def test_the_caller_api_checks_limits_before_any_lookup(deployment: Deployment) -> None:
+    """An oversized answer for a session that does not exist gets the size refusal, with no lookup made."""
+    async with in_process(deployment) as proc:
+        caller, _ = proc.open_caller()
+        proc.tools.sessions = lookups = NoLookups()  # type: ignore[assignment]
+        for tool, args in (
+            ("caller_tool_response", {"session_id": "nobody", "request_id": "r1", "result": {"blob": TWO_MIB}}),
+            ("approval_response", {"session_id": "nobody", "request_id": "a1", "approve": False, "reason": TWO_MIB}),
+            ("session_message", {"instance": INSTANCE, "session_id": "nobody", "message": TWO_MIB}),
+        ):
+            refused = await proc.call(caller, tool, args)
+            assert refused.is_error and "max_payload_bytes" in text_of(refused), (tool, text_of(refused))
+        with pytest.raises(LimitExceeded):
+            await proc.tools.caller_tool_response_over_http(
+                INSTANCE, {"session_id": "nobody", "request_id": "r1", "result": {"blob": TWO_MIB}})
+        with pytest.raises(LimitExceeded):
+            await proc.tools.approval_response_over_http(
+                INSTANCE, {"session_id": "nobody", "request_id": "a1", "approve": False, "reason": TWO_MIB})
+        assert lookups.looked_up == []
+
+
+async def test_the_tether_door_checks_limits_and_grammar_before_the_instance_lookup(deployment: Deployment) -> None:
+    async with deployment.embedded_http_server(INSTANCE) as server, server.rest() as rest:
+        big = {"type": "user.message", "session": {"channel": "host", "id": "s"}, "payload": {"text": "x" * 1_048_400}}
+        response = await rest.post("/v1/instances/nobody/tether", json=big)
+        assert response.status_code == 413, response.text  # not 404: the size first
+        tether = server.app.tether
+        tether.instances = lookups = NoLookups()
+        with pytest.raises(LimitExceeded):
+            await tether.ingest(INSTANCE, big)
+        with pytest.raises(LimitExceeded):
+            await tether.send(INSTANCE, TWO_MIB)
+        with pytest.raises(RelayError) as bad_session:
+            await tether.send(INSTANCE, "hi", session_id="no spaces allowed")
+        assert bad_session.value.code == errors.INVALID_PARAMS, bad_session.value.message
+        assert lookups.looked_up == []
+
+
+async def test_the_relay_handler_table_checks_limits_before_its_handler(deployment: Deployment) -> None:
+    """`_limited` refuses the oversized field before the handler (and its session lookup) runs."""
+    handled: list[Any] = []
+
+    async def handler(connection: Any, params: Any) -> None:
+        handled.append(params)
+
+    async with in_process(deployment) as proc:
+        checked = proc.server._limited(handler, "append_frame", "payload")
+        with pytest.raises(LimitExceeded):
+            await checked(None, SimpleNamespace(payload={"text": TWO_MIB}))
+        await checked(None, SimpleNamespace(payload={"text": "fine"}))
+    assert [params.payload for params in handled] == [{"text": "fine"}]

@@ -627,9 +627,8 @@ class TetherRoutes:
         rest (by error code).
         """
         try:
-            instance = await self.instances.require_known(request.path_params["instance"])
             body = await self._json_body(request)
-            frame = await self.tether.ingest(instance, body)
+            frame = await self.tether.ingest(request.path_params["instance"], body)  # its checks, then the lookup
         except RelayError as err:
             return error_response(err)
         return JSONResponse(

@@ -59,9 +59,9 @@ class Tether:
     async def send(self, instance: str, text: str, session_id: str | None = None) -> dict[str, Any]:
         """`tether_send`: a `user.message` on the `host` channel; `{msg_id, session_id, ingress_seq}`."""
         self.limits.check_value(text, "text")
-        instance = await self.instances.require_known(instance)
         session_id = DEFAULT_TETHER_SESSION if session_id is None else session_id
         check_session(TETHER_CHANNEL, session_id)
+        instance = await self.instances.require_known(instance)
         frame = await self.frame_log.ingress(
             instance, TETHER_CHANNEL, session_id, FrameType.USER_MESSAGE, {"text": text}, msg_id=host_msg_id(),
         )
@@ -70,13 +70,13 @@ class Tether:
     async def ingest(self, instance: str, body: Any) -> Frame:
         """HTTP ingress: validate a frame a program outside the sandbox posts, and append it (`FrameLog.ingress`
         refuses the types and payload keys only the server writes: server_owned.py)."""
-        instance = await self.instances.require_known(instance)
         if isinstance(body, dict) and "payload" in body:
             self.limits.check_value(body["payload"], "payload")
         problem = (isinstance(body, dict) and "type" in body and frame_type_problem(body["type"])) or first_problem(
             _ingress_validator, body, "invalid frame")
         if problem is not None:
             raise RelayError(errors.INVALID_PARAMS, problem)
+        instance = await self.instances.require_known(instance)  # a lookup: after the checks that need none
         return await self.frame_log.ingress(
             instance, body["session"]["channel"], body["session"]["id"], body["type"],
             body.get("payload", {}), msg_id=body.get("msg_id"), reply_to=body.get("reply_to"),

@@ -56,6 +56,14 @@ ToolHandler = Callable[[Any, CallerConnection, dict[str, Any]], Awaitable[dict[s
 SESSION_CHANNEL = "mcp"
 
 
+# The caller's own values each tool holds to the size and depth limits (`CallerApi._check_own_values`).
+_LIMITED_FIELDS: dict[str, tuple[str, ...]] = {
+    "session_message": ("message", "context"),
+    "caller_tool_response": ("result", "error"),
+    "approval_response": ("reason", "updated_arguments", "content", "approvals"),
+}
+
+
 def _http_context() -> Any:
     """The request context of an HTTP door: no MCP session, so no elicitation and no stream to watch."""
     return SimpleNamespace(protocol_version=None)
@@ -167,6 +175,7 @@ class CallerApi:
         try:
             if resume is not None:
                 return tool_result(await self._resume_wait(ctx, caller, *resume))
+            self._check_own_values(name, arguments)
             return tool_result(await handler(ctx, caller, arguments))
         except InputRequired as need:
             return self.elicitation.result(need)
@@ -220,9 +229,6 @@ class CallerApi:
         same: the result says so in `notice`, and a `wait` stops after `NO_GUEST_GRACE` with
         `stop_reason: "no_guest"` and that text instead of waiting out its time.
         """
-        self.limits.check_value(args["message"], "message")
-        if args.get("context") is not None:
-            self.limits.check_value(args["context"], "context")
         instance = self.instances.resolve(args.get("instance"))
         session = await self._open_session(instance, args.get("session_id"), caller)
         await self.approvals.sync(session)  # shared store: another server's gated call may be asking
@@ -294,16 +300,7 @@ class CallerApi:
         Raises: `RelayError` for both or neither, a value over the limits (the call stays pending),
         or a request id that is not pending for this caller (without `wait`: also one that ended).
         """
-        if args.get("error") is None and "result" not in args:
-            raise RelayError(errors.INVALID_PARAMS, "give either 'result' or 'error'")
-        if args.get("error") is not None and args.get("result") is not None:
-            raise RelayError(errors.INVALID_PARAMS, "give 'result' or 'error', not both")
         await self._owned(caller, args["session_id"])
-        # Checked before the call is touched: a refused answer leaves it pending, to answer again.
-        if args.get("error") is not None:
-            self.limits.check_value(args["error"], "error")
-        else:
-            self.limits.check_value(args.get("result"), "result")
         wait = args.get("wait", False)
         try:
             call = await self.calls.respond(
@@ -341,7 +338,6 @@ class CallerApi:
 
     async def approval_response(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
         """Decide one approval (`request_id`, `approve`) or all of the session's (`approvals`)."""
-        self._check_answer_form(args)
         session = await self._approval_session(caller, args["session_id"], args.get("instance"))
         return await self._answer_approvals(ctx, caller, caller.id, session, args)
 
@@ -351,7 +347,6 @@ class CallerApi:
         `args` is the tool's body with `session_id`; refused like the tool, with the same messages.
         """
         session, owner = await self._http_session("approval_response", instance, args, "has no approvals")
-        self._check_answer_form(args)
         return await self._answer_approvals(_http_context(), owner, "http", session, args)
 
     async def caller_tool_response_over_http(self, instance: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -381,6 +376,7 @@ class CallerApi:
         problem = first_problem(self._validators[tool], args, "invalid body")
         if problem:
             raise RelayError(errors.INVALID_PARAMS, problem)
+        self._check_own_values(tool, args)
         matches = self.sessions.find_by_id(args["session_id"], instance) \
             or await self.sessions.learn(args["session_id"], SESSION_CHANNEL, instance)
         owned = [s for s in matches if s.owner is not None]
@@ -397,12 +393,21 @@ class CallerApi:
         stand_in.close()  # it follows nothing and is told nothing: it only answers
         return recorded[0], stand_in
 
-    def _check_answer_form(self, args: dict[str, Any]) -> None:
-        if ("request_id" in args or "approve" in args) == ("approvals" in args):
+    def _check_own_values(self, tool: str, args: dict[str, Any]) -> None:
+        """This door's checks that need no I/O (the answer's form, sizes and depth), in one place and
+        before any lookup: a shared store's session lookup queries the database, and an oversized or
+        malformed value is refused without it (a refused answer leaves its call pending, to answer again).
+        """
+        if tool == "caller_tool_response":
+            if args.get("error") is None and "result" not in args:
+                raise RelayError(errors.INVALID_PARAMS, "give either 'result' or 'error'")
+            if args.get("error") is not None and args.get("result") is not None:
+                raise RelayError(errors.INVALID_PARAMS, "give 'result' or 'error', not both")
+        if tool == "approval_response" and ("request_id" in args or "approve" in args) == ("approvals" in args):
             raise RelayError(
                 errors.INVALID_PARAMS, "give either 'request_id' and 'approve' (one decision) or 'approvals' (all of them)",
             )
-        for field in ("reason", "updated_arguments", "content", "approvals"):
+        for field in _LIMITED_FIELDS.get(tool, ()):
             if args.get(field) is not None:
                 self.limits.check_value(args[field], field)
 
