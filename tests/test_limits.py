@@ -453,7 +453,7 @@ def test_the_documented_defaults_are_the_real_ones() -> None:
     assert f"max_payload_depth = {DEFAULT_MAX_DEPTH}" in (docs / "CONFIG.md").read_text()
 
 
-# -- limits first, at the door (issue 34 item 7) -----------------------------------------
+# -- limits first, at the door ----------------------------------------------------------------
 
 
 class NoLookups:
