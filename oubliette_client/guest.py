@@ -41,6 +41,7 @@ import trio
 
 from protocol import Frame, RelayError, errors, messages
 from protocol.frames import FrameType
+from protocol.peer_text import escape
 from protocol.trace_spans import Turn, turn_span
 
 from .mcp_config import SHAPES, write_mcp_config
@@ -299,8 +300,7 @@ def output_end(stderr: str, stdout: list[str]) -> str:
         if last:
             if len(last) > OUTPUT_END_CHARS:
                 last = "…" + last[-OUTPUT_END_CHARS:]
-            shown = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in last)
-            said.append(f"its {name} ends: {shown}")
+            said.append(f"its {name} ends: {escape(last)}")
     return "; " + "; ".join(said) if said else ""
 
 
