@@ -97,16 +97,21 @@ async def test_gemini_cli_as_the_agent_calls_a_caller_tool(deployment: Deploymen
     assert wrapped is not None and json.loads(wrapped.group(1)) == {"status": "sent", "id": 7}, answered
 
 
-def test_the_suite_command_installs_the_gemini_cli_these_tests_run() -> None:
-    """README command 2 (.ci/run's command) runs the install script, and the installed CLI is
+def assert_the_suite_command_installs(install: str, binary: str) -> None:
+    """README command 2 (.ci/run's command, the same line) runs `install`, and `binary` reports
     the version that script pins."""
     ci_line = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines()
                    if "pytest" in line and not line.startswith("#"))
     assert ci_line in (ROOT / "README.md").read_text().splitlines()
-    assert f"(bash {INSTALL})" in ci_line
-    pinned = (ROOT / INSTALL).read_text().split("\nVERSION=", 1)[1].split("\n", 1)[0]
-    done = subprocess.run([gemini_binary(), "--version"], capture_output=True, text=True, timeout=60)
+    assert f"(bash {install})" in ci_line
+    pinned = (ROOT / install).read_text().split("\nVERSION=", 1)[1].split("\n", 1)[0]
+    done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == pinned, done
+
+
+def test_the_suite_command_installs_the_gemini_cli_these_tests_run() -> None:
+    """README command 2 installs the pinned Gemini CLI these tests run."""
+    assert_the_suite_command_installs(INSTALL, gemini_binary())
 
 
 def test_the_generated_gemini_home_holds_the_session_entry(tmp_path: Path) -> None:
