@@ -18,15 +18,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-import pytest
 import trio
 
+from agent_clis import assert_the_suite_command_installs, documented_agent_command, installed_cli
 from fake_openai import FakeOpenAI, offered_tools, text, tool_call, tool_results
 from harness import PYTHON, Deployment
 from oubliette_client.mcp_config import OPENCODE, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from test_claude_code import INSTANCE, documented_lines, notify_turn, scratch
-from test_gemini_cli import assert_the_suite_command_installs
+from test_claude_code import INSTANCE, notify_turn, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 OPENCODE_CLI = ROOT / ".opencode-cli" / "opencode"
@@ -36,18 +35,7 @@ DOC = ROOT / "docs" / "AGENTS.md"
 
 def opencode_binary() -> str:
     """The installed CLI's path; the test fails (never skips) when it is not there."""
-    if not os.access(OPENCODE_CLI, os.X_OK):
-        pytest.fail(f"OpenCode is not installed at {OPENCODE_CLI}: run {INSTALL} (README command 2 and .ci/run do)")
-    return str(OPENCODE_CLI)
-
-
-def documented_agent_command() -> list[str]:
-    """docs/AGENTS.md's guest runtime line for OpenCode: the agent command after `--`."""
-    for _env, words in documented_lines(DOC):
-        if words[:2] == ["oubliette-client", "run"] and "opencode" in words:
-            command = words[words.index("--") + 1:]
-            return [opencode_binary() if word == "opencode" else word for word in command]
-    pytest.fail(f"{DOC.name} shows no guest runtime line for OpenCode")
+    return installed_cli(OPENCODE_CLI, INSTALL)
 
 
 def provider_config(fake_url: str) -> dict[str, Any]:
@@ -72,7 +60,7 @@ def opencode_env(home: Path) -> dict[str, str]:
 async def opencode_agent(deployment: Deployment, script: list[Any]) -> AsyncIterator[FakeOpenAI]:
     """The scripted model, and the guest runtime for INSTANCE running the doc's OpenCode line in
     a working directory holding only the provider's `opencode.json`, until the block ends."""
-    command = documented_agent_command()
+    command = documented_agent_command(DOC, "opencode", opencode_binary())
     assert any("{opencode_config}" in word for word in command), command
     fake = FakeOpenAI(script)
     async with trio.open_nursery() as nursery:
