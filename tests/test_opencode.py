@@ -25,7 +25,7 @@ from fake_openai import FakeOpenAI, offered_tools, text, tool_call, tool_results
 from harness import PYTHON, Deployment
 from oubliette_client.mcp_config import OPENCODE, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from test_claude_code import INSTANCE, notify_turn, scratch
+from test_claude_code import CONTEXT, INSTANCE, WAIT, call, notify_turn, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 OPENCODE_CLI = ROOT / ".opencode-cli" / "opencode"
@@ -91,6 +91,26 @@ async def test_opencode_as_the_agent_calls_a_caller_tool(deployment: Deployment)
     [answered] = tool_results(fake.main_requests[-1])
     assert answered["tool_call_id"] == "call_0", answered
     assert json.loads(answered["content"]) == {"status": "sent", "id": 7}, answered
+
+
+async def test_opencode_gets_a_caller_error_as_a_tool_error(deployment: Deployment) -> None:
+    """A caller's `error` answer reaches OpenCode as a failed MCP call (`isError`, with
+    oubliette-client's text naming the tool), which OpenCode shows the model as the tool
+    message's text (Chat Completions has no error flag); the turn ends with the model's text."""
+    session = "opencode-error"
+    tool = "oubliette_myapp_send_notification"
+    script = [[tool_call(tool, {"message": "build is green"})], [text("The host could not be told.")]]
+    async with opencode_agent(deployment, script) as fake, deployment.caller(events=False) as (caller, _events):
+        stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
+                          message="Tell the host the build is green.", context=CONTEXT, wait=WAIT)
+        assert stop["stop_reason"] == "requires_action", stop
+        [pending] = stop["pending"]
+        end = await call(caller, "caller_tool_response", session_id=session, request_id=pending["request_id"],
+                         error="notification quota exceeded", wait=WAIT)
+    assert end["stop_reason"] == "end_turn", end
+    assert end["text"].strip() == "The host could not be told."
+    [answered] = tool_results(fake.main_requests[-1])
+    assert answered["content"] == "myapp_send_notification failed: notification quota exceeded", answered
 
 
 def test_the_suite_command_installs_the_opencode_these_tests_run() -> None:
