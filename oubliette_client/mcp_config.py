@@ -2,7 +2,7 @@
 
 The guest runtime writes one for each session and placeholder in the agent command, so an
 agent given `{mcp_config}` (Claude Code's `--mcp-config`) or `{gemini_home}` (a Gemini CLI
-home holding `.gemini/settings.json`) starts `oubliette-client` bound to that session. The file name must be
+home holding `.gemini/settings.json`) or `{opencode_config}` (OpenCode's `OPENCODE_CONFIG`) starts `oubliette-client` bound to that session. The file name must be
 distinct for distinct sessions (two sessions sharing a file would bind both agents to
 whichever wrote last), so it ends in a hash of the whole key.
 """
@@ -68,6 +68,20 @@ def gemini_settings(settings: RelaySettings, session: str | None) -> dict[str, A
     return {"security": {"auth": {"selectedType": GEMINI_AUTH}}, "mcpServers": {SERVER_NAME: entry}}
 
 
+def opencode_config(settings: RelaySettings, session: str | None) -> dict[str, Any]:
+    """An OpenCode config (`OPENCODE_CONFIG`, merged over the user's and the project's) whose
+    `mcp` key starts this `oubliette-client` bound to `session`.
+
+    OpenCode's local server takes its command as one list and its variables as `environment`;
+    `timeout` is its limit on each MCP request, a tool call included, so it must outlast
+    approvals and caller answers.
+    """
+    entry = client_entry(settings, session)
+    local = {"type": "local", "command": [entry["command"], *entry["args"]], "environment": entry["env"],
+             "enabled": True, "timeout": AGENT_TOOL_TIMEOUT_MS}
+    return {"mcp": {SERVER_NAME: local}}
+
+
 @attrs.frozen
 class ConfigShape:
     """One agent's config: the placeholder the agent command names it by, its file name's start,
@@ -83,7 +97,8 @@ class ConfigShape:
 
 CLAUDE_CODE = ConfigShape("{mcp_config}", "mcp", mcp_config)
 GEMINI_CLI = ConfigShape("{gemini_home}", "gemini", gemini_settings, home=".gemini/settings.json")
-SHAPES = (CLAUDE_CODE, GEMINI_CLI)
+OPENCODE = ConfigShape("{opencode_config}", "opencode", opencode_config)
+SHAPES = (CLAUDE_CODE, GEMINI_CLI, OPENCODE)
 
 
 def config_file_name(session: str | None, prefix: str = CLAUDE_CODE.prefix) -> str:

@@ -39,6 +39,8 @@ NOT_CODE: dict[str, str] = {
     "GEMINI_CLI_HOME": "Gemini CLI's variable",
     "GEMINI_CLI_SYSTEM_SETTINGS_PATH": "Gemini CLI's variable",
     "mcp_oubliette_time.get_current_time": "Gemini CLI's name for an MCP tool",
+    "OPENCODE_CONFIG": "OpenCode's variable",
+    "oubliette_time_get_current_time": "OpenCode's name for an MCP tool",
     "mcp__oubliette__tether_send": "Claude Code's name for an MCP tool",
     "mcp__oubliette__session_events": "Claude Code's name for an MCP tool",
     "host_send_notification": "a caller tool as the agent sees it, in an example",

@@ -14,19 +14,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any, AsyncIterator
 from contextlib import asynccontextmanager
 
-import pytest
 import trio
 
+from agent_clis import assert_the_suite_command_installs, documented_agent_command, installed_cli
 from fake_gemini import FakeGemini, function_call, function_responses, offered_tools, text
 from harness import PYTHON, Deployment
 from oubliette_client.mcp_config import GEMINI_CLI, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from test_claude_code import INSTANCE, documented_lines, notify_turn, scratch
+from test_claude_code import INSTANCE, notify_turn, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 GEMINI = ROOT / ".gemini-cli" / "gemini"
@@ -36,18 +35,7 @@ DOC = ROOT / "docs" / "AGENTS.md"
 
 def gemini_binary() -> str:
     """The installed CLI's path; the test fails (never skips) when it is not there."""
-    if not os.access(GEMINI, os.X_OK):
-        pytest.fail(f"Gemini CLI is not installed at {GEMINI}: run {INSTALL} (README command 2 and .ci/run do)")
-    return str(GEMINI)
-
-
-def documented_agent_command() -> list[str]:
-    """docs/AGENTS.md's guest runtime line for Gemini CLI: the agent command after `--`."""
-    for _env, words in documented_lines(DOC):
-        if words[:2] == ["oubliette-client", "run"] and "gemini" in words:
-            command = words[words.index("--") + 1:]
-            return [gemini_binary() if word == "gemini" else word for word in command]
-    pytest.fail(f"{DOC.name} shows no guest runtime line for Gemini CLI")
+    return installed_cli(GEMINI, INSTALL)
 
 
 def gemini_env(fake_url: str, home: Path) -> dict[str, str]:
@@ -63,7 +51,7 @@ def gemini_env(fake_url: str, home: Path) -> dict[str, str]:
 async def gemini_agent(deployment: Deployment, script: list[Any]) -> AsyncIterator[FakeGemini]:
     """The scripted model, and the guest runtime for INSTANCE running the doc's Gemini line in
     an empty working directory, until the block ends."""
-    command = documented_agent_command()
+    command = documented_agent_command(DOC, "gemini", gemini_binary())
     assert any("{gemini_home}" in word for word in command), command
     fake = FakeGemini(script)
     async with trio.open_nursery() as nursery:
@@ -98,15 +86,8 @@ async def test_gemini_cli_as_the_agent_calls_a_caller_tool(deployment: Deploymen
 
 
 def test_the_suite_command_installs_the_gemini_cli_these_tests_run() -> None:
-    """README command 2 (.ci/run's command) runs the install script, and the installed CLI is
-    the version that script pins."""
-    ci_line = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines()
-                   if "pytest" in line and not line.startswith("#"))
-    assert ci_line in (ROOT / "README.md").read_text().splitlines()
-    assert f"(bash {INSTALL})" in ci_line
-    pinned = (ROOT / INSTALL).read_text().split("\nVERSION=", 1)[1].split("\n", 1)[0]
-    done = subprocess.run([gemini_binary(), "--version"], capture_output=True, text=True, timeout=60)
-    assert done.stdout.strip() == pinned, done
+    """README command 2 installs the pinned Gemini CLI these tests run."""
+    assert_the_suite_command_installs(INSTALL, gemini_binary())
 
 
 def test_the_generated_gemini_home_holds_the_session_entry(tmp_path: Path) -> None:
