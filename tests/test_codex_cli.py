@@ -13,57 +13,40 @@ missing CLI fails these tests: it is part of the test setup.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import tomllib
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-import pytest
 import trio
 
 from fake_codex import FakeCodexAPI, deferred_namespaces, function_call, function_outputs, text
-from harness import PYTHON, Deployment
+import agent_cli
+from agent_cli import check_suite_installs, clean_env, installed
+from harness import Deployment
 from oubliette_client.mcp_config import CODEX, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from test_claude_code import INSTANCE, documented_lines, notify_turn, scratch
+from test_claude_code import INSTANCE, notify_turn, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 CODEX_CLI = ROOT / ".codex-cli" / "codex"
 INSTALL = "tests/tools/install-codex-cli.sh"
-DOC = ROOT / "docs" / "AGENTS.md"
 
 
 def codex_binary() -> str:
-    """The installed CLI's path; the test fails (never skips) when it is not there."""
-    if not os.access(CODEX_CLI, os.X_OK):
-        pytest.fail(f"Codex is not installed at {CODEX_CLI}: run {INSTALL} (README command 2 and .ci/run do)")
-    return str(CODEX_CLI)
+    """The installed CLI's path."""
+    return installed(CODEX_CLI, INSTALL)
 
 
 def documented_agent_command() -> list[str]:
     """docs/AGENTS.md's guest runtime line for Codex: the agent command after `--`."""
-    for _env, words in documented_lines(DOC):
-        if words[:2] == ["oubliette-client", "run"] and "codex" in words:
-            command = words[words.index("--") + 1:]
-            return [codex_binary() if word == "codex" else word for word in command]
-    pytest.fail(f"{DOC.name} shows no guest runtime line for Codex")
+    return agent_cli.documented_agent_command("codex", codex_binary())
 
 
 def with_provider(command: list[str], fake_url: str) -> list[str]:
     """`command` with the stand-in as Codex's model provider (`-c` overrides before the prompt)."""
     provider = f'model_providers.fake={{name="fake",base_url="{fake_url}/v1",env_key="OPENAI_API_KEY",wire_api="responses"}}'
     return [*command[:-1], "-c", 'model_provider="fake"', "-c", provider, command[-1]]
-
-
-def codex_env(home: Path) -> dict[str, str]:
-    """A clean environment for Codex: its own HOME, a stand-in key, none of the host's Codex or
-    Oubliette settings."""
-    env = {key: os.environ[key] for key in ("LANG", "LC_ALL", "TMPDIR") if key in os.environ}
-    env.update({"PATH": os.pathsep.join([str(Path(PYTHON).parent), os.environ.get("PATH", os.defpath)]),
-                "HOME": str(home), "OPENAI_API_KEY": "stand-in"})
-    return env
 
 
 @asynccontextmanager
@@ -75,7 +58,7 @@ async def codex_agent(deployment: Deployment, script: list[Any]) -> AsyncIterato
     fake = FakeCodexAPI(script)
     async with trio.open_nursery() as nursery:
         await nursery.start(fake.serve)
-        env = codex_env(scratch(deployment, "home"))
+        env = clean_env(scratch(deployment, "home"), OPENAI_API_KEY="stand-in")
         async with deployment.guest(INSTANCE, with_provider(command, fake.url), env=env, cwd=scratch(deployment, "work")):
             yield fake
         nursery.cancel_scope.cancel()
@@ -106,13 +89,7 @@ async def test_codex_as_the_agent_calls_a_caller_tool(deployment: Deployment) ->
 def test_the_suite_command_installs_the_codex_cli_these_tests_run() -> None:
     """README command 2 (.ci/run's command) runs the install script, and the installed CLI is
     the version that script pins."""
-    ci_line = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines()
-                   if "pytest" in line and not line.startswith("#"))
-    assert ci_line in (ROOT / "README.md").read_text().splitlines()
-    assert f"(bash {INSTALL})" in ci_line
-    pinned = (ROOT / INSTALL).read_text().split("\nVERSION=", 1)[1].split("\n", 1)[0]
-    done = subprocess.run([codex_binary(), "--version"], capture_output=True, text=True, timeout=60)
-    assert done.stdout.strip() == f"codex-cli {pinned}", done
+    check_suite_installs(INSTALL, codex_binary(), "codex-cli {}")
 
 
 def test_the_generated_codex_home_holds_the_session_entry(tmp_path: Path) -> None:

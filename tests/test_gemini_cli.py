@@ -12,51 +12,34 @@ missing CLI fails these tests: it is part of the test setup.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any, AsyncIterator
 from contextlib import asynccontextmanager
 
-import pytest
 import trio
 
 from fake_gemini import FakeGemini, function_call, function_responses, offered_tools, text
-from harness import PYTHON, Deployment
+import agent_cli
+from agent_cli import check_suite_installs, clean_env, installed
+from harness import Deployment
 from oubliette_client.mcp_config import GEMINI_CLI, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from test_claude_code import INSTANCE, documented_lines, notify_turn, scratch
+from test_claude_code import INSTANCE, notify_turn, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 GEMINI = ROOT / ".gemini-cli" / "gemini"
 INSTALL = "tests/tools/install-gemini-cli.sh"
-DOC = ROOT / "docs" / "AGENTS.md"
 
 
 def gemini_binary() -> str:
-    """The installed CLI's path; the test fails (never skips) when it is not there."""
-    if not os.access(GEMINI, os.X_OK):
-        pytest.fail(f"Gemini CLI is not installed at {GEMINI}: run {INSTALL} (README command 2 and .ci/run do)")
-    return str(GEMINI)
+    """The installed CLI's path."""
+    return installed(GEMINI, INSTALL)
 
 
 def documented_agent_command() -> list[str]:
     """docs/AGENTS.md's guest runtime line for Gemini CLI: the agent command after `--`."""
-    for _env, words in documented_lines(DOC):
-        if words[:2] == ["oubliette-client", "run"] and "gemini" in words:
-            command = words[words.index("--") + 1:]
-            return [gemini_binary() if word == "gemini" else word for word in command]
-    pytest.fail(f"{DOC.name} shows no guest runtime line for Gemini CLI")
-
-
-def gemini_env(fake_url: str, home: Path) -> dict[str, str]:
-    """A clean environment for Gemini CLI: the stand-in model, its own HOME, none of the host's
-    Gemini or Oubliette settings."""
-    env = {key: os.environ[key] for key in ("LANG", "LC_ALL", "TMPDIR") if key in os.environ}
-    env.update({"PATH": os.pathsep.join([str(Path(PYTHON).parent), os.environ.get("PATH", os.defpath)]),
-                "HOME": str(home), "GOOGLE_GEMINI_BASE_URL": fake_url, "GEMINI_API_KEY": "stand-in"})
-    return env
+    return agent_cli.documented_agent_command("gemini", gemini_binary())
 
 
 @asynccontextmanager
@@ -68,7 +51,7 @@ async def gemini_agent(deployment: Deployment, script: list[Any]) -> AsyncIterat
     fake = FakeGemini(script)
     async with trio.open_nursery() as nursery:
         await nursery.start(fake.serve)
-        env = gemini_env(fake.url, scratch(deployment, "home"))
+        env = clean_env(scratch(deployment, "home"), GOOGLE_GEMINI_BASE_URL=fake.url, GEMINI_API_KEY="stand-in")
         async with deployment.guest(INSTANCE, command, env=env, cwd=scratch(deployment, "work")):
             yield fake
         nursery.cancel_scope.cancel()
@@ -100,13 +83,7 @@ async def test_gemini_cli_as_the_agent_calls_a_caller_tool(deployment: Deploymen
 def test_the_suite_command_installs_the_gemini_cli_these_tests_run() -> None:
     """README command 2 (.ci/run's command) runs the install script, and the installed CLI is
     the version that script pins."""
-    ci_line = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines()
-                   if "pytest" in line and not line.startswith("#"))
-    assert ci_line in (ROOT / "README.md").read_text().splitlines()
-    assert f"(bash {INSTALL})" in ci_line
-    pinned = (ROOT / INSTALL).read_text().split("\nVERSION=", 1)[1].split("\n", 1)[0]
-    done = subprocess.run([gemini_binary(), "--version"], capture_output=True, text=True, timeout=60)
-    assert done.stdout.strip() == pinned, done
+    check_suite_installs(INSTALL, gemini_binary())
 
 
 def test_the_generated_gemini_home_holds_the_session_entry(tmp_path: Path) -> None:

@@ -1,0 +1,55 @@
+"""What the real-agent-CLI tests share (tests/test_gemini_cli.py, tests/test_codex_cli.py): the
+installed CLI, docs/AGENTS.md's guest runtime line for it, a clean environment, and the check
+that the suite command installs the pinned version."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness import PYTHON
+from test_claude_code import documented_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "AGENTS.md"
+
+
+def installed(program: Path, install: str) -> str:
+    """The installed CLI's path; the test fails (never skips) when it is not there."""
+    if not os.access(program, os.X_OK):
+        pytest.fail(f"{program.name} is not installed at {program}: run {install} (README command 2 and .ci/run do)")
+    return str(program)
+
+
+def documented_agent_command(name: str, binary: str) -> list[str]:
+    """docs/AGENTS.md's guest runtime line running `name`: the agent command after `--`, with
+    `name` replaced by the installed `binary`."""
+    for _env, words in documented_lines(DOC):
+        if words[:2] == ["oubliette-client", "run"] and name in words:
+            command = words[words.index("--") + 1:]
+            return [binary if word == name else word for word in command]
+    pytest.fail(f"{DOC.name} shows no guest runtime line for {name}")
+
+
+def clean_env(home: Path, **settings: str) -> dict[str, str]:
+    """A clean environment for an agent CLI: its own HOME, `settings`, none of the host's agent
+    or Oubliette settings."""
+    env = {key: os.environ[key] for key in ("LANG", "LC_ALL", "TMPDIR") if key in os.environ}
+    env.update({"PATH": os.pathsep.join([str(Path(PYTHON).parent), os.environ.get("PATH", os.defpath)]),
+                "HOME": str(home), **settings})
+    return env
+
+
+def check_suite_installs(install: str, binary: str, version_output: str = "{}") -> None:
+    """README command 2 (.ci/run's command) runs `install`, and `binary --version` reports the
+    version that script pins (as `version_output` formats it)."""
+    ci_line = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                   if "pytest" in line and not line.startswith("#"))
+    assert ci_line in (ROOT / "README.md").read_text().splitlines()
+    assert f"(bash {install})" in ci_line
+    pinned = (ROOT / install).read_text().split("\nVERSION=", 1)[1].split("\n", 1)[0]
+    done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == version_output.format(pinned), done
