@@ -1,8 +1,9 @@
 """Per-session agent config files: each agent's shape of "start this `oubliette-client`".
 
 The guest runtime writes one for each session and placeholder in the agent command, so an
-agent given `{mcp_config}` (Claude Code's `--mcp-config`) or `{gemini_home}` (a Gemini CLI
-home holding `.gemini/settings.json`) or `{opencode_config}` (OpenCode's `OPENCODE_CONFIG`) starts `oubliette-client` bound to that session. The file name must be
+agent given `{mcp_config}` (Claude Code's `--mcp-config`), `{gemini_home}` (a Gemini CLI
+home holding `.gemini/settings.json`), `{opencode_config}` (OpenCode's `OPENCODE_CONFIG`) or
+`{codex_home}` (a Codex home holding `config.toml`) starts `oubliette-client` bound to that session. The file name must be
 distinct for distinct sessions (two sessions sharing a file would bind both agents to
 whichever wrote last), so it ends in a hash of the whole key.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import attrs
+import tomli_w
 
 from .permission_prompt import APPROVAL_WAIT
 from .settings import RelaySettings
@@ -31,6 +33,8 @@ CALLER_WAIT = 60.0
 AGENT_TOOL_TIMEOUT_MS = int((APPROVAL_WAIT + CALLER_WAIT) * 1000)
 #: The auth method of a generated Gemini CLI home: an API key, from `GEMINI_API_KEY`.
 GEMINI_AUTH = "gemini-api-key"
+#: How long Codex waits for `oubliette-client` to start and list its tools (seconds).
+CODEX_STARTUP_TIMEOUT_SEC = 30
 
 
 def client_command() -> list[str]:
@@ -82,23 +86,45 @@ def opencode_config(settings: RelaySettings, session: str | None) -> dict[str, A
     return {"mcp": {SERVER_NAME: local}}
 
 
+def codex_config(settings: RelaySettings, session: str | None) -> dict[str, Any]:
+    """A Codex `config.toml` that starts this `oubliette-client` bound to `session`.
+
+    `tool_timeout_sec`: Codex's limit on one call must outlast approvals and caller answers
+    (its default is 60 s). `startup_timeout_sec`: the client's start and tool listing.
+    `default_tools_approval_mode`: `codex exec` refuses a tool call that would need a person's
+    approval; the gate is the server's approvals. `required`: Codex waits for the client before
+    the first model request (else, on a slow start, the turn runs without the relay's tools).
+    """
+    entry = {**client_entry(settings, session), "startup_timeout_sec": CODEX_STARTUP_TIMEOUT_SEC,
+             "tool_timeout_sec": AGENT_TOOL_TIMEOUT_MS / 1000, "default_tools_approval_mode": "approve",
+             "required": True}
+    return {"mcp_servers": {SERVER_NAME: entry}}
+
+
+def json_text(document: dict[str, Any]) -> str:
+    """A JSON config file's text."""
+    return json.dumps(document, indent=2)
+
+
 @attrs.frozen
 class ConfigShape:
     """One agent's config: the placeholder the agent command names it by, its file name's start,
     its document, and `home`: where the file goes in a per-session directory that the placeholder
     names instead (Gemini CLI takes a home, `GEMINI_CLI_HOME`: it ignores a system settings file
-    that root does not own)."""
+    that root does not own; Codex one, `CODEX_HOME`), and `text`: the file's format."""
 
     placeholder: str
     prefix: str
     document: Callable[[RelaySettings, str | None], dict[str, Any]]
     home: str | None = None
+    text: Callable[[dict[str, Any]], str] = json_text
 
 
 CLAUDE_CODE = ConfigShape("{mcp_config}", "mcp", mcp_config)
 GEMINI_CLI = ConfigShape("{gemini_home}", "gemini", gemini_settings, home=".gemini/settings.json")
 OPENCODE = ConfigShape("{opencode_config}", "opencode", opencode_config)
-SHAPES = (CLAUDE_CODE, GEMINI_CLI, OPENCODE)
+CODEX = ConfigShape("{codex_home}", "codex", codex_config, home="config.toml", text=tomli_w.dumps)
+SHAPES = (CLAUDE_CODE, GEMINI_CLI, OPENCODE, CODEX)
 
 
 def config_file_name(session: str | None, prefix: str = CLAUDE_CODE.prefix) -> str:
@@ -126,5 +152,5 @@ def write_mcp_config(directory: Path, settings: RelaySettings, session: str | No
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
-        json.dump(shape.document(settings, session), handle, indent=2)
+        handle.write(shape.text(shape.document(settings, session)))
     return path if home is None else home

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import PYTHON
 from test_claude_code import documented_lines
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,13 +33,22 @@ def documented_agent_command(doc: Path, program: str, binary: str) -> list[str]:
     pytest.fail(f"{doc.name} shows no guest runtime line for {program}")
 
 
-def assert_the_suite_command_installs(install: str, binary: str) -> None:
-    """README command 2 (.ci/run's command, the same line) runs `install`, and `binary` reports
-    the version that script pins."""
+def clean_env(home: Path, **settings: str) -> dict[str, str]:
+    """A clean environment for an agent CLI: its own HOME, `settings`, none of the host's agent
+    or Oubliette settings."""
+    env = {key: os.environ[key] for key in ("LANG", "LC_ALL", "TMPDIR") if key in os.environ}
+    env.update({"PATH": os.pathsep.join([str(Path(PYTHON).parent), os.environ.get("PATH", os.defpath)]),
+                "HOME": str(home), **settings})
+    return env
+
+
+def assert_the_suite_command_installs(install: str, binary: str, version_output: str = "{}") -> None:
+    """README command 2 (.ci/run's command, the same line) runs `install`, and `binary --version`
+    reports the version that script pins (as `version_output` formats it)."""
     ci_line = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines()
                    if "pytest" in line and not line.startswith("#"))
     assert ci_line in (ROOT / "README.md").read_text().splitlines()
     assert f"(bash {install})" in ci_line
     pinned = (ROOT / install).read_text().split("\nVERSION=", 1)[1].split("\n", 1)[0]
     done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
-    assert done.stdout.strip() == pinned, done
+    assert done.stdout.strip() == version_output.format(pinned), done

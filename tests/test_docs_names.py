@@ -37,6 +37,7 @@ NOT_CODE: dict[str, str] = {
     "MCP_ENDPOINT": "the convention of agents that run a command as their tool endpoint",
     "MCP_TIMEOUT": "Claude Code's variable",
     "GEMINI_CLI_HOME": "Gemini CLI's variable",
+    "CODEX_HOME": "Codex's variable",
     "GEMINI_CLI_SYSTEM_SETTINGS_PATH": "Gemini CLI's variable",
     "mcp_oubliette_time.get_current_time": "Gemini CLI's name for an MCP tool",
     "OPENCODE_CONFIG": "OpenCode's variable",
