@@ -610,15 +610,22 @@ def main() -> int:
         args.warmup = 20 if args.quick else 50
     if min(args.calls, args.throughput_calls) < 1 or args.warmup < 0:
         parser.error("counts must be positive")
+    return run_in_workdir("bench_relay", bench_modes, args)
+
+
+def run_in_workdir(name: str, bench: Callable[[Path, argparse.Namespace], Awaitable[None]],
+                   args: argparse.Namespace) -> int:
+    """`bench(workdir, args)` under Trio in a new temporary directory, removed after: status 1
+    with one line when it raised a BenchError (a wrong result), else 0."""
     # Short path: a Unix socket path is limited to ~100 bytes.
     workdir = Path(tempfile.mkdtemp(prefix="oub-bench-", dir="/tmp"))
     try:
-        trio.run(bench_modes, workdir, args)
+        trio.run(bench, workdir, args)
     except BaseException as exc:  # noqa: B036 - only to find a BenchError inside exception groups
         err = bench_error_in(exc)
         if err is None:
             raise
-        print(f"bench_relay: {err}", file=sys.stderr)
+        print(f"{name}: {err}", file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
