@@ -84,6 +84,7 @@ class HttpCaller:
         self.answered = 0
         self.failures: list[str] = []
         self.owner: dict[str, str] = {}  # 2026-07-28: the `owner_key` session_message returned
+        self.polls = 0
 
     async def on_log(self, params: Any) -> None:
         if getattr(params, "logger", None) == "oubliette" and isinstance(params.data, dict):
@@ -99,6 +100,7 @@ class HttpCaller:
             if read.is_error:
                 raise BenchError("session_events failed: " + " ".join(getattr(b, "text", "") for b in read.content))
             frames = (read.structured_content or {}).get("frames", [])
+            self.polls += 1
             for frame in frames:
                 self.send.send_nowait(frame["payload"])
             if frames:
@@ -140,7 +142,8 @@ async def run_as_http_caller(url: str, token: str, era: str, new_connection: boo
         while await stdin.receive_some(4096):
             pass
         nursery.cancel_scope.cancel()
-    print(json.dumps({"answered": caller_side.answered, "failures": caller_side.failures}), flush=True)
+    print(json.dumps({"answered": caller_side.answered, "failures": caller_side.failures, "polls": caller_side.polls}),
+          flush=True)
 
 
 # -- the bench -------------------------------------------------------------------------------
@@ -226,6 +229,8 @@ async def relayed(workdir: Path, caller_command: list[str], server_pid: int | No
             figures = await measure(checked_call(client, RELAYED_NAME), server_pid or ready["server_pid"], name, args)
         await caller.stdin.aclose()
         summary = await read_json_line(caller.stdout, buffer)
+    print(f"  {name}: caller answered {summary.get('answered')}, in {summary.get('polls', '-')} session_events polls",
+          file=sys.stderr, flush=True)
     if summary.get("failures"):
         raise BenchError(f"caller_tool_response failed {len(summary['failures'])} times: {summary['failures'][0]}")
     return figures
