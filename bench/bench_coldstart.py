@@ -24,11 +24,11 @@ ratio of the medians for each (client/SDK; the target is ≤ 1.0 at ``initialize
 Not part of the test suite.
 
 Like with like: bytecode.  The SDK's modules were compiled to ``__pycache__`` when pip installed
-them; this checkout's ``protocol`` and ``oubliette_client`` (an editable install) are compiled
+them; this checkout's ``protocol``, ``oubliette_runtime`` and ``oubliette_client`` (an editable install) are compiled
 only when an interpreter may write bytecode, and with ``PYTHONDONTWRITEBYTECODE`` set (as on the
 machines these figures were taken on) never: every start of oubliette-client then compiled about
 twenty modules from source (~60 ms) that an installed wheel or a second start would not.  So the
-script first compiles those two packages (``compileall``, into their gitignored ``__pycache__``),
+script first compiles those three packages (``compileall``, into their gitignored ``__pycache__``),
 as an install does; ``--source`` skips that and times them compiled from source at every start
 (if no bytecode is there yet).
 """
@@ -121,9 +121,9 @@ async def time_help(argv: list[str]) -> float:
 
 
 def compile_project() -> None:
-    """Compile this checkout's two packages to bytecode, as installing them would (see the docstring)."""
+    """Compile this checkout's sandbox-side packages to bytecode, as installing them would (see the docstring)."""
     subprocess.run(
-        [PYTHON, "-m", "compileall", "-q", str(ROOT / "protocol"), str(ROOT / "oubliette_client")],
+        [PYTHON, "-m", "compileall", "-q", *(str(ROOT / package) for package in ("protocol", "oubliette_runtime", "oubliette_client"))],
         check=True, stdout=subprocess.DEVNULL, cwd=ROOT,
     )
 

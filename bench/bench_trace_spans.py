@@ -18,7 +18,7 @@ Four modes, alternating round by round so that load drifting hits all alike: `of
 path the programs take without `OTEL_*`), `make` (the SDK set up with an exporter that drops
 every batch: making and ending spans), `export` (the SDK exporting over OTLP/HTTP to
 bench/otlp_sink.py, started here as a process of its own, with the programs' setup,
-protocol/telemetry.py), and `sdk` (the SDK's floor: the same three spans, names, kinds,
+oubliette_runtime/telemetry.py), and `sdk` (the SDK's floor: the same three spans, names, kinds,
 attributes and parents, made straight through the OpenTelemetry API and exported as `export`
 does, with none of the programs' code: no `_meta` read or written, no relay params parsed).
 `export − off` is what tracing costs the programs per call; `sdk` is the part of it that is the
@@ -101,7 +101,7 @@ def run_mode(mode: str, calls: int, endpoint: str) -> dict[str, float]:
     if mode in ("export", "sdk"):
         os.environ.update({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
                            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": "bench"})
-        from protocol import telemetry
+        from oubliette_runtime import telemetry
 
         assert telemetry.configure_tracing("bench")
     elif mode == "make":
@@ -116,10 +116,11 @@ def run_mode(mode: str, calls: int, endpoint: str) -> dict[str, float]:
         provider = TracerProvider()
         provider.add_span_processor(BatchSpanProcessor(Drop()))
         trace.set_tracer_provider(provider)
-        from protocol import telemetry
+        from oubliette_runtime import telemetry
 
         telemetry._provider = provider
-    from protocol import parse_params, telemetry, trace_spans
+    from oubliette_runtime import telemetry, trace_spans
+    from protocol import parse_params
 
     if mode == "sdk":
         from opentelemetry import trace

@@ -22,7 +22,7 @@ Run:  python examples/demo.py
 
 from __future__ import annotations
 
-from protocol.interrupts import INTERRUPTED, exception_leaves, exit_on_interrupt, raise_on_interrupt
+from oubliette_runtime.interrupts import INTERRUPTED, exception_leaves, exit_on_interrupt, raise_on_interrupt
 
 exit_on_interrupt()  # Ctrl-C while the imports below load (a second): status 130, no traceback
 

@@ -23,12 +23,12 @@ import sys
 
 import trio
 
+from oubliette_runtime.command_line import OneLineParser, positive_seconds as cli_seconds
+from oubliette_runtime.command_line import log_level as log_level_name
+from oubliette_runtime.interrupts import exit_status, failure_line
+from oubliette_runtime.log_format import add_log_format_option
+from oubliette_runtime.telemetry import setup_observability
 from protocol import VERSION
-from protocol.command_line import OneLineParser, positive_seconds as cli_seconds
-from protocol.command_line import log_level as log_level_name
-from protocol.interrupts import exit_status, failure_line
-from protocol.log_format import add_log_format_option
-from protocol.telemetry import setup_observability
 
 from .settings import add_relay_arguments, positive_seconds, settings_from_args
 

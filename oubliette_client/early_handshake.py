@@ -54,11 +54,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import trio
 
+from oubliette_runtime.fast_tool_calls import error_line, is_request_id, response_line, switched_on
+from oubliette_runtime.gc_freeze import freeze_startup_heap
+from oubliette_runtime.stdio_streams import claimed_stdio
+from oubliette_runtime.telemetry import tracing_configured
 from protocol import VERSION, errors
-from protocol.fast_tool_calls import error_line, is_request_id, response_line, switched_on
-from protocol.gc_freeze import freeze_startup_heap
-from protocol.telemetry import tracing_configured
-from protocol.stdio_streams import claimed_stdio
 
 from .sandbox_tools import SandboxTools
 from .settings import RelaySettings

@@ -39,10 +39,10 @@ from typing import Any
 
 import trio
 
+from oubliette_runtime.peer_text import escape
+from oubliette_runtime.trace_spans import Turn, turn_span
 from protocol import Frame, RelayError, errors, messages
 from protocol.frames import FrameType
-from protocol.peer_text import escape
-from protocol.trace_spans import Turn, turn_span
 
 from .mcp_config import SHAPES, write_mcp_config
 from .relay_link import RelayLink

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from oubliette_runtime.trace_spans import current_meta
 from protocol import RelayError, errors
 from protocol.descriptors import DESCRIPTOR_META_KEY
-from protocol.trace_spans import current_meta
 
 if TYPE_CHECKING:
     from protocol import CallerToolSpec, ToolsetToolSpec, UnavailableToolset

@@ -27,10 +27,10 @@ from mcp.server.lowlevel.server import NotificationOptions
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
+from oubliette_runtime.fast_tool_calls import FastToolCalls, Handler, call_result, fast_calls_enabled, tool_error
+from oubliette_runtime.stdio_streams import claimed_stdio
+from oubliette_runtime.telemetry import guard_sdk_extraction
 from protocol import VERSION
-from protocol.fast_tool_calls import FastToolCalls, Handler, call_result, fast_calls_enabled, tool_error
-from protocol.stdio_streams import claimed_stdio
-from protocol.telemetry import guard_sdk_extraction
 
 from .permission_prompt import PERMISSION_PROMPT
 from .progress import DEFAULT_PROGRESS_INTERVAL, AgentProgress
@@ -69,7 +69,7 @@ class SandboxToolServer:
     `progress_interval` seconds, and the caller's or toolset's own reports.
 
     A handshake-era agent's plain calls of relayed tools are answered off the SDK's dispatcher
-    (`protocol.fast_tool_calls`, through `fast_route`), with the same `answer_call`.
+    (`oubliette_runtime.fast_tool_calls`, through `fast_route`), with the same `answer_call`.
 
     Owns: the `SandboxTools` (its registry and `client`-role link) and, inside `run_stdio`,
     the link's task, the task announcing list changes and the fast path's calls; one progress

@@ -1,7 +1,8 @@
 """The package boundaries hold: the import contracts of pyproject.toml, and no import cycle.
 
-`lint-imports` checks the contracts (protocol imports neither program, the programs are
-independent, protocol's layers). Separately, no package may contain an import cycle among
+`lint-imports` checks the contracts (protocol imports neither program nor the runtime, nor the
+MCP SDK or OpenTelemetry; the runtime imports neither program; the programs are
+independent; each package's layers). Separately, no package may contain an import cycle among
 its own modules, counting every import statement, including those inside functions: an
 import hidden in a function to break a cycle is still a cycle.
 """
@@ -17,7 +18,7 @@ import grimp
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("protocol", "oubliette_server", "oubliette_client")
+PACKAGES = ("protocol", "oubliette_runtime", "oubliette_server", "oubliette_client")
 LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 
 

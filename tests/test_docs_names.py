@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-PACKAGES = ("protocol", "oubliette_server", "oubliette_client")
+PACKAGES = ("protocol", "oubliette_runtime", "oubliette_server", "oubliette_client")
 CODE_DIRS = (*PACKAGES, "tests", "bench", "examples")
 
 #: Tokens shaped like code names that name no code of this repository (with why).

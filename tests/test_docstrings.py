@@ -15,7 +15,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("oubliette_client", "oubliette_server", "protocol")
+PACKAGES = ("oubliette_client", "oubliette_server", "oubliette_runtime", "protocol")
 
 Definition = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
 

@@ -1,4 +1,4 @@
-"""The fast path for plain `tools/call` lines (protocol/fast_tool_calls.py), on its own and in both programs.
+"""The fast path for plain `tools/call` lines (oubliette_runtime/fast_tool_calls.py), on its own and in both programs.
 
 The unit tests feed lines to `FastToolCalls` in the test's loop. The end-to-end tests run the
 real programs twice, with the fast path on and off (`OUBLIETTE_FAST_CALLS=0`), and check that an
@@ -19,7 +19,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from harness import PYTHON, Deployment, EventLog, HandMcp, structured, text_of
-from protocol.fast_tool_calls import FastToolCalls, fast_calls_enabled
+from oubliette_runtime.fast_tool_calls import FastToolCalls, fast_calls_enabled
 
 TIMEOUT = 20
 

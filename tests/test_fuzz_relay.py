@@ -975,7 +975,7 @@ def test_an_append_id_names_one_frame() -> None:
 # Strings a peer chooses, drawn by hypothesis from the characters that forge a log line or drive a
 # terminal (newline, CR, ESC, the 8-bit CSI U+009B, C1 controls, bidi overrides and isolates, line
 # separators, NUL, lone surrogates) and around 900 KB, are played at the doors of one in-process
-# server whose log goes through both real formats (protocol/log_format.py), at DEBUG: a relay hello's
+# server whose log goes through both real formats (oubliette_runtime/log_format.py), at DEBUG: a relay hello's
 # claims, a relay request's tool and `_meta` trace context, a guest's frame type and reply_to, an HTTP
 # frame's type and msg_id and an HTTP path. Every line either format writes must be bounded and
 # hold no unprintable character (docs/SECURITY.md, "Peer strings in log lines and on the terminal").
@@ -1037,8 +1037,8 @@ def test_peer_strings_in_log_lines() -> None:
 
     from hypothesis import HealthCheck, given, settings
 
-    from protocol.log_format import TEXT_FORMAT, JsonFormatter, TextFormatter
-    from protocol.peer_text import MESSAGE_CHARS
+    from oubliette_runtime.log_format import TEXT_FORMAT, JsonFormatter, TextFormatter
+    from oubliette_runtime.peer_text import MESSAGE_CHARS
 
     @settings(max_examples=8, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -1,4 +1,4 @@
-"""The start-up heap frozen out of the collector's walks (protocol/gc_freeze.py): both real
+"""The start-up heap frozen out of the collector's walks (oubliette_runtime/gc_freeze.py): both real
 programs call `gc.freeze()` once they are up, and `OUBLIETTE_GC_FREEZE=0` leaves the collector
 as Python sets it."""
 
@@ -13,7 +13,7 @@ from test_telemetry import CALLER_LINES, _env_without_otel
 
 from harness import PYTHON, Deployment
 
-from protocol.gc_freeze import freeze_startup_heap
+from oubliette_runtime.gc_freeze import freeze_startup_heap
 
 #: Run one program's `main` with its arguments, and at exit say how many objects are frozen.
 PROBE = """

@@ -258,9 +258,9 @@ async def test_a_second_signal_stops_the_server_without_waiting_for_the_drain() 
 
 
 def test_a_failure_an_operator_can_fix_is_one_line_wherever_trio_puts_it() -> None:
-    """Both programs' rule (protocol/interrupts.py): an OSError, or a type the program names, inside
+    """Both programs' rule (oubliette_runtime/interrupts.py): an OSError, or a type the program names, inside
     nested exception groups beside cancellations is one line; anything else keeps its traceback."""
-    from protocol.interrupts import failure_line
+    from oubliette_runtime.interrupts import failure_line
 
     class Mistake(Exception):
         pass

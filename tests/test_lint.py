@@ -1,4 +1,4 @@
-"""The three packages type-check (mypy) and lint clean (ruff), with the settings of pyproject.toml.
+"""The four packages type-check (mypy) and lint clean (ruff), with the settings of pyproject.toml.
 
 Run here so that CI, which runs the README's test command, fails on a type error or an unused
 name as it fails on a broken test (the import contracts are checked the same way, in
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("protocol", "oubliette_server", "oubliette_client")
+PACKAGES = ("protocol", "oubliette_runtime", "oubliette_server", "oubliette_client")
 
 
 def _run(tool: str, *args: str) -> subprocess.CompletedProcess[str]:

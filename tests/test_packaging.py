@@ -28,8 +28,8 @@ import trio
 from harness import EVENT_TIMEOUT, PYTHON, Deployment, text_of
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("protocol", "oubliette_server", "oubliette_client")
-SANDBOX_PACKAGES = ("protocol", "oubliette_client")
+PACKAGES = ("protocol", "oubliette_runtime", "oubliette_server", "oubliette_client")
+SANDBOX_PACKAGES = ("protocol", "oubliette_runtime", "oubliette_client")
 #: What the sandbox install must not bring: the server's own dependencies and its extras'.
 SERVER_ONLY = {"hypercorn", "prometheus-client", "h2", "wsproto", "psycopg", "psycopg-pool", "oubliette-relay"}
 INSTALL_TIMEOUT = 600

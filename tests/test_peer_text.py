@@ -1,5 +1,5 @@
-"""Peer strings in log lines and on the operator's terminal (docs/SECURITY.md): protocol/peer_text.py
-escapes and bounds them, and both log formats (protocol/log_format.py) hold every record to it,
+"""Peer strings in log lines and on the operator's terminal (docs/SECURITY.md): oubliette_runtime/peer_text.py
+escapes and bounds them, and both log formats (oubliette_runtime/log_format.py) hold every record to it,
 whichever logger wrote it — ours or a library's on our behalf."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from protocol.log_format import TEXT_FORMAT, JsonFormatter, TextFormatter
-from protocol.peer_text import MESSAGE_CHARS, bounded, bounded_lines, escape, json_text
+from oubliette_runtime.log_format import TEXT_FORMAT, JsonFormatter, TextFormatter
+from oubliette_runtime.peer_text import MESSAGE_CHARS, bounded, bounded_lines, escape, json_text
 
 #: What a peer may put in a string to forge a log line or drive a terminal: a newline and a forged
 #: line, CR, ESC and an 8-bit CSI (U+009B), C1 controls, the bidi overrides and isolates, a line

@@ -1,6 +1,6 @@
 """Once per schema, and a clean end: a schema is compiled once, and the Trio-native stdio ends cleanly.
 
-Both stdio programs read and write stdin/stdout on Trio streams (protocol/stdio_streams.py):
+Both stdio programs read and write stdin/stdout on Trio streams (oubliette_runtime/stdio_streams.py):
 EOF on stdin and a reader that went away (broken pipe) must still end them, as they ended with
 the SDK's threaded transport.
 """

@@ -210,7 +210,7 @@ def test_the_dockerfile_runs_what_the_bwrap_test_runs() -> None:
     # The image installs the sandbox distribution (tests/test_packaging.py installs the same one): no server.
     assert "COPY . ./" in dockerfile  # the build context: what .dockerignore lets in
     context = (REPO / ".dockerignore").read_text().splitlines()
-    for package in ("protocol", "oubliette_client", "sandbox"):
+    for package in ("protocol", "oubliette_runtime", "oubliette_client", "sandbox"):
         assert f"!{package}" in context
     assert "RUN pip wheel --no-deps -w /wheels ./sandbox" in dockerfile
     assert "oubliette_server" not in dockerfile

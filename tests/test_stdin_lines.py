@@ -1,4 +1,4 @@
-"""One stdin line of the stdio MCP servers is bounded (protocol/stdio_streams.py).
+"""One stdin line of the stdio MCP servers is bounded (oubliette_runtime/stdio_streams.py).
 
 The unit tests read `StdinLines` over a real pipe, with its replies written through a real
 `StdoutText` over another pipe. The end-to-end tests send a line one byte over the default
@@ -24,7 +24,7 @@ import trio.testing
 from harness import PYTHON, Deployment, HandMcp
 from protocol.errors import INVALID_REQUEST
 from protocol.limits import MAX_PAYLOAD_BYTES_CEILING
-from protocol.stdio_streams import (
+from oubliette_runtime.stdio_streams import (
     DEFAULT_MAX_STDIN_LINE_BYTES,
     StdinLines,
     StdoutText,

@@ -1,5 +1,5 @@
 """Traces and structured logs (docs/OBSERVABILITY.md): W3C trace context in `_meta` and the
-environment (protocol/telemetry.py), the SDK set up from `OTEL_*` only when asked (and not even
+environment (oubliette_runtime/telemetry.py), the SDK set up from `OTEL_*` only when asked (and not even
 imported otherwise), one WARNING when the `otel` extra is missing, `--log-format json`, and both
 real programs exporting their spans over OTLP/HTTP (and the server over OTLP/gRPC) to a
 receiver this test runs on loopback."""
@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from harness import PYTHON, Deployment, HandMcp
 from otlp_sink import OtlpReceiver  # bench/, on the tests' path
 
-from protocol.log_format import JsonFormatter
-from protocol.telemetry import context_from_env, extract, inject, traceparent_env, tracing_requested
+from oubliette_runtime.log_format import JsonFormatter
+from oubliette_runtime.telemetry import context_from_env, extract, inject, traceparent_env, tracing_requested
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
@@ -129,8 +129,8 @@ WELL_FORMED_STATE = ",".join(f"k{n}=v{n}" for n in range(32))
 def test_trace_context_is_dropped_unless_well_formed_and_within_w3c_limits(meta: dict[str, Any], kept: set[str]) -> None:
     """`peer_trace_context` keeps each key only when well-formed and within W3C's limits, and
     OpenTelemetry, handed what it keeps, logs nothing (it logged a 900 KB tracestate whole)."""
-    from protocol.telemetry import ENV_CARRIERS, guard_sdk_extraction, peer_trace_context
-    from protocol.trace_spans import turn_environment
+    from oubliette_runtime.telemetry import ENV_CARRIERS, guard_sdk_extraction, peer_trace_context
+    from oubliette_runtime.trace_spans import turn_environment
 
     assert set(peer_trace_context(meta)) == kept
     guard_sdk_extraction()

@@ -22,8 +22,8 @@ from test_telemetry import _env_without_otel
 from harness import PYTHON, Deployment, EventLog, structured, text_of
 from otlp_sink import OtlpReceiver
 
+from oubliette_runtime.trace_spans import traced_relay_handler
 from protocol import parse_params
-from protocol.trace_spans import traced_relay_handler
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
@@ -496,7 +496,7 @@ async def test_an_invalid_relay_meta_is_ignored_never_an_error(meta: Any) -> Non
 async def test_a_relay_meta_passes_through_without_tracing() -> None:
     """No SDK configured: no span is recorded, but the client's context is what the handler sees
     (the caller is handed the agent's trace all the same)."""
-    from protocol.trace_spans import current_meta
+    from oubliette_runtime.trace_spans import current_meta
 
     params = parse_params("toolset_call", {"name": "x.t", "_meta": {"traceparent": PARENT}})
 
@@ -508,10 +508,10 @@ async def test_a_relay_meta_passes_through_without_tracing() -> None:
 
 async def test_the_fast_path_takes_a_call_with_trace_context_and_runs_it_there() -> None:
     """A handshake-era `tools/call` whose `_meta` carries `traceparent`/`tracestate` stays on the
-    fast path (protocol/fast_tool_calls.py), and its handler runs in that context, as under the
+    fast path (oubliette_runtime/fast_tool_calls.py), and its handler runs in that context, as under the
     SDK's span: what the handler relays on carries the agent's trace."""
-    from protocol.fast_tool_calls import FastToolCalls
-    from protocol.trace_spans import current_meta
+    from oubliette_runtime.fast_tool_calls import FastToolCalls
+    from oubliette_runtime.trace_spans import current_meta
 
     seen: list[Any] = []
     written: list[str] = []
@@ -549,7 +549,7 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> Any:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from protocol import telemetry, trace_spans
+    from oubliette_runtime import telemetry, trace_spans
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -563,8 +563,8 @@ async def test_the_servers_span_of_a_gated_call_and_of_its_approval_wait(recordi
     """Recording: the relay request's span has the MCP attributes, an error its code; the approval's
     wait is a span under it, open from the request to the decision, the one its `_meta` names,
     marked with the decision by the approvals' `on_decided` hook."""
+    from oubliette_runtime.trace_spans import approval_wait_span, record_approval_decision
     from protocol import RelayError, errors
-    from protocol.trace_spans import approval_wait_span, record_approval_decision
 
     handed: list[Any] = []
 
@@ -599,7 +599,7 @@ def test_the_fast_paths_span_is_the_one_the_sdk_makes(recording: Any) -> None:
     call's `_meta.traceparent`; a tool error marks it."""
     from opentelemetry.trace import SpanKind, StatusCode
 
-    from protocol.trace_spans import fast_call_span
+    from oubliette_runtime.trace_spans import fast_call_span
 
     with fast_call_span("send_notification", 7, {"traceparent": PARENT}) as ended:
         ended({"content": [], "isError": True})
@@ -618,7 +618,7 @@ async def test_a_client_span_left_by_an_exception_is_an_error_and_a_cancellation
     exception's type; a span left by a cancellation is no error."""
     from opentelemetry.trace import StatusCode
 
-    from protocol.trace_spans import fast_call_span
+    from oubliette_runtime.trace_spans import fast_call_span
 
     with pytest.raises(ConnectionResetError):
         with fast_call_span("send_notification", 1, {}):
@@ -639,7 +639,7 @@ def test_the_turns_span_under_the_messages_context(recording: Any) -> None:
     `tracestate` kept); a command's exit status is `process.exit.code`, a non-zero one an error."""
     from opentelemetry.trace import SpanKind, StatusCode
 
-    from protocol.trace_spans import turn_span
+    from oubliette_runtime.trace_spans import turn_span
 
     handed = []
     for code in (0, 3):
@@ -664,7 +664,7 @@ def test_a_turn_without_a_valid_context_is_a_root_and_its_failure_an_error(recor
     the agent command gets it; a turn that failed without an exit status says how."""
     from opentelemetry.trace import StatusCode
 
-    from protocol.trace_spans import turn_span
+    from oubliette_runtime.trace_spans import turn_span
 
     with turn_span(meta, "mcp:s1", "box1", "m1") as turn:
         turn.failed("timeout", "the agent command did not finish")
@@ -677,7 +677,7 @@ def test_a_turn_without_a_valid_context_is_a_root_and_its_failure_an_error(recor
 
 def test_without_tracing_a_turn_hands_on_the_messages_context_and_makes_no_span() -> None:
     """Tracing off in the guest runtime: no span, the frame's context handed on as it came."""
-    from protocol.trace_spans import turn_span
+    from oubliette_runtime.trace_spans import turn_span
 
     with turn_span({"traceparent": PARENT, "tracestate": "vendor=abc"}, "mcp:s1", "box1", "m1") as turn:
         turn.exited(3)  # nothing to mark

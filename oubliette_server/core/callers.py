@@ -24,7 +24,7 @@ import anyio
 import mcp_types as types
 import trio
 
-from protocol.fast_tool_calls import notification_line
+from oubliette_runtime.fast_tool_calls import notification_line
 
 from .task_host import TaskHost
 

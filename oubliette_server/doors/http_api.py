@@ -43,9 +43,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from oubliette_runtime.peer_text import bounded
 from protocol import RelayError, errors
 from protocol.limits import LimitExceeded
-from protocol.peer_text import bounded
 
 from ..core.auth import HTTP_ADMIN
 from ..core.callers import CallerConnection, CallerRegistry, keyed_identity

@@ -47,7 +47,7 @@ from protocol import (
     errors,
     messages,
 )
-from protocol.peer_text import bounded
+from oubliette_runtime.peer_text import bounded
 
 from ..core.auth import check_hello
 from .connection_limits import ConnectionAcceptor, FloodLog, RelayLimits

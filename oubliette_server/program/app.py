@@ -18,10 +18,10 @@ from typing import Any, Awaitable, Callable
 import attrs
 import trio
 
+from oubliette_runtime.trace_spans import record_approval_decision, traced_relay_handler
 from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_address
 from protocol.frames import FrameType
 from protocol.limits import Limits
-from protocol.trace_spans import record_approval_decision, traced_relay_handler
 
 from ..core.auth import TokenAuthority, ensure_private_dir
 from ..core.callers import CallerConnection, CallerRegistry
@@ -429,7 +429,7 @@ class OublietteServer:
         self, handler: Callable[[Any, Any], Awaitable[Any]], method: str, field: str
     ) -> Callable[[Any, Any], Awaitable[Any]]:
         """`handler`, refusing a request whose `field` is over the size or depth limit; a client's
-        call or approval runs in the server's span of it (protocol/trace_spans.py)."""
+        call or approval runs in the server's span of it (oubliette_runtime/trace_spans.py)."""
 
         async def checked(connection: Any, params: Any) -> Any:
             self.limits.check_value(getattr(params, field), f"{method} {field}")

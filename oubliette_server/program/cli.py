@@ -24,11 +24,10 @@ import signal
 import sys
 from pathlib import Path
 
-from protocol import parse_relay_address
-from protocol.command_line import OneLineParser
-from protocol.command_line import log_level as log_level_name
-from protocol.command_line import positive_seconds as cli_seconds
-from protocol.interrupts import (
+from oubliette_runtime.command_line import OneLineParser
+from oubliette_runtime.command_line import log_level as log_level_name
+from oubliette_runtime.command_line import positive_seconds as cli_seconds
+from oubliette_runtime.interrupts import (
     INTERRUPTED,
     exception_leaves,
     exit_status,
@@ -36,8 +35,9 @@ from protocol.interrupts import (
     is_interrupt,
     raise_on_interrupt,
 )
-from protocol.log_format import add_log_format_option, configure_logging
-from protocol.telemetry import setup_observability
+from oubliette_runtime.log_format import add_log_format_option, configure_logging
+from oubliette_runtime.telemetry import setup_observability
+from protocol import parse_relay_address
 
 from ..core.auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from ..doors.relay import SERVER_VERSION

@@ -30,7 +30,7 @@ is not configured gets one stderr line saying so (`unknown_instance_notice`), an
 all the same: an instance exists from its first guest's frame on, with nothing to configure.
 
 What a sandbox, a caller or an HTTP client wrote reaches the operator's terminal only escaped
-(protocol/peer_text.py): every character that is not printable — C0 and C1 controls (an 8-bit
+(oubliette_runtime/peer_text.py): every character that is not printable — C0 and C1 controls (an 8-bit
 CSI, U+009B, drives a terminal as ESC [ does), the bidi overrides and isolates — is written as an
 escape, in the table and `tail` lines as in `--json` (docs/SECURITY.md, "Peer strings in log
 lines and on the terminal"); a frame type is shown at most `MAX_FRAME_TYPE_CHARS` long.
@@ -48,9 +48,9 @@ from typing import Any, AsyncIterator, Protocol, Sequence, cast
 import attrs
 import trio
 
+from oubliette_runtime.peer_text import bounded, escape, json_text
 from protocol import Frame
 from protocol.frames import MAX_FRAME_TYPE_CHARS
-from protocol.peer_text import bounded, escape, json_text
 
 from ..core.server_owned import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
 from ..store.api import MAX_LIMIT, CursorPruned, FrameQuery, FrameStoreAPI

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from protocol.gc_freeze import freeze_startup_heap
+from oubliette_runtime.gc_freeze import freeze_startup_heap
 
 from ..core.pending_requests import SERVER_SHUTDOWN
 from .app import OublietteServer, ServingAddresses
@@ -109,7 +109,7 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> int | None:
             pid=os.getpid(), server=app.server_id, relay=bound.relay, http=bound.http, metrics=bound.metrics,
             instances=sorted(config.instances)))
         announce_ready(bound)
-        freeze_startup_heap()  # start-up is done: no collection walks its objects again (protocol/gc_freeze.py)
+        freeze_startup_heap()  # start-up is done: no collection walks its objects again (oubliette_runtime/gc_freeze.py)
         if stdio:
             await _serve_the_stdio_caller(app, config, nursery)
     return received[0] if received else None

@@ -11,8 +11,8 @@ from mcp.server.models import InitializationOptions
 from mcp.server.request_state import RequestStateBoundary, RequestStateSecurity
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
+from oubliette_runtime.telemetry import guard_sdk_extraction
 from protocol import VERSION
-from protocol.telemetry import guard_sdk_extraction
 
 from ...core.callers import CallerConnection
 from .tools import CallerApi

@@ -2,7 +2,7 @@
 
 A handshake-era caller's answers and its events skip the SDK's per-message machinery: plain
 `caller_tool_response` (no `wait`) and `caller_tool_progress` calls are answered by
-`protocol.fast_tool_calls`, and events are written as `notifications/message` lines directly
+`oubliette_runtime.fast_tool_calls`, and events are written as `notifications/message` lines directly
 (`CallerConnection.write_line`). Everything else goes through the SDK as before.
 """
 
@@ -13,19 +13,19 @@ from typing import Any
 import trio
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from protocol.fast_tool_calls import (
+from oubliette_runtime.fast_tool_calls import (
     FastToolCalls,
     Handler,
     call_result,
     fast_calls_enabled,
 )
-from protocol.stdio_streams import claimed_stdio
+from oubliette_runtime.stdio_streams import claimed_stdio
 
 from ...core.callers import CallerConnection, CallerRegistry
 from .mcp_server import build_caller_server, initialization_options
 from .tools import CallerApi
 
-#: Caller tools whose handshake-era calls skip the SDK's dispatcher (`protocol/fast_tool_calls.py`):
+#: Caller tools whose handshake-era calls skip the SDK's dispatcher (`oubliette_runtime/fast_tool_calls.py`):
 #: they need no request context (`caller_tool_response` only without `wait`).
 FAST_TOOLS = frozenset({"caller_tool_response", "caller_tool_progress"})
 

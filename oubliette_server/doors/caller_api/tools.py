@@ -15,14 +15,14 @@ from typing import Any, Awaitable, Callable
 
 import mcp_types as types
 
+from oubliette_runtime.fast_tool_calls import tool_error
+from oubliette_runtime.trace_spans import current_meta
 from protocol import CallerToolSpec, RelayError, errors, structure
 from protocol.descriptors import DESCRIPTOR_META_KEY, build_descriptor
-from protocol.fast_tool_calls import tool_error
 from protocol.frames import FrameType
 from protocol.limits import Limits
 from protocol.schema_check import first_problem
 from protocol.session_keys import channel_problem
-from protocol.trace_spans import current_meta
 
 from ...core.callers import CallerConnection
 from ...core.frame_log import FrameLog

@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, cast, get_args
 import attrs
 import trio
 
+from oubliette_runtime.trace_spans import approval_wait_span
 from protocol import Frame, RelayError, errors
 from protocol.frames import is_past
 from protocol.schema_check import schema_problem
 from protocol.timestamps import utc_timestamp
-from protocol.trace_spans import approval_wait_span
 
 from ...core.frame_log import AppendFrame as AppendFn
 from ...core.pending_requests import Crossing, PendingRequests, shut_down

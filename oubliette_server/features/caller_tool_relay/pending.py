@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import attrs
 import trio
 
+from oubliette_runtime.peer_text import bounded
+from oubliette_runtime.trace_spans import current_meta
 from protocol import CallerToolSpec, Frame, RelayError, errors
 from protocol.frames import is_past, utc_timestamp
-from protocol.peer_text import bounded
 from protocol.schema_check import schema_problem
-from protocol.trace_spans import current_meta
 
 from ...core.frame_log import AppendFrame as AppendFn
 from ...core.pending_requests import SERVER_SHUTDOWN, Crossing, PendingRequests, shut_down

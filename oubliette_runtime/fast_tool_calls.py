@@ -25,7 +25,7 @@ sent, as the SDK does; the notification still reaches the SDK, which ignores ids
 hold. Both programs turn the path off with `OUBLIETTE_FAST_CALLS=0`.
 
 Spans: a taken call gets the span the SDK would make (`tools/call {name}`, its attributes, under
-the call's `_meta.traceparent`; protocol/trace_spans.py `fast_call_span`) when spans are exported
+the call's `_meta.traceparent`; oubliette_runtime/trace_spans.py `fast_call_span`) when spans are exported
 or the call carries trace context to pass on, and none otherwise.
 
 Owns: one task per taken call, in the nursery `run` holds; each writes its own response.

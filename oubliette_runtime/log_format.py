@@ -12,7 +12,7 @@ Both formats hold every record to one rule, whoever logged it (ours, or a librar
 OpenTelemetry, the MCP SDK, hypercorn, psycopg): a log line never carries an unbounded or
 unescaped peer string. The message is escaped and cut at `peer_text.MESSAGE_CHARS` (a newline
 in it cannot forge a line), a JSON line's fields likewise, a traceback's lines each bounded
-(protocol/peer_text.py; docs/SECURITY.md, "Peer strings in log lines and on the terminal").
+(oubliette_runtime/peer_text.py; docs/SECURITY.md, "Peer strings in log lines and on the terminal").
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import logging
 import sys
 from typing import Any
 
+from protocol.timestamps import format_ms
+
 from .peer_text import MESSAGE_CHARS, bounded, bounded_lines, json_text
-from .timestamps import format_ms
 
 __all__ = ["LOG_FORMATS", "TEXT_FORMAT", "TextFormatter", "JsonFormatter", "add_log_format_option", "configure_logging"]
 

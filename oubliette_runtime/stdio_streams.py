@@ -36,7 +36,7 @@ from contextlib import contextmanager
 import anyio
 import trio
 
-from .errors import INVALID_REQUEST
+from protocol.errors import INVALID_REQUEST
 
 __all__ = [
     "DEFAULT_MAX_STDIN_LINE_BYTES", "StdinLines", "StdoutText", "claimed_stdio", "oversized_line_error", "request_id_of",

@@ -15,7 +15,7 @@ strings in log lines and on the terminal"). Every such output goes through this 
 - `json_text`: a JSON document (from `json.dumps(..., ensure_ascii=False)`) with the same
   characters as JSON escapes (`\\u009b`), so it stays valid JSON.
 
-It imports nothing of the project: both programs' log formats (protocol/log_format.py) and the
+It imports nothing of the project: both programs' log formats (oubliette_runtime/log_format.py) and the
 operator's view (oubliette_server/program/operator_view.py) use it.
 """
 
@@ -28,7 +28,7 @@ __all__ = ["VALUE_CHARS", "MESSAGE_CHARS", "escape", "bounded", "bounded_lines",
 VALUE_CHARS = 200
 """How much of one value a log line's field shows (`bounded`'s default)."""
 MESSAGE_CHARS = 4096
-"""How long one log record's message may be (protocol/log_format.py): ours are far shorter; a
+"""How long one log record's message may be (oubliette_runtime/log_format.py): ours are far shorter; a
 library's warning that quotes a peer's value is cut here."""
 
 _SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}

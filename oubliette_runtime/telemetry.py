@@ -143,7 +143,7 @@ def configure_tracing(service_name_default: str, environ: Mapping[str, str] = os
 
 def tracing_configured() -> bool:
     """Whether this process set the SDK up (`configure_tracing` returned True): spans are recorded
-    and exported. The paths beside the MCP SDK step aside then (protocol/trace_spans.py)."""
+    and exported. The paths beside the MCP SDK step aside then (oubliette_runtime/trace_spans.py)."""
     return _provider is not None
 
 

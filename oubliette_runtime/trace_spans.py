@@ -12,7 +12,7 @@ when that traces (`turn_span`). Names and attributes follow the OpenTelemetry
 semantic conventions for MCP (`tools/call {tool}`, `mcp.method.name`, `gen_ai.tool.name`,
 `mcp.session.id`).
 
-Cost: with no SDK configured (protocol/telemetry.py) nothing here builds a span unless a peer
+Cost: with no SDK configured (oubliette_runtime/telemetry.py) nothing here builds a span unless a peer
 sent a context to pass on, and then only the API's no-op span, which carries the peer's context
 through unchanged; attributes are set only on a recording span (`span.is_recording()`). An
 invalid `traceparent` is ignored (`telemetry.extract`), never an error.
@@ -161,7 +161,7 @@ def _no_result(result: Any) -> None:
 
 @contextmanager
 def fast_call_span(name: str, request_id: str | int, meta: dict[str, Any]) -> Iterator[Callable[[Any], None]]:
-    """The span the MCP SDK makes for a `tools/call` (protocol/fast_tool_calls.py takes the call
+    """The span the MCP SDK makes for a `tools/call` (oubliette_runtime/fast_tool_calls.py takes the call
     off the SDK's path): `tools/call {name}`, kind SERVER, its attributes, under `meta`'s
     `traceparent`. Yields a hook to call with the result object, which marks a tool error as the
     SDK does. Without tracing and without context in `meta`: no span at all."""
