@@ -8,8 +8,9 @@ store returns frames; everything that shows a frame to someone produces it from 
 - :meth:`Frame.to_event` is the flattened event pushed to a caller
   (README.md, "Caller tools").
 
-:data:`FRAME_SCHEMA` states the wire shape; :data:`INGRESS_SCHEMA`, what a producer outside
-the server may send (HTTP ingress), is derived from it.
+:data:`FRAME_SCHEMA` states the wire shape, derived from :class:`Frame` (its fields and their
+bounds); :data:`INGRESS_SCHEMA`, what a producer outside the server may send (HTTP ingress), is
+derived from it.
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ import attrs
 import trio
 
 from . import messages
-
 from .core import (
     NEED_DATA,
     ConnectionClosed,
