@@ -93,7 +93,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         'SessionRef', 'Frame', 'utc_timestamp',
     ),
     "messages": (
-        'PROTOCOL_VERSION', 'APPEND_ID_FEATURE', 'APPEND_ID_RULE', 'server_features', 'is_append_id', 'HELLO',
+        'PROTOCOL_VERSION', 'APPEND_ID_FEATURE', 'APPEND_ID_RULE', 'server_features', 'is_append_id',
+        'CALLER_ID_SCHEMA', 'HELLO',
         'CALLER_TOOLS_CONFIG', 'CALLER_TOOL', 'CANCEL', 'USER_MESSAGE',
         'ACK', 'APPEND_FRAME', 'TOOLSETS_CONFIG', 'TOOLSET_CALL', 'APPROVAL', 'PROGRESS', 'METHODS',
         'ROLE_CLIENT', 'ROLE_GUEST', 'ROLES', 'Hello', 'HelloResult', 'CallerToolSpec',
@@ -110,11 +111,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         'parse_action_response_line',
     ),
     "convert": (
-        'converter', 'make_converter', 'structure', 'unstructure', 'wire_label', 'StrictTypeError',
+        'converter', 'make_converter', 'structure', 'build_valid', 'unstructure', 'wire_label', 'StrictTypeError',
         'json_type_name',
     ),
     "schemas": (
-        'SCHEMA_DIALECT', 'SCHEMAS', 'CALLER_ID_SCHEMA', 'CALLER_TOOL_SPEC_SCHEMA', 'validate_params',
+        'SCHEMA_DIALECT', 'SCHEMAS', 'CALLER_TOOL_SPEC_SCHEMA', 'validate_params',
         'validator_for', 'parse_params',
     ),
     "core": (

@@ -31,7 +31,7 @@ import attrs
 
 from .errors import NOT_FOUND, TOOL_ERROR, RelayError, error_category
 from .schema_check import first_error, protocol_validator, require_valid
-from .schema_parts import NON_EMPTY, OBJECT, OPT_OBJECT, STRING, obj
+from .schema_parts import NON_EMPTY, OPT_OBJECT, STRING, bounded, obj, schema_of
 
 __all__ = [
     "DESCRIPTOR_META_KEY",
@@ -83,22 +83,6 @@ def _json_type(value: Any) -> str:
 # --- descriptors -----------------------------------------------------------------------------
 
 
-#: The JSON Schema of a :class:`ToolDescriptor`.
-TOOL_DESCRIPTOR_SCHEMA: dict[str, Any] = obj(
-    ["name", "description", "command", "origin", "safety", "input_schema", "result_schema"],
-    {
-        "name": NON_EMPTY,
-        "description": STRING,
-        "command": STRING,
-        "origin": {"enum": list(ORIGINS)},
-        "safety": STRING,
-        "input_schema": OBJECT,
-        "result_schema": OBJECT,
-    },
-)
-
-
-
 @functools.cache
 def _descriptor_validator() -> Any:
     """The ``tool_descriptor`` validator, compiled when first needed (not at import: cold start)."""
@@ -111,10 +95,10 @@ class ToolDescriptor:
 
     wire_label: ClassVar[str] = "tool descriptor"
 
-    name: str  # registry identifier
+    name: str = bounded(NON_EMPTY)  # registry identifier
     description: str  # human-readable summary
     command: str  # indicative CLI syntax, e.g. "echo_external --message TEXT"
-    origin: str  # "local" (bundled handler) or "remote" (external endpoint), see ORIGINS
+    origin: str = bounded({"enum": list(ORIGINS)})  # "local" (bundled handler) or "remote" (external endpoint)
     safety: str  # safety or guardrails summary
     input_schema: dict[str, Any]  # JSON Schema of the arguments
     result_schema: dict[str, Any]  # JSON Schema of the result
@@ -132,9 +116,13 @@ class ToolDescriptor:
         Raises ``RelayError(INVALID_PARAMS)`` naming the problem.
         """
         require_valid(_descriptor_validator(), data, "tool descriptor")
-        from .convert import structure
+        from .convert import build_valid
 
-        return structure(data, cls)
+        return build_valid(data, cls)
+
+
+#: The JSON Schema of a :class:`ToolDescriptor` (derived from the class).
+TOOL_DESCRIPTOR_SCHEMA: dict[str, Any] = schema_of(ToolDescriptor)
 
 
 def _client_command(name: str) -> str:

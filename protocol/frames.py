@@ -8,8 +8,9 @@ store returns frames; everything that shows a frame to someone produces it from 
 - :meth:`Frame.to_event` is the flattened event pushed to a caller
   (README.md, "Caller tools").
 
-:data:`FRAME_SCHEMA` states the wire shape; :data:`INGRESS_SCHEMA`, what a producer outside
-the server may send (HTTP ingress), is derived from it.
+:data:`FRAME_SCHEMA` states the wire shape, derived from :class:`Frame` (its fields and their
+bounds); :data:`INGRESS_SCHEMA`, what a producer outside the server may send (HTTP ingress), is
+derived from it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, ClassVar
 import attrs
 
 from .convert import unstructure
-from .schema_parts import NON_EMPTY, OBJECT, OPT_STRING, SEQ, TIMESTAMP, obj
+from .schema_parts import NON_EMPTY, SEQ, TIMESTAMP, bounded, obj, schema_of
 from .session_keys import DEFAULT_CHANNEL, SESSION_CHANNEL_SCHEMA, SESSION_ID_SCHEMA, shown
 from .timestamps import utc_timestamp
 
@@ -109,8 +110,8 @@ class SessionRef:
 
     wire_label: ClassVar[str] = "session"
 
-    channel: str
-    id: str
+    channel: str = bounded(NON_EMPTY)
+    id: str = bounded(NON_EMPTY)
 
     @property
     def key(self) -> str:
@@ -137,13 +138,13 @@ class Frame:
 
     wire_label: ClassVar[str] = "frame"
 
-    v: int
-    seq: int
-    ts: str
-    instance: str
+    v: int = bounded({"minimum": 1})
+    seq: int = bounded(SEQ)
+    ts: str = bounded(TIMESTAMP)
+    instance: str = bounded(NON_EMPTY)
     session: SessionRef
-    type: str
-    msg_id: str
+    type: str = bounded(NON_EMPTY)
+    msg_id: str = bounded(NON_EMPTY)
     reply_to: str | None = None
     payload: dict[str, Any] = attrs.field(factory=dict)
 
@@ -177,24 +178,11 @@ class Frame:
 
 # --- schemas ---------------------------------------------------------------------------
 
-#: The JSON Schema of a :class:`SessionRef`.
-SESSION_REF_SCHEMA: dict[str, Any] = obj(["channel", "id"], {"channel": NON_EMPTY, "id": NON_EMPTY})
+#: The JSON Schema of a :class:`SessionRef` (derived from the class).
+SESSION_REF_SCHEMA: dict[str, Any] = schema_of(SessionRef)
 
-#: The JSON Schema of a :class:`Frame` on the wire.
-FRAME_SCHEMA: dict[str, Any] = obj(
-    ["v", "seq", "ts", "instance", "session", "type", "msg_id"],
-    {
-        "v": {"type": "integer", "minimum": 1},
-        "seq": SEQ,
-        "ts": TIMESTAMP,
-        "instance": NON_EMPTY,
-        "session": SESSION_REF_SCHEMA,
-        "type": NON_EMPTY,
-        "msg_id": NON_EMPTY,
-        "reply_to": OPT_STRING,
-        "payload": OBJECT,
-    },
-)
+#: The JSON Schema of a :class:`Frame` on the wire (derived from the class).
+FRAME_SCHEMA: dict[str, Any] = schema_of(Frame)
 
 #: The members of a frame a producer outside the server may set; the server assigns
 #: ``seq``, ``ts`` and ``instance`` (and ``msg_id`` when it is absent).

@@ -1,8 +1,9 @@
 """Typed params and results of every relay method.
 
-These are plain attrs classes so both programs share one definition of each shape;
+These are plain attrs classes so both programs share one definition of each shape: a field's
+type, whether it is required and its bounds (`bounded`) are written here once.
 :mod:`protocol.convert` turns them into and out of JSON-ready dicts, and
-:mod:`protocol.schemas` holds the matching JSON Schemas for validating untrusted input.
+:mod:`protocol.schemas` derives from them the JSON Schemas that check untrusted input.
 The tether frame is :mod:`protocol.frames`; tool descriptors are :mod:`protocol.descriptors`.
 """
 
@@ -15,6 +16,7 @@ import attrs
 
 from .descriptors import ToolDescriptor
 from .frames import Frame, SessionRef
+from .schema_parts import NON_EMPTY, SEQ, TOOL_NAME, bounded
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -22,6 +24,7 @@ __all__ = [
     "APPEND_ID_RULE",
     "server_features",
     "is_append_id",
+    "CALLER_ID_SCHEMA",
     "HELLO",
     "CALLER_TOOLS_CONFIG",
     "CALLER_TOOL",
@@ -105,6 +108,15 @@ def is_append_id(value: Any) -> bool:
     match before a final newline, which the JSON Schema's `^…$` lets through here)."""
     return isinstance(value, str) and _APPEND_ID_RE.fullmatch(value) is not None
 
+#: A caller id: its tools are published as ``{caller_id}_{tool}``, so it keeps to the
+#: characters every host accepts in a tool name.
+CALLER_ID_SCHEMA: dict[str, Any] = {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,32}$"}
+
+# Bounds of fields that recur.
+_POSITIVE = {"minimum": 1}  # a duration in milliseconds
+_POSITIVE_OR_ABSENT = {"type": "integer", "minimum": 1}  # the same, never sent as null
+_PROGRESS_REF = {"minLength": 1, "maxLength": 128}  # names one request in flight in `progress`
+
 ROLE_CLIENT = "client"
 ROLE_GUEST = "guest"
 ROLES: tuple[str, ...] = (ROLE_CLIENT, ROLE_GUEST)
@@ -122,9 +134,9 @@ class Hello:
 
     wire_label: ClassVar[str] = "hello params"
 
-    protocol: str
-    role: str  # ROLE_CLIENT or ROLE_GUEST
-    instance: str
+    protocol: str = bounded(NON_EMPTY)
+    role: str = bounded({"enum": list(ROLES)})
+    instance: str = bounded(NON_EMPTY)
     token: str
     session: str | None = None
 
@@ -135,11 +147,11 @@ class HelloResult:
 
     wire_label: ClassVar[str] = "hello result"
 
-    protocol: str
+    protocol: str = bounded(NON_EMPTY)
     server_version: str
-    instance: str
+    instance: str = bounded(NON_EMPTY)
     session: str | None = None
-    features: list[str] = attrs.field(factory=list)  # what this server does beyond the protocol's base
+    features: list[str] = bounded({"maxItems": 64, "items": {"type": "string", "maxLength": 64}}, factory=list)  # what this server does beyond the protocol's base
 
 
 def server_features(result: Any) -> frozenset[str]:
@@ -160,13 +172,13 @@ class CallerToolSpec:
 
     wire_label: ClassVar[str] = "caller tool spec"
 
-    name: str
+    name: str = bounded(TOOL_NAME)
     description: str = ""
     inputSchema: dict[str, Any] = attrs.field(factory=_default_input_schema)
     requires_approval: bool = False
-    timeout_ms: int | None = None
+    timeout_ms: int | None = bounded(_POSITIVE_OR_ABSENT, default=None)
     resultSchema: dict[str, Any] | None = None  # when given, the caller's result must match it
-    approval_timeout_ms: int | None = None  # with requires_approval: how long a decision may take
+    approval_timeout_ms: int | None = bounded(_POSITIVE_OR_ABSENT, default=None)  # with requires_approval: how long a decision may take
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -175,8 +187,8 @@ class CallerToolsConfig:
 
     wire_label: ClassVar[str] = "caller_tools_config params"
 
-    session_id: str
-    caller_id: str
+    session_id: str = bounded(NON_EMPTY)
+    caller_id: str = bounded(CALLER_ID_SCHEMA)
     tools: list[CallerToolSpec]
 
 
@@ -186,10 +198,10 @@ class CallerToolCall:
 
     wire_label: ClassVar[str] = "caller_tool params"
 
-    tool: str
+    tool: str = bounded(NON_EMPTY)
     arguments: dict[str, Any] = attrs.field(factory=dict)
     caller_id: str | None = None
-    progress_ref: str | None = None  # names this call in the server's `progress` notifications
+    progress_ref: str | None = bounded(_PROGRESS_REF, default=None)  # names this call in the server's `progress` notifications
     _meta: dict[str, Any] | None = None  # W3C trace context (`traceparent`, `tracestate`) of the client's span
 
 
@@ -220,13 +232,13 @@ class ToolsetToolSpec:
 
     wire_label: ClassVar[str] = "toolset tool spec"
 
-    name: str  # the published name, e.g. "ext.echo_external"
-    toolset: str  # the toolset id
-    tool: str  # the tool's own name inside the toolset
+    name: str = bounded(NON_EMPTY)  # the published name, e.g. "ext.echo_external"
+    toolset: str = bounded(NON_EMPTY)  # the toolset id
+    tool: str = bounded(NON_EMPTY)  # the tool's own name inside the toolset
     description: str = ""
     inputSchema: dict[str, Any] = attrs.field(factory=_default_input_schema)
     descriptor: ToolDescriptor | None = None  # its tool descriptor, when the toolset has one
-    approval_timeout_ms: int | None = None  # set for a gated tool: how long its approval may take
+    approval_timeout_ms: int | None = bounded(_POSITIVE, default=None)  # set for a gated tool: how long its approval may take
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -236,8 +248,8 @@ class UnavailableToolset:
 
     wire_label: ClassVar[str] = "unavailable toolset"
 
-    toolset: str  # the toolset id
-    prefix: str
+    toolset: str = bounded(NON_EMPTY)  # the toolset id
+    prefix: str = bounded(NON_EMPTY)
     reason: str  # why it could not start (the server's last attempt)
 
     def message(self) -> str:
@@ -256,8 +268,8 @@ class ToolsetsConfig:
     wire_label: ClassVar[str] = "toolsets_config params"
 
     tools: list[ToolsetToolSpec]
-    separator: str = "."
-    unavailable: list[UnavailableToolset] | None = None  # omitted when every allowed toolset runs
+    separator: str = bounded(NON_EMPTY, default=".")
+    unavailable: list[UnavailableToolset] | None = bounded({"type": "array"}, default=None)  # omitted when every allowed toolset runs
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -266,9 +278,9 @@ class ToolsetCall:
 
     wire_label: ClassVar[str] = "toolset_call params"
 
-    name: str
+    name: str = bounded(NON_EMPTY)
     arguments: dict[str, Any] = attrs.field(factory=dict)
-    progress_ref: str | None = None  # names this call in the server's `progress` notifications
+    progress_ref: str | None = bounded(_PROGRESS_REF, default=None)  # names this call in the server's `progress` notifications
     _meta: dict[str, Any] | None = None  # W3C trace context (`traceparent`, `tracestate`) of the client's span
 
 
@@ -291,10 +303,10 @@ class AgentApproval:
 
     wire_label: ClassVar[str] = "approval params"
 
-    tool_name: str  # the agent's own tool, e.g. "Bash"
+    tool_name: str = bounded(NON_EMPTY)  # the agent's own tool, e.g. "Bash"
     arguments: dict[str, Any] = attrs.field(factory=dict)
     tool_use_id: str | None = None
-    progress_ref: str | None = None
+    progress_ref: str | None = bounded(_PROGRESS_REF, default=None)
     _meta: dict[str, Any] | None = None  # W3C trace context (`traceparent`, `tracestate`) of the client's span
 
 
@@ -315,7 +327,7 @@ class Progress:
 
     wire_label: ClassVar[str] = "progress params"
 
-    ref: str  # the request's `progress_ref`
+    ref: str = bounded(_PROGRESS_REF)  # the request's `progress_ref`
     progress: float
     total: float | None = None
     message: str | None = None
@@ -339,7 +351,7 @@ class Ack:
 
     wire_label: ClassVar[str] = "ack params"
 
-    seq: int
+    seq: int = bounded(SEQ)
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -349,10 +361,10 @@ class AppendFrame:
     wire_label: ClassVar[str] = "append_frame params"
 
     session: SessionRef
-    type: str
+    type: str = bounded(NON_EMPTY)
     payload: dict[str, Any] = attrs.field(factory=dict)
     reply_to: str | None = None
-    append_id: str | None = None  # chosen once per frame, the same on every resend: stored once
+    append_id: str | None = bounded({"pattern": f"^{APPEND_ID_RULE}$"}, default=None)  # chosen once per frame, the same on every resend: stored once
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -361,8 +373,8 @@ class AppendFrameResult:
 
     wire_label: ClassVar[str] = "append_frame result"
 
-    seq: int
-    msg_id: str
+    seq: int = bounded(SEQ)
+    msg_id: str = bounded(NON_EMPTY)
 
 
 #: The params class of each method.

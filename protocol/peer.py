@@ -41,7 +41,6 @@ import attrs
 import trio
 
 from . import messages
-from .convert import structure
 from .core import (
     NEED_DATA,
     ConnectionClosed,
@@ -58,7 +57,7 @@ from .core import (
 )
 from .errors import CANCELLED, INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, PEER_DISCONNECTED, TIMEOUT, RelayError
 from .framing import RECEIVE_CHUNK_BYTES, FrameTooLarge
-from .schemas import validate_params
+from .schemas import parse_params
 
 __all__ = [
     "DEFAULT_WRITE_TIMEOUT",
@@ -105,8 +104,8 @@ class PeerLimits:
 
 @attrs.frozen
 class HandlerEntry(Generic[P]):
-    """How to serve one method: params are validated with the method's JSON Schema and
-    structured into ``params_type`` once, by the peer, before ``handler`` sees them.
+    """How to serve one method: params are checked once, by the peer, against the method's JSON
+    Schema (derived from ``params_type``) and built into ``params_type`` before ``handler`` sees them.
 
     A request handler's return value (an attrs instance or plain JSON) is the result; a
     notification handler's is ignored.
@@ -580,8 +579,7 @@ class RelayPeer:
         if entry is None:
             why = unknown_method(method) if unknown_method else f"this {self._core.our_role} serves no method {method!r}"
             raise RelayError(METHOD_NOT_FOUND, why)
-        validate_params(method, params)
-        return await entry.handler(structure(params, entry.params_type))
+        return await entry.handler(parse_params(method, params, entry.params_type))
 
     async def _answered(
         self, event: RequestReceived, handlers: Mapping[str, HandlerEntry[Any]], unknown_method: Callable[[str], str] | None
@@ -664,8 +662,7 @@ class RelayPeer:
         """Notifications run in order, in the read loop: keep their handlers short."""
         try:
             if event.method == messages.CANCEL:
-                validate_params(event.method, event.params)
-                scope = self._in_flight.get(structure(event.params, messages.Cancel).id)
+                scope = self._in_flight.get(parse_params(event.method, event.params).id)
                 if scope is not None:
                     scope.cancel()
                 return
@@ -673,8 +670,7 @@ class RelayPeer:
             if entry is None:
                 log.warning("%r: ignoring notification %s: nothing serves it", self.name, event.method)
                 return
-            validate_params(event.method, event.params)
-            await entry.handler(structure(event.params, entry.params_type))
+            await entry.handler(parse_params(event.method, event.params, entry.params_type))
         except RelayError as err:
             log.warning("%r: bad %s notification: %s", self.name, event.method, err.message)
         except Exception:

@@ -472,6 +472,40 @@ async def test_peer_handler_errors_become_error_responses_in_one_place() -> None
         assert await client.request("caller_tool", {"tool": "t", "arguments": {}}, timeout=5) == {"result": {"echo": {}}}
 
 
+async def test_each_request_and_notification_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer checks params once, against the schema derived from their class, and builds the
+    class without the strict converter checking them a second time; a refusal still names the path."""
+    import protocol.convert
+    import protocol.schema_check
+
+    checks: list[Any] = []
+    first_error = protocol.schema_check.first_error
+    monkeypatch.setattr(protocol.schema_check, "first_error", lambda v, value: checks.append(value) or first_error(v, value))
+    class Counting:  # the strict converter, counting what it checks
+        def structure(self, *args: Any) -> Any:
+            checks.append(args)
+            return strict.structure(*args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(strict, name)
+
+    strict = protocol.convert.converter
+    monkeypatch.setattr(protocol.convert, "converter", Counting())
+    async with peers() as (client, server, notes):
+        checks.clear()
+        params = {"tool": "t", "arguments": {"a": 1}, "progress_ref": "p-1"}
+        assert await client.request("caller_tool", params, timeout=5) == {"result": {"echo": {"a": 1}}}
+        assert checks == [params]
+        checks.clear()
+        await server.peer.send_notification("caller_tools_config", {"session_id": "s", "caller_id": "c", "tools": []})
+        assert await client.request("caller_tool", {"tool": "t"}, timeout=5) == {"result": {"echo": {}}}
+        assert len(checks) == 2 and notes[-1] == messages.CallerToolsConfig(session_id="s", caller_id="c", tools=[])
+        with pytest.raises(RelayError) as refused:
+            await client.request("caller_tool", {"tool": "t", "progress_ref": ""}, timeout=5)
+        assert refused.value.code == INVALID_PARAMS and refused.value.data == {"path": "$.progress_ref"}
+        assert refused.value.message.startswith("invalid caller_tool params at $.progress_ref: ")
+
+
 async def test_a_handler_that_closes_after_its_answer_has_the_answer_read_first() -> None:
     """`close_after_answer`: the refusal reaches the peer, then the connection ends."""
     async with peers() as (client, server, _):

@@ -66,6 +66,7 @@ from protocol import (
     UnavailableToolset,
     ToolsetToolSpec,
     UserMessageDelivery,
+    build_valid,
     decode,
     encode,
     error_response,
@@ -79,6 +80,8 @@ from protocol import (
     utc_timestamp,
     validate_params,
 )
+from protocol import schema_parts
+from protocol.schemas import validator_for
 from protocol.framing import RECEIVE_CHUNK_BYTES
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md"
@@ -879,6 +882,93 @@ def test_schemas_defaults_match_classes() -> None:
         assert set(SCHEMAS[name]["properties"]) == {f.name for f in fields}, name
 
 
+# The shapes whose schema is derived from a class (all but the action contract's two unions).
+DERIVED: dict[str, type[Any]] = {
+    **PARAMS_TYPES, **{f"{method}_result": cls for method, cls in RESULT_TYPES.items()},
+    "frame": Frame, "session_ref": SessionRef, "caller_tool_spec": CallerToolSpec, "toolset_tool_spec": ToolsetToolSpec,
+    "unavailable_toolset": UnavailableToolset, "tool_descriptor": ToolDescriptor,
+}
+
+
+def near(tp: Any) -> Any:
+    """Values shaped like a field of type `tp`, mostly: the right JSON type around its bounds
+    three times in four, else another JSON type or null; an attrs class as an object with its
+    required members (or, once in a while, any of its members) and an unknown one."""
+    import types
+    import typing
+
+    from hypothesis import strategies as st
+
+    others = st.one_of(st.none(), st.booleans(), st.integers(-2, 2), st.sampled_from([1.0, 0.5, -1.5]),
+                       st.sampled_from(["", "x", "a b", "client", "local", "mcp"]), st.just([]), st.just({}))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return st.one_of([near(arg) for arg in typing.get_args(tp)])
+    if attrs.has(tp):
+        hints = typing.get_type_hints(tp)
+        required = {f.name: near(hints[f.name]) for f in attrs.fields(tp) if f.default is attrs.NOTHING}
+        optional = {f.name: near(hints[f.name]) for f in attrs.fields(tp) if f.default is not attrs.NOTHING}
+        right = st.one_of(
+            st.fixed_dictionaries(required, optional={**optional, "unknown": st.just(1)}),
+            st.fixed_dictionaries({}, optional={**required, **optional}),
+        )
+    elif typing.get_origin(tp) is list:
+        right = st.lists(near(typing.get_args(tp)[0]), max_size=3)
+    elif tp in (str, int, float, bool, type(None)):
+        right = {
+            str: st.one_of(st.sampled_from(["", "client", "guest", "local", "remote", "has space", "a" * 65, "a" * 129,
+                                            "0f3a-b_9", "a/b", "2026-11-22T10:00:00.123Z", "mcp", "s-1\n"]),
+                           st.text(max_size=4)),
+            int: st.sampled_from([-1, 0, 1, 2**40, True]),
+            float: st.sampled_from([0, 1, 0.5, -2.5, True]),
+            bool: st.booleans(),
+            type(None): st.none(),
+        }[tp]
+    else:  # a JSON object or any JSON value
+        right = st.dictionaries(st.sampled_from(["a", "type", "x"]), st.integers(0, 3), max_size=2)
+    return st.one_of(right, right, right, others)
+
+
+def test_the_schemas_reject_what_the_converter_rejects_and_build_what_it_builds() -> None:
+    """Each derived schema is at least as strict as the strict converter (a value the converter
+    refuses, the schema refuses), and a value the schema accepts is built by `build_valid`, with no
+    second check, into exactly what `structure` makes of it: the relay's one check is enough."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(data=st.data())
+    def check(data: Any) -> None:
+        name = data.draw(st.sampled_from(sorted(DERIVED)))
+        cls = DERIVED[name]
+        value = data.draw(near(cls))
+        accepted = validator_for(name).is_valid(value)
+        try:
+            strict = structure(value, cls)
+        except RelayError:
+            assert not accepted, (name, value)
+            return
+        if accepted:
+            assert build_valid(value, cls) == strict, (name, value)
+
+    check()
+
+
+def test_the_schemas_are_derived_from_the_classes() -> None:
+    """A bound written on a field is in the published schema; a type it does not narrow is refused."""
+    assert SCHEMAS[ACK]["properties"]["seq"] == {"type": "integer", "minimum": 0}
+    assert SCHEMAS["caller_tool_spec"]["properties"]["timeout_ms"] == {"type": "integer", "minimum": 1}
+    assert SCHEMAS[CALLER_TOOL]["properties"]["progress_ref"] == {
+        "type": ["string", "null"], "minLength": 1, "maxLength": 128}
+    assert SCHEMAS["toolset_tool_spec"]["properties"]["descriptor"]["oneOf"][0] == {"type": "null"}
+
+    @attrs.define
+    class Widening:
+        count: int | None = schema_parts.bounded({"type": "string"}, default=None)
+
+    with pytest.raises(TypeError, match="widens"):
+        schema_parts.schema_of(Widening)
+
+
 @pytest.mark.parametrize(
     ("method", "params", "path", "fragment"),
     [
@@ -1182,3 +1272,77 @@ def test_the_version_is_the_distributions() -> None:
     from importlib import metadata
 
     assert protocol.VERSION == metadata.version("oubliette-relay")
+
+
+# --- what the programs send --------------------------------------------------------------------
+
+
+async def test_the_schemas_accept_every_message_the_programs_send(deployment: Any) -> None:
+    """The real programs, a relay socket between them that records every line: the server, the
+    guest runtime and the demo agent's oubliette-client, through a gated caller tool's whole turn.
+    Every request's and notification's params, and every result, match the derived schema."""
+    from harness import DEMO_AGENT, structured, text_of
+
+    proxy = deployment.root / "recording.sock"
+    lines: list[tuple[int, str, bytes]] = []  # (connection, who sent it, the line)
+    acked = trio.Event()  # the guest acknowledges the turn's message once the turn has ended
+
+    async def pump(source: trio.SocketStream, sink: trio.SocketStream, connection: int, who: str) -> None:
+        buffer = b""
+        while data := await source.receive_some(65536):
+            await sink.send_all(data)
+            buffer += data
+            *whole, buffer = buffer.split(b"\n")
+            lines.extend((connection, who, line) for line in whole)
+            if any(json.loads(line).get("method") == ACK for line in whole):
+                acked.set()
+        await sink.send_eof()
+
+    async def relay_through(stream: trio.SocketStream) -> None:
+        connection = id(stream)
+        async with stream, await trio.open_unix_socket(str(deployment.socket)) as server:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pump, stream, server, connection, "sandbox")
+                nursery.start_soon(pump, server, stream, connection, "server")
+
+    spec = {"name": "delete_file", "inputSchema": {"type": "object", "properties": {"path": {"type": "string"}}},
+            "requires_approval": True, "timeout_ms": 30_000}
+    async with deployment.caller() as (caller, _), trio.open_nursery() as nursery:
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        await sock.bind(str(proxy))
+        sock.listen()
+        listener = trio.SocketListener(sock)
+        nursery.start_soon(trio.serve_listeners, relay_through, [listener])
+        async with deployment.guest("box1", DEMO_AGENT, relay=f"unix:{proxy}"):
+            with trio.fail_after(60):
+                turn = structured(await caller.call_tool("session_message", {
+                    "instance": "box1", "session_id": "s-wire", "context": {"caller_id": "myapp", "caller_tools": [spec]},
+                    "message": 'Please call myapp_delete_file {"path": "/tmp/x"}', "wait": 60}))
+                [asked] = turn["approval_requests"]
+                acting = structured(await caller.call_tool("approval_response", {
+                    "session_id": "s-wire", "request_id": asked["request_id"], "approve": True, "wait": 60}))
+                [relayed] = acting["pending"]
+                done = await caller.call_tool("caller_tool_response", {
+                    "session_id": "s-wire", "request_id": relayed["request_id"], "result": {"deleted": True}, "wait": 60})
+            assert structured(done)["stop_reason"] == "end_turn", text_of(done)
+            with trio.fail_after(60):
+                await acked.wait()
+        nursery.cancel_scope.cancel()
+
+    asked_for: dict[tuple[int, str, Any], str] = {}
+    seen: set[str] = set()
+    for connection, who, line in lines:
+        message = json.loads(line)
+        if "method" in message:
+            validate_params(message["method"], message.get("params", {}))
+            seen.add(message["method"])
+            if "id" in message:
+                asked_for[connection, who, message["id"]] = message["method"]
+        elif "result" in message:
+            answering = "server" if who == "sandbox" else "sandbox"
+            method = asked_for[connection, answering, message["id"]]
+            validate_params(f"{method}_result", message["result"])
+            seen.add(f"{method}_result")
+    assert {HELLO, "hello_result", CALLER_TOOLS_CONFIG, TOOLSETS_CONFIG, CALLER_TOOL, "caller_tool_result",
+            USER_MESSAGE, ACK, APPEND_FRAME, "append_frame_result"} <= seen, seen
+

@@ -205,8 +205,8 @@ class OublietteServer:
         self.guest_frames = GuestFrames(self.sessions, self.frame_log.append, self.guests, self.store)
         self.orphans = OrphanedTurns(self.guests, self.sessions, self.frame_log.append)
         self.tether = Tether(self.store, self.frame_log, self.instances, self.limits)
-        # What each role may ask of the server; the peer validates and structures params once,
-        # before a handler (connection, params) runs. `cancel` is the peer's own. A sandbox's own
+        # What each role may ask of the server; the peer checks params once (the schema derived
+        # from the params type) and builds the params type, before a handler (connection, params) runs. `cancel` is the peer's own. A sandbox's own
         # values (arguments, payloads) are checked against the limits before anything runs.
         self.relay_handlers: RelayHandlers = {
             ("client", messages.CALLER_TOOL): HandlerEntry(

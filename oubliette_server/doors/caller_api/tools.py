@@ -17,7 +17,7 @@ import mcp_types as types
 
 from oubliette_runtime.fast_tool_calls import tool_error
 from oubliette_runtime.trace_spans import current_meta
-from protocol import CallerToolSpec, RelayError, errors, structure
+from protocol import CallerToolSpec, RelayError, build_valid, errors
 from protocol.descriptors import DESCRIPTOR_META_KEY, build_descriptor
 from protocol.frames import FrameType
 from protocol.limits import Limits
@@ -235,7 +235,7 @@ class CallerApi:
         self._refuse_while_approval_pending(session)
         context = args.get("context")
         if context is not None:
-            tools = [structure(tool, CallerToolSpec) for tool in context.get("caller_tools", [])]
+            tools = [build_valid(tool, CallerToolSpec) for tool in context.get("caller_tools", [])]  # checked by the tool's schema
             declared = await self.caller_tools.declare(
                 session, caller, context["caller_id"], tools, bool(context.get("echo_own_answers", False)),
             )
