@@ -26,7 +26,7 @@ from agent_clis import assert_the_suite_command_installs, clean_env, installed_c
 from harness import Deployment
 from oubliette_client.mcp_config import CODEX, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from test_claude_code import INSTANCE, notify_turn, scratch
+from test_claude_code import INSTANCE, notify_turn, scratch, toolset_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CODEX_CLI = ROOT / ".codex-cli" / "codex"
@@ -47,6 +47,11 @@ def with_provider(command: list[str], fake_url: str) -> list[str]:
     """`command` with the stand-in as Codex's model provider (`-c` overrides before the prompt)."""
     provider = f'model_providers.fake={{name="fake",base_url="{fake_url}/v1",env_key="OPENAI_API_KEY",wire_api="responses"}}'
     return [*command[:-1], "-c", 'model_provider="fake"', "-c", provider, command[-1]]
+
+
+def shown_json(output: dict[str, Any]) -> Any:
+    """The JSON a function_call_output shows the model after Codex's `Wall time` header."""
+    return json.loads(output["output"].split("Output:\n", 1)[-1])
 
 
 @asynccontextmanager
@@ -83,7 +88,46 @@ async def test_codex_as_the_agent_calls_a_caller_tool(deployment: Deployment) ->
     assert "Tell the host the build is green." in json.dumps(first["input"])  # stdin, with `-`
     [answered] = function_outputs(fake.main_requests[-1])
     assert answered["call_id"] == "call_1", answered
-    assert json.loads(answered["output"].split("Output:\n", 1)[-1]) == {"status": "sent", "id": 7}, answered
+    assert shown_json(answered) == {"status": "sent", "id": 7}, answered
+
+
+async def test_codex_gets_a_caller_error_as_a_tool_error(deployment: Deployment) -> None:
+    """A caller's `error` answer reaches Codex as a failed MCP call (`isError`, with
+    oubliette-client's text naming the tool); Codex shows the model that text as the
+    function_call_output's content after its `Wall time` header, and the turn ends with the
+    model's text."""
+    session = "codex-error"
+    script = [[function_call("mcp__oubliette", "myapp_send_notification", {"message": "build is green"})],
+              [text("The host could not be told.")]]
+    async with codex_agent(deployment, script) as fake, deployment.caller(events=False) as (caller, _events):
+        end = await notify_turn(caller, session, {"error": "notification quota exceeded"})
+    assert end["stop_reason"] == "end_turn", end
+    assert end["text"].strip() == "The host could not be told."
+    [answered] = function_outputs(fake.main_requests[-1])
+    # The Responses API has no error flag for a function_call_output, and Codex 0.171.0 shows a
+    # failed call as it shows a text-only result (checked): the text is what says it failed.
+    assert [item["text"] for item in answered["output"]][1:] == [
+        "myapp_send_notification failed: notification quota exceeded"], answered
+
+
+async def test_codex_calls_a_host_toolset_tool_by_its_rewritten_name(deployment: Deployment) -> None:
+    """With the default `.` separator, Codex offers toolset tool `ext.echo_external` as
+    `ext_echo_external` in the `mcp__oubliette` namespace (the dotted name is refused) and calls
+    the MCP tool by its own name: the model is shown the toolset's answer; the caller's tool
+    works beside it."""
+    session = "codex-toolset"
+    script = [[function_call("mcp__oubliette", "ext.echo_external", {"message": "dotted"}, "call_1")],
+              [function_call("mcp__oubliette", "ext_echo_external", {"message": "hello from the sandbox"}, "call_2")],
+              [function_call("mcp__oubliette", "myapp_send_notification", {"message": "build is green"}, "call_3")],
+              [text("Told the host: build is green.")]]
+    async with codex_agent(deployment, script) as fake, \
+            deployment.caller("--config", str(toolset_config(deployment, ".")), events=False) as (caller, _events):
+        end = await notify_turn(caller, session)
+    assert end["stop_reason"] == "end_turn", end
+    dotted, echoed, answered = function_outputs(fake.main_requests[-1])
+    assert dotted["output"] == "unsupported call: mcp__oublietteext.echo_external", dotted
+    assert shown_json(echoed) == {"echo": "hello from the sandbox"}, echoed
+    assert shown_json(answered) == {"status": "sent", "id": 7}, answered
 
 
 def test_the_suite_command_installs_the_codex_cli_these_tests_run() -> None:

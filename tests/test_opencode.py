@@ -25,7 +25,7 @@ from fake_openai import FakeOpenAI, offered_tools, text, tool_call, tool_results
 from harness import PYTHON, Deployment
 from oubliette_client.mcp_config import OPENCODE, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from test_claude_code import CONTEXT, INSTANCE, WAIT, call, notify_turn, scratch
+from test_claude_code import INSTANCE, notify_turn, scratch, toolset_config
 
 ROOT = Path(__file__).resolve().parent.parent
 OPENCODE_CLI = ROOT / ".opencode-cli" / "opencode"
@@ -101,16 +101,30 @@ async def test_opencode_gets_a_caller_error_as_a_tool_error(deployment: Deployme
     tool = "oubliette_myapp_send_notification"
     script = [[tool_call(tool, {"message": "build is green"})], [text("The host could not be told.")]]
     async with opencode_agent(deployment, script) as fake, deployment.caller(events=False) as (caller, _events):
-        stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
-                          message="Tell the host the build is green.", context=CONTEXT, wait=WAIT)
-        assert stop["stop_reason"] == "requires_action", stop
-        [pending] = stop["pending"]
-        end = await call(caller, "caller_tool_response", session_id=session, request_id=pending["request_id"],
-                         error="notification quota exceeded", wait=WAIT)
+        end = await notify_turn(caller, session, {"error": "notification quota exceeded"})
     assert end["stop_reason"] == "end_turn", end
     assert end["text"].strip() == "The host could not be told."
     [answered] = tool_results(fake.main_requests[-1])
     assert answered["content"] == "myapp_send_notification failed: notification quota exceeded", answered
+
+
+async def test_opencode_calls_a_host_toolset_tool_by_its_rewritten_name(deployment: Deployment) -> None:
+    """With the default `.` separator, OpenCode offers toolset tool `ext.echo_external` as
+    `oubliette_ext_echo_external` (it rewrites `.` to `_`) and calls the MCP tool by its own
+    name: the model is shown the toolset's answer; the caller's tool works beside it."""
+    session = "opencode-toolset"
+    toolset_tool, tool = "oubliette_ext_echo_external", "oubliette_myapp_send_notification"
+    script = [[tool_call(toolset_tool, {"message": "hello from the sandbox"})],
+              [tool_call(tool, {"message": "build is green"})], [text("Told the host: build is green.")]]
+    async with opencode_agent(deployment, script) as fake, \
+            deployment.caller("--config", str(toolset_config(deployment, ".")), events=False) as (caller, _events):
+        end = await notify_turn(caller, session)
+    assert end["stop_reason"] == "end_turn", end
+    offered = offered_tools(fake.main_requests[0])
+    assert {toolset_tool, tool} <= offered and not any("." in name for name in offered), sorted(offered)
+    echoed, answered = tool_results(fake.main_requests[-1])
+    assert json.loads(echoed["content"]) == {"echo": "hello from the sandbox"}, echoed
+    assert json.loads(answered["content"]) == {"status": "sent", "id": 7}, answered
 
 
 def test_the_suite_command_installs_the_opencode_these_tests_run() -> None:
