@@ -110,11 +110,12 @@ async def test_codex_gets_a_caller_error_as_a_tool_error(deployment: Deployment)
         "myapp_send_notification failed: notification quota exceeded"], answered
 
 
-async def test_codex_calls_a_host_toolset_tool_by_its_rewritten_name(deployment: Deployment) -> None:
-    """With the default `.` separator, Codex offers toolset tool `ext.echo_external` as
-    `ext_echo_external` in the `mcp__oubliette` namespace (the dotted name is refused) and calls
-    the MCP tool by its own name: the model is shown the toolset's answer; the caller's tool
-    works beside it."""
+async def test_codex_calls_a_host_toolset_tool_by_its_underscored_name(deployment: Deployment) -> None:
+    """On a server with the default `.` separator, Codex offers toolset tool `ext.echo_external`
+    as `ext_echo_external` in the `mcp__oubliette` namespace (its client shows that name, from the
+    generated config's separator; Codex would rewrite a `.` to the same) and the dotted name is
+    refused; the call reaches the toolset: the model is shown its answer; the caller's tool works
+    beside it."""
     session = "codex-toolset"
     script = [[function_call("mcp__oubliette", "ext.echo_external", {"message": "dotted"}, "call_1")],
               [function_call("mcp__oubliette", "ext_echo_external", {"message": "hello from the sandbox"}, "call_2")],
@@ -138,7 +139,9 @@ def test_the_suite_command_installs_the_codex_cli_these_tests_run() -> None:
 
 def test_the_generated_codex_home_holds_the_session_entry(tmp_path: Path) -> None:
     """`{codex_home}` is a directory with `config.toml` (0600: the token): the same
-    `oubliette-client` entry as Claude Code's config, with Codex's timeouts and its tools approved (the server's approvals gate them)."""
+    `oubliette-client` entry as Claude Code's config, with `_` as the separator of toolset tool
+    names (Codex would rewrite `.` itself), Codex's timeouts and its tools approved (the server's
+    approvals gate them)."""
     settings = RelaySettings(relay="unix:/oubliette/relay.sock", instance="box1", token="t0k")
     home = write_mcp_config(tmp_path, settings, "mcp:s-4f2a", CODEX)
     path = home / "config.toml"
@@ -146,7 +149,8 @@ def test_the_generated_codex_home_holds_the_session_entry(tmp_path: Path) -> Non
     document = tomllib.loads(path.read_text())
     claude = mcp_config(settings, "mcp:s-4f2a")["mcpServers"]["oubliette"]
     assert document == {"mcp_servers": {"oubliette": {
-        **{k: v for k, v in claude.items() if k != "type"}, "startup_timeout_sec": 30, "tool_timeout_sec": 660.0,
+        **{k: v for k, v in claude.items() if k != "type"}, "env": {**claude["env"], "OUBLIETTE_TOOL_SEPARATOR": "_"},
+        "startup_timeout_sec": 30, "tool_timeout_sec": 660.0,
         "default_tools_approval_mode": "approve", "required": True}}}
     assert document["mcp_servers"]["oubliette"]["env"]["OUBLIETTE_SESSION"] == "mcp:s-4f2a"
     assert write_mcp_config(tmp_path, settings, "mcp:s-4f2b", CODEX) != home

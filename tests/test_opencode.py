@@ -108,10 +108,11 @@ async def test_opencode_gets_a_caller_error_as_a_tool_error(deployment: Deployme
     assert answered["content"] == "myapp_send_notification failed: notification quota exceeded", answered
 
 
-async def test_opencode_calls_a_host_toolset_tool_by_its_rewritten_name(deployment: Deployment) -> None:
-    """With the default `.` separator, OpenCode offers toolset tool `ext.echo_external` as
-    `oubliette_ext_echo_external` (it rewrites `.` to `_`) and calls the MCP tool by its own
-    name: the model is shown the toolset's answer; the caller's tool works beside it."""
+async def test_opencode_calls_a_host_toolset_tool_by_its_underscored_name(deployment: Deployment) -> None:
+    """On a server with the default `.` separator, OpenCode offers toolset tool
+    `ext.echo_external` as `oubliette_ext_echo_external` (its client shows `ext_echo_external`,
+    from the generated config's separator; OpenCode would rewrite a `.` to the same) and the call
+    reaches the toolset: the model is shown its answer; the caller's tool works beside it."""
     session = "opencode-toolset"
     toolset_tool, tool = "oubliette_ext_echo_external", "oubliette_myapp_send_notification"
     script = [[tool_call(toolset_tool, {"message": "hello from the sandbox"})],
@@ -134,13 +135,14 @@ def test_the_suite_command_installs_the_opencode_these_tests_run() -> None:
 
 def test_the_generated_opencode_config_holds_the_session_entry(tmp_path: Path) -> None:
     """`{opencode_config}` is a file (0600: the token) whose `mcp` key holds the same
-    `oubliette-client` as Claude Code's config, in OpenCode's local shape with its timeout."""
+    `oubliette-client` as Claude Code's config, in OpenCode's local shape with its timeout, and
+    `_` as the separator of toolset tool names (OpenCode would rewrite `.` itself)."""
     settings = RelaySettings(relay="unix:/oubliette/relay.sock", instance="box1", token="t0k")
     path = write_mcp_config(tmp_path, settings, "mcp:s-4f2a", OPENCODE)
     assert path.is_file() and path.stat().st_mode & 0o777 == 0o600
     claude = mcp_config(settings, "mcp:s-4f2a")["mcpServers"]["oubliette"]
     assert json.loads(path.read_text()) == {"mcp": {"oubliette": {
-        "type": "local", "command": [claude["command"], *claude["args"]], "environment": claude["env"],
-        "enabled": True, "timeout": 660000}}}
+        "type": "local", "command": [claude["command"], *claude["args"]],
+        "environment": {**claude["env"], "OUBLIETTE_TOOL_SEPARATOR": "_"}, "enabled": True, "timeout": 660000}}}
     assert claude["env"]["OUBLIETTE_SESSION"] == "mcp:s-4f2a"
     assert write_mcp_config(tmp_path, settings, "mcp:s-4f2b", OPENCODE) != path
