@@ -22,11 +22,11 @@ import trio
 
 from fake_codex import FakeCodexAPI, deferred_namespaces, function_call, function_outputs, text
 import agent_clis
-from agent_clis import assert_the_suite_command_installs, clean_env, installed_cli
+from agent_clis import FAILED, GAVE_UP, assert_the_suite_command_installs, clean_env, error_turn, installed_cli, toolset_turn
 from harness import Deployment
 from oubliette_client.mcp_config import CODEX, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from test_claude_code import INSTANCE, notify_turn, scratch, toolset_config
+from test_claude_code import INSTANCE, notify_turn, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 CODEX_CLI = ROOT / ".codex-cli" / "codex"
@@ -98,16 +98,12 @@ async def test_codex_gets_a_caller_error_as_a_tool_error(deployment: Deployment)
     model's text."""
     session = "codex-error"
     script = [[function_call("mcp__oubliette", "myapp_send_notification", {"message": "build is green"})],
-              [text("The host could not be told.")]]
-    async with codex_agent(deployment, script) as fake, deployment.caller(events=False) as (caller, _events):
-        end = await notify_turn(caller, session, {"error": "notification quota exceeded"})
-    assert end["stop_reason"] == "end_turn", end
-    assert end["text"].strip() == "The host could not be told."
+              [text(GAVE_UP)]]
+    fake = await error_turn(codex_agent, deployment, session, script)
     [answered] = function_outputs(fake.main_requests[-1])
     # The Responses API has no error flag for a function_call_output, and Codex 0.171.0 shows a
     # failed call as it shows a text-only result (checked): the text is what says it failed.
-    assert [item["text"] for item in answered["output"]][1:] == [
-        "myapp_send_notification failed: notification quota exceeded"], answered
+    assert [item["text"] for item in answered["output"]][1:] == [FAILED], answered
 
 
 async def test_codex_calls_a_host_toolset_tool_by_its_underscored_name(deployment: Deployment) -> None:
@@ -121,10 +117,7 @@ async def test_codex_calls_a_host_toolset_tool_by_its_underscored_name(deploymen
               [function_call("mcp__oubliette", "ext_echo_external", {"message": "hello from the sandbox"}, "call_2")],
               [function_call("mcp__oubliette", "myapp_send_notification", {"message": "build is green"}, "call_3")],
               [text("Told the host: build is green.")]]
-    async with codex_agent(deployment, script) as fake, \
-            deployment.caller("--config", str(toolset_config(deployment, ".")), events=False) as (caller, _events):
-        end = await notify_turn(caller, session)
-    assert end["stop_reason"] == "end_turn", end
+    fake = await toolset_turn(codex_agent, deployment, session, script)
     dotted, echoed, answered = function_outputs(fake.main_requests[-1])
     assert dotted["output"] == "unsupported call: mcp__oublietteext.echo_external", dotted
     assert shown_json(echoed) == {"echo": "hello from the sandbox"}, echoed

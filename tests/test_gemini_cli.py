@@ -20,12 +20,12 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from agent_clis import assert_the_suite_command_installs, documented_agent_command, installed_cli
+from agent_clis import FAILED, GAVE_UP, assert_the_suite_command_installs, documented_agent_command, error_turn, installed_cli, toolset_turn
 from fake_gemini import FakeGemini, function_call, function_responses, offered_tools, text
 from harness import PYTHON, Deployment
 from oubliette_client.mcp_config import GEMINI_CLI, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from test_claude_code import INSTANCE, notify_turn, scratch, toolset_config
+from test_claude_code import INSTANCE, notify_turn, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 GEMINI = ROOT / ".gemini-cli" / "gemini"
@@ -92,18 +92,14 @@ async def test_gemini_cli_gets_a_caller_error_as_a_tool_error(deployment: Deploy
     model's text."""
     session = "gemini-error"
     tool = "mcp_oubliette_myapp_send_notification"
-    script = [[function_call(tool, {"message": "build is green"})], [text("The host could not be told.")]]
-    async with gemini_agent(deployment, script) as fake, deployment.caller(events=False) as (caller, _events):
-        end = await notify_turn(caller, session, {"error": "notification quota exceeded"})
-    assert end["stop_reason"] == "end_turn", end
-    assert end["text"].strip() == "The host could not be told."
+    script = [[function_call(tool, {"message": "build is green"})], [text(GAVE_UP)]]
+    fake = await error_turn(gemini_agent, deployment, session, script)
     [answered] = function_responses(fake.main_requests[-1])
     assert answered["name"] == tool and list(answered["response"]) == ["error"], answered
     error = answered["response"]["error"]
     assert error.startswith("MCP tool 'myapp_send_notification' reported tool error for function call: "), error
     said = json.loads(error.split(" with response: ", 1)[1])[0]["functionResponse"]["response"]
-    assert said == {"content": [{"type": "text", "text": "myapp_send_notification failed: notification quota exceeded"}],
-                    "isError": True}, error
+    assert said == {"content": [{"type": "text", "text": FAILED}], "isError": True}, error
 
 
 async def test_gemini_cli_calls_a_host_toolset_tool_by_its_dotted_name(deployment: Deployment) -> None:
@@ -114,10 +110,7 @@ async def test_gemini_cli_calls_a_host_toolset_tool_by_its_dotted_name(deploymen
     toolset_tool, tool = "mcp_oubliette_ext.echo_external", "mcp_oubliette_myapp_send_notification"
     script = [[function_call(toolset_tool, {"message": "hello from the sandbox"})],
               [function_call(tool, {"message": "build is green"})], [text("Told the host: build is green.")]]
-    async with gemini_agent(deployment, script) as fake, \
-            deployment.caller("--config", str(toolset_config(deployment, ".")), events=False) as (caller, _events):
-        end = await notify_turn(caller, session)
-    assert end["stop_reason"] == "end_turn", end
+    fake = await toolset_turn(gemini_agent, deployment, session, script)
     assert {toolset_tool, tool} <= offered_tools(fake.main_requests[0]), sorted(offered_tools(fake.main_requests[0]))
     echoed, answered = function_responses(fake.main_requests[-1])
     assert echoed["name"] == toolset_tool and answered["name"] == tool, (echoed, answered)

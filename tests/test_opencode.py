@@ -20,12 +20,12 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from agent_clis import assert_the_suite_command_installs, documented_agent_command, installed_cli
+from agent_clis import FAILED, GAVE_UP, assert_the_suite_command_installs, documented_agent_command, error_turn, installed_cli, toolset_turn
 from fake_openai import FakeOpenAI, offered_tools, text, tool_call, tool_results
 from harness import PYTHON, Deployment
 from oubliette_client.mcp_config import OPENCODE, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from test_claude_code import INSTANCE, notify_turn, scratch, toolset_config
+from test_claude_code import INSTANCE, notify_turn, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 OPENCODE_CLI = ROOT / ".opencode-cli" / "opencode"
@@ -99,13 +99,10 @@ async def test_opencode_gets_a_caller_error_as_a_tool_error(deployment: Deployme
     message's text (Chat Completions has no error flag); the turn ends with the model's text."""
     session = "opencode-error"
     tool = "oubliette_myapp_send_notification"
-    script = [[tool_call(tool, {"message": "build is green"})], [text("The host could not be told.")]]
-    async with opencode_agent(deployment, script) as fake, deployment.caller(events=False) as (caller, _events):
-        end = await notify_turn(caller, session, {"error": "notification quota exceeded"})
-    assert end["stop_reason"] == "end_turn", end
-    assert end["text"].strip() == "The host could not be told."
+    script = [[tool_call(tool, {"message": "build is green"})], [text(GAVE_UP)]]
+    fake = await error_turn(opencode_agent, deployment, session, script)
     [answered] = tool_results(fake.main_requests[-1])
-    assert answered["content"] == "myapp_send_notification failed: notification quota exceeded", answered
+    assert answered["content"] == FAILED, answered
 
 
 async def test_opencode_calls_a_host_toolset_tool_by_its_underscored_name(deployment: Deployment) -> None:
@@ -117,10 +114,7 @@ async def test_opencode_calls_a_host_toolset_tool_by_its_underscored_name(deploy
     toolset_tool, tool = "oubliette_ext_echo_external", "oubliette_myapp_send_notification"
     script = [[tool_call(toolset_tool, {"message": "hello from the sandbox"})],
               [tool_call(tool, {"message": "build is green"})], [text("Told the host: build is green.")]]
-    async with opencode_agent(deployment, script) as fake, \
-            deployment.caller("--config", str(toolset_config(deployment, ".")), events=False) as (caller, _events):
-        end = await notify_turn(caller, session)
-    assert end["stop_reason"] == "end_turn", end
+    fake = await toolset_turn(opencode_agent, deployment, session, script)
     offered = offered_tools(fake.main_requests[0])
     assert {toolset_tool, tool} <= offered and not any("." in name for name in offered), sorted(offered)
     echoed, answered = tool_results(fake.main_requests[-1])
