@@ -111,19 +111,27 @@ class ConfigShape:
     """One agent's config: the placeholder the agent command names it by, its file name's start,
     its document, and `home`: where the file goes in a per-session directory that the placeholder
     names instead (Gemini CLI takes a home, `GEMINI_CLI_HOME`: it ignores a system settings file
-    that root does not own; Codex one, `CODEX_HOME`), and `text`: the file's format."""
+    that root does not own; Codex one, `CODEX_HOME`), `text`: the file's format, and
+    `tool_separator`: the separator its `oubliette-client` shows in toolset tool names instead of
+    the server's (`OUBLIETTE_TOOL_SEPARATOR`), for an agent that would rewrite the server's `.`
+    itself (docs/AGENTS.md, "Toolset tool names")."""
 
     placeholder: str
     prefix: str
     document: Callable[[RelaySettings, str | None], dict[str, Any]]
     home: str | None = None
     text: Callable[[dict[str, Any]], str] = json_text
+    tool_separator: str | None = None
+
+    def settings(self, settings: RelaySettings) -> RelaySettings:
+        """The relay settings this agent's `oubliette-client` gets: `settings`, with its separator."""
+        return settings if self.tool_separator is None else attrs.evolve(settings, tool_separator=self.tool_separator)
 
 
 CLAUDE_CODE = ConfigShape("{mcp_config}", "mcp", mcp_config)
 GEMINI_CLI = ConfigShape("{gemini_home}", "gemini", gemini_settings, home=".gemini/settings.json")
-OPENCODE = ConfigShape("{opencode_config}", "opencode", opencode_config)
-CODEX = ConfigShape("{codex_home}", "codex", codex_config, home="config.toml", text=tomli_w.dumps)
+OPENCODE = ConfigShape("{opencode_config}", "opencode", opencode_config, tool_separator="_")
+CODEX = ConfigShape("{codex_home}", "codex", codex_config, home="config.toml", text=tomli_w.dumps, tool_separator="_")
 SHAPES = (CLAUDE_CODE, GEMINI_CLI, OPENCODE, CODEX)
 
 
@@ -152,5 +160,5 @@ def write_mcp_config(directory: Path, settings: RelaySettings, session: str | No
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
-        handle.write(shape.text(shape.document(settings, session)))
+        handle.write(shape.text(shape.document(shape.settings(settings), session)))
     return path if home is None else home

@@ -74,12 +74,11 @@ class SandboxTools:
 
     def __init__(self, settings: RelaySettings) -> None:
         self.settings = settings
-        self.registry = ToolRegistry()
+        self.registry = ToolRegistry(settings.tool_separator)
         self._staged_callers: dict[str, list[CallerToolSpec]] = {}
         self._staged_toolsets: list[ToolsetToolSpec] | None = None
         self.unavailable_toolsets: list[UnavailableToolset] = []
         """The allowed toolsets the server could not start (from the last `toolsets_config`)."""
-        self.separator = "."
         self._progress: dict[str, ProgressSink] = {}
         self.link = RelayLink(
             settings, "client", self._on_relay_notification, self._commit_handshake_config,
@@ -96,7 +95,7 @@ class SandboxTools:
             else:  # part of the handshake: the server's configuration for this connection
                 self._staged_callers[params.caller_id] = params.tools
         elif isinstance(params, messages.ToolsetsConfig):
-            self.separator = params.separator
+            self.registry.server_separator = params.separator
             self.unavailable_toolsets = list(params.unavailable or [])
             if self.link.connected:
                 self.registry.set_toolset_tools(params.tools)
@@ -146,13 +145,13 @@ class SandboxTools:
         ]
 
     def _toolset_prefixes(self) -> set[str]:
-        sep = self.separator
+        sep = self.registry.separator
         return {t.name[: len(t.name) - len(t.tool) - len(sep)] for t in self.registry.tools if t.kind == "toolset"}
 
     def unknown_tool_text(self, name: str) -> str:
         """The text for a tool name that resolves to nothing: which toolset prefix is unknown, or which tools exist, and why the link is down if it is."""
         why = "" if self.link.connected else f"; {self.link.unavailable_error().message}"
-        sep = self.separator
+        sep = self.registry.separator
         callers = {t.owner for t in self.registry.tools if t.kind == "caller"}
         prefix = name.split(sep, 1)[0]
         for unavailable in self.unavailable_toolsets:
@@ -230,7 +229,7 @@ class SandboxTools:
                 )
             else:
                 reply = await self.link.request(
-                    messages.TOOLSET_CALL, {"name": tool.name, "arguments": arguments, **extra},
+                    messages.TOOLSET_CALL, {"name": tool.server_name, "arguments": arguments, **extra},
                     timeout=self._toolset_deadline(tool),
                 )
         except RelayError as err:

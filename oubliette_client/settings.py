@@ -57,6 +57,9 @@ class RelaySettings:
     session: str | None = None
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     """Default deadline of one relay request (seconds)."""
+    tool_separator: str | None = None
+    """The separator the agent sees in toolset tool names instead of the server's
+    (`OUBLIETTE_TOOL_SEPARATOR`): for an agent that would rewrite the server's (docs/AGENTS.md)."""
 
     def environment(self, session: str | None = None) -> dict[str, str]:
         """The `OUBLIETTE_*` variables that reproduce these settings in a child process."""
@@ -66,6 +69,8 @@ class RelaySettings:
             env["OUBLIETTE_SESSION"] = chosen
         if self.request_timeout != DEFAULT_REQUEST_TIMEOUT:
             env["OUBLIETTE_REQUEST_TIMEOUT"] = f"{self.request_timeout:g}"
+        if self.tool_separator is not None:
+            env["OUBLIETTE_TOOL_SEPARATOR"] = self.tool_separator
         return env
 
 
@@ -99,11 +104,13 @@ def settings_from_environment(
 ) -> RelaySettings:
     """The settings `oubliette-client` would use: each given value, else its `OUBLIETTE_*` variable
     (`OUBLIETTE_RELAY`, `OUBLIETTE_INSTANCE`, `OUBLIETTE_TOKEN`, `OUBLIETTE_SESSION`,
-    `OUBLIETTE_REQUEST_TIMEOUT`), else the default relay. The one rule of the command line and
-    of an agent that embeds the client (docs/EMBEDDING.md, "The sandbox side").
+    `OUBLIETTE_REQUEST_TIMEOUT`, `OUBLIETTE_TOOL_SEPARATOR`), else the default relay. The one
+    rule of the command line and of an agent that embeds the client (docs/EMBEDDING.md, "The
+    sandbox side").
 
     Raises: `ValueError` when the instance or token is missing, the relay address is malformed,
-    or `OUBLIETTE_REQUEST_TIMEOUT` is not a positive number.
+    `OUBLIETTE_REQUEST_TIMEOUT` is not a positive number, or `OUBLIETTE_TOOL_SEPARATOR` is not
+    one of `TOOL_SEPARATORS`.
     """
     instance = instance or env.get("OUBLIETTE_INSTANCE")
     token = token or env.get("OUBLIETTE_TOKEN")
@@ -112,12 +119,19 @@ def settings_from_environment(
         raise ValueError("missing " + " and ".join(missing))
     relay = relay or env.get("OUBLIETTE_RELAY") or default_relay(env)
     relay_addresses(relay)
+    separator = env.get("OUBLIETTE_TOOL_SEPARATOR") or None
+    if separator is not None:
+        from protocol.messages import TOOL_SEPARATORS  # only when set: the wire's messages load later (cold start)
+
+        if separator not in TOOL_SEPARATORS:
+            raise ValueError(f"OUBLIETTE_TOOL_SEPARATOR must be one of {', '.join(map(repr, TOOL_SEPARATORS))}; got {separator!r}")
     return RelaySettings(
         relay=relay,
         instance=instance or "",
         token=token or "",
         session=session or env.get("OUBLIETTE_SESSION") or None,
         request_timeout=seconds_setting(env.get("OUBLIETTE_REQUEST_TIMEOUT"), DEFAULT_REQUEST_TIMEOUT, "OUBLIETTE_REQUEST_TIMEOUT"),
+        tool_separator=separator,
     )
 
 

@@ -1,7 +1,9 @@
 """The tools the agent sees, and the map from each published name to where it goes.
 
 Caller tools are published as `{caller_id}_{tool}`; toolset tools under the
-name the server published (`<prefix><sep><tool>`). A published name is
+name the server published (`<prefix><sep><tool>`), or with the agent's own
+separator in place of the server's when the client has one (an agent that
+would rewrite the server's, docs/AGENTS.md). A published name is
 resolved through the map built when the list was published, never by
 splitting the string, so ids, prefixes and names may contain `_` or `.`
 freely. Each change bumps `version` and wakes waiters, who tell the agent.
@@ -49,6 +51,8 @@ class PublishedTool:
     """A caller tool's own timeout (the caller's `timeout_ms`), so the relay request waits long enough."""
     approval_timeout_ms: int | None = None
     """A gated caller or toolset tool's approval timeout (the server sends its effective value): waited for first."""
+    server_name: str = ""
+    """A toolset tool's name as the server published it, which a call names (`name` may use the agent's separator)."""
 
     @property
     def caller_id(self) -> str:
@@ -80,7 +84,11 @@ class ToolRegistry:
     already taken, is logged and left out rather than raised.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, separator: str | None = None) -> None:
+        self.agent_separator = separator
+        """The separator the agent sees in toolset tool names instead of the server's, if any."""
+        self.server_separator = "."
+        """The server's separator (its `toolsets_config`)."""
         self._caller_tools: dict[str, list[CallerToolSpec]] = {}
         self._toolset_tools: list[ToolsetToolSpec] = []
         self._published: dict[str, PublishedTool] = {}
@@ -91,6 +99,11 @@ class ToolRegistry:
     def tools(self) -> list[PublishedTool]:
         """Every published tool, in publication order (caller tools by caller id, then toolset tools)."""
         return list(self._published.values())
+
+    @property
+    def separator(self) -> str:
+        """The separator of the toolset tool names the agent sees."""
+        return self.agent_separator or self.server_separator
 
     def resolve(self, name: str) -> PublishedTool | None:
         """The tool published as `name`, or None; names are looked up, never split."""
@@ -160,18 +173,26 @@ class ToolRegistry:
             approval_timeout_ms=spec.approval_timeout_ms if spec.requires_approval else None,
         )
 
+    def _agent_name(self, spec: ToolsetToolSpec) -> str:
+        """`<prefix><sep><tool>` with the agent's separator in place of the server's."""
+        server_suffix = self.server_separator + spec.tool
+        if not spec.name.endswith(server_suffix):
+            return spec.name
+        return spec.name[: len(spec.name) - len(server_suffix)] + self.separator + spec.tool
+
     def _toolset_tool(self, spec: ToolsetToolSpec) -> PublishedTool | None:
+        name = self._agent_name(spec)
         schema = spec.inputSchema or DEFAULT_INPUT_SCHEMA
-        validator = self._validator(spec.name, schema)
+        validator = self._validator(name, schema)
         if validator is None:
             return None
         descriptor = (spec.descriptor or build_descriptor(
-            spec.name, description=spec.description, safety="runs on the host, outside the sandbox", input_schema=schema,
+            name, description=spec.description, safety="runs on the host, outside the sandbox", input_schema=schema,
         )).to_dict()
         return PublishedTool(
-            name=spec.name, description=spec.description or descriptor["description"], input_schema=schema,
-            kind="toolset", tool=spec.tool, owner=spec.toolset, descriptor=descriptor, validator=validator,
-            approval_timeout_ms=spec.approval_timeout_ms,
+            name=name, description=spec.description or descriptor["description"], input_schema=schema,
+            kind="toolset", tool=spec.tool, owner=spec.toolset, descriptor={**descriptor, "name": name},
+            validator=validator, approval_timeout_ms=spec.approval_timeout_ms, server_name=spec.name,
         )
 
     def _republish(self) -> None:

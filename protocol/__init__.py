@@ -96,7 +96,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         'PROTOCOL_VERSION', 'APPEND_ID_FEATURE', 'APPEND_ID_RULE', 'server_features', 'is_append_id',
         'CALLER_ID_SCHEMA', 'HELLO',
         'CALLER_TOOLS_CONFIG', 'CALLER_TOOL', 'CANCEL', 'USER_MESSAGE',
-        'ACK', 'APPEND_FRAME', 'TOOLSETS_CONFIG', 'TOOLSET_CALL', 'APPROVAL', 'PROGRESS', 'METHODS',
+        'ACK', 'APPEND_FRAME', 'TOOLSETS_CONFIG', 'TOOLSET_CALL', 'TOOL_SEPARATORS', 'APPROVAL', 'PROGRESS', 'METHODS',
         'ROLE_CLIENT', 'ROLE_GUEST', 'ROLES', 'Hello', 'HelloResult', 'CallerToolSpec',
         'CallerToolsConfig', 'CallerToolCall', 'CallerToolResult', 'Cancel', 'ToolsetToolSpec', 'UnavailableToolset',
         'ToolsetsConfig', 'ToolsetCall', 'ToolsetCallResult', 'AgentApproval', 'AgentApprovalResult',

@@ -34,6 +34,7 @@ __all__ = [
     "APPEND_FRAME",
     "TOOLSETS_CONFIG",
     "TOOLSET_CALL",
+    "TOOL_SEPARATORS",
     "APPROVAL",
     "PROGRESS",
     "METHODS",
@@ -239,6 +240,11 @@ class ToolsetToolSpec:
     inputSchema: dict[str, Any] = attrs.field(factory=_default_input_schema)
     descriptor: ToolDescriptor | None = None  # its tool descriptor, when the toolset has one
     approval_timeout_ms: int | None = bounded(_POSITIVE, default=None)  # set for a gated tool: how long its approval may take
+
+
+#: What may stand between a toolset's prefix and its tools' names: the server's `tool_separator`,
+#: and an agent's own (`OUBLIETTE_TOOL_SEPARATOR`, for an agent that would rewrite the server's).
+TOOL_SEPARATORS = (".", "_", "-", "__")
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -1,19 +1,26 @@
 """What the real-CLI tests of agents in the sandbox share (tests/test_gemini_cli.py,
-tests/test_opencode.py): the installed CLI, docs/AGENTS.md's runtime line for it, and the
-check that README command 2 installs the version they run."""
+tests/test_opencode.py, tests/test_codex_cli.py): the installed CLI, docs/AGENTS.md's runtime
+line for it, the check that README command 2 installs the version they run, and the turn whose
+caller answers with an error."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 from pathlib import Path
+from typing import Any, AsyncContextManager, Callable, TypeVar
 
 import pytest
 
-from harness import PYTHON
-from test_claude_code import documented_lines
+from harness import PYTHON, Deployment
+from test_claude_code import documented_lines, notify_turn, toolset_config
 
 ROOT = Path(__file__).resolve().parent.parent
+GAVE_UP = "The host could not be told."
+"""The scripted model's closing text once it is shown the caller's error."""
+FAILED = "myapp_send_notification failed: notification quota exceeded"
+"""oubliette-client's text of the caller's error answer in `error_turn`, as the agent gets it."""
+Fake = TypeVar("Fake")
 
 
 def installed_cli(path: Path, install: str) -> str:
@@ -52,3 +59,25 @@ def assert_the_suite_command_installs(install: str, binary: str, version_output:
     pinned = (ROOT / install).read_text().split("\nVERSION=", 1)[1].split("\n", 1)[0]
     done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == version_output.format(pinned), done
+
+
+async def error_turn(agent: Callable[[Deployment, list[Any]], AsyncContextManager[Fake]], deployment: Deployment,
+                     session: str, script: list[Any]) -> Fake:
+    """`notify_turn` with `agent` running `script` and the caller's `error` answer: the turn still
+    ends (`end_turn`), with the scripted model's closing text; returns the model stand-in."""
+    async with agent(deployment, script) as fake, deployment.caller(events=False) as (caller, _events):
+        end = await notify_turn(caller, session, {"error": "notification quota exceeded"})
+    assert end["stop_reason"] == "end_turn", end
+    assert end["text"].strip() == GAVE_UP
+    return fake
+
+
+async def toolset_turn(agent: Callable[[Deployment, list[Any]], AsyncContextManager[Fake]], deployment: Deployment,
+                       session: str, script: list[Any]) -> Fake:
+    """`notify_turn` with `agent` running `script`, on a server whose toolset `ext` (the reference
+    command endpoint) keeps the default `.` separator; returns the model stand-in."""
+    async with agent(deployment, script) as fake, \
+            deployment.caller("--config", str(toolset_config(deployment, ".")), events=False) as (caller, _events):
+        end = await notify_turn(caller, session)
+    assert end["stop_reason"] == "end_turn", end
+    return fake

@@ -347,25 +347,29 @@ async def call(caller: Any, name: str, **arguments: Any) -> dict[str, Any]:
     return structured(result)
 
 
-async def notify_turn(caller: Any, session: str) -> dict[str, Any]:
+SENT = {"result": {"status": "sent", "id": 7}}
+"""The caller's answer in `notify_turn` unless a test gives another (`{"error": "…"}`)."""
+
+
+async def notify_turn(caller: Any, session: str, answer: dict[str, Any] = SENT) -> dict[str, Any]:
     """The caller's side of a turn whose agent calls `send_notification` once: `session_message`
-    with `wait` stops at `requires_action` for that call, the caller answers it, and the turn's
-    end is returned."""
+    with `wait` stops at `requires_action` for that call, the caller answers it (`answer`: its
+    `result` or `error`), and the turn's end is returned."""
     stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
                       message="Tell the host the build is green.", context=CONTEXT, wait=WAIT)
     assert stop["stop_reason"] == "requires_action", stop
     [pending] = stop["pending"]
     assert (pending["tool"], pending["arguments"]) == ("send_notification", {"message": "build is green"})
     return await call(caller, "caller_tool_response", session_id=session, request_id=pending["request_id"],
-                      result={"status": "sent", "id": 7}, wait=WAIT)
+                      wait=WAIT, **answer)
 
 
-def toolset_config(deployment: Deployment) -> Path:
-    """A server config: the reference command endpoint as toolset `ext` for INSTANCE, with the
-    `_` separator Claude Code needs (docs/CLAUDE_CODE.md, "Tool names")."""
+def toolset_config(deployment: Deployment, separator: str = "_") -> Path:
+    """A server config: the reference command endpoint as toolset `ext` for INSTANCE, with
+    `separator` (`_` by default, as Claude Code needs: docs/CLAUDE_CODE.md, "Tool names")."""
     path = deployment.root / "oubliette.toml"
     path.write_text(
-        '[server]\ntool_separator = "_"\n\n'
+        f'[server]\ntool_separator = "{separator}"\n\n'
         f'[toolsets.ext]\nkind = "command"\nprefix = "ext"\ncommand = {json.dumps([PYTHON, ECHO_ENDPOINT])}\n\n'
         f'[allowlists]\n{INSTANCE} = ["ext"]\n'
     )

@@ -198,3 +198,7 @@ def test_settings_come_from_the_environment_as_the_programs_read_them(tmp_path: 
         settings_from_environment({})
     with pytest.raises(ValueError, match="OUBLIETTE_REQUEST_TIMEOUT must be a positive number"):
         settings_from_environment({**env, "OUBLIETTE_REQUEST_TIMEOUT": "0"})
+    own = settings_from_environment({**env, "OUBLIETTE_TOOL_SEPARATOR": "_"})
+    assert own.tool_separator == "_" and own.environment()["OUBLIETTE_TOOL_SEPARATOR"] == "_"
+    with pytest.raises(ValueError, match="OUBLIETTE_TOOL_SEPARATOR must be one of '.', '_', '-', '__'; got '/'"):
+        settings_from_environment({**env, "OUBLIETTE_TOOL_SEPARATOR": "/"})

@@ -22,7 +22,7 @@ import trio
 
 from fake_codex import FakeCodexAPI, deferred_namespaces, function_call, function_outputs, text
 import agent_clis
-from agent_clis import assert_the_suite_command_installs, clean_env, installed_cli
+from agent_clis import FAILED, GAVE_UP, assert_the_suite_command_installs, clean_env, error_turn, installed_cli, toolset_turn
 from harness import Deployment
 from oubliette_client.mcp_config import CODEX, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
@@ -47,6 +47,11 @@ def with_provider(command: list[str], fake_url: str) -> list[str]:
     """`command` with the stand-in as Codex's model provider (`-c` overrides before the prompt)."""
     provider = f'model_providers.fake={{name="fake",base_url="{fake_url}/v1",env_key="OPENAI_API_KEY",wire_api="responses"}}'
     return [*command[:-1], "-c", 'model_provider="fake"', "-c", provider, command[-1]]
+
+
+def shown_json(output: dict[str, Any]) -> Any:
+    """The JSON a function_call_output shows the model after Codex's `Wall time` header."""
+    return json.loads(output["output"].split("Output:\n", 1)[-1])
 
 
 @asynccontextmanager
@@ -83,7 +88,40 @@ async def test_codex_as_the_agent_calls_a_caller_tool(deployment: Deployment) ->
     assert "Tell the host the build is green." in json.dumps(first["input"])  # stdin, with `-`
     [answered] = function_outputs(fake.main_requests[-1])
     assert answered["call_id"] == "call_1", answered
-    assert json.loads(answered["output"].split("Output:\n", 1)[-1]) == {"status": "sent", "id": 7}, answered
+    assert shown_json(answered) == {"status": "sent", "id": 7}, answered
+
+
+async def test_codex_gets_a_caller_error_as_a_tool_error(deployment: Deployment) -> None:
+    """A caller's `error` answer reaches Codex as a failed MCP call (`isError`, with
+    oubliette-client's text naming the tool); Codex shows the model that text as the
+    function_call_output's content after its `Wall time` header, and the turn ends with the
+    model's text."""
+    session = "codex-error"
+    script = [[function_call("mcp__oubliette", "myapp_send_notification", {"message": "build is green"})],
+              [text(GAVE_UP)]]
+    fake = await error_turn(codex_agent, deployment, session, script)
+    [answered] = function_outputs(fake.main_requests[-1])
+    # The Responses API has no error flag for a function_call_output, and Codex 0.171.0 shows a
+    # failed call as it shows a text-only result (checked): the text is what says it failed.
+    assert [item["text"] for item in answered["output"]][1:] == [FAILED], answered
+
+
+async def test_codex_calls_a_host_toolset_tool_by_its_underscored_name(deployment: Deployment) -> None:
+    """On a server with the default `.` separator, Codex offers toolset tool `ext.echo_external`
+    as `ext_echo_external` in the `mcp__oubliette` namespace (its client shows that name, from the
+    generated config's separator; Codex would rewrite a `.` to the same) and the dotted name is
+    refused; the call reaches the toolset: the model is shown its answer; the caller's tool works
+    beside it."""
+    session = "codex-toolset"
+    script = [[function_call("mcp__oubliette", "ext.echo_external", {"message": "dotted"}, "call_1")],
+              [function_call("mcp__oubliette", "ext_echo_external", {"message": "hello from the sandbox"}, "call_2")],
+              [function_call("mcp__oubliette", "myapp_send_notification", {"message": "build is green"}, "call_3")],
+              [text("Told the host: build is green.")]]
+    fake = await toolset_turn(codex_agent, deployment, session, script)
+    dotted, echoed, answered = function_outputs(fake.main_requests[-1])
+    assert dotted["output"] == "unsupported call: mcp__oublietteext.echo_external", dotted
+    assert shown_json(echoed) == {"echo": "hello from the sandbox"}, echoed
+    assert shown_json(answered) == {"status": "sent", "id": 7}, answered
 
 
 def test_the_suite_command_installs_the_codex_cli_these_tests_run() -> None:
@@ -94,7 +132,9 @@ def test_the_suite_command_installs_the_codex_cli_these_tests_run() -> None:
 
 def test_the_generated_codex_home_holds_the_session_entry(tmp_path: Path) -> None:
     """`{codex_home}` is a directory with `config.toml` (0600: the token): the same
-    `oubliette-client` entry as Claude Code's config, with Codex's timeouts and its tools approved (the server's approvals gate them)."""
+    `oubliette-client` entry as Claude Code's config, with `_` as the separator of toolset tool
+    names (Codex would rewrite `.` itself), Codex's timeouts and its tools approved (the server's
+    approvals gate them)."""
     settings = RelaySettings(relay="unix:/oubliette/relay.sock", instance="box1", token="t0k")
     home = write_mcp_config(tmp_path, settings, "mcp:s-4f2a", CODEX)
     path = home / "config.toml"
@@ -102,7 +142,8 @@ def test_the_generated_codex_home_holds_the_session_entry(tmp_path: Path) -> Non
     document = tomllib.loads(path.read_text())
     claude = mcp_config(settings, "mcp:s-4f2a")["mcpServers"]["oubliette"]
     assert document == {"mcp_servers": {"oubliette": {
-        **{k: v for k, v in claude.items() if k != "type"}, "startup_timeout_sec": 30, "tool_timeout_sec": 660.0,
+        **{k: v for k, v in claude.items() if k != "type"}, "env": {**claude["env"], "OUBLIETTE_TOOL_SEPARATOR": "_"},
+        "startup_timeout_sec": 30, "tool_timeout_sec": 660.0,
         "default_tools_approval_mode": "approve", "required": True}}}
     assert document["mcp_servers"]["oubliette"]["env"]["OUBLIETTE_SESSION"] == "mcp:s-4f2a"
     assert write_mcp_config(tmp_path, settings, "mcp:s-4f2b", CODEX) != home

@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from agent_clis import assert_the_suite_command_installs, documented_agent_command, installed_cli
+from agent_clis import FAILED, GAVE_UP, assert_the_suite_command_installs, documented_agent_command, error_turn, installed_cli, toolset_turn
 from fake_gemini import FakeGemini, function_call, function_responses, offered_tools, text
 from harness import PYTHON, Deployment
 from oubliette_client.mcp_config import GEMINI_CLI, mcp_config, write_mcp_config
@@ -83,6 +83,38 @@ async def test_gemini_cli_as_the_agent_calls_a_caller_tool(deployment: Deploymen
     # Gemini CLI shows the model an MCP tool's text inside <untrusted_context> tags.
     wrapped = re.fullmatch(r"<untrusted_context>\n(.*)\n</untrusted_context>", answered["response"]["output"], re.S)
     assert wrapped is not None and json.loads(wrapped.group(1)) == {"status": "sent", "id": 7}, answered
+
+
+async def test_gemini_cli_gets_a_caller_error_as_a_tool_error(deployment: Deployment) -> None:
+    """A caller's `error` answer reaches Gemini CLI as a failed MCP call (`isError`, with
+    oubliette-client's text naming the tool), which it shows the model as the functionResponse's
+    `error` (its own sentence around the MCP result), not its `output`; the turn ends with the
+    model's text."""
+    session = "gemini-error"
+    tool = "mcp_oubliette_myapp_send_notification"
+    script = [[function_call(tool, {"message": "build is green"})], [text(GAVE_UP)]]
+    fake = await error_turn(gemini_agent, deployment, session, script)
+    [answered] = function_responses(fake.main_requests[-1])
+    assert answered["name"] == tool and list(answered["response"]) == ["error"], answered
+    error = answered["response"]["error"]
+    assert error.startswith("MCP tool 'myapp_send_notification' reported tool error for function call: "), error
+    said = json.loads(error.split(" with response: ", 1)[1])[0]["functionResponse"]["response"]
+    assert said == {"content": [{"type": "text", "text": FAILED}], "isError": True}, error
+
+
+async def test_gemini_cli_calls_a_host_toolset_tool_by_its_dotted_name(deployment: Deployment) -> None:
+    """With the default `.` separator, Gemini CLI offers toolset tool `ext.echo_external` as
+    `mcp_oubliette_ext.echo_external`, keeping the `.`, and the model is shown the toolset's
+    answer; the caller's tool works beside it."""
+    session = "gemini-toolset"
+    toolset_tool, tool = "mcp_oubliette_ext.echo_external", "mcp_oubliette_myapp_send_notification"
+    script = [[function_call(toolset_tool, {"message": "hello from the sandbox"})],
+              [function_call(tool, {"message": "build is green"})], [text("Told the host: build is green.")]]
+    fake = await toolset_turn(gemini_agent, deployment, session, script)
+    assert {toolset_tool, tool} <= offered_tools(fake.main_requests[0]), sorted(offered_tools(fake.main_requests[0]))
+    echoed, answered = function_responses(fake.main_requests[-1])
+    assert echoed["name"] == toolset_tool and answered["name"] == tool, (echoed, answered)
+    assert echoed["response"]["output"] == '<untrusted_context>\n{"echo": "hello from the sandbox"}\n</untrusted_context>', echoed
 
 
 def test_the_suite_command_installs_the_gemini_cli_these_tests_run() -> None:

@@ -20,12 +20,12 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from agent_clis import assert_the_suite_command_installs, documented_agent_command, installed_cli
+from agent_clis import FAILED, GAVE_UP, assert_the_suite_command_installs, documented_agent_command, error_turn, installed_cli, toolset_turn
 from fake_openai import FakeOpenAI, offered_tools, text, tool_call, tool_results
 from harness import PYTHON, Deployment
 from oubliette_client.mcp_config import OPENCODE, mcp_config, write_mcp_config
 from oubliette_client.settings import RelaySettings
-from test_claude_code import CONTEXT, INSTANCE, WAIT, call, notify_turn, scratch
+from test_claude_code import INSTANCE, notify_turn, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 OPENCODE_CLI = ROOT / ".opencode-cli" / "opencode"
@@ -99,18 +99,27 @@ async def test_opencode_gets_a_caller_error_as_a_tool_error(deployment: Deployme
     message's text (Chat Completions has no error flag); the turn ends with the model's text."""
     session = "opencode-error"
     tool = "oubliette_myapp_send_notification"
-    script = [[tool_call(tool, {"message": "build is green"})], [text("The host could not be told.")]]
-    async with opencode_agent(deployment, script) as fake, deployment.caller(events=False) as (caller, _events):
-        stop = await call(caller, "session_message", instance=INSTANCE, session_id=session,
-                          message="Tell the host the build is green.", context=CONTEXT, wait=WAIT)
-        assert stop["stop_reason"] == "requires_action", stop
-        [pending] = stop["pending"]
-        end = await call(caller, "caller_tool_response", session_id=session, request_id=pending["request_id"],
-                         error="notification quota exceeded", wait=WAIT)
-    assert end["stop_reason"] == "end_turn", end
-    assert end["text"].strip() == "The host could not be told."
+    script = [[tool_call(tool, {"message": "build is green"})], [text(GAVE_UP)]]
+    fake = await error_turn(opencode_agent, deployment, session, script)
     [answered] = tool_results(fake.main_requests[-1])
-    assert answered["content"] == "myapp_send_notification failed: notification quota exceeded", answered
+    assert answered["content"] == FAILED, answered
+
+
+async def test_opencode_calls_a_host_toolset_tool_by_its_underscored_name(deployment: Deployment) -> None:
+    """On a server with the default `.` separator, OpenCode offers toolset tool
+    `ext.echo_external` as `oubliette_ext_echo_external` (its client shows `ext_echo_external`,
+    from the generated config's separator; OpenCode would rewrite a `.` to the same) and the call
+    reaches the toolset: the model is shown its answer; the caller's tool works beside it."""
+    session = "opencode-toolset"
+    toolset_tool, tool = "oubliette_ext_echo_external", "oubliette_myapp_send_notification"
+    script = [[tool_call(toolset_tool, {"message": "hello from the sandbox"})],
+              [tool_call(tool, {"message": "build is green"})], [text("Told the host: build is green.")]]
+    fake = await toolset_turn(opencode_agent, deployment, session, script)
+    offered = offered_tools(fake.main_requests[0])
+    assert {toolset_tool, tool} <= offered and not any("." in name for name in offered), sorted(offered)
+    echoed, answered = tool_results(fake.main_requests[-1])
+    assert json.loads(echoed["content"]) == {"echo": "hello from the sandbox"}, echoed
+    assert json.loads(answered["content"]) == {"status": "sent", "id": 7}, answered
 
 
 def test_the_suite_command_installs_the_opencode_these_tests_run() -> None:
@@ -120,13 +129,14 @@ def test_the_suite_command_installs_the_opencode_these_tests_run() -> None:
 
 def test_the_generated_opencode_config_holds_the_session_entry(tmp_path: Path) -> None:
     """`{opencode_config}` is a file (0600: the token) whose `mcp` key holds the same
-    `oubliette-client` as Claude Code's config, in OpenCode's local shape with its timeout."""
+    `oubliette-client` as Claude Code's config, in OpenCode's local shape with its timeout, and
+    `_` as the separator of toolset tool names (OpenCode would rewrite `.` itself)."""
     settings = RelaySettings(relay="unix:/oubliette/relay.sock", instance="box1", token="t0k")
     path = write_mcp_config(tmp_path, settings, "mcp:s-4f2a", OPENCODE)
     assert path.is_file() and path.stat().st_mode & 0o777 == 0o600
     claude = mcp_config(settings, "mcp:s-4f2a")["mcpServers"]["oubliette"]
     assert json.loads(path.read_text()) == {"mcp": {"oubliette": {
-        "type": "local", "command": [claude["command"], *claude["args"]], "environment": claude["env"],
-        "enabled": True, "timeout": 660000}}}
+        "type": "local", "command": [claude["command"], *claude["args"]],
+        "environment": {**claude["env"], "OUBLIETTE_TOOL_SEPARATOR": "_"}, "enabled": True, "timeout": 660000}}}
     assert claude["env"]["OUBLIETTE_SESSION"] == "mcp:s-4f2a"
     assert write_mcp_config(tmp_path, settings, "mcp:s-4f2b", OPENCODE) != path

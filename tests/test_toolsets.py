@@ -394,11 +394,12 @@ class Running:
         self.nursery = nursery
         self.deployment = deployment
 
-    async def client(self, instance: str = "box1", session: str | None = None) -> tuple[SandboxTools, trio.CancelScope]:
+    async def client(self, instance: str = "box1", session: str | None = None,
+                     tool_separator: str | None = None) -> tuple[SandboxTools, trio.CancelScope]:
         """The client side over the relay socket; cancel the scope to disconnect it."""
         tools = SandboxTools(RelaySettings(
             relay=self.deployment.relay, instance=instance, token=self.server.tokens.token_for(instance),
-            session=session,
+            session=session, tool_separator=tool_separator,
         ))
         scope = trio.CancelScope()
 
@@ -464,6 +465,26 @@ async def test_client_sees_toolsets_once_allowed_and_disconnecting_stops_its_fac
             await trio.testing.wait_all_tasks_blocked()  # the router's stop (same loop) has finished
         assert factory.made[0].closed
         assert not shared.closed and shared.close_count == 0, "the shared toolset keeps running"
+
+
+async def test_a_client_with_its_own_separator_shows_it_and_calls_by_the_servers_name(deployment: Deployment) -> None:
+    """A client given its agent's separator (`OUBLIETTE_TOOL_SEPARATOR`, `_` for an agent that would
+    rewrite the server's `.`) shows the server's `ext.echo` as `ext_echo`, descriptor included; a
+    call of that reaches the toolset under the server's name; the dotted name is unknown to it, and
+    an unknown prefix is still named as one."""
+    async with running(deployment) as run:
+        await run.server.register_toolset("ext", "ext", [ECHO_SPEC], factory=EchoFactory())
+        await run.server.update_allowed_toolsets("box1", ["ext"])
+        tools, _scope = await run.client("box1", "mcp:s1", tool_separator="_")
+        await wait_for_names(tools, {"ext_echo"})
+        [published] = [t for t in tools.registry.tools if t.kind == "toolset"]
+        assert (published.descriptor["name"], published.server_name) == ("ext_echo", "ext.echo")
+        outcome = await tools.call("ext_echo", {"text": "hi"})
+        assert not outcome.is_error and outcome.result == {"echo": "hi"}, outcome
+        dotted = await tools.call("ext.echo", {"text": "hi"})
+        assert dotted.is_error and dotted.category == "not_found", dotted
+        unknown = await tools.call("nope_echo", {})
+        assert (unknown.error or "").startswith("Toolset not found: 'nope'"), unknown
 
 
 async def test_the_server_answers_an_unknown_prefix_with_toolset_not_found(deployment: Deployment) -> None:

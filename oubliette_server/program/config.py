@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from protocol.limits import DEFAULT_MAX_DEPTH, DEFAULT_MAX_PAYLOAD_BYTES, Limits
+from protocol.messages import TOOL_SEPARATORS
 
 from ..core.client_connections import DEFAULT_MAX_CLIENT_CONNECTIONS
 from ..core.sessions import DEFAULT_MAX_SESSIONS
@@ -222,8 +223,8 @@ class ServerConfig:
 
     @tool_separator.validator
     def _check_separator(self, attribute: Any, value: str) -> None:
-        if value not in (".", "_", "-", "__"):
-            raise ValueError(f"tool_separator must be one of '.', '_', '-', '__'; got {value!r}")
+        if value not in TOOL_SEPARATORS:
+            raise ValueError(f"tool_separator must be one of {', '.join(map(repr, TOOL_SEPARATORS))}; got {value!r}")
 
     max_payload_bytes: int = attrs.field(default=DEFAULT_MAX_PAYLOAD_BYTES)
     """Largest value a caller or sandbox may send (message text, tool arguments, result, frame payload),
