@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "oubliette_server", "oubliette_client")
 SANDBOX_PACKAGES = ("protocol", "oubliette_client")
 #: What the sandbox install must not bring: the server's own dependencies and its extras'.
-SERVER_ONLY = {"hypercorn", "prometheus-client", "h2", "wsproto", "psycopg", "psycopg-pool", "oubliette-relay"}
+SERVER_ONLY = {"hypercorn", "prometheus-client", "h2", "wsproto", "psycopg", "psycopg-pool", "oubliette-relay",
+               "cryptography"}
 INSTALL_TIMEOUT = 600
 
 
