@@ -453,7 +453,7 @@ async def test_a_decision_taken_after_another_servers_sweep_denied_the_approval_
                 request_id = asked.payload["request_id"]
                 sweep = Decision(approve=False, who=SERVER_STOPPED, reason=ABANDONED_REASON)
                 assert await frame_log.append_outcome(
-                    session, "approval_resolved", resolved_payload(request_id, GATED, sweep), request_id,
+                    session, "approval_resolved", resolved_payload(request_id, GATED, {}, sweep), request_id,
                 ) is not None
                 try:
                     await approvals.answer(caller, "s1", request_id, Decision(approve=True, who="caller"))
