@@ -225,6 +225,11 @@ class ChainCheck:
         self._requests: dict[str, str] = {}
         self.start: ChainBreak | None = self._start(pruned_below)
 
+    @property
+    def checkpoints(self) -> list[Checkpoint]:
+        """The instance's checkpoints, by seq."""
+        return list(self._checkpoints.values())
+
     def _break(self, seq: int, what: str) -> ChainBreak:
         return ChainBreak(self.instance, seq, what)
 
