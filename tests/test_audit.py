@@ -286,3 +286,15 @@ async def test_a_decision_binds_the_arguments_its_request_showed(deployment: Any
     await trio.to_thread.run_sync(backend.rehash)
     broken, _ = await trio.to_thread.run_sync(verify, backend)
     assert broken is not None and broken.seq == resolved["seq"] and "binds other arguments" in broken.what, broken
+
+
+def test_a_key_that_cannot_sign_is_a_usage_error_at_start(tmp_path: Path) -> None:
+    """`serve --audit-key` with a file that is no Ed25519 private key: one line, exit status 2, before serving."""
+    (tmp_path / "bad.pem").write_text("not a key\n")
+    for key, says in (("bad.pem", "not an unencrypted PEM private key"), ("missing.pem", "cannot read it")):
+        started = subprocess.run(
+            [str(Path(sys.executable).parent / "oubliette-server"), "--no-stdio", "--data-dir", str(tmp_path / "data"),
+             "--audit-key", key], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert started.returncode == 2, started.stderr
+        assert started.stderr.startswith(f"oubliette-server: error: audit key {key}: {says}"), started.stderr
+        assert "Traceback" not in started.stderr

@@ -400,7 +400,12 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         parse_relay_address(settings["relay"])
     for bind in [*settings.get("http", []), *settings.get("metrics", [])]:
         check_http_bind(bind)
-    return ServerConfig(**settings)
+    config = ServerConfig(**settings)
+    if config.audit_key is not None:  # a key that cannot sign is a usage error now, not a failure at start
+        from ..store.chain import Signer
+
+        Signer(config.audit_key)
+    return config
 
 
 def describe_failure(exc: BaseException) -> str | None:

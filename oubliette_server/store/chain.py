@@ -145,8 +145,8 @@ class ChainedLog(Protocol):
 class Signer:
     """Signs checkpoints with the deployment's Ed25519 private key (a PEM file, `audit_key`).
 
-    Raises: `ValueError` naming the file when it is not an unencrypted Ed25519 private key in PEM;
-    `OSError` when it cannot be read."""
+    Raises: `ValueError` naming the file when it cannot be read or is not an unencrypted Ed25519
+    private key in PEM."""
 
     def __init__(self, path: str | Path) -> None:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -154,6 +154,8 @@ class Signer:
 
         try:
             key = load_pem_private_key(Path(path).read_bytes(), password=None)
+        except OSError as exc:
+            raise ValueError(f"audit key {path}: cannot read it ({exc.strerror})") from None
         except (ValueError, TypeError) as exc:
             raise ValueError(f"audit key {path}: not an unencrypted PEM private key ({exc})") from None
         if not isinstance(key, Ed25519PrivateKey):
