@@ -17,6 +17,13 @@ Sequence
     gapless and in commit order: a reader resuming by `after_seq` never skips a frame that
     commits later with a smaller seq.  (A PostgreSQL SEQUENCE is not commit-ordered.)
 
+Hash chain
+    The same row keeps the instance's chain head (`last_hash`, migration 10): the single-frame
+    statements advance it with the seq, `sha256(last_hash || seq || digest)` in SQL (the frame's
+    content digest computed here, `chain.content_digest`), and store it as the frame's `hash`;
+    several frames read it with the bump and write it back before commit. Under the row lock,
+    so the chain is in commit order, per instance, with no lock across instances.
+
 Wake-ups
     Each append sends `NOTIFY oubliette_frames, '<instance>\t<first seq>\t<last seq>'` inside
     its transaction (delivered at commit, in commit order).  Each store object keeps one

@@ -107,6 +107,12 @@ Schema (``PRAGMA user_version = 1``)
     session, ``channel`` alone) are checked row by row during the scan; ``channel`` without
     ``session_id`` uses the primary key.
 
+    ``hash`` (BLOB) is the frame's link of its instance's hash chain (``chain.py``): the single
+    writer hands it out with the seq (``_heads``, the chain's head per instance, read once from the
+    file); NULL in frames stored before the chain (the column is added to an older file on open).
+    ``checkpoints(iid, seq, hash, ts, reason, signature)`` — the chain's hash after a seq: where
+    retention deletes (in its transaction), every ``checkpoint_every`` frames, and on demand.
+
     ``cursors(instance, name, seq)`` — named durable cursors (for example the seq the guest
     runtime has delivered), ``PRIMARY KEY (instance, name) WITHOUT ROWID``.
 
