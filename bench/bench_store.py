@@ -68,6 +68,12 @@ def us(x: float) -> str:
     return f"{x * 1e6:8.1f} µs"
 
 
+#: The raw baselines' insert: the columns their rows fill (the store's own columns beyond them, NULL).
+RAW_INSERT = (
+    "INSERT INTO frames (iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload, append_id) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
 def raw_connect(path: Path, durability: str) -> sqlite3.Connection:
     """A bare connection with the store's schema and pragmas."""
     db = sqlite3.connect(path, isolation_level=None)
@@ -118,7 +124,7 @@ async def bench_append(workdir: Path, n_single: int, n_batched: int, batch: int,
         (1, i + 1, ts, k["channel"], k["session_id"], k["type"], f"m-{i:032x}", k["reply_to"], text, None)
         for i, k in enumerate(kws)
     ]
-    ins = store_mod._INSERT_FRAME
+    ins = RAW_INSERT
     dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
     chunk = max(1, n_single // 20)
     wall = {"ours": 0.0, "prebuilt": 0.0, "building": 0.0, "floor": 0.0}
@@ -232,7 +238,7 @@ def generate(path: Path, n: int) -> tuple[FrameStore, float]:
     for start in range(1, n + 1, step):
         stop = min(n + 1, start + step)
         db.execute("BEGIN")
-        db.executemany(store_mod._INSERT_FRAME, rows(start, stop))
+        db.executemany(RAW_INSERT, rows(start, stop))
         db.execute("UPDATE instances SET last_seq = ? WHERE name = ?", (stop - 1, INSTANCE))
         db.execute("COMMIT")
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")

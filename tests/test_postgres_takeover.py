@@ -25,6 +25,7 @@ from oubliette_server.core.frame_log import FrameLog
 from oubliette_server.core.sessions import SessionRegistry
 from oubliette_server.store.api import FrameQuery
 from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore
+from oubliette_server.store.chain import value_digest
 from test_approvals_matrix import DELETE, GATED, call, decide
 from test_caller_loop import IDLE, INSTANCE, LOOP_AGENT, LoopCaller, ends_with, script, tool
 from test_http_api import post
@@ -358,7 +359,7 @@ async def test_the_sweep_finds_and_denies_an_approval_whose_server_died(pg_url: 
                       and f.payload["request_id"] == "apr-dead"]
     assert resolved.payload == {
         "request_id": "apr-dead", "tool_name": GATED, "approve": False, "reason": ABANDONED_REASON,
-        "who": SERVER_STOPPED, "kind": "approval",
+        "who": SERVER_STOPPED, "kind": "approval", "arguments_sha256": value_digest({}),  # the request's arguments
     }
     assert decision_of(resolved.payload).describe() == "denied (server_stopped)"
 
@@ -453,7 +454,7 @@ async def test_a_decision_taken_after_another_servers_sweep_denied_the_approval_
                 request_id = asked.payload["request_id"]
                 sweep = Decision(approve=False, who=SERVER_STOPPED, reason=ABANDONED_REASON)
                 assert await frame_log.append_outcome(
-                    session, "approval_resolved", resolved_payload(request_id, GATED, sweep), request_id,
+                    session, "approval_resolved", resolved_payload(request_id, GATED, {}, sweep), request_id,
                 ) is not None
                 try:
                     await approvals.answer(caller, "s1", request_id, Decision(approve=True, who="caller"))

@@ -171,7 +171,7 @@ async def test_a_lone_append_is_one_autocommit_insert_and_a_failed_one_stores_no
     store._db.set_trace_callback(statements.append)
     assert (await add(store, payload={"n": 2})).seq == 2
     assert [s.split()[0] for s in statements] == ["INSERT"]
-    store._db.execute("INSERT INTO frames VALUES (1, 3, 'ts', 'host', 's', 't', 'rogue', NULL, '{}', NULL, NULL)")
+    store._db.execute("INSERT INTO frames VALUES (1, 3, 'ts', 'host', 's', 't', 'rogue', NULL, '{}', NULL, NULL, NULL)")
     with pytest.raises(sqlite3.IntegrityError):
         await add(store, payload={"n": 3})
     store._db.set_trace_callback(None)
@@ -185,7 +185,7 @@ async def test_a_lone_append_is_one_autocommit_insert_and_a_failed_one_stores_no
 async def test_a_failed_group_commit_fails_every_append_and_reuses_the_seqs(store):
     await add(store)
     # Another writer took seq 2 behind the store's back: the next commit fails as a whole.
-    store._db.execute("INSERT INTO frames VALUES (1, 2, 'ts', 'host', 's', 't', 'rogue', NULL, '{}', NULL, NULL)")
+    store._db.execute("INSERT INTO frames VALUES (1, 2, 'ts', 'host', 's', 't', 'rogue', NULL, '{}', NULL, NULL, NULL)")
     failures: list[BaseException] = []
 
     async def one() -> None:

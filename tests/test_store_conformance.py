@@ -703,7 +703,7 @@ async def test_a_log_made_before_turn_ends_were_unique_gets_the_index_when_opene
             conn.execute("DROP INDEX frames_turn_ends")
             conn.execute("ALTER TABLE frames DROP COLUMN ends_turn")
             for seq, type in ((2, "assistant.done"), (3, "session.error")):
-                conn.execute("INSERT INTO frames VALUES (1, ?, 'ts', 'mcp', 's1', ?, ?, ?, '{}', NULL)",
+                conn.execute("INSERT INTO frames VALUES (1, ?, 'ts', 'mcp', 's1', ?, ?, ?, '{}', NULL, NULL)",
                              (seq, type, f"m-{seq}", message.msg_id))
     else:
         import psycopg
@@ -712,7 +712,7 @@ async def test_a_log_made_before_turn_ends_were_unique_gets_the_index_when_opene
             conn.execute("ALTER TABLE frames DROP COLUMN ends_turn")  # drops its index too
             conn.execute("DELETE FROM oubliette_schema WHERE version = 8")
             for seq, type in ((2, "assistant.done"), (3, "session.error")):
-                conn.execute("INSERT INTO frames VALUES ('box1', %s, 'ts', 'mcp', 's1', %s, %s, %s, '{}', NULL)",
+                conn.execute("INSERT INTO frames VALUES ('box1', %s, 'ts', 'mcp', 's1', %s, %s, %s, '{}', NULL, NULL)",
                              (seq, type, f"m-{seq}", message.msg_id))
             conn.execute("UPDATE instances SET last_seq = 3")
     async with backend.open() as store:

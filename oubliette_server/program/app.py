@@ -61,6 +61,7 @@ from ..features.toolsets import ToolsetService
 from ..features.toolsets.from_config import register_from_config
 from ..features.turns import TurnWaits
 from ..store.api import FrameStoreAPI, SharedStoreAPI, TurnEnded, shared_store
+from ..store.chain import Signer
 from ..store.opener import open_store
 from .config import ServerConfig
 
@@ -110,6 +111,8 @@ class OublietteServer:
             config.store_url, config.frame_store_path,
             retention_frames=config.retention_frames, retention_seconds=config.retention_seconds,
             pool_size=config.store_pool_size, connect_timeout=config.store_connect_timeout,
+            checkpoint_every=config.checkpoint_every,
+            sign=None if config.audit_key is None else Signer(config.audit_key),
         )
         self.limits: Limits = config.limits
         self.shared_store: SharedStoreAPI | None = shared_store(self.store)

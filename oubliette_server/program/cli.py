@@ -9,6 +9,8 @@
     oubliette-server status [--data-dir DIR | --store postgresql://…] [--config FILE] [--http HOST:PORT|unix:PATH] [--json]
     oubliette-server tail INSTANCE [--session CHANNEL:ID] [--types T,...] [--after-seq N] [--json] [--data-dir DIR | --store …]
     oubliette-server backup DEST [--data-dir DIR] [--config FILE]
+    oubliette-server audit verify|export|checkpoint [INSTANCE] [--public-key FILE] [--audit-key FILE]
+                     [--data-dir DIR | --store postgresql://…] [--config FILE]
 
 Logs go to stderr; stdout carries the caller's MCP. Options may come before or after the
 subcommand. An operator mistake is one line on stderr: exit status 2 for a usage error, 1 for
@@ -23,6 +25,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from oubliette_runtime.command_line import OneLineParser
 from oubliette_runtime.command_line import log_level as log_level_name
@@ -54,10 +57,10 @@ from .config import (
 from .data_dir_lock import DataDirInUse, hold_data_dir
 
 PROG = "oubliette-server"
-SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail", "backup")
+SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail", "backup", "audit")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
 VALUE_OPTIONS = {"--relay", "--relay-group", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
-                 "--session", "--types", "--after-seq", "--poll-interval"}
+                 "--session", "--types", "--after-seq", "--poll-interval", "--audit-key", "--public-key"}
 EPILOG = """subcommands:
   serve                 serve callers and sandboxes (the default)
   token INSTANCE        print an instance's relay token
@@ -65,6 +68,7 @@ EPILOG = """subcommands:
   status                instances, guest connections, sessions, pending requests (docs/OBSERVABILITY.md)
   tail INSTANCE         follow an instance's frames as they are stored (Ctrl-C ends it)
   backup DEST           copy a running server's SQLite data directory, consistent, into DEST (docs/DEPLOY.md)
+  audit ACTION          verify, export or checkpoint the frame log's hash chain (docs/AUDIT.md)
 
 Options may come before or after the subcommand, e.g. `oubliette-server --data-dir X token box1`.
 Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
@@ -120,6 +124,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--store", metavar="postgresql://…",
         help="keep the frame log in PostgreSQL (a libpq URI, docs/SCALING.md) instead of SQLite in the data directory",
+    )
+    parser.add_argument(
+        "--audit-key", type=Path, metavar="FILE",
+        help="the Ed25519 private key (PEM) that signs the frame log's checkpoints (docs/AUDIT.md)",
     )
     parser.add_argument("--no-stdio", action="store_true", help="do not serve a caller on stdin/stdout")
     parser.add_argument("--config", type=Path, help="TOML config file (see docs/CONFIG.md); flags override it")
@@ -273,6 +281,56 @@ def _run_backup(rest: list[str]) -> int:
     return 0
 
 
+def _run_audit(rest: list[str]) -> int:
+    """`audit verify|export|checkpoint [INSTANCE]`: the frame log's hash chain (program/audit.py)."""
+    import trio
+
+    from ..store.chain import Signer, load_public_key
+    from ..store.opener import open_reader, open_store
+    from . import audit
+
+    parser = OneLineParser(prog=f"{PROG} audit", description="Verify the frame log's hash chain (exit status 1 "
+                           "at a broken link), export it as JSON lines, or checkpoint it now (docs/AUDIT.md).")
+    parser.add_argument("action", choices=("verify", "export", "checkpoint"))
+    parser.add_argument("instance", nargs="?", help="one instance (default: every instance)")
+    _add_common(parser)
+    parser.add_argument("--store", metavar="postgresql://…", help="the deployment's PostgreSQL store (docs/SCALING.md)")
+    parser.add_argument("--config", type=Path, help="the server's TOML config file: its data dir, store and audit_key")
+    parser.add_argument("--public-key", type=Path, metavar="FILE",
+                        help="verify: the Ed25519 public key (PEM) every checkpoint must be signed with")
+    parser.add_argument("--audit-key", type=Path, metavar="FILE",
+                        help="checkpoint: the Ed25519 private key (PEM) to sign with (default: the config's audit_key)")
+    args = parser.parse_args(rest)
+    try:
+        config = _config_beside_the_server(args)
+        if args.instance is not None and (reason := check_instance_id(args.instance)):
+            raise ValueError(reason)
+        public_key = load_public_key(args.public_key) if args.public_key is not None else None
+        key_file = args.audit_key or config.audit_key
+        signer = Signer(key_file) if args.action == "checkpoint" and key_file is not None else None
+    except (ValueError, TypeError, OSError) as exc:
+        parser.error(str(exc))
+    if args.action == "checkpoint":  # writes one row per instance beside the running server, nothing else
+        store: Any = open_store(
+            config.store_url, config.frame_store_path, retention_frames=None, retention_seconds=None, pool_size=2,
+            connect_timeout=config.store_connect_timeout, checkpoint_every=None, sign=signer,
+        )
+    else:
+        store = open_reader(config.store_url, config.frame_store_path)
+
+    async def run() -> bool:
+        async with store.running():
+            if args.action == "verify":
+                return await audit.verify(store, args.instance, public_key, sys.stdout)
+            if args.action == "export":
+                await audit.export(store, args.instance, sys.stdout)
+            else:
+                await audit.checkpoint(store, args.instance, sys.stdout)
+            return True
+
+    return 0 if trio.run(run) else 1
+
+
 def check_http_bind(bind: str) -> None:
     """Raise `ValueError` unless `bind` is `HOST:PORT` or `unix:PATH`.
 
@@ -330,6 +388,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         settings["approval_delivery"] = args.approval_delivery
     if args.store is not None:
         settings["store_url"] = args.store
+    if args.audit_key is not None:
+        settings["audit_key"] = args.audit_key
     if args.http:
         settings["http"] = args.http
     if args.metrics:
@@ -340,7 +400,12 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         parse_relay_address(settings["relay"])
     for bind in [*settings.get("http", []), *settings.get("metrics", [])]:
         check_http_bind(bind)
-    return ServerConfig(**settings)
+    config = ServerConfig(**settings)
+    if config.audit_key is not None:  # a key that cannot sign is a usage error now, not a failure at start
+        from ..store.chain import Signer
+
+        Signer(config.audit_key)
+    return config
 
 
 def describe_failure(exc: BaseException) -> str | None:
@@ -385,6 +450,8 @@ def _run(argv: list[str]) -> int:
         return _run_operator(command, rest)
     if command == "backup":
         return _run_backup(rest)
+    if command == "audit":
+        return _run_audit(rest)
     if command == "serve":
         parser = _serve_parser()
     else:

@@ -27,6 +27,7 @@ from ..doors.connection_limits import (
     RelayLimits,
 )
 from ..features.approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
+from ..store.api import DEFAULT_CHECKPOINT_EVERY, check_checkpoint_every
 
 MAX_SESSIONS_CEILING = 1_000_000
 
@@ -157,6 +158,14 @@ class ServerConfig:
     """Frames kept per instance (the oldest are pruned); None keeps all."""
     retention_seconds: float | None = None
     """Also prune frames older than this (checked on appends and at start); None: no age limit."""
+    audit_key: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
+    """The Ed25519 private key (PEM) that signs the frame log's checkpoints (docs/AUDIT.md); None: unsigned."""
+    checkpoint_every: int | None = attrs.field(default=DEFAULT_CHECKPOINT_EVERY)
+    """Frames of an instance between two checkpoints of its hash chain (besides those retention makes); None: none."""
+
+    @checkpoint_every.validator
+    def _check_checkpoint_every(self, attribute: Any, value: int | None) -> None:
+        check_checkpoint_every(value)
     session_wait_limit: float = DEFAULT_SESSION_WAIT
     start_timeout: float = DEFAULT_START_TIMEOUT
     """Seconds a start command (wake on message) has to connect its guest before it is stopped."""
@@ -283,7 +292,7 @@ SERVER_KEYS = {
     "max_client_connections": int, "relay_max_connections": int, "relay_hello_timeout": (int, float),
     "max_payload_bytes": int, "max_payload_depth": int, "max_sessions": int,
     "http_max_connections": int, "http_body_timeout": (int, float), "http_keep_alive_timeout": (int, float),
-    "http_keep_alive_max_requests": int,
+    "http_keep_alive_max_requests": int, "audit_key": str, "checkpoint_every": int,
 }
 
 

@@ -28,6 +28,7 @@ from protocol.timestamps import format_ts
 __all__ = [
     "APPEND_KEYS",
     "DEFAULT_LIMIT",
+    "DEFAULT_CHECKPOINT_EVERY",
     "DEFAULT_PRUNE_EVERY",
     "DEFAULT_RETENTION_FRAMES",
     "DECLARATION_KEY",
@@ -48,6 +49,7 @@ __all__ = [
     "StoreUnavailable",
     "TURN_ENDS_INDEX",
     "TurnEnded",
+    "check_checkpoint_every",
     "check_cursor_args",
     "check_instance",
     "check_resend",
@@ -71,6 +73,8 @@ MAX_SEQ = 2**63 - 1
 DEFAULT_LIMIT = 50
 DEFAULT_RETENTION_FRAMES = 100_000
 DEFAULT_PRUNE_EVERY = 1000
+#: Frames of an instance between two checkpoints of its hash chain (store/chain.py, docs/AUDIT.md).
+DEFAULT_CHECKPOINT_EVERY = 10_000
 APPEND_KEYS = frozenset({"channel", "session_id", "type", "payload", "msg_id", "reply_to"})
 REQUIRED_KEYS = frozenset({"channel", "session_id", "type", "payload"})
 
@@ -472,6 +476,12 @@ def check_retention(retention_frames: Any, retention_seconds: Any, prune_every: 
         raise ValueError(f"retention_seconds must be a positive number or None, got {retention_seconds!r}")
     if not is_int(prune_every) or prune_every < 1:
         raise ValueError(f"prune_every must be a positive integer, got {prune_every!r}")
+
+
+def check_checkpoint_every(checkpoint_every: Any) -> None:
+    """`ValueError` unless `checkpoint_every` is a positive integer or None (no periodic checkpoints)."""
+    if checkpoint_every is not None and (not is_int(checkpoint_every) or checkpoint_every < 1):
+        raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
 
 
 def check_cursor_args(instance: Any, name: Any, seq: Any) -> None:

@@ -8,7 +8,9 @@ embedded default installs and imports nothing more.
 
 from __future__ import annotations
 
-from .api import FrameStoreAPI
+from collections.abc import Callable
+
+from .api import DEFAULT_CHECKPOINT_EVERY, FrameStoreAPI
 from .sqlite import FrameStore
 
 #: What to install, said in the one line the server prints. The distribution is `oubliette-relay`
@@ -50,6 +52,8 @@ def open_store(
     retention_seconds: float | None,
     pool_size: int,
     connect_timeout: float,
+    checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY,
+    sign: Callable[[bytes], bytes] | None = None,
 ) -> FrameStoreAPI:
     """The store `url` names (None: SQLite at `sqlite_path`); PostgreSQL connects in `running()`.
 
@@ -57,14 +61,17 @@ def open_store(
     (`sqlite3.Error`, `OSError`) for an unusable file.
     """
     if url is None:
-        return FrameStore(sqlite_path, retention_frames=retention_frames, retention_seconds=retention_seconds)
+        return FrameStore(
+            sqlite_path, retention_frames=retention_frames, retention_seconds=retention_seconds,
+            checkpoint_every=checkpoint_every, sign=sign,
+        )
     try:
         from .postgres import PostgresFrameStore
     except ImportError:
         raise StoreConfigError(MISSING_EXTRA) from None
     return PostgresFrameStore(
         url, retention_frames=retention_frames, retention_seconds=retention_seconds,
-        pool_size=pool_size, connect_timeout=connect_timeout,
+        pool_size=pool_size, connect_timeout=connect_timeout, checkpoint_every=checkpoint_every, sign=sign,
     )
 
 

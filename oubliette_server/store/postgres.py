@@ -17,6 +17,13 @@ Sequence
     gapless and in commit order: a reader resuming by `after_seq` never skips a frame that
     commits later with a smaller seq.  (A PostgreSQL SEQUENCE is not commit-ordered.)
 
+Hash chain
+    The same row keeps the instance's chain head (`last_hash`, migration 10): the single-frame
+    statements advance it with the seq, `sha256(last_hash || seq || digest)` in SQL (the frame's
+    content digest computed here, `chain.content_digest`), and store it as the frame's `hash`;
+    several frames read it with the bump and write it back before commit. Under the row lock,
+    so the chain is in commit order, per instance, with no lock across instances.
+
 Wake-ups
     Each append sends `NOTIFY oubliette_frames, '<instance>\t<first seq>\t<last seq>'` inside
     its transaction (delivered at commit, in commit order).  Each store object keeps one
@@ -86,6 +93,7 @@ from .api import (
     OWNER_KEY,
     SESSION_RECORD,
     AppendNoticeHook,
+    DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_PRUNE_EVERY,
     DEFAULT_RETENTION_FRAMES,
     CursorPruned,
@@ -95,6 +103,7 @@ from .api import (
     StoreUnavailable,
     TURN_ENDS_INDEX,
     TurnEnded,
+    check_checkpoint_every,
     check_cursor_args,
     check_instance,
     check_retention,
@@ -106,6 +115,7 @@ from .api import (
     make_frame,
     retention_cut,
 )
+from .chain import DEMAND, EVERY, GENESIS, RETENTION, ChainedFrame, Checkpoint, content_digest, link
 from .postgres_loop import LoopStatements
 
 __all__ = ["MIGRATIONS", "NOTIFY_CHANNEL", "PostgresFrameStore", "safe_url"]
@@ -180,6 +190,9 @@ def parse_notice(payload: str) -> tuple[str, int | None, int | None]:
 LISTEN_BACKOFF = (0.05, 2.0)
 #: How long a long poll waits for a pooled connection before it reports the store unavailable.
 FAIL_FAST_SECONDS = 2.0
+
+#: `chain.GENESIS` as a PostgreSQL value.
+_GENESIS_SQL = "'\\x" + GENESIS.hex() + "'::bytea"
 
 #: (version, statements): applied in order, each once, recorded in `oubliette_schema`. A number
 #: is never reused nor renumbered, since deployed databases record it: 4 was never released, so
@@ -276,20 +289,47 @@ CREATE UNIQUE INDEX {TURN_ENDS_INDEX} ON frames (instance, ends_turn) WHERE ends
 CREATE INDEX frames_session_owners ON frames (session_id, channel, (payload::jsonb ->> '{OWNER_KEY}'), instance)
     WHERE type = '{SESSION_RECORD}';
 """),
+    # The hash chain (store/chain.py, docs/AUDIT.md): each frame's hash, the instance's chain head
+    # beside its last_seq (advanced under the same row lock, so appends by several servers chain in
+    # commit order, per instance), and the checkpoints. Older frames keep no hash: an instance's
+    # chain starts after them, from `GENESIS`; self-contained.
+    (10, f"""
+ALTER TABLE frames ADD COLUMN hash bytea;
+ALTER TABLE instances ADD COLUMN last_hash bytea NOT NULL DEFAULT {_GENESIS_SQL};
+CREATE TABLE checkpoints (
+    instance  text   NOT NULL,
+    seq       bigint NOT NULL,
+    hash      bytea  NOT NULL,
+    ts        text   NOT NULL,
+    reason    text   NOT NULL,
+    signature bytea,
+    PRIMARY KEY (instance, seq)
+);
+"""),
 ]
 SCHEMA_VERSION = max(version for version, _ in MIGRATIONS)
 
+#: Several frames' seqs, and the chain head before them (the row is not updated but locked: the
+#: hashes are computed in Python and the head written back in the same transaction, `_SET_HEAD`).
 _BUMP_SEQ = (
     "INSERT INTO instances (name, last_seq) VALUES (%s, %s) "
-    "ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + EXCLUDED.last_seq RETURNING last_seq"
+    "ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + EXCLUDED.last_seq RETURNING last_seq, last_hash"
+)
+_SET_HEAD = "UPDATE instances SET last_hash = %s WHERE name = %s"
+#: One frame's seq and chain hash, under the instance row's lock: `$11` is the frame's content
+#: digest (`chain.content_digest`), the hash `chain.link` of the head before it.
+_BUMP_ONE = (
+    b"INSERT INTO instances (name, last_seq, last_hash) VALUES ($1, 1, sha256(" + _GENESIS_SQL.encode()
+    + b" || int8send(1::int8) || $11::bytea)) "
+    b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1, "
+    b"last_hash = sha256(instances.last_hash || int8send(instances.last_seq + 1) || $11::bytea) "
 )
 #: One frame in one statement (autocommit: the bump, the insert and the NOTIFY commit together),
 #: run on the Trio loop by `postgres_loop` (no worker thread, one round trip).
 _APPEND_ONE = (
-    b"WITH bumped AS (INSERT INTO instances (name, last_seq) VALUES ($1, 1) "
-    b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1 RETURNING last_seq), "
+    b"WITH bumped AS (" + _BUMP_ONE + b"RETURNING last_seq, last_hash), "
     b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, "
-    b"ends_turn) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10 FROM bumped RETURNING seq) "
+    b"ends_turn, hash) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10, last_hash FROM bumped RETURNING seq) "
     b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
 )
 #: `append_once`'s one statement: the frame of `$10` if the instance has it (then nothing is bumped
@@ -298,10 +338,14 @@ _APPEND_ONE = (
 #: insert breaks the unique index and the whole statement fails: no seq is lost.
 _APPEND_ONCE = (
     b"WITH found AS (SELECT seq FROM frames WHERE instance = $1 AND append_id = $10), "
-    b"bumped AS (INSERT INTO instances (name, last_seq) SELECT $1, 1 WHERE NOT EXISTS (SELECT 1 FROM found) "
-    b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1 RETURNING last_seq), "
+    b"bumped AS (INSERT INTO instances (name, last_seq, last_hash) SELECT $1, 1, sha256(" + _GENESIS_SQL.encode()
+    + b" || int8send(1::int8) || $12::bytea) WHERE NOT EXISTS (SELECT 1 FROM found) "
+    b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1, "
+    b"last_hash = sha256(instances.last_hash || int8send(instances.last_seq + 1) || $12::bytea) "
+    b"RETURNING last_seq, last_hash), "
     b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, "
-    b"append_id, ends_turn) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10, $11 FROM bumped RETURNING seq) "
+    b"append_id, ends_turn, hash) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10, $11, last_hash FROM bumped "
+    b"RETURNING seq) "
     b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
 )
 _FRAME_BY = b"SELECT seq, ts, channel, session_id, type, msg_id, reply_to, payload FROM frames WHERE instance = $1 AND "
@@ -353,8 +397,13 @@ _CLAIM = (
     "ON CONFLICT (instance, request_id) DO NOTHING RETURNING request_id"
 )
 _INSERT_FRAME = (
-    "INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, ends_turn) "
-    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+    "INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, ends_turn, hash) "
+    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
+#: A checkpoint (`chain.Checkpoint`): a second one at the same seq only adds a signature the first lacked.
+_INSERT_CHECKPOINT = (
+    "INSERT INTO checkpoints (instance, seq, hash, ts, reason, signature) VALUES (%s, %s, %s, %s, %s, %s) "
+    "ON CONFLICT (instance, seq) DO UPDATE SET signature = EXCLUDED.signature WHERE checkpoints.signature IS NULL"
 )
 
 _T = TypeVar("_T")
@@ -405,8 +454,14 @@ class PostgresFrameStore(FrameAppends):
         pool_size: int = 4,
         connect_timeout: float = 10.0,
         clock: Callable[[], float] = time.time,
+        checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY,
+        sign: Callable[[bytes], bytes] | None = None,
     ) -> None:
         check_retention(retention_frames, retention_seconds, prune_every)
+        check_checkpoint_every(checkpoint_every)
+        self.checkpoint_every = checkpoint_every
+        self._sign = sign
+        self._appends_since_checkpoint: dict[str, int] = {}
         psycopg.conninfo.conninfo_to_dict(url)  # a malformed URI fails here, not at first use
         self.url = url
         self.retention_frames = retention_frames
@@ -702,13 +757,14 @@ class PostgresFrameStore(FrameAppends):
         ts = format_ts(self._clock())
 
         if claim is None and n == 1 and self._statements is not None:
-            ch, sid, typ, mid, rt, text, _, _ = prepared[0]
+            ch, sid, typ, mid, rt, text, obj, _ = prepared[0]
             ends = ends_turn(typ, rt)
             try:
                 rows = await self._statements.rows(_APPEND_ONE, [
                     instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
                     None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
                     None if ends is None else ends.encode(),
+                    _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
                 ])
             except psycopg.errors.UniqueViolation:
                 raise await self._turn_ended(instance, prepared) from None
@@ -720,11 +776,16 @@ class PostgresFrameStore(FrameAppends):
                     return 0  # another outcome holds the claim: nothing to write
                 row = conn.execute(_BUMP_SEQ, (instance, n)).fetchone()
                 assert row is not None
-                last = row[0]
+                last, head = row[0], bytes(row[1])
                 first = last - n + 1
+                hashes = []
+                for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared):
+                    head = link(head, first + i, content_digest(instance, ts, ch, sid, typ, mid, rt, obj))
+                    hashes.append(head)
+                conn.execute(_SET_HEAD, (head, instance))
                 with conn.cursor() as cur:
                     cur.executemany(_INSERT_FRAME, [
-                        (instance, first + i, ts, ch, sid, typ, mid, rt, text, ends_turn(typ, rt))
+                        (instance, first + i, ts, ch, sid, typ, mid, rt, text, ends_turn(typ, rt), hashes[i])
                         for i, (ch, sid, typ, mid, rt, text, _, _) in enumerate(prepared)
                     ])
                 if claim is not None:
@@ -756,7 +817,7 @@ class PostgresFrameStore(FrameAppends):
         """`_APPEND_ONCE` on the Trio loop; when it stored nothing (the id's frame was there) or
         lost a race on the unique index, the frame stored with the id is read and returned."""
         _no_nul(instance, [prepared])
-        ch, sid, typ, mid, rt, text, _, aid = prepared
+        ch, sid, typ, mid, rt, text, obj, aid = prepared
         ends = ends_turn(typ, rt)
         for _attempt in range(3):  # again only if retention deleted the frame between the two reads
             statements = self._statements
@@ -769,6 +830,7 @@ class PostgresFrameStore(FrameAppends):
                     instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
                     None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(), aid.encode(),
                     None if ends is None else ends.encode(),
+                    _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
                 ])
             except psycopg.DatabaseError as exc:  # perhaps a racing server stored the id (or the turn's end) first
                 rows, refused = [], exc
@@ -812,6 +874,15 @@ class PostgresFrameStore(FrameAppends):
             for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared)
         ]
         self._wake_instance(instance)
+        if self.checkpoint_every is not None:
+            since = self._appends_since_checkpoint.get(instance, 0) + n
+            if since >= self.checkpoint_every:
+                since = 0
+                try:
+                    await self._run(self._checkpoint_head, instance, EVERY)
+                except Exception:
+                    log.exception("frame store: the checkpoint of instance %r failed", instance)
+            self._appends_since_checkpoint[instance] = since
         count = self._appends_since_prune.get(instance, 0) + n
         if count >= self.prune_every:
             self._appends_since_prune[instance] = 0
@@ -823,6 +894,69 @@ class PostgresFrameStore(FrameAppends):
         else:
             self._appends_since_prune[instance] = count
         return stored
+
+    # -- the hash chain (chain.py) --------------------------------------------------------
+
+    def _write_checkpoint(self, conn: psycopg.Connection, instance: str, seq: int, reason: str) -> Checkpoint | None:
+        """Store (signed, with a key) the checkpoint after frame `seq` of `instance` (in the caller's
+        transaction, which holds the instance's row); None if that frame is not stored."""
+        row = conn.execute("SELECT hash FROM frames WHERE instance = %s AND seq = %s", (instance, seq)).fetchone()
+        if row is None:
+            return None
+        return self._store_checkpoint(conn, instance, seq, GENESIS if row[0] is None else bytes(row[0]), reason)
+
+    def _store_checkpoint(self, conn: psycopg.Connection, instance: str, seq: int, head: bytes, reason: str) -> Checkpoint:
+        checkpoint = Checkpoint(instance, seq, head, format_ts(self._clock()), reason)
+        if self._sign is not None:
+            checkpoint = attrs.evolve(checkpoint, signature=self._sign(checkpoint.message()))
+        conn.execute(_INSERT_CHECKPOINT, (instance, seq, head, checkpoint.ts, reason, checkpoint.signature))
+        return checkpoint
+
+    def _checkpoint_head(self, conn: psycopg.Connection, instance: str, reason: str) -> Checkpoint | None:
+        """A checkpoint of the instance's chain head (its row: the head and last seq agree)."""
+        with conn.transaction():
+            row = conn.execute("SELECT last_seq, last_hash FROM instances WHERE name = %s", (instance,)).fetchone()
+            if row is None or row[0] == 0:
+                return None
+            return self._store_checkpoint(conn, instance, row[0], bytes(row[1]), reason)
+
+    async def add_checkpoint(self, instance: str) -> Checkpoint | None:
+        """Checkpoint the chain of `instance` at its head now (`audit checkpoint`), signed when the
+        store has a key; None when the instance has no frame."""
+        return await self._run(self._checkpoint_head, instance, DEMAND)
+
+    async def checkpoints(self, instance: str) -> list[Checkpoint]:
+        """Every checkpoint of `instance`, by seq."""
+        def read(conn: psycopg.Connection) -> list[Checkpoint]:
+            rows = conn.execute(
+                "SELECT seq, hash, ts, reason, signature FROM checkpoints WHERE instance = %s ORDER BY seq", (instance,),
+            ).fetchall()
+            return [
+                Checkpoint(instance, seq, bytes(h), ts, reason, None if sig is None else bytes(sig))
+                for seq, h, ts, reason, sig in rows
+            ]
+        return await self._run(read, read_only=True)
+
+    async def chained_frames(self, instance: str, after_seq: int, limit: int) -> list[ChainedFrame]:
+        """The stored frames of `instance` after `after_seq` (at most `limit`, by seq) with their hashes."""
+        def read(conn: psycopg.Connection) -> list[ChainedFrame]:
+            rows = conn.execute(
+                "SELECT seq, ts, channel, session_id, type, msg_id, reply_to, payload, hash FROM frames "
+                "WHERE instance = %s AND seq > %s ORDER BY seq LIMIT %s", (instance, after_seq, limit),
+            ).fetchall()
+            return [
+                ChainedFrame(make_frame(seq, ts, instance, ch, sid, typ, mid, rt, json.loads(payload)),
+                             None if h is None else bytes(h))
+                for seq, ts, ch, sid, typ, mid, rt, payload, h in rows
+            ]
+        return await self._run(read, read_only=True)
+
+    async def chain_head(self, instance: str) -> bytes | None:
+        """The chain head the instance's row keeps (None: unknown instance)."""
+        def read(conn: psycopg.Connection) -> bytes | None:
+            row = conn.execute("SELECT last_hash FROM instances WHERE name = %s", (instance,)).fetchone()
+            return None if row is None else bytes(row[0])
+        return await self._run(read, read_only=True)
 
     # -- query ---------------------------------------------------------------------------
 
@@ -1097,12 +1231,19 @@ class PostgresFrameStore(FrameAppends):
             cut = retention_cut(pruned, last, self.retention_frames, self.retention_seconds, self._clock(), first_young)
             if cut <= pruned:
                 return 0
+            # The chain goes on across the gap: a checkpoint holds the hash of the last frame deleted.
+            self._write_checkpoint(conn, instance, cut, RETENTION)
             deleted = conn.execute("DELETE FROM frames WHERE instance = %s AND seq <= %s", (instance, cut)).rowcount
             conn.execute("DELETE FROM resolutions WHERE instance = %s AND seq <= %s", (instance, cut))
             conn.execute("UPDATE instances SET pruned_below = %s WHERE name = %s", (cut, instance))
         if deleted:
             log.debug("frame store: pruned %d frames of instance %r (seq <= %d)", deleted, instance, cut)
         return deleted
+
+
+def _bytea(value: bytes) -> bytes:
+    """`value` as a bytea parameter in text format (what `LoopStatements` sends)."""
+    return b"\\x" + value.hex().encode()
 
 
 def _first_line(exc: BaseException) -> str:

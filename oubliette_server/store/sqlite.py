@@ -107,6 +107,12 @@ Schema (``PRAGMA user_version = 1``)
     session, ``channel`` alone) are checked row by row during the scan; ``channel`` without
     ``session_id`` uses the primary key.
 
+    ``hash`` (BLOB) is the frame's link of its instance's hash chain (``chain.py``): the single
+    writer hands it out with the seq (``_heads``, the chain's head per instance, read once from the
+    file); NULL in frames stored before the chain (the column is added to an older file on open).
+    ``checkpoints(iid, seq, hash, ts, reason, signature)`` — the chain's hash after a seq: where
+    retention deletes (in its transaction), every ``checkpoint_every`` frames, and on demand.
+
     ``cursors(instance, name, seq)`` — named durable cursors (for example the seq the guest
     runtime has delivered), ``PRIMARY KEY (instance, name) WITHOUT ROWID``.
 
@@ -152,6 +158,7 @@ from protocol.frames import FRAME_VERSION, Frame, SessionRef
 
 from .api import (
     DECLARATION_KEY,
+    DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_LIMIT,
     DEFAULT_PRUNE_EVERY,
     DEFAULT_RETENTION_FRAMES,
@@ -168,6 +175,7 @@ from .api import (
     StoreUnavailable,
     TURN_ENDS_INDEX,
     TurnEnded,
+    check_checkpoint_every,
     check_cursor_args,
     check_retention,
     check_timeout,
@@ -178,6 +186,7 @@ from .api import (
     retention_cut,
 )
 from .api import make_frame as _frame
+from .chain import DEMAND, EVERY, GENESIS, RETENTION, ChainedFrame, Checkpoint, content_digest, link
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -223,6 +232,7 @@ CREATE TABLE IF NOT EXISTS frames (
     payload    TEXT    NOT NULL,
     append_id  TEXT,
     ends_turn  TEXT,
+    hash       BLOB,
     PRIMARY KEY (iid, seq)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS frames_by_session ON frames (iid, session_id, channel, seq);
@@ -232,6 +242,15 @@ CREATE INDEX IF NOT EXISTS frames_session_records ON frames (session_id, channel
     WHERE type = '{SESSION_RECORD}';
 CREATE INDEX IF NOT EXISTS frames_session_owners ON frames (session_id, channel, json_extract(payload, '$.{OWNER_KEY}'), iid)
     WHERE type = '{SESSION_RECORD}';
+CREATE TABLE IF NOT EXISTS checkpoints (
+    iid       INTEGER NOT NULL,
+    seq       INTEGER NOT NULL,
+    hash      BLOB    NOT NULL,
+    ts        TEXT    NOT NULL,
+    reason    TEXT    NOT NULL,
+    signature BLOB,
+    PRIMARY KEY (iid, seq)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS cursors (
     instance TEXT    NOT NULL,
     name     TEXT    NOT NULL,
@@ -294,8 +313,13 @@ OWNED_SESSION_RECORDS_SQL = (
 )
 
 _INSERT_FRAME = (
-    "INSERT INTO frames (iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload, append_id, ends_turn) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO frames (iid, seq, ts, channel, session_id, type, msg_id, reply_to, payload, append_id, ends_turn, hash) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# A checkpoint (`chain.Checkpoint`): a second one at the same seq only adds a signature the first lacked.
+_INSERT_CHECKPOINT = (
+    "INSERT INTO checkpoints (iid, seq, hash, ts, reason, signature) VALUES (?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (iid, seq) DO UPDATE SET signature = excluded.signature WHERE checkpoints.signature IS NULL"
 )
 # A new instance's row, created in the transaction of its first frames.
 _NEW_INSTANCE = "INSERT INTO instances (name, last_seq, pruned_below) VALUES (?, 0, 0)"
@@ -321,8 +345,13 @@ class FrameStore(FrameAppends):
         prune_every: int = DEFAULT_PRUNE_EVERY,
         clock: Callable[[], float] = time.time,
         read_only: bool = False,
+        checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY,
+        sign: Callable[[bytes], bytes] | None = None,
     ) -> None:
         check_retention(retention_frames, retention_seconds, prune_every)
+        check_checkpoint_every(checkpoint_every)
+        self.checkpoint_every = checkpoint_every
+        self._sign = sign
         if durability not in _DURABILITY:
             raise ValueError(f"durability must be one of {sorted(_DURABILITY)}, got {durability!r}")
         self.retention_frames = retention_frames
@@ -362,6 +391,9 @@ class FrameStore(FrameAppends):
         # Per instance: the highest seq handed out, and the highest committed (see "Group commit").
         self._assigned: dict[str, int] = {}
         self._committed: dict[str, int] = {}
+        # Per instance: the chain hash after its highest assigned seq (`chain.py`), read once.
+        self._heads: dict[str, bytes] = {}
+        self._appends_since_checkpoint: dict[str, int] = {}
         self._group: _Group | None = None
         self._appends_since_prune: dict[str, int] = {}
         FrameAppends.__init__(self)
@@ -449,6 +481,8 @@ class FrameStore(FrameAppends):
                 db.execute("ALTER TABLE frames ADD COLUMN ends_turn TEXT")
                 db.execute(first_turn_ends_sql("iid"))
             db.execute(_TURN_ENDS_UNIQUE)
+            if "hash" not in columns:  # a file made before the hash chain: its frames stay without one
+                db.execute("ALTER TABLE frames ADD COLUMN hash BLOB")
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     @property
@@ -657,12 +691,21 @@ class FrameStore(FrameAppends):
         if last is None or self.read_only:
             last = self._committed_seq(instance)
         first = last + 1
-        self._assigned[instance] = last + len(prepared)
         ts = format_ts(self._clock())
-        part = (instance, first, ts, prepared)
+        head = self._heads.get(instance)
+        if head is None:
+            head = self._heads[instance] = self._stored_head(instance, last)
+        hashes = []
+        for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared):
+            head = link(head, first + i, content_digest(instance, ts, ch, sid, typ, mid, rt, obj))
+            hashes.append(head)
+        base_head = self._heads[instance]
+        self._heads[instance] = head
+        self._assigned[instance] = last + len(prepared)
+        part = (instance, first, ts, prepared, hashes)
         group = self._group
         if group is None:
-            group = self._group = _Group(instance, last, part)
+            group = self._group = _Group(instance, last, base_head, part)
             # Let the appends of other ready tasks join this commit (the one schedule point of
             # an append); nothing may stop it now (the others wait for it, shielded).
             try:
@@ -671,7 +714,8 @@ class FrameStore(FrameAppends):
                 self._group = None
                 self._commit(group)
         else:
-            group.base.setdefault(instance, last)
+            if instance not in group.base:
+                group.base[instance] = (last, base_head)
             group.parts.append(part)
             if group.done is None:
                 group.done = trio.Event()
@@ -701,13 +745,16 @@ class FrameStore(FrameAppends):
                 # A lone frame of a known instance: one INSERT in autocommit mode is its own
                 # transaction (SQLite commits it before execute returns, or rolls it back and
                 # raises), with the same durability as BEGIN/INSERT/COMMIT at a third of the calls.
-                instance, first, ts, ((ch, sid, typ, mid, rt, text, _, aid),) = parts[0]
-                db.execute(_INSERT_FRAME, (iids[instance], first, ts, ch, sid, typ, mid, rt, text, aid, ends_turn(typ, rt)))
+                instance, first, ts, ((ch, sid, typ, mid, rt, text, _, aid),), (hash,) = parts[0]
+                db.execute(_INSERT_FRAME, (
+                    iids[instance], first, ts, ch, sid, typ, mid, rt, text, aid, ends_turn(typ, rt), hash,
+                ))
             else:
                 self._commit_transaction(db, parts, group.base, created)
         except BaseException as exc:
-            for instance, base in group.base.items():
+            for instance, (base, base_head) in group.base.items():
                 self._assigned[instance] = base
+                self._heads[instance] = base_head
             for instance in created:
                 del self._iids[instance]
             if isinstance(exc, sqlite3.OperationalError):  # a full disk, an I/O error, a lock held elsewhere
@@ -724,7 +771,7 @@ class FrameStore(FrameAppends):
             self._committed_frames(parts[0][0], len(parts[0][3]))
             return
         added: dict[str, int] = {}
-        for instance, _, _, prepared in parts:
+        for instance, _, _, prepared, _ in parts:
             added[instance] = added.get(instance, 0) + len(prepared)
         for instance, count in added.items():
             self._committed_frames(instance, count)
@@ -736,6 +783,15 @@ class FrameStore(FrameAppends):
         if self._committed.get(instance, 0) < assigned:
             self._committed[instance] = assigned
         self._wake_instance(instance)
+        if self.checkpoint_every is not None:
+            since = self._appends_since_checkpoint.get(instance, 0) + count
+            if since >= self.checkpoint_every:
+                since = 0
+                try:
+                    self._checkpoint_head(instance, EVERY)
+                except sqlite3.Error:
+                    log.exception("frame store: the checkpoint of instance %r failed", instance)
+            self._appends_since_checkpoint[instance] = since
         count += self._appends_since_prune.get(instance, 0)
         if count >= self.prune_every:
             self._appends_since_prune[instance] = 0
@@ -748,8 +804,7 @@ class FrameStore(FrameAppends):
             self._appends_since_prune[instance] = count
 
     def _commit_transaction(
-        self, db: sqlite3.Connection, parts: list[tuple[str, int, str, list[tuple]]], base: dict[str, int],
-        created: list[str],
+        self, db: sqlite3.Connection, parts: list[_Part], base: dict[str, tuple[int, bytes]], created: list[str],
     ) -> None:
         """Store several frames (or a new instance's first) in one explicit transaction; the
         instances it creates are added to ``created`` (to forget again if the commit fails)."""
@@ -764,8 +819,8 @@ class FrameStore(FrameAppends):
                     iids[instance] = rowid
                     created.append(instance)
             db.executemany(_INSERT_FRAME, [
-                (iids[instance], first + i, ts, ch, sid, typ, mid, rt, text, aid, ends_turn(typ, rt))
-                for instance, first, ts, prepared in parts
+                (iids[instance], first + i, ts, ch, sid, typ, mid, rt, text, aid, ends_turn(typ, rt), hashes[i])
+                for instance, first, ts, prepared, hashes in parts
                 for i, (ch, sid, typ, mid, rt, text, _, aid) in enumerate(prepared)
             ])
             db.execute("COMMIT")
@@ -773,6 +828,78 @@ class FrameStore(FrameAppends):
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
+
+    # -- the hash chain (chain.py) --------------------------------------------------------
+
+    def _stored_head(self, instance: str, last: int) -> bytes:
+        """The chain hash after seq `last` of `instance`, as stored: that frame's hash, else (every
+        frame pruned) the checkpoint at it, else `GENESIS` (no frame yet, or one from before the chain)."""
+        iid = self._iid(instance)
+        if iid is None or last == 0:
+            return GENESIS
+        row = self._db.execute("SELECT hash FROM frames WHERE iid = ? AND seq = ?", (iid, last)).fetchone()
+        if row is None:
+            row = self._db.execute("SELECT hash FROM checkpoints WHERE iid = ? AND seq = ?", (iid, last)).fetchone()
+        return GENESIS if row is None or row[0] is None else bytes(row[0])
+
+    def _write_checkpoint(self, instance: str, iid: int, seq: int, reason: str) -> Checkpoint:
+        """Store (signed, with a key) the checkpoint after the stored frame `seq` of `instance`."""
+        row = self._db.execute("SELECT hash FROM frames WHERE iid = ? AND seq = ?", (iid, seq)).fetchone()
+        head = GENESIS if row is None or row[0] is None else bytes(row[0])
+        checkpoint = Checkpoint(instance, seq, head, format_ts(self._clock()), reason)
+        if self._sign is not None:
+            checkpoint = attrs.evolve(checkpoint, signature=self._sign(checkpoint.message()))
+        self._db.execute(_INSERT_CHECKPOINT, (iid, seq, head, checkpoint.ts, reason, checkpoint.signature))
+        return checkpoint
+
+    def _checkpoint_head(self, instance: str, reason: str) -> Checkpoint | None:
+        """A checkpoint after the instance's last stored frame (None: it has none)."""
+        iid = self._iid(instance)
+        if iid is None:
+            return None
+        row = self._db.execute("SELECT MAX(seq) FROM frames WHERE iid = ?", (iid,)).fetchone()
+        if row is None or row[0] is None:
+            return None
+        with self._transaction():
+            return self._write_checkpoint(instance, iid, row[0], reason)
+
+    async def add_checkpoint(self, instance: str) -> Checkpoint | None:
+        """Checkpoint the chain of `instance` after its last stored frame now (`audit checkpoint`),
+        signed when the store has a key; None when the instance has no frame."""
+        return await _on_loop(self._checkpoint_head, instance, DEMAND)
+
+    async def checkpoints(self, instance: str) -> list[Checkpoint]:
+        """Every checkpoint of `instance`, by seq."""
+        def read() -> list[Checkpoint]:
+            rows = self._db.execute(
+                "SELECT c.seq, c.hash, c.ts, c.reason, c.signature FROM checkpoints c JOIN instances i ON i.iid = c.iid "
+                "WHERE i.name = ? ORDER BY c.seq", (instance,),
+            )
+            return [
+                Checkpoint(instance, seq, bytes(h), ts, reason, None if sig is None else bytes(sig))
+                for seq, h, ts, reason, sig in rows
+            ]
+        return await _on_loop(read)
+
+    async def chained_frames(self, instance: str, after_seq: int, limit: int) -> list[ChainedFrame]:
+        """The stored frames of `instance` after `after_seq` (at most `limit`, by seq) with their
+        hashes, as they are in the file (no `CursorPruned`: verify judges gaps itself)."""
+        def read() -> list[ChainedFrame]:
+            rows = self._db.execute(
+                f"SELECT {_COLS}, f.hash FROM frames f JOIN instances i ON i.iid = f.iid "
+                "WHERE i.name = ? AND f.seq > ? ORDER BY f.seq LIMIT ?", (instance, after_seq, limit),
+            )
+            return [
+                ChainedFrame(_frame(seq, ts, instance, ch, sid, typ, mid, rt, json.loads(payload)),
+                             None if h is None else bytes(h))
+                for seq, ts, ch, sid, typ, mid, rt, payload, h in rows
+            ]
+        return await _on_loop(read)
+
+    async def chain_head(self, instance: str) -> bytes | None:
+        """None: SQLite keeps no head apart from the frames (the last frame's hash is the head)."""
+        await trio.lowlevel.checkpoint()
+        return None
 
     # -- query ---------------------------------------------------------------------------
 
@@ -988,6 +1115,8 @@ class FrameStore(FrameAppends):
             cut = retention_cut(pruned, last, self.retention_frames, self.retention_seconds, self._clock(), first_young)
             if cut <= pruned:
                 return 0
+            # The chain goes on across the gap: a checkpoint holds the hash of the last frame deleted.
+            self._write_checkpoint(instance, iid, cut, RETENTION)
             deleted = db.execute("DELETE FROM frames WHERE iid = ? AND seq <= ?", (iid, cut)).rowcount
             # last_seq with the deletion: the frames that held the highest seq may be gone now.
             db.execute("UPDATE instances SET pruned_below = ?, last_seq = ? WHERE iid = ?", (cut, last, iid))
@@ -996,9 +1125,13 @@ class FrameStore(FrameAppends):
         return deleted
 
 
+#: One append of a group: instance, first seq, ts, the prepared frames and their chain hashes.
+_Part = tuple[str, int, str, list[tuple], list[bytes]]
+
+
 class _Group:
-    """Appends committed together (see "Group commit"): their frames, the seq each instance had
-    before them (to hand out again if the commit fails), and the commit's outcome.
+    """Appends committed together (see "Group commit"): their frames, the seq and chain head each
+    instance had before them (to hand out again if the commit fails), and the commit's outcome.
 
     A plain slotted class (one is made per commit, on the append path) that the leader starts
     with its own append; ``done`` is made only when a second append joins (a lone append has
@@ -1006,9 +1139,9 @@ class _Group:
 
     __slots__ = ("parts", "base", "done", "error")
 
-    def __init__(self, instance: str, base: int, part: tuple[str, int, str, list[tuple]]) -> None:
-        self.parts: list[tuple[str, int, str, list[tuple]]] = [part]
-        self.base: dict[str, int] = {instance: base}
+    def __init__(self, instance: str, base: int, base_head: bytes, part: _Part) -> None:
+        self.parts: list[_Part] = [part]
+        self.base: dict[str, tuple[int, bytes]] = {instance: (base, base_head)}
         self.done: trio.Event | None = None
         self.error: BaseException | None = None
 

@@ -31,7 +31,6 @@ the store is back (`when_store_is_back`).
 from __future__ import annotations
 
 import datetime
-import hashlib
 import logging
 import secrets
 from typing import TYPE_CHECKING, Any, Callable, Literal, cast, get_args
@@ -48,7 +47,8 @@ from protocol.timestamps import utc_timestamp
 from ...core.frame_log import AppendFrame as AppendFn
 from ...core.pending_requests import Crossing, PendingRequests, shut_down
 from ...core.sessions import Session
-from ...store.api import AnswerNotRecorded, StoreUnavailable, canonical_json, when_store_is_back
+from ...store.api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
+from ...store.chain import ARGUMENTS_DIGEST_KEY, value_digest
 
 if TYPE_CHECKING:
     from ...core.callers import CallerConnection
@@ -111,8 +111,7 @@ class Decision:
         """The SHA-256 of the value a re-answer must repeat: the tool return, or the updated arguments."""
         if self.answer_digest is not None:
             return self.answer_digest
-        value = self.tool_return if self.kind == "tool" else self.updated_arguments
-        return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+        return value_digest(self.tool_return if self.kind == "tool" else self.updated_arguments)
 
     def compact(self) -> Decision:
         """This decision as an ended approval remembers it (up to `RESOLVED_MEMORY` of them): the
@@ -661,15 +660,18 @@ def _disconnected() -> Decision:
 
 def _resolved_payload(entry: PendingApproval, decision: Decision) -> dict[str, Any]:
     """The `approval_resolved` frame's payload for `decision` on `entry`."""
-    return resolved_payload(entry.request_id, entry.tool_name, decision)
+    return resolved_payload(entry.request_id, entry.tool_name, entry.arguments, decision)
 
 
-def resolved_payload(request_id: str, tool_name: str, decision: Decision) -> dict[str, Any]:
+def resolved_payload(request_id: str, tool_name: str, arguments: Any, decision: Decision) -> dict[str, Any]:
     """The `approval_resolved` frame's payload for `decision` on request `request_id` (also the
-    sweep's, which closes a dead server's request without its entry)."""
+    sweep's, which closes a dead server's request without its entry). It binds the decision to
+    the hash of the `arguments` the request showed (`ARGUMENTS_DIGEST_KEY`), which `audit verify`
+    checks against the `approval_request` frame (docs/AUDIT.md)."""
     payload: dict[str, Any] = {
         "request_id": request_id, "tool_name": tool_name, "approve": decision.approve,
         "reason": decision.reason, "who": decision.who, "kind": decision.kind,
+        ARGUMENTS_DIGEST_KEY: value_digest(arguments),
     }
     if decision.updated_arguments is not None:
         payload["updated_arguments"] = decision.updated_arguments

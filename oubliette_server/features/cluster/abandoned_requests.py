@@ -87,7 +87,7 @@ class AbandonedRequests:
         session = self.sessions.get_or_create(frame.instance, frame.channel, frame.session_id)
         if frame.type == APPROVAL_REQUEST:
             denial = Decision(approve=False, who=SERVER_STOPPED, reason=ABANDONED_REASON)
-            payload = resolved_payload(request_id, str(frame.payload.get("tool_name")), denial)
+            payload = resolved_payload(request_id, str(frame.payload.get("tool_name")), frame.payload.get("arguments"), denial)
             stored = await self.append_outcome(session, APPROVAL_RESOLVED, payload, request_id)
         else:
             payload = {"request_id": request_id, "tool": frame.payload.get("tool"), "reason": ABANDONED_REASON}
