@@ -62,7 +62,7 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import trio
 from mcp import Client
@@ -139,15 +139,16 @@ def token_for(data_dir: Path, instance: str) -> str:
 
 
 
-async def run_as_caller(workdir: Path) -> None:
-    """The caller process: spawn the server, declare the tool, answer events until stdin closes."""
+async def run_as_caller(workdir: Path, server_args: Sequence[str] = ()) -> None:
+    """The caller process: spawn the server (with `server_args` besides the bench's own), declare
+    the tool, answer events until stdin closes."""
     data_dir = workdir / "data"
     relay = f"unix:{workdir / 'relay.sock'}"
     responder = Responder()
     server_params = StdioServerParameters(
         command=PYTHON,
         args=[*profiled("server"), "-m", "oubliette_server", "--relay", relay, "--data-dir", str(data_dir),
-              "--log-level", "WARNING"],
+              "--log-level", "WARNING", *server_args],
         env=passed_env() or None,
     )
     stdin = trio.lowlevel.FdStream(os.dup(0))
