@@ -1,16 +1,18 @@
 """What relay connections that never say hello can make the server do (docs/SECURITY.md, "Relay
 connections that never say hello"): at `relay_max_connections` the oldest connections without a
 valid hello are evicted for a newcomer, an authenticated one never; a connection has
-`relay_hello_timeout` to send its hello; the settings and their defaults. (The flood with a
-lowered descriptor limit is in test_faults.py; a trickled hello against the deadline in
-test_peer.py.)"""
+`relay_hello_timeout` to send its hello; the settings and their defaults; what an idle
+connection holds (docs/SCALING.md, "Many sandboxes on one server"). (The flood with a lowered
+descriptor limit is in test_faults.py; a trickled hello against the deadline in test_peer.py.)"""
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from harness import Deployment, RawRelay
 
@@ -95,3 +97,25 @@ def test_the_relay_settings_and_their_defaults(tmp_path: Path) -> None:
     for bad in ({"relay_max_connections": 0}, {"relay_hello_timeout": 0}, {"relay_hello_timeout": -1.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServerConfig(**bad)
+
+
+def _tasks_under(task: trio.lowlevel.Task) -> int:
+    """`task` and every task below it."""
+    return 1 + sum(_tasks_under(child) for nursery in task.child_nurseries for child in nursery.child_tasks)
+
+
+async def test_an_idle_sandbox_connection_is_one_task_and_a_guests_delivery_one_more(deployment: Deployment) -> None:
+    """Ten clients and ten guests, each of an instance of its own, their hellos answered and then
+    idle: the server holds one task for each connection (parked in its read) and one more for each
+    guest's delivery, nothing else (it held three and four before: a nursery's waiter, a task that
+    waited for the hello, the writer). What one server's 19,000 sandboxes cost is mostly this."""
+    async with deployment.embedded(), AsyncExitStack() as stack:
+        root = trio.lowlevel.current_root_task()
+        await trio.testing.wait_all_tasks_blocked()
+        before = _tasks_under(root)
+        for n in range(20):
+            relay = await stack.enter_async_context(RawRelay.connect(deployment))
+            role, instance = ("guest" if n % 2 else "client"), f"idle{n}"
+            assert "result" in await relay.hello(instance, deployment.token(instance), role=role)
+        await trio.testing.wait_all_tasks_blocked()
+        assert _tasks_under(root) - before == 10 + 10 * 2
