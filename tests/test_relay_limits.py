@@ -7,6 +7,8 @@ descriptor limit is in test_faults.py; a trickled hello against the deadline in 
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -119,3 +121,29 @@ async def test_an_idle_sandbox_connection_is_one_task_and_a_guests_delivery_one_
             assert "result" in await relay.hello(instance, deployment.token(instance), role=role)
         await trio.testing.wait_all_tasks_blocked()
         assert _tasks_under(root) - before == 10 + 10 * 2
+
+
+async def test_an_idle_sandbox_connection_costs_the_server_at_most_16_kb(deployment: Deployment) -> None:
+    """100 connections (half guests, half clients, each of an instance of its own) said hello and
+    sit idle: what the server's code (relay, peer, store, and the trio objects it made for them)
+    allocated for them is at most 16 KB each (it was 25.8 KB; docs/SCALING.md, "Many sandboxes on
+    one server"). The test's own ends of the sockets are not counted: only allocations with a frame
+    of oubliette_server or protocol in their traceback."""
+    count = 100
+    ours = [tracemalloc.Filter(True, f"*/{package}/*", all_frames=True) for package in ("oubliette_server", "protocol")]
+    tokens = {f"idle{n}": deployment.token(f"idle{n}") for n in range(count)}
+    async with deployment.embedded(), AsyncExitStack() as stack:
+        tracemalloc.start(16)
+        try:
+            gc.collect()
+            before = tracemalloc.take_snapshot().filter_traces(ours)
+            for n, (instance, token) in enumerate(tokens.items()):
+                relay = await stack.enter_async_context(RawRelay.connect(deployment))
+                assert "result" in await relay.hello(instance, token, role="guest" if n % 2 else "client")
+            await trio.testing.wait_all_tasks_blocked()
+            gc.collect()
+            after = tracemalloc.take_snapshot().filter_traces(ours)
+        finally:
+            tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert grown / count <= 16_000, f"{grown / count:.0f} bytes per idle connection"
