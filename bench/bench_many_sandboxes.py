@@ -29,11 +29,9 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,8 +40,8 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
 from bench_relay import (
-    INSTANCE, PYTHON, RELAYED_NAME, SESSION_ID, BenchError, bench_error_in, checked_call, passed_env,
-    read_json_line, run_as_caller, sequential, token_for,
+    INSTANCE, PYTHON, RELAYED_NAME, SESSION_ID, BenchError, checked_call, passed_env, read_json_line,
+    run_as_caller, run_in_workdir, sequential, token_for,
 )
 from oubliette_server.core.auth import TokenAuthority
 from protocol import PROTOCOL_VERSION, RelayCore, messages
@@ -190,18 +188,7 @@ def main() -> int:
     if args.connections + CAP_MARGIN + 128 > limit:
         parser.error(f"{args.connections} connections do not fit under RLIMIT_NOFILE's hard limit {limit} "
                      "(the server holds one descriptor each, and this process the other end)")
-    workdir = Path(tempfile.mkdtemp(prefix="oub-many-", dir="/tmp"))
-    try:
-        trio.run(bench, workdir, args)
-    except BaseException as exc:  # noqa: B036 - only to find a BenchError inside exception groups
-        err = bench_error_in(exc)
-        if err is None:
-            raise
-        print(f"bench_many_sandboxes: {err}", file=sys.stderr)
-        return 1
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return 0
+    return run_in_workdir("bench_many_sandboxes", bench, args)
 
 
 if __name__ == "__main__":

@@ -611,15 +611,22 @@ def main() -> int:
         args.warmup = 20 if args.quick else 50
     if min(args.calls, args.throughput_calls) < 1 or args.warmup < 0:
         parser.error("counts must be positive")
+    return run_in_workdir("bench_relay", bench_modes, args)
+
+
+def run_in_workdir(name: str, bench_fn: Callable[[Path, argparse.Namespace], Awaitable[None]],
+                   args: argparse.Namespace) -> int:
+    """`trio.run(bench_fn, workdir, args)` in a fresh directory under /tmp, removed at the end; the
+    exit status: 1 with the BenchError's line when the bench found a wrong result."""
     # Short path: a Unix socket path is limited to ~100 bytes.
     workdir = Path(tempfile.mkdtemp(prefix="oub-bench-", dir="/tmp"))
     try:
-        trio.run(bench_modes, workdir, args)
+        trio.run(bench_fn, workdir, args)
     except BaseException as exc:  # noqa: B036 - only to find a BenchError inside exception groups
         err = bench_error_in(exc)
         if err is None:
             raise
-        print(f"bench_relay: {err}", file=sys.stderr)
+        print(f"{name}: {err}", file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
