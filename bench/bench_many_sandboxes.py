@@ -18,7 +18,9 @@ agent, checked (``{"echo": text}``).
 3. Loaded: the server's RSS again, then C sequential calls (the median).
 
 It prints the RSS before and after, the bytes per connection ((after - before) / N), the time to
-open the N connections, both medians and their ratio (loaded / idle), all from the same run.
+open the N connections, both medians and their ratio (loaded / idle), and the server's CPU time
+per call idle and loaded (utime + stime, /proc/PID/stat: on a busy machine the medians follow its
+load, the CPU far less), all from the same run.
 A failed call or a hello not answered with a result stops it with exit status 1 (``--quick``:
 N = 200, a CI smoke run; it never fails on a time). Not part of the test suite; the temporary
 directory and every process it started are removed at the end.
@@ -41,7 +43,7 @@ from mcp.client.stdio import StdioServerParameters
 
 from bench_relay import (
     INSTANCE, PYTHON, RELAYED_NAME, SESSION_ID, BenchError, checked_call, passed_env, read_json_line,
-    run_as_caller, run_in_workdir, sequential, token_for,
+    cpu_seconds, run_as_caller, run_in_workdir, sequential, token_for,
 )
 from oubliette_server.core.auth import TokenAuthority
 from protocol import PROTOCOL_VERSION, RelayCore, messages
@@ -128,13 +130,17 @@ async def bench(workdir: Path, args: argparse.Namespace) -> None:
         async with Client(agent_params, mode="legacy") as agent:
             call = checked_call(agent, RELAYED_NAME)
             await sequential(call, args.warmup)
+            cpu_idle = cpu_seconds(server_pid)
             idle, _ = await sequential(call, args.calls)
+            cpu_idle = cpu_seconds(server_pid) - cpu_idle
             rss_before = rss_bytes(server_pid)
             began = time.perf_counter()
             streams = await open_sandboxes(relay_path, data_dir, args.connections)
             opening = time.perf_counter() - began
             rss_after = rss_bytes(server_pid)
+            cpu_loaded = cpu_seconds(server_pid)
             loaded, _ = await sequential(call, args.calls)
+            cpu_loaded = cpu_seconds(server_pid) - cpu_loaded
         await caller_proc.stdin.aclose()
         summary = await read_json_line(caller_proc.stdout, buffer)
         await caller_proc.wait()
@@ -158,6 +164,7 @@ async def bench(workdir: Path, args: argparse.Namespace) -> None:
           f"{(rss_after - rss_before) / args.connections / 1000:.1f} KB per idle connection")
     print(f"healthy relayed call, median of {args.calls}: idle {idle_ms:.2f} ms, loaded {loaded_ms:.2f} ms "
           f"({loaded_ms / idle_ms:.2f}x); slowest idle {max(idle) * 1e3:.2f} ms, loaded {max(loaded) * 1e3:.2f} ms")
+    print(f"the server's CPU per call: idle {cpu_idle / args.calls * 1e3:.2f} ms, loaded {cpu_loaded / args.calls * 1e3:.2f} ms")
 
 
 def raise_descriptor_limit() -> int:
