@@ -5,8 +5,9 @@ it reads the stream into the core, runs what the events ask for, and writes what
 encodes.
 
 Owns: the stream (closed when :meth:`RelayPeer.serve` returns); a nursery with one writer
-task that drains the outgoing queue, each ``send_all`` under ``fail_after(write_timeout)``;
-one task and one cancel scope per inbound request.
+task that drains the outgoing queue while frames wait (started by the first, ended by the
+last: an idle connection holds no task for it), each ``send_all`` under
+``fail_after(write_timeout)``; one task and one cancel scope per inbound request.
 Needs: a :class:`~protocol.core.RelayCore` for our role and a handler table; start it with
 ``await nursery.start(peer.serve, handlers)`` (``request``/``notify`` work once started).
 Raises: callers of :meth:`RelayPeer.request` only ever see :class:`RelayError` -
@@ -187,7 +188,7 @@ class RelayPeer:
     been written (or dropped with the connection).
 
     Owns: the stream (closed, forcefully, when :meth:`serve` returns) and, inside
-    :meth:`serve`, the only writer task, draining the outgoing queue (``limits.queue_frames``
+    :meth:`serve`, the only writer task while frames wait, draining the outgoing queue (``limits.queue_frames``
     places for what we push, one per request in flight for the answers), and one task per
     inbound request. Needs: :meth:`serve` running (``nursery.start``) for anything to be
     written or read. Raises: :meth:`request`, :meth:`notify` and :meth:`send_notification`
