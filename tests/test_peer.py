@@ -453,6 +453,28 @@ async def test_peer_request_and_configuration_before_the_hello_answer() -> None:
         assert result == {"result": {"echo": {"a": 1}}}
 
 
+def tasks_besides_serve() -> list[int]:
+    """For each `serve` running in the test task's innermost nursery (`peers`'), the tasks of its own."""
+    nursery = trio.lowlevel.current_task().child_nurseries[-1]
+    return [sum(len(inner.child_tasks) for inner in serving.child_nurseries) for serving in nursery.child_tasks]
+
+
+async def test_an_idle_peer_is_its_serve_task_alone_and_writes_from_a_task_only_while_frames_wait() -> None:
+    """Once the handshake is done and nothing is asked, neither end runs a task besides `serve`
+    (parked in its read): a writer task starts with the first queued frame and ends with the last
+    written, so 19,000 idle sandboxes cost the server no writer each (docs/SCALING.md)."""
+    async with peers() as (client, server, notes):
+        await trio.testing.wait_all_tasks_blocked()
+        assert tasks_besides_serve() == [0, 0]
+        server.peer.notify("caller_tools_config", {"session_id": "s", "caller_id": "c", "tools": []})
+        assert sorted(tasks_besides_serve()) == [0, 1], "the notification's writer"
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(notes) == 1 and tasks_besides_serve() == [0, 0]
+        assert await client.request("caller_tool", {"tool": "t", "arguments": {}}, timeout=5) == {"result": {"echo": {}}}
+        await trio.testing.wait_all_tasks_blocked()
+        assert tasks_besides_serve() == [0, 0]
+
+
 async def test_peer_handler_errors_become_error_responses_in_one_place() -> None:
     async with peers() as (client, server, _):
         with pytest.raises(RelayError) as refused:

@@ -1,16 +1,20 @@
 """What relay connections that never say hello can make the server do (docs/SECURITY.md, "Relay
 connections that never say hello"): at `relay_max_connections` the oldest connections without a
 valid hello are evicted for a newcomer, an authenticated one never; a connection has
-`relay_hello_timeout` to send its hello; the settings and their defaults. (The flood with a
-lowered descriptor limit is in test_faults.py; a trickled hello against the deadline in
-test_peer.py.)"""
+`relay_hello_timeout` to send its hello; the settings and their defaults; what an idle
+connection holds (docs/SCALING.md, "Many sandboxes on one server"). (The flood with a lowered
+descriptor limit is in test_faults.py; a trickled hello against the deadline in test_peer.py.)"""
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from harness import Deployment, RawRelay
 
@@ -95,3 +99,51 @@ def test_the_relay_settings_and_their_defaults(tmp_path: Path) -> None:
     for bad in ({"relay_max_connections": 0}, {"relay_hello_timeout": 0}, {"relay_hello_timeout": -1.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServerConfig(**bad)
+
+
+def _tasks_under(task: trio.lowlevel.Task) -> int:
+    """`task` and every task below it."""
+    return 1 + sum(_tasks_under(child) for nursery in task.child_nurseries for child in nursery.child_tasks)
+
+
+async def test_an_idle_sandbox_connection_is_one_task_and_a_guests_delivery_one_more(deployment: Deployment) -> None:
+    """Ten clients and ten guests, each of an instance of its own, their hellos answered and then
+    idle: the server holds one task for each connection (parked in its read) and one more for each
+    guest's delivery, nothing else (it held three and four before: a nursery's waiter, a task that
+    waited for the hello, the writer). What one server's 19,000 sandboxes cost is mostly this."""
+    async with deployment.embedded(), AsyncExitStack() as stack:
+        root = trio.lowlevel.current_root_task()
+        await trio.testing.wait_all_tasks_blocked()
+        before = _tasks_under(root)
+        for n in range(20):
+            relay = await stack.enter_async_context(RawRelay.connect(deployment))
+            role, instance = ("guest" if n % 2 else "client"), f"idle{n}"
+            assert "result" in await relay.hello(instance, deployment.token(instance), role=role)
+        await trio.testing.wait_all_tasks_blocked()
+        assert _tasks_under(root) - before == 10 + 10 * 2
+
+
+async def test_an_idle_sandbox_connection_costs_the_server_at_most_16_kb(deployment: Deployment) -> None:
+    """100 connections (half guests, half clients, each of an instance of its own) said hello and
+    sit idle: what the server's code (relay, peer, store, and the trio objects it made for them)
+    allocated for them is at most 16 KB each (it was 25.8 KB; docs/SCALING.md, "Many sandboxes on
+    one server"). The test's own ends of the sockets are not counted: only allocations with a frame
+    of oubliette_server or protocol in their traceback."""
+    count = 100
+    ours = [tracemalloc.Filter(True, f"*/{package}/*", all_frames=True) for package in ("oubliette_server", "protocol")]
+    tokens = {f"idle{n}": deployment.token(f"idle{n}") for n in range(count)}
+    async with deployment.embedded(), AsyncExitStack() as stack:
+        tracemalloc.start(16)
+        try:
+            gc.collect()
+            before = tracemalloc.take_snapshot().filter_traces(ours)
+            for n, (instance, token) in enumerate(tokens.items()):
+                relay = await stack.enter_async_context(RawRelay.connect(deployment))
+                assert "result" in await relay.hello(instance, token, role="guest" if n % 2 else "client")
+            await trio.testing.wait_all_tasks_blocked()
+            gc.collect()
+            after = tracemalloc.take_snapshot().filter_traces(ours)
+        finally:
+            tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert grown / count <= 16_000, f"{grown / count:.0f} bytes per idle connection"

@@ -129,7 +129,6 @@ class RelayConnection:
         self._opened_tasks: list[Callable[[], Awaitable[None]]] = []
         self._began = trio.current_time()
         self._claimed: tuple[str, str, str | None] | None = None  # the hello's role, instance, session
-        self._scope = trio.CancelScope()  # `evict` cancels it, even before `run` entered it
         self._evicted = False
         self._peer = RelayPeer(
             stream, RelayCore(ROLE_SERVER), name=self, limits=limits,
@@ -195,26 +194,24 @@ class RelayConnection:
         """End this connection before its hello passed, without a word or an access line: the relay
         is at its cap and a newer connection needs the room (the listener counts it)."""
         self._evicted = True
-        self._scope.cancel()
+        self._peer.close("evicted at the relay's cap", quiet=True)
 
     async def run(self) -> None:
-        """Serve the connection until it ends (or is evicted); `on_close` runs whenever `on_open` did."""
+        """Serve the connection until it ends (or is evicted); `on_close` runs whenever `on_open` did.
+
+        The peer runs in this task, and its nursery holds the tasks `start_soon` asked for: an idle
+        connection is one task parked in its read (and a guest's delivery), no more (docs/SCALING.md,
+        "Many sandboxes on one server")."""
         try:
-            with self._scope:
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(functools.partial(
-                        self._peer.serve, self._handlers, unknown_method=self._handlers.unknown_method))
-                    nursery.start_soon(self._run_when_open, nursery)
-                    await self._peer.closed.wait()
-                    nursery.cancel_scope.cancel()
+            await self._peer.serve(self._handlers, unknown_method=self._handlers.unknown_method, on_opened=self._opened)
         finally:
             if self.role is not None:
                 self._on_close(self)
             if not self._evicted:
                 self._log_end()
 
-    async def _run_when_open(self, nursery: trio.Nursery) -> None:
-        await self._peer.opened.wait()
+    def _opened(self, nursery: trio.Nursery) -> None:
+        """The hello was answered: the access line, then the tasks `on_open` asked for."""
         self._access("connected")
         for task in self._opened_tasks:
             nursery.start_soon(task)

@@ -1059,8 +1059,7 @@ class PostgresFrameStore(FrameAppends):
                     q = attrs.evolve(q, after_seq=seen)
                 if trio.current_time() >= deadline:
                     return [], True
-                with trio.move_on_at(deadline):
-                    await event.wait()
+                await self._woken_by(event, deadline)
 
     # -- named cursors -------------------------------------------------------------------
 

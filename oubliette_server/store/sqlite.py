@@ -1045,14 +1045,12 @@ class FrameStore(FrameAppends):
                     # Frames up to ``seen`` did not match and never will (frames are
                     # immutable), so only look at newer ones.
                     q = attrs.evolve(q, after_seq=seen)
-                event = self._wake_event(instance)
-                with trio.move_on_at(deadline) as scope:
-                    await event.wait()
+                timed_out = await self._woken_by(self._wake_event(instance), deadline)
                 seen = self._committed_seq(instance)
                 frames = self._query(instance, q)
                 if frames:
                     return frames, False
-                if scope.cancelled_caught:
+                if timed_out:
                     return [], True
 
     # -- named cursors -------------------------------------------------------------------
