@@ -62,7 +62,7 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import trio
 from mcp import Client
@@ -139,15 +139,16 @@ def token_for(data_dir: Path, instance: str) -> str:
 
 
 
-async def run_as_caller(workdir: Path) -> None:
-    """The caller process: spawn the server, declare the tool, answer events until stdin closes."""
+async def run_as_caller(workdir: Path, server_args: Sequence[str] = ()) -> None:
+    """The caller process: spawn the server (with `server_args` besides the bench's own), declare
+    the tool, answer events until stdin closes."""
     data_dir = workdir / "data"
     relay = f"unix:{workdir / 'relay.sock'}"
     responder = Responder()
     server_params = StdioServerParameters(
         command=PYTHON,
         args=[*profiled("server"), "-m", "oubliette_server", "--relay", relay, "--data-dir", str(data_dir),
-              "--log-level", "WARNING"],
+              "--log-level", "WARNING", *server_args],
         env=passed_env() or None,
     )
     stdin = trio.lowlevel.FdStream(os.dup(0))
@@ -613,14 +614,14 @@ def main() -> int:
     return run_in_workdir("bench_relay", bench_modes, args)
 
 
-def run_in_workdir(name: str, bench: Callable[[Path, argparse.Namespace], Awaitable[None]],
+def run_in_workdir(name: str, bench_fn: Callable[[Path, argparse.Namespace], Awaitable[None]],
                    args: argparse.Namespace) -> int:
-    """`bench(workdir, args)` under Trio in a new temporary directory, removed after: status 1
-    with one line when it raised a BenchError (a wrong result), else 0."""
+    """`trio.run(bench_fn, workdir, args)` in a fresh directory under /tmp, removed at the end; the
+    exit status: 1 with the BenchError's line when the bench found a wrong result."""
     # Short path: a Unix socket path is limited to ~100 bytes.
     workdir = Path(tempfile.mkdtemp(prefix="oub-bench-", dir="/tmp"))
     try:
-        trio.run(bench, workdir, args)
+        trio.run(bench_fn, workdir, args)
     except BaseException as exc:  # noqa: B036 - only to find a BenchError inside exception groups
         err = bench_error_in(exc)
         if err is None:
