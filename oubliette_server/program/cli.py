@@ -42,6 +42,7 @@ from protocol.telemetry import setup_observability
 from ..core.auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from ..doors.relay import SERVER_VERSION
 from ..features.approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
+from ..features.policy import PolicyError
 from ..store.api import StoreDamaged, StoreUnavailable
 from ..store.opener import StoreConfigError, store_url_problem
 from .config import (
@@ -56,7 +57,7 @@ from .data_dir_lock import DataDirInUse, hold_data_dir
 PROG = "oubliette-server"
 SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail", "backup")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
-VALUE_OPTIONS = {"--relay", "--relay-group", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
+VALUE_OPTIONS = {"--relay", "--policy", "--relay-group", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
                  "--session", "--types", "--after-seq", "--poll-interval"}
 EPILOG = """subcommands:
   serve                 serve callers and sandboxes (the default)
@@ -120,6 +121,15 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--store", metavar="postgresql://…",
         help="keep the frame log in PostgreSQL (a libpq URI, docs/SCALING.md) instead of SQLite in the data directory",
+    )
+    parser.add_argument(
+        "--policy", action="append", default=None, type=Path, metavar="FILE",
+        help="Cedar policies deciding the agents' tool calls (docs/POLICY.md); repeatable, one set; "
+        "read again on SIGHUP and when a file changes",
+    )
+    parser.add_argument(
+        "--policy-observe-only", action="store_true", default=None,
+        help="log what the policies would forbid, and let those calls run",
     )
     parser.add_argument("--no-stdio", action="store_true", help="do not serve a caller on stdin/stdout")
     parser.add_argument("--config", type=Path, help="TOML config file (see docs/CONFIG.md); flags override it")
@@ -334,6 +344,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         settings["http"] = args.http
     if args.metrics:
         settings["metrics"] = args.metrics
+    if args.policy:
+        settings["policy_files"] = args.policy
+    if args.policy_observe_only:
+        settings["policy_observe_only"] = True
     if args.allowed_host:
         settings["allowed_hosts"] = [*settings.get("allowed_hosts", []), *args.allowed_host]
     if settings.get("relay") is not None:
@@ -349,10 +363,11 @@ def describe_failure(exc: BaseException) -> str | None:
     The mistake is an `OSError` (a port or socket in use, permission denied), the store's
     (`StoreConfigError`: the PostgreSQL extra is missing; `StoreUnavailable`: the database
     cannot be reached at start; `StoreDamaged`: the SQLite file is not a readable database), or
-    `DataDirInUse` (another server holds the data directory), possibly inside the exception groups
+    `DataDirInUse` (another server holds the data directory), `PolicyError` (a policy file that
+    cannot be read or is not a valid policy set), possibly inside the exception groups
     of Trio nurseries.
     """
-    return failure_line(exc, own_line=(StoreConfigError, StoreUnavailable, StoreDamaged, DataDirInUse))
+    return failure_line(exc, own_line=(StoreConfigError, StoreUnavailable, StoreDamaged, DataDirInUse, PolicyError))
 
 
 TERMINAL_NOTICE = (
