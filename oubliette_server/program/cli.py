@@ -9,6 +9,7 @@
     oubliette-server status [--data-dir DIR | --store postgresql://…] [--config FILE] [--http HOST:PORT|unix:PATH] [--json]
     oubliette-server tail INSTANCE [--session CHANNEL:ID] [--types T,...] [--after-seq N] [--json] [--data-dir DIR | --store …]
     oubliette-server backup DEST [--data-dir DIR] [--config FILE]
+    oubliette-server policy check FILE... | policy test [FILE...] --tool NAME (--caller ID | --toolset ID) [...]
 
 Logs go to stderr; stdout carries the caller's MCP. Options may come before or after the
 subcommand. An operator mistake is one line on stderr: exit status 2 for a usage error, 1 for
@@ -55,7 +56,7 @@ from .config import (
 from .data_dir_lock import DataDirInUse, hold_data_dir
 
 PROG = "oubliette-server"
-SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail", "backup")
+SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail", "backup", "policy")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
 VALUE_OPTIONS = {"--relay", "--policy", "--relay-group", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
                  "--session", "--types", "--after-seq", "--poll-interval"}
@@ -66,6 +67,7 @@ EPILOG = """subcommands:
   status                instances, guest connections, sessions, pending requests (docs/OBSERVABILITY.md)
   tail INSTANCE         follow an instance's frames as they are stored (Ctrl-C ends it)
   backup DEST           copy a running server's SQLite data directory, consistent, into DEST (docs/DEPLOY.md)
+  policy check|test     check Cedar policy files, or decide one tool call with them (docs/POLICY.md)
 
 Options may come before or after the subcommand, e.g. `oubliette-server --data-dir X token box1`.
 Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
@@ -400,6 +402,10 @@ def _run(argv: list[str]) -> int:
         return _run_operator(command, rest)
     if command == "backup":
         return _run_backup(rest)
+    if command == "policy":
+        from .policy_command import run_policy_command
+
+        return run_policy_command(rest)
     if command == "serve":
         parser = _serve_parser()
     else:

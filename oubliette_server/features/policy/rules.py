@@ -209,13 +209,14 @@ class PolicyRules:
         if failed:
             return Ruling("forbid", tuple(p.name for p, _ in failed), "; ".join(
                 f"policy {p.name} could not be evaluated ({why})" for p, why in failed))
-        deciding = [self._policies[key] for key in diagnostics.reasons]
+        reasons = set(diagnostics.reasons)
+        deciding = [policy for key, policy in self._policies.items() if key in reasons]  # in the set's order
         names = tuple(p.name for p in deciding)
         if not answer.allowed:
             if not deciding:
                 return Ruling("forbid", (), f"no policy permits '{call.tool}'")
-            reasons = [p.annotations.get(REASON) or f"forbidden by policy {p.name}" for p in deciding]
-            return Ruling("forbid", names, "; ".join(dict.fromkeys(reasons)))
+            why = [p.annotations.get(REASON) or f"forbidden by policy {p.name}" for p in deciding]
+            return Ruling("forbid", names, "; ".join(dict.fromkeys(why)))
         approval_by = tuple(p.name for p in deciding if REQUIRE_APPROVAL in p.annotations)
         if call.requires_approval:
             approval_by += ("requires_approval",)
