@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from harness import Deployment, HttpServer, structured, text_of
+from oubliette_server.core.metrics import ServerMetrics
 from oubliette_server.core.sessions import Session
 from oubliette_server.features.policy import PolicyError, PolicyGate, PolicyRules, Ruling, ToolCall
 from oubliette_server.program.policy_command import run_policy_command
@@ -207,6 +208,16 @@ async def test_the_gate_reloads_when_a_file_changes(tmp_path: Path) -> None:
             await reloaded.wait()
         assert gate.rules.decide(call(arguments={"path": "/etc"}), 0).policies == ("all",)
         nursery.cancel_scope.cancel()
+
+
+def test_decisions_are_counted_by_effect_from_zero() -> None:
+    metrics = ServerMetrics()
+    metrics.policy_decided("forbid", False)
+    metrics.policy_decided("permit", True)
+    page = metrics.page().decode()
+    assert 'oubliette_policy_decisions_total{effect="forbid",enforced="false"} 1.0' in page
+    assert 'oubliette_policy_decisions_total{effect="permit",enforced="true"} 1.0' in page
+    assert 'oubliette_policy_decisions_total{effect="forbid",enforced="true"} 0.0' in page
 
 
 # -- the command -------------------------------------------------------------------------------

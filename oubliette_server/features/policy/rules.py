@@ -21,15 +21,18 @@ What a decision means here, beside Cedar's allow or deny:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
 import attrs
 import cedarpy
+from cedarpy import pst
 
 SCHEMA_PATH = Path(__file__).with_name("schema.cedarschema")
 ACTION = {"type": "Oubliette::Action", "id": "call_tool"}
@@ -76,15 +79,23 @@ class ToolCall:
     caller_principal: str = ""
     """The identity of the session's owning caller, "" when none."""
 
-    def request(self, now: float) -> dict[str, Any]:
-        """The Cedar request of this call at `now` (seconds since the epoch)."""
-        local = time.localtime(now)
+    def request(self, now: float, keys: frozenset[str] | None = None) -> dict[str, Any]:
+        """The Cedar request of this call at `now` (seconds since the epoch), its context limited
+        to `keys` when given (what the policies read: Cedar parses the whole context of every
+        request, and most sets read a few of its attributes)."""
         agent = f"{self.instance}/{self.session}" if self.session else self.instance
+        context = self.context(now)
         return {
             "principal": {"type": "Oubliette::Agent", "id": agent},
             "action": ACTION,
             "resource": {"type": "Oubliette::Tool", "id": self.tool},
-            "context": {
+            "context": context if keys is None else {key: context[key] for key in keys},
+        }
+
+    def context(self, now: float) -> dict[str, Any]:
+        """The request's `context`, every attribute of the schema."""
+        local = time.localtime(now)
+        return {
                 "instance": self.instance, "session": self.session,
                 "caller_id": self.owner if self.kind == "caller" else "",
                 "caller_principal": self.caller_principal,
@@ -93,7 +104,6 @@ class ToolCall:
                 "requires_approval": self.requires_approval,
                 "arguments": self.arguments,
                 "time": {"hour": local.tm_hour, "minute": local.tm_min, "weekday": local.tm_wday + 1, "unix": int(now)},
-            },
         }
 
 
@@ -151,6 +161,8 @@ class PolicyRules:
     text: str
     _set: cedarpy.PolicySet
     _policies: dict[str, _Policy]
+    _context_keys: frozenset[str] | None
+    """The context attributes the policies read (None: all, a policy reads `context` whole)."""
 
     @classmethod
     def load(cls, text: str, source: str) -> PolicyRules:
@@ -176,7 +188,7 @@ class PolicyRules:
         for policy in policies.values():
             if policy.effect == "forbid" and REQUIRE_APPROVAL in policy.annotations:
                 raise PolicyError(f"{source}: {policy.name}: @{REQUIRE_APPROVAL} belongs on a permit policy, not a forbid")
-        return cls(source, text, policy_set, policies)
+        return cls(source, text, policy_set, policies, _context_read(parsed.static_policies.values()))
 
     @classmethod
     def default(cls) -> PolicyRules:
@@ -202,7 +214,7 @@ class PolicyRules:
     def decide(self, call: ToolCall, now: float) -> Ruling:
         """The policies' ruling on `call` made at `now` (seconds since the epoch)."""
         answer = cedarpy.is_authorized(
-            call.request(now), self._set, _tool_entities(call.tool, call.kind, call.owner),
+            call.request(now, self._context_keys), self._set, _tool_entities(call.tool, call.kind, call.owner),
         )
         diagnostics = answer.diagnostics
         failed = self._failed_forbids(diagnostics.errors)
@@ -231,6 +243,28 @@ class PolicyRules:
             if policy is not None and policy.effect == "forbid":
                 failed.append((policy, _one_line(error.split(": ", 1)[-1])))
         return failed
+
+
+def _context_read(policies: Iterable[pst.Template]) -> frozenset[str] | None:
+    """The attributes of `context` the policies read (`context.x`, `context has x`), or None when
+    one uses `context` otherwise (whole: every attribute must be there)."""
+    keys: set[str] = set()
+
+    def visit(node: Any) -> bool:
+        if isinstance(node, (pst.GetAttr, pst.HasAttr)) and node.base == pst.Var("context"):
+            keys.add(node.attr if isinstance(node, pst.GetAttr) else node.attrs[0])
+            return True
+        if node == pst.Var("context"):
+            return False
+        if dataclasses.is_dataclass(node):
+            return all(visit(getattr(node, field.name)) for field in dataclasses.fields(node))
+        if isinstance(node, (tuple, list)):
+            return all(visit(item) for item in node)
+        if isinstance(node, Mapping):
+            return all(visit(value) for value in node.values())
+        return True
+
+    return frozenset(keys) if all(visit(policy.clauses) for policy in policies) else None
 
 
 def _one_line(text: str) -> str:
