@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sqlite3
 from datetime import datetime
@@ -18,7 +19,9 @@ from typing import Any
 import pytest
 import trio
 
-from harness import Deployment, HttpServer, structured, text_of
+from harness import PYTHON, Deployment, HttpServer, text_of
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
 from oubliette_server.core.metrics import ServerMetrics
 from oubliette_server.core.sessions import Session
 from oubliette_server.features.policy import PolicyError, PolicyGate, PolicyRules, Ruling, ToolCall
@@ -403,3 +406,39 @@ async def test_reloads_under_load_drop_no_call_and_an_invalid_file_keeps_the_set
     used = [d["policies"] for d in decisions(deployment)]
     assert len(used) == calls + 1 and used[-1] == ["b"]
     assert {"a", "b"} == {p for ps in used for p in ps}, "calls were decided by both sets while they were swapped"
+
+
+ECHO_ONLY_HELLO = """\
+@id("no-secrets-to-echo")
+@reason("echo may not repeat secrets")
+forbid(principal, action == Oubliette::Action::"call_tool", resource in Oubliette::Toolset::"echo")
+when { context.arguments has message && context.arguments.message like "*secret*" };
+
+@id("toolsets")
+permit(principal, action == Oubliette::Action::"call_tool", resource in Oubliette::Toolset::"echo");
+"""
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast path", "SDK path"])
+async def test_a_toolset_call_is_decided_on_both_paths_of_the_client(deployment: Deployment, fast: bool) -> None:
+    """The client's fast path and the SDK's both reach the server as a `toolset_call`: decided there."""
+    policy = deployment.root / "policies.cedar"
+    policy.write_text(ECHO_ONLY_HELLO)
+    echo = Path(__file__).resolve().parents[1] / "examples" / "mcp_echo.py"
+    config = deployment.root / "oubliette.toml"
+    config.write_text(
+        f'[toolsets.echo]\nkind = "command"\nprefix = "ext"\ncommand = [{json.dumps(PYTHON)}, {json.dumps(str(echo))}]\n'
+        '[allowlists]\nbox1 = ["echo"]\n'
+    )
+    agent = StdioServerParameters(command=PYTHON, args=["-m", "oubliette_client"], env={
+        **os.environ, **deployment.client_env("box1", "mcp:s1"), "OUBLIETTE_FAST_CALLS": "1" if fast else "0"})
+    async with deployment.caller("--config", str(config), "--policy", str(policy)) as (caller, events):
+        await declare(caller, [SEND])
+        async with Client(agent, mode="legacy") as client:
+            with trio.fail_after(30):
+                forbidden = await client.call_tool("ext.echo_external", {"message": "the secret is 42"})
+                permitted = await client.call_tool("ext.echo_external", {"message": "hello"})
+    assert forbidden.is_error and text_of(forbidden) == "ext.echo_external: forbidden by policy: echo may not repeat secrets"
+    assert not permitted.is_error and "hello" in text_of(permitted)
+    assert [(d["tool"], d["kind"], d["owner"], d["effect"]) for d in decisions(deployment)] == [
+        ("ext.echo_external", "toolset", "echo", "forbid"), ("ext.echo_external", "toolset", "echo", "permit")]
