@@ -31,6 +31,7 @@ from .rules import PolicyError, PolicyRules, Ruling, ToolCall
 
 log = logging.getLogger("oubliette.server.policy")
 
+
 class RecordFrame(Protocol):
     """`FrameLog.record`: store a server's own frame of a session, pushed to nobody."""
 
@@ -49,7 +50,8 @@ class PolicyCheck(Protocol):
 
 async def as_declared(call: ToolCall, session: Session | None) -> Ruling:
     """The check of a service built without a gate (a test, a piece embedded alone): the tool's own flag."""
-    return Ruling("approval", (), approval_by=("requires_approval",)) if call.requires_approval else Ruling("permit", ())
+    gated = call.declared_approval
+    return Ruling("approval" if gated else "permit", (), approval_by=gated)
 
 
 def owner_principal(session: Session | None) -> str:

@@ -79,6 +79,11 @@ class ToolCall:
     caller_principal: str = ""
     """The identity of the session's owning caller, "" when none."""
 
+    @property
+    def declared_approval(self) -> tuple[str, ...]:
+        """What asks for an approval whatever the policies say: the tool's own flag, if set."""
+        return ("requires_approval",) if self.requires_approval else ()
+
     def request(self, now: float, keys: frozenset[str] | None = None) -> dict[str, Any]:
         """The Cedar request of this call at `now` (seconds since the epoch), its context limited
         to `keys` when given (what the policies read: Cedar parses the whole context of every
@@ -158,7 +163,6 @@ class PolicyRules:
 
     source: str
     """Where the set came from (its files, or "the default policy")."""
-    text: str
     _set: cedarpy.PolicySet
     _policies: dict[str, _Policy]
     _context_keys: frozenset[str] | None
@@ -188,7 +192,7 @@ class PolicyRules:
         for policy in policies.values():
             if policy.effect == "forbid" and REQUIRE_APPROVAL in policy.annotations:
                 raise PolicyError(f"{source}: {policy.name}: @{REQUIRE_APPROVAL} belongs on a permit policy, not a forbid")
-        return cls(source, text, policy_set, policies, _context_read(parsed.static_policies.values()))
+        return cls(source, policy_set, policies, _context_read(parsed.static_policies.values()))
 
     @classmethod
     def default(cls) -> PolicyRules:
@@ -229,18 +233,19 @@ class PolicyRules:
                 return Ruling("forbid", (), f"no policy permits '{call.tool}'")
             why = [p.annotations.get(REASON) or f"forbidden by policy {p.name}" for p in deciding]
             return Ruling("forbid", names, "; ".join(dict.fromkeys(why)))
-        approval_by = tuple(p.name for p in deciding if REQUIRE_APPROVAL in p.annotations)
-        if call.requires_approval:
-            approval_by += ("requires_approval",)
+        approval_by = tuple(p.name for p in deciding if REQUIRE_APPROVAL in p.annotations) + call.declared_approval
         return Ruling("approval" if approval_by else "permit", names, approval_by=approval_by)
 
     def _failed_forbids(self, errors: list[str]) -> list[tuple[_Policy, str]]:
-        """The forbid policies among those Cedar could not evaluate, with its message."""
+        """The forbid policies among those Cedar could not evaluate, with its message (an error
+        that names no policy of the set counts as a forbid's: it fails closed)."""
         failed = []
         for error in errors:
             match = _ERRORED_POLICY.search(error)
             policy = self._policies.get(match.group(1)) if match else None
-            if policy is not None and policy.effect == "forbid":
+            if policy is None:
+                policy = _Policy(match.group(1) if match else "(unknown)", "forbid", {})
+            if policy.effect == "forbid":
                 failed.append((policy, _one_line(error.split(": ", 1)[-1])))
         return failed
 
