@@ -223,6 +223,20 @@ def test_decisions_are_counted_by_effect_from_zero() -> None:
     assert 'oubliette_policy_decisions_total{effect="forbid",enforced="true"} 0.0' in page
 
 
+def test_the_config_files_policy_keys(tmp_path: Path) -> None:
+    from oubliette_server.program.config import ServerConfig, load_config_file
+
+    config = tmp_path / "etc" / "oubliette.toml"
+    config.parent.mkdir()
+    config.write_text('[server]\npolicy_files = ["policies.cedar", "/srv/more.cedar"]\npolicy_observe_only = true\n')
+    settings = ServerConfig(**load_config_file(config))
+    assert settings.policy_files == [tmp_path / "etc" / "policies.cedar", Path("/srv/more.cedar")], "relative to the file"
+    assert settings.policy_observe_only is True
+    config.write_text('[server]\npolicy_observe_only = "yes"\n')
+    with pytest.raises(ValueError, match="policy_observe_only must be true or false"):
+        load_config_file(config)
+
+
 # -- the command -------------------------------------------------------------------------------
 
 
