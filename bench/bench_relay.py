@@ -43,6 +43,9 @@ The caller runs in its own process so that its CPU time is not mixed with the ag
 spawns oubliette-server, declares the tool, prints one JSON line ``{"server_pid": …}`` and
 answers events until its stdin closes, then prints ``{"answered": …, "failures": […]}``.
 
+``BENCH_SERVER_ARGS`` adds its words to oubliette-server's command line (``BENCH_SERVER_ARGS="--policy
+p.cedar"`` measures a relayed call decided by a policy file, docs/POLICY.md).
+
 The frame store lives in a temporary directory; every process and the directory are removed
 at the end.  Not part of the test suite.
 """
@@ -54,6 +57,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -148,7 +152,7 @@ async def run_as_caller(workdir: Path, server_args: Sequence[str] = ()) -> None:
     server_params = StdioServerParameters(
         command=PYTHON,
         args=[*profiled("server"), "-m", "oubliette_server", "--relay", relay, "--data-dir", str(data_dir),
-              "--log-level", "WARNING", *server_args],
+              "--log-level", "WARNING", *server_args, *shlex.split(os.environ.get("BENCH_SERVER_ARGS", ""))],
         env=passed_env() or None,
     )
     stdin = trio.lowlevel.FdStream(os.dup(0))
@@ -170,12 +174,13 @@ async def run_as_caller(workdir: Path, server_args: Sequence[str] = ()) -> None:
 
 
 def passed_env() -> dict[str, str]:
-    """`OUBLIETTE_FAST_CALLS`, `OUBLIETTE_GC_FREEZE` and the `OTEL_*` variables when set here, for the
+    """`PYTHONPATH` (`PYTHONPATH=/tmp/before python bench/bench_relay.py` measures the programs of
+    another checkout), `OUBLIETTE_FAST_CALLS`, `OUBLIETTE_GC_FREEZE` and the `OTEL_*` variables when set here, for the
     programs (the SDK gives a child only a minimal environment): `OUBLIETTE_FAST_CALLS=0 python
     bench/bench_relay.py` measures the SDK's path, `OUBLIETTE_GC_FREEZE=0` the collector as Python sets it, `OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318` (with
     bench/otlp_sink.py listening there) the cost of exporting spans."""
     return {name: value for name, value in os.environ.items()
-            if name in ("OUBLIETTE_FAST_CALLS", "OUBLIETTE_GC_FREEZE") or name.startswith("OTEL_")}
+            if name in ("PYTHONPATH", "OUBLIETTE_FAST_CALLS", "OUBLIETTE_GC_FREEZE") or name.startswith("OTEL_")}
 
 
 def profiled(name: str) -> list[str]:

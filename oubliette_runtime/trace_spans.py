@@ -28,7 +28,7 @@ from . import telemetry
 
 __all__ = [
     "current_meta", "tracing_on", "traced_relay_handler", "approval_wait_span",
-    "record_approval_decision",
+    "record_approval_decision", "record_policy_decision",
     "turn_environment", "turn_span", "Turn", "TURN_SPAN", "fast_call_span", "TARGET_FIELDS",
 ]
 
@@ -208,6 +208,21 @@ def record_approval_decision(decision: str) -> None:
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attribute("oubliette.approval.decision", decision)
+
+
+def record_policy_decision(effect: str, policies: tuple[str, ...], enforced: bool) -> None:
+    """Mark the current span (the server's span of a `caller_tool` or `toolset_call`) with the
+    policies' decision on the call: its effect, the deciding policies, and whether it was enforced
+    (an observe-only server lets a forbidden call run)."""
+    if not tracing_on():
+        return
+    from opentelemetry import trace
+
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute("oubliette.policy.effect", effect)
+        span.set_attribute("oubliette.policy.policies", list(policies))
+        span.set_attribute("oubliette.policy.enforced", enforced)
 
 
 def turn_environment(meta: Any) -> dict[str, str]:

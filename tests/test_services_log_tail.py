@@ -19,7 +19,7 @@ from fakes import RecordingSink
 from oubliette_server.core.frame_log import FrameLog
 from oubliette_server.features.cluster.log_tail import LogTail
 from oubliette_server.core.metrics import ServerMetrics
-from oubliette_server.core.server_owned import SESSION_RECORD
+from oubliette_server.core.server_owned import POLICY_DECISION, SESSION_RECORD
 from oubliette_server.core.sessions import Session, SessionRegistry
 from oubliette_server.store.sqlite import FrameStore
 from oubliette_server.store.api import AppendNoticeHook, FrameQuery, StoreUnavailable
@@ -212,12 +212,16 @@ async def test_an_instance_nobody_follows_here_is_not_read(server: Server) -> No
     assert seqs(sink) == [later.seq], "log tail: a follower gets what is appended after it follows"
 
 
-async def test_server_records_are_pushed_to_nobody(server: Server) -> None:
+@pytest.mark.parametrize(("type", "payload"), [
+    (SESSION_RECORD, {"owner": "key:abc"}),
+    (POLICY_DECISION, {"tool": "myapp_rm", "kind": "caller", "owner": "myapp", "effect": "permit", "policies": ["p"]}),
+])
+async def test_server_records_are_pushed_to_nobody(server: Server, type: str, payload: dict) -> None:
     session, sink = server.followed()
-    await server.log.elsewhere(session, SESSION_RECORD, {"owner": "key:abc"})
+    await server.log.elsewhere(session, type, payload)
     delta = await server.log.elsewhere(session, "assistant.delta", {"text": "a"})
     await server.caught_up()
-    assert seqs(sink) == [delta.seq], "log tail: a session_record is no event of the conversation"
+    assert seqs(sink) == [delta.seq], f"log tail: a {type} is no event of the conversation"
 
 
 async def test_memory_is_bounded_by_the_instances_it_keeps(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -593,6 +593,25 @@ async def test_the_servers_span_of_a_gated_call_and_of_its_approval_wait(recordi
     assert (wait.end_time - wait.start_time) / 1e9 >= 0.01
 
 
+async def test_the_servers_span_of_a_call_carries_the_policies_decision(recording: Any) -> None:
+    """`PolicyGate.check` runs inside the relay request's span and marks it with the decision."""
+    from oubliette_server.features.policy import PolicyGate, PolicyRules, ToolCall
+    from protocol import RelayError
+
+    gate = PolicyGate(PolicyRules.load(
+        '@id("no-rm") @reason("not here") forbid(principal, action, resource == Oubliette::Tool::"myapp_rm");', "test"))
+
+    async def decided(connection: Any, params: Any) -> Any:
+        await gate.check(ToolCall("box1", "mcp:s1", "myapp_rm", "caller", "myapp", {}), None)
+
+    params = parse_params("caller_tool", {"tool": "rm", "arguments": {}, "_meta": {"traceparent": PARENT}})
+    with pytest.raises(RelayError):
+        await traced_relay_handler("caller_tool", decided)(_Connection(), params)
+    [call] = recording.get_finished_spans()
+    assert {k: v for k, v in call.attributes.items() if k.startswith("oubliette.policy.")} == {
+        "oubliette.policy.effect": "forbid", "oubliette.policy.policies": ("no-rm",), "oubliette.policy.enforced": True}
+
+
 def test_the_fast_paths_span_is_the_one_the_sdk_makes(recording: Any) -> None:
     """`fast_call_span` (the client's fast `tools/call`, a stdio caller's fast `caller_tool_response`)
     makes the span the MCP SDK would: its name, kind and the MCP conventions' attributes, under the

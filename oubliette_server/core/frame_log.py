@@ -171,8 +171,9 @@ class FrameLog:
         return frame
 
     async def record(self, session: Session, type: str, payload: dict[str, Any]) -> Frame:
-        """Store a server's own record of `session` (a `session_record`, server_owned.py) and push it
-        to nobody: other servers read it back from the log; it is no event of the conversation."""
+        """Store a server's own record of `session` (a `session_record`, a `policy_decision`;
+        server_owned.py) and push it to nobody: it is no event of the conversation (other servers
+        read a `session_record` back from the log; an operator reads both)."""
         self._check(session, type, payload)
         began = trio.current_time()
         with self.local_appends.appending(session.instance) as stored_here:

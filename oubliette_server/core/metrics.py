@@ -38,6 +38,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: The frame types counted by name; any other is counted as "other".
 KNOWN_FRAME_TYPES = frozenset(FRAME_TYPES) | SERVER_OWNED_TYPES
 
+#: The effects of a policy decision (features/policy/rules.py).
+POLICY_EFFECTS = ("permit", "approval", "forbid")
+
 #: How a relayed call or a toolset call ends, by the error it ended with (None: a result).
 OUTCOME_OF_CODE = {
     errors.TOOL_ERROR: "tool_error",
@@ -170,6 +173,10 @@ class ServerMetrics:
         self.toolset_calls = Counter(
             "oubliette_toolset_calls", "Calls of host toolsets by the agents, by toolset and outcome.",
             ["toolset", "outcome"], registry=r)
+        self.policy_decisions = Counter(
+            "oubliette_policy_decisions", "Agents' tool calls decided by the policies, by effect (permit, approval, "
+            "forbid) and whether it was enforced (false: observe only, a forbidden call ran).",
+            ["effect", "enforced"], registry=r)
         # Every known label value is exported from the start (at 0): a rate over a series that
         # appears only at its first event misses that event. The children of the hot paths (a
         # relayed call, a frame) are kept: `labels()` takes a lock and builds a key each time.
@@ -179,6 +186,10 @@ class ServerMetrics:
             self.approvals.labels(decision)
         for door, reason in AUTH_REFUSALS:
             self.auth_refusals.labels(door, reason)
+        self._policy = {
+            (effect, enforced): self.policy_decisions.labels(effect, str(enforced).lower())
+            for effect in POLICY_EFFECTS for enforced in (True, False) if enforced or effect == "forbid"
+        }
 
     def watch(self, **reads: Callable[[], float]) -> None:
         """Export the state gauges (`STATE_GAUGES` keys), each read by its callable at scrape time."""
@@ -230,6 +241,10 @@ class ServerMetrics:
     def toolset_call_ended(self, toolset: str, error: BaseException | None) -> None:
         """A `toolset_call` of `toolset` (its id; "unknown" for a name no toolset publishes) ended."""
         self.toolset_calls.labels(toolset, outcome_of(error, "ok")).inc()
+
+    def policy_decided(self, effect: str, enforced: bool) -> None:
+        """The policies decided an agent's tool call (`effect`); not `enforced`: observe only."""
+        self._policy[effect, enforced].inc()
 
     def checking_relay_tokens(self, verify: Callable[[str, object], bool]) -> Callable[[str, object], bool]:
         """`verify`, counting each token it refuses as a relay refusal (the relay asks it once per hello)."""

@@ -37,15 +37,22 @@ from protocol import RelayError, errors
 from ..store.api import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
 
 __all__ = [
-    "DECLARATION_KEY", "OWNER_KEY", "SERVER_OWNED_KEYS", "SERVER_OWNED_TYPES", "SESSION_RECORD", "refuse_server_owned",
+    "DECLARATION_KEY", "OWNER_KEY", "POLICY_DECISION", "PUSHED_TO_NOBODY", "SERVER_OWNED_KEYS", "SERVER_OWNED_TYPES", "SESSION_RECORD", "refuse_server_owned",
 ]
+
+POLICY_DECISION = "policy_decision"
+"""The deployment's policies' decision on an agent's tool call (features/policy/gate.py)."""
 
 SERVER_OWNED_TYPES = frozenset({
     SESSION_RECORD,
     "caller_tool_request", "caller_tool_result", "caller_tool_cancelled", "caller_tool_progress",
-    "approval_request", "approval_resolved",
+    "approval_request", "approval_resolved", POLICY_DECISION,
 })
 """Frame types only the server appends; every door refuses them."""
+
+PUSHED_TO_NOBODY = frozenset({SESSION_RECORD, POLICY_DECISION})
+"""The server's own records (`FrameLog.record`): no event of the conversation, pushed to no
+follower by the server that stores one, nor by another server's log tail."""
 
 SERVER_OWNED_KEYS = frozenset({DECLARATION_KEY, OWNER_KEY})
 """Payload keys of the server's own records; every door refuses them at the top of a payload."""

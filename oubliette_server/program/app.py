@@ -56,6 +56,7 @@ from ..features.guests import (
     InstanceStarter,
     OrphanedTurns,
 )
+from ..features.policy import PolicyGate, PolicyRules
 from ..features.tether import Tether
 from ..features.toolsets import ToolsetService
 from ..features.toolsets.from_config import register_from_config
@@ -98,7 +99,8 @@ class OublietteServer:
     The services are attributes, for embedding and tests: `store`, `sessions`, `frame_log`,
     `callers`, `caller_tools` (with `calls`, its pending calls), `approvals` (and `connection_approvals`, the
     agent's own actions and gated toolsets), `toolsets`, `guests`, `orphans`,
-    `starter`, `tether`, `instances`, `tokens`, `metrics` (docs/OBSERVABILITY.md). The toolset embedding API — `register_toolset`,
+    `starter`, `tether`, `instances`, `tokens`, `metrics` (docs/OBSERVABILITY.md), `policy` (the
+    policies' gate; `policy.reload()` reads the policy files again, docs/POLICY.md). The toolset embedding API — `register_toolset`,
     `register_mcp_toolset`, `register_command_toolset`, `unregister_toolset`,
     `update_allowed_toolsets` — is `ToolsetService`'s (see its docstrings and docs/TOOLSETS.md).
     """
@@ -192,12 +194,21 @@ class OublietteServer:
         self.sessions.keep_while(self.approvals.holds)
         self.elicitation = ApprovalElicitation(self.approvals, config.approval_delivery)
         self.connection_approvals = ConnectionApprovals(self.sessions, self.approvals)
-        self.caller_tools = CallerToolRelay(self.sessions, self.clients, self.calls, self.approvals)
+        # The deployment's policies decide every agent's tool call before anything is relayed or run
+        # (docs/POLICY.md): the caller tool relay and the toolsets ask this gate as soon as they
+        # found the tool a `caller_tool` or `toolset_call` names.
+        self.policy = PolicyGate(
+            PolicyRules.from_files(config.policy_files) if config.policy_files else PolicyRules.default(),
+            files=config.policy_files, observe_only=config.policy_observe_only,
+            record=self.frame_log.record, on_decided=self.metrics.policy_decided,
+        )
+        self.caller_tools = CallerToolRelay(
+            self.sessions, self.clients, self.calls, self.approvals, policy=self.policy.check)
         self.callers = CallerRegistry(on_closed=self._caller_closed)
         self.toolset_forms = ToolsetForms(self.sessions, self.approvals)
         self.toolsets = ToolsetService(
             config.tool_separator, self.clients, self.connection_approvals, ask_caller=self.toolset_forms.ask,
-            on_call=self.metrics.toolset_call_ended,
+            on_call=self.metrics.toolset_call_ended, policy=self.policy.check,
         )
         # The toolset embedding API (docs/TOOLSETS.md) is the toolset service's own methods.
         self.register_toolset = self.toolsets.register_toolset
@@ -269,6 +280,7 @@ class OublietteServer:
                 await nursery.start(self.calls.serve)
                 await nursery.start(self.approvals.serve)
                 await nursery.start(self.toolsets.serve)
+                await nursery.start(self.policy.watch)
                 await nursery.start(self.failed_starts.serve)
                 await nursery.start(self.starter.serve)
                 await nursery.start(self._wake_on_messages)

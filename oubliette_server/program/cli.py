@@ -11,6 +11,7 @@
     oubliette-server backup DEST [--data-dir DIR] [--config FILE]
     oubliette-server audit verify|export|checkpoint [INSTANCE] [--public-key FILE] [--audit-key FILE]
                      [--data-dir DIR | --store postgresql://…] [--config FILE]
+    oubliette-server policy check FILE... | policy test [FILE...] --tool NAME (--caller ID | --toolset ID) [...]
 
 Logs go to stderr; stdout carries the caller's MCP. Options may come before or after the
 subcommand. An operator mistake is one line on stderr: exit status 2 for a usage error, 1 for
@@ -45,6 +46,7 @@ from protocol import parse_relay_address
 from ..core.auth import HTTP_ADMIN, TokenAuthority, check_instance_id
 from ..doors.relay import SERVER_VERSION
 from ..features.approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
+from ..features.policy import PolicyError
 from ..store.api import StoreDamaged, StoreUnavailable
 from ..store.opener import StoreConfigError, store_url_problem
 from .config import (
@@ -57,9 +59,9 @@ from .config import (
 from .data_dir_lock import DataDirInUse, hold_data_dir
 
 PROG = "oubliette-server"
-SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail", "backup", "audit")
+SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail", "backup", "audit", "policy")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
-VALUE_OPTIONS = {"--relay", "--relay-group", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
+VALUE_OPTIONS = {"--relay", "--policy", "--relay-group", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
                  "--session", "--types", "--after-seq", "--poll-interval", "--audit-key", "--public-key"}
 EPILOG = """subcommands:
   serve                 serve callers and sandboxes (the default)
@@ -69,6 +71,7 @@ EPILOG = """subcommands:
   tail INSTANCE         follow an instance's frames as they are stored (Ctrl-C ends it)
   backup DEST           copy a running server's SQLite data directory, consistent, into DEST (docs/DEPLOY.md)
   audit ACTION          verify, export or checkpoint the frame log's hash chain (docs/AUDIT.md)
+  policy check|test     check Cedar policy files, or decide one tool call with them (docs/POLICY.md)
 
 Options may come before or after the subcommand, e.g. `oubliette-server --data-dir X token box1`.
 Exit status: 0 done, 1 runtime failure (one line on stderr), 2 usage error, 130 Ctrl-C."""
@@ -128,6 +131,15 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--audit-key", type=Path, metavar="FILE",
         help="the Ed25519 private key (PEM) that signs the frame log's checkpoints (docs/AUDIT.md)",
+    )
+    parser.add_argument(
+        "--policy", action="append", default=None, type=Path, metavar="FILE",
+        help="Cedar policies deciding the agents' tool calls (docs/POLICY.md); repeatable, one set; "
+        "read again on SIGHUP and when a file changes",
+    )
+    parser.add_argument(
+        "--policy-observe-only", action="store_true", default=None,
+        help="log what the policies would forbid, and let those calls run",
     )
     parser.add_argument("--no-stdio", action="store_true", help="do not serve a caller on stdin/stdout")
     parser.add_argument("--config", type=Path, help="TOML config file (see docs/CONFIG.md); flags override it")
@@ -394,6 +406,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         settings["http"] = args.http
     if args.metrics:
         settings["metrics"] = args.metrics
+    if args.policy:
+        settings["policy_files"] = args.policy
+    if args.policy_observe_only:
+        settings["policy_observe_only"] = True
     if args.allowed_host:
         settings["allowed_hosts"] = [*settings.get("allowed_hosts", []), *args.allowed_host]
     if settings.get("relay") is not None:
@@ -414,10 +430,11 @@ def describe_failure(exc: BaseException) -> str | None:
     The mistake is an `OSError` (a port or socket in use, permission denied), the store's
     (`StoreConfigError`: the PostgreSQL extra is missing; `StoreUnavailable`: the database
     cannot be reached at start; `StoreDamaged`: the SQLite file is not a readable database), or
-    `DataDirInUse` (another server holds the data directory), possibly inside the exception groups
+    `DataDirInUse` (another server holds the data directory), `PolicyError` (a policy file that
+    cannot be read or is not a valid policy set), possibly inside the exception groups
     of Trio nurseries.
     """
-    return failure_line(exc, own_line=(StoreConfigError, StoreUnavailable, StoreDamaged, DataDirInUse))
+    return failure_line(exc, own_line=(StoreConfigError, StoreUnavailable, StoreDamaged, DataDirInUse, PolicyError))
 
 
 TERMINAL_NOTICE = (
@@ -452,6 +469,10 @@ def _run(argv: list[str]) -> int:
         return _run_backup(rest)
     if command == "audit":
         return _run_audit(rest)
+    if command == "policy":
+        from .policy_command import run_policy_command
+
+        return run_policy_command(rest)
     if command == "serve":
         parser = _serve_parser()
     else:

@@ -227,6 +227,13 @@ class ServerConfig:
         """What sandbox connections may hold of the server (docs/SECURITY.md, "Relay connections that never say hello")."""
         return RelayLimits(max_connections=self.relay_max_connections, hello_timeout=self.relay_hello_timeout)
 
+    policy_files: list[Path] = attrs.field(factory=list, converter=lambda paths: [Path(p) for p in paths])
+    """Cedar policy files deciding every agent's tool call, read as one set (docs/POLICY.md);
+    empty: the default policy (every call runs, gated as its tool asks). Read again on SIGHUP and
+    when one changes; an invalid set keeps the previous one."""
+    policy_observe_only: bool = False
+    """Log and store what the policies would forbid, and let the call run as its tool asks."""
+
     tool_separator: str = attrs.field(default=".")
     """Between a toolset's prefix and its tools' names: "." (the default) or "_" for hosts that reject dots."""
 
@@ -293,6 +300,7 @@ SERVER_KEYS = {
     "max_payload_bytes": int, "max_payload_depth": int, "max_sessions": int,
     "http_max_connections": int, "http_body_timeout": (int, float), "http_keep_alive_timeout": (int, float),
     "http_keep_alive_max_requests": int, "audit_key": str, "checkpoint_every": int,
+    "policy_files": list, "policy_observe_only": bool,
 }
 
 
@@ -316,6 +324,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
         if isinstance(value, list) and not all(isinstance(item, str) for item in value):
             raise ValueError(f"config file {path}: [server] {key} must be a list of strings")
         settings[key] = value
+    if "policy_files" in settings:  # relative to the config file, as an operator reads it
+        settings["policy_files"] = [path.parent / file for file in settings["policy_files"]]
     for key, value in _checked_section(document, "store", STORE_KEYS, path):
         settings[f"store_{key}"] = value
     instances = document.get("instances", {})

@@ -87,6 +87,14 @@ async def stop_on_signals(
         cancel_scope.cancel(reason=SERVER_SHUTDOWN)  # what a request it ends records (not the agent's cancel)
 
 
+async def reload_on_sighup(reload: Callable[[], object]) -> None:
+    """SIGHUP reads the policy files again (`PolicyGate.reload`; docs/POLICY.md), as daemons reload their config."""
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            log.info("received SIGHUP; reloading the policy files")
+            reload()
+
+
 async def _drain_then_stop(drain: Callable[[float], Awaitable[None]], grace: float, scope: trio.CancelScope) -> None:
     """Wait for the drain (bounded by `grace`), then end the wait for a second signal."""
     with trio.move_on_after(grace):
@@ -103,6 +111,7 @@ async def run_server(config: ServerConfig, *, stdio: bool = True) -> int | None:
     received: list[int] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stop_on_signals, nursery.cancel_scope, received, app.drain)
+        nursery.start_soon(reload_on_sighup, app.policy.reload)
         bound = await nursery.start(app.serve)
         # Before the ready line, so `status` run once the server is ready finds it (serving_file.py).
         await nursery.start(keep_serving_file, config.data_dir, ServingRecord(

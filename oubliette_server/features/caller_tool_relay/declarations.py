@@ -35,6 +35,7 @@ from ...core.client_connections import ClientConnections, ClientPeer, progress_s
 from ...core.server_owned import DECLARATION_KEY
 from ...core.sessions import Session, SessionRegistry
 from ..approvals import ApprovalService
+from ..policy import PolicyCheck, ToolCall, as_declared, owner_principal
 from .pending import CallerCallRegistry
 
 
@@ -42,19 +43,21 @@ class CallerToolRelay:
     """Declares caller tools to the agents and relays their calls to the declaring caller.
 
     Needs: the session registry, the client connections (to push configurations to), the
-    pending-call registry (which appends the request and outcome frames) and the approval
-    service (gated tools).
+    pending-call registry (which appends the request and outcome frames), the approval
+    service (gated tools) and the policy check (`PolicyGate.check`; without one, the tools' own flags).
     Raises: `RelayError(NOT_FOUND)` for a tool the connection cannot see; `RelayError(DENIED)`
-    for a gated call that was not approved.
+    for a gated call that was not approved or a call the policies forbid.
     """
 
     def __init__(
         self, sessions: SessionRegistry, clients: ClientConnections, pending: CallerCallRegistry, approvals: ApprovalService,
+        policy: PolicyCheck = as_declared,
     ) -> None:
         self.sessions = sessions
         self.clients = clients
         self.pending = pending
         self.approvals = approvals
+        self.policy = policy
 
     async def declare(
         self, session: Session, caller: CallerConnection, caller_id: str, tools: list[CallerToolSpec],
@@ -149,15 +152,21 @@ class CallerToolRelay:
     async def call(self, connection: ClientPeer, call: messages.CallerToolCall) -> messages.CallerToolResult:
         """The `caller_tool` relay method: find the tool, relay it, return the caller's answer.
 
-        A gated tool (`requires_approval`) waits for the owning caller's decision first; nothing
-        is relayed before it. Denied (by the caller, the timeout, a disconnect): `RelayError(DENIED)`
+        The deployment's policies decide first (`policy`): a forbidden call is `RelayError(DENIED)`
+        and the caller sees nothing of it. A call they gate (the tool's `requires_approval`, a
+        `@requireApproval` policy) waits for the owning caller's decision; nothing is relayed
+        before it. Denied (by the caller, the timeout, a disconnect): `RelayError(DENIED)`
         with the reason. A client-side tool answered directly (a tool return) is the result, with
         no `caller_tool_request` round trip.
         """
         session, spec = self._find(connection, call)
         arguments = call.arguments
-        if spec.requires_approval:
-            published = f"{session.caller_id}_{spec.name}"
+        published = f"{session.caller_id}_{spec.name}"
+        ruling = await self.policy(ToolCall(
+            instance=session.instance, session=session.key, tool=published, kind="caller", owner=session.caller_id or "",
+            arguments=arguments, requires_approval=spec.requires_approval, caller_principal=owner_principal(session),
+        ), session)
+        if ruling.effect == "approval":
             decision = await self.approvals.request(
                 session, published, arguments, origin="caller", caller=session.owner,
                 timeout=spec.approval_timeout_ms / 1000 if spec.approval_timeout_ms else None,

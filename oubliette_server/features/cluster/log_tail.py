@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 import trio
 
 from ...core.frame_log import push_frame
-from ...core.server_owned import SESSION_RECORD
+from ...core.server_owned import PUSHED_TO_NOBODY
 from ...core.sessions import SessionRegistry
 from ...store.api import (
     MAX_LIMIT, OUTAGE_RETRY, OUTAGE_RETRY_MAX, AppendNotices, CursorPruned, StoreUnavailable,
@@ -226,7 +226,7 @@ class LogTail:
             await self._local_appends_noted(instance)
             here = self._here.get(instance, ())
             for frame in page:
-                if frame.seq in here or frame.type == SESSION_RECORD:
+                if frame.seq in here or frame.type in PUSHED_TO_NOBODY:
                     continue
                 session = self.sessions.get(instance, frame.channel, frame.session_id)
                 if session is not None and session.sinks:

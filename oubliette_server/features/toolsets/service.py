@@ -18,6 +18,7 @@ from protocol import RelayError, encode_notification, errors, messages
 from ...core.client_connections import ClientConnections, ClientPeer, progress_sink
 from ...core.task_host import TaskHost
 from ..approvals import ConnectionApprovals
+from ..policy import PolicyCheck, ToolCall, as_declared, owner_principal
 from .base import ToolResult, Toolset, ToolsetFactory, ToolSpec, call_progress
 from .command_toolset import CommandToolset
 from .elicit import current_asker
@@ -80,7 +81,10 @@ class ToolsetService:
         approvals: ConnectionApprovals | None = None,
         ask_caller: AskCaller | None = None,
         on_call: Callable[[str, BaseException | None], None] = lambda toolset, error: None,
+        policy: PolicyCheck = as_declared,
     ) -> None:
+        self.policy = policy
+        """Decides each call before it runs (`PolicyGate.check`; by default the tools' own flags)."""
         self.ask_caller = ask_caller
         self.on_call = on_call
         """Told when a `toolset_call` ends: the toolset's id ("unknown" if none publishes the name), its error or None."""
@@ -299,7 +303,8 @@ class ToolsetService:
         )
 
     async def call(self, connection: ClientPeer, call: messages.ToolsetCall) -> messages.ToolsetCallResult:
-        """The `toolset_call` relay method; a gated tool runs only once the owning caller approved it."""
+        """The `toolset_call` relay method: decided by the policies first (forbidden: `RelayError(DENIED)`);
+        a call they gate runs only once the owning caller approved it."""
         error: BaseException | None = None
         try:
             return await self._call(connection, call)
@@ -319,7 +324,13 @@ class ToolsetService:
         entry = router.checked(call.name, call.arguments)
         arguments = call.arguments
         definition = entry.binding.definition
-        if definition.gates(entry.spec.name):
+        session = self.approvals.session_of(connection) if self.approvals is not None else None
+        ruling = await self.policy(ToolCall(
+            instance=connection.instance or "", session=connection.session_key or "", tool=call.name, kind="toolset",
+            owner=definition.id, arguments=arguments, requires_approval=definition.gates(entry.spec.name),
+            caller_principal=owner_principal(session),
+        ), session)
+        if ruling.effect == "approval":
             timeout_ms = definition.approval_timeout_ms_for(entry.spec.name)
             arguments = await self._approved_arguments(
                 connection, call.name, arguments, entry.spec.input_schema,

@@ -1,0 +1,276 @@
+"""A deployment's policy set, parsed and validated once, and the decision on one tool call.
+
+The policies are Cedar (docs/POLICY.md), evaluated by `cedarpy` (the Cedar project's engine):
+this module only builds the request and reads the answer. The request is fixed by
+`schema.cedarschema` beside this file: principal the agent (`Oubliette::Agent`), action
+`call_tool`, resource the tool (`Oubliette::Tool`, in its `Caller` or `Toolset`), and the call in
+`context`. A `PolicyRules` is immutable: a reload builds a new one and swaps it (gate.py), so a
+call in flight keeps the set it was decided by.
+
+What a decision means here, beside Cedar's allow or deny:
+
+- a permit policy annotated `@requireApproval` that decides an allowed call sends it to the
+  session owner's approval first; so does the tool's own `requires_approval` flag, always (a
+  deployment's policy may add an approval or forbid a call, never drop the approval a tool's
+  owner asked for);
+- a forbid's `@reason("...")` is what the agent is told; a denial with no forbid says no policy
+  permits the tool;
+- a forbid policy that fails to evaluate (an argument of another type than the policy expects)
+  forbids the call: Cedar skips a policy in error, and a forbid skipped so would let the call run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+import attrs
+import cedarpy
+from cedarpy import pst
+
+SCHEMA_PATH = Path(__file__).with_name("schema.cedarschema")
+ACTION = {"type": "Oubliette::Action", "id": "call_tool"}
+REQUIRE_APPROVAL = "requireApproval"
+REASON = "reason"
+
+DEFAULT_POLICIES = """\
+// Every tool call runs; a tool whose owner set requires_approval waits for the approval.
+@id("default-permit")
+permit(principal, action == Oubliette::Action::"call_tool", resource);
+"""
+"""The policy set of a server given no policy file: today's behaviour, as policy."""
+
+Effect = Literal["permit", "approval", "forbid"]
+
+_ERRORED_POLICY = re.compile(r"policy `([^`]+)`")
+
+
+class PolicyError(ValueError):
+    """A policy set that cannot be used: a parse error, a schema violation, a misplaced annotation."""
+
+
+@functools.cache
+def schema() -> cedarpy.Schema:
+    """The shipped schema, parsed once."""
+    return cedarpy.Schema.from_str(SCHEMA_PATH.read_text())
+
+
+@attrs.frozen
+class ToolCall:
+    """The facts of one agent's tool call, as the Cedar request carries them."""
+
+    instance: str
+    session: str
+    """`channel:id`, or "" for a client bound to no session."""
+    tool: str
+    """The published name the agent called."""
+    kind: Literal["caller", "toolset"]
+    owner: str
+    """The declaring caller's id (caller tools) or the toolset's id."""
+    arguments: dict[str, Any]
+    requires_approval: bool = False
+    """The tool's own flag (the caller's declaration, the toolset's registration)."""
+    caller_principal: str = ""
+    """The identity of the session's owning caller, "" when none."""
+
+    @property
+    def declared_approval(self) -> tuple[str, ...]:
+        """What asks for an approval whatever the policies say: the tool's own flag, if set."""
+        return ("requires_approval",) if self.requires_approval else ()
+
+    def request(self, now: float, keys: frozenset[str] | None = None) -> dict[str, Any]:
+        """The Cedar request of this call at `now` (seconds since the epoch), its context limited
+        to `keys` when given (what the policies read: Cedar parses the whole context of every
+        request, and most sets read a few of its attributes)."""
+        agent = f"{self.instance}/{self.session}" if self.session else self.instance
+        context = self.context(now)
+        return {
+            "principal": {"type": "Oubliette::Agent", "id": agent},
+            "action": ACTION,
+            "resource": {"type": "Oubliette::Tool", "id": self.tool},
+            "context": context if keys is None else {key: context[key] for key in keys},
+        }
+
+    def context(self, now: float) -> dict[str, Any]:
+        """The request's `context`, every attribute of the schema."""
+        local = time.localtime(now)
+        return {
+                "instance": self.instance, "session": self.session,
+                "caller_id": self.owner if self.kind == "caller" else "",
+                "caller_principal": self.caller_principal,
+                "tool": self.tool, "kind": self.kind,
+                "toolset": self.owner if self.kind == "toolset" else "",
+                "requires_approval": self.requires_approval,
+                "arguments": self.arguments,
+                "time": {"hour": local.tm_hour, "minute": local.tm_min, "weekday": local.tm_wday + 1, "unix": int(now)},
+        }
+
+
+@functools.lru_cache(maxsize=4096)
+def _tool_entities(tool: str, kind: str, owner: str) -> cedarpy.Entities:
+    """The tool as an entity in its caller or toolset (so `resource in Oubliette::Toolset::"fs"`
+    holds), parsed once per tool."""
+    parent = {"type": "Oubliette::Caller" if kind == "caller" else "Oubliette::Toolset", "id": owner}
+    return cedarpy.Entities.from_json_str(json.dumps([
+        {"uid": {"type": "Oubliette::Tool", "id": tool}, "attrs": {}, "parents": [parent]},
+        {"uid": parent, "attrs": {}, "parents": []},
+    ]))
+
+
+@attrs.frozen
+class Ruling:
+    """What the policies decided for one call."""
+
+    effect: Effect
+    policies: tuple[str, ...]
+    """The deciding policies: their `@id`, else Cedar's position id (`policy0`, ...)."""
+    reason: str = ""
+    """Why a call is forbidden (a forbid's `@reason`), for the agent."""
+    approval_by: tuple[str, ...] = ()
+    """What asks for the approval: `@requireApproval` policies' ids, `requires_approval` for the tool's flag."""
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The ruling as a frame's payload and a log line's fields."""
+        record: dict[str, Any] = {"effect": self.effect, "policies": list(self.policies)}
+        if self.reason:
+            record["reason"] = self.reason
+        if self.approval_by:
+            record["approval_by"] = list(self.approval_by)
+        return record
+
+
+@attrs.frozen
+class _Policy:
+    name: str
+    effect: str
+    annotations: dict[str, str]
+
+
+@attrs.frozen
+class PolicyRules:
+    """A validated policy set, ready to decide. Immutable; build it with `load`.
+
+    Raises: `PolicyError` from `load` for a set that cannot be used; `decide` raises nothing
+    for a call (an evaluation problem is a denial with the reason).
+    """
+
+    source: str
+    """Where the set came from (its files, or "the default policy")."""
+    _set: cedarpy.PolicySet
+    _policies: dict[str, _Policy]
+    _context_keys: frozenset[str] | None
+    """The context attributes the policies read (None: all, a policy reads `context` whole)."""
+
+    @classmethod
+    def load(cls, text: str, source: str) -> PolicyRules:
+        """Parse and validate `text` against the shipped schema."""
+        try:
+            policy_set = cedarpy.PolicySet.from_str(text)
+            parsed = policy_set.to_pst()
+        except ValueError as exc:
+            raise PolicyError(f"{source}: {_one_line(str(exc))}") from None
+        if parsed.templates:
+            raise PolicyError(f"{source}: templates (?principal, ?resource) are not supported")
+        result = cedarpy.validate_policies(text, schema())
+        if not result.validation_passed:
+            names = result.id_annotations_by_policy_id
+            problems = [
+                f"{names.get(e.policy_id) or e.policy_id}: {e.error}" if e.policy_id else e.error for e in result.errors
+            ]
+            raise PolicyError(f"{source}: {'; '.join(_one_line(p) for p in problems)}")
+        policies = {
+            key: _Policy(dict(template.annotations).get("id") or key, template.effect, dict(template.annotations))
+            for key, template in parsed.static_policies.items()
+        }
+        for policy in policies.values():
+            if policy.effect == "forbid" and REQUIRE_APPROVAL in policy.annotations:
+                raise PolicyError(f"{source}: {policy.name}: @{REQUIRE_APPROVAL} belongs on a permit policy, not a forbid")
+        return cls(source, policy_set, policies, _context_read(parsed.static_policies.values()))
+
+    @classmethod
+    def default(cls) -> PolicyRules:
+        """The policy of a server without a policy file: every call runs, gated as its tool asks."""
+        return cls.load(DEFAULT_POLICIES, "the default policy")
+
+    @classmethod
+    def from_files(cls, paths: Iterable[Path]) -> PolicyRules:
+        """The policies of `paths`, read and validated as one set. Raises: `PolicyError` (an
+        unreadable file too)."""
+        paths = list(paths)
+        texts = []
+        for path in paths:
+            try:
+                texts.append(path.read_text())
+            except (OSError, UnicodeDecodeError) as exc:
+                raise PolicyError(f"cannot read policy file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        return cls.load("\n".join(texts), ", ".join(str(p) for p in paths))
+
+    def __len__(self) -> int:
+        return len(self._policies)
+
+    def decide(self, call: ToolCall, now: float) -> Ruling:
+        """The policies' ruling on `call` made at `now` (seconds since the epoch)."""
+        answer = cedarpy.is_authorized(
+            call.request(now, self._context_keys), self._set, _tool_entities(call.tool, call.kind, call.owner),
+        )
+        diagnostics = answer.diagnostics
+        failed = self._failed_forbids(diagnostics.errors)
+        if failed:
+            return Ruling("forbid", tuple(p.name for p, _ in failed), "; ".join(
+                f"policy {p.name} could not be evaluated ({why})" for p, why in failed))
+        reasons = set(diagnostics.reasons)
+        deciding = [policy for key, policy in self._policies.items() if key in reasons]  # in the set's order
+        names = tuple(p.name for p in deciding)
+        if not answer.allowed:
+            if not deciding:
+                return Ruling("forbid", (), f"no policy permits '{call.tool}'")
+            why = [p.annotations.get(REASON) or f"forbidden by policy {p.name}" for p in deciding]
+            return Ruling("forbid", names, "; ".join(dict.fromkeys(why)))
+        approval_by = tuple(p.name for p in deciding if REQUIRE_APPROVAL in p.annotations) + call.declared_approval
+        return Ruling("approval" if approval_by else "permit", names, approval_by=approval_by)
+
+    def _failed_forbids(self, errors: list[str]) -> list[tuple[_Policy, str]]:
+        """The forbid policies among those Cedar could not evaluate, with its message (an error
+        that names no policy of the set counts as a forbid's: it fails closed)."""
+        failed = []
+        for error in errors:
+            match = _ERRORED_POLICY.search(error)
+            policy = self._policies.get(match.group(1)) if match else None
+            if policy is None:
+                policy = _Policy(match.group(1) if match else "(unknown)", "forbid", {})
+            if policy.effect == "forbid":
+                failed.append((policy, _one_line(error.split(": ", 1)[-1])))
+        return failed
+
+
+def _context_read(policies: Iterable[pst.Template]) -> frozenset[str] | None:
+    """The attributes of `context` the policies read (`context.x`, `context has x`), or None when
+    one uses `context` otherwise (whole: every attribute must be there)."""
+    keys: set[str] = set()
+
+    def visit(node: Any) -> bool:
+        if isinstance(node, (pst.GetAttr, pst.HasAttr)) and node.base == pst.Var("context"):
+            keys.add(node.attr if isinstance(node, pst.GetAttr) else node.attrs[0])
+            return True
+        if node == pst.Var("context"):
+            return False
+        if dataclasses.is_dataclass(node):
+            return all(visit(getattr(node, field.name)) for field in dataclasses.fields(node))
+        if isinstance(node, (tuple, list)):
+            return all(visit(item) for item in node)
+        if isinstance(node, Mapping):
+            return all(visit(value) for value in node.values())
+        return True
+
+    return frozenset(keys) if all(visit(policy.clauses) for policy in policies) else None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
