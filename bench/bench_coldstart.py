@@ -17,7 +17,7 @@ the process to end.
   SDK's own stdio transport: what any minimal Python stdio MCP server costs to start.
 
 oubliette-client answers ``initialize`` and ``tools/list`` before the MCP SDK is loaded
-(``oubliette_client/early_handshake.py``); its first call waits for the SDK, like every request
+(``oubliette_client/line_router.py``); its first call waits for the SDK, like every request
 of the minimal server. It prints the median, min and max of each answer for both programs, the
 ratio of the medians for each (client/SDK; the target is ≤ 1.0 at ``initialize``), and
 ``--help`` of both programs (median of N), with the machine's load average before and after.
