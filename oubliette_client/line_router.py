@@ -62,7 +62,7 @@ import trio
 from protocol import VERSION, errors
 from protocol.fast_tool_calls import (
     FastToolCalls, SendProgress, call_result, error_line, fast_path_enabled, is_request_id, modern_envelope,
-    response_line,
+    notification_line, response_line,
 )
 from protocol.gc_freeze import freeze_startup_heap
 from protocol.stdio_streams import claimed_stdio
@@ -101,6 +101,7 @@ REFUSED_LINGER = 2.0
 
 _REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
 _CALL_MARK = '"tools/call"'
+_INITIALIZED_MARK = '"notifications/initialized"'
 #: The params of a `tools/list` answered here: none, a cursor (the list is never paged) or `_meta`.
 _LIST_PARAMS = frozenset({"cursor", "_meta"})
 
@@ -166,11 +167,18 @@ class LineRouter:
         self._server: SandboxToolServer | None = None
         self._server_built = trio.Event()
         self._early_chars = 0  # the characters of the calls taken before the SDK was loaded
+        self._initialized = False  # the agent of the router's handshake sent `notifications/initialized`
 
-    def serving(self, server: SandboxToolServer) -> None:
-        """The SDK is loaded and its server built: calls taken here run its `answer_call`."""
+    async def serving(self, server: SandboxToolServer) -> None:
+        """The SDK is loaded and its server built: calls taken here run its `answer_call`, and an
+        agent the router initialized is told of list changes through it."""
         self._server = server
         self._server_built.set()
+        if self._initialized:
+            await server.initialized(self._tell_list_changed)
+
+    async def _tell_list_changed(self) -> None:
+        await self._write(notification_line("notifications/tools/list_changed"))
 
     async def read(self, stdin: Any, forward: trio.MemorySendChannel[str]) -> None:
         """Read the agent's lines until EOF, answering the router's and forwarding the rest in order."""
@@ -241,6 +249,8 @@ class LineRouter:
             return True
         message = _parse(line)
         if message is None:
+            if not self._initialized and _INITIALIZED_MARK in line:
+                await self._note_initialized(line)
             return False
         if message.get("method") == "ping" and not message.keys() - _REQUEST_KEYS and message.get("params") in (None, {}):
             await self._write(response_line(message["id"], {}))
@@ -253,6 +263,19 @@ class LineRouter:
             self.listed_version = tools_version
             return True
         return False
+
+    async def _note_initialized(self, line: str) -> None:
+        """The agent's `notifications/initialized` (also the SDK's, which then accepts requests):
+        from now on the SDK's server announces list changes through the router."""
+        try:
+            message = json.loads(line)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(message, dict) or message.get("method") != "notifications/initialized" or "id" in message:
+            return
+        self._initialized = True
+        if self._server is not None:
+            await self._server.initialized(self._tell_list_changed)
 
     async def _room_before_the_sdk(self, size: int) -> None:
         """Calls taken while the SDK loads wait for it in memory, bounded as forwarded lines are
@@ -332,6 +355,6 @@ async def serve_stdio(
             )
             server.relay_deadline = relay_deadline
             freeze_startup_heap()  # the SDK is loaded, the server built: no collection walks them again
-            router.serving(server)
+            await router.serving(server)
             await server.serve(_channel_lines(lines, router.waiting), stdout, listed_version=router.listed_version)
         nursery.cancel_scope.cancel()

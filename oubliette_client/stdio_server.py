@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any
 
 import mcp_types as types
@@ -88,7 +88,9 @@ class SandboxToolServer:
         self.registry = self.tools.registry
         self.link = self.tools.link
         self.bus = InMemorySubscriptionBus()
-        self._legacy_session: Any = None
+        #: Sends `notifications/tools/list_changed` to a handshake-era agent once it is initialized
+        #: (its SDK session's, or the line router's when the handshake was the router's).
+        self._tell_list_changed: Callable[[], Awaitable[None]] | None = None
         #: Trio time when lists and calls stop waiting for the relay's first attempt (set by whoever
         #: starts serving: `run_stdio`, or `line_router.serve_stdio`).
         self.relay_deadline = float("inf")
@@ -111,8 +113,8 @@ class SandboxToolServer:
         while True:
             seen = await self.registry.wait_changed(seen)
             log.info("tool list changed: %s", ", ".join(t.name for t in self.registry.tools) or "(none)")
-            if self._legacy_session is not None:
-                await self._legacy_session.send_tool_list_changed()
+            if self._tell_list_changed is not None:
+                await self._tell_list_changed()
             else:
                 self._unannounced = True
             await self.bus.publish(ToolsListChanged())
@@ -121,14 +123,21 @@ class SandboxToolServer:
 
     def _remember(self, ctx: Any) -> None:
         if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
-            self._legacy_session = ctx.session
+            self._tell_list_changed = ctx.session.send_tool_list_changed
 
     async def _initialized(self, ctx: Any, params: Any) -> None:
         self._remember(ctx)
-        if self._unannounced and self._legacy_session is not None:
-            # The list changed while `initialized` was still on its way.
+        await self.initialized()
+
+    async def initialized(self, tell_list_changed: Callable[[], Awaitable[None]] | None = None) -> None:
+        """A handshake-era agent is initialized: list changes are announced to it from now on
+        (through `tell_list_changed` when given: the line router's handshake), and one that came
+        while `initialized` was still on its way is announced now."""
+        if tell_list_changed is not None:
+            self._tell_list_changed = tell_list_changed
+        if self._unannounced and self._tell_list_changed is not None:
             self._unannounced = False
-            await self._legacy_session.send_tool_list_changed()
+            await self._tell_list_changed()
 
     async def _list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
         self._remember(ctx)

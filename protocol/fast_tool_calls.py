@@ -121,9 +121,9 @@ def tool_error(text: str) -> Any:
     return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
 
-def notification_line(method: str, params: dict[str, Any]) -> str:
-    """A JSON-RPC notification as one stdio line, as the SDK would write it."""
-    return _line({"jsonrpc": "2.0", "method": method, "params": params})
+def notification_line(method: str, params: dict[str, Any] | None = None) -> str:
+    """A JSON-RPC notification as one stdio line, as the SDK would write it (no params: none written)."""
+    return _line({"jsonrpc": "2.0", "method": method, **({} if params is None else {"params": params})})
 
 
 class FastToolCalls:

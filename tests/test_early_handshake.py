@@ -243,6 +243,13 @@ async def handshake_script(agent: Agent, version: str, relay: Any) -> None:
     await agent.response("p")
     await agent.send({"jsonrpc": "2.0", "id": "list", "method": "tools/list"})
     await agent.response("list")
+    if version == "2025-06-18":  # the caller's tools change, twice: the agent is told each time
+        for n, tools in enumerate(([TOOL, {**TOOL, "name": "extra"}], [TOOL])):
+            await relay({"tools": tools}, kind="declare")
+            while (await agent.receive()).get("method") != "notifications/tools/list_changed":
+                pass
+            await agent.send({"jsonrpc": "2.0", "id": f"list-{n}", "method": "tools/list"})
+            await agent.response(f"list-{n}")
     await agent.send(call(11, "app_echo", {"x": 1}, _meta={"progressToken": "t11", "claudecode/toolUseId": "u"}))
     await relay({"result": {"echo": 1}})
     await agent.response(11)
@@ -306,8 +313,15 @@ async def agent_lines(deployment: Deployment, session: str, version: str, fast: 
                       caller: Client, events: EventLog, answered: list[str]) -> tuple[list[dict[str, Any]], int]:
     """Every line an agent of `version` got for its script, and how many calls the router took."""
 
-    async def relay(answer: dict[str, Any] | None, kind: str = "caller_tool_request") -> None:
-        """The caller answers the next request it got (an approval or a caller tool's; None: holds it)."""
+    async def relay(answer: Any, kind: str = "caller_tool_request") -> None:
+        """The caller answers the next request it got (an approval or a caller tool's; None: holds
+        it), or declares the caller tools `answer` names (kind `declare`)."""
+        if kind == "declare":
+            declared = await caller.call_tool("session_message", {
+                "instance": "box1", "session_id": session, "message": "again",
+                "context": {"caller_id": "app", "caller_tools": answer["tools"]}})
+            assert not declared.is_error, text_of(declared)
+            return
         event = await events.wait_for(lambda e: e["type"] == kind and e["request_id"] not in answered, timeout=TIMEOUT)
         answered.append(event["request_id"])
         if answer is None:
