@@ -25,7 +25,9 @@ Everything else — a handshake the SDK negotiates (a first line that is not a p
 reference; `OUBLIETTE_FAST_PATH=0` makes every line the SDK's. Nothing the SDK answers is
 dropped. `tests/test_line_router.py` drives the same lines both ways and compares the answers.
 A change of the list after the one the agent got is announced by the SDK's side
-(`SandboxToolServer.serve`'s `listed_version`).
+(`SandboxToolServer.serve`'s `listed_version`), through the router's writer when the handshake
+was the router's (`SandboxToolServer.initialized`: the SDK picks a protocol era only when a
+request reaches it, so it may never act on the `notifications/initialized` it was handed).
 
 The agent's first request (an `initialize`, or any request of a 2026-07-28 agent) is answered
 only once the relay has given its verdict on this client's hello, at most `HELLO_VERDICT_WAIT`
@@ -44,7 +46,8 @@ each call's error says why. This holds with the switch on and off.
 
 Owns: the relay link's task, the stdin reader task, and the SDK's serving, in one nursery; at most
 MAX_WAITING_LINES lines, and MAX_WAITING_CHARS characters of them (one longer line always fits), wait
-for the SDK in memory; past either, stdin is read no further until it takes them.
+for the SDK in memory, and as many calls taken meanwhile (`_room_before_the_sdk`); past either,
+stdin is read no further until the SDK takes them.
 Cancellation: cancelling `serve_stdio` stops all three; the SDK import runs on in its thread
 and is abandoned.
 """
