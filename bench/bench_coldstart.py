@@ -10,14 +10,15 @@ each answer arrives, ``notifications/initialized`` and ``tools/list``, then a fi
 the process to end.
 
 - ``oubliette-client`` gets ``OUBLIETTE_RELAY`` pointing at a Unix socket that does not exist
-  (and an instance, token and session), so it tries the relay once and finds it down, as when
-  the server is away; its first call names a tool it does not know (a tool error, through the
+  (and an instance, token and session) and ``--connect-wait 0``, so it serves at once, tries the
+  relay once and finds it down, as when the server is away (without it, a relay absent at the
+  start fails the handshake: docs/CONFIG.md); its first call names a tool it does not know (a tool error, through the
   MCP SDK, as every call that needs no relay).
 - bench/echo_server.py is the SDK's low-level ``mcp.server.Server`` with one tool, over the
   SDK's own stdio transport: what any minimal Python stdio MCP server costs to start.
 
 oubliette-client answers ``initialize`` and ``tools/list`` before the MCP SDK is loaded
-(``oubliette_client/early_handshake.py``); its first call waits for the SDK, like every request
+(``oubliette_client/line_router.py``); its first call waits for the SDK, like every request
 of the minimal server. It prints the median, min and max of each answer for both programs, the
 ratio of the medians for each (client/SDK; the target is ≤ 1.0 at ``initialize``), and
 ``--help`` of both programs (median of N), with the machine's load average before and after.
@@ -136,7 +137,7 @@ async def amain(runs: int, workdir: Path, source: bool) -> None:
         **env, "OUBLIETTE_RELAY": f"unix:{workdir / 'nobody.sock'}", "OUBLIETTE_INSTANCE": "bench",
         "OUBLIETTE_TOKEN": "not-a-token", "OUBLIETTE_SESSION": "mcp:bench",
     }
-    client = [PYTHON, "-m", "oubliette_client", "--log-level", "ERROR"]
+    client = [PYTHON, "-m", "oubliette_client", "--log-level", "ERROR", "--connect-wait", "0"]
     sdk = [PYTHON, str(HERE / "echo_server.py")]
     load_before = os.getloadavg()
     # One of each first, untimed: the page cache holds the interpreter and the packages after it.

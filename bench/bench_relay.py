@@ -175,12 +175,13 @@ async def run_as_caller(workdir: Path, server_args: Sequence[str] = ()) -> None:
 
 def passed_env() -> dict[str, str]:
     """`PYTHONPATH` (`PYTHONPATH=/tmp/before python bench/bench_relay.py` measures the programs of
-    another checkout), `OUBLIETTE_FAST_CALLS`, `OUBLIETTE_GC_FREEZE` and the `OTEL_*` variables when set here, for the
-    programs (the SDK gives a child only a minimal environment): `OUBLIETTE_FAST_CALLS=0 python
-    bench/bench_relay.py` measures the SDK's path, `OUBLIETTE_GC_FREEZE=0` the collector as Python sets it, `OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318` (with
+    another checkout), `OUBLIETTE_FAST_PATH` and the `OTEL_*` variables when set here, for the
+    programs (the SDK gives a child only a minimal environment): `OUBLIETTE_FAST_PATH=0 python
+    bench/bench_relay.py` measures the programs as the SDK and Python make them (every line the
+    SDK's, the collector as Python sets it), `OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318` (with
     bench/otlp_sink.py listening there) the cost of exporting spans."""
     return {name: value for name, value in os.environ.items()
-            if name in ("PYTHONPATH", "OUBLIETTE_FAST_CALLS", "OUBLIETTE_GC_FREEZE") or name.startswith("OTEL_")}
+            if name in ("PYTHONPATH", "OUBLIETTE_FAST_PATH") or name.startswith("OTEL_")}
 
 
 def profiled(name: str) -> list[str]:

@@ -71,7 +71,7 @@ def _serve_main(argv: list[str]) -> int:
     _add_common(parser, "WARNING")
     args = parser.parse_args(argv)
     _logging(args)
-    from .early_handshake import serve_stdio
+    from .line_router import serve_stdio
 
     trio.run(functools.partial(
         serve_stdio, settings_from_args(parser, args), connect_wait=args.connect_wait,

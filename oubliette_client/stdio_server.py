@@ -1,8 +1,9 @@
 """oubliette-client's stdio MCP server: the caller's tools as the agent's native tools.
 
 It answers `initialize` at once (`oubliette-client` itself starts through
-`early_handshake.serve_stdio`, which first waits up to 1 s for the relay's verdict on its hello,
-so a refused token fails the handshake) and connects to the relay meanwhile; the first
+`line_router.serve_stdio`, which first waits up to 1 s for the relay's verdict on its hello,
+so a refused token fails the handshake, and answers a handshake-era agent's fixed shapes itself)
+and connects to the relay meanwhile; the first
 `tools/list` and the first call wait for that first attempt (bounded by
 `connect_wait` from the start), so they already have the tools, and the relay's
 connect, hello and tool list never delay the handshake. If the relay
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any
 
 import mcp_types as types
@@ -27,10 +28,10 @@ from mcp.server.lowlevel.server import NotificationOptions
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from oubliette_runtime.fast_tool_calls import FastToolCalls, Handler, call_result, fast_calls_enabled, tool_error
+from protocol import VERSION
+from oubliette_runtime.fast_tool_calls import tool_error
 from oubliette_runtime.stdio_streams import claimed_stdio
 from oubliette_runtime.telemetry import guard_sdk_extraction
-from protocol import VERSION
 
 from .permission_prompt import PERMISSION_PROMPT
 from .progress import DEFAULT_PROGRESS_INTERVAL, AgentProgress
@@ -68,33 +69,30 @@ class SandboxToolServer:
     gave a `progressToken`, it sends progress on it (`progress.py`): a heartbeat every
     `progress_interval` seconds, and the caller's or toolset's own reports.
 
-    A handshake-era agent's plain calls of relayed tools are answered off the SDK's dispatcher
-    (`oubliette_runtime.fast_tool_calls`, through `fast_route`), with the same `answer_call`.
+    `line_router.LineRouter` answers a handshake-era agent's calls with the same `answer_call`.
 
     Owns: the `SandboxTools` (its registry and `client`-role link) and, inside `run_stdio`,
-    the link's task, the task announcing list changes and the fast path's calls; one progress
-    task per waiting call.
+    the link's task and the task announcing list changes; one progress task per waiting call.
     Needs: `RelaySettings`.
     Raises: nothing for a tool call: failures reach the agent as MCP tool errors.
     """
 
     def __init__(
         self, settings: RelaySettings, *, connect_wait: float = DEFAULT_CONNECT_WAIT,
-        progress_interval: float = DEFAULT_PROGRESS_INTERVAL, fast_calls: bool | None = None,
-        tools: SandboxTools | None = None,
+        progress_interval: float = DEFAULT_PROGRESS_INTERVAL, tools: SandboxTools | None = None,
     ) -> None:
         self.settings = settings
-        self.fast_calls = fast_calls_enabled() if fast_calls is None else fast_calls
         self.connect_wait = connect_wait
         self.progress_interval = progress_interval
         self.tools = SandboxTools(settings) if tools is None else tools
         self.registry = self.tools.registry
         self.link = self.tools.link
         self.bus = InMemorySubscriptionBus()
-        self._legacy_session: Any = None
-        self._legacy_version: str | None = None  # the handshake-era version the agent negotiated
+        #: Sends `notifications/tools/list_changed` to a handshake-era agent once it is initialized
+        #: (its SDK session's, or the line router's when the handshake was the router's).
+        self._tell_list_changed: Callable[[], Awaitable[None]] | None = None
         #: Trio time when lists and calls stop waiting for the relay's first attempt (set by whoever
-        #: starts serving: `run_stdio`, or `early_handshake.serve_stdio`).
+        #: starts serving: `run_stdio`, or `line_router.serve_stdio`).
         self.relay_deadline = float("inf")
         self._unannounced = False
         guard_sdk_extraction()  # an agent's malformed `_meta.baggage` must not fail its call
@@ -115,8 +113,8 @@ class SandboxToolServer:
         while True:
             seen = await self.registry.wait_changed(seen)
             log.info("tool list changed: %s", ", ".join(t.name for t in self.registry.tools) or "(none)")
-            if self._legacy_session is not None:
-                await self._legacy_session.send_tool_list_changed()
+            if self._tell_list_changed is not None:
+                await self._tell_list_changed()
             else:
                 self._unannounced = True
             await self.bus.publish(ToolsListChanged())
@@ -125,33 +123,26 @@ class SandboxToolServer:
 
     def _remember(self, ctx: Any) -> None:
         if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
-            self._legacy_session = ctx.session
-            self._legacy_version = ctx.protocol_version
+            self._tell_list_changed = ctx.session.send_tool_list_changed
 
     async def _initialized(self, ctx: Any, params: Any) -> None:
         self._remember(ctx)
-        if self._unannounced and self._legacy_session is not None:
-            # The list changed while `initialized` was still on its way.
+        await self.initialized()
+
+    async def initialized(self, tell_list_changed: Callable[[], Awaitable[None]] | None = None) -> None:
+        """A handshake-era agent is initialized: list changes are announced to it from now on
+        (through `tell_list_changed` when given: the line router's handshake), and one that came
+        while `initialized` was still on its way is announced now."""
+        if tell_list_changed is not None:
+            self._tell_list_changed = tell_list_changed
+        if self._unannounced and self._tell_list_changed is not None:
             self._unannounced = False
-            await self._legacy_session.send_tool_list_changed()
+            await self._tell_list_changed()
 
     async def _list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
         self._remember(ctx)
         await self.tools.wait_first_attempt(self.relay_deadline)
         return types.ListToolsResult.model_validate({"tools": self.tools.listed_tools()})
-
-    def fast_route(self, name: str, arguments: dict[str, Any]) -> Handler | None:
-        """The fast path's handler for a relayed tool's call once a handshake-era agent is initialized.
-
-        Everything else (the permission prompt, unknown tools, 2026-07-28 agents) stays with the SDK.
-        """
-        version = self._legacy_version
-        if version is None or name == PERMISSION_PROMPT or self.registry.resolve(name) is None:
-            return None
-
-        async def handle(token: str | int | None, send_progress: Any) -> dict[str, Any]:
-            return call_result(await self.answer_call(name, arguments, token, send_progress), version)
-        return handle
 
     async def _call_tool(self, ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         self._remember(ctx)
@@ -162,7 +153,7 @@ class SandboxToolServer:
     async def answer_call(
         self, name: str, arguments: dict[str, Any], progress_token: str | int | None, send_progress: Any,
     ) -> types.CallToolResult:
-        """The result of the agent's call of `name`, for the SDK's path and `fast_calls` alike.
+        """The result of the agent's call of `name`, for the SDK's path and the line router alike.
 
         With a `progress_token`, progress goes out through `send_progress(progress, total,
         message)` while the call waits. Raises: nothing; failures are tool errors.
@@ -194,7 +185,7 @@ class SandboxToolServer:
 
     async def run_stdio(self) -> None:
         """Serve the agent on stdin/stdout until it closes them, with the MCP SDK already loaded
-        (for embedders; `oubliette-client` starts through `early_handshake.serve_stdio`).
+        (for embedders; `oubliette-client` starts through `line_router.serve_stdio`).
 
         Serves at once; lists and calls wait up to `connect_wait` (from now) for the first relay
         attempt, then go on even if the relay is down (calls say why). Cancellation: the link
@@ -208,30 +199,18 @@ class SandboxToolServer:
                 await self.serve(stdin, stdout)
             nursery.cancel_scope.cancel()
 
-    async def serve(
-        self, lines: AsyncIterable[str], stdout: Any, *, listed_version: int | None = None,
-        handshake_version: str | None = None,
-    ) -> None:
+    async def serve(self, lines: AsyncIterable[str], stdout: Any, *, listed_version: int | None = None) -> None:
         """Serve MCP on the agent's `lines` and `stdout` (`async write(text)`, safe from several
         tasks; `stdio_streams.StdoutText`) until the lines end; then calls still in flight are
         cancelled (the agent has gone). The link must be running (its owner runs `link.run`).
 
-        `listed_version`: the registry version the agent has already been shown (by the early
-        handshake); changes after it are announced. `handshake_version`: the handshake-era version
-        the early handshake negotiated, so the fast path takes calls at once (the SDK has not
-        necessarily processed `notifications/initialized` yet when the first call arrives).
+        `listed_version`: the registry version the agent has already been shown (by the line
+        router); changes after it are announced.
         """
         import mcp.server.stdio
 
-        if handshake_version is not None:
-            self._legacy_version = handshake_version
-
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._announce_changes, listed_version)
-            if self.fast_calls:
-                fast = FastToolCalls(self.fast_route, stdout.write)
-                await nursery.start(fast.run)
-                lines = fast.lines(lines)
             # The SDK types stdin as an anyio.AsyncFile but only iterates its lines.
             async with mcp.server.stdio.stdio_server(stdin=lines, stdout=stdout) as (  # type: ignore[arg-type]
                 read_stream, write_stream,

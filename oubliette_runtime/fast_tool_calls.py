@@ -13,8 +13,8 @@ answers it exactly as before:
 
 - it is a JSON-RPC request `{"jsonrpc": "2.0", "id": <string or integer>, "method":
   "tools/call", "params": {"name": <string>, "arguments"?: <object>, "_meta"?:
-  {"progressToken"?: <string or integer>, "traceparent"?, "tracestate"?}}}` with no other keys
-  (a 2026-07-28 request carries more `_meta` and always goes to the SDK);
+  {"progressToken"?: <string or integer>, ...}}}` with no other keys, whose `_meta` is not
+  the 2026-07-28 envelope (`modern_envelope`: such a request always goes to the SDK);
 - the program's `route(name, arguments)` gives a handler for it (each program takes only
   calls of a handshake-era peer that finished `initialize`, and only the tools it names);
 - no other call taken here is in flight with the same id.
@@ -22,7 +22,8 @@ answers it exactly as before:
 The handler returns what the SDK path would send for the same call (`call_result`: the
 `CallToolResult` dumped and shaped for the negotiated version as the SDK does). `notifications/cancelled` for a taken call's id cancels it and no response is
 sent, as the SDK does; the notification still reaches the SDK, which ignores ids it does not
-hold. Both programs turn the path off with `OUBLIETTE_FAST_CALLS=0`.
+hold. Each program's line router uses it (oubliette_client/line_router.py,
+oubliette_server/doors/caller_api/stdio.py); `OUBLIETTE_FAST_PATH=0` turns both routers off.
 
 Spans: a taken call gets the span the SDK would make (`tools/call {name}`, its attributes, under
 the call's `_meta.traceparent`; oubliette_runtime/trace_spans.py `fast_call_span`) when spans are exported
@@ -46,8 +47,9 @@ import trio
 from .trace_spans import fast_call_span
 
 __all__ = [
-    "FastToolCalls", "Handler", "Route", "SendProgress", "call_result", "fast_calls_enabled", "is_request_id",
-    "notification_line", "response_line", "switched_on", "tool_error",
+    "FastToolCalls", "Handler", "Route", "SendProgress", "call_result", "fast_path_enabled", "is_request_id",
+    "modern_envelope",
+    "notification_line", "response_line", "tool_error",
 ]
 
 #: Sends one `notifications/progress` on the call's token: (progress, total, message).
@@ -63,19 +65,21 @@ _CALL_MARK = '"tools/call"'
 _CANCEL_MARK = '"notifications/cancelled"'
 _REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
 _PARAM_KEYS = frozenset({"name", "arguments", "_meta"})
-_META_KEYS = frozenset({"progressToken", "traceparent", "tracestate"})
+#: The `_meta` key that makes a request one of the 2026-07-28 era (the SDK's rule: the key alone).
+_MODERN_META = "io.modelcontextprotocol/protocolVersion"
 _OFF = frozenset({"0", "false", "no", "off"})
 
 
-def switched_on(name: str, environ: Mapping[str, str] = os.environ) -> bool:
-    """An on/off environment switch of the programs' paths beside the SDK: on unless `name` is
-    `0`, `false`, `no` or `off`."""
-    return environ.get(name, "1").strip().lower() not in _OFF
+def fast_path_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """The one switch of what the programs do beside the MCP SDK and Python's defaults (their line
+    routers, the frozen start-up heap): on unless `OUBLIETTE_FAST_PATH` is `0`, `false`, `no` or
+    `off`, which leaves the SDK, the reference, to answer every line."""
+    return environ.get("OUBLIETTE_FAST_PATH", "1").strip().lower() not in _OFF
 
 
-def fast_calls_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the fast path is on: yes unless `OUBLIETTE_FAST_CALLS` is `0`, `false`, `no` or `off`."""
-    return switched_on("OUBLIETTE_FAST_CALLS", environ)
+def modern_envelope(meta: Any) -> bool:
+    """Whether a request's `_meta` is the 2026-07-28 per-request envelope (its protocol version key)."""
+    return isinstance(meta, dict) and _MODERN_META in meta
 
 
 def is_request_id(value: Any) -> bool:
@@ -117,9 +121,9 @@ def tool_error(text: str) -> Any:
     return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
 
 
-def notification_line(method: str, params: dict[str, Any]) -> str:
-    """A JSON-RPC notification as one stdio line, as the SDK would write it."""
-    return _line({"jsonrpc": "2.0", "method": method, "params": params})
+def notification_line(method: str, params: dict[str, Any] | None = None) -> str:
+    """A JSON-RPC notification as one stdio line, as the SDK would write it (no params: none written)."""
+    return _line({"jsonrpc": "2.0", "method": method, **({} if params is None else {"params": params})})
 
 
 class FastToolCalls:
@@ -136,6 +140,11 @@ class FastToolCalls:
         self._in_flight: dict[str | int, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
 
+    @property
+    def in_flight(self) -> int:
+        """How many taken calls are not answered yet."""
+        return len(self._in_flight)
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the nursery of taken calls until cancelled; `started()` once lines may be taken."""
         async with trio.open_nursery() as nursery:
@@ -146,10 +155,12 @@ class FastToolCalls:
     async def lines(self, source: AsyncIterable[str]) -> AsyncIterator[str]:
         """The lines of `source` the SDK must see: all but the calls taken here."""
         async for line in source:
-            if not self._take(line):
+            if not self.take(line):
                 yield line
 
-    def _take(self, line: str) -> bool:
+    def take(self, line: str) -> bool:
+        """Start answering `line` when it is a call this path takes (True); a cancel of a taken
+        call cancels it and, like every other line, is the SDK's too (False)."""
         if self._nursery is None:
             return False
         if _CANCEL_MARK in line:
@@ -186,7 +197,7 @@ class FastToolCalls:
         name, arguments, meta = params.get("name"), params.get("arguments", {}), params.get("_meta", {})
         if not isinstance(name, str) or not isinstance(arguments, dict):
             return None
-        if not isinstance(meta, dict) or not meta.keys() <= _META_KEYS:
+        if not isinstance(meta, dict) or modern_envelope(meta):
             return None
         token = meta.get("progressToken")
         if token is not None and not is_request_id(token):

@@ -14,8 +14,9 @@ docs/OBSERVABILITY.md, "The cost of tracing".
 Where: `freeze_startup_heap()` is called once, when a program has imported what it serves with and
 built its services and is about to serve (oubliette-server when its listeners are bound,
 program/runner.py; oubliette-client's stdio server once the MCP SDK is loaded and its server
-built, early_handshake.py). `OUBLIETTE_GC_FREEZE=0` (or false/no/off) leaves the collector as
-Python sets it, to measure against. The collector's thresholds are Python's own.
+built, line_router.py). `OUBLIETTE_FAST_PATH=0` (or false/no/off), the programs as the SDK and
+Python make them, leaves the collector as Python sets it, to measure against. The collector's
+thresholds are Python's own.
 """
 
 from __future__ import annotations
@@ -24,15 +25,15 @@ import gc
 import os
 from collections.abc import Mapping
 
-from .fast_tool_calls import switched_on
+from .fast_tool_calls import fast_path_enabled
 
 __all__ = ["freeze_startup_heap"]
 
 
 def freeze_startup_heap(environ: Mapping[str, str] = os.environ) -> bool:
     """Move every object alive now out of the collector's walks (`gc.freeze`); returns whether it
-    froze (not when `OUBLIETTE_GC_FREEZE` is `0`, `false`, `no` or `off`)."""
-    if not switched_on("OUBLIETTE_GC_FREEZE", environ):
+    froze (not when the fast path is switched off, `fast_path_enabled`)."""
+    if not fast_path_enabled(environ):
         return False
     gc.freeze()
     return True

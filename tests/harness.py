@@ -343,10 +343,14 @@ class HandMcp:
         assert process.stdin is not None and process.stdout is not None
         self.process = process
         self._buffer = b""
+        self.received: list[dict[str, Any]] = []
+        """Every message received so far, in order."""
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: dict[str, Any] | str) -> None:
+        """Send a message, or a line as it is (malformed ones included)."""
         assert self.process.stdin is not None
-        await self.process.stdin.send_all(json.dumps(message).encode() + b"\n")
+        line = message if isinstance(message, str) else json.dumps(message) + "\n"
+        await self.process.stdin.send_all(line.encode())
 
     async def receive(self) -> dict[str, Any]:
         assert self.process.stdout is not None
@@ -355,7 +359,8 @@ class HandMcp:
             assert chunk, "the server process closed its stdout"
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
+        self.received.append(json.loads(line))
+        return self.received[-1]
 
     async def response(self, request_id: Any) -> dict[str, Any]:
         """The response to `request_id` (notifications and other messages before it are skipped)."""

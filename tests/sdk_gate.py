@@ -1,4 +1,4 @@
-"""oubliette-client with the MCP SDK's import held until the test says go (tests/test_early_handshake.py).
+"""oubliette-client with the MCP SDK's import held until the test says go (tests/test_line_router.py).
 
     python tests/sdk_gate.py WANTED_FD GO_FD [oubliette-client arguments...]
 

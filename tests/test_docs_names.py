@@ -12,7 +12,7 @@ like a code name is resolved against the repository, read with `ast` (nothing is
   of its bases in the repository);
 - `name()` is a function or method the repository defines (or calls, for a library's own);
 - any other identifier with an underscore or a capital (`refuse_server_owned`, `FrameLog`,
-  `OUBLIETTE_FAST_CALLS`, `caller_tool_request`) appears in the code as a name or a string, or
+  `OUBLIETTE_FAST_PATH`, `caller_tool_request`) appears in the code as a name or a string, or
   in a file of deploy/ (a unit's `KillMode`, a manifest's `readinessProbe`).
 
 Words that are not code are skipped: plain lowercase words, flags, values, JSON, commands.
@@ -276,6 +276,6 @@ def test_the_check_finds_what_is_not_there() -> None:
     for present in (
         "caller_tool_relay/pending.py", "docs/SCALING.md", "FrameLog", "FrameLog.append", "refuse_server_owned",
         "protocol.schema_check.first_problem", "Limits.check_value", "first_problem()", "session.error",
-        "OUBLIETTE_FAST_CALLS", "wait", "--relay", '{"a": 1}', "/run/relay.sock", ".mcp.json",
+        "OUBLIETTE_FAST_PATH", "wait", "--relay", '{"a": 1}', "/run/relay.sock", ".mcp.json",
     ):
         assert check(present) is None, present

@@ -1,14 +1,16 @@
-"""oubliette-client answers the handshake before the MCP SDK is loaded (oubliette_client/early_handshake.py).
+"""oubliette-client's line router (oubliette_client/line_router.py): what it answers beside the MCP SDK.
 
 The end-to-end tests run the real programs. `tests/sdk_gate.py` holds the client's import of the
 SDK until the test releases it, so the tests see what is answered without the SDK, what waits for
-it, and that everything queued meanwhile is answered, in order, once it is there. The
-equivalence test runs the client with the early answers on and off
-(`OUBLIETTE_EARLY_HANDSHAKE=0`) for every handshake-era version and compares what the agent got.
+it, and that everything queued meanwhile is answered, in order, once it is there. The client's
+parity test (`test_the_agent_gets_the_same_lines_from_the_router_and_from_the_sdk`) runs the
+client with the router on and off (`OUBLIETTE_FAST_PATH=0`) in every protocol version and
+compares every line the agent got.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,12 +24,7 @@ from mcp.client.stdio import stdio_client
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from harness import PYTHON, Deployment, EventLog, HandMcp, structured, text_of
-from oubliette_client.early_handshake import (
-    HANDSHAKE_VERSIONS,
-    _handshake_initialize,
-    _parse,
-    early_handshake_enabled,
-)
+from oubliette_client.line_router import HANDSHAKE_VERSIONS, _handshake_initialize, _parse
 
 TIMEOUT = 20
 HERE = Path(__file__).resolve().parent
@@ -74,11 +71,6 @@ def trio_json(message: Any) -> str:
 def test_anything_else_is_left_to_the_sdk(line: str) -> None:
     message = _parse(line)
     assert message is None or _handshake_initialize(message) is None
-
-
-@pytest.mark.parametrize(("value", "enabled"), [(None, True), ("1", True), ("0", False), ("off", False), ("No", False)])
-def test_the_switch(value: str | None, enabled: bool) -> None:
-    assert early_handshake_enabled({} if value is None else {"OUBLIETTE_EARLY_HANDSHAKE": value}) is enabled
 
 
 # -- the real programs ------------------------------------------------------------------------
@@ -159,7 +151,7 @@ async def answer_next_request(caller: Client, events: EventLog, session: str, an
 
 async def test_the_handshake_is_answered_while_the_sdk_is_held_and_the_rest_after(deployment: Deployment, tmp_path: Path) -> None:
     """initialize, ping and tools/list are answered with the SDK's import held; a call sent
-    meanwhile waits and is answered once the SDK is in; the SDK agreed with the early initialize."""
+    meanwhile waits and is answered once the SDK is in."""
     client_log = tmp_path / "client.log"
     with (tmp_path / "server.log").open("w") as server_err, client_log.open("w") as client_err:
         async with caller_and_session(deployment, "s-held", server_err) as (caller, events), \
@@ -186,15 +178,15 @@ async def test_the_handshake_is_answered_while_the_sdk_is_held_and_the_rest_afte
             await answer_next_request(caller, events, "s-held", [], {"echo": 1})
             called = await agent.response(11)
             assert called["result"]["structuredContent"] == {"echo": 1}
-            # After the hand-over, requests are the SDK's (and the fast path's) as before.
+            # Once the SDK is in, the router goes on answering its handshake's lists.
             await agent.send({"jsonrpc": "2.0", "id": "list2", "method": "tools/list"})
             assert (await agent.response("list2"))["result"]["tools"] == listed
-    log = client_log.read_text()
-    assert "answered initialize with" not in log  # the SDK's own answer was the same
-    assert log.count("taken off the SDK's path") == 1  # the queued call: the version negotiated early
+    assert client_log.read_text().count("taken off the SDK's path") == 1  # the call, waiting for the SDK
 
 
-async def test_a_first_line_that_is_not_initialize_waits_for_the_sdk(deployment: Deployment, tmp_path: Path) -> None:
+async def test_a_first_line_that_is_not_initialize_leaves_every_line_to_the_sdk(deployment: Deployment, tmp_path: Path) -> None:
+    """The handshake is the SDK's when the first line is not a plain handshake-era `initialize`:
+    the router then answers nothing, and everything sent meanwhile is answered once the SDK is in."""
     with (tmp_path / "client.log").open("w") as client_err:
         # with a relay: a client that cannot reach its relay at the start fails its first request
         async with caller_and_session(deployment, "s-first", client_err), gated_client(deployment, "s-first", client_err) as client:
@@ -202,15 +194,18 @@ async def test_a_first_line_that_is_not_initialize_waits_for_the_sdk(deployment:
             agent = client.agent
             await agent.send({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
             await agent.send(initialize(request_id=2))  # not the first line: the SDK's too
+            await agent.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+            await agent.send({"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": "nope", "arguments": {}}})
             await agent.send({"jsonrpc": "2.0", "id": "p", "method": "ping"})
-            assert await agent.receive() == {"jsonrpc": "2.0", "id": "p", "result": {}}  # nothing before it
             await client.release()
             answers = {}
-            while len(answers) < 2:
+            while len(answers) < 4:
                 message = await agent.receive()
                 if "id" in message and "method" not in message:
                     answers[message["id"]] = message
             assert "result" in answers[2] and answers[2]["result"]["serverInfo"]["name"] == "oubliette-client"
+            assert answers[3]["result"]["isError"] is True and answers["p"]["result"] == {}
+    assert "taken off the SDK's path" not in (tmp_path / "client.log").read_text()
 
 
 async def test_eof_before_the_sdk_is_loaded_ends_the_client_cleanly(deployment: Deployment, tmp_path: Path) -> None:
@@ -227,51 +222,156 @@ async def test_eof_before_the_sdk_is_loaded_ends_the_client_cleanly(deployment: 
                 assert await client.process.wait() == 0
 
 
-async def agent_view(deployment: Deployment, session: str, version: str, early: bool, tmp: Path,
-                     caller: Client, events: EventLog, answered: list[str]) -> dict[str, Any]:
-    """What an agent of `version` gets for initialize, tools/list and one relayed call."""
-    env = {**os.environ, "OUBLIETTE_EARLY_HANDSHAKE": "1" if early else "0",
-           **deployment.client_env("box1", f"mcp:{session}")}
-    with (tmp / f"client-{version}-{early}.log").open("w") as client_err:
+def call(request_id: Any, name: str, arguments: Any = None, **params: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+            "params": {"name": name, **({} if arguments is None else {"arguments": arguments}), **params}}
+
+
+#: The 2026-07-28 per-request envelope of a raw agent.
+ENVELOPE = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {}}
+
+
+async def handshake_script(agent: Agent, version: str, relay: Any) -> None:
+    """A handshake-era agent: the handshake, ping, the list, relayed calls, and (for the latest
+    version Claude Code speaks) every other shape the router must get right or leave to the SDK."""
+    await agent.send(initialize(version))
+    await agent.response(0)
+    await agent.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+    await agent.send({"jsonrpc": "2.0", "id": "p", "method": "ping"})
+    await agent.response("p")
+    await agent.send({"jsonrpc": "2.0", "id": "list", "method": "tools/list"})
+    await agent.response("list")
+    if version == "2025-06-18":  # the caller's tools change, twice: the agent is told each time
+        for n, tools in enumerate(([TOOL, {**TOOL, "name": "extra"}], [TOOL])):
+            await relay({"tools": tools}, kind="declare")
+            while (await agent.receive()).get("method") != "notifications/tools/list_changed":
+                pass
+            await agent.send({"jsonrpc": "2.0", "id": f"list-{n}", "method": "tools/list"})
+            await agent.response(f"list-{n}")
+    await agent.send(call(11, "app_echo", {"x": 1}, _meta={"progressToken": "t11", "claudecode/toolUseId": "u"}))
+    await relay({"result": {"echo": 1}})
+    await agent.response(11)
+    await agent.send(call(13, "nope", {}))  # an unknown tool: a tool error
+    await agent.response(13)
+    if version != "2025-06-18":
+        return
+    await agent.send(call("twelve", "app_echo", {"x": 1}))
+    await relay({"error": "no such thing"})
+    await agent.response("twelve")
+    await agent.send(call(14, "app_echo"))  # no arguments: the tool's schema decides
+    await relay({"result": "plain text"})
+    await agent.response(14)
+    await agent.send(call(15, "permission_prompt", {"tool_name": "Bash", "input": {"command": "ls"}}))
+    await relay({"approve": True}, kind="approval_request")
+    await agent.response(15)
+    for request_id, params in ((21, {"name": 5}), (22, {"name": "app_echo", "arguments": [1]}), (23, {})):
+        await agent.send({"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": params})
+        await agent.response(request_id)
+    await agent.send(call(16, "app_echo", {"x": 16}))  # cancelled while the caller holds it
+    await relay(None)
+    await agent.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 16}})
+    await agent.send({"jsonrpc": "2.0", "id": "p2", "method": "ping"})
+    await agent.response("p2")
+    await agent.send({"jsonrpc": "2.0", "id": "list2", "method": "tools/list", "params": {"cursor": "x"}})
+    await agent.response("list2")
+    for line, request_id in (("not json\n", None), ('{"jsonrpc": "2.0", "id": 31, "method": "tools/call", "params": \n', None),
+                             (json.dumps({"jsonrpc": "2.0", "id": 32, "method": "resources/list"}) + "\n", 32),
+                             (json.dumps({"jsonrpc": "2.0", "id": 33, "method": "ping", "params": {"x": 1}}) + "\n", 33),
+                             (json.dumps(call(34, "nope", {}, _meta=ENVELOPE)) + "\n", 34),
+                             (json.dumps({"jsonrpc": "2.0", "id": 35, "method": "tools/list", "params": {"cursor": 5}}) + "\n", 35),
+                             (json.dumps(initialize(request_id=36)) + "\n", 36)):
+        await agent.send(line)
+        if request_id is not None:  # the SDK answers no line it cannot read: the next answer shows it
+            await agent.response(request_id)
+    await agent.send({"jsonrpc": "2.0", "id": "end", "method": "ping"})
+    await agent.response("end")
+
+
+async def modern_script(agent: Agent, version: str, relay: Any) -> None:
+    """A 2026-07-28 agent (every request enveloped), or one whose `initialize` names 2026-07-28."""
+    if version == "initialize-2026-07-28":
+        await agent.send(initialize("2026-07-28"))  # the SDK negotiates a handshake-era version
+        await agent.response(0)
+        await agent.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        await agent.send({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+        await agent.response(1)
+        return
+    await agent.send({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": ENVELOPE}})
+    await agent.response(1)
+    await agent.send(call(2, "app_echo", {"x": 2}, _meta=ENVELOPE))
+    await relay({"result": {"echo": 2}})
+    await agent.response(2)
+    await agent.send(call(3, "nope", {}, _meta=ENVELOPE))
+    await agent.response(3)
+    await agent.send(initialize(request_id=4))  # the handshake on a 2026-07-28 connection: refused
+    await agent.response(4)
+
+
+async def agent_lines(deployment: Deployment, session: str, version: str, fast: bool, tmp: Path,
+                      caller: Client, events: EventLog, answered: list[str]) -> tuple[list[dict[str, Any]], int]:
+    """Every line an agent of `version` got for its script, and how many calls the router took."""
+
+    async def relay(answer: Any, kind: str = "caller_tool_request") -> None:
+        """The caller answers the next request it got (an approval or a caller tool's; None: holds
+        it), or declares the caller tools `answer` names (kind `declare`)."""
+        if kind == "declare":
+            declared = await caller.call_tool("session_message", {
+                "instance": "box1", "session_id": session, "message": "again",
+                "context": {"caller_id": "app", "caller_tools": answer["tools"]}})
+            assert not declared.is_error, text_of(declared)
+            return
+        event = await events.wait_for(lambda e: e["type"] == kind and e["request_id"] not in answered, timeout=TIMEOUT)
+        answered.append(event["request_id"])
+        if answer is None:
+            return
+        tool = "approval_response" if kind == "approval_request" else "caller_tool_response"
+        reply = await caller.call_tool(tool, {"session_id": session, "request_id": event["request_id"], **answer})
+        assert not reply.is_error, text_of(reply)
+
+    log = tmp / f"client-{version}-{fast}.log"
+    env = {**os.environ, "OUBLIETTE_FAST_PATH": "1" if fast else "0", **deployment.client_env("box1", f"mcp:{session}")}
+    with log.open("w") as client_err:
         process = await trio.lowlevel.open_process(
             [PYTHON, "-m", "oubliette_client", "--log-level", "DEBUG"], stdin=-1, stdout=-1, stderr=client_err, env=env,
         )
         try:
             agent = Agent(process)
-            await agent.send(initialize(version))
-            init = await agent.response(0)
-            await agent.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-            await agent.send({"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
-            listed = await agent.response(1)
-            await agent.send({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-                              "params": {"name": "app_echo", "arguments": {"x": 2}}})
-            await answer_next_request(caller, events, session, answered, {"echo": 2})
-            called = await agent.response(2)
+            script = handshake_script if version in HANDSHAKE_VERSIONS else modern_script
+            await script(agent, version, relay)
         finally:
             process.kill()
             await process.wait()
-    assert "answered initialize with" not in (tmp / f"client-{version}-{early}.log").read_text()
-    return {"initialize": init, "tools/list": listed, "tools/call": called}
+    return agent.received, log.read_text().count("taken off the SDK's path")
 
 
-async def test_the_agent_gets_the_same_answers_with_the_early_handshake_on_and_off(deployment: Deployment, tmp_path: Path) -> None:
+async def test_the_agent_gets_the_same_lines_from_the_router_and_from_the_sdk(deployment: Deployment, tmp_path: Path) -> None:
+    """The client's parity test: the same requests with `OUBLIETTE_FAST_PATH` off (the SDK answers
+    every line) and on (the line router answers the handshake era's fixed shapes), in every
+    handshake-era version and the 2026-07-28 era, give the agent the same lines in the same order,
+    each the same JSON (ids, results, errors; the order of an object's keys aside: the router
+    writes a listed tool's keys in the registry's order, the SDK in its model's); only the router's handshake takes calls,
+    and only when on."""
     answered: list[str] = []
     with (tmp_path / "server.log").open("w") as server_err:
         async with caller_and_session(deployment, "s-same", server_err) as (caller, events):
-            for version in HANDSHAKE_VERSIONS:
-                off = await agent_view(deployment, "s-same", version, False, tmp_path, caller, events, answered)
-                on = await agent_view(deployment, "s-same", version, True, tmp_path, caller, events, answered)
+            for version in (*HANDSHAKE_VERSIONS, "initialize-2026-07-28", "2026-07-28"):
+                off, off_took = await agent_lines(deployment, "s-same", version, False, tmp_path, caller, events, answered)
+                on, on_took = await agent_lines(deployment, "s-same", version, True, tmp_path, caller, events, answered)
                 assert on == off, version
-                assert on["initialize"]["result"]["protocolVersion"] == version
-                assert [t["name"] for t in on["tools/list"]["result"]["tools"]] == ["app_echo", "permission_prompt"]
-                assert "_meta" in on["tools/list"]["result"]["tools"][0]  # the relayed tool's descriptor
-                assert on["tools/call"]["result"]["structuredContent"] == {"echo": 2}
+                assert off_took == 0
+                assert on_took == ({"2025-06-18": 6}.get(version, 2) if version in HANDSHAKE_VERSIONS else 0), version
+                if version in HANDSHAKE_VERSIONS:
+                    assert on[0]["result"]["protocolVersion"] == version
+                    listed = next(m for m in on if m.get("id") == "list")["result"]["tools"]
+                    assert [t["name"] for t in listed] == ["app_echo", "permission_prompt"]
 
 
 async def test_lines_sent_while_the_sdk_loads_wait_in_order_and_none_is_lost(deployment: Deployment, tmp_path: Path) -> None:
     """More lines than wait in memory (MAX_WAITING_LINES) arrive while the SDK is held: stdin
     is read no further until the SDK takes them, and every one is answered afterwards."""
-    from oubliette_client.early_handshake import MAX_WAITING_LINES
+    from oubliette_client.line_router import MAX_WAITING_LINES
 
     count = MAX_WAITING_LINES * 3
     with (tmp_path / "client.log").open("w") as client_err:
@@ -301,7 +401,7 @@ async def test_lines_sent_while_the_sdk_loads_wait_in_order_and_none_is_lost(dep
 
 async def test_waiting_lines_are_bounded_in_characters_too() -> None:
     """Lines that wait for the SDK hold at most the budget's characters; a line over it alone still fits."""
-    from oubliette_client.early_handshake import WaitingChars
+    from oubliette_client.line_router import WaitingChars
 
     waiting = WaitingChars(10)
     await waiting.reserve(25)  # alone: fits

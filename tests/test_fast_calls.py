@@ -1,25 +1,20 @@
-"""The fast path for plain `tools/call` lines (oubliette_runtime/fast_tool_calls.py), on its own and in both programs.
+"""The fast path for plain `tools/call` lines (oubliette_runtime/fast_tool_calls.py), on its own.
 
-The unit tests feed lines to `FastToolCalls` in the test's loop. The end-to-end tests run the
-real programs twice, with the fast path on and off (`OUBLIETTE_FAST_CALLS=0`), and check that an
-agent and a caller see the same lines either way, and that the path was taken only when on.
+The tests feed lines to `FastToolCalls` in the test's loop. Each program's parity test, its line
+router on and off, is in tests/test_early_handshake.py (the client) and
+tests/test_caller_line_router.py (the server).
 """
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import pytest
 import trio
 import trio.testing
-from mcp import Client
-from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from harness import PYTHON, Deployment, EventLog, HandMcp, structured, text_of
-from oubliette_runtime.fast_tool_calls import FastToolCalls, fast_calls_enabled
+from oubliette_runtime.fast_tool_calls import FastToolCalls, fast_path_enabled
 
 TIMEOUT = 20
 
@@ -163,98 +158,5 @@ async def test_progress_goes_out_on_the_agents_token_before_the_response() -> No
 
 @pytest.mark.parametrize(("value", "enabled"), [(None, True), ("1", True), ("0", False), ("false", False), (" OFF ", False), ("no", False)])
 def test_the_switch(value: str | None, enabled: bool) -> None:
-    environ = {} if value is None else {"OUBLIETTE_FAST_CALLS": value}
-    assert fast_calls_enabled(environ) is enabled
-
-
-# -- both programs, the path on and off ----------------------------------------------------
-
-TOOL = {"name": "echo", "description": "Echo", "inputSchema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
-
-
-class RawAgent(HandMcp):
-    """An agent that speaks MCP to oubliette-client line by line, so the test sees the exact lines."""
-
-    async def receive(self) -> dict[str, Any]:
-        with trio.fail_after(TIMEOUT):
-            return await super().receive()
-
-    async def initialize(self) -> None:
-        await self.send({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}})
-        assert "result" in await self.response(0)
-        await self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-        await self.send({"jsonrpc": "2.0", "id": "list", "method": "tools/list"})
-        assert "app_echo" in [tool["name"] for tool in (await self.response("list"))["result"]["tools"]]
-
-
-async def run_programs(deployment: Deployment, fast: bool, tmp: Path) -> dict[str, Any]:
-    """One relayed success, one relayed error and one unknown tool, as lines the agent and results the caller saw."""
-    env = {**os.environ, "OUBLIETTE_FAST_CALLS": "1" if fast else "0"}
-    server_log, client_log = tmp / f"server-{fast}.log", tmp / f"client-{fast}.log"
-    params = deployment.server_parameters("--log-level", "DEBUG")
-    params = StdioServerParameters(command=params.command, args=params.args, env=env)
-    session = f"s-{'on' if fast else 'off'}"
-    seen: dict[str, Any] = {}
-    events = EventLog()
-    with server_log.open("w") as server_err, client_log.open("w") as client_err:
-        async with Client(stdio_client(params, errlog=server_err), mode="legacy", **events.callback_if(True)) as caller:
-            declared = await caller.call_tool("session_message", {
-                "instance": "box1", "session_id": session, "message": "hi",
-                "context": {"caller_id": "app", "caller_tools": [TOOL]},
-            })
-            assert not declared.is_error, text_of(declared)
-            process = await trio.lowlevel.open_process(
-                [PYTHON, "-m", "oubliette_client", "--log-level", "DEBUG"],
-                stdin=-1, stdout=-1, stderr=client_err,
-                env={**env, **deployment.client_env("box1", f"mcp:{session}")},
-            )
-            try:
-                agent = RawAgent(process)
-                await agent.initialize()
-                for request_id, answer in ((11, {"result": {"echo": 1}}), ("twelve", {"error": "no such thing"})):
-                    await agent.send({"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
-                                      "params": {"name": "app_echo", "arguments": {"x": 1}}})
-                    request = await next_request(events, seen)
-                    reply = await caller.call_tool("caller_tool_response", {
-                        "session_id": session, "request_id": request["request_id"], **answer})
-                    seen[f"caller-{request_id}"] = structured(reply)
-                    seen[f"agent-{request_id}"] = await agent.response(request_id)
-                again = await caller.call_tool("caller_tool_response", {
-                    "session_id": session, "request_id": request["request_id"], "result": {}})
-                seen["caller-again"] = (again.is_error, text_of(again).replace(request["request_id"], "<id>"))
-                await agent.send({"jsonrpc": "2.0", "id": 13, "method": "tools/call",
-                                  "params": {"name": "nope", "arguments": {}}})
-                seen["agent-13"] = await agent.response(13)
-            finally:
-                process.kill()
-                await process.wait()
-    seen["events"] = [(e["type"], e.get("tool")) for e in events.events if e["type"].startswith("caller_tool")]
-    seen["client-took"] = client_log.read_text().count("taken off the SDK's path")
-    seen["server-took"] = server_log.read_text().count("taken off the SDK's path")
-    return seen
-
-
-async def next_request(events: EventLog, seen: dict[str, Any]) -> dict[str, Any]:
-    """The next `caller_tool_request` event not answered yet."""
-    answered = seen.setdefault("answered", [])
-    event = await events.wait_for(
-        lambda e: e["type"] == "caller_tool_request" and e["request_id"] not in answered, timeout=TIMEOUT)
-    answered.append(event["request_id"])
-    return event
-
-
-async def test_both_programs_send_the_same_lines_with_the_fast_path_on_and_off(deployment: Deployment, tmp_path: Path) -> None:
-    off = await run_programs(deployment, False, tmp_path)
-    on = await run_programs(deployment, True, tmp_path)
-    assert off.pop("client-took") == 0 and off.pop("server-took") == 0
-    # two relayed calls at the client; two answers at the server (the late third is refused on the SDK's path too)
-    assert on.pop("client-took") == 2 and on.pop("server-took") == 3
-    for seen in (off, on):
-        seen.pop("answered")
-    assert on == off
-    assert on["agent-11"]["result"]["structuredContent"] == {"echo": 1}
-    assert on["agent-twelve"]["result"]["isError"] is True
-    assert on["caller-11"] == {"resolved": True}
-    assert on["caller-again"][0] is True
-    assert on["agent-13"]["result"]["isError"] is True  # an unknown tool is the SDK's to answer, in both
+    environ = {} if value is None else {"OUBLIETTE_FAST_PATH": value}
+    assert fast_path_enabled(environ) is enabled

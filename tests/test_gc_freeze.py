@@ -1,5 +1,5 @@
 """The start-up heap frozen out of the collector's walks (oubliette_runtime/gc_freeze.py): both real
-programs call `gc.freeze()` once they are up, and `OUBLIETTE_GC_FREEZE=0` leaves the collector
+programs call `gc.freeze()` once they are up, and `OUBLIETTE_FAST_PATH=0` leaves the collector
 as Python sets it."""
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def _frozen_at_exit(module: str, argv: list[str], env: dict[str, str], lines: st
 @pytest.mark.parametrize("switch", [None, "0"])
 def test_both_programs_freeze_their_startup_heap_unless_switched_off(deployment: Deployment, switch: str | None) -> None:
     """oubliette-server (serving a caller on stdio) and oubliette-client's stdio server (serving an
-    agent) freeze what they made at start; `OUBLIETTE_GC_FREEZE=0` freezes nothing."""
-    extra = {} if switch is None else {"OUBLIETTE_GC_FREEZE": switch}
+    agent) freeze what they made at start; `OUBLIETTE_FAST_PATH=0` freezes nothing."""
+    extra = {} if switch is None else {"OUBLIETTE_FAST_PATH": switch}
     server = _frozen_at_exit(
         "oubliette_server.program.cli",
         ["--relay", deployment.relay, "--data-dir", str(deployment.data_dir), "--log-level", "WARNING"],
@@ -60,7 +60,7 @@ def test_both_programs_freeze_their_startup_heap_unless_switched_off(deployment:
 def test_freeze_startup_heap_moves_what_is_alive_out_of_the_collections() -> None:
     """Everything alive is frozen (and no longer counted in any generation); the switch turns it off."""
     try:
-        assert freeze_startup_heap({"OUBLIETTE_GC_FREEZE": "off"}) is False and gc.get_freeze_count() == 0
+        assert freeze_startup_heap({"OUBLIETTE_FAST_PATH": "off"}) is False and gc.get_freeze_count() == 0
         kept = [[] for _ in range(100)]  # objects the collector tracks, alive now
         assert freeze_startup_heap({}) is True
         assert gc.get_freeze_count() >= len(kept)

@@ -445,7 +445,7 @@ async def test_a_toolset_call_is_decided_on_both_paths_of_the_client(deployment:
         '[allowlists]\nbox1 = ["echo"]\n'
     )
     agent = StdioServerParameters(command=PYTHON, args=["-m", "oubliette_client"], env={
-        **os.environ, **deployment.client_env("box1", "mcp:s1"), "OUBLIETTE_FAST_CALLS": "1" if fast else "0"})
+        **os.environ, **deployment.client_env("box1", "mcp:s1"), "OUBLIETTE_FAST_PATH": "1" if fast else "0"})
     async with deployment.caller("--config", str(config), "--policy", str(policy)) as (caller, events):
         await declare(caller, [SEND])
         async with Client(agent, mode="legacy") as client:

@@ -58,7 +58,7 @@ async def test_initialize_of_a_refused_token_is_an_error_and_the_client_exits_1(
     async with deployment.caller():
         process = await trio.lowlevel.open_process(
             [PYTHON, "-m", "oubliette_client"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**os.environ, **deployment.client_env("box1", "mcp:s1", token="wrong"), "OUBLIETTE_EARLY_HANDSHAKE": early},
+            env={**os.environ, **deployment.client_env("box1", "mcp:s1", token="wrong"), "OUBLIETTE_FAST_PATH": early},
         )
         agent = HandMcp(process)
         with trio.fail_after(BOUND):
@@ -105,7 +105,7 @@ async def test_initialize_with_an_unreachable_relay_is_an_error_and_the_client_e
     fails with the reason, so `claude mcp list` cannot show it as connected."""
     process = await trio.lowlevel.open_process(
         [PYTHON, "-m", "oubliette_client"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, **deployment.client_env("box1", "mcp:s1", token="any"), "OUBLIETTE_EARLY_HANDSHAKE": early},
+        env={**os.environ, **deployment.client_env("box1", "mcp:s1", token="any"), "OUBLIETTE_FAST_PATH": early},
     )
     agent = HandMcp(process)
     with trio.fail_after(BOUND):

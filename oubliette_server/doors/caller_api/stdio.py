@@ -1,9 +1,13 @@
-"""The caller on this process's stdin/stdout (the server spawned as a stdio MCP server).
+"""The caller on this process's stdin/stdout (the server spawned as a stdio MCP server), and the
+server's line router: the one place that decides what is answered beside the MCP SDK.
 
-A handshake-era caller's answers and its events skip the SDK's per-message machinery: plain
-`caller_tool_response` (no `wait`) and `caller_tool_progress` calls are answered by
-`oubliette_runtime.fast_tool_calls`, and events are written as `notifications/message` lines directly
-(`CallerConnection.write_line`). Everything else goes through the SDK as before.
+Once a caller has finished a handshake-era `initialize` with the SDK, its plain
+`caller_tool_response` (no `wait`) and `caller_tool_progress` calls are answered here
+(`oubliette_runtime.fast_tool_calls`, the same `CallerApi.call` the SDK's handler runs, shaped as the SDK
+shapes it), and its events are written as `notifications/message` lines directly
+(`CallerConnection.write_line`). Every other line — the handshake, lists, 2026-07-28 requests,
+calls with `wait`, anything malformed — is the SDK's, the reference; `OUBLIETTE_FAST_PATH=0`
+makes every line the SDK's. `tests/test_caller_line_router.py` drives the same lines both ways.
 """
 
 from __future__ import annotations
@@ -13,12 +17,7 @@ from typing import Any
 import trio
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from oubliette_runtime.fast_tool_calls import (
-    FastToolCalls,
-    Handler,
-    call_result,
-    fast_calls_enabled,
-)
+from oubliette_runtime.fast_tool_calls import FastToolCalls, Handler, call_result, fast_path_enabled
 from oubliette_runtime.stdio_streams import claimed_stdio
 
 from ...core.callers import CallerConnection, CallerRegistry
@@ -58,7 +57,7 @@ async def serve_stdio_caller(callers: CallerRegistry, tools: CallerApi) -> None:
         with claimed_stdio() as (stdin, stdout):  # cancellable (SIGTERM), no thread per line
             lines: Any = stdin
             async with trio.open_nursery() as nursery:
-                if fast_calls_enabled():
+                if fast_path_enabled():
                     fast = FastToolCalls(fast_route, stdout.write)
                     await nursery.start(fast.run)
                     lines = fast.lines(stdin)

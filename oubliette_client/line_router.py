@@ -1,24 +1,33 @@
-"""oubliette-client's start: the agent's handshake answered while the MCP SDK is still loading.
+"""oubliette-client's line router: the one place that decides which of the agent's lines are
+answered here and which the MCP SDK answers.
 
 Why: importing the MCP SDK is about 0.7 s of the client's ~0.9 s start, nearly all of it
-pydantic models (`bench/bench_coldstart.py`). The handshake's first requests have
-fixed shapes and need none of it, so `serve_stdio` loads the SDK in a worker thread while the
-Trio thread connects to the relay and reads the agent's stdin; until the SDK is loaded it
-answers these itself, and hands every other line on, in order, to the SDK once loaded:
+pydantic models (`bench/bench_coldstart.py`), and the SDK's per-request machinery was about half
+of the client's CPU per relayed call (`oubliette_runtime/fast_tool_calls.py`). The handshake era's
+requests have fixed shapes and need none of it. So `serve_stdio` loads the SDK in a worker
+thread while the Trio thread connects to the relay and reads the agent's stdin, and
+`LineRouter` reads each line and either answers it or hands it on, in order, to the SDK (once
+loaded). It answers, with `OUBLIETTE_FAST_PATH` on:
 
 - the first line, when it is a handshake-era `initialize` (`{"jsonrpc": "2.0", "id", "method":
   "initialize", "params": {"protocolVersion": one of HANDSHAKE_VERSIONS, "capabilities": {...},
-  "clientInfo": {"name": str, "version": str, ...}}}`): answered with the capabilities and
-  server info the SDK gives. The line is still handed to the SDK first, so its session is
-  initialized exactly as before; its answer to it is dropped (and compared with ours: a
-  difference is logged as a warning);
-- `ping`, and `tools/list` without a cursor after such an `initialize`: answered as the SDK
-  would (`SandboxTools.listed_tools`, after the relay's first attempt as on the SDK's path),
-  and not handed on. A change of the list after the one the agent got is announced by the SDK's
-  side (`SandboxToolServer.serve`'s `listed_version`).
+  "clientInfo": {"name": str, "version": str, ...}}}`): with the capabilities and server info
+  the SDK gives. That handshake is then the router's: the SDK never sees the `initialize` (it
+  learns the connection is initialized from the agent's `notifications/initialized`, which it
+  does see), and the router answers the rest of the connection's fixed shapes:
+- `ping` and `tools/list` (without params beyond a cursor): as the SDK would
+  (`SandboxTools.listed_tools`, after the relay's first attempt as on the SDK's path);
+- `tools/call` of any tool (`oubliette_runtime.fast_tool_calls`): `SandboxToolServer.answer_call`, the
+  SDK's own handler, once the SDK is loaded; `notifications/cancelled` cancels such a call.
 
-Everything else — a 2026-07-28 request, any other method, anything malformed — waits for the
-SDK and gets its answer.
+Everything else — a handshake the SDK negotiates (a first line that is not a plain handshake-era
+`initialize`), a 2026-07-28 request, any other method, anything malformed — is the SDK's, the
+reference; `OUBLIETTE_FAST_PATH=0` makes every line the SDK's. Nothing the SDK answers is
+dropped. `tests/test_line_router.py` drives the same lines both ways and compares the answers.
+A change of the list after the one the agent got is announced by the SDK's side
+(`SandboxToolServer.serve`'s `listed_version`), through the router's writer when the handshake
+was the router's (`SandboxToolServer.initialized`: the SDK picks a protocol era only when a
+request reaches it, so it may never act on the `notifications/initialized` it was handed).
 
 The agent's first request (an `initialize`, or any request of a 2026-07-28 agent) is answered
 only once the relay has given its verdict on this client's hello, at most `HELLO_VERDICT_WAIT`
@@ -33,12 +42,12 @@ there at the agent's start is a wrong address or a missing mount, not a blip (`-
 asks to serve at once whatever the relay, and does). A relay that is
 merely slow (connected, its hello not answered yet) is waited for: the client serves, and the
 first list waits for it. A relay lost after the start may come back: the client serves on, and
-each call's error says why. `OUBLIETTE_EARLY_HANDSHAKE=0` (or false/no/off) turns the early answers
-off: then every line waits for the SDK, as before.
+each call's error says why. This holds with the switch on and off.
 
 Owns: the relay link's task, the stdin reader task, and the SDK's serving, in one nursery; at most
 MAX_WAITING_LINES lines, and MAX_WAITING_CHARS characters of them (one longer line always fits), wait
-for the SDK in memory; past either, stdin is read no further until it takes them.
+for the SDK in memory, and as many calls taken meanwhile (`_room_before_the_sdk`); past either,
+stdin is read no further until the SDK takes them.
 Cancellation: cancelling `serve_stdio` stops all three; the SDK import runs on in its thread
 and is abandoned.
 """
@@ -47,18 +56,19 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import trio
 
-from oubliette_runtime.fast_tool_calls import error_line, is_request_id, response_line, switched_on
+from protocol import VERSION, errors
+from oubliette_runtime.fast_tool_calls import (
+    FastToolCalls, SendProgress, call_result, error_line, fast_path_enabled, is_request_id, modern_envelope,
+    notification_line, response_line,
+)
 from oubliette_runtime.gc_freeze import freeze_startup_heap
 from oubliette_runtime.stdio_streams import claimed_stdio
-from oubliette_runtime.telemetry import tracing_configured
-from protocol import VERSION, errors
 
 from .sandbox_tools import SandboxTools
 from .settings import RelaySettings
@@ -66,7 +76,7 @@ from .settings import RelaySettings
 if TYPE_CHECKING:
     from .stdio_server import SandboxToolServer
 
-__all__ = ["HANDSHAKE_VERSIONS", "SERVER_INFO", "EarlyHandshake", "early_handshake_enabled", "serve_stdio"]
+__all__ = ["HANDSHAKE_VERSIONS", "SERVER_INFO", "LineRouter", "serve_stdio"]
 
 log = logging.getLogger("oubliette.client")
 
@@ -93,16 +103,14 @@ HELLO_VERDICT_WAIT = 1.0
 REFUSED_LINGER = 2.0
 
 _REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
-
-
-def early_handshake_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Yes unless `OUBLIETTE_EARLY_HANDSHAKE` is `0`, `false`, `no` or `off`, or spans are exported
-    (then the SDK answers every line and makes its MCP spans)."""
-    return switched_on("OUBLIETTE_EARLY_HANDSHAKE", environ) and not tracing_configured()
+_CALL_MARK = '"tools/call"'
+_INITIALIZED_MARK = '"notifications/initialized"'
+#: The params of a `tools/list` answered here: none, a cursor (the list is never paged) or `_meta`.
+_LIST_PARAMS = frozenset({"cursor", "_meta"})
 
 
 def _parse(line: str) -> dict[str, Any] | None:
-    """The line's JSON object, or None for anything this module leaves to the SDK."""
+    """The line's JSON object when it is a request, or None for anything this module leaves to the SDK."""
     try:
         message = json.loads(line)
     except (ValueError, RecursionError):
@@ -125,11 +133,20 @@ def _handshake_initialize(message: dict[str, Any]) -> str | None:
     return version
 
 
-class EarlyHandshake:
-    """The stdin reader of `serve_stdio`: answers what it can until `handover`, forwards the rest.
+def _plain_list(message: dict[str, Any]) -> bool:
+    """A `tools/list` with no params but a cursor or `_meta` (both of which the SDK's answer ignores)."""
+    params = message.get("params", {})
+    return (message.get("method") == "tools/list" and not message.keys() - _REQUEST_KEYS
+            and isinstance(params, dict) and params.keys() <= _LIST_PARAMS
+            and isinstance(params.get("cursor", ""), str) and isinstance(params.get("_meta", {}), dict) and not modern_envelope(params.get("_meta")))
 
-    Owns: nothing but its state; `read` runs in the caller's nursery.
-    Needs: `write(text)` safe from several tasks; `SandboxTools` whose link runs.
+
+class LineRouter:
+    """The stdin reader of `serve_stdio`: answers its lines, forwards the rest to the SDK in order.
+
+    Owns: the taken calls (`calls`, run by `serve_stdio` in its nursery); `read` runs there too.
+    Needs: `write(text)` safe from several tasks; `SandboxTools` whose link runs; `serving(server)`
+    once the SDK's server is built (taken calls wait for it).
     """
 
     def __init__(self, tools: SandboxTools, write: Callable[[str], Awaitable[None]], relay_deadline: float,
@@ -138,8 +155,6 @@ class EarlyHandshake:
         self._write = write
         self._relay_deadline = relay_deadline
         self._enabled = enabled
-        self._sdk_ready = False
-        self._busy = trio.Lock()  # held while an early answer is being made
         self.waiting = WaitingChars(MAX_WAITING_CHARS)
         self._seen_first = False
         self._verdict_checked = False
@@ -147,15 +162,29 @@ class EarlyHandshake:
         #: Why the relay refused this client for good, learnt before the first answer (None: it did not).
         self.refusal: str | None = None
         self._refusal_code = errors.UNAUTHORIZED
-        #: The id and our result of the `initialize` answered early (None: none was).
-        self.initialize_id: str | int | None = None
-        self.initialize_result: dict[str, Any] | None = None
-        self.initialize_version: str | None = None
-        #: The registry version of the last `tools/list` answered early (None: none was).
+        #: The handshake-era version of the `initialize` answered here (None: the handshake is the SDK's).
+        self.version: str | None = None
+        #: The registry version of the last `tools/list` answered here (None: none was).
         self.listed_version: int | None = None
+        self.calls = FastToolCalls(self._route, write)
+        self._server: SandboxToolServer | None = None
+        self._server_built = trio.Event()
+        self._early_chars = 0  # the characters of the calls taken before the SDK was loaded
+        self._initialized = False  # the agent of the router's handshake sent `notifications/initialized`
+
+    async def serving(self, server: SandboxToolServer) -> None:
+        """The SDK is loaded and its server built: calls taken here run its `answer_call`, and an
+        agent the router initialized is told of list changes through it."""
+        self._server = server
+        self._server_built.set()
+        if self._initialized:
+            await server.initialized(self._tell_list_changed)
+
+    async def _tell_list_changed(self) -> None:
+        await self._write(notification_line("notifications/tools/list_changed"))
 
     async def read(self, stdin: Any, forward: trio.MemorySendChannel[str]) -> None:
-        """Read the agent's lines until EOF, answering early ones and forwarding the rest in order."""
+        """Read the agent's lines until EOF, answering the router's and forwarding the rest in order."""
         async with forward:
             with trio.CancelScope() as reading:
                 async for line in stdin:
@@ -168,14 +197,12 @@ class EarlyHandshake:
                         if self.refusal is not None:
                             await self._refuse(line)
                             continue
-                        if not self._sdk_ready and self._enabled:
-                            async with self._busy:
-                                taken = await self._answer(line, forward)
-                            if taken:
-                                continue
+                        if self._enabled and await self._answer(line):
+                            continue
                     except anyio.ClosedResourceError:
                         break  # stdout is broken (the agent has gone): stdin is closed too
-                    await self._forward(forward, line)
+                    await self.waiting.reserve(len(line))
+                    await forward.send(line)
         if self.refusal is not None:
             from .relay_link import RelayRefused
 
@@ -205,28 +232,33 @@ class EarlyHandshake:
         if message is not None and self.refusal is not None:
             await self._write(error_line(message["id"], self._refusal_code, self.refusal))
 
-    async def _answer(self, line: str, forward: trio.MemorySendChannel[str]) -> bool:
-        """Answer `line` now if it is one of the early requests; True when it needs no more."""
+    async def _answer(self, line: str) -> bool:
+        """Answer `line` here if it is the router's (see the module docstring); True when the SDK must not see it."""
         first, self._seen_first = not self._seen_first, True
+        if self.version is None:
+            message = _parse(line) if first else None
+            version = None if message is None else _handshake_initialize(message)
+            if message is None or version is None:
+                return False
+            self.version = version
+            result = {"capabilities": CAPABILITIES, "protocolVersion": version, "serverInfo": SERVER_INFO}
+            await self._write(response_line(message["id"], result))
+            return True
+        if not self._server_built.is_set() and _CALL_MARK in line:
+            await self._room_before_the_sdk(len(line))
+        if self.calls.take(line):
+            if not self._server_built.is_set():
+                self._early_chars += len(line)
+            return True
         message = _parse(line)
         if message is None:
+            if not self._initialized and _INITIALIZED_MARK in line:
+                await self._note_initialized(line)
             return False
-        if first:
-            version = _handshake_initialize(message)
-            if version is None:
-                return False
-            result = {"capabilities": CAPABILITIES, "protocolVersion": version, "serverInfo": SERVER_INFO}
-            self.initialize_id, self.initialize_result, self.initialize_version = message["id"], result, version
-            await self._write(response_line(message["id"], result))
-            await self._forward(forward, line)  # the SDK's session must see it; its answer is dropped
-            return True
-        method = message.get("method")
-        if message.keys() - _REQUEST_KEYS or message.get("params") not in (None, {}):
-            return False  # a cursor, `_meta` or anything else: the SDK's
-        if method == "ping":
+        if message.get("method") == "ping" and not message.keys() - _REQUEST_KEYS and message.get("params") in (None, {}):
             await self._write(response_line(message["id"], {}))
             return True
-        if method == "tools/list" and self.initialize_result is not None:
+        if _plain_list(message):
             await self.tools.wait_first_attempt(self._relay_deadline)
             tools_version = self.tools.registry.version
             tools = self.tools.listed_tools()
@@ -235,42 +267,36 @@ class EarlyHandshake:
             return True
         return False
 
-    async def _forward(self, forward: trio.MemorySendChannel[str], line: str) -> None:
-        await self.waiting.reserve(len(line))
-        await forward.send(line)
+    async def _note_initialized(self, line: str) -> None:
+        """The agent's `notifications/initialized` (also the SDK's, which then accepts requests):
+        from now on the SDK's server announces list changes through the router."""
+        try:
+            message = json.loads(line)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(message, dict) or message.get("method") != "notifications/initialized" or "id" in message:
+            return
+        self._initialized = True
+        if self._server is not None:
+            await self._server.initialized(self._tell_list_changed)
 
-    async def handover(self) -> None:
-        """From now on every line goes to the SDK; returns when no early answer is still being made."""
-        self._sdk_ready = True
-        async with self._busy:
-            pass
+    async def _room_before_the_sdk(self, size: int) -> None:
+        """Calls taken while the SDK loads wait for it in memory, bounded as forwarded lines are
+        (MAX_WAITING_LINES calls, MAX_WAITING_CHARS of their lines); past that, stdin waits."""
+        if self.calls.in_flight >= MAX_WAITING_LINES or (self._early_chars and self._early_chars + size > MAX_WAITING_CHARS):
+            await self._server_built.wait()
 
+    def _route(self, name: str, arguments: dict[str, Any]) -> Any:
+        """Every `tools/call` of the router's handshake: the SDK's own handler, shaped for its version."""
+        version = self.version
+        if version is None:
+            return None
 
-class _DropInitializeAnswer:
-    """The SDK's stdout, less its answer to the `initialize` the early handshake answered already."""
-
-    def __init__(self, stdout: Any, request_id: str | int | None, ours: dict[str, Any] | None) -> None:
-        self._stdout = stdout
-        self._id = request_id
-        self._ours = ours
-        self._pending = request_id is not None
-
-    async def write(self, text: str) -> None:
-        """Write `text`, unless it is the SDK's answer to the early `initialize` (dropped once)."""
-        if self._pending:
-            message = _parse(text)
-            if message is not None and message.get("id") == self._id and ("result" in message or "error" in message):
-                self._pending = False
-                if message.get("result") != self._ours:
-                    log.warning("the MCP SDK answered initialize with %s; the agent got %s",
-                                message.get("result", message.get("error")), self._ours)
-                await trio.lowlevel.checkpoint()
-                return
-        await self._stdout.write(text)
-
-    async def flush(self) -> None:
-        """Nothing is buffered here."""
-        await self._stdout.flush()
+        async def handle(token: str | int | None, send_progress: SendProgress | None) -> dict[str, Any]:
+            await self._server_built.wait()
+            assert self._server is not None
+            return call_result(await self._server.answer_call(name, arguments, token, send_progress), version)
+        return handle
 
 
 class WaitingChars:
@@ -310,7 +336,7 @@ def _load_sdk_server() -> type[SandboxToolServer]:
 
 
 async def serve_stdio(
-    settings: RelaySettings, *, connect_wait: float, progress_interval: float, early: bool | None = None,
+    settings: RelaySettings, *, connect_wait: float, progress_interval: float, fast_path: bool | None = None,
 ) -> None:
     """oubliette-client's stdio MCP server, started as the module docstring says; returns when
     the agent closes stdin. Lists and calls wait up to `connect_wait` (from now) for the relay's
@@ -321,18 +347,17 @@ async def serve_stdio(
         await nursery.start(tools.link.run)
         nursery.start_soon(tools.warn_if_relay_down, relay_deadline)
         with claimed_stdio() as (stdin, stdout):
-            gate = EarlyHandshake(tools, stdout.write, relay_deadline,
-                                  enabled=early_handshake_enabled() if early is None else early)
+            router = LineRouter(tools, stdout.write, relay_deadline,
+                                enabled=fast_path_enabled() if fast_path is None else fast_path)
+            await nursery.start(router.calls.run)
             forward, lines = trio.open_memory_channel[str](MAX_WAITING_LINES)
-            nursery.start_soon(gate.read, stdin, forward)
+            nursery.start_soon(router.read, stdin, forward)
             server_class = await trio.to_thread.run_sync(_load_sdk_server, abandon_on_cancel=True)
             server = server_class(
                 settings, connect_wait=connect_wait, progress_interval=progress_interval, tools=tools,
             )
             server.relay_deadline = relay_deadline
             freeze_startup_heap()  # the SDK is loaded, the server built: no collection walks them again
-            await gate.handover()
-            writer = _DropInitializeAnswer(stdout, gate.initialize_id, gate.initialize_result)
-            await server.serve(_channel_lines(lines, gate.waiting), writer, listed_version=gate.listed_version,
-                               handshake_version=gate.initialize_version)
+            await router.serving(server)
+            await server.serve(_channel_lines(lines, router.waiting), stdout, listed_version=router.listed_version)
         nursery.cancel_scope.cancel()
