@@ -36,17 +36,26 @@ RESOLVED_MEMORY = 10_000
 
 
 class Entry(Protocol):
-    """A pending request as the book keeps it: `done` is set by its one outcome; `claim` is held
-    while a caller's answer to it is being stored; `caller` owns it (`caller_left`: it left while
-    its answer was being stored); `waiting` is its wait in the shared log, if any."""
+    """A pending request as the engine keeps it (service.py): `outcome` is its one outcome (None
+    while open), `done` is set by it and `recorded` once it is stored; `claim` is held while a
+    caller's answer to it is being stored; `caller` owns it (`caller_left`: it left while its
+    answer was being stored; `unconfirmed`: an answer's store failed, yet may have committed
+    unseen); `remote`: another server's request, read from the shared log; `in_log`: this
+    server's, waiting for its outcome in the log (`waiting`), for its owner may answer elsewhere."""
 
     request_id: str
     session: Session
     frame_seq: int
+    expires_at: str
+    outcome: Any
     done: trio.Event
+    recorded: trio.Event
     claim: trio.Lock
     caller: Any
     caller_left: bool
+    unconfirmed: bool
+    remote: bool
+    in_log: bool
     waiting: trio.CancelScope | None
 
 
