@@ -10,11 +10,11 @@ nothing; with a shared store `SharedStore` reads and stores through the log). No
 whether the store is shared: the composition root (app.py) picks the crossing once.
 """
 
-from .book import RESOLVED_MEMORY, RequestBook
+from .book import RESOLVED_MEMORY, Pending, RequestBook
 from .crossing import Crossing, SharedLog, SharedStore, SingleServer
 from .service import SERVER_SHUTDOWN, Ends, PendingRequests, shut_down
 
 __all__ = [
-    "RESOLVED_MEMORY", "SERVER_SHUTDOWN", "Crossing", "Ends", "PendingRequests", "RequestBook", "SharedLog", "SharedStore",
+    "RESOLVED_MEMORY", "SERVER_SHUTDOWN", "Crossing", "Ends", "Pending", "PendingRequests", "RequestBook", "SharedLog", "SharedStore",
     "SingleServer", "shut_down",
 ]

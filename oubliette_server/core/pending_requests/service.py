@@ -23,7 +23,7 @@ One life, on one server or several (the crossing, crossing.py, is all that diffe
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Generic
 
 import attrs
 import trio
@@ -35,7 +35,7 @@ from ...store.api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
 from ..frame_log import AppendFrame as AppendFn
 from ..sessions import Session
 from ..task_host import TaskHost
-from .book import E, RequestBook
+from .book import E, Outcome, RequestBook
 from .crossing import Crossing, ProgressPayloadFn, SingleServer
 
 if TYPE_CHECKING:
@@ -46,8 +46,6 @@ if TYPE_CHECKING:
 #: agent's cancel: trio hands a scope's reason down to every scope inside it not cancelled before.
 SERVER_SHUTDOWN = "server shutdown"
 
-#: How one request of a kind ended (a caller tool call's result or error, an approval's decision).
-Outcome = TypeVar("Outcome")
 
 
 def shut_down(cancelled: trio.Cancelled) -> bool:
@@ -266,9 +264,9 @@ class PendingRequests(Generic[E, Outcome]):
         store fails, the end stands for both sides (a late answer is refused with it): it is
         logged, and stored once the store is back (if this server stops first: the restart's or
         the shared store's sweep)."""
-        if entry.recorded.is_set():
-            return
         outcome = entry.outcome
+        if entry.recorded.is_set() or outcome is None:
+            return
         try:
             if await self._store(entry, outcome) is None:
                 winner = await self._winner(entry)
@@ -301,7 +299,7 @@ class PendingRequests(Generic[E, Outcome]):
                 raise self._expired(entry)
             return await self._store_answer(entry, outcome, skip)
         async with entry.claim:
-            if not self.is_open(entry):  # the timeout or the agent's cancel ended it while we waited
+            if entry.outcome is not None:  # the timeout or the agent's cancel ended it while we waited
                 if self._same_answer(entry.outcome, outcome):
                     return False
                 raise self._refused(entry)

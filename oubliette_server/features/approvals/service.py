@@ -37,7 +37,7 @@ from protocol.timestamps import utc_timestamp
 from protocol.trace_spans import approval_wait_span
 
 from ...core.frame_log import AppendFrame as AppendFn
-from ...core.pending_requests import Crossing, Ends, PendingRequests
+from ...core.pending_requests import Crossing, Ends, Pending, PendingRequests
 from ...core.sessions import Session
 from ...store.api import AnswerNotRecorded, StoreUnavailable, canonical_json
 
@@ -116,41 +116,18 @@ class Decision:
 
 
 @attrs.define(eq=False)
-class PendingApproval:
-    """One approval request waiting for its decision; `decided` is set exactly once."""
-    request_id: str
-    session: Session
+class PendingApproval(Pending[Decision]):
+    """One approval request waiting for its decision (`Pending`: what the engine keeps of it; its
+    `outcome` is the decision)."""
+
     tool_name: str
     arguments: dict[str, Any]
     origin: Origin
-    caller: CallerConnection | None
-    expires_at: str
     input_schema: dict[str, Any] | None = None
     allows_tool_return: bool = False
     form: dict[str, Any] | None = None
     """A toolset's own elicitation (`message`, `requestedSchema`): answered with `content`."""
     tool_use_id: str | None = None
-    frame_seq: int = 0
-    outcome: Decision | None = None
-    """Its decision (None while pending)."""
-    done: trio.Event = attrs.field(factory=trio.Event)
-    recorded: trio.Event = attrs.field(factory=trio.Event)
-    """Set once its decision's frame is stored (or, for a denial the server took, its store failed)."""
-    claim: trio.Lock = attrs.field(factory=trio.Lock)
-    """Held while a caller's decision is being stored: the timeout and the agent's cancel wait for
-    it, then find the approval decided, or still pending if that store failed."""
-    caller_left: bool = False
-    """The owner left while its decision was being stored: if that store fails, it is denied (disconnect)."""
-    unconfirmed: bool = False
-    """A decision's store failed, yet may have committed unseen (a retry is compared with `Decision.same_answer_as`)."""
-    waiting: trio.CancelScope | None = None
-    """Its wait for a decision in the shared log, stopped when it is decided here."""
-    remote: bool = False
-    """Another server's gated call, read from the shared log (decided through it)."""
-    in_log: bool = False
-    """This server's gated call whose owner may decide on another server (decided in the log)."""
-    meta: dict[str, str] | None = None
-    """The server's span of the wait as W3C trace context (`traceparent`, `tracestate`), for the caller."""
 
     @property
     def decision(self) -> Decision | None:

@@ -33,7 +33,7 @@ from protocol.schema_check import schema_problem
 from protocol.trace_spans import current_meta
 
 from ...core.frame_log import AppendFrame as AppendFn
-from ...core.pending_requests import SERVER_SHUTDOWN, Crossing, Ends, PendingRequests
+from ...core.pending_requests import SERVER_SHUTDOWN, Crossing, Ends, Pending, PendingRequests
 from ...core.sessions import Session
 from ...store.api import AnswerNotRecorded, StoreUnavailable
 from ..cluster.log_bus import OUTCOME_TYPES, PROGRESS, REQUEST
@@ -63,41 +63,14 @@ class CallOutcome:
 
 
 @attrs.define(eq=False)
-class PendingCall:
-    """One relayed caller tool call waiting for its caller; `done` is set by exactly one outcome."""
+class PendingCall(Pending[CallOutcome]):
+    """One relayed caller tool call waiting for its caller (`Pending`: what the engine keeps of it)."""
 
-    request_id: str
-    session: Session
-    caller: CallerConnection | None
     tool: str
     progress: ProgressFn | None = None
     arguments: Any = None
-    expires_at: str = ""
-    frame_seq: int = 0
-    """The seq of its `caller_tool_request` frame; 0 until stored (not yet listed as pending)."""
-    outcome: CallOutcome | None = None
-    done: trio.Event = attrs.field(factory=trio.Event)
-    """Set by its one outcome: a caller's answer only once its frame is stored."""
-    recorded: trio.Event = attrs.field(factory=trio.Event)
-    """Set once its outcome's frame is stored (or, for an end the server decided, its store failed)."""
-    claim: trio.Lock = attrs.field(factory=trio.Lock)
-    """Held while a caller's answer is being stored: the timeout and the agent's cancel wait for it,
-    then find the call answered, or still pending if that store failed."""
-    caller_left: bool = False
-    """The caller left while its answer was being stored: if that store fails, the call ends as a disconnect."""
-    waiting: trio.CancelScope | None = None
-    """Its wait for an outcome in the shared log, stopped when it ends here."""
-    remote: bool = False
-    """A request another server's agent made, read from the shared log (answered through it)."""
-    in_log: bool = False
-    """This server's agent's request whose caller may answer on another server (it waits in the log)."""
     wants_progress: bool = False
     """A remote request whose agent asked for progress reports (its request frame says so)."""
-    meta: dict[str, str] | None = None
-    """The server's span of the call as W3C trace context (`traceparent`, `tracestate`), for the caller."""
-    unconfirmed: bool = False
-    """An answer to it was refused as not recorded (`AnswerNotRecorded`), yet its commit may have
-    happened unseen: once the call has ended, an identical retry is taken as that answer."""
 
     @property
     def how(self) -> str:
