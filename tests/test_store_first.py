@@ -464,16 +464,23 @@ async def test_a_timeout_that_loses_to_an_answer_stored_first_gives_the_agent_th
     assert await two.store.outcomes() == [("caller_tool_request", call.request_id), ("caller_tool_result", call.request_id)]
 
 
-async def test_an_approval_timeout_the_store_could_not_write_refuses_a_later_decision_on_the_owners_server() -> None:
-    """As for caller tools: the gated call's server denies at its timeout though the database is
-    down, and the owner's server refuses a later approval (past `expires_at`) that would have told
-    the caller "resolved" while nothing ran. (A real clock: `expires_at` is wall time.)"""
+def two_approval_servers() -> tuple[FaultyStore, CallerConnection, Session, Session, ApprovalService, ApprovalService]:
+    """A gated call's server, no owner connected there, and the owner's server, on one store: the
+    store, the owner, the session as each server holds it, and each server's approvals."""
     store, agent_log, agent_session, caller = world()
     agent_session.owner, agent_session.owner_identity = None, "the owner, connected to the other server"
     owner_session = Session(instance="box1", channel="mcp", id="s1", caller_id="myapp", owner=caller)
     owner_log = FrameLog(store, SessionRegistry())  # type: ignore[arg-type]
     gated_side = ApprovalService(agent_log.append, crossing=SharedStore(LogBus(store, agent_log.append_outcome)))  # type: ignore[arg-type]
     owner_side = ApprovalService(owner_log.append, crossing=SharedStore(LogBus(store, owner_log.append_outcome)))  # type: ignore[arg-type]
+    return store, caller, agent_session, owner_session, gated_side, owner_side
+
+
+async def test_an_approval_timeout_the_store_could_not_write_refuses_a_later_decision_on_the_owners_server() -> None:
+    """As for caller tools: the gated call's server denies at its timeout though the database is
+    down, and the owner's server refuses a later approval (past `expires_at`) that would have told
+    the caller "resolved" while nothing ran. (A real clock: `expires_at` is wall time.)"""
+    store, caller, agent_session, owner_session, gated_side, owner_side = two_approval_servers()
     gated = GatedCall(gated_side, agent_session, None, timeout=0.5)  # type: ignore[arg-type]
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
@@ -494,12 +501,7 @@ async def test_an_approval_timeout_that_loses_to_a_decision_stored_first_gives_t
     """As for caller tools: the owner's approval is committed on its server, and the gated call's
     server denies at its timeout before it has read that decision from the log: its denial loses,
     and the call is approved, as the log says."""
-    store, agent_log, agent_session, caller = world()
-    agent_session.owner, agent_session.owner_identity = None, "the owner, connected to the other server"
-    owner_session = Session(instance="box1", channel="mcp", id="s1", caller_id="myapp", owner=caller)
-    owner_log = FrameLog(store, SessionRegistry())  # type: ignore[arg-type]
-    gated_side = ApprovalService(agent_log.append, crossing=SharedStore(LogBus(store, agent_log.append_outcome)))  # type: ignore[arg-type]
-    owner_side = ApprovalService(owner_log.append, crossing=SharedStore(LogBus(store, owner_log.append_outcome)))  # type: ignore[arg-type]
+    store, caller, agent_session, owner_session, gated_side, owner_side = two_approval_servers()
 
     async def not_read_yet(*args: Any, **kwargs: Any) -> Any:
         await trio.sleep_forever()
