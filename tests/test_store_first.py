@@ -444,16 +444,43 @@ async def test_an_outage_while_the_agents_server_waits_in_the_log_does_not_end_t
     assert two.agent.outcomes == [{"ok": True}]
 
 
-async def test_an_approval_timeout_the_store_could_not_write_refuses_a_later_decision_on_the_owners_server() -> None:
-    """As for caller tools: the gated call's server denies at its timeout though the database is
-    down, and the owner's server refuses a later approval (past `expires_at`) that would have told
-    the caller "resolved" while nothing ran. (A real clock: `expires_at` is wall time.)"""
+async def test_a_timeout_that_loses_to_an_answer_stored_first_gives_the_agent_that_answer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The caller's answer is committed on the caller's server, and the agent's server times the call
+    out before it has read that answer from the log: its timeout, stored with `append_outcome`,
+    loses, and the agent gets the stored answer, as every server reports it."""
+    two = TwoServers(timeout=600)
+
+    async def not_read_yet(*args: Any, **kwargs: Any) -> Any:
+        await trio.sleep_forever()
+
+    two.agent_side.crossing.wait_outcome = not_read_yet  # type: ignore[method-assign]
+    with trio.fail_after(1200):  # the mock clock's seconds
+        async with trio.open_nursery() as nursery:
+            call = await two.start(nursery)
+            await two.caller_side.respond(two.caller, "s1", call.request_id, {"ok": True})
+    assert two.agent.outcomes == [{"ok": True}]
+    assert await two.store.outcomes() == [("caller_tool_request", call.request_id), ("caller_tool_result", call.request_id)]
+
+
+def two_approval_servers() -> tuple[FaultyStore, CallerConnection, Session, Session, ApprovalService, ApprovalService]:
+    """A gated call's server, no owner connected there, and the owner's server, on one store: the
+    store, the owner, the session as each server holds it, and each server's approvals."""
     store, agent_log, agent_session, caller = world()
     agent_session.owner, agent_session.owner_identity = None, "the owner, connected to the other server"
     owner_session = Session(instance="box1", channel="mcp", id="s1", caller_id="myapp", owner=caller)
     owner_log = FrameLog(store, SessionRegistry())  # type: ignore[arg-type]
     gated_side = ApprovalService(agent_log.append, crossing=SharedStore(LogBus(store, agent_log.append_outcome)))  # type: ignore[arg-type]
     owner_side = ApprovalService(owner_log.append, crossing=SharedStore(LogBus(store, owner_log.append_outcome)))  # type: ignore[arg-type]
+    return store, caller, agent_session, owner_session, gated_side, owner_side
+
+
+async def test_an_approval_timeout_the_store_could_not_write_refuses_a_later_decision_on_the_owners_server() -> None:
+    """As for caller tools: the gated call's server denies at its timeout though the database is
+    down, and the owner's server refuses a later approval (past `expires_at`) that would have told
+    the caller "resolved" while nothing ran. (A real clock: `expires_at` is wall time.)"""
+    store, caller, agent_session, owner_session, gated_side, owner_side = two_approval_servers()
     gated = GatedCall(gated_side, agent_session, None, timeout=0.5)  # type: ignore[arg-type]
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
@@ -466,6 +493,29 @@ async def test_an_approval_timeout_the_store_could_not_write_refuses_a_later_dec
     with pytest.raises(RelayError, match="already resolved: denied \\(timeout\\): it expired at"):
         await owner_side.answer(caller, "s1", entry.request_id, Decision(approve=True, who="caller"))
     assert await store.outcomes() == [("approval_request", entry.request_id)]
+
+
+async def test_an_approval_timeout_that_loses_to_a_decision_stored_first_gives_the_call_that_decision(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """As for caller tools: the owner's approval is committed on its server, and the gated call's
+    server denies at its timeout before it has read that decision from the log: its denial loses,
+    and the call is approved, as the log says."""
+    store, caller, agent_session, owner_session, gated_side, owner_side = two_approval_servers()
+
+    async def not_read_yet(*args: Any, **kwargs: Any) -> Any:
+        await trio.sleep_forever()
+
+    gated_side.crossing.wait_outcome = not_read_yet  # type: ignore[method-assign]
+    gated = GatedCall(gated_side, agent_session, None, timeout=600)  # type: ignore[arg-type]
+    with trio.fail_after(1200):  # the mock clock's seconds
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gated.run)
+            [entry] = await owner_side.wait_pending(owner_session)
+            await owner_side.answer(caller, "s1", entry.request_id, Decision(approve=True, who="caller"))
+    [decision] = gated.decisions
+    assert (decision.approve, decision.who) == (True, "caller")
+    assert await store.outcomes() == [("approval_request", entry.request_id), ("approval_resolved", entry.request_id)]
 
 
 async def test_a_decision_whose_commit_was_not_confirmed_is_an_idempotent_retry() -> None:

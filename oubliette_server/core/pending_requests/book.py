@@ -1,7 +1,7 @@
 """The book of one kind of pending request: what is pending, what ended, who waits for a change.
 
-One `RequestBook` per request service (caller tool requests, approvals). An entry is anything
-with `request_id`, `session` and `frame_seq` (0 until its request frame is stored). Entries
+One `RequestBook` per request service (caller tool requests, approvals). An entry is a
+`Pending` (its `frame_seq` 0 until its request frame is stored). Entries
 this server waits for are `local`; requests another server's agent made, read from the shared
 log, are `remote` (always empty on one server). An ended request is remembered (`finished`,
 the last `RESOLVED_MEMORY`) so a late answer is told what happened. A turn wait learns of a
@@ -19,10 +19,10 @@ from typing import (
     Callable,
     Generic,
     Iterator,
-    Protocol,
     TypeVar,
 )
 
+import attrs
 import trio
 
 from ..sessions import LogCursors, Session, held_by
@@ -31,26 +31,53 @@ from .crossing import Crossing
 if TYPE_CHECKING:
     from protocol import Frame
 
+    from ..callers import CallerConnection
+
 #: Ended requests remembered, so a late answer is refused with what happened to it.
 RESOLVED_MEMORY = 10_000
 
 
-class Entry(Protocol):
-    """A pending request as the book keeps it: `done` is set by its one outcome; `claim` is held
-    while a caller's answer to it is being stored; `caller` owns it (`caller_left`: it left while
-    its answer was being stored); `waiting` is its wait in the shared log, if any."""
+#: How one request of a kind ended (a caller tool call's result or error, an approval's decision).
+Outcome = TypeVar("Outcome")
+
+
+@attrs.define(eq=False, kw_only=True)
+class Pending(Generic[Outcome]):
+    """A request waiting for exactly one outcome, as the engine keeps it (service.py); each kind
+    adds what its requests carry (caller_tool_relay/pending.py `PendingCall`, approvals/service.py
+    `PendingApproval`)."""
 
     request_id: str
     session: Session
-    frame_seq: int
-    done: trio.Event
-    claim: trio.Lock
-    caller: Any
-    caller_left: bool
-    waiting: trio.CancelScope | None
+    caller: CallerConnection | None
+    """Its owner when it was asked (None: none connected here)."""
+    expires_at: str = ""
+    frame_seq: int = 0
+    """The seq of its request frame; 0 until stored (not yet listed as pending)."""
+    outcome: Outcome | None = None
+    """Its one outcome; None while it is open."""
+    done: trio.Event = attrs.field(factory=trio.Event)
+    """Set by its one outcome: a caller's answer only once its frame is stored."""
+    recorded: trio.Event = attrs.field(factory=trio.Event)
+    """Set once its outcome's frame is stored (or, for an end the server decided, its store failed)."""
+    claim: trio.Lock = attrs.field(factory=trio.Lock)
+    """Held while a caller's answer is being stored: the timeout and the agent's cancel wait for it,
+    then find it answered, or still pending if that store failed."""
+    caller_left: bool = False
+    """Its owner left while its answer was being stored: if that store fails, it ends as a disconnect."""
+    unconfirmed: bool = False
+    """An answer's store failed, yet its commit may have happened unseen."""
+    waiting: trio.CancelScope | None = None
+    """Its wait for an outcome in the shared log, stopped when it ends here."""
+    remote: bool = False
+    """Another server's request, read from the shared log (answered through it)."""
+    in_log: bool = False
+    """This server's request whose owner may answer on another server (it waits in the log)."""
+    meta: dict[str, str] | None = None
+    """The server's span of the request as W3C trace context (`traceparent`, `tracestate`), for the caller."""
 
 
-E = TypeVar("E", bound=Entry)
+E = TypeVar("E", bound=Pending[Any])
 
 
 class RequestBook(Generic[E]):

@@ -12,20 +12,12 @@ decision lets run. Anything but an answer fails closed: the call is denied with 
 A session's turn waits (`session_message` with `wait`) learn of a new pending approval through
 `wait_pending`, woken by a per-session `trio.Event`, never by polling.
 
-With a shared store (the `SharedStore` crossing, docs/SCALING.md) the gated call may wait on one server while its
-session's owner is connected to another. The waiting server, holding no caller for the session,
-waits for the request's `approval_resolved` frame in the log; the owner's server lists the
-session's open `approval_request`s read from the log as *remote* pending approvals. Every
-decision of such a request (an answer on any server, the waiting server's timeout, the agent's
-cancel) is stored with `append_outcome`, so exactly one wins; a losing answer is refused with
-the decision that won (an identical one is an idempotent success, as on one server).
-
-Store first, then answer (docs/SECURITY.md): a caller's decision is stored, holding the
-approval's `claim`, before the gated call learns of it; if the store fails the approval stays
-pending and the caller is told to answer again (`AnswerNotRecorded`). A decision the server
-takes (timeout, disconnect, the agent's cancel) is always a denial: the waiting task stores it,
-then denies the call; if that store fails, the denial stands for both sides and is stored once
-the store is back (`when_store_is_back`).
+The life of a request — waiting here or in the log, store first, then answer, one decision
+across servers, a losing answer refused with the decision that won (an identical one is an
+idempotent success) — is the pending-request engine's (core/pending_requests/service.py); this
+module says what is an approval's own: its frames (`approval_request`, `approval_resolved`),
+its `Decision`, the checks of an answer (`_check`), and that every decision the server takes
+(timeout, disconnect, the agent's cancel) is a denial: anything but an answer fails closed.
 """
 
 from __future__ import annotations
@@ -40,14 +32,13 @@ import trio
 
 from oubliette_runtime.trace_spans import approval_wait_span
 from protocol import Frame, RelayError, errors
-from protocol.frames import is_past
 from protocol.schema_check import schema_problem
 from protocol.timestamps import utc_timestamp
 
 from ...core.frame_log import AppendFrame as AppendFn
-from ...core.pending_requests import Crossing, PendingRequests, shut_down
+from ...core.pending_requests import Crossing, Ends, Pending, PendingRequests
 from ...core.sessions import Session
-from ...store.api import AnswerNotRecorded, StoreUnavailable, when_store_is_back
+from ...store.api import AnswerNotRecorded, StoreUnavailable
 from ...store.chain import ARGUMENTS_DIGEST_KEY, value_digest
 
 if TYPE_CHECKING:
@@ -124,38 +115,22 @@ class Decision:
 
 
 @attrs.define(eq=False)
-class PendingApproval:
-    """One approval request waiting for its decision; `decided` is set exactly once."""
-    request_id: str
-    session: Session
+class PendingApproval(Pending[Decision]):
+    """One approval request waiting for its decision (`Pending`: what the engine keeps of it; its
+    `outcome` is the decision)."""
+
     tool_name: str
     arguments: dict[str, Any]
     origin: Origin
-    caller: CallerConnection | None
-    expires_at: str
     input_schema: dict[str, Any] | None = None
     allows_tool_return: bool = False
     form: dict[str, Any] | None = None
     """A toolset's own elicitation (`message`, `requestedSchema`): answered with `content`."""
     tool_use_id: str | None = None
-    frame_seq: int = 0
-    decision: Decision | None = None
-    done: trio.Event = attrs.field(factory=trio.Event)
-    recorded: trio.Event = attrs.field(factory=trio.Event)
-    """Set once its decision's frame is stored (or, for a denial the server took, its store failed)."""
-    claim: trio.Lock = attrs.field(factory=trio.Lock)
-    """Held while a caller's decision is being stored: the timeout and the agent's cancel wait for
-    it, then find the approval decided, or still pending if that store failed."""
-    caller_left: bool = False
-    """The owner left while its decision was being stored: if that store fails, it is denied (disconnect)."""
-    waiting: trio.CancelScope | None = None
-    """Its wait for a decision in the shared log (`_outcome_or_end`), stopped when it is decided here."""
-    remote: bool = False
-    """Shared store: another server's gated call, read from the log (decided through it)."""
-    in_log: bool = False
-    """Shared store: this server's gated call whose owner is on another server (decided in the log)."""
-    meta: dict[str, str] | None = None
-    """The server's span of the wait as W3C trace context (`traceparent`, `tracestate`), for the caller."""
+
+    @property
+    def decision(self) -> Decision | None:
+        return self.outcome
 
     def summary(self) -> dict[str, Any]:
         """What a caller must answer: the `approval_requests` entry of a turn stop (with `_meta`: the trace to join)."""
@@ -202,18 +177,22 @@ def _iso_in(seconds: float) -> str:
     return utc_timestamp(datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=seconds))
 
 
-class ApprovalService(PendingRequests[PendingApproval]):
+class ApprovalService(PendingRequests[PendingApproval, Decision]):
     """The pending approvals of the whole server, by request id.
 
     Needs: the frame log's `append` (frames go to the store, then to the session's followers),
     the default approval timeout in seconds, and the crossing (`SingleServer` or `SharedStore`). Each
-    pending approval is waited for by the task of the call it gates; `serve` (started with
-    `nursery.start`) holds only the tasks that deny a departed owner's remote approvals.
+    pending approval is waited for by the task of the call it gates (on the pending-request engine).
     Raises (from `answer`, `answer_batch`): `RelayError` with a message naming the request ids
     for an unknown id, another caller, a wrong session, a contradicting re-answer, an answer the
     request cannot take, or updated arguments that fail the tool's schema; the approval then
     stays pending.
     """
+
+    REQUEST = REQUEST
+    OUTCOMES = (RESOLVED,)
+    ANSWER = ("the decision", "approval_response")
+    log = log
 
     def __init__(
         self, append_frame: AppendFn, default_timeout: float = DEFAULT_APPROVAL_TIMEOUT,
@@ -221,16 +200,49 @@ class ApprovalService(PendingRequests[PendingApproval]):
     ) -> None:
         """`crossing` (pending_requests/: `SingleServer` by default) makes approvals work across
         servers; `on_decided` hears how each of this server's gated calls was decided."""
-        super().__init__(append_frame, crossing, (REQUEST, RESOLVED))
+        super().__init__(append_frame, crossing)
         self._on_decided = on_decided
         self.default_timeout = default_timeout
         self._finished = self._book.finished
 
-    # -- what is pending ---------------------------------------------------------------
+    # -- an approval's payloads and rules (the engine's hooks) ------------------------------
 
-    def is_open(self, entry: PendingApproval) -> bool:
-        """The approval is undecided."""
-        return entry.decision is None
+    def _outcome_frame(self, entry: PendingApproval, outcome: Decision) -> tuple[str, dict[str, Any]]:
+        return RESOLVED, resolved_payload(entry.request_id, entry.tool_name, entry.arguments, outcome)
+
+    def _outcome_from(self, entry: PendingApproval, frame: Frame) -> Decision:
+        return decision_of(frame.payload)
+
+    def _finished_record(self, entry: PendingApproval) -> _Finished:
+        """The decision, compacted (`Decision.compact`): what a retry is compared with."""
+        assert entry.decision is not None
+        return _Finished(
+            entry.session.id, entry.caller, entry.decision.compact(), entry.frame_seq, entry.recorded, entry.session,
+        )
+
+    def _gone(self, entry: PendingApproval) -> Decision:
+        """Its owner left: the approval is denied (fail closed)."""
+        return _disconnected()
+
+    def _same_answer(self, won: Decision, answer: Decision) -> bool:
+        """The same decision (`Decision.same_answer_as`) on the same path: the person's answer in
+        the caller's MCP client and the caller's are one decision, the second one refused."""
+        return (won.who == ELICITATION_WHO) == (answer.who == ELICITATION_WHO) and won.same_answer_as(answer)
+
+    def _refused(self, entry: PendingApproval) -> RelayError:
+        assert entry.decision is not None
+        return RelayError(errors.INVALID_REQUEST, f"approval '{entry.request_id}' is already resolved: {entry.decision.describe()}")
+
+    def _expired(self, entry: PendingApproval) -> RelayError:
+        """Its server denies it at `expires_at`, storing that if it can: a decision stored after it
+        would tell this caller "resolved" while the gated call was denied."""
+        return RelayError(
+            errors.INVALID_REQUEST,
+            f"approval '{entry.request_id}' is already resolved: denied (timeout): it expired at "
+            f"{entry.expires_at}, and its gated call is denied at its approval timeout",
+        )
+
+    # -- what is pending ---------------------------------------------------------------
 
     def find(self, request_id: str) -> PendingApproval | None:
         """The pending approval `request_id`, this server's or (shared store) another's."""
@@ -240,22 +252,7 @@ class ApprovalService(PendingRequests[PendingApproval]):
         """Return at the session's next change: an approval requested or decided (on any server)."""
         await self._book.wait_change(session, self.sync)
 
-    async def sync(self, session: Session) -> None:
-        """Shared store, a session this server's caller owns: read the session's approval frames
-        since the last read; other servers' requests with no decision yet become remote pending
-        approvals, and those decided since are settled."""
-        for request_id, frame in await self._book.read_news(session, REQUEST):
-            if frame.type == REQUEST:
-                self._remote[request_id] = self._remote_entry(frame, session)
-                self._notify(session)
-            else:
-                entry = self._remote.pop(request_id, None)
-                if entry is not None and entry.decision is None:
-                    self._decide(entry, decision_of(frame.payload))
-                    entry.recorded.set()
-
-    @staticmethod
-    def _remote_entry(frame: Frame, session: Session) -> PendingApproval:
+    def _remote_entry(self, frame: Frame, session: Session) -> PendingApproval:
         """Another server's `approval_request` frame as a pending approval this server's owner answers."""
         p = frame.payload
         origin = p.get("origin")
@@ -290,8 +287,8 @@ class ApprovalService(PendingRequests[PendingApproval]):
     ) -> Decision:
         """Ask `caller` to decide on the call and wait for exactly one decision.
 
-        Cancellation: the approval is decided "cancelled" (denied; "server_shutdown" when the server stops,
-        `shut_down`), its `approval_resolved` frame is appended under a shield, and `Cancelled` propagates.
+        Cancellation: the approval is decided "cancelled" (denied; "server_shutdown" when the server stops),
+        its `approval_resolved` frame is appended under a shield, and `Cancelled` propagates.
         """
         started = trio.current_time()
         seconds = self.default_timeout if timeout is None else timeout
@@ -304,47 +301,22 @@ class ApprovalService(PendingRequests[PendingApproval]):
                 input_schema=input_schema, allows_tool_return=allows_tool_return, form=form, tool_use_id=tool_use_id,
                 meta=meta,
             )
-            self._pending[entry.request_id] = entry
+            ends = Ends(
+                timeout=Decision(approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)"),
+                absent=Decision(
+                    approve=False, who="disconnect",
+                    reason=f"the caller that owns '{tool_name}' is not connected; nobody can approve it",
+                ),
+                cancelled=Decision(approve=False, who="cancelled", reason="the agent cancelled the call"),
+                shutdown=Decision(approve=False, who="server_shutdown", reason="the server shut down before a decision"),
+            )
             try:
-                # Shared store: the owner (by identity) or the operator may decide on any server, so the
-                # call waits in the log even when its owner is connected here (docs/SCALING.md).
-                entry.in_log = (caller is None or not caller.closed.is_set()) \
-                    and await self.crossing.owner_elsewhere(session, recorded_only=caller is None)
-                request = entry.summary()
-                # Across servers: what the owner's server checks an answer against.
-                self.crossing.announce(request, input_schema=input_schema, allows_tool_return=True if allows_tool_return else None)
-                frame = await self._append_frame(session, REQUEST, request)
-                entry.frame_seq = frame.seq
-                self._notify(session)
-                if entry.in_log:
-                    await self._wait_in_log(entry, seconds)
-                    if not entry.recorded.is_set():  # decided here without an answer (its owner left)
-                        await self._record(entry)
-                    return self._decided(entry)
-                if entry.decision is None and (caller is None or caller.closed.is_set()):
-                    self._decide(entry, Decision(
-                        approve=False, who="disconnect",
-                        reason=f"the caller that owns '{tool_name}' is not connected; nobody can approve it",
-                    ))
-                else:
-                    await self._await_outcome(entry, seconds, lambda: self._decide(entry, Decision(
-                        approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)",
-                    )))
-                if not entry.recorded.is_set():  # a denial this server took: stored before the call hears it
-                    await self._record(entry)
-            except trio.Cancelled as cancelled:
-                if shut_down(cancelled):
-                    withdrawn = Decision(approve=False, who="server_shutdown", reason="the server shut down before a decision")
-                else:
-                    withdrawn = Decision(approve=False, who="cancelled", reason="the agent cancelled the call")
-                await self._end_if_open(entry, lambda: self._decide(entry, withdrawn))
-                if not entry.recorded.is_set():
-                    with trio.CancelScope(shield=True):
-                        await self._record(entry)  # with a shared store it loses to a decision stored first
-                raise
+                # Across servers: what the owner's server checks an answer against; with no owner
+                # connected here, it waits in the log only if the log records one.
+                await self._ask(entry, entry.summary(), seconds, ends, recorded_only=caller is None, announce={
+                    "input_schema": input_schema, "allows_tool_return": True if allows_tool_return else None,
+                })
             finally:
-                self._pending.pop(entry.request_id, None)
-                entry.recorded.set()  # never leave an answerer waiting, even if recording failed
                 self._on_decided(entry.decision, trio.current_time() - started)
             return self._decided(entry)
 
@@ -353,151 +325,20 @@ class ApprovalService(PendingRequests[PendingApproval]):
         assert entry.decision is not None
         return entry.decision
 
-    async def _wait_in_log(self, entry: PendingApproval, seconds: float) -> None:
-        """Shared store: wait for the request's `approval_resolved`, whichever server stores it, or for
-        its decision here (an answer stored through this server; its owner leaving, stored by `request`).
-
-        At the timeout this server tries to store its own denial (timeout); if an answer won the
-        race in the database, the gated call gets that answer instead.
-        """
-        session = entry.session
-        outcome = await self._outcome_or_end(entry, seconds, lambda: self.crossing.wait_outcome(
-            session, entry.request_id, entry.frame_seq, (RESOLVED,),
-        ))
-        if entry.done.is_set():
-            return
-        if outcome is None:
-            timeout = Decision(approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)")
-            try:
-                outcome = await self._store_outcome(entry, timeout) or await self._outcome_of(entry)
-            except StoreUnavailable as exc:  # the denial stands: the owner's server refuses answers after `expires_at`
-                log.warning("approval %s timed out; storing it when the store is back: %s", entry.request_id, exc)
-                self._decide(entry, timeout)
-                entry.recorded.set()
-                self._tasks.start_soon(when_store_is_back, lambda: self._store_outcome(entry, timeout))
-                return
-        if outcome is None:  # the winner is committed before we lost: unreachable but for retention
-            raise RelayError(errors.INTERNAL_ERROR, f"approval '{entry.request_id}' ended, but its decision is not in the log")
-        if entry.decision is None:
-            self._decide(entry, decision_of(outcome.payload))
-        entry.recorded.set()
-
-    async def _store_outcome(self, entry: PendingApproval, decision: Decision) -> Frame | None:
-        """Store `decision` as the request's one `approval_resolved` (None: another decision won)."""
-        return await self.crossing.store_outcome(self._append_frame, entry.session, RESOLVED, _resolved_payload(entry, decision))
-
-    async def _outcome_of(self, entry: PendingApproval) -> Frame | None:
-        return await self.crossing.outcome_of(entry.session, entry.request_id, entry.frame_seq, (RESOLVED,))
-
-    async def _close_remote(self, sessions: list[Session]) -> None:
-        """Their owner left this server: the approvals other servers' gated calls wait for in
-        `sessions` are denied through the log (fail closed), so those calls end now, not at their timeout."""
-        gone = Decision(approve=False, who="disconnect", reason="the caller disconnected before deciding")
-        for session in sessions:
-            try:
-                await self.sync(session)
-                for entry in [e for e in self._remote.values() if e.session is session and e.decision is None]:
-                    if await self._store_outcome(entry, gone) is not None:
-                        self._settle(entry, gone)
-            except Exception:
-                log.exception("session %s: could not deny the approvals of a departed caller", session.key)
-
-    def _end_disconnected(self, entry: PendingApproval) -> None:
-        """Its owner left: the approval is denied (fail closed)."""
-        self._decide(entry, _disconnected())
-
-    def _decide(self, entry: PendingApproval, decision: Decision) -> None:
-        entry.decision = decision
-        self._book.remember(entry.request_id, _Finished(
-            entry.session.id, entry.caller, decision.compact(), entry.frame_seq, entry.recorded, entry.session,
-        ))
-        self._ended(entry)
-        self._notify(entry.session)
-
-    async def _record(self, entry: PendingApproval) -> None:
-        """Store the denial this server took on its own approval (timeout, disconnect, cancel).
-
-        With a shared store it is stored with `append_outcome` too, so it can never be a second
-        decision: if another server stored one first (its sweep took this server for dead, after a
-        stall longer than `lease_ttl`), that decision is the approval's, here as everywhere.
-        If the store fails, the denial stands (it fails closed on both sides), is logged, and is
-        stored once the store is back."""
-        decision = entry.decision
-        assert decision is not None
-        try:
-            if await self._store_decision(entry, decision) is None:
-                winner = await self._outcome_of(entry)
-                if winner is not None:
-                    self._overrule(entry, decision_of(winner.payload))
-        except StoreUnavailable as exc:
-            log.warning("approval %s was %s; storing it when the store is back: %s", entry.request_id, decision.describe(), exc)
-            self._tasks.start_soon(when_store_is_back, lambda: self._store_decision(entry, decision))
-        finally:
-            entry.recorded.set()
-
-    async def _store_decision(self, entry: PendingApproval, decision: Decision) -> Frame | None:
-        """Store `decision` as this server's approval's `approval_resolved` (None: shared store, another won)."""
-        return await self._store_outcome(entry, decision)
-
-    def _overrule(self, entry: PendingApproval, decision: Decision) -> None:
-        """Another server's stored decision replaces the one taken here (see `_record`)."""
-        entry.decision = decision
-        finished = self._finished.get(entry.request_id)
-        if finished is not None:
-            self._finished[entry.request_id] = _Finished(
-                finished.session_id, finished.caller, decision.compact(), finished.frame_seq, finished.recorded,
-                finished.session,
-            )
-
     # -- the caller's side ---------------------------------------------------------------
 
     async def answer(self, caller: CallerConnection, session_id: str, request_id: str, decision: Decision) -> dict[str, Any]:
         """Decide one pending approval; an identical re-answer is an idempotent success."""
         outcome = self._check(caller, session_id, request_id, decision)
-        if outcome is not None:
-            await outcome.recorded.wait()
-            return {"resolved": True, "already_resolved": True, "after_seq": outcome.frame_seq}
-        entry = self.find(request_id)
-        assert entry is not None
-        seq = entry.frame_seq
-        if entry.remote or entry.in_log:
-            return await self._answer_in_log(caller, entry, decision)
-        if not await self._store_answer(entry, decision):  # another decision came first
-            outcome = self._check(caller, session_id, request_id, decision)
+        if outcome is None:
+            entry = self.find(request_id)
+            assert entry is not None
+            if await self._answer(entry, decision):
+                return {"resolved": True, "after_seq": entry.frame_seq}
+            outcome = self._check(caller, session_id, request_id, decision)  # another decision came first
             assert outcome is not None  # `_check` raises for any but an identical decision
-            await outcome.recorded.wait()
-            return {"resolved": True, "already_resolved": True, "after_seq": outcome.frame_seq}
-        return {"resolved": True, "after_seq": seq}
-
-    async def _store_answer(self, entry: PendingApproval, decision: Decision) -> bool:
-        """Store a caller's decision of this server's approval, then decide it; False if another
-        decision ended it first: while this one waited for the claim, or (shared store) stored
-        first by another server, or by an earlier try of this very answer whose commit the store
-        could not confirm (then it is identical: an idempotent retry).
-
-        Raises: `AnswerNotRecorded` when the store fails (the approval stays pending, unless its
-        owner left meanwhile: then it is denied as a disconnect)."""
-        async with entry.claim:
-            if entry.decision is not None:
-                return False
-            try:
-                stored = await self._store_decision(entry, decision)
-            except StoreUnavailable as exc:
-                if entry.caller_left:
-                    self._decide(entry, _disconnected())
-                raise AnswerNotRecorded(
-                    "the decision", entry.request_id, exc, until=entry.expires_at, again="approval_response",
-                ) from exc
-            if stored is None:  # shared store: the decision stored first is the approval's
-                winner = await self._outcome_of(entry)
-                if winner is None:  # the winner is committed before we lost: unreachable but for retention
-                    raise RelayError(errors.INTERNAL_ERROR, f"approval '{entry.request_id}' ended, but its decision is not in the log")
-                self._decide(entry, decision_of(winner.payload))
-                entry.recorded.set()
-                return False
-            self._decide(entry, decision)
-            entry.recorded.set()
-            return True
+        await outcome.recorded.wait()
+        return {"resolved": True, "already_resolved": True, "after_seq": outcome.frame_seq}
 
     async def answer_batch(
         self, caller: CallerConnection, session: Session, answers: list[tuple[str, Decision]]
@@ -531,9 +372,7 @@ class ApprovalService(PendingRequests[PendingApproval]):
         seqs = [entry.frame_seq for entry, _ in fresh] + [r.frame_seq for r in retries]
         for done, (entry, decision) in enumerate(fresh):
             try:
-                if entry.remote or entry.in_log:
-                    await self._answer_in_log(caller, entry, decision)
-                elif not await self._store_answer(entry, decision):
+                if not await self._answer(entry, decision):
                     self._check(caller, session.id, entry.request_id, decision)  # raises unless identical
             except AnswerNotRecorded as exc:
                 if done:  # say which decisions stand: the same batch again retries only the rest
@@ -596,46 +435,6 @@ class ApprovalService(PendingRequests[PendingApproval]):
                     raise RelayError(errors.INVALID_PARAMS, f"{problem}; approval '{request_id}' is still pending")
         return None
 
-    async def _answer_in_log(self, caller: Any, entry: PendingApproval, decision: Decision) -> dict[str, Any]:
-        """Decide a request whose call waits in the log (here or on another server): the decision is
-        stored only if none won before it; else the one that won refuses it (or, identical, stands)."""
-        if entry.remote and is_past(entry.expires_at):
-            # Its server denies it at `expires_at`, storing that if it can: a decision stored after
-            # it would tell this caller "resolved" while the gated call was denied.
-            raise RelayError(
-                errors.INVALID_REQUEST,
-                f"approval '{entry.request_id}' is already resolved: denied (timeout): it expired at "
-                f"{entry.expires_at}, and its gated call is denied at its approval timeout",
-            )
-        try:
-            stored = await self._store_outcome(entry, decision)
-        except StoreUnavailable as exc:  # nothing stored, so nobody decided: it stays pending
-            raise AnswerNotRecorded(
-                "the decision", entry.request_id, exc, until=entry.expires_at, again="approval_response",
-            ) from exc
-        if stored is not None:
-            self._settle(entry, decision)
-            return {"resolved": True, "after_seq": entry.frame_seq}
-        outcome = await self._outcome_of(entry)
-        won = decision_of(outcome.payload) if outcome is not None else None
-        if won is not None:
-            self._settle(entry, won)
-            one_path = (won.who == ELICITATION_WHO) == (decision.who == ELICITATION_WHO)
-            if one_path and won.same_answer_as(decision):
-                return {"resolved": True, "already_resolved": True, "after_seq": entry.frame_seq}
-        raise RelayError(
-            errors.INVALID_REQUEST,
-            f"approval '{entry.request_id}' is already resolved: {won.describe() if won else 'elsewhere'}",
-        )
-
-    def _settle(self, entry: PendingApproval, decision: Decision) -> None:
-        """A decision stored in the log: this server's copy of the request ends with it now."""
-        if entry.remote:
-            self._remote.pop(entry.request_id, None)
-        if entry.decision is None:
-            self._decide(entry, decision)
-        entry.recorded.set()  # stored: by this answer, or by the one that won
-
     @staticmethod
     def _check_owner(
         caller: Any, owner: Any, owner_session: str, session_id: str, request_id: str, session: Session | None = None,
@@ -656,11 +455,6 @@ class ApprovalService(PendingRequests[PendingApproval]):
 
 def _disconnected() -> Decision:
     return Decision(approve=False, who="disconnect", reason="the caller disconnected before deciding")
-
-
-def _resolved_payload(entry: PendingApproval, decision: Decision) -> dict[str, Any]:
-    """The `approval_resolved` frame's payload for `decision` on `entry`."""
-    return resolved_payload(entry.request_id, entry.tool_name, entry.arguments, decision)
 
 
 def resolved_payload(request_id: str, tool_name: str, arguments: Any, decision: Decision) -> dict[str, Any]:
