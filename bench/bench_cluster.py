@@ -3,8 +3,8 @@
     python bench/bench_cluster.py [--calls N] [--chunk K] [--wakes W] [--agents A] [--agent-calls C]
                                   [--two-servers] [--soak] [--pg URL]
 
-Without ``--pg`` it starts its own throwaway PostgreSQL 15 (tests/postgres.py, fsync on) and
-removes it at the end. All programs are the real ones, started as tests/harness.py does; the
+Without ``--pg`` it starts its own throwaway PostgreSQL 15 (tests/support/postgres.py, fsync on) and
+removes it at the end. All programs are the real ones, started as tests/support/harness.py does; the
 proxy is bench/round_robin_proxy.py (each new TCP connection to the next server, no affinity),
 and every caller request is a new TCP connection (an HTTP client that keeps none alive), so
 consecutive requests land on different servers. Servers S0, S1, S2 share one database.
@@ -57,7 +57,7 @@ import attrs
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 

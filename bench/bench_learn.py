@@ -5,7 +5,7 @@ A request naming a session this server never held (`caller_tool_response`, `sess
 (docs/SCALING.md, "Every server knows every session"). Before, that was `instances()` and then
 one read of the session's `session_record` frames per instance; now it is one query along the
 partial index `frames_session_records` (`FrameStoreAPI.session_records`). This runs both reads
-for ids no log records, against a throwaway PostgreSQL 15 (tests/postgres.py) holding
+for ids no log records, against a throwaway PostgreSQL 15 (tests/support/postgres.py) holding
 `--instances` instances, each with a session and its record, and prints the median time of
 each, and of the lookup of one caller's own sessions by its identity (`owner=`, along
 `frames_session_owners`). With `--index-frames N` it also times building the index (migration 6)
@@ -28,7 +28,7 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 from oubliette_server.core.server_owned import OWNER_KEY, SESSION_RECORD  # noqa: E402
 from oubliette_server.core.sessions import Session  # noqa: E402

@@ -2,9 +2,9 @@
 
     python bench/bench_log_tail.py [--frames N] [--warmup W] [--pg URL]
 
-Without ``--pg`` it starts its own throwaway PostgreSQL 15 (tests/postgres.py, fsync on) and
+Without ``--pg`` it starts its own throwaway PostgreSQL 15 (tests/support/postgres.py, fsync on) and
 removes it at the end. Server A (``OublietteServer``, embedded in this process as
-tests/harness.py embeds it, on the PostgreSQL store) has one caller: the SDK's ``mcp.Client``
+tests/support/harness.py embeds it, on the PostgreSQL store) has one caller: the SDK's ``mcp.Client``
 over Streamable HTTP, handshake era, following its session. Alternately, one frame of the
 session is appended **here** (A's ``FrameLog.append``: pushed by the frame log) and one by
 **another server** (a second store object on the same database, a writer A knows only by its
@@ -29,7 +29,7 @@ from typing import Any
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT))
 
 from harness import Deployment  # noqa: E402

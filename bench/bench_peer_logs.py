@@ -3,7 +3,7 @@
     python bench/bench_peer_logs.py [--requests N] [--chars C]
 
 Starts the real `oubliette-server` (SQLite, HTTP listeners, the default log level, tracing off,
-as `tests/harness.py` does) and, over one raw relay connection as an instance's `client`, sends
+as `tests/support/harness.py` does) and, over one raw relay connection as an instance's `client`, sends
 N `caller_tool` requests for a tool nobody declared, each with a `_meta` whose `traceparent` is
 valid and whose `tracestate` is C characters that are not a W3C list. Every request must be
 answered (an error: the tool is unknown). It then sends N `tools/call` requests to `/mcp` (the
@@ -24,7 +24,7 @@ from typing import Any
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT))
 
 from harness import Deployment, RawRelay  # noqa: E402

@@ -5,7 +5,7 @@
 
 It starts, all on this machine, in one run:
 
-- the relayed path, as in tests/harness.py: a *caller* (the SDK's ``mcp.Client``, mode
+- the relayed path, as in tests/support/harness.py: a *caller* (the SDK's ``mcp.Client``, mode
   "legacy") that spawned ``python -m oubliette_server --relay unix:… --data-dir <tmp>``,
   declared the caller tool ``echo`` (caller id ``bench``) with ``session_message``, and answers
   every ``caller_tool_request`` event (``notifications/message``, logger ``oubliette``) with

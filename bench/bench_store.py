@@ -25,7 +25,7 @@ Every figure is printed next to a baseline measured in the same run, on the same
    target ratio >= 0.5), and the wake across processes: another process appends through its
    own store object, this one waits in ``wait_for_frames`` (NOTIFY → LISTEN; target median
    < 1 ms).  ``--pg URL`` uses your database; by default a throwaway PostgreSQL 15 is started
-   as in the tests (tests/postgres.py, fsync on).  ``--skip-sqlite`` runs section 4 only.
+   as in the tests (tests/support/postgres.py, fsync on).  ``--skip-sqlite`` runs section 4 only.
 
 Not part of the test suite.
 """
@@ -479,7 +479,7 @@ async def amain(args: argparse.Namespace, workdir: Path) -> None:
     server = None
     url = args.pg
     if url is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
         from postgres import PostgresServer
 
         server = PostgresServer(fsync=True)

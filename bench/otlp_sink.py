@@ -32,7 +32,7 @@ KINDS = {1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
 
 class OtlpReceiver:
     """A tiny OTLP/HTTP trace receiver on loopback: it decodes each export and answers 200 (the
-    tests' receiver too, tests/test_telemetry.py)."""
+    tests' receiver too, tests/runtime/test_telemetry.py)."""
 
     def __init__(self) -> None:
         self.exports: list[tuple[str, ExportTraceServiceRequest]] = []

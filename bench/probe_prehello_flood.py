@@ -4,7 +4,7 @@
                                          [--settle 3]
 
 Starts the real ``oubliette-server`` as the tests do (``Deployment.http_server`` in
-tests/harness.py: ``python -m oubliette_server`` of the interpreter running this script, HTTP on
+tests/support/harness.py: ``python -m oubliette_server`` of the interpreter running this script, HTTP on
 TCP and on a Unix socket, ``--log-level WARNING``, no stdio caller) with its descriptor limit
 (``RLIMIT_NOFILE``) lowered to ``--nofile``. Then ``--flood`` relay connections that never send a
 byte, each opened again as soon as the server closes it (no token needed: ``never_say_hello``);
@@ -38,7 +38,7 @@ from pathlib import Path
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from harness import Deployment, Progress, hello_and_health, never_say_hello  # noqa: E402
 

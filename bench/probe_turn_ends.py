@@ -2,13 +2,13 @@
 
     python bench/probe_turn_ends.py [--messages N] [--rounds R] [--postgres]
 
-One real server (tests/harness.py; SQLite, or with ``--postgres`` a throwaway PostgreSQL 15 from
-tests/postgres.py) whose instance ``box2`` has a start command that exits 1 at once. Each round
+One real server (tests/support/harness.py; SQLite, or with ``--postgres`` a throwaway PostgreSQL 15 from
+tests/support/postgres.py) whose instance ``box2`` has a start command that exits 1 at once. Each round
 (a fresh server) posts ``--messages`` (default 60) ``user.message`` frames to its tether endpoint
 all at once (every message wakes the instance; each failed start ends the turns waiting for it
 with ``session.error``), waits until every message has a turn end, stops the server and counts
-the turn ends of each message in its log (``burst_to_a_failing_start``, the fault test's burst):
-a turn ends once (docs/SECURITY.md, "One turn end per message"). Not part of the test suite.
+the turn ends of each message in its log (``burst_to_a_failing_start``, the fault test's burst,
+tests/support/turn_end_bursts.py): a turn ends once (docs/SECURITY.md, "One turn end per message"). Not part of the test suite.
 Exit status 1 when a message has no end or more than one.
 """
 
@@ -21,11 +21,11 @@ from pathlib import Path
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT))
 
 from harness import Deployment  # noqa: E402
-from test_faults import burst_to_a_failing_start  # noqa: E402
+from turn_end_bursts import burst_to_a_failing_start  # noqa: E402
 
 
 async def main_async(args: argparse.Namespace) -> int:

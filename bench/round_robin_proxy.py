@@ -9,7 +9,7 @@ both ways until either side closes. A backend that refuses the connection (a kil
 is skipped for that connection, as any load balancer's connect retry does: the next one in
 the rotation takes it, and the rotation goes on after the one that did.
 
-It lives in bench/ so that bench/bench_cluster.py and tests/test_round_robin_cluster.py both
+It lives in bench/ so that bench/bench_cluster.py and tests/e2e/test_round_robin_cluster.py both
 import it (pytest's `pythonpath` has bench/); it needs only Trio. `RoundRobinProxy.order` is its
 own record of where each connection went, which is what a test asserts on.
 """

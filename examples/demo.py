@@ -9,7 +9,7 @@ It starts, all on this machine:
      and answers with `caller_tool_response` and `wait`, which returns the turn's end. Only tool
      results drive it, as for a model; the events printed alongside are an addition for programs.
 
-The output is the same every run (the README shows it verbatim; tests/test_demo.py compares):
+The output is the same every run (the README shows it verbatim; tests/e2e/test_demo.py compares):
 events arrive in an order that depends on timing (the agent's output lines and its tool call
 race to the log), so the demo prints the steps of the flow in their causal order, waiting for
 each event before it prints it, and leaves out ids that change between runs.

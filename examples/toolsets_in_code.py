@@ -2,7 +2,7 @@
 
 Run from anywhere:  python examples/toolsets_in_code.py   (Ctrl-C stops it)
 It keeps its data in a temporary directory, logs to stderr, and prints how to list the tools
-an agent of instance box1 sees. docs/TOOLSETS.md shows this file; tests/test_examples.py runs it.
+an agent of instance box1 sees. docs/TOOLSETS.md shows this file; tests/e2e/test_examples.py runs it.
 """
 
 import importlib.util

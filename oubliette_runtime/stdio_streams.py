@@ -54,7 +54,7 @@ _CHUNK = 64 * 1024
 #: (`ensure_ascii` writes a 2-byte letter as a 6-byte `\uXXXX`), wrap it again in a JSON string
 #: (twice again at most: every quote and backslash escaped once more) and indent it, inside the
 #: JSON-RPC and MCP envelopes: 16 times the payload ceiling leaves room for all of that, and still
-#: bounds what one line may cost the process. `tests/test_stdin_lines.py` keeps it at least 16 times the ceiling.
+#: bounds what one line may cost the process. `tests/runtime/test_stdio_streams.py` keeps it at least 16 times the ceiling.
 DEFAULT_MAX_STDIN_LINE_BYTES = 16 * 1024 * 1024
 
 #: How much of an oversized line is kept to look for its request id (the rest is dropped unread).

@@ -13,7 +13,7 @@ Every public name is importable from the package (``from protocol import RelayPe
 module is imported only when one of its names is first asked for (PEP 562): a program loads
 only the layers it uses, which keeps ``oubliette-client``'s cold start (spawn → ``initialize``
 answered) under the SDK's own. ``_EXPORTS`` lists each module's ``__all__``;
-tests/test_protocol.py checks that it matches.
+tests/protocol/test_protocol.py checks that it matches.
 """
 
 from __future__ import annotations

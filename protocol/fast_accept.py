@@ -13,7 +13,7 @@ question quickly: is this value *certainly* valid?
   does not understand, is checked exactly as before.
 
 The one rule that makes this safe: **an acceptor never returns True for a value the full
-validator rejects** (tests/test_fast_accept.py checks it with generated schemas and values).
+validator rejects** (tests/protocol/test_fast_accept.py checks it with generated schemas and values).
 So it understands only a subset and is stricter than JSON Schema wherever that is simpler:
 - keywords: `type`, `enum`, `const`, `properties`, `required`, `additionalProperties`,
   `minProperties`, `maxProperties`, `items` (one schema), `minItems`, `maxItems`,

@@ -48,7 +48,7 @@ def short_tmp() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator["PostgresServer"]:
-    """A real PostgreSQL for this pytest process (one per xdist worker; tests/postgres.py)."""
+    """A real PostgreSQL for this pytest process (one per xdist worker; tests/support/postgres.py)."""
     from postgres import PostgresServer
 
     server = PostgresServer()

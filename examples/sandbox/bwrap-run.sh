@@ -20,7 +20,7 @@
 # and group UID, and of the host's groups only the relay socket's, which the server gives it with
 # `oubliette-server --relay-group GROUP` (mode 0660; docs/SECURITY.md, "The relay socket"), and
 # no capabilities. bwrap itself stays root, for its mounts; setpriv drops to UID in the sandbox.
-# tests/test_sandbox_bwrap.py runs the guest runtime through this script.
+# tests/e2e/test_sandbox_bwrap.py runs the guest runtime through this script.
 # As root, bwrap needs no setuid bit and no user namespace; these flags work on Debian 12.
 set -eu
 if [ $# -lt 3 ]; then

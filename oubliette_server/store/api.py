@@ -662,7 +662,7 @@ class FrameAppends(LongPollWaiters):
 @runtime_checkable
 class FrameStoreAPI(Protocol):
     """What the server needs of a frame store (SQLite `store.FrameStore`, PostgreSQL
-    `postgres.PostgresFrameStore`); `tests/test_store_conformance.py` holds both to it.
+    `postgres.PostgresFrameStore`); `tests/server/store/test_conformance.py` holds both to it.
 
     Guarantees (docs/TETHER.md): `seq` per instance is gapless, strictly increasing in commit
     order and never reset (not by retention, not by a restart); a frame is committed when

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the real Claude Code CLI that tests/test_claude_code.py drives, into .claude-code/ of
+# Install the real Claude Code CLI that tests/e2e/test_claude_code.py drives, into .claude-code/ of
 # the checkout (git-ignored): `@anthropic-ai/claude-code@VERSION` from the npm registry, with
 # its native binary put in place, reachable as .claude-code/claude. A fast no-op when that
 # binary already reports VERSION. Installs node and npm with apt where npm is missing.

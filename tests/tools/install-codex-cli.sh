@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the real Codex CLI that tests/test_codex_cli.py drives, into .codex-cli/ of the
+# Install the real Codex CLI that tests/e2e/test_codex_cli.py drives, into .codex-cli/ of the
 # checkout (git-ignored): `@openai/codex@VERSION` from the npm registry (its native binary comes
 # in an optional dependency package), reachable as .codex-cli/codex (tests/tools/npm-cli.sh; a
 # fast no-op when installed; it prints its version as `codex-cli VERSION`).

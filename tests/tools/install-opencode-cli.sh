@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the real OpenCode CLI that tests/test_opencode.py drives, into .opencode-cli/ of the
+# Install the real OpenCode CLI that tests/e2e/test_opencode.py drives, into .opencode-cli/ of the
 # checkout (git-ignored): `opencode-ai@VERSION` from the npm registry, reachable as
 # .opencode-cli/opencode (tests/tools/npm-cli.sh; a fast no-op when installed). npm picks the
 # native binary for this platform from the package's optional dependencies.

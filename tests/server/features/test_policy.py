@@ -1,0 +1,458 @@
+"""The policy room (features/policy, docs/POLICY.md): Cedar policies decide every agent's tool call.
+
+First the room alone (the rules, the gate, the `policy` command), then the real programs: a call
+forbidden with its reason (the caller sees no request), one sent to approval, one permitted; an
+observe-only server; reloads (SIGHUP, a file change, an invalid file) under load, no call dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sqlite3
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from harness import PYTHON, Deployment, HttpServer, text_of
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from oubliette_server.core.metrics import ServerMetrics
+from oubliette_server.core.sessions import Session
+from oubliette_server.features.policy import PolicyError, PolicyGate, PolicyRules, Ruling, ToolCall
+from oubliette_server.program.policy_command import run_policy_command
+from protocol import RelayError, errors
+
+TMP_ONLY = """\
+@id("rm-only-under-tmp")
+@reason("myapp_rm deletes only under /tmp/")
+forbid(principal, action == Oubliette::Action::"call_tool", resource == Oubliette::Tool::"myapp_rm")
+unless { context.arguments has path && context.arguments.path like "/tmp/*" };
+
+@id("send-needs-approval")
+@requireApproval
+permit(principal, action == Oubliette::Action::"call_tool", resource == Oubliette::Tool::"myapp_send");
+
+@id("myapp-tools")
+permit(principal, action == Oubliette::Action::"call_tool", resource in Oubliette::Caller::"myapp");
+"""
+
+LATE_WRITES = """\
+@id("toolsets")
+permit(principal, action == Oubliette::Action::"call_tool", resource);
+
+@id("writes-after-hours")
+@requireApproval
+permit(principal, action == Oubliette::Action::"call_tool", resource)
+when { context.kind == "toolset" && context.tool like "*write*" && (context.time.hour < 9 || context.time.hour >= 18) };
+"""
+
+
+def call(tool: str = "myapp_rm", arguments: dict[str, Any] | None = None, **facts: Any) -> ToolCall:
+    kind = facts.pop("kind", "caller")
+    return ToolCall(
+        instance="box1", session="mcp:s1", tool=tool, kind=kind, owner=facts.pop("owner", "myapp"),
+        arguments=arguments or {}, **facts,
+    )
+
+
+def at(hour: int) -> float:
+    """A Monday of 2026 at `hour`, local time."""
+    return datetime(2026, 11, 30, hour, 15).timestamp()
+
+
+# -- the rules ---------------------------------------------------------------------------------
+
+
+def test_the_default_policy_is_todays_behaviour() -> None:
+    rules = PolicyRules.default()
+    assert rules.decide(call(), 0) == Ruling("permit", ("default-permit",))
+    gated = rules.decide(call(requires_approval=True), 0)
+    assert gated.effect == "approval" and gated.approval_by == ("requires_approval",)
+
+
+def test_a_forbid_gives_its_reason_and_a_permit_its_id() -> None:
+    rules = PolicyRules.load(TMP_ONLY, "test")
+    assert rules.decide(call(arguments={"path": "/etc/passwd"}), 0) == Ruling(
+        "forbid", ("rm-only-under-tmp",), "myapp_rm deletes only under /tmp/")
+    assert rules.decide(call(arguments={}), 0).effect == "forbid", "a missing argument is no way around a forbid"
+    assert rules.decide(call(arguments={"path": "/tmp/x"}), 0) == Ruling("permit", ("myapp-tools",))
+
+
+def test_require_approval_on_a_permit_and_the_tools_own_flag_both_gate() -> None:
+    rules = PolicyRules.load(TMP_ONLY, "test")
+    send = rules.decide(call("myapp_send"), 0)
+    assert send.effect == "approval" and send.approval_by == ("send-needs-approval",)
+    flagged = rules.decide(call("myapp_other", requires_approval=True), 0)
+    assert flagged.effect == "approval" and flagged.approval_by == ("requires_approval",), (
+        "a deployment's policy never drops the approval a tool's owner asked for")
+
+
+def test_nothing_permitted_is_forbidden_and_says_so() -> None:
+    rules = PolicyRules.load(TMP_ONLY, "test")
+    ruling = rules.decide(call("fs.read", kind="toolset", owner="fs"), 0)
+    assert ruling == Ruling("forbid", (), "no policy permits 'fs.read'")
+
+
+def test_a_forbid_that_cannot_be_evaluated_forbids() -> None:
+    """An argument of another type makes Cedar skip the policy; a forbid skipped so would let the call run."""
+    rules = PolicyRules.load(TMP_ONLY, "test")
+    ruling = rules.decide(call(arguments={"path": 7}), 0)
+    assert ruling.effect == "forbid" and ruling.policies == ("rm-only-under-tmp",)
+    assert "could not be evaluated" in ruling.reason
+
+
+def test_business_hours_come_from_the_calls_time() -> None:
+    rules = PolicyRules.load(LATE_WRITES, "test")
+    write = call("fs.write_file", kind="toolset", owner="fs")
+    assert rules.decide(write, at(10)).effect == "permit"
+    late = rules.decide(write, at(21))
+    assert late.effect == "approval" and late.approval_by == ("writes-after-hours",)
+    assert rules.decide(call("fs.read_file", kind="toolset", owner="fs"), at(21)).effect == "permit"
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ('permit(principal, action, resource) when { context.nope };', "attribute `nope`"),
+    ('permit(principal, action, resource) when { context.arguments.path like "/tmp/*" };', "arguments.path"),
+    ('@requireApproval forbid(principal, action, resource);', "belongs on a permit"),
+    ('permit(principal, action, resource', "unexpected end of input"),
+    ('permit(principal, action, resource == Oubliette::Nope::"x");', "Nope"),
+])
+def test_an_invalid_set_is_refused_with_why(text: str, problem: str) -> None:
+    with pytest.raises(PolicyError, match="policies.cedar") as refused:
+        PolicyRules.load(text, "policies.cedar")
+    assert problem in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_an_unreadable_file_is_a_policy_error(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="cannot read policy file"):
+        PolicyRules.from_files([tmp_path / "missing.cedar"])
+
+
+# -- the gate ----------------------------------------------------------------------------------
+
+
+class Recorded:
+    def __init__(self) -> None:
+        self.frames: list[tuple[str, dict[str, Any]]] = []
+        self.decided: list[tuple[str, bool]] = []
+
+    async def record(self, session: Session, type: str, payload: dict[str, Any]) -> None:
+        self.frames.append((type, payload))
+
+    def on_decided(self, effect: str, enforced: bool) -> None:
+        self.decided.append((effect, enforced))
+
+
+SESSION = Session("box1", "mcp", "s1")
+
+
+async def test_the_gate_stores_counts_and_refuses_a_forbidden_call() -> None:
+    seen = Recorded()
+    gate = PolicyGate(PolicyRules.load(TMP_ONLY, "test"), record=seen.record, on_decided=seen.on_decided)
+    with pytest.raises(RelayError) as refused:
+        await gate.check(call(arguments={"path": "/etc"}), SESSION)
+    assert refused.value.code == errors.DENIED
+    assert refused.value.message == "forbidden by policy: myapp_rm deletes only under /tmp/"
+    assert (await gate.check(call("myapp_send"), SESSION)).effect == "approval"
+    assert seen.frames == [
+        ("policy_decision", {"tool": "myapp_rm", "kind": "caller", "owner": "myapp", "effect": "forbid",
+                             "policies": ["rm-only-under-tmp"], "reason": "myapp_rm deletes only under /tmp/"}),
+        ("policy_decision", {"tool": "myapp_send", "kind": "caller", "owner": "myapp", "effect": "approval",
+                             "policies": ["send-needs-approval", "myapp-tools"], "approval_by": ["send-needs-approval"]}),
+    ]
+    assert seen.decided == [("forbid", True), ("approval", True)]
+
+
+async def test_observe_only_lets_a_forbidden_call_run_as_its_tool_asks(caplog: pytest.LogCaptureFixture) -> None:
+    seen = Recorded()
+    gate = PolicyGate(PolicyRules.load(TMP_ONLY, "test"), observe_only=True, record=seen.record, on_decided=seen.on_decided)
+    with caplog.at_level(logging.WARNING, "oubliette.server.policy"):
+        assert (await gate.check(call(arguments={"path": "/etc"}), SESSION)).effect == "permit"
+        gated = await gate.check(call(arguments={"path": "/etc"}, requires_approval=True), SESSION)
+    assert gated.effect == "approval"
+    assert [payload.get("observe_only") for _, payload in seen.frames] == [True, True]
+    assert seen.decided == [("forbid", False), ("forbid", False)]
+    assert ["observe only: policy would forbid myapp_rm" in r.getMessage() for r in caplog.records] == [True, True]
+
+
+async def test_a_reload_swaps_the_set_and_an_invalid_one_keeps_the_old(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    policy = tmp_path / "policies.cedar"
+    policy.write_text(TMP_ONLY)
+    gate = PolicyGate(PolicyRules.from_files([policy]), files=[policy])
+    policy.write_text('@id("all") permit(principal, action, resource);')
+    assert gate.reload() and gate.rules.decide(call(arguments={"path": "/etc"}), 0).policies == ("all",)
+    policy.write_text("permit(principal, action, resource) when { context.nope };")
+    with caplog.at_level(logging.ERROR, "oubliette.server.policy"):
+        assert not gate.reload()
+    assert gate.rules.decide(call(arguments={"path": "/etc"}), 0).policies == ("all",)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("policy reload refused, the previous policy set stays: ") and "nope" in line
+
+
+async def test_the_gate_reloads_when_a_file_changes(tmp_path: Path) -> None:
+    policy = tmp_path / "policies.cedar"
+    policy.write_text(TMP_ONLY)
+    gate = PolicyGate(PolicyRules.from_files([policy]), files=[policy])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(gate.watch)
+        reloaded = gate.reloaded
+        replacement = tmp_path / "new.cedar"  # an editor's write, then rename
+        replacement.write_text('@id("all") permit(principal, action, resource);')
+        replacement.rename(policy)
+        with trio.fail_after(10):
+            await reloaded.wait()
+        assert gate.rules.decide(call(arguments={"path": "/etc"}), 0).policies == ("all",)
+        nursery.cancel_scope.cancel()
+
+
+def test_decisions_are_counted_by_effect_from_zero() -> None:
+    metrics = ServerMetrics()
+    metrics.policy_decided("forbid", False)
+    metrics.policy_decided("permit", True)
+    page = metrics.page().decode()
+    assert 'oubliette_policy_decisions_total{effect="forbid",enforced="false"} 1.0' in page
+    assert 'oubliette_policy_decisions_total{effect="permit",enforced="true"} 1.0' in page
+    assert 'oubliette_policy_decisions_total{effect="forbid",enforced="true"} 0.0' in page
+
+
+def test_the_config_files_policy_keys(tmp_path: Path) -> None:
+    from oubliette_server.program.config import ServerConfig, load_config_file
+
+    config = tmp_path / "etc" / "oubliette.toml"
+    config.parent.mkdir()
+    config.write_text('[server]\npolicy_files = ["policies.cedar", "/srv/more.cedar"]\npolicy_observe_only = true\n')
+    settings = ServerConfig(**load_config_file(config))
+    assert settings.policy_files == [tmp_path / "etc" / "policies.cedar", Path("/srv/more.cedar")], "relative to the file"
+    assert settings.policy_observe_only is True
+    config.write_text('[server]\npolicy_observe_only = "yes"\n')
+    with pytest.raises(ValueError, match="policy_observe_only must be true or false"):
+        load_config_file(config)
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+def test_policy_check_and_test(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "policies.cedar"
+    policy.write_text(TMP_ONLY)
+    assert run_policy_command(["check", str(policy)]) == 0
+    assert capsys.readouterr().out == f"ok: 3 policies in {policy} are valid\n"
+    assert run_policy_command(["test", str(policy), "--tool", "myapp_rm", "--caller", "myapp",
+                               "--arguments", '{"path": "/etc/passwd"}']) == 0
+    assert capsys.readouterr().out == (
+        "decision: forbid\npolicies: rm-only-under-tmp\nreason: myapp_rm deletes only under /tmp/\n")
+    assert run_policy_command(["test", "--tool", "fs.write_file", "--toolset", "fs", "--requires-approval"]) == 0
+    assert capsys.readouterr().out == "decision: approval\npolicies: default-permit\napproval asked by: requires_approval\n"
+    policy.write_text("permit(principal, action, resource) when { context.nope };")
+    assert run_policy_command(["check", str(policy)]) == 1
+    assert "invalid" in capsys.readouterr().out
+
+
+# -- end to end, the real programs -------------------------------------------------------------
+
+RM = {"name": "rm", "description": "Delete a file", "inputSchema": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+SEND = {"name": "send", "description": "Send a message", "inputSchema": {
+    "type": "object", "properties": {"text": {"type": "string"}}}}
+
+
+def decisions(deployment: Deployment) -> list[dict[str, Any]]:
+    """The `policy_decision` frames in the server's log, oldest first."""
+    with sqlite3.connect(f"file:{deployment.data_dir / 'frames.sqlite3'}?mode=ro", uri=True) as db:
+        rows = db.execute("SELECT payload FROM frames WHERE type = 'policy_decision' ORDER BY seq").fetchall()
+    return [json.loads(payload) for (payload,) in rows]
+
+
+async def declare(caller: Any, tools: list[dict[str, Any]], session_id: str = "s1") -> None:
+    result = await caller.call_tool("session_message", {
+        "instance": "box1", "session_id": session_id, "message": "hi",
+        "context": {"caller_id": "myapp", "caller_tools": tools},
+    })
+    assert not result.is_error, text_of(result)
+
+
+class Responder:
+    """The caller: answers each `caller_tool_request` with its arguments, once."""
+
+    def __init__(self, caller: Any, events: Any) -> None:
+        self.caller = caller
+        self.events = events
+        self.answered: set[str] = set()
+
+    async def run(self) -> None:
+        while True:
+            request = await self.events.wait_for(
+                lambda e: e.get("type") == "caller_tool_request" and e["request_id"] not in self.answered, timeout=600)
+            self.answered.add(request["request_id"])
+            reply = await self.caller.call_tool("caller_tool_response", {
+                "session_id": request["session_id"], "request_id": request["request_id"], "result": request["arguments"],
+            })
+            assert not reply.is_error, text_of(reply)
+
+
+async def test_forbidden_with_its_reason_permitted_and_sent_to_approval(deployment: Deployment) -> None:
+    policy = deployment.root / "policies.cedar"
+    policy.write_text(TMP_ONLY)
+    async with deployment.caller("--policy", str(policy)) as (caller, events):
+        await declare(caller, [RM, SEND])
+        async with deployment.agent("box1", "mcp:s1") as agent:
+            with trio.fail_after(30):
+                forbidden = await agent.call_tool("myapp_rm", {"path": "/etc/passwd"})
+            assert forbidden.is_error
+            assert text_of(forbidden) == "myapp_rm: forbidden by policy: myapp_rm deletes only under /tmp/"
+            assert events.of_type("caller_tool_request") == [] and events.of_type("approval_request") == []
+
+            async with trio.open_nursery() as nursery:
+                results: dict[str, Any] = {}
+
+                async def agent_call(tool: str, arguments: dict[str, Any]) -> None:
+                    results[tool] = await agent.call_tool(tool, arguments)
+
+                nursery.start_soon(agent_call, "myapp_rm", {"path": "/tmp/x"})
+                permitted = await events.wait_type("caller_tool_request", tool="rm")
+                await caller.call_tool("caller_tool_response", {
+                    "session_id": "s1", "request_id": permitted["request_id"], "result": {"deleted": "/tmp/x"}})
+
+                nursery.start_soon(agent_call, "myapp_send", {"text": "hello"})
+                approval = await events.wait_type("approval_request")
+                assert approval["tool_name"] == "myapp_send"
+                assert [e["tool"] for e in events.of_type("caller_tool_request")] == ["rm"], "nothing runs before approval"
+                await caller.call_tool("approval_response", {
+                    "session_id": "s1", "request_id": approval["request_id"], "approve": True})
+                sent = await events.wait_type("caller_tool_request", tool="send")
+                await caller.call_tool("caller_tool_response", {
+                    "session_id": "s1", "request_id": sent["request_id"], "result": {"sent": True}})
+    assert results["myapp_rm"].structured_content == {"deleted": "/tmp/x"}
+    assert results["myapp_send"].structured_content == {"sent": True}
+    assert [(d["tool"], d["effect"], d["policies"]) for d in decisions(deployment)] == [
+        ("myapp_rm", "forbid", ["rm-only-under-tmp"]),
+        ("myapp_rm", "permit", ["myapp-tools"]),
+        ("myapp_send", "approval", ["send-needs-approval", "myapp-tools"]),
+    ]
+
+
+async def test_observe_only_runs_the_forbidden_call_and_logs_it(deployment: Deployment) -> None:
+    policy = deployment.root / "policies.cedar"
+    policy.write_text(TMP_ONLY)
+    async with deployment.http_server("--policy", str(policy), "--policy-observe-only") as server, \
+            server.caller() as (caller, events):
+        await declare(caller, [RM])
+        async with deployment.agent("box1", "mcp:s1") as agent, trio.open_nursery() as nursery:
+            outcome: dict[str, Any] = {}
+
+            async def agent_call() -> None:
+                outcome["result"] = await agent.call_tool("myapp_rm", {"path": "/etc/passwd"})
+
+            nursery.start_soon(agent_call)
+            request = await events.wait_type("caller_tool_request", tool="rm")
+            await caller.call_tool("caller_tool_response", {
+                "session_id": "s1", "request_id": request["request_id"], "result": {"deleted": "/etc/passwd"}})
+        assert not outcome["result"].is_error, text_of(outcome["result"])
+        [line] = await server.wait_stderr("observe only: policy would forbid myapp_rm")
+        assert "myapp_rm deletes only under /tmp/" in line
+    [decided] = decisions(deployment)
+    assert decided["effect"] == "forbid" and decided["observe_only"] is True
+
+
+async def reload_and_wait(server: HttpServer, reloads: int, how: str, policy: Path, text: str) -> None:
+    """Write `text` to the policy file, then SIGHUP (or let the file watch see it); wait for the
+    server's log to say it reloaded (`reloads` such lines in all)."""
+    if how == "rename":
+        (policy.parent / "next.cedar").write_text(text)
+        (policy.parent / "next.cedar").rename(policy)
+    else:
+        policy.write_text(text)
+        server.process.send_signal(signal.SIGHUP)
+    await server.wait_stderr("policy reloaded", count=reloads, timeout=30)
+
+
+async def test_reloads_under_load_drop_no_call_and_an_invalid_file_keeps_the_set(deployment: Deployment) -> None:
+    policy = deployment.root / "policies.cedar"
+    permit_a = '@id("a") permit(principal, action, resource);'
+    permit_b = '@id("b") permit(principal, action, resource);'
+    policy.write_text(permit_a)
+    calls = 60
+    async with deployment.http_server("--policy", str(policy), "--log-level", "INFO") as server, \
+            server.caller() as (caller, events):
+        responder = Responder(caller, events)
+        await declare(caller, [SEND])
+        async with deployment.agent("box1", "mcp:s1") as agent, trio.open_nursery() as nursery:
+            nursery.start_soon(responder.run)
+            results: list[Any] = []
+            half = trio.Event()
+
+            async def agent_calls(worker: int) -> None:
+                for n in range(calls // 4):
+                    results.append(await agent.call_tool("myapp_send", {"text": f"{worker}-{n}"}))
+                    if len(results) == calls // 2:
+                        half.set()
+
+            async with trio.open_nursery() as agents:
+                for worker in range(4):
+                    agents.start_soon(agent_calls, worker)
+                await reload_and_wait(server, 1, "sighup", policy, permit_b)
+                await reload_and_wait(server, 2, "rename", policy, permit_a)
+                await half.wait()
+                await reload_and_wait(server, 3, "sighup", policy, permit_b)
+            nursery.cancel_scope.cancel()
+        assert len(results) == calls
+        assert [text_of(r) for r in results if r.is_error] == []
+        assert sorted(r.structured_content["text"] for r in results) == sorted(
+            f"{w}-{n}" for w in range(4) for n in range(calls // 4))
+        # Invalid: one line says why, and the set in force stays.
+        policy.write_text('@id("c") permit(principal, action, resource) when { context.nope };')
+        server.process.send_signal(signal.SIGHUP)
+        [refused] = await server.wait_stderr("policy reload refused, the previous policy set stays")
+        assert "nope" in refused
+        async with deployment.agent("box1", "mcp:s1") as agent, trio.open_nursery() as nursery:
+            nursery.start_soon(responder.run)
+            last = await agent.call_tool("myapp_send", {"text": "after"})
+            nursery.cancel_scope.cancel()
+        assert not last.is_error, text_of(last)
+    used = [d["policies"] for d in decisions(deployment)]
+    assert len(used) == calls + 1 and used[-1] == ["b"]
+    assert {"a", "b"} == {p for ps in used for p in ps}, "calls were decided by both sets while they were swapped"
+
+
+ECHO_ONLY_HELLO = """\
+@id("no-secrets-to-echo")
+@reason("echo may not repeat secrets")
+forbid(principal, action == Oubliette::Action::"call_tool", resource in Oubliette::Toolset::"echo")
+when { context.arguments has message && context.arguments.message like "*secret*" };
+
+@id("toolsets")
+permit(principal, action == Oubliette::Action::"call_tool", resource in Oubliette::Toolset::"echo");
+"""
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast path", "SDK path"])
+async def test_a_toolset_call_is_decided_on_both_paths_of_the_client(deployment: Deployment, fast: bool) -> None:
+    """The client's fast path and the SDK's both reach the server as a `toolset_call`: decided there."""
+    policy = deployment.root / "policies.cedar"
+    policy.write_text(ECHO_ONLY_HELLO)
+    echo = Path(__file__).resolve().parents[3] / "examples" / "mcp_echo.py"
+    config = deployment.root / "oubliette.toml"
+    config.write_text(
+        f'[toolsets.echo]\nkind = "command"\nprefix = "ext"\ncommand = [{json.dumps(PYTHON)}, {json.dumps(str(echo))}]\n'
+        '[allowlists]\nbox1 = ["echo"]\n'
+    )
+    agent = StdioServerParameters(command=PYTHON, args=["-m", "oubliette_client"], env={
+        **os.environ, **deployment.client_env("box1", "mcp:s1"), "OUBLIETTE_FAST_PATH": "1" if fast else "0"})
+    async with deployment.caller("--config", str(config), "--policy", str(policy)) as (caller, events):
+        await declare(caller, [SEND])
+        async with Client(agent, mode="legacy") as client:
+            with trio.fail_after(30):
+                forbidden = await client.call_tool("ext.echo_external", {"message": "the secret is 42"})
+                permitted = await client.call_tool("ext.echo_external", {"message": "hello"})
+    assert forbidden.is_error and text_of(forbidden) == "ext.echo_external: forbidden by policy: echo may not repeat secrets"
+    assert not permitted.is_error and "hello" in text_of(permitted)
+    assert [(d["tool"], d["kind"], d["owner"], d["effect"]) for d in decisions(deployment)] == [
+        ("ext.echo_external", "toolset", "echo", "forbid"), ("ext.echo_external", "toolset", "echo", "permit")]
