@@ -23,7 +23,7 @@ loaded). It answers, with `OUBLIETTE_FAST_PATH` on:
 Everything else — a handshake the SDK negotiates (a first line that is not a plain handshake-era
 `initialize`), a 2026-07-28 request, any other method, anything malformed — is the SDK's, the
 reference; `OUBLIETTE_FAST_PATH=0` makes every line the SDK's. Nothing the SDK answers is
-dropped. `tests/test_line_router.py` drives the same lines both ways and compares the answers.
+dropped. `tests/client/test_early_handshake.py` drives the same lines both ways and compares the answers.
 A change of the list after the one the agent got is announced by the SDK's side
 (`SandboxToolServer.serve`'s `listed_version`), through the router's writer when the handshake
 was the router's (`SandboxToolServer.initialized`: the SDK picks a protocol era only when a

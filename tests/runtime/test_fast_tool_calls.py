@@ -1,8 +1,8 @@
 """The fast path for plain `tools/call` lines (oubliette_runtime/fast_tool_calls.py), on its own.
 
 The tests feed lines to `FastToolCalls` in the test's loop. Each program's parity test, its line
-router on and off, is in tests/test_early_handshake.py (the client) and
-tests/test_caller_line_router.py (the server).
+router on and off, is in tests/client/test_early_handshake.py (the client) and
+tests/server/doors/test_caller_line_router.py (the server).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Once a caller has finished a handshake-era `initialize` with the SDK, its plain
 shapes it), and its events are written as `notifications/message` lines directly
 (`CallerConnection.write_line`). Every other line — the handshake, lists, 2026-07-28 requests,
 calls with `wait`, anything malformed — is the SDK's, the reference; `OUBLIETTE_FAST_PATH=0`
-makes every line the SDK's. `tests/test_caller_line_router.py` drives the same lines both ways.
+makes every line the SDK's. `tests/server/doors/test_caller_line_router.py` drives the same lines both ways.
 """
 
 from __future__ import annotations
