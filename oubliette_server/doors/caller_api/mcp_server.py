@@ -57,8 +57,15 @@ def build_caller_server(
             caller.set_log_level(params.level)
         return types.EmptyResult()
 
+    def input_schema(name: str) -> dict[str, Any] | None:
+        """A tool's `inputSchema`, for the SDK's `Mcp-Param-*` header check of a 2026-07-28 call:
+        without it the SDK runs a whole `tools/list` (every schema dumped) for each call."""
+        entry = tools.tools.get(name)
+        return None if entry is None else entry[0].input_schema
+
     server = CallerMcpServer(
         SERVER_NAME, version=VERSION, on_list_tools=list_tools, on_call_tool=call_tool,
+        get_tool_input_schema=input_schema,
         # Served so 2026-07-28 callers see tools.listChanged too (as handshake-era ones do).
         on_subscriptions_listen=ListenHandler(InMemorySubscriptionBus()),
     )

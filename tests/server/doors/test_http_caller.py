@@ -269,6 +269,29 @@ async def test_mcp_endpoint_advertises_tools_list_changed_in_both_eras(deploymen
             assert modern.server_capabilities.tools.list_changed is True
 
 
+async def test_modern_tool_call_is_dispatched_alone(deployment: Deployment, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2026-07-28 `tools/call` runs the call alone: the SDK checks its `Mcp-Param-*` headers
+    against the tool's `inputSchema` from the server's lookup, not from a whole `tools/list`
+    dispatched (and every tool's schema dumped) before each call."""
+    from mcp.server import _streamable_http_modern as modern
+
+    dispatched: list[str] = []
+    serve_one = modern.serve_one
+
+    async def counted(app: Any, dctx: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        dispatched.append(method)
+        return await serve_one(app, dctx, method, *args, **kwargs)
+
+    monkeypatch.setattr(modern, "serve_one", counted)
+    async with deployment.embedded_http_server("box1") as server, server.caller(mode="auto", events=False) as (caller, _):
+        assert caller.protocol_version == "2026-07-28"
+        read = await caller.call_tool("session_events", {"instance": "box1", "session_id": "s1", "after_seq": 0})
+        assert "unknown session" in text_of(read)  # answered by the tool itself
+        assert dispatched[-1:] == ["tools/call"] and "tools/list" not in dispatched, dispatched
+        await caller.list_tools()
+        assert dispatched[-1] == "tools/list", dispatched
+
+
 # -- whole turns with the guest runtime and the demo agent -----------------------------------
 
 
