@@ -624,3 +624,34 @@ async def test_two_principals_reach_only_their_own_instances_at_every_door(deplo
         async with server.rest(deployment.http_token("team-c")) as stranger:
             unknown = await stranger.get("/metrics")
             assert unknown.status_code == 401, "a principal the server was not given has no token"
+
+        # A handshake-era MCP session is its opener's: team-b's token with team-a's Mcp-Session-Id is refused.
+        async with server.rest(token_a) as rest_a, server.rest(token_b) as rest_b:
+            opened = await _mcp_post(rest_a, None, "initialize", {
+                "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "a", "version": "1"}})
+            session = opened.headers["mcp-session-id"]
+            await _mcp_post(rest_a, session, "notifications/initialized", None)
+            own = await _mcp_post(rest_a, session, "tools/call", {"name": "tether_read", "arguments": {"instance": "a-1"}})
+            assert not _mcp_result(own).get("isError"), own.text
+            hijack = await _mcp_post(rest_b, session, "tools/call", {"name": "tether_read", "arguments": {"instance": "b-1"}})
+            assert _mcp_result(hijack)["isError"] is True, hijack.text
+            assert "this MCP session acts as principal 'team-a' (its first call's token), not 'team-b'" in _mcp_result(hijack)["content"][0]["text"]
+
+
+async def _mcp_post(rest: Any, session: str | None, method: str, params: dict[str, Any] | None) -> Any:
+    """One handshake-era JSON-RPC message to `/mcp` (a request when it has params, else a notification)."""
+    headers = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-11-25"}
+    if session is not None:
+        headers["Mcp-Session-Id"] = session
+    message: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
+    if params is not None:
+        message.update(id=1, params=params)
+    return await rest.post("/mcp", json=message, headers=headers)
+
+
+def _mcp_result(response: Any) -> dict[str, Any]:
+    """The JSON-RPC result of an `/mcp` response, an SSE stream or a JSON body."""
+    if response.headers["content-type"].startswith("text/event-stream"):
+        data = [line[len("data:"):] for line in response.text.splitlines() if line.startswith("data:")]
+        return json.loads(data[-1])["result"]
+    return response.json()["result"]

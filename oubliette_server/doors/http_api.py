@@ -889,8 +889,8 @@ class HttpApi:
         caller = self._legacy_callers.get(id(connection))
         principal = request_principal(getattr(ctx.request, "state", None))
         if caller is not None and caller.principal != principal:
-            raise RelayError(errors.DENIED, (  # an MCP session is its opener's, whoever learns its id
-                f"this MCP session was opened with principal '{caller.principal}'s token, not '{principal}'s; "
+            raise RelayError(errors.DENIED, (  # an MCP session is one principal's, whoever learns its id
+                f"this MCP session acts as principal '{caller.principal}' (its first call's token), not '{principal}'; "
                 "open a session of your own with initialize"
             ))
         if caller is None:
