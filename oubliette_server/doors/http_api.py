@@ -806,7 +806,9 @@ class AnswerRoutes:
     async def answer(self, request: Request, door: Callable[[str, dict[str, Any]], Any]) -> Response:
         """POST a tool's body for a session to `door`; answers as the tool does, or a JSON error."""
         if request.scope.get("server") is not None and PRINCIPAL_STATE not in request.scope.get("state", {}):
-            return error_response(RelayError(errors.DENIED, "an instance's token may not answer for a caller"))
+            return error_response(RelayError(errors.DENIED, (
+                "only the HTTP admin token, or a principal's the policies let answer this instance, may answer "
+                "for a caller; an instance's token may not")))
         try:
             body = await TetherRoutes._json_body(request)
             if not isinstance(body, dict):
