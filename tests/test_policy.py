@@ -517,6 +517,19 @@ def test_the_gate_refuses_a_principal_with_who_what_which_and_what_to_do() -> No
         "principal 'team-b' may not read instance 'a-1': no policy permits it; a policy that permits it")
 
 
+def test_a_reload_decides_principals_with_the_new_set(tmp_path: Path) -> None:
+    """Decisions are kept for the life of a set: a reload's set decides afresh."""
+    policy = tmp_path / "teams.cedar"
+    policy.write_text(TEAMS)
+    gate = PolicyGate(PolicyRules.from_files([policy]), files=[policy])
+    gate.require("team-a", "read", "a-1")
+    policy.write_text('@id("tools") permit(principal, action == Oubliette::Action::"call_tool", resource);')
+    assert gate.reload()
+    with pytest.raises(RelayError, match="principal 'team-a' may not read instance 'a-1'"):
+        gate.require("team-a", "read", "a-1")
+    gate.require("admin", "read", "a-1")
+
+
 def test_policy_test_decides_a_principals_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     policy = tmp_path / "teams.cedar"
     policy.write_text(TEAMS)
@@ -610,6 +623,9 @@ async def test_two_principals_reach_only_their_own_instances_at_every_door(deplo
                     f"principal 'team-b' may not {action} instance 'a-1': no policy permits it"), answer.text
             polled = await rest_a.get("/v1/instances/a-1/tether/poll")
             assert polled.status_code == 200 and polled.json()["frames"], polled.text
+            answered = await rest_a.post("/v1/instances/a-1/sessions/s1/caller_tool_response",
+                                         json={"request_id": "r1", "result": 1})
+            assert answered.status_code == 404 and "unknown request_id 'r1'" in answered.text, answered.text
 
             # The operator endpoints: the admin uses them, team-a /metrics only, team-b neither.
             assert (await admin.get("/metrics")).status_code == 200
