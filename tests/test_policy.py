@@ -626,6 +626,12 @@ async def test_two_principals_reach_only_their_own_instances_at_every_door(deplo
             answered = await rest_a.post("/v1/instances/a-1/sessions/s1/caller_tool_response",
                                          json={"request_id": "r1", "result": 1})
             assert answered.status_code == 404 and "unknown request_id 'r1'" in answered.text, answered.text
+            # b-2's operator answers for team-b, which may not answer there itself: the door asks for its own principal.
+            for route, body in [("caller_tool_response", {"request_id": "r1", "result": 1}),
+                                ("caller_tool_progress", {"request_id": "r1", "progress": 1}),
+                                ("approvals", {"request_id": "r1", "approve": True})]:
+                answered = await admin.post(f"/v1/instances/b-2/sessions/s2/{route}", json=body)
+                assert answered.status_code == 404 and "'r1'" in answered.text, (route, answered.text)
 
             # The operator endpoints: the admin uses them, team-a /metrics only, team-b neither.
             assert (await admin.get("/metrics")).status_code == 200

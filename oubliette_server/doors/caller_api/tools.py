@@ -325,6 +325,10 @@ class CallerApi:
         or a request id that is not pending for this caller (without `wait`: also one that ended).
         """
         self._may_answer(caller, await self._owned(caller, args["session_id"]))
+        return await self._respond(ctx, caller, args)
+
+    async def _respond(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        """`caller_tool_response` once its door let the answer through (the caller's sessions looked up)."""
         wait = args.get("wait", False)
         try:
             call = await self.calls.respond(
@@ -352,6 +356,10 @@ class CallerApi:
         Raises: `RelayError` for a request id that is not pending for this caller (as `caller_tool_response`).
         """
         self._may_answer(caller, await self._owned(caller, args["session_id"]))
+        return await self._progress(caller, args)
+
+    async def _progress(self, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        """`caller_tool_progress` once its door let the report through (the caller's sessions looked up)."""
         forwarded = await self.calls.progress(
             caller, args["session_id"], args["request_id"],
             args["progress"], args.get("total"), args.get("message"),
@@ -381,12 +389,14 @@ class CallerApi:
         refused like the tool, with the same messages.
         """
         _, owner = await self._http_session("caller_tool_response", instance, args, "has no caller tool requests")
-        return await self.caller_tool_response(_http_context(), owner, args)
+        await self._owned(owner, args["session_id"])
+        return await self._respond(_http_context(), owner, args)  # the HTTP door asked for its own principal
 
     async def caller_tool_progress_over_http(self, instance: str, args: dict[str, Any]) -> dict[str, Any]:
         """The HTTP door for `caller_tool_progress`, as `caller_tool_response_over_http`."""
         _, owner = await self._http_session("caller_tool_progress", instance, args, "has no caller tool requests")
-        return await self.caller_tool_progress(_http_context(), owner, args)
+        await self._owned(owner, args["session_id"])
+        return await self._progress(owner, args)  # the HTTP door asked for its own principal
 
     async def _http_session(
         self, tool: str, instance: str, args: dict[str, Any], none: str,
