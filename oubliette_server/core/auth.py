@@ -17,10 +17,15 @@ from typing import Callable
 from protocol import PROTOCOL_VERSION, RelayError, errors, messages
 from protocol.session_keys import check_session_key
 
-from .ids import instance_id_problem
+from .ids import ADMIN_PRINCIPAL, instance_id_problem
 
 SECRET_FILE_NAME = "secret"
-HTTP_ADMIN = "http:admin"
+def principal_key(principal: str) -> str:
+    """The name an HTTP principal's token is derived under: `http:NAME`, never a valid instance id."""
+    return f"http:{principal}"
+
+
+HTTP_ADMIN = principal_key(ADMIN_PRINCIPAL)
 """The reserved name the HTTP API's own bearer token is derived under (not a valid instance id)."""
 
 
@@ -117,6 +122,57 @@ class TokenAuthority:
             return False
         expected = self.token_for(instance).encode()
         return hmac.compare_digest(expected, token.encode("utf-8", "surrogatepass"))
+
+
+def principal_problem(name: object) -> str | None:
+    """Why `name` cannot be a named HTTP principal (it takes an instance id's grammar; `admin` is
+    the admin token's), or None."""
+    if name == ADMIN_PRINCIPAL:
+        return f"'{ADMIN_PRINCIPAL}' is the HTTP admin token's principal; name the principal otherwise"
+    problem = instance_id_problem(name)
+    return problem.replace("instance id", "principal name") if problem else None
+
+
+class HttpPrincipals:
+    """Which HTTP principal a bearer token is (docs/POLICY.md, "HTTP principals").
+
+    Needs: the token authority (derived tokens: `admin`'s and those of `names`, HMAC of the
+    deployment's secret and `http:NAME`, as `oubliette-server http-token --principal NAME` prints
+    them; read at each check, so a shared store's secret adopted at start counts) and the token
+    files of the principals given one (`token_files`, read once here: one token, its first line).
+    Raises: `ValueError` for a bad name or an unreadable or empty token file.
+    """
+
+    def __init__(self, authority: TokenAuthority, names: list[str], token_files: dict[str, Path]) -> None:
+        for name in [*names, *token_files]:
+            problem = principal_problem(name)
+            if problem:
+                raise ValueError(f"HTTP principal {name!r}: {problem}")
+        self.authority = authority
+        self.names = [name for name in dict.fromkeys(names) if name not in token_files]
+        self._file_tokens: list[tuple[bytes, str]] = []
+        for name, path in token_files.items():
+            try:
+                token = Path(path).read_text().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read the token file of HTTP principal {name!r}, {path}: "
+                                 f"{getattr(exc, 'strerror', None) or exc}") from None
+            if len(token) < 32:
+                raise ValueError(f"the token file of HTTP principal {name!r}, {path}, holds no token of 32 characters or more")
+            self._file_tokens.append((token.encode(), name))
+
+    def principal_of(self, token: str) -> str | None:
+        """The principal `token` is the bearer token of, or None (an instance's token, or none at all)."""
+        if self.authority.verify(HTTP_ADMIN, token):
+            return ADMIN_PRINCIPAL
+        for name in self.names:
+            if self.authority.verify(principal_key(name), token):
+                return name
+        given = token.encode("utf-8", "surrogatepass")
+        for expected, name in self._file_tokens:
+            if hmac.compare_digest(expected, given):
+                return name
+        return None
 
 
 def check_hello(

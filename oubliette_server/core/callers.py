@@ -26,6 +26,7 @@ import trio
 
 from oubliette_runtime.fast_tool_calls import notification_line
 
+from .ids import ADMIN_PRINCIPAL
 from .task_host import TaskHost
 
 log = logging.getLogger("oubliette.server.callers")
@@ -72,6 +73,9 @@ class CallerConnection:
         self.closed = trio.Event()
         self.mcp_session: Any = None  # latest ServerSession; its standalone channel carries events
         self.owner_key: str | None = None  # 2026-07-28 HTTP callers: the key that names this caller
+        #: The HTTP principal it acts as (its bearer token's; the policies say what it may do):
+        #: `admin` for stdio and a Unix socket listener, whose file access is the credential.
+        self.principal = ADMIN_PRINCIPAL
         #: A stdio caller's line writer: events go out as `notifications/message` lines without the SDK.
         self.write_line: Callable[[str], Awaitable[None]] | None = None
         #: Who this caller is for every server sharing the store (docs/SCALING.md): `keyed_identity`

@@ -1,4 +1,4 @@
-"""Identifier rules: the instance ids, caller ids and tool names the server accepts.
+"""Identifier rules: the instance ids, caller ids, HTTP principals and tool names the server accepts.
 
 Session keys (channel and session id) have their one home in `protocol.session_keys`,
 which every door uses.
@@ -26,6 +26,10 @@ from protocol.session_keys import shown
 INSTANCE_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 CALLER_ID = r"[A-Za-z0-9_-]{1,32}"
 TOOL_NAME = r"[A-Za-z0-9_.-]{1,128}"
+
+ADMIN_PRINCIPAL = "admin"
+"""The HTTP principal of the admin token; also a stdio caller's and a Unix socket listener's.
+Other principals' names take an instance id's grammar (`auth.principal_problem`)."""
 
 _INSTANCE_ID_RE = re.compile(INSTANCE_ID)
 

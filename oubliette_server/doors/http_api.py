@@ -13,8 +13,9 @@ One hypercorn (Trio worker) server serves one Starlette app:
 - `GET /metrics`: the server's Prometheus metrics (the HTTP token; or on a listener of its own,
   `serve_metrics`, without one: docs/OBSERVABILITY.md, "Metrics").
 
-Auth: on TCP every request but `/livez` and `/readyz` needs `Authorization: Bearer <token>`: the server's
-HTTP token (`oubliette-server http-token`) for everything, or an instance's own
+Auth: on TCP every request but `/livez` and `/readyz` needs `Authorization: Bearer <token>`: an HTTP
+principal's (the admin's, `oubliette-server http-token`, or a named one's, `--principal NAME`),
+which the policies scope (principal_access.py, docs/POLICY.md), or an instance's own
 token for that instance's `/v1/instances/{id}/…` routes. A Unix socket
 listener is created with mode 0600 and needs no token: file access is the
 credential. /mcp also checks the Host header against loopback names plus
@@ -47,7 +48,6 @@ from oubliette_runtime.peer_text import bounded
 from protocol import RelayError, errors
 from protocol.limits import LimitExceeded
 
-from ..core.auth import HTTP_ADMIN
 from ..core.callers import CallerConnection, CallerRegistry, keyed_identity
 from ..core.in_flight import InFlight
 from ..core.instances import InstanceDirectory
@@ -65,8 +65,11 @@ from .connection_limits import (
     HttpLimits,
 )
 from .health import Readiness
+from .principal_access import PRINCIPAL_STATE, Access, PrincipalAccess, request_principal
 
 VerifyToken = Callable[[str, str], bool]
+PrincipalOf = Callable[[str], "str | None"]
+"""`HttpPrincipals.principal_of(token)`: the HTTP principal a bearer token is, or None."""
 
 log = logging.getLogger("oubliette.server.http")
 access_log = logging.getLogger("oubliette.access")
@@ -360,11 +363,17 @@ def _unknown_session(session_id: str) -> JSONResponse:
 class BearerAuth(HttpMiddleware):
     """ASGI middleware: TCP requests need a valid bearer token; Unix socket ones rely on the file mode.
 
+    A principal's token (`principal_of`) is put in the scope's state with its principal
+    (`PRINCIPAL_STATE`); an instance's token passes on that instance's routes only.
     `on_refused(reason)` ("missing_token" or "bad_token") hears of each refusal (metrics)."""
 
-    def __init__(self, app: Any, verify_token: VerifyToken, on_refused: Callable[[str], object] = lambda reason: None) -> None:
+    def __init__(
+        self, app: Any, verify_token: VerifyToken, principal_of: PrincipalOf,
+        on_refused: Callable[[str], object] = lambda reason: None,
+    ) -> None:
         super().__init__(app)
         self.verify_token = verify_token
+        self.principal_of = principal_of
         self.on_refused = on_refused
 
     def wants(self, scope: dict[str, Any]) -> bool:
@@ -374,8 +383,11 @@ class BearerAuth(HttpMiddleware):
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Pass the request on with a valid token; else answer 401."""
         token = _bearer(scope)
-        if token is not None and self._allowed(token, scope["path"]):
-            scope.setdefault("state", {})["oubliette_token"] = token
+        if token is not None and (principal := self._allowed(token, scope["path"])) is not False:
+            state = scope.setdefault("state", {})
+            state["oubliette_token"] = token
+            if principal is not None:
+                state[PRINCIPAL_STATE] = principal
             await self.app(scope, receive, send)
             return
         message = "missing bearer token" if token is None else "this bearer token is not valid for this resource"
@@ -384,11 +396,13 @@ class BearerAuth(HttpMiddleware):
         response.headers["WWW-Authenticate"] = 'Bearer realm="oubliette"'
         await response(scope, receive, send)
 
-    def _allowed(self, token: str, path: str) -> bool:
-        if self.verify_token(HTTP_ADMIN, token):
-            return True
+    def _allowed(self, token: str, path: str) -> str | None | bool:
+        """The token's principal; None for an instance's token on its own routes; False: refused."""
+        principal = self.principal_of(token)
+        if principal is not None:
+            return principal
         match = INSTANCE_ROUTE.match(path)
-        return match is not None and self.verify_token(match.group(1), token)
+        return None if match is not None and self.verify_token(match.group(1), token) else False
 
 
 class StreamWatch(HttpMiddleware):
@@ -762,15 +776,14 @@ class AnswerRoutes:
     - `POST /v1/instances/{id}/sessions/{session_id}/caller_tool_progress`: `caller_tool_progress`.
 
     Each body is the tool's arguments without `session_id` (`wait` too, where the tool takes it);
-    the answer is given for the session's owning caller and is refused like the tool's. Only the
-    operator answers here: the HTTP admin token on TCP, or a Unix socket listener (file mode
-    0600). An instance token, which its sandbox holds, is refused: an agent must never approve
-    its own calls nor make up the caller's results.
+    the answer is given for the session's owning caller and is refused like the tool's. Only an
+    HTTP principal the policies let `answer` the instance (`PrincipalAccess`) answers here, or a
+    Unix socket listener (file mode 0600). An instance token, which its sandbox holds, is
+    refused: an agent must never approve its own calls nor make up the caller's results.
     """
 
-    def __init__(self, tools: CallerApi, verify_token: VerifyToken) -> None:
+    def __init__(self, tools: CallerApi) -> None:
         self.tools = tools
-        self.verify_token = verify_token
         self._doors = {
             "approvals": tools.approval_response_over_http,
             "caller_tool_response": tools.caller_tool_response_over_http,
@@ -792,9 +805,10 @@ class AnswerRoutes:
 
     async def answer(self, request: Request, door: Callable[[str, dict[str, Any]], Any]) -> Response:
         """POST a tool's body for a session to `door`; answers as the tool does, or a JSON error."""
-        token = request.scope.get("state", {}).get("oubliette_token")
-        if request.scope.get("server") is not None and not (token and self.verify_token(HTTP_ADMIN, token)):
-            return error_response(RelayError(errors.DENIED, "only the HTTP admin token may answer for a caller"))
+        if request.scope.get("server") is not None and PRINCIPAL_STATE not in request.scope.get("state", {}):
+            return error_response(RelayError(errors.DENIED, (
+                "only the HTTP admin token, or a principal's the policies let answer this instance, may answer "
+                "for a caller; an instance's token may not")))
         try:
             body = await TetherRoutes._json_body(request)
             if not isinstance(body, dict):
@@ -813,7 +827,8 @@ class HttpApi:
 
     Needs: the caller registry (one caller per MCP session or per bearer token), the caller
     tools, the tether and instance directory (for the routes), `verify_token(name, token)`,
-    the extra Host names allowed on /mcp, the `HttpLimits` (docs/SECURITY.md, "Slow HTTP
+    the extra Host names allowed on /mcp, `principal_of(token)` and `access(principal, action,
+    resource)` (docs/POLICY.md, "HTTP principals"), the `HttpLimits` (docs/SECURITY.md, "Slow HTTP
     clients"), the readiness checks (for the probes), and with the server's `metrics`,
     `GET /metrics` and the request and refusal counts. Start `serve` (and `serve_metrics`) with
     `nursery.start`: it reports the bound URLs.
@@ -832,8 +847,14 @@ class HttpApi:
         identity: dict[str, Any] | None = None,
         limits: HttpLimits | None = None,
         metrics: ServerMetrics | None = None,
+        principal_of: PrincipalOf,
+        access: Access,
         in_flight: InFlight | None = None,
     ) -> None:
+        self.principal_of = principal_of
+        """Which HTTP principal a bearer token is (`HttpPrincipals.principal_of`)."""
+        self.access = access
+        """`PolicyGate.require`: what a principal may do (principal_access.py)."""
         self.metrics = metrics
         self.in_flight = in_flight or InFlight()
         """The requests (but GETs) being answered: a graceful stop waits for them (`CountRequests`)."""
@@ -868,9 +889,16 @@ class HttpApi:
             return None if arguments is None else self._modern_caller(ctx, arguments.get("owner_key"))
         connection = ctx.session._connection  # the SDK's per-connection state; its exit stack runs on close
         caller = self._legacy_callers.get(id(connection))
+        principal = request_principal(getattr(ctx.request, "state", None))
+        if caller is not None and caller.principal != principal:
+            raise RelayError(errors.DENIED, (  # an MCP session is one principal's, whoever learns its id
+                f"this MCP session acts as principal '{caller.principal}' (its first call's token), not '{principal}'; "
+                "open a session of your own with initialize"
+            ))
         if caller is None:
             mcp_session_id = connection.session_id
             caller = self.callers.open("http", f"http-session-{mcp_session_id or id(connection)}")
+            caller.principal = principal
             self._legacy_callers[id(connection)] = caller
             if mcp_session_id:
                 self._legacy_by_mcp_session[mcp_session_id] = caller
@@ -894,6 +922,7 @@ class HttpApi:
             caller = self.callers.open("http", f"http-modern-{principal[:8]}-{owner_key[:6]}")
             caller.owner_key = owner_key
             caller.identity = keyed_identity(principal, owner_key)
+            caller.principal = request_principal(getattr(ctx.request, "state", None))
             self._modern_callers[(principal, owner_key)] = caller
             self._modern_names[caller] = (principal, owner_key)
         self._modern_in_flight[caller] = self._modern_in_flight.get(caller, 0) + 1
@@ -937,7 +966,7 @@ class HttpApi:
             custom_starlette_routes=[
                 *TetherRoutes(self.tether, self.instances).routes(),
                 *HealthRoutes(self.readiness, self.instances, self.identity).routes(),
-                *AnswerRoutes(self.tools, self.verify_token).routes(),
+                *AnswerRoutes(self.tools).routes(),
                 *self._metrics_routes(),
             ],
         )
@@ -945,7 +974,8 @@ class HttpApi:
         starlette.add_middleware(ErrorBoundary)  # inside Starlette's own (plain-text 500) error middleware
         refused = functools.partial(self.metrics.auth_refused, "http") if self.metrics else lambda reason: None
         watched = UnixSocketHost(ExplainRefusals(StreamWatch(starlette, self._standalone_stream_dropped)))
-        return self._outer(BearerAuth(watched, self.verify_token, refused))
+        scoped = PrincipalAccess(watched, self.access, error_response)
+        return self._outer(BearerAuth(scoped, self.verify_token, self.principal_of, refused))
 
     def _outer(self, app: Any, flood: FloodLog | None = None) -> Any:
         """`app` in the middleware every listener has outside it: the access log, the body deadline."""

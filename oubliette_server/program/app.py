@@ -23,7 +23,7 @@ from protocol import Frame, HandlerEntry, PeerLimits, messages, parse_relay_addr
 from protocol.frames import FrameType
 from protocol.limits import Limits
 
-from ..core.auth import TokenAuthority, ensure_private_dir
+from ..core.auth import HttpPrincipals, TokenAuthority, ensure_private_dir
 from ..core.callers import CallerConnection, CallerRegistry
 from ..core.client_connections import ClientConnections
 from ..core.frame_log import FrameLog
@@ -109,6 +109,8 @@ class OublietteServer:
         self.config = config
         ensure_private_dir(config.data_dir)
         self.tokens = TokenAuthority.for_data_dir(config.data_dir)
+        # Who an HTTP bearer token is (the admin, or a named principal: docs/POLICY.md, "HTTP principals").
+        self.principals = HttpPrincipals(self.tokens, config.http_principals, config.http_principal_token_files)
         self.store: FrameStoreAPI = store or open_store(
             config.store_url, config.frame_store_path,
             retention_frames=config.retention_frames, retention_seconds=config.retention_seconds,
@@ -331,6 +333,7 @@ class OublietteServer:
             instances=self.instances, sessions=self.sessions, caller_tools=self.caller_tools, calls=self.calls,
             turns=turns, frame_log=self.frame_log, store=self.store, tether=self.tether, approvals=self.approvals,
             session_wait_limit=self.config.session_wait_limit, limits=self.limits, elicitation=self.elicitation,
+            access=self.policy.require,
         )
 
     async def serve_stdio_caller(self) -> None:
@@ -343,6 +346,7 @@ class OublietteServer:
         return HttpApi(
             callers=self.callers, tools=self.caller_api(), tether=self.tether, instances=self.instances,
             verify_token=self.tokens.verify, allowed_hosts=self.config.allowed_hosts, identity=self.identity(),
+            principal_of=self.principals.principal_of, access=self.policy.require,
             limits=self.config.http_limits,
             readiness=self.readiness,
             metrics=self.metrics,

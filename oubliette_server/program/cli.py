@@ -43,7 +43,7 @@ from oubliette_runtime.log_format import add_log_format_option, configure_loggin
 from oubliette_runtime.telemetry import setup_observability
 from protocol import parse_relay_address
 
-from ..core.auth import HTTP_ADMIN, TokenAuthority, check_instance_id
+from ..core.auth import HTTP_ADMIN, TokenAuthority, check_instance_id, principal_key, principal_problem
 from ..doors.relay import SERVER_VERSION
 from ..features.approvals import DEFAULT_APPROVAL_TIMEOUT, DELIVERIES
 from ..features.policy import PolicyError
@@ -61,7 +61,7 @@ from .data_dir_lock import DataDirInUse, hold_data_dir
 PROG = "oubliette-server"
 SUBCOMMANDS = ("serve", "token", "http-token", "status", "tail", "backup", "audit", "policy")
 #: Options that take a value, so that a value is never mistaken for a subcommand.
-VALUE_OPTIONS = {"--relay", "--policy", "--relay-group", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
+VALUE_OPTIONS = {"--relay", "--policy", "--http-principal", "--relay-group", "--data-dir", "--caller-timeout", "--http", "--metrics", "--allowed-host", "--config", "--log-level", "--log-format", "--store",
                  "--session", "--types", "--after-seq", "--poll-interval", "--audit-key", "--public-key"}
 EPILOG = """subcommands:
   serve                 serve callers and sandboxes (the default)
@@ -138,6 +138,10 @@ def _serve_parser() -> argparse.ArgumentParser:
         "read again on SIGHUP and when a file changes",
     )
     parser.add_argument(
+        "--http-principal", action="append", default=None, metavar="NAME",
+        help="a named HTTP principal, its token `http-token --principal NAME`; the policies say what it may do; repeatable",
+    )
+    parser.add_argument(
         "--policy-observe-only", action="store_true", default=None,
         help="log what the policies would forbid, and let those calls run",
     )
@@ -149,6 +153,10 @@ def _serve_parser() -> argparse.ArgumentParser:
 def _token_parser(http: bool) -> argparse.ArgumentParser:
     if http:
         parser = OneLineParser(prog=f"{PROG} http-token", description="Print the HTTP API's bearer token.")
+        parser.add_argument(
+            "--principal", metavar="NAME",
+            help="print a named HTTP principal's token instead of the admin's (docs/POLICY.md, \"HTTP principals\")",
+        )
     else:
         parser = OneLineParser(prog=f"{PROG} token", description="Print an instance's relay token.")
         parser.add_argument("instance")
@@ -410,6 +418,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         settings["policy_files"] = args.policy
     if args.policy_observe_only:
         settings["policy_observe_only"] = True
+    if args.http_principal:
+        settings["http_principals"] = [*settings.get("http_principals", []), *args.http_principal]
     if args.allowed_host:
         settings["allowed_hosts"] = [*settings.get("allowed_hosts", []), *args.allowed_host]
     if settings.get("relay") is not None:
@@ -483,6 +493,8 @@ def _run(argv: list[str]) -> int:
         reason = check_instance_id(args.instance)
         if reason:
             parser.error(reason)
+    if command == "http-token" and args.principal is not None and (reason := principal_problem(args.principal)):
+        parser.error(reason)
     config: ServerConfig | None = None
     if command == "serve":
         try:
@@ -508,7 +520,10 @@ def _run(argv: list[str]) -> int:
             authority = _shared_authority(args.store)
         else:
             authority = TokenAuthority.for_data_dir(data_dir)
-        print(authority.token_for(HTTP_ADMIN if command == "http-token" else args.instance))
+        if command == "token":
+            print(authority.token_for(args.instance))
+        else:
+            print(authority.token_for(principal_key(args.principal) if args.principal else HTTP_ADMIN))
         return 0
     import trio
 

@@ -233,6 +233,14 @@ class ServerConfig:
     when one changes; an invalid set keeps the previous one."""
     policy_observe_only: bool = False
     """Log and store what the policies would forbid, and let the call run as its tool asks."""
+    http_principals: list[str] = attrs.field(factory=list)
+    """Named HTTP principals whose bearer token is derived from the deployment's secret
+    (`oubliette-server http-token --principal NAME`); the policies say what each may do
+    (docs/POLICY.md, "HTTP principals")."""
+    http_principal_token_files: dict[str, Path] = attrs.field(
+        factory=dict, converter=lambda files: {name: Path(path) for name, path in files.items()})
+    """Named HTTP principals given their bearer token in a file (name -> path, the token on its
+    first line), read when the server starts."""
 
     tool_separator: str = attrs.field(default=".")
     """Between a toolset's prefix and its tools' names: "." (the default) or "_" for hosts that reject dots."""
@@ -300,7 +308,7 @@ SERVER_KEYS = {
     "max_payload_bytes": int, "max_payload_depth": int, "max_sessions": int,
     "http_max_connections": int, "http_body_timeout": (int, float), "http_keep_alive_timeout": (int, float),
     "http_keep_alive_max_requests": int, "audit_key": str, "checkpoint_every": int,
-    "policy_files": list, "policy_observe_only": bool,
+    "policy_files": list, "policy_observe_only": bool, "http_principals": list, "http_principal_token_files": dict,
 }
 
 
@@ -326,6 +334,11 @@ def load_config_file(path: Path) -> dict[str, Any]:
         settings[key] = value
     if "policy_files" in settings:  # relative to the config file, as an operator reads it
         settings["policy_files"] = [path.parent / file for file in settings["policy_files"]]
+    if "http_principal_token_files" in settings:  # a table of name = "path", relative to the config file too
+        files = settings["http_principal_token_files"]
+        if not all(isinstance(file, str) for file in files.values()):
+            raise ValueError(f"config file {path}: [server] http_principal_token_files maps names to file paths (strings)")
+        settings["http_principal_token_files"] = {name: path.parent / file for name, file in files.items()}
     for key, value in _checked_section(document, "store", STORE_KEYS, path):
         settings[f"store_{key}"] = value
     instances = document.get("instances", {})

@@ -133,11 +133,13 @@ class Deployment:
             return self._store_token("token", instance)
         return TokenAuthority.for_data_dir(self.data_dir).token_for(instance)
 
-    def http_token(self) -> str:
-        """The HTTP API's bearer token, computed in process as `oubliette-server http-token` does."""
+    def http_token(self, principal: str | None = None) -> str:
+        """The HTTP API's bearer token (the admin's, or a named `principal`'s), computed in process
+        as `oubliette-server http-token [--principal NAME]` does."""
         if self.store:
-            return self._store_token("http-token")
-        return TokenAuthority.for_data_dir(self.data_dir).token_for(HTTP_TOKEN_NAME)
+            return self._store_token("http-token", *(["--principal", principal] if principal else []))
+        name = f"http:{principal}" if principal else HTTP_TOKEN_NAME
+        return TokenAuthority.for_data_dir(self.data_dir).token_for(name)
 
     def _store_token(self, *command: str) -> str:
         """`oubliette-server token|http-token … --store URL`: the token every server of the deployment accepts.
@@ -438,14 +440,16 @@ class HttpServer:
         )
 
     @asynccontextmanager
-    async def caller(self, *, mode: str = "legacy", events: bool = True) -> AsyncIterator[tuple[Client, EventLog]]:
-        """An MCP caller over Streamable HTTP with the server's bearer token (`events=False`: no
-        logging callback and no log level asked for; it acts on tool results only)."""
+    async def caller(
+        self, *, mode: str = "legacy", events: bool = True, token: str | None = None,
+    ) -> AsyncIterator[tuple[Client, EventLog]]:
+        """An MCP caller over Streamable HTTP with the server's bearer token, or `token` (`events=False`:
+        no logging callback and no log level asked for; it acts on tool results only)."""
         import httpx2
         from mcp.client.streamable_http import streamable_http_client
 
         log = EventLog()
-        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {self.token}"}, timeout=60)
+        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token or self.token}"}, timeout=60)
         transport = streamable_http_client(self.mcp_url, http_client=http)
         logging: dict[str, Any] = {"logging_callback": log.on_log, "log_level": "info"} if events else {}
         async with http, Client(transport, mode=mode, **logging) as client:

@@ -11,8 +11,9 @@ from mcp.server.models import InitializationOptions
 from mcp.server.request_state import RequestStateBoundary, RequestStateSecurity
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
+from oubliette_runtime.fast_tool_calls import tool_error
 from oubliette_runtime.telemetry import guard_sdk_extraction
-from protocol import VERSION
+from protocol import VERSION, RelayError
 
 from ...core.callers import CallerConnection
 from .tools import CallerApi
@@ -43,7 +44,10 @@ def build_caller_server(
 
     async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult | types.InputRequiredResult:
         arguments = dict(params.arguments or {})
-        caller = resolve_caller(ctx, arguments)
+        try:
+            caller = resolve_caller(ctx, arguments)
+        except RelayError as err:  # a caller the transport refuses (another principal's MCP session)
+            return tool_error(err.message)
         assert caller is not None
         resume = (params.request_state, params.input_responses) if params.request_state else None
         try:

@@ -52,6 +52,13 @@ from ...store.api import FrameStoreAPI, StoreUnavailable
 from . import schemas
 
 ToolHandler = Callable[[Any, CallerConnection, dict[str, Any]], Awaitable[dict[str, Any]]]
+Access = Callable[[str, str, str], None]
+"""`PolicyGate.require(principal, action, instance)`: refuse with `RelayError(DENIED)` unless permitted."""
+
+
+def _anyone(principal: str, action: str, instance: str) -> None:
+    """The access of an API built without a policy gate (a test, a piece embedded alone): everything."""
+
 
 SESSION_CHANNEL = "mcp"
 
@@ -83,7 +90,9 @@ class CallerApi:
     Needs: the instance directory, sessions, the caller tool relay and its pending calls, the
     turn waits (turns.py), the frame log, the store (a session's history), the tether, the
     approval service, the longest `wait` a `session_message` may ask for, the limits: each
-    handler checks the caller's own values first, so a refusal stores nothing.
+    handler checks the caller's own values first, so a refusal stores nothing. `access`
+    (`PolicyGate.require`) says whether the caller's HTTP principal may message, answer or read
+    an instance: each handler asks it once it knows the instance, before it acts (`_may`).
     """
 
     def __init__(
@@ -101,7 +110,9 @@ class CallerApi:
         session_wait_limit: float,
         limits: Limits | None = None,
         elicitation: ApprovalElicitation | None = None,
+        access: Access = _anyone,
     ) -> None:
+        self.access = access
         self.instances = instances
         self.sessions = sessions
         self.caller_tools = caller_tools
@@ -195,6 +206,7 @@ class CallerApi:
         if session is None:
             raise RelayError(errors.NOT_FOUND, f"unknown session '{state['session_id']}'")
         session.check_owner(caller)
+        self._may(caller, "answer", session.instance)
         await self.elicitation.apply_responses(caller, state, responses)
         result = dict(state.get("base") or {})
         try:
@@ -205,6 +217,17 @@ class CallerApi:
             need.base = dict(state.get("base") or {})
             raise
         return result
+
+    # -- who may (docs/POLICY.md, "HTTP principals") -------------------------------------------
+
+    def _may(self, caller: CallerConnection, action: str, instance: str) -> None:
+        """Refuse unless the caller's principal may `action` (message, answer, read) `instance`."""
+        self.access(caller.principal, action, instance)
+
+    def _may_answer(self, caller: CallerConnection, sessions: list[Session]) -> None:
+        """Refuse an answer in sessions of an instance the caller's principal may not answer."""
+        for session in sessions:
+            self.access(caller.principal, "answer", session.instance)
 
     # -- session_message -----------------------------------------------------------------
 
@@ -230,6 +253,7 @@ class CallerApi:
         `stop_reason: "no_guest"` and that text instead of waiting out its time.
         """
         instance = self.instances.resolve(args.get("instance"))
+        self._may(caller, "message", instance)
         session = await self._open_session(instance, args.get("session_id"), caller)
         await self.approvals.sync(session)  # shared store: another server's gated call may be asking
         self._refuse_while_approval_pending(session)
@@ -300,7 +324,11 @@ class CallerApi:
         Raises: `RelayError` for both or neither, a value over the limits (the call stays pending),
         or a request id that is not pending for this caller (without `wait`: also one that ended).
         """
-        await self._owned(caller, args["session_id"])
+        self._may_answer(caller, await self._owned(caller, args["session_id"]))
+        return await self._respond(ctx, caller, args)
+
+    async def _respond(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        """`caller_tool_response` once its door let the answer through (the caller's sessions looked up)."""
         wait = args.get("wait", False)
         try:
             call = await self.calls.respond(
@@ -327,7 +355,11 @@ class CallerApi:
         `forwarded` is false when the agent's client asked for no progress on that call.
         Raises: `RelayError` for a request id that is not pending for this caller (as `caller_tool_response`).
         """
-        await self._owned(caller, args["session_id"])
+        self._may_answer(caller, await self._owned(caller, args["session_id"]))
+        return await self._progress(caller, args)
+
+    async def _progress(self, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
+        """`caller_tool_progress` once its door let the report through (the caller's sessions looked up)."""
         forwarded = await self.calls.progress(
             caller, args["session_id"], args["request_id"],
             args["progress"], args.get("total"), args.get("message"),
@@ -339,6 +371,7 @@ class CallerApi:
     async def approval_response(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
         """Decide one approval (`request_id`, `approve`) or all of the session's (`approvals`)."""
         session = await self._approval_session(caller, args["session_id"], args.get("instance"))
+        self._may(caller, "answer", session.instance)
         return await self._answer_approvals(ctx, caller, caller.id, session, args)
 
     async def approval_response_over_http(self, instance: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -356,12 +389,14 @@ class CallerApi:
         refused like the tool, with the same messages.
         """
         _, owner = await self._http_session("caller_tool_response", instance, args, "has no caller tool requests")
-        return await self.caller_tool_response(_http_context(), owner, args)
+        await self._owned(owner, args["session_id"])
+        return await self._respond(_http_context(), owner, args)  # the HTTP door asked for its own principal
 
     async def caller_tool_progress_over_http(self, instance: str, args: dict[str, Any]) -> dict[str, Any]:
         """The HTTP door for `caller_tool_progress`, as `caller_tool_response_over_http`."""
         _, owner = await self._http_session("caller_tool_progress", instance, args, "has no caller tool requests")
-        return await self.caller_tool_progress(_http_context(), owner, args)
+        await self._owned(owner, args["session_id"])
+        return await self._progress(owner, args)  # the HTTP door asked for its own principal
 
     async def _http_session(
         self, tool: str, instance: str, args: dict[str, Any], none: str,
@@ -465,6 +500,8 @@ class CallerApi:
         that exists in several instances without `instance`.
         """
         session_id = args["session_id"]
+        if args.get("instance"):
+            self._may(caller, "read", args["instance"])  # before any lookup, as tether_read
         channel = args.get("channel", SESSION_CHANNEL)
         problem = channel_problem(channel)
         if problem:
@@ -489,6 +526,7 @@ class CallerApi:
                     raise RelayError(errors.NOT_FOUND, f"unknown session '{session_id}'; pass 'instance' to read its log")
                 raise RelayError(errors.INVALID_PARAMS, f"session '{session_id}' exists in several instances; pass 'instance'")
             instance = matches[0].instance
+        self._may(caller, "read", instance)
         return await self.tether.read(
             instance, channel=channel, session_id=session_id,
             after_seq=args.get("after_seq", 0), limit=args.get("limit", 50),
@@ -504,6 +542,7 @@ class CallerApi:
         is refused as at every door (server_owned.py), so nobody takes it for stored.
         """
         refuse_server_owned(None, args, "argument")
+        self._may(caller, "message", args["instance"])
         return await self.tether.send(args["instance"], args["text"], args.get("session_id"))
 
     async def tether_read(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
@@ -511,6 +550,7 @@ class CallerApi:
 
         Raises: `RelayError` for an unknown instance or a bad session id.
         """
+        self._may(caller, "read", args["instance"])  # first: a refused principal learns not even whether it exists
         instance = await self.instances.require_known(args["instance"])
         session_id = args.get("session_id", DEFAULT_TETHER_SESSION)  # checked by `Tether.read`, as every filter
         return await self.tether.read(

@@ -1,9 +1,10 @@
-"""Declarative policy over the agents' tool calls, in Cedar (docs/POLICY.md): the rules and their gate."""
+"""Declarative policy over the agents' tool calls and the HTTP principals' requests, in Cedar
+(docs/POLICY.md): the rules and their gate."""
 
 from .gate import PolicyCheck, PolicyGate, as_declared, owner_principal
-from .rules import DEFAULT_POLICIES, SCHEMA_PATH, PolicyError, PolicyRules, Ruling, ToolCall
+from .rules import ADMIN, CALLER_ACTIONS, DEFAULT_POLICIES, OPERATE, SCHEMA_PATH, PolicyError, PolicyRules, Ruling, ToolCall
 
 __all__ = [
-    "DEFAULT_POLICIES", "SCHEMA_PATH", "PolicyCheck", "PolicyError", "PolicyGate", "PolicyRules", "Ruling", "ToolCall",
+    "ADMIN", "CALLER_ACTIONS", "DEFAULT_POLICIES", "OPERATE", "SCHEMA_PATH", "PolicyCheck", "PolicyError", "PolicyGate", "PolicyRules", "Ruling", "ToolCall",
     "as_declared", "owner_principal",
 ]

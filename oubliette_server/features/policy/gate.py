@@ -7,6 +7,11 @@ stores the decision (a `policy_decision` frame of the calling session, pushed to
 counts it (`on_decided`, the metrics) and marks the relay request's span; a forbidden call
 raises `RelayError(DENIED)` with the policy's reason, so nothing is relayed or run.
 
+`PolicyGate.require` is the one place an HTTP principal's request is decided (docs/POLICY.md,
+"HTTP principals"): the caller API's tools and the HTTP routes ask it once they know the instance
+(or endpoint) a request is for; a refusal is `RelayError(DENIED)` naming the principal, the
+action and the resource, and what to do.
+
 Reloads (`reload`: SIGHUP, or a change of a policy file seen by `watch`) build a new
 `PolicyRules` and swap the reference: a call keeps the set it was decided by, and none waits.
 An invalid set is refused with one log line, and the previous set stays.
@@ -27,7 +32,7 @@ from oubliette_runtime.trace_spans import record_policy_decision
 
 from ...core.server_owned import POLICY_DECISION
 from ...core.sessions import Session
-from .rules import PolicyError, PolicyRules, Ruling, ToolCall
+from .rules import OPERATE, PolicyError, PolicyRules, Ruling, ToolCall
 
 log = logging.getLogger("oubliette.server.policy")
 
@@ -119,6 +124,18 @@ class PolicyGate:
         log.warning("observe only: policy would forbid %s of %s: %s (policies: %s)", call.tool, where, ruling.reason,
                     ", ".join(ruling.policies) or "none")
         return await as_declared(call, session)
+
+    def require(self, principal: str, action: str, resource: str) -> None:
+        """Refuse (`RelayError(DENIED)`, with why and what to do) unless the current set lets
+        `principal` do `action` to `resource` (an instance's id; an endpoint's name for `operate`)."""
+        reason = self.rules.permits(principal, action, resource)
+        if reason is None:
+            return
+        what = f"the {resource} endpoint" if action == OPERATE else f"instance '{resource}'"
+        raise RelayError(errors.DENIED, (
+            f"principal '{principal}' may not {action} {what}: {reason}; a policy that permits it "
+            f"(docs/POLICY.md, \"HTTP principals\") or another principal's token is needed"
+        ))
 
     def reload(self) -> bool:
         """Read the policy files again and swap the set in; an invalid set keeps the current one

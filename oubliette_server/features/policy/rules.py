@@ -1,4 +1,6 @@
-"""A deployment's policy set, parsed and validated once, and the decision on one tool call.
+"""A deployment's policy set, parsed and validated once, and the decisions it makes: on one
+agent's tool call, and on one HTTP principal's request (which instances it may message, answer
+and read, which operator endpoints it may use).
 
 The policies are Cedar (docs/POLICY.md), evaluated by `cedarpy` (the Cedar project's engine):
 this module only builds the request and reads the answer. The request is fixed by
@@ -17,6 +19,11 @@ What a decision means here, beside Cedar's allow or deny:
   permits the tool;
 - a forbid policy that fails to evaluate (an argument of another type than the policy expects)
   forbids the call: Cedar skips a policy in error, and a forbid skipped so would let the call run.
+
+A principal's request (`PolicyRules.permits`) depends on nothing but (principal, action,
+resource), so its answer is kept for the life of the set: a caller's request costs a dict lookup
+after the first. Every set carries `ADMIN_PERMIT`: the HTTP admin may do everything unless a
+forbid says otherwise; any other principal only what a policy permits.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ import attrs
 import cedarpy
 from cedarpy import pst
 
+from ...core.ids import ADMIN_PRINCIPAL
+
 SCHEMA_PATH = Path(__file__).with_name("schema.cedarschema")
 ACTION = {"type": "Oubliette::Action", "id": "call_tool"}
 REQUIRE_APPROVAL = "requireApproval"
@@ -45,6 +54,24 @@ DEFAULT_POLICIES = """\
 permit(principal, action == Oubliette::Action::"call_tool", resource);
 """
 """The policy set of a server given no policy file: today's behaviour, as policy."""
+
+ADMIN = ADMIN_PRINCIPAL
+"""The principal of the HTTP admin token (`oubliette-server http-token`), of a stdio caller and of
+a Unix socket listener (file access is its credential)."""
+CALLER_ACTIONS = ("message", "answer", "read")
+"""What a principal does to an instance (resource `Oubliette::Instance`)."""
+OPERATE = "operate"
+"""A principal's use of an operator endpoint (resource `Oubliette::Endpoint`: "metrics", "health")."""
+ADMIN_PERMIT = f"""
+@id("admin-may-do-everything")
+permit(principal == Oubliette::Principal::"{ADMIN}", action in [
+  Oubliette::Action::"message", Oubliette::Action::"answer", Oubliette::Action::"read", Oubliette::Action::"{OPERATE}"
+], resource);
+"""
+"""Added to every set for principals' requests (after the deployment's policies, so their
+`policy0`... names stay): the admin token keeps reaching everything; a forbid still binds it."""
+_DECISIONS_KEPT = 100_000
+"""Principals' decisions a set keeps (then it starts over): a few principals times every instance."""
 
 Effect = Literal["permit", "approval", "forbid"]
 
@@ -94,7 +121,8 @@ class ToolCall:
             "principal": {"type": "Oubliette::Agent", "id": agent},
             "action": ACTION,
             "resource": {"type": "Oubliette::Tool", "id": self.tool},
-            "context": context if keys is None else {key: context[key] for key in keys},
+            # A key of another action's context (a principal's `context.instance` is also a call's) or none.
+            "context": context if keys is None else {key: context[key] for key in keys if key in context},
         }
 
     def context(self, now: float) -> dict[str, Any]:
@@ -121,6 +149,10 @@ def _tool_entities(tool: str, kind: str, owner: str) -> cedarpy.Entities:
         {"uid": {"type": "Oubliette::Tool", "id": tool}, "attrs": {}, "parents": [parent]},
         {"uid": parent, "attrs": {}, "parents": []},
     ]))
+
+
+_NO_ENTITIES = cedarpy.Entities.from_json_str("[]")
+"""A principal's request needs no entity data: its policies name principals and instances by id."""
 
 
 @attrs.frozen
@@ -167,6 +199,10 @@ class PolicyRules:
     _policies: dict[str, _Policy]
     _context_keys: frozenset[str] | None
     """The context attributes the policies read (None: all, a policy reads `context` whole)."""
+    _principals_set: cedarpy.PolicySet
+    """The set with `ADMIN_PERMIT`, for principals' requests."""
+    _decisions: dict[tuple[str, str, str], str | None] = attrs.field(factory=dict, init=False, eq=False)
+    """(principal, action, resource) -> None (permitted) or why not: the set never changes."""
 
     @classmethod
     def load(cls, text: str, source: str) -> PolicyRules:
@@ -192,7 +228,8 @@ class PolicyRules:
         for policy in policies.values():
             if policy.effect == "forbid" and REQUIRE_APPROVAL in policy.annotations:
                 raise PolicyError(f"{source}: {policy.name}: @{REQUIRE_APPROVAL} belongs on a permit policy, not a forbid")
-        return cls(source, policy_set, policies, _context_read(parsed.static_policies.values()))
+        principals_set = cedarpy.PolicySet.from_str(text + ADMIN_PERMIT)
+        return cls(source, policy_set, policies, _context_read(parsed.static_policies.values()), principals_set)
 
     @classmethod
     def default(cls) -> PolicyRules:
@@ -235,6 +272,35 @@ class PolicyRules:
             return Ruling("forbid", names, "; ".join(dict.fromkeys(why)))
         approval_by = tuple(p.name for p in deciding if REQUIRE_APPROVAL in p.annotations) + call.declared_approval
         return Ruling("approval" if approval_by else "permit", names, approval_by=approval_by)
+
+    def permits(self, principal: str, action: str, resource: str) -> str | None:
+        """None when the policies let `principal` do `action` (`message`, `answer`, `read` an
+        instance; `operate` an endpoint) to `resource`, else why not (a forbid's `@reason`, or
+        that no policy permits it). Decided once per set: the request carries nothing else."""
+        key = (principal, action, resource)
+        try:
+            return self._decisions[key]
+        except KeyError:
+            pass
+        if len(self._decisions) >= _DECISIONS_KEPT:
+            self._decisions.clear()
+        kind, attribute = ("Endpoint", "endpoint") if action == OPERATE else ("Instance", "instance")
+        answer = cedarpy.is_authorized({
+            "principal": {"type": "Oubliette::Principal", "id": principal},
+            "action": {"type": "Oubliette::Action", "id": action},
+            "resource": {"type": f"Oubliette::{kind}", "id": resource},
+            "context": {attribute: resource},
+        }, self._principals_set, _NO_ENTITIES)
+        reason = None
+        if not answer.allowed:
+            reasons = set(answer.diagnostics.reasons)
+            why = [p.annotations.get(REASON) or f"forbidden by policy {p.name}"
+                   for key_, p in self._policies.items() if key_ in reasons]
+            reason = "; ".join(dict.fromkeys(why)) or "no policy permits it"
+            if answer.diagnostics.errors:
+                reason += f" ({_one_line('; '.join(answer.diagnostics.errors))})"
+        self._decisions[key] = reason
+        return reason
 
     def _failed_forbids(self, errors: list[str]) -> list[tuple[_Policy, str]]:
         """The forbid policies among those Cedar could not evaluate, with its message (an error

@@ -54,6 +54,16 @@ def test_commands_print_the_tokens_the_harness_computes(deployment: Deployment) 
     assert re.fullmatch(r"[0-9a-f]{64}\n", http.stdout) and http.stdout != token.stdout
 
 
+def test_http_token_prints_a_named_principals_token(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """`http-token --principal NAME`: the HMAC of `http:NAME`, not the admin's; `admin` and a bad name are refused."""
+    code, out, err = cli(capsys, "http-token", "--principal", "team-a", "--data-dir", str(deployment.data_dir))
+    assert code == 0, err
+    assert out == deployment.http_token("team-a") + "\n" and out != deployment.http_token() + "\n"
+    for name, problem in [("admin", "'admin' is the HTTP admin token's principal"), ("team a", "invalid principal name")]:
+        code, out, err = cli(capsys, "http-token", "--principal", name, "--data-dir", str(deployment.data_dir))
+        assert code == 2 and problem in err, err
+
+
 def test_token_is_64_hex_stable_and_per_instance(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(capsys, "token", "box1", "--data-dir", str(deployment.data_dir))
     assert code == 0, err

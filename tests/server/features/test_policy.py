@@ -456,3 +456,224 @@ async def test_a_toolset_call_is_decided_on_both_paths_of_the_client(deployment:
     assert not permitted.is_error and "hello" in text_of(permitted)
     assert [(d["tool"], d["kind"], d["owner"], d["effect"]) for d in decisions(deployment)] == [
         ("ext.echo_external", "toolset", "echo", "forbid"), ("ext.echo_external", "toolset", "echo", "permit")]
+
+
+# -- HTTP principals: which instances each may message, answer and read ---------------------------
+
+TEAMS = """\
+@id("team-a-own-instances")
+permit(principal == Oubliette::Principal::"team-a",
+       action in [Oubliette::Action::"message", Oubliette::Action::"answer", Oubliette::Action::"read"], resource)
+when { context.instance like "a-*" };
+
+@id("team-b-own-instances")
+permit(principal == Oubliette::Principal::"team-b",
+       action in [Oubliette::Action::"message", Oubliette::Action::"answer", Oubliette::Action::"read"], resource)
+when { context.instance like "b-*" };
+
+@id("team-a-reads-metrics")
+permit(principal == Oubliette::Principal::"team-a", action == Oubliette::Action::"operate",
+       resource == Oubliette::Endpoint::"metrics");
+
+@id("b-2-answered-by-its-operator")
+@reason("b-2's requests are answered by its operator")
+forbid(principal == Oubliette::Principal::"team-b", action == Oubliette::Action::"answer", resource)
+when { context.instance == "b-2" };
+
+@id("tools")
+permit(principal, action == Oubliette::Action::"call_tool", resource);
+"""
+
+
+def test_the_admin_may_do_everything_and_a_named_principal_nothing_by_default() -> None:
+    rules = PolicyRules.default()
+    for action, resource in [("message", "a-1"), ("answer", "a-1"), ("read", "b-1"), ("operate", "metrics")]:
+        assert rules.permits("admin", action, resource) is None
+        assert rules.permits("team-a", action, resource) == "no policy permits it"
+
+
+def test_a_principal_may_what_the_policies_permit_and_a_forbid_binds_the_admin() -> None:
+    rules = PolicyRules.load(TEAMS + """
+@id("admin-keeps-out-of-b") @reason("b- instances are team-b's alone")
+forbid(principal == Oubliette::Principal::"admin", action in [Oubliette::Action::"read"], resource)
+when { context.instance like "b-*" };
+""", "teams")
+    assert rules.permits("team-a", "message", "a-1") is None and rules.permits("team-a", "read", "a-7") is None
+    assert rules.permits("team-a", "message", "b-1") == "no policy permits it"
+    assert rules.permits("team-b", "answer", "a-1") == "no policy permits it"
+    assert rules.permits("team-a", "operate", "metrics") is None and rules.permits("team-a", "operate", "health") is not None
+    assert rules.permits("admin", "read", "b-1") == "b- instances are team-b's alone"
+    assert rules.permits("admin", "message", "b-1") is None
+    assert len(rules) == 6, "the admin's permit is the server's, not counted among the file's policies"
+
+
+def test_the_gate_refuses_a_principal_with_who_what_which_and_what_to_do() -> None:
+    gate = PolicyGate(PolicyRules.load(TEAMS, "teams"))
+    gate.require("team-a", "message", "a-1")
+    with pytest.raises(RelayError) as refused:
+        gate.require("team-b", "read", "a-1")
+    assert refused.value.code == errors.DENIED
+    assert refused.value.message.startswith(
+        "principal 'team-b' may not read instance 'a-1': no policy permits it; a policy that permits it")
+
+
+def test_a_reload_decides_principals_with_the_new_set(tmp_path: Path) -> None:
+    """Decisions are kept for the life of a set: a reload's set decides afresh."""
+    policy = tmp_path / "teams.cedar"
+    policy.write_text(TEAMS)
+    gate = PolicyGate(PolicyRules.from_files([policy]), files=[policy])
+    gate.require("team-a", "read", "a-1")
+    policy.write_text('@id("tools") permit(principal, action == Oubliette::Action::"call_tool", resource);')
+    assert gate.reload()
+    with pytest.raises(RelayError, match="principal 'team-a' may not read instance 'a-1'"):
+        gate.require("team-a", "read", "a-1")
+    gate.require("admin", "read", "a-1")
+
+
+def test_policy_test_decides_a_principals_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "teams.cedar"
+    policy.write_text(TEAMS)
+    assert run_policy_command(["test", str(policy), "--principal", "team-a", "--action", "message", "--instance", "a-1"]) == 0
+    assert capsys.readouterr().out == "decision: permit\n"
+    assert run_policy_command(["test", str(policy), "--principal", "team-a", "--action", "answer", "--instance", "b-1"]) == 0
+    assert capsys.readouterr().out == "decision: forbid\nreason: no policy permits it\n"
+    assert run_policy_command(["test", "--principal", "admin", "--action", "operate", "--endpoint", "health"]) == 0
+    assert capsys.readouterr().out == "decision: permit\n"
+
+
+def test_the_config_files_principal_keys(tmp_path: Path) -> None:
+    from oubliette_server.core.auth import HttpPrincipals, TokenAuthority
+    from oubliette_server.program.config import ServerConfig, load_config_file
+
+    config = tmp_path / "etc" / "oubliette.toml"
+    config.parent.mkdir()
+    (config.parent / "team-b.token").write_text("b" * 40 + "\n")
+    config.write_text('[server]\nhttp_principals = ["team-a"]\n'
+                      '[server.http_principal_token_files]\nteam-b = "team-b.token"\n')
+    settings = ServerConfig(**load_config_file(config))
+    assert settings.http_principal_token_files == {"team-b": tmp_path / "etc" / "team-b.token"}, "relative to the file"
+    authority = TokenAuthority(b"s" * 32)
+    principals = HttpPrincipals(authority, settings.http_principals, settings.http_principal_token_files)
+    assert principals.principal_of(authority.token_for("http:team-a")) == "team-a"
+    assert principals.principal_of("b" * 40) == "team-b"
+    assert principals.principal_of(authority.token_for("http:admin")) == "admin"
+    assert principals.principal_of(authority.token_for("http:team-c")) is None, "only configured names"
+    assert principals.principal_of(authority.token_for("a-1")) is None, "an instance's token is no principal's"
+    with pytest.raises(ValueError, match="'admin' is the HTTP admin token's principal"):
+        HttpPrincipals(authority, ["admin"], {})
+
+
+async def test_two_principals_reach_only_their_own_instances_at_every_door(deployment: Deployment) -> None:
+    policy = deployment.root / "teams.cedar"
+    policy.write_text(TEAMS)
+    token_a, token_b = deployment.http_token("team-a"), deployment.http_token("team-b")
+    async with deployment.http_server(
+        "--policy", str(policy), "--http-principal", "team-a", "--http-principal", "team-b",
+    ) as server, server.caller(token=token_a) as (team_a, _), \
+            server.caller(token=token_b, mode="2026-07-28", events=False) as (team_b, _):
+        # Each reaches its own instances, on /mcp of either era.
+        for caller, instance in [(team_a, "a-1"), (team_b, "b-1")]:
+            sent = await caller.call_tool("session_message", {"instance": instance, "session_id": "s1", "message": "hi"})
+            assert not sent.is_error, text_of(sent)
+        own_key = sent.structured_content["owner_key"]
+        read = await team_a.call_tool("session_events", {"instance": "a-1", "session_id": "s1"})
+        assert not read.is_error, text_of(read)
+
+        # Neither reaches the other's: every tool refuses with who, what, which and what to do.
+        refusals = [
+            (team_a, "session_message", {"instance": "b-1", "session_id": "s1", "message": "hi"}, "team-a", "message", "b-1"),
+            (team_a, "tether_send", {"instance": "b-1", "text": "hi"}, "team-a", "message", "b-1"),
+            (team_a, "tether_read", {"instance": "b-1"}, "team-a", "read", "b-1"),
+            (team_a, "session_events", {"instance": "b-1", "session_id": "t", "channel": "tether"}, "team-a", "read", "b-1"),
+            (team_b, "session_message", {"instance": "a-1", "session_id": "s1", "message": "hi", "owner_key": own_key},
+             "team-b", "message", "a-1"),
+            (team_b, "tether_read", {"instance": "a-1", "owner_key": own_key}, "team-b", "read", "a-1"),
+            (team_b, "session_events", {"instance": "a-1", "session_id": "s1", "owner_key": own_key}, "team-b", "read", "a-1"),
+        ]
+        for caller, tool, arguments, principal, action, instance in refusals:
+            refused = await caller.call_tool(tool, arguments)
+            assert refused.is_error, (tool, arguments)
+            assert text_of(refused).startswith(
+                f"{tool}: principal '{principal}' may not {action} instance '{instance}': no policy permits it; "
+                "a policy that permits it"), text_of(refused)
+        # A forbid with its reason: team-b messages b-2, but its requests are not team-b's to answer.
+        sent = await team_b.call_tool("session_message", {
+            "instance": "b-2", "session_id": "s2", "message": "hi", "owner_key": own_key})
+        assert not sent.is_error, text_of(sent)
+        for tool, arguments in [("caller_tool_response", {"request_id": "r1", "result": 1}),
+                                ("approval_response", {"request_id": "r1", "approve": True, "instance": "b-2"})]:
+            refused = await team_b.call_tool(tool, {"session_id": "s2", "owner_key": own_key, **arguments})
+            assert text_of(refused).startswith(
+                f"{tool}: principal 'team-b' may not answer instance 'b-2': b-2's requests are answered by its operator;"
+            ), text_of(refused)
+
+        # The tether REST API and the answer routes: 403 with the reason.
+        async with server.rest(token_b) as rest_b, server.rest(token_a) as rest_a, server.rest() as admin:
+            doors = [
+                ("GET", "/v1/instances/a-1/tether/poll", None, "read"),
+                ("GET", "/v1/instances/a-1/tether/stream", None, "read"),
+                ("POST", "/v1/instances/a-1/tether", {"type": "user.message", "payload": {"text": "hi"}}, "message"),
+                ("POST", "/v1/instances/a-1/sessions/s1/approvals", {"request_id": "x", "approve": True}, "answer"),
+                ("POST", "/v1/instances/a-1/sessions/s1/caller_tool_response", {"request_id": "x", "result": 1}, "answer"),
+            ]
+            for method, path, body, action in doors:
+                answer = await rest_b.request(method, path, json=body)
+                assert answer.status_code == 403, (path, answer.text)
+                assert answer.json()["error"]["message"].startswith(
+                    f"principal 'team-b' may not {action} instance 'a-1': no policy permits it"), answer.text
+            polled = await rest_a.get("/v1/instances/a-1/tether/poll")
+            assert polled.status_code == 200 and polled.json()["frames"], polled.text
+            answered = await rest_a.post("/v1/instances/a-1/sessions/s1/caller_tool_response",
+                                         json={"request_id": "r1", "result": 1})
+            assert answered.status_code == 404 and "unknown request_id 'r1'" in answered.text, answered.text
+            # b-2's operator answers for team-b, which may not answer there itself: the door asks for its own principal.
+            for route, body in [("caller_tool_response", {"request_id": "r1", "result": 1}),
+                                ("caller_tool_progress", {"request_id": "r1", "progress": 1}),
+                                ("approvals", {"request_id": "r1", "approve": True})]:
+                answered = await admin.post(f"/v1/instances/b-2/sessions/s2/{route}", json=body)
+                assert answered.status_code == 404 and "'r1'" in answered.text, (route, answered.text)
+
+            # The operator endpoints: the admin uses them, team-a /metrics only, team-b neither.
+            assert (await admin.get("/metrics")).status_code == 200
+            assert (await admin.get("/v1/health")).status_code == 200
+            assert (await rest_a.get("/metrics")).status_code == 200
+            for rest, path, principal, endpoint in [(rest_b, "/metrics", "team-b", "metrics"),
+                                                    (rest_a, "/v1/health", "team-a", "health")]:
+                answer = await rest.get(path)
+                assert answer.status_code == 403, answer.text
+                assert answer.json()["error"]["message"].startswith(
+                    f"principal '{principal}' may not operate the {endpoint} endpoint: no policy permits it")
+        async with server.rest(deployment.http_token("team-c")) as stranger:
+            unknown = await stranger.get("/metrics")
+            assert unknown.status_code == 401, "a principal the server was not given has no token"
+
+        # A handshake-era MCP session is its opener's: team-b's token with team-a's Mcp-Session-Id is refused.
+        async with server.rest(token_a) as rest_a, server.rest(token_b) as rest_b:
+            opened = await _mcp_post(rest_a, None, "initialize", {
+                "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "a", "version": "1"}})
+            session = opened.headers["mcp-session-id"]
+            await _mcp_post(rest_a, session, "notifications/initialized", None)
+            own = await _mcp_post(rest_a, session, "tools/call", {"name": "tether_read", "arguments": {"instance": "a-1"}})
+            assert not _mcp_result(own).get("isError"), own.text
+            hijack = await _mcp_post(rest_b, session, "tools/call", {"name": "tether_read", "arguments": {"instance": "b-1"}})
+            assert _mcp_result(hijack)["isError"] is True, hijack.text
+            assert "this MCP session acts as principal 'team-a' (its first call's token), not 'team-b'" in _mcp_result(hijack)["content"][0]["text"]
+
+
+async def _mcp_post(rest: Any, session: str | None, method: str, params: dict[str, Any] | None) -> Any:
+    """One handshake-era JSON-RPC message to `/mcp` (a request when it has params, else a notification)."""
+    headers = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-11-25"}
+    if session is not None:
+        headers["Mcp-Session-Id"] = session
+    message: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
+    if params is not None:
+        message.update(id=1, params=params)
+    return await rest.post("/mcp", json=message, headers=headers)
+
+
+def _mcp_result(response: Any) -> dict[str, Any]:
+    """The JSON-RPC result of an `/mcp` response, an SSE stream or a JSON body."""
+    if response.headers["content-type"].startswith("text/event-stream"):
+        data = [line[len("data:"):] for line in response.text.splitlines() if line.startswith("data:")]
+        return json.loads(data[-1])["result"]
+    return response.json()["result"]
