@@ -115,10 +115,51 @@ class Cluster:
     proxies: dict[str, RoundRobinProxy]
     token: str
     """The instance's relay token (the agents')."""
+    statements: StatementCounter | None = None
+    """What the servers asked of the database, when the bench started its own PostgreSQL."""
+
+
+class StatementCounter:
+    """The statements the servers ran, read from `pg_stat_statements` (the bench's own PostgreSQL
+    loads it): executions per statement text since `reset`. An empty query (the connection checks
+    before a write on the loop and before each pooled call) is not counted there."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+
+    def reset(self) -> None:
+        self.conn.execute("SELECT pg_stat_statements_reset()")
+
+    def read(self) -> dict[str, int]:
+        rows = self.conn.execute(
+            "SELECT query, calls FROM pg_stat_statements WHERE dbid = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database()) AND query NOT LIKE '%pg_stat_statements%'"
+        ).fetchall()
+        counts: dict[str, int] = {}
+        for query, calls in rows:
+            key = " ".join(str(query).split())
+            counts[key] = counts.get(key, 0) + int(calls)
+        return counts
+
+
+def statement_summary(counts: dict[str, int], calls: int, listeners: int) -> str:
+    """Per relayed call: statements, transactions, NOTIFYs and the wakes they cause (each NOTIFY
+    reaches every listening server), and the most frequent statements."""
+    total = sum(counts.values())
+    begins = sum(n for q, n in counts.items() if q.upper().startswith("BEGIN"))
+    notifies = sum(n for q, n in counts.items() if "pg_notify" in q or q.upper().startswith("NOTIFY"))
+    top = sorted(counts.items(), key=lambda item: -item[1])[:8]
+    lines = [f"statements {total / calls:.2f}, BEGIN (pooled transactions) {begins / calls:.2f}, "
+             f"NOTIFY {notifies / calls:.2f}, LISTEN wakes {notifies * listeners / calls:.2f} per call"]
+    lines += [f"        {n / calls:5.2f}  {q[:110]}" for q, n in top]
+    return "\n".join(lines)
 
 
 @asynccontextmanager
-async def three_servers(url: str, lease_ttl: float) -> AsyncIterator[Cluster]:
+async def three_servers(url: str, lease_ttl: float, count: bool = False) -> AsyncIterator[Cluster]:
     deployments = [Deployment(store=url) for _ in range(3)]
     try:
         async with AsyncExitStack() as stack:
@@ -130,7 +171,8 @@ async def three_servers(url: str, lease_ttl: float) -> AsyncIterator[Cluster]:
             async with trio.open_nursery() as nursery:
                 ports = {name: await nursery.start(proxy.serve) for name, proxy in proxies.items()}
                 yield Cluster(deployments, servers, f"http://127.0.0.1:{ports['one']}",
-                              f"http://127.0.0.1:{ports['three']}", proxies, deployments[0].token(INSTANCE))
+                              f"http://127.0.0.1:{ports['three']}", proxies, deployments[0].token(INSTANCE),
+                              StatementCounter(url) if count else None)
                 nursery.cancel_scope.cancel()
     finally:
         for d in deployments:
@@ -191,7 +233,7 @@ async def bench_round_robin_call(world: Cluster, args: argparse.Namespace) -> di
     ratio = three / one
     spread = world.proxies["three"].counts
     print(f"   the round-robin proxy's connections per server: {spread}")
-    print(f"   ratio three servers / one server (median): {ratio:.2f}x   (target <= 1.3x: {'met' if ratio <= 1.3 else 'NOT met'})")
+    print(f"   ratio three servers / one server (median): {ratio:.2f}×   (target <= 1.3×: {'met' if ratio <= 1.3 else 'NOT met'})")
     return {"ratio": ratio}
 
 
@@ -277,7 +319,7 @@ async def bench_throughput(world: Cluster, args: argparse.Namespace) -> None:
     """3. `args.agents` agents calling at once: all on S0, or spread over the three servers."""
     key = secrets.token_urlsafe(24)
     pids = {f"S{i}": s.process.pid for i, s in enumerate(world.servers)}
-    rounds: dict[str, list[dict[str, float]]] = {"one server": [], "three servers": []}
+    rounds: dict[str, list[dict[str, Any]]] = {"one server": [], "three servers": []}
     async with modern_caller(world.one, world.servers[0].token, key) as via_one, \
             modern_caller(world.three, world.servers[0].token, key) as via_three:
         for name, caller, spread in (("one server", via_one, 1), ("three servers", via_three, 3)):
@@ -290,7 +332,7 @@ async def bench_throughput(world: Cluster, args: argparse.Namespace) -> None:
                     clients.append(await stack.enter_async_context(
                         agent(world.deployments[a % spread], world.token, session_id)))
                 for _ in range(args.rounds):
-                    rounds[name].append(await run_load(clients, args.agent_calls, pids))
+                    rounds[name].append(await run_load(clients, args.agent_calls, pids, world.statements))
                 nursery.cancel_scope.cancel()
     calls = args.agents * args.agent_calls
     print(f"\n3. throughput: {args.agents} agents (sessions) x {args.agent_calls} relayed calls at once, answered by one "
@@ -305,12 +347,18 @@ async def bench_throughput(world: Cluster, args: argparse.Namespace) -> None:
         print(f"   {name:14s} {', '.join(f'{r:.0f}' for r in rate)} calls/s;  server CPU ms per call: {cpu} "
               f"(sum {sum(per_call.values()):.2f});  with a core per server: {capacity[name]:.0f} calls/s "
               f"(the busiest server's CPU)")
-    print(f"   with a core per server, three servers / one: {capacity['three servers'] / capacity['one server']:.2f}x "
+        if world.statements is not None:
+            print("      " + statement_summary(runs[-1]["statements"], calls, len(pids)))
+    print(f"   with a core per server, three servers / one: {capacity['three servers'] / capacity['one server']:.2f}× "
           "(the servers' CPU only: the callers, agents and PostgreSQL need cores of their own)")
 
 
-async def run_load(clients: list[Client], calls: int, pids: dict[str, int]) -> dict[str, float]:
-    """Every client makes `calls` sequential calls, all clients at once: wall time and CPU seconds per server."""
+async def run_load(clients: list[Client], calls: int, pids: dict[str, int],
+                   counter: StatementCounter | None = None) -> dict[str, Any]:
+    """Every client makes `calls` sequential calls, all clients at once: wall time, CPU seconds per
+    server and (with `counter`) the statements run."""
+    if counter is not None:
+        counter.reset()
     before = {p: cpu_seconds(pid) for p, pid in pids.items()}
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
@@ -322,7 +370,8 @@ async def run_load(clients: list[Client], calls: int, pids: dict[str, int]) -> d
 
             nursery.start_soon(run)
     wall = time.perf_counter() - start
-    return {"wall": wall, **{p: cpu_seconds(pid) - before[p] for p, pid in pids.items()}}
+    used = {p: cpu_seconds(pid) - before[p] for p, pid in pids.items()}
+    return {"wall": wall, **used, "statements": counter.read() if counter is not None else {}}
 
 
 # -- --two-servers: a relayed call, two servers against one ---------------------------------------------
@@ -589,12 +638,13 @@ async def main_async(args: argparse.Namespace) -> int:
     if url is None:
         from postgres import PostgresServer
 
-        pg = PostgresServer(fsync=True)
+        pg = PostgresServer(fsync=True, settings={"shared_preload_libraries": "pg_stat_statements",
+                                                   "pg_stat_statements.track_utility": "on"})
         pg.start()
     try:
         ok = True
         if not args.skip_cluster:
-            async with three_servers(url or pg.new_database(), args.lease_ttl) as world:  # type: ignore[union-attr]
+            async with three_servers(url or pg.new_database(), args.lease_ttl, count=url is None) as world:  # type: ignore[union-attr]
                 started = time.perf_counter()
                 for section, run in (("1", bench_round_robin_call), ("2", bench_wake), ("3", bench_throughput)):
                     if section in args.sections:
@@ -627,8 +677,13 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=8, help="soak: sessions they are spread over (default 8)")
     parser.add_argument("--callers", type=int, default=4, help="soak: agent tasks making relayed calls meanwhile (default 4)")
     parser.add_argument("--lease-ttl", type=float, default=2.0, help="the servers' [store] lease_ttl (default 2 s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few calls of sections 1-3 (a smoke test: fails on a wrong result, never on a time)")
     parser.add_argument("--pg", help="a libpq URI of a PostgreSQL to use (its databases are not created: use an empty one)")
     args = parser.parse_args()
+    if args.quick:
+        args.calls, args.warmup, args.chunk, args.wakes = 6, 2, 3, 5
+        args.agents, args.agent_calls, args.rounds = 3, 5, 1
     if args.pg and (not args.skip_cluster) + args.two_servers + args.soak > 1:
         parser.error("--pg holds one run: choose one of sections 1-3, --two-servers or --soak")
     return trio.run(main_async, args)

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SMOKE = {
     "bench_relay.py": ["--quick"],
     "bench_http.py": ["--quick"],
+    "bench_cluster.py": ["--quick"],
 }
 
 

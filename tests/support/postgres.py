@@ -38,9 +38,11 @@ START_TIMEOUT = 60.0
 class PostgresServer:
     """One running PostgreSQL; `url(db)` is a libpq URI for database `db` over its socket."""
 
-    def __init__(self, *, fsync: bool = False) -> None:
+    def __init__(self, *, fsync: bool = False, settings: dict[str, str] | None = None) -> None:
         self.fsync = fsync
         """Whether the server fsyncs (off for tests; on for the benchmark's honest commits)."""
+        self.settings = settings or {}
+        """More server settings (`-c name=value`), e.g. a benchmark's `pg_stat_statements`."""
         if not (PG_BIN / "postgres").exists():
             raise RuntimeError(
                 f"PostgreSQL binaries are missing from {PG_BIN}: apt-get install -y postgresql-15 "
@@ -68,7 +70,8 @@ class PostgresServer:
         self._ready = threading.Event()
         self.process = subprocess.Popen(
             [*self._prefix, str(PG_BIN / "postgres"), "-D", str(self.data), "-k", str(self.socket_dir),
-             "-c", "listen_addresses=", "-c", f"fsync={'on' if self.fsync else 'off'}", "-c", "max_connections=200"],
+             "-c", "listen_addresses=", "-c", f"fsync={'on' if self.fsync else 'off'}", "-c", "max_connections=200",
+             *[arg for name, value in self.settings.items() for arg in ("-c", f"{name}={value}")]],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         self._drainer = threading.Thread(target=self._drain, args=(self.process,), daemon=True)
