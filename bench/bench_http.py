@@ -211,9 +211,10 @@ async def process(command: list[str], **options: Any) -> AsyncIterator[trio.Proc
 
 
 async def relayed(workdir: Path, caller_command: list[str], server_pid: int | None, name: str,
-                  args: argparse.Namespace) -> PathFigures:
-    """The agent's relayed calls while `caller_command` (a caller process) answers them."""
-    token = token_for(workdir / "data", INSTANCE)
+                  args: argparse.Namespace, token: str) -> PathFigures:
+    """The agent's relayed calls while `caller_command` (a caller process) answers them; `token`
+    is the instance's, asked before the server starts (the command and the server both make the
+    data directory's secret when it is missing)."""
     agent = StdioServerParameters(
         command=PYTHON, args=[*profiled(f"client-{name}"), "-m", "oubliette_client", "--log-level", "WARNING"],
         env={"OUBLIETTE_RELAY": f"unix:{workdir / 'relay.sock'}", "OUBLIETTE_INSTANCE": INSTANCE,
@@ -238,6 +239,7 @@ async def relayed(workdir: Path, caller_command: list[str], server_pid: int | No
 
 async def relayed_over_http(workdir: Path, era: str, args: argparse.Namespace) -> PathFigures:
     data_dir = workdir / "data"
+    token = token_for(data_dir, INSTANCE)
     server_command = [PYTHON, *profiled(f"server-{era}"), "-m", "oubliette_server", "--no-stdio",
                       "--relay", f"unix:{workdir / 'relay.sock'}", "--data-dir", str(data_dir),
                       "--http", "127.0.0.1:0", "--log-level", "WARNING"]
@@ -250,7 +252,7 @@ async def relayed_over_http(workdir: Path, era: str, args: argparse.Namespace) -
                                     check=True, capture_output=True, text=True).stdout.strip()
         caller = [PYTHON, str(Path(__file__).resolve()), "--as-http-caller", url, http_token, era,
                   *(["--new-connection"] if args.new_connection else [])]
-        figures = await relayed(workdir, caller, server.pid, f"relayed {era}", args)
+        figures = await relayed(workdir, caller, server.pid, f"relayed {era}", args, token)
         nursery.cancel_scope.cancel()
     return figures
 
@@ -268,7 +270,7 @@ async def direct_over_http(era: str, args: argparse.Namespace) -> PathFigures:
 
 async def relayed_over_stdio(workdir: Path, args: argparse.Namespace) -> PathFigures:
     caller = [PYTHON, str(HERE / "bench_relay.py"), "--as-caller", str(workdir)]
-    return await relayed(workdir, caller, None, "relayed stdio", args)
+    return await relayed(workdir, caller, None, "relayed stdio", args, token_for(workdir / "data", INSTANCE))
 
 
 async def one_round(workdir: Path, n: int, args: argparse.Namespace) -> dict[str, PathFigures]:
