@@ -494,3 +494,60 @@ async def test_a_toolset_call_is_decided_on_both_paths_of_the_client(deployment:
     assert not permitted.is_error and "hello" in text_of(permitted)
     assert [(d["tool"], d["kind"], d["owner"], d["effect"]) for d in decisions(deployment)] == [
         ("ext.echo_external", "toolset", "echo", "forbid"), ("ext.echo_external", "toolset", "echo", "permit")]
+
+
+async def test_a_forbid_and_an_approval_decided_on_a_server_sharing_postgres_the_approval_answered_on_the_other(
+    pg_url: str,
+) -> None:
+    """Servers A and B on one PostgreSQL, the same policy file: the caller on A, the agent on B.
+    B forbids `myapp_rm` of /etc with the policy's reason (A's caller sees no request) and sends
+    `myapp_send` to approval; the caller answers it on A, and the call then runs, relayed to A.
+    The log holds each decision once: the forbid a frame of its own, the approval in the
+    `approval_request` B stored."""
+    from oubliette_server.store.api import FrameQuery
+    from oubliette_server.store.postgres import PostgresFrameStore
+    from test_caller_loop import IDLE, INSTANCE, LOOP_AGENT, LoopCaller, ends_with
+
+    a, b = Deployment(store=pg_url), Deployment(store=pg_url)
+    policy = a.root / "policies.cedar"
+    policy.write_text(TMP_ONLY)
+    try:
+        async with a.http_server("--config", str(a.config_file(INSTANCE)), "--policy", str(policy)) as server_a, \
+                b.http_server("--config", str(b.config_file(INSTANCE)), "--policy", str(policy)) as server_b, \
+                b.guest(INSTANCE, LOOP_AGENT), server_a.caller(events=False) as (client, _):
+            await server_b.wait_connected(INSTANCE)
+            caller = LoopCaller(client)
+            ends_with(await caller.message("s1", IDLE, [RM, SEND], wait=60), "end_turn")
+            async with b.agent(INSTANCE, "mcp:s1") as agent, trio.open_nursery() as nursery:
+                with trio.fail_after(30):
+                    forbidden = await agent.call_tool("myapp_rm", {"path": "/etc/passwd"})
+                assert forbidden.is_error
+                assert text_of(forbidden) == "myapp_rm: forbidden by policy: myapp_rm deletes only under /tmp/"
+                outcome: dict[str, Any] = {}
+
+                async def gated_call() -> None:
+                    outcome["result"] = await agent.call_tool("myapp_send", {"text": "hello"})
+
+                nursery.start_soon(gated_call)
+                asked = await caller.call("session_events", session_id="s1", types=["approval_request"], wait_ms=20_000)
+                [approval] = [f["payload"] for f in asked["frames"]]
+                assert approval["tool_name"] == "myapp_send"
+                answered = await caller.call("approval_response", session_id="s1", request_id=approval["request_id"],
+                                             approve=True)
+                assert answered.get("resolved") is True, answered
+                relayed = await caller.call("session_events", session_id="s1", types=["caller_tool_request"], wait_ms=20_000)
+                [request] = [f["payload"] for f in relayed["frames"]]
+                assert request["tool"] == "send", "nothing of the forbidden call reached the caller"
+                await caller.answer("s1", request["request_id"], result={"sent": True})
+            assert outcome["result"].structured_content == {"sent": True}, text_of(outcome["result"])
+    finally:
+        a.cleanup()
+        b.cleanup()
+    store = PostgresFrameStore(pg_url)
+    async with store.running():
+        frames = await store.query(INSTANCE, FrameQuery(channel="mcp", session_id="s1", limit=200))
+    decided = [(f.type, f.payload.get("effect") or f.payload.get("policy", {}).get("effect"))
+               for f in frames if f.type == "policy_decision" or "policy" in f.payload]
+    assert decided == [("policy_decision", "forbid"), ("approval_request", "approval")], decided
+    [resolved] = [f.payload for f in frames if f.type == "approval_resolved"]
+    assert resolved["approve"] is True
