@@ -37,11 +37,14 @@ from protocol import RelayError, errors
 from ..store.api import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
 
 __all__ = [
-    "DECLARATION_KEY", "OWNER_KEY", "POLICY_DECISION", "PUSHED_TO_NOBODY", "SERVER_OWNED_KEYS", "SERVER_OWNED_TYPES", "SESSION_RECORD", "refuse_server_owned",
+    "DECLARATION_KEY", "OWNER_KEY", "POLICY_DECISION", "POLICY_KEY", "PUSHED_TO_NOBODY", "SERVER_OWNED_KEYS", "SERVER_OWNED_TYPES", "SESSION_RECORD", "refuse_server_owned",
 ]
 
 POLICY_DECISION = "policy_decision"
 """The deployment's policies' decision on an agent's tool call (features/policy/gate.py)."""
+POLICY_KEY = "policy"
+"""The key of a request frame (`caller_tool_request`, `approval_request`) that carries the policies'
+decision on its call instead of a `policy_decision` frame (docs/POLICY.md)."""
 
 SERVER_OWNED_TYPES = frozenset({
     SESSION_RECORD,

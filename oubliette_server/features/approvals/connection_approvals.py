@@ -52,8 +52,10 @@ class ConnectionApprovals:
         timeout: float | None = None,
         input_schema: dict[str, Any] | None = None,
         tool_use_id: str | None = None,
+        policy: dict[str, Any] | None = None,
     ) -> Decision:
-        """Wait for the owning caller's decision on `tool_name`; a denial when nobody can decide."""
+        """Wait for the owning caller's decision on `tool_name`; a denial when nobody can decide
+        (`policy`: the policies' decision the `approval_request` carries)."""
         session = self.session_of(connection)
         if session is None:
             why = (
@@ -65,7 +67,7 @@ class ConnectionApprovals:
             return Decision(approve=False, who="no-owner", reason=f"{why}; nobody can approve '{tool_name}'")
         return await self.approvals.request(
             session, tool_name, arguments, origin=origin, caller=session.owner, timeout=timeout,
-            input_schema=input_schema, tool_use_id=tool_use_id,
+            input_schema=input_schema, tool_use_id=tool_use_id, policy=policy,
         )
 
     async def agent_approval(self, connection: ClientPeer, ask: messages.AgentApproval) -> messages.AgentApprovalResult:

@@ -37,6 +37,7 @@ from protocol.timestamps import utc_timestamp
 
 from ...core.frame_log import AppendFrame as AppendFn
 from ...core.pending_requests import Crossing, Ends, Pending, PendingRequests
+from ...core.server_owned import POLICY_KEY
 from ...core.sessions import Session
 from ...store.api import AnswerNotRecorded, StoreUnavailable
 from ...store.chain import ARGUMENTS_DIGEST_KEY, value_digest
@@ -284,8 +285,10 @@ class ApprovalService(PendingRequests[PendingApproval, Decision]):
         allows_tool_return: bool = False,
         form: dict[str, Any] | None = None,
         tool_use_id: str | None = None,
+        policy: dict[str, Any] | None = None,
     ) -> Decision:
-        """Ask `caller` to decide on the call and wait for exactly one decision.
+        """Ask `caller` to decide on the call and wait for exactly one decision (`policy`: the
+        policies' decision that gated it, carried by the `approval_request` frame, docs/POLICY.md).
 
         Cancellation: the approval is decided "cancelled" (denied; "server_shutdown" when the server stops),
         its `approval_resolved` frame is appended under a shield, and `Cancelled` propagates.
@@ -313,7 +316,10 @@ class ApprovalService(PendingRequests[PendingApproval, Decision]):
             try:
                 # Across servers: what the owner's server checks an answer against; with no owner
                 # connected here, it waits in the log only if the log records one.
-                await self._ask(entry, entry.summary(), seconds, ends, recorded_only=caller is None, announce={
+                request = entry.summary()
+                if policy is not None:
+                    request[POLICY_KEY] = policy
+                await self._ask(entry, request, seconds, ends, recorded_only=caller is None, announce={
                     "input_schema": input_schema, "allows_tool_return": True if allows_tool_return else None,
                 })
             finally:

@@ -39,6 +39,10 @@ from ..policy import PolicyCheck, ToolCall, as_declared, owner_principal
 from .pending import CallerCallRegistry
 
 
+_CARRIED = frozenset({"permit", "approval"})
+"""A caller tool call always appends a request frame (`approval_request`, `caller_tool_request`) unless forbidden."""
+
+
 class CallerToolRelay:
     """Declares caller tools to the agents and relays their calls to the declaring caller.
 
@@ -165,13 +169,15 @@ class CallerToolRelay:
         ruling = await self.policy(ToolCall(
             instance=session.instance, session=session.key, tool=published, kind="caller", owner=session.caller_id or "",
             arguments=arguments, requires_approval=spec.requires_approval, caller_principal=owner_principal(session),
-        ), session)
+        ), session, carried=_CARRIED)
+        policy = ruling.to_carry  # the decision, in the first request frame of the call
         if ruling.effect == "approval":
             decision = await self.approvals.request(
                 session, published, arguments, origin="caller", caller=session.owner,
                 timeout=spec.approval_timeout_ms / 1000 if spec.approval_timeout_ms else None,
-                input_schema=spec.inputSchema, allows_tool_return=True,
+                input_schema=spec.inputSchema, allows_tool_return=True, policy=policy,
             )
+            policy = None
             if decision.kind == "tool":
                 if decision.status == "error":
                     raise RelayError(errors.TOOL_ERROR, _text(decision.tool_return))
@@ -180,7 +186,7 @@ class CallerToolRelay:
                 raise RelayError(errors.DENIED, f"'{published}' was denied: {decision.reason or 'no reason given'}")
             if decision.updated_arguments is not None:
                 arguments = decision.updated_arguments
-        result = await self.pending.relay(session, spec, arguments, progress_sink(connection, call.progress_ref))
+        result = await self.pending.relay(session, spec, arguments, progress_sink(connection, call.progress_ref), policy)
         return messages.CallerToolResult(result=result)
 
     def _find(self, connection: ClientPeer, call: messages.CallerToolCall) -> tuple[Session, CallerToolSpec]:

@@ -34,6 +34,7 @@ from protocol.schema_check import schema_problem
 
 from ...core.frame_log import AppendFrame as AppendFn
 from ...core.pending_requests import SERVER_SHUTDOWN, Crossing, Ends, Pending, PendingRequests
+from ...core.server_owned import POLICY_KEY
 from ...core.sessions import Session
 from ...store.api import AnswerNotRecorded, StoreUnavailable
 from ..cluster.log_bus import OUTCOME_TYPES, PROGRESS, REQUEST
@@ -195,10 +196,12 @@ class CallerCallRegistry(PendingRequests[PendingCall, CallOutcome]):
 
     async def relay(
         self, session: Session, spec: CallerToolSpec, arguments: dict, progress: ProgressFn | None = None,
+        policy: dict[str, Any] | None = None,
     ) -> Any:
         """Ask the session's caller to run `spec` and wait for exactly one outcome.
 
-        `progress` gets the caller's progress reports on the call while it waits (`progress`).
+        `progress` gets the caller's progress reports on the call while it waits (`progress`);
+        `policy` is the policies' decision the request frame carries (`POLICY_KEY`, docs/POLICY.md).
         """
         started = trio.current_time()
         request_id = "ctr-" + secrets.token_hex(8)
@@ -216,6 +219,8 @@ class CallerCallRegistry(PendingRequests[PendingCall, CallOutcome]):
         }
         if call.meta is not None:
             request["_meta"] = call.meta  # the caller's execution of the tool joins the trace
+        if policy is not None:
+            request[POLICY_KEY] = policy
         on_progress = None
         if progress is not None:
             def on_progress(payload: dict[str, Any]) -> None:  # a report another server stored

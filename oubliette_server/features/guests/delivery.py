@@ -204,8 +204,11 @@ class GuestDelivery:
         """A turn that ended but whose acknowledgement was lost (the guest died right after) is not rerun."""
         if msg_id in self._ended.get(instance, ()):
             return True
-        query = FrameQuery(types=TURN_END_TYPES, reply_to=msg_id, limit=1)
-        return bool(await self.store.query(instance, query))
+        try:
+            return bool(await self.store.query(instance, FrameQuery(types=TURN_END_TYPES, reply_to=msg_id, limit=1)))
+        except CursorPruned as exc:  # retention deleted the oldest frames: search what it kept
+            return bool(await self.store.query(instance, FrameQuery(
+                after_seq=exc.first_seq - 1, types=TURN_END_TYPES, reply_to=msg_id, limit=1)))
 
     async def deliver(self, connection: GuestPeer) -> None:
         """Push every unacknowledged and every new `user.message` to the guest."""

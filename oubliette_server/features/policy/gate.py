@@ -25,6 +25,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+import attrs
 import trio
 
 from protocol import RelayError, errors
@@ -48,12 +49,14 @@ class RecordFrame(Protocol):
 class PolicyCheck(Protocol):
     """What the tool-calling services are given: decide a call they found, before running it."""
 
-    async def __call__(self, call: ToolCall, session: Session | None) -> Ruling:
-        """The ruling on `call` (never `forbid` when it returns); raises `RelayError(DENIED)` for a forbidden call."""
+    async def __call__(self, call: ToolCall, session: Session | None, carried: frozenset[str] = frozenset()) -> Ruling:
+        """The ruling on `call` (never `forbid` when it returns); raises `RelayError(DENIED)` for a
+        forbidden call. `carried`: the effects whose decision the service records itself, as
+        `ruling.record` under `POLICY_KEY` in the request frame it appends next."""
         ...
 
 
-async def as_declared(call: ToolCall, session: Session | None) -> Ruling:
+async def as_declared(call: ToolCall, session: Session | None, carried: frozenset[str] = frozenset()) -> Ruling:
     """The check of a service built without a gate (a test, a piece embedded alone): the tool's own flag."""
     gated = call.declared_approval
     return Ruling("approval" if gated else "permit", (), approval_by=gated)
@@ -99,19 +102,24 @@ class PolicyGate:
         self.reloaded = trio.Event()
         """Set (and replaced) after each reload attempt, for whoever waits to see one land."""
 
-    async def check(self, call: ToolCall, session: Session | None) -> Ruling:
+    async def check(self, call: ToolCall, session: Session | None, carried: frozenset[str] = frozenset()) -> Ruling:
         """Decide `call`: its ruling (`permit` or `approval`), or `RelayError(DENIED)` when forbidden.
 
-        The decision is stored in `session`'s log first (a client bound to no session has no log:
-        its decisions are in the metrics and, when forbidden, the log line)."""
+        The decision is stored in `session`'s log before the call goes on: in the request frame
+        the calling service appends next when it says it carries this effect (`carried`: a
+        permitted caller tool call's `caller_tool_request`, a gated call's `approval_request`),
+        else first, as a `policy_decision` frame of its own (a forbid always: nothing else is
+        appended). A client bound to no session has no log: its decisions are in the metrics
+        and, when forbidden, the log line."""
         rules = self.rules  # one set for the whole decision, whatever a reload does meanwhile
         ruling = rules.decide(call, self.clock())
         enforced = not (ruling.effect == "forbid" and self.observe_only)
-        payload: dict[str, Any] = {"tool": call.tool, "kind": call.kind, "owner": call.owner, **ruling.record}
-        if not enforced:
-            payload["observe_only"] = True
-        if session is not None and self.record is not None:
+        if session is not None and self.record is not None and ruling.effect not in carried:
+            payload: dict[str, Any] = {"tool": call.tool, "kind": call.kind, "owner": call.owner, **ruling.record}
+            if not enforced:
+                payload["observe_only"] = True
             await self.record(session, POLICY_DECISION, payload)
+            ruling = attrs.evolve(ruling, stored=True)
         self.on_decided(ruling.effect, enforced)
         record_policy_decision(ruling.effect, ruling.policies, enforced)
         if ruling.effect != "forbid":
@@ -123,7 +131,7 @@ class PolicyGate:
             raise RelayError(errors.DENIED, f"forbidden by policy: {ruling.reason}")
         log.warning("observe only: policy would forbid %s of %s: %s (policies: %s)", call.tool, where, ruling.reason,
                     ", ".join(ruling.policies) or "none")
-        return await as_declared(call, session)
+        return attrs.evolve(await as_declared(call, session), stored=True)  # the forbid is the decision stored
 
     def require(self, principal: str, action: str, resource: str) -> None:
         """Refuse (`RelayError(DENIED)`, with why and what to do) unless the current set lets

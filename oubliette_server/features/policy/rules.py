@@ -35,7 +35,7 @@ import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import attrs
 import cedarpy
@@ -54,6 +54,7 @@ DEFAULT_POLICIES = """\
 permit(principal, action == Oubliette::Action::"call_tool", resource);
 """
 """The policy set of a server given no policy file: today's behaviour, as policy."""
+_DEFAULT_IDS = ("default-permit",)
 
 ADMIN = ADMIN_PRINCIPAL
 """The principal of the HTTP admin token (`oubliette-server http-token`), of a stdio caller and of
@@ -116,28 +117,33 @@ class ToolCall:
         to `keys` when given (what the policies read: Cedar parses the whole context of every
         request, and most sets read a few of its attributes)."""
         agent = f"{self.instance}/{self.session}" if self.session else self.instance
-        context = self.context(now)
         return {
             "principal": {"type": "Oubliette::Agent", "id": agent},
             "action": ACTION,
             "resource": {"type": "Oubliette::Tool", "id": self.tool},
-            # A key of another action's context (a principal's `context.instance` is also a call's) or none.
-            "context": context if keys is None else {key: context[key] for key in keys if key in context},
+            "context": self.context(now, keys),
         }
 
-    def context(self, now: float) -> dict[str, Any]:
-        """The request's `context`, every attribute of the schema."""
-        local = time.localtime(now)
-        return {
-                "instance": self.instance, "session": self.session,
-                "caller_id": self.owner if self.kind == "caller" else "",
-                "caller_principal": self.caller_principal,
-                "tool": self.tool, "kind": self.kind,
-                "toolset": self.owner if self.kind == "toolset" else "",
-                "requires_approval": self.requires_approval,
-                "arguments": self.arguments,
-                "time": {"hour": local.tm_hour, "minute": local.tm_min, "weekday": local.tm_wday + 1, "unix": int(now)},
+    def context(self, now: float, keys: frozenset[str] | None = None) -> dict[str, Any]:
+        """The request's `context`: every attribute of the schema, or those of `keys` (the local
+        time is computed only when a policy reads it)."""
+        facts: dict[str, Callable[[], Any]] = {
+            "instance": lambda: self.instance, "session": lambda: self.session,
+            "caller_id": lambda: self.owner if self.kind == "caller" else "",
+            "caller_principal": lambda: self.caller_principal,
+            "tool": lambda: self.tool, "kind": lambda: self.kind,
+            "toolset": lambda: self.owner if self.kind == "toolset" else "",
+            "requires_approval": lambda: self.requires_approval,
+            "arguments": lambda: self.arguments,
+            "time": lambda: _time_of(now),
         }
+        return {key: fact() for key, fact in facts.items() if keys is None or key in keys}
+
+
+def _time_of(now: float) -> dict[str, int]:
+    """`context.time` at `now`, in the server's local time."""
+    local = time.localtime(now)
+    return {"hour": local.tm_hour, "minute": local.tm_min, "weekday": local.tm_wday + 1, "unix": int(now)}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -166,6 +172,8 @@ class Ruling:
     """Why a call is forbidden (a forbid's `@reason`), for the agent."""
     approval_by: tuple[str, ...] = ()
     """What asks for the approval: `@requireApproval` policies' ids, `requires_approval` for the tool's flag."""
+    stored: bool = False
+    """Already stored in a `policy_decision` frame of its own (gate.py): the call's request frame carries nothing."""
 
     @property
     def record(self) -> dict[str, Any]:
@@ -176,6 +184,11 @@ class Ruling:
         if self.approval_by:
             record["approval_by"] = list(self.approval_by)
         return record
+
+    @property
+    def to_carry(self) -> dict[str, Any] | None:
+        """What the call's request frame carries under `POLICY_KEY` (core/server_owned.py): the record, unless stored already."""
+        return None if self.stored else self.record
 
 
 @attrs.frozen
@@ -203,6 +216,8 @@ class PolicyRules:
     """The set with `ADMIN_PERMIT`, for principals' requests."""
     _decisions: dict[tuple[str, str, str], str | None] = attrs.field(factory=dict, init=False, eq=False)
     """(principal, action, resource) -> None (permitted) or why not: the set never changes."""
+    _permits_all: bool = False
+    """The default policy (no policy file): its one permit decides every call without asking Cedar."""
 
     @classmethod
     def load(cls, text: str, source: str) -> PolicyRules:
@@ -234,7 +249,7 @@ class PolicyRules:
     @classmethod
     def default(cls) -> PolicyRules:
         """The policy of a server without a policy file: every call runs, gated as its tool asks."""
-        return cls.load(DEFAULT_POLICIES, "the default policy")
+        return attrs.evolve(cls.load(DEFAULT_POLICIES, "the default policy"), permits_all=True)
 
     @classmethod
     def from_files(cls, paths: Iterable[Path]) -> PolicyRules:
@@ -253,7 +268,12 @@ class PolicyRules:
         return len(self._policies)
 
     def decide(self, call: ToolCall, now: float) -> Ruling:
-        """The policies' ruling on `call` made at `now` (seconds since the epoch)."""
+        """The policies' ruling on `call` made at `now` (seconds since the epoch).
+
+        The default policy's ruling is known without Cedar (its one permit applies to every
+        call): it is still the decision, recorded with that policy's id."""
+        if self._permits_all:
+            return Ruling("approval" if call.declared_approval else "permit", _DEFAULT_IDS, approval_by=call.declared_approval)
         answer = cedarpy.is_authorized(
             call.request(now, self._context_keys), self._set, _tool_entities(call.tool, call.kind, call.owner),
         )

@@ -62,6 +62,10 @@ class NotStarted(Toolset):
         """Nothing runs."""
 
 
+_CARRIED = frozenset({"approval"})
+"""A toolset call appends a frame of its own only when gated (`approval_request`): a permit's decision is a frame."""
+
+
 class ToolsetService:
     """Host toolsets for the agents: what is registered, who may see it, and calls to it.
 
@@ -329,12 +333,12 @@ class ToolsetService:
             instance=connection.instance or "", session=connection.session_key or "", tool=call.name, kind="toolset",
             owner=definition.id, arguments=arguments, requires_approval=definition.gates(entry.spec.name),
             caller_principal=owner_principal(session),
-        ), session)
+        ), session, carried=_CARRIED)
         if ruling.effect == "approval":
             timeout_ms = definition.approval_timeout_ms_for(entry.spec.name)
             arguments = await self._approved_arguments(
                 connection, call.name, arguments, entry.spec.input_schema,
-                None if timeout_ms is None else timeout_ms / 1000,
+                None if timeout_ms is None else timeout_ms / 1000, ruling.to_carry,
             )
         ask = self.ask_caller
         if ask is not None:
@@ -354,13 +358,14 @@ class ToolsetService:
 
     async def _approved_arguments(
         self, connection: ClientPeer, name: str, arguments: dict[str, Any], schema: dict[str, Any],
-        timeout: float | None,
+        timeout: float | None, policy: dict[str, Any] | None,
     ) -> dict[str, Any]:
-        """Wait for the decision on a gated call: the arguments to run with, or `RelayError(DENIED)`."""
+        """Wait for the decision on a gated call (`policy`: the policies' decision its `approval_request`
+        carries): the arguments to run with, or `RelayError(DENIED)`."""
         if self.approvals is None:
             raise RelayError(errors.DENIED, f"'{name}' requires approval and this server has nobody to ask")
         decision = await self.approvals.decide(
-            connection, name, arguments, origin="toolset", input_schema=schema, timeout=timeout,
+            connection, name, arguments, origin="toolset", input_schema=schema, timeout=timeout, policy=policy,
         )
         if not decision.approve:
             raise RelayError(errors.DENIED, f"'{name}' was denied: {decision.reason or 'no reason given'}")

@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import cedarpy
 import pytest
 import trio
 
@@ -24,7 +25,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from oubliette_server.core.metrics import ServerMetrics
 from oubliette_server.core.sessions import Session
-from oubliette_server.features.policy import PolicyError, PolicyGate, PolicyRules, Ruling, ToolCall
+from oubliette_server.features.policy import DEFAULT_POLICIES, PolicyError, PolicyGate, PolicyRules, Ruling, ToolCall
 from oubliette_server.program.policy_command import run_policy_command
 from protocol import RelayError, errors
 
@@ -69,11 +70,19 @@ def at(hour: int) -> float:
 # -- the rules ---------------------------------------------------------------------------------
 
 
-def test_the_default_policy_is_todays_behaviour() -> None:
+def test_the_default_policy_is_todays_behaviour(monkeypatch: pytest.MonkeyPatch) -> None:
+    """...and it decides without asking Cedar (its one permit applies to every call), named as the decision."""
     rules = PolicyRules.default()
+
+    def not_asked(*args: Any) -> None:
+        raise AssertionError("Cedar was asked")
+
+    monkeypatch.setattr(cedarpy, "is_authorized", not_asked)
     assert rules.decide(call(), 0) == Ruling("permit", ("default-permit",))
     gated = rules.decide(call(requires_approval=True), 0)
-    assert gated.effect == "approval" and gated.approval_by == ("requires_approval",)
+    assert gated == Ruling("approval", ("default-permit",), approval_by=("requires_approval",))
+    with pytest.raises(AssertionError, match="Cedar was asked"):  # a policy file is always Cedar's to decide
+        PolicyRules.load(DEFAULT_POLICIES, "a file like the default").decide(call(), 0)
 
 
 def test_a_forbid_gives_its_reason_and_a_permit_its_id() -> None:
@@ -169,13 +178,30 @@ async def test_the_gate_stores_counts_and_refuses_a_forbidden_call() -> None:
     assert seen.decided == [("forbid", True), ("approval", True)]
 
 
+async def test_a_decision_the_calls_request_frame_carries_is_no_frame_of_its_own() -> None:
+    seen = Recorded()
+    gate = PolicyGate(PolicyRules.load(TMP_ONLY, "test"), record=seen.record, on_decided=seen.on_decided)
+    carried = frozenset({"permit", "approval"})
+    permitted = await gate.check(call(arguments={"path": "/tmp/x"}), SESSION, carried)
+    gated = await gate.check(call("myapp_send"), SESSION, carried)
+    with pytest.raises(RelayError):
+        await gate.check(call(arguments={"path": "/etc"}), SESSION, carried)
+    assert permitted.to_carry == {"effect": "permit", "policies": ["myapp-tools"]}
+    assert gated.to_carry == {"effect": "approval", "policies": ["send-needs-approval", "myapp-tools"],
+                              "approval_by": ["send-needs-approval"]}
+    assert [payload["effect"] for _, payload in seen.frames] == ["forbid"], "a forbid is always a frame of its own"
+    assert seen.decided == [("permit", True), ("approval", True), ("forbid", True)]
+    assert (await gate.check(call(arguments={"path": "/tmp/x"}), SESSION)).to_carry is None, "stored: nothing to carry"
+
+
 async def test_observe_only_lets_a_forbidden_call_run_as_its_tool_asks(caplog: pytest.LogCaptureFixture) -> None:
     seen = Recorded()
     gate = PolicyGate(PolicyRules.load(TMP_ONLY, "test"), observe_only=True, record=seen.record, on_decided=seen.on_decided)
     with caplog.at_level(logging.WARNING, "oubliette.server.policy"):
         assert (await gate.check(call(arguments={"path": "/etc"}), SESSION)).effect == "permit"
-        gated = await gate.check(call(arguments={"path": "/etc"}, requires_approval=True), SESSION)
-    assert gated.effect == "approval"
+        gated = await gate.check(call(arguments={"path": "/etc"}, requires_approval=True), SESSION,
+                                 frozenset({"permit", "approval"}))
+    assert gated.effect == "approval" and gated.to_carry is None, "the forbid stored is the decision: none carried"
     assert [payload.get("observe_only") for _, payload in seen.frames] == [True, True]
     assert seen.decided == [("forbid", False), ("forbid", False)]
     assert ["observe only: policy would forbid myapp_rm" in r.getMessage() for r in caplog.records] == [True, True]
@@ -265,10 +291,20 @@ SEND = {"name": "send", "description": "Send a message", "inputSchema": {
 
 
 def decisions(deployment: Deployment) -> list[dict[str, Any]]:
-    """The `policy_decision` frames in the server's log, oldest first."""
+    """Every decision in the server's log, oldest first: a `policy_decision` frame's payload, or the
+    decision a request frame carries (`policy`), with that frame's type as `carried_by`."""
     with sqlite3.connect(f"file:{deployment.data_dir / 'frames.sqlite3'}?mode=ro", uri=True) as db:
-        rows = db.execute("SELECT payload FROM frames WHERE type = 'policy_decision' ORDER BY seq").fetchall()
-    return [json.loads(payload) for (payload,) in rows]
+        rows = db.execute(
+            "SELECT type, payload FROM frames WHERE type IN ('policy_decision', 'caller_tool_request', 'approval_request') "
+            "ORDER BY seq").fetchall()
+    found = []
+    for type, text in rows:
+        payload = json.loads(text)
+        if type == "policy_decision":
+            found.append(payload)
+        elif "policy" in payload:
+            found.append({"tool": payload.get("tool_name") or payload["tool"], **payload["policy"], "carried_by": type})
+    return found
 
 
 async def declare(caller: Any, tools: list[dict[str, Any]], session_id: str = "s1") -> None:
@@ -332,11 +368,13 @@ async def test_forbidden_with_its_reason_permitted_and_sent_to_approval(deployme
                     "session_id": "s1", "request_id": sent["request_id"], "result": {"sent": True}})
     assert results["myapp_rm"].structured_content == {"deleted": "/tmp/x"}
     assert results["myapp_send"].structured_content == {"sent": True}
-    assert [(d["tool"], d["effect"], d["policies"]) for d in decisions(deployment)] == [
-        ("myapp_rm", "forbid", ["rm-only-under-tmp"]),
-        ("myapp_rm", "permit", ["myapp-tools"]),
-        ("myapp_send", "approval", ["send-needs-approval", "myapp-tools"]),
-    ]
+    assert [(d["tool"], d["effect"], d["policies"], d.get("carried_by")) for d in decisions(deployment)] == [
+        ("myapp_rm", "forbid", ["rm-only-under-tmp"], None),
+        ("rm", "permit", ["myapp-tools"], "caller_tool_request"),
+        ("myapp_send", "approval", ["send-needs-approval", "myapp-tools"], "approval_request"),
+    ], "one record of each decision: a forbid's frame of its own, the others in the call's first request frame"
+    assert [e.get("policy") for e in events.of_type("caller_tool_request")] == [
+        {"effect": "permit", "policies": ["myapp-tools"]}, None], "the approved call's decision is its approval_request's"
 
 
 async def test_observe_only_runs_the_forbidden_call_and_logs_it(deployment: Deployment) -> None:
@@ -677,3 +715,60 @@ def _mcp_result(response: Any) -> dict[str, Any]:
         data = [line[len("data:"):] for line in response.text.splitlines() if line.startswith("data:")]
         return json.loads(data[-1])["result"]
     return response.json()["result"]
+
+
+async def test_a_forbid_and_an_approval_decided_on_a_server_sharing_postgres_the_approval_answered_on_the_other(
+    pg_url: str,
+) -> None:
+    """Servers A and B on one PostgreSQL, the same policy file: the caller on A, the agent on B.
+    B forbids `myapp_rm` of /etc with the policy's reason (A's caller sees no request) and sends
+    `myapp_send` to approval; the caller answers it on A, and the call then runs, relayed to A.
+    The log holds each decision once: the forbid a frame of its own, the approval in the
+    `approval_request` B stored."""
+    from oubliette_server.store.api import FrameQuery
+    from oubliette_server.store.postgres import PostgresFrameStore
+    from loop_caller import IDLE, INSTANCE, LOOP_AGENT, LoopCaller, ends_with
+
+    a, b = Deployment(store=pg_url), Deployment(store=pg_url)
+    policy = a.root / "policies.cedar"
+    policy.write_text(TMP_ONLY)
+    try:
+        async with a.http_server("--config", str(a.config_file(INSTANCE)), "--policy", str(policy)) as server_a, \
+                b.http_server("--config", str(b.config_file(INSTANCE)), "--policy", str(policy)) as server_b, \
+                b.guest(INSTANCE, LOOP_AGENT), server_a.caller(events=False) as (client, _):
+            await server_b.wait_connected(INSTANCE)
+            caller = LoopCaller(client)
+            ends_with(await caller.message("s1", IDLE, [RM, SEND], wait=60), "end_turn")
+            async with b.agent(INSTANCE, "mcp:s1") as agent, trio.open_nursery() as nursery:
+                with trio.fail_after(30):
+                    forbidden = await agent.call_tool("myapp_rm", {"path": "/etc/passwd"})
+                assert forbidden.is_error
+                assert text_of(forbidden) == "myapp_rm: forbidden by policy: myapp_rm deletes only under /tmp/"
+                outcome: dict[str, Any] = {}
+
+                async def gated_call() -> None:
+                    outcome["result"] = await agent.call_tool("myapp_send", {"text": "hello"})
+
+                nursery.start_soon(gated_call)
+                asked = await caller.call("session_events", session_id="s1", types=["approval_request"], wait_ms=20_000)
+                [approval] = [f["payload"] for f in asked["frames"]]
+                assert approval["tool_name"] == "myapp_send"
+                answered = await caller.call("approval_response", session_id="s1", request_id=approval["request_id"],
+                                             approve=True)
+                assert answered.get("resolved") is True, answered
+                relayed = await caller.call("session_events", session_id="s1", types=["caller_tool_request"], wait_ms=20_000)
+                [request] = [f["payload"] for f in relayed["frames"]]
+                assert request["tool"] == "send", "nothing of the forbidden call reached the caller"
+                await caller.answer("s1", request["request_id"], result={"sent": True})
+            assert outcome["result"].structured_content == {"sent": True}, text_of(outcome["result"])
+    finally:
+        a.cleanup()
+        b.cleanup()
+    store = PostgresFrameStore(pg_url)
+    async with store.running():
+        frames = await store.query(INSTANCE, FrameQuery(channel="mcp", session_id="s1", limit=200))
+    decided = [(f.type, f.payload.get("effect") or f.payload.get("policy", {}).get("effect"))
+               for f in frames if f.type == "policy_decision" or "policy" in f.payload]
+    assert decided == [("policy_decision", "forbid"), ("approval_request", "approval")], decided
+    [resolved] = [f.payload for f in frames if f.type == "approval_resolved"]
+    assert resolved["approve"] is True

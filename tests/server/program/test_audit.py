@@ -298,3 +298,91 @@ def test_a_key_that_cannot_sign_is_a_usage_error_at_start(tmp_path: Path) -> Non
         assert started.returncode == 2, started.stderr
         assert started.stderr.startswith(f"oubliette-server: error: audit key {key}: {says}"), started.stderr
         assert "Traceback" not in started.stderr
+
+
+async def test_the_chain_of_a_cluster_holds_through_a_kill_and_retention_and_finds_an_edit(pg_url: str) -> None:
+    """Three real servers on one PostgreSQL: turns of box1's guest on B calling a caller tool
+    answered by the caller on A, and messages to box2 stored through all three; C killed with
+    SIGKILL mid-traffic and started again (its start prunes: retention_frames 20) while A and B
+    go on appending. Then `audit verify` from every server's configuration: every instance's
+    chain holds, exit 0; one frame edited in the table is found at its seq, exit 1."""
+    import httpx2
+
+    from harness import Deployment
+    from loop_caller import LOOP_AGENT, LoopCaller, ends_with, script, tool
+    from tether_http import TETHER
+
+    deployments = [Deployment(store=pg_url) for _ in "ABC"]
+    for d in deployments:
+        d.config_file("box1", "box2").write_text(
+            "[server]\nretention_frames = 20\n\n" + d.config_file("box1", "box2").read_text())
+    config = [str(d.root / "oubliette.toml") for d in deployments]
+    sent = {"A": 0, "B": 0, "C": 0}
+
+    async def messages(server: Any, name: str, until: trio.Event) -> None:
+        async with server.rest() as rest:
+            while not until.is_set():
+                try:
+                    response = await rest.post(TETHER.format("box2"), json={
+                        "type": "user.message", "session": {"channel": "host", "id": f"t-{name}"},
+                        "payload": {"text": f"{name} {sent[name]}"}})
+                except httpx2.TransportError:  # C, killed under it
+                    return
+                assert response.status_code == 201, response.text
+                sent[name] += 1
+
+    async def relayed_turns(caller: LoopCaller, numbers: range) -> None:
+        for n in numbers:
+            first = ends_with(await caller.message(
+                "s1", script([("myapp_send_notification", {"n": n})]), [tool("send_notification")], wait=60),
+                "requires_action")
+            [call] = first["pending"]
+            ends_with(await caller.answer("s1", call["request_id"], result={"sent": n}, wait=60), "end_turn")
+
+    try:
+        a, b, c = deployments
+        async with a.http_server("--config", config[0]) as server_a, b.http_server("--config", config[1]) as server_b, \
+                b.guest("box1", LOOP_AGENT), server_a.caller(events=False) as (client, _):
+            await server_b.wait_connected("box1")
+            caller = LoopCaller(client)
+            done = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(messages, server_a, "A", done)
+                nursery.start_soon(messages, server_b, "B", done)
+                async with c.http_server("--config", config[2]) as server_c:
+                    nursery.start_soon(messages, server_c, "C", done)
+                    await relayed_turns(caller, range(6))
+                    server_c.process.kill()  # SIGKILL, mid-traffic
+                    await server_c.process.wait()
+                async with c.http_server("--config", config[2]):  # its start prunes every instance
+                    await relayed_turns(caller, range(6, 9))
+                done.set()
+        assert all(sent.values()), sent
+        backend = Backend("postgres", pg_url)
+        kept = backend.sql("SELECT instance, min(seq), max(seq) FROM frames GROUP BY instance ORDER BY instance")
+        assert [row[0] for row in kept] == ["box1", "box2"] and all(low > 1 for _, low, _ in kept), \
+            f"retention ran on every instance: {kept}"
+        assert backend.sql("SELECT count(DISTINCT instance) FROM checkpoints WHERE reason = 'retention'") == [(2,)]
+
+        def verify_with(d: Deployment) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [str(Path(sys.executable).parent / "oubliette-server"), "audit", "verify", "--config",
+                 str(d.root / "oubliette.toml"), "--store", pg_url],
+                capture_output=True, text=True, timeout=120)
+
+        for d in deployments:
+            held = await trio.to_thread.run_sync(verify_with, d)
+            assert held.returncode == 0, held.stdout + held.stderr
+            lines = held.stdout.splitlines()
+            assert [line.split(":")[0] for line in lines] == ["instance 'box1'", "instance 'box2'"], held.stdout
+            assert all("the chain holds" in line for line in lines), held.stdout
+        _, low, high = kept[0]
+        edited = (low + high) // 2
+        backend.sql("UPDATE frames SET payload = ? WHERE {this} AND seq = ?", '{"text": "edited"}', edited)
+        broken = await trio.to_thread.run_sync(verify_with, a)
+        assert broken.returncode == 1, broken.stdout + broken.stderr
+        assert f"instance 'box1': broken at seq {edited}: the frame does not match its hash" in broken.stdout, broken.stdout
+        assert "instance 'box2': the chain holds" in broken.stdout, broken.stdout
+    finally:
+        for d in deployments:
+            d.cleanup()
