@@ -131,6 +131,7 @@ class PendingApproval(Pending[Decision]):
 
     @property
     def decision(self) -> Decision | None:
+        """The decision, once one is known (else None)."""
         return self.outcome
 
     def summary(self) -> dict[str, Any]:

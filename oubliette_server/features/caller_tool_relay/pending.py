@@ -80,10 +80,12 @@ class PendingCall(Pending[CallOutcome]):
 
     @property
     def result(self) -> Any:
+        """The caller's result, once an outcome with one is known (else None)."""
         return None if self.outcome is None else self.outcome.result
 
     @property
     def error(self) -> RelayError | None:
+        """The error the agent gets, once an outcome with one is known (else None)."""
         return None if self.outcome is None else self.outcome.error
 
     def summary(self) -> dict[str, Any]:
