@@ -338,8 +338,12 @@ class RelayPeer:
     def _start_writer(self) -> None:
         """Start the writer if frames wait and it is not running (nor can be yet: before `serve`)."""
         if self._queue and not self._writing and self._nursery is not None:
+            try:
+                self._nursery.start_soon(self._write_loop)
+            except RuntimeError:  # the connection's nursery is ending (closed to new tasks): a
+                self._drop_queued()  # frame queued now, such as a cancelled request's cancel, is never written
+                return
             self._writing = True
-            self._nursery.start_soon(self._write_loop)
 
     async def _write_loop(self) -> None:
         """The only task that writes to the stream, while frames wait (`_start_writer` starts it)."""

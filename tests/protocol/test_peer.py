@@ -24,6 +24,7 @@ import trio
 import trio.testing
 
 from harness import EVENT_TIMEOUT, Deployment
+from protocol.peer import _Outgoing
 from protocol import (
     CANCELLED,
     INTERNAL_ERROR,
@@ -569,6 +570,23 @@ async def test_a_cancelled_request_sends_cancel_and_removes_its_waiter() -> None
             while server.cancelled != ["wait"]:
                 await trio.sleep(0.01)
         assert client._waiters == {} and client.core.pending == frozenset()
+
+
+async def test_a_frame_queued_while_the_connection_ends_is_dropped_not_raised() -> None:
+    """While the connection's nursery is ending it takes no new task; a frame queued then (a
+    cancelled request's `cancel`, from the requesting task) is dropped and counted finished, and
+    queueing it raises nothing into the requesting task."""
+    async with peers() as (client, _server, _):
+        async with trio.open_nursery() as ended:
+            pass  # a nursery closed to new tasks, as the connection's is while it ends
+        serving = client._nursery
+        client._nursery = ended
+        written: list[bool] = []
+        try:
+            assert client._put(_Outgoing(line({"jsonrpc": "2.0", "method": "cancel"}), on_written=lambda: written.append(True)))
+        finally:
+            client._nursery = serving
+        assert written == [True] and not client._queue and not client._writing
 
 
 async def test_an_inbound_cancel_cancels_exactly_that_request() -> None:
