@@ -8,12 +8,17 @@ the next call restarts it, up to `max_restarts` times.
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import logging
 import math
 import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import mcp_types as types
 import trio
 
@@ -31,16 +36,52 @@ DEFAULT_CALL_TIMEOUT = 60.0
 """Seconds one tool call may take before the agent gets a timeout error (`timeout` in the config)."""
 
 
-def _forward_progress() -> Any:
-    """The SDK progress callback that hands the server's reports to the agent's call (None if it wants none)."""
-    report = call_progress.get()
-    if report is None:
-        return None
+ProgressReport = Callable[[float, "float | None", "str | None"], None]
 
-    async def forward(progress: float, total: float | None, message: str | None) -> None:
-        report(progress, total, message)
 
-    return forward
+@contextlib.asynccontextmanager
+async def _progress_in_order(
+    transport: AsyncContextManager[Any], reports: dict[str, ProgressReport]
+) -> AsyncIterator[tuple[Any, Any]]:
+    """The transport's streams, with each progress report for a token in `reports` handed on as it is read.
+
+    The SDK runs a call's progress callback in a task of its own, so a report can reach the
+    agent after the call's result. Reading them here, in the order the server wrote them and
+    before the result behind them reaches the SDK, keeps the agent's view in order.
+    """
+    async with transport as (read, write):
+        send, receive = anyio.create_memory_object_stream[Any](0)
+
+        async def pump() -> None:
+            async with send:
+                async for item in read:
+                    message = getattr(item, "message", None)
+                    if getattr(message, "method", None) == "notifications/progress":
+                        _report_progress(getattr(message, "params", None), reports)
+                    await send.send(item)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(pump)
+            try:
+                yield receive, write
+            finally:
+                tasks.cancel_scope.cancel()
+
+
+def _report_progress(params: Any, reports: dict[str, ProgressReport]) -> None:
+    """Hand one `notifications/progress` to its call's report (a token that is not ours is left to the SDK)."""
+    match params:
+        case {"progressToken": str() as token, "progress": int() | float() as progress} if (
+            not isinstance(progress, bool) and (report := reports.get(token)) is not None
+        ):
+            total, message = params.get("total"), params.get("message")
+            report(
+                float(progress),
+                float(total) if isinstance(total, int | float) and not isinstance(total, bool) else None,
+                message if isinstance(message, str) else None,
+            )
+        case _:
+            pass
 
 
 def _content_dicts(content: list[Any]) -> list[dict[str, Any]]:
@@ -99,6 +140,8 @@ class McpToolset(Toolset):
         self._started = False
         self._askers: list[Asker] = []  # one per call in flight that can put a form to its session's caller
         self._calls_in_flight = 0
+        self._progress_reports: dict[str, ProgressReport] = {}  # by the progress token each call sent
+        self._progress_tokens = itertools.count(1)
 
     async def start(self) -> list[ToolSpec]:
         """Start the server (once) and return its tools."""
@@ -172,7 +215,7 @@ class McpToolset(Toolset):
         self._started = False
         with trio.CancelScope(deadline=trio.current_time() + START_TIMEOUT) as startup:
             async with Client(
-                stdio_client(params, errlog=errlog), mode="legacy",
+                _progress_in_order(stdio_client(params, errlog=errlog), self._progress_reports), mode="legacy",
                 list_roots_callback=self._list_roots if self.roots else None,
                 elicitation_callback=self._elicit,
             ) as client:
@@ -236,9 +279,14 @@ class McpToolset(Toolset):
         self._calls_in_flight += 1
         if asker is not None:
             self._askers.append(asker)
+        meta: Any = None
+        if (report := call_progress.get()) is not None:
+            token = f"oubliette-progress-{next(self._progress_tokens)}"
+            self._progress_reports[token] = report
+            meta = {"progressToken": token}
         try:
             with trio.move_on_after(self.call_timeout) as deadline:
-                result = await client.call_tool(tool, arguments, progress_callback=_forward_progress())
+                result = await client.call_tool(tool, arguments, meta=meta)
         except Exception as exc:
             self._mark_dead(exc)
             return ToolResult.failure(
@@ -249,6 +297,8 @@ class McpToolset(Toolset):
             self._calls_in_flight -= 1
             if asker is not None:
                 self._askers.remove(asker)
+            if meta is not None:
+                del self._progress_reports[meta["progressToken"]]
         if deadline.cancelled_caught:
             return ToolResult.failure(
                 f"MCP toolset '{self.id}' did not answer '{tool}' within {self.call_timeout:g} s (its call timeout)"
