@@ -394,7 +394,7 @@ async def test_initialize_is_answered_before_a_slow_relay_and_the_first_list_wai
             connection, _ = await listener.accept()
             accepted.append(connection)
 
-    connect_wait = 4.0
+    connect_wait = 8.0  # long beside the handshake's 1 s, so a loaded machine's slow start cannot blur the two
     async with trio.open_nursery() as nursery:
         nursery.start_soon(accept_and_stay_silent)
         process = await trio.lowlevel.open_process(
