@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, AsyncIterator, Iterator
 
 import mcp_types as types
 import pytest
@@ -433,6 +433,23 @@ class RawModernCaller:
         return result["structuredContent"]["frames"]
 
 
+@contextmanager
+def fast_path_log() -> Iterator[list[str]]:
+    """The fast path's DEBUG lines while the block runs (each taken request logs one)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    fast_log = logging.getLogger("oubliette.fast_calls")
+    fast_log.addHandler(handler)
+    level = fast_log.level
+    fast_log.setLevel(logging.DEBUG)
+    try:
+        yield lines
+    finally:
+        fast_log.removeHandler(handler)
+        fast_log.setLevel(level)
+
+
 async def modern_caller_answers(deployment: Deployment, fast: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:
     """Every answer a raw 2026-07-28 caller got from a server with `OUBLIETTE_FAST_PATH` on or off,
     and how many of its requests the fast path took."""
@@ -440,13 +457,7 @@ async def modern_caller_answers(deployment: Deployment, fast: bool, monkeypatch:
 
     monkeypatch.setenv("OUBLIETTE_FAST_PATH", "1" if fast else "0")
     session = f"s-{'on' if fast else 'off'}"
-    taken: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: taken.append(record.getMessage())  # type: ignore[method-assign]
-    fast_log = logging.getLogger("oubliette.fast_calls")
-    fast_log.addHandler(handler)
-    fast_log.setLevel(logging.DEBUG)
-    try:
+    with fast_path_log() as taken:
         async with deployment.embedded_http_server("box1") as server, server.rest() as http:
             caller = RawModernCaller(http, session)
             declared = await caller.call("declare", 1, "session_message", {
@@ -521,8 +532,6 @@ async def modern_caller_answers(deployment: Deployment, fast: bool, monkeypatch:
             with monkeypatch.context() as patched:
                 patched.setattr(sdk_http, "_SSE_PING_INTERVAL", 0.2)
                 await caller.poll("poll answered over SSE", second["seq"], 1000)
-    finally:
-        fast_log.removeHandler(handler)
     return caller.answers, sum("taken off the SDK's path" in line for line in taken)
 
 
@@ -544,3 +553,17 @@ async def test_a_2026_07_28_caller_gets_the_same_answers_from_the_fast_path_and_
     # the four polls, the eight answers without wait, the four calls after the agent, and the
     # well-formed call with an `Mcp-Param-*` header its tool does not declare (which the SDK ignores too)
     assert on_taken == 4 + 8 + 4 + 1, on_taken
+
+
+async def test_the_sdk_clients_2026_07_28_long_polls_and_answers_take_the_fast_path(deployment: Deployment) -> None:
+    """The MCP SDK's own client (mode auto, 2026-07-28) sends `session_events` and
+    `caller_tool_response` in the shape the fast path takes: both are answered beside the SDK."""
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.caller(mode="auto", events=False) as (caller, _):
+            declared = await declare(caller, "box1", "s1", [NOTIFY])
+            owner = {"owner_key": declared["owner_key"]}
+            read = await caller.call_tool("session_events", {"session_id": "s1", "after_seq": 0, **owner})
+            assert not read.is_error and structured(read)["frames"], text_of(read)
+            answer = await respond(caller, "s1", "ctr-0000", result={}, **owner)
+            assert "is not pending" in text_of(answer) or "unknown" in text_of(answer), text_of(answer)
+    assert sum("taken off the SDK's path" in line for line in taken) == 2, taken
