@@ -59,6 +59,7 @@ from mcp.shared.inbound import (
     classify_inbound_request,
     find_duplicated_routing_header,
     validate_mcp_param_headers,
+    x_mcp_header_map,
 )
 from mcp_types import JSONRPCError, JSONRPCResponse
 from mcp_types import methods as sdk_methods
@@ -101,6 +102,7 @@ class FastHttpCalls:
         self.call = call
         self.taken = 0
         self._shaper = ServerRunner(server, cast(Any, None), None)  # only its result shaping is used
+        self._declared: dict[int, tuple[dict[str, Any], bool]] = {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if not self._candidate(scope):
@@ -171,13 +173,21 @@ class FastHttpCalls:
         if not isinstance(verdict, InboundModernRoute):
             return None
         schema = self.server.get_tool_input_schema(name) if self.server.get_tool_input_schema else None
-        if schema is None or validate_mcp_param_headers(schema, arguments, headers) is not None:
+        if schema is None or (self._declares_headers(schema) and validate_mcp_param_headers(schema, arguments, headers)):
             return None
         try:
             sdk_methods.validate_client_request("tools/call", verdict.protocol_version, params)
         except (KeyError, ValidationError):
             return None
         return message["id"], name, arguments, meta, verdict.protocol_version
+
+    def _declares_headers(self, schema: dict[str, Any]) -> bool:
+        """Whether `schema` declares an `Mcp-Param-*` header (`x-mcp-header`): without one the SDK's
+        check of a call's headers passes whatever they are, so it is not walked per request."""
+        known = self._declared.get(id(schema))
+        if known is None or known[0] is not schema:
+            known = self._declared[id(schema)] = (schema, bool(x_mcp_header_map(schema)))
+        return known[1]
 
     def _secure(self, headers: Any) -> bool:
         """The SDK's transport security of a POST (`TransportSecurityMiddleware.validate_request`:
