@@ -102,7 +102,7 @@ class FastHttpCalls:
         self.call = call
         self.taken = 0
         self._shaper = ServerRunner(server, cast(Any, None), None)  # only its result shaping is used
-        self._declared: dict[int, tuple[dict[str, Any], bool]] = {}
+        self._declared: dict[int, tuple[Any, bool]] = {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if not self._candidate(scope):
@@ -181,7 +181,7 @@ class FastHttpCalls:
             return None
         return message["id"], name, arguments, meta, verdict.protocol_version
 
-    def _declares_headers(self, schema: dict[str, Any]) -> bool:
+    def _declares_headers(self, schema: Any) -> bool:
         """Whether `schema` declares an `Mcp-Param-*` header (`x-mcp-header`): without one the SDK's
         check of a call's headers passes whatever they are, so it is not walked per request."""
         known = self._declared.get(id(schema))
