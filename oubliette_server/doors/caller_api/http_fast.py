@@ -68,7 +68,7 @@ from pydantic import ValidationError
 from starlette.datastructures import State
 from starlette.requests import Request
 
-from oubliette_runtime.fast_tool_calls import is_request_id
+from oubliette_runtime.fast_tool_calls import PARAM_KEYS, REQUEST_KEYS, is_request_id
 from oubliette_runtime.trace_spans import fast_call_span
 
 log = logging.getLogger("oubliette.fast_calls")
@@ -78,8 +78,6 @@ _sdk_security_log = logging.getLogger("mcp.server.transport_security")
 Call = Callable[[Any, str, dict[str, Any]], Awaitable[Any]]
 
 FAST_TOOLS = frozenset({"caller_tool_response", "session_events"})
-_REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
-_PARAM_KEYS = frozenset({"name", "arguments", "_meta"})
 _MODERN = frozenset(version.encode() for version in MODERN_PROTOCOL_VERSIONS)
 _PARAM_HEADER = MCP_PARAM_HEADER_PREFIX.lower()
 _SSE_PING = {"type": "http.response.body", "body": b": ping\r\n\r\n", "more_body": True}
@@ -155,12 +153,12 @@ class FastHttpCalls:
             message = json.loads(body)
         except (ValueError, RecursionError):
             return None
-        if not isinstance(message, dict) or message.keys() != _REQUEST_KEYS:
+        if not isinstance(message, dict) or message.keys() != REQUEST_KEYS:
             return None
         if message["jsonrpc"] != "2.0" or message["method"] != "tools/call" or not is_request_id(message["id"]):
             return None
         params = message["params"]
-        if not isinstance(params, dict) or not params.keys() <= _PARAM_KEYS:
+        if not isinstance(params, dict) or not params.keys() <= PARAM_KEYS:
             return None
         name, arguments, meta = params.get("name"), params.get("arguments"), params.get("_meta")
         if name not in FAST_TOOLS or not isinstance(arguments, dict) or not isinstance(meta, dict):
