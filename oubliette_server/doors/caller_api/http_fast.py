@@ -119,7 +119,7 @@ class FastHttpCalls:
         """A POST to the path with a 2026-07-28-era `MCP-Protocol-Version` (the SDK's era routing)."""
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
             return False
-        return any(name == b"mcp-protocol-version" and value in _MODERN for name, value in scope["headers"])
+        return next((value for name, value in scope["headers"] if name == b"mcp-protocol-version"), None) in _MODERN
 
     async def _read_body(self, scope: dict[str, Any], receive: Any) -> tuple[bytes | None, list[dict[str, Any]]]:
         """The whole body within the limit (else None), and the messages read, for the SDK to read again."""
@@ -138,7 +138,7 @@ class FastHttpCalls:
             more = message.get("more_body", False)
             if size > self.max_body or not more:
                 body = b"".join(chunks)
-                return (None if more else body), [{"type": "http.request", "body": body, "more_body": more}]
+                return (None if more or size > self.max_body else body), [{"type": "http.request", "body": body, "more_body": more}]
 
     def _parse(self, scope: dict[str, Any], body: bytes) -> tuple[Any, str, dict[str, Any], dict[str, Any], str] | None:
         """(id, tool name, arguments, `_meta`, protocol version) of a call taken here, else None."""

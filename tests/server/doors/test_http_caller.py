@@ -389,6 +389,12 @@ def modern_body(request_id: Any, name: str, arguments: Any, meta: Any = None, **
                        "params": {"name": name, "arguments": arguments, "_meta": ENVELOPE if meta is None else meta, **params}})
 
 
+async def chunked(*parts: bytes) -> AsyncIterator[bytes]:
+    """A body sent in chunks, with no Content-Length."""
+    for part in parts:
+        yield part
+
+
 class RawModernCaller:
     """A 2026-07-28 caller writing its POSTs by hand; each answer kept as the parts a caller reads."""
 
@@ -398,7 +404,7 @@ class RawModernCaller:
         self.owner_key = "parity-caller-0123456789abcdef"  # one it chose, the same in both runs
         self.answers: list[tuple[str, Any]] = []
 
-    async def post(self, label: str, name: str, body: str | bytes, **headers: str) -> Any:
+    async def post(self, label: str, name: str, body: str | bytes | AsyncIterator[bytes], **headers: str) -> Any:
         """POST `body` to /mcp with the headers the SDK's client sends for `name` (`headers` over them)."""
         sent = {"content-type": "application/json", "accept": "application/json, text/event-stream",
                 "mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call", "mcp-name": name, **headers}
@@ -521,6 +527,7 @@ async def modern_caller_answers(deployment: Deployment, fast: bool, monkeypatch:
                 ("Content-Type", good, {"content-type": "text/plain"}),
                 ("Accept without SSE", good, {"accept": "application/json"}),
                 ("oversize", good + " " * OVERSIZE, {}),
+                ("oversize, chunked (no Content-Length)", chunked(good.encode(), b" " * OVERSIZE), {}),
                 ("not JSON", "{not json", {}),
                 ("a batch", f"[{good}]", {}),
                 ("an unknown key", good[:-1] + ', "x": 1}', {}),
