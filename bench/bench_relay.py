@@ -186,9 +186,15 @@ def passed_env() -> dict[str, str]:
 
 def profiled(name: str) -> list[str]:
     """`-m cProfile -o DIR/NAME.prof` when BENCH_PROFILE_DIR is set (the program's profile, written
-    when it exits at the end of the run; read it with `python -m pstats`), else nothing."""
+    when it exits at the end of the run; read it with `python -m pstats`), else nothing; with
+    BENCH_PROFILE_CPU=1 too, on CPU time (bench/cpu_profile.py), the profile to read under load."""
     where = os.environ.get("BENCH_PROFILE_DIR")
-    return ["-m", "cProfile", "-o", str(Path(where) / f"{name}.prof")] if where else []
+    if not where:
+        return []
+    out = str(Path(where) / f"{name}.prof")
+    if os.environ.get("BENCH_PROFILE_CPU") == "1":
+        return [str(Path(__file__).resolve().parent / "cpu_profile.py"), out]
+    return ["-m", "cProfile", "-o", out]
 
 
 # -- CPU time of the processes --------------------------------------------------------------------

@@ -47,7 +47,7 @@ import trio
 from .trace_spans import fast_call_span
 
 __all__ = [
-    "FastToolCalls", "Handler", "Route", "SendProgress", "call_result", "fast_path_enabled", "is_request_id",
+    "PARAM_KEYS", "REQUEST_KEYS", "FastToolCalls", "Handler", "Route", "SendProgress", "call_result", "fast_path_enabled", "is_request_id",
     "modern_envelope",
     "notification_line", "response_line", "tool_error",
 ]
@@ -63,8 +63,9 @@ log = logging.getLogger("oubliette.fast_calls")
 
 _CALL_MARK = '"tools/call"'
 _CANCEL_MARK = '"notifications/cancelled"'
-_REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
-_PARAM_KEYS = frozenset({"name", "arguments", "_meta"})
+#: The keys of a plain `tools/call` request and of its params (the fixed shape the fast paths take).
+REQUEST_KEYS = frozenset({"jsonrpc", "id", "method", "params"})
+PARAM_KEYS = frozenset({"name", "arguments", "_meta"})
 #: The `_meta` key that makes a request one of the 2026-07-28 era (the SDK's rule: the key alone).
 _MODERN_META = "io.modelcontextprotocol/protocolVersion"
 _OFF = frozenset({"0", "false", "no", "off"})
@@ -185,14 +186,14 @@ class FastToolCalls:
             message = json.loads(line)
         except (ValueError, RecursionError):  # not ours: the SDK answers it with its own error
             return None
-        if not isinstance(message, dict) or message.keys() != _REQUEST_KEYS:
+        if not isinstance(message, dict) or message.keys() != REQUEST_KEYS:
             return None
         if message["jsonrpc"] != "2.0" or message["method"] != "tools/call":
             return None
         request_id, params = message["id"], message["params"]
         if not is_request_id(request_id) or request_id in self._in_flight:
             return None
-        if not isinstance(params, dict) or not params.keys() <= _PARAM_KEYS:
+        if not isinstance(params, dict) or not params.keys() <= PARAM_KEYS:
             return None
         name, arguments, meta = params.get("name"), params.get("arguments", {}), params.get("_meta", {})
         if not isinstance(name, str) or not isinstance(arguments, dict):

@@ -44,6 +44,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from oubliette_runtime.fast_tool_calls import fast_path_enabled
 from oubliette_runtime.peer_text import bounded
 from protocol import RelayError, errors
 from protocol.limits import LimitExceeded
@@ -56,6 +57,8 @@ from ..features.tether import Tether
 from ..features.turns import STREAM_GONE_STATE
 from ..store.api import StoreUnavailable
 from .caller_api import CallerApi, build_caller_server
+from .caller_api.http_fast import FastHttpCalls
+from .caller_api.mcp_server import call_as_caller
 from .caller_api.schemas import OWNER_KEY_PATTERN
 from .connection_limits import (
     HTTP_WRITE_SECONDS,
@@ -877,6 +880,8 @@ class HttpApi:
         self._legacy_callers: dict[int, CallerConnection] = {}
         self._legacy_by_mcp_session: dict[str, CallerConnection] = {}
         self.mcp = build_caller_server(tools, self._resolve_caller, self._release_caller)
+        self.fast: FastHttpCalls | None = None
+        """The 2026-07-28 fast path in front of the SDK's `/mcp` once `asgi_app` built it (`OUBLIETTE_FAST_PATH`)."""
 
     def _resolve_caller(self, ctx: Any, arguments: dict[str, Any] | None) -> CallerConnection | None:
         """Who sends this request (docs/SECURITY.md, "Callers and sessions").
@@ -955,14 +960,15 @@ class HttpApi:
     def asgi_app(self) -> Any:
         """The ASGI app: `/mcp` (with Host checks) and the tether routes, behind the bearer-token check."""
         allowed = [*LOOPBACK_HOSTS, *(f"{host}:*" for host in LOOPBACK_HOSTS), *self.allowed_hosts]
+        security = TransportSecuritySettings(
+            enable_dns_rebinding_protection=True,
+            allowed_hosts=allowed,
+            allowed_origins=[f"http://{host}" for host in allowed] + [f"https://{host}" for host in allowed],
+        )
         starlette = self.mcp.streamable_http_app(
             streamable_http_path="/mcp",
             max_request_body_size=MCP_MAX_BODY_BYTES,
-            transport_security=TransportSecuritySettings(
-                enable_dns_rebinding_protection=True,
-                allowed_hosts=allowed,
-                allowed_origins=[f"http://{host}" for host in allowed] + [f"https://{host}" for host in allowed],
-            ),
+            transport_security=security,
             custom_starlette_routes=[
                 *TetherRoutes(self.tether, self.instances).routes(),
                 *HealthRoutes(self.readiness, self.instances, self.identity).routes(),
@@ -973,7 +979,12 @@ class HttpApi:
         starlette.router.default = _not_found  # unknown paths answer the JSON error shape too
         starlette.add_middleware(ErrorBoundary)  # inside Starlette's own (plain-text 500) error middleware
         refused = functools.partial(self.metrics.auth_refused, "http") if self.metrics else lambda reason: None
-        watched = UnixSocketHost(ExplainRefusals(StreamWatch(starlette, self._standalone_stream_dropped)))
+        mcp: Any = StreamWatch(starlette, self._standalone_stream_dropped)
+        if fast_path_enabled():  # a 2026-07-28 caller's answers and long polls beside the SDK (http_fast.py)
+            call = functools.partial(call_as_caller, self.tools, self._resolve_caller, self._release_caller)
+            self.fast = FastHttpCalls(mcp, self.mcp, security, MCP_MAX_BODY_BYTES, MCP_PATHS[0], call)
+            mcp = self.fast
+        watched = UnixSocketHost(ExplainRefusals(mcp))
         scoped = PrincipalAccess(watched, self.access, error_response)
         return self._outer(BearerAuth(scoped, self.verify_token, self.principal_of, refused))
 

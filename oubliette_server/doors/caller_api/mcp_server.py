@@ -43,17 +43,8 @@ def build_caller_server(
         return types.ListToolsResult(tools=[tool for tool, _ in tools.tools.values()])
 
     async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult | types.InputRequiredResult:
-        arguments = dict(params.arguments or {})
-        try:
-            caller = resolve_caller(ctx, arguments)
-        except RelayError as err:  # a caller the transport refuses (another principal's MCP session)
-            return tool_error(err.message)
-        assert caller is not None
         resume = (params.request_state, params.input_responses) if params.request_state else None
-        try:
-            return await tools.call(ctx, caller, params.name, arguments, resume)
-        finally:
-            release_caller(caller)
+        return await call_as_caller(tools, resolve_caller, release_caller, ctx, params.name, dict(params.arguments or {}), resume)
 
     async def set_log_level(ctx: Any, params: types.SetLevelRequestParams) -> types.EmptyResult:
         caller = resolve_caller(ctx, None)
@@ -82,6 +73,23 @@ def build_caller_server(
     security = RequestStateSecurity.ephemeral(ttl=REQUEST_STATE_TTL)
     server.middleware.append(RequestStateBoundary(security, default_audience=SERVER_NAME))
     return server
+
+
+async def call_as_caller(
+    tools: CallerApi, resolve_caller: ResolveCaller, release_caller: ReleaseCaller, ctx: Any, name: str,
+    arguments: dict[str, Any], resume: tuple[str, dict[str, Any] | None] | None = None,
+) -> types.CallToolResult | types.InputRequiredResult:
+    """One caller tool call as the transport's caller: the one home of what the SDK's `tools/call`
+    handler and the HTTP fast path (`http_fast.py`) both run."""
+    try:
+        caller = resolve_caller(ctx, arguments)
+    except RelayError as err:  # a caller the transport refuses (another principal's MCP session)
+        return tool_error(err.message)
+    assert caller is not None
+    try:
+        return await tools.call(ctx, caller, name, arguments, resume)
+    finally:
+        release_caller(caller)
 
 
 class CallerMcpServer(Server):

@@ -9,9 +9,7 @@ lines) and compares every response and every event line the caller got, in order
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -19,6 +17,7 @@ import trio
 from contextlib import asynccontextmanager
 
 from harness import PYTHON, Deployment, HandMcp
+from parity import masked
 
 TIMEOUT = 20
 TOOL = {"name": "echo", "description": "Echo", "inputSchema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
@@ -26,9 +25,6 @@ TOOL = {"name": "echo", "description": "Echo", "inputSchema": {"type": "object",
 ENVELOPE = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
             "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "1"},
             "io.modelcontextprotocol/clientCapabilities": {}}
-#: What differs between two runs of the same lines: where in the log, when, and fresh ids.
-VOLATILE_KEYS = frozenset({"seq", "ts", "msg_id", "reply_to", "expires_at", "ingress_seq", "last_seq", "next_seq"})
-VOLATILE_TEXT = re.compile(r"ctr-[0-9a-f]+|s-(on|off)|caller-\d+")
 
 
 class Lines(HandMcp):
@@ -47,22 +43,6 @@ class Lines(HandMcp):
                     seen.append(event["request_id"])
                     return event
             await self.receive()
-
-
-def masked(value: Any) -> Any:
-    """`value` with what differs between runs replaced by placeholders."""
-    if isinstance(value, dict):
-        return {key: f"<{key}>" if key in VOLATILE_KEYS else masked(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [masked(item) for item in value]
-    if isinstance(value, str) and value.startswith("{"):  # a text content block holding the JSON result
-        try:
-            return masked(json.loads(value))
-        except ValueError:
-            pass
-    if isinstance(value, str):
-        return VOLATILE_TEXT.sub("<id>", value)
-    return value
 
 
 def request(request_id: Any, method: str, params: Any = None) -> dict[str, Any]:

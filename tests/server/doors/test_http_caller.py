@@ -12,15 +12,17 @@ the session's SSE stream as `notifications/message` from logger `oubliette`; a
 from __future__ import annotations
 
 import json
+import logging
 import time
-from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, AsyncIterator, Iterator
 
 import mcp_types as types
 import pytest
 import trio
 
 from harness import DEMO_AGENT, Deployment, EventLog, HttpServer, structured, text_of
+from parity import masked, masked_text
 
 pytestmark = pytest.mark.in_process
 
@@ -367,3 +369,208 @@ async def test_legacy_http_caller_demo_flow_ends_the_turn_with_the_result(deploy
     assert "Calling myapp_send_notification with " + json.dumps({"message": "hi"}) in turn["text"]
     assert done["text"] == turn["text"]
     assert [e["state"] for e in presence if e.get("reply_to") == turn["msg_id"]] == ["thinking"]
+
+
+# -- the 2026-07-28 fast path (doors/caller_api/http_fast.py) against the SDK ----------------
+
+#: The 2026-07-28 per-request envelope of a raw caller.
+ENVELOPE = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {}}
+ECHO = {"name": "echo", "description": "Echo", "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}}
+#: The response headers a caller acts on.
+HEADERS_THAT_MATTER = ("content-type", "cache-control", "allow", "retry-after", "www-authenticate", "mcp-session-id")
+OVERSIZE = 4 * 1024 * 1024 + 1
+
+
+def modern_body(request_id: Any, name: str, arguments: Any, meta: Any = None, **params: Any) -> str:
+    """A raw 2026-07-28 `tools/call` body."""
+    return json.dumps({"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+                       "params": {"name": name, "arguments": arguments, "_meta": ENVELOPE if meta is None else meta, **params}})
+
+
+async def chunked(*parts: bytes) -> AsyncIterator[bytes]:
+    """A body sent in chunks, with no Content-Length."""
+    for part in parts:
+        yield part
+
+
+class RawModernCaller:
+    """A 2026-07-28 caller writing its POSTs by hand; each answer kept as the parts a caller reads."""
+
+    def __init__(self, http: Any, session: str) -> None:
+        self.http = http
+        self.session = session
+        self.owner_key = "parity-caller-0123456789abcdef"  # one it chose, the same in both runs
+        self.answers: list[tuple[str, Any]] = []
+
+    async def post(self, label: str, name: str, body: str | bytes | AsyncIterator[bytes], **headers: str) -> Any:
+        """POST `body` to /mcp with the headers the SDK's client sends for `name` (`headers` over them)."""
+        sent = {"content-type": "application/json", "accept": "application/json, text/event-stream",
+                "mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call", "mcp-name": name, **headers}
+        response = await self.http.post("/mcp", content=body, headers=sent)
+        text = response.text
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            text = "".join(part for part in text.split("\r\n\r\n") if part and not part.startswith(": ping"))
+            payload: Any = [json.loads(line[len("data: "):]) for line in text.split("\r\n") if line.startswith("data: ")]
+        else:
+            try:
+                payload = json.loads(text) if text else None
+            except ValueError:
+                payload = text
+        self.answers.append((label, {
+            "status": response.status_code, "body": masked(payload), "layout": masked_text(text),
+            "headers": {key: response.headers[key] for key in HEADERS_THAT_MATTER if key in response.headers},
+        }))
+        return payload
+
+    async def call(self, label: str, request_id: Any, name: str, arguments: dict[str, Any], **headers: str) -> Any:
+        """A well-formed call of `name` with this caller's owner key; its result."""
+        arguments = {"owner_key": self.owner_key, **arguments}
+        answer = await self.post(label, name, modern_body(request_id, name, arguments), **headers)
+        return answer.get("result") if isinstance(answer, dict) else answer
+
+    async def poll(self, label: str, after_seq: int, wait_ms: int) -> list[dict[str, Any]]:
+        """`session_events` for caller_tool_request frames after `after_seq`: the frames."""
+        result = await self.call(label, label, "session_events", {
+            "session_id": self.session, "types": ["caller_tool_request"], "after_seq": after_seq, "wait_ms": wait_ms})
+        if isinstance(result, list):  # an SSE answer: its one response event
+            result = result[-1]["result"]
+        return result["structuredContent"]["frames"]
+
+
+@contextmanager
+def fast_path_log() -> Iterator[list[str]]:
+    """The fast path's DEBUG lines while the block runs (each taken request logs one)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    fast_log = logging.getLogger("oubliette.fast_calls")
+    fast_log.addHandler(handler)
+    level = fast_log.level
+    fast_log.setLevel(logging.DEBUG)
+    try:
+        yield lines
+    finally:
+        fast_log.removeHandler(handler)
+        fast_log.setLevel(level)
+
+
+async def modern_caller_answers(deployment: Deployment, fast: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:
+    """Every answer a raw 2026-07-28 caller got from a server with `OUBLIETTE_FAST_PATH` on or off,
+    and how many of its requests the fast path took."""
+    from mcp.server import _streamable_http_modern as sdk_http
+
+    monkeypatch.setenv("OUBLIETTE_FAST_PATH", "1" if fast else "0")
+    session = f"s-{'on' if fast else 'off'}"
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.rest() as http:
+            caller = RawModernCaller(http, session)
+            declared = await caller.call("declare", 1, "session_message", {
+                "instance": "box1", "session_id": session, "message": "hi",
+                "context": {"caller_id": "app", "caller_tools": [ECHO]}})
+            assert declared["structuredContent"]["owner_key"] == caller.owner_key
+            after = declared["structuredContent"]["ingress_seq"]
+            async with deployment.agent("box1", f"mcp:{session}") as agent, trio.open_nursery() as nursery:
+                woken: list[list[dict[str, Any]]] = []
+                polled = trio.Event()
+
+                async def long_poll() -> None:
+                    woken.append(await caller.poll("poll woken", after, 20_000))
+                    polled.set()
+
+                nursery.start_soon(long_poll)
+                await server.wait_waiters("box1", 1)  # the poll waits before the request exists
+                results: list[Any] = []
+
+                async def agent_call(text: str) -> None:
+                    results.append(await agent.call_tool("app_echo", {"text": text}))
+
+                nursery.start_soon(agent_call, "héllo ✓")
+                with trio.fail_after(TURN_TIMEOUT):
+                    await polled.wait()
+                first = woken[0][0]
+                nursery.start_soon(agent_call, "two")
+                second = (await caller.poll("poll after the first", first["seq"], 20_000))[0]
+                await caller.poll("poll that times out", second["seq"], 200)
+                ids = [frame["payload"]["request_id"] for frame in (first, second)]
+                owner = {"session_id": session}
+                for label, request_id, arguments in [
+                    ("result", 10, {**owner, "request_id": ids[0], "result": {"echo": "héllo ✓"}}),
+                    ("error", 11, {**owner, "request_id": ids[1], "error": "no such thing", "wait": False}),
+                    ("late", 12, {**owner, "request_id": ids[0], "result": {}}),
+                    ("unknown request", 13, {**owner, "request_id": "ctr-0000", "result": {}}),
+                    ("bad params: no request_id", 14, {**owner, "result": {}}),
+                    ("bad params: result and error", 15, {**owner, "request_id": ids[1], "result": 1, "error": "x"}),
+                    ("bad params: unknown key", 16, {**owner, "request_id": ids[1], "result": 1, "extra": 1}),
+                    ("unknown session", 17, {"session_id": "nope", "request_id": ids[1], "result": {}}),
+                    ("with wait: the SDK's", 18, {**owner, "request_id": ids[1], "result": {}, "wait": 0}),
+                ]:
+                    await caller.call(label, request_id, "caller_tool_response", arguments)
+            assert [text_of(result) for result in results] == ['{"echo": "héllo ✓"}', "app_echo failed: no such thing"]
+            await caller.post("wrong owner_key", "caller_tool_response", modern_body(20, "caller_tool_response", {
+                "owner_key": "k" * 32, "session_id": session, "request_id": ids[0], "result": {}}))
+            await caller.post("events of another owner", "session_events", modern_body(21, "session_events", {
+                "owner_key": "k" * 32, "session_id": session}))
+            await caller.call("events: bad params", 22, "session_events", {"session_id": session, "wait_ms": -1})
+            await caller.call("events: unknown session", 23, "session_events", {"session_id": "nope"})
+            good = modern_body(30, "session_events", {"owner_key": caller.owner_key, "session_id": session})
+            for label, body, headers in [
+                ("Mcp-Name mismatch", good, {"mcp-name": "caller_tool_response"}),
+                ("Mcp-Method mismatch", good, {"mcp-method": "tools/list"}),
+                ("version header and envelope disagree", good, {"mcp-protocol-version": "2099-01-01"}),
+                ("unknown protocol version", modern_body(31, "session_events", {"owner_key": caller.owner_key, "session_id": session},
+                                                         {**ENVELOPE, "io.modelcontextprotocol/protocolVersion": "2099-01-01"}),
+                 {"mcp-protocol-version": "2099-01-01"}),
+                ("Host refused", good, {"host": "evil.example"}),
+                ("Origin refused", good, {"origin": "http://evil.example"}),
+                ("Content-Type", good, {"content-type": "text/plain"}),
+                ("Accept without SSE", good, {"accept": "application/json"}),
+                ("oversize", good + " " * OVERSIZE, {}),
+                ("oversize, chunked (no Content-Length)", chunked(good.encode(), b" " * OVERSIZE), {}),
+                ("not JSON", "{not json", {}),
+                ("a batch", f"[{good}]", {}),
+                ("an unknown key", good[:-1] + ', "x": 1}', {}),
+                ("envelope missing", modern_body(32, "session_events", {"owner_key": caller.owner_key, "session_id": session}, {}), {}),
+                ("Mcp-Param header of no parameter", good, {"mcp-param-session_id": "other"}),
+            ]:
+                await caller.post(label, "session_events", body, **headers)
+            # A long poll silent past the SDK's keepalive interval: an SSE stream, pings, then the answer.
+            with monkeypatch.context() as patched:
+                patched.setattr(sdk_http, "_SSE_PING_INTERVAL", 0.2)
+                await caller.poll("poll answered over SSE", second["seq"], 1000)
+    return caller.answers, sum("taken off the SDK's path" in line for line in taken)
+
+
+async def test_a_2026_07_28_caller_gets_the_same_answers_from_the_fast_path_and_from_the_sdk(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The HTTP fast path's parity test: the same raw 2026-07-28 requests to `/mcp` with
+    `OUBLIETTE_FAST_PATH` off (the SDK answers every one) and on (the fast path answers the
+    well-formed `session_events` and `caller_tool_response` without `wait`) give the caller the
+    same status, headers, JSON body and body layout for each (ids, seq and times masked): long
+    polls woken, timed out and answered over SSE, answers ok, error, late, unknown, bad params,
+    another owner's key, and every refusal of the transport (headers, size, body)."""
+    off, off_taken = await modern_caller_answers(deployment, False, monkeypatch)
+    on, on_taken = await modern_caller_answers(deployment, True, monkeypatch)
+    assert [label for label, _ in on] == [label for label, _ in off]
+    differing = [(label, a, b) for (label, a), (_, b) in zip(on, off) if a != b]
+    assert not differing, json.dumps([d[0] for d in differing]) + json.dumps(differing, indent=1, ensure_ascii=False)
+    assert off_taken == 0
+    # the four polls, the eight answers without wait, the four calls after the agent, and the
+    # well-formed call with an `Mcp-Param-*` header its tool does not declare (which the SDK ignores too)
+    assert on_taken == 4 + 8 + 4 + 1, on_taken
+
+
+async def test_the_sdk_clients_2026_07_28_long_polls_and_answers_take_the_fast_path(deployment: Deployment) -> None:
+    """The MCP SDK's own client (mode auto, 2026-07-28) sends `session_events` and
+    `caller_tool_response` in the shape the fast path takes: both are answered beside the SDK."""
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.caller(mode="auto", events=False) as (caller, _):
+            declared = await declare(caller, "box1", "s1", [NOTIFY])
+            owner = {"owner_key": declared["owner_key"]}
+            read = await caller.call_tool("session_events", {"session_id": "s1", "after_seq": 0, **owner})
+            assert not read.is_error and structured(read)["frames"], text_of(read)
+            answer = await respond(caller, "s1", "ctr-0000", result={}, **owner)
+            assert "is not pending" in text_of(answer) or "unknown" in text_of(answer), text_of(answer)
+    assert sum("taken off the SDK's path" in line for line in taken) == 2, taken

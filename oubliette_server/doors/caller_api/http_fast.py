@@ -1,0 +1,257 @@
+"""A 2026-07-28 caller's `caller_tool_response` and `session_events` on `/mcp`, answered beside the
+MCP SDK: the HTTP twin of the stdio line router (stdio.py, `oubliette_runtime/fast_tool_calls.py`).
+
+Why: a relayed call for a caller over HTTP is two POSTs (the `session_events` long poll that
+brings the request, the `caller_tool_response` that answers it), and each went through Starlette's
+routing and middleware, the SDK's session manager and its modern request handler (OpenTelemetry
+and request-state middlewares, pydantic validation of the params, the result dump): most of the
+server's CPU per relayed call (docs/SCALING.md, "A caller over HTTP"). A 2026-07-28 `tools/call`
+is one self-contained POST of a fixed shape, so this ASGI app, in front of the SDK's, reads it,
+runs the same checks with the SDK's own functions, the same call (`call_as_caller`) and the
+SDK's own result shaping and writer.
+
+A request is taken only when all of these hold; any other request goes to the SDK unchanged
+(its body, once read here, replayed), which answers it exactly as before — every refusal
+(Content-Type, Host, Origin, Accept, protocol version, the `Mcp-Method`/`Mcp-Name`/`Mcp-Param-*`
+headers, the body limit, non-JSON, a malformed envelope) is the SDK's:
+
+- a POST to `/mcp` whose `MCP-Protocol-Version` is a 2026-07-28-era version, that passes the
+  SDK's transport security (`TransportSecurityMiddleware`: Content-Type, Host, Origin) and Accept
+  check (JSON and SSE), with a body within the SDK's limit;
+- the body is `{"jsonrpc": "2.0", "id": <string or integer>, "method": "tools/call", "params":
+  {"name": ..., "arguments": {...}, "_meta": {...}}}` with no other keys, the SDK's header ladder
+  (`find_duplicated_routing_header`, `classify_inbound_request`, `validate_mcp_param_headers`
+  against the tool's `inputSchema`) and its surface validation of the params pass;
+- the tool is `session_events`, or `caller_tool_response` without `wait` (with `wait` the call
+  may stop for an approval, which needs the SDK's request state), and the arguments carry an
+  `owner_key` string (without one the caller is a new one that owns nothing: the SDK's).
+
+The answer is what the SDK would send: the tool's result shaped by the SDK's runner
+(`ServerRunner._serialize`: the version's result surface, `resultType`, the `serverInfo` stamp),
+written by the SDK's writer: JSON when the call ends within the SDK's keepalive interval, else an
+SSE stream of keepalive pings and the response event, as the SDK commits to SSE. A client that
+goes away cancels the call, as on the SDK's path. A taken call gets the span the SDK would make
+(`fast_call_span`). `OUBLIETTE_FAST_PATH=0` leaves every request to the SDK;
+tests/server/doors/test_http_caller.py drives the same requests both ways.
+
+Owns: per taken request, a nursery with the call and a watch for the client's disconnect.
+Needs: the SDK `Server` (its tool schemas, result shaping), the transport security settings
+the SDK's app has, the body limit, and `call(ctx, name, arguments)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from types import SimpleNamespace
+from typing import Any, Awaitable, Callable, cast
+
+import trio
+from mcp.server import _streamable_http_modern as sdk_http  # the SDK's own writers and keepalive interval
+from mcp.server.lowlevel.server import Server
+from mcp.server.runner import ServerRunner, modern_error_data
+from mcp.server.streamable_http import check_accept_headers
+from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
+from mcp.shared.inbound import (
+    MCP_PARAM_HEADER_PREFIX,
+    InboundModernRoute,
+    classify_inbound_request,
+    find_duplicated_routing_header,
+    validate_mcp_param_headers,
+    x_mcp_header_map,
+)
+from mcp_types import JSONRPCError, JSONRPCResponse
+from mcp_types import methods as sdk_methods
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from pydantic import ValidationError
+from starlette.datastructures import State
+from starlette.requests import Request
+
+from oubliette_runtime.fast_tool_calls import PARAM_KEYS, REQUEST_KEYS, is_request_id
+from oubliette_runtime.trace_spans import fast_call_span
+
+log = logging.getLogger("oubliette.fast_calls")
+_sdk_security_log = logging.getLogger("mcp.server.transport_security")
+
+#: `(ctx, tool name, arguments) -> CallToolResult`: the caller's call (`call_as_caller`).
+Call = Callable[[Any, str, dict[str, Any]], Awaitable[Any]]
+
+FAST_TOOLS = frozenset({"caller_tool_response", "session_events"})
+_MODERN = frozenset(version.encode() for version in MODERN_PROTOCOL_VERSIONS)
+_PARAM_HEADER = MCP_PARAM_HEADER_PREFIX.lower()
+_SSE_PING = {"type": "http.response.body", "body": b": ping\r\n\r\n", "more_body": True}
+
+
+class FastHttpCalls:
+    """ASGI app in front of the SDK's `/mcp` (`app`): takes the calls of the module docstring.
+
+    `taken` counts the requests answered here.
+    """
+
+    def __init__(
+        self, app: Any, server: Server, security: TransportSecuritySettings, max_body: int, path: str, call: Call,
+    ) -> None:
+        self.app = app
+        self.server = server
+        self.security = TransportSecurityMiddleware(security)
+        self.max_body = max_body
+        self.path = path
+        self.call = call
+        self.taken = 0
+        self._shaper = ServerRunner(server, cast(Any, None), None)  # only its result shaping is used
+        self._declared: dict[int, tuple[Any, bool]] = {}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if not self._candidate(scope):
+            await self.app(scope, receive, send)
+            return
+        body, rest = await self._read_body(scope, receive)
+        taken = None if body is None else self._parse(scope, body)
+        if taken is None:
+            await self.app(scope, _replay(rest, receive), send)
+            return
+        self.taken += 1
+        log.debug("tools/call %r taken off the SDK's path", taken[0])
+        await self._answer(scope, receive, send, *taken)
+
+    def _candidate(self, scope: dict[str, Any]) -> bool:
+        """A POST to the path with a 2026-07-28-era `MCP-Protocol-Version` (the SDK's era routing)."""
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+            return False
+        return next((value for name, value in scope["headers"] if name == b"mcp-protocol-version"), None) in _MODERN
+
+    async def _read_body(self, scope: dict[str, Any], receive: Any) -> tuple[bytes | None, list[dict[str, Any]]]:
+        """The whole body within the limit (else None), and the messages read, for the SDK to read again."""
+        declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            return None, []
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: the SDK's to see
+                return None, [{"type": "http.request", "body": b"".join(chunks), "more_body": True}, message]
+            chunk = message.get("body", b"")
+            chunks.append(chunk)
+            size += len(chunk)
+            more = message.get("more_body", False)
+            if size > self.max_body or not more:
+                body = b"".join(chunks)
+                return (None if more or size > self.max_body else body), [{"type": "http.request", "body": body, "more_body": more}]
+
+    def _parse(self, scope: dict[str, Any], body: bytes) -> tuple[Any, str, dict[str, Any], dict[str, Any], str] | None:
+        """(id, tool name, arguments, `_meta`, protocol version) of a call taken here, else None."""
+        request = Request(scope)
+        headers = request.headers
+        if not self._secure(headers):
+            return None
+        has_json, has_sse = check_accept_headers(request)
+        if not (has_json and has_sse):
+            return None
+        try:
+            message = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(message, dict) or message.keys() != REQUEST_KEYS:
+            return None
+        if message["jsonrpc"] != "2.0" or message["method"] != "tools/call" or not is_request_id(message["id"]):
+            return None
+        params = message["params"]
+        if not isinstance(params, dict) or not params.keys() <= PARAM_KEYS:
+            return None
+        name, arguments, meta = params.get("name"), params.get("arguments"), params.get("_meta")
+        if name not in FAST_TOOLS or not isinstance(arguments, dict) or not isinstance(meta, dict):
+            return None
+        if not isinstance(arguments.get("owner_key"), str) or arguments.get("wait", False) is not False:
+            return None
+        if find_duplicated_routing_header(headers.items()) is not None:
+            return None
+        verdict = classify_inbound_request(message, headers=dict(headers))
+        if not isinstance(verdict, InboundModernRoute):
+            return None
+        schema = self.server.get_tool_input_schema(name) if self.server.get_tool_input_schema else None
+        if schema is None or (self._declares_headers(schema) and validate_mcp_param_headers(schema, arguments, headers)):
+            return None
+        try:
+            sdk_methods.validate_client_request("tools/call", verdict.protocol_version, params)
+        except (KeyError, ValidationError):
+            return None
+        return message["id"], name, arguments, meta, verdict.protocol_version
+
+    def _declares_headers(self, schema: Any) -> bool:
+        """Whether `schema` declares an `Mcp-Param-*` header (`x-mcp-header`): without one the SDK's
+        check of a call's headers passes whatever they are, so it is not walked per request."""
+        known = self._declared.get(id(schema))
+        if known is None or known[0] is not schema:
+            known = self._declared[id(schema)] = (schema, bool(x_mcp_header_map(schema)))
+        return known[1]
+
+    def _secure(self, headers: Any) -> bool:
+        """The SDK's transport security of a POST (`TransportSecurityMiddleware.validate_request`:
+        Content-Type, Host, Origin), its own checks run without their warnings: a request refused
+        goes on to the SDK, which refuses it and logs it once."""
+        security = self.security
+        if not security.settings.enable_dns_rebinding_protection:
+            return False
+        _sdk_security_log.disabled = True  # no await until it is back: no other task logs meanwhile
+        try:
+            return bool(
+                security._validate_content_type(headers.get("content-type"))
+                and security._validate_host(headers.get("host"))
+                and security._validate_origin(headers.get("origin"))
+            )
+        finally:
+            _sdk_security_log.disabled = False
+
+    async def _answer(
+        self, scope: dict[str, Any], receive: Any, send: Any,
+        request_id: Any, name: str, arguments: dict[str, Any], meta: dict[str, Any], version: str,
+    ) -> None:
+        """Run the call and write its answer as the SDK's SSE-mode writer does; the client leaving cancels it."""
+        ctx = SimpleNamespace(protocol_version=version, request=SimpleNamespace(state=State(scope.setdefault("state", {}))))
+        outcome: list[JSONRPCResponse | JSONRPCError] = []
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def run() -> None:
+                with fast_call_span(name, request_id, meta) as ended:
+                    try:
+                        result = self._shaper._serialize("tools/call", version, await self.call(ctx, name, arguments))
+                    except Exception as exc:  # as the SDK's exception-to-wire boundary
+                        outcome.append(JSONRPCError(jsonrpc="2.0", id=request_id, error=modern_error_data(exc)))
+                    else:
+                        ended(result)
+                        outcome.append(JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result))
+                done.set()
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(run)
+            nursery.start_soon(watch)
+            interval = sdk_http._SSE_PING_INTERVAL
+            with trio.move_on_after(interval):
+                await done.wait()
+            if done.is_set():
+                await sdk_http._write(outcome[0], scope, receive, send)
+            else:  # silent past the interval: SSE, with keepalives until the answer
+                await send({"type": "http.response.start", "status": 200, "headers": sdk_http._SSE_HEADERS})
+                while not done.is_set():
+                    await send(_SSE_PING)
+                    with trio.move_on_after(interval):
+                        await done.wait()
+                await send({"type": "http.response.body", "body": sdk_http._sse_event(outcome[0]), "more_body": False})
+            nursery.cancel_scope.cancel()
+
+
+def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:
+    """`receive` with the messages already read given first."""
+    queue = deque(messages)
+
+    async def replay() -> dict[str, Any]:
+        return queue.popleft() if queue else await receive()
+
+    return replay
