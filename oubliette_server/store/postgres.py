@@ -316,37 +316,44 @@ _BUMP_SEQ = (
     "ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + EXCLUDED.last_seq RETURNING last_seq, last_hash"
 )
 _SET_HEAD = "UPDATE instances SET last_hash = %s WHERE name = %s"
-#: One frame's seq and chain hash, under the instance row's lock: `$11` is the frame's content
-#: digest (`chain.content_digest`), the hash `chain.link` of the head before it.
-_BUMP_ONE = (
-    b"INSERT INTO instances (name, last_seq, last_hash) VALUES ($1, 1, sha256(" + _GENESIS_SQL.encode()
-    + b" || int8send(1::int8) || $11::bytea)) "
-    b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1, "
-    b"last_hash = sha256(instances.last_hash || int8send(instances.last_seq + 1) || $11::bytea) "
-)
-#: One frame in one statement (autocommit: the bump, the insert and the NOTIFY commit together),
-#: run on the Trio loop by `postgres_loop` (no worker thread, one round trip).
-_APPEND_ONE = (
-    b"WITH bumped AS (" + _BUMP_ONE + b"RETURNING last_seq, last_hash), "
+
+
+def _bump_one(digest: bytes, unless: bytes | None = None) -> bytes:
+    """A CTE taking one frame's seq and chain hash under the instance row's lock, the one recipe of
+    every single-frame append: `digest` names the parameter of the frame's content digest
+    (`chain.content_digest`), and the new head, `chain.link` of the head before it, comes back as
+    `last_hash`, the frame's `hash`. `unless`: a query that, when it has a row, bumps nothing."""
+    where = b"" if unless is None else b"WHERE NOT EXISTS (" + unless + b") "
+    return (
+        b"bumped AS (INSERT INTO instances (name, last_seq, last_hash) SELECT $1, 1, sha256(" + _GENESIS_SQL.encode()
+        + b" || int8send(1::int8) || " + digest + b"::bytea) " + where
+        + b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1, "
+        b"last_hash = sha256(instances.last_hash || int8send(instances.last_seq + 1) || " + digest + b"::bytea) "
+        b"RETURNING last_seq, last_hash)"
+    )
+
+
+#: The frame of `$2`-`$8` and `$10` (its `ends_turn`) stored at the seq and hash `_bump_one` took.
+_STORE_ONE = (
     b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, "
     b"ends_turn, hash) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10, last_hash FROM bumped RETURNING seq) "
-    b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
 )
+#: The stored frame's seq, and its NOTIFY on channel `$9` (`notice_payload`'s shape).
+_NOTIFY_STORED = b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
+#: One frame in one statement (autocommit: the bump, the insert and the NOTIFY commit together),
+#: run on the Trio loop by `postgres_loop` (no worker thread, one round trip); `$11` its digest.
+_APPEND_ONE = b"WITH " + _bump_one(b"$11") + b", " + _STORE_ONE + _NOTIFY_STORED
 #: `append_once`'s one statement: the frame of `$10` if the instance has it (then nothing is bumped
 #: or stored: no row comes back), else `_APPEND_ONE`'s bump, insert and NOTIFY. Of two servers
 #: racing with one id, the second waits for the first's bump (the instance's row lock), then its
 #: insert breaks the unique index and the whole statement fails: no seq is lost.
 _APPEND_ONCE = (
     b"WITH found AS (SELECT seq FROM frames WHERE instance = $1 AND append_id = $10), "
-    b"bumped AS (INSERT INTO instances (name, last_seq, last_hash) SELECT $1, 1, sha256(" + _GENESIS_SQL.encode()
-    + b" || int8send(1::int8) || $12::bytea) WHERE NOT EXISTS (SELECT 1 FROM found) "
-    b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1, "
-    b"last_hash = sha256(instances.last_hash || int8send(instances.last_seq + 1) || $12::bytea) "
-    b"RETURNING last_seq, last_hash), "
+    + _bump_one(b"$12", unless=b"SELECT 1 FROM found") + b", "
     b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, "
     b"append_id, ends_turn, hash) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10, $11, last_hash FROM bumped "
     b"RETURNING seq) "
-    b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
+    + _NOTIFY_STORED
 )
 _FRAME_BY = b"SELECT seq, ts, channel, session_id, type, msg_id, reply_to, payload FROM frames WHERE instance = $1 AND "
 _FRAME_OF_APPEND_ID = _FRAME_BY + b"append_id = $2"
@@ -392,10 +399,18 @@ OWNED_SESSION_RECORDS_SQL = (
     + _OWNER_AND_DECLARATION
     + "WHERE o.owner = %(owner)s ORDER BY r.instance COLLATE \"C\" LIMIT %(limit)s"
 )
-_CLAIM = (
-    "INSERT INTO resolutions (instance, request_id, seq) VALUES (%s, %s, 0) "
-    "ON CONFLICT (instance, request_id) DO NOTHING RETURNING request_id"
+#: `append_outcome`'s one statement, on the Trio loop: `_APPEND_ONE`'s bump (the chain's link
+#: too), insert and NOTIFY unless the request's claim (a `resolutions` row, `$12`) is stored, and the
+#: claim with the frame's seq. Of two servers racing, the second waits for the first's bump (the
+#: instance's row lock), then its claim breaks `resolutions`' primary key and the whole statement
+#: fails: it lost, no seq spent, the chain head unmoved.
+_APPEND_CLAIMED = (
+    b"WITH " + _bump_one(b"$11", unless=b"SELECT 1 FROM resolutions WHERE instance = $1 AND request_id = $12") + b", "
+    b"claimed AS (INSERT INTO resolutions (instance, request_id, seq) SELECT $1, $12, last_seq FROM bumped), "
+    + _STORE_ONE + _NOTIFY_STORED
 )
+#: The primary key a losing claim breaks (`_APPEND_CLAIMED`).
+_CLAIM_KEY = "resolutions_pkey"
 _INSERT_FRAME = (
     "INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, ends_turn, hash) "
     "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
@@ -479,6 +494,10 @@ class PostgresFrameStore(FrameAppends):
         self.listening = False
         """Whether the LISTEN connection is up (cross-server wake-ups arrive)."""
         self._notice_hooks: list[AppendNoticeHook] = []
+        self._heard: dict[str, int] = {}
+        """The highest seq this store heard committed (its appends, NOTIFYs) of each instance waited on."""
+        self._rewakes = 0
+        """Bumped when notices may have been missed or named no seqs: every waiter reads again."""
 
     def hear_appends(self, hook: AppendNoticeHook) -> None:
         """Tell `hook` of every append committed by any server (its notification) and, on each
@@ -649,6 +668,7 @@ class PostgresFrameStore(FrameAppends):
                     log.info("frame store %s: listening again", self.describe())
                 self.listening = True
                 backoff = LISTEN_BACKOFF[0]
+                self._rewakes += 1
                 self._wake_all()  # notifications sent while we were away are lost: re-query
                 for hook in self._notice_hooks:
                     hook.missed()
@@ -658,6 +678,7 @@ class PostgresFrameStore(FrameAppends):
                     pgconn.consume_input()
                     while (note := pgconn.notifies()) is not None:
                         instance, seq_first, seq_last = parse_notice(note.extra.decode("utf-8", "replace"))
+                        self._heard_commit(instance, seq_last)
                         self._wake_instance(instance)
                         for hook in self._notice_hooks:
                             hook.appended(instance, seq_first, seq_last)
@@ -671,6 +692,7 @@ class PostgresFrameStore(FrameAppends):
                                 self.describe(), _first_line(exc))
                 self.listening = False
                 await self._replace_broken_connections()
+                self._rewakes += 1
                 self._wake_all()
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, LISTEN_BACKOFF[1])
@@ -743,11 +765,37 @@ class PostgresFrameStore(FrameAppends):
 
     async def _append_claimed(self, instance: str, request_id: str, prepared: list[tuple]) -> Frame | None:
         """The claim (a `resolutions` row, primary key `(instance, request_id)`) and the frame
-        commit together, so exactly one server's outcome wins."""
-        frames = await self._append(instance, prepared, claim=request_id)
-        return frames[0] if frames else None
+        commit together, so exactly one server's outcome wins: `_APPEND_CLAIMED`, one statement
+        on the Trio loop (it was a transaction of six statements in a worker thread)."""
+        _no_nul(instance, prepared)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        ts = format_ts(self._clock())
+        try:
+            rows = await self._one_frame(_APPEND_CLAIMED, instance, ts, prepared[0], request_id.encode())
+        except psycopg.errors.UniqueViolation as exc:
+            if _CLAIM_KEY in str(exc):
+                return None  # another server's outcome took the claim first
+            raise await self._turn_ended(instance, prepared) from None
+        if not rows:
+            return None  # the claim was stored before: nothing was written
+        return (await self._appended(instance, prepared, int(rows[0][0] or 0), ts))[0]
 
-    async def _append(self, instance: str, prepared: list[tuple], claim: str | None = None) -> list[Frame]:
+    async def _one_frame(self, sql: bytes, instance: str, ts: str, prepared: tuple, *more: bytes) -> list[list[bytes | None]]:
+        """`sql` with one frame's eleven parameters (`_APPEND_ONE`'s, its digest last) and `more`,
+        on the Trio loop."""
+        statements = self._statements
+        if statements is None:
+            raise RuntimeError("the frame store is closed")
+        ch, sid, typ, mid, rt, text, obj, _ = prepared
+        ends = ends_turn(typ, rt)
+        return await statements.rows(sql, [
+            instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
+            None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
+            None if ends is None else ends.encode(), _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
+            *more,
+        ])
+
+    async def _append(self, instance: str, prepared: list[tuple]) -> list[Frame]:
         _no_nul(instance, prepared)
         await trio.lowlevel.checkpoint_if_cancelled()
         if not prepared:
@@ -756,24 +804,15 @@ class PostgresFrameStore(FrameAppends):
         n = len(prepared)
         ts = format_ts(self._clock())
 
-        if claim is None and n == 1 and self._statements is not None:
-            ch, sid, typ, mid, rt, text, obj, _ = prepared[0]
-            ends = ends_turn(typ, rt)
+        if n == 1 and self._statements is not None:
             try:
-                rows = await self._statements.rows(_APPEND_ONE, [
-                    instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
-                    None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
-                    None if ends is None else ends.encode(),
-                    _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
-                ])
+                rows = await self._one_frame(_APPEND_ONE, instance, ts, prepared[0])
             except psycopg.errors.UniqueViolation:
                 raise await self._turn_ended(instance, prepared) from None
             return await self._appended(instance, prepared, int(rows[0][0] or 0), ts)
 
         def write(conn: psycopg.Connection) -> int:
             with conn.transaction():
-                if claim is not None and conn.execute(_CLAIM, (instance, claim)).fetchone() is None:
-                    return 0  # another outcome holds the claim: nothing to write
                 row = conn.execute(_BUMP_SEQ, (instance, n)).fetchone()
                 assert row is not None
                 last, head = row[0], bytes(row[1])
@@ -788,10 +827,6 @@ class PostgresFrameStore(FrameAppends):
                         (instance, first + i, ts, ch, sid, typ, mid, rt, text, ends_turn(typ, rt), hashes[i])
                         for i, (ch, sid, typ, mid, rt, text, _, _) in enumerate(prepared)
                     ])
-                if claim is not None:
-                    conn.execute(
-                        "UPDATE resolutions SET seq = %s WHERE instance = %s AND request_id = %s", (first, instance, claim),
-                    )
                 conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, notice_payload(instance, first, last)))
             return first
 
@@ -799,8 +834,6 @@ class PostgresFrameStore(FrameAppends):
             first = await self._run(write)
         except psycopg.errors.UniqueViolation:
             raise await self._turn_ended(instance, prepared) from None
-        if not first:
-            return []
         return await self._appended(instance, prepared, first, ts)
 
     async def _turn_ended(self, instance: str, prepared: list[tuple]) -> Exception:
@@ -873,6 +906,7 @@ class PostgresFrameStore(FrameAppends):
             make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
             for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared)
         ]
+        self._heard_commit(instance, first + n - 1)
         self._wake_instance(instance)
         if self.checkpoint_every is not None:
             since = self._appends_since_checkpoint.get(instance, 0) + n
@@ -1019,17 +1053,22 @@ class PostgresFrameStore(FrameAppends):
             return await self.query(instance, FrameQuery(after_seq=after_seq, limit=limit))
         rows = await self._statements.rows(
             _FRAMES_AFTER, [str(after_seq).encode(), str(limit).encode(), instance.encode()], read_only=True)
-        if not rows:
-            return []
-        last, pruned = int(rows[0][0] or 0), int(rows[0][1] or 0)
-        if after_seq < pruned:
-            raise CursorPruned(instance, after_seq, pruned + 1, empty=pruned >= last)
-        text = bytes.decode
-        return [
-            make_frame(int(seq), text(ts), instance, text(ch), text(sid), text(typ), text(mid),  # type: ignore[arg-type]
-                       None if rt is None else text(rt), json.loads(payload))  # type: ignore[arg-type]
-            for _, _, seq, ts, ch, sid, typ, mid, rt, payload in rows if seq is not None
-        ]
+        return _snapshot(instance, after_seq, rows)[1]
+
+    async def _read_on_loop(self, instance: str, q: FrameQuery, timeout: float | None) -> tuple[int, list[Frame]]:
+        """`_read`'s statement sent on the Trio loop: one round trip on an idle connection, where a
+        pooled read in a worker thread took four (the pool's check, BEGIN, the query, COMMIT)."""
+        statements = self._statements
+        if statements is not None:
+            sql, params = self._build(instance, q)
+            numbered = sql.split("%s")
+            text = numbered[0] + "".join(f"${i}{rest}" for i, rest in enumerate(numbered[1:], 1))
+            try:
+                rows = await statements.rows(text.encode(), [_param(p) for p in params], read_only=True, timeout=timeout)
+                return _snapshot(instance, q.after_seq, rows)
+            except StoreUnavailable:
+                pass  # connections cut (a restart): the pool's checked path, as before
+        return await self._run(self._read, instance, q, read_only=True, acquire_timeout=timeout)
 
     # -- long poll -----------------------------------------------------------------------
 
@@ -1051,15 +1090,31 @@ class PostgresFrameStore(FrameAppends):
                 # Take the event before querying: an append that commits during the query
                 # sets it, and the wait below returns at once.
                 event = self._wake_event(instance)
+                rewakes = self._rewakes
                 # One snapshot: every frame up to `seen` is visible in it (seq is commit-ordered).
-                seen, frames = await self._run(self._read, instance, q, read_only=True, acquire_timeout=acquire)
+                seen, frames = await self._read_on_loop(instance, q, acquire)
                 if frames or timeout == 0:
                     return frames, False
                 if seen > q.after_seq:
                     q = attrs.evolve(q, after_seq=seen)
                 if trio.current_time() >= deadline:
                     return [], True
-                await self._woken_by(event, deadline)
+                timed_out = await self._woken_by(event, deadline)
+                # A wake for seqs this snapshot held (the NOTIFY of an append this server
+                # already woke us for comes back through LISTEN) is no reason to read again.
+                while not timed_out and self._heard.get(instance, math.inf) <= seen and self._rewakes == rewakes:
+                    event = self._wake_event(instance)
+                    timed_out = await self._woken_by(event, deadline)
+
+    def _heard_commit(self, instance: str, last: int | None) -> None:
+        """Note that `instance`'s frames up to `last` are committed (None: unknown seqs, so
+        every waiter reads again), for the waiters of `wait_for_frames` here."""
+        if last is None:
+            self._rewakes += 1
+        elif instance in self._waiters:  # bounded: the instances someone waits on here
+            self._heard[instance] = max(self._heard.get(instance, 0), last)
+        else:
+            self._heard.pop(instance, None)
 
     # -- named cursors -------------------------------------------------------------------
 
@@ -1243,6 +1298,29 @@ class PostgresFrameStore(FrameAppends):
 def _bytea(value: bytes) -> bytes:
     """`value` as a bytea parameter in text format (what `LoopStatements` sends)."""
     return b"\\x" + value.hex().encode()
+
+
+def _param(value: Any) -> bytes:
+    """A query parameter as PostgreSQL's text form (a list as a text array)."""
+    if isinstance(value, list):
+        return ("{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in value) + "}").encode()
+    return str(value).encode()
+
+
+def _snapshot(instance: str, after_seq: int, rows: list[list[bytes | None]]) -> tuple[int, list[Frame]]:
+    """`(last_seq, frames)` of the text rows of `_FRAMES_AFTER` or `_build`'s statement; `CursorPruned`
+    if retention deleted frames after `after_seq` (in that same snapshot)."""
+    if not rows:
+        return 0, []
+    last, pruned = int(rows[0][0] or 0), int(rows[0][1] or 0)
+    if after_seq < pruned:
+        raise CursorPruned(instance, after_seq, pruned + 1, empty=pruned >= last)
+    text = bytes.decode
+    return last, [
+        make_frame(int(seq), text(ts), instance, text(ch), text(sid), text(typ), text(mid),  # type: ignore[arg-type]
+                   None if rt is None else text(rt), json.loads(payload))  # type: ignore[arg-type]
+        for _, _, seq, ts, ch, sid, typ, mid, rt, payload in rows if seq is not None
+    ]
 
 
 def _first_line(exc: BaseException) -> str:
