@@ -34,7 +34,8 @@ Wake-ups
     is a hint, not a log.  While the listener is disconnected notifications are lost, so on
     every reconnect (and on every failure) all waiters are woken to re-query by `after_seq`,
     and on every reconnect the hooks hear `missed()`.  Appends made through this store object
-    wake its waiters directly as well.
+    wake its waiters directly as well; a waiter reads again only when a seq it was woken for may
+    match its query (not one of this store's own appends that does not, `_skip_own`).
 
 Queries
     A query is one statement, so one snapshot: the instance's `last_seq` and `pruned_below`
@@ -186,6 +187,8 @@ def parse_notice(payload: str) -> tuple[str, int | None, int | None]:
     return payload, None, None
 
 
+#: How many of its own recent appends of an instance a store remembers for its waiters (`_skip_own`).
+OWN_FRAMES_KEPT = 256
 #: Reconnect backoff of the LISTEN connection, seconds.
 LISTEN_BACKOFF = (0.05, 2.0)
 #: How long a long poll waits for a pooled connection before it reports the store unavailable.
@@ -497,6 +500,10 @@ class PostgresFrameStore(FrameAppends):
         self._heard: dict[str, int] = {}
         """The highest seq this store heard committed (its appends, NOTIFYs) of each instance waited on."""
         self._rewakes = 0
+        self._own: dict[str, dict[int, tuple[str, str, str, str | None]]] = {}
+        self._appending: dict[str, int] = {}
+        """How many single appends of each instance this store has in flight (`_one_frame`)."""
+        """(channel, session_id, type, reply_to) of this server's recent appends, by seq, of each instance waited on."""
         """Bumped when notices may have been missed or named no seqs: every waiter reads again."""
 
     def hear_appends(self, hook: AppendNoticeHook) -> None:
@@ -788,12 +795,23 @@ class PostgresFrameStore(FrameAppends):
             raise RuntimeError("the frame store is closed")
         ch, sid, typ, mid, rt, text, obj, _ = prepared
         ends = ends_turn(typ, rt)
-        return await statements.rows(sql, [
-            instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
-            None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
-            None if ends is None else ends.encode(), _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
-            *more,
-        ])
+        # Counted in flight, so this server's waiters hearing its NOTIFY first wait for its seq here.
+        self._appending[instance] = self._appending.get(instance, 0) + 1
+        try:
+            rows = await statements.rows(sql, [
+                instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
+                None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
+                None if ends is None else ends.encode(), _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
+                *more,
+            ])
+            if rows:
+                self._heard_own(instance, [(int(rows[0][0] or 0), ch, sid, typ, rt)])
+            return rows
+        finally:
+            left = self._appending.pop(instance) - 1
+            if left:
+                self._appending[instance] = left
+            self._wake_instance(instance)
 
     async def _append(self, instance: str, prepared: list[tuple]) -> list[Frame]:
         _no_nul(instance, prepared)
@@ -906,7 +924,7 @@ class PostgresFrameStore(FrameAppends):
             make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
             for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared)
         ]
-        self._heard_commit(instance, first + n - 1)
+        self._heard_own(instance, [(f.seq, f.channel, f.session_id, f.type, f.reply_to) for f in stored])
         self._wake_instance(instance)
         if self.checkpoint_every is not None:
             since = self._appends_since_checkpoint.get(instance, 0) + n
@@ -1100,11 +1118,39 @@ class PostgresFrameStore(FrameAppends):
                 if trio.current_time() >= deadline:
                     return [], True
                 timed_out = await self._woken_by(event, deadline)
-                # A wake for seqs this snapshot held (the NOTIFY of an append this server
-                # already woke us for comes back through LISTEN) is no reason to read again.
-                while not timed_out and self._heard.get(instance, math.inf) <= seen and self._rewakes == rewakes:
+                # Read again only for frames that may match: not for seqs this snapshot held
+                # (the NOTIFY of an append this server already woke us for, back through
+                # LISTEN), nor for this server's own appends that do not match `q`.
+                deferred = False
+                while not timed_out and self._rewakes == rewakes:
+                    skipped = self._skip_own(instance, q, seen, defer=not deferred)
+                    if skipped is None:
+                        break
+                    deferred = deferred or skipped == seen
+                    seen = skipped
+                    q = attrs.evolve(q, after_seq=max(q.after_seq, seen))
                     event = self._wake_event(instance)
                     timed_out = await self._woken_by(event, deadline)
+
+    def _skip_own(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> int | None:
+        """The seq up to which a waiter that read up to `seen` knows, without reading, that no
+        frame matches `q` (the seqs heard committed since are this server's own appends, none
+        matching); None when it must read (a seq of another server's, or one that matches).
+        `defer`: a seq not known here while this server appends to the instance may be that
+        append's, its NOTIFY heard before its answer: wait for the append to end (`seen`)."""
+        high = self._heard.get(instance)
+        if high is None:
+            return None
+        own = self._own.get(instance, {})
+        if high - seen > OWN_FRAMES_KEPT:
+            return None
+        for seq in range(seen + 1, high + 1):
+            fields = own.get(seq)
+            if fields is None:
+                return seen if defer and instance in self._appending else None
+            if _may_match(q, *fields):
+                return None
+        return max(seen, high)
 
     def _heard_commit(self, instance: str, last: int | None) -> None:
         """Note that `instance`'s frames up to `last` are committed (None: unknown seqs, so
@@ -1115,6 +1161,20 @@ class PostgresFrameStore(FrameAppends):
             self._heard[instance] = max(self._heard.get(instance, 0), last)
         else:
             self._heard.pop(instance, None)
+            self._own.pop(instance, None)
+
+    def _heard_own(self, instance: str, frames: list[tuple[int, str, str, str, str | None]]) -> None:
+        """Keep `(seq, channel, session_id, type, reply_to)` of this server's own appends of an
+        instance waited on (the last `OWN_FRAMES_KEPT`), so its waiters skip those they do not
+        match, then note them committed."""
+        if instance in self._waiters:
+            own = self._own.setdefault(instance, {})
+            for seq, *fields in frames:
+                own[seq] = tuple(fields)  # type: ignore[assignment]
+            if len(own) > 2 * OWN_FRAMES_KEPT:
+                cut = frames[-1][0] - OWN_FRAMES_KEPT
+                self._own[instance] = {seq: kept for seq, kept in own.items() if seq > cut}
+        self._heard_commit(instance, frames[-1][0])
 
     # -- named cursors -------------------------------------------------------------------
 
@@ -1298,6 +1358,12 @@ class PostgresFrameStore(FrameAppends):
 def _bytea(value: bytes) -> bytes:
     """`value` as a bytea parameter in text format (what `LoopStatements` sends)."""
     return b"\\x" + value.hex().encode()
+
+
+def _may_match(q: FrameQuery, channel: str, session_id: str, type: str, reply_to: str | None) -> bool:
+    """Whether a frame with these fields is one `q` asks for (its filters, as `_build` writes them)."""
+    return ((q.channel is None or q.channel == channel) and (q.session_id is None or q.session_id == session_id)
+            and (q.reply_to is None or q.reply_to == reply_to) and (q.types is None or type in q.types))
 
 
 def _param(value: Any) -> bytes:

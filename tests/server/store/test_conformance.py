@@ -413,6 +413,52 @@ async def test_wait_wakes_across_two_store_objects(pg_url: str) -> None:
         assert frames == [frame] and not timed_out
 
 
+async def test_a_waiter_reads_nothing_for_this_servers_appends_it_does_not_match(pg_url: str) -> None:
+    """A long poll woken by this store's own append of another session (directly, then by the
+    append's NOTIFY through LISTEN) reads the log no more: it knows that frame is not for it. An
+    append it matches ends the wait with that frame (PostgreSQL: its reads cost round trips)."""
+    async with Backend("postgres", pg_url).open() as s:
+        assert isinstance(s, PostgresFrameStore)
+        reads = 0
+        real_read = s._read_on_loop
+        read_once = trio.Event()
+
+        async def counted(*args: Any) -> Any:
+            nonlocal reads
+            reads += 1
+            try:
+                return await real_read(*args)
+            finally:
+                read_once.set()
+
+        s._read_on_loop = counted  # type: ignore[method-assign]
+        echoed = trio.Event()
+
+        class Echo:
+            def appended(self, instance: str, first: int | None, last: int | None) -> None:
+                echoed.set()
+
+            def missed(self) -> None:
+                pass
+
+        s.hear_appends(Echo())
+        got: list[Any] = []
+
+        async def waiter() -> None:
+            got.append(await s.wait_for_frames("box1", FrameQuery(session_id="mine"), 10))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter)
+                await read_once.wait()
+                await add(s)  # session s1
+                await echoed.wait()
+                await trio.testing.wait_all_tasks_blocked()
+                assert reads == 1, "no read for a frame of another session appended here"
+                mine = await s.append("box1", channel="mcp", session_id="mine", type="user.message", payload={})
+        assert got == [([mine], False)] and reads == 2
+
+
 # -- outcomes: exactly one per request ----------------------------------------------------
 
 
