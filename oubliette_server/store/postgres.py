@@ -35,7 +35,9 @@ Wake-ups
     every reconnect (and on every failure) all waiters are woken to re-query by `after_seq`,
     and on every reconnect the hooks hear `missed()`.  Appends made through this store object
     wake its waiters directly as well; a waiter reads again only when a seq it was woken for may
-    match its query (not one of this store's own appends that does not, `_skip_own`).
+    match its query (`_skip_known`: not one of this store's own appends that does not, nor another
+    server's that a read of the new frames' fields, one for all the instance's waiters here, shows
+    does not).
 
 Queries
     A query is one statement, so one snapshot: the instance's `last_seq` and `pruned_below`
@@ -187,8 +189,8 @@ def parse_notice(payload: str) -> tuple[str, int | None, int | None]:
     return payload, None, None
 
 
-#: How many of its own recent appends of an instance a store remembers for its waiters (`_skip_own`).
-OWN_FRAMES_KEPT = 256
+#: How many recent frames of an instance a store remembers the fields of for its waiters (`_skip_known`).
+KNOWN_FRAMES_KEPT = 256
 #: Reconnect backoff of the LISTEN connection, seconds.
 LISTEN_BACKOFF = (0.05, 2.0)
 #: How long a long poll waits for a pooled connection before it reports the store unavailable.
@@ -358,6 +360,11 @@ _APPEND_ONCE = (
     b"RETURNING seq) "
     + _NOTIFY_STORED
 )
+#: The fields a long poll filters on of an instance's frames in a range of seqs (`_learn_fields`).
+_FIELDS_BETWEEN = (
+    b"SELECT seq, channel, session_id, type, reply_to FROM frames WHERE instance = $1 AND seq > $2 AND seq <= $3 "
+    b"ORDER BY seq"
+)
 _FRAME_BY = b"SELECT seq, ts, channel, session_id, type, msg_id, reply_to, payload FROM frames WHERE instance = $1 AND "
 _FRAME_OF_APPEND_ID = _FRAME_BY + b"append_id = $2"
 #: The stored end of a message's turn, along the unique index.
@@ -500,11 +507,14 @@ class PostgresFrameStore(FrameAppends):
         self._heard: dict[str, int] = {}
         """The highest seq this store heard committed (its appends, NOTIFYs) of each instance waited on."""
         self._rewakes = 0
-        self._own: dict[str, dict[int, tuple[str, str, str, str | None]]] = {}
+        """Bumped when notices may have been missed or named no seqs: every waiter reads again."""
+        self._known: dict[str, dict[int, tuple[str, str, str, str | None]]] = {}
+        """(channel, session_id, type, reply_to) of recent frames, by seq, of each instance waited on:
+        this server's appends, and other servers' learned by `_learn_fields`."""
         self._appending: dict[str, int] = {}
         """How many single appends of each instance this store has in flight (`_one_frame`)."""
-        """(channel, session_id, type, reply_to) of this server's recent appends, by seq, of each instance waited on."""
-        """Bumped when notices may have been missed or named no seqs: every waiter reads again."""
+        self._learning: dict[str, trio.Event] = {}
+        """The `_learn_fields` read in flight of each instance, set when it ends."""
 
     def hear_appends(self, hook: AppendNoticeHook) -> None:
         """Tell `hook` of every append committed by any server (its notification) and, on each
@@ -805,7 +815,7 @@ class PostgresFrameStore(FrameAppends):
                 *more,
             ])
             if rows:
-                self._heard_own(instance, [(int(rows[0][0] or 0), ch, sid, typ, rt)])
+                self._note_fields(instance, [(int(rows[0][0] or 0), ch, sid, typ, rt)])
             return rows
         finally:
             left = self._appending.pop(instance) - 1
@@ -924,7 +934,7 @@ class PostgresFrameStore(FrameAppends):
             make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
             for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared)
         ]
-        self._heard_own(instance, [(f.seq, f.channel, f.session_id, f.type, f.reply_to) for f in stored])
+        self._note_fields(instance, [(f.seq, f.channel, f.session_id, f.type, f.reply_to) for f in stored])
         self._wake_instance(instance)
         if self.checkpoint_every is not None:
             since = self._appends_since_checkpoint.get(instance, 0) + n
@@ -1120,29 +1130,67 @@ class PostgresFrameStore(FrameAppends):
                 timed_out = await self._woken_by(event, deadline)
                 # Read again only for frames that may match: not for seqs this snapshot held
                 # (the NOTIFY of an append this server already woke us for, back through
-                # LISTEN), nor for this server's own appends that do not match `q`.
-                deferred = False
+                # LISTEN), nor for frames known here (`_known`) that do not match `q`.
+                deferred = learned = False
                 while not timed_out and self._rewakes == rewakes:
-                    skipped = self._skip_own(instance, q, seen, defer=not deferred)
+                    skipped = self._skip_known(instance, q, seen, defer=not deferred)
                     if skipped is None:
-                        break
+                        # Seqs of another server's: one read of their fields for all this
+                        # instance's waiters here (once per wake), rather than a read by each.
+                        if learned or self._waiters.get(instance, 0) < 2:
+                            break
+                        learned = True
+                        timed_out = await self._learn_fields(instance, seen, acquire, deadline)
+                        continue
                     deferred = deferred or skipped == seen
                     seen = skipped
                     q = attrs.evolve(q, after_seq=max(q.after_seq, seen))
                     event = self._wake_event(instance)
                     timed_out = await self._woken_by(event, deadline)
+                    learned = False
 
-    def _skip_own(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> int | None:
+    async def _learn_fields(self, instance: str, seen: int, timeout: float | None, deadline: float) -> bool:
+        """Learn the fields (`_known`) of the frames after `seen` heard committed but not known
+        here (other servers' appends), by one read for every waiter of the instance: a waiter
+        that finds that read in flight waits for it (until `deadline`: whether it passed). An
+        outage is no error here: the waiter reads, which reports it."""
+        high = self._heard.get(instance, 0)
+        known = self._known.get(instance, {})
+        unknown = [seq for seq in range(seen + 1, high + 1) if seq not in known]
+        statements = self._statements
+        if not unknown or len(unknown) > KNOWN_FRAMES_KEPT or statements is None:
+            return False
+        running = self._learning.get(instance)
+        if running is not None:
+            return await self._woken_by(running, deadline)
+        done = self._learning[instance] = trio.Event()
+        try:
+            rows = await statements.rows(_FIELDS_BETWEEN, [
+                instance.encode(), str(unknown[0] - 1).encode(), str(unknown[-1]).encode()], read_only=True, timeout=timeout)
+        except StoreUnavailable:
+            return False
+        finally:
+            del self._learning[instance]
+            done.set()
+        text = bytes.decode
+        fields = [(int(seq), text(ch), text(sid), text(typ), None if rt is None else text(rt))  # type: ignore[arg-type]
+                  for seq, ch, sid, typ, rt in rows]
+        if fields:
+            self._note_fields(instance, fields)
+        return False
+
+    def _skip_known(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> int | None:
         """The seq up to which a waiter that read up to `seen` knows, without reading, that no
-        frame matches `q` (the seqs heard committed since are this server's own appends, none
-        matching); None when it must read (a seq of another server's, or one that matches).
+        frame matches `q` (the seqs heard committed since are known here, none matching: this
+        server's own appends, or fields `_learn_fields` read); None when it must read (a seq not
+        known, or one that matches).
         `defer`: a seq not known here while this server appends to the instance may be that
         append's, its NOTIFY heard before its answer: wait for the append to end (`seen`)."""
         high = self._heard.get(instance)
         if high is None:
             return None
-        own = self._own.get(instance, {})
-        if high - seen > OWN_FRAMES_KEPT:
+        own = self._known.get(instance, {})
+        if high - seen > KNOWN_FRAMES_KEPT:
             return None
         for seq in range(seen + 1, high + 1):
             fields = own.get(seq)
@@ -1161,19 +1209,19 @@ class PostgresFrameStore(FrameAppends):
             self._heard[instance] = max(self._heard.get(instance, 0), last)
         else:
             self._heard.pop(instance, None)
-            self._own.pop(instance, None)
+            self._known.pop(instance, None)
 
-    def _heard_own(self, instance: str, frames: list[tuple[int, str, str, str, str | None]]) -> None:
-        """Keep `(seq, channel, session_id, type, reply_to)` of this server's own appends of an
-        instance waited on (the last `OWN_FRAMES_KEPT`), so its waiters skip those they do not
-        match, then note them committed."""
+    def _note_fields(self, instance: str, frames: list[tuple[int, str, str, str, str | None]]) -> None:
+        """Keep `(seq, channel, session_id, type, reply_to)` of committed frames of an instance
+        waited on (the last `KNOWN_FRAMES_KEPT`), so its waiters skip those they do not match,
+        then note them committed."""
         if instance in self._waiters:
-            own = self._own.setdefault(instance, {})
+            own = self._known.setdefault(instance, {})
             for seq, *fields in frames:
                 own[seq] = tuple(fields)  # type: ignore[assignment]
-            if len(own) > 2 * OWN_FRAMES_KEPT:
-                cut = frames[-1][0] - OWN_FRAMES_KEPT
-                self._own[instance] = {seq: kept for seq, kept in own.items() if seq > cut}
+            if len(own) > 2 * KNOWN_FRAMES_KEPT:
+                cut = frames[-1][0] - KNOWN_FRAMES_KEPT
+                self._known[instance] = {seq: kept for seq, kept in own.items() if seq > cut}
         self._heard_commit(instance, frames[-1][0])
 
     # -- named cursors -------------------------------------------------------------------

@@ -459,6 +459,59 @@ async def test_a_waiter_reads_nothing_for_this_servers_appends_it_does_not_match
         assert got == [([mine], False)] and reads == 2
 
 
+
+async def test_waiters_learn_another_servers_append_by_one_read_and_only_the_matching_one_reads(pg_url: str) -> None:
+    """Two long polls of one instance on one server, woken by another server's append of a third
+    session (its NOTIFY names no session): one read of the new frame's fields serves both, and
+    neither reads the log; an append of one's session is read by that one alone."""
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as here, backend.open() as there:
+        assert isinstance(here, PostgresFrameStore)
+        reads = 0
+        both_read = trio.Event()
+        real_read = here._read_on_loop
+
+        async def counted(*args: Any) -> Any:
+            nonlocal reads
+            reads += 1
+            try:
+                return await real_read(*args)
+            finally:
+                if reads == 2:
+                    both_read.set()
+
+        here._read_on_loop = counted  # type: ignore[method-assign]
+        heard = trio.Event()
+
+        class Heard:
+            def appended(self, instance: str, first: int | None, last: int | None) -> None:
+                heard.set()
+
+            def missed(self) -> None:
+                pass
+
+        here.hear_appends(Heard())
+        got: list[Any] = []
+        x_answered = trio.Event()
+
+        async def wait_for(session_id: str) -> None:
+            got.append(await here.wait_for_frames("box1", FrameQuery(session_id=session_id), 20))
+            x_answered.set()
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for, "y")
+                nursery.start_soon(wait_for, "x")
+                await both_read.wait()
+                await add(there, session_id="other")
+                await heard.wait()
+                await trio.testing.wait_all_tasks_blocked()
+                assert reads == 2, "no waiter reads the log for another server's frame of another session"
+                mine = await add(there, session_id="x")
+                await x_answered.wait()
+                nursery.cancel_scope.cancel()
+        assert got == [([mine], False)] and reads == 3, "the waiter of x read its frame; y did not read"
+
 # -- outcomes: exactly one per request ----------------------------------------------------
 
 
