@@ -1131,15 +1131,17 @@ class PostgresFrameStore(FrameAppends):
                 # Read again only for frames that may match: not for seqs this snapshot held
                 # (the NOTIFY of an append this server already woke us for, back through
                 # LISTEN), nor for frames known here (`_known`) that do not match `q`.
-                deferred = learned = False
+                deferred, learned = False, 0
                 while not timed_out and self._rewakes == rewakes:
                     skipped = self._skip_known(instance, q, seen, defer=not deferred)
                     if skipped is None:
                         # Seqs of another server's: one read of their fields for all this
-                        # instance's waiters here (once per wake), rather than a read by each.
-                        if learned or self._waiters.get(instance, 0) < 2:
+                        # instance's waiters here, rather than a read by each (again only
+                        # for seqs heard since: else it reads, as for a frame that matches).
+                        heard = self._heard.get(instance, 0)
+                        if heard <= learned or self._waiters.get(instance, 0) < 2:
                             break
-                        learned = True
+                        learned = heard
                         timed_out = await self._learn_fields(instance, seen, acquire, deadline)
                         continue
                     deferred = deferred or skipped == seen
@@ -1147,7 +1149,6 @@ class PostgresFrameStore(FrameAppends):
                     q = attrs.evolve(q, after_seq=max(q.after_seq, seen))
                     event = self._wake_event(instance)
                     timed_out = await self._woken_by(event, deadline)
-                    learned = False
 
     async def _learn_fields(self, instance: str, seen: int, timeout: float | None, deadline: float) -> bool:
         """Learn the fields (`_known`) of the frames after `seen` heard committed but not known

@@ -413,35 +413,45 @@ async def test_wait_wakes_across_two_store_objects(pg_url: str) -> None:
         assert frames == [frame] and not timed_out
 
 
+class CountedReads:
+    """Counts a PostgreSQL store's long-poll reads of the log (`_read_on_loop`); `after(n)` is set
+    once `n` have ended, and `heard` at each NOTIFY the store hears (a fresh one taken by `next`)."""
+
+    def __init__(self, store: PostgresFrameStore) -> None:
+        self.count = 0
+        self._ended = 0
+        self._after: dict[int, trio.Event] = {}
+        self.heard = trio.Event()
+        real_read = store._read_on_loop
+
+        async def counted(*args: Any) -> Any:
+            self.count += 1
+            try:
+                return await real_read(*args)
+            finally:
+                self._ended += 1
+                self.after(self._ended).set()
+
+        store._read_on_loop = counted  # type: ignore[method-assign, assignment]
+        store.hear_appends(self)
+
+    def after(self, n: int) -> trio.Event:
+        return self._after.setdefault(n, trio.Event())
+
+    def appended(self, instance: str, first: int | None, last: int | None) -> None:
+        self.heard.set()
+
+    def missed(self) -> None:
+        pass
+
+
 async def test_a_waiter_reads_nothing_for_this_servers_appends_it_does_not_match(pg_url: str) -> None:
     """A long poll woken by this store's own append of another session (directly, then by the
     append's NOTIFY through LISTEN) reads the log no more: it knows that frame is not for it. An
     append it matches ends the wait with that frame (PostgreSQL: its reads cost round trips)."""
     async with Backend("postgres", pg_url).open() as s:
         assert isinstance(s, PostgresFrameStore)
-        reads = 0
-        real_read = s._read_on_loop
-        read_once = trio.Event()
-
-        async def counted(*args: Any) -> Any:
-            nonlocal reads
-            reads += 1
-            try:
-                return await real_read(*args)
-            finally:
-                read_once.set()
-
-        s._read_on_loop = counted  # type: ignore[method-assign]
-        echoed = trio.Event()
-
-        class Echo:
-            def appended(self, instance: str, first: int | None, last: int | None) -> None:
-                echoed.set()
-
-            def missed(self) -> None:
-                pass
-
-        s.hear_appends(Echo())
+        reads = CountedReads(s)
         got: list[Any] = []
 
         async def waiter() -> None:
@@ -450,14 +460,13 @@ async def test_a_waiter_reads_nothing_for_this_servers_appends_it_does_not_match
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(waiter)
-                await read_once.wait()
+                await reads.after(1).wait()
                 await add(s)  # session s1
-                await echoed.wait()
+                await reads.heard.wait()
                 await trio.testing.wait_all_tasks_blocked()
-                assert reads == 1, "no read for a frame of another session appended here"
+                assert reads.count == 1, "no read for a frame of another session appended here"
                 mine = await s.append("box1", channel="mcp", session_id="mine", type="user.message", payload={})
-        assert got == [([mine], False)] and reads == 2
-
+        assert got == [([mine], False)] and reads.count == 2
 
 
 async def test_waiters_learn_another_servers_append_by_one_read_and_only_the_matching_one_reads(pg_url: str) -> None:
@@ -467,30 +476,7 @@ async def test_waiters_learn_another_servers_append_by_one_read_and_only_the_mat
     backend = Backend("postgres", pg_url)
     async with backend.open() as here, backend.open() as there:
         assert isinstance(here, PostgresFrameStore)
-        reads = 0
-        both_read = trio.Event()
-        real_read = here._read_on_loop
-
-        async def counted(*args: Any) -> Any:
-            nonlocal reads
-            reads += 1
-            try:
-                return await real_read(*args)
-            finally:
-                if reads == 2:
-                    both_read.set()
-
-        here._read_on_loop = counted  # type: ignore[method-assign]
-        heard = trio.Event()
-
-        class Heard:
-            def appended(self, instance: str, first: int | None, last: int | None) -> None:
-                heard.set()
-
-            def missed(self) -> None:
-                pass
-
-        here.hear_appends(Heard())
+        reads = CountedReads(here)
         got: list[Any] = []
         x_answered = trio.Event()
 
@@ -502,15 +488,16 @@ async def test_waiters_learn_another_servers_append_by_one_read_and_only_the_mat
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(wait_for, "y")
                 nursery.start_soon(wait_for, "x")
-                await both_read.wait()
+                await reads.after(2).wait()
                 await add(there, session_id="other")
-                await heard.wait()
+                await reads.heard.wait()
                 await trio.testing.wait_all_tasks_blocked()
-                assert reads == 2, "no waiter reads the log for another server's frame of another session"
+                assert reads.count == 2, "no waiter reads the log for another server's frame of another session"
                 mine = await add(there, session_id="x")
                 await x_answered.wait()
                 nursery.cancel_scope.cancel()
-        assert got == [([mine], False)] and reads == 3, "the waiter of x read its frame; y did not read"
+        assert got == [([mine], False)] and reads.count == 3, "the waiter of x read its frame; y did not read"
+
 
 # -- outcomes: exactly one per request ----------------------------------------------------
 
