@@ -34,7 +34,10 @@ Wake-ups
     is a hint, not a log.  While the listener is disconnected notifications are lost, so on
     every reconnect (and on every failure) all waiters are woken to re-query by `after_seq`,
     and on every reconnect the hooks hear `missed()`.  Appends made through this store object
-    wake its waiters directly as well.
+    wake its waiters directly as well; a waiter reads again only when a seq it was woken for may
+    match its query (`_skip_known`: not one of this store's own appends that does not, nor another
+    server's that a read of the new frames' fields, one for all the instance's waiters here, shows
+    does not).
 
 Queries
     A query is one statement, so one snapshot: the instance's `last_seq` and `pruned_below`
@@ -186,6 +189,8 @@ def parse_notice(payload: str) -> tuple[str, int | None, int | None]:
     return payload, None, None
 
 
+#: How many recent frames of an instance a store remembers the fields of for its waiters (`_skip_known`).
+KNOWN_FRAMES_KEPT = 256
 #: Reconnect backoff of the LISTEN connection, seconds.
 LISTEN_BACKOFF = (0.05, 2.0)
 #: How long a long poll waits for a pooled connection before it reports the store unavailable.
@@ -316,37 +321,49 @@ _BUMP_SEQ = (
     "ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + EXCLUDED.last_seq RETURNING last_seq, last_hash"
 )
 _SET_HEAD = "UPDATE instances SET last_hash = %s WHERE name = %s"
-#: One frame's seq and chain hash, under the instance row's lock: `$11` is the frame's content
-#: digest (`chain.content_digest`), the hash `chain.link` of the head before it.
-_BUMP_ONE = (
-    b"INSERT INTO instances (name, last_seq, last_hash) VALUES ($1, 1, sha256(" + _GENESIS_SQL.encode()
-    + b" || int8send(1::int8) || $11::bytea)) "
-    b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1, "
-    b"last_hash = sha256(instances.last_hash || int8send(instances.last_seq + 1) || $11::bytea) "
-)
-#: One frame in one statement (autocommit: the bump, the insert and the NOTIFY commit together),
-#: run on the Trio loop by `postgres_loop` (no worker thread, one round trip).
-_APPEND_ONE = (
-    b"WITH bumped AS (" + _BUMP_ONE + b"RETURNING last_seq, last_hash), "
+
+
+def _bump_one(digest: bytes, unless: bytes | None = None) -> bytes:
+    """A CTE taking one frame's seq and chain hash under the instance row's lock, the one recipe of
+    every single-frame append: `digest` names the parameter of the frame's content digest
+    (`chain.content_digest`), and the new head, `chain.link` of the head before it, comes back as
+    `last_hash`, the frame's `hash`. `unless`: a query that, when it has a row, bumps nothing."""
+    where = b"" if unless is None else b"WHERE NOT EXISTS (" + unless + b") "
+    return (
+        b"bumped AS (INSERT INTO instances (name, last_seq, last_hash) SELECT $1, 1, sha256(" + _GENESIS_SQL.encode()
+        + b" || int8send(1::int8) || " + digest + b"::bytea) " + where
+        + b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1, "
+        b"last_hash = sha256(instances.last_hash || int8send(instances.last_seq + 1) || " + digest + b"::bytea) "
+        b"RETURNING last_seq, last_hash)"
+    )
+
+
+#: The frame of `$2`-`$8` and `$10` (its `ends_turn`) stored at the seq and hash `_bump_one` took.
+_STORE_ONE = (
     b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, "
     b"ends_turn, hash) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10, last_hash FROM bumped RETURNING seq) "
-    b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
 )
+#: The stored frame's seq, and its NOTIFY on channel `$9` (`notice_payload`'s shape).
+_NOTIFY_STORED = b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
+#: One frame in one statement (autocommit: the bump, the insert and the NOTIFY commit together),
+#: run on the Trio loop by `postgres_loop` (no worker thread, one round trip); `$11` its digest.
+_APPEND_ONE = b"WITH " + _bump_one(b"$11") + b", " + _STORE_ONE + _NOTIFY_STORED
 #: `append_once`'s one statement: the frame of `$10` if the instance has it (then nothing is bumped
 #: or stored: no row comes back), else `_APPEND_ONE`'s bump, insert and NOTIFY. Of two servers
 #: racing with one id, the second waits for the first's bump (the instance's row lock), then its
 #: insert breaks the unique index and the whole statement fails: no seq is lost.
 _APPEND_ONCE = (
     b"WITH found AS (SELECT seq FROM frames WHERE instance = $1 AND append_id = $10), "
-    b"bumped AS (INSERT INTO instances (name, last_seq, last_hash) SELECT $1, 1, sha256(" + _GENESIS_SQL.encode()
-    + b" || int8send(1::int8) || $12::bytea) WHERE NOT EXISTS (SELECT 1 FROM found) "
-    b"ON CONFLICT (name) DO UPDATE SET last_seq = instances.last_seq + 1, "
-    b"last_hash = sha256(instances.last_hash || int8send(instances.last_seq + 1) || $12::bytea) "
-    b"RETURNING last_seq, last_hash), "
+    + _bump_one(b"$12", unless=b"SELECT 1 FROM found") + b", "
     b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, "
     b"append_id, ends_turn, hash) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10, $11, last_hash FROM bumped "
     b"RETURNING seq) "
-    b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
+    + _NOTIFY_STORED
+)
+#: The fields a long poll filters on of an instance's frames in a range of seqs (`_learn_fields`).
+_FIELDS_BETWEEN = (
+    b"SELECT seq, channel, session_id, type, reply_to FROM frames WHERE instance = $1 AND seq > $2 AND seq <= $3 "
+    b"ORDER BY seq"
 )
 _FRAME_BY = b"SELECT seq, ts, channel, session_id, type, msg_id, reply_to, payload FROM frames WHERE instance = $1 AND "
 _FRAME_OF_APPEND_ID = _FRAME_BY + b"append_id = $2"
@@ -392,10 +409,18 @@ OWNED_SESSION_RECORDS_SQL = (
     + _OWNER_AND_DECLARATION
     + "WHERE o.owner = %(owner)s ORDER BY r.instance COLLATE \"C\" LIMIT %(limit)s"
 )
-_CLAIM = (
-    "INSERT INTO resolutions (instance, request_id, seq) VALUES (%s, %s, 0) "
-    "ON CONFLICT (instance, request_id) DO NOTHING RETURNING request_id"
+#: `append_outcome`'s one statement, on the Trio loop: `_APPEND_ONE`'s bump (the chain's link
+#: too), insert and NOTIFY unless the request's claim (a `resolutions` row, `$12`) is stored, and the
+#: claim with the frame's seq. Of two servers racing, the second waits for the first's bump (the
+#: instance's row lock), then its claim breaks `resolutions`' primary key and the whole statement
+#: fails: it lost, no seq spent, the chain head unmoved.
+_APPEND_CLAIMED = (
+    b"WITH " + _bump_one(b"$11", unless=b"SELECT 1 FROM resolutions WHERE instance = $1 AND request_id = $12") + b", "
+    b"claimed AS (INSERT INTO resolutions (instance, request_id, seq) SELECT $1, $12, last_seq FROM bumped), "
+    + _STORE_ONE + _NOTIFY_STORED
 )
+#: The primary key a losing claim breaks (`_APPEND_CLAIMED`).
+_CLAIM_KEY = "resolutions_pkey"
 _INSERT_FRAME = (
     "INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, ends_turn, hash) "
     "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
@@ -479,6 +504,17 @@ class PostgresFrameStore(FrameAppends):
         self.listening = False
         """Whether the LISTEN connection is up (cross-server wake-ups arrive)."""
         self._notice_hooks: list[AppendNoticeHook] = []
+        self._heard: dict[str, int] = {}
+        """The highest seq this store heard committed (its appends, NOTIFYs) of each instance waited on."""
+        self._rewakes = 0
+        """Bumped when notices may have been missed or named no seqs: every waiter reads again."""
+        self._known: dict[str, dict[int, tuple[str, str, str, str | None]]] = {}
+        """(channel, session_id, type, reply_to) of recent frames, by seq, of each instance waited on:
+        this server's appends, and other servers' learned by `_learn_fields`."""
+        self._appending: dict[str, int] = {}
+        """How many single appends of each instance this store has in flight (`_one_frame`)."""
+        self._learning: dict[str, trio.Event] = {}
+        """The `_learn_fields` read in flight of each instance, set when it ends."""
 
     def hear_appends(self, hook: AppendNoticeHook) -> None:
         """Tell `hook` of every append committed by any server (its notification) and, on each
@@ -649,6 +685,7 @@ class PostgresFrameStore(FrameAppends):
                     log.info("frame store %s: listening again", self.describe())
                 self.listening = True
                 backoff = LISTEN_BACKOFF[0]
+                self._rewakes += 1
                 self._wake_all()  # notifications sent while we were away are lost: re-query
                 for hook in self._notice_hooks:
                     hook.missed()
@@ -658,6 +695,7 @@ class PostgresFrameStore(FrameAppends):
                     pgconn.consume_input()
                     while (note := pgconn.notifies()) is not None:
                         instance, seq_first, seq_last = parse_notice(note.extra.decode("utf-8", "replace"))
+                        self._heard_commit(instance, seq_last)
                         self._wake_instance(instance)
                         for hook in self._notice_hooks:
                             hook.appended(instance, seq_first, seq_last)
@@ -671,6 +709,7 @@ class PostgresFrameStore(FrameAppends):
                                 self.describe(), _first_line(exc))
                 self.listening = False
                 await self._replace_broken_connections()
+                self._rewakes += 1
                 self._wake_all()
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, LISTEN_BACKOFF[1])
@@ -743,11 +782,48 @@ class PostgresFrameStore(FrameAppends):
 
     async def _append_claimed(self, instance: str, request_id: str, prepared: list[tuple]) -> Frame | None:
         """The claim (a `resolutions` row, primary key `(instance, request_id)`) and the frame
-        commit together, so exactly one server's outcome wins."""
-        frames = await self._append(instance, prepared, claim=request_id)
-        return frames[0] if frames else None
+        commit together, so exactly one server's outcome wins: `_APPEND_CLAIMED`, one statement
+        on the Trio loop (it was a transaction of six statements in a worker thread)."""
+        _no_nul(instance, prepared)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        ts = format_ts(self._clock())
+        try:
+            rows = await self._one_frame(_APPEND_CLAIMED, instance, ts, prepared[0], request_id.encode())
+        except psycopg.errors.UniqueViolation as exc:
+            if _CLAIM_KEY in str(exc):
+                return None  # another server's outcome took the claim first
+            raise await self._turn_ended(instance, prepared) from None
+        if not rows:
+            return None  # the claim was stored before: nothing was written
+        return (await self._appended(instance, prepared, int(rows[0][0] or 0), ts))[0]
 
-    async def _append(self, instance: str, prepared: list[tuple], claim: str | None = None) -> list[Frame]:
+    async def _one_frame(self, sql: bytes, instance: str, ts: str, prepared: tuple, *more: bytes) -> list[list[bytes | None]]:
+        """`sql` with one frame's eleven parameters (`_APPEND_ONE`'s, its digest last) and `more`,
+        on the Trio loop."""
+        statements = self._statements
+        if statements is None:
+            raise RuntimeError("the frame store is closed")
+        ch, sid, typ, mid, rt, text, obj, _ = prepared
+        ends = ends_turn(typ, rt)
+        # Counted in flight, so this server's waiters hearing its NOTIFY first wait for its seq here.
+        self._appending[instance] = self._appending.get(instance, 0) + 1
+        try:
+            rows = await statements.rows(sql, [
+                instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
+                None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
+                None if ends is None else ends.encode(), _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
+                *more,
+            ])
+            if rows:
+                self._note_fields(instance, [(int(rows[0][0] or 0), ch, sid, typ, rt)])
+            return rows
+        finally:
+            left = self._appending.pop(instance) - 1
+            if left:
+                self._appending[instance] = left
+            self._wake_instance(instance)
+
+    async def _append(self, instance: str, prepared: list[tuple]) -> list[Frame]:
         _no_nul(instance, prepared)
         await trio.lowlevel.checkpoint_if_cancelled()
         if not prepared:
@@ -756,24 +832,15 @@ class PostgresFrameStore(FrameAppends):
         n = len(prepared)
         ts = format_ts(self._clock())
 
-        if claim is None and n == 1 and self._statements is not None:
-            ch, sid, typ, mid, rt, text, obj, _ = prepared[0]
-            ends = ends_turn(typ, rt)
+        if n == 1 and self._statements is not None:
             try:
-                rows = await self._statements.rows(_APPEND_ONE, [
-                    instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
-                    None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
-                    None if ends is None else ends.encode(),
-                    _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
-                ])
+                rows = await self._one_frame(_APPEND_ONE, instance, ts, prepared[0])
             except psycopg.errors.UniqueViolation:
                 raise await self._turn_ended(instance, prepared) from None
             return await self._appended(instance, prepared, int(rows[0][0] or 0), ts)
 
         def write(conn: psycopg.Connection) -> int:
             with conn.transaction():
-                if claim is not None and conn.execute(_CLAIM, (instance, claim)).fetchone() is None:
-                    return 0  # another outcome holds the claim: nothing to write
                 row = conn.execute(_BUMP_SEQ, (instance, n)).fetchone()
                 assert row is not None
                 last, head = row[0], bytes(row[1])
@@ -788,10 +855,6 @@ class PostgresFrameStore(FrameAppends):
                         (instance, first + i, ts, ch, sid, typ, mid, rt, text, ends_turn(typ, rt), hashes[i])
                         for i, (ch, sid, typ, mid, rt, text, _, _) in enumerate(prepared)
                     ])
-                if claim is not None:
-                    conn.execute(
-                        "UPDATE resolutions SET seq = %s WHERE instance = %s AND request_id = %s", (first, instance, claim),
-                    )
                 conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, notice_payload(instance, first, last)))
             return first
 
@@ -799,8 +862,6 @@ class PostgresFrameStore(FrameAppends):
             first = await self._run(write)
         except psycopg.errors.UniqueViolation:
             raise await self._turn_ended(instance, prepared) from None
-        if not first:
-            return []
         return await self._appended(instance, prepared, first, ts)
 
     async def _turn_ended(self, instance: str, prepared: list[tuple]) -> Exception:
@@ -873,6 +934,7 @@ class PostgresFrameStore(FrameAppends):
             make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
             for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared)
         ]
+        self._note_fields(instance, [(f.seq, f.channel, f.session_id, f.type, f.reply_to) for f in stored])
         self._wake_instance(instance)
         if self.checkpoint_every is not None:
             since = self._appends_since_checkpoint.get(instance, 0) + n
@@ -1019,17 +1081,22 @@ class PostgresFrameStore(FrameAppends):
             return await self.query(instance, FrameQuery(after_seq=after_seq, limit=limit))
         rows = await self._statements.rows(
             _FRAMES_AFTER, [str(after_seq).encode(), str(limit).encode(), instance.encode()], read_only=True)
-        if not rows:
-            return []
-        last, pruned = int(rows[0][0] or 0), int(rows[0][1] or 0)
-        if after_seq < pruned:
-            raise CursorPruned(instance, after_seq, pruned + 1, empty=pruned >= last)
-        text = bytes.decode
-        return [
-            make_frame(int(seq), text(ts), instance, text(ch), text(sid), text(typ), text(mid),  # type: ignore[arg-type]
-                       None if rt is None else text(rt), json.loads(payload))  # type: ignore[arg-type]
-            for _, _, seq, ts, ch, sid, typ, mid, rt, payload in rows if seq is not None
-        ]
+        return _snapshot(instance, after_seq, rows)[1]
+
+    async def _read_on_loop(self, instance: str, q: FrameQuery, timeout: float | None) -> tuple[int, list[Frame]]:
+        """`_read`'s statement sent on the Trio loop: one round trip on an idle connection, where a
+        pooled read in a worker thread took four (the pool's check, BEGIN, the query, COMMIT)."""
+        statements = self._statements
+        if statements is not None:
+            sql, params = self._build(instance, q)
+            numbered = sql.split("%s")
+            text = numbered[0] + "".join(f"${i}{rest}" for i, rest in enumerate(numbered[1:], 1))
+            try:
+                rows = await statements.rows(text.encode(), [_param(p) for p in params], read_only=True, timeout=timeout)
+                return _snapshot(instance, q.after_seq, rows)
+            except StoreUnavailable:
+                pass  # connections cut (a restart): the pool's checked path, as before
+        return await self._run(self._read, instance, q, read_only=True, acquire_timeout=timeout)
 
     # -- long poll -----------------------------------------------------------------------
 
@@ -1051,15 +1118,112 @@ class PostgresFrameStore(FrameAppends):
                 # Take the event before querying: an append that commits during the query
                 # sets it, and the wait below returns at once.
                 event = self._wake_event(instance)
+                rewakes = self._rewakes
                 # One snapshot: every frame up to `seen` is visible in it (seq is commit-ordered).
-                seen, frames = await self._run(self._read, instance, q, read_only=True, acquire_timeout=acquire)
+                seen, frames = await self._read_on_loop(instance, q, acquire)
                 if frames or timeout == 0:
                     return frames, False
                 if seen > q.after_seq:
                     q = attrs.evolve(q, after_seq=seen)
                 if trio.current_time() >= deadline:
                     return [], True
-                await self._woken_by(event, deadline)
+                timed_out = await self._woken_by(event, deadline)
+                # Read again only for frames that may match: not for seqs this snapshot held
+                # (the NOTIFY of an append this server already woke us for, back through
+                # LISTEN), nor for frames known here (`_known`) that do not match `q`.
+                deferred, learned = False, 0
+                while not timed_out and self._rewakes == rewakes:
+                    skipped = self._skip_known(instance, q, seen, defer=not deferred)
+                    if skipped is None:
+                        # Seqs of another server's: one read of their fields for all this
+                        # instance's waiters here, rather than a read by each (again only
+                        # for seqs heard since: else it reads, as for a frame that matches).
+                        heard = self._heard.get(instance, 0)
+                        if heard <= learned or self._waiters.get(instance, 0) < 2:
+                            break
+                        learned = heard
+                        timed_out = await self._learn_fields(instance, seen, acquire, deadline)
+                        continue
+                    deferred = deferred or skipped == seen
+                    seen = skipped
+                    q = attrs.evolve(q, after_seq=max(q.after_seq, seen))
+                    event = self._wake_event(instance)
+                    timed_out = await self._woken_by(event, deadline)
+
+    async def _learn_fields(self, instance: str, seen: int, timeout: float | None, deadline: float) -> bool:
+        """Learn the fields (`_known`) of the frames after `seen` heard committed but not known
+        here (other servers' appends), by one read for every waiter of the instance: a waiter
+        that finds that read in flight waits for it (until `deadline`: whether it passed). An
+        outage is no error here: the waiter reads, which reports it."""
+        high = self._heard.get(instance, 0)
+        known = self._known.get(instance, {})
+        unknown = [seq for seq in range(seen + 1, high + 1) if seq not in known]
+        statements = self._statements
+        if not unknown or len(unknown) > KNOWN_FRAMES_KEPT or statements is None:
+            return False
+        running = self._learning.get(instance)
+        if running is not None:
+            return await self._woken_by(running, deadline)
+        done = self._learning[instance] = trio.Event()
+        try:
+            rows = await statements.rows(_FIELDS_BETWEEN, [
+                instance.encode(), str(unknown[0] - 1).encode(), str(unknown[-1]).encode()], read_only=True, timeout=timeout)
+        except StoreUnavailable:
+            return False
+        finally:
+            del self._learning[instance]
+            done.set()
+        text = bytes.decode
+        fields = [(int(seq), text(ch), text(sid), text(typ), None if rt is None else text(rt))  # type: ignore[arg-type]
+                  for seq, ch, sid, typ, rt in rows]
+        if fields:
+            self._note_fields(instance, fields)
+        return False
+
+    def _skip_known(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> int | None:
+        """The seq up to which a waiter that read up to `seen` knows, without reading, that no
+        frame matches `q` (the seqs heard committed since are known here, none matching: this
+        server's own appends, or fields `_learn_fields` read); None when it must read (a seq not
+        known, or one that matches).
+        `defer`: a seq not known here while this server appends to the instance may be that
+        append's, its NOTIFY heard before its answer: wait for the append to end (`seen`)."""
+        high = self._heard.get(instance)
+        if high is None:
+            return None
+        own = self._known.get(instance, {})
+        if high - seen > KNOWN_FRAMES_KEPT:
+            return None
+        for seq in range(seen + 1, high + 1):
+            fields = own.get(seq)
+            if fields is None:
+                return seen if defer and instance in self._appending else None
+            if _may_match(q, *fields):
+                return None
+        return max(seen, high)
+
+    def _heard_commit(self, instance: str, last: int | None) -> None:
+        """Note that `instance`'s frames up to `last` are committed (None: unknown seqs, so
+        every waiter reads again), for the waiters of `wait_for_frames` here."""
+        if last is None:
+            self._rewakes += 1
+        elif instance in self._waiters:  # bounded: the instances someone waits on here
+            self._heard[instance] = max(self._heard.get(instance, 0), last)
+        else:
+            self._heard.pop(instance, None)
+            self._known.pop(instance, None)
+
+    def _note_fields(self, instance: str, frames: list[tuple[int, str, str, str, str | None]]) -> None:
+        """Keep `(seq, channel, session_id, type, reply_to)` of committed frames of an instance
+        waited on (the last `KNOWN_FRAMES_KEPT`), so its waiters skip those they do not match,
+        then note them committed."""
+        if instance in self._waiters:
+            own = self._known.setdefault(instance, {})
+            for seq, *fields in frames:
+                own[seq] = tuple(fields)  # type: ignore[assignment]
+            if len(own) > 2 * KNOWN_FRAMES_KEPT:
+                cut = frames[-1][0] - KNOWN_FRAMES_KEPT
+                self._known[instance] = {seq: kept for seq, kept in own.items() if seq > cut}
+        self._heard_commit(instance, frames[-1][0])
 
     # -- named cursors -------------------------------------------------------------------
 
@@ -1243,6 +1407,35 @@ class PostgresFrameStore(FrameAppends):
 def _bytea(value: bytes) -> bytes:
     """`value` as a bytea parameter in text format (what `LoopStatements` sends)."""
     return b"\\x" + value.hex().encode()
+
+
+def _may_match(q: FrameQuery, channel: str, session_id: str, type: str, reply_to: str | None) -> bool:
+    """Whether a frame with these fields is one `q` asks for (its filters, as `_build` writes them)."""
+    return ((q.channel is None or q.channel == channel) and (q.session_id is None or q.session_id == session_id)
+            and (q.reply_to is None or q.reply_to == reply_to) and (q.types is None or type in q.types))
+
+
+def _param(value: Any) -> bytes:
+    """A query parameter as PostgreSQL's text form (a list as a text array)."""
+    if isinstance(value, list):
+        return ("{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in value) + "}").encode()
+    return str(value).encode()
+
+
+def _snapshot(instance: str, after_seq: int, rows: list[list[bytes | None]]) -> tuple[int, list[Frame]]:
+    """`(last_seq, frames)` of the text rows of `_FRAMES_AFTER` or `_build`'s statement; `CursorPruned`
+    if retention deleted frames after `after_seq` (in that same snapshot)."""
+    if not rows:
+        return 0, []
+    last, pruned = int(rows[0][0] or 0), int(rows[0][1] or 0)
+    if after_seq < pruned:
+        raise CursorPruned(instance, after_seq, pruned + 1, empty=pruned >= last)
+    text = bytes.decode
+    return last, [
+        make_frame(int(seq), text(ts), instance, text(ch), text(sid), text(typ), text(mid),  # type: ignore[arg-type]
+                   None if rt is None else text(rt), json.loads(payload))  # type: ignore[arg-type]
+        for _, _, seq, ts, ch, sid, typ, mid, rt, payload in rows if seq is not None
+    ]
 
 
 def _first_line(exc: BaseException) -> str:

@@ -53,7 +53,7 @@ class LoopStatements:
         self._idle: list[psycopg.Connection] = []
 
     async def rows(
-        self, sql: bytes, params: Sequence[bytes | None], *, read_only: bool = False,
+        self, sql: bytes, params: Sequence[bytes | None], *, read_only: bool = False, timeout: float | None = None,
     ) -> list[list[bytes | None]]:
         """The rows of one statement (text values), committed when this returns.
 
@@ -61,7 +61,8 @@ class LoopStatements:
         `pg_terminate_backend`) did not commit, so it is sent once more on a new connection.
         `read_only`: a statement that changes nothing, whose fate need not be known, is sent on an
         idle connection without checking it first (one round trip less), and sent once more, on a
-        checked connection, if that connection turns out to be gone.
+        checked connection, if that connection turns out to be gone. `timeout`: how long to wait
+        for the answer (default the store's `connect_timeout`), so a long poll hears of an outage soon.
         """
         # A free slot is taken without a schedule point (the statement's own socket waits are
         # this call's schedule points): ~10 µs of a ~0.5 ms append.
@@ -72,18 +73,20 @@ class LoopStatements:
         try:
             if read_only and self._idle:
                 try:
-                    return await self._on_a_connection(sql, params, check=False)
+                    return await self._on_a_connection(sql, params, check=False, timeout=timeout)
                 except (StoreUnavailable, _Refused):
-                    pass  # the idle connection was gone: on a checked one
-            return await self._rows(sql, params)
+                    # The idle connection was gone, and the others likely too (a restart, cut
+                    # connections): drop them all, and send it on a new one.
+                    self.close()
+            return await self._rows(sql, params, timeout)
         finally:
             self._slots.release()
 
-    async def _rows(self, sql: bytes, params: Sequence[bytes | None]) -> list[list[bytes | None]]:
+    async def _rows(self, sql: bytes, params: Sequence[bytes | None], timeout: float | None) -> list[list[bytes | None]]:
         """`rows` with a slot held: the statement, sent once more after a 57P01 refusal."""
         for attempt in (1, 2):
             try:
-                return await self._on_a_connection(sql, params)
+                return await self._on_a_connection(sql, params, timeout=timeout)
             except _Refused as refused:
                 if refused.sqlstate == _ADMIN_SHUTDOWN and attempt == 1:
                     continue
@@ -94,13 +97,14 @@ class LoopStatements:
         raise AssertionError("unreachable")
 
     async def _on_a_connection(
-        self, sql: bytes, params: Sequence[bytes | None], *, check: bool = True,
+        self, sql: bytes, params: Sequence[bytes | None], *, check: bool = True, timeout: float | None = None,
     ) -> list[list[bytes | None]]:
         conn = self._idle.pop() if self._idle else None
         healthy = False
+        limit = self.timeout if timeout is None else timeout
         try:
             with trio.CancelScope(shield=True):
-                with trio.move_on_after(self.timeout) as waited:
+                with trio.move_on_after(limit) as waited:
                     if conn is not None and check and not await _alive(conn.pgconn):
                         conn.close()
                         conn = None
@@ -109,7 +113,7 @@ class LoopStatements:
                     rows = await _execute(conn.pgconn, sql, params)
                 if waited.cancelled_caught:
                     raise StoreUnavailable(
-                        f"the PostgreSQL store {self.describe} did not answer within {self.timeout:g} s")
+                        f"the PostgreSQL store {self.describe} did not answer within {limit:g} s")
             healthy = True
             return rows
         except _Refused:

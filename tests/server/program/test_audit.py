@@ -209,6 +209,43 @@ def test_concurrent_appends_from_two_servers_on_one_postgres_chain_in_commit_ord
     assert check.checked == 4 * (15 + 4), "every frame of both servers is in the chain"
 
 
+def test_an_outcome_chains_on_postgres_and_a_lost_claim_leaves_the_head(pg_url: str) -> None:
+    """`append_outcome`'s one statement links its frame into the chain as every single append
+    does; a claim lost (the request's outcome stored before, or by a racing server) stores no
+    frame, spends no seq and leaves the chain head where the winner put it."""
+    backend = Backend("postgres", pg_url)
+    kw: dict[str, Any] = {"channel": "host", "session_id": "s1", "type": "caller_tool_result"}
+
+    def head() -> tuple[int, bytes]:
+        [(last, last_hash)] = backend.sql("SELECT last_seq, last_hash FROM instances WHERE name = ?", INSTANCE)
+        return last, bytes(last_hash)
+
+    async def run() -> None:
+        async with backend.open() as a, backend.open() as b:
+            first = await a.append_outcome(INSTANCE, "req-0", payload={"request_id": "req-0"}, **kw)
+            assert first is not None and first.seq == 1
+            before = head()
+            assert await b.append_outcome(INSTANCE, "req-0", payload={"late": True}, **kw) is None
+            assert head() == before, "a lost claim moves neither the seq nor the chain head"
+            won: list[Any] = []
+
+            async def outcome(store: Any, request_id: str, who: str) -> None:
+                won.append(await store.append_outcome(INSTANCE, request_id, payload={"who": who}, **kw))
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    for n in range(1, 21):
+                        for store, who in ((a, "a"), (b, "b")):
+                            nursery.start_soon(outcome, store, f"req-{n}", who)
+            assert sorted(f.seq for f in won if f is not None) == list(range(2, 22)), "one outcome per request"
+    trio.run(run)
+    last, last_hash = head()
+    [(stored_hash,)] = backend.sql("SELECT hash FROM frames WHERE {this} AND seq = ?", last)
+    assert last == 21 and bytes(stored_hash) == last_hash, "the head is the last stored frame's hash"
+    broken, check = verify(backend)
+    assert broken is None and check.checked == 21, broken
+
+
 def test_export_writes_what_the_docs_recipe_verifies_and_it_finds_an_edit(tmp_path: Path, keys: tuple[Path, Path]) -> None:
     """The verifier docs/AUDIT.md shows (its `verify_chain.py`), run on `audit export`'s lines:
     it accepts the log, signatures checked; an edited frame in the export fails it at that seq."""

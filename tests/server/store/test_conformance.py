@@ -413,6 +413,92 @@ async def test_wait_wakes_across_two_store_objects(pg_url: str) -> None:
         assert frames == [frame] and not timed_out
 
 
+class CountedReads:
+    """Counts a PostgreSQL store's long-poll reads of the log (`_read_on_loop`); `after(n)` is set
+    once `n` have ended, and `heard` at each NOTIFY the store hears (a fresh one taken by `next`)."""
+
+    def __init__(self, store: PostgresFrameStore) -> None:
+        self.count = 0
+        self._ended = 0
+        self._after: dict[int, trio.Event] = {}
+        self.heard = trio.Event()
+        real_read = store._read_on_loop
+
+        async def counted(*args: Any) -> Any:
+            self.count += 1
+            try:
+                return await real_read(*args)
+            finally:
+                self._ended += 1
+                self.after(self._ended).set()
+
+        store._read_on_loop = counted  # type: ignore[method-assign, assignment]
+        store.hear_appends(self)
+
+    def after(self, n: int) -> trio.Event:
+        return self._after.setdefault(n, trio.Event())
+
+    def appended(self, instance: str, first: int | None, last: int | None) -> None:
+        self.heard.set()
+
+    def missed(self) -> None:
+        pass
+
+
+async def test_a_waiter_reads_nothing_for_this_servers_appends_it_does_not_match(pg_url: str) -> None:
+    """A long poll woken by this store's own append of another session (directly, then by the
+    append's NOTIFY through LISTEN) reads the log no more: it knows that frame is not for it. An
+    append it matches ends the wait with that frame (PostgreSQL: its reads cost round trips)."""
+    async with Backend("postgres", pg_url).open() as s:
+        assert isinstance(s, PostgresFrameStore)
+        reads = CountedReads(s)
+        got: list[Any] = []
+
+        async def waiter() -> None:
+            got.append(await s.wait_for_frames("box1", FrameQuery(session_id="mine"), 10))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter)
+                await reads.after(1).wait()
+                await add(s)  # session s1
+                await reads.heard.wait()
+                await trio.testing.wait_all_tasks_blocked()
+                assert reads.count == 1, "no read for a frame of another session appended here"
+                mine = await s.append("box1", channel="mcp", session_id="mine", type="user.message", payload={})
+        assert got == [([mine], False)] and reads.count == 2
+
+
+async def test_waiters_learn_another_servers_append_by_one_read_and_only_the_matching_one_reads(pg_url: str) -> None:
+    """Two long polls of one instance on one server, woken by another server's append of a third
+    session (its NOTIFY names no session): one read of the new frame's fields serves both, and
+    neither reads the log; an append of one's session is read by that one alone."""
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as here, backend.open() as there:
+        assert isinstance(here, PostgresFrameStore)
+        reads = CountedReads(here)
+        got: list[Any] = []
+        x_answered = trio.Event()
+
+        async def wait_for(session_id: str) -> None:
+            got.append(await here.wait_for_frames("box1", FrameQuery(session_id=session_id), 20))
+            x_answered.set()
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for, "y")
+                nursery.start_soon(wait_for, "x")
+                await reads.after(2).wait()
+                await add(there, session_id="other")
+                await reads.heard.wait()
+                await trio.testing.wait_all_tasks_blocked()
+                assert reads.count == 2, "no waiter reads the log for another server's frame of another session"
+                mine = await add(there, session_id="x")
+                await x_answered.wait()
+                nursery.cancel_scope.cancel()
+        assert got == [([mine], False)] and reads.count == 3, "the waiter of x read its frame; y did not read"
+
+
 # -- outcomes: exactly one per request ----------------------------------------------------
 
 
