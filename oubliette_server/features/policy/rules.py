@@ -38,7 +38,7 @@ import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal, TypeVar
 
 import attrs
 import cedarpy
@@ -322,27 +322,14 @@ class PolicyRules:
         if self._permits_all:
             return _DEFAULT_APPROVAL if call.requires_approval else _DEFAULT_PERMIT
         tool = (call.tool, call.kind, call.owner)
-        try:
-            parts = self._keys[tool]
-        except KeyError:
-            parts = self._time_key(call)
-            if len(self._keys) >= _DECISIONS_KEPT:
-                self._keys.clear()
-            self._keys[tool] = parts
+        parts = _kept(self._keys, tool, lambda: self._time_key(call))
         if parts is None:
             return self._evaluate(call, now)
         key: tuple[Any, ...] = (call.instance, call.session, *tool, call.requires_approval, call.caller_principal)
         if parts:
             when = _time_of(now)
             key += tuple(when[part] for part in parts)
-        try:
-            return self._rulings[key]
-        except KeyError:
-            pass
-        if len(self._rulings) >= _DECISIONS_KEPT:
-            self._rulings.clear()
-        ruling = self._rulings[key] = self._evaluate(call, now)
-        return ruling
+        return _kept(self._rulings, key, lambda: self._evaluate(call, now))
 
     def _time_key(self, call: ToolCall) -> tuple[str, ...] | None:
         """The parts of `context.time` the policies that may apply to the call's tool read (in
@@ -383,13 +370,10 @@ class PolicyRules:
         """None when the policies let `principal` do `action` (`message`, `answer`, `read` an
         instance; `operate` an endpoint) to `resource`, else why not (a forbid's `@reason`, or
         that no policy permits it). Decided once per set: the request carries nothing else."""
-        key = (principal, action, resource)
-        try:
-            return self._decisions[key]
-        except KeyError:
-            pass
-        if len(self._decisions) >= _DECISIONS_KEPT:
-            self._decisions.clear()
+        return _kept(self._decisions, (principal, action, resource), lambda: self._ask_permits(principal, action, resource))
+
+    def _ask_permits(self, principal: str, action: str, resource: str) -> str | None:
+        """Cedar's answer to `permits`."""
         kind, attribute = ("Endpoint", "endpoint") if action == OPERATE else ("Instance", "instance")
         answer = cedarpy.is_authorized({
             "principal": {"type": "Oubliette::Principal", "id": principal},
@@ -405,7 +389,6 @@ class PolicyRules:
             reason = "; ".join(dict.fromkeys(why)) or "no policy permits it"
             if answer.diagnostics.errors:
                 reason += f" ({_one_line('; '.join(answer.diagnostics.errors))})"
-        self._decisions[key] = reason
         return reason
 
     def _failed_forbids(self, errors: list[str]) -> list[tuple[_Policy, str]]:
@@ -420,6 +403,22 @@ class PolicyRules:
             if policy.effect == "forbid":
                 failed.append((policy, _one_line(error.split(": ", 1)[-1])))
         return failed
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+_MISSING: Any = object()
+
+
+def _kept(memo: dict[_K, _V], key: _K, decide: Callable[[], _V]) -> _V:
+    """`memo[key]`, decided by `decide` the first time and kept (a set never changes, nor do its
+    answers); a memo grown to `_DECISIONS_KEPT` entries starts over."""
+    value = memo.get(key, _MISSING)
+    if value is _MISSING:
+        if len(memo) >= _DECISIONS_KEPT:
+            memo.clear()
+        value = memo[key] = decide()
+    return value
 
 
 def _reads(policy: pst.Template) -> tuple[frozenset[str] | None, frozenset[str]]:
