@@ -383,19 +383,15 @@ def first_turn_ends_sql(key: str) -> str:
 # Argument checks shared by the stores
 
 
-#: `(channel, session_id, type, msg_id, reply_to, payload_json, payload_copy, append_id)`;
-#: `payload_json` is the canonical JSON of `payload_copy` (`canonical_json`), which the hash
-#: chain digests as it is (chain.py).
+#: `(channel, session_id, type, msg_id, reply_to, payload_json, payload_copy, append_id)`.
 Prepared = tuple[str, str, str, str, "str | None", str, dict, "str | None"]
 
 
 # Payload values whose JSON text decodes to an equal value of the same type (see prepare_frame).
 _FLAT_TYPES = frozenset({str, int, float, bool, type(None)})
 
-# One encoder for every payload (json.dumps with options builds a new one per call): canonical
-# JSON's, refusing NaN and Infinity; the other for keys of several types, which cannot be sorted.
-_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False).encode
-_ENCODE_UNSORTED = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+# One encoder for every payload (json.dumps with options builds a new one per call).
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
 
 def prepare_frame(
@@ -420,19 +416,10 @@ def prepare_frame(
     # query returns (and is not shared with the caller): the decoded text, or, for a flat payload
     # (string keys, values of exactly str/int/float/bool/None), a plain copy, which decodes
     # to an equal dict of the same types at a fraction of the cost (most frames are flat).
-    # The text is canonical JSON of what it decodes to whenever every key is a string (JSON's
-    # are); a key of another type (1, turned into "1") changes the order, so the decoded value
-    # is encoded again (told by comparing it with the payload: 1 != "1").
-    try:
-        text = _ENCODE(payload)
-    except TypeError:
-        text = canonical_json(json.loads(_ENCODE_UNSORTED(payload)))
+    text = _ENCODE(payload)
     for key, value in payload.items():
         if key.__class__ is not str or value.__class__ not in _FLAT_TYPES:
-            copy = json.loads(text)
-            if copy != payload:
-                text = canonical_json(copy)
-            return channel, session_id, type, msg_id, reply_to, text, copy, append_id
+            return channel, session_id, type, msg_id, reply_to, text, json.loads(text), append_id
     return channel, session_id, type, msg_id, reply_to, text, dict(payload), append_id
 
 

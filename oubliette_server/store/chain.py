@@ -14,14 +14,12 @@ The recipe (docs/AUDIT.md shows it in a few lines of Python, and tests check the
 
 `prev` is the previous frame's hash, `GENESIS` (32 zero bytes) before an instance's first
 frame. The stores compute it as they store a frame (PostgreSQL in the append statement, under
-the instance row's lock, so appends by several servers chain in commit order), from the payload
-text they store, which is that canonical JSON already (`api.prepare_frame`): one encoding per frame.
+the instance row's lock, so appends by several servers chain in commit order).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any, Iterable, Protocol, runtime_checkable
 
@@ -60,10 +58,6 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-#: A string as `canonical_json` writes it (ensure_ascii=False).
-_string = json.encoder.encode_basestring
-
-
 def value_digest(value: Any) -> str:
     """The SHA-256 (hex) of a JSON value's canonical text: what a decision binds (approved arguments)."""
     return hashlib.sha256(_utf8(canonical_json(value))).hexdigest()
@@ -71,19 +65,16 @@ def value_digest(value: Any) -> str:
 
 def content_digest(
     instance: str, ts: str, channel: str, session_id: str, type: str, msg_id: str, reply_to: str | None,
-    payload_json: str,
+    payload: dict[str, Any],
 ) -> bytes:
-    """The digest of one frame's content: its wire JSON (`Frame.to_wire`) without `seq` and `v`,
-    given its payload's canonical JSON (`canonical_json`: the text the stores keep, `api.Prepared`).
-
-    Written around that text, key by key in canonical order, rather than encoding the payload a
-    second time: the same bytes as `canonical_json` of the whole (tests check the two agree)."""
-    reply = "" if reply_to is None else f',"reply_to":{_string(reply_to)}'
-    return hashlib.sha256(_utf8(
-        f'{{"instance":{_string(instance)},"msg_id":{_string(msg_id)},"payload":{payload_json}{reply},'
-        f'"session":{{"channel":{_string(channel)},"id":{_string(session_id)}}},"ts":{_string(ts)},'
-        f'"type":{_string(type)}}}'
-    )).digest()
+    """The digest of one frame's content: its wire JSON (`Frame.to_wire`) without `seq` and `v`."""
+    wire: dict[str, Any] = {
+        "ts": ts, "instance": instance, "session": {"channel": channel, "id": session_id}, "type": type,
+        "msg_id": msg_id, "payload": payload,
+    }
+    if reply_to is not None:
+        wire["reply_to"] = reply_to
+    return hashlib.sha256(_utf8(canonical_json(wire))).digest()
 
 
 def link(prev: bytes, seq: int, digest: bytes) -> bytes:
@@ -95,7 +86,7 @@ def frame_hash(prev: bytes, frame: Frame) -> bytes:
     """The hash `frame` must have after `prev`."""
     return link(prev, frame.seq, content_digest(
         frame.instance, frame.ts, frame.channel, frame.session_id, frame.type, frame.msg_id, frame.reply_to,
-        canonical_json(frame.payload),
+        frame.payload,
     ))
 
 

@@ -764,7 +764,7 @@ class PostgresFrameStore(FrameAppends):
                     instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
                     None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
                     None if ends is None else ends.encode(),
-                    _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, text)),
+                    _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
                 ])
             except psycopg.errors.UniqueViolation:
                 raise await self._turn_ended(instance, prepared) from None
@@ -779,8 +779,8 @@ class PostgresFrameStore(FrameAppends):
                 last, head = row[0], bytes(row[1])
                 first = last - n + 1
                 hashes = []
-                for i, (ch, sid, typ, mid, rt, text, _, _) in enumerate(prepared):
-                    head = link(head, first + i, content_digest(instance, ts, ch, sid, typ, mid, rt, text))
+                for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared):
+                    head = link(head, first + i, content_digest(instance, ts, ch, sid, typ, mid, rt, obj))
                     hashes.append(head)
                 conn.execute(_SET_HEAD, (head, instance))
                 with conn.cursor() as cur:
@@ -830,7 +830,7 @@ class PostgresFrameStore(FrameAppends):
                     instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
                     None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(), aid.encode(),
                     None if ends is None else ends.encode(),
-                    _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, text)),
+                    _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
                 ])
             except psycopg.DatabaseError as exc:  # perhaps a racing server stored the id (or the turn's end) first
                 rows, refused = [], exc

@@ -47,9 +47,8 @@ Group commit
     is seen at the caller's next checkpoint), so "if it raises, nothing was stored" holds.
 
     The append path is kept lean (``bench/bench_store.py``, single appends): the
-    payload is serialised once (``api.prepare_frame``: canonical JSON, which the hash chain
-    digests as it is; a flat payload's private copy is a ``dict`` copy, not a decode of the
-    text), the group is a slotted object whose wake-up
+    payload is serialised once (``api.prepare_frame``; a flat payload's private copy is
+    a ``dict`` copy, not a decode of the text), the group is a slotted object whose wake-up
     event exists only when a second append joins, and the returned ``Frame`` is built straight
     from the checked fields.  A lone frame of a known instance is one ``INSERT`` run in
     autocommit mode, which SQLite commits (or rolls back and raises) before ``execute``
@@ -697,8 +696,8 @@ class FrameStore(FrameAppends):
         if head is None:
             head = self._heads[instance] = self._stored_head(instance, last)
         hashes = []
-        for i, (ch, sid, typ, mid, rt, text, _, _) in enumerate(prepared):
-            head = link(head, first + i, content_digest(instance, ts, ch, sid, typ, mid, rt, text))
+        for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared):
+            head = link(head, first + i, content_digest(instance, ts, ch, sid, typ, mid, rt, obj))
             hashes.append(head)
         base_head = self._heads[instance]
         self._heads[instance] = head
