@@ -22,7 +22,10 @@ What a decision means here, beside Cedar's allow or deny:
 
 A principal's request (`PolicyRules.permits`) depends on nothing but (principal, action,
 resource), so its answer is kept for the life of the set: a caller's request costs a dict lookup
-after the first. Every set carries `ADMIN_PERMIT`: the HTTP admin may do everything unless a
+after the first. So is a tool call's ruling when the policies that can apply to the tool (their
+resource scope admits it) read neither `context.arguments` nor `context` whole: it then depends
+only on the call's facts other than its arguments and on the parts of `context.time` they read,
+which are its key (`_Policy.reads`, `PolicyRules.decide`). Every set carries `ADMIN_PERMIT`: the HTTP admin may do everything unless a
 forbid says otherwise; any other principal only what a policy permits.
 """
 
@@ -35,7 +38,7 @@ import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal, TypeVar
 
 import attrs
 import cedarpy
@@ -72,7 +75,13 @@ permit(principal == Oubliette::Principal::"{ADMIN}", action in [
 """Added to every set for principals' requests (after the deployment's policies, so their
 `policy0`... names stay): the admin token keeps reaching everything; a forbid still binds it."""
 _DECISIONS_KEPT = 100_000
-"""Principals' decisions a set keeps (then it starts over): a few principals times every instance."""
+"""Principals' decisions a set keeps (then it starts over): a few principals times every instance.
+So many tool calls' rulings too: sessions times tools."""
+ARGUMENTS, TIME = "arguments", "time"
+TIME_PARTS = ("hour", "minute", "weekday", "unix")
+"""`context.time`'s attributes (`_time_of`)."""
+_CONTEXT = pst.Var("context")
+_TOOL = pst.EntityType("Tool", ("Oubliette",))
 
 Effect = Literal["permit", "approval", "forbid"]
 
@@ -191,11 +200,37 @@ class Ruling:
         return None if self.stored else self.record
 
 
+_DEFAULT_PERMIT = Ruling("permit", _DEFAULT_IDS)
+_DEFAULT_APPROVAL = Ruling("approval", _DEFAULT_IDS, approval_by=("requires_approval",))
+"""The default policy's two rulings: a call, and a call of a tool whose own flag asks for an approval."""
+
+
 @attrs.frozen
 class _Policy:
     name: str
     effect: str
     annotations: dict[str, str]
+    resource: Any = pst.ScopeAny()
+    """The policy's resource scope: which tools it can apply to (`may_apply`)."""
+    reads: frozenset[str] | None = frozenset()
+    """The `context` attributes its conditions read (None: `context` whole)."""
+    time_parts: frozenset[str] = frozenset()
+    """The parts of `context.time` they read (`TIME_PARTS`)."""
+
+    def may_apply(self, tool: pst.EntityUid, parent: pst.EntityUid) -> bool:
+        """Whether the resource scope admits `tool` (a member of `parent`), as Cedar matches it: a
+        policy it does not admit is false for that tool whatever its conditions (Cedar evaluates
+        the scope first and stops there)."""
+        scope = self.resource
+        if isinstance(scope, pst.ScopeEq):
+            return scope.entity == tool
+        if isinstance(scope, pst.ScopeIn):
+            return scope.entity in (tool, parent)
+        if isinstance(scope, pst.ScopeIs):
+            return scope.entity_type == _TOOL
+        if isinstance(scope, pst.ScopeIsIn):
+            return scope.entity_type == _TOOL and scope.entity in (tool, parent)
+        return True  # any resource, or a scope this code does not know: it may apply
 
 
 @attrs.frozen
@@ -218,6 +253,11 @@ class PolicyRules:
     """(principal, action, resource) -> None (permitted) or why not: the set never changes."""
     _permits_all: bool = False
     """The default policy (no policy file): its one permit decides every call without asking Cedar."""
+    _keys: dict[tuple[str, str, str], tuple[str, ...] | None] = attrs.field(factory=dict, init=False, eq=False)
+    """(tool, kind, owner) -> the parts of `context.time` its rulings are kept by, or None: every
+    call of the tool goes to Cedar (a policy that may apply reads its arguments or `context` whole)."""
+    _rulings: dict[tuple[Any, ...], Ruling] = attrs.field(factory=dict, init=False, eq=False)
+    """A tool call's facts but its arguments, and those time parts -> the ruling: the set never changes."""
 
     @classmethod
     def load(cls, text: str, source: str) -> PolicyRules:
@@ -237,14 +277,19 @@ class PolicyRules:
             ]
             raise PolicyError(f"{source}: {'; '.join(_one_line(p) for p in problems)}")
         policies = {
-            key: _Policy(dict(template.annotations).get("id") or key, template.effect, dict(template.annotations))
+            key: _Policy(
+                dict(template.annotations).get("id") or key, template.effect, dict(template.annotations),
+                template.resource, *_reads(template),
+            )
             for key, template in parsed.static_policies.items()
         }
         for policy in policies.values():
             if policy.effect == "forbid" and REQUIRE_APPROVAL in policy.annotations:
                 raise PolicyError(f"{source}: {policy.name}: @{REQUIRE_APPROVAL} belongs on a permit policy, not a forbid")
         principals_set = cedarpy.PolicySet.from_str(text + ADMIN_PERMIT)
-        return cls(source, policy_set, policies, _context_read(parsed.static_policies.values()), principals_set)
+        read = [policy.reads for policy in policies.values() if policy.reads is not None]
+        context_keys = frozenset().union(*read) if len(read) == len(policies) else None
+        return cls(source, policy_set, policies, context_keys, principals_set)
 
     @classmethod
     def default(cls) -> PolicyRules:
@@ -271,9 +316,37 @@ class PolicyRules:
         """The policies' ruling on `call` made at `now` (seconds since the epoch).
 
         The default policy's ruling is known without Cedar (its one permit applies to every
-        call): it is still the decision, recorded with that policy's id."""
+        call): it is still the decision, recorded with that policy's id. Otherwise Cedar decides
+        a call once per set and key (the module's docstring), a call whose arguments or whole
+        context a policy may read every time."""
         if self._permits_all:
-            return Ruling("approval" if call.declared_approval else "permit", _DEFAULT_IDS, approval_by=call.declared_approval)
+            return _DEFAULT_APPROVAL if call.requires_approval else _DEFAULT_PERMIT
+        tool = (call.tool, call.kind, call.owner)
+        parts = _kept(self._keys, tool, lambda: self._time_key(call))
+        if parts is None:
+            return self._evaluate(call, now)
+        key: tuple[Any, ...] = (call.instance, call.session, *tool, call.requires_approval, call.caller_principal)
+        if parts:
+            when = _time_of(now)
+            key += tuple(when[part] for part in parts)
+        return _kept(self._rulings, key, lambda: self._evaluate(call, now))
+
+    def _time_key(self, call: ToolCall) -> tuple[str, ...] | None:
+        """The parts of `context.time` the policies that may apply to the call's tool read (in
+        `TIME_PARTS` order), or None when one reads its arguments or `context` whole."""
+        tool = pst.EntityUid(_TOOL, call.tool)
+        parent = pst.EntityUid(pst.EntityType("Caller" if call.kind == "caller" else "Toolset", ("Oubliette",)), call.owner)
+        parts: set[str] = set()
+        for policy in self._policies.values():
+            if not policy.may_apply(tool, parent):
+                continue
+            if policy.reads is None or ARGUMENTS in policy.reads:
+                return None
+            parts |= policy.time_parts
+        return tuple(part for part in TIME_PARTS if part in parts)
+
+    def _evaluate(self, call: ToolCall, now: float) -> Ruling:
+        """Cedar's ruling on `call` at `now`."""
         answer = cedarpy.is_authorized(
             call.request(now, self._context_keys), self._set, _tool_entities(call.tool, call.kind, call.owner),
         )
@@ -297,13 +370,10 @@ class PolicyRules:
         """None when the policies let `principal` do `action` (`message`, `answer`, `read` an
         instance; `operate` an endpoint) to `resource`, else why not (a forbid's `@reason`, or
         that no policy permits it). Decided once per set: the request carries nothing else."""
-        key = (principal, action, resource)
-        try:
-            return self._decisions[key]
-        except KeyError:
-            pass
-        if len(self._decisions) >= _DECISIONS_KEPT:
-            self._decisions.clear()
+        return _kept(self._decisions, (principal, action, resource), lambda: self._ask_permits(principal, action, resource))
+
+    def _ask_permits(self, principal: str, action: str, resource: str) -> str | None:
+        """Cedar's answer to `permits`."""
         kind, attribute = ("Endpoint", "endpoint") if action == OPERATE else ("Instance", "instance")
         answer = cedarpy.is_authorized({
             "principal": {"type": "Oubliette::Principal", "id": principal},
@@ -319,7 +389,6 @@ class PolicyRules:
             reason = "; ".join(dict.fromkeys(why)) or "no policy permits it"
             if answer.diagnostics.errors:
                 reason += f" ({_one_line('; '.join(answer.diagnostics.errors))})"
-        self._decisions[key] = reason
         return reason
 
     def _failed_forbids(self, errors: list[str]) -> list[tuple[_Policy, str]]:
@@ -336,16 +405,41 @@ class PolicyRules:
         return failed
 
 
-def _context_read(policies: Iterable[pst.Template]) -> frozenset[str] | None:
-    """The attributes of `context` the policies read (`context.x`, `context has x`), or None when
-    one uses `context` otherwise (whole: every attribute must be there)."""
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+_MISSING: Any = object()
+
+
+def _kept(memo: dict[_K, _V], key: _K, decide: Callable[[], _V]) -> _V:
+    """`memo[key]`, decided by `decide` the first time and kept (a set never changes, nor do its
+    answers); a memo grown to `_DECISIONS_KEPT` entries starts over."""
+    value = memo.get(key, _MISSING)
+    if value is _MISSING:
+        if len(memo) >= _DECISIONS_KEPT:
+            memo.clear()
+        value = memo[key] = decide()
+    return value
+
+
+def _reads(policy: pst.Template) -> tuple[frozenset[str] | None, frozenset[str]]:
+    """What of `context` a policy's conditions read: its attributes (`context.x`, `context has x`),
+    or None when it uses `context` otherwise (whole: every attribute must be there); and the parts
+    of `context.time` (`context.time.hour`; `context.time` used otherwise: all of them)."""
     keys: set[str] = set()
+    parts: set[str] = set()
 
     def visit(node: Any) -> bool:
-        if isinstance(node, (pst.GetAttr, pst.HasAttr)) and node.base == pst.Var("context"):
-            keys.add(node.attr if isinstance(node, pst.GetAttr) else node.attrs[0])
+        if isinstance(node, pst.GetAttr) and node.base == pst.GetAttr(_CONTEXT, TIME) and node.attr in TIME_PARTS:
+            keys.add(TIME)
+            parts.add(node.attr)
             return True
-        if node == pst.Var("context"):
+        if isinstance(node, (pst.GetAttr, pst.HasAttr)) and node.base == _CONTEXT:
+            key = node.attr if isinstance(node, pst.GetAttr) else node.attrs[0]
+            keys.add(key)
+            if key == TIME:
+                parts.update(TIME_PARTS)
+            return True
+        if node == _CONTEXT:
             return False
         if dataclasses.is_dataclass(node):
             return all(visit(getattr(node, field.name)) for field in dataclasses.fields(node))
@@ -355,7 +449,9 @@ def _context_read(policies: Iterable[pst.Template]) -> frozenset[str] | None:
             return all(visit(value) for value in node.values())
         return True
 
-    return frozenset(keys) if all(visit(policy.clauses) for policy in policies) else None
+    if not visit(policy.clauses):
+        return None, frozenset(TIME_PARTS)
+    return frozenset(keys), frozenset(parts)
 
 
 def _one_line(text: str) -> str:

@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import attrs
 import cedarpy
 import pytest
 import trio
@@ -141,6 +142,52 @@ def test_an_invalid_set_is_refused_with_why(text: str, problem: str) -> None:
 def test_an_unreadable_file_is_a_policy_error(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="cannot read policy file"):
         PolicyRules.from_files([tmp_path / "missing.cedar"])
+
+
+def counting_cedar(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The requests Cedar is asked from now on (it still decides them)."""
+    asked: list[dict[str, Any]] = []
+    real = cedarpy.is_authorized
+
+    def counted(request: dict[str, Any], *args: Any) -> Any:
+        asked.append(request)
+        return real(request, *args)
+
+    monkeypatch.setattr(cedarpy, "is_authorized", counted)
+    return asked
+
+
+def test_a_tool_whose_policies_read_no_arguments_is_decided_by_cedar_once_per_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The forbid on `myapp_rm`'s arguments cannot apply to `myapp_send`: its rulings are kept."""
+    rules = PolicyRules.load(TMP_ONLY, "test")
+    asked = counting_cedar(monkeypatch)
+    for text in ("a", "b", "c"):
+        assert rules.decide(call("myapp_send", {"text": text}), 0).approval_by == ("send-needs-approval",)
+    assert rules.decide(call("myapp_list"), 0) == Ruling("permit", ("myapp-tools",))
+    assert rules.decide(attrs.evolve(call("myapp_list"), session="mcp:s2"), 0) == Ruling("permit", ("myapp-tools",))
+    assert len(asked) == 3, "one decision per tool and session"
+    flagged = rules.decide(call("myapp_list", requires_approval=True), 0)
+    assert flagged.approval_by == ("requires_approval",), "the tool's own flag is part of the key"
+    reloaded = PolicyRules.load(TMP_ONLY.replace('resource == Oubliette::Tool::"myapp_send"', "resource"), "test")
+    assert reloaded.decide(call("myapp_list"), 0).approval_by == ("send-needs-approval",), "a new set decides anew"
+
+
+def test_a_tool_whose_policies_read_its_arguments_or_the_time_is_decided_by_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    rules = PolicyRules.load(TMP_ONLY, "test")
+    asked = counting_cedar(monkeypatch)
+    for path, effect in (("/etc/passwd", "forbid"), ("/tmp/x", "permit"), ("/etc/passwd", "forbid"), ("/tmp/x", "permit")):
+        assert rules.decide(call(arguments={"path": path}), 0).effect == effect
+    assert len(asked) == 4, "a policy that reads the arguments makes every call Cedar's"
+    late = PolicyRules.load(LATE_WRITES, "test")
+    write = call("fs.write_file", kind="toolset", owner="fs")
+    assert [late.decide(write, at(hour)).effect for hour in (10, 21, 10, 21, 22)] == [
+        "permit", "approval", "permit", "approval", "approval"]
+    assert len(asked) == 4 + 3, "kept by the hour the policies read"
+    whole = PolicyRules.load(DEFAULT_POLICIES + 'forbid(principal, action, resource) unless { context == context };', "test")
+    whole.decide(call(), 0), whole.decide(call(), 0)
+    assert len(asked) == 4 + 3 + 2, "a policy that reads the context whole makes every call Cedar's"
 
 
 # -- the gate ----------------------------------------------------------------------------------
