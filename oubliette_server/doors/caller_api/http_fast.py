@@ -278,27 +278,25 @@ async def _write_answer(
 ) -> None:
     """The SDK's SSE-mode writing of one answer: JSON when the call ends silent within the keepalive
     interval, else `text/event-stream` with its events and pings, the response event last."""
-    interval = sdk_http._SSE_PING_INTERVAL
-    event: bytes | None = None
-    done = False
-    with trio.move_on_after(interval):
-        try:
-            event = await events.receive()
-        except anyio.EndOfStream:
-            done = True
+    event, done = await _next_event(events)
     if done:
         await sdk_http._write(outcome[0], scope, receive, send)
         return
     await send({"type": "http.response.start", "status": 200, "headers": sdk_http._SSE_HEADERS})
     while not done:
         await send(_SSE_PING if event is None else {"type": "http.response.body", "body": event, "more_body": True})
-        event = None
-        with trio.move_on_after(interval):
-            try:
-                event = await events.receive()
-            except anyio.EndOfStream:
-                done = True
+        event, done = await _next_event(events)
     await send({"type": "http.response.body", "body": sdk_http._sse_event(outcome[0]), "more_body": False})
+
+
+async def _next_event(events: Any) -> tuple[bytes | None, bool]:
+    """(the call's next event or None when the keepalive interval passed first, whether the call ended)."""
+    with trio.move_on_after(sdk_http._SSE_PING_INTERVAL):
+        try:
+            return await events.receive(), False
+        except anyio.EndOfStream:
+            return None, True
+    return None, False
 
 
 def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:
