@@ -231,9 +231,11 @@ class FastHttpCalls:
         JSON if it ends within the keepalive interval without an event, else SSE; the client leaving cancels it."""
         request_id, params, version = message["id"], message["params"], verdict.protocol_version
         name, arguments, meta = params["name"], params["arguments"], params["_meta"]
-        events_in, events_out = anyio.create_memory_object_stream[bytes](0)
         connection: Connection | None = None
+        events: Any
         if arguments.get("wait", False) is not False:  # its events ride this request: the SDK's context
+            events_in, events = anyio.create_memory_object_stream[bytes](0)
+            ends: Callable[[], object] = events_in.close
             connection = Connection.from_envelope(version, verdict.client_info, verdict.client_capabilities)
             dctx = sdk_http._SingleExchangeDispatchContext(
                 transport=TransportContext(kind="streamable-http", can_send_request=False, headers=request.headers),
@@ -243,13 +245,15 @@ class FastHttpCalls:
             ctx: Any = ServerRunner(self.server, connection, None)._make_context(
                 dctx, "tools/call", params, _extract_meta(params), version)
         else:
+            events = _NoEvents()
+            ends = events.ended.set
             ctx = SimpleNamespace(protocol_version=version, request=SimpleNamespace(state=State(scope.setdefault("state", {}))))
         outcome: list[JSONRPCResponse | JSONRPCError] = []
         try:
-            async with events_out, trio.open_nursery() as nursery:
+            async with trio.open_nursery() as nursery:
 
                 async def run() -> None:
-                    async with events_in:
+                    try:
                         with fast_call_span(name, request_id, meta) as ended:
                             try:
                                 result = self._shaper._serialize("tools/call", version, await self.call(ctx, name, arguments))
@@ -258,6 +262,8 @@ class FastHttpCalls:
                             else:
                                 ended(result)
                                 outcome.append(JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result))
+                    finally:
+                        ends()
 
                 async def watch() -> None:
                     while (await receive())["type"] != "http.disconnect":
@@ -266,11 +272,25 @@ class FastHttpCalls:
 
                 nursery.start_soon(run)
                 nursery.start_soon(watch)
-                await _write_answer(events_out, outcome, scope, receive, send)
+                await _write_answer(events, outcome, scope, receive, send)
                 nursery.cancel_scope.cancel()
         finally:
             if connection is not None:
+                events.close()
                 await aclose_shielded(connection)
+
+
+class _NoEvents:
+    """The events of a call without `wait`, which sends none: they end when the call does (cheaper
+    per request than a memory stream)."""
+
+    def __init__(self) -> None:
+        self.ended = trio.Event()
+
+    async def receive(self) -> bytes:
+        """Nothing, until the call ends."""
+        await self.ended.wait()
+        raise anyio.EndOfStream
 
 
 async def _write_answer(
