@@ -1,7 +1,7 @@
 """Benchmark of a relayed caller tool call for a caller over Streamable HTTP, against a direct
 call of the MCP SDK's own `MCPServer` over Streamable HTTP, with the stdio caller for reference.
 
-    python bench/bench_http.py [--calls N] [--warmup W] [--rounds R] [--new-connection] [--quick]
+    python bench/bench_http.py [--calls N] [--warmup W] [--rounds R] [--new-connection] [--answer-with-wait] [--quick]
 
 In one run, for each round (the paths' order turns each round, so drifting load hits all):
 
@@ -23,8 +23,10 @@ relayed/direct of the same era, and the server's CPU per relayed call (utime + s
 /proc), with the HTTP paths' CPU as a multiple of the stdio path's; the medians of the rounds.
 `--new-connection` makes every HTTP request of the caller and of the direct client open a new
 TCP connection (a caller behind a plain balancer); the default keeps connections alive.
-`--quick` is the smoke run CI makes: a few calls, one round; it fails on a wrong answer, never
-on a time. Not part of the test suite.
+`--answer-with-wait` makes the 2026-07-28 caller answer each request with `wait`, the turn's next
+stop (the next request in its `pending`) coming back in the same request: one request per relayed
+call instead of a `session_events` long poll and an answer. `--quick` is the smoke run CI makes:
+a few calls, one round; it fails on a wrong answer, never on a time. Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -106,6 +108,35 @@ class HttpCaller:
             if frames:
                 after = frames[-1]["seq"]
 
+    async def answer_and_wait(self, caller: Client) -> None:
+        """The loop of a model caller (`--answer-with-wait`): each answer waits for the turn's next
+        stop in the same request, whose `pending` list brings the next request; a long poll only
+        when nothing is pending (the first request, a wait that timed out)."""
+        pending: list[dict[str, Any]] = []
+        answered: set[str] = set()
+        after = 0
+        while True:
+            if not pending:
+                read = await caller.call_tool("session_events", {
+                    "instance": INSTANCE, "session_id": SESSION_ID, "types": ["caller_tool_request"],
+                    "after_seq": after, "wait_ms": POLL_MS, **self.owner})
+                frames = (read.structured_content or {}).get("frames", [])
+                self.polls += 1
+                pending = [f["payload"] for f in frames if f["payload"]["request_id"] not in answered]
+                after = frames[-1]["seq"] if frames else after
+                continue
+            event = pending.pop(0)
+            reply = await caller.call_tool("caller_tool_response", {
+                "session_id": SESSION_ID, "request_id": event["request_id"],
+                "result": {"echo": event["arguments"].get("text")}, "wait": POLL_MS / 1000, **self.owner})
+            answered.add(event["request_id"])
+            stop = reply.structured_content or {}
+            if reply.is_error or stop.get("resolved") is not True:
+                self.failures.append(" ".join(getattr(b, "text", "") for b in reply.content))
+                continue
+            self.answered += 1
+            pending = [p for p in stop.get("pending", []) if p.get("kind") == "caller_tool" and p["request_id"] not in answered]
+
     async def answer_all(self, caller: Client) -> None:
         async with trio.open_nursery() as nursery:
             async for event in self.receive:
@@ -121,7 +152,7 @@ class HttpCaller:
             self.answered += 1
 
 
-async def run_as_http_caller(url: str, token: str, era: str, new_connection: bool) -> None:
+async def run_as_http_caller(url: str, token: str, era: str, new_connection: bool, with_wait: bool = False) -> None:
     """The caller process: declare the tool, answer requests until stdin closes, print a summary."""
     caller_side = HttpCaller()
     legacy = ERAS[era] == "legacy"
@@ -135,8 +166,11 @@ async def run_as_http_caller(url: str, token: str, era: str, new_connection: boo
             raise BenchError("session_message failed: " + " ".join(getattr(b, "text", "") for b in declared.content))
         if key := (declared.structured_content or {}).get("owner_key"):
             caller_side.owner = {"owner_key": key}
-        nursery.start_soon(caller_side.answer_all, caller)
-        if not legacy:
+        if with_wait and not legacy:
+            nursery.start_soon(caller_side.answer_and_wait, caller)
+        else:
+            nursery.start_soon(caller_side.answer_all, caller)
+        if not legacy and not with_wait:
             nursery.start_soon(caller_side.poll, caller)
         print(json.dumps({"server_pid": None}), flush=True)
         while await stdin.receive_some(4096):
@@ -251,7 +285,8 @@ async def relayed_over_http(workdir: Path, era: str, args: argparse.Namespace) -
         http_token = subprocess.run([PYTHON, "-m", "oubliette_server", "http-token", "--data-dir", str(data_dir)],
                                     check=True, capture_output=True, text=True).stdout.strip()
         caller = [PYTHON, str(Path(__file__).resolve()), "--as-http-caller", url, http_token, era,
-                  *(["--new-connection"] if args.new_connection else [])]
+                  *(["--new-connection"] if args.new_connection else []),
+                  *(["--answer-with-wait"] if args.answer_with_wait else [])]
         figures = await relayed(workdir, caller, server.pid, f"relayed {era}", args, token)
         nursery.cancel_scope.cancel()
     return figures
@@ -297,7 +332,9 @@ def report(rounds: list[dict[str, PathFigures]], args: argparse.Namespace, load:
     print()
     print("Oubliette relay over HTTP benchmark")
     print(f"  {args.calls} sequential calls after {args.warmup} warm-up per path, {len(rounds)} round(s), "
-          f"{'a new TCP connection per request' if args.new_connection else 'keep-alive'}; medians of the rounds")
+          f"{'a new TCP connection per request' if args.new_connection else 'keep-alive'}; 2026-07-28 caller "
+          f"{'answers with wait' if args.answer_with_wait else 'long-polls session_events, answers without wait'}; "
+          "medians of the rounds")
     print(f"  load average (1, 5, 15 min): before {', '.join(f'{x:.2f}' for x in load[0])}; "
           f"after {', '.join(f'{x:.2f}' for x in load[1])}")
     print()
@@ -333,11 +370,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, help="rounds, the paths' order turning each round (default 2; 1 with --quick)")
     parser.add_argument("--new-connection", action="store_true", help="a new TCP connection per HTTP request")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few calls, one round")
+    parser.add_argument("--answer-with-wait", action="store_true",
+                        help="the 2026-07-28 caller answers with wait (one request per relayed call) instead of "
+                             "long-polling session_events and answering without wait")
     parser.add_argument("--as-http-caller", nargs=3, metavar=("URL", "TOKEN", "ERA"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.as_http_caller:
         url, token, era = args.as_http_caller
-        trio.run(run_as_http_caller, url, token, era, args.new_connection)
+        trio.run(run_as_http_caller, url, token, era, args.new_connection, args.answer_with_wait)
         return 0
     args.calls = args.calls or (20 if args.quick else 300)
     args.warmup = args.warmup if args.warmup is not None else (5 if args.quick else 30)

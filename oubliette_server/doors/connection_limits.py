@@ -274,13 +274,26 @@ class GuardedStream(trio.abc.HalfCloseableStream):
         self._sending = trio.Lock()
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        """Send `data`, after any send in progress, within `write_timeout`."""
-        async with self._sending:
-            try:
-                with trio.fail_after(self.write_timeout):
-                    await self.inner.send_all(data)
-            except trio.TooSlowError:
-                raise trio.BrokenResourceError(f"the client read nothing for {self.write_timeout:g} s") from None
+        """Send `data`, after any send in progress, within `write_timeout`.
+
+        Hypercorn sends three times per response (head, body, end: the end of a sized body is
+        empty), so the lock is taken without a scheduler round trip when it is free (the socket's
+        send is the checkpoint), and an empty send, which cannot block, has no deadline to arm.
+        """
+        try:
+            self._sending.acquire_nowait()
+        except trio.WouldBlock:
+            await self._sending.acquire()
+        try:
+            if not data:
+                await self.inner.send_all(data)
+                return
+            with trio.fail_after(self.write_timeout):
+                await self.inner.send_all(data)
+        except trio.TooSlowError:
+            raise trio.BrokenResourceError(f"the client read nothing for {self.write_timeout:g} s") from None
+        finally:
+            self._sending.release()
 
     async def wait_send_all_might_not_block(self) -> None:
         """As the socket's."""

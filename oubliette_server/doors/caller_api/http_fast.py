@@ -22,14 +22,21 @@ headers, the body limit, non-JSON, a malformed envelope) is the SDK's:
   {"name": ..., "arguments": {...}, "_meta": {...}}}` with no other keys, the SDK's header ladder
   (`find_duplicated_routing_header`, `classify_inbound_request`, `validate_mcp_param_headers`
   against the tool's `inputSchema`) and its surface validation of the params pass;
-- the tool is `session_events`, or `caller_tool_response` without `wait` (with `wait` the call
-  may stop for an approval, which needs the SDK's request state), and the arguments carry an
-  `owner_key` string (without one the caller is a new one that owns nothing: the SDK's).
+- the tool is `session_events`, `caller_tool_progress` or `caller_tool_response`, and the arguments
+  carry an `owner_key` string (without one the caller is a new one that owns nothing: the SDK's);
+  a `caller_tool_response` with `wait` only from a client that declares no elicitation in its
+  envelope (with elicitation a wait that stops for an approval answers `input_required`, whose
+  `requestState` the SDK's `RequestStateBoundary` seals: the SDK's).
+
+A call with `wait` runs with the context the SDK's runner makes (`ServerRunner._make_context`:
+its `ServerSession` over the SDK's single-exchange dispatch context), so the session's events
+that ride the request go out as the SDK sends them: the first one commits the answer to SSE.
 
 The answer is what the SDK would send: the tool's result shaped by the SDK's runner
 (`ServerRunner._serialize`: the version's result surface, `resultType`, the `serverInfo` stamp),
-written by the SDK's writer: JSON when the call ends within the SDK's keepalive interval, else an
-SSE stream of keepalive pings and the response event, as the SDK commits to SSE. A client that
+written by the SDK's writer: JSON when the call ends within the SDK's keepalive interval without
+an event, else an SSE stream of the events, keepalive pings and the response event, as the SDK
+commits to SSE. A client that
 goes away cancels the call, as on the SDK's path. A taken call gets the span the SDK would make
 (`fast_call_span`). `OUBLIETTE_FAST_PATH=0` leaves every request to the SDK;
 tests/server/doors/test_http_caller.py drives the same requests both ways.
@@ -47,10 +54,12 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any, Awaitable, Callable, cast
 
+import anyio
 import trio
 from mcp.server import _streamable_http_modern as sdk_http  # the SDK's own writers and keepalive interval
 from mcp.server.lowlevel.server import Server
-from mcp.server.runner import ServerRunner, modern_error_data
+from mcp.server.connection import Connection
+from mcp.server.runner import ServerRunner, _extract_meta, aclose_shielded, modern_error_data
 from mcp.server.streamable_http import check_accept_headers
 from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
 from mcp.shared.inbound import (
@@ -61,6 +70,9 @@ from mcp.shared.inbound import (
     validate_mcp_param_headers,
     x_mcp_header_map,
 )
+from mcp.shared.jsonrpc_dispatcher import progress_token_from_params
+from mcp.shared.message import ServerMessageMetadata
+from mcp.shared.transport_context import TransportContext
 from mcp_types import JSONRPCError, JSONRPCResponse
 from mcp_types import methods as sdk_methods
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
@@ -77,7 +89,9 @@ _sdk_security_log = logging.getLogger("mcp.server.transport_security")
 #: `(ctx, tool name, arguments) -> CallToolResult`: the caller's call (`call_as_caller`).
 Call = Callable[[Any, str, dict[str, Any]], Awaitable[Any]]
 
-FAST_TOOLS = frozenset({"caller_tool_response", "session_events"})
+FAST_TOOLS = frozenset({"caller_tool_response", "caller_tool_progress", "session_events"})
+#: The tool whose `wait` the fast path takes (from a client without elicitation).
+WAITING_TOOL = "caller_tool_response"
 _MODERN = frozenset(version.encode() for version in MODERN_PROTOCOL_VERSIONS)
 _PARAM_HEADER = MCP_PARAM_HEADER_PREFIX.lower()
 _SSE_PING = {"type": "http.response.body", "body": b": ping\r\n\r\n", "more_body": True}
@@ -112,7 +126,7 @@ class FastHttpCalls:
             await self.app(scope, _replay(rest, receive), send)
             return
         self.taken += 1
-        log.debug("tools/call %r taken off the SDK's path", taken[0])
+        log.debug("tools/call %r taken off the SDK's path", taken[1]["id"])
         await self._answer(scope, receive, send, *taken)
 
     def _candidate(self, scope: dict[str, Any]) -> bool:
@@ -140,8 +154,8 @@ class FastHttpCalls:
                 body = b"".join(chunks)
                 return (None if more or size > self.max_body else body), [{"type": "http.request", "body": body, "more_body": more}]
 
-    def _parse(self, scope: dict[str, Any], body: bytes) -> tuple[Any, str, dict[str, Any], dict[str, Any], str] | None:
-        """(id, tool name, arguments, `_meta`, protocol version) of a call taken here, else None."""
+    def _parse(self, scope: dict[str, Any], body: bytes) -> tuple[Request, dict[str, Any], InboundModernRoute] | None:
+        """(the request, its JSON-RPC message, the SDK's verdict on it) of a call taken here, else None."""
         request = Request(scope)
         headers = request.headers
         if not self._secure(headers):
@@ -163,12 +177,17 @@ class FastHttpCalls:
         name, arguments, meta = params.get("name"), params.get("arguments"), params.get("_meta")
         if name not in FAST_TOOLS or not isinstance(arguments, dict) or not isinstance(meta, dict):
             return None
-        if not isinstance(arguments.get("owner_key"), str) or arguments.get("wait", False) is not False:
+        if not isinstance(arguments.get("owner_key"), str):
+            return None
+        waits = arguments.get("wait", False) is not False
+        if waits and name != WAITING_TOOL:
             return None
         if find_duplicated_routing_header(headers.items()) is not None:
             return None
         verdict = classify_inbound_request(message, headers=dict(headers))
         if not isinstance(verdict, InboundModernRoute):
+            return None
+        if waits and verdict.client_capabilities.get("elicitation") is not None:
             return None
         schema = self.server.get_tool_input_schema(name) if self.server.get_tool_input_schema else None
         if schema is None or (self._declares_headers(schema) and validate_mcp_param_headers(schema, arguments, headers)):
@@ -177,7 +196,7 @@ class FastHttpCalls:
             sdk_methods.validate_client_request("tools/call", verdict.protocol_version, params)
         except (KeyError, ValidationError):
             return None
-        return message["id"], name, arguments, meta, verdict.protocol_version
+        return request, message, verdict
 
     def _declares_headers(self, schema: Any) -> bool:
         """Whether `schema` declares an `Mcp-Param-*` header (`x-mcp-header`): without one the SDK's
@@ -206,45 +225,98 @@ class FastHttpCalls:
 
     async def _answer(
         self, scope: dict[str, Any], receive: Any, send: Any,
-        request_id: Any, name: str, arguments: dict[str, Any], meta: dict[str, Any], version: str,
+        request: Request, message: dict[str, Any], verdict: InboundModernRoute,
     ) -> None:
-        """Run the call and write its answer as the SDK's SSE-mode writer does; the client leaving cancels it."""
-        ctx = SimpleNamespace(protocol_version=version, request=SimpleNamespace(state=State(scope.setdefault("state", {}))))
+        """Run the call and write its answer as the SDK's SSE-mode writer does (`handle_modern_request`):
+        JSON if it ends within the keepalive interval without an event, else SSE; the client leaving cancels it."""
+        request_id, params, version = message["id"], message["params"], verdict.protocol_version
+        name, arguments, meta = params["name"], params["arguments"], params["_meta"]
+        connection: Connection | None = None
+        events: Any
+        if arguments.get("wait", False) is not False:  # its events ride this request: the SDK's context
+            events_in, events = anyio.create_memory_object_stream[bytes](0)
+            ends: Callable[[], object] = events_in.close
+            connection = Connection.from_envelope(version, verdict.client_info, verdict.client_capabilities)
+            dctx = sdk_http._SingleExchangeDispatchContext(
+                transport=TransportContext(kind="streamable-http", can_send_request=False, headers=request.headers),
+                request_id=request_id, message_metadata=ServerMessageMetadata(request_context=request),
+                progress_token=progress_token_from_params(params), sink=events_in,
+            )
+            ctx: Any = ServerRunner(self.server, connection, None)._make_context(
+                dctx, "tools/call", params, _extract_meta(params), version)
+        else:
+            events = _NoEvents()
+            ends = events.ended.set
+            ctx = SimpleNamespace(protocol_version=version, request=SimpleNamespace(state=State(scope.setdefault("state", {}))))
         outcome: list[JSONRPCResponse | JSONRPCError] = []
-        done = trio.Event()
-        async with trio.open_nursery() as nursery:
+        try:
+            async with trio.open_nursery() as nursery:
 
-            async def run() -> None:
-                with fast_call_span(name, request_id, meta) as ended:
+                async def run() -> None:
                     try:
-                        result = self._shaper._serialize("tools/call", version, await self.call(ctx, name, arguments))
-                    except Exception as exc:  # as the SDK's exception-to-wire boundary
-                        outcome.append(JSONRPCError(jsonrpc="2.0", id=request_id, error=modern_error_data(exc)))
-                    else:
-                        ended(result)
-                        outcome.append(JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result))
-                done.set()
+                        with fast_call_span(name, request_id, meta) as ended:
+                            try:
+                                result = self._shaper._serialize("tools/call", version, await self.call(ctx, name, arguments))
+                            except Exception as exc:  # as the SDK's exception-to-wire boundary
+                                outcome.append(JSONRPCError(jsonrpc="2.0", id=request_id, error=modern_error_data(exc)))
+                            else:
+                                ended(result)
+                                outcome.append(JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result))
+                    finally:
+                        ends()
 
-            async def watch() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(run)
+                nursery.start_soon(watch)
+                await _write_answer(events, outcome, scope, receive, send)
                 nursery.cancel_scope.cancel()
+        finally:
+            if connection is not None:
+                events.close()
+                await aclose_shielded(connection)
 
-            nursery.start_soon(run)
-            nursery.start_soon(watch)
-            interval = sdk_http._SSE_PING_INTERVAL
-            with trio.move_on_after(interval):
-                await done.wait()
-            if done.is_set():
-                await sdk_http._write(outcome[0], scope, receive, send)
-            else:  # silent past the interval: SSE, with keepalives until the answer
-                await send({"type": "http.response.start", "status": 200, "headers": sdk_http._SSE_HEADERS})
-                while not done.is_set():
-                    await send(_SSE_PING)
-                    with trio.move_on_after(interval):
-                        await done.wait()
-                await send({"type": "http.response.body", "body": sdk_http._sse_event(outcome[0]), "more_body": False})
-            nursery.cancel_scope.cancel()
+
+class _NoEvents:
+    """The events of a call without `wait`, which sends none: they end when the call does (cheaper
+    per request than a memory stream)."""
+
+    def __init__(self) -> None:
+        self.ended = trio.Event()
+
+    async def receive(self) -> bytes:
+        """Nothing, until the call ends."""
+        await self.ended.wait()
+        raise anyio.EndOfStream
+
+
+async def _write_answer(
+    events: Any, outcome: list[JSONRPCResponse | JSONRPCError], scope: dict[str, Any], receive: Any, send: Any,
+) -> None:
+    """The SDK's SSE-mode writing of one answer: JSON when the call ends silent within the keepalive
+    interval, else `text/event-stream` with its events and pings, the response event last."""
+    event, done = await _next_event(events)
+    if done:
+        await sdk_http._write(outcome[0], scope, receive, send)
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": sdk_http._SSE_HEADERS})
+    while not done:
+        await send(_SSE_PING if event is None else {"type": "http.response.body", "body": event, "more_body": True})
+        event, done = await _next_event(events)
+    await send({"type": "http.response.body", "body": sdk_http._sse_event(outcome[0]), "more_body": False})
+
+
+async def _next_event(events: Any) -> tuple[bytes | None, bool]:
+    """(the call's next event or None when the keepalive interval passed first, whether the call ended)."""
+    with trio.move_on_after(sdk_http._SSE_PING_INTERVAL):
+        try:
+            return await events.receive(), False
+        except anyio.EndOfStream:
+            return None, True
+    return None, False
 
 
 def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:

@@ -411,7 +411,7 @@ class RawModernCaller:
         response = await self.http.post("/mcp", content=body, headers=sent)
         text = response.text
         if response.headers.get("content-type", "").startswith("text/event-stream"):
-            text = "".join(part for part in text.split("\r\n\r\n") if part and not part.startswith(": ping"))
+            text = "\r\n\r\n".join(part for part in text.split("\r\n\r\n") if part and not part.startswith(": ping"))
             payload: Any = [json.loads(line[len("data: "):]) for line in text.split("\r\n") if line.startswith("data: ")]
         else:
             try:
@@ -504,10 +504,40 @@ async def modern_caller_answers(deployment: Deployment, fast: bool, monkeypatch:
                     ("bad params: result and error", 15, {**owner, "request_id": ids[1], "result": 1, "error": "x"}),
                     ("bad params: unknown key", 16, {**owner, "request_id": ids[1], "result": 1, "extra": 1}),
                     ("unknown session", 17, {"session_id": "nope", "request_id": ids[1], "result": {}}),
-                    ("with wait: the SDK's", 18, {**owner, "request_id": ids[1], "result": {}, "wait": 0}),
+                    ("late, with wait", 18, {**owner, "request_id": ids[1], "result": {}, "wait": 0}),
                 ]:
                     await caller.call(label, request_id, "caller_tool_response", arguments)
-            assert [text_of(result) for result in results] == ['{"echo": "héllo ✓"}', "app_echo failed: no such thing"]
+                # The loop of a model caller: each answer waits for the turn's next stop in the same request.
+                nursery.start_soon(agent_call, "three")
+                third = (await caller.poll("poll for the third", second["seq"], 20_000))[0]
+                third_id = third["payload"]["request_id"]
+                await caller.call("progress", 19, "caller_tool_progress", {
+                    **owner, "request_id": third_id, "progress": 1, "total": 2, "message": "half"})
+                waited = trio.Event()
+                stops: list[Any] = []
+
+                async def answer_and_wait() -> None:
+                    stops.append(await caller.call("answer, wait woken by the next request", 24, "caller_tool_response", {
+                        **owner, "request_id": third_id, "result": {"echo": "three"}, "wait": 20}))
+                    waited.set()
+
+                nursery.start_soon(answer_and_wait)
+                await server.wait_waiters("box1", 1)  # the answer's wait waits before the next request exists
+                nursery.start_soon(agent_call, "four")
+                with trio.fail_after(TURN_TIMEOUT):
+                    await waited.wait()
+                assert isinstance(stops[0], list), stops  # SSE: the request's event, then the stop
+                stop = stops[0][-1]["result"]["structuredContent"]
+                assert stop["stop_reason"] == "requires_action", stop
+                fourth_id = stop["pending"][0]["request_id"]
+                await caller.call("answer, wait times out", 25, "caller_tool_response", {
+                    **owner, "request_id": fourth_id, "result": {"echo": "four"}, "wait": 0.3})
+                await caller.post("wait from a client with elicitation: the SDK's", "caller_tool_response", modern_body(
+                    26, "caller_tool_response", {**owner, "owner_key": caller.owner_key, "request_id": fourth_id,
+                                                 "result": {}, "wait": 0},
+                    {**ENVELOPE, "io.modelcontextprotocol/clientCapabilities": {"elicitation": {}}}))
+            assert sorted(text_of(result) for result in results) == sorted([
+                '{"echo": "héllo ✓"}', "app_echo failed: no such thing", '{"echo": "three"}', '{"echo": "four"}'])
             await caller.post("wrong owner_key", "caller_tool_response", modern_body(20, "caller_tool_response", {
                 "owner_key": "k" * 32, "session_id": session, "request_id": ids[0], "result": {}}))
             await caller.post("events of another owner", "session_events", modern_body(21, "session_events", {
@@ -539,6 +569,8 @@ async def modern_caller_answers(deployment: Deployment, fast: bool, monkeypatch:
             with monkeypatch.context() as patched:
                 patched.setattr(sdk_http, "_SSE_PING_INTERVAL", 0.2)
                 await caller.poll("poll answered over SSE", second["seq"], 1000)
+                await caller.call("wait answered over SSE", 40, "caller_tool_response", {
+                    "session_id": session, "request_id": ids[0], "result": {}, "wait": 1})
     return caller.answers, sum("taken off the SDK's path" in line for line in taken)
 
 
@@ -547,19 +579,23 @@ async def test_a_2026_07_28_caller_gets_the_same_answers_from_the_fast_path_and_
 ) -> None:
     """The HTTP fast path's parity test: the same raw 2026-07-28 requests to `/mcp` with
     `OUBLIETTE_FAST_PATH` off (the SDK answers every one) and on (the fast path answers the
-    well-formed `session_events` and `caller_tool_response` without `wait`) give the caller the
-    same status, headers, JSON body and body layout for each (ids, seq and times masked): long
-    polls woken, timed out and answered over SSE, answers ok, error, late, unknown, bad params,
-    another owner's key, and every refusal of the transport (headers, size, body)."""
+    well-formed `session_events`, `caller_tool_progress` and `caller_tool_response`, with `wait`
+    too) give the caller the same status, headers, JSON body and body layout for each (ids, seq
+    and times masked): long polls woken, timed out and answered over SSE, answers ok, error, late,
+    unknown, bad params, another owner's key, a progress report, answers with `wait` woken by the
+    next request (its event first, over SSE), timed out and answered over SSE after the keepalive,
+    and every refusal of the transport (headers, size, body)."""
     off, off_taken = await modern_caller_answers(deployment, False, monkeypatch)
     on, on_taken = await modern_caller_answers(deployment, True, monkeypatch)
     assert [label for label, _ in on] == [label for label, _ in off]
     differing = [(label, a, b) for (label, a), (_, b) in zip(on, off) if a != b]
     assert not differing, json.dumps([d[0] for d in differing]) + json.dumps(differing, indent=1, ensure_ascii=False)
     assert off_taken == 0
-    # the four polls, the eight answers without wait, the four calls after the agent, and the
-    # well-formed call with an `Mcp-Param-*` header its tool does not declare (which the SDK ignores too)
-    assert on_taken == 4 + 8 + 4 + 1, on_taken
+    # the five polls, the nine answers (a late one with wait), the progress report, the three answers
+    # with wait (woken, timed out, over SSE; not the one from a client with elicitation), the four
+    # calls after the agent, and the well-formed call with an `Mcp-Param-*` header its tool does not
+    # declare (which the SDK ignores too)
+    assert on_taken == 5 + 9 + 1 + 3 + 4 + 1, on_taken
 
 
 async def test_the_sdk_clients_2026_07_28_long_polls_and_answers_take_the_fast_path(deployment: Deployment) -> None:
