@@ -198,29 +198,38 @@ async def _execute(pg: pq.abc.PGconn, sql: bytes, params: Sequence[bytes | None]
     committed (`_Refused`); anything else — the connection lost after the rows, or before any
     answer — is unknown (`psycopg.OperationalError`, reported as the store being unavailable).
     """
-    pg.send_query_params(sql, params)
-    while pg.flush():
-        await trio.lowlevel.wait_writable(pg.socket)
-    outcome = _Outcome()
-    while True:
-        try:
-            pg.consume_input()
-        except psycopg.OperationalError:
-            outcome.take_buffered(pg)  # the results that came before the connection ended
-            outcome.raise_lost(pg)
-        if pg.is_busy():
-            await trio.lowlevel.wait_readable(pg.socket)
-            continue
-        result = pg.get_result()
-        if result is None:
-            if outcome.refused is not None:
-                if outcome.answered:  # an error after the rows: at the commit, so unknown
-                    outcome.raise_lost(pg)
-                raise outcome.refused
-            if pg.status == pq.ConnStatus.OK and outcome.answered:
-                return outcome.rows
-            outcome.raise_lost(pg)
-        outcome.take(result)
+    waited = False
+    try:
+        pg.send_query_params(sql, params)
+        while pg.flush():
+            await trio.lowlevel.wait_writable(pg.socket)
+            waited = True
+        outcome = _Outcome()
+        while True:
+            try:
+                pg.consume_input()
+            except psycopg.OperationalError:
+                outcome.take_buffered(pg)  # the results that came before the connection ended
+                outcome.raise_lost(pg)
+            if pg.is_busy():
+                await trio.lowlevel.wait_readable(pg.socket)
+                waited = True
+                continue
+            result = pg.get_result()
+            if result is None:
+                if outcome.refused is not None:
+                    if outcome.answered:  # an error after the rows: at the commit, so unknown
+                        outcome.raise_lost(pg)
+                    raise outcome.refused
+                if pg.status == pq.ConnStatus.OK and outcome.answered:
+                    return outcome.rows
+                outcome.raise_lost(pg)
+            outcome.take(result)
+    finally:
+        if not waited:
+            # The answer was there before the first read (this process was descheduled after
+            # the send, as on a loaded machine): a Trio function still schedules once.
+            await trio.lowlevel.checkpoint()  # (its callers shield it: the outcome is never lost to a cancel)
 
 
 class _Outcome:
