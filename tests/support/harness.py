@@ -347,10 +347,14 @@ class HandMcp:
         self._buffer = b""
         self.received: list[dict[str, Any]] = []
         """Every message received so far, in order."""
+        self._unclaimed: list[dict[str, Any]] = []  # responses read but not yet returned by `response`
 
     async def send(self, message: dict[str, Any] | str) -> None:
         """Send a message, or a line as it is (malformed ones included)."""
         assert self.process.stdin is not None
+        if isinstance(message, dict) and "id" in message and "method" in message:
+            # A new request with this id: a response to an earlier one of the same id is not its.
+            self._unclaimed = [old for old in self._unclaimed if old.get("id") != message["id"]]
         line = message if isinstance(message, str) else json.dumps(message) + "\n"
         await self.process.stdin.send_all(line.encode())
 
@@ -361,15 +365,21 @@ class HandMcp:
             assert chunk, "the server process closed its stdout"
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
-        self.received.append(json.loads(line))
-        return self.received[-1]
+        message = json.loads(line)
+        self.received.append(message)
+        if isinstance(message, dict) and "id" in message and "method" not in message:
+            self._unclaimed.append(message)
+        return message
 
     async def response(self, request_id: Any) -> dict[str, Any]:
-        """The response to `request_id` (notifications and other messages before it are skipped)."""
+        """The response to `request_id`, read now or while waiting for another: several requests in
+        flight are answered in any order (notifications and other messages are skipped)."""
         while True:
-            message = await self.receive()
-            if message.get("id") == request_id and "method" not in message:
-                return message
+            for index, message in enumerate(self._unclaimed):
+                if message.get("id") == request_id:
+                    del self._unclaimed[index]
+                    return message
+            await self.receive()
 
 
 class HttpServer:
