@@ -652,16 +652,25 @@ async def never_say_hello(deployment: Deployment, closed: Progress) -> None:
         closed.advance()
 
 
-async def hello_outcome(deployment: Deployment, timeout: float, instance: str = "box1") -> str:
+async def hello_outcome(
+    deployment: Deployment, timeout: float, instance: str = "box1", *, again_if_dropped: bool = False,
+) -> str:
     """"ok" when a sandbox's hello with a valid token is answered with a result within `timeout`
-    seconds of starting to connect; else what happened instead."""
+    seconds of starting to connect; else what happened instead.
+
+    `again_if_dropped`: a connection the server closed before answering (evicted at the relay's
+    cap by newer connections before its hello was read) connects again, as a sandbox's client
+    does (its `RelayLink` reconnects), within the same `timeout`."""
     with trio.move_on_after(timeout):
-        try:
-            async with RawRelay.connect(deployment) as relay:
-                answer = await relay.hello(instance, deployment.token(instance))
-        except (OSError, trio.BrokenResourceError, trio.TooSlowError, AssertionError) as exc:
-            return f"failed: {exc or type(exc).__name__}"
-        return "ok" if "result" in answer else f"refused: {answer.get('error')}"
+        while True:
+            try:
+                async with RawRelay.connect(deployment) as relay:
+                    answer = await relay.hello(instance, deployment.token(instance))
+            except (OSError, trio.BrokenResourceError, trio.TooSlowError, AssertionError) as exc:
+                if again_if_dropped and isinstance(exc, (OSError, trio.BrokenResourceError)):
+                    continue
+                return f"failed: {exc or type(exc).__name__}"
+            return "ok" if "result" in answer else f"refused: {answer.get('error')}"
     return f"no answer within {timeout:g} s"
 
 
@@ -680,13 +689,15 @@ async def health_outcome(server: HttpServer, timeout: float) -> str:
     return f"no answer within {timeout:g} s"
 
 
-async def hello_and_health(deployment: Deployment, server: HttpServer, timeout: float) -> tuple[str, str]:
+async def hello_and_health(
+    deployment: Deployment, server: HttpServer, timeout: float, *, again_if_dropped: bool = False,
+) -> tuple[str, str]:
     """`hello_outcome` and `health_outcome`, at the same time."""
     outcomes: dict[str, str] = {}
     async with trio.open_nursery() as nursery:
 
         async def hello() -> None:
-            outcomes["hello"] = await hello_outcome(deployment, timeout)
+            outcomes["hello"] = await hello_outcome(deployment, timeout, again_if_dropped=again_if_dropped)
 
         async def health() -> None:
             outcomes["health"] = await health_outcome(server, timeout)
