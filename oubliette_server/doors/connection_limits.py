@@ -28,6 +28,7 @@ import errno
 import logging
 import resource
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import trio
@@ -59,6 +60,16 @@ DEFAULT_HTTP_KEEP_ALIVE_MAX_REQUESTS = 1000
 #: Seconds one write to an HTTP client may take: a client that reads nothing for this long is
 #: disconnected (an SSE stream's keepalive is written every 15 s, so a live one never is).
 HTTP_WRITE_SECONDS = 30.0
+HOLD_NEXT_SEND_STATE = "oubliette_hold_next_send"
+"""Key of the connection's `GuardedStream.hold_next_send` in each HTTP request's scope state."""
+
+
+def hold_next_send(scope: dict[str, Any]) -> None:
+    """Have the request's connection send the next write's bytes with the one after it
+    (`GuardedStream.hold_next_send`); nothing on a connection that has no `GuardedStream`."""
+    hold = scope.get("state", {}).get(HOLD_NEXT_SEND_STATE)
+    if hold is not None:
+        hold()
 
 
 def fd_limit() -> int:
@@ -272,14 +283,29 @@ class GuardedStream(trio.abc.HalfCloseableStream):
         """The socket, which `TCPServer` asks for the addresses."""
         self.write_timeout = write_timeout
         self._sending = trio.Lock()
+        self._hold = False
+        self._held = b""
+
+    def hold_next_send(self) -> None:
+        """Keep the next send's bytes until the send after it, which carries both: for a writer
+        whose next two sends follow each other at once (a response's head and its body, the last
+        chunk and the end of a chunked body), so they cost one system call and one packet."""
+        self._hold = True
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        """Send `data`, after any send in progress, within `write_timeout`.
+        """Send `data` (after bytes held for it), after any send in progress, within `write_timeout`.
 
         Hypercorn sends three times per response (head, body, end: the end of a sized body is
         empty), so the lock is taken without a scheduler round trip when it is free (the socket's
         send is the checkpoint), and an empty send, which cannot block, has no deadline to arm.
+        A send after `hold_next_send` only keeps its bytes (no checkpoint: it cannot block).
         """
+        if self._hold and data:
+            self._hold = False
+            self._held += data
+            return
+        if self._held:
+            data, self._held = self._held + data, b""
         try:
             self._sending.acquire_nowait()
         except trio.WouldBlock:
@@ -300,7 +326,10 @@ class GuardedStream(trio.abc.HalfCloseableStream):
         await self.inner.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
-        """Half-close, once the send in progress has ended."""
+        """Half-close, once the send in progress (and any bytes held) has ended."""
+        self._hold = False
+        if self._held:
+            await self.send_all(b"")
         async with self._sending:
             await self.inner.send_eof()
 

@@ -61,6 +61,7 @@ from .caller_api.http_fast import FastHttpCalls
 from .caller_api.mcp_server import call_as_caller
 from .caller_api.schemas import OWNER_KEY_PATTERN
 from .connection_limits import (
+    HOLD_NEXT_SEND_STATE,
     HTTP_WRITE_SECONDS,
     ConnectionAcceptor,
     FloodLog,
@@ -1078,7 +1079,8 @@ class HttpApi:
             async def connection(stream: trio.abc.Stream) -> None:
                 assert isinstance(stream, trio.SocketStream)
                 guarded = GuardedStream(stream, HTTP_WRITE_SECONDS)
-                await TCPServer(app, config, context, ConnectionState(lifespan_state.copy()), guarded).run()  # type: ignore[arg-type]
+                state = ConnectionState({**lifespan_state, HOLD_NEXT_SEND_STATE: guarded.hold_next_send})
+                await TCPServer(app, config, context, state, guarded).run()  # type: ignore[arg-type]
 
             acceptor = ConnectionAcceptor(flood, log, cap=self.limits.connection_cap, refuse=_refuse_busy)
             async with trio.open_nursery() as nursery:

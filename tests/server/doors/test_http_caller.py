@@ -610,3 +610,54 @@ async def test_the_sdk_clients_2026_07_28_long_polls_and_answers_take_the_fast_p
             answer = await respond(caller, "s1", "ctr-0000", result={}, **owner)
             assert "is not pending" in text_of(answer) or "unknown" in text_of(answer), text_of(answer)
     assert sum("taken off the SDK's path" in line for line in taken) == 2, taken
+
+
+async def test_the_fast_path_sends_an_answers_head_with_its_body_and_its_last_event_with_the_end(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fast path's answers reach the socket in fewer writes, the same bytes: a JSON answer in one
+    (the head with the body, not two), an SSE one with its head and first ping in one and its response
+    event with the end of the chunked body in one (each write a system call and a packet)."""
+    from mcp.server import _streamable_http_modern as sdk_http
+
+    from oubliette_server.doors import connection_limits
+
+    writes: list[bytes] = []
+    guarded_init = connection_limits.GuardedStream.__init__
+
+    class RecordedSocket:
+        """The socket stream under a connection's `GuardedStream`, recording each write."""
+
+        def __init__(self, inner: trio.SocketStream) -> None:
+            self.inner = inner
+            self.socket = inner.socket
+
+        async def send_all(self, data: bytes) -> None:
+            if data:
+                writes.append(bytes(data))
+            await self.inner.send_all(data)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    def recorded(guarded: Any, inner: trio.SocketStream, write_timeout: float) -> None:
+        guarded_init(guarded, RecordedSocket(inner), write_timeout)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(connection_limits.GuardedStream, "__init__", recorded)
+    monkeypatch.setattr(sdk_http, "_SSE_PING_INTERVAL", 0.2)
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.rest() as http:
+            caller = RawModernCaller(http, "s1")
+            declared = await caller.call("declare", 1, "session_message", {
+                "instance": "box1", "session_id": "s1", "message": "hi", "context": {"caller_id": "app", "caller_tools": [ECHO]}})
+            after = declared["structuredContent"]["ingress_seq"]
+            writes.clear()
+            await caller.call("read at once", 2, "session_events", {"session_id": "s1"})
+            json_writes = writes[:]
+            writes.clear()
+            assert await caller.poll("poll answered over SSE", after, 1000) == []
+            sse_writes = writes[:]
+    assert sum("taken off the SDK's path" in line for line in taken) == 2, taken
+    assert len(json_writes) == 1 and json_writes[0].startswith(b"HTTP/1.1 200 ") and json_writes[0].endswith(b"}"), json_writes
+    assert sse_writes[0].startswith(b"HTTP/1.1 200 ") and sse_writes[0].endswith(b": ping\r\n\r\n\r\n"), sse_writes
+    assert b'"result"' in sse_writes[-1] and sse_writes[-1].endswith(b"\r\n\r\n\r\n0\r\n\r\n"), sse_writes

@@ -222,3 +222,46 @@ async def test_a_guarded_stream_writes_one_at_a_time_within_its_deadline() -> No
             await guarded.send_all(big)  # nobody reads `theirs`
     theirs.close()
     await guarded.aclose()
+
+
+class _RecordedWrites:
+    """A socket stream that records each write that reaches the socket (an empty one makes no system call)."""
+
+    socket = None
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.ended = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """Record `data` as one write, if there is any."""
+        await trio.lowlevel.checkpoint()
+        if data:
+            self.writes.append(bytes(data))
+
+    async def send_eof(self) -> None:
+        """Record the half-close."""
+        self.ended = True
+
+
+async def test_a_guarded_stream_sends_a_held_write_with_the_next_one() -> None:
+    """`hold_next_send` keeps the next write's bytes until the one after it, which carries both:
+    a response's head and body (or the last chunk and the end) are one system call, not two. An
+    empty send (the end of a sized body) or `send_eof` sends what is held; the hold is for one write."""
+    inner = _RecordedWrites()
+    guarded = GuardedStream(inner, write_timeout=0.5)  # type: ignore[arg-type]
+    guarded.hold_next_send()
+    await guarded.send_all(b"head ")
+    assert inner.writes == []
+    await guarded.send_all(b"body")
+    await guarded.send_all(b"next")
+    assert inner.writes == [b"head body", b"next"]
+    guarded.hold_next_send()
+    await guarded.send_all(b"")  # nothing to hold: the hold waits for bytes
+    await guarded.send_all(memoryview(b"last chunk"))
+    await guarded.send_all(b"")
+    assert inner.writes[2:] == [b"last chunk"]
+    guarded.hold_next_send()
+    await guarded.send_all(b"cut short")
+    await guarded.send_eof()
+    assert inner.writes[3:] == [b"cut short"] and inner.ended
