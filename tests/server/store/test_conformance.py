@@ -438,7 +438,7 @@ class CountedReads:
     def after(self, n: int) -> trio.Event:
         return self._after.setdefault(n, trio.Event())
 
-    def appended(self, instance: str, first: int | None, last: int | None) -> None:
+    def appended(self, instance: str, first: int | None, last: int | None, fields: Any = None) -> None:
         self.heard.set()
 
     def missed(self) -> None:
@@ -469,14 +469,24 @@ async def test_a_waiter_reads_nothing_for_this_servers_appends_it_does_not_match
         assert got == [([mine], False)] and reads.count == 2
 
 
-async def test_waiters_learn_another_servers_append_by_one_read_and_only_the_matching_one_reads(pg_url: str) -> None:
+async def test_waiters_learn_another_servers_append_from_its_notice_and_only_the_matching_one_reads(pg_url: str) -> None:
     """Two long polls of one instance on one server, woken by another server's append of a third
-    session (its NOTIFY names no session): one read of the new frame's fields serves both, and
-    neither reads the log; an append of one's session is read by that one alone."""
+    session: its NOTIFY names the frame's session, so neither reads the log, nor reads its fields;
+    an append of one's session is read by that one alone."""
     backend = Backend("postgres", pg_url)
     async with backend.open() as here, backend.open() as there:
         assert isinstance(here, PostgresFrameStore)
         reads = CountedReads(here)
+        statements = here._statements
+        assert statements is not None
+        sent: list[bytes] = []
+        real_rows = statements.rows
+
+        async def counted_rows(sql: bytes, *args: Any, **kwargs: Any) -> Any:
+            sent.append(sql)
+            return await real_rows(sql, *args, **kwargs)
+
+        statements.rows = counted_rows  # type: ignore[method-assign]
         got: list[Any] = []
         x_answered = trio.Event()
 
@@ -489,10 +499,12 @@ async def test_waiters_learn_another_servers_append_by_one_read_and_only_the_mat
                 nursery.start_soon(wait_for, "y")
                 nursery.start_soon(wait_for, "x")
                 await reads.after(2).wait()
+                before = len(sent)
                 await add(there, session_id="other")
                 await reads.heard.wait()
                 await trio.testing.wait_all_tasks_blocked()
                 assert reads.count == 2, "no waiter reads the log for another server's frame of another session"
+                assert sent[before:] == [], "nor its fields: the notice named them"
                 mine = await add(there, session_id="x")
                 await x_answered.wait()
                 nursery.cancel_scope.cancel()
