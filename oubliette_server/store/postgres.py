@@ -1111,16 +1111,18 @@ class PostgresFrameStore(FrameAppends):
         return last, frames
 
     async def query(self, instance: str, q: FrameQuery) -> list[Frame]:
-        """Frames of `instance` matching `q`, by seq ascending, at most `q.limit`.
+        """Frames of `instance` matching `q`, by seq ascending, at most `q.limit`: one statement on
+        the Trio loop (`_read_on_loop`), as a long poll's read (a server that takes an answer to
+        another server's request reads the session's requests first: it was a pooled transaction).
 
         Raises `CursorPruned` if `q.after_seq` is below the retained log."""
         if not isinstance(q, FrameQuery):
             raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
-        return (await self._run(self._read, instance, q, read_only=True))[1]
+        return (await self._read_on_loop(instance, q, None))[1]
 
     async def frames_after(self, instance: str, after_seq: int, limit: int) -> list[Frame]:
         """The frames of `instance` after `after_seq` (at most `limit`), as `query` without filters,
-        sent on the Trio loop (no worker thread: about half the time of `query` on a small
+        sent on the Trio loop (no worker thread: about half the time of a pooled read on a small
         machine): the read the log tail makes for each wake, on the path of every cross-server push.
 
         Raises `CursorPruned` as `query` does, `StoreUnavailable` when the database cannot answer."""

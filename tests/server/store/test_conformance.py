@@ -469,6 +469,25 @@ async def test_a_waiter_reads_nothing_for_this_servers_appends_it_does_not_match
         assert got == [([mine], False)] and reads.count == 2
 
 
+async def test_a_query_is_one_statement_on_the_loop_not_a_pooled_transaction(pg_url: str) -> None:
+    """`query` (a server reading the requests of a session another server's agent made, before it
+    takes an answer) is sent on the Trio loop like a long poll's read: no worker thread, no pooled
+    transaction (BEGIN, the query, COMMIT after the pool's check)."""
+    async with Backend("postgres", pg_url).open() as s:
+        assert isinstance(s, PostgresFrameStore)
+        frame = await add(s)
+        pooled: list[Any] = []
+        real_run = s._run
+
+        async def counted_run(work: Any, *args: Any, **kwargs: Any) -> Any:
+            pooled.append(work)
+            return await real_run(work, *args, **kwargs)
+
+        s._run = counted_run  # type: ignore[method-assign]
+        assert await s.query("box1", FrameQuery(session_id=frame.session_id, types=(frame.type,))) == [frame]
+        assert pooled == []
+
+
 async def test_waiters_learn_another_servers_append_from_its_notice_and_only_the_matching_one_reads(pg_url: str) -> None:
     """Two long polls of one instance on one server, woken by another server's append of a third
     session: its NOTIFY names the frame's session, so neither reads the log, nor reads its fields;
