@@ -77,8 +77,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
 import attrs
@@ -552,6 +552,8 @@ class PostgresFrameStore(FrameAppends):
         this server's appends, and every notice's (`read_notice`)."""
         self._appending: dict[str, int] = {}
         """How many single appends of each instance this store has in flight (`_one_frame`)."""
+        self._queries: dict[str, dict[object, FrameQuery]] = {}
+        """The query of each long poll waiting on an instance here (`wait_for_frames`), by waiter."""
 
     def hear_appends(self, hook: AppendNoticeHook) -> None:
         """Tell `hook` of every append committed by any server (its notification) and, on each
@@ -751,14 +753,18 @@ class PostgresFrameStore(FrameAppends):
                     conn.close()
 
     def _on_notice(self, payload: str) -> None:
-        """One notice: the waiters of its instance learn the frames' fields from it (no read for a
-        frame they cannot match) and wake; the hooks hear it."""
+        """One notice: the waiters of its instance learn the frames' fields from it, and wake only if
+        one of them may match a frame (each append wakes every server's listener: a wake of every
+        waiter of the instance on each would be work for nothing); the hooks hear it."""
         instance, first, last, fields = read_notice(payload)
         if first is not None and fields is not None:
             self._note_fields(instance, [(first + i, *frame) for i, frame in enumerate(fields)])
+            queries = self._queries.get(instance, {}).values()
+            if any(_may_match(q, *frame) for q in queries for frame in fields):
+                self._wake_instance(instance)
         else:
             self._heard_commit(instance, last)
-        self._wake_instance(instance)
+            self._wake_instance(instance)
         for hook in self._notice_hooks:
             hook.appended(instance, first, last, fields)
 
@@ -1162,7 +1168,7 @@ class PostgresFrameStore(FrameAppends):
         # (A lost listener alone is no outage: it wakes every waiter, which re-query and, if the
         # database answers, wait on until it is back, as before.)
         acquire = min(self.connect_timeout, FAIL_FAST_SECONDS) if timeout > 0 else None
-        with self._waiting(instance):
+        with self._waiting(instance), self._asking(instance, q):
             while True:
                 # Take the event before querying: an append that commits during the query
                 # sets it, and the wait below returns at once.
@@ -1191,6 +1197,20 @@ class PostgresFrameStore(FrameAppends):
                     q = attrs.evolve(q, after_seq=max(q.after_seq, seen))
                     event = self._wake_event(instance)
                     timed_out = await self._woken_by(event, deadline)
+
+    @contextmanager
+    def _asking(self, instance: str, q: FrameQuery) -> Iterator[None]:
+        """While a long poll waits, its query (its filters: not its `after_seq`) tells a notice
+        whether to wake the instance's waiters here (`_on_notice`)."""
+        waiter = object()
+        queries = self._queries.setdefault(instance, {})
+        queries[waiter] = q
+        try:
+            yield
+        finally:
+            del queries[waiter]
+            if not queries and self._queries.get(instance) is queries:
+                del self._queries[instance]
 
     def _skip_known(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> int | None:
         """The seq up to which a waiter that read up to `seen` knows, without reading, that no

@@ -489,9 +489,9 @@ async def test_a_query_is_one_statement_on_the_loop_not_a_pooled_transaction(pg_
 
 
 async def test_waiters_learn_another_servers_append_from_its_notice_and_only_the_matching_one_reads(pg_url: str) -> None:
-    """Two long polls of one instance on one server, woken by another server's append of a third
-    session: its NOTIFY names the frame's session, so neither reads the log, nor reads its fields;
-    an append of one's session is read by that one alone."""
+    """Two long polls of one instance on one server, and another server's append of a third
+    session: its NOTIFY names the frame's session, so neither wakes, nor reads the log or its
+    fields; an append of one's session is read by that one alone."""
     backend = Backend("postgres", pg_url)
     async with backend.open() as here, backend.open() as there:
         assert isinstance(here, PostgresFrameStore)
@@ -506,6 +506,14 @@ async def test_waiters_learn_another_servers_append_from_its_notice_and_only_the
             return await real_rows(sql, *args, **kwargs)
 
         statements.rows = counted_rows  # type: ignore[method-assign]
+        woken: list[int] = []
+        real_skip = here._skip_known
+
+        def counted_skip(*args: Any, **kwargs: Any) -> Any:
+            woken.append(1)
+            return real_skip(*args, **kwargs)
+
+        here._skip_known = counted_skip  # type: ignore[method-assign]
         got: list[Any] = []
         x_answered = trio.Event()
 
@@ -524,6 +532,7 @@ async def test_waiters_learn_another_servers_append_from_its_notice_and_only_the
                 await trio.testing.wait_all_tasks_blocked()
                 assert reads.count == 2, "no waiter reads the log for another server's frame of another session"
                 assert sent[before:] == [], "nor its fields: the notice named them"
+                assert woken == [], "nor wakes: the notice matches no query waiting here"
                 mine = await add(there, session_id="x")
                 await x_answered.wait()
                 nursery.cancel_scope.cancel()
