@@ -40,7 +40,7 @@ import trio
 
 from ...core.frame_log import push_frame
 from ...core.server_owned import PUSHED_TO_NOBODY
-from ...core.sessions import SessionRegistry
+from ...core.sessions import SessionRegistry, delivers
 from ...store.api import (
     MAX_LIMIT, OUTAGE_RETRY, OUTAGE_RETRY_MAX, AppendNotices, CursorPruned, FrameFields, StoreUnavailable,
 )
@@ -113,12 +113,13 @@ class LogTail:
         self._wake.set()
 
     def _wanted(self, instance: str, fields: list[FrameFields]) -> bool:
-        """Some frame of these may be pushed here: of a session held here that someone follows, and
-        of a type pushed to anyone."""
+        """Some frame of these may be pushed here: of a session held here that someone follows (a
+        sink that `delivers`: a 2026-07-28 caller's own connection does not), and of a type pushed
+        to anyone."""
         for channel, session_id, type, _ in fields:
             if type not in PUSHED_TO_NOBODY:
                 session = self.sessions.get(instance, channel, session_id)
-                if session is not None and session.sinks:
+                if session is not None and any(delivers(sink) for sink in session.sinks):
                     return True
         return False
 

@@ -150,6 +150,27 @@ async def test_a_notice_naming_only_frames_nobody_here_follows_is_passed_without
     assert seqs(sink) == [first.seq, delta.seq] and server.log.reads == reads + 1
 
 
+class Undelivering(RecordingSink):
+    """A follower events pushed to cannot reach (as a 2026-07-28 caller's own connection)."""
+
+    delivers = False
+
+
+async def test_frames_of_a_session_whose_followers_cannot_be_reached_are_not_read(server: Server) -> None:
+    """A session followed only by sinks that deliver nothing (a 2026-07-28 caller that declared its
+    tools here: its events ride its requests) costs no read of another server's frames."""
+    server.log.name_fields = True
+    session, sink = server.followed()
+    first = await server.log.elsewhere(session, "assistant.delta", {"text": "a"})
+    await trio.testing.wait_all_tasks_blocked()
+    reads = server.log.reads
+    silent = server.sessions.get_or_create(INSTANCE, "mcp", "s2")
+    server.sessions.follow(silent, Undelivering())
+    await server.log.elsewhere(silent, "caller_tool_request", {"request_id": "r1"})
+    await trio.testing.wait_all_tasks_blocked()
+    assert server.log.reads == reads and seqs(sink) == [first.seq]
+
+
 async def test_this_servers_own_append_read_before_it_returned_is_not_pushed_again(server: Server) -> None:
     session, sink = server.followed()
     await server.log.elsewhere(session, "assistant.delta", {"text": "a"})  # the tail reads from here on
