@@ -108,6 +108,9 @@ class LogTail:
             self._cursor.move_to_end(instance)
         if first is None or fields is None or self._wanted(instance, fields):
             self._needed[instance] = UNKNOWN_SEQS if first is None else max(self._needed.get(instance, 0), last)
+        elif cursor == first - 1 and instance not in self._dirty:
+            self._advance(instance, last)  # nothing before it to read, nothing in it: no wake of the task
+            return
         noticed, since = self._dirty.get(instance, (last, trio.current_time()))
         self._dirty[instance] = (max(noticed, last), since)
         self._wake.set()

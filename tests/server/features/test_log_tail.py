@@ -140,11 +140,20 @@ async def test_a_notice_naming_only_frames_nobody_here_follows_is_passed_without
     await trio.testing.wait_all_tasks_blocked()
     reads = server.log.reads
     assert seqs(sink) == [first.seq] and reads == 1
+    woken: list[str] = []
+    real_read = server.tail._read
+
+    async def counted_read(instance: str, *args: Any, **kwargs: Any) -> None:
+        woken.append(instance)
+        await real_read(instance, *args, **kwargs)
+
+    server.tail._read = counted_read  # type: ignore[method-assign]
     for _ in range(3):
         await server.log.elsewhere(nobody, "assistant.delta", {"text": "x"})
     await server.log.elsewhere(session, SESSION_RECORD, {"owner": "o"})
     await trio.testing.wait_all_tasks_blocked()
     assert server.log.reads == reads, "no read for frames nobody here follows"
+    assert woken == [], "nor a turn of the tail's task: the notice moved its cursor"
     delta = await server.log.elsewhere(session, "assistant.delta", {"text": "b"})
     await trio.testing.wait_all_tasks_blocked()
     assert seqs(sink) == [first.seq, delta.seq] and server.log.reads == reads + 1
