@@ -28,9 +28,11 @@ Wake-ups
     Each append sends `NOTIFY oubliette_frames, '<instance>\t<first seq>\t<last seq>\t<fields>'`
     (`notice_payload`: the fields each frame is filtered on, bounded) inside its transaction
     (delivered at commit, in commit order).  Each store object keeps one dedicated LISTEN
-    connection, driven on the Trio thread without a worker: `trio.lowlevel.wait_readable(pgconn.socket)`, then `consume_input()` and drain `notifies()`.
-    A notification only wakes the instance's waiters, which re-run their own query, and tells
-    the hooks given to `hear_appends` (the server's log tail) which seqs were committed; NOTIFY
+    connection, driven on the Trio thread without a worker:
+    `trio.lowlevel.wait_readable(pgconn.socket)`, then `consume_input()` and drain `notifies()`.
+    A notification only wakes the instance's waiters (when one's query may match a frame it
+    names), which re-run their own query, and tells the hooks given to `hear_appends` (the
+    server's log tail) which seqs, and which frames' fields, were committed; NOTIFY
     is a hint, not a log.  While the listener is disconnected notifications are lost, so on
     every reconnect (and on every failure) all waiters are woken to re-query by `after_seq`,
     and on every reconnect the hooks hear `missed()`.  Appends made through this store object

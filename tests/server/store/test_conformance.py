@@ -469,6 +469,20 @@ async def test_a_waiter_reads_nothing_for_this_servers_appends_it_does_not_match
         assert got == [([mine], False)] and reads.count == 2
 
 
+def recorded_calls(owner: Any, name: str) -> list[Any]:
+    """Wrap the method `name` of `owner` (async or not: the wrapper returns what it returns) so that
+    each call's first argument is recorded in the list returned."""
+    calls: list[Any] = []
+    real = getattr(owner, name)
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[0] if args else None)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, recorded)
+    return calls
+
+
 async def test_a_query_is_one_statement_on_the_loop_not_a_pooled_transaction(pg_url: str) -> None:
     """`query` (a server reading the requests of a session another server's agent made, before it
     takes an answer) is sent on the Trio loop like a long poll's read: no worker thread, no pooled
@@ -476,14 +490,7 @@ async def test_a_query_is_one_statement_on_the_loop_not_a_pooled_transaction(pg_
     async with Backend("postgres", pg_url).open() as s:
         assert isinstance(s, PostgresFrameStore)
         frame = await add(s)
-        pooled: list[Any] = []
-        real_run = s._run
-
-        async def counted_run(work: Any, *args: Any, **kwargs: Any) -> Any:
-            pooled.append(work)
-            return await real_run(work, *args, **kwargs)
-
-        s._run = counted_run  # type: ignore[method-assign]
+        pooled = recorded_calls(s, "_run")
         assert await s.query("box1", FrameQuery(session_id=frame.session_id, types=(frame.type,))) == [frame]
         assert pooled == []
 
@@ -496,24 +503,8 @@ async def test_waiters_learn_another_servers_append_from_its_notice_and_only_the
     async with backend.open() as here, backend.open() as there:
         assert isinstance(here, PostgresFrameStore)
         reads = CountedReads(here)
-        statements = here._statements
-        assert statements is not None
-        sent: list[bytes] = []
-        real_rows = statements.rows
-
-        async def counted_rows(sql: bytes, *args: Any, **kwargs: Any) -> Any:
-            sent.append(sql)
-            return await real_rows(sql, *args, **kwargs)
-
-        statements.rows = counted_rows  # type: ignore[method-assign]
-        woken: list[int] = []
-        real_skip = here._skip_known
-
-        def counted_skip(*args: Any, **kwargs: Any) -> Any:
-            woken.append(1)
-            return real_skip(*args, **kwargs)
-
-        here._skip_known = counted_skip  # type: ignore[method-assign]
+        sent = recorded_calls(here._statements, "rows")
+        woken = recorded_calls(here, "_skip_known")
         got: list[Any] = []
         x_answered = trio.Event()
 
