@@ -91,6 +91,13 @@ class CallerConnection:
     def __repr__(self) -> str:
         return f"<CallerConnection {self.id} {self.transport} {self.label}>"
 
+    @property
+    def delivers(self) -> bool:
+        """Whether an event pushed here can reach the caller (`sessions.delivers`): not a 2026-07-28
+        caller's (`owner_key`), which has no notification channel (its events ride its requests, each
+        with a follower of its own), so its sender drops every one."""
+        return self.mcp_session is not None or self.owner_key is None
+
     def set_log_level(self, level: str) -> None:
         """The caller's `logging/setLevel`: events (sent at `EVENT_LEVEL`) go to it only while
         `level` is at or below that level."""

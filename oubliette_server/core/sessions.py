@@ -39,6 +39,12 @@ class EventSink(Protocol):
         """Take one event without waiting (drop it rather than block)."""
 
 
+def delivers(sink: EventSink) -> bool:
+    """Whether an event pushed to `sink` can reach anyone: a sink may say it cannot (a `delivers`
+    that is False), so that nobody reads the log for it (the log tail)."""
+    return bool(getattr(sink, "delivers", True))
+
+
 def new_session_id() -> str:
     """A session id nobody can guess (128 random bits): knowing it is no credential, but it hides the session."""
     return "s-" + secrets.token_hex(16)

@@ -838,11 +838,17 @@ class AbandonedStore(Protocol):
         ...
 
 
+#: What a notice of an append tells of each frame (`store.postgres.notice_fields`): the fields a
+#: reader filters on, `(channel, session_id, type, reply_to)`.
+FrameFields = tuple[str, str, str, "str | None"]
+
+
 class AppendNoticeHook(Protocol):
     """Who hears of every append to a shared log, by any server (`store.postgres`'s LISTEN): the log tail."""
 
-    def appended(self, instance: str, first: int | None, last: int | None) -> None:
-        """Frames `first`..`last` of `instance` were committed (None, None: a notice without seqs)."""
+    def appended(self, instance: str, first: int | None, last: int | None, fields: list[FrameFields] | None = None) -> None:
+        """Frames `first`..`last` of `instance` were committed (None, None: a notice without seqs);
+        `fields`: each one's filter fields, when the notice names them."""
         ...
 
     def missed(self) -> None:

@@ -25,19 +25,20 @@ Hash chain
     so the chain is in commit order, per instance, with no lock across instances.
 
 Wake-ups
-    Each append sends `NOTIFY oubliette_frames, '<instance>\t<first seq>\t<last seq>'` inside
-    its transaction (delivered at commit, in commit order).  Each store object keeps one
-    dedicated LISTEN connection, driven on the Trio thread without a worker:
+    Each append sends `NOTIFY oubliette_frames, '<instance>\t<first seq>\t<last seq>\t<fields>'`
+    (`notice_payload`: the fields each frame is filtered on, bounded) inside its transaction
+    (delivered at commit, in commit order).  Each store object keeps one dedicated LISTEN
+    connection, driven on the Trio thread without a worker:
     `trio.lowlevel.wait_readable(pgconn.socket)`, then `consume_input()` and drain `notifies()`.
-    A notification only wakes the instance's waiters, which re-run their own query, and tells
-    the hooks given to `hear_appends` (the server's log tail) which seqs were committed; NOTIFY
+    A notification only wakes the instance's waiters (when one's query may match a frame it
+    names), which re-run their own query, and tells the hooks given to `hear_appends` (the
+    server's log tail) which seqs, and which frames' fields, were committed; NOTIFY
     is a hint, not a log.  While the listener is disconnected notifications are lost, so on
     every reconnect (and on every failure) all waiters are woken to re-query by `after_seq`,
     and on every reconnect the hooks hear `missed()`.  Appends made through this store object
     wake its waiters directly as well; a waiter reads again only when a seq it was woken for may
-    match its query (`_skip_known`: not one of this store's own appends that does not, nor another
-    server's that a read of the new frames' fields, one for all the instance's waiters here, shows
-    does not).
+    match its query (`_skip_known`: not a frame whose fields, known from this store's own append or
+    named by the notice, show it does not).
 
 Queries
     A query is one statement, so one snapshot: the instance's `last_seq` and `pruned_below`
@@ -78,8 +79,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
 import attrs
@@ -96,6 +97,7 @@ from .api import (
     OWNER_KEY,
     SESSION_RECORD,
     AppendNoticeHook,
+    FrameFields,
     DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_PRUNE_EVERY,
     DEFAULT_RETENTION_FRAMES,
@@ -175,18 +177,60 @@ MIGRATION_LOCK = 0x6F75626C69657474
 NOTICE_SEPARATOR = "\t"
 
 
-def notice_payload(instance: str, first: int, last: int) -> str:
-    """What an append of frames `first`..`last` of `instance` sends with `NOTIFY oubliette_frames`."""
-    return f"{instance}{NOTICE_SEPARATOR}{first}{NOTICE_SEPARATOR}{last}"
+#: The longest list of frame fields a notice carries (JSON, in characters): a longer one is left out
+#: (the waiters and the log tail then read, as for an older server's notice), so the payload stays
+#: well under NOTIFY's 8000 bytes with the instance's name.
+MAX_NOTICE_FIELDS = 2000
+
+
+def notice_fields(frames: Sequence[FrameFields]) -> str:
+    """The end of a notice that names the filter fields of each frame it tells of: a tab and a JSON
+    list of `[channel, session_id, type, reply_to]` (escaped: no tab in it), or "" past `MAX_NOTICE_FIELDS`."""
+    text = json.dumps([list(fields) for fields in frames], separators=(",", ":"))
+    return "" if len(text) > MAX_NOTICE_FIELDS else NOTICE_SEPARATOR + text
+
+
+def notice_payload(instance: str, first: int, last: int, frames: Sequence[FrameFields] = ()) -> str:
+    """What an append of frames `first`..`last` of `instance` (with `frames`, their filter fields)
+    sends with `NOTIFY oubliette_frames`."""
+    return f"{instance}{NOTICE_SEPARATOR}{first}{NOTICE_SEPARATOR}{last}" + (notice_fields(frames) if frames else "")
 
 
 def parse_notice(payload: str) -> tuple[str, int | None, int | None]:
     """`(instance, first, last)` of a notification; the seqs are None in a payload that is the
     instance alone (what an earlier version of the server sent)."""
+    return read_notice(payload)[:3]
+
+
+def read_notice(payload: str) -> tuple[str, int | None, int | None, list[FrameFields] | None]:
+    """`parse_notice` and the frames' filter fields, one per seq (None when the notice names none:
+    too many, or an earlier version's)."""
+    if payload.endswith("]"):
+        parts = payload.rsplit(NOTICE_SEPARATOR, 3)
+        if len(parts) == 4 and parts[1].isdigit() and parts[2].isdigit():
+            first, last = int(parts[1]), int(parts[2])
+            return parts[0], first, last, _fields_of(parts[3], last - first + 1)
     parts = payload.rsplit(NOTICE_SEPARATOR, 2)
     if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
-        return parts[0], int(parts[1]), int(parts[2])
-    return payload, None, None
+        return parts[0], int(parts[1]), int(parts[2]), None
+    return payload, None, None, None
+
+
+def _fields_of(text: str, count: int) -> list[FrameFields] | None:
+    """The `count` frames' fields of a notice's JSON list; None for anything else."""
+    try:
+        listed = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(listed, list) or len(listed) != count:
+        return None
+    fields: list[FrameFields] = []
+    for item in listed:
+        if not (isinstance(item, list) and len(item) == 4 and all(isinstance(v, str) for v in item[:3])
+                and (item[3] is None or isinstance(item[3], str))):
+            return None
+        fields.append((item[0], item[1], item[2], item[3]))
+    return fields
 
 
 #: How many recent frames of an instance a store remembers the fields of for its waiters (`_skip_known`).
@@ -343,8 +387,10 @@ _STORE_ONE = (
     b"stored AS (INSERT INTO frames (instance, seq, ts, channel, session_id, type, msg_id, reply_to, payload, "
     b"ends_turn, hash) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10, last_hash FROM bumped RETURNING seq) "
 )
-#: The stored frame's seq, and its NOTIFY on channel `$9` (`notice_payload`'s shape).
-_NOTIFY_STORED = b"SELECT seq, pg_notify($9, $1 || chr(9) || seq || chr(9) || seq) FROM stored"
+#: The stored frame's seq, and its NOTIFY (`notice_payload`'s shape: `$9` is `notice_fields` of the frame).
+_NOTIFY_STORED = (
+    b"SELECT seq, pg_notify('" + NOTIFY_CHANNEL.encode() + b"', $1 || chr(9) || seq || chr(9) || seq || $9) FROM stored"
+)
 #: One frame in one statement (autocommit: the bump, the insert and the NOTIFY commit together),
 #: run on the Trio loop by `postgres_loop` (no worker thread, one round trip); `$11` its digest.
 _APPEND_ONE = b"WITH " + _bump_one(b"$11") + b", " + _STORE_ONE + _NOTIFY_STORED
@@ -359,11 +405,6 @@ _APPEND_ONCE = (
     b"append_id, ends_turn, hash) SELECT $1, last_seq, $2, $3, $4, $5, $6, $7, $8, $10, $11, last_hash FROM bumped "
     b"RETURNING seq) "
     + _NOTIFY_STORED
-)
-#: The fields a long poll filters on of an instance's frames in a range of seqs (`_learn_fields`).
-_FIELDS_BETWEEN = (
-    b"SELECT seq, channel, session_id, type, reply_to FROM frames WHERE instance = $1 AND seq > $2 AND seq <= $3 "
-    b"ORDER BY seq"
 )
 _FRAME_BY = b"SELECT seq, ts, channel, session_id, type, msg_id, reply_to, payload FROM frames WHERE instance = $1 AND "
 _FRAME_OF_APPEND_ID = _FRAME_BY + b"append_id = $2"
@@ -510,11 +551,11 @@ class PostgresFrameStore(FrameAppends):
         """Bumped when notices may have been missed or named no seqs: every waiter reads again."""
         self._known: dict[str, dict[int, tuple[str, str, str, str | None]]] = {}
         """(channel, session_id, type, reply_to) of recent frames, by seq, of each instance waited on:
-        this server's appends, and other servers' learned by `_learn_fields`."""
+        this server's appends, and every notice's (`read_notice`)."""
         self._appending: dict[str, int] = {}
         """How many single appends of each instance this store has in flight (`_one_frame`)."""
-        self._learning: dict[str, trio.Event] = {}
-        """The `_learn_fields` read in flight of each instance, set when it ends."""
+        self._queries: dict[str, dict[object, FrameQuery]] = {}
+        """The query of each long poll waiting on an instance here (`wait_for_frames`), by waiter."""
 
     def hear_appends(self, hook: AppendNoticeHook) -> None:
         """Tell `hook` of every append committed by any server (its notification) and, on each
@@ -694,11 +735,7 @@ class PostgresFrameStore(FrameAppends):
                     await trio.lowlevel.wait_readable(pgconn.socket)
                     pgconn.consume_input()
                     while (note := pgconn.notifies()) is not None:
-                        instance, seq_first, seq_last = parse_notice(note.extra.decode("utf-8", "replace"))
-                        self._heard_commit(instance, seq_last)
-                        self._wake_instance(instance)
-                        for hook in self._notice_hooks:
-                            hook.appended(instance, seq_first, seq_last)
+                        self._on_notice(note.extra.decode("utf-8", "replace"))
             except (psycopg.Error, OSError) as exc:
                 if first:
                     raise StoreUnavailable(
@@ -716,6 +753,22 @@ class PostgresFrameStore(FrameAppends):
             finally:
                 if conn is not None:
                     conn.close()
+
+    def _on_notice(self, payload: str) -> None:
+        """One notice: the waiters of its instance learn the frames' fields from it, and wake only if
+        one of them may match a frame (each append wakes every server's listener: a wake of every
+        waiter of the instance on each would be work for nothing); the hooks hear it."""
+        instance, first, last, fields = read_notice(payload)
+        if first is not None and fields is not None:
+            self._note_fields(instance, [(first + i, *frame) for i, frame in enumerate(fields)])
+            queries = self._queries.get(instance, {}).values()
+            if any(_may_match(q, *frame) for q in queries for frame in fields):
+                self._wake_instance(instance)
+        else:
+            self._heard_commit(instance, last)
+            self._wake_instance(instance)
+        for hook in self._notice_hooks:
+            hook.appended(instance, first, last, fields)
 
     async def _replace_broken_connections(self) -> None:
         """The listener's connection broke, so the pool's likely did too (a database restart, cut
@@ -810,7 +863,7 @@ class PostgresFrameStore(FrameAppends):
         try:
             rows = await statements.rows(sql, [
                 instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
-                None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(),
+                None if rt is None else rt.encode(), text.encode(), notice_fields([(ch, sid, typ, rt)]).encode(),
                 None if ends is None else ends.encode(), _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
                 *more,
             ])
@@ -855,7 +908,8 @@ class PostgresFrameStore(FrameAppends):
                         (instance, first + i, ts, ch, sid, typ, mid, rt, text, ends_turn(typ, rt), hashes[i])
                         for i, (ch, sid, typ, mid, rt, text, _, _) in enumerate(prepared)
                     ])
-                conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, notice_payload(instance, first, last)))
+                conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, notice_payload(
+                    instance, first, last, [(ch, sid, typ, rt) for ch, sid, typ, _, rt, *_ in prepared])))
             return first
 
         try:
@@ -889,7 +943,8 @@ class PostgresFrameStore(FrameAppends):
             try:
                 rows = await statements.rows(_APPEND_ONCE, [
                     instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
-                    None if rt is None else rt.encode(), text.encode(), NOTIFY_CHANNEL.encode(), aid.encode(),
+                    None if rt is None else rt.encode(), text.encode(), notice_fields([(ch, sid, typ, rt)]).encode(),
+                    aid.encode(),
                     None if ends is None else ends.encode(),
                     _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
                 ])
@@ -1064,16 +1119,18 @@ class PostgresFrameStore(FrameAppends):
         return last, frames
 
     async def query(self, instance: str, q: FrameQuery) -> list[Frame]:
-        """Frames of `instance` matching `q`, by seq ascending, at most `q.limit`.
+        """Frames of `instance` matching `q`, by seq ascending, at most `q.limit`: one statement on
+        the Trio loop (`_read_on_loop`), as a long poll's read (a server that takes an answer to
+        another server's request reads the session's requests first: it was a pooled transaction).
 
         Raises `CursorPruned` if `q.after_seq` is below the retained log."""
         if not isinstance(q, FrameQuery):
             raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
-        return (await self._run(self._read, instance, q, read_only=True))[1]
+        return (await self._read_on_loop(instance, q, None))[1]
 
     async def frames_after(self, instance: str, after_seq: int, limit: int) -> list[Frame]:
         """The frames of `instance` after `after_seq` (at most `limit`), as `query` without filters,
-        sent on the Trio loop (no worker thread: about half the time of `query` on a small
+        sent on the Trio loop (no worker thread: about half the time of a pooled read on a small
         machine): the read the log tail makes for each wake, on the path of every cross-server push.
 
         Raises `CursorPruned` as `query` does, `StoreUnavailable` when the database cannot answer."""
@@ -1113,7 +1170,7 @@ class PostgresFrameStore(FrameAppends):
         # (A lost listener alone is no outage: it wakes every waiter, which re-query and, if the
         # database answers, wait on until it is back, as before.)
         acquire = min(self.connect_timeout, FAIL_FAST_SECONDS) if timeout > 0 else None
-        with self._waiting(instance):
+        with self._waiting(instance), self._asking(instance, q):
             while True:
                 # Take the event before querying: an append that commits during the query
                 # sets it, and the wait below returns at once.
@@ -1130,60 +1187,37 @@ class PostgresFrameStore(FrameAppends):
                 timed_out = await self._woken_by(event, deadline)
                 # Read again only for frames that may match: not for seqs this snapshot held
                 # (the NOTIFY of an append this server already woke us for, back through
-                # LISTEN), nor for frames known here (`_known`) that do not match `q`.
-                deferred, learned = False, 0
+                # LISTEN), nor for frames known here (`_known`: this server's appends, and every
+                # notice's fields) that do not match `q`.
+                deferred = False
                 while not timed_out and self._rewakes == rewakes:
                     skipped = self._skip_known(instance, q, seen, defer=not deferred)
                     if skipped is None:
-                        # Seqs of another server's: one read of their fields for all this
-                        # instance's waiters here, rather than a read by each (again only
-                        # for seqs heard since: else it reads, as for a frame that matches).
-                        heard = self._heard.get(instance, 0)
-                        if heard <= learned or self._waiters.get(instance, 0) < 2:
-                            break
-                        learned = heard
-                        timed_out = await self._learn_fields(instance, seen, acquire, deadline)
-                        continue
+                        break
                     deferred = deferred or skipped == seen
                     seen = skipped
                     q = attrs.evolve(q, after_seq=max(q.after_seq, seen))
                     event = self._wake_event(instance)
                     timed_out = await self._woken_by(event, deadline)
 
-    async def _learn_fields(self, instance: str, seen: int, timeout: float | None, deadline: float) -> bool:
-        """Learn the fields (`_known`) of the frames after `seen` heard committed but not known
-        here (other servers' appends), by one read for every waiter of the instance: a waiter
-        that finds that read in flight waits for it (until `deadline`: whether it passed). An
-        outage is no error here: the waiter reads, which reports it."""
-        high = self._heard.get(instance, 0)
-        known = self._known.get(instance, {})
-        unknown = [seq for seq in range(seen + 1, high + 1) if seq not in known]
-        statements = self._statements
-        if not unknown or len(unknown) > KNOWN_FRAMES_KEPT or statements is None:
-            return False
-        running = self._learning.get(instance)
-        if running is not None:
-            return await self._woken_by(running, deadline)
-        done = self._learning[instance] = trio.Event()
+    @contextmanager
+    def _asking(self, instance: str, q: FrameQuery) -> Iterator[None]:
+        """While a long poll waits, its query (its filters: not its `after_seq`) tells a notice
+        whether to wake the instance's waiters here (`_on_notice`)."""
+        waiter = object()
+        queries = self._queries.setdefault(instance, {})
+        queries[waiter] = q
         try:
-            rows = await statements.rows(_FIELDS_BETWEEN, [
-                instance.encode(), str(unknown[0] - 1).encode(), str(unknown[-1]).encode()], read_only=True, timeout=timeout)
-        except StoreUnavailable:
-            return False
+            yield
         finally:
-            del self._learning[instance]
-            done.set()
-        text = bytes.decode
-        fields = [(int(seq), text(ch), text(sid), text(typ), None if rt is None else text(rt))  # type: ignore[arg-type]
-                  for seq, ch, sid, typ, rt in rows]
-        if fields:
-            self._note_fields(instance, fields)
-        return False
+            del queries[waiter]
+            if not queries and self._queries.get(instance) is queries:
+                del self._queries[instance]
 
     def _skip_known(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> int | None:
         """The seq up to which a waiter that read up to `seen` knows, without reading, that no
         frame matches `q` (the seqs heard committed since are known here, none matching: this
-        server's own appends, or fields `_learn_fields` read); None when it must read (a seq not
+        server's own appends, or fields its notice named); None when it must read (a seq not
         known, or one that matches).
         `defer`: a seq not known here while this server appends to the instance may be that
         append's, its NOTIFY heard before its answer: wait for the append to end (`seen`)."""

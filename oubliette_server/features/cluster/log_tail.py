@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -39,13 +40,15 @@ import trio
 
 from ...core.frame_log import push_frame
 from ...core.server_owned import PUSHED_TO_NOBODY
-from ...core.sessions import SessionRegistry
+from ...core.sessions import SessionRegistry, delivers
 from ...store.api import (
-    MAX_LIMIT, OUTAGE_RETRY, OUTAGE_RETRY_MAX, AppendNotices, CursorPruned, StoreUnavailable,
+    MAX_LIMIT, OUTAGE_RETRY, OUTAGE_RETRY_MAX, AppendNotices, CursorPruned, FrameFields, StoreUnavailable,
 )
 
 log = logging.getLogger("oubliette.server.log_tail")
 
+#: `_needed` after notices were lost: every seq may be wanted.
+UNKNOWN_SEQS = sys.maxsize
 #: Instances whose cursor the tail keeps at most (one int each); the least recently noticed go first.
 MAX_INSTANCES = 10_000
 
@@ -78,6 +81,9 @@ class LogTail:
         self._busy: dict[str, set[trio.Event]] = {}
         #: instance -> (the last seq noticed, when the first unhandled notice came).
         self._dirty: dict[str, tuple[int, float]] = {}
+        #: instance -> the last seq noticed that a follower here may want (or whose fields no
+        #: notice named): the tail reads an instance only up to such a seq, else passes the notices.
+        self._needed: dict[str, int] = {}
         #: instance -> events set when a read of it that began after they were asked for ends.
         self._asked: dict[str, list[trio.Event]] = {}
         self._missed = False
@@ -87,8 +93,10 @@ class LogTail:
 
     # -- what the store tells (AppendNoticeHook) ----------------------------------------
 
-    def appended(self, instance: str, first: int | None, last: int | None) -> None:
-        """Frames `first`..`last` of `instance` were committed by some server: read them soon."""
+    def appended(self, instance: str, first: int | None, last: int | None, fields: list[FrameFields] | None = None) -> None:
+        """Frames `first`..`last` of `instance` were committed by some server: read them soon (when
+        `fields`, the frames' filter fields, show one a follower here may want: else the cursor
+        passes them unread)."""
         cursor = self._cursor.get(instance)
         if first is None or last is None:
             if cursor is None:
@@ -98,9 +106,25 @@ class LogTail:
             self._remember(instance, first - 1)
         else:
             self._cursor.move_to_end(instance)
+        if first is None or fields is None or self._wanted(instance, fields):
+            self._needed[instance] = UNKNOWN_SEQS if first is None else max(self._needed.get(instance, 0), last)
+        elif cursor == first - 1 and instance not in self._dirty:
+            self._advance(instance, last)  # nothing before it to read, nothing in it: no wake of the task
+            return
         noticed, since = self._dirty.get(instance, (last, trio.current_time()))
         self._dirty[instance] = (max(noticed, last), since)
         self._wake.set()
+
+    def _wanted(self, instance: str, fields: list[FrameFields]) -> bool:
+        """Some frame of these may be pushed here: of a session held here that someone follows (a
+        sink that `delivers`: a 2026-07-28 caller's own connection does not), and of a type pushed
+        to anyone."""
+        for channel, session_id, type, _ in fields:
+            if type not in PUSHED_TO_NOBODY:
+                session = self.sessions.get(instance, channel, session_id)
+                if session is not None and any(delivers(sink) for sink in session.sinks):
+                    return True
+        return False
 
     def _all_here(self, instance: str, first: int, last: int) -> bool:
         here = self._here.get(instance, ())
@@ -180,6 +204,7 @@ class LogTail:
             for instance in list(self._cursor):
                 if self._followed(instance):
                     self._dirty.setdefault(instance, (self._cursor[instance], now))
+                    self._needed[instance] = UNKNOWN_SEQS  # what was missed is not known: read it all
                 else:
                     self._forget(instance)  # no follower to owe: start again from its next notice
             for instance in list(self._here):
@@ -189,23 +214,27 @@ class LogTail:
             instance = next(iter(self._dirty))
             noticed, since = self._dirty.pop(instance)
             asked = self._asked.pop(instance, [])
+            needed = self._needed.pop(instance, None)
             try:
-                await self._read(instance, noticed, since, asked=bool(asked))
+                await self._read(instance, noticed, since, asked=bool(asked), needed=needed)
             except BaseException:
                 old = self._dirty.get(instance)
                 self._dirty[instance] = (max(noticed, old[0]), since) if old else (noticed, since)
                 self._asked.setdefault(instance, []).extend(asked)
+                if needed is not None:
+                    self._needed[instance] = max(needed, self._needed.get(instance, 0))
                 raise
             for read in asked:
                 read.set()
 
-    async def _read(self, instance: str, noticed: int, since: float, *, asked: bool = False) -> None:
+    async def _read(self, instance: str, noticed: int, since: float, *, asked: bool = False, needed: int | None = None) -> None:
         """Push the frames of `instance` after its cursor that other servers appended, page by page
-        (no read when the notices were all of this server's appends, unless `asked` by `caught_up`)."""
+        (no read when the notices were all of this server's appends, or named only frames nobody
+        here follows (`needed`: the last seq one may want), unless `asked` by `caught_up`)."""
         cursor = self._cursor.get(instance)
         if cursor is None:
             return
-        if not self._followed(instance):
+        if not self._followed(instance) or (not asked and (needed is None or needed <= cursor)):
             self._advance(instance, max(cursor, noticed))
             return
         await self._local_appends_noted(instance)  # a notice may overtake its own append's return
@@ -268,6 +297,7 @@ class LogTail:
 
     def _forget(self, instance: str) -> None:
         self._cursor.pop(instance, None)
+        self._needed.pop(instance, None)
         self._here.pop(instance, None)
         self._dirty.pop(instance, None)
         for read in self._asked.pop(instance, []):

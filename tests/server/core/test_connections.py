@@ -105,6 +105,17 @@ async def test_caller_registry_sends_each_callers_events_in_order() -> None:
         assert len(session.sent) == 3, "CallerConnection: an event went to a caller that asked for warnings only"
 
 
+def test_a_2026_07_28_callers_own_connection_says_it_delivers_no_pushed_event() -> None:
+    """Its sender drops every event (no notification channel: its events ride its requests), so it
+    says so, and the log tail reads nothing for it; a caller with an MCP session, or not yet, does."""
+    caller = CallerConnection("http")
+    assert caller.delivers
+    caller.owner_key = "k" * 32
+    assert not caller.delivers
+    caller.mcp_session = FakeMcpSession()
+    assert caller.delivers
+
+
 async def test_caller_registry_closes_a_caller_once() -> None:
     async with serving_callers() as callers:
         caller, session = callers.open()

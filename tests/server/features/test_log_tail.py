@@ -31,7 +31,8 @@ BOUND = 5.0
 
 class SharedLogDouble:
     """One log two servers share, in memory: `FrameLog`'s appends (this server) and `elsewhere`
-    (another server) both notify the hooks; `lose_notices`, `fail_reads`, `query_gate` and
+    (another server) both notify the hooks (with `name_fields`, naming each frame's filter fields
+    as PostgreSQL's notices do); `lose_notices`, `fail_reads`, `query_gate` and
     `append_gate` make the listener cut, the outage, and a read that sees an append of this
     server that has not returned yet."""
 
@@ -42,6 +43,7 @@ class SharedLogDouble:
         self.fail_reads = 0
         self.fail_with: Exception = StoreUnavailable("the store is unavailable: cut")
         self.lose_notices = False
+        self.name_fields = False
         self.query_gate: trio.Event | None = None
         self.append_gate: trio.Event | None = None
 
@@ -62,8 +64,9 @@ class SharedLogDouble:
 
     def _notice(self, frame: Frame) -> None:
         if not self.lose_notices:
+            fields = [(frame.channel, frame.session_id, frame.type, frame.reply_to)] if self.name_fields else None
             for hook in self.hooks:
-                hook.appended(frame.instance, frame.seq, frame.seq)
+                hook.appended(frame.instance, frame.seq, frame.seq, fields)
 
     async def append(self, instance: str, **fields: Any) -> Frame:
         """This server's append: committed and noticed before it returns (the notice overtakes
@@ -124,6 +127,57 @@ async def test_another_servers_frames_are_pushed_to_the_followers_here_once(serv
     assert seqs(other_sink) == [delta.seq], "log tail: each frame goes to its own session's followers only"
     assert sink.events[1] == request.to_event(), "log tail: the event is the one a local append pushes"
     assert server.tail.pushed == 2
+
+
+async def test_a_notice_naming_only_frames_nobody_here_follows_is_passed_without_a_read(server: Server) -> None:
+    """A notice names its frames' filter fields: the tail reads the log only for a frame of a session
+    someone follows here (and of a type pushed to anyone); another session's frames, or a
+    `session_record`, pass the cursor unread, and the next frame followed here is read and pushed."""
+    server.log.name_fields = True
+    session, sink = server.followed()
+    nobody = server.sessions.get_or_create(INSTANCE, "mcp", "s2")
+    first = await server.log.elsewhere(session, "assistant.delta", {"text": "a"})
+    await trio.testing.wait_all_tasks_blocked()
+    reads = server.log.reads
+    assert seqs(sink) == [first.seq] and reads == 1
+    woken: list[str] = []
+    real_read = server.tail._read
+
+    async def counted_read(instance: str, *args: Any, **kwargs: Any) -> None:
+        woken.append(instance)
+        await real_read(instance, *args, **kwargs)
+
+    server.tail._read = counted_read  # type: ignore[method-assign]
+    for _ in range(3):
+        await server.log.elsewhere(nobody, "assistant.delta", {"text": "x"})
+    await server.log.elsewhere(session, SESSION_RECORD, {"owner": "o"})
+    await trio.testing.wait_all_tasks_blocked()
+    assert server.log.reads == reads, "no read for frames nobody here follows"
+    assert woken == [], "nor a turn of the tail's task: the notice moved its cursor"
+    delta = await server.log.elsewhere(session, "assistant.delta", {"text": "b"})
+    await trio.testing.wait_all_tasks_blocked()
+    assert seqs(sink) == [first.seq, delta.seq] and server.log.reads == reads + 1
+
+
+class Undelivering(RecordingSink):
+    """A follower events pushed to cannot reach (as a 2026-07-28 caller's own connection)."""
+
+    delivers = False
+
+
+async def test_frames_of_a_session_whose_followers_cannot_be_reached_are_not_read(server: Server) -> None:
+    """A session followed only by sinks that deliver nothing (a 2026-07-28 caller that declared its
+    tools here: its events ride its requests) costs no read of another server's frames."""
+    server.log.name_fields = True
+    session, sink = server.followed()
+    first = await server.log.elsewhere(session, "assistant.delta", {"text": "a"})
+    await trio.testing.wait_all_tasks_blocked()
+    reads = server.log.reads
+    silent = server.sessions.get_or_create(INSTANCE, "mcp", "s2")
+    server.sessions.follow(silent, Undelivering())
+    await server.log.elsewhere(silent, "caller_tool_request", {"request_id": "r1"})
+    await trio.testing.wait_all_tasks_blocked()
+    assert server.log.reads == reads and seqs(sink) == [first.seq]
 
 
 async def test_this_servers_own_append_read_before_it_returned_is_not_pushed_again(server: Server) -> None:

@@ -17,8 +17,8 @@ import pytest
 import trio
 
 from harness import EVENT_TIMEOUT, Deployment
-from oubliette_server.store.api import CursorPruned, FrameQuery
-from oubliette_server.store.postgres import PostgresFrameStore, notice_payload, parse_notice
+from oubliette_server.store.api import CursorPruned, FrameFields, FrameQuery
+from oubliette_server.store.postgres import PostgresFrameStore, notice_payload, parse_notice, read_notice
 from loop_caller import INSTANCE, IDLE
 
 LISTEN_QUERY = "LISTEN oubliette_frames"
@@ -29,11 +29,13 @@ class Notices:
 
     def __init__(self) -> None:
         self.heard: list[tuple[str, int | None, int | None]] = []
+        self.fields: list[list[FrameFields] | None] = []
         self.missed_count = 0
         self._changed = trio.Event()
 
-    def appended(self, instance: str, first: int | None, last: int | None) -> None:
+    def appended(self, instance: str, first: int | None, last: int | None, fields: list[FrameFields] | None = None) -> None:
         self.heard.append((instance, first, last))
+        self.fields.append(fields)
         self._changed.set()
         self._changed = trio.Event()
 
@@ -52,6 +54,20 @@ def test_a_notice_names_the_instance_and_the_seqs_and_an_older_servers_is_read_t
     assert parse_notice("box1") == ("box1", None, None), "an earlier version's payload is the instance alone"
 
 
+def test_a_notice_names_each_frames_filter_fields_bounded_and_escaped() -> None:
+    """The fields a long poll and the log tail filter on ride the notice, so a server learns them
+    without a read; a tab or a quote in them cannot break the payload apart, and a list too long
+    for NOTIFY is left out (the reader then reads, as for an older server's notice)."""
+    fields = [("mcp", "s1", "caller_tool_request", None), ("mcp", 'a\tb"]', "caller_tool_result", "m1")]
+    payload = notice_payload("a\tb", 4, 5, fields)
+    assert read_notice(payload) == ("a\tb", 4, 5, fields)
+    assert parse_notice(payload) == ("a\tb", 4, 5)
+    assert read_notice(notice_payload("box1", 7, 9)) == ("box1", 7, 9, None), "the seqs alone: no fields"
+    assert read_notice(notice_payload("box1", 7, 8, fields[:1])) == ("box1", 7, 8, None), "one per seq, or none"
+    many = [("mcp", "s" * 128, "assistant.delta", None)] * 50
+    assert len(notice_payload("box1", 1, 50, many)) < 200 and read_notice(notice_payload("box1", 1, 50, many))[3] is None
+
+
 async def test_every_kind_of_append_by_another_store_is_heard_with_its_seqs(pg_url: str) -> None:
     writer, reader = PostgresFrameStore(pg_url), PostgresFrameStore(pg_url)
     notices = Notices()
@@ -68,6 +84,8 @@ async def test_every_kind_of_append_by_another_store_is_heard_with_its_seqs(pg_u
     assert notices.heard == [
         (INSTANCE, one.seq, one.seq), (INSTANCE, many[0].seq, many[-1].seq), (INSTANCE, outcome.seq, outcome.seq),
     ]
+    delta, result = ("mcp", "s", "assistant.delta", None), ("mcp", "s", "caller_tool_result", None)
+    assert notices.fields == [[delta], [delta] * 3, [result]], "each frame's filter fields ride its notice"
 
 
 async def test_the_tails_read_on_the_loop_is_query_without_filters(pg_url: str) -> None:

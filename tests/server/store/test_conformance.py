@@ -438,7 +438,7 @@ class CountedReads:
     def after(self, n: int) -> trio.Event:
         return self._after.setdefault(n, trio.Event())
 
-    def appended(self, instance: str, first: int | None, last: int | None) -> None:
+    def appended(self, instance: str, first: int | None, last: int | None, fields: Any = None) -> None:
         self.heard.set()
 
     def missed(self) -> None:
@@ -469,14 +469,42 @@ async def test_a_waiter_reads_nothing_for_this_servers_appends_it_does_not_match
         assert got == [([mine], False)] and reads.count == 2
 
 
-async def test_waiters_learn_another_servers_append_by_one_read_and_only_the_matching_one_reads(pg_url: str) -> None:
-    """Two long polls of one instance on one server, woken by another server's append of a third
-    session (its NOTIFY names no session): one read of the new frame's fields serves both, and
-    neither reads the log; an append of one's session is read by that one alone."""
+def recorded_calls(owner: Any, name: str) -> list[Any]:
+    """Wrap the method `name` of `owner` (async or not: the wrapper returns what it returns) so that
+    each call's first argument is recorded in the list returned."""
+    calls: list[Any] = []
+    real = getattr(owner, name)
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[0] if args else None)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, recorded)
+    return calls
+
+
+async def test_a_query_is_one_statement_on_the_loop_not_a_pooled_transaction(pg_url: str) -> None:
+    """`query` (a server reading the requests of a session another server's agent made, before it
+    takes an answer) is sent on the Trio loop like a long poll's read: no worker thread, no pooled
+    transaction (BEGIN, the query, COMMIT after the pool's check)."""
+    async with Backend("postgres", pg_url).open() as s:
+        assert isinstance(s, PostgresFrameStore)
+        frame = await add(s)
+        pooled = recorded_calls(s, "_run")
+        assert await s.query("box1", FrameQuery(session_id=frame.session_id, types=(frame.type,))) == [frame]
+        assert pooled == []
+
+
+async def test_waiters_learn_another_servers_append_from_its_notice_and_only_the_matching_one_reads(pg_url: str) -> None:
+    """Two long polls of one instance on one server, and another server's append of a third
+    session: its NOTIFY names the frame's session, so neither wakes, nor reads the log or its
+    fields; an append of one's session is read by that one alone."""
     backend = Backend("postgres", pg_url)
     async with backend.open() as here, backend.open() as there:
         assert isinstance(here, PostgresFrameStore)
         reads = CountedReads(here)
+        sent = recorded_calls(here._statements, "rows")
+        woken = recorded_calls(here, "_skip_known")
         got: list[Any] = []
         x_answered = trio.Event()
 
@@ -489,10 +517,13 @@ async def test_waiters_learn_another_servers_append_by_one_read_and_only_the_mat
                 nursery.start_soon(wait_for, "y")
                 nursery.start_soon(wait_for, "x")
                 await reads.after(2).wait()
+                before = len(sent)
                 await add(there, session_id="other")
                 await reads.heard.wait()
                 await trio.testing.wait_all_tasks_blocked()
                 assert reads.count == 2, "no waiter reads the log for another server's frame of another session"
+                assert sent[before:] == [], "nor its fields: the notice named them"
+                assert woken == [], "nor wakes: the notice matches no query waiting here"
                 mine = await add(there, session_id="x")
                 await x_answered.wait()
                 nursery.cancel_scope.cancel()
