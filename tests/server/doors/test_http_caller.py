@@ -610,3 +610,154 @@ async def test_the_sdk_clients_2026_07_28_long_polls_and_answers_take_the_fast_p
             answer = await respond(caller, "s1", "ctr-0000", result={}, **owner)
             assert "is not pending" in text_of(answer) or "unknown" in text_of(answer), text_of(answer)
     assert sum("taken off the SDK's path" in line for line in taken) == 2, taken
+
+
+# -- the handshake-era fast path (http_fast_handshake.py) ------------------------------------
+
+
+HANDSHAKE = "2025-11-25"
+
+
+class RawHandshakeCaller:
+    """A 2025-11-25 caller writing its POSTs by hand on its MCP session; each answer kept whole: the
+    status, every header but the date (its session id masked), the body's layout and its JSON."""
+
+    def __init__(self, http: Any) -> None:
+        self.http = http
+        self.session_id = ""
+        self.answers: list[tuple[str, Any]] = []
+
+    async def open(self) -> None:
+        """`initialize` and `notifications/initialized`: the session the SDK opens."""
+        await self.post("initialize", json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": HANDSHAKE, "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}}))
+        await self.post("initialized", json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+
+    async def post(self, label: str, body: str, **headers: str | None) -> Any:
+        """POST `body` to /mcp with the headers the SDK's client sends on this session (`headers` over
+        them; None: without that header)."""
+        sent: dict[str, str | None] = {"content-type": "application/json", "accept": "application/json, text/event-stream",
+                **({"mcp-session-id": self.session_id, "mcp-protocol-version": HANDSHAKE} if self.session_id else {}),
+                **headers}
+        response = await self.http.post("/mcp", content=body, headers={k: v for k, v in sent.items() if v is not None})
+        if label == "initialize":
+            self.session_id = response.headers["mcp-session-id"]
+        text = response.text.replace(self.session_id or "-", "<session>") if self.session_id else response.text
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            payload: Any = [json.loads(line[len("data: "):]) for line in text.split("\r\n") if line.startswith("data: ")]
+        else:
+            try:
+                payload = json.loads(text) if text else None
+            except ValueError:
+                payload = text
+        self.answers.append((label, {
+            "status": response.status_code, "body": masked(payload), "layout": masked_text(text),
+            "headers": [(key, "<session>" if key == "mcp-session-id" else value)
+                        for key, value in response.headers.multi_items() if key != "date"],
+        }))
+        return payload
+
+    async def call(self, label: str, request_id: Any, name: str, arguments: Any, **headers: str | None) -> Any:
+        """A `tools/call` of `name` on this session; its result (or error) as read."""
+        answer = await self.post(label, json.dumps({"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+                                                    "params": {"name": name, "arguments": arguments}}), **headers)
+        return answer[-1] if isinstance(answer, list) and answer else answer
+
+
+async def handshake_caller_answers(deployment: Deployment, fast: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:
+    """Every answer a raw 2025-11-25 caller got from a server with `OUBLIETTE_FAST_PATH` on or off,
+    and how many of its requests the handshake-era fast path took."""
+    monkeypatch.setenv("OUBLIETTE_FAST_PATH", "1" if fast else "0")
+    session = f"s-{'on' if fast else 'off'}"
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.rest() as http:
+            caller = RawHandshakeCaller(http)
+            early = {"session_id": session, "request_id": "ctr-0000", "result": {}}
+            await caller.open()
+            await caller.call("answer before the session's first call: the SDK's", 1, "caller_tool_response", early)
+            declared = await caller.call("declare", 2, "session_message", {
+                "instance": "box1", "session_id": session, "message": "hi",
+                "context": {"caller_id": "app", "caller_tools": [ECHO]}})
+            assert "result" in declared, (declared, caller.answers)
+            after = declared["result"]["structuredContent"]["ingress_seq"]
+            async with deployment.agent("box1", f"mcp:{session}") as agent, trio.open_nursery() as nursery:
+                results: list[Any] = []
+
+                async def agent_call(text: str) -> None:
+                    results.append(await agent.call_tool("app_echo", {"text": text}))
+
+                async def next_request(label: str, request_id: int) -> dict[str, Any]:
+                    nonlocal after
+                    read = await caller.call(label, request_id, "session_events", {
+                        "session_id": session, "types": ["caller_tool_request"], "after_seq": after, "wait_ms": 20_000})
+                    frame = read["result"]["structuredContent"]["frames"][0]
+                    after = frame["seq"]
+                    return frame["payload"]
+
+                nursery.start_soon(agent_call, "héllo ✓")
+                first = (await next_request("poll", 3))["request_id"]
+                nursery.start_soon(agent_call, "two")
+                second = (await next_request("poll again", 4))["request_id"]
+                nursery.start_soon(agent_call, "three")
+                third = (await next_request("poll a third time", 5))["request_id"]
+                await caller.call("progress", 9, "caller_tool_progress", {
+                    "session_id": session, "request_id": third, "progress": 1, "total": 2, "message": "half"})
+                owner = {"session_id": session}
+                for label, request_id, arguments in [
+                    ("result", 10, {**owner, "request_id": first, "result": {"echo": "héllo ✓"}}),
+                    ("error", "eleven", {**owner, "request_id": second, "error": "no such thing", "wait": False}),
+                    ("late", 12, {**owner, "request_id": first, "result": {}}),
+                    ("unknown request", 13, {**owner, "request_id": "ctr-0000", "result": {}}),
+                    ("bad params: no request_id", 14, {**owner, "result": {}}),
+                    ("bad params: result and error", 15, {**owner, "request_id": third, "result": 1, "error": "x"}),
+                    ("bad params: unknown key", 16, {**owner, "request_id": third, "result": 1, "extra": 1}),
+                    ("unknown session", 17, {"session_id": "nope", "request_id": third, "result": {}}),
+                    ("late, with wait: the SDK's", 18, {**owner, "request_id": first, "result": {}, "wait": 0}),
+                ]:
+                    await caller.call(label, request_id, "caller_tool_response", arguments)
+                good = {**owner, "request_id": "ctr-0000", "result": {}}
+                for label, headers in [
+                    ("unknown Mcp-Session-Id", {"mcp-session-id": "0" * 32}),
+                    ("no protocol version header", {"mcp-protocol-version": None}),
+                    ("an empty protocol version header", {"mcp-protocol-version": ""}),
+                    ("a 2026-07-28 protocol version header", {"mcp-protocol-version": "2026-07-28"}),
+                    ("Host refused", {"host": "evil.example"}),
+                    ("Origin refused", {"origin": "http://evil.example"}),
+                    ("Content-Type", {"content-type": "text/plain"}),
+                    ("Accept without SSE", {"accept": "application/json"}),
+                ]:
+                    await caller.call(label, 20, "caller_tool_response", good, **headers)
+                for label, body in [
+                    ("not JSON", "{not json"),
+                    ("a batch", "[]"),
+                    ("arguments not an object", json.dumps({"jsonrpc": "2.0", "id": 21, "method": "tools/call",
+                                                            "params": {"name": "caller_tool_response", "arguments": []}})),
+                ]:
+                    await caller.post(label, body)
+                await caller.call("answer", 22, "caller_tool_response", {**owner, "request_id": third, "result": {"echo": "three"}})
+            assert sorted(text_of(result) for result in results) == sorted([
+                '{"echo": "héllo ✓"}', "app_echo failed: no such thing", '{"echo": "three"}'])
+            ended = await http.delete("/mcp", headers={"mcp-session-id": caller.session_id, "mcp-protocol-version": HANDSHAKE})
+            assert ended.status_code == 200, ended.text
+            await caller.call("after the session ended", 23, "caller_tool_response", good)
+    return caller.answers, sum("taken off the SDK's path (handshake era)" in line for line in taken)
+
+
+async def test_a_2025_11_25_caller_gets_the_same_answers_from_the_fast_path_and_from_the_sdk(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handshake-era fast path's parity test: the same raw 2025-11-25 requests on an MCP session
+    with `OUBLIETTE_FAST_PATH` off (the SDK answers every one) and on (the fast path answers the
+    well-formed `caller_tool_response` without `wait` and `caller_tool_progress` on a live session)
+    give the caller the same status, headers and body, byte for byte (ids and numbers masked):
+    answers ok, error (a string request id), late, unknown, bad params, for an unknown session, a
+    progress report, and every request the SDK keeps: with `wait`, an unknown or ended MCP session,
+    a session whose caller made no call yet, other protocol versions, refused headers and bodies."""
+    off, off_taken = await handshake_caller_answers(deployment, False, monkeypatch)
+    on, on_taken = await handshake_caller_answers(deployment, True, monkeypatch)
+    assert [label for label, _ in on] == [label for label, _ in off]
+    differing = [(label, a, b) for (label, a), (_, b) in zip(on, off) if a != b]
+    assert not differing, json.dumps([d[0] for d in differing]) + json.dumps(differing, indent=1, ensure_ascii=False)
+    assert off_taken == 0
+    # the progress report, the eight answers without wait, "no protocol version header", the last answer
+    assert on_taken == 1 + 8 + 1 + 1, on_taken
