@@ -761,3 +761,17 @@ async def test_a_2025_11_25_caller_gets_the_same_answers_from_the_fast_path_and_
     assert off_taken == 0
     # the progress report, the eight answers without wait, "no protocol version header", the last answer
     assert on_taken == 1 + 8 + 1 + 1, on_taken
+
+
+async def test_the_sdk_clients_2025_11_25_answers_take_the_fast_path(deployment: Deployment) -> None:
+    """The MCP SDK's own client (mode legacy) answers a request it got on its stream with a
+    `caller_tool_response` in the shape the handshake-era fast path takes: answered beside the
+    SDK, and the agent gets the result."""
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.caller(mode="legacy") as (caller, events):
+            await declare(caller, "box1", "s1", [NOTIFY])
+            async with deployment.agent("box1", "mcp:s1") as agent:
+                _request, reply, result = await call_and_answer(
+                    agent, caller, events, "s1", "myapp_send_notification", {"message": "hi"}, {"result": {"status": "sent"}})
+    assert structured(reply) == {"resolved": True} and result.structured_content == {"status": "sent"}
+    assert sum("taken off the SDK's path (handshake era)" in line for line in taken) == 1, taken
