@@ -35,7 +35,9 @@ the response as one SSE `event: message` (the SDK's `_create_event_data`, sse-st
 encoding), a keepalive ping as sse-starlette writes one if the call outlasts its interval, and
 the end. The call's result is shaped by the SDK's runner (`ServerRunner._serialize`) and an
 exception becomes the error the SDK's dispatcher writes. As on the SDK's path a client that goes
-away does not cancel the call (its answer is stored, then dropped). The request holds the
+away does not cancel the call (its answer is stored, then dropped). A `notifications/cancelled`
+for a call taken here goes to the SDK, which holds no such request: the call ends with its
+answer (stored first) instead of the SDK's `Request cancelled` error, the one difference. The request holds the
 session open while it runs, as the transport's idle bookkeeping does. A taken call gets the
 span the SDK would make (`fast_call_span`). `OUBLIETTE_FAST_PATH=0` leaves every request to the
 SDK; tests/server/doors/test_http_caller.py drives the same requests both ways.
@@ -149,21 +151,16 @@ class FastHandshakeCalls:
         if version.encode() not in _HANDSHAKE:
             return None
         request = Request(scope)
-        if not self.modern._secure(request.headers) or not transport._check_content_type(request):
-            return None
         has_json, has_sse = check_accept_headers(request)
-        if not (has_json and has_sse):
+        if not (has_json and has_sse and self.modern._secure(request.headers) and transport._check_content_type(request)):
             return None
         try:
             message = json.loads(body)
         except (ValueError, RecursionError):
             return None
-        if not isinstance(message, dict) or message.keys() != REQUEST_KEYS:
-            return None
-        if message["jsonrpc"] != "2.0" or message["method"] != "tools/call" or not is_request_id(message["id"]):
-            return None
-        params = message["params"]
-        if not isinstance(params, dict) or not params.keys() <= PARAM_KEYS:
+        params = message.get("params") if isinstance(message, dict) and message.keys() == REQUEST_KEYS else None
+        if not (isinstance(params, dict) and params.keys() <= PARAM_KEYS and message["jsonrpc"] == "2.0"
+                and message["method"] == "tools/call" and is_request_id(message["id"])):
             return None
         name, arguments, meta = params.get("name"), params.get("arguments"), params.get("_meta", {})
         if name not in FAST_TOOLS or not isinstance(arguments, dict) or not isinstance(meta, dict) or modern_envelope(meta):

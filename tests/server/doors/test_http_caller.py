@@ -395,6 +395,16 @@ async def chunked(*parts: bytes) -> AsyncIterator[bytes]:
         yield part
 
 
+def payload_of(response: Any, text: str) -> Any:
+    """The JSON of an answer's `text`: each SSE event's data, or the body (the text itself when not JSON)."""
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        return [json.loads(line[len("data: "):]) for line in text.split("\r\n") if line.startswith("data: ")]
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text
+
+
 class RawModernCaller:
     """A 2026-07-28 caller writing its POSTs by hand; each answer kept as the parts a caller reads."""
 
@@ -412,12 +422,7 @@ class RawModernCaller:
         text = response.text
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             text = "\r\n\r\n".join(part for part in text.split("\r\n\r\n") if part and not part.startswith(": ping"))
-            payload: Any = [json.loads(line[len("data: "):]) for line in text.split("\r\n") if line.startswith("data: ")]
-        else:
-            try:
-                payload = json.loads(text) if text else None
-            except ValueError:
-                payload = text
+        payload = payload_of(response, text)
         self.answers.append((label, {
             "status": response.status_code, "body": masked(payload), "layout": masked_text(text),
             "headers": {key: response.headers[key] for key in HEADERS_THAT_MATTER if key in response.headers},
@@ -437,6 +442,13 @@ class RawModernCaller:
         if isinstance(result, list):  # an SSE answer: its one response event
             result = result[-1]["result"]
         return result["structuredContent"]["frames"]
+
+
+def assert_same_answers(on: list[tuple[str, Any]], off: list[tuple[str, Any]]) -> None:
+    """The same requests, in the same order, got the same answers with the fast path on and off."""
+    assert [label for label, _ in on] == [label for label, _ in off]
+    differing = [(label, a, b) for (label, a), (_, b) in zip(on, off) if a != b]
+    assert not differing, json.dumps([d[0] for d in differing]) + json.dumps(differing, indent=1, ensure_ascii=False)
 
 
 @contextmanager
@@ -587,9 +599,7 @@ async def test_a_2026_07_28_caller_gets_the_same_answers_from_the_fast_path_and_
     and every refusal of the transport (headers, size, body)."""
     off, off_taken = await modern_caller_answers(deployment, False, monkeypatch)
     on, on_taken = await modern_caller_answers(deployment, True, monkeypatch)
-    assert [label for label, _ in on] == [label for label, _ in off]
-    differing = [(label, a, b) for (label, a), (_, b) in zip(on, off) if a != b]
-    assert not differing, json.dumps([d[0] for d in differing]) + json.dumps(differing, indent=1, ensure_ascii=False)
+    assert_same_answers(on, off)
     assert off_taken == 0
     # the five polls, the nine answers (a late one with wait), the progress report, the three answers
     # with wait (woken, timed out, over SSE; not the one from a client with elicitation), the four
@@ -642,14 +652,8 @@ class RawHandshakeCaller:
         response = await self.http.post("/mcp", content=body, headers={k: v for k, v in sent.items() if v is not None})
         if label == "initialize":
             self.session_id = response.headers["mcp-session-id"]
-        text = response.text.replace(self.session_id or "-", "<session>") if self.session_id else response.text
-        if response.headers.get("content-type", "").startswith("text/event-stream"):
-            payload: Any = [json.loads(line[len("data: "):]) for line in text.split("\r\n") if line.startswith("data: ")]
-        else:
-            try:
-                payload = json.loads(text) if text else None
-            except ValueError:
-                payload = text
+        text = response.text.replace(self.session_id, "<session>") if self.session_id else response.text
+        payload = payload_of(response, text)
         self.answers.append((label, {
             "status": response.status_code, "body": masked(payload), "layout": masked_text(text),
             "headers": [(key, "<session>" if key == "mcp-session-id" else value)
@@ -755,9 +759,7 @@ async def test_a_2025_11_25_caller_gets_the_same_answers_from_the_fast_path_and_
     a session whose caller made no call yet, other protocol versions, refused headers and bodies."""
     off, off_taken = await handshake_caller_answers(deployment, False, monkeypatch)
     on, on_taken = await handshake_caller_answers(deployment, True, monkeypatch)
-    assert [label for label, _ in on] == [label for label, _ in off]
-    differing = [(label, a, b) for (label, a), (_, b) in zip(on, off) if a != b]
-    assert not differing, json.dumps([d[0] for d in differing]) + json.dumps(differing, indent=1, ensure_ascii=False)
+    assert_same_answers(on, off)
     assert off_taken == 0
     # the progress report, the eight answers without wait, "no protocol version header", the last answer
     assert on_taken == 1 + 8 + 1 + 1, on_taken
