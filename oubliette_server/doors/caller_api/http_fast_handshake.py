@@ -36,13 +36,15 @@ encoding), a keepalive ping as sse-starlette writes one if the call outlasts its
 the end. The call's result is shaped by the SDK's runner (`ServerRunner._serialize`) and an
 exception becomes the error the SDK's dispatcher writes. As on the SDK's path a client that goes
 away does not cancel the call (its answer is stored, then dropped). A `notifications/cancelled`
-for a call taken here goes to the SDK, which holds no such request: the call ends with its
-answer (stored first) instead of the SDK's `Request cancelled` error, the one difference. The request holds the
+on the session for a call taken here cancels it, and it is answered with the error the SDK's
+transport writes for a cancelled request (`REQUEST_CANCELLED`, even if the call had ended); the
+notification still goes to the SDK, which answers it 202 and holds no such request. The request holds the
 session open while it runs, as the transport's idle bookkeeping does. A taken call gets the
 span the SDK would make (`fast_call_span`). `OUBLIETTE_FAST_PATH=0` leaves every request to the
 SDK; tests/server/doors/test_http_caller.py drives the same requests both ways.
 
-Owns: per taken request, a nursery with the call and its keepalive pings.
+Owns: per taken request, a nursery with the call and its keepalive pings, and its cancel scope
+in the in-flight table (session id, request id) while it runs.
 Needs: the 2026-07-28 fast path (whose body reading, security check and result shaping it
 uses, and which gets every request not taken here), the SDK's session manager, and
 `session_of(mcp_session_id)`: the `ServerSession` of the caller of that MCP session, if any.
@@ -62,9 +64,10 @@ from weakref import WeakKeyDictionary
 import anyio
 import trio
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser, authorization_context
-from mcp.server.streamable_http import EventMessage, StreamableHTTPServerTransport, check_accept_headers
+from mcp.server.streamable_http import REQUEST_CANCELLED, EventMessage, StreamableHTTPServerTransport, check_accept_headers
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
-from mcp.shared.jsonrpc_dispatcher import handler_exception_to_error_data
+from mcp.shared.dispatcher import coerce_request_id
+from mcp.shared.jsonrpc_dispatcher import cancelled_request_id_from_params, handler_exception_to_error_data
 from mcp_types import ErrorData, JSONRPCError, JSONRPCResponse
 from mcp_types import methods as sdk_methods
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
@@ -86,6 +89,8 @@ FAST_TOOLS = frozenset({"caller_tool_response", "caller_tool_progress"})
 _HANDSHAKE = frozenset(version.encode() for version in HANDSHAKE_PROTOCOL_VERSIONS)
 _SEP = EventSourceResponse.DEFAULT_SEPARATOR
 _END = {"type": "http.response.body", "body": b"", "more_body": False}
+_CANCEL_MARK = b'"notifications/cancelled"'
+_NOTIFICATION_KEYS = frozenset({"jsonrpc", "method", "params"})
 
 #: `mcp_session_id -> ServerSession | None`: the session of that MCP session's caller, once it has one.
 SessionOf = Callable[[str], Any]
@@ -103,6 +108,7 @@ class FastHandshakeCalls:
         self.manager = manager
         self.session_of = session_of
         self.taken = 0
+        self._in_flight: dict[tuple[str, Any], trio.CancelScope] = {}
         self._headers: WeakKeyDictionary[StreamableHTTPServerTransport, list[tuple[bytes, bytes]]] = WeakKeyDictionary()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -113,11 +119,13 @@ class FastHandshakeCalls:
         body, rest = await self.modern._read_body(scope, receive)
         taken = None if body is None else self._parse(scope, session_id, body)
         if taken is None:
+            if body is not None and self._in_flight and _CANCEL_MARK in body:
+                self._cancel(scope, session_id, body)
             await self.app(scope, _replay(rest, receive), send)
             return
         self.taken += 1
         log.debug("tools/call %r taken off the SDK's path (handshake era)", taken[3]["id"])
-        await self._answer(scope, send, *taken)
+        await self._answer(scope, send, session_id, *taken)
 
     def _candidate(self, scope: dict[str, Any]) -> str | None:
         """The session id of a POST to the path with an `Mcp-Session-Id` the SDK holds and a handshake-era
@@ -138,27 +146,13 @@ class FastHandshakeCalls:
         self, scope: dict[str, Any], session_id: str, body: bytes,
     ) -> tuple[StreamableHTTPServerTransport, Any, str, dict[str, Any]] | None:
         """(the session's transport, its caller's `ServerSession`, the negotiated version, the JSON-RPC
-        message) of a call taken here, else None. Checked after the body is read: the session may have
-        ended meanwhile."""
-        transport = self.manager._server_instances.get(session_id)
-        if transport is None or not self._live(scope, session_id, transport):
+        message) of a call taken here, else None."""
+        accepted = self._accepted(scope, session_id)
+        message = None if accepted is None else _json(body)
+        if accepted is None or message is None:
             return None
-        session = self.session_of(session_id)
-        connection = getattr(session, "_connection", None)
-        if connection is None or not connection.initialize_accepted or connection.session_id != session_id:
-            return None
-        version = connection.protocol_version
-        if version.encode() not in _HANDSHAKE:
-            return None
-        request = Request(scope)
-        has_json, has_sse = check_accept_headers(request)
-        if not (has_json and has_sse and self.modern._secure(request.headers) and transport._check_content_type(request)):
-            return None
-        try:
-            message = json.loads(body)
-        except (ValueError, RecursionError):
-            return None
-        params = message.get("params") if isinstance(message, dict) and message.keys() == REQUEST_KEYS else None
+        transport, session, version = accepted
+        params = message.get("params") if message.keys() == REQUEST_KEYS else None
         if not (isinstance(params, dict) and params.keys() <= PARAM_KEYS and message["jsonrpc"] == "2.0"
                 and message["method"] == "tools/call" and is_request_id(message["id"])):
             return None
@@ -173,6 +167,39 @@ class FastHandshakeCalls:
             return None
         return transport, session, version, message
 
+    def _cancel(self, scope: dict[str, Any], session_id: str, body: bytes) -> None:
+        """Cancel the call taken here that a `notifications/cancelled` the SDK accepts names, as its dispatcher would."""
+        message = _json(body) if self._accepted(scope, session_id) is not None else None
+        if message is None or not message.keys() <= _NOTIFICATION_KEYS or message.get("jsonrpc") != "2.0":
+            return
+        params = message.get("params")
+        if message.get("method") != "notifications/cancelled" or not isinstance(params, dict | None):
+            return
+        request_id = cancelled_request_id_from_params(params)
+        cancel = None if request_id is None else self._in_flight.get((session_id, coerce_request_id(request_id)))
+        if cancel is not None:
+            cancel.cancel()
+
+    def _accepted(self, scope: dict[str, Any], session_id: str) -> tuple[StreamableHTTPServerTransport, Any, str] | None:
+        """(the session's transport, its caller's `ServerSession`, the negotiated version) when the SDK would
+        hand this POST's message to that session, else None. Checked after the body is read: the session
+        may have ended meanwhile."""
+        transport = self.manager._server_instances.get(session_id)
+        if transport is None or not self._live(scope, session_id, transport):
+            return None
+        session = self.session_of(session_id)
+        connection = getattr(session, "_connection", None)
+        if connection is None or not connection.initialize_accepted or connection.session_id != session_id:
+            return None
+        version = connection.protocol_version
+        if version.encode() not in _HANDSHAKE:
+            return None
+        request = Request(scope)
+        has_json, has_sse = check_accept_headers(request)
+        if not (has_json and has_sse and self.modern._secure(request.headers) and transport._check_content_type(request)):
+            return None
+        return transport, session, version
+
     def _live(self, scope: dict[str, Any], session_id: str, transport: StreamableHTTPServerTransport) -> bool:
         """Whether the SDK would hand this request to the session's transport and its POST handler would
         answer it over SSE with nothing stored: the manager's owner check, the transport's state and mode."""
@@ -185,7 +212,7 @@ class FastHandshakeCalls:
                     or transport.is_json_response_enabled or transport._event_store is not None)
 
     async def _answer(
-        self, scope: dict[str, Any], send: Any,
+        self, scope: dict[str, Any], send: Any, session_id: str,
         transport: StreamableHTTPServerTransport, session: Any, version: str, message: dict[str, Any],
     ) -> None:
         """Run the call and write its answer as the SDK's transport does: the SSE head, the response event, the end."""
@@ -193,23 +220,32 @@ class FastHandshakeCalls:
         name, arguments = params["name"], params["arguments"]
         ctx = SimpleNamespace(protocol_version=version, session=session,
                               request=SimpleNamespace(state=State(scope.setdefault("state", {}))))
-        with _held(transport):
-            await send({"type": "http.response.start", "status": 200, "headers": self._sse_headers(transport)})
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_ping, send)
-                with fast_call_span(name, request_id, params.get("_meta", {})) as ended:
-                    try:
-                        result = self.modern._shaper._serialize("tools/call", version, await self.modern.call(ctx, name, arguments))
-                    except Exception as exc:  # as the SDK dispatcher's exception-to-wire boundary
-                        answer: JSONRPCResponse | JSONRPCError = JSONRPCError(
-                            jsonrpc="2.0", id=request_id, error=_error_data(exc, name))
-                    else:
-                        ended(result)
-                        answer = JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
-                nursery.cancel_scope.cancel()
-            event = ensure_bytes(transport._create_event_data(EventMessage(answer)), _SEP)
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send(_END)
+        key = (session_id, coerce_request_id(request_id))
+        cancel = self._in_flight[key] = trio.CancelScope()
+        cancelled = JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=REQUEST_CANCELLED, message="Request cancelled"))
+        answer: JSONRPCResponse | JSONRPCError = cancelled
+        try:
+            with _held(transport):
+                await send({"type": "http.response.start", "status": 200, "headers": self._sse_headers(transport)})
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_ping, send)
+                    with cancel, fast_call_span(name, request_id, params.get("_meta", {})) as ended:
+                        try:
+                            result = self.modern._shaper._serialize("tools/call", version, await self.modern.call(ctx, name, arguments))
+                        except Exception as exc:  # as the SDK dispatcher's exception-to-wire boundary
+                            answer = JSONRPCError(jsonrpc="2.0", id=request_id, error=_error_data(exc, name))
+                        else:
+                            ended(result)
+                            answer = JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
+                    nursery.cancel_scope.cancel()
+                if cancel.cancel_called:  # the SDK's dispatcher drops what a cancelled request's handler returned
+                    answer = cancelled
+                event = ensure_bytes(transport._create_event_data(EventMessage(answer)), _SEP)
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send(_END)
+        finally:
+            if self._in_flight.get(key) is cancel:  # a newer call with the same id keeps its entry, as in the SDK
+                del self._in_flight[key]
 
     def _sse_headers(self, transport: StreamableHTTPServerTransport) -> list[tuple[bytes, bytes]]:
         """The response head the SDK's transport sends for a POST answered over SSE (built once per session)."""
@@ -222,6 +258,15 @@ class FastHandshakeCalls:
                 "mcp-session-id": transport.mcp_session_id or "",
             }).raw_headers
         return headers
+
+
+def _json(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, else None."""
+    try:
+        message = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return message if isinstance(message, dict) else None
 
 
 def _error_data(exc: Exception, name: str) -> ErrorData:

@@ -738,6 +738,7 @@ async def handshake_caller_answers(deployment: Deployment, fast: bool, monkeypat
                                                             "params": {"name": "caller_tool_response", "arguments": []}})),
                 ]:
                     await caller.post(label, body)
+                await cancelled_in_flight(caller, owner)
                 await caller.call("answer", 22, "caller_tool_response", {**owner, "request_id": third, "result": {"echo": "three"}})
             assert sorted(text_of(result) for result in results) == sorted([
                 '{"echo": "héllo ✓"}', "app_echo failed: no such thing", '{"echo": "three"}'])
@@ -745,6 +746,34 @@ async def handshake_caller_answers(deployment: Deployment, fast: bool, monkeypat
             assert ended.status_code == 200, ended.text
             await caller.call("after the session ended", 23, "caller_tool_response", good)
     return caller.answers, sum("taken off the SDK's path (handshake era)" in line for line in taken)
+
+
+async def cancelled_in_flight(caller: RawHandshakeCaller, owner: dict[str, str]) -> None:
+    """An answer whose call is held until the caller's `notifications/cancelled` for it arrives
+    (`CallerApi.call` held for its request id, never released): the cancel's answer, then the call's."""
+    from oubliette_server.doors.caller_api.tools import CallerApi
+
+    entered = trio.Event()
+    real = CallerApi.call
+
+    async def held(self: Any, ctx: Any, who: Any, name: str, arguments: dict[str, Any], *rest: Any) -> Any:
+        if arguments.get("request_id") == "ctr-held":
+            entered.set()
+            await trio.Event().wait()  # until cancelled
+        return await real(self, ctx, who, name, arguments, *rest)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(CallerApi, "call", held)
+        with trio.fail_after(TURN_TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(caller.call, "cancelled while in flight", 30, "caller_tool_response",
+                                   {**owner, "request_id": "ctr-held", "result": {}})
+                await entered.wait()
+                cancel = await caller.post("cancel", json.dumps({
+                    "jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 30, "reason": "gone"}}))
+                assert cancel is None, cancel  # 202, no body
+        # the two answers in one order, whichever the client read first
+        caller.answers[-2:] = sorted(caller.answers[-2:], key=lambda answer: answer[0])
 
 
 async def test_a_2025_11_25_caller_gets_the_same_answers_from_the_fast_path_and_from_the_sdk(
@@ -755,14 +784,16 @@ async def test_a_2025_11_25_caller_gets_the_same_answers_from_the_fast_path_and_
     well-formed `caller_tool_response` without `wait` and `caller_tool_progress` on a live session)
     give the caller the same status, headers and body, byte for byte (ids and numbers masked):
     answers ok, error (a string request id), late, unknown, bad params, for an unknown session, a
-    progress report, and every request the SDK keeps: with `wait`, an unknown or ended MCP session,
+    progress report, a call cancelled in flight by the caller's `notifications/cancelled` (the SDK's
+    `Request cancelled` error), and every request the SDK keeps: with `wait`, an unknown or ended MCP session,
     a session whose caller made no call yet, other protocol versions, refused headers and bodies."""
     off, off_taken = await handshake_caller_answers(deployment, False, monkeypatch)
     on, on_taken = await handshake_caller_answers(deployment, True, monkeypatch)
     assert_same_answers(on, off)
     assert off_taken == 0
-    # the progress report, the eight answers without wait, "no protocol version header", the last answer
-    assert on_taken == 1 + 8 + 1 + 1, on_taken
+    # the progress report, the eight answers without wait, "no protocol version header", the one
+    # cancelled in flight, the last answer
+    assert on_taken == 1 + 8 + 1 + 1 + 1, on_taken
 
 
 async def test_the_sdk_clients_2025_11_25_answers_take_the_fast_path(deployment: Deployment) -> None:
