@@ -58,6 +58,7 @@ from ..features.turns import STREAM_GONE_STATE
 from ..store.api import StoreUnavailable
 from .caller_api import CallerApi, build_caller_server
 from .caller_api.http_fast import FastHttpCalls
+from .caller_api.http_fast_handshake import FastHandshakeCalls
 from .caller_api.mcp_server import call_as_caller
 from .caller_api.schemas import OWNER_KEY_PATTERN
 from .connection_limits import (
@@ -883,6 +884,8 @@ class HttpApi:
         self.mcp = build_caller_server(tools, self._resolve_caller, self._release_caller)
         self.fast: FastHttpCalls | None = None
         """The 2026-07-28 fast path in front of the SDK's `/mcp` once `asgi_app` built it (`OUBLIETTE_FAST_PATH`)."""
+        self.fast_handshake: FastHandshakeCalls | None = None
+        """The handshake-era fast path in front of `fast`, built with it."""
 
     def _resolve_caller(self, ctx: Any, arguments: dict[str, Any] | None) -> CallerConnection | None:
         """Who sends this request (docs/SECURITY.md, "Callers and sessions").
@@ -947,6 +950,11 @@ class HttpApi:
             self._modern_callers.pop(self._modern_names.pop(caller), None)
             self.callers.close(caller)
 
+    def _caller_session(self, mcp_session_id: str) -> Any:
+        """The `ServerSession` of that MCP session's caller, once its first call made one (else None)."""
+        caller = self._legacy_by_mcp_session.get(mcp_session_id)
+        return None if caller is None else caller.mcp_session
+
     def _standalone_stream_dropped(self, mcp_session_id: str) -> None:
         """A handshake-era caller's GET stream dropped (e.g. the process was killed): its calls fail now.
 
@@ -984,7 +992,9 @@ class HttpApi:
         if fast_path_enabled():  # a 2026-07-28 caller's answers and long polls beside the SDK (http_fast.py)
             call = functools.partial(call_as_caller, self.tools, self._resolve_caller, self._release_caller)
             self.fast = FastHttpCalls(mcp, self.mcp, security, MCP_MAX_BODY_BYTES, MCP_PATHS[0], call)
-            mcp = self.fast
+            # and a handshake-era caller's answers on its live session (http_fast_handshake.py)
+            self.fast_handshake = FastHandshakeCalls(self.fast, self.mcp.session_manager, self._caller_session)
+            mcp = self.fast_handshake
         watched = UnixSocketHost(ExplainRefusals(mcp))
         scoped = PrincipalAccess(watched, self.access, error_response)
         return self._outer(BearerAuth(scoped, self.verify_token, self.principal_of, refused))

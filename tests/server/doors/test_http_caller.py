@@ -395,6 +395,16 @@ async def chunked(*parts: bytes) -> AsyncIterator[bytes]:
         yield part
 
 
+def payload_of(response: Any, text: str) -> Any:
+    """The JSON of an answer's `text`: each SSE event's data, or the body (the text itself when not JSON)."""
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        return [json.loads(line[len("data: "):]) for line in text.split("\r\n") if line.startswith("data: ")]
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text
+
+
 class RawModernCaller:
     """A 2026-07-28 caller writing its POSTs by hand; each answer kept as the parts a caller reads."""
 
@@ -412,12 +422,7 @@ class RawModernCaller:
         text = response.text
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             text = "\r\n\r\n".join(part for part in text.split("\r\n\r\n") if part and not part.startswith(": ping"))
-            payload: Any = [json.loads(line[len("data: "):]) for line in text.split("\r\n") if line.startswith("data: ")]
-        else:
-            try:
-                payload = json.loads(text) if text else None
-            except ValueError:
-                payload = text
+        payload = payload_of(response, text)
         self.answers.append((label, {
             "status": response.status_code, "body": masked(payload), "layout": masked_text(text),
             "headers": {key: response.headers[key] for key in HEADERS_THAT_MATTER if key in response.headers},
@@ -437,6 +442,13 @@ class RawModernCaller:
         if isinstance(result, list):  # an SSE answer: its one response event
             result = result[-1]["result"]
         return result["structuredContent"]["frames"]
+
+
+def assert_same_answers(on: list[tuple[str, Any]], off: list[tuple[str, Any]]) -> None:
+    """The same requests, in the same order, got the same answers with the fast path on and off."""
+    assert [label for label, _ in on] == [label for label, _ in off]
+    differing = [(label, a, b) for (label, a), (_, b) in zip(on, off) if a != b]
+    assert not differing, json.dumps([d[0] for d in differing]) + json.dumps(differing, indent=1, ensure_ascii=False)
 
 
 @contextmanager
@@ -587,9 +599,7 @@ async def test_a_2026_07_28_caller_gets_the_same_answers_from_the_fast_path_and_
     and every refusal of the transport (headers, size, body)."""
     off, off_taken = await modern_caller_answers(deployment, False, monkeypatch)
     on, on_taken = await modern_caller_answers(deployment, True, monkeypatch)
-    assert [label for label, _ in on] == [label for label, _ in off]
-    differing = [(label, a, b) for (label, a), (_, b) in zip(on, off) if a != b]
-    assert not differing, json.dumps([d[0] for d in differing]) + json.dumps(differing, indent=1, ensure_ascii=False)
+    assert_same_answers(on, off)
     assert off_taken == 0
     # the five polls, the nine answers (a late one with wait), the progress report, the three answers
     # with wait (woken, timed out, over SSE; not the one from a client with elicitation), the four
@@ -617,7 +627,8 @@ async def test_the_fast_path_sends_an_answers_head_with_its_body_and_its_last_ev
 ) -> None:
     """The fast path's answers reach the socket in fewer writes, the same bytes: a JSON answer in one
     (the head with the body, not two), an SSE one with its head and first ping in one and its response
-    event with the end of the chunked body in one (each write a system call and a packet)."""
+    event with the end of the chunked body in one (each write a system call and a packet); a
+    handshake-era answer likewise, its head in one and its response event with the end in one."""
     from mcp.server import _streamable_http_modern as sdk_http
 
     from oubliette_server.doors import connection_limits
@@ -657,7 +668,204 @@ async def test_the_fast_path_sends_an_answers_head_with_its_body_and_its_last_ev
             writes.clear()
             assert await caller.poll("poll answered over SSE", after, 1000) == []
             sse_writes = writes[:]
-    assert sum("taken off the SDK's path" in line for line in taken) == 2, taken
+            handshake = RawHandshakeCaller(http)
+            await handshake.open()
+            early = {"session_id": "s2", "request_id": "ctr-0000", "result": {}}
+            await handshake.call("the session's first call: the SDK's", 1, "caller_tool_response", early)
+            writes.clear()
+            await handshake.call("a handshake-era answer, taken", 2, "caller_tool_response", early)
+            handshake_writes = writes[:]
+    assert sum("taken off the SDK's path" in line for line in taken) == 3, taken
+    assert handshake_writes[0].startswith(b"HTTP/1.1 200 ") and len(handshake_writes) == 2, handshake_writes
+    assert b'"result"' in handshake_writes[-1] and handshake_writes[-1].endswith(b"\r\n\r\n\r\n0\r\n\r\n"), handshake_writes
     assert len(json_writes) == 1 and json_writes[0].startswith(b"HTTP/1.1 200 ") and json_writes[0].endswith(b"}"), json_writes
     assert sse_writes[0].startswith(b"HTTP/1.1 200 ") and sse_writes[0].endswith(b": ping\r\n\r\n\r\n"), sse_writes
     assert b'"result"' in sse_writes[-1] and sse_writes[-1].endswith(b"\r\n\r\n\r\n0\r\n\r\n"), sse_writes
+
+
+# -- the handshake-era fast path (http_fast_handshake.py) ------------------------------------
+
+
+HANDSHAKE = "2025-11-25"
+
+
+class RawHandshakeCaller:
+    """A 2025-11-25 caller writing its POSTs by hand on its MCP session; each answer kept whole: the
+    status, every header but the date (its session id masked), the body's layout and its JSON."""
+
+    def __init__(self, http: Any) -> None:
+        self.http = http
+        self.session_id = ""
+        self.answers: list[tuple[str, Any]] = []
+
+    async def open(self) -> None:
+        """`initialize` and `notifications/initialized`: the session the SDK opens."""
+        await self.post("initialize", json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": HANDSHAKE, "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}}))
+        await self.post("initialized", json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+
+    async def post(self, label: str, body: str, **headers: str | None) -> Any:
+        """POST `body` to /mcp with the headers the SDK's client sends on this session (`headers` over
+        them; None: without that header)."""
+        sent: dict[str, str | None] = {"content-type": "application/json", "accept": "application/json, text/event-stream",
+                **({"mcp-session-id": self.session_id, "mcp-protocol-version": HANDSHAKE} if self.session_id else {}),
+                **headers}
+        response = await self.http.post("/mcp", content=body, headers={k: v for k, v in sent.items() if v is not None})
+        if label == "initialize":
+            self.session_id = response.headers["mcp-session-id"]
+        text = response.text.replace(self.session_id, "<session>") if self.session_id else response.text
+        payload = payload_of(response, text)
+        self.answers.append((label, {
+            "status": response.status_code, "body": masked(payload), "layout": masked_text(text),
+            "headers": [(key, "<session>" if key == "mcp-session-id" else value)
+                        for key, value in response.headers.multi_items() if key != "date"],
+        }))
+        return payload
+
+    async def call(self, label: str, request_id: Any, name: str, arguments: Any, **headers: str | None) -> Any:
+        """A `tools/call` of `name` on this session; its result (or error) as read."""
+        answer = await self.post(label, json.dumps({"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+                                                    "params": {"name": name, "arguments": arguments}}), **headers)
+        return answer[-1] if isinstance(answer, list) and answer else answer
+
+
+async def handshake_caller_answers(deployment: Deployment, fast: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:
+    """Every answer a raw 2025-11-25 caller got from a server with `OUBLIETTE_FAST_PATH` on or off,
+    and how many of its requests the handshake-era fast path took."""
+    monkeypatch.setenv("OUBLIETTE_FAST_PATH", "1" if fast else "0")
+    session = f"s-{'on' if fast else 'off'}"
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.rest() as http:
+            caller = RawHandshakeCaller(http)
+            early = {"session_id": session, "request_id": "ctr-0000", "result": {}}
+            await caller.open()
+            await caller.call("answer before the session's first call: the SDK's", 1, "caller_tool_response", early)
+            declared = await caller.call("declare", 2, "session_message", {
+                "instance": "box1", "session_id": session, "message": "hi",
+                "context": {"caller_id": "app", "caller_tools": [ECHO]}})
+            assert "result" in declared, (declared, caller.answers)
+            after = declared["result"]["structuredContent"]["ingress_seq"]
+            async with deployment.agent("box1", f"mcp:{session}") as agent, trio.open_nursery() as nursery:
+                results: list[Any] = []
+
+                async def agent_call(text: str) -> None:
+                    results.append(await agent.call_tool("app_echo", {"text": text}))
+
+                async def next_request(label: str, request_id: int) -> dict[str, Any]:
+                    nonlocal after
+                    read = await caller.call(label, request_id, "session_events", {
+                        "session_id": session, "types": ["caller_tool_request"], "after_seq": after, "wait_ms": 20_000})
+                    frame = read["result"]["structuredContent"]["frames"][0]
+                    after = frame["seq"]
+                    return frame["payload"]
+
+                nursery.start_soon(agent_call, "héllo ✓")
+                first = (await next_request("poll", 3))["request_id"]
+                nursery.start_soon(agent_call, "two")
+                second = (await next_request("poll again", 4))["request_id"]
+                nursery.start_soon(agent_call, "three")
+                third = (await next_request("poll a third time", 5))["request_id"]
+                await caller.call("progress", 9, "caller_tool_progress", {
+                    "session_id": session, "request_id": third, "progress": 1, "total": 2, "message": "half"})
+                owner = {"session_id": session}
+                for label, request_id, arguments in [
+                    ("result", 10, {**owner, "request_id": first, "result": {"echo": "héllo ✓"}}),
+                    ("error", "eleven", {**owner, "request_id": second, "error": "no such thing", "wait": False}),
+                    ("late", 12, {**owner, "request_id": first, "result": {}}),
+                    ("unknown request", 13, {**owner, "request_id": "ctr-0000", "result": {}}),
+                    ("bad params: no request_id", 14, {**owner, "result": {}}),
+                    ("bad params: result and error", 15, {**owner, "request_id": third, "result": 1, "error": "x"}),
+                    ("bad params: unknown key", 16, {**owner, "request_id": third, "result": 1, "extra": 1}),
+                    ("unknown session", 17, {"session_id": "nope", "request_id": third, "result": {}}),
+                    ("late, with wait: the SDK's", 18, {**owner, "request_id": first, "result": {}, "wait": 0}),
+                ]:
+                    await caller.call(label, request_id, "caller_tool_response", arguments)
+                good = {**owner, "request_id": "ctr-0000", "result": {}}
+                for label, headers in [
+                    ("unknown Mcp-Session-Id", {"mcp-session-id": "0" * 32}),
+                    ("no protocol version header", {"mcp-protocol-version": None}),
+                    ("an empty protocol version header", {"mcp-protocol-version": ""}),
+                    ("a 2026-07-28 protocol version header", {"mcp-protocol-version": "2026-07-28"}),
+                    ("Host refused", {"host": "evil.example"}),
+                    ("Origin refused", {"origin": "http://evil.example"}),
+                    ("Content-Type", {"content-type": "text/plain"}),
+                    ("Accept without SSE", {"accept": "application/json"}),
+                ]:
+                    await caller.call(label, 20, "caller_tool_response", good, **headers)
+                for label, body in [
+                    ("not JSON", "{not json"),
+                    ("a batch", "[]"),
+                    ("arguments not an object", json.dumps({"jsonrpc": "2.0", "id": 21, "method": "tools/call",
+                                                            "params": {"name": "caller_tool_response", "arguments": []}})),
+                ]:
+                    await caller.post(label, body)
+                await cancelled_in_flight(caller, owner)
+                await caller.call("answer", 22, "caller_tool_response", {**owner, "request_id": third, "result": {"echo": "three"}})
+            assert sorted(text_of(result) for result in results) == sorted([
+                '{"echo": "héllo ✓"}', "app_echo failed: no such thing", '{"echo": "three"}'])
+            ended = await http.delete("/mcp", headers={"mcp-session-id": caller.session_id, "mcp-protocol-version": HANDSHAKE})
+            assert ended.status_code == 200, ended.text
+            await caller.call("after the session ended", 23, "caller_tool_response", good)
+    return caller.answers, sum("taken off the SDK's path (handshake era)" in line for line in taken)
+
+
+async def cancelled_in_flight(caller: RawHandshakeCaller, owner: dict[str, str]) -> None:
+    """An answer whose call is held until the caller's `notifications/cancelled` for it arrives
+    (`CallerApi.call` held for its request id, never released): the cancel's answer, then the call's."""
+    from oubliette_server.doors.caller_api.tools import CallerApi
+
+    entered = trio.Event()
+    real = CallerApi.call
+
+    async def held(self: Any, ctx: Any, who: Any, name: str, arguments: dict[str, Any], *rest: Any) -> Any:
+        if arguments.get("request_id") == "ctr-held":
+            entered.set()
+            await trio.Event().wait()  # until cancelled
+        return await real(self, ctx, who, name, arguments, *rest)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(CallerApi, "call", held)
+        with trio.fail_after(TURN_TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(caller.call, "cancelled while in flight", 30, "caller_tool_response",
+                                   {**owner, "request_id": "ctr-held", "result": {}})
+                await entered.wait()
+                cancel = await caller.post("cancel", json.dumps({
+                    "jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 30, "reason": "gone"}}))
+                assert cancel is None, cancel  # 202, no body
+        # the two answers in one order, whichever the client read first
+        caller.answers[-2:] = sorted(caller.answers[-2:], key=lambda answer: answer[0])
+
+
+async def test_a_2025_11_25_caller_gets_the_same_answers_from_the_fast_path_and_from_the_sdk(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handshake-era fast path's parity test: the same raw 2025-11-25 requests on an MCP session
+    with `OUBLIETTE_FAST_PATH` off (the SDK answers every one) and on (the fast path answers the
+    well-formed `caller_tool_response` without `wait` and `caller_tool_progress` on a live session)
+    give the caller the same status, headers and body, byte for byte (ids and numbers masked):
+    answers ok, error (a string request id), late, unknown, bad params, for an unknown session, a
+    progress report, a call cancelled in flight by the caller's `notifications/cancelled` (the SDK's
+    `Request cancelled` error), and every request the SDK keeps: with `wait`, an unknown or ended MCP session,
+    a session whose caller made no call yet, other protocol versions, refused headers and bodies."""
+    off, off_taken = await handshake_caller_answers(deployment, False, monkeypatch)
+    on, on_taken = await handshake_caller_answers(deployment, True, monkeypatch)
+    assert_same_answers(on, off)
+    assert off_taken == 0
+    # the progress report, the eight answers without wait, "no protocol version header", the one
+    # cancelled in flight, the last answer
+    assert on_taken == 1 + 8 + 1 + 1 + 1, on_taken
+
+
+async def test_the_sdk_clients_2025_11_25_answers_take_the_fast_path(deployment: Deployment) -> None:
+    """The MCP SDK's own client (mode legacy) answers a request it got on its stream with a
+    `caller_tool_response` in the shape the handshake-era fast path takes: answered beside the
+    SDK, and the agent gets the result."""
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.caller(mode="legacy") as (caller, events):
+            await declare(caller, "box1", "s1", [NOTIFY])
+            async with deployment.agent("box1", "mcp:s1") as agent:
+                _request, reply, result = await call_and_answer(
+                    agent, caller, events, "s1", "myapp_send_notification", {"message": "hi"}, {"result": {"status": "sent"}})
+    assert structured(reply) == {"resolved": True} and result.structured_content == {"status": "sent"}
+    assert sum("taken off the SDK's path (handshake era)" in line for line in taken) == 1, taken
