@@ -34,14 +34,15 @@ MAX_FRAME_BYTES = 1024 * 1024
 RECEIVE_CHUNK_BYTES = 64 * 1024
 
 
-def encode(message: dict[str, Any]) -> bytes:
-    """Serialise one message as a compact UTF-8 JSON line ending in ``\\n``.
+#: The wire's compact JSON text of a value, NaN and infinities refused (``ValueError``): they are
+#: not JSON, and a peer in another language could not parse them. One encoder for every call
+#: (``json.dumps`` with options builds a new one each time).
+compact_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
-    NaN and infinities are refused (``ValueError``) because they are not JSON and a peer
-    in another language could not parse them.
-    """
-    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return text.encode("utf-8") + b"\n"
+
+def encode(message: dict[str, Any]) -> bytes:
+    """Serialise one message as a compact UTF-8 JSON line ending in ``\\n`` (:data:`compact_json`)."""
+    return compact_json(message).encode("utf-8") + b"\n"
 
 
 def _reject_constant(name: str) -> Any:
