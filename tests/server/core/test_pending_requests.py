@@ -18,6 +18,7 @@ import trio
 import trio.testing
 
 from oubliette_server.features.approvals.service import ApprovalService, Decision
+from oubliette_server.features.caller_tool_relay import pending as caller_tool_pending
 from oubliette_server.features.caller_tool_relay.pending import CallerCallRegistry, NoLongerPending
 from oubliette_server.core.callers import CallerConnection
 from oubliette_server.core.pending_requests import RESOLVED_MEMORY, SERVER_SHUTDOWN, RequestBook, SharedStore, SingleServer
@@ -94,6 +95,45 @@ async def test_a_call_takes_exactly_one_outcome() -> None:
     assert t.outcome == [{"ok": 1}]
     assert t.log.types() == ["caller_tool_request", "caller_tool_result"]
     assert t.calls.pending_for(t.session) == [] and not t.calls.holds(t.session)
+
+
+class TaskSteps(trio.abc.Instrument):
+    """Counts the times the scheduler runs one task: each is a round trip through the scheduler."""
+
+    def __init__(self) -> None:
+        self.task = trio.lowlevel.current_task()
+        self.count = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        """One more step of the watched task."""
+        if task is self.task:
+            self.count += 1
+
+
+async def test_an_answer_is_stored_without_a_round_trip_and_builds_no_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer takes its call's free claim at once: it reaches the store in the step it was
+    made in (no scheduler round trip on the way). And the ends the server decides (the timeout,
+    the caller's absence, the agent's cancel, the shutdown: their words and errors) are made only
+    for a call that ends so, never for one its caller answers."""
+    made: list[Any] = []
+    monkeypatch.setattr(caller_tool_pending, "_timed_out", lambda *args: made.append(args))
+    async with one_pending_call() as t:
+        steps = TaskSteps()
+        steps_before_store: list[int] = []
+        append = t.calls._append_frame
+
+        async def watched_append(session: Session, type: str, payload: dict[str, Any], **kw: Any) -> Any:
+            steps_before_store.append(steps.count)
+            return await append(session, type, payload, **kw)
+
+        t.calls._append_frame = watched_append
+        trio.lowlevel.add_instrument(steps)
+        try:
+            await t.calls.respond(t.caller, "s1", t.call.request_id, {"ok": 1})
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+    assert t.outcome == [{"ok": 1}] and steps_before_store == [0]
+    assert made == []
 
 
 async def test_an_approval_takes_exactly_one_decision() -> None:
