@@ -37,6 +37,7 @@ import anyio
 import trio
 
 from protocol.errors import INVALID_REQUEST
+from protocol.peer import write_at_once
 
 __all__ = [
     "DEFAULT_MAX_STDIN_LINE_BYTES", "StdinLines", "StdoutText", "claimed_stdio", "oversized_line_error", "request_id_of",
@@ -220,10 +221,24 @@ class StdoutText:
     async def write(self, text: str) -> None:
         """Write `text` whole; safe from several tasks (lines never interleave).
 
+        When no write is in progress the line goes to the pipe at once (`write_at_once`), the
+        rest, if the pipe took only part of it, under the lock before anyone else's: no scheduler
+        round trip for the lock or the stream's checkpoint, two of them per relayed call's line.
         A reader that has gone away ends the writer as the SDK expects (closed stream)."""
+        data = text.encode("utf-8")
         try:
-            async with self._lock:
-                await self._stream.send_all(text.encode("utf-8"))
+            if self._lock.locked():
+                async with self._lock:
+                    await self._stream.send_all(data)
+                return
+            await trio.lowlevel.checkpoint_if_cancelled()
+            sent = write_at_once(self._stream.fileno(), data)
+            if sent < len(data):
+                self._lock.acquire_nowait()  # free: nobody ran since the line's first part
+                try:
+                    await self._stream.send_all(data[sent:])
+                finally:
+                    self._lock.release()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if self._on_broken is not None:
                 self._on_broken()

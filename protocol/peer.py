@@ -132,6 +132,16 @@ class _Waiter:
     error: RelayError | None = None
 
 
+def write_at_once(fd: int, data: bytes) -> int:
+    """How much of `data` a non-blocking descriptor takes now, written (0 when it is full or
+    broken: the caller's ordinary write, under its deadline, then waits or fails as usual). A
+    write that takes it whole needs no task, no lock round trip and no deadline: it cannot block."""
+    try:
+        return os.write(fd, data)
+    except OSError:
+        return 0
+
+
 class _Room:
     """Bounded places for frames of one kind: taken when queued, given back when done with.
 
@@ -361,7 +371,8 @@ class RelayPeer:
         """Write the queued frames in the calling task while a socket's non-blocking send takes
         each whole: no writer task, no scheduler round trip, and no deadline, for such a send
         cannot block. True: everything was written. A frame the socket takes in part or not at all
-        (its buffer is full, or it broke), a frame over `AT_ONCE_BYTES` (a long copy would hold
+        (its buffer is full, or it broke: the writer task tries again and ends the connection as
+        usual), a frame over `AT_ONCE_BYTES` (a long copy would hold
         the loop), and any other stream leave the rest to the task, which writes under the write
         deadline and closes the connection on a failed write."""
         if not isinstance(self._stream, trio.SocketStream):
@@ -371,10 +382,7 @@ class RelayPeer:
             item = queue[0]
             if not isinstance(item, _Outgoing) or len(item.data) > AT_ONCE_BYTES:  # `_CLOSE`: the task's
                 return False
-            try:
-                sent = os.write(self._stream.socket.fileno(), item.data)
-            except OSError:  # full (EAGAIN), or broken: the writer task tries again and ends the connection as usual
-                return False
+            sent = write_at_once(self._stream.socket.fileno(), item.data)
             if sent < len(item.data):
                 queue[0] = attrs.evolve(item, data=item.data[sent:])
                 return False

@@ -26,6 +26,7 @@ from oubliette_server.core.sessions import Session
 from oubliette_server.store.api import AnswerNotRecorded, StoreUnavailable
 from protocol import RelayError, errors
 from protocol.messages import CallerToolSpec
+from task_steps import counted_steps
 
 
 class FakeLog:
@@ -97,19 +98,6 @@ async def test_a_call_takes_exactly_one_outcome() -> None:
     assert t.calls.pending_for(t.session) == [] and not t.calls.holds(t.session)
 
 
-class TaskSteps(trio.abc.Instrument):
-    """Counts the times the scheduler runs one task: each is a round trip through the scheduler."""
-
-    def __init__(self) -> None:
-        self.task = trio.lowlevel.current_task()
-        self.count = 0
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        """One more step of the watched task."""
-        if task is self.task:
-            self.count += 1
-
-
 async def test_an_answer_is_stored_without_a_round_trip_and_builds_no_end(monkeypatch: pytest.MonkeyPatch) -> None:
     """An answer takes its call's free claim at once: it reaches the store in the step it was
     made in (no scheduler round trip on the way). And the ends the server decides (the timeout,
@@ -118,7 +106,6 @@ async def test_an_answer_is_stored_without_a_round_trip_and_builds_no_end(monkey
     made: list[Any] = []
     monkeypatch.setattr(caller_tool_pending, "_timed_out", lambda *args: made.append(args))
     async with one_pending_call() as t:
-        steps = TaskSteps()
         steps_before_store: list[int] = []
         append = t.calls._append_frame
 
@@ -127,11 +114,8 @@ async def test_an_answer_is_stored_without_a_round_trip_and_builds_no_end(monkey
             return await append(session, type, payload, **kw)
 
         t.calls._append_frame = watched_append
-        trio.lowlevel.add_instrument(steps)
-        try:
+        with counted_steps() as steps:
             await t.calls.respond(t.caller, "s1", t.call.request_id, {"ok": 1})
-        finally:
-            trio.lowlevel.remove_instrument(steps)
     assert t.outcome == [{"ok": 1}] and steps_before_store == [0]
     assert made == []
 
