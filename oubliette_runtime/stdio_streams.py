@@ -155,13 +155,25 @@ class StdinLines:
     def __aiter__(self) -> AsyncIterator[str]:
         return self._lines()
 
+    async def _receive(self) -> bytes:
+        """The next bytes of stdin (``b""`` at its end): waited for, then read in the same step, one
+        scheduler round trip where the stream's ``receive_some`` takes two (its checkpoint, then
+        its wait) when the caller has sent nothing yet, as between the lines of a relayed call."""
+        if self._stream.fileno() >= 0:  # not closed (`on_broken`): else the stream's read raises that
+            await trio.lowlevel.wait_readable(self._stream.fileno())
+            try:
+                return os.read(self._stream.fileno(), _CHUNK)
+            except OSError:
+                pass  # nothing after all, broken or closed meanwhile: the stream's own read says which
+        return await self._stream.receive_some(_CHUNK)
+
     async def _lines(self) -> AsyncIterator[str]:
         parts: list[bytes] = []  # the current line so far, while it is within the limit
         size = 0  # its bytes so far (also while it is being dropped)
         head = b""  # the first bytes of a line over the limit, to find its id
         while True:
             try:
-                chunk = await self._stream.receive_some(_CHUNK)
+                chunk = await self._receive()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 chunk = b""
             if not chunk:

@@ -25,6 +25,7 @@ import trio
 import trio.testing
 
 from harness import EVENT_TIMEOUT, Deployment
+from task_steps import counted_steps
 from protocol.framing import LineBuffer
 from protocol.peer import _Outgoing
 from protocol import (
@@ -499,6 +500,23 @@ async def test_on_a_socket_a_frame_is_written_at_once_by_the_task_that_queues_it
         assert await client.request("caller_tool", {"tool": "t", "arguments": {}}, timeout=5) == {"result": {"echo": {}}}
         await trio.testing.wait_all_tasks_blocked()
         assert tasks_besides_serve() == [0, 0] and server.peer._answers.used == 0
+
+
+async def test_on_a_socket_what_arrives_while_the_peer_waits_is_read_in_one_step() -> None:
+    """An idle connection waits for its socket and reads in the step it wakes in (trio's
+    `receive_some` would take one step more, its checkpoint)."""
+    near, far = socket_stream_pair()
+    peer = RelayPeer(near, RelayCore("server"), name="reader")
+    async with near, far, trio.open_nursery() as nursery:
+
+        async def send_when_the_peer_waits() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            await far.send_all(hello_line())
+
+        nursery.start_soon(send_when_the_peer_waits)
+        with counted_steps() as steps, trio.fail_after(EVENT_TIMEOUT):
+            assert await peer._receive_or_eof() == hello_line()
+        assert steps.count == 1
 
 
 async def test_what_a_full_socket_does_not_take_at_once_the_writer_finishes_in_order() -> None:

@@ -12,10 +12,10 @@ import json
 import os
 import subprocess
 import tracemalloc
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import trio
@@ -235,6 +235,23 @@ async def test_a_line_to_a_free_pipe_is_written_in_the_step_it_is_written_in() -
         assert steps.count == 0
         with trio.fail_after(TIMEOUT):
             assert await read_end.receive_some() == b"one line\n"
+
+
+async def test_a_line_that_arrives_while_stdin_waits_is_read_in_one_step() -> None:
+    """Between the lines of a relayed call stdin has nothing: the reader waits for the pipe and
+    reads in the step it wakes in (the stream's `receive_some` took a checkpoint first: two)."""
+    read_end, feed = fd_pipe()
+    lines = cast(AsyncGenerator[str, None], StdinLines(read_end).__aiter__())  # `_lines`, a generator
+    async with read_end, feed, aclosing(lines), trio.open_nursery() as nursery:
+
+        async def send_when_the_reader_waits() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            await feed.send_all(b"one line\n")
+
+        nursery.start_soon(send_when_the_reader_waits)
+        with counted_steps() as steps, trio.fail_after(TIMEOUT):
+            assert await lines.__anext__() == "one line\n"
+        assert steps.count == 1
 
 
 async def test_a_line_the_pipe_takes_in_part_ends_before_the_next_line_begins() -> None:
