@@ -37,7 +37,7 @@ import anyio
 import trio
 
 from protocol.errors import INVALID_REQUEST
-from protocol.peer import write_at_once
+from protocol.framing import write_at_once
 
 __all__ = [
     "DEFAULT_MAX_STDIN_LINE_BYTES", "StdinLines", "StdoutText", "claimed_stdio", "oversized_line_error", "request_id_of",
@@ -160,7 +160,10 @@ class StdinLines:
         scheduler round trip where the stream's ``receive_some`` takes two (its checkpoint, then
         its wait) when the caller has sent nothing yet, as between the lines of a relayed call."""
         if self._stream.fileno() >= 0:  # not closed (`on_broken`): else the stream's read raises that
-            await trio.lowlevel.wait_readable(self._stream.fileno())
+            try:
+                await trio.lowlevel.wait_readable(self._stream.fileno())
+            except OSError:  # not a pipe epoll can wait on (a file, /dev/null): the stream's read, which never waits
+                return await self._stream.receive_some(_CHUNK)
             try:
                 return os.read(self._stream.fileno(), _CHUNK)
             except OSError:

@@ -61,7 +61,7 @@ from .core import (
     ROLE_SERVER,
 )
 from .errors import CANCELLED, INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, PEER_DISCONNECTED, TIMEOUT, RelayError
-from .framing import RECEIVE_CHUNK_BYTES, FrameTooLarge
+from .framing import RECEIVE_CHUNK_BYTES, FrameTooLarge, write_at_once
 from .schemas import parse_params
 
 __all__ = [
@@ -130,16 +130,6 @@ class _Waiter:
     done: trio.Event = attrs.field(factory=trio.Event)
     result: Any = None
     error: RelayError | None = None
-
-
-def write_at_once(fd: int, data: bytes) -> int:
-    """How much of `data` a non-blocking descriptor takes now, written (0 when it is full or
-    broken: the caller's ordinary write, under its deadline, then waits or fails as usual). A
-    write that takes it whole needs no task, no lock round trip and no deadline: it cannot block."""
-    try:
-        return os.write(fd, data)
-    except OSError:
-        return 0
 
 
 class _Room:
