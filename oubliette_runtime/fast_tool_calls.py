@@ -88,9 +88,13 @@ def is_request_id(value: Any) -> bool:
     return isinstance(value, (str, int)) and not isinstance(value, bool)
 
 
+#: One encoder for every line (`json.dumps` with options builds a new one per call).
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def _line(message: dict[str, Any]) -> str:
     """One JSON-RPC line, compact and UTF-8 like the SDK's stdio writer."""
-    return json.dumps(message, ensure_ascii=False, separators=(",", ":")) + "\n"
+    return _ENCODE(message) + "\n"
 
 
 def response_line(request_id: str | int, result: Any) -> str:

@@ -37,6 +37,7 @@ import anyio
 import trio
 
 from protocol.errors import INVALID_REQUEST
+from protocol.framing import write_at_once
 
 __all__ = [
     "DEFAULT_MAX_STDIN_LINE_BYTES", "StdinLines", "StdoutText", "claimed_stdio", "oversized_line_error", "request_id_of",
@@ -154,13 +155,28 @@ class StdinLines:
     def __aiter__(self) -> AsyncIterator[str]:
         return self._lines()
 
+    async def _receive(self) -> bytes:
+        """The next bytes of stdin (``b""`` at its end): waited for, then read in the same step, one
+        scheduler round trip where the stream's ``receive_some`` takes two (its checkpoint, then
+        its wait) when the caller has sent nothing yet, as between the lines of a relayed call."""
+        if self._stream.fileno() >= 0:  # not closed (`on_broken`): else the stream's read raises that
+            try:
+                await trio.lowlevel.wait_readable(self._stream.fileno())
+            except OSError:  # not a pipe epoll can wait on (a file, /dev/null): the stream's read, which never waits
+                return await self._stream.receive_some(_CHUNK)
+            try:
+                return os.read(self._stream.fileno(), _CHUNK)
+            except OSError:
+                pass  # nothing after all, broken or closed meanwhile: the stream's own read says which
+        return await self._stream.receive_some(_CHUNK)
+
     async def _lines(self) -> AsyncIterator[str]:
         parts: list[bytes] = []  # the current line so far, while it is within the limit
         size = 0  # its bytes so far (also while it is being dropped)
         head = b""  # the first bytes of a line over the limit, to find its id
         while True:
             try:
-                chunk = await self._stream.receive_some(_CHUNK)
+                chunk = await self._receive()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 chunk = b""
             if not chunk:
@@ -220,10 +236,24 @@ class StdoutText:
     async def write(self, text: str) -> None:
         """Write `text` whole; safe from several tasks (lines never interleave).
 
+        When no write is in progress the line goes to the pipe at once (`write_at_once`), the
+        rest, if the pipe took only part of it, under the lock before anyone else's: no scheduler
+        round trip for the lock or the stream's checkpoint, two of them per relayed call's line.
         A reader that has gone away ends the writer as the SDK expects (closed stream)."""
+        data = text.encode("utf-8")
         try:
-            async with self._lock:
-                await self._stream.send_all(text.encode("utf-8"))
+            if self._lock.locked():
+                async with self._lock:
+                    await self._stream.send_all(data)
+                return
+            await trio.lowlevel.checkpoint_if_cancelled()
+            sent = write_at_once(self._stream.fileno(), data)
+            if sent < len(data):
+                self._lock.acquire_nowait()  # free: nobody ran since the line's first part
+                try:
+                    await self._stream.send_all(data[sent:])
+                finally:
+                    self._lock.release()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if self._on_broken is not None:
                 self._on_broken()

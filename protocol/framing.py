@@ -5,13 +5,16 @@ lets either peer resynchronise on ``\\n``. A hard per-line limit stops a broken 
 peer from making us buffer without bound. :class:`LineBuffer` does the splitting for the
 sans-IO core (``protocol.core``); whoever owns the stream feeds it.
 
-Owns: nothing but bytes. Needs: nothing (no trio, no clock).
+Owns: nothing but bytes. Needs: nothing (no trio, no clock). For whoever owns a stream:
+:func:`read_lines` (a line-based pipe's lines) and :func:`write_at_once` (what a free
+non-blocking descriptor takes now: the relay peer's and the stdio writer's write without a task).
 Raises: :class:`FrameTooLarge` (a ``RelayError``) and ``RelayError`` from :func:`decode`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -34,14 +37,25 @@ MAX_FRAME_BYTES = 1024 * 1024
 RECEIVE_CHUNK_BYTES = 64 * 1024
 
 
-def encode(message: dict[str, Any]) -> bytes:
-    """Serialise one message as a compact UTF-8 JSON line ending in ``\\n``.
+#: The wire's compact JSON text of a value, NaN and infinities refused (``ValueError``): they are
+#: not JSON, and a peer in another language could not parse them. One encoder for every call
+#: (``json.dumps`` with options builds a new one each time).
+compact_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
-    NaN and infinities are refused (``ValueError``) because they are not JSON and a peer
-    in another language could not parse them.
-    """
-    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return text.encode("utf-8") + b"\n"
+
+def encode(message: dict[str, Any]) -> bytes:
+    """Serialise one message as a compact UTF-8 JSON line ending in ``\\n`` (:data:`compact_json`)."""
+    return compact_json(message).encode("utf-8") + b"\n"
+
+
+def write_at_once(fd: int, data: bytes) -> int:
+    """How much of `data` a non-blocking descriptor takes now, written (0 when it is full or
+    broken: the caller's ordinary write, under its deadline, then waits or fails as usual). A
+    write that takes it whole needs no task, no lock round trip and no deadline: it cannot block."""
+    try:
+        return os.write(fd, data)
+    except OSError:
+        return 0
 
 
 def _reject_constant(name: str) -> Any:

@@ -24,13 +24,13 @@ keys' length limits.
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any
 
 import attrs
 
 from .errors import INVALID_PARAMS, RelayError
 from .frames import MAX_FRAME_TYPE_CHARS, frame_type_problem
+from .framing import compact_json
 from .session_keys import MAX_CHANNEL_CHARS, MAX_SESSION_ID_CHARS, shown
 
 __all__ = [
@@ -72,13 +72,9 @@ _GENERATED_MSG_ID = "m-" + "0" * 32  # store: "m-" + 32 random hex digits
 _REQUEST_ID = "ctr-" + "0" * 16  # caller_tool_relay.pending
 
 
-def _dumps(value: Any) -> str:
-    """The settings of ``protocol.framing.encode``."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
 def _bytes(value: Any) -> int:
-    return len(_dumps(value).encode("utf-8"))
+    """The bytes `value` takes on the wire (``protocol.framing.encode``'s text)."""
+    return len(compact_json(value).encode("utf-8"))
 
 
 def _frame_wire(

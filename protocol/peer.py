@@ -7,7 +7,10 @@ encodes.
 Owns: the stream (closed when :meth:`RelayPeer.serve` returns); a nursery with one writer
 task that drains the outgoing queue while frames wait (started by the first, ended by the
 last: an idle connection holds no task for it), each ``send_all`` under
-``fail_after(write_timeout)``; one task and one cancel scope per inbound request.
+``fail_after(write_timeout)``; on a socket, a frame queued when nothing waits before it is
+written at once by the task that queued it while the non-blocking send takes it whole (no
+writer task, no deadline: such a send cannot block), the rest left to the writer; one task
+and one cancel scope per inbound request.
 Needs: a :class:`~protocol.core.RelayCore` for our role and a handler table; start it with
 ``await nursery.start(peer.serve, handlers)`` (``request``/``notify`` work once started).
 Raises: callers of :meth:`RelayPeer.request` only ever see :class:`RelayError` -
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -57,7 +61,7 @@ from .core import (
     ROLE_SERVER,
 )
 from .errors import CANCELLED, INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, PEER_DISCONNECTED, TIMEOUT, RelayError
-from .framing import RECEIVE_CHUNK_BYTES, FrameTooLarge
+from .framing import RECEIVE_CHUNK_BYTES, FrameTooLarge, write_at_once
 from .schemas import parse_params
 
 __all__ = [
@@ -81,6 +85,9 @@ DEFAULT_QUEUE_FRAMES = 64
 #: agent runs at once (a relayed call per tool call in flight), it bounds what the answers may
 #: hold in the queue.
 DEFAULT_MAX_REQUESTS_IN_FLIGHT = 256
+#: The largest frame written at once by the task that queues it when the socket is free (`RelayPeer`,
+#: "Writing"); a larger one goes to the writer task, so a big fan-out's copies are not one long step.
+AT_ONCE_BYTES = 64 * 1024
 #: Seconds from connecting to a completed handshake.
 HELLO_TIMEOUT = 10.0
 
@@ -336,14 +343,42 @@ class RelayPeer:
     # -- writing ------------------------------------------------------------------------------
 
     def _start_writer(self) -> None:
-        """Start the writer if frames wait and it is not running (nor can be yet: before `serve`)."""
-        if self._queue and not self._writing and self._nursery is not None:
-            try:
-                self._nursery.start_soon(self._write_loop)
-            except RuntimeError:  # the connection's nursery is ending (closed to new tasks): a
-                self._drop_queued()  # frame queued now, such as a cancelled request's cancel, is never written
-                return
-            self._writing = True
+        """Write what waits: at once while the socket takes it (`_write_at_once`), else from the
+        writer task, started if it is not running (nor can be yet: before `serve`)."""
+        if not self._queue or self._writing or self._nursery is None:
+            return
+        self._writing = True  # a frame queued by a callback of a frame written at once waits its turn
+        if self._write_at_once():
+            self._writing = False
+            return
+        try:
+            self._nursery.start_soon(self._write_loop)
+        except RuntimeError:  # the connection's nursery is ending (closed to new tasks): a
+            self._writing = False
+            self._drop_queued()  # frame queued now, such as a cancelled request's cancel, is never written
+
+    def _write_at_once(self) -> bool:
+        """Write the queued frames in the calling task while a socket's non-blocking send takes
+        each whole: no writer task, no scheduler round trip, and no deadline, for such a send
+        cannot block. True: everything was written. A frame the socket takes in part or not at all
+        (its buffer is full, or it broke: the writer task tries again and ends the connection as
+        usual), a frame over `AT_ONCE_BYTES` (a long copy would hold
+        the loop), and any other stream leave the rest to the task, which writes under the write
+        deadline and closes the connection on a failed write."""
+        if not isinstance(self._stream, trio.SocketStream):
+            return False
+        queue = self._queue
+        while queue:
+            item = queue[0]
+            if not isinstance(item, _Outgoing) or len(item.data) > AT_ONCE_BYTES:  # `_CLOSE`: the task's
+                return False
+            sent = write_at_once(self._stream.socket.fileno(), item.data)
+            if sent < len(item.data):
+                queue[0] = attrs.evolve(item, data=item.data[sent:])
+                return False
+            queue.pop(0)
+            self._done_with(item)
+        return True
 
     async def _write_loop(self) -> None:
         """The only task that writes to the stream, while frames wait (`_start_writer` starts it)."""
@@ -379,11 +414,11 @@ class RelayPeer:
         while self._queue:
             item = self._queue.pop(0)
             if isinstance(item, _Outgoing):
-                self._dropped(item)
+                self._done_with(item)
 
     @staticmethod
-    def _dropped(item: _Outgoing) -> None:
-        """A frame that will never be written still gives its place back and counts as finished."""
+    def _done_with(item: _Outgoing) -> None:
+        """A frame written at once, or one that will never be written: its place is free again, and it counts as finished."""
         if item.room is not None:
             item.room.give()
         if item.on_written is not None:
@@ -395,7 +430,7 @@ class RelayPeer:
             self._queue.append(item)
             self._start_writer()
             return True
-        self._dropped(item)
+        self._done_with(item)
         return False
 
     def _push_nowait(self, data: bytes) -> bool:
@@ -511,10 +546,15 @@ class RelayPeer:
 
         A socket stream is first waited on with ``wait_readable``: the read then parks two frames
         deep instead of trio's whole ``receive_some`` stack, about 1.8 KB less for each idle
-        connection (docs/SCALING.md, "Many sandboxes on one server")."""
+        connection (docs/SCALING.md, "Many sandboxes on one server"), and what it has is read in
+        the same step (``receive_some`` would take one more scheduler round trip, its checkpoint)."""
         try:
             if isinstance(self._stream, trio.SocketStream):
                 await trio.lowlevel.wait_readable(self._stream.socket)
+                try:
+                    return os.read(self._stream.socket.fileno(), RECEIVE_CHUNK_BYTES)
+                except OSError:
+                    pass  # nothing after all, broken or closed: the stream's own read says which
             return await self._stream.receive_some(RECEIVE_CHUNK_BYTES)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return b""

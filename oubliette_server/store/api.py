@@ -22,6 +22,7 @@ import trio
 
 from protocol import RelayError, errors
 from protocol.frames import FRAME_VERSION, TURN_END_TYPES, Frame, SessionRef
+from protocol.framing import compact_json
 from protocol.messages import is_append_id
 from protocol.timestamps import format_ts
 
@@ -390,9 +391,6 @@ Prepared = tuple[str, str, str, str, "str | None", str, dict, "str | None"]
 # Payload values whose JSON text decodes to an equal value of the same type (see prepare_frame).
 _FLAT_TYPES = frozenset({str, int, float, bool, type(None)})
 
-# One encoder for every payload (json.dumps with options builds a new one per call).
-_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
-
 
 def prepare_frame(
     channel: Any, session_id: Any, type: Any, payload: Any, msg_id: Any, reply_to: Any, append_id: Any = None,
@@ -416,7 +414,7 @@ def prepare_frame(
     # query returns (and is not shared with the caller): the decoded text, or, for a flat payload
     # (string keys, values of exactly str/int/float/bool/None), a plain copy, which decodes
     # to an equal dict of the same types at a fraction of the cost (most frames are flat).
-    text = _ENCODE(payload)
+    text = compact_json(payload)
     for key, value in payload.items():
         if key.__class__ is not str or value.__class__ not in _FLAT_TYPES:
             return channel, session_id, type, msg_id, reply_to, text, json.loads(text), append_id

@@ -15,6 +15,7 @@ streams, and the server end to end with a sandbox that stops reading.
 from __future__ import annotations
 
 import json
+import select
 import socket
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -24,6 +25,8 @@ import trio
 import trio.testing
 
 from harness import EVENT_TIMEOUT, Deployment
+from task_steps import counted_steps
+from protocol.framing import LineBuffer
 from protocol.peer import _Outgoing
 from protocol import (
     CANCELLED,
@@ -423,11 +426,19 @@ class Server:
         }
 
 
+def socket_stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    """Two ends of a Unix socket pair, as a relay connection's streams are."""
+    a, b = trio.socket.socketpair()
+    return trio.SocketStream(a), trio.SocketStream(b)
+
+
 @asynccontextmanager
-async def peers(limits: PeerLimits = PeerLimits(), server: Server | None = None) -> AsyncIterator[tuple[RelayPeer, Server, list[Any]]]:
-    """A client peer, handshake done, talking to a server peer over a memory stream pair."""
+async def peers(
+    limits: PeerLimits = PeerLimits(), server: Server | None = None, *, over_socket: bool = False,
+) -> AsyncIterator[tuple[RelayPeer, Server, list[Any]]]:
+    """A client peer, handshake done, talking to a server peer over a memory stream pair (or a socket pair)."""
     server = server or Server()
-    left, right = trio.testing.memory_stream_pair()
+    left, right = socket_stream_pair() if over_socket else trio.testing.memory_stream_pair()
     server.peer = RelayPeer(right, RelayCore("server"), name="server", limits=limits)
     notes: list[Any] = []
 
@@ -474,6 +485,68 @@ async def test_an_idle_peer_is_its_serve_task_alone_and_writes_from_a_task_only_
         assert await client.request("caller_tool", {"tool": "t", "arguments": {}}, timeout=5) == {"result": {"echo": {}}}
         await trio.testing.wait_all_tasks_blocked()
         assert tasks_besides_serve() == [0, 0]
+
+
+async def test_on_a_socket_a_frame_is_written_at_once_by_the_task_that_queues_it() -> None:
+    """Over a socket with room, a frame is written by the task that queues it: no writer task is
+    started for it (a relayed call's answer costs no task), and idle stays `serve` alone."""
+    async with peers(over_socket=True) as (client, server, notes):
+        await trio.testing.wait_all_tasks_blocked()
+        assert tasks_besides_serve() == [0, 0]
+        server.peer.notify("caller_tools_config", {"session_id": "s", "caller_id": "c", "tools": []})
+        assert tasks_besides_serve() == [0, 0] and not server.peer._queue, "written at once, no writer"
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(notes) == 1
+        assert await client.request("caller_tool", {"tool": "t", "arguments": {}}, timeout=5) == {"result": {"echo": {}}}
+        await trio.testing.wait_all_tasks_blocked()
+        assert tasks_besides_serve() == [0, 0] and server.peer._answers.used == 0
+
+
+async def test_on_a_socket_what_arrives_while_the_peer_waits_is_read_in_one_step() -> None:
+    """An idle connection waits for its socket and reads in the step it wakes in (trio's
+    `receive_some` would take one step more, its checkpoint)."""
+    near, far = socket_stream_pair()
+    peer = RelayPeer(near, RelayCore("server"), name="reader")
+    async with near, far, trio.open_nursery() as nursery:
+
+        async def send_when_the_peer_waits() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            await far.send_all(hello_line())
+
+        nursery.start_soon(send_when_the_peer_waits)
+        with counted_steps() as steps, trio.fail_after(EVENT_TIMEOUT):
+            assert await peer._receive_or_eof() == hello_line()
+        assert steps.count == 1
+
+
+async def test_what_a_full_socket_does_not_take_at_once_the_writer_finishes_in_order() -> None:
+    """A frame the socket takes in part, and every frame after it, is the writer task's, which
+    writes the rest in order; the far end reads every frame whole."""
+    near, far = socket_stream_pair()
+    near.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    core = RelayCore("server")
+    core.receive_data(hello_line())
+    core.send_response(events_of(core)[0].id, {})  # handshake done without bytes on the wire
+    peer = RelayPeer(near, core, name="full")
+    async with far, trio.open_nursery() as nursery:
+        await nursery.start(peer.serve, {})
+        sent = [{"session_id": f"s{i}", "caller_id": "c", "tools": [], "pad": "p" * 30_000} for i in range(8)]
+        for params in sent:
+            peer.notify("caller_tools_config", params)
+        assert select.select([far.socket], [], [], 0)[0], "what the socket took was written at once"
+        assert peer._queue, "the socket took part, the rest waits for the writer"
+        assert len(nursery.child_tasks) == 1 and len(next(iter(nursery.child_tasks)).child_nurseries[0].child_tasks) == 1
+        buffer = LineBuffer()
+        received: list[dict[str, Any]] = []
+        with trio.fail_after(EVENT_TIMEOUT):
+            while len(received) < len(sent):
+                buffer.feed(await far.receive_some())
+                while (got := buffer.next_line()) is not None:
+                    received.append(json.loads(got)["params"])
+        assert received == sent
+        await trio.testing.wait_all_tasks_blocked()
+        assert not peer._queue and not peer._writing and peer._pushed.used == 0
+        nursery.cancel_scope.cancel()
 
 
 async def test_peer_handler_errors_become_error_responses_in_one_place() -> None:

@@ -12,16 +12,17 @@ import json
 import os
 import subprocess
 import tracemalloc
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import trio
 import trio.testing
 
 from harness import PYTHON, Deployment, HandMcp
+from task_steps import counted_steps
 from protocol.errors import INVALID_REQUEST
 from protocol.limits import MAX_PAYLOAD_BYTES_CEILING
 from oubliette_runtime.stdio_streams import (
@@ -221,6 +222,54 @@ async def test_a_refusal_to_a_reader_that_has_gone_ends_reading_quietly() -> Non
         assert w.lines == []
         with pytest.raises(trio.BrokenResourceError):  # stdin was closed: nothing more is read
             await w.feed.send_all(b"unread\n")
+
+
+async def test_a_line_to_a_free_pipe_is_written_in_the_step_it_is_written_in() -> None:
+    """No write in progress: the line goes to the pipe at once, with no scheduler round trip (the
+    lock's and the stream's checkpoint were two of them for every line of a relayed call)."""
+    read_end, write_end = fd_pipe()
+    async with read_end, write_end:
+        stdout = StdoutText(write_end)
+        with counted_steps() as steps:
+            await stdout.write("one line\n")
+        assert steps.count == 0
+        with trio.fail_after(TIMEOUT):
+            assert await read_end.receive_some() == b"one line\n"
+
+
+async def test_a_line_that_arrives_while_stdin_waits_is_read_in_one_step() -> None:
+    """Between the lines of a relayed call stdin has nothing: the reader waits for the pipe and
+    reads in the step it wakes in (the stream's `receive_some` took a checkpoint first: two)."""
+    read_end, feed = fd_pipe()
+    lines = cast(AsyncGenerator[str, None], StdinLines(read_end).__aiter__())  # `_lines`, a generator
+    async with read_end, feed, aclosing(lines), trio.open_nursery() as nursery:
+
+        async def send_when_the_reader_waits() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            await feed.send_all(b"one line\n")
+
+        nursery.start_soon(send_when_the_reader_waits)
+        with counted_steps() as steps, trio.fail_after(TIMEOUT):
+            assert await lines.__anext__() == "one line\n"
+        assert steps.count == 1
+
+
+async def test_a_line_the_pipe_takes_in_part_ends_before_the_next_line_begins() -> None:
+    """A line longer than the pipe holds is written on under the lock: a line written meanwhile
+    by another task waits for it, and the reader gets both whole, in order."""
+    read_end, write_end = fd_pipe()
+    long_line = "x" * 300_000 + "\n"
+    async with read_end, write_end, trio.open_nursery() as nursery:
+        stdout = StdoutText(write_end)
+        nursery.start_soon(stdout.write, long_line)
+        await trio.testing.wait_all_tasks_blocked()  # the pipe is full: the rest waits under the lock
+        nursery.start_soon(stdout.write, "short\n")
+        await trio.testing.wait_all_tasks_blocked()
+        received = b""
+        with trio.fail_after(TIMEOUT):
+            while len(received) < len(long_line) + len("short\n"):
+                received += await read_end.receive_some()
+    assert received == (long_line + "short\n").encode()
 
 
 async def test_a_bound_below_one_byte_is_refused() -> None:

@@ -56,13 +56,16 @@ def shut_down(cancelled: trio.Cancelled) -> bool:
 
 @attrs.frozen
 class Ends(Generic[Outcome]):
-    """The ends the server decides for one request, each stored by its waiting task before the agent hears it."""
+    """The ends the server decides for one request, each stored by its waiting task before the agent hears it.
 
-    timeout: Outcome
-    absent: Outcome
+    Each is made when the request ends so (most requests are answered, and an end's words and
+    errors cost more to build than the rest of the engine's bookkeeping of a request)."""
+
+    timeout: Callable[[], Outcome]
+    absent: Callable[[], Outcome]
     """Its owner is not connected anywhere it could answer when it is asked."""
-    cancelled: Outcome
-    shutdown: Outcome
+    cancelled: Callable[[], Outcome]
+    shutdown: Callable[[], Outcome]
 
 
 class PendingRequests(Generic[E, Outcome]):
@@ -205,15 +208,15 @@ class PendingRequests(Generic[E, Outcome]):
                 if self.is_open(entry) and outcome is not None:
                     self._end(entry, self._outcome_from(entry, outcome), recorded=True)
                 elif self.is_open(entry):  # stored below, unless an answer won the race in the database
-                    self._end(entry, ends.timeout)
+                    self._end(entry, ends.timeout())
             elif caller is None or caller.closed.is_set():
                 if self.is_open(entry):
-                    self._end(entry, ends.absent)
+                    self._end(entry, ends.absent())
             else:
-                await self._await_outcome(entry, seconds, lambda: self._end(entry, ends.timeout))
+                await self._await_outcome(entry, seconds, lambda: self._end(entry, ends.timeout()))
             await self._record_end(entry)
         except trio.Cancelled as cancelled:
-            withdrawn = ends.shutdown if shut_down(cancelled) else ends.cancelled
+            withdrawn = ends.shutdown() if shut_down(cancelled) else ends.cancelled()
             await self._end_if_open(entry, lambda: self._end(entry, withdrawn))
             with trio.CancelScope(shield=True):
                 await self._record_end(entry)  # with a shared store it loses to an outcome stored first
@@ -298,12 +301,18 @@ class PendingRequests(Generic[E, Outcome]):
             if entry.remote and is_past(entry.expires_at):
                 raise self._expired(entry)
             return await self._store_answer(entry, outcome, skip)
-        async with entry.claim:
+        try:  # free, as it nearly always is: taken without a scheduler round trip (the store is the checkpoint)
+            entry.claim.acquire_nowait()
+        except trio.WouldBlock:
+            await entry.claim.acquire()
+        try:
             if entry.outcome is not None:  # the timeout or the agent's cancel ended it while we waited
                 if self._same_answer(entry.outcome, outcome):
                     return False
                 raise self._refused(entry)
             return await self._store_answer(entry, outcome, skip)
+        finally:
+            entry.claim.release()
 
     async def _store_answer(self, entry: E, outcome: Outcome, skip: Any) -> bool:
         try:

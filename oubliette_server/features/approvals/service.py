@@ -306,13 +306,13 @@ class ApprovalService(PendingRequests[PendingApproval, Decision]):
                 meta=meta,
             )
             ends = Ends(
-                timeout=Decision(approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)"),
-                absent=Decision(
+                timeout=lambda: Decision(approve=False, who="timeout", reason=f"no decision within {seconds:g} s (approval timeout)"),
+                absent=lambda: Decision(
                     approve=False, who="disconnect",
                     reason=f"the caller that owns '{tool_name}' is not connected; nobody can approve it",
                 ),
-                cancelled=Decision(approve=False, who="cancelled", reason="the agent cancelled the call"),
-                shutdown=Decision(approve=False, who="server_shutdown", reason="the server shut down before a decision"),
+                cancelled=lambda: Decision(approve=False, who="cancelled", reason="the agent cancelled the call"),
+                shutdown=lambda: Decision(approve=False, who="server_shutdown", reason="the server shut down before a decision"),
             )
             try:
                 # Across servers: what the owner's server checks an answer against; with no owner

@@ -375,17 +375,18 @@ def _answered(result: Any, error: str | None) -> CallOutcome:
 
 
 def _call_ends(spec: CallerToolSpec, session: Session, timeout: float) -> Ends[CallOutcome]:
-    """The ends the server decides for a call of `spec`, in the words the agent gets."""
+    """The ends the server decides for a call of `spec`, in the words the agent gets (each made when the call ends so)."""
     shutdown = "cancelled: the server shut down"
     return Ends(
-        timeout=CallOutcome("timed out", error=_timed_out(spec, session, timeout), reason="timeout"),
-        absent=CallOutcome("closed: the caller disconnected", error=RelayError(
+        timeout=lambda: CallOutcome("timed out", error=_timed_out(spec, session, timeout), reason="timeout"),
+        absent=lambda: CallOutcome("closed: the caller disconnected", error=RelayError(
             errors.PEER_DISCONNECTED,
             f"caller '{session.caller_id}' is not connected; caller tool '{spec.name}' cannot run",
         ), reason="caller disconnected"),
-        cancelled=CallOutcome("cancelled by the agent", error=RelayError(errors.CANCELLED, "cancelled by the agent"),
-                              reason="cancelled by the agent"),
-        shutdown=CallOutcome(shutdown, error=RelayError(errors.CANCELLED, shutdown), reason=SERVER_SHUTDOWN),
+        cancelled=lambda: CallOutcome(
+            "cancelled by the agent", error=RelayError(errors.CANCELLED, "cancelled by the agent"), reason="cancelled by the agent",
+        ),
+        shutdown=lambda: CallOutcome(shutdown, error=RelayError(errors.CANCELLED, shutdown), reason=SERVER_SHUTDOWN),
     )
 
 

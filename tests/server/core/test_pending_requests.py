@@ -18,6 +18,7 @@ import trio
 import trio.testing
 
 from oubliette_server.features.approvals.service import ApprovalService, Decision
+from oubliette_server.features.caller_tool_relay import pending as caller_tool_pending
 from oubliette_server.features.caller_tool_relay.pending import CallerCallRegistry, NoLongerPending
 from oubliette_server.core.callers import CallerConnection
 from oubliette_server.core.pending_requests import RESOLVED_MEMORY, SERVER_SHUTDOWN, RequestBook, SharedStore, SingleServer
@@ -25,6 +26,7 @@ from oubliette_server.core.sessions import Session
 from oubliette_server.store.api import AnswerNotRecorded, StoreUnavailable
 from protocol import RelayError, errors
 from protocol.messages import CallerToolSpec
+from task_steps import counted_steps
 
 
 class FakeLog:
@@ -94,6 +96,28 @@ async def test_a_call_takes_exactly_one_outcome() -> None:
     assert t.outcome == [{"ok": 1}]
     assert t.log.types() == ["caller_tool_request", "caller_tool_result"]
     assert t.calls.pending_for(t.session) == [] and not t.calls.holds(t.session)
+
+
+async def test_an_answer_is_stored_without_a_round_trip_and_builds_no_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer takes its call's free claim at once: it reaches the store in the step it was
+    made in (no scheduler round trip on the way). And the ends the server decides (the timeout,
+    the caller's absence, the agent's cancel, the shutdown: their words and errors) are made only
+    for a call that ends so, never for one its caller answers."""
+    made: list[Any] = []
+    monkeypatch.setattr(caller_tool_pending, "_timed_out", lambda *args: made.append(args))
+    async with one_pending_call() as t:
+        steps_before_store: list[int] = []
+        append = t.calls._append_frame
+
+        async def watched_append(session: Session, type: str, payload: dict[str, Any], **kw: Any) -> Any:
+            steps_before_store.append(steps.count)
+            return await append(session, type, payload, **kw)
+
+        t.calls._append_frame = watched_append
+        with counted_steps() as steps:
+            await t.calls.respond(t.caller, "s1", t.call.request_id, {"ok": 1})
+    assert t.outcome == [{"ok": 1}] and steps_before_store == [0]
+    assert made == []
 
 
 async def test_an_approval_takes_exactly_one_decision() -> None:
