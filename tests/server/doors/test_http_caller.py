@@ -655,7 +655,6 @@ async def test_the_fast_path_sends_an_answers_head_with_its_body_and_its_last_ev
         guarded_init(guarded, RecordedSocket(inner), write_timeout)  # type: ignore[arg-type]
 
     monkeypatch.setattr(connection_limits.GuardedStream, "__init__", recorded)
-    monkeypatch.setattr(sdk_http, "_SSE_PING_INTERVAL", 0.2)
     with fast_path_log() as taken:
         async with deployment.embedded_http_server("box1") as server, server.rest() as http:
             caller = RawModernCaller(http, "s1")
@@ -666,7 +665,11 @@ async def test_the_fast_path_sends_an_answers_head_with_its_body_and_its_last_ev
             await caller.call("read at once", 2, "session_events", {"session_id": "s1"})
             json_writes = writes[:]
             writes.clear()
-            assert await caller.poll("poll answered over SSE", after, 1000) == []
+            # Only this poll is to outlast the keepalive interval: a slow machine must not turn the
+            # declare or the read above into SSE answers.
+            with monkeypatch.context() as patched:
+                patched.setattr(sdk_http, "_SSE_PING_INTERVAL", 0.2)
+                assert await caller.poll("poll answered over SSE", after, 1000) == []
             sse_writes = writes[:]
             handshake = RawHandshakeCaller(http)
             await handshake.open()
