@@ -174,7 +174,7 @@ class TurnWaits:
                         lambda: nursery.start_soon(deliver),
                     )
                     self.sessions.follow(session, follower)
-                if gone is not None:
+                if gone is not None and not modern:  # a 2026-07-28 request's door cancels it (below) instead
 
                     async def watch(gone: trio.Event = gone) -> None:
                         nonlocal dropped
@@ -273,11 +273,6 @@ class TurnWaits:
                 stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
                 race.cancel_scope.cancel()
 
-            async def caller_tool() -> None:
-                await self.calls.wait_pending(session)
-                stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
-                race.cancel_scope.cancel()
-
             async def no_guest() -> None:
                 # A grace, not a poll: one look, once a guest that was connecting has had its moment.
                 await trio.sleep(NO_GUEST_GRACE)
@@ -289,9 +284,13 @@ class TurnWaits:
 
             race.start_soon(turn_end)
             race.start_soon(approval)
-            race.start_soon(caller_tool)
             if watch_guest and self.guest_absent is not None and seconds > NO_GUEST_GRACE:
                 race.start_soon(no_guest)
+            # A caller tool request, the usual stop of a caller answering with `wait`: watched by this
+            # task, not a task of its own (one task and one scheduler round trip fewer per wait).
+            await self.calls.wait_pending(session)
+            stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
+            race.cancel_scope.cancel()
         if failed:
             raise failed[0]
         return stops[0]
