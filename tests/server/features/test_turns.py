@@ -19,7 +19,7 @@ from oubliette_server.core.callers import CallerConnection
 from oubliette_server.core.frame_log import FrameLog
 from oubliette_server.core.sessions import SessionRegistry
 from oubliette_server.store.sqlite import FrameStore
-from oubliette_server.features.turns import TurnWaits, WaitEvents
+from oubliette_server.features.turns import STREAM_GONE_STATE, TurnWaits, WaitEvents
 from protocol import RelayError
 from protocol.messages import CallerToolSpec
 
@@ -145,3 +145,41 @@ async def test_a_2026_07_28_wait_sends_a_held_request_event_its_stop_does_not_li
     events.release({"pending": [{"kind": "caller_tool", "request_id": "ctr-2"}]})
     assert started == [True]
     assert sent == [{"type": "caller_tool_request", "request_id": "ctr-1"}, {"type": "assistant.delta", "text": "a"}]
+
+
+class SpawnedTasks(trio.abc.Instrument):
+    """The names of the tasks this module's waits start (`features/turns.py`)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        """Note a task of the turn waits (its name is its function's qualified name)."""
+        if "TurnWaits" in task.name:
+            self.names.append(task.name.rsplit(".", 1)[-1])
+
+
+async def test_a_2026_07_28_wait_stopped_by_a_caller_tool_request_starts_only_its_two_racers() -> None:
+    """The wait watches for the request itself, starts no delivery task when it has no event to send
+    and no watch of its stream (its door cancels it): the turn's end and an approval are its tasks."""
+    w = world()
+    ctx = SimpleNamespace(protocol_version="2026-07-28", session=RecordingMcpSession(), request_id=8,
+                          request=SimpleNamespace(scope={"state": {STREAM_GONE_STATE: trio.Event()}}))
+    spawned = SpawnedTasks()
+    stops: list[dict[str, Any]] = []
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+
+            async def agent() -> None:
+                with contextlib.suppress(RelayError):  # the caller leaves below
+                    await w.calls.relay(w.session, CallerToolSpec(name="notify"), {"n": 1})
+
+            nursery.start_soon(agent)
+            trio.lowlevel.add_instrument(spawned)
+            try:
+                stops.append(await w.turns.wait(ctx, w.caller, w.session, None, 0, 5))
+            finally:
+                trio.lowlevel.remove_instrument(spawned)
+            w.calls.fail_caller(w.caller)
+    assert stops[0]["stop_reason"] == "requires_action"
+    assert sorted(spawned.names) == ["approval", "turn_end"], spawned.names
