@@ -20,7 +20,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from protocol.frames import TURN_END_TYPES, FrameType
 
 from ..core.callers import CallerConnection, RequestScopedSink
-from ..core.sessions import Session, SessionRegistry
+from ..core.sessions import EventSink, Session, SessionRegistry
 from ..store.api import FrameQuery, FrameStoreAPI, StoreUnavailable
 from .approvals import ApprovalElicitation, ApprovalService, InputRequired
 from .caller_tool_relay import CallerCallRegistry
@@ -59,6 +59,51 @@ class OwnerKeyedSink:
     def push(self, event: dict) -> None:
         """Pass the event on with the owner_key added, so a stateless caller can act on it."""
         self._sink.push({**event, "owner_key": self._owner_key})
+
+
+REQUEST_EVENT = "caller_tool_request"
+"""The event a 2026-07-28 wait's stop carries whole when it lists its request in `pending`."""
+
+
+class WaitEvents:
+    """The follower of a 2026-07-28 wait: the session's events, to ride the waiting request.
+
+    A `caller_tool_request` event, and every event after it, is held until the stop is known
+    (`release`): the stop lists a request still pending in `pending`, whole, so its event is not
+    sent (README.md, "Caller tools"). A wait that stops for a request then sends no event, and the
+    answer is plain JSON, on a connection the SDK's client keeps (an SSE answer costs it a new
+    one, docs/SCALING.md). Every other event goes out, in order; the delivery task (`start`) is
+    started only for the first one.
+    """
+
+    def __init__(self, sink: EventSink, start: Callable[[], object]) -> None:
+        self._sink = sink
+        self._start = start
+        self._held: list[dict] | None = None
+        self.started = False
+
+    def push(self, event: dict) -> None:
+        """Hold a request's event (and what follows it) for `release`, else send it."""
+        if self._held is None and event.get("type") != REQUEST_EVENT:
+            self._send(event)
+        elif self._held is None:
+            self._held = [event]
+        else:
+            self._held.append(event)
+
+    def release(self, stop: dict[str, Any]) -> None:
+        """The events held, but the requests `stop` lists in `pending`, sent in order."""
+        held, self._held = self._held or [], None
+        listed = {entry.get("request_id") for entry in stop.get("pending", ()) if entry.get("kind") == "caller_tool"}
+        for event in held:
+            if event.get("type") != REQUEST_EVENT or event.get("request_id") not in listed:
+                self._send(event)
+
+    def _send(self, event: dict) -> None:
+        if not self.started:
+            self.started = True
+            self._start()
+        self._sink.push(event)
 
 
 class TurnWaits:
@@ -112,12 +157,11 @@ class TurnWaits:
         try:
             async with trio.open_nursery() as nursery:
                 sink = None
-                follower: Any = None
+                follower: WaitEvents | None = None
                 delivered = trio.Event()
                 if modern:
                     # 2026-07-28 callers have no standalone stream: events ride this request.
                     sink = RequestScopedSink(ctx.session, ctx.request_id)
-                    follower = OwnerKeyedSink(sink, caller.owner_key) if caller.owner_key else sink
 
                     async def deliver(sink: RequestScopedSink = sink) -> None:
                         try:
@@ -125,9 +169,12 @@ class TurnWaits:
                         finally:
                             delivered.set()
 
+                    follower = WaitEvents(
+                        OwnerKeyedSink(sink, caller.owner_key) if caller.owner_key else sink,
+                        lambda: nursery.start_soon(deliver),
+                    )
                     self.sessions.follow(session, follower)
-                    nursery.start_soon(deliver)
-                if gone is not None:
+                if gone is not None and not modern:  # a 2026-07-28 request's door cancels it (below) instead
 
                     async def watch(gone: trio.Event = gone) -> None:
                         nonlocal dropped
@@ -146,10 +193,11 @@ class TurnWaits:
                 except StoreUnavailable as exc:  # raised below, not wrapped in this nursery's group
                     unavailable = exc
                 finally:
-                    if sink is not None:
+                    if sink is not None and follower is not None:
                         self.sessions.unfollow(session, follower)
+                        follower.release(stop)
                         sink.close()
-                if sink is not None:
+                if follower is not None and follower.started:
                     # The events that led to this stop go out before the result that reports it.
                     with trio.move_on_after(EVENT_DRAIN_SECONDS):
                         await delivered.wait()
@@ -225,11 +273,6 @@ class TurnWaits:
                 stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
                 race.cancel_scope.cancel()
 
-            async def caller_tool() -> None:
-                await self.calls.wait_pending(session)
-                stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
-                race.cancel_scope.cancel()
-
             async def no_guest() -> None:
                 # A grace, not a poll: one look, once a guest that was connecting has had its moment.
                 await trio.sleep(NO_GUEST_GRACE)
@@ -241,9 +284,13 @@ class TurnWaits:
 
             race.start_soon(turn_end)
             race.start_soon(approval)
-            race.start_soon(caller_tool)
             if watch_guest and self.guest_absent is not None and seconds > NO_GUEST_GRACE:
                 race.start_soon(no_guest)
+            # A caller tool request, the usual stop of a caller answering with `wait`: watched by this
+            # task, not a task of its own (one task and one scheduler round trip fewer per wait).
+            await self.calls.wait_pending(session)
+            stops.append(self._stop(session, None, msg_id, approvals_stop) or {})
+            race.cancel_scope.cancel()
         if failed:
             raise failed[0]
         return stops[0]

@@ -147,8 +147,9 @@ async def test_approvals_asked_on_b_are_decided_on_a_on_b_or_by_bs_timeout(pg_ur
                             "requires_action")
         [request] = relayed["pending"]
         assert request["arguments"] == {"path": "/tmp/a"}
+        # Not pushed: the stop's `pending` carries the request whole (README.md, "Caller tools").
         pushed = w.owner_a_events.of_type("caller_tool_request")
-        assert [e["request_id"] for e in pushed] == [request["request_id"]], pushed
+        assert pushed == [], pushed
         stop = ends_with(await w.owner_a.answer("s2", request["request_id"], result="deleted", wait=60), "requires_approval")
         [ask2] = stop["approval_requests"]
         assert ask2["arguments"] == {"path": "/tmp/b"}

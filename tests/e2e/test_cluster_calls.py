@@ -68,13 +68,14 @@ def owed_events(mode: str, frames: list[Any], wanted: list[Any]) -> list[Any]:
     all along: every one. A 2026-07-28 caller has one only while a `wait` runs (docs/SCALING.md):
     what the agent appends after its request stopped a wait and before the caller's answer starts
     the next one (the agent may print a line after asking its next tool) is read with
-    `session_events`, not pushed, on one server as across servers."""
+    `session_events`, not pushed, on one server as across servers; nor is the request itself,
+    which the stop's `pending` carries whole (README.md, "Caller tools")."""
     if mode == "legacy":
         return wanted
     requests = [f.seq for f in frames if f.type == "caller_tool_request"]
     answers = [f.seq for f in frames if f.type == "caller_tool_result"]
     between = list(zip(requests, answers))
-    return [f for f in wanted if not any(asked < f.seq < answered for asked, answered in between)]
+    return [f for f in wanted if f.seq not in requests and not any(asked < f.seq < answered for asked, answered in between)]
 
 
 async def session_frames(pg_url: str, session_id: str) -> list[Any]:

@@ -315,13 +315,12 @@ async def demo_turn(server: HttpServer, deployment: Deployment, mode: str) -> As
         stop = structured(first)
         assert stop["stop_reason"] == "requires_action", stop
         [entry] = stop["pending"]
-        # The event came too: on the SSE stream (legacy), or on the waiting request itself (2026-07-28).
-        request = await events.wait_type("caller_tool_request", timeout=TURN_TIMEOUT)
-        assert request["request_id"] == entry["request_id"]
+        assert entry["tool"] == "send_notification" and entry["arguments"] == {"message": "hi"}, entry
         # A 2026-07-28 caller is named by its owner_key, which its result (and its request-scoped events) carry.
         key = {"owner_key": stop["owner_key"]} if mode != "legacy" else {}
-        if key:
-            assert request["owner_key"] == stop["owner_key"]
+        if not key:  # the event came too, on the SSE stream
+            request = await events.wait_type("caller_tool_request", timeout=TURN_TIMEOUT)
+            assert request["request_id"] == entry["request_id"]
         with trio.fail_after(TURN_TIMEOUT):
             reply = await respond(caller, "demo-1", entry["request_id"], result={"status": "sent"},
                                   wait=TURN_TIMEOUT, **key)
@@ -332,18 +331,17 @@ async def demo_turn(server: HttpServer, deployment: Deployment, mode: str) -> As
 
 
 async def test_modern_http_caller_gets_events_during_its_waiting_session_message(deployment: Deployment) -> None:
-    """2026-07-28: no standalone stream; the request event rides the caller's own session_message(wait),
-    which returns requires_action with the same request."""
+    """2026-07-28: no standalone stream; the session's events ride the caller's own session_message(wait),
+    with its owner_key, but the request event its requires_action stop carries whole does not."""
     async with deployment.http_server() as server:
         async with server.caller(mode="auto") as (probe, _events):
             assert probe.protocol_version == "2026-07-28"
         async with demo_turn(server, deployment, mode="auto") as (turn, events, reply):
             requests = events.of_type("caller_tool_request")
-    assert len(requests) == 1
-    request = requests[0]
-    assert request["tool"] == "send_notification"
-    assert request["arguments"] == {"message": "hi"}
-    assert request["request_id"] and request["session_id"] == "demo-1"
+            presence = events.of_type("status.presence")
+    assert requests == []
+    assert presence and all(event["owner_key"] == turn["owner_key"] for event in presence), presence
+    assert turn["msg_id"] in [event.get("reply_to") for event in presence], presence
     assert not reply.is_error and structured(reply)["resolved"] is True
     assert turn["stop_reason"] == "end_turn"
     assert turn["session_id"] == "demo-1" and turn["instance"] == "box1"
@@ -538,9 +536,12 @@ async def modern_caller_answers(deployment: Deployment, fast: bool, monkeypatch:
                 nursery.start_soon(agent_call, "four")
                 with trio.fail_after(TURN_TIMEOUT):
                     await waited.wait()
-                assert isinstance(stops[0], list), stops  # SSE: the request's event, then the stop
-                stop = stops[0][-1]["result"]["structuredContent"]
+                # JSON, not SSE: the stop carries the request whole, so its event does not ride first
+                # (and the SDK's client keeps its connection).
+                assert isinstance(stops[0], dict), stops
+                stop = stops[0]["structuredContent"]
                 assert stop["stop_reason"] == "requires_action", stop
+                assert stop["pending"][0]["arguments"] == {"text": "four"}, stop
                 fourth_id = stop["pending"][0]["request_id"]
                 await caller.call("answer, wait times out", 25, "caller_tool_response", {
                     **owner, "request_id": fourth_id, "result": {"echo": "four"}, "wait": 0.3})
@@ -595,7 +596,7 @@ async def test_a_2026_07_28_caller_gets_the_same_answers_from_the_fast_path_and_
     too) give the caller the same status, headers, JSON body and body layout for each (ids, seq
     and times masked): long polls woken, timed out and answered over SSE, answers ok, error, late,
     unknown, bad params, another owner's key, a progress report, answers with `wait` woken by the
-    next request (its event first, over SSE), timed out and answered over SSE after the keepalive,
+    next request (JSON: its event does not ride), timed out and answered over SSE after the keepalive,
     and every refusal of the transport (headers, size, body)."""
     off, off_taken = await modern_caller_answers(deployment, False, monkeypatch)
     on, on_taken = await modern_caller_answers(deployment, True, monkeypatch)

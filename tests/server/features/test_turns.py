@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import trio
+import trio.testing
 
 from oubliette_server.features.approvals import ApprovalElicitation, ApprovalService
 from oubliette_server.features.caller_tool_relay import CallerCallRegistry
@@ -18,7 +19,7 @@ from oubliette_server.core.callers import CallerConnection
 from oubliette_server.core.frame_log import FrameLog
 from oubliette_server.core.sessions import SessionRegistry
 from oubliette_server.store.sqlite import FrameStore
-from oubliette_server.features.turns import TurnWaits
+from oubliette_server.features.turns import STREAM_GONE_STATE, TurnWaits, WaitEvents
 from protocol import RelayError
 from protocol.messages import CallerToolSpec
 
@@ -84,3 +85,101 @@ async def test_a_wait_returns_the_turns_end_or_times_out() -> None:
         await w.frame_log.append(w.session, "assistant.done", {"text": "done"}, reply_to="m1")
         stop = await w.turns.wait(CTX, w.caller, w.session, None, 0, 5)
     assert (stop["stop_reason"], stop["text"], stop["msg_id"]) == ("end_turn", "done", "m1")
+
+
+class RecordingMcpSession:
+    """The SDK session of a 2026-07-28 request: records the events sent on it."""
+
+    client_capabilities = None
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send_notification(self, notification: Any, related_request_id: Any = None) -> None:
+        """Record the event the notification carries."""
+        self.sent.append(notification.params.data)
+
+
+async def test_a_2026_07_28_wait_sends_the_sessions_events_but_not_the_request_its_stop_carries() -> None:
+    """The stop lists the request whole, so its event does not ride the waiting request (its answer
+    stays JSON); every other event does, before the stop, with the owner_key."""
+    w = world()
+    w.caller.owner_key = "k1"
+    mcp = RecordingMcpSession()
+    ctx = SimpleNamespace(protocol_version="2026-07-28", session=mcp, request_id=7)
+    stops: list[dict[str, Any]] = []
+    stopped = trio.Event()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+
+            async def waiting() -> None:
+                stops.append(await w.turns.wait(ctx, w.caller, w.session, None, 0, 5))
+                stopped.set()
+
+            async def agent() -> None:
+                with contextlib.suppress(RelayError):  # the caller leaves below
+                    await w.calls.relay(w.session, CallerToolSpec(name="notify"), {"n": 1})
+
+            nursery.start_soon(waiting)
+            await trio.testing.wait_all_tasks_blocked()  # the wait follows the session
+            await w.frame_log.append(w.session, "assistant.delta", {"text": "thinking"})
+            nursery.start_soon(agent)
+            await stopped.wait()
+            w.calls.fail_caller(w.caller)
+    [stop] = stops
+    assert stop["stop_reason"] == "requires_action"
+    assert [(p["tool"], p["arguments"]) for p in stop["pending"]] == [("notify", {"n": 1})]
+    assert [(e["type"], e["text"], e["owner_key"]) for e in mcp.sent] == [("assistant.delta", "thinking", "k1")]
+
+
+async def test_a_2026_07_28_wait_sends_a_held_request_event_its_stop_does_not_list() -> None:
+    """An event held behind a request's is sent in order when the stop does not list the request
+    (it ended first): a caller that reads events loses only what the stop carries."""
+    sent: list[dict[str, Any]] = []
+    started: list[bool] = []
+    events = WaitEvents(SimpleNamespace(push=sent.append), lambda: started.append(True))
+    events.push({"type": "caller_tool_request", "request_id": "ctr-1"})
+    events.push({"type": "assistant.delta", "text": "a"})
+    events.push({"type": "caller_tool_request", "request_id": "ctr-2"})
+    assert sent == [] and started == []
+    events.release({"pending": [{"kind": "caller_tool", "request_id": "ctr-2"}]})
+    assert started == [True]
+    assert sent == [{"type": "caller_tool_request", "request_id": "ctr-1"}, {"type": "assistant.delta", "text": "a"}]
+
+
+class SpawnedTasks(trio.abc.Instrument):
+    """The names of the tasks this module's waits start (`features/turns.py`)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        """Note a task of the turn waits (its name is its function's qualified name)."""
+        if "TurnWaits" in task.name:
+            self.names.append(task.name.rsplit(".", 1)[-1])
+
+
+async def test_a_2026_07_28_wait_stopped_by_a_caller_tool_request_starts_only_its_two_racers() -> None:
+    """The wait watches for the request itself, starts no delivery task when it has no event to send
+    and no watch of its stream (its door cancels it): the turn's end and an approval are its tasks."""
+    w = world()
+    ctx = SimpleNamespace(protocol_version="2026-07-28", session=RecordingMcpSession(), request_id=8,
+                          request=SimpleNamespace(scope={"state": {STREAM_GONE_STATE: trio.Event()}}))
+    spawned = SpawnedTasks()
+    stops: list[dict[str, Any]] = []
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+
+            async def agent() -> None:
+                with contextlib.suppress(RelayError):  # the caller leaves below
+                    await w.calls.relay(w.session, CallerToolSpec(name="notify"), {"n": 1})
+
+            nursery.start_soon(agent)
+            trio.lowlevel.add_instrument(spawned)
+            try:
+                stops.append(await w.turns.wait(ctx, w.caller, w.session, None, 0, 5))
+            finally:
+                trio.lowlevel.remove_instrument(spawned)
+            w.calls.fail_caller(w.caller)
+    assert stops[0]["stop_reason"] == "requires_action"
+    assert sorted(spawned.names) == ["approval", "turn_end"], spawned.names
