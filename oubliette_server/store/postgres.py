@@ -38,7 +38,9 @@ Wake-ups
     and on every reconnect the hooks hear `missed()`.  Appends made through this store object
     wake its waiters directly as well; a waiter reads again only when a seq it was woken for may
     match its query (`_skip_known`: not a frame whose fields, known from this store's own append or
-    named by the notice, show it does not).
+    named by the notice, show it does not), and a long poll that starts after frames all known
+    so, none matching, waits without reading first (`_known_to_miss`). What was heard is
+    forgotten when notices may have been lost.
 
 Queries
     A query is one statement, so one snapshot: the instance's `last_seq` and `pruned_below`
