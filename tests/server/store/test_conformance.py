@@ -624,6 +624,44 @@ async def test_after_the_listener_reconnects_a_new_long_poll_reads_what_it_may_h
         assert frames == [missed] and not timed_out
 
 
+async def test_after_a_notice_without_seqs_a_new_long_poll_reads(pg_url: str) -> None:
+    """An earlier server's notice names the instance alone: frames of unknown seqs committed, so
+    what was heard no longer says what did, and a long poll that starts then reads the log."""
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as here, backend.open() as there:
+        assert isinstance(here, PostgresFrameStore)
+        real_on_notice = here._on_notice
+        swallowed = trio.Event()
+
+        def as_an_earlier_server_sent_it(payload: str) -> None:
+            instance, _, _, fields = postgres_store.read_notice(payload)
+            if fields is None or fields[0][1] != "z":
+                real_on_notice(payload)
+                return
+            real_on_notice(instance)  # z's, as an earlier server sent it: the instance alone
+            swallowed.set()
+
+        got: list[Any] = []
+
+        async def wait_for(session_id: str, after_seq: int) -> None:
+            got.append(await here.wait_for_frames("box1", FrameQuery(session_id=session_id, after_seq=after_seq), 20))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for, "y", 0)
+                while here.waiter_count("box1") != 1:
+                    await trio.testing.wait_all_tasks_blocked()
+                here._on_notice = as_an_earlier_server_sent_it  # type: ignore[method-assign]
+                own = await add(here, session_id="x")
+                missed = await add(there, session_id="z")
+                await swallowed.wait()
+                with trio.fail_after(5):
+                    frames, timed_out = await here.wait_for_frames(
+                        "box1", FrameQuery(session_id="z", after_seq=own.seq), 20)
+                nursery.cancel_scope.cancel()
+        assert frames == [missed] and not timed_out
+
+
 # -- outcomes: exactly one per request ----------------------------------------------------
 
 
