@@ -565,6 +565,32 @@ async def test_a_long_poll_that_knows_every_frame_after_its_seq_waits_without_a_
         assert got == [([mine], False)] and reads.count == 2, "z's waiter read once, for its frame"
 
 
+async def a_long_poll_after_lost_notices_reads(
+    pg_url: str, lose: Callable[[PostgresFrameStore, PostgresFrameStore], Awaitable[tuple[int, Any]]],
+) -> None:
+    """With a long poll waiting on box1 here (so what is heard is kept), `lose(here, there)` appends
+    and has `here` miss what another server appended (its seq and that frame come back): a long
+    poll of the missed frame's session that starts after the seq gets that frame at once."""
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as here, backend.open() as there:
+        assert isinstance(here, PostgresFrameStore) and isinstance(there, PostgresFrameStore)
+
+        async def wait_for_y() -> None:
+            await here.wait_for_frames("box1", FrameQuery(session_id="y"), 20)
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for_y)
+                while here.waiter_count("box1") != 1:
+                    await trio.testing.wait_all_tasks_blocked()
+                after, missed = await lose(here, there)
+                with trio.fail_after(5):
+                    frames, timed_out = await here.wait_for_frames(
+                        "box1", FrameQuery(session_id=missed.session_id, after_seq=after), 20)
+                nursery.cancel_scope.cancel()
+        assert frames == [missed] and not timed_out
+
+
 async def test_after_the_listener_reconnects_a_new_long_poll_reads_what_it_may_have_missed(pg_url: str) -> None:
     """Notices sent while the LISTEN connection was down are lost, so what the store heard before
     no longer says what committed: a long poll that starts after the reconnect reads the log, and
@@ -573,9 +599,7 @@ async def test_after_the_listener_reconnects_a_new_long_poll_reads_what_it_may_h
 
     import psycopg
 
-    backend = Backend("postgres", pg_url)
-    async with backend.open() as here, backend.open() as there:
-        assert isinstance(here, PostgresFrameStore)
+    async def lose(here: PostgresFrameStore, there: PostgresFrameStore) -> tuple[int, Any]:
         lost, back = trio.Event(), trio.Event()
         gate = threading.Event()
         real_connect, real_replace = here._listen_connection, here._replace_broken_connections
@@ -597,39 +621,26 @@ async def test_after_the_listener_reconnects_a_new_long_poll_reads_what_it_may_h
 
         here._listen_connection = gated_connect  # type: ignore[method-assign]
         here._replace_broken_connections = replace  # type: ignore[method-assign]
-        got: list[Any] = []
+        own = await add(here, session_id="x")
+        here.hear_appends(Missed())
+        dbname = psycopg.conninfo.conninfo_to_dict(pg_url)["dbname"]
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = %s AND query LIKE 'LISTEN%%'", (dbname,))
+        await lost.wait()
+        missed = await add(there, session_id="z")  # its notice never reaches `here`
+        gate.set()
+        await back.wait()
+        return own.seq, missed
 
-        async def wait_for(session_id: str, after_seq: int) -> None:
-            got.append(await here.wait_for_frames("box1", FrameQuery(session_id=session_id, after_seq=after_seq), 20))
-
-        with trio.fail_after(20):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(wait_for, "y", 0)
-                while here.waiter_count("box1") != 1:
-                    await trio.testing.wait_all_tasks_blocked()
-                own = await add(here, session_id="x")
-                here.hear_appends(Missed())
-                dbname = psycopg.conninfo.conninfo_to_dict(pg_url)["dbname"]
-                with psycopg.connect(pg_url, autocommit=True) as admin:
-                    admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                  "WHERE datname = %s AND query LIKE 'LISTEN%%'", (dbname,))
-                await lost.wait()
-                missed = await add(there, session_id="z")  # its notice never reaches `here`
-                gate.set()
-                await back.wait()
-                with trio.fail_after(5):
-                    frames, timed_out = await here.wait_for_frames(
-                        "box1", FrameQuery(session_id="z", after_seq=own.seq), 20)
-                nursery.cancel_scope.cancel()
-        assert frames == [missed] and not timed_out
+    await a_long_poll_after_lost_notices_reads(pg_url, lose)
 
 
 async def test_after_a_notice_without_seqs_a_new_long_poll_reads(pg_url: str) -> None:
     """An earlier server's notice names the instance alone: frames of unknown seqs committed, so
     what was heard no longer says what did, and a long poll that starts then reads the log."""
-    backend = Backend("postgres", pg_url)
-    async with backend.open() as here, backend.open() as there:
-        assert isinstance(here, PostgresFrameStore)
+
+    async def lose(here: PostgresFrameStore, there: PostgresFrameStore) -> tuple[int, Any]:
         real_on_notice = here._on_notice
         swallowed = trio.Event()
 
@@ -641,25 +652,13 @@ async def test_after_a_notice_without_seqs_a_new_long_poll_reads(pg_url: str) ->
             real_on_notice(instance)  # z's, as an earlier server sent it: the instance alone
             swallowed.set()
 
-        got: list[Any] = []
+        here._on_notice = as_an_earlier_server_sent_it  # type: ignore[method-assign]
+        own = await add(here, session_id="x")
+        missed = await add(there, session_id="z")
+        await swallowed.wait()
+        return own.seq, missed
 
-        async def wait_for(session_id: str, after_seq: int) -> None:
-            got.append(await here.wait_for_frames("box1", FrameQuery(session_id=session_id, after_seq=after_seq), 20))
-
-        with trio.fail_after(20):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(wait_for, "y", 0)
-                while here.waiter_count("box1") != 1:
-                    await trio.testing.wait_all_tasks_blocked()
-                here._on_notice = as_an_earlier_server_sent_it  # type: ignore[method-assign]
-                own = await add(here, session_id="x")
-                missed = await add(there, session_id="z")
-                await swallowed.wait()
-                with trio.fail_after(5):
-                    frames, timed_out = await here.wait_for_frames(
-                        "box1", FrameQuery(session_id="z", after_seq=own.seq), 20)
-                nursery.cancel_scope.cancel()
-        assert frames == [missed] and not timed_out
+    await a_long_poll_after_lost_notices_reads(pg_url, lose)
 
 
 # -- outcomes: exactly one per request ----------------------------------------------------
