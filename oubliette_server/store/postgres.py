@@ -38,7 +38,9 @@ Wake-ups
     and on every reconnect the hooks hear `missed()`.  Appends made through this store object
     wake its waiters directly as well; a waiter reads again only when a seq it was woken for may
     match its query (`_skip_known`: not a frame whose fields, known from this store's own append or
-    named by the notice, show it does not).
+    named by the notice, show it does not), and a long poll that starts after frames all known
+    so, none matching, waits without reading first (`_known_to_miss`). What was heard is
+    forgotten when notices may have been lost.
 
 Queries
     A query is one statement, so one snapshot: the instance's `last_seq` and `pruned_below`
@@ -726,8 +728,7 @@ class PostgresFrameStore(FrameAppends):
                     log.info("frame store %s: listening again", self.describe())
                 self.listening = True
                 backoff = LISTEN_BACKOFF[0]
-                self._rewakes += 1
-                self._wake_all()  # notifications sent while we were away are lost: re-query
+                self._rewake_all()  # notifications sent while we were away are lost: re-query
                 for hook in self._notice_hooks:
                     hook.missed()
                 pgconn = conn.pgconn
@@ -746,13 +747,20 @@ class PostgresFrameStore(FrameAppends):
                                 self.describe(), _first_line(exc))
                 self.listening = False
                 await self._replace_broken_connections()
-                self._rewakes += 1
-                self._wake_all()
+                self._rewake_all()
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, LISTEN_BACKOFF[1])
             finally:
                 if conn is not None:
                     conn.close()
+
+    def _rewake_all(self) -> None:
+        """Notices may have been lost: every waiter reads again, and what was heard is forgotten, so
+        no long poll takes it for all that committed (`_known_to_miss`)."""
+        self._rewakes += 1
+        self._heard.clear()
+        self._known.clear()
+        self._wake_all()
 
     def _on_notice(self, payload: str) -> None:
         """One notice: the waiters of its instance learn the frames' fields from it, and wake only if
@@ -1176,8 +1184,15 @@ class PostgresFrameStore(FrameAppends):
                 # sets it, and the wait below returns at once.
                 event = self._wake_event(instance)
                 rewakes = self._rewakes
-                # One snapshot: every frame up to `seen` is visible in it (seq is commit-ordered).
-                seen, frames = await self._read_on_loop(instance, q, acquire)
+                known = self._known_to_miss(instance, q) if timeout > 0 else None
+                frames: list[Frame]
+                if known is not None:
+                    # Every seq after the caller's is known here (heard with its fields, or this
+                    # server's append) and none matches: nothing to read yet, only to wait.
+                    seen, frames = known, []
+                else:
+                    # One snapshot: every frame up to `seen` is visible in it (seq is commit-ordered).
+                    seen, frames = await self._read_on_loop(instance, q, acquire)
                 if frames or timeout == 0:
                     return frames, False
                 if seen > q.after_seq:
@@ -1214,7 +1229,20 @@ class PostgresFrameStore(FrameAppends):
             if not queries and self._queries.get(instance) is queries:
                 del self._queries[instance]
 
+    def _known_to_miss(self, instance: str, q: FrameQuery) -> int | None:
+        """Before a long poll's first read: the seq up to which it knows, without reading, that no
+        frame after `q.after_seq` matches (`_skip_known`), while the listener is up; None: read.
+        The caller's long poll after an answer, and the agent's wait for an outcome after its own
+        request, start at a seq every later frame of which this server heard with its fields."""
+        if not self.listening:
+            return None
+        return self._unmatched_up_to(instance, q, q.after_seq, defer=False)
+
     def _skip_known(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> int | None:
+        """After a wake: `_unmatched_up_to` (the wake was for nothing when it is not None)."""
+        return self._unmatched_up_to(instance, q, seen, defer=defer)
+
+    def _unmatched_up_to(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> int | None:
         """The seq up to which a waiter that read up to `seen` knows, without reading, that no
         frame matches `q` (the seqs heard committed since are known here, none matching: this
         server's own appends, or fields its notice named); None when it must read (a seq not
@@ -1240,9 +1268,9 @@ class PostgresFrameStore(FrameAppends):
         every waiter reads again), for the waiters of `wait_for_frames` here."""
         if last is None:
             self._rewakes += 1
-        elif instance in self._waiters:  # bounded: the instances someone waits on here
+        if last is not None and instance in self._waiters:  # bounded: the instances someone waits on here
             self._heard[instance] = max(self._heard.get(instance, 0), last)
-        else:
+        else:  # (unknown seqs: what was heard no longer says what committed)
             self._heard.pop(instance, None)
             self._known.pop(instance, None)
 

@@ -530,6 +530,137 @@ async def test_waiters_learn_another_servers_append_from_its_notice_and_only_the
         assert got == [([mine], False)] and reads.count == 3, "the waiter of x read its frame; y did not read"
 
 
+async def test_a_long_poll_that_knows_every_frame_after_its_seq_waits_without_a_first_read(pg_url: str) -> None:
+    """A long poll that starts after frames this server knows (its own append; another server's,
+    named by its notice) none of which matches it waits without reading the log (the caller's
+    next poll after an answer, the agent's wait for an outcome after its own request); the
+    append it waits for is read and returned."""
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as here, backend.open() as there:
+        assert isinstance(here, PostgresFrameStore)
+        reads = CountedReads(here)
+        got: list[Any] = []
+        answered = trio.Event()
+
+        async def wait_for(session_id: str, after_seq: int) -> None:
+            got.append(await here.wait_for_frames("box1", FrameQuery(session_id=session_id, after_seq=after_seq), 20))
+            answered.set()
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for, "y", 0)  # an instance waited on: its notices are kept
+                await reads.after(1).wait()
+                own = await add(here, session_id="x")
+                reads.heard = trio.Event()
+                other = await add(there, session_id="w")
+                await reads.heard.wait()
+                nursery.start_soon(wait_for, "z", own.seq - 1)
+                while here.waiter_count("box1") != 2:
+                    await trio.testing.wait_all_tasks_blocked()
+                await trio.testing.wait_all_tasks_blocked()
+                assert reads.count == 1, f"seqs {own.seq} and {other.seq} are known here and not z's: no read"
+                mine = await add(there, session_id="z")
+                await answered.wait()
+                nursery.cancel_scope.cancel()
+        assert got == [([mine], False)] and reads.count == 2, "z's waiter read once, for its frame"
+
+
+async def a_long_poll_after_lost_notices_reads(
+    pg_url: str, lose: Callable[[PostgresFrameStore, PostgresFrameStore], Awaitable[tuple[int, Any]]],
+) -> None:
+    """With a long poll waiting on box1 here (so what is heard is kept), `lose(here, there)` appends
+    and has `here` miss what another server appended (its seq and that frame come back): a long
+    poll of the missed frame's session that starts after the seq gets that frame at once."""
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as here, backend.open() as there:
+        assert isinstance(here, PostgresFrameStore) and isinstance(there, PostgresFrameStore)
+
+        async def wait_for_y() -> None:
+            await here.wait_for_frames("box1", FrameQuery(session_id="y"), 20)
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for_y)
+                while here.waiter_count("box1") != 1:
+                    await trio.testing.wait_all_tasks_blocked()
+                after, missed = await lose(here, there)
+                with trio.fail_after(5):
+                    frames, timed_out = await here.wait_for_frames(
+                        "box1", FrameQuery(session_id=missed.session_id, after_seq=after), 20)
+                nursery.cancel_scope.cancel()
+        assert frames == [missed] and not timed_out
+
+
+async def test_after_the_listener_reconnects_a_new_long_poll_reads_what_it_may_have_missed(pg_url: str) -> None:
+    """Notices sent while the LISTEN connection was down are lost, so what the store heard before
+    no longer says what committed: a long poll that starts after the reconnect reads the log, and
+    gets another server's frame appended meanwhile at once."""
+    import threading
+
+    import psycopg
+
+    async def lose(here: PostgresFrameStore, there: PostgresFrameStore) -> tuple[int, Any]:
+        lost, back = trio.Event(), trio.Event()
+        gate = threading.Event()
+        real_connect, real_replace = here._listen_connection, here._replace_broken_connections
+
+        def gated_connect() -> Any:
+            gate.wait(10)  # the reconnect waits until another server's append is made meanwhile
+            return real_connect()
+
+        async def replace() -> None:
+            lost.set()
+            await real_replace()
+
+        class Missed:
+            def appended(self, *args: Any) -> None:
+                pass
+
+            def missed(self) -> None:
+                back.set()
+
+        here._listen_connection = gated_connect  # type: ignore[method-assign]
+        here._replace_broken_connections = replace  # type: ignore[method-assign]
+        own = await add(here, session_id="x")
+        here.hear_appends(Missed())
+        dbname = psycopg.conninfo.conninfo_to_dict(pg_url)["dbname"]
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = %s AND query LIKE 'LISTEN%%'", (dbname,))
+        await lost.wait()
+        missed = await add(there, session_id="z")  # its notice never reaches `here`
+        gate.set()
+        await back.wait()
+        return own.seq, missed
+
+    await a_long_poll_after_lost_notices_reads(pg_url, lose)
+
+
+async def test_after_a_notice_without_seqs_a_new_long_poll_reads(pg_url: str) -> None:
+    """An earlier server's notice names the instance alone: frames of unknown seqs committed, so
+    what was heard no longer says what did, and a long poll that starts then reads the log."""
+
+    async def lose(here: PostgresFrameStore, there: PostgresFrameStore) -> tuple[int, Any]:
+        real_on_notice = here._on_notice
+        swallowed = trio.Event()
+
+        def as_an_earlier_server_sent_it(payload: str) -> None:
+            instance, _, _, fields = postgres_store.read_notice(payload)
+            if fields is None or fields[0][1] != "z":
+                real_on_notice(payload)
+                return
+            real_on_notice(instance)  # z's, as an earlier server sent it: the instance alone
+            swallowed.set()
+
+        here._on_notice = as_an_earlier_server_sent_it  # type: ignore[method-assign]
+        own = await add(here, session_id="x")
+        missed = await add(there, session_id="z")
+        await swallowed.wait()
+        return own.seq, missed
+
+    await a_long_poll_after_lost_notices_reads(pg_url, lose)
+
+
 # -- outcomes: exactly one per request ----------------------------------------------------
 
 
