@@ -265,6 +265,34 @@ class ConnectionAcceptor:
             self._refusals.release_on_behalf_of(stream)
 
 
+class QuickLock:
+    """A lock taken in the step that asks for it when it is free (`trio.Lock` always passes through
+    the scheduler first: one round trip per take), for hypercorn's per-request locks (the
+    connection's write lock, its keep-alive timer's), each held only around work that checkpoints
+    or cannot block. A task that finds it held waits its turn as on `trio.Lock`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+
+    async def acquire(self) -> None:
+        """Take the lock: at once when free, else after the task holding it releases it."""
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    def release(self) -> None:
+        """Give the lock back."""
+        self._lock.release()
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
 class GuardedStream(trio.abc.HalfCloseableStream):
     """A socket stream for hypercorn's `TCPServer`: one send at a time, each within `write_timeout`.
 
@@ -282,7 +310,7 @@ class GuardedStream(trio.abc.HalfCloseableStream):
         self.socket = inner.socket
         """The socket, which `TCPServer` asks for the addresses."""
         self.write_timeout = write_timeout
-        self._sending = trio.Lock()
+        self._sending = QuickLock()
         self._hold = False
         self._held = b""
 
@@ -297,8 +325,9 @@ class GuardedStream(trio.abc.HalfCloseableStream):
 
         Hypercorn sends three times per response (head, body, end: the end of a sized body is
         empty), so the lock is taken without a scheduler round trip when it is free (the socket's
-        send is the checkpoint), and an empty send, which cannot block, has no deadline to arm.
-        A send after `hold_next_send` only keeps its bytes (no checkpoint: it cannot block).
+        send is the checkpoint), and an empty send, which has nothing to write, returns at once
+        (a closed connection is then found by the next send or read). A send after
+        `hold_next_send` only keeps its bytes (no checkpoint: it cannot block).
         """
         if self._hold and data:
             self._hold = False
@@ -306,14 +335,10 @@ class GuardedStream(trio.abc.HalfCloseableStream):
             return
         if self._held:
             data, self._held = self._held + data, b""
+        if not data:
+            return
+        await self._sending.acquire()
         try:
-            self._sending.acquire_nowait()
-        except trio.WouldBlock:
-            await self._sending.acquire()
-        try:
-            if not data:
-                await self.inner.send_all(data)
-                return
             with trio.fail_after(self.write_timeout):
                 await self.inner.send_all(data)
         except trio.TooSlowError:

@@ -68,6 +68,7 @@ from .connection_limits import (
     FloodLog,
     GuardedStream,
     HttpLimits,
+    QuickLock,
 )
 from .health import Readiness
 from .principal_access import PRINCIPAL_STATE, Access, PrincipalAccess, request_principal
@@ -1090,7 +1091,12 @@ class HttpApi:
                 assert isinstance(stream, trio.SocketStream)
                 guarded = GuardedStream(stream, HTTP_WRITE_SECONDS)
                 state = ConnectionState({**lifespan_state, HOLD_NEXT_SEND_STATE: guarded.hold_next_send})
-                await TCPServer(app, config, context, state, guarded).run()  # type: ignore[arg-type]
+                server = TCPServer(app, config, context, state, guarded)  # type: ignore[arg-type]
+                # Its write lock and its keep-alive timer's are taken several times a request: in
+                # the step that asks, when free (`QuickLock`), not after a scheduler round trip each.
+                server.send_lock = QuickLock()  # type: ignore[assignment]
+                server.idle_task._lock = QuickLock()  # type: ignore[assignment]
+                await server.run()
 
             acceptor = ConnectionAcceptor(flood, log, cap=self.limits.connection_cap, refuse=_refuse_busy)
             async with trio.open_nursery() as nursery:
