@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import resource
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -291,6 +292,55 @@ class QuickLock:
 
     async def __aexit__(self, *exc: object) -> None:
         self.release()
+
+
+class KeepAliveTimer:
+    """The keep-alive timer of one hypercorn connection (`TCPServer.idle_task`): one task for the
+    connection's life whose deadline moves, in place of hypercorn's `TrioSingleTask`, which starts
+    a task (`nursery.start`, under a lock) each time the connection goes idle and cancels it each
+    time a request comes: two task steps and a task started per request, for a deadline.
+
+    `restart` (the connection went idle) sets the deadline `seconds` from now, `stop` (a request
+    came) lifts it; at the deadline, or when the server's workers are told to stop
+    (`context.terminated`), the connection is closed as hypercorn's own timer closes it
+    (`_initiate_server_close`, shielded). `close()` ends the task: call it when the connection's
+    reading ends, as its nursery waits for the task.
+    """
+
+    def __init__(self, server: Any, seconds: float) -> None:
+        self.server = server
+        self.seconds = seconds
+        self._scope: trio.CancelScope | None = None
+        self._closed = False
+
+    async def restart(self, task_group: Any, action: object) -> None:
+        """The connection is idle: close it `seconds` from now (the first call starts the task)."""
+        if self._closed:
+            return
+        deadline = trio.current_time() + self.seconds
+        if self._scope is None:
+            self._scope = trio.CancelScope(deadline=deadline)
+            task_group._nursery.start_soon(self._run, self._scope)
+        else:
+            self._scope.deadline = deadline
+
+    async def stop(self) -> None:
+        """A request came: no deadline until the connection is idle again."""
+        if self._scope is not None:
+            self._scope.deadline = math.inf
+
+    def close(self) -> None:
+        """The connection's reading ended: end the task without closing anything."""
+        self._closed = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _run(self, scope: trio.CancelScope) -> None:
+        with scope:
+            await self.server.context.terminated.wait()
+        if not self._closed:
+            with trio.CancelScope(shield=True):
+                await self.server._initiate_server_close()
 
 
 class GuardedStream(trio.abc.HalfCloseableStream):
