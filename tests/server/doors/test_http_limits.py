@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from trio.testing import MockClock
 
 from harness import Deployment
 
-from oubliette_server.doors.connection_limits import FloodLog, GuardedStream, descriptor_shares
+from oubliette_server.doors.connection_limits import FloodLog, GuardedStream, KeepAliveTimer, descriptor_shares
 
 
 async def _raw_request(url: str, data: bytes) -> trio.SocketStream:
@@ -265,3 +266,51 @@ async def test_a_guarded_stream_sends_a_held_write_with_the_next_one() -> None:
     await guarded.send_all(b"cut short")
     await guarded.send_eof()
     assert inner.writes[3:] == [b"cut short"] and inner.ended
+
+
+class _Connection:
+    """What `KeepAliveTimer` uses of hypercorn's `TCPServer`: the workers' stop and the close it starts."""
+
+    def __init__(self) -> None:
+        self.context = SimpleNamespace(terminated=trio.Event())
+        self.closed_at: list[float] = []
+
+    async def _initiate_server_close(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self.closed_at.append(trio.current_time())
+
+
+async def test_the_keep_alive_timer_closes_a_connection_idle_for_its_seconds(autojump_clock: MockClock) -> None:
+    """An idle connection is closed `seconds` after it went idle, never while a request is being
+    answered (`stop`), counted again from each idle spell; the one task ends when the connection's
+    reading does (`close`), and the server's stop closes an idle connection at once."""
+    connection = _Connection()
+    timer = KeepAliveTimer(connection, 5.0)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        group = SimpleNamespace(_nursery=nursery)
+        await timer.restart(group, None)  # the connection is open, idle
+        await trio.sleep(4)
+        await timer.stop()  # a request: a long poll of 60 s
+        await trio.sleep(60)
+        assert connection.closed_at == []
+        await timer.restart(group, None)  # answered at 64 s: idle again
+        await trio.sleep(10)
+        assert connection.closed_at == [start + 69]
+        timer.close()
+    busy = _Connection()
+    timer = KeepAliveTimer(busy, 5.0)
+    async with trio.open_nursery() as nursery:
+        await timer.restart(SimpleNamespace(_nursery=nursery), None)
+        await timer.stop()
+        await trio.sleep(100)
+        timer.close()  # the client left mid-request: the task ends, nothing else is closed
+    assert busy.closed_at == []
+    stopping = _Connection()
+    timer = KeepAliveTimer(stopping, 5.0)
+    async with trio.open_nursery() as nursery:
+        await timer.restart(SimpleNamespace(_nursery=nursery), None)
+        await trio.sleep(1)
+        stopping.context.terminated.set()
+        told = trio.current_time()
+    assert stopping.closed_at == [told]
