@@ -234,7 +234,7 @@ class FastHttpCalls:
         JSON if it ends within the keepalive interval without an event, else SSE; the client leaving cancels it."""
         request_id, params, version = message["id"], message["params"], verdict.protocol_version
         if params["arguments"].get("wait", False) is False:
-            ctx = SimpleNamespace(protocol_version=version, request=SimpleNamespace(state=State(scope.setdefault("state", {}))))
+            ctx: Any = SimpleNamespace(protocol_version=version, request=SimpleNamespace(state=State(scope.setdefault("state", {}))))
             await self._answer_without_events(scope, receive, send, ctx, message, version)
             return
         # its events ride this request: the SDK's context
