@@ -314,3 +314,43 @@ async def test_the_keep_alive_timer_closes_a_connection_idle_for_its_seconds(aut
         stopping.context.terminated.set()
         told = trio.current_time()
     assert stopping.closed_at == [told]
+
+
+async def _read_to_close(stream: trio.SocketStream) -> bytes:
+    """Everything the server sends until it closes the connection (bounded: the test fails, not hangs)."""
+    got = bytearray()
+    async with stream:
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some(1 << 16):
+                got.extend(chunk)
+    return bytes(got)
+
+
+async def test_the_server_closes_idle_keep_alive_connections_and_not_a_busy_one(deployment: Deployment) -> None:
+    """`http_keep_alive_timeout` on a real server (its timer is `KeepAliveTimer`, not hypercorn's): a
+    connection that sends nothing, and one idle after its answer, are closed; a request that takes
+    longer than the timeout (a long poll of 1.5 s against 0.5 s) is answered on its connection."""
+    async with deployment.embedded(http=["127.0.0.1:0"], instances={"box1": {}}, http_keep_alive_timeout=0.5) as embedded:
+        server = embedded.http_server(deployment)
+        assert await _read_to_close(await _raw_request(server.url, b"")) == b""
+        answered = await _read_to_close(await _raw_request(server.url, b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n"))
+        assert answered.startswith(b"HTTP/1.1 200 ") and answered.count(b"HTTP/1.1") == 1, answered
+        async with server.rest() as http:
+            meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {},
+                    "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"}}
+            owner = {"owner_key": "keep-alive-caller-0123456789", "instance": "box1", "session_id": "s1"}
+
+            async def call(name: str, arguments: dict[str, Any]) -> Any:
+                body = {"jsonrpc": "2.0", "id": name, "method": "tools/call",
+                        "params": {"name": name, "arguments": {**owner, **arguments}, "_meta": meta}}
+                response = await http.post("/mcp", json=body, headers={
+                    "content-type": "application/json", "accept": "application/json, text/event-stream",
+                    "mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call", "mcp-name": name})
+                assert response.status_code == 200, response.text
+                result = response.json()["result"]
+                assert result["isError"] is False, result
+                return result["structuredContent"]
+
+            await call("session_message", {"message": "hi", "context": {"caller_id": "app"}})
+            polled = await call("session_events", {"types": ["caller_tool_request"], "wait_ms": 1500})
+            assert polled["frames"] == [], polled
