@@ -34,6 +34,8 @@ from typing import Any
 import attrs
 import trio
 
+from protocol.framing import write_at_once
+
 #: accept(2) errors that mean "no descriptor or memory right now", not "this listener is broken".
 CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 #: How long an accept loop pauses after such an error. Nothing signals that a descriptor was
@@ -375,7 +377,9 @@ class GuardedStream(trio.abc.HalfCloseableStream):
 
         Hypercorn sends three times per response (head, body, end: the end of a sized body is
         empty), so the lock is taken without a scheduler round trip when it is free (the socket's
-        send is the checkpoint), and an empty send, which has nothing to write, returns at once
+        send is the checkpoint), bytes the socket takes whole at once are written in this step
+        (`write_at_once`: no deadline to arm, no round trip; the rest, or a full socket, is written
+        under the deadline), and an empty send, which has nothing to write, returns at once
         (a closed connection is then found by the next send or read). A send after
         `hold_next_send` only keeps its bytes (no checkpoint: it cannot block).
         """
@@ -389,8 +393,11 @@ class GuardedStream(trio.abc.HalfCloseableStream):
             return
         await self._sending.acquire()
         try:
+            sent = write_at_once(self.socket.fileno(), data) if self.socket is not None else 0
+            if sent == len(data):
+                return
             with trio.fail_after(self.write_timeout):
-                await self.inner.send_all(data)
+                await self.inner.send_all(memoryview(data)[sent:])
         except trio.TooSlowError:
             raise trio.BrokenResourceError(f"the client read nothing for {self.write_timeout:g} s") from None
         finally:

@@ -19,6 +19,7 @@ import trio
 from trio.testing import MockClock
 
 from harness import Deployment
+from task_steps import counted_steps
 
 from oubliette_server.doors.connection_limits import FloodLog, GuardedStream, KeepAliveTimer, descriptor_shares
 
@@ -223,6 +224,32 @@ async def test_a_guarded_stream_writes_one_at_a_time_within_its_deadline() -> No
             await guarded.send_all(big)  # nobody reads `theirs`
     theirs.close()
     await guarded.aclose()
+
+
+async def test_a_guarded_stream_writes_what_the_socket_takes_in_the_step_it_is_in() -> None:
+    """An answer the socket's buffer takes whole is written in the sending task's step
+    (`write_at_once`: no scheduler round trip, no deadline armed); what it cannot take is written
+    under the deadline, in order."""
+    ours, theirs = trio.socket.socketpair()
+    guarded = GuardedStream(trio.SocketStream(ours), write_timeout=5)
+    peer = trio.SocketStream(theirs)
+    with counted_steps() as steps:
+        await guarded.send_all(b"HTTP/1.1 200 \r\ncontent-length: 2\r\n\r\n{}")
+    assert steps.count == 0
+    assert await peer.receive_some(1 << 16) == b"HTTP/1.1 200 \r\ncontent-length: 2\r\n\r\n{}"
+    big = bytes(range(256)) * 16_000  # more than the socket buffers hold
+    received = bytearray()
+    async with trio.open_nursery() as nursery:
+
+        async def read_all() -> None:
+            while len(received) < len(big):
+                received.extend(await peer.receive_some(1 << 16))
+
+        nursery.start_soon(read_all)
+        await guarded.send_all(big)
+    assert received == big
+    await guarded.aclose()
+    await peer.aclose()
 
 
 class _RecordedWrites:
