@@ -48,7 +48,7 @@ def encode(message: dict[str, Any]) -> bytes:
     return compact_json(message).encode("utf-8") + b"\n"
 
 
-def write_at_once(fd: int, data: bytes) -> int:
+def write_at_once(fd: int, data: bytes | bytearray | memoryview) -> int:
     """How much of `data` a non-blocking descriptor takes now, written (0 when it is full or
     broken: the caller's ordinary write, under its deadline, then waits or fails as usual). A
     write that takes it whole needs no task, no lock round trip and no deadline: it cannot block."""

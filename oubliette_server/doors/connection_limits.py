@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import resource
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 import trio
+
+from protocol.framing import write_at_once
 
 #: accept(2) errors that mean "no descriptor or memory right now", not "this listener is broken".
 CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
@@ -265,6 +268,83 @@ class ConnectionAcceptor:
             self._refusals.release_on_behalf_of(stream)
 
 
+class QuickLock:
+    """A lock taken in the step that asks for it when it is free (`trio.Lock` always passes through
+    the scheduler first: one round trip per take), for hypercorn's per-request locks (the
+    connection's write lock, its keep-alive timer's), each held only around work that checkpoints
+    or cannot block. A task that finds it held waits its turn as on `trio.Lock`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+
+    async def acquire(self) -> None:
+        """Take the lock: at once when free, else after the task holding it releases it."""
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    def release(self) -> None:
+        """Give the lock back."""
+        self._lock.release()
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+class KeepAliveTimer:
+    """The keep-alive timer of one hypercorn connection (`TCPServer.idle_task`): one task for the
+    connection's life whose deadline moves, in place of hypercorn's `TrioSingleTask`, which starts
+    a task (`nursery.start`, under a lock) each time the connection goes idle and cancels it each
+    time a request comes: two task steps and a task started per request, for a deadline.
+
+    `restart` (the connection went idle) sets the deadline `seconds` from now, `stop` (a request
+    came) lifts it; at the deadline, or when the server's workers are told to stop
+    (`context.terminated`), the connection is closed as hypercorn's own timer closes it
+    (`_initiate_server_close`, shielded). `close()` ends the task: call it when the connection's
+    reading ends, as its nursery waits for the task.
+    """
+
+    def __init__(self, server: Any, seconds: float) -> None:
+        self.server = server
+        self.seconds = seconds
+        self._scope: trio.CancelScope | None = None
+        self._closed = False
+
+    async def restart(self, task_group: Any, action: object) -> None:
+        """The connection is idle: close it `seconds` from now (the first call starts the task)."""
+        if self._closed:
+            return
+        deadline = trio.current_time() + self.seconds
+        if self._scope is None:
+            self._scope = trio.CancelScope(deadline=deadline)
+            task_group._nursery.start_soon(self._run, self._scope)
+        else:
+            self._scope.deadline = deadline
+
+    async def stop(self) -> None:
+        """A request came: no deadline until the connection is idle again."""
+        if self._scope is not None:
+            self._scope.deadline = math.inf
+
+    def close(self) -> None:
+        """The connection's reading ended: end the task without closing anything."""
+        self._closed = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _run(self, scope: trio.CancelScope) -> None:
+        with scope:
+            await self.server.context.terminated.wait()
+        if not self._closed:
+            with trio.CancelScope(shield=True):
+                await self.server._initiate_server_close()
+
+
 class GuardedStream(trio.abc.HalfCloseableStream):
     """A socket stream for hypercorn's `TCPServer`: one send at a time, each within `write_timeout`.
 
@@ -282,7 +362,7 @@ class GuardedStream(trio.abc.HalfCloseableStream):
         self.socket = inner.socket
         """The socket, which `TCPServer` asks for the addresses."""
         self.write_timeout = write_timeout
-        self._sending = trio.Lock()
+        self._sending = QuickLock()
         self._hold = False
         self._held = b""
 
@@ -297,8 +377,11 @@ class GuardedStream(trio.abc.HalfCloseableStream):
 
         Hypercorn sends three times per response (head, body, end: the end of a sized body is
         empty), so the lock is taken without a scheduler round trip when it is free (the socket's
-        send is the checkpoint), and an empty send, which cannot block, has no deadline to arm.
-        A send after `hold_next_send` only keeps its bytes (no checkpoint: it cannot block).
+        send is the checkpoint), bytes the socket takes whole at once are written in this step
+        (`write_at_once`: no deadline to arm, no round trip; the rest, or a full socket, is written
+        under the deadline), and an empty send, which has nothing to write, returns at once
+        (a closed connection is then found by the next send or read). A send after
+        `hold_next_send` only keeps its bytes (no checkpoint: it cannot block).
         """
         if self._hold and data:
             self._hold = False
@@ -306,16 +389,15 @@ class GuardedStream(trio.abc.HalfCloseableStream):
             return
         if self._held:
             data, self._held = self._held + data, b""
+        if not data:
+            return
+        await self._sending.acquire()
         try:
-            self._sending.acquire_nowait()
-        except trio.WouldBlock:
-            await self._sending.acquire()
-        try:
-            if not data:
-                await self.inner.send_all(data)
+            sent = write_at_once(self.socket.fileno(), data) if self.socket is not None else 0
+            if sent == len(data):
                 return
             with trio.fail_after(self.write_timeout):
-                await self.inner.send_all(data)
+                await self.inner.send_all(memoryview(data)[sent:])
         except trio.TooSlowError:
             raise trio.BrokenResourceError(f"the client read nothing for {self.write_timeout:g} s") from None
         finally:

@@ -68,6 +68,8 @@ from .connection_limits import (
     FloodLog,
     GuardedStream,
     HttpLimits,
+    KeepAliveTimer,
+    QuickLock,
 )
 from .health import Readiness
 from .principal_access import PRINCIPAL_STATE, Access, PrincipalAccess, request_principal
@@ -1090,7 +1092,22 @@ class HttpApi:
                 assert isinstance(stream, trio.SocketStream)
                 guarded = GuardedStream(stream, HTTP_WRITE_SECONDS)
                 state = ConnectionState({**lifespan_state, HOLD_NEXT_SEND_STATE: guarded.hold_next_send})
-                await TCPServer(app, config, context, state, guarded).run()  # type: ignore[arg-type]
+                server = TCPServer(app, config, context, state, guarded)  # type: ignore[arg-type]
+                # Its write lock is taken several times a request: in the step that asks, when free
+                # (`QuickLock`), not after a scheduler round trip each;
+                server.send_lock = QuickLock()  # type: ignore[assignment]
+                # and its keep-alive timer one task with a moving deadline, not a task per idle spell
+                timer = server.idle_task = KeepAliveTimer(server, config.keep_alive_timeout)  # type: ignore[assignment]
+                read_data = server._read_data
+
+                async def read_then_end_timer() -> None:
+                    try:
+                        await read_data()
+                    finally:
+                        timer.close()
+
+                server._read_data = read_then_end_timer  # type: ignore[method-assign]
+                await server.run()
 
             acceptor = ConnectionAcceptor(flood, log, cap=self.limits.connection_cap, refuse=_refuse_busy)
             async with trio.open_nursery() as nursery:

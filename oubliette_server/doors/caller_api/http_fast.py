@@ -41,7 +41,8 @@ goes away cancels the call, as on the SDK's path. A taken call gets the span the
 (`fast_call_span`). `OUBLIETTE_FAST_PATH=0` leaves every request to the SDK;
 tests/server/doors/test_http_caller.py drives the same requests both ways.
 
-Owns: per taken request, a nursery with the call and a watch for the client's disconnect.
+Owns: per taken request, a nursery: without `wait`, one task beside the call in the request's own task
+(the watch for the client's disconnect and the keepalive pings); with `wait`, the call and the watch.
 Needs: the SDK `Server` (its tool schemas, result shaping), the transport security settings
 the SDK's app has, the body limit, and `call(ctx, name, arguments)`.
 """
@@ -232,40 +233,29 @@ class FastHttpCalls:
         """Run the call and write its answer as the SDK's SSE-mode writer does (`handle_modern_request`):
         JSON if it ends within the keepalive interval without an event, else SSE; the client leaving cancels it."""
         request_id, params, version = message["id"], message["params"], verdict.protocol_version
-        name, arguments, meta = params["name"], params["arguments"], params["_meta"]
-        connection: Connection | None = None
-        events: Any
-        if arguments.get("wait", False) is not False:  # its events ride this request: the SDK's context
-            events_in, events = anyio.create_memory_object_stream[bytes](0)
-            ends: Callable[[], object] = events_in.close
-            connection = Connection.from_envelope(version, verdict.client_info, verdict.client_capabilities)
-            dctx = sdk_http._SingleExchangeDispatchContext(
-                transport=TransportContext(kind="streamable-http", can_send_request=False, headers=request.headers),
-                request_id=request_id, message_metadata=ServerMessageMetadata(request_context=request),
-                progress_token=progress_token_from_params(params), sink=events_in,
-            )
-            ctx: Any = ServerRunner(self.server, connection, None)._make_context(
-                dctx, "tools/call", params, _extract_meta(params), version)
-        else:
-            events = _NoEvents()
-            ends = events.ended.set
-            ctx = SimpleNamespace(protocol_version=version, request=SimpleNamespace(state=State(scope.setdefault("state", {}))))
+        if params["arguments"].get("wait", False) is False:
+            ctx: Any = SimpleNamespace(protocol_version=version, request=SimpleNamespace(state=State(scope.setdefault("state", {}))))
+            await self._answer_without_events(scope, receive, send, ctx, message, version)
+            return
+        # its events ride this request: the SDK's context
+        events_in, events = anyio.create_memory_object_stream[bytes](0)
+        connection = Connection.from_envelope(version, verdict.client_info, verdict.client_capabilities)
+        dctx = sdk_http._SingleExchangeDispatchContext(
+            transport=TransportContext(kind="streamable-http", can_send_request=False, headers=request.headers),
+            request_id=request_id, message_metadata=ServerMessageMetadata(request_context=request),
+            progress_token=progress_token_from_params(params), sink=events_in,
+        )
+        ctx = ServerRunner(self.server, connection, None)._make_context(
+            dctx, "tools/call", params, _extract_meta(params), version)
         outcome: list[JSONRPCResponse | JSONRPCError] = []
         try:
             async with trio.open_nursery() as nursery:
 
                 async def run() -> None:
                     try:
-                        with fast_call_span(name, request_id, meta) as ended:
-                            try:
-                                result = self._shaper._serialize("tools/call", version, await self.call(ctx, name, arguments))
-                            except Exception as exc:  # as the SDK's exception-to-wire boundary
-                                outcome.append(JSONRPCError(jsonrpc="2.0", id=request_id, error=modern_error_data(exc)))
-                            else:
-                                ended(result)
-                                outcome.append(JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result))
+                        outcome.append(await self._outcome(ctx, message, version))
                     finally:
-                        ends()
+                        events_in.close()
 
                 async def watch() -> None:
                     while (await receive())["type"] != "http.disconnect":
@@ -277,22 +267,57 @@ class FastHttpCalls:
                 await _write_answer(events, outcome, scope, receive, send)
                 nursery.cancel_scope.cancel()
         finally:
-            if connection is not None:
-                events.close()
-                await aclose_shielded(connection)
+            events.close()
+            await aclose_shielded(connection)
 
+    async def _outcome(self, ctx: Any, message: dict[str, Any], version: str) -> JSONRPCResponse | JSONRPCError:
+        """The call's JSON-RPC answer: its result shaped as the SDK's runner shapes it, or the error its
+        exception-to-wire boundary makes; under the span the SDK would make (`fast_call_span`)."""
+        request_id, params = message["id"], message["params"]
+        name = params["name"]
+        with fast_call_span(name, request_id, params["_meta"]) as ended:
+            try:
+                result = self._shaper._serialize("tools/call", version, await self.call(ctx, name, params["arguments"]))
+            except Exception as exc:  # as the SDK's exception-to-wire boundary
+                return JSONRPCError(jsonrpc="2.0", id=request_id, error=modern_error_data(exc))
+            ended(result)
+            return JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
 
-class _NoEvents:
-    """The events of a call without `wait`, which sends none: they end when the call does (cheaper
-    per request than a memory stream)."""
+    async def _answer_without_events(
+        self, scope: dict[str, Any], receive: Any, send: Any, ctx: Any, message: dict[str, Any], version: str,
+    ) -> None:
+        """A call without `wait` sends no events, so it runs in the request's own task, beside one task
+        (not a task for the call and one for the watch) that watches for the client leaving, which
+        cancels the call, and past each keepalive interval commits the answer to SSE and pings, as
+        `_write_answer` does. The answer is written once that task has ended: one writer at a time."""
+        outcome: list[JSONRPCResponse | JSONRPCError] = []
+        sse = False
+        async with trio.open_nursery() as nursery:
 
-    def __init__(self) -> None:
-        self.ended = trio.Event()
+            async def keepalive() -> None:
+                nonlocal sse
+                while True:
+                    with trio.move_on_after(sdk_http._SSE_PING_INTERVAL):
+                        while (await receive())["type"] != "http.disconnect":
+                            pass
+                        nursery.cancel_scope.cancel()
+                        return
+                    if not sse:
+                        sse = True
+                        hold_next_send(scope)
+                        await send({"type": "http.response.start", "status": 200, "headers": sdk_http._SSE_HEADERS})
+                    await send(_SSE_PING)
 
-    async def receive(self) -> bytes:
-        """Nothing, until the call ends."""
-        await self.ended.wait()
-        raise anyio.EndOfStream
+            nursery.start_soon(keepalive)
+            outcome.append(await self._outcome(ctx, message, version))
+            nursery.cancel_scope.cancel()
+        if not outcome:  # the client went away: nothing to answer
+            return
+        hold_next_send(scope)
+        if sse:
+            await send({"type": "http.response.body", "body": sdk_http._sse_event(outcome[0]), "more_body": False})
+        else:
+            await sdk_http._write(outcome[0], scope, receive, send)
 
 
 async def _write_answer(

@@ -638,7 +638,7 @@ async def test_the_fast_path_sends_an_answers_head_with_its_body_and_its_last_ev
     guarded_init = connection_limits.GuardedStream.__init__
 
     class RecordedSocket:
-        """The socket stream under a connection's `GuardedStream`, recording each write."""
+        """The socket stream under a connection's `GuardedStream`, recording each write it is given."""
 
         def __init__(self, inner: trio.SocketStream) -> None:
             self.inner = inner
@@ -656,6 +656,16 @@ async def test_the_fast_path_sends_an_answers_head_with_its_body_and_its_last_ev
         guarded_init(guarded, RecordedSocket(inner), write_timeout)  # type: ignore[arg-type]
 
     monkeypatch.setattr(connection_limits.GuardedStream, "__init__", recorded)
+    at_once = connection_limits.write_at_once
+
+    def recorded_at_once(fd: int, data: bytes) -> int:
+        """A write the socket takes in the sending task's step (`write_at_once`), recorded likewise."""
+        sent = at_once(fd, data)
+        if sent:
+            writes.append(bytes(data[:sent]))
+        return sent
+
+    monkeypatch.setattr(connection_limits, "write_at_once", recorded_at_once)
     with fast_path_log() as taken:
         async with deployment.embedded_http_server("box1") as server, server.rest() as http:
             caller = RawModernCaller(http, "s1")
@@ -873,3 +883,58 @@ async def test_the_sdk_clients_2025_11_25_answers_take_the_fast_path(deployment:
                     agent, caller, events, "s1", "myapp_send_notification", {"message": "hi"}, {"result": {"status": "sent"}})
     assert structured(reply) == {"resolved": True} and result.structured_content == {"status": "sent"}
     assert sum("taken off the SDK's path (handshake era)" in line for line in taken) == 1, taken
+
+
+class _ServerTasks(trio.abc.Instrument):
+    """The tasks the server starts and the steps they take (each a scheduler round trip); the test's
+    own HTTP client runs in the same Trio run, so only the server's tasks (hypercorn's, ours) count."""
+
+    def __init__(self) -> None:
+        self.spawned = 0
+        self.steps = 0
+
+    @staticmethod
+    def _ours(task: trio.lowlevel.Task) -> bool:
+        return task.name.startswith(("hypercorn.", "oubliette_server."))
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        """One more task, if the server's."""
+        self.spawned += self._ours(task)
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        """One more step, if of a server task."""
+        self.steps += self._ours(task)
+
+
+async def test_a_fast_path_answer_costs_one_task_beside_the_request_and_few_scheduler_round_trips(
+    deployment: Deployment,
+) -> None:
+    """A `session_events` read and a `caller_tool_response` without `wait`, answered on a kept
+    connection, start one task beside hypercorn's task of the request (the watch for the client
+    leaving, with the keepalive pings; the call runs in the request's task), none for the
+    connection's keep-alive timer (one task for the connection's life, `KeepAliveTimer`), and take
+    few steps: hypercorn's locks are taken in the step that asks (`QuickLock`) and an empty send
+    (the end of a sized body) is no round trip. Before: a task for the call and one for the watch,
+    a keep-alive task started each time the connection went idle, and 15 or more steps a request."""
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.rest() as http:
+            caller = RawModernCaller(http, "s1")
+            await caller.call("declare", 1, "session_message", {
+                "instance": "box1", "session_id": "s1", "message": "hi", "context": {"caller_id": "app", "caller_tools": [ECHO]}})
+            await caller.call("read at once", 2, "session_events", {"session_id": "s1"})
+            counted = _ServerTasks()
+            trio.lowlevel.add_instrument(counted)
+            try:
+                for n in range(10):
+                    await caller.call("read at once", 3 + 2 * n, "session_events", {"session_id": "s1"})
+                    answer = await caller.call("an answer to no request", 4 + 2 * n, "caller_tool_response", {
+                        "session_id": "s1", "request_id": "ctr-0000", "result": {}})
+                    assert answer["isError"] is True, answer
+            finally:
+                trio.lowlevel.remove_instrument(counted)
+    assert sum("taken off the SDK's path" in line for line in taken) == 21, taken
+    # 20 requests: 40 tasks and 226-237 steps here (253 when each write was a round trip); 61 and
+    # 313 with hypercorn's keep-alive task, 81 and 348 with a task for the call and one for the
+    # watch, 71 and 439 with trio's locks as well.
+    assert counted.spawned <= 2 * 20, counted.spawned
+    assert counted.steps <= 14 * 20, counted.steps

@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,8 +19,9 @@ import trio
 from trio.testing import MockClock
 
 from harness import Deployment
+from task_steps import counted_steps
 
-from oubliette_server.doors.connection_limits import FloodLog, GuardedStream, descriptor_shares
+from oubliette_server.doors.connection_limits import FloodLog, GuardedStream, KeepAliveTimer, descriptor_shares
 
 
 async def _raw_request(url: str, data: bytes) -> trio.SocketStream:
@@ -224,6 +226,32 @@ async def test_a_guarded_stream_writes_one_at_a_time_within_its_deadline() -> No
     await guarded.aclose()
 
 
+async def test_a_guarded_stream_writes_what_the_socket_takes_in_the_step_it_is_in() -> None:
+    """An answer the socket's buffer takes whole is written in the sending task's step
+    (`write_at_once`: no scheduler round trip, no deadline armed); what it cannot take is written
+    under the deadline, in order."""
+    ours, theirs = trio.socket.socketpair()
+    guarded = GuardedStream(trio.SocketStream(ours), write_timeout=5)
+    peer = trio.SocketStream(theirs)
+    with counted_steps() as steps:
+        await guarded.send_all(b"HTTP/1.1 200 \r\ncontent-length: 2\r\n\r\n{}")
+    assert steps.count == 0
+    assert await peer.receive_some(1 << 16) == b"HTTP/1.1 200 \r\ncontent-length: 2\r\n\r\n{}"
+    big = bytes(range(256)) * 16_000  # more than the socket buffers hold
+    received = bytearray()
+    async with trio.open_nursery() as nursery:
+
+        async def read_all() -> None:
+            while len(received) < len(big):
+                received.extend(await peer.receive_some(1 << 16))
+
+        nursery.start_soon(read_all)
+        await guarded.send_all(big)
+    assert received == big
+    await guarded.aclose()
+    await peer.aclose()
+
+
 class _RecordedWrites:
     """A socket stream that records each write that reaches the socket (an empty one makes no system call)."""
 
@@ -265,3 +293,91 @@ async def test_a_guarded_stream_sends_a_held_write_with_the_next_one() -> None:
     await guarded.send_all(b"cut short")
     await guarded.send_eof()
     assert inner.writes[3:] == [b"cut short"] and inner.ended
+
+
+class _Connection:
+    """What `KeepAliveTimer` uses of hypercorn's `TCPServer`: the workers' stop and the close it starts."""
+
+    def __init__(self) -> None:
+        self.context = SimpleNamespace(terminated=trio.Event())
+        self.closed_at: list[float] = []
+
+    async def _initiate_server_close(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self.closed_at.append(trio.current_time())
+
+
+async def test_the_keep_alive_timer_closes_a_connection_idle_for_its_seconds(autojump_clock: MockClock) -> None:
+    """An idle connection is closed `seconds` after it went idle, never while a request is being
+    answered (`stop`), counted again from each idle spell; the one task ends when the connection's
+    reading does (`close`), and the server's stop closes an idle connection at once."""
+    connection = _Connection()
+    timer = KeepAliveTimer(connection, 5.0)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        group = SimpleNamespace(_nursery=nursery)
+        await timer.restart(group, None)  # the connection is open, idle
+        await trio.sleep(4)
+        await timer.stop()  # a request: a long poll of 60 s
+        await trio.sleep(60)
+        assert connection.closed_at == []
+        await timer.restart(group, None)  # answered at 64 s: idle again
+        await trio.sleep(10)
+        assert connection.closed_at == [start + 69]
+        timer.close()
+    busy = _Connection()
+    timer = KeepAliveTimer(busy, 5.0)
+    async with trio.open_nursery() as nursery:
+        await timer.restart(SimpleNamespace(_nursery=nursery), None)
+        await timer.stop()
+        await trio.sleep(100)
+        timer.close()  # the client left mid-request: the task ends, nothing else is closed
+    assert busy.closed_at == []
+    stopping = _Connection()
+    timer = KeepAliveTimer(stopping, 5.0)
+    async with trio.open_nursery() as nursery:
+        await timer.restart(SimpleNamespace(_nursery=nursery), None)
+        await trio.sleep(1)
+        stopping.context.terminated.set()
+        told = trio.current_time()
+    assert stopping.closed_at == [told]
+
+
+async def _read_to_close(stream: trio.SocketStream) -> bytes:
+    """Everything the server sends until it closes the connection (bounded: the test fails, not hangs)."""
+    got = bytearray()
+    async with stream:
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some(1 << 16):
+                got.extend(chunk)
+    return bytes(got)
+
+
+async def test_the_server_closes_idle_keep_alive_connections_and_not_a_busy_one(deployment: Deployment) -> None:
+    """`http_keep_alive_timeout` on a real server (its timer is `KeepAliveTimer`, not hypercorn's): a
+    connection that sends nothing, and one idle after its answer, are closed; a request that takes
+    longer than the timeout (a long poll of 1.5 s against 0.5 s) is answered on its connection."""
+    async with deployment.embedded(http=["127.0.0.1:0"], instances={"box1": {}}, http_keep_alive_timeout=0.5) as embedded:
+        server = embedded.http_server(deployment)
+        assert await _read_to_close(await _raw_request(server.url, b"")) == b""
+        answered = await _read_to_close(await _raw_request(server.url, b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n"))
+        assert answered.startswith(b"HTTP/1.1 200 ") and answered.count(b"HTTP/1.1") == 1, answered
+        async with server.rest() as http:
+            meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {},
+                    "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"}}
+            owner = {"owner_key": "keep-alive-caller-0123456789", "instance": "box1", "session_id": "s1"}
+
+            async def call(name: str, arguments: dict[str, Any]) -> Any:
+                body = {"jsonrpc": "2.0", "id": name, "method": "tools/call",
+                        "params": {"name": name, "arguments": {**owner, **arguments}, "_meta": meta}}
+                response = await http.post("/mcp", json=body, headers={
+                    "content-type": "application/json", "accept": "application/json, text/event-stream",
+                    "mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call", "mcp-name": name})
+                assert response.status_code == 200, response.text
+                result = response.json()["result"]
+                assert result["isError"] is False, result
+                return result["structuredContent"]
+
+            await call("session_message", {"message": "hi", "context": {"caller_id": "app"}})
+            polled = await call("session_events", {"types": ["caller_tool_request"], "wait_ms": 1500})
+            assert polled["frames"] == [], polled
