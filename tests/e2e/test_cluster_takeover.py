@@ -41,18 +41,21 @@ CLOSE_BOUND = 3 * LEASE_TTL + 3
 third of a TTL), A sweeps every TTL; 1 TTL and 3 s of margin for a loaded machine."""
 
 
-def config(deployment: Deployment) -> str:
+def config(deployment: Deployment, lease_ttl: float = LEASE_TTL) -> str:
     """A config file declaring `box1`, with this test's lease TTL."""
     path = deployment.config_file(INSTANCE)
-    path.write_text(path.read_text() + f"[store]\nlease_ttl = {LEASE_TTL}\n")
+    path.write_text(path.read_text() + f"[store]\nlease_ttl = {lease_ttl}\n")
     return str(path)
 
 
 @asynccontextmanager
-async def servers(pg_url: str) -> AsyncIterator[tuple[Deployment, HttpServer, Deployment, HttpServer]]:
+async def servers(
+    pg_url: str, b_lease_ttl: float = LEASE_TTL,
+) -> AsyncIterator[tuple[Deployment, HttpServer, Deployment, HttpServer]]:
     a, b = Deployment(store=pg_url), Deployment(store=pg_url)
     try:
-        async with a.http_server("--config", config(a)) as server_a, b.http_server("--config", config(b)) as server_b:
+        async with a.http_server("--config", config(a)) as server_a, \
+                b.http_server("--config", config(b, b_lease_ttl)) as server_b:
             yield a, server_a, b, server_b
     finally:
         a.cleanup()
@@ -150,8 +153,11 @@ async def test_both_guests_of_a_taken_over_instance_answer_one_message_and_one_e
     started the turn; the new guest connects to A, which delivers it again (it was never
     acknowledged). Both guests end the turn at once. B, whose lease A took, refuses its guest's
     end with a clear error and closes that guest after the answer; A stores the new guest's end:
-    the log holds one turn end, and B ends no orphan of the turn A's guest runs."""
-    async with servers(pg_url) as (a, server_a, b, server_b):
+    the log holds one turn end, and B ends no orphan of the turn A's guest runs.
+
+    B's lease TTL is long: its renewal (every third of it) would otherwise find the lease taken and
+    close the old guest before its end is sent, on a slow machine, which is not the path tested."""
+    async with servers(pg_url, b_lease_ttl=60) as (a, server_a, b, server_b):
         token = a.token(INSTANCE)
         session = {"channel": "host", "id": "t1"}
         async with RawRelay.connect(b) as old:
@@ -213,14 +219,17 @@ async def test_a_guest_append_resent_to_another_server_is_stored_once(pg_url: st
 async def test_a_message_through_another_server_does_not_start_an_instance_held_elsewhere(pg_url: str) -> None:
     """A has a start command for box1 (wake on message); box1's guest is on B. Messages posted
     through A reach the guest on B and do not run A's start command (a second guest would take
-    the instance over). Once the guest left B (its lease released), a message through A does."""
+    the instance over). Once the guest left B (its lease released), a message through A does.
+
+    The TTL is long: the lease is released when the guest leaves, and a short one could expire
+    under a slow machine's delayed renewal, which is not the path tested."""
     a, b = Deployment(store=pg_url), Deployment(store=pg_url)
     marker = a.root / "started"
     path = a.config_file(start={INSTANCE: ["sh", "-c", f"echo started >> {marker}"]})
-    path.write_text(path.read_text() + f"[store]\nlease_ttl = {LEASE_TTL}\n")
+    path.write_text(path.read_text() + "[store]\nlease_ttl = 60\n")
     try:
         async with a.http_server("--config", str(path)) as server_a, \
-                b.http_server("--config", config(b)) as server_b, server_a.rest() as rest:
+                b.http_server("--config", config(b, lease_ttl=60)) as server_b, server_a.rest() as rest:
             async with RawRelay.connect(b) as guest:
                 assert "result" in await guest.hello(INSTANCE, a.token(INSTANCE), role="guest")
                 for i in range(3):
