@@ -30,7 +30,8 @@ headers, the body limit, non-JSON, a malformed envelope) is the SDK's:
 
 A call with `wait` runs with the context the SDK's runner makes (`ServerRunner._make_context`:
 its `ServerSession` over the SDK's single-exchange dispatch context), so the session's events
-that ride the request go out as the SDK sends them: the first one commits the answer to SSE.
+that ride the request are encoded as the SDK encodes them; its sink (`_ResponseWriter`) writes
+each onto the response from the task that sends it: the first one commits the answer to SSE.
 
 The answer is what the SDK would send: the tool's result shaped by the SDK's runner
 (`ServerRunner._serialize`: the version's result surface, `resultType`, the `serverInfo` stamp),
@@ -41,8 +42,8 @@ goes away cancels the call, as on the SDK's path. A taken call gets the span the
 (`fast_call_span`). `OUBLIETTE_FAST_PATH=0` leaves every request to the SDK;
 tests/server/doors/test_http_caller.py drives the same requests both ways.
 
-Owns: per taken request, a nursery: without `wait`, one task beside the call in the request's own task
-(the watch for the client's disconnect and the keepalive pings); with `wait`, the call and the watch.
+Owns: per taken request, a nursery of one task beside the call, which runs in the request's own
+task: the watch for the client's disconnect and the keepalive pings.
 Needs: the SDK `Server` (its tool schemas, result shaping), the transport security settings
 the SDK's app has, the body limit, and `call(ctx, name, arguments)`.
 """
@@ -84,7 +85,7 @@ from starlette.requests import Request
 from oubliette_runtime.fast_tool_calls import PARAM_KEYS, REQUEST_KEYS, is_request_id
 from oubliette_runtime.trace_spans import fast_call_span
 
-from ..connection_limits import hold_next_send
+from ..connection_limits import QuickLock, hold_next_send
 
 log = logging.getLogger("oubliette.fast_calls")
 _sdk_security_log = logging.getLogger("mcp.server.transport_security")
@@ -233,41 +234,23 @@ class FastHttpCalls:
         """Run the call and write its answer as the SDK's SSE-mode writer does (`handle_modern_request`):
         JSON if it ends within the keepalive interval without an event, else SSE; the client leaving cancels it."""
         request_id, params, version = message["id"], message["params"], verdict.protocol_version
+        writer = _ResponseWriter(scope, send)
         if params["arguments"].get("wait", False) is False:
             ctx: Any = SimpleNamespace(protocol_version=version, request=SimpleNamespace(state=State(scope.setdefault("state", {}))))
-            await self._answer_without_events(scope, receive, send, ctx, message, version)
+            await self._answer_in_request_task(scope, receive, writer, ctx, message, version)
             return
-        # its events ride this request: the SDK's context
-        events_in, events = anyio.create_memory_object_stream[bytes](0)
+        # its events ride this request: the SDK's context, whose sink writes them onto the response
         connection = Connection.from_envelope(version, verdict.client_info, verdict.client_capabilities)
         dctx = sdk_http._SingleExchangeDispatchContext(
             transport=TransportContext(kind="streamable-http", can_send_request=False, headers=request.headers),
             request_id=request_id, message_metadata=ServerMessageMetadata(request_context=request),
-            progress_token=progress_token_from_params(params), sink=events_in,
+            progress_token=progress_token_from_params(params), sink=cast(Any, writer),
         )
         ctx = ServerRunner(self.server, connection, None)._make_context(
             dctx, "tools/call", params, _extract_meta(params), version)
-        outcome: list[JSONRPCResponse | JSONRPCError] = []
         try:
-            async with trio.open_nursery() as nursery:
-
-                async def run() -> None:
-                    try:
-                        outcome.append(await self._outcome(ctx, message, version))
-                    finally:
-                        events_in.close()
-
-                async def watch() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(run)
-                nursery.start_soon(watch)
-                await _write_answer(events, outcome, scope, receive, send)
-                nursery.cancel_scope.cancel()
+            await self._answer_in_request_task(scope, receive, writer, ctx, message, version)
         finally:
-            events.close()
             await aclose_shielded(connection)
 
     async def _outcome(self, ctx: Any, message: dict[str, Any], version: str) -> JSONRPCResponse | JSONRPCError:
@@ -283,72 +266,76 @@ class FastHttpCalls:
             ended(result)
             return JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
 
-    async def _answer_without_events(
-        self, scope: dict[str, Any], receive: Any, send: Any, ctx: Any, message: dict[str, Any], version: str,
+    async def _answer_in_request_task(
+        self, scope: dict[str, Any], receive: Any, writer: _ResponseWriter, ctx: Any, message: dict[str, Any], version: str,
     ) -> None:
-        """A call without `wait` sends no events, so it runs in the request's own task, beside one task
-        (not a task for the call and one for the watch) that watches for the client leaving, which
-        cancels the call, and past each keepalive interval commits the answer to SSE and pings, as
-        `_write_answer` does. The answer is written once that task has ended: one writer at a time."""
+        """The call runs in the request's own task, beside one task (not a task for the call, one for the
+        watch and the request's task writing) that watches for the client leaving, which cancels the
+        call, and past each keepalive interval without an event commits the answer to SSE and pings, as
+        the SDK's writer does. The call's events (a `wait`'s) are written by the task that sends them,
+        through `writer` (the SDK's dispatch context's sink). The answer is written once that task has
+        ended and the call returned: the last writer."""
         outcome: list[JSONRPCResponse | JSONRPCError] = []
-        sse = False
         async with trio.open_nursery() as nursery:
 
             async def keepalive() -> None:
-                nonlocal sse
                 while True:
-                    with trio.move_on_after(sdk_http._SSE_PING_INTERVAL):
+                    with trio.move_on_after(sdk_http._SSE_PING_INTERVAL) as writer.quiet:
                         while (await receive())["type"] != "http.disconnect":
                             pass
                         nursery.cancel_scope.cancel()
                         return
-                    if not sse:
-                        sse = True
-                        hold_next_send(scope)
-                        await send({"type": "http.response.start", "status": 200, "headers": sdk_http._SSE_HEADERS})
-                    await send(_SSE_PING)
+                    await writer.write(_SSE_PING)
 
             nursery.start_soon(keepalive)
-            outcome.append(await self._outcome(ctx, message, version))
+            try:
+                outcome.append(await self._outcome(ctx, message, version))
+            finally:
+                writer.closed = True
             nursery.cancel_scope.cancel()
         if not outcome:  # the client went away: nothing to answer
             return
-        hold_next_send(scope)
-        if sse:
-            await send({"type": "http.response.body", "body": sdk_http._sse_event(outcome[0]), "more_body": False})
+        hold_next_send(writer.scope)
+        if writer.sse:
+            await writer.asgi_send({"type": "http.response.body", "body": sdk_http._sse_event(outcome[0]), "more_body": False})
         else:
-            await sdk_http._write(outcome[0], scope, receive, send)
+            await sdk_http._write(outcome[0], writer.scope, receive, writer.asgi_send)
 
 
-async def _write_answer(
-    events: Any, outcome: list[JSONRPCResponse | JSONRPCError], scope: dict[str, Any], receive: Any, send: Any,
-) -> None:
-    """The SDK's SSE-mode writing of one answer: JSON when the call ends silent within the keepalive
-    interval, else `text/event-stream` with its events and pings, the response event last.
+class _ResponseWriter:
+    """The response of a taken call while it runs: commits it to SSE at its first event or ping (the
+    head goes out with it, `hold_next_send`), one writer at a time (`QuickLock`).
 
-    The same bytes in fewer packets: the head goes out with the body (or first event) sent right
-    after it, and the response event with the end of the chunked body (`hold_next_send`)."""
-    event, done = await _next_event(events)
-    hold_next_send(scope)
-    if done:
-        await sdk_http._write(outcome[0], scope, receive, send)
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": sdk_http._SSE_HEADERS})
-    while not done:
-        await send(_SSE_PING if event is None else {"type": "http.response.body", "body": event, "more_body": True})
-        event, done = await _next_event(events)
-    hold_next_send(scope)
-    await send({"type": "http.response.body", "body": sdk_http._sse_event(outcome[0]), "more_body": False})
+    It is also the sink of the SDK's dispatch context (`send`, as its memory stream's): a call's
+    event goes out from the task that sends it, and pushes the next ping a keepalive interval on
+    (`quiet`), as the SDK's writer pings only past an interval without an event. Once the call has
+    returned (`closed`) an event is dropped, as the SDK drops one sent after its stream closed.
+    """
 
+    def __init__(self, scope: dict[str, Any], send: Any) -> None:
+        self.scope = scope
+        self.asgi_send = send
+        self.sse = False
+        self.closed = False
+        self.quiet: trio.CancelScope | None = None
+        self._lock = QuickLock()
 
-async def _next_event(events: Any) -> tuple[bytes | None, bool]:
-    """(the call's next event or None when the keepalive interval passed first, whether the call ended)."""
-    with trio.move_on_after(sdk_http._SSE_PING_INTERVAL):
-        try:
-            return await events.receive(), False
-        except anyio.EndOfStream:
-            return None, True
-    return None, False
+    async def write(self, message: dict[str, Any]) -> None:
+        """Send one body message of the SSE stream, its head first if not sent yet."""
+        async with self._lock:
+            if not self.sse:
+                self.sse = True
+                hold_next_send(self.scope)
+                await self.asgi_send({"type": "http.response.start", "status": 200, "headers": sdk_http._SSE_HEADERS})
+            await self.asgi_send(message)
+
+    async def send(self, data: bytes) -> None:
+        """One SSE event of the call (the SDK's `_sse_event` bytes)."""
+        if self.closed:
+            raise anyio.ClosedResourceError
+        await self.write({"type": "http.response.body", "body": data, "more_body": True})
+        if self.quiet is not None:
+            self.quiet.deadline = trio.current_time() + sdk_http._SSE_PING_INTERVAL
 
 
 def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:

@@ -938,3 +938,45 @@ async def test_a_fast_path_answer_costs_one_task_beside_the_request_and_few_sche
     # watch, 71 and 439 with trio's locks as well.
     assert counted.spawned <= 2 * 20, counted.spawned
     assert counted.steps <= 14 * 20, counted.steps
+
+
+async def test_an_answer_with_wait_runs_its_call_in_the_request_task(deployment: Deployment) -> None:
+    """A `caller_tool_response` with `wait` woken by the agent's next request (the loop of a model
+    caller, answered as JSON on a kept connection) runs its call in hypercorn's task of the request,
+    beside one task that watches for the client leaving and pings; its events would be written by
+    the task that sends them. Before: a task for the call and one for the watch, the request's task
+    reading the call's events from a memory stream: one task and a few steps more per answer."""
+    answers = 6
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.rest() as http:
+            caller = RawModernCaller(http, "s1")
+            declared = await caller.call("declare", 1, "session_message", {
+                "instance": "box1", "session_id": "s1", "message": "hi", "context": {"caller_id": "app", "caller_tools": [ECHO]}})
+            after = declared["structuredContent"]["ingress_seq"]
+            async with deployment.agent("box1", "mcp:s1") as agent, trio.open_nursery() as nursery:
+
+                async def agent_calls() -> None:
+                    for n in range(answers + 1):
+                        await agent.call_tool("app_echo", {"text": str(n)})
+
+                nursery.start_soon(agent_calls)
+                request_id = (await caller.poll("the first request", after, 20_000))[0]["payload"]["request_id"]
+                counted = _ServerTasks()
+                trio.lowlevel.add_instrument(counted)
+                try:
+                    for n in range(answers):
+                        answer = await caller.call("answer, wait woken by the next request", 10 + n, "caller_tool_response", {
+                            "session_id": "s1", "request_id": request_id, "result": {"echo": str(n)}, "wait": 20})
+                        assert isinstance(answer, dict), answer  # JSON
+                        stop = answer["structuredContent"]
+                        assert stop["stop_reason"] == "requires_action", stop
+                        request_id = stop["pending"][0]["request_id"]
+                finally:
+                    trio.lowlevel.remove_instrument(counted)
+                await caller.call("the last answer", 99, "caller_tool_response", {
+                    "session_id": "s1", "request_id": request_id, "result": {}})
+    assert sum("taken off the SDK's path" in line for line in taken) >= answers + 1, taken
+    # 6 answers: 24 tasks and 126-129 steps here; 30 and 145-148 with the call and the watch in tasks
+    # of their own. Four tasks an answer: the request's, its watch, the turn wait's race (turn end, approval).
+    assert counted.spawned <= 4 * answers, counted.spawned
+    assert counted.steps <= 23 * answers, counted.steps
