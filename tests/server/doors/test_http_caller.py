@@ -584,6 +584,19 @@ async def modern_caller_answers(deployment: Deployment, fast: bool, monkeypatch:
                 await caller.poll("poll answered over SSE", second["seq"], 1000)
                 await caller.call("wait answered over SSE", 40, "caller_tool_response", {
                     "session_id": session, "request_id": ids[0], "result": {}, "wait": 1})
+            # An event of the session during a wait rides it: SSE, the event, then the answer.
+            ridden: list[Any] = []
+            async with trio.open_nursery() as nursery:
+
+                async def wait_an_event_rides() -> None:
+                    ridden.append(await caller.call("wait an event rides", 41, "caller_tool_response", {
+                        "session_id": session, "request_id": ids[0], "result": {}, "wait": 1}))
+
+                nursery.start_soon(wait_an_event_rides)
+                await server.wait_waiters("box1", 1)  # the wait follows the session
+                [followed] = server.app.sessions.find_by_id(session, "box1")
+                await server.app.frame_log.append(followed, "assistant.delta", {"text": "on its way"})
+            assert "on its way" in json.dumps(ridden[0]), ridden  # SSE: the event, then the answer
     return caller.answers, sum("taken off the SDK's path" in line for line in taken)
 
 
@@ -596,17 +609,18 @@ async def test_a_2026_07_28_caller_gets_the_same_answers_from_the_fast_path_and_
     too) give the caller the same status, headers, JSON body and body layout for each (ids, seq
     and times masked): long polls woken, timed out and answered over SSE, answers ok, error, late,
     unknown, bad params, another owner's key, a progress report, answers with `wait` woken by the
-    next request (JSON: its event does not ride), timed out and answered over SSE after the keepalive,
+    next request (JSON: its event does not ride), timed out, answered over SSE after the keepalive and
+    with an event of the session riding it (SSE: the event, then the answer),
     and every refusal of the transport (headers, size, body)."""
     off, off_taken = await modern_caller_answers(deployment, False, monkeypatch)
     on, on_taken = await modern_caller_answers(deployment, True, monkeypatch)
     assert_same_answers(on, off)
     assert off_taken == 0
     # the five polls, the nine answers (a late one with wait), the progress report, the three answers
-    # with wait (woken, timed out, over SSE; not the one from a client with elicitation), the four
+    # with wait (woken, timed out, over SSE, an event riding; not the one from a client with elicitation), the four
     # calls after the agent, and the well-formed call with an `Mcp-Param-*` header its tool does not
     # declare (which the SDK ignores too)
-    assert on_taken == 5 + 9 + 1 + 3 + 4 + 1, on_taken
+    assert on_taken == 5 + 9 + 1 + 4 + 4 + 1, on_taken
 
 
 async def test_the_sdk_clients_2026_07_28_long_polls_and_answers_take_the_fast_path(deployment: Deployment) -> None:
@@ -669,9 +683,7 @@ async def test_the_fast_path_sends_an_answers_head_with_its_body_and_its_last_ev
     with fast_path_log() as taken:
         async with deployment.embedded_http_server("box1") as server, server.rest() as http:
             caller = RawModernCaller(http, "s1")
-            declared = await caller.call("declare", 1, "session_message", {
-                "instance": "box1", "session_id": "s1", "message": "hi", "context": {"caller_id": "app", "caller_tools": [ECHO]}})
-            after = declared["structuredContent"]["ingress_seq"]
+            after = await declare_echo(caller)
             writes.clear()
             await caller.call("read at once", 2, "session_events", {"session_id": "s1"})
             json_writes = writes[:]
@@ -885,6 +897,13 @@ async def test_the_sdk_clients_2025_11_25_answers_take_the_fast_path(deployment:
     assert sum("taken off the SDK's path (handshake era)" in line for line in taken) == 1, taken
 
 
+async def declare_echo(caller: RawModernCaller) -> int:
+    """Declare session s1 of box1 with the echo caller tool; its message's ingress seq."""
+    declared = await caller.call("declare", 1, "session_message", {
+        "instance": "box1", "session_id": "s1", "message": "hi", "context": {"caller_id": "app", "caller_tools": [ECHO]}})
+    return int(declared["structuredContent"]["ingress_seq"])
+
+
 class _ServerTasks(trio.abc.Instrument):
     """The tasks the server starts and the steps they take (each a scheduler round trip); the test's
     own HTTP client runs in the same Trio run, so only the server's tasks (hypercorn's, ours) count."""
@@ -950,9 +969,7 @@ async def test_an_answer_with_wait_runs_its_call_in_the_request_task(deployment:
     with fast_path_log() as taken:
         async with deployment.embedded_http_server("box1") as server, server.rest() as http:
             caller = RawModernCaller(http, "s1")
-            declared = await caller.call("declare", 1, "session_message", {
-                "instance": "box1", "session_id": "s1", "message": "hi", "context": {"caller_id": "app", "caller_tools": [ECHO]}})
-            after = declared["structuredContent"]["ingress_seq"]
+            after = await declare_echo(caller)
             async with deployment.agent("box1", "mcp:s1") as agent, trio.open_nursery() as nursery:
 
                 async def agent_calls() -> None:
