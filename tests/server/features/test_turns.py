@@ -42,8 +42,9 @@ def world() -> SimpleNamespace:
     return SimpleNamespace(frame_log=frame_log, calls=calls, approvals=approvals, turns=turns, caller=caller, session=session)
 
 
-async def test_a_wait_stops_when_a_caller_tool_request_is_pending() -> None:
-    w = world()
+async def stopped_by_a_request(w: SimpleNamespace, ctx: Any, instrument: trio.abc.Instrument | None = None) -> dict[str, Any]:
+    """The stop of a wait of `w`'s caller that the agent's call of the caller tool `notify` stops
+    (the call is ended after it, so the nursery can close); `instrument` watches the wait alone."""
     stops: list[dict[str, Any]] = []
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
@@ -53,9 +54,20 @@ async def test_a_wait_stops_when_a_caller_tool_request_is_pending() -> None:
                     await w.calls.relay(w.session, CallerToolSpec(name="notify"), {"n": 1})
 
             nursery.start_soon(agent)
-            stops.append(await w.turns.wait(CTX, w.caller, w.session, None, 0, 5))
-            w.calls.fail_caller(w.caller)  # ends the relayed call, so the nursery can close
-    [stop] = stops
+            if instrument is not None:
+                trio.lowlevel.add_instrument(instrument)
+            try:
+                stops.append(await w.turns.wait(ctx, w.caller, w.session, None, 0, 5))
+            finally:
+                if instrument is not None:
+                    trio.lowlevel.remove_instrument(instrument)
+            w.calls.fail_caller(w.caller)  # ends the relayed call
+    return stops[0]
+
+
+async def test_a_wait_stops_when_a_caller_tool_request_is_pending() -> None:
+    w = world()
+    stop = await stopped_by_a_request(w, CTX)
     assert stop["stop_reason"] == "requires_action"
     assert [(p["kind"], p["tool"], p["arguments"]) for p in stop["pending"]] == [("caller_tool", "notify", {"n": 1})]
 
@@ -166,20 +178,5 @@ async def test_a_2026_07_28_wait_stopped_by_a_caller_tool_request_starts_only_it
     ctx = SimpleNamespace(protocol_version="2026-07-28", session=RecordingMcpSession(), request_id=8,
                           request=SimpleNamespace(scope={"state": {STREAM_GONE_STATE: trio.Event()}}))
     spawned = SpawnedTasks()
-    stops: list[dict[str, Any]] = []
-    with trio.fail_after(5):
-        async with trio.open_nursery() as nursery:
-
-            async def agent() -> None:
-                with contextlib.suppress(RelayError):  # the caller leaves below
-                    await w.calls.relay(w.session, CallerToolSpec(name="notify"), {"n": 1})
-
-            nursery.start_soon(agent)
-            trio.lowlevel.add_instrument(spawned)
-            try:
-                stops.append(await w.turns.wait(ctx, w.caller, w.session, None, 0, 5))
-            finally:
-                trio.lowlevel.remove_instrument(spawned)
-            w.calls.fail_caller(w.caller)
-    assert stops[0]["stop_reason"] == "requires_action"
+    assert (await stopped_by_a_request(w, ctx, spawned))["stop_reason"] == "requires_action"
     assert sorted(spawned.names) == ["approval", "turn_end"], spawned.names
