@@ -181,6 +181,43 @@ async def test_http_caller_session_end_gives_connection_error_at_once(deployment
     assert [f["payload"]["reason"] for f in frames] == ["caller disconnected"]
 
 
+async def test_a_2026_07_28_wait_whose_connection_closes_ends_at_once(deployment: Deployment) -> None:
+    """A 2026-07-28 `session_message` with `wait` whose client closes its connection mid-wait: its
+    door cancels it (a 2026-07-28 wait starts no watch of its own), so the wait ends at once, not at
+    its time or the no-guest grace, says so in the server's log, and the server goes on serving."""
+    from urllib.parse import urlsplit
+
+    left = trio.Event()
+    handler = logging.Handler()
+    handler.emit = lambda record: left.set() if "left while waiting in session s1" in record.getMessage() else None  # type: ignore[method-assign]
+    turns_log = logging.getLogger("oubliette.server.caller_api")
+    level = turns_log.level
+    turns_log.addHandler(handler)
+    turns_log.setLevel(logging.INFO)
+    try:
+        async with deployment.embedded_http_server("box1") as server, server.rest() as http:
+            where = urlsplit(server.url)
+            assert where.hostname is not None and where.port is not None
+            body = modern_body(1, "session_message", {
+                "owner_key": "wait-closer-0123456789abcdef", "instance": "box1", "session_id": "s1",
+                "message": "hi", "wait": 60}).encode()
+            head = (f"POST /mcp HTTP/1.1\r\nhost: {where.netloc}\r\nauthorization: Bearer {server.token}\r\n"
+                    "content-type: application/json\r\naccept: application/json, text/event-stream\r\n"
+                    "mcp-protocol-version: 2026-07-28\r\nmcp-method: tools/call\r\nmcp-name: session_message\r\n"
+                    f"content-length: {len(body)}\r\n\r\n").encode()
+            stream = await trio.open_tcp_stream(where.hostname, where.port)
+            await stream.send_all(head + body)
+            await server.wait_waiters("box1", 1)  # the wait waits on the turn's end
+            await stream.aclose()
+            with trio.fail_after(6):  # the no-guest grace (8 s) would end it otherwise, without this line
+                await left.wait()
+            await server.wait_waiters("box1", 0)
+            assert (await http.get("/livez")).status_code == 200
+    finally:
+        turns_log.removeHandler(handler)
+        turns_log.setLevel(level)
+
+
 # -- REQ-CTR-002: dynamic registration -------------------------------------------------------
 
 
