@@ -286,8 +286,7 @@ class CallerApi:
             if self.turns.guest_absent is not None and (notice := await self.turns.guest_absent(instance)) is not None:
                 result["notice"] = notice
             return result
-        limit = self.session_wait_limit
-        seconds = limit if wait is True else min(float(wait), limit)
+        seconds = self._wait_seconds(wait)
         try:
             result.update(await self.turns.wait(
                 ctx, caller, session, frame.msg_id, frame.seq, seconds, watch_guest=True,
@@ -298,6 +297,7 @@ class CallerApi:
         return result
 
     def _wait_seconds(self, wait: Any) -> float:
+        """A `wait` argument's seconds: `true` is the server's limit, a number at most that."""
         limit = self.session_wait_limit
         return limit if wait is True else min(float(wait), limit)
 
