@@ -486,12 +486,11 @@ class EmbeddedHttpServer(HttpServer):
         return super().unix_rest()
 
     async def wait_waiters(self, instance: str, count: int, timeout: float = EVENT_TIMEOUT) -> None:
-        """Until exactly `count` tasks (poll, SSE, tether_read, guest delivery) wait on `instance`'s frames.
-
-        The store has no event for this; it is checked every 10 ms, bounded by `timeout`."""
+        """Until exactly `count` tasks (poll, SSE, tether_read, guest delivery) wait on `instance`'s frames
+        (looked at again as each waiter comes or goes: the store's `waiters_changed`)."""
+        store = self.app.store
         with trio.fail_after(timeout):
-            while self.app.store.waiter_count(instance) != count:
-                await trio.sleep(0.01)
+            await store.waiters_changed.until(lambda: store.waiter_count(instance) == count)
 
 
 class EmbeddedApp:
