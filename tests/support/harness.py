@@ -421,7 +421,10 @@ class HttpServer:
         return self.url + "/mcp"
 
     async def wait_connected(self, instance: str, timeout: float = EVENT_TIMEOUT) -> None:
-        """Until `/v1/health` lists `instance` as connected (the server has no push for this)."""
+        """Until `/v1/health` lists `instance` as connected.
+
+        A bounded check: a guest's connection is written only to the access log (INFO), which these
+        servers, at WARNING, do not write; `/v1/health` has no long poll nor stream."""
         async with self.unix_rest() as rest:
             with trio.fail_after(timeout):
                 while True:
