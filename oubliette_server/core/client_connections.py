@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Protocol
 
+from oubliette_runtime.state_changes import StateChanges
 from protocol import EncodedNotification, RelayError, errors, messages, unstructure
 
 #: Client connections one instance may have on one server: far more than the agents (one
@@ -36,11 +37,13 @@ class ClientPeer(Protocol):
 
 class ClientConnections:
     """Live client connections by instance, at most `max_per_instance` each. Owns nothing:
-    connections close themselves."""
+    connections close themselves. `changed` is signalled as each connection is added or
+    discarded (what a test waits on to know a closed connection's place is free)."""
 
     def __init__(self, max_per_instance: int = DEFAULT_MAX_CLIENT_CONNECTIONS) -> None:
         self.max_per_instance = max_per_instance
         self._by_instance: dict[str, set[ClientPeer]] = {}
+        self.changed = StateChanges()
 
     def add(self, connection: ClientPeer) -> None:
         """Track a client connection that passed `hello` (its instance must be set).
@@ -55,11 +58,13 @@ class ClientConnections:
                 f"instance {connection.instance!r} already has {len(connections)} client connections on this server, "
                 f"the limit (max_client_connections); close one or raise the limit"))
         connections.add(connection)
+        self.changed.changed()
 
     def discard(self, connection: ClientPeer) -> None:
         """Stop tracking a connection; one never added is ignored."""
         if connection.instance is not None:
             self._by_instance.get(connection.instance, set()).discard(connection)
+            self.changed.changed()
 
     def of_instance(self, instance: str) -> list[ClientPeer]:
         """The instance's live client connections (a copy)."""

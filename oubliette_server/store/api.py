@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import attrs
 import trio
 
+from oubliette_runtime.state_changes import StateChanges
 from protocol import RelayError, errors
 from protocol.frames import FRAME_VERSION, TURN_END_TYPES, Frame, SessionRef
 from protocol.framing import compact_json
@@ -508,12 +509,14 @@ class LongPollWaiters:
     A waiter takes `_wake_event(instance)` before it looks at the log and waits on it; an append
     (or a NOTIFY from another server) calls `_wake_instance`, which sets it and drops it, so the
     next waiter takes a fresh one. `_waiting(instance)` counts the waiters and drops the event
-    when the last one leaves, so an instance nobody waits on holds nothing.
+    when the last one leaves, so an instance nobody waits on holds nothing. `waiters_changed`
+    is signalled as each waiter comes and goes (what a test waits on to know a poll is parked).
     """
 
     def __init__(self) -> None:
         self._wake: dict[str, trio.Event] = {}
         self._waiters: dict[str, int] = {}
+        self.waiters_changed = StateChanges()
 
     def _wake_event(self, instance: str) -> trio.Event:
         event = self._wake.get(instance)
@@ -545,6 +548,7 @@ class LongPollWaiters:
     @contextmanager
     def _waiting(self, instance: str) -> Iterator[None]:
         self._waiters[instance] = self._waiters.get(instance, 0) + 1
+        self.waiters_changed.changed()
         try:
             yield
         finally:
@@ -554,6 +558,7 @@ class LongPollWaiters:
             else:
                 del self._waiters[instance]
                 self._wake.pop(instance, None)
+            self.waiters_changed.changed()
 
     def waiter_count(self, instance: str | None = None) -> int:
         """How many tasks of this process are in `wait_for_frames` for `instance` (or for all)."""
@@ -789,6 +794,11 @@ class FrameStoreAPI(Protocol):
 
     def waiter_count(self, instance: str | None = None) -> int:
         """How many tasks of this process wait in `wait_for_frames` for `instance` (or for all)."""
+        ...
+
+    @property
+    def waiters_changed(self) -> StateChanges:
+        """Signalled as `waiter_count` changes (`LongPollWaiters`)."""
         ...
 
     async def shared_secret(self, candidate: bytes) -> bytes | None:

@@ -94,7 +94,7 @@ if spec.get("wait_for"):
         if time.monotonic() > deadline:
             log("gave-up")
             sys.exit(2)
-        time.sleep(0.01)
+        time.sleep(0.01)  # a file is the test's only word to the agent, and the stdlib has no event for one
     if os.getppid() != parent:
         log("orphaned")
         sys.exit(1)

@@ -225,7 +225,7 @@ async def test_a_message_through_another_server_does_not_start_an_instance_held_
     under a slow machine's delayed renewal, which is not the path tested."""
     a, b = Deployment(store=pg_url), Deployment(store=pg_url)
     marker = a.root / "started"
-    path = a.config_file(start={INSTANCE: ["sh", "-c", f"echo started >> {marker}"]})
+    path = a.config_file(start={INSTANCE: ["sh", "-c", f"echo started >> {marker}; echo started >&2"]})
     path.write_text(path.read_text() + "[store]\nlease_ttl = 60\n")
     try:
         async with a.http_server("--config", str(path)) as server_a, \
@@ -241,13 +241,12 @@ async def test_a_message_through_another_server_does_not_start_an_instance_held_
             assert not marker.exists(), "A ran the start command of an instance whose guest is on B"
             with trio.fail_after(10):
                 while await lease_holder(pg_url) is not None:  # B releases the lease when its guest leaves
-                    await trio.sleep(0.05)
+                    await trio.sleep(0.05)  # the lease's row has no event to wait on, B no line for it
             await post(rest, INSTANCE, {
                 "type": "user.message", "session": {"channel": "host", "id": "w"}, "payload": {"text": "wake"},
             })
-            with trio.fail_after(10):
-                while not marker.exists():  # the start command's only trace
-                    await trio.sleep(0.05)
+            # The start command's stderr, which A logs, says it wrote the marker.
+            await server_a.wait_stderr(f"start command of {INSTANCE}: started", timeout=10)
             assert server_b.process.returncode is None
         assert marker.read_text() == "started\n"
     finally:

@@ -94,5 +94,5 @@ async def test_a_backend_that_breaks_closes_the_callers_connection() -> None:
                 await trio.aclose_forcefully(backend_streams[0])
                 assert await stream.receive_some(1024) == b""
         with trio.fail_after(10):
-            while proxy.open:  # the proxy has no event for this: checked every 10 ms, bounded
+            while proxy.open:  # bench/round_robin_proxy.py has no event for this: checked every 10 ms, bounded
                 await trio.sleep(0.01)

@@ -26,6 +26,7 @@ import trio.testing
 
 from harness import EVENT_TIMEOUT, Deployment
 from task_steps import counted_steps
+from oubliette_runtime.state_changes import StateChanges
 from protocol.framing import LineBuffer
 from protocol.peer import _Outgoing
 from protocol import (
@@ -390,6 +391,7 @@ class Server:
     def __init__(self) -> None:
         self.started: dict[str, trio.Event] = {}
         self.cancelled: list[str] = []
+        self.cancelled_changed = StateChanges()
         self.release = trio.Event()
         self.configs_before_hello = 0
 
@@ -398,6 +400,10 @@ class Server:
             await self.peer.send_notification(
                 "caller_tools_config", {"session_id": "s", "caller_id": "c", "tools": []})
         return messages.HelloResult(protocol=PROTOCOL_VERSION, server_version="t", instance=hello.instance)
+
+    async def cancelled_reach(self, count: int) -> None:
+        """Until `count` handlers were cancelled (`cancelled` has that many)."""
+        await self.cancelled_changed.until(lambda: len(self.cancelled) >= count)
 
     async def caller_tool(self, call: messages.CallerToolCall) -> Any:
         self.started.setdefault(call.tool, trio.Event()).set()
@@ -416,6 +422,7 @@ class Server:
                 await self.release.wait()
             except trio.Cancelled:
                 self.cancelled.append(call.tool)
+                self.cancelled_changed.changed()
                 raise
         return messages.CallerToolResult(result={"echo": call.arguments})
 
@@ -622,8 +629,8 @@ async def test_peer_request_timeout_is_a_relay_error_and_sends_cancel(mock_clock
         assert info.value.code == TIMEOUT and "30 s" in info.value.message
         assert trio.current_time() - start == pytest.approx(30)
         with trio.fail_after(1):
-            while server.cancelled != ["wait"]:  # the server got `cancel` and stopped the handler
-                await trio.sleep(0.01)
+            await server.cancelled_reach(1)
+        assert server.cancelled == ["wait"]  # the server got `cancel` and stopped the handler
         assert client.core.pending == frozenset() and client._waiters == {}
 
 
@@ -640,8 +647,8 @@ async def test_a_cancelled_request_sends_cancel_and_removes_its_waiter() -> None
                 await client.request("caller_tool", {"tool": "wait", "arguments": {}}, timeout=30)
         assert scope.cancelled_caught
         with trio.fail_after(5):
-            while server.cancelled != ["wait"]:
-                await trio.sleep(0.01)
+            await server.cancelled_reach(1)
+        assert server.cancelled == ["wait"]
         assert client._waiters == {} and client.core.pending == frozenset()
 
 
@@ -683,8 +690,7 @@ async def test_an_inbound_cancel_cancels_exactly_that_request() -> None:
             assert len(server.peer._in_flight) == 2
             client.notify("cancel", {"id": a_id})
             with trio.fail_after(5):
-                while not server.cancelled:
-                    await trio.sleep(0.01)
+                await server.cancelled_reach(1)
             assert server.cancelled == ["wait-a"]
             server.release.set()
         assert isinstance(outcomes["wait-a"], RelayError) and outcomes["wait-a"].code == CANCELLED
@@ -832,8 +838,7 @@ async def test_a_burst_of_our_own_timeouts_does_not_close_our_connection(mock_cl
         assert codes == [TIMEOUT] * BURST
         assert not client.is_closed, client.close_reason
         with trio.fail_after(60):
-            while len(server.cancelled) < BURST:  # every `cancel` reached the server
-                await trio.sleep(0.01)
+            await server.cancelled_reach(BURST)  # every `cancel` reached the server
         assert await client.request("caller_tool", {"tool": "t", "arguments": {}}, timeout=5) == {"result": {"echo": {}}}
 
 
@@ -1097,11 +1102,11 @@ async def test_a_stalled_sandbox_delays_no_other_caller_and_is_closed_after_the_
         assert proc.server.clients.of_instance(INSTANCE) == [connection], "still connected: the calls did not wait for it"
         stalled_since = trio.current_time()
 
-        # The stalled connection is closed once a write has waited the write deadline.
-        # (The server has no event for a closed connection; its client set is checked every 50 ms.)
+        # The stalled connection is closed once a write has waited the write deadline (the
+        # server's client set signals each change).
+        clients = proc.server.clients
         with trio.fail_after(write_timeout + EVENT_TIMEOUT):
-            while proc.server.clients.of_instance(INSTANCE):
-                await trio.sleep(0.05)
+            await clients.changed.until(lambda: not clients.of_instance(INSTANCE))
         assert "did not finish within 5 s" in (connection._peer.close_reason or "")
         with trio.fail_after(EVENT_TIMEOUT):  # what was sent before the end, then EOF
             while await stalled.receive_some(1 << 20):

@@ -421,7 +421,10 @@ class HttpServer:
         return self.url + "/mcp"
 
     async def wait_connected(self, instance: str, timeout: float = EVENT_TIMEOUT) -> None:
-        """Until `/v1/health` lists `instance` as connected (the server has no push for this)."""
+        """Until `/v1/health` lists `instance` as connected.
+
+        A bounded check: a guest's connection is written only to the access log (INFO), which these
+        servers, at WARNING, do not write; `/v1/health` has no long poll nor stream."""
         async with self.unix_rest() as rest:
             with trio.fail_after(timeout):
                 while True:
@@ -486,12 +489,11 @@ class EmbeddedHttpServer(HttpServer):
         return super().unix_rest()
 
     async def wait_waiters(self, instance: str, count: int, timeout: float = EVENT_TIMEOUT) -> None:
-        """Until exactly `count` tasks (poll, SSE, tether_read, guest delivery) wait on `instance`'s frames.
-
-        The store has no event for this; it is checked every 10 ms, bounded by `timeout`."""
+        """Until exactly `count` tasks (poll, SSE, tether_read, guest delivery) wait on `instance`'s frames
+        (looked at again as each waiter comes or goes: the store's `waiters_changed`)."""
+        store = self.app.store
         with trio.fail_after(timeout):
-            while self.app.store.waiter_count(instance) != count:
-                await trio.sleep(0.01)
+            await store.waiters_changed.until(lambda: store.waiter_count(instance) == count)
 
 
 class EmbeddedApp:

@@ -68,7 +68,7 @@ async def gauges_reach(server: Any, **expected: float) -> None:
                 read = {name: value(scraped, name) for name in wanted}
                 if read == wanted:
                     return
-                await trio.sleep(0.05)
+                await trio.sleep(0.05)  # a gauge is read at scrape time: its change sends no line nor notice
 
 
 @pytest.mark.real_programs

@@ -109,12 +109,12 @@ async def test_the_client_connection_over_the_limit_is_refused_at_hello(deployme
         guest = await stack.enter_async_context(RawRelay.connect(deployment))
         assert "result" in await guest.hello(INSTANCE, token, role="guest"), "a guest is not a client connection"
 
-        # A place freed by a closed connection is taken again. (The server has no event for a
-        # closed connection; its client set is checked every 50 ms, within a bound.)
+        # A place freed by a closed connection is taken again (once the server's client set,
+        # which signals each change, has let it go).
         await first.stream.aclose()
+        clients = proc.server.clients
         with trio.fail_after(EVENT_TIMEOUT):
-            while len(proc.server.clients.of_instance(INSTANCE)) == 3:
-                await trio.sleep(0.05)
+            await clients.changed.until(lambda: len(clients.of_instance(INSTANCE)) != 3)
         await raw_clients(stack, deployment, 1, token)
 
 

@@ -149,9 +149,9 @@ async def test_frames_appended_while_the_servers_listen_connection_was_down_stil
                         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND query = %s",
                         (dbname, LISTEN_QUERY),
                     )
-                    with trio.fail_after(EVENT_TIMEOUT):  # the cut backends are gone (checked every 10 ms)
+                    with trio.fail_after(EVENT_TIMEOUT):  # the cut backends are gone
                         while await listeners(admin, dbname):
-                            await trio.sleep(0.01)
+                            await trio.sleep(0.01)  # pg_stat_activity has no event to wait on
                     # A cannot listen now: these notices are lost to it.
                     lost = [await other.append(INSTANCE, channel="mcp", session_id="s1", type="assistant.delta",
                                                payload={"text": f"while away {i}"}) for i in range(3)]

@@ -168,10 +168,14 @@ async def test_an_answer_whose_commit_was_not_confirmed_is_delivered_once_by_its
 
 
 async def stored_within(store: FaultyStore, seconds: float, *expected: tuple[str, str]) -> None:
-    """Wait (the mock clock's seconds) until the log's requests and outcomes are `expected`."""
+    """Wait (the mock clock's seconds) until the log's requests and outcomes are `expected`,
+    looked at again as each frame is stored (the store's long poll)."""
     with trio.fail_after(seconds):
-        while await store.outcomes() != list(expected):
-            await trio.sleep(0.5)
+        while True:
+            seen = await store.last_seq("box1")
+            if await store.outcomes() == list(expected):
+                return
+            await store.wait_for_frames("box1", FrameQuery(after_seq=seen), seconds)
 
 
 async def test_the_timeout_after_a_failed_answer_fails_the_call_for_both_sides(autojump_clock: trio.testing.MockClock) -> None:

@@ -336,7 +336,7 @@ print(f"gate-start {n} pid {os.getpid()}", file=sys.stderr, flush=True)
 deadline = time.monotonic() + 60
 while (not os.path.exists(os.path.join(directory, f"exit-{n}")) and os.path.isdir(directory)
        and time.monotonic() < deadline):
-    time.sleep(0.01)
+    time.sleep(0.01)  # a file is the test's only word to a start command, and the stdlib has no event for one
 sys.exit(1)
 """
 

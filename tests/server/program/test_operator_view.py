@@ -20,6 +20,7 @@ import trio
 from harness import PYTHON, Deployment, HttpServer, RawRelay
 from oubliette_server.store.sqlite import FrameStore
 from oubliette_server.store.api import FrameQuery, StoreUnavailable
+from tether_http import poll
 from loop_caller import INSTANCE, LOOP_AGENT, LoopCaller, script, tool
 
 QUIET = "box2"
@@ -114,19 +115,17 @@ async def tail(deployment: Deployment, *args: str) -> AsyncIterator[Tail]:
             await process.wait()
 
 
-async def stored(deployment: Deployment, session_id: str, *types: str) -> None:
-    """Wait until the SQLite log has a frame of each of `types` in `session_id` (read as status reads it)."""
-    missing = set(types)
-    with trio.fail_after(WAIT):
-        while missing:
-            reader = FrameStore.reader(deployment.data_dir / "frames.sqlite3")
-            try:
-                frames = await reader.query(INSTANCE, FrameQuery(session_id=session_id, types=types, limit=200))
-            finally:
-                reader.close()
-            missing -= {f.type for f in frames}
-            if missing:
-                await trio.sleep(0.05)
+async def stored(server: HttpServer, session_id: str, *types: str) -> None:
+    """Wait until the log has a frame of each of `types` in `session_id`: the server's long poll
+    answers as each is committed (where status reads it too)."""
+    missing, after = set(types), 0
+    async with server.rest() as rest:
+        with trio.fail_after(WAIT):
+            while missing:
+                page = await poll(rest, INSTANCE, {
+                    "session_id": session_id, "types": ",".join(types), "after_seq": after, "wait_ms": 30_000})
+                missing -= {f["type"] for f in page["frames"]}
+                after = page["next_seq"]
 
 
 def instance_of(report: dict[str, Any], name: str) -> dict[str, Any]:
@@ -151,7 +150,7 @@ async def test_status_shows_guest_session_and_pending_requests_of_a_running_serv
                     [tool("notify"), tool("delete", requires_approval=True)], wait=60,
                 )
                 assert stop.get("stop_reason") in ("requires_action", "requires_approval"), stop
-                await stored(deployment, "s1", "caller_tool_request", "approval_request")
+                await stored(server, "s1", "caller_tool_request", "approval_request")
                 await post(server, QUIET, "tg:1", "note", "an instance with frames and no guest")
 
                 done = await run(deployment, "status", "--json", "--http", f"unix:{server.unix_socket}")
@@ -325,7 +324,7 @@ async def test_status_and_tail_across_two_servers_on_postgres(pg_url: str) -> No
                         session = next((s for s in box1["sessions"] if s["id"] == "s1"), {"pending": []})
                         if box1["guest"]["connected"] and len(session["pending"]) == 2:
                             break
-                        await trio.sleep(0.1)
+                        await trio.sleep(0.1)  # B takes the lease after the hello with no line nor notice to wait on
                 table = (await run(a, "status", "--config", str(a.root / "oubliette.toml"))).stdout
             assert report["shared"] is True
             assert instance_of(report, INSTANCE)["guest"] == {
