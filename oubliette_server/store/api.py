@@ -885,6 +885,11 @@ class AppendNotices(Protocol):
         """The frames of `instance` after `after_seq`, at most `limit`; `CursorPruned` as `query`."""
         ...
 
+    def known_frames(self, instance: str, q: FrameQuery) -> list[Frame] | None:
+        """The first frames `query` would return that this server knows whole without reading (its
+        appends, notices heard), every frame between them known; None when it knows none so."""
+        ...
+
 
 @runtime_checkable
 class SharedStoreAPI(FrameStoreAPI, LeaseStore, AbandonedStore, AppendNotices, Protocol):

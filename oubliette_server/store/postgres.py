@@ -1284,6 +1284,14 @@ class PostgresFrameStore(FrameAppends):
             return None
         return self._known_after(instance, q, q.after_seq, defer=False)
 
+    def known_frames(self, instance: str, q: FrameQuery) -> list[Frame] | None:
+        """The first frames `query` would return that this server knows whole without reading (a
+        first part of them: frames committed since may not be heard yet), every frame between them
+        known; None when it knows none so. The server that takes an answer to a request another
+        server's agent made finds the request here when it heard its notice (`_known_after`)."""
+        known = self._answer_known(instance, q)
+        return None if known is None or not known[1] else known[1]
+
     def _skip_known(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> tuple[int, list[Frame]] | None:
         """After a wake: `_known_after` (the wake was for nothing when it answers no frame)."""
         return self._known_after(instance, q, seen, defer=defer)

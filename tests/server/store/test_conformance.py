@@ -421,6 +421,8 @@ class CountedReads:
 
     def __init__(self, store: PostgresFrameStore) -> None:
         self.count = 0
+        self.last = 0
+        self.notices: list[tuple[str, int | None]] = []
         self.sessions: list[str | None] = []
         self._ended = 0
         self._after: dict[int, trio.Event] = {}
@@ -446,7 +448,15 @@ class CountedReads:
         return self.sessions.count(session_id)
 
     def appended(self, instance: str, first: int | None, last: int | None, fields: Any = None) -> None:
+        self.last = max(self.last, last or 0)
+        self.notices.append((instance, last))
         self.heard.set()
+
+    async def until(self, seq: int) -> None:
+        """Return once the store heard the notices up to `seq`."""
+        while self.last < seq:
+            self.heard = trio.Event()
+            await self.heard.wait()
 
     def missed(self) -> None:
         pass
@@ -669,20 +679,34 @@ async def test_after_a_notice_without_seqs_a_new_long_poll_reads(pg_url: str) ->
     await a_long_poll_after_lost_notices_reads(pg_url, lose)
 
 
-async def kept_here(here: PostgresFrameStore, nursery: trio.Nursery) -> None:
-    """A long poll of a session nobody appends to waits on box1 here, so what `here` hears of box1 is kept."""
-    async def wait_for_nobody() -> None:
-        after = 0
-        while True:
-            try:
-                await here.wait_for_frames("box1", FrameQuery(session_id="nobody", after_seq=after), 60)
-            except CursorPruned as exc:
-                after = exc.first_seq - 1
+@asynccontextmanager
+async def heard_here(
+    pg_url: str, here_kw: dict[str, Any] | None = None, seconds: float = 20, **there_kw: Any,
+) -> AsyncIterator[tuple[PostgresFrameStore, PostgresFrameStore, CountedReads]]:
+    """Two store objects on one database, as two servers (`here`, `there`), with a long poll of a
+    session nobody appends to waiting on box1 here (so what `here` hears of box1 is kept) and
+    `here`'s reads counted; ended (and the long poll cancelled) within `seconds`."""
+    backend = Backend("postgres", pg_url)
+    async with backend.open(**(here_kw or {})) as here, backend.open(**there_kw) as there:
+        assert isinstance(here, PostgresFrameStore) and isinstance(there, PostgresFrameStore)
 
-    nursery.start_soon(wait_for_nobody)
-    while here.waiter_count("box1") != 1:
-        await trio.testing.wait_all_tasks_blocked()
+        async def wait_for_nobody() -> None:
+            after = 0
+            while True:
+                try:
+                    await here.wait_for_frames("box1", FrameQuery(session_id="nobody", after_seq=after), 60)
+                except CursorPruned as exc:
+                    after = exc.first_seq - 1
 
+        with trio.fail_after(seconds):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for_nobody)
+                while here.waiter_count("box1") != 1:
+                    await trio.testing.wait_all_tasks_blocked()
+                try:
+                    yield here, there, CountedReads(here)
+                finally:
+                    nursery.cancel_scope.cancel()
 
 async def test_a_frame_from_another_servers_notice_is_the_frame_a_read_returns(pg_url: str) -> None:
     """Another server's append carries its whole frame in its notice: a long poll here that matches it
@@ -690,19 +714,12 @@ async def test_a_frame_from_another_servers_notice_is_the_frame_a_read_returns(p
     ts (nested values, non-ASCII text, floats, escapes)."""
     payload = {"nested": {"list": [1, 2.5, None, True, "é\t\"q\"\\"], "deep": {"x": 1e-7}}, "text": "héllo ☃ \x01",
                "big": 12345678901234567890, "neg": -0.0}
-    backend = Backend("postgres", pg_url)
-    async with backend.open() as here, backend.open() as there:
-        assert isinstance(here, PostgresFrameStore)
-        with trio.fail_after(20):
-            async with trio.open_nursery() as nursery:
-                await kept_here(here, nursery)
-                reads = CountedReads(here)
-                sent = await add(there, session_id="z", type="caller_tool_request", reply_to="m-1", payload=payload)
-                await reads.heard.wait()
-                heard, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1), 20)
-                assert reads.count == 0, "the notice carried the frame: no read"
-                read = await here.query("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1))
-                nursery.cancel_scope.cancel()
+    async with heard_here(pg_url) as (here, there, reads):
+        sent = await add(there, session_id="z", type="caller_tool_request", reply_to="m-1", payload=payload)
+        await reads.until(sent.seq)
+        heard, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1), 20)
+        assert reads.count == 0, "the notice carried the frame: no read"
+        read = await here.query("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1))
     assert heard == read == [sent]
     assert json.dumps(heard[0].payload) == json.dumps(read[0].payload) and heard[0].ts == read[0].ts
     assert heard[0].to_wire() == read[0].to_wire()
@@ -711,17 +728,10 @@ async def test_a_frame_from_another_servers_notice_is_the_frame_a_read_returns(p
 async def test_a_frame_too_large_for_its_notice_is_read(pg_url: str) -> None:
     """A frame past `MAX_NOTICE_FRAMES` is told of by its fields alone (NOTIFY's payload is bounded):
     a long poll that matches it reads it."""
-    backend = Backend("postgres", pg_url)
-    async with backend.open() as here, backend.open() as there:
-        assert isinstance(here, PostgresFrameStore)
-        with trio.fail_after(20):
-            async with trio.open_nursery() as nursery:
-                await kept_here(here, nursery)
-                reads = CountedReads(here)
-                sent = await add(there, session_id="z", payload={"text": "é" * postgres_store.MAX_NOTICE_FRAMES})
-                await reads.heard.wait()
-                got, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1), 20)
-                nursery.cancel_scope.cancel()
+    async with heard_here(pg_url) as (here, there, reads):
+        sent = await add(there, session_id="z", payload={"text": "é" * postgres_store.MAX_NOTICE_FRAMES})
+        await reads.until(sent.seq)
+        got, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1), 20)
     assert got == [sent] and reads.count == 1
     assert postgres_store.read_whole_notice(postgres_store.notice_payload("box1", 1, 1, tail=postgres_store.notice_frames(
         [("host", "z", "t", "m", None, json.dumps({"text": "é" * 3000}, ensure_ascii=False), {}, None)], "ts")))[4] is None, \
@@ -731,27 +741,18 @@ async def test_a_frame_too_large_for_its_notice_is_read(pg_url: str) -> None:
 async def test_a_long_poll_answered_from_memory_keeps_its_query(pg_url: str) -> None:
     """From memory a long poll gets what its read would: the frames after its seq that match every
     filter (channel, session, types, reply_to), in order, at most its limit."""
-    backend = Backend("postgres", pg_url)
-    async with backend.open() as here, backend.open() as there:
-        assert isinstance(here, PostgresFrameStore)
-        with trio.fail_after(20):
-            async with trio.open_nursery() as nursery:
-                await kept_here(here, nursery)
-                reads = CountedReads(here)
-                start = await add(here, session_id="z")
-                for kw in ({"type": "a"}, {"type": "b"}, {"channel": "other", "type": "a"}, {"type": "a", "reply_to": "r"},
-                           {"session_id": "y", "type": "a"}, {"type": "a"}, {"type": "a"}):
-                    reads.heard = trio.Event()
-                    await add(there, **{"session_id": "z", **kw})
-                    await reads.heard.wait()
-                queries = [FrameQuery(channel="host", session_id="z", types=["a"], after_seq=start.seq, limit=2),
-                           FrameQuery(session_id="z", reply_to="r", after_seq=start.seq),
-                           FrameQuery(channel="other", after_seq=start.seq),
-                           FrameQuery(types=["b", "a"], after_seq=start.seq + 1, limit=3)]
-                got = [(await here.wait_for_frames("box1", q, 20))[0] for q in queries]
-                assert reads.count == 0, "every frame after the seq is known whole here"
-                read = [await here.query("box1", q) for q in queries]
-                nursery.cancel_scope.cancel()
+    async with heard_here(pg_url) as (here, there, reads):
+        start = await add(here, session_id="z")
+        for kw in ({"type": "a"}, {"type": "b"}, {"channel": "other", "type": "a"}, {"type": "a", "reply_to": "r"},
+                   {"session_id": "y", "type": "a"}, {"type": "a"}, {"type": "a"}):
+            await reads.until((await add(there, **{"session_id": "z", **kw})).seq)
+        queries = [FrameQuery(channel="host", session_id="z", types=["a"], after_seq=start.seq, limit=2),
+                   FrameQuery(session_id="z", reply_to="r", after_seq=start.seq),
+                   FrameQuery(channel="other", after_seq=start.seq),
+                   FrameQuery(types=["b", "a"], after_seq=start.seq + 1, limit=3)]
+        got = [(await here.wait_for_frames("box1", q, 20))[0] for q in queries]
+        assert reads.count == 0, "every frame after the seq is known whole here"
+        read = [await here.query("box1", q) for q in queries]
     assert got == read and [len(frames) for frames in got] == [2, 1, 1, 3]
 
 
@@ -759,48 +760,31 @@ async def test_what_is_kept_is_bounded_and_only_of_instances_waited_on(pg_url: s
     """A store keeps at most about `KNOWN_FRAMES_KEPT` frames of an instance a long poll waits on
     here, and nothing of one nobody waits on; a long poll further behind than that reads."""
     kept = postgres_store.KNOWN_FRAMES_KEPT
-    backend = Backend("postgres", pg_url)
-    async with backend.open() as here, backend.open() as there:
-        assert isinstance(here, PostgresFrameStore)
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                await kept_here(here, nursery)
-                reads = CountedReads(here)
-                first = await add(there, session_id="z")
-                await there.append_many("box1", [{"channel": "host", "session_id": "z", "type": "t", "payload": {"i": i}}
-                                                 for i in range(2 * kept + 10)])
-                last = await add(there, session_id="z")
-                await add(there, instance="box2")
-                while here._heard.get("box1") != last.seq:
-                    reads.heard = trio.Event()
-                    await reads.heard.wait()
-                assert len(here._known["box1"]) <= 2 * kept and "box2" not in here._known
-                got, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=first.seq, limit=1), 20)
-                nursery.cancel_scope.cancel()
+    async with heard_here(pg_url, seconds=60) as (here, there, reads):
+        first = await add(there, session_id="z")
+        await there.append_many("box1", [{"channel": "host", "session_id": "z", "type": "t", "payload": {"i": i}}
+                                         for i in range(2 * kept + 10)])
+        await add(there, instance="box2")
+        last = await add(there, session_id="z")
+        await reads.until(last.seq)  # (box2's notice came before: notices come in commit order)
+        assert len(here._known["box1"]) <= 2 * kept and "box2" not in here._known
+        got, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=first.seq, limit=1), 20)
     assert got[0].seq == first.seq + 1 and reads.of("z") == 1, "past what is kept: read"
 
 
 async def test_frames_heard_are_forgotten_when_notices_may_be_lost(pg_url: str) -> None:
     """A frame known whole from its notice is not answered from memory once notices may have been
     lost (a notice without seqs, a reconnect of the listener: `_rewake_all`): the long poll reads."""
-    backend = Backend("postgres", pg_url)
-    async with backend.open() as here, backend.open() as there:
-        assert isinstance(here, PostgresFrameStore)
-        with trio.fail_after(20):
-            async with trio.open_nursery() as nursery:
-                await kept_here(here, nursery)
-                reads = CountedReads(here)
-                got = []
-                for lose in (lambda: here._on_notice("box1"), here._rewake_all):
-                    reads.heard = trio.Event()
-                    sent = await add(there, session_id="z")
-                    await reads.heard.wait()
-                    assert here._known["box1"][sent.seq][1] == sent
-                    lose()
-                    assert "box1" not in here._known
-                    got.append((await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1), 20))[0])
-                    assert got[-1] == [sent]
-                nursery.cancel_scope.cancel()
+    async with heard_here(pg_url) as (here, there, reads):
+        got = []
+        for lose in (lambda: here._on_notice("box1"), here._rewake_all):
+            sent = await add(there, session_id="z")
+            await reads.until(sent.seq)
+            assert here._known["box1"][sent.seq][1] == sent
+            lose()
+            assert "box1" not in here._known
+            got.append((await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1), 20))[0])
+            assert got[-1] == [sent]
     assert reads.of("z") == 2
 
 
@@ -808,30 +792,23 @@ async def test_a_long_poll_below_a_retention_cut_raises_cursor_pruned_not_from_m
     """Retention by another server, and by this one, cuts frames this server heard whole: a long
     poll from below the cut raises `CursorPruned` as its read would (the cut's NOTIFY names the
     instance alone, so what was heard of it is forgotten), not the frames from memory."""
-    backend = Backend("postgres", pg_url)
-    async with backend.open(retention_frames=None) as here, backend.open(retention_frames=2, prune_every=1000) as there:
-        assert isinstance(here, PostgresFrameStore) and isinstance(there, PostgresFrameStore)
-        with trio.fail_after(20):
-            async with trio.open_nursery() as nursery:
-                await kept_here(here, nursery)
-                reads = CountedReads(here)
-                for i in range(4):
-                    reads.heard = trio.Event()
-                    await add(there, session_id="z", payload={"i": i})
-                    await reads.heard.wait()
-                reads.heard = trio.Event()
-                assert await there.prune() == 2
-                await reads.heard.wait()
-                with pytest.raises(CursorPruned):
-                    await here.wait_for_frames("box1", FrameQuery(session_id="z"), 20)
-                here.retention_frames = 1
-                reads.heard = trio.Event()
-                kept = await add(here, session_id="z")
-                await reads.heard.wait()
-                assert await here.prune() == 2
-                with pytest.raises(CursorPruned):
-                    await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=kept.seq - 2), 20)
-                nursery.cancel_scope.cancel()
+    async with heard_here(pg_url, {"retention_frames": None}, retention_frames=2, prune_every=1000) as (here, there, reads):
+        for i in range(4):
+            await reads.until((await add(there, session_id="z", payload={"i": i})).seq)
+        heard = len(reads.notices)
+        assert await there.prune() == 2
+        while len(reads.notices) == heard:  # the cut's notice: the instance alone
+            reads.heard = trio.Event()
+            await reads.heard.wait()
+        assert reads.notices[-1] == ("box1", None)
+        with pytest.raises(CursorPruned):
+            await here.wait_for_frames("box1", FrameQuery(session_id="z"), 20)
+        here.retention_frames = 1
+        kept = await add(here, session_id="z")
+        await reads.until(kept.seq)
+        assert await here.prune() == 2
+        with pytest.raises(CursorPruned):
+            await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=kept.seq - 2), 20)
 
 
 # -- outcomes: exactly one per request ----------------------------------------------------
