@@ -120,8 +120,9 @@ class SessionFrames(Protocol):
 
     store: FrameStoreAPI
 
-    async def frames(self, session: Session, types: tuple[str, ...], after_seq: int) -> list[Frame]:
-        """Every frame of `session` of `types` after `after_seq`."""
+    async def frames(self, session: Session, types: tuple[str, ...], after_seq: int, *, known: bool = False) -> list[Frame]:
+        """Every frame of `session` of `types` after `after_seq`; with `known`, only those the store
+        knows whole without reading (a first part of them, perhaps none)."""
         ...
 
 
@@ -130,13 +131,18 @@ class LogCursors(weakref.WeakKeyDictionary["Session", int]):
     tool requests each keep one, to pick up what other servers wrote into their sessions).
     Held weakly: a session the registry forgot takes its cursor with it."""
 
-    async def read_new(self, log: SessionFrames, session: Session, types: tuple[str, ...]) -> list[Frame]:
+    async def read_new(
+        self, log: SessionFrames, session: Session, types: tuple[str, ...], *, known: bool = False,
+    ) -> list[Frame]:
         """The session's frames of `types` since the last read (from the oldest kept frame at
-        first), with the cursor moved past them; reads that overlap never move it back."""
+        first), with the cursor moved past them; reads that overlap never move it back. With
+        `known`, those the store knows whole without reading (`SessionFrames.frames`), none at first."""
         after = self.get(session)
         if after is None:
+            if known:
+                return []
             after = await log.store.pruned_below(session.instance)
-        frames = await log.frames(session, types, after)
+        frames = await log.frames(session, types, after, known=known)
         if frames:
             after = max(after, frames[-1].seq)
         self[session] = max(after, self.get(session, 0))

@@ -116,6 +116,10 @@ def _types_converter(value: Any) -> tuple[str, ...] | None:
     return types or None
 
 
+#: The `FrameQuery` filters a frame's field must equal, when given (`FrameQuery.equal_filters`).
+EQUAL_FILTERS = ("session_id", "channel", "reply_to")
+
+
 @attrs.define(frozen=True)
 class FrameQuery:
     """Filters for :meth:`FrameStore.query` and :meth:`FrameStore.wait_for_frames`.
@@ -150,6 +154,20 @@ class FrameQuery:
             for t in self.types:
                 if not isinstance(t, str):
                     raise TypeError(f"types must contain strings only, got {t!r}")
+
+    def equal_filters(self) -> list[tuple[str, str]]:
+        """`(field, value)` of each filter given that a frame's field must equal (`session_id`,
+        `channel`, `reply_to`): what a store's statement writes as `field = value`."""
+        return [(name, value) for name in EQUAL_FILTERS if (value := getattr(self, name)) is not None]
+
+    def matches(self, channel: str, session_id: str, type: str, reply_to: str | None) -> bool:
+        """Whether a frame with these fields is one this query asks for, seq and limit apart: the rule
+        a store's statement applies (`equal_filters`, a NULL `reply_to` equal to no value, and the
+        type one of `types`), so a frame known in memory is matched as a read would match it."""
+        return ((self.channel is None or self.channel == channel)
+                and (self.session_id is None or self.session_id == session_id)
+                and (self.reply_to is None or self.reply_to == reply_to)
+                and (self.types is None or type in self.types))
 
 
 @attrs.define(frozen=True)
@@ -875,6 +893,11 @@ class AppendNotices(Protocol):
 
     async def frames_after(self, instance: str, after_seq: int, limit: int) -> list[Frame]:
         """The frames of `instance` after `after_seq`, at most `limit`; `CursorPruned` as `query`."""
+        ...
+
+    def known_frames(self, instance: str, q: FrameQuery) -> list[Frame] | None:
+        """The first frames `query` would return that this server knows whole without reading (its
+        appends, notices heard), every frame between them known; None when it knows none so."""
         ...
 
 

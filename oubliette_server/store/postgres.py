@@ -25,8 +25,9 @@ Hash chain
     so the chain is in commit order, per instance, with no lock across instances.
 
 Wake-ups
-    Each append sends `NOTIFY oubliette_frames, '<instance>\t<first seq>\t<last seq>\t<fields>'`
-    (`notice_payload`: the fields each frame is filtered on, bounded) inside its transaction
+    Each append sends `NOTIFY oubliette_frames, '<instance>\t<first seq>\t<last seq>\t<frames>'`
+    (`notice_payload`: each whole frame, `notice_frames`, or past a bound the fields each frame is
+    filtered on, bounded too) inside its transaction
     (delivered at commit, in commit order).  Each store object keeps one dedicated LISTEN
     connection, driven on the Trio thread without a worker:
     `trio.lowlevel.wait_readable(pgconn.socket)`, then `consume_input()` and drain `notifies()`.
@@ -39,8 +40,10 @@ Wake-ups
     wake its waiters directly as well; a waiter reads again only when a seq it was woken for may
     match its query (`_skip_known`: not a frame whose fields, known from this store's own append or
     named by the notice, show it does not), and a long poll that starts after frames all known
-    so, none matching, waits without reading first (`_known_to_miss`). What was heard is
-    forgotten when notices may have been lost.
+    so, none matching, waits without reading first; one whose matching frames are all known whole
+    (this server's appends, and notices that carry whole frames) takes them from memory without
+    reading (`_known_after`). What was heard is forgotten when notices may have been lost, and at
+    each retention cut (its NOTIFY names the instance alone).
 
 Queries
     A query is one statement, so one snapshot: the instance's `last_seq` and `pruned_below`
@@ -183,6 +186,12 @@ NOTICE_SEPARATOR = "\t"
 #: (the waiters and the log tail then read, as for an older server's notice), so the payload stays
 #: well under NOTIFY's 8000 bytes with the instance's name.
 MAX_NOTICE_FIELDS = 2000
+#: The longest list of whole frames a notice carries (JSON, in UTF-8 bytes): a longer one names the
+#: fields alone (`MAX_NOTICE_FIELDS`), and a waiter that matches such a frame reads it.
+MAX_NOTICE_FRAMES = 6000
+
+#: What a notice tells of one frame beyond its fields: `(ts, msg_id, payload)`.
+NoticeRest = tuple[str, str, dict[str, Any]]
 
 
 def notice_fields(frames: Sequence[FrameFields]) -> str:
@@ -192,10 +201,25 @@ def notice_fields(frames: Sequence[FrameFields]) -> str:
     return "" if len(text) > MAX_NOTICE_FIELDS else NOTICE_SEPARATOR + text
 
 
-def notice_payload(instance: str, first: int, last: int, frames: Sequence[FrameFields] = ()) -> str:
-    """What an append of frames `first`..`last` of `instance` (with `frames`, their filter fields)
-    sends with `NOTIFY oubliette_frames`."""
-    return f"{instance}{NOTICE_SEPARATOR}{first}{NOTICE_SEPARATOR}{last}" + (notice_fields(frames) if frames else "")
+def notice_frames(prepared: Sequence[tuple], ts: str) -> str:
+    """The end of the notice of an append of `prepared` frames at `ts`: a tab and a JSON list of each
+    whole frame, `[channel, session_id, type, reply_to, ts, msg_id, payload]` (the payload the text
+    stored, so a server that hears it holds the frame a read returns), up to `MAX_NOTICE_FRAMES`
+    bytes; past that, the fields alone (`notice_fields`)."""
+    text = "[" + ",".join(
+        json.dumps([ch, sid, typ, rt, ts, mid], separators=(",", ":"))[:-1] + "," + stored + "]"
+        for ch, sid, typ, mid, rt, stored, *_ in prepared) + "]"
+    if len(text) <= MAX_NOTICE_FRAMES // 4 or len(text.encode()) <= MAX_NOTICE_FRAMES:
+        return NOTICE_SEPARATOR + text
+    return notice_fields([(ch, sid, typ, rt) for ch, sid, typ, _, rt, *_ in prepared])
+
+
+def notice_payload(instance: str, first: int, last: int, frames: Sequence[FrameFields] = (), tail: str | None = None) -> str:
+    """What an append of frames `first`..`last` of `instance` (with `frames`, their filter fields, or
+    `tail`, `notice_frames`) sends with `NOTIFY oubliette_frames`."""
+    if tail is None:
+        tail = notice_fields(frames) if frames else ""
+    return f"{instance}{NOTICE_SEPARATOR}{first}{NOTICE_SEPARATOR}{last}" + tail
 
 
 def parse_notice(payload: str) -> tuple[str, int | None, int | None]:
@@ -207,32 +231,47 @@ def parse_notice(payload: str) -> tuple[str, int | None, int | None]:
 def read_notice(payload: str) -> tuple[str, int | None, int | None, list[FrameFields] | None]:
     """`parse_notice` and the frames' filter fields, one per seq (None when the notice names none:
     too many, or an earlier version's)."""
+    return read_whole_notice(payload)[:4]
+
+
+def read_whole_notice(
+    payload: str,
+) -> tuple[str, int | None, int | None, list[FrameFields] | None, list[NoticeRest] | None]:
+    """`read_notice` and the rest of each whole frame it carries (`notice_frames`; None when it
+    names the fields alone, or nothing)."""
     if payload.endswith("]"):
         parts = payload.rsplit(NOTICE_SEPARATOR, 3)
         if len(parts) == 4 and parts[1].isdigit() and parts[2].isdigit():
             first, last = int(parts[1]), int(parts[2])
-            return parts[0], first, last, _fields_of(parts[3], last - first + 1)
+            return (parts[0], first, last, *_frames_of(parts[3], last - first + 1))
     parts = payload.rsplit(NOTICE_SEPARATOR, 2)
     if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
-        return parts[0], int(parts[1]), int(parts[2]), None
-    return payload, None, None, None
+        return parts[0], int(parts[1]), int(parts[2]), None, None
+    return payload, None, None, None, None
 
 
-def _fields_of(text: str, count: int) -> list[FrameFields] | None:
-    """The `count` frames' fields of a notice's JSON list; None for anything else."""
+def _frames_of(text: str, count: int) -> tuple[list[FrameFields] | None, list[NoticeRest] | None]:
+    """The `count` frames' fields of a notice's JSON list, and the rest of each when it carries whole
+    frames; None for anything else."""
     try:
         listed = json.loads(text)
     except ValueError:
-        return None
+        return None, None
     if not isinstance(listed, list) or len(listed) != count:
-        return None
+        return None, None
     fields: list[FrameFields] = []
+    rest: list[NoticeRest] | None = []
     for item in listed:
-        if not (isinstance(item, list) and len(item) == 4 and all(isinstance(v, str) for v in item[:3])
+        if not (isinstance(item, list) and len(item) in (4, 7) and all(isinstance(v, str) for v in item[:3])
                 and (item[3] is None or isinstance(item[3], str))):
-            return None
+            return None, None
         fields.append((item[0], item[1], item[2], item[3]))
-    return fields
+        if rest is not None and len(item) == 7 and isinstance(item[4], str) and isinstance(item[5], str) \
+                and isinstance(item[6], dict):
+            rest.append((item[4], item[5], item[6]))
+        else:
+            rest = None
+    return fields, rest
 
 
 #: How many recent frames of an instance a store remembers the fields of for its waiters (`_skip_known`).
@@ -551,9 +590,10 @@ class PostgresFrameStore(FrameAppends):
         """The highest seq this store heard committed (its appends, NOTIFYs) of each instance waited on."""
         self._rewakes = 0
         """Bumped when notices may have been missed or named no seqs: every waiter reads again."""
-        self._known: dict[str, dict[int, tuple[str, str, str, str | None]]] = {}
-        """(channel, session_id, type, reply_to) of recent frames, by seq, of each instance waited on:
-        this server's appends, and every notice's (`read_notice`)."""
+        self._known: dict[str, dict[int, tuple[FrameFields, Frame | None]]] = {}
+        """The filter fields of recent frames, by seq, of each instance waited on, with the whole frame
+        when it is known (this server's appends, and a notice that carries it): every notice's
+        (`read_whole_notice`) and this server's appends."""
         self._appending: dict[str, int] = {}
         """How many single appends of each instance this store has in flight (`_one_frame`)."""
         self._queries: dict[str, dict[object, FrameQuery]] = {}
@@ -756,21 +796,26 @@ class PostgresFrameStore(FrameAppends):
 
     def _rewake_all(self) -> None:
         """Notices may have been lost: every waiter reads again, and what was heard is forgotten, so
-        no long poll takes it for all that committed (`_known_to_miss`)."""
+        no long poll takes it for all that committed (`_known_after`)."""
         self._rewakes += 1
         self._heard.clear()
         self._known.clear()
         self._wake_all()
 
     def _on_notice(self, payload: str) -> None:
-        """One notice: the waiters of its instance learn the frames' fields from it, and wake only if
-        one of them may match a frame (each append wakes every server's listener: a wake of every
-        waiter of the instance on each would be work for nothing); the hooks hear it."""
-        instance, first, last, fields = read_notice(payload)
+        """One notice: the waiters of its instance learn the frames' fields from it (and the whole
+        frames, when it carries them), and wake only if one of them may match a frame (each append
+        wakes every server's listener: a wake of every waiter of the instance on each would be work
+        for nothing); the hooks hear it."""
+        instance, first, last, fields, rest = read_whole_notice(payload)
         if first is not None and fields is not None:
-            self._note_fields(instance, [(first + i, *frame) for i, frame in enumerate(fields)])
+            wholes: list[Frame | None] = [None] * len(fields)
+            if rest is not None and instance in self._waiters:  # whole frames, only where kept
+                wholes = [make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
+                          for i, ((ch, sid, typ, rt), (ts, mid, obj)) in enumerate(zip(fields, rest))]
+            self._note_known(instance, [(first + i, frame, wholes[i]) for i, frame in enumerate(fields)])
             queries = self._queries.get(instance, {}).values()
-            if any(_may_match(q, *frame) for q in queries for frame in fields):
+            if any(q.matches(*frame) for q in queries for frame in fields):
                 self._wake_instance(instance)
         else:
             self._heard_commit(instance, last)
@@ -871,12 +916,10 @@ class PostgresFrameStore(FrameAppends):
         try:
             rows = await statements.rows(sql, [
                 instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
-                None if rt is None else rt.encode(), text.encode(), notice_fields([(ch, sid, typ, rt)]).encode(),
+                None if rt is None else rt.encode(), text.encode(), notice_frames([prepared], ts).encode(),
                 None if ends is None else ends.encode(), _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
                 *more,
             ])
-            if rows:
-                self._note_fields(instance, [(int(rows[0][0] or 0), ch, sid, typ, rt)])
             return rows
         finally:
             left = self._appending.pop(instance) - 1
@@ -917,7 +960,7 @@ class PostgresFrameStore(FrameAppends):
                         for i, (ch, sid, typ, mid, rt, text, _, _) in enumerate(prepared)
                     ])
                 conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, notice_payload(
-                    instance, first, last, [(ch, sid, typ, rt) for ch, sid, typ, _, rt, *_ in prepared])))
+                    instance, first, last, tail=notice_frames(prepared, ts))))
             return first
 
         try:
@@ -951,7 +994,7 @@ class PostgresFrameStore(FrameAppends):
             try:
                 rows = await statements.rows(_APPEND_ONCE, [
                     instance.encode(), ts.encode(), ch.encode(), sid.encode(), typ.encode(), mid.encode(),
-                    None if rt is None else rt.encode(), text.encode(), notice_fields([(ch, sid, typ, rt)]).encode(),
+                    None if rt is None else rt.encode(), text.encode(), notice_frames([prepared], ts).encode(),
                     aid.encode(),
                     None if ends is None else ends.encode(),
                     _bytea(content_digest(instance, ts, ch, sid, typ, mid, rt, obj)),
@@ -997,7 +1040,7 @@ class PostgresFrameStore(FrameAppends):
             make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
             for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared)
         ]
-        self._note_fields(instance, [(f.seq, f.channel, f.session_id, f.type, f.reply_to) for f in stored])
+        self._note_known(instance, [(f.seq, (f.channel, f.session_id, f.type, f.reply_to), f) for f in stored])
         self._wake_instance(instance)
         if self.checkpoint_every is not None:
             since = self._appends_since_checkpoint.get(instance, 0) + n
@@ -1012,7 +1055,8 @@ class PostgresFrameStore(FrameAppends):
         if count >= self.prune_every:
             self._appends_since_prune[instance] = 0
             try:
-                await self._run(self._prune_instance, instance)
+                if await self._run(self._prune_instance, instance):
+                    self._heard_commit(instance, None)  # before its notice is back: nothing below the cut is answered
             except Exception:
                 # The append itself is committed; retention will be retried next time.
                 log.exception("frame store: retention for instance %r failed", instance)
@@ -1091,11 +1135,9 @@ class PostgresFrameStore(FrameAppends):
         matching frames (none: one row of NULLs; unknown instance: no row)."""
         where = "f.instance = i.name AND f.seq > %s"
         params: list[Any] = [q.after_seq]
-        for name in ("session_id", "channel", "reply_to"):
-            value = getattr(q, name)
-            if value is not None:
-                where += f" AND f.{name} = %s"
-                params.append(value)
+        for name, value in q.equal_filters():  # the rule `FrameQuery.matches` applies in memory
+            where += f" AND f.{name} = %s"
+            params.append(value)
         if q.types is not None:
             where += " AND f.type = ANY(%s)"
             params.append(list(q.types))
@@ -1167,7 +1209,9 @@ class PostgresFrameStore(FrameAppends):
 
     async def wait_for_frames(self, instance: str, q: FrameQuery, timeout: float) -> tuple[list[Frame], bool]:
         """Long poll: `query`; if nothing matches, wait up to `timeout` seconds for an append
-        to the instance by any server (NOTIFY) and query again.  `(frames, timed_out)`."""
+        to the instance by any server (NOTIFY) and query again.  `(frames, timed_out)`.
+        A long poll answers from memory, without reading, what this server knows whole
+        (`_known_after`)."""
         check_timeout(timeout)
         if not isinstance(q, FrameQuery):
             raise TypeError(f"q must be a FrameQuery, got {q.__class__.__name__}")
@@ -1184,12 +1228,12 @@ class PostgresFrameStore(FrameAppends):
                 # sets it, and the wait below returns at once.
                 event = self._wake_event(instance)
                 rewakes = self._rewakes
-                known = self._known_to_miss(instance, q) if timeout > 0 else None
+                known = self._answer_known(instance, q) if timeout > 0 else None
                 frames: list[Frame]
                 if known is not None:
                     # Every seq after the caller's is known here (heard with its fields, or this
-                    # server's append) and none matches: nothing to read yet, only to wait.
-                    seen, frames = known, []
+                    # server's append), and each that matches is known whole: nothing to read.
+                    seen, frames = known
                 else:
                     # One snapshot: every frame up to `seen` is visible in it (seq is commit-ordered).
                     seen, frames = await self._read_on_loop(instance, q, acquire)
@@ -1200,17 +1244,20 @@ class PostgresFrameStore(FrameAppends):
                 if trio.current_time() >= deadline:
                     return [], True
                 timed_out = await self._woken_by(event, deadline)
-                # Read again only for frames that may match: not for seqs this snapshot held
-                # (the NOTIFY of an append this server already woke us for, back through
-                # LISTEN), nor for frames known here (`_known`: this server's appends, and every
-                # notice's fields) that do not match `q`.
+                # Read again only for frames that may match and are not known whole here: not for
+                # seqs this snapshot held (the NOTIFY of an append this server already woke us for,
+                # back through LISTEN), nor for frames known here (`_known`: this server's appends,
+                # and every notice's) that do not match `q`; those that match and are known whole
+                # are the answer.
                 deferred = False
                 while not timed_out and self._rewakes == rewakes:
                     skipped = self._skip_known(instance, q, seen, defer=not deferred)
                     if skipped is None:
                         break
-                    deferred = deferred or skipped == seen
-                    seen = skipped
+                    if skipped[1]:
+                        return skipped[1], False
+                    deferred = deferred or skipped[0] == seen
+                    seen = skipped[0]
                     q = attrs.evolve(q, after_seq=max(q.after_seq, seen))
                     event = self._wake_event(instance)
                     timed_out = await self._woken_by(event, deadline)
@@ -1229,39 +1276,52 @@ class PostgresFrameStore(FrameAppends):
             if not queries and self._queries.get(instance) is queries:
                 del self._queries[instance]
 
-    def _known_to_miss(self, instance: str, q: FrameQuery) -> int | None:
-        """Before a long poll's first read: the seq up to which it knows, without reading, that no
-        frame after `q.after_seq` matches (`_skip_known`), while the listener is up; None: read.
-        The caller's long poll after an answer, and the agent's wait for an outcome after its own
-        request, start at a seq every later frame of which this server heard with its fields."""
+    def _answer_known(self, instance: str, q: FrameQuery) -> tuple[int, list[Frame]] | None:
+        """Before a long poll's first read: `_known_after` its `after_seq`, while the listener is up;
+        None: read. The caller's long poll after an answer, and the agent's wait for an outcome
+        after its own request, start at a seq every later frame of which this server heard."""
         if not self.listening:
             return None
-        return self._unmatched_up_to(instance, q, q.after_seq, defer=False)
+        return self._known_after(instance, q, q.after_seq, defer=False)
 
-    def _skip_known(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> int | None:
-        """After a wake: `_unmatched_up_to` (the wake was for nothing when it is not None)."""
-        return self._unmatched_up_to(instance, q, seen, defer=defer)
+    def known_frames(self, instance: str, q: FrameQuery) -> list[Frame] | None:
+        """The first frames `query` would return that this server knows whole without reading (a
+        first part of them: frames committed since may not be heard yet), every frame between them
+        known; None when it knows none so. The server that takes an answer to a request another
+        server's agent made finds the request here when it heard its notice (`_known_after`)."""
+        known = self._answer_known(instance, q)
+        return None if known is None or not known[1] else known[1]
 
-    def _unmatched_up_to(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> int | None:
-        """The seq up to which a waiter that read up to `seen` knows, without reading, that no
-        frame matches `q` (the seqs heard committed since are known here, none matching: this
-        server's own appends, or fields its notice named); None when it must read (a seq not
-        known, or one that matches).
+    def _skip_known(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> tuple[int, list[Frame]] | None:
+        """After a wake: `_known_after` (the wake was for nothing when it answers no frame)."""
+        return self._known_after(instance, q, seen, defer=defer)
+
+    def _known_after(self, instance: str, q: FrameQuery, seen: int, *, defer: bool) -> tuple[int, list[Frame]] | None:
+        """What a waiter that read up to `seen` knows without reading: `(up to, frames)`, the frames
+        after `seen` that match `q` (`FrameQuery.matches`, at most `q.limit`) and every seq up to
+        `up to` known here (heard committed: this server's own appends, or a notice's), each that
+        matches known whole; None when it must read (a seq not known before the first match, or a
+        match known by its fields alone, or a cursor below a cut retention made here).
         `defer`: a seq not known here while this server appends to the instance may be that
-        append's, its NOTIFY heard before its answer: wait for the append to end (`seen`)."""
+        append's, its NOTIFY heard before its answer: wait for the append to end (`seen`, none)."""
         high = self._heard.get(instance)
-        if high is None:
+        if high is None or high - seen > KNOWN_FRAMES_KEPT:
             return None
         own = self._known.get(instance, {})
-        if high - seen > KNOWN_FRAMES_KEPT:
-            return None
+        found: list[Frame] = []
         for seq in range(seen + 1, high + 1):
-            fields = own.get(seq)
-            if fields is None:
-                return seen if defer and instance in self._appending else None
-            if _may_match(q, *fields):
-                return None
-        return max(seen, high)
+            entry = own.get(seq)
+            if entry is None:
+                if found:
+                    return seq - 1, found  # every frame up to the unknown seq is known: a prefix
+                return (seen, found) if defer and instance in self._appending else None
+            if q.matches(*entry[0]):
+                if entry[1] is None:
+                    return (seq - 1, found) if found else None
+                found.append(entry[1])
+                if len(found) == q.limit:
+                    return seq, found
+        return max(seen, high), found
 
     def _heard_commit(self, instance: str, last: int | None) -> None:
         """Note that `instance`'s frames up to `last` are committed (None: unknown seqs, so
@@ -1274,14 +1334,15 @@ class PostgresFrameStore(FrameAppends):
             self._heard.pop(instance, None)
             self._known.pop(instance, None)
 
-    def _note_fields(self, instance: str, frames: list[tuple[int, str, str, str, str | None]]) -> None:
-        """Keep `(seq, channel, session_id, type, reply_to)` of committed frames of an instance
-        waited on (the last `KNOWN_FRAMES_KEPT`), so its waiters skip those they do not match,
-        then note them committed."""
+    def _note_known(self, instance: str, frames: list[tuple[int, FrameFields, Frame | None]]) -> None:
+        """Keep `(seq, fields, whole frame or None)` of committed frames of an instance waited on (the
+        last `KNOWN_FRAMES_KEPT`), so its waiters skip those they do not match and take those they
+        match from memory, then note them committed. A frame is kept as it was stored or heard
+        (never hashed again: the chain is the database's)."""
         if instance in self._waiters:
             own = self._known.setdefault(instance, {})
-            for seq, *fields in frames:
-                own[seq] = tuple(fields)  # type: ignore[assignment]
+            for seq, fields, whole in frames:
+                own[seq] = (fields, whole)
             if len(own) > 2 * KNOWN_FRAMES_KEPT:
                 cut = frames[-1][0] - KNOWN_FRAMES_KEPT
                 self._known[instance] = {seq: kept for seq, kept in own.items() if seq > cut}
@@ -1424,7 +1485,9 @@ class PostgresFrameStore(FrameAppends):
 
     async def prune(self) -> int:
         """Apply retention to every instance now; return how many frames were deleted."""
-        return await self._run(self._prune_all)
+        deleted = await self._run(self._prune_all)
+        self._rewake_all()  # (its notices are on their way: nothing below a cut is answered from memory meanwhile)
+        return deleted
 
     def _prune_all(self, conn: psycopg.Connection) -> int:
         total = 0
@@ -1461,6 +1524,9 @@ class PostgresFrameStore(FrameAppends):
             deleted = conn.execute("DELETE FROM frames WHERE instance = %s AND seq <= %s", (instance, cut)).rowcount
             conn.execute("DELETE FROM resolutions WHERE instance = %s AND seq <= %s", (instance, cut))
             conn.execute("UPDATE instances SET pruned_below = %s WHERE name = %s", (cut, instance))
+            # The instance alone (an earlier server's notice): every server forgets the frames it
+            # heard of it, so a long poll below the cut reads and meets `CursorPruned`.
+            conn.execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, instance))
         if deleted:
             log.debug("frame store: pruned %d frames of instance %r (seq <= %d)", deleted, instance, cut)
         return deleted
@@ -1469,12 +1535,6 @@ class PostgresFrameStore(FrameAppends):
 def _bytea(value: bytes) -> bytes:
     """`value` as a bytea parameter in text format (what `LoopStatements` sends)."""
     return b"\\x" + value.hex().encode()
-
-
-def _may_match(q: FrameQuery, channel: str, session_id: str, type: str, reply_to: str | None) -> bool:
-    """Whether a frame with these fields is one `q` asks for (its filters, as `_build` writes them)."""
-    return ((q.channel is None or q.channel == channel) and (q.session_id is None or q.session_id == session_id)
-            and (q.reply_to is None or q.reply_to == reply_to) and (q.types is None or type in q.types))
 
 
 def _param(value: Any) -> bytes:

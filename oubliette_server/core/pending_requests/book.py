@@ -126,18 +126,19 @@ class RequestBook(Generic[E]):
         while len(self.finished) > RESOLVED_MEMORY:
             self.finished.popitem(last=False)
 
-    async def read_new(self, session: Session) -> list[Frame]:
+    async def read_new(self, session: Session, *, known: bool = False) -> list[Frame]:
         """The session's request and outcome frames other servers stored since the last read; only
-        for a session whose owner is connected here or recorded in the log (it answers them here)."""
+        for a session whose owner is connected here or recorded in the log (it answers them here).
+        With `known`, only those the store knows whole without reading (`Crossing.read_new`)."""
         if not session.owner_known:
             return []
-        return await self.crossing.read_new(self.cursors, session, self.types)
+        return await self.crossing.read_new(self.cursors, session, self.types, known=known)
 
-    async def read_news(self, session: Session, request_type: str) -> list[tuple[str, Frame]]:
+    async def read_news(self, session: Session, request_type: str, *, known: bool = False) -> list[tuple[str, Frame]]:
         """`read_new` as `(request_id, frame)` pairs: frames without a request id are dropped, and
         so are `request_type` frames of requests already known here (pending or ended)."""
         news = []
-        for frame in await self.read_new(session):
+        for frame in await self.read_new(session, known=known):
             request_id = frame.payload.get("request_id")
             if isinstance(request_id, str) and not (frame.type == request_type and self.known(request_id)):
                 news.append((request_id, frame))

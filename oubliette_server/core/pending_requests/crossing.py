@@ -36,8 +36,9 @@ class SharedLog(Protocol):
     store: FrameStoreAPI
     append_outcome: AppendOutcome
 
-    async def frames(self, session: Session, types: tuple[str, ...], after_seq: int) -> list[Frame]:
-        """Every frame of `session` of `types` after `after_seq`."""
+    async def frames(self, session: Session, types: tuple[str, ...], after_seq: int, *, known: bool = False) -> list[Frame]:
+        """Every frame of `session` of `types` after `after_seq`; with `known`, only those the store
+        knows whole without reading (a first part of them, perhaps none)."""
         ...
 
     async def wait_frames(self, session: Session, types: tuple[str, ...], after_seq: int) -> list[Frame]:
@@ -59,8 +60,11 @@ class SharedLog(Protocol):
 class Crossing(Protocol):
     """What a request service does across servers; `SingleServer` and `SharedStore` are the two."""
 
-    async def read_new(self, cursors: LogCursors, session: Session, types: tuple[str, ...]) -> list[Frame]:
-        """The session's frames of `types` other servers stored since the last read (none on one server)."""
+    async def read_new(
+        self, cursors: LogCursors, session: Session, types: tuple[str, ...], *, known: bool = False,
+    ) -> list[Frame]:
+        """The session's frames of `types` other servers stored since the last read (none on one server);
+        with `known`, only those the store knows whole without reading (`LogCursors.read_new`)."""
         ...
 
     async def wait_change(
@@ -121,7 +125,9 @@ class Crossing(Protocol):
 class SingleServer:
     """One server: every request is answered where it was asked; nothing crosses."""
 
-    async def read_new(self, cursors: LogCursors, session: Session, types: tuple[str, ...]) -> list[Frame]:
+    async def read_new(
+        self, cursors: LogCursors, session: Session, types: tuple[str, ...], *, known: bool = False,
+    ) -> list[Frame]:
         """Nothing: no other server writes requests."""
         return []
 
@@ -186,9 +192,11 @@ class SharedStore:
         self.log = log
         self.server_id = server_id
 
-    async def read_new(self, cursors: LogCursors, session: Session, types: tuple[str, ...]) -> list[Frame]:
+    async def read_new(
+        self, cursors: LogCursors, session: Session, types: tuple[str, ...], *, known: bool = False,
+    ) -> list[Frame]:
         """The session's frames of `types` since the cursor, the cursor moved past them."""
-        return await cursors.read_new(self.log, session, types)
+        return await cursors.read_new(self.log, session, types, known=known)
 
     async def wait_change(
         self, changed: trio.Event, session: Session, types: tuple[str, ...], after_seq: int,

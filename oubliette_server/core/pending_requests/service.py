@@ -150,12 +150,13 @@ class PendingRequests(Generic[E, Outcome]):
         store, also those of other servers, as last read from the log."""
         return self._book.listed(session, self.is_open)
 
-    async def sync(self, session: Session) -> None:
+    async def sync(self, session: Session, *, known: bool = False) -> None:
         """Shared store, a session this server's caller owns: read the session's request and outcome
         frames since the last read; other servers' requests with no outcome yet become remote
-        entries, and those that got one since end with it (nothing on one server)."""
+        entries, and those that got one since end with it (nothing on one server). With `known`,
+        only the frames the store knows whole without reading (its own appends, notices heard)."""
         changed = False
-        for request_id, frame in await self._book.read_news(session, self.REQUEST):
+        for request_id, frame in await self._book.read_news(session, self.REQUEST, known=known):
             if frame.type == self.REQUEST:
                 entry = self._remote_entry(frame, session)
                 if entry is not None:

@@ -279,11 +279,14 @@ class CallerCallRegistry(PendingRequests[PendingCall, CallOutcome]):
 
     async def _sync_for(self, caller: CallerConnection, session_id: str, request_id: str) -> None:
         """Shared store: read the log of `caller`'s sessions `session_id` when `request_id` is not known
-        here (another server's agent may have made it since the last read)."""
-        if request_id not in self._pending and request_id not in self._remote:
+        here (another server's agent may have made it since the last read): first what the store
+        knows whole without reading (the request's notice, heard here), then, if still unknown, the log."""
+        for known in (True, False):
+            if request_id in self._pending or request_id in self._remote:
+                return
             for session in self._find_sessions(session_id):
                 if session.is_owner(caller):
-                    await self.sync(session)
+                    await self.sync(session, known=known)
 
     def _pending_of(self, caller: CallerConnection, session_id: str, request_id: str) -> PendingCall:
         """The pending call `request_id` of `caller` in `session_id`.

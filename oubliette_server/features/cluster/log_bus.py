@@ -30,6 +30,7 @@ from ...core.sessions import Session
 from ...store.api import (
     MAX_LIMIT,
     OUTAGE_RETRY,
+    AppendNotices,
     CursorPruned,
     FrameQuery,
     FrameStoreAPI,
@@ -60,16 +61,20 @@ class LogBus:
     def __init__(self, store: FrameStoreAPI, append_outcome: AppendOutcome) -> None:
         self.store = store
         self.append_outcome = append_outcome
+        self._known = store.known_frames if isinstance(store, AppendNotices) else None
 
-    async def frames(self, session: Session, types: tuple[str, ...], after_seq: int) -> list[Frame]:
-        """Every frame of `session` of `types` after `after_seq` (paged; a pruned start skips to what is kept)."""
+    async def frames(self, session: Session, types: tuple[str, ...], after_seq: int, *, known: bool = False) -> list[Frame]:
+        """Every frame of `session` of `types` after `after_seq` (paged; a pruned start skips to what is kept);
+        with `known`, only those the store knows whole without reading (`AppendNotices.known_frames`):
+        the answering server's look for a request whose notice it heard, before it reads."""
         found: list[Frame] = []
         after = after_seq
         while True:
+            q = FrameQuery(channel=session.channel, session_id=session.id, after_seq=after, types=types, limit=MAX_LIMIT)
+            if known:
+                return (self._known(session.instance, q) if self._known is not None else None) or []
             try:
-                page = await self.store.query(session.instance, FrameQuery(
-                    channel=session.channel, session_id=session.id, after_seq=after, types=types, limit=MAX_LIMIT,
-                ))
+                page = await self.store.query(session.instance, q)
             except CursorPruned as exc:
                 after = exc.first_seq - 1
                 continue

@@ -9,10 +9,22 @@ over the relay socket through `RelayLink`.
 
 from __future__ import annotations
 
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
+
+from protocol import RelayError
+from oubliette_server.core.callers import CallerConnection
+from oubliette_server.core.frame_log import FrameLog
+from oubliette_server.core.pending_requests import SharedStore
+from oubliette_server.core.server_owned import DECLARATION_KEY, OWNER_KEY, SESSION_RECORD
+from oubliette_server.core.sessions import SessionRegistry
+from oubliette_server.features.caller_tool_relay.pending import CallerCallRegistry
+from oubliette_server.features.cluster.log_bus import LogBus
+from oubliette_server.store.api import FrameQuery
+from oubliette_server.store.postgres import PostgresFrameStore
 
 from harness import EVENT_TIMEOUT, Deployment, structured, text_of
 
@@ -228,3 +240,73 @@ async def test_a_caller_tool_with_an_invalid_schema_is_refused_when_declared(dep
             assert result.is_error
             assert f"caller tool 'send_notification': {field} is not a valid JSON Schema" in text_of(result), text_of(result)
         assert await proc.server.store.last_seq(INSTANCE) == 0, "nothing was stored for the refused declarations"
+
+
+# -- an answer on a server that did not store the request (PostgreSQL) --------------------
+
+
+async def test_an_answer_to_a_request_whose_notice_was_heard_takes_it_from_memory(pg_url: str) -> None:
+    """The server that takes an answer to another server's request finds the request in what it heard
+    (the request's NOTIFY carries the whole frame): it does not read the session's requests, and the
+    answer is still stored once, through the store's claim (`append_outcome`), a second refused."""
+    class Heard:
+        """The last seq of the notices `here` heard; each sets `event` (a fresh one taken by the waiter)."""
+
+        event = trio.Event()
+        last = 0
+
+        def appended(self, instance: str, first: int | None, last: int | None, fields: Any = None) -> None:
+            self.last = max(self.last, last or 0)
+            self.event.set()
+
+        def missed(self) -> None:
+            pass
+
+    heard = Heard()
+    agent_side, here = PostgresFrameStore(pg_url), PostgresFrameStore(pg_url)
+    async with agent_side.running(), here.running():
+        here.hear_appends(heard)
+        sessions = SessionRegistry()
+        frame_log = FrameLog(here, sessions)
+        crossing = SharedStore(LogBus(here, frame_log.append_outcome), "server-c")
+        sessions.learn_from(crossing.record_of, crossing.recorded_sessions)
+        calls = CallerCallRegistry(frame_log.append, 60, crossing=crossing, find_sessions=sessions.find_by_id)
+        owner = CallerConnection("http")
+        owner.identity = "key:owner"
+
+        async def put(type: str, payload: dict[str, Any]) -> None:
+            frame = await agent_side.append("box1", channel="mcp", session_id="s1", type=type, payload=payload)
+            while heard.last < frame.seq:
+                heard.event = trio.Event()
+                await heard.event.wait()
+
+        def request(request_id: str) -> dict[str, Any]:
+            return {"request_id": request_id, "tool": "notify", "arguments": {}, "caller_id": "myapp",
+                    "expires_at": "2999-01-01T00:00:00.000Z", "server": "server-b"}
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(here.wait_for_frames, "box1", FrameQuery(session_id="nobody"), 60)  # box1 waited on here
+                while here.waiter_count("box1") != 1:
+                    await trio.testing.wait_all_tasks_blocked()
+                await put(SESSION_RECORD, {OWNER_KEY: "key:owner", DECLARATION_KEY: {
+                    "caller_id": "myapp", "tools": [{"name": "notify", "requires_approval": False}]}})
+                await put("caller_tool_request", request("ctr-1"))
+                assert len(await sessions.owns(owner, "s1", "mcp")) == 1
+                await calls.respond(owner, "s1", "ctr-1", result={"ok": 1})  # the first look reads the log
+                await put("caller_tool_request", request("ctr-2"))
+                queries: list[Any] = []
+                real_query = here.query
+
+                async def counted(*args: Any) -> Any:
+                    queries.append(args)
+                    return await real_query(*args)
+
+                here.query = counted  # type: ignore[method-assign, assignment]
+                answered = await calls.respond(owner, "s1", "ctr-2", result={"ok": 2})
+                assert answered.remote and answered.done.is_set() and queries == [], "ctr-2 was heard: no read"
+                with pytest.raises(RelayError, match="no longer pending"):
+                    await calls.respond(owner, "s1", "ctr-2", result={"ok": 3})
+                nursery.cancel_scope.cancel()
+        results = await agent_side.query("box1", FrameQuery(session_id="s1", types=["caller_tool_result"]))
+    assert [(f.payload["request_id"], f.payload["result"]) for f in results] == [("ctr-1", {"ok": 1}), ("ctr-2", {"ok": 2})]

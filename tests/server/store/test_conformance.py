@@ -8,6 +8,7 @@ PostgreSQL promise (SQLite's wake-ups are in-process, docs/TETHER.md).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -414,11 +415,15 @@ async def test_wait_wakes_across_two_store_objects(pg_url: str) -> None:
 
 
 class CountedReads:
-    """Counts a PostgreSQL store's long-poll reads of the log (`_read_on_loop`); `after(n)` is set
-    once `n` have ended, and `heard` at each NOTIFY the store hears (a fresh one taken by `next`)."""
+    """Counts a PostgreSQL store's long-poll reads of the log (`_read_on_loop`; `of(session_id)`: those
+    of one session's queries); `after(n)` is set once `n` have ended, and `heard` at each NOTIFY the
+    store hears (a fresh one taken by `next`)."""
 
     def __init__(self, store: PostgresFrameStore) -> None:
         self.count = 0
+        self.last = 0
+        self.notices: list[tuple[str, int | None]] = []
+        self.sessions: list[str | None] = []
         self._ended = 0
         self._after: dict[int, trio.Event] = {}
         self.heard = trio.Event()
@@ -426,6 +431,7 @@ class CountedReads:
 
         async def counted(*args: Any) -> Any:
             self.count += 1
+            self.sessions.append(args[1].session_id)
             try:
                 return await real_read(*args)
             finally:
@@ -438,8 +444,19 @@ class CountedReads:
     def after(self, n: int) -> trio.Event:
         return self._after.setdefault(n, trio.Event())
 
+    def of(self, session_id: str) -> int:
+        return self.sessions.count(session_id)
+
     def appended(self, instance: str, first: int | None, last: int | None, fields: Any = None) -> None:
+        self.last = max(self.last, last or 0)
+        self.notices.append((instance, last))
         self.heard.set()
+
+    async def until(self, seq: int) -> None:
+        """Return once the store heard the notices up to `seq`."""
+        while self.last < seq:
+            self.heard = trio.Event()
+            await self.heard.wait()
 
     def missed(self) -> None:
         pass
@@ -448,7 +465,8 @@ class CountedReads:
 async def test_a_waiter_reads_nothing_for_this_servers_appends_it_does_not_match(pg_url: str) -> None:
     """A long poll woken by this store's own append of another session (directly, then by the
     append's NOTIFY through LISTEN) reads the log no more: it knows that frame is not for it. An
-    append it matches ends the wait with that frame (PostgreSQL: its reads cost round trips)."""
+    append it matches ends the wait with that frame, from memory: this server stored it, so it
+    knows it whole (PostgreSQL: its reads cost round trips)."""
     async with Backend("postgres", pg_url).open() as s:
         assert isinstance(s, PostgresFrameStore)
         reads = CountedReads(s)
@@ -466,7 +484,7 @@ async def test_a_waiter_reads_nothing_for_this_servers_appends_it_does_not_match
                 await trio.testing.wait_all_tasks_blocked()
                 assert reads.count == 1, "no read for a frame of another session appended here"
                 mine = await s.append("box1", channel="mcp", session_id="mine", type="user.message", payload={})
-        assert got == [([mine], False)] and reads.count == 2
+        assert got == [([mine], False)] and reads.count == 1, "this server's own frame is not read back"
 
 
 def recorded_calls(owner: Any, name: str) -> list[Any]:
@@ -527,14 +545,14 @@ async def test_waiters_learn_another_servers_append_from_its_notice_and_only_the
                 mine = await add(there, session_id="x")
                 await x_answered.wait()
                 nursery.cancel_scope.cancel()
-        assert got == [([mine], False)] and reads.count == 3, "the waiter of x read its frame; y did not read"
+        assert got == [([mine], False)] and reads.count == 2, "the waiter of x took its frame from the notice; y did not read"
 
 
 async def test_a_long_poll_that_knows_every_frame_after_its_seq_waits_without_a_first_read(pg_url: str) -> None:
     """A long poll that starts after frames this server knows (its own append; another server's,
     named by its notice) none of which matches it waits without reading the log (the caller's
     next poll after an answer, the agent's wait for an outcome after its own request); the
-    append it waits for is read and returned."""
+    append it waits for is returned from its notice, without a read."""
     backend = Backend("postgres", pg_url)
     async with backend.open() as here, backend.open() as there:
         assert isinstance(here, PostgresFrameStore)
@@ -562,7 +580,7 @@ async def test_a_long_poll_that_knows_every_frame_after_its_seq_waits_without_a_
                 mine = await add(there, session_id="z")
                 await answered.wait()
                 nursery.cancel_scope.cancel()
-        assert got == [([mine], False)] and reads.count == 2, "z's waiter read once, for its frame"
+        assert got == [([mine], False)] and reads.count == 1, "z's waiter took its frame from the notice"
 
 
 async def a_long_poll_after_lost_notices_reads(
@@ -659,6 +677,138 @@ async def test_after_a_notice_without_seqs_a_new_long_poll_reads(pg_url: str) ->
         return own.seq, missed
 
     await a_long_poll_after_lost_notices_reads(pg_url, lose)
+
+
+@asynccontextmanager
+async def heard_here(
+    pg_url: str, here_kw: dict[str, Any] | None = None, seconds: float = 20, **there_kw: Any,
+) -> AsyncIterator[tuple[PostgresFrameStore, PostgresFrameStore, CountedReads]]:
+    """Two store objects on one database, as two servers (`here`, `there`), with a long poll of a
+    session nobody appends to waiting on box1 here (so what `here` hears of box1 is kept) and
+    `here`'s reads counted; ended (and the long poll cancelled) within `seconds`."""
+    backend = Backend("postgres", pg_url)
+    async with backend.open(**(here_kw or {})) as here, backend.open(**there_kw) as there:
+        assert isinstance(here, PostgresFrameStore) and isinstance(there, PostgresFrameStore)
+
+        async def wait_for_nobody() -> None:
+            after = 0
+            while True:
+                try:
+                    await here.wait_for_frames("box1", FrameQuery(session_id="nobody", after_seq=after), 60)
+                except CursorPruned as exc:
+                    after = exc.first_seq - 1
+
+        with trio.fail_after(seconds):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for_nobody)
+                while here.waiter_count("box1") != 1:
+                    await trio.testing.wait_all_tasks_blocked()
+                try:
+                    yield here, there, CountedReads(here)
+                finally:
+                    nursery.cancel_scope.cancel()
+
+async def test_a_frame_from_another_servers_notice_is_the_frame_a_read_returns(pg_url: str) -> None:
+    """Another server's append carries its whole frame in its notice: a long poll here that matches it
+    gets it without reading, and it is the frame a read returns, to the payload's JSON text and the
+    ts (nested values, non-ASCII text, floats, escapes)."""
+    payload = {"nested": {"list": [1, 2.5, None, True, "é\t\"q\"\\"], "deep": {"x": 1e-7}}, "text": "héllo ☃ \x01",
+               "big": 12345678901234567890, "neg": -0.0}
+    async with heard_here(pg_url) as (here, there, reads):
+        sent = await add(there, session_id="z", type="caller_tool_request", reply_to="m-1", payload=payload)
+        await reads.until(sent.seq)
+        heard, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1), 20)
+        assert reads.count == 0, "the notice carried the frame: no read"
+        read = await here.query("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1))
+    assert heard == read == [sent]
+    assert json.dumps(heard[0].payload) == json.dumps(read[0].payload) and heard[0].ts == read[0].ts
+    assert heard[0].to_wire() == read[0].to_wire()
+
+
+async def test_a_frame_too_large_for_its_notice_is_read(pg_url: str) -> None:
+    """A frame past `MAX_NOTICE_FRAMES` is told of by its fields alone (NOTIFY's payload is bounded):
+    a long poll that matches it reads it."""
+    async with heard_here(pg_url) as (here, there, reads):
+        sent = await add(there, session_id="z", payload={"text": "é" * postgres_store.MAX_NOTICE_FRAMES})
+        await reads.until(sent.seq)
+        got, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1), 20)
+    assert got == [sent] and reads.count == 1
+    assert postgres_store.read_whole_notice(postgres_store.notice_payload("box1", 1, 1, tail=postgres_store.notice_frames(
+        [("host", "z", "t", "m", None, json.dumps({"text": "é" * 3000}, ensure_ascii=False), {}, None)], "ts")))[4] is None, \
+        "3,000 two-byte characters: past the bound in bytes, fields alone"
+
+
+async def test_a_long_poll_answered_from_memory_keeps_its_query(pg_url: str) -> None:
+    """From memory a long poll gets what its read would: the frames after its seq that match every
+    filter (channel, session, types, reply_to), in order, at most its limit."""
+    async with heard_here(pg_url) as (here, there, reads):
+        start = await add(here, session_id="z")
+        for kw in ({"type": "a"}, {"type": "b"}, {"channel": "other", "type": "a"}, {"type": "a", "reply_to": "r"},
+                   {"session_id": "y", "type": "a"}, {"type": "a"}, {"type": "a"}):
+            await reads.until((await add(there, **{"session_id": "z", **kw})).seq)
+        queries = [FrameQuery(channel="host", session_id="z", types=["a"], after_seq=start.seq, limit=2),
+                   FrameQuery(session_id="z", reply_to="r", after_seq=start.seq),
+                   FrameQuery(channel="other", after_seq=start.seq),
+                   FrameQuery(types=["b", "a"], after_seq=start.seq + 1, limit=3)]
+        got = [(await here.wait_for_frames("box1", q, 20))[0] for q in queries]
+        assert reads.count == 0, "every frame after the seq is known whole here"
+        read = [await here.query("box1", q) for q in queries]
+    assert got == read and [len(frames) for frames in got] == [2, 1, 1, 3]
+
+
+async def test_what_is_kept_is_bounded_and_only_of_instances_waited_on(pg_url: str) -> None:
+    """A store keeps at most about `KNOWN_FRAMES_KEPT` frames of an instance a long poll waits on
+    here, and nothing of one nobody waits on; a long poll further behind than that reads."""
+    kept = postgres_store.KNOWN_FRAMES_KEPT
+    async with heard_here(pg_url, seconds=60) as (here, there, reads):
+        first = await add(there, session_id="z")
+        await there.append_many("box1", [{"channel": "host", "session_id": "z", "type": "t", "payload": {"i": i}}
+                                         for i in range(2 * kept + 10)])
+        await add(there, instance="box2")
+        last = await add(there, session_id="z")
+        await reads.until(last.seq)  # (box2's notice came before: notices come in commit order)
+        assert len(here._known["box1"]) <= 2 * kept and "box2" not in here._known
+        got, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=first.seq, limit=1), 20)
+    assert got[0].seq == first.seq + 1 and reads.of("z") == 1, "past what is kept: read"
+
+
+async def test_frames_heard_are_forgotten_when_notices_may_be_lost(pg_url: str) -> None:
+    """A frame known whole from its notice is not answered from memory once notices may have been
+    lost (a notice without seqs, a reconnect of the listener: `_rewake_all`): the long poll reads."""
+    async with heard_here(pg_url) as (here, there, reads):
+        got = []
+        for lose in (lambda: here._on_notice("box1"), here._rewake_all):
+            sent = await add(there, session_id="z")
+            await reads.until(sent.seq)
+            assert here._known["box1"][sent.seq][1] == sent
+            lose()
+            assert "box1" not in here._known
+            got.append((await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=sent.seq - 1), 20))[0])
+            assert got[-1] == [sent]
+    assert reads.of("z") == 2
+
+
+async def test_a_long_poll_below_a_retention_cut_raises_cursor_pruned_not_from_memory(pg_url: str) -> None:
+    """Retention by another server, and by this one, cuts frames this server heard whole: a long
+    poll from below the cut raises `CursorPruned` as its read would (the cut's NOTIFY names the
+    instance alone, so what was heard of it is forgotten), not the frames from memory."""
+    async with heard_here(pg_url, {"retention_frames": None}, retention_frames=2, prune_every=1000) as (here, there, reads):
+        for i in range(4):
+            await reads.until((await add(there, session_id="z", payload={"i": i})).seq)
+        heard = len(reads.notices)
+        assert await there.prune() == 2
+        while len(reads.notices) == heard:  # the cut's notice: the instance alone
+            reads.heard = trio.Event()
+            await reads.heard.wait()
+        assert reads.notices[-1] == ("box1", None)
+        with pytest.raises(CursorPruned):
+            await here.wait_for_frames("box1", FrameQuery(session_id="z"), 20)
+        here.retention_frames = 1
+        kept = await add(here, session_id="z")
+        await reads.until(kept.seq)
+        assert await here.prune() == 2
+        with pytest.raises(CursorPruned):
+            await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=kept.seq - 2), 20)
 
 
 # -- outcomes: exactly one per request ----------------------------------------------------
