@@ -807,6 +807,12 @@ class FrameStore(FrameAppends):
             and (q.reply_to is None or rt == q.reply_to)
         ][: q.limit]
 
+    def _read_after(self, instance: str, q: FrameQuery, seen: int, last: int) -> list[Frame]:
+        """The frames matching `q`, where those up to `seen` are known not to match: from the last
+        commit's rows when it stored every frame after `seen` (up to `last`), else from the log."""
+        frames = self._just_committed(instance, q, seen, last) if last > seen else None
+        return self._query(instance, q) if frames is None else frames
+
     def _committed_frames(self, instance: str, count: int) -> None:
         """After a commit of ``count`` frames of ``instance``: move its committed seq, wake its
         waiters, and apply retention every ``prune_every`` frames."""
@@ -1065,7 +1071,7 @@ class FrameStore(FrameAppends):
         # No await between reading last_seq and querying: no append can slip in between, so
         # every frame with seq <= seen has been examined.
         seen = self._committed_seq(instance)
-        frames = self._query(instance, q)
+        frames = self._read_after(instance, q, q.after_seq, seen)
         if frames or timeout == 0:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return frames, False
@@ -1078,10 +1084,8 @@ class FrameStore(FrameAppends):
                     q = attrs.evolve(q, after_seq=seen)
                 timed_out = await self._woken_by(self._wake_event(instance), deadline)
                 last = self._committed_seq(instance)
-                frames = self._just_committed(instance, q, seen, last) if last > seen else None
+                frames = self._read_after(instance, q, seen, last)
                 seen = last
-                if frames is None:
-                    frames = self._query(instance, q)
                 if frames:
                     return frames, False
                 if timed_out:

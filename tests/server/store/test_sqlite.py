@@ -8,6 +8,7 @@ import re
 import stat
 import sqlite3
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -556,6 +557,29 @@ async def test_a_long_poll_woken_by_a_commit_takes_its_frames_without_reading_th
     assert not [s for s in statements if s.startswith("SELECT")], statements
     assert answer == (await store.query("box1", q), False)
     assert len(answer[0]) == 2
+
+
+async def test_a_long_poll_whose_cursor_is_just_before_the_last_commit_reads_nothing_back(store):
+    """A long poll that starts with only the last commit's frames after its cursor (a caller polling
+    right after its own answer was stored) looks at them as that commit stored them: no statement
+    reads the log. With more after its cursor it reads the log; the answers are the log's."""
+    await add(store)
+    q = FrameQuery(types=("assistant.done",))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.wait_for_frames, "box1", FrameQuery(session_id="elsewhere"), 10)
+        while store.waiter_count("box1") != 1:
+            await trio.testing.wait_all_tasks_blocked()
+        await add(store)
+        done = await add(store, type="assistant.done")  # the last commit
+        await trio.testing.wait_all_tasks_blocked()  # the other waiter has looked and waits again
+        statements: list[str] = []
+        store._db.set_trace_callback(statements.append)
+        assert await store.wait_for_frames("box1", attrs.evolve(q, after_seq=2), 0) == ([done], False)
+        assert not statements, statements
+        assert await store.wait_for_frames("box1", attrs.evolve(q, after_seq=1), 0) == ([done], False)
+        assert statements
+        store._db.set_trace_callback(None)
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_long_poll_woken_by_a_commit_that_retention_followed_reads_the_log():
