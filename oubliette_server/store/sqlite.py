@@ -808,8 +808,11 @@ class FrameStore(FrameAppends):
         ][: q.limit]
 
     def _read_after(self, instance: str, q: FrameQuery, seen: int, last: int) -> list[Frame]:
-        """The frames matching `q`, where those up to `seen` are known not to match: from the last
-        commit's rows when it stored every frame after `seen` (up to `last`), else from the log."""
+        """The frames matching `q`, where those up to `seen` are known not to match: none when the
+        cursor is at the head (`last`: retention keeps the head, so no cursor there is pruned), from
+        the last commit's rows when it stored every frame after `seen`, else from the log."""
+        if last <= q.after_seq:
+            return []
         frames = self._just_committed(instance, q, seen, last) if last > seen else None
         return self._query(instance, q) if frames is None else frames
 
