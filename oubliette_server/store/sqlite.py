@@ -808,13 +808,12 @@ class FrameStore(FrameAppends):
         ][: q.limit]
 
     def _read_after(self, instance: str, q: FrameQuery, seen: int, last: int) -> list[Frame]:
-        """The frames matching `q`, where those up to `seen` are known not to match: none when the
-        cursor is at the head (`last`: retention keeps the head, so no cursor there is pruned), from
-        the last commit's rows when it stored every frame after `seen`, else from the log."""
-        if last <= q.after_seq:
-            return []
+        """The frames matching `q`, where those up to `seen` are known not to match (`last`: the
+        committed head): from the last commit's rows when it stored every frame after `seen` and
+        some match, else from the log. A look that finds nothing reads the log, so a long poll woken
+        by a store's fault (`_wake_all`) meets it at once instead of waiting again."""
         frames = self._just_committed(instance, q, seen, last) if last > seen else None
-        return self._query(instance, q) if frames is None else frames
+        return frames or self._query(instance, q)
 
     def _committed_frames(self, instance: str, count: int) -> None:
         """After a commit of ``count`` frames of ``instance``: move its committed seq, wake its
