@@ -396,6 +396,8 @@ class FrameStore(FrameAppends):
         self._appends_since_checkpoint: dict[str, int] = {}
         self._group: _Group | None = None
         self._appends_since_prune: dict[str, int] = {}
+        # The rows the last commit stored, per instance a long poll waits on (see `_just_committed`).
+        self._fresh: dict[str, list[tuple]] = {}
         FrameAppends.__init__(self)
         # (instance, request_id) of the outcomes `append_outcome` recorded, newest last (bounded).
         self._outcomes: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
@@ -767,6 +769,7 @@ class FrameStore(FrameAppends):
             return
         if group.done is not None:
             group.done.set()
+        self._keep_fresh(parts)
         if len(parts) == 1:
             self._committed_frames(parts[0][0], len(parts[0][3]))
             return
@@ -775,6 +778,39 @@ class FrameStore(FrameAppends):
             added[instance] = added.get(instance, 0) + len(prepared)
         for instance, count in added.items():
             self._committed_frames(instance, count)
+
+    def _keep_fresh(self, parts: list[_Part]) -> None:
+        """Keep the rows this commit stored for the instances a long poll waits on (the last commit's
+        only), so that a waiter it wakes takes them from memory instead of reading them back."""
+        fresh: dict[str, list[tuple]] = {}
+        waited = self._waiters
+        for instance, first, ts, prepared, _ in parts:
+            if instance in waited:
+                rows = fresh.setdefault(instance, [])
+                rows.extend((first + i, ts, ch, sid, typ, mid, rt, text) for i, (ch, sid, typ, mid, rt, text, _, _) in enumerate(prepared))
+        self._fresh = fresh
+
+    def _just_committed(self, instance: str, q: FrameQuery, seen: int, last: int) -> list[Frame] | None:
+        """The frames matching `q` among seqs `seen`+1..`last`, when the last commit stored exactly
+        those (the rows `_keep_fresh` kept, matched by `FrameQuery.matches`, the rule the SQL
+        applies); None otherwise, and the log is read."""
+        rows = self._fresh.get(instance)
+        if not rows or rows[0][0] != seen + 1 or rows[-1][0] != last:
+            return None
+        loads = json.loads
+        return [
+            _frame(seq, ts, instance, ch, sid, typ, mid, rt, loads(text))
+            for seq, ts, ch, sid, typ, mid, rt, text in rows
+            if seq > q.after_seq and q.matches(ch, sid, typ, rt)
+        ][: q.limit]
+
+    def _read_after(self, instance: str, q: FrameQuery, seen: int, last: int) -> list[Frame]:
+        """The frames matching `q`, where those up to `seen` are known not to match (`last`: the
+        committed head): from the last commit's rows when it stored every frame after `seen` and
+        some match, else from the log. A look that finds nothing reads the log, so a long poll woken
+        by a store's fault (`_wake_all`) meets it at once instead of waiting again."""
+        frames = self._just_committed(instance, q, seen, last) if last > seen else None
+        return frames or self._query(instance, q)
 
     def _committed_frames(self, instance: str, count: int) -> None:
         """After a commit of ``count`` frames of ``instance``: move its committed seq, wake its
@@ -1034,7 +1070,7 @@ class FrameStore(FrameAppends):
         # No await between reading last_seq and querying: no append can slip in between, so
         # every frame with seq <= seen has been examined.
         seen = self._committed_seq(instance)
-        frames = self._query(instance, q)
+        frames = self._read_after(instance, q, q.after_seq, seen)
         if frames or timeout == 0:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return frames, False
@@ -1046,8 +1082,9 @@ class FrameStore(FrameAppends):
                     # immutable), so only look at newer ones.
                     q = attrs.evolve(q, after_seq=seen)
                 timed_out = await self._woken_by(self._wake_event(instance), deadline)
-                seen = self._committed_seq(instance)
-                frames = self._query(instance, q)
+                last = self._committed_seq(instance)
+                frames = self._read_after(instance, q, seen, last)
+                seen = last
                 if frames:
                     return frames, False
                 if timed_out:
@@ -1098,6 +1135,7 @@ class FrameStore(FrameAppends):
     def _prune_instance(self, instance: str, iid: int) -> int:
         if self.retention_frames is None and self.retention_seconds is None:
             return 0
+        self._fresh.pop(instance, None)  # a waiter reads the log: it says which frames are left
         db = self._db
         last = self._committed_seq(instance)
         with self._transaction():

@@ -160,11 +160,10 @@ class FastHttpCalls:
 
     def _parse(self, scope: dict[str, Any], body: bytes) -> tuple[Request, dict[str, Any], InboundModernRoute] | None:
         """(the request, its JSON-RPC message, the SDK's verdict on it) of a call taken here, else None."""
-        request = Request(scope)
-        headers = request.headers
+        raw, headers = _header_views(scope)
         if not self._secure(headers):
             return None
-        has_json, has_sse = check_accept_headers(request)
+        has_json, has_sse = check_accept_headers(cast(Request, SimpleNamespace(headers=headers)))
         if not (has_json and has_sse):
             return None
         try:
@@ -186,15 +185,16 @@ class FastHttpCalls:
         waits = arguments.get("wait", False) is not False
         if waits and name != WAITING_TOOL:
             return None
-        if find_duplicated_routing_header(headers.items()) is not None:
+        if find_duplicated_routing_header(raw) is not None:
             return None
-        verdict = classify_inbound_request(message, headers=dict(headers))
+        verdict = classify_inbound_request(message, headers=headers)
         if not isinstance(verdict, InboundModernRoute):
             return None
         if waits and verdict.client_capabilities.get("elicitation") is not None:
             return None
         schema = self.server.get_tool_input_schema(name) if self.server.get_tool_input_schema else None
-        if schema is None or (self._declares_headers(schema) and validate_mcp_param_headers(schema, arguments, headers)):
+        request = Request(scope)
+        if schema is None or (self._declares_headers(schema) and validate_mcp_param_headers(schema, arguments, request.headers)):
             return None
         try:
             sdk_methods.validate_client_request("tools/call", verdict.protocol_version, params)
@@ -336,6 +336,17 @@ class _ResponseWriter:
         await self.write({"type": "http.response.body", "body": data, "more_body": True})
         if self.quiet is not None:
             self.quiet.deadline = trio.current_time() + sdk_http._SSE_PING_INTERVAL
+
+
+def _header_views(scope: dict[str, Any]) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """The request's headers decoded in one pass: every line (for the SDK's duplicate check) and the
+    first value of each name, the mapping `dict(request.headers)` gives (a Starlette `Headers`
+    scans every line for each name it is asked: eleven scans a request here)."""
+    raw = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
+    first: dict[str, str] = {}
+    for name, value in raw:
+        first.setdefault(name, value)
+    return raw, first
 
 
 def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:

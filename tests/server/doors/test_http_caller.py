@@ -996,6 +996,34 @@ async def test_a_fast_path_answer_costs_one_task_beside_the_request_and_few_sche
     assert counted.steps <= 14 * 20, counted.steps
 
 
+async def test_a_fast_path_request_reads_its_headers_in_one_pass(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fast path decodes a request's header lines once for the SDK's checks (content type, host,
+    origin, accept, the duplicate routing headers, the classifier's map), instead of asking a
+    Starlette `Headers` for each name, a scan of every line each: fifteen a request before."""
+    from starlette.datastructures import Headers
+
+    scans = 0
+    lookup = Headers.__getitem__
+
+    def counted(self: Headers, key: str) -> str:
+        nonlocal scans
+        scans += 1
+        return lookup(self, key)
+
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.rest() as http:
+            caller = RawModernCaller(http, "s1")
+            await caller.call("declare", 1, "session_message", {
+                "instance": "box1", "session_id": "s1", "message": "hi", "context": {"caller_id": "app", "caller_tools": [ECHO]}})
+            monkeypatch.setattr(Headers, "__getitem__", counted)
+            for n in range(5):
+                await caller.call("read at once", 2 + n, "session_events", {"session_id": "s1"})
+    assert sum("taken off the SDK's path" in line for line in taken) == 5, taken
+    assert scans == 0, scans
+
+
 async def test_an_answer_with_wait_runs_its_call_in_the_request_task(deployment: Deployment) -> None:
     """A `caller_tool_response` with `wait` woken by the agent's next request (the loop of a model
     caller, answered as JSON on a kept connection) runs its call in hypercorn's task of the request,

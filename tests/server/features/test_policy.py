@@ -648,6 +648,27 @@ def test_the_config_files_principal_keys(tmp_path: Path) -> None:
         HttpPrincipals(authority, ["admin"], {})
 
 
+def test_http_principals_derive_their_tokens_once_per_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every HTTP request's token is checked against `admin`'s and the named principals' tokens:
+    they are derived once (an HMAC each), not at each check, and again when the authority adopts
+    another secret (a shared store's), after which the old ones name nobody."""
+    from oubliette_server.core.auth import HttpPrincipals, TokenAuthority
+
+    authority = TokenAuthority(b"s" * 32)
+    principals = HttpPrincipals(authority, ["team-a"], {})
+    derive = authority.token_for
+    derived: list[str] = []
+    monkeypatch.setattr(authority, "token_for", lambda key: derived.append(key) or derive(key))
+    old_admin = derive("http:admin")
+    for _ in range(5):
+        assert principals.principal_of(old_admin) == "admin"
+    assert derived == ["http:admin", "http:team-a"]
+    authority.use_secret(b"t" * 32)
+    assert principals.principal_of(old_admin) is None
+    assert principals.principal_of(derive("http:team-a")) == "team-a"
+    assert len(derived) == 4
+
+
 async def test_two_principals_reach_only_their_own_instances_at_every_door(deployment: Deployment) -> None:
     policy = deployment.root / "teams.cedar"
     policy.write_text(TEAMS)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
 import sqlite3
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -516,6 +518,83 @@ async def test_wait_returns_match_after_non_matching_frames(store):
             assert "r" not in result
         done = await add(store, type="assistant.done")
     assert result["r"] == ([done], False)
+
+
+async def long_poll_through_a_burst(store, q, burst):
+    """`wait_for_frames(q)` woken by one commit of `burst` (appends' keyword arguments, started
+    together: one group commit); its answer (or the `CursorPruned` it raised) and the statements
+    run from the burst on."""
+    got, statements = [], []
+
+    async def waiter():
+        try:
+            got.append(await store.wait_for_frames("box1", q, 10))
+        except CursorPruned as refused:
+            got.append(refused)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter)
+            while store.waiter_count("box1") != 1:
+                await trio.testing.wait_all_tasks_blocked()
+            store._db.set_trace_callback(statements.append)
+            async with trio.open_nursery() as appends:
+                for kw in burst:
+                    appends.start_soon(functools.partial(add, store, **kw))
+    store._db.set_trace_callback(None)
+    return got[0], statements
+
+
+async def test_a_long_poll_woken_by_a_commit_takes_its_frames_without_reading_the_log(store):
+    """The waiter woken by the commit that stored every frame after what it has seen takes them as
+    that commit stored them, its filters applied as the query's SQL applies them: no statement reads
+    the log after the wake, and the frames are those a read of the log gives."""
+    await add(store)
+    q = FrameQuery(session_id="s1", channel="host", after_seq=1, types=("assistant.delta", "assistant.done"), limit=2)
+    burst = [{"session_id": "s2"}, {"type": "assistant.done", "payload": {"n": 1}}, {"type": "user.message"},
+             {"channel": "tether"}, {"payload": {"n": 2}}, {"payload": {"n": 3}}]
+    answer, statements = await long_poll_through_a_burst(store, q, burst)
+    assert not [s for s in statements if s.startswith("SELECT")], statements
+    assert answer == (await store.query("box1", q), False)
+    assert len(answer[0]) == 2
+
+
+async def test_a_long_poll_whose_cursor_is_just_before_the_last_commit_reads_nothing_back(store):
+    """A long poll that starts with only the last commit's frames after its cursor, one of them a
+    match, looks at them as that commit stored them: no statement reads the log. Otherwise (more
+    after its cursor, none a match, none at all) it reads the log; the answers are the log's."""
+    await add(store)
+    q = FrameQuery(types=("assistant.done",))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store.wait_for_frames, "box1", FrameQuery(session_id="elsewhere"), 10)
+        while store.waiter_count("box1") != 1:
+            await trio.testing.wait_all_tasks_blocked()
+        await add(store)
+        done = await add(store, type="assistant.done")  # the last commit
+        await trio.testing.wait_all_tasks_blocked()  # the other waiter has looked and waits again
+        statements: list[str] = []
+        store._db.set_trace_callback(statements.append)
+        assert await store.wait_for_frames("box1", attrs.evolve(q, after_seq=2), 0) == ([done], False)
+        assert not statements, statements
+        assert await store.wait_for_frames("box1", attrs.evolve(q, after_seq=3), 0) == ([], False)
+        assert statements
+        statements.clear()
+        assert await store.wait_for_frames("box1", attrs.evolve(q, after_seq=1), 0) == ([done], False)
+        assert statements
+        store._db.set_trace_callback(None)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_long_poll_woken_by_a_commit_that_retention_followed_reads_the_log():
+    """Retention run by the commit that woke a waiter deleted frames it would have taken from that
+    commit: the waiter reads the log, and its cursor, now below what is kept, is refused as a read's."""
+    s = FrameStore.in_memory(retention_frames=2, prune_every=1)
+    try:
+        await add(s)
+        answer, _ = await long_poll_through_a_burst(s, FrameQuery(after_seq=1), [{}, {}, {}])
+        assert isinstance(answer, CursorPruned), answer
+    finally:
+        s.close()
 
 
 async def test_wait_timeout_zero_returns_at_once(store):
