@@ -84,7 +84,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
@@ -276,6 +276,13 @@ def _frames_of(text: str, count: int) -> tuple[list[FrameFields] | None, list[No
 
 #: How many recent frames of an instance a store remembers the fields of for its waiters (`_skip_known`).
 KNOWN_FRAMES_KEPT = 256
+#: Of those, how many of the latest seqs of an instance it keeps whole (older ones by their fields:
+#: a long poll that matches one reads it), so one instance's frames do not take `KNOWN_WHOLE_BYTES`.
+KNOWN_WHOLE_KEPT = 32
+#: The bytes of whole frames (their payload as stored) a store keeps, every instance together: past
+#: it a frame is kept by its fields alone. With `MAX_NOTICE_FRAMES` a frame, what a peer appending
+#: large frames to many instances can make every server hold.
+KNOWN_WHOLE_BYTES = 8 * 1024 * 1024
 #: Reconnect backoff of the LISTEN connection, seconds.
 LISTEN_BACKOFF = (0.05, 2.0)
 #: How long a long poll waits for a pooled connection before it reports the store unavailable.
@@ -590,10 +597,13 @@ class PostgresFrameStore(FrameAppends):
         """The highest seq this store heard committed (its appends, NOTIFYs) of each instance waited on."""
         self._rewakes = 0
         """Bumped when notices may have been missed or named no seqs: every waiter reads again."""
-        self._known: dict[str, dict[int, tuple[FrameFields, Frame | None]]] = {}
+        self._known: dict[str, dict[int, tuple[FrameFields, Frame | None, int]]] = {}
         """The filter fields of recent frames, by seq, of each instance waited on, with the whole frame
-        when it is known (this server's appends, and a notice that carries it): every notice's
-        (`read_whole_notice`) and this server's appends."""
+        and its size when it is kept (this server's appends, and a notice that carries it: within
+        `KNOWN_WHOLE_KEPT` and `KNOWN_WHOLE_BYTES`): every notice's (`read_whole_notice`) and this
+        server's appends."""
+        self._whole_bytes = 0
+        """The sizes of the whole frames in `_known`, summed (at most `KNOWN_WHOLE_BYTES`)."""
         self._appending: dict[str, int] = {}
         """How many single appends of each instance this store has in flight (`_one_frame`)."""
         self._queries: dict[str, dict[object, FrameQuery]] = {}
@@ -800,6 +810,7 @@ class PostgresFrameStore(FrameAppends):
         self._rewakes += 1
         self._heard.clear()
         self._known.clear()
+        self._whole_bytes = 0
         self._wake_all()
 
     def _on_notice(self, payload: str) -> None:
@@ -813,7 +824,8 @@ class PostgresFrameStore(FrameAppends):
             if rest is not None and instance in self._waiters:  # whole frames, only where kept
                 wholes = [make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
                           for i, ((ch, sid, typ, rt), (ts, mid, obj)) in enumerate(zip(fields, rest))]
-            self._note_known(instance, [(first + i, frame, wholes[i]) for i, frame in enumerate(fields)])
+            size = len(payload) // len(fields)  # a frame's share of the notice: what it holds, about
+            self._note_known(instance, [(first + i, frame, wholes[i], size) for i, frame in enumerate(fields)])
             queries = self._queries.get(instance, {}).values()
             if any(q.matches(*frame) for q in queries for frame in fields):
                 self._wake_instance(instance)
@@ -1040,7 +1052,8 @@ class PostgresFrameStore(FrameAppends):
             make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
             for i, (ch, sid, typ, mid, rt, _, obj, _) in enumerate(prepared)
         ]
-        self._note_known(instance, [(f.seq, (f.channel, f.session_id, f.type, f.reply_to), f) for f in stored])
+        self._note_known(instance, [(f.seq, (f.channel, f.session_id, f.type, f.reply_to), f, len(p[5]))
+                                    for f, p in zip(stored, prepared)])
         self._wake_instance(instance)
         if self.checkpoint_every is not None:
             since = self._appends_since_checkpoint.get(instance, 0) + n
@@ -1332,21 +1345,36 @@ class PostgresFrameStore(FrameAppends):
             self._heard[instance] = max(self._heard.get(instance, 0), last)
         else:  # (unknown seqs: what was heard no longer says what committed)
             self._heard.pop(instance, None)
-            self._known.pop(instance, None)
+            self._forget_known(self._known.pop(instance, {}).values())
 
-    def _note_known(self, instance: str, frames: list[tuple[int, FrameFields, Frame | None]]) -> None:
-        """Keep `(seq, fields, whole frame or None)` of committed frames of an instance waited on (the
-        last `KNOWN_FRAMES_KEPT`), so its waiters skip those they do not match and take those they
-        match from memory, then note them committed. A frame is kept as it was stored or heard
-        (never hashed again: the chain is the database's)."""
+    def _note_known(self, instance: str, frames: list[tuple[int, FrameFields, Frame | None, int]]) -> None:
+        """Keep `(seq, fields, whole frame or None, its size)` of committed frames of an instance
+        waited on (the last `KNOWN_FRAMES_KEPT`; whole, the last `KNOWN_WHOLE_KEPT` of them, each at
+        most `MAX_NOTICE_FRAMES`, all instances' within `KNOWN_WHOLE_BYTES`), so its waiters skip
+        those they do not match and take those they match from memory, then note them committed. A
+        frame is kept as it was stored or heard (never hashed again: the chain is the database's)."""
         if instance in self._waiters:
             own = self._known.setdefault(instance, {})
-            for seq, fields, whole in frames:
-                own[seq] = (fields, whole)
+            for seq, fields, whole, size in frames:
+                if whole is None or size > MAX_NOTICE_FRAMES or self._whole_bytes + size > KNOWN_WHOLE_BYTES:
+                    whole, size = None, 0
+                self._forget_known([own[seq]] if seq in own else [])
+                own[seq] = (fields, whole, size)
+                self._whole_bytes += size
+            for seq in range(frames[0][0] - KNOWN_WHOLE_KEPT, frames[-1][0] - KNOWN_WHOLE_KEPT + 1):
+                kept = own.get(seq)
+                if kept is not None and kept[1] is not None:  # old enough to be read: its fields alone
+                    self._forget_known([kept])
+                    own[seq] = (kept[0], None, 0)
             if len(own) > 2 * KNOWN_FRAMES_KEPT:
                 cut = frames[-1][0] - KNOWN_FRAMES_KEPT
+                self._forget_known([kept for seq, kept in own.items() if seq <= cut])
                 self._known[instance] = {seq: kept for seq, kept in own.items() if seq > cut}
         self._heard_commit(instance, frames[-1][0])
+
+    def _forget_known(self, entries: Iterable[tuple[FrameFields, Frame | None, int]]) -> None:
+        """Take the sizes of `entries`, dropped from `_known`, off what the whole frames hold."""
+        self._whole_bytes -= sum(size for _, _, size in entries)
 
     # -- named cursors -------------------------------------------------------------------
 

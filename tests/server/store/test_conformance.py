@@ -772,6 +772,34 @@ async def test_what_is_kept_is_bounded_and_only_of_instances_waited_on(pg_url: s
     assert got[0].seq == first.seq + 1 and reads.of("z") == 1, "past what is kept: read"
 
 
+async def test_whole_frames_kept_are_bounded_by_count_an_instance_and_by_bytes_in_all(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Of an instance waited on, only the latest `KNOWN_WHOLE_KEPT` frames are kept whole; a frame
+    larger than a notice carries is not, even when this server appended it; and the whole frames of
+    every instance together stay within `KNOWN_WHOLE_BYTES`. A frame kept by its fields alone is
+    read by the long poll that matches it."""
+    latest = postgres_store.KNOWN_WHOLE_KEPT
+    async with heard_here(pg_url, seconds=60) as (here, there, reads):
+        sent = [await add(there, session_id="z", payload={"i": i}) for i in range(latest + 5)]
+        await reads.until(sent[-1].seq)
+        kept = here._known["box1"]
+        assert [seq for seq, entry in kept.items() if entry[1] is not None] == [f.seq for f in sent[-latest:]]
+        assert here._whole_bytes == sum(entry[2] for entry in kept.values()) > 0
+        got, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=sent[0].seq - 1, limit=1), 20)
+        assert got == sent[:1] and reads.of("z") == 1, "older than the latest kept whole: read"
+
+        big = await add(here, session_id="z", payload={"text": "x" * postgres_store.MAX_NOTICE_FRAMES})
+        assert here._known["box1"][big.seq][1] is None
+
+        monkeypatch.setattr(postgres_store, "KNOWN_WHOLE_BYTES", here._whole_bytes)  # full: no more kept whole
+        more = await add(there, session_id="z", payload={"i": "more"})
+        await reads.until(more.seq)
+        assert here._known["box1"][more.seq][1] is None and here._whole_bytes <= postgres_store.KNOWN_WHOLE_BYTES
+        got, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=big.seq), 20)
+        assert got == [more] and reads.of("z") == 2, "past the bytes kept: read"
+
+
 async def test_frames_heard_are_forgotten_when_notices_may_be_lost(pg_url: str) -> None:
     """A frame known whole from its notice is not answered from memory once notices may have been
     lost (a notice without seqs, a reconnect of the listener: `_rewake_all`): the long poll reads."""
