@@ -344,10 +344,13 @@ def report(rounds: list[dict[str, PathFigures]], args: argparse.Namespace, load:
         direct_median = med(f"direct {era}", lambda p: p.median)
         ratio = statistics.median(r[f"relayed {era}"].median / r[f"direct {era}"].median for r in rounds)
         cpu = med(f"relayed {era}", lambda p: p.server_cpu_per_call)
+        to_stdio = f"{cpu / stdio_cpu:>9.2f}×" if stdio_cpu > 0 else f"{'-':>10}"
         print(f"  {era:<14}{relayed_median * 1e3:>9.2f} ms{direct_median * 1e3:>9.2f} ms{ratio:>16.2f}×"
-              f"{cpu * 1e3:>15.2f} ms{cpu / stdio_cpu:>9.2f}×")
+              f"{cpu * 1e3:>15.2f} ms{to_stdio}")
     print(f"  {'stdio':<14}{med('relayed stdio', lambda p: p.median) * 1e3:>9.2f} ms{'':>12}{'':>17}"
           f"{stdio_cpu * 1e3:>15.2f} ms{1:>9.2f}×")
+    if stdio_cpu == 0:  # /proc counts CPU in ticks (10 ms): too few calls to see the stdio server's
+        print(f"  (÷ stdio: '-', the stdio server's CPU over {args.calls} calls was below /proc's tick; run more calls)")
     for n, r in enumerate(rounds, 1):
         print(f"    round {n}: " + "; ".join(f"{name} {p.median * 1e3:.2f} ms, server {p.server_cpu_per_call * 1e3:.2f} ms"
                                           for name, p in r.items()))
