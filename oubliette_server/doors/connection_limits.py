@@ -28,13 +28,16 @@ import errno
 import logging
 import math
 import resource
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
 import trio
 
 from protocol.framing import write_at_once
+
+log = logging.getLogger("oubliette.server.http")
 
 #: accept(2) errors that mean "no descriptor or memory right now", not "this listener is broken".
 CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
@@ -65,6 +68,8 @@ DEFAULT_HTTP_KEEP_ALIVE_MAX_REQUESTS = 1000
 HTTP_WRITE_SECONDS = 30.0
 HOLD_NEXT_SEND_STATE = "oubliette_hold_next_send"
 """Key of the connection's `GuardedStream.hold_next_send` in each HTTP request's scope state."""
+WATCH_STATE = "oubliette_connection_watch"
+"""Key of the connection's `ConnectionWatch` in each HTTP request's scope state."""
 
 
 def hold_next_send(scope: dict[str, Any]) -> None:
@@ -296,53 +301,128 @@ class QuickLock:
         self.release()
 
 
-class KeepAliveTimer:
-    """The keep-alive timer of one hypercorn connection (`TCPServer.idle_task`): one task for the
-    connection's life whose deadline moves, in place of hypercorn's `TrioSingleTask`, which starts
-    a task (`nursery.start`, under a lock) each time the connection goes idle and cancels it each
-    time a request comes: two task steps and a task started per request, for a deadline.
+class ConnectionWatch:
+    """The one task of a hypercorn connection (its `TCPServer.idle_task`): the keep-alive deadline,
+    and the watch of the request a fast path answers on it (`watching`).
 
-    `restart` (the connection went idle) sets the deadline `seconds` from now, `stop` (a request
-    came) lifts it; at the deadline, or when the server's workers are told to stop
-    (`context.terminated`), the connection is closed as hypercorn's own timer closes it
+    The keep-alive: in place of hypercorn's `TrioSingleTask`, which starts a task (`nursery.start`,
+    under a lock) each time the connection goes idle and cancels it each time a request comes, the
+    deadline of this task moves. `restart` (the connection went idle) sets it `seconds` from now,
+    `stop` (a request came) lifts it; at the deadline, or when the server's workers are told to
+    stop (`context.terminated`), the connection is closed as hypercorn's own timer closes it
     (`_initiate_server_close`, shielded). `close()` ends the task: call it when the connection's
     reading ends, as its nursery waits for the task.
+
+    The request watch: a request answered beside the SDK (caller_api/http_fast.py) needs what the
+    SDK's writer gives its requests, a task beside the call that watches for the client leaving
+    and pings past each keepalive interval without an event. That was a task and a nursery per
+    request; here it is this task: the connection's reading ending (`close`: the client went away,
+    or the connection broke) cancels the watched call, and the request's `ping` runs here at
+    `WatchedRequest.ping_at`. One request at a time (`free`): HTTP/1.1 answers one at a time.
     """
 
     def __init__(self, server: Any, seconds: float) -> None:
         self.server = server
         self.seconds = seconds
-        self._scope: trio.CancelScope | None = None
+        self._idle_deadline = math.inf
+        self._request: WatchedRequest | None = None
+        self._wait: trio.CancelScope | None = None
+        self._started = False
         self._closed = False
 
     async def restart(self, task_group: Any, action: object) -> None:
         """The connection is idle: close it `seconds` from now (the first call starts the task)."""
         if self._closed:
             return
-        deadline = trio.current_time() + self.seconds
-        if self._scope is None:
-            self._scope = trio.CancelScope(deadline=deadline)
-            task_group._nursery.start_soon(self._run, self._scope)
-        else:
-            self._scope.deadline = deadline
+        self._idle_deadline = trio.current_time() + self.seconds
+        if not self._started:
+            self._started = True
+            task_group._nursery.start_soon(self._run)
+        self._move()
 
     async def stop(self) -> None:
         """A request came: no deadline until the connection is idle again."""
-        if self._scope is not None:
-            self._scope.deadline = math.inf
+        self._idle_deadline = math.inf
+        self._move()
 
     def close(self) -> None:
-        """The connection's reading ended: end the task without closing anything."""
+        """The connection's reading ended: cancel the watched call (its client is gone) and end the
+        task without closing anything."""
         self._closed = True
-        if self._scope is not None:
-            self._scope.cancel()
+        if self._request is not None:
+            self._request.call.cancel()
+        if self._wait is not None:
+            self._wait.cancel()
 
-    async def _run(self, scope: trio.CancelScope) -> None:
-        with scope:
-            await self.server.context.terminated.wait()
+    def free(self) -> bool:
+        """Whether `watching` may watch a request now: the task runs and watches none."""
+        return self._started and not self._closed and self._request is None
+
+    @contextmanager
+    def watching(self, ping: Callable[[], Awaitable[None]], interval: float) -> Iterator[WatchedRequest]:
+        """Watch a request while the block runs: run its call inside `WatchedRequest.call` (the
+        client leaving cancels it), and `ping()` runs on this task `interval` seconds after the
+        block began and after each ping, later when the request says so (`quiet`)."""
+        if not self.free():
+            raise RuntimeError("ConnectionWatch.watching: the connection is closed or watches a request")
+        request = WatchedRequest(self, ping, interval)
+        self._request = request
+        self._move()
+        try:
+            yield request
+        finally:
+            self._request = None
+            self._move()
+
+    def _move(self) -> None:
+        if self._wait is not None:
+            request = self._request
+            self._wait.deadline = self._idle_deadline if request is None else min(self._idle_deadline, request.ping_at)
+
+    async def _run(self) -> None:
+        while not self._closed:
+            with trio.CancelScope() as self._wait:
+                self._move()
+                await self.server.context.terminated.wait()
+                break
+            self._wait = None
+            request = self._request
+            if self._closed:
+                return
+            if request is not None and trio.current_time() >= request.ping_at:
+                await request.pinged()
+            elif trio.current_time() >= self._idle_deadline:
+                break
         if not self._closed:
             with trio.CancelScope(shield=True):
                 await self.server._initiate_server_close()
+
+
+class WatchedRequest:
+    """A request `ConnectionWatch.watching` watches: the scope its call runs in (`call`), and when
+    its next keepalive ping is due (`ping_at`)."""
+
+    def __init__(self, watch: ConnectionWatch, ping: Callable[[], Awaitable[None]], interval: float) -> None:
+        self.call = trio.CancelScope()
+        self.ping_at = trio.current_time() + interval
+        self._watch = watch
+        self._ping = ping
+        self._interval = interval
+
+    def quiet(self) -> None:
+        """The request wrote an event: its next ping is an interval from now."""
+        self.ping_at = trio.current_time() + self._interval
+        self._watch._move()
+
+    async def pinged(self) -> None:
+        """Ping (on the connection's task); a ping that fails ends the call, as a failed write
+        ended it when the ping had a task of its own, with the failure logged."""
+        self.ping_at = trio.current_time() + self._interval
+        try:
+            await self._ping()
+        except Exception:
+            log.exception("the keepalive ping of an HTTP request failed; its call is cancelled")
+            self.call.cancel()
 
 
 class GuardedStream(trio.abc.HalfCloseableStream):

@@ -64,11 +64,12 @@ from .caller_api.schemas import OWNER_KEY_PATTERN
 from .connection_limits import (
     HOLD_NEXT_SEND_STATE,
     HTTP_WRITE_SECONDS,
+    WATCH_STATE,
     ConnectionAcceptor,
+    ConnectionWatch,
     FloodLog,
     GuardedStream,
     HttpLimits,
-    KeepAliveTimer,
     QuickLock,
 )
 from .health import Readiness
@@ -1096,8 +1097,10 @@ class HttpApi:
                 # Its write lock is taken several times a request: in the step that asks, when free
                 # (`QuickLock`), not after a scheduler round trip each;
                 server.send_lock = QuickLock()  # type: ignore[assignment]
-                # and its keep-alive timer one task with a moving deadline, not a task per idle spell
-                timer = server.idle_task = KeepAliveTimer(server, config.keep_alive_timeout)  # type: ignore[assignment]
+                # and its keep-alive timer one task with a moving deadline, not a task per idle spell,
+                # which also watches a request of the fast path (`ConnectionWatch`)
+                timer = server.idle_task = ConnectionWatch(server, config.keep_alive_timeout)  # type: ignore[assignment]
+                state[WATCH_STATE] = timer
                 read_data = server._read_data
 
                 async def read_then_end_timer() -> None:

@@ -42,8 +42,10 @@ goes away cancels the call, as on the SDK's path. A taken call gets the span the
 (`fast_call_span`). `OUBLIETTE_FAST_PATH=0` leaves every request to the SDK;
 tests/server/doors/test_http_caller.py drives the same requests both ways.
 
-Owns: per taken request, a nursery of one task beside the call, which runs in the request's own
-task: the watch for the client's disconnect and the keepalive pings.
+Owns: no task. The call runs in the request's own task; the watch for the client's disconnect
+and the keepalive pings are the connection's task's (`ConnectionWatch`, in the scope's state
+under `WATCH_STATE`), so a request is taken only on a connection of our HTTP server
+(`HttpApi.serve`) that watches no other request; any other goes to the SDK.
 Needs: the SDK `Server` (its tool schemas, result shaping), the transport security settings
 the SDK's app has, the body limit, and `call(ctx, name, arguments)`.
 """
@@ -57,7 +59,6 @@ from types import SimpleNamespace
 from typing import Any, Awaitable, Callable, cast
 
 import anyio
-import trio
 from mcp.server import _streamable_http_modern as sdk_http  # the SDK's own writers and keepalive interval
 from mcp.server.lowlevel.server import Server
 from mcp.server.connection import Connection
@@ -85,7 +86,7 @@ from starlette.requests import Request
 from oubliette_runtime.fast_tool_calls import PARAM_KEYS, REQUEST_KEYS, is_request_id
 from oubliette_runtime.trace_spans import fast_call_span
 
-from ..connection_limits import QuickLock, hold_next_send
+from ..connection_limits import WATCH_STATE, ConnectionWatch, QuickLock, WatchedRequest, hold_next_send
 
 log = logging.getLogger("oubliette.fast_calls")
 _sdk_security_log = logging.getLogger("mcp.server.transport_security")
@@ -126,12 +127,13 @@ class FastHttpCalls:
             return
         body, rest = await self._read_body(scope, receive)
         taken = None if body is None else self._parse(scope, body)
-        if taken is None:
+        watch = scope.get("state", {}).get(WATCH_STATE)
+        if taken is None or watch is None or not watch.free():  # no watch: not our HTTP server's connection
             await self.app(scope, _replay(rest, receive), send)
             return
         self.taken += 1
         log.debug("tools/call %r taken off the SDK's path", taken[1]["id"])
-        await self._answer(scope, receive, send, *taken)
+        await self._answer(scope, receive, send, watch, *taken)
 
     def _candidate(self, scope: dict[str, Any]) -> bool:
         """A POST to the path with a 2026-07-28-era `MCP-Protocol-Version` (the SDK's era routing)."""
@@ -228,7 +230,7 @@ class FastHttpCalls:
             _sdk_security_log.disabled = False
 
     async def _answer(
-        self, scope: dict[str, Any], receive: Any, send: Any,
+        self, scope: dict[str, Any], receive: Any, send: Any, watch: ConnectionWatch,
         request: Request, message: dict[str, Any], verdict: InboundModernRoute,
     ) -> None:
         """Run the call and write its answer as the SDK's SSE-mode writer does (`handle_modern_request`):
@@ -237,7 +239,7 @@ class FastHttpCalls:
         writer = _ResponseWriter(scope, send)
         if params["arguments"].get("wait", False) is False:
             ctx: Any = SimpleNamespace(protocol_version=version, request=SimpleNamespace(state=State(scope.setdefault("state", {}))))
-            await self._answer_in_request_task(scope, receive, writer, ctx, message, version)
+            await self._answer_in_request_task(receive, writer, watch, ctx, message, version)
             return
         # its events ride this request: the SDK's context, whose sink writes them onto the response
         connection = Connection.from_envelope(version, verdict.client_info, verdict.client_capabilities)
@@ -249,7 +251,7 @@ class FastHttpCalls:
         ctx = ServerRunner(self.server, connection, None)._make_context(
             dctx, "tools/call", params, _extract_meta(params), version)
         try:
-            await self._answer_in_request_task(scope, receive, writer, ctx, message, version)
+            await self._answer_in_request_task(receive, writer, watch, ctx, message, version)
         finally:
             await aclose_shielded(connection)
 
@@ -267,49 +269,38 @@ class FastHttpCalls:
             return JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
 
     async def _answer_in_request_task(
-        self, scope: dict[str, Any], receive: Any, writer: _ResponseWriter, ctx: Any, message: dict[str, Any], version: str,
+        self, receive: Any, writer: _ResponseWriter, watch: ConnectionWatch, ctx: Any, message: dict[str, Any], version: str,
     ) -> None:
-        """The call runs in the request's own task, beside one task (not a task for the call, one for the
-        watch and the request's task writing) that watches for the client leaving, which cancels the
-        call, and past each keepalive interval without an event commits the answer to SSE and pings, as
-        the SDK's writer does. The call's events (a `wait`'s) are written by the task that sends them,
-        through `writer` (the SDK's dispatch context's sink). The answer is written once that task has
-        ended and the call returned: the last writer."""
-        outcome: list[JSONRPCResponse | JSONRPCError] = []
-        async with trio.open_nursery() as nursery:
-
-            async def keepalive() -> None:
-                while True:
-                    with trio.move_on_after(sdk_http._SSE_PING_INTERVAL) as writer.quiet:
-                        while (await receive())["type"] != "http.disconnect":
-                            pass
-                        nursery.cancel_scope.cancel()
-                        return
-                    await writer.write(_SSE_PING)
-
-            nursery.start_soon(keepalive)
+        """The call runs in the request's own task, watched by its connection's task (`ConnectionWatch`:
+        no task or nursery of the request's own): the client leaving cancels the call, and past each
+        keepalive interval without an event the answer is committed to SSE and pinged, as the SDK's
+        writer does. The call's events (a `wait`'s) are written by the task that sends them, through
+        `writer` (the SDK's dispatch context's sink). The answer is written once the call has
+        returned, after a ping being written: the last writer."""
+        outcome: JSONRPCResponse | JSONRPCError | None = None
+        with watch.watching(writer.ping, sdk_http._SSE_PING_INTERVAL) as writer.watched, writer.watched.call:
             try:
-                outcome.append(await self._outcome(ctx, message, version))
+                outcome = await self._outcome(ctx, message, version)
             finally:
                 writer.closed = True
-            nursery.cancel_scope.cancel()
-        if not outcome:  # the client went away: nothing to answer
+        if outcome is None:  # the client went away: nothing to answer
             return
-        hold_next_send(writer.scope)
-        if writer.sse:
-            await writer.asgi_send({"type": "http.response.body", "body": sdk_http._sse_event(outcome[0]), "more_body": False})
-        else:
-            await sdk_http._write(outcome[0], writer.scope, receive, writer.asgi_send)
+        async with writer.lock:
+            hold_next_send(writer.scope)
+            if writer.sse:
+                await writer.asgi_send({"type": "http.response.body", "body": sdk_http._sse_event(outcome), "more_body": False})
+            else:
+                await sdk_http._write(outcome, writer.scope, receive, writer.asgi_send)
 
 
 class _ResponseWriter:
     """The response of a taken call while it runs: commits it to SSE at its first event or ping (the
-    head goes out with it, `hold_next_send`), one writer at a time (`QuickLock`).
+    head goes out with it, `hold_next_send`), one writer at a time (`lock`).
 
     It is also the sink of the SDK's dispatch context (`send`, as its memory stream's): a call's
     event goes out from the task that sends it, and pushes the next ping a keepalive interval on
-    (`quiet`), as the SDK's writer pings only past an interval without an event. Once the call has
-    returned (`closed`) an event is dropped, as the SDK drops one sent after its stream closed.
+    (`watched.quiet`), as the SDK's writer pings only past an interval without an event. Once the
+    call has returned (`closed`) an event is dropped, as the SDK drops one sent after its stream closed.
     """
 
     def __init__(self, scope: dict[str, Any], send: Any) -> None:
@@ -317,25 +308,30 @@ class _ResponseWriter:
         self.asgi_send = send
         self.sse = False
         self.closed = False
-        self.quiet: trio.CancelScope | None = None
-        self._lock = QuickLock()
+        self.watched: WatchedRequest | None = None
+        self.lock = QuickLock()
 
     async def write(self, message: dict[str, Any]) -> None:
         """Send one body message of the SSE stream, its head first if not sent yet."""
-        async with self._lock:
+        async with self.lock:
             if not self.sse:
                 self.sse = True
                 hold_next_send(self.scope)
                 await self.asgi_send({"type": "http.response.start", "status": 200, "headers": sdk_http._SSE_HEADERS})
             await self.asgi_send(message)
 
+    async def ping(self) -> None:
+        """A keepalive ping (on the connection's task), unless the call has returned."""
+        if not self.closed:
+            await self.write(_SSE_PING)
+
     async def send(self, data: bytes) -> None:
         """One SSE event of the call (the SDK's `_sse_event` bytes)."""
         if self.closed:
             raise anyio.ClosedResourceError
         await self.write({"type": "http.response.body", "body": data, "more_body": True})
-        if self.quiet is not None:
-            self.quiet.deadline = trio.current_time() + sdk_http._SSE_PING_INTERVAL
+        if self.watched is not None:
+            self.watched.quiet()
 
 
 def _header_views(scope: dict[str, Any]) -> tuple[list[tuple[str, str]], dict[str, str]]:

@@ -43,8 +43,10 @@ session open while it runs, as the transport's idle bookkeeping does. A taken ca
 span the SDK would make (`fast_call_span`). `OUBLIETTE_FAST_PATH=0` leaves every request to the
 SDK; tests/server/doors/test_http_caller.py drives the same requests both ways.
 
-Owns: per taken request, a nursery with the call and its keepalive pings, and its cancel scope
-in the in-flight table (session id, request id) while it runs.
+Owns: per taken request, its cancel scope in the in-flight table (session id, request id) while
+it runs. No task: the call runs in the request's own task and its keepalive pings are the
+connection's task's (`ConnectionWatch`), so a request is taken only on a connection of our HTTP
+server (`HttpApi.serve`) that watches no other request; any other goes to the SDK.
 Needs: the 2026-07-28 fast path (whose body reading, security check and result shaping it
 uses, and which gets every request not taken here), the SDK's session manager, and
 `session_of(mcp_session_id)`: the `ServerSession` of the caller of that MCP session, if any.
@@ -80,7 +82,7 @@ from starlette.requests import Request
 from oubliette_runtime.fast_tool_calls import PARAM_KEYS, REQUEST_KEYS, is_request_id, modern_envelope
 from oubliette_runtime.trace_spans import fast_call_span
 
-from ..connection_limits import hold_next_send
+from ..connection_limits import WATCH_STATE, ConnectionWatch, QuickLock, hold_next_send
 from .http_fast import FastHttpCalls, _replay
 
 log = logging.getLogger("oubliette.fast_calls")
@@ -118,14 +120,15 @@ class FastHandshakeCalls:
             return
         body, rest = await self.modern._read_body(scope, receive)
         taken = None if body is None else self._parse(scope, session_id, body)
-        if taken is None:
+        watch = scope.get("state", {}).get(WATCH_STATE)
+        if taken is None or watch is None or not watch.free():  # no watch: not our HTTP server's connection
             if body is not None and self._in_flight and _CANCEL_MARK in body:
                 self._cancel(scope, session_id, body)
             await self.app(scope, _replay(rest, receive), send)
             return
         self.taken += 1
         log.debug("tools/call %r taken off the SDK's path (handshake era)", taken[3]["id"])
-        await self._answer(scope, send, session_id, *taken)
+        await self._answer(scope, send, watch, session_id, *taken)
 
     def _candidate(self, scope: dict[str, Any]) -> str | None:
         """The session id of a POST to the path with an `Mcp-Session-Id` the SDK holds and a handshake-era
@@ -212,10 +215,12 @@ class FastHandshakeCalls:
                     or transport.is_json_response_enabled or transport._event_store is not None)
 
     async def _answer(
-        self, scope: dict[str, Any], send: Any, session_id: str,
+        self, scope: dict[str, Any], send: Any, watch: ConnectionWatch, session_id: str,
         transport: StreamableHTTPServerTransport, session: Any, version: str, message: dict[str, Any],
     ) -> None:
-        """Run the call and write its answer as the SDK's transport does: the SSE head, the response event, the end."""
+        """Run the call and write its answer as the SDK's transport does: the SSE head, the response event,
+        the end; sse-starlette's keepalive pings meanwhile are the connection's task's (`ConnectionWatch`),
+        one writer at a time. A client that goes away does not cancel the call (`watched.call` is not used)."""
         request_id, params = message["id"], message["params"]
         name, arguments = params["name"], params["arguments"]
         ctx = SimpleNamespace(protocol_version=version, session=session,
@@ -227,8 +232,13 @@ class FastHandshakeCalls:
         try:
             with _held(transport):
                 await send({"type": "http.response.start", "status": 200, "headers": self._sse_headers(transport)})
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_ping, send)
+                writing = QuickLock()
+
+                async def ping() -> None:
+                    async with writing:
+                        await send({"type": "http.response.body", "body": _ping_event(), "more_body": True})
+
+                with watch.watching(ping, EventSourceResponse.DEFAULT_PING_INTERVAL):
                     with cancel, fast_call_span(name, request_id, params.get("_meta", {})) as ended:
                         try:
                             result = self.modern._shaper._serialize("tools/call", version, await self.modern.call(ctx, name, arguments))
@@ -237,12 +247,12 @@ class FastHandshakeCalls:
                         else:
                             ended(result)
                             answer = JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
-                    nursery.cancel_scope.cancel()
                 if cancel.cancel_called:  # the SDK's dispatcher drops what a cancelled request's handler returned
                     answer = cancelled
                 event = ensure_bytes(transport._create_event_data(EventMessage(answer)), _SEP)
-                hold_next_send(scope)  # the response event goes out with the end of the body, in one write
-                await send({"type": "http.response.body", "body": event, "more_body": False})
+                async with writing:  # after a ping being written
+                    hold_next_send(scope)  # the response event goes out with the end of the body, in one write
+                    await send({"type": "http.response.body", "body": event, "more_body": False})
         finally:
             if self._in_flight.get(key) is cancel:  # a newer call with the same id keeps its entry, as in the SDK
                 del self._in_flight[key]
@@ -296,12 +306,9 @@ def _held(transport: StreamableHTTPServerTransport) -> Iterator[None]:
             idle.deadline = anyio.current_time() + timeout
 
 
-async def _ping(send: Any) -> None:
-    """sse-starlette's keepalive of an SSE response (`EventSourceResponse._ping`), until cancelled."""
-    while True:
-        await trio.sleep(EventSourceResponse.DEFAULT_PING_INTERVAL)
-        ping = ServerSentEvent(comment=f"ping - {datetime.now(timezone.utc)}", sep=_SEP).encode()
-        await send({"type": "http.response.body", "body": ping, "more_body": True})
+def _ping_event() -> bytes:
+    """sse-starlette's keepalive comment of an SSE response (`EventSourceResponse._ping`)."""
+    return ServerSentEvent(comment=f"ping - {datetime.now(timezone.utc)}", sep=_SEP).encode()
 
 
 async def _no_content() -> Any:

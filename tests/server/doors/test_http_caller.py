@@ -181,12 +181,27 @@ async def test_http_caller_session_end_gives_connection_error_at_once(deployment
     assert [f["payload"]["reason"] for f in frames] == ["caller disconnected"]
 
 
+async def raw_modern_post(server: Any, name: str, arguments: dict[str, Any]) -> trio.SocketStream:
+    """A 2026-07-28 `tools/call` of `name` written by hand on a TCP connection of its own (to be
+    closed mid-call), with the headers the SDK's client sends; the connection."""
+    from urllib.parse import urlsplit
+
+    where = urlsplit(server.url)
+    assert where.hostname is not None and where.port is not None
+    body = modern_body(1, name, arguments).encode()
+    head = (f"POST /mcp HTTP/1.1\r\nhost: {where.netloc}\r\nauthorization: Bearer {server.token}\r\n"
+            "content-type: application/json\r\naccept: application/json, text/event-stream\r\n"
+            f"mcp-protocol-version: 2026-07-28\r\nmcp-method: tools/call\r\nmcp-name: {name}\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    stream = await trio.open_tcp_stream(where.hostname, where.port)
+    await stream.send_all(head + body)
+    return stream
+
+
 async def test_a_2026_07_28_wait_whose_connection_closes_ends_at_once(deployment: Deployment) -> None:
     """A 2026-07-28 `session_message` with `wait` whose client closes its connection mid-wait: its
     door cancels it (a 2026-07-28 wait starts no watch of its own), so the wait ends at once, not at
     its time or the no-guest grace, says so in the server's log, and the server goes on serving."""
-    from urllib.parse import urlsplit
-
     left = trio.Event()
     handler = logging.Handler()
     handler.emit = lambda record: left.set() if "left while waiting in session s1" in record.getMessage() else None  # type: ignore[method-assign]
@@ -196,17 +211,9 @@ async def test_a_2026_07_28_wait_whose_connection_closes_ends_at_once(deployment
     turns_log.setLevel(logging.INFO)
     try:
         async with deployment.embedded_http_server("box1") as server, server.rest() as http:
-            where = urlsplit(server.url)
-            assert where.hostname is not None and where.port is not None
-            body = modern_body(1, "session_message", {
+            stream = await raw_modern_post(server, "session_message", {
                 "owner_key": "wait-closer-0123456789abcdef", "instance": "box1", "session_id": "s1",
-                "message": "hi", "wait": 60}).encode()
-            head = (f"POST /mcp HTTP/1.1\r\nhost: {where.netloc}\r\nauthorization: Bearer {server.token}\r\n"
-                    "content-type: application/json\r\naccept: application/json, text/event-stream\r\n"
-                    "mcp-protocol-version: 2026-07-28\r\nmcp-method: tools/call\r\nmcp-name: session_message\r\n"
-                    f"content-length: {len(body)}\r\n\r\n").encode()
-            stream = await trio.open_tcp_stream(where.hostname, where.port)
-            await stream.send_all(head + body)
+                "message": "hi", "wait": 60})
             await server.wait_waiters("box1", 1)  # the wait waits on the turn's end
             await stream.aclose()
             with trio.fail_after(6):  # the no-guest grace (8 s) would end it otherwise, without this line
@@ -216,6 +223,26 @@ async def test_a_2026_07_28_wait_whose_connection_closes_ends_at_once(deployment
     finally:
         turns_log.removeHandler(handler)
         turns_log.setLevel(level)
+
+
+async def test_a_fast_path_long_poll_whose_connection_closes_ends_at_once(deployment: Deployment) -> None:
+    """A 2026-07-28 `session_events` long poll taken off the SDK's path whose client closes its
+    connection mid-wait: the connection's watch (`ConnectionWatch`) cancels the call when the
+    connection's reading ends, so the store's wait ends at once, not at its `wait_ms`, and the
+    connection's next owner finds nothing left of it."""
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.rest() as http:
+            caller = RawModernCaller(http, "s1")
+            after = await declare_echo(caller)
+            stream = await raw_modern_post(server, "session_events", {
+                "owner_key": caller.owner_key, "session_id": "s1", "types": ["caller_tool_request"],
+                "after_seq": after, "wait_ms": 30_000})
+            await server.wait_waiters("box1", 1)  # the long poll waits in the store
+            await stream.aclose()
+            with trio.fail_after(5):  # its wait_ms is 30 s
+                await server.wait_waiters("box1", 0)
+            assert (await caller.poll("the next poll", after, 0)) == []
+    assert sum("taken off the SDK's path" in line for line in taken) == 2, taken
 
 
 # -- REQ-CTR-002: dynamic registration -------------------------------------------------------
@@ -962,16 +989,16 @@ class _ServerTasks(trio.abc.Instrument):
         self.steps += self._ours(task)
 
 
-async def test_a_fast_path_answer_costs_one_task_beside_the_request_and_few_scheduler_round_trips(
+async def test_a_fast_path_answer_starts_no_task_beside_the_request_and_takes_few_scheduler_round_trips(
     deployment: Deployment,
 ) -> None:
     """A `session_events` read and a `caller_tool_response` without `wait`, answered on a kept
-    connection, start one task beside hypercorn's task of the request (the watch for the client
-    leaving, with the keepalive pings; the call runs in the request's task), none for the
-    connection's keep-alive timer (one task for the connection's life, `KeepAliveTimer`), and take
-    few steps: hypercorn's locks are taken in the step that asks (`QuickLock`) and an empty send
-    (the end of a sized body) is no round trip. Before: a task for the call and one for the watch,
-    a keep-alive task started each time the connection went idle, and 15 or more steps a request."""
+    connection, start no task beside hypercorn's task of the request: the call runs in the
+    request's task, and the watch for the client leaving, with the keepalive pings, is the
+    connection's one task (`ConnectionWatch`, also its keep-alive timer); and they take few steps:
+    hypercorn's locks are taken in the step that asks (`QuickLock`) and an empty send (the end of
+    a sized body) is no round trip. Before: a task for the call and one for the watch, a keep-alive
+    task started each time the connection went idle, and 15 or more steps a request."""
     with fast_path_log() as taken:
         async with deployment.embedded_http_server("box1") as server, server.rest() as http:
             caller = RawModernCaller(http, "s1")
@@ -989,11 +1016,11 @@ async def test_a_fast_path_answer_costs_one_task_beside_the_request_and_few_sche
             finally:
                 trio.lowlevel.remove_instrument(counted)
     assert sum("taken off the SDK's path" in line for line in taken) == 21, taken
-    # 20 requests: 40 tasks and 226-237 steps here (253 when each write was a round trip); 61 and
-    # 313 with hypercorn's keep-alive task, 81 and 348 with a task for the call and one for the
-    # watch, 71 and 439 with trio's locks as well.
-    assert counted.spawned <= 2 * 20, counted.spawned
-    assert counted.steps <= 14 * 20, counted.steps
+    # 20 requests: 20 tasks and 160-162 steps here; 40 and 226-237 with a task of the request's own
+    # for the watch (253 when each write was a round trip); 61 and 313 with hypercorn's keep-alive
+    # task, 81 and 348 with a task for the call and one for the watch, 71 and 439 with trio's locks as well.
+    assert counted.spawned <= 20, counted.spawned
+    assert counted.steps <= 9 * 20, counted.steps
 
 
 async def test_a_fast_path_request_reads_its_headers_in_one_pass(
@@ -1027,9 +1054,10 @@ async def test_a_fast_path_request_reads_its_headers_in_one_pass(
 async def test_an_answer_with_wait_runs_its_call_in_the_request_task(deployment: Deployment) -> None:
     """A `caller_tool_response` with `wait` woken by the agent's next request (the loop of a model
     caller, answered as JSON on a kept connection) runs its call in hypercorn's task of the request,
-    beside one task that watches for the client leaving and pings; its events would be written by
-    the task that sends them. Before: a task for the call and one for the watch, the request's task
-    reading the call's events from a memory stream: one task and a few steps more per answer."""
+    watched for the client leaving and pinged by the connection's task (`ConnectionWatch`); its
+    events would be written by the task that sends them. Before: a task for the call and one for
+    the watch, the request's task reading the call's events from a memory stream; then a task of the
+    request's own for the watch: one task and a few steps more per answer."""
     answers = 6
     with fast_path_log() as taken:
         async with deployment.embedded_http_server("box1") as server, server.rest() as http:
@@ -1058,7 +1086,8 @@ async def test_an_answer_with_wait_runs_its_call_in_the_request_task(deployment:
                 await caller.call("the last answer", 99, "caller_tool_response", {
                     "session_id": "s1", "request_id": request_id, "result": {}})
     assert sum("taken off the SDK's path" in line for line in taken) >= answers + 1, taken
-    # 6 answers: 24 tasks and 126-129 steps here; 30 and 145-148 with the call and the watch in tasks
-    # of their own. Four tasks an answer: the request's, its watch, the turn wait's race (turn end, approval).
-    assert counted.spawned <= 4 * answers, counted.spawned
-    assert counted.steps <= 23 * answers, counted.steps
+    # 6 answers: 18 tasks and 110-111 steps here; 24 and 126-129 with a watch task of the request's own,
+    # 30 and 145-148 with the call in a task of its own too. Three tasks an answer: the request's, the
+    # turn wait's race (turn end, approval).
+    assert counted.spawned <= 3 * answers, counted.spawned
+    assert counted.steps <= 20 * answers, counted.steps

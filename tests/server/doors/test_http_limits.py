@@ -21,7 +21,7 @@ from trio.testing import MockClock
 from harness import Deployment
 from task_steps import counted_steps
 
-from oubliette_server.doors.connection_limits import FloodLog, GuardedStream, KeepAliveTimer, descriptor_shares
+from oubliette_server.doors.connection_limits import ConnectionWatch, FloodLog, GuardedStream, descriptor_shares
 
 
 async def _raw_request(url: str, data: bytes) -> trio.SocketStream:
@@ -296,7 +296,7 @@ async def test_a_guarded_stream_sends_a_held_write_with_the_next_one() -> None:
 
 
 class _Connection:
-    """What `KeepAliveTimer` uses of hypercorn's `TCPServer`: the workers' stop and the close it starts."""
+    """What `ConnectionWatch` uses of hypercorn's `TCPServer`: the workers' stop and the close it starts."""
 
     def __init__(self) -> None:
         self.context = SimpleNamespace(terminated=trio.Event())
@@ -312,7 +312,7 @@ async def test_the_keep_alive_timer_closes_a_connection_idle_for_its_seconds(aut
     answered (`stop`), counted again from each idle spell; the one task ends when the connection's
     reading does (`close`), and the server's stop closes an idle connection at once."""
     connection = _Connection()
-    timer = KeepAliveTimer(connection, 5.0)
+    timer = ConnectionWatch(connection, 5.0)
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
         group = SimpleNamespace(_nursery=nursery)
@@ -326,7 +326,7 @@ async def test_the_keep_alive_timer_closes_a_connection_idle_for_its_seconds(aut
         assert connection.closed_at == [start + 69]
         timer.close()
     busy = _Connection()
-    timer = KeepAliveTimer(busy, 5.0)
+    timer = ConnectionWatch(busy, 5.0)
     async with trio.open_nursery() as nursery:
         await timer.restart(SimpleNamespace(_nursery=nursery), None)
         await timer.stop()
@@ -334,13 +334,87 @@ async def test_the_keep_alive_timer_closes_a_connection_idle_for_its_seconds(aut
         timer.close()  # the client left mid-request: the task ends, nothing else is closed
     assert busy.closed_at == []
     stopping = _Connection()
-    timer = KeepAliveTimer(stopping, 5.0)
+    timer = ConnectionWatch(stopping, 5.0)
     async with trio.open_nursery() as nursery:
         await timer.restart(SimpleNamespace(_nursery=nursery), None)
         await trio.sleep(1)
         stopping.context.terminated.set()
         told = trio.current_time()
     assert stopping.closed_at == [told]
+
+
+async def test_the_connection_watch_pings_a_watched_request_and_cancels_its_call_when_the_connection_ends(
+    autojump_clock: MockClock,
+) -> None:
+    """A request the connection's task watches (`watching`) is pinged `interval` after it began and
+    after each ping, an interval after its last event (`quiet`), never once its block has ended;
+    while it is watched the connection takes no other (`free`) and has no keep-alive deadline; the
+    connection's reading ending (`close`) cancels its call at once and closes nothing."""
+    connection = _Connection()
+    watch = ConnectionWatch(connection, 5.0)
+    pings: list[float] = []
+
+    async def ping() -> None:
+        await trio.lowlevel.checkpoint()
+        pings.append(trio.current_time())
+
+    assert not watch.free()  # no task yet: hypercorn starts it when the connection opens
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        await watch.restart(SimpleNamespace(_nursery=nursery), None)  # open, idle
+        assert watch.free()
+        await trio.sleep(1)
+        await watch.stop()  # a request came
+        with watch.watching(ping, 15.0) as watched:
+            assert not watch.free()
+            with watched.call:
+                await trio.sleep(40)  # the call
+            assert not watched.call.cancelled_caught
+            watched.quiet()  # an event at 41 s
+            await trio.sleep(20)
+        assert pings == [start + 16, start + 31, start + 56]
+        await trio.sleep(100)
+        assert pings == [start + 16, start + 31, start + 56]  # none after the block
+        assert connection.closed_at == []
+        await watch.restart(SimpleNamespace(_nursery=nursery), None)  # answered: idle again
+        await watch.stop()
+        with watch.watching(ping, 15.0) as watched:
+            with watched.call:
+                nursery.start_soon(_close_later, watch, 3.0)
+                await trio.sleep(60)  # a long poll whose client leaves at 3 s
+            assert watched.call.cancelled_caught
+            left = trio.current_time()
+        assert not watch.free()  # the connection is done
+    assert left == start + 161 + 3
+    assert connection.closed_at == []
+
+
+async def _close_later(watch: ConnectionWatch, seconds: float) -> None:
+    await trio.sleep(seconds)
+    watch.close()
+
+
+async def test_a_failed_ping_is_logged_and_cancels_the_watched_call(
+    autojump_clock: MockClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ping that raises (on the connection's task) ends the watched call and is logged once;
+    the connection's task goes on (the keep-alive still closes the idle connection)."""
+    connection = _Connection()
+    watch = ConnectionWatch(connection, 5.0)
+
+    async def ping() -> None:
+        raise RuntimeError("the write failed")
+
+    async with trio.open_nursery() as nursery:
+        await watch.restart(SimpleNamespace(_nursery=nursery), None)
+        await watch.stop()
+        with caplog.at_level(logging.ERROR), watch.watching(ping, 15.0) as watched:
+            with watched.call:
+                await trio.sleep(60)
+            assert watched.call.cancelled_caught and trio.current_time() == 15.0
+        await watch.restart(SimpleNamespace(_nursery=nursery), None)
+        assert [r.getMessage() for r in caplog.records] == ["the keepalive ping of an HTTP request failed; its call is cancelled"]
+    assert connection.closed_at == [20.0]
 
 
 async def _read_to_close(stream: trio.SocketStream) -> bytes:
@@ -354,7 +428,7 @@ async def _read_to_close(stream: trio.SocketStream) -> bytes:
 
 
 async def test_the_server_closes_idle_keep_alive_connections_and_not_a_busy_one(deployment: Deployment) -> None:
-    """`http_keep_alive_timeout` on a real server (its timer is `KeepAliveTimer`, not hypercorn's): a
+    """`http_keep_alive_timeout` on a real server (its timer is `ConnectionWatch`, not hypercorn's): a
     connection that sends nothing, and one idle after its answer, are closed; a request that takes
     longer than the timeout (a long poll of 1.5 s against 0.5 s) is answered on its connection."""
     async with deployment.embedded(http=["127.0.0.1:0"], instances={"box1": {}}, http_keep_alive_timeout=0.5) as embedded:
