@@ -230,23 +230,23 @@ class FastHandshakeCalls:
         cancelled = JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=REQUEST_CANCELLED, message="Request cancelled"))
         answer: JSONRPCResponse | JSONRPCError = cancelled
         try:
-            with _held(transport):
-                await send({"type": "http.response.start", "status": 200, "headers": self._sse_headers(transport)})
-                writing = QuickLock()
+            writing = QuickLock()
 
-                async def ping() -> None:
-                    async with writing:
-                        await send({"type": "http.response.body", "body": _ping_event(), "more_body": True})
+            async def ping() -> None:
+                async with writing:
+                    await send({"type": "http.response.body", "body": _ping_event(), "more_body": True})
 
-                with watch.watching(ping, EventSourceResponse.DEFAULT_PING_INTERVAL):
-                    with cancel, fast_call_span(name, request_id, params.get("_meta", {})) as ended:
-                        try:
-                            result = self.modern._shaper._serialize("tools/call", version, await self.modern.call(ctx, name, arguments))
-                        except Exception as exc:  # as the SDK dispatcher's exception-to-wire boundary
-                            answer = JSONRPCError(jsonrpc="2.0", id=request_id, error=_error_data(exc, name))
-                        else:
-                            ended(result)
-                            answer = JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
+            with _held(transport), watch.watching(ping, EventSourceResponse.DEFAULT_PING_INTERVAL):
+                async with writing:
+                    await send({"type": "http.response.start", "status": 200, "headers": self._sse_headers(transport)})
+                with cancel, fast_call_span(name, request_id, params.get("_meta", {})) as ended:
+                    try:
+                        result = self.modern._shaper._serialize("tools/call", version, await self.modern.call(ctx, name, arguments))
+                    except Exception as exc:  # as the SDK dispatcher's exception-to-wire boundary
+                        answer = JSONRPCError(jsonrpc="2.0", id=request_id, error=_error_data(exc, name))
+                    else:
+                        ended(result)
+                        answer = JSONRPCResponse(jsonrpc="2.0", id=request_id, result=result)
                 if cancel.cancel_called:  # the SDK's dispatcher drops what a cancelled request's handler returned
                     answer = cancelled
                 event = ensure_bytes(transport._create_event_data(EventMessage(answer)), _SEP)
