@@ -961,6 +961,59 @@ async def test_the_sdk_clients_2025_11_25_answers_take_the_fast_path(deployment:
     assert sum("taken off the SDK's path (handshake era)" in line for line in taken) == 1, taken
 
 
+async def test_a_slow_handshake_era_answer_is_pinged_by_its_connection_watch(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handshake-era answer taken off the SDK's path whose call outlasts sse-starlette's ping
+    interval gets sse-starlette's keepalive comment from its connection's task (`ConnectionWatch`)
+    each interval, before its response event, and its answer as ever; the ping stops with the call."""
+    from sse_starlette import EventSourceResponse
+
+    from oubliette_server.doors import connection_limits, http_api
+
+    monkeypatch.setattr(EventSourceResponse, "DEFAULT_PING_INTERVAL", 0.2)
+    held, release, pinged_twice = trio.Event(), trio.Event(), trio.Event()
+    answer_call = http_api.call_as_caller
+    ping = connection_limits.WatchedRequest.pinged
+    pings: list[float] = []
+
+    async def counted_ping(watched: Any) -> None:
+        await ping(watched)
+        pings.append(trio.current_time())
+        if len(pings) == 2:
+            pinged_twice.set()
+
+    monkeypatch.setattr(connection_limits.WatchedRequest, "pinged", counted_ping)
+
+    async def slow_call(*args: Any) -> Any:
+        if args[-1].get("request_id") == "ctr-slow":  # this test's slow answer: held until released
+            held.set()
+            await release.wait()
+        return await answer_call(*args)
+
+    monkeypatch.setattr(http_api, "call_as_caller", slow_call)
+    with fast_path_log() as taken:
+        async with deployment.embedded_http_server("box1") as server, server.rest() as http:
+            handshake = RawHandshakeCaller(http)
+            await handshake.open()
+            early = {"session_id": "s2", "request_id": "ctr-0000", "result": {}}
+            await handshake.call("the session's first call: the SDK's", 1, "caller_tool_response", early)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(handshake.call, "a slow answer, taken", 2, "caller_tool_response",
+                                   {**early, "request_id": "ctr-slow"})
+                await held.wait()
+                with trio.fail_after(10):
+                    await pinged_twice.wait()  # the call outlasts two ping intervals (0.2 s each)
+                release.set()
+    assert sum("taken off the SDK's path (handshake era)" in line for line in taken) == 1, taken
+    label, slow = handshake.answers[-1]
+    events = [part for part in slow["layout"].split("\r\n\r\n") if part]
+    assert label == "a slow answer, taken" and slow["status"] == 200, slow
+    assert len(pings) >= 2 and all(later - earlier >= 0.2 for earlier, later in zip(pings, pings[1:])), pings
+    assert [part.startswith(": ping - ") for part in events] == [True] * len(pings) + [False], events
+    assert "is not pending" in json.dumps(slow["body"]) or "unknown" in json.dumps(slow["body"]), slow["body"]
+
+
 async def declare_echo(caller: RawModernCaller) -> int:
     """Declare session s1 of box1 with the echo caller tool; its message's ingress seq."""
     declared = await caller.call("declare", 1, "session_message", {
