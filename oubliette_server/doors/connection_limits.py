@@ -35,6 +35,9 @@ from typing import Any
 import attrs
 import trio
 
+from hypercorn.events import Closed, RawData
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
+
 from protocol.framing import write_at_once
 
 log = logging.getLogger("oubliette.server.http")
@@ -294,6 +297,10 @@ class QuickLock:
         """Give the lock back."""
         self._lock.release()
 
+    def locked(self) -> bool:
+        """Whether a task holds the lock."""
+        return self._lock.locked()
+
     async def __aenter__(self) -> None:
         await self.acquire()
 
@@ -425,6 +432,57 @@ class WatchedRequest:
             self.call.cancel()
 
 
+class GuardedTCPServer(TCPServer):
+    """Hypercorn's connection (`TCPServer`) over a `GuardedStream`, with its per-request steps made
+    cheaper; the same protocol, events and closes as hypercorn's own:
+
+    - its write lock is a `QuickLock` (taken several times a request: in the step that asks, when
+      free, not after a scheduler round trip each);
+    - its keep-alive timer is a `ConnectionWatch` (one task with a moving deadline, not a task per
+      idle spell), which also watches a request of the fast path: in the requests' scope state
+      under `WATCH_STATE`, and ended when the reading ends;
+    - a write the socket takes whole in the sending task's step (`GuardedStream.send_now`) is
+      sent there, without the lock and the shielded cancel scope hypercorn arms around each write
+      (nothing can interrupt a write that does not wait); the rest goes hypercorn's way;
+    - its reads have no cancel scope each: hypercorn arms `fail_after(read_timeout or inf)` around
+      every read, and the server sets no `read_timeout` (the body deadline, `DrainRequestBody`, and
+      the keep-alive timer bound what a client may hold).
+    """
+
+    def __init__(self, app: Any, config: Any, context: Any, state: dict[str, Any], stream: GuardedStream) -> None:
+        if config.read_timeout is not None:
+            raise ValueError("GuardedTCPServer: reads have no timeout of their own; read_timeout must be None")
+        super().__init__(app, config, context, state, stream)  # type: ignore[arg-type]
+        self.guarded = stream
+        self.send_lock = QuickLock()  # type: ignore[assignment]
+        self.watch = self.idle_task = ConnectionWatch(self, config.keep_alive_timeout)  # type: ignore[assignment]
+        state[WATCH_STATE] = self.watch
+
+    async def protocol_send(self, event: Any) -> None:
+        """As hypercorn's, a write first tried in this step (`GuardedStream.send_now`)."""
+        if isinstance(event, RawData):
+            rest = self.guarded.send_now(event.data)
+            if not rest:
+                return
+            event = RawData(bytes(rest))
+        await super().protocol_send(event)
+
+    async def _read_data(self) -> None:
+        """As hypercorn's, without a cancel scope per read; then the watch ends (`ConnectionWatch.close`)."""
+        try:
+            while True:
+                try:
+                    data = await self.stream.receive_some(MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+                await self.protocol.handle(RawData(bytes(data)))
+                if not data:
+                    break
+            await self.protocol.handle(Closed())
+        finally:
+            self.watch.close()
+
+
 class GuardedStream(trio.abc.HalfCloseableStream):
     """A socket stream for hypercorn's `TCPServer`: one send at a time, each within `write_timeout`.
 
@@ -463,25 +521,34 @@ class GuardedStream(trio.abc.HalfCloseableStream):
         (a closed connection is then found by the next send or read). A send after
         `hold_next_send` only keeps its bytes (no checkpoint: it cannot block).
         """
-        if self._hold and data:
-            self._hold = False
-            self._held += data
+        rest = self.send_now(data)
+        if not rest:
             return
-        if self._held:
-            data, self._held = self._held + data, b""
-        if not data:
-            return
-        await self._sending.acquire()
+        await self._sending.acquire()  # free after a part was sent now: no checkpoint before the rest
         try:
-            sent = write_at_once(self.socket.fileno(), data) if self.socket is not None else 0
-            if sent == len(data):
-                return
             with trio.fail_after(self.write_timeout):
-                await self.inner.send_all(memoryview(data)[sent:])
+                await self.inner.send_all(rest)
         except trio.TooSlowError:
             raise trio.BrokenResourceError(f"the client read nothing for {self.write_timeout:g} s") from None
         finally:
             self._sending.release()
+
+    def send_now(self, data: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+        """What `send_all` does in the step that asks, without a checkpoint: keep `data` after
+        `hold_next_send`, else send it after the bytes held, as far as the socket takes it at once
+        when no send is in progress. The bytes left to send (all of them while a send is in
+        progress), which `send_all` then sends in order: it takes the write lock, free whenever a
+        part was sent here, before it can checkpoint."""
+        if self._hold and data:
+            self._hold = False
+            self._held += data
+            return b""
+        if self._held:
+            data, self._held = self._held + data, b""
+        if not data or self._sending.locked() or self.socket is None:
+            return data
+        sent = write_at_once(self.socket.fileno(), data)
+        return b"" if sent == len(data) else memoryview(data)[sent:]
 
     async def wait_send_all_might_not_block(self) -> None:
         """As the socket's."""

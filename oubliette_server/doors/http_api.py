@@ -64,13 +64,11 @@ from .caller_api.schemas import OWNER_KEY_PATTERN
 from .connection_limits import (
     HOLD_NEXT_SEND_STATE,
     HTTP_WRITE_SECONDS,
-    WATCH_STATE,
     ConnectionAcceptor,
-    ConnectionWatch,
     FloodLog,
     GuardedStream,
+    GuardedTCPServer,
     HttpLimits,
-    QuickLock,
 )
 from .health import Readiness
 from .principal_access import PRINCIPAL_STATE, Access, PrincipalAccess, request_principal
@@ -1053,7 +1051,6 @@ class HttpApi:
         import hypercorn.config
         from hypercorn.trio.lifespan import Lifespan
         from hypercorn.trio.statsd import StatsdLogger
-        from hypercorn.trio.tcp_server import TCPServer
         from hypercorn.trio.worker_context import WorkerContext
         from hypercorn.typing import ConnectionState
         from hypercorn.utils import repr_socket_addr, wrap_app
@@ -1093,24 +1090,7 @@ class HttpApi:
                 assert isinstance(stream, trio.SocketStream)
                 guarded = GuardedStream(stream, HTTP_WRITE_SECONDS)
                 state = ConnectionState({**lifespan_state, HOLD_NEXT_SEND_STATE: guarded.hold_next_send})
-                server = TCPServer(app, config, context, state, guarded)  # type: ignore[arg-type]
-                # Its write lock is taken several times a request: in the step that asks, when free
-                # (`QuickLock`), not after a scheduler round trip each;
-                server.send_lock = QuickLock()  # type: ignore[assignment]
-                # and its keep-alive timer one task with a moving deadline, not a task per idle spell,
-                # which also watches a request of the fast path (`ConnectionWatch`)
-                timer = server.idle_task = ConnectionWatch(server, config.keep_alive_timeout)  # type: ignore[assignment]
-                state[WATCH_STATE] = timer
-                read_data = server._read_data
-
-                async def read_then_end_timer() -> None:
-                    try:
-                        await read_data()
-                    finally:
-                        timer.close()
-
-                server._read_data = read_then_end_timer  # type: ignore[method-assign]
-                await server.run()
+                await GuardedTCPServer(app, config, context, state, guarded).run()
 
             acceptor = ConnectionAcceptor(flood, log, cap=self.limits.connection_cap, refuse=_refuse_busy)
             async with trio.open_nursery() as nursery:

@@ -21,7 +21,7 @@ from trio.testing import MockClock
 from harness import Deployment
 from task_steps import counted_steps
 
-from oubliette_server.doors.connection_limits import ConnectionWatch, FloodLog, GuardedStream, descriptor_shares
+from oubliette_server.doors.connection_limits import ConnectionWatch, FloodLog, GuardedStream, GuardedTCPServer, descriptor_shares
 
 
 async def _raw_request(url: str, data: bytes) -> trio.SocketStream:
@@ -250,6 +250,52 @@ async def test_a_guarded_stream_writes_what_the_socket_takes_in_the_step_it_is_i
     assert received == big
     await guarded.aclose()
     await peer.aclose()
+
+
+async def test_a_guarded_stream_sends_now_only_what_keeps_the_writes_in_order() -> None:
+    """`send_now` (a write without a checkpoint, as `GuardedTCPServer` tries each of hypercorn's) keeps
+    a held write for the next, sends what the socket takes at once and returns the rest, which
+    `send_all` then sends in order; while a send is in progress it sends nothing and returns it all."""
+    ours, theirs = trio.socket.socketpair()
+    guarded = GuardedStream(trio.SocketStream(ours), write_timeout=5)
+    peer = trio.SocketStream(theirs)
+    guarded.hold_next_send()
+    assert guarded.send_now(b"head ") == b""
+    assert guarded.send_now(b"body") == b""
+    assert await peer.receive_some(1 << 16) == b"head body"
+    big = bytes(range(256)) * 16_000  # more than the socket buffers hold
+    rest = guarded.send_now(big)
+    assert 0 < len(rest) < len(big)
+    received = bytearray()
+    async with trio.open_nursery() as nursery:
+
+        async def read_all() -> None:
+            while len(received) < len(big) + len(b"after"):
+                received.extend(await peer.receive_some(1 << 16))
+
+        nursery.start_soon(guarded.send_all, rest)  # the socket is full: it waits, holding the write
+        await trio.testing.wait_all_tasks_blocked()
+        assert guarded.send_now(b"after") == b"after", "a send is in progress: nothing now"
+        nursery.start_soon(read_all)
+        await guarded.send_all(b"after")
+    assert received == big + b"after"
+    await guarded.aclose()
+    await peer.aclose()
+
+
+async def test_a_guarded_tcp_server_refuses_a_read_timeout_it_would_not_apply() -> None:
+    """`GuardedTCPServer` reads without hypercorn's per-read `fail_after(read_timeout)`: a config
+    that sets one is refused at once, not silently ignored."""
+    import hypercorn.config
+
+    config = hypercorn.config.Config()
+    config.read_timeout = 5
+    ours, theirs = trio.socket.socketpair()
+    guarded = GuardedStream(trio.SocketStream(ours), write_timeout=5)
+    with pytest.raises(ValueError, match="read_timeout must be None"):
+        GuardedTCPServer(None, config, None, {}, guarded)
+    await guarded.aclose()
+    theirs.close()
 
 
 class _RecordedWrites:
