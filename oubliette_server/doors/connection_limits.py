@@ -440,7 +440,8 @@ class GuardedTCPServer(TCPServer):
       free, not after a scheduler round trip each);
     - its keep-alive timer is a `ConnectionWatch` (one task with a moving deadline, not a task per
       idle spell), which also watches a request of the fast path: in the requests' scope state
-      under `WATCH_STATE`, and ended when the reading ends;
+      under `WATCH_STATE`, and ended when the reading ends; the stream's `hold_next_send` is there
+      too, under `HOLD_NEXT_SEND_STATE`;
     - a write the socket takes whole in the sending task's step (`GuardedStream.send_now`) is
       sent there, without the lock and the shielded cancel scope hypercorn arms around each write
       (nothing can interrupt a write that does not wait); the rest goes hypercorn's way;
@@ -457,6 +458,7 @@ class GuardedTCPServer(TCPServer):
         self.send_lock = QuickLock()  # type: ignore[assignment]
         self.watch = self.idle_task = ConnectionWatch(self, config.keep_alive_timeout)  # type: ignore[assignment]
         state[WATCH_STATE] = self.watch
+        state[HOLD_NEXT_SEND_STATE] = stream.hold_next_send
 
     async def protocol_send(self, event: Any) -> None:
         """As hypercorn's, a write first tried in this step (`GuardedStream.send_now`)."""

@@ -62,7 +62,6 @@ from .caller_api.http_fast_handshake import FastHandshakeCalls
 from .caller_api.mcp_server import call_as_caller
 from .caller_api.schemas import OWNER_KEY_PATTERN
 from .connection_limits import (
-    HOLD_NEXT_SEND_STATE,
     HTTP_WRITE_SECONDS,
     ConnectionAcceptor,
     FloodLog,
@@ -1089,8 +1088,7 @@ class HttpApi:
             async def connection(stream: trio.abc.Stream) -> None:
                 assert isinstance(stream, trio.SocketStream)
                 guarded = GuardedStream(stream, HTTP_WRITE_SECONDS)
-                state = ConnectionState({**lifespan_state, HOLD_NEXT_SEND_STATE: guarded.hold_next_send})
-                await GuardedTCPServer(app, config, context, state, guarded).run()
+                await GuardedTCPServer(app, config, context, ConnectionState(dict(lifespan_state)), guarded).run()
 
             acceptor = ConnectionAcceptor(flood, log, cap=self.limits.connection_cap, refuse=_refuse_busy)
             async with trio.open_nursery() as nursery:
