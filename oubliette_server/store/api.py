@@ -521,6 +521,17 @@ def check_timeout(timeout: Any) -> None:
 # The interface
 
 
+class ParkedPoll:
+    """A long poll waiting on an instance (`LongPollWaiters._asking`): its query, whose filters say
+    which frames it wants, and, where its store keeps it, the last seq it has looked past."""
+
+    __slots__ = ("q", "seen")
+
+    def __init__(self, q: FrameQuery, seen: int | None) -> None:
+        self.q = q
+        self.seen = seen
+
+
 class LongPollWaiters:
     """The wake-ups of this process's long polls, one `trio.Event` per instance (both stores).
 
@@ -529,12 +540,18 @@ class LongPollWaiters:
     next waiter takes a fresh one. `_waiting(instance)` counts the waiters and drops the event
     when the last one leaves, so an instance nobody waits on holds nothing. `waiters_changed`
     is signalled as each waiter comes and goes (what a test waits on to know a poll is parked).
+    While it waits, a long poll is `_asking` too: frames that none of the instance's waiters
+    wants wake none of them (`_wake_for`), where each append woke every waiter of its instance.
     """
 
     def __init__(self) -> None:
         self._wake: dict[str, trio.Event] = {}
         self._waiters: dict[str, int] = {}
         self.waiters_changed = StateChanges()
+        self._parked: dict[str, dict[object, ParkedPoll]] = {}
+        """The long polls waiting on each instance (`_asking`), by waiter."""
+        self.woken_all = 0
+        """How many times every waiter was woken (`_wake_all`): a waiter that sees it move reads the log."""
 
     def _wake_event(self, instance: str) -> trio.Event:
         event = self._wake.get(instance)
@@ -559,7 +576,21 @@ class LongPollWaiters:
         if event is not None:
             event.set()
 
+    def _wake_for(self, instance: str, first: int, fields: list[FrameFields]) -> None:
+        """Frames `first`.. of `instance` are committed (their filter fields): wake its waiters if
+        one of them may want one. A waiter that wants none of them and had looked up to just
+        before them is moved past them (`seen`), so that its next look starts after them."""
+        wanted = False
+        for parked in self._parked.get(instance, {}).values():
+            if any(parked.q.matches(*frame) for frame in fields):
+                wanted = True
+            elif parked.seen == first - 1:
+                parked.seen = first + len(fields) - 1
+        if wanted:
+            self._wake_instance(instance)
+
     def _wake_all(self) -> None:
+        self.woken_all += 1
         for instance in list(self._wake):
             self._wake_instance(instance)
 
@@ -577,6 +608,20 @@ class LongPollWaiters:
                 del self._waiters[instance]
                 self._wake.pop(instance, None)
             self.waiters_changed.changed()
+
+    @contextmanager
+    def _asking(self, instance: str, q: FrameQuery, seen: int | None = None) -> Iterator[ParkedPoll]:
+        """While a long poll waits, its query (its filters: not its `after_seq`) tells an append
+        whether to wake the instance's waiters here (`_wake_for`)."""
+        waiter = object()
+        parked = self._parked.setdefault(instance, {})
+        parked[waiter] = poll = ParkedPoll(q, seen)
+        try:
+            yield poll
+        finally:
+            del parked[waiter]
+            if not parked and self._parked.get(instance) is parked:
+                del self._parked[instance]
 
     def waiter_count(self, instance: str | None = None) -> int:
         """How many tasks of this process are in `wait_for_frames` for `instance` (or for all)."""

@@ -84,8 +84,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import attrs
@@ -606,8 +606,6 @@ class PostgresFrameStore(FrameAppends):
         """The sizes of the whole frames in `_known`, summed (at most `KNOWN_WHOLE_BYTES`)."""
         self._appending: dict[str, int] = {}
         """How many single appends of each instance this store has in flight (`_one_frame`)."""
-        self._queries: dict[str, dict[object, FrameQuery]] = {}
-        """The query of each long poll waiting on an instance here (`wait_for_frames`), by waiter."""
 
     def hear_appends(self, hook: AppendNoticeHook) -> None:
         """Tell `hook` of every append committed by any server (its notification) and, on each
@@ -826,9 +824,7 @@ class PostgresFrameStore(FrameAppends):
                           for i, ((ch, sid, typ, rt), (ts, mid, obj)) in enumerate(zip(fields, rest))]
             size = len(payload) // len(fields)  # a frame's share of the notice: what it holds, about
             self._note_known(instance, [(first + i, frame, wholes[i], size) for i, frame in enumerate(fields)])
-            queries = self._queries.get(instance, {}).values()
-            if any(q.matches(*frame) for q in queries for frame in fields):
-                self._wake_instance(instance)
+            self._wake_for(instance, first, fields)
         else:
             self._heard_commit(instance, last)
             self._wake_instance(instance)
@@ -1274,20 +1270,6 @@ class PostgresFrameStore(FrameAppends):
                     q = attrs.evolve(q, after_seq=max(q.after_seq, seen))
                     event = self._wake_event(instance)
                     timed_out = await self._woken_by(event, deadline)
-
-    @contextmanager
-    def _asking(self, instance: str, q: FrameQuery) -> Iterator[None]:
-        """While a long poll waits, its query (its filters: not its `after_seq`) tells a notice
-        whether to wake the instance's waiters here (`_on_notice`)."""
-        waiter = object()
-        queries = self._queries.setdefault(instance, {})
-        queries[waiter] = q
-        try:
-            yield
-        finally:
-            del queries[waiter]
-            if not queries and self._queries.get(instance) is queries:
-                del self._queries[instance]
 
     def _answer_known(self, instance: str, q: FrameQuery) -> tuple[int, list[Frame]] | None:
         """Before a long poll's first read: `_known_after` its `after_seq`, while the listener is up;

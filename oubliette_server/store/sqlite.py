@@ -804,13 +804,20 @@ class FrameStore(FrameAppends):
             if seq > q.after_seq and q.matches(ch, sid, typ, rt)
         ][: q.limit]
 
-    def _read_after(self, instance: str, q: FrameQuery, seen: int, last: int) -> list[Frame]:
+    def _read_after(self, instance: str, q: FrameQuery, seen: int, last: int, first: bool) -> list[Frame]:
         """The frames matching `q`, where those up to `seen` are known not to match (`last`: the
-        committed head): from the last commit's rows when it stored every frame after `seen` and
-        some match, else from the log. A look that finds nothing reads the log, so a long poll woken
-        by a store's fault (`_wake_all`) meets it at once instead of waiting again."""
-        frames = self._just_committed(instance, q, seen, last) if last > seen else None
-        return frames or self._query(instance, q)
+        committed head): none when nothing was committed after `seen` since the waiter's last look,
+        the last commit's rows when it stored every frame after `seen`, else from the log. A long
+        poll's `first` look that finds nothing reads the log all the same, so one started while the
+        store is down (or woken by its fault, `_wake_all`) meets the fault at once; a look after an
+        append's wake takes the rows' "none match" as the answer (that commit just succeeded)."""
+        if first:
+            frames = self._just_committed(instance, q, seen, last) if last > seen else None
+            return frames or self._query(instance, q)
+        if last <= seen:
+            return []
+        frames = self._just_committed(instance, q, seen, last)
+        return self._query(instance, q) if frames is None else frames
 
     def _committed_frames(self, instance: str, count: int) -> None:
         """After a commit of ``count`` frames of ``instance``: move its committed seq, wake its
@@ -818,7 +825,11 @@ class FrameStore(FrameAppends):
         assigned = self._assigned[instance]
         if self._committed.get(instance, 0) < assigned:
             self._committed[instance] = assigned
-        self._wake_instance(instance)
+        rows = self._fresh.get(instance)
+        if rows and rows[-1][0] - rows[0][0] + 1 == len(rows):  # the commit's frames, each kept: who wants them
+            self._wake_for(instance, rows[0][0], [(ch, sid, typ, rt) for _, _, ch, sid, typ, _, rt, _ in rows])
+        else:
+            self._wake_instance(instance)
         if self.checkpoint_every is not None:
             since = self._appends_since_checkpoint.get(instance, 0) + count
             if since >= self.checkpoint_every:
@@ -1070,21 +1081,25 @@ class FrameStore(FrameAppends):
         # No await between reading last_seq and querying: no append can slip in between, so
         # every frame with seq <= seen has been examined.
         seen = self._committed_seq(instance)
-        frames = self._read_after(instance, q, q.after_seq, seen)
+        frames = self._read_after(instance, q, q.after_seq, seen, first=True)
         if frames or timeout == 0:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return frames, False
         deadline = trio.current_time() + timeout
-        with self._waiting(instance):
+        with self._waiting(instance), self._asking(instance, q, seen) as parked:
             while True:
                 if seen > q.after_seq:
                     # Frames up to ``seen`` did not match and never will (frames are
                     # immutable), so only look at newer ones.
                     q = attrs.evolve(q, after_seq=seen)
+                woken_all = self.woken_all
                 timed_out = await self._woken_by(self._wake_event(instance), deadline)
+                # An append of frames it does not want moved it past them without a wake (`_wake_for`).
+                seen = max(seen, parked.seen or 0)
                 last = self._committed_seq(instance)
-                frames = self._read_after(instance, q, seen, last)
-                seen = last
+                # Woken with every waiter (a store's fault): read the log, and meet the fault at once.
+                frames = self._read_after(instance, q, seen, last, first=woken_all != self.woken_all)
+                seen = parked.seen = last
                 if frames:
                     return frames, False
                 if timed_out:

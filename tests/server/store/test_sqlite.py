@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from contextlib import asynccontextmanager
 import os
 import re
 import stat
@@ -520,10 +521,10 @@ async def test_wait_returns_match_after_non_matching_frames(store):
     assert result["r"] == ([done], False)
 
 
-async def long_poll_through_a_burst(store, q, burst):
-    """`wait_for_frames(q)` woken by one commit of `burst` (appends' keyword arguments, started
-    together: one group commit); its answer (or the `CursorPruned` it raised) and the statements
-    run from the burst on."""
+@asynccontextmanager
+async def parked_long_poll(store, q):
+    """`wait_for_frames(q)` on box1, parked (waiting for frames), the statements run from then on
+    traced: (its answer when it has one, or the `CursorPruned` it raised; the statements)."""
     got, statements = [], []
 
     async def waiter():
@@ -538,10 +539,20 @@ async def long_poll_through_a_burst(store, q, burst):
             while store.waiter_count("box1") != 1:
                 await trio.testing.wait_all_tasks_blocked()
             store._db.set_trace_callback(statements.append)
-            async with trio.open_nursery() as appends:
-                for kw in burst:
-                    appends.start_soon(functools.partial(add, store, **kw))
-    store._db.set_trace_callback(None)
+            try:
+                yield got, statements
+            finally:
+                store._db.set_trace_callback(None)
+
+
+async def long_poll_through_a_burst(store, q, burst):
+    """`wait_for_frames(q)` woken by one commit of `burst` (appends' keyword arguments, started
+    together: one group commit); its answer (or the `CursorPruned` it raised) and the statements
+    run from the burst on."""
+    async with parked_long_poll(store, q) as (got, statements):
+        async with trio.open_nursery() as appends:
+            for kw in burst:
+                appends.start_soon(functools.partial(add, store, **kw))
     return got[0], statements
 
 
@@ -557,6 +568,28 @@ async def test_a_long_poll_woken_by_a_commit_takes_its_frames_without_reading_th
     assert not [s for s in statements if s.startswith("SELECT")], statements
     assert answer == (await store.query("box1", q), False)
     assert len(answer[0]) == 2
+
+
+async def test_a_long_poll_waits_on_through_a_commit_it_does_not_want_without_a_wake_or_a_read(store):
+    """A caller's next long poll, parked while its answer is stored: the answer's commit, which it does
+    not want, neither wakes it nor reads the log (it is moved past those frames); the next commit's
+    match is its answer, taken from that commit's rows. Only a wake of every waiter (a store's fault)
+    makes its look read the log."""
+    await add(store)
+    async with parked_long_poll(store, FrameQuery(types=("assistant.done",), after_seq=1)) as (got, statements):
+        wake = store._wake["box1"]
+        await add(store, type="assistant.delta")  # not wanted: no wake
+        await trio.testing.wait_all_tasks_blocked()
+        assert not wake.is_set() and store._wake["box1"] is wake and not got
+        assert not [s for s in statements if s.startswith("SELECT")], statements
+        store._wake_all()  # every waiter woken with no commit: the look reads the log, and waits again
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.waiter_count("box1") == 1 and not got
+        assert [s for s in statements if s.startswith("SELECT")], statements
+        statements.clear()
+        done = await add(store, type="assistant.done")
+    assert got == [([done], False)]
+    assert not [s for s in statements if s.startswith("SELECT")], statements
 
 
 async def test_a_long_poll_whose_cursor_is_just_before_the_last_commit_reads_nothing_back(store):
