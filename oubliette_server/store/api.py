@@ -522,42 +522,44 @@ def check_timeout(timeout: Any) -> None:
 
 
 class ParkedPoll:
-    """A long poll waiting on an instance (`LongPollWaiters._asking`): its query, whose filters say
-    which frames it wants, and, where its store keeps it, the last seq it has looked past."""
+    """A long poll waiting on an instance (`LongPollWaiters._waiting`): its query, whose filters say
+    which frames it wants; where its store keeps it, the last seq it has looked past; and the event
+    that wakes it (`armed`)."""
 
-    __slots__ = ("q", "seen")
+    __slots__ = ("q", "seen", "woken")
 
     def __init__(self, q: FrameQuery, seen: int | None) -> None:
         self.q = q
         self.seen = seen
+        self.woken = trio.Event()
+
+    def armed(self) -> trio.Event:
+        """The event the next wake sets: taken before the poll looks at the log, so that an append
+        committed during the look sets it, and the wait after the look returns at once."""
+        if self.woken.is_set():
+            self.woken = trio.Event()
+        return self.woken
 
 
 class LongPollWaiters:
-    """The wake-ups of this process's long polls, one `trio.Event` per instance (both stores).
+    """The wake-ups of this process's long polls (both stores): each waiting poll is `_waiting`,
+    a `ParkedPoll` with its query and its own `trio.Event`.
 
-    A waiter takes `_wake_event(instance)` before it looks at the log and waits on it; an append
-    (or a NOTIFY from another server) calls `_wake_instance`, which sets it and drops it, so the
-    next waiter takes a fresh one. `_waiting(instance)` counts the waiters and drops the event
-    when the last one leaves, so an instance nobody waits on holds nothing. `waiters_changed`
-    is signalled as each waiter comes and goes (what a test waits on to know a poll is parked).
-    While it waits, a long poll is `_asking` too: frames that none of the instance's waiters
-    wants wake none of them (`_wake_for`), where each append woke every waiter of its instance.
+    An append whose frames' fields the store knows wakes only the polls that may want one of them
+    (`_wake_for`; one that does not is moved past them where its store keeps what it has seen);
+    otherwise, or when a store's fault or a lost notice leaves it unknown what was committed, it
+    wakes every poll of the instance (`_wake_instance`) or of the store (`_wake_all`). An instance
+    nobody waits on holds nothing. `waiters_changed` is signalled as each waiter comes and goes
+    (what a test waits on to know a poll is parked).
     """
 
     def __init__(self) -> None:
-        self._wake: dict[str, trio.Event] = {}
-        self._waiters: dict[str, int] = {}
+        self._waiters: dict[str, list[ParkedPoll]] = {}
+        """The long polls waiting on each instance (a list: most instances have one, and a list of
+        one is the smallest collection; 19,000 sandboxes' deliveries wait here, docs/SCALING.md)."""
         self.waiters_changed = StateChanges()
-        self._parked: dict[str, dict[object, ParkedPoll]] = {}
-        """The long polls waiting on each instance (`_asking`), by waiter."""
         self.woken_all = 0
         """How many times every waiter was woken (`_wake_all`): a waiter that sees it move reads the log."""
-
-    def _wake_event(self, instance: str) -> trio.Event:
-        event = self._wake.get(instance)
-        if event is None:
-            event = self._wake[instance] = trio.Event()
-        return event
 
     @staticmethod
     async def _woken_by(event: trio.Event, deadline: float) -> bool:
@@ -572,62 +574,45 @@ class LongPollWaiters:
         return scope.cancelled_caught
 
     def _wake_instance(self, instance: str) -> None:
-        event = self._wake.pop(instance, None)
-        if event is not None:
-            event.set()
+        for parked in self._waiters.get(instance, ()):
+            parked.woken.set()
 
     def _wake_for(self, instance: str, first: int, fields: list[FrameFields]) -> None:
-        """Frames `first`.. of `instance` are committed (their filter fields): wake its waiters if
-        one of them may want one. A waiter that wants none of them and had looked up to just
-        before them is moved past them (`seen`), so that its next look starts after them."""
-        wanted = False
-        for parked in self._parked.get(instance, {}).values():
+        """Frames `first`.. of `instance` are committed (their filter fields): wake each of its
+        waiters that may want one. One that wants none of them and had looked up to just before
+        them is moved past them (`seen`), so that its next look starts after them."""
+        for parked in self._waiters.get(instance, ()):
             if any(parked.q.matches(*frame) for frame in fields):
-                wanted = True
+                parked.woken.set()
             elif parked.seen == first - 1:
                 parked.seen = first + len(fields) - 1
-        if wanted:
-            self._wake_instance(instance)
 
     def _wake_all(self) -> None:
         self.woken_all += 1
-        for instance in list(self._wake):
+        for instance in self._waiters:
             self._wake_instance(instance)
 
     @contextmanager
-    def _waiting(self, instance: str) -> Iterator[None]:
-        self._waiters[instance] = self._waiters.get(instance, 0) + 1
+    def _waiting(self, instance: str, q: FrameQuery, seen: int | None = None) -> Iterator[ParkedPoll]:
+        """A long poll parked on `instance` for frames matching `q` (its filters: not its
+        `after_seq`), having looked up to `seen` (None: its store does not keep it)."""
+        parked = ParkedPoll(q, seen)
+        self._waiters.setdefault(instance, []).append(parked)
         self.waiters_changed.changed()
         try:
-            yield
+            yield parked
         finally:
-            left = self._waiters[instance] - 1
-            if left:
-                self._waiters[instance] = left
-            else:
+            polls = self._waiters[instance]
+            polls.remove(parked)
+            if not polls:
                 del self._waiters[instance]
-                self._wake.pop(instance, None)
             self.waiters_changed.changed()
-
-    @contextmanager
-    def _asking(self, instance: str, q: FrameQuery, seen: int | None = None) -> Iterator[ParkedPoll]:
-        """While a long poll waits, its query (its filters: not its `after_seq`) tells an append
-        whether to wake the instance's waiters here (`_wake_for`)."""
-        waiter = object()
-        parked = self._parked.setdefault(instance, {})
-        parked[waiter] = poll = ParkedPoll(q, seen)
-        try:
-            yield poll
-        finally:
-            del parked[waiter]
-            if not parked and self._parked.get(instance) is parked:
-                del self._parked[instance]
 
     def waiter_count(self, instance: str | None = None) -> int:
         """How many tasks of this process are in `wait_for_frames` for `instance` (or for all)."""
         if instance is None:
-            return sum(self._waiters.values())
-        return self._waiters.get(instance, 0)
+            return sum(map(len, self._waiters.values()))
+        return len(self._waiters.get(instance, ()))
 
 
 class FrameAppends(LongPollWaiters):

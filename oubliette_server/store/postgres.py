@@ -1231,11 +1231,11 @@ class PostgresFrameStore(FrameAppends):
         # (A lost listener alone is no outage: it wakes every waiter, which re-query and, if the
         # database answers, wait on until it is back, as before.)
         acquire = min(self.connect_timeout, FAIL_FAST_SECONDS) if timeout > 0 else None
-        with self._waiting(instance), self._asking(instance, q):
+        with self._waiting(instance, q) as parked:
             while True:
                 # Take the event before querying: an append that commits during the query
                 # sets it, and the wait below returns at once.
-                event = self._wake_event(instance)
+                event = parked.armed()
                 rewakes = self._rewakes
                 known = self._answer_known(instance, q) if timeout > 0 else None
                 frames: list[Frame]
@@ -1268,7 +1268,7 @@ class PostgresFrameStore(FrameAppends):
                     deferred = deferred or skipped[0] == seen
                     seen = skipped[0]
                     q = attrs.evolve(q, after_seq=max(q.after_seq, seen))
-                    event = self._wake_event(instance)
+                    event = parked.armed()
                     timed_out = await self._woken_by(event, deadline)
 
     def _answer_known(self, instance: str, q: FrameQuery) -> tuple[int, list[Frame]] | None:

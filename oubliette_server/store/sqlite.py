@@ -1086,14 +1086,14 @@ class FrameStore(FrameAppends):
             await trio.lowlevel.cancel_shielded_checkpoint()
             return frames, False
         deadline = trio.current_time() + timeout
-        with self._waiting(instance), self._asking(instance, q, seen) as parked:
+        with self._waiting(instance, q, seen) as parked:
             while True:
                 if seen > q.after_seq:
                     # Frames up to ``seen`` did not match and never will (frames are
                     # immutable), so only look at newer ones.
                     q = attrs.evolve(q, after_seq=seen)
                 woken_all = self.woken_all
-                timed_out = await self._woken_by(self._wake_event(instance), deadline)
+                timed_out = await self._woken_by(parked.armed(), deadline)
                 # An append of frames it does not want moved it past them without a wake (`_wake_for`).
                 seen = max(seen, parked.seen or 0)
                 last = self._committed_seq(instance)

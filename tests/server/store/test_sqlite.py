@@ -456,7 +456,7 @@ async def test_wait_returns_as_soon_as_frame_appended(store):
     frames, timed_out = result["r"]
     assert frames == [f] and timed_out is False
     assert result["elapsed"] < 1.0
-    assert store.waiter_count() == 0 and store._wake == {}
+    assert store.waiter_count() == 0 and store._waiters == {}
 
 
 async def test_wait_wakes_every_waiter_with_its_own_filter(store):
@@ -501,7 +501,7 @@ async def test_wait_non_matching_filter_times_out(store):
             await add(store, "box2", session_id="s2")
     assert result["r"] == ([], True)
     assert result["elapsed"] >= 0.3
-    assert store.waiter_count() == 0 and store._wake == {}
+    assert store.waiter_count() == 0 and store._waiters == {}
 
 
 async def test_wait_returns_match_after_non_matching_frames(store):
@@ -577,10 +577,10 @@ async def test_a_long_poll_waits_on_through_a_commit_it_does_not_want_without_a_
     makes its look read the log."""
     await add(store)
     async with parked_long_poll(store, FrameQuery(types=("assistant.done",), after_seq=1)) as (got, statements):
-        wake = store._wake["box1"]
+        [parked] = store._waiters["box1"]
         await add(store, type="assistant.delta")  # not wanted: no wake
         await trio.testing.wait_all_tasks_blocked()
-        assert not wake.is_set() and store._wake["box1"] is wake and not got
+        assert not parked.woken.is_set() and parked.seen == 2 and not got
         assert not [s for s in statements if s.startswith("SELECT")], statements
         store._wake_all()  # every waiter woken with no commit: the look reads the log, and waits again
         await trio.testing.wait_all_tasks_blocked()
@@ -590,6 +590,29 @@ async def test_a_long_poll_waits_on_through_a_commit_it_does_not_want_without_a_
         done = await add(store, type="assistant.done")
     assert got == [([done], False)]
     assert not [s for s in statements if s.startswith("SELECT")], statements
+
+
+async def test_an_append_wakes_only_the_long_polls_that_may_want_its_frames(store):
+    """Two sessions' long polls on one instance: an append to one session wakes its poll alone; the
+    other's event is not set, it is moved past the frame, and its own append is its answer."""
+    got = {}
+
+    async def wait_for(session_id):
+        got[session_id] = await store.wait_for_frames("box1", FrameQuery(session_id=session_id), 10)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait_for, "x")
+            nursery.start_soon(wait_for, "y")
+            while store.waiter_count("box1") != 2:
+                await trio.testing.wait_all_tasks_blocked()
+            [y_poll] = [p for p in store._waiters["box1"] if p.q.session_id == "y"]
+            x = await add(store, session_id="x")
+            assert not y_poll.woken.is_set() and y_poll.seen == x.seq
+            await trio.testing.wait_all_tasks_blocked()
+            assert list(got) == ["x"] and store.waiter_count("box1") == 1
+            y = await add(store, session_id="y")
+    assert got == {"x": ([x], False), "y": ([y], False)}
 
 
 async def test_a_long_poll_whose_cursor_is_just_before_the_last_commit_reads_nothing_back(store):
@@ -636,7 +659,7 @@ async def test_wait_timeout_zero_returns_at_once(store):
         f = await add(store)
         assert await store.wait_for_frames("box1", FrameQuery(), 0) == ([f], False)
         assert await store.wait_for_frames("box1", FrameQuery(), 5) == ([f], False)
-    assert store.waiter_count() == 0 and store._wake == {}
+    assert store.waiter_count() == 0 and store._waiters == {}
     with pytest.raises(ValueError):
         await store.wait_for_frames("box1", FrameQuery(), -1)
 
@@ -659,11 +682,11 @@ async def test_wait_cancellation_leaves_no_garbage(store):
         nursery.start_soon(waiter)
         await trio.testing.wait_all_tasks_blocked()
         assert store.waiter_count("box1") == 2
-        assert "box1" in store._wake
+        assert all(not parked.woken.is_set() for parked in store._waiters["box1"])
         nursery.cancel_scope.cancel()
     assert finished == []
     assert store.waiter_count() == 0
-    assert store._wake == {} and store._waiters == {}
+    assert store._waiters == {}
     # The store still works and a new waiter is woken normally.
     with trio.fail_after(2):
         async with trio.open_nursery() as nursery:
@@ -683,7 +706,7 @@ async def test_wait_cancelled_propagates(store):
         await store.wait_for_frames("box1", FrameQuery(), 10)
         pytest.fail("should have been cancelled")  # pragma: no cover
     assert scope.cancelled_caught
-    assert store._wake == {} and store._waiters == {}
+    assert store._waiters == {}
 
 
 # -- retention ---------------------------------------------------------------------------------
