@@ -42,6 +42,7 @@ from oubliette_server.store.api import (
     TurnEnded,
 )
 from oubliette_server.store.postgres import MIGRATIONS, PostgresFrameStore
+from frame_polls import two_session_polls
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -395,27 +396,15 @@ async def test_a_notice_wakes_only_the_long_polls_that_may_want_its_frames(pg_ur
     async with backend.open() as here, backend.open() as there:
         assert isinstance(here, PostgresFrameStore)
         reads = CountedReads(here)
-        got: list[Any] = []
-
-        async def wait_for(session_id: str) -> None:
-            got.append(await here.wait_for_frames("box1", FrameQuery(session_id=session_id), 20))
-
-        with trio.fail_after(20):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(wait_for, "x")
-                nursery.start_soon(wait_for, "y")
-                while here.waiter_count("box1") != 2:
-                    await trio.testing.wait_all_tasks_blocked()
-                [y_poll] = [p for p in here._waiters["box1"] if p.q.session_id == "y"]
-                reads.heard = trio.Event()
-                frame = await add(there, session_id="x")
-                await reads.heard.wait()
-                assert not y_poll.woken.is_set(), "the notice names a frame of x only"
-                while not got:
-                    await trio.testing.wait_all_tasks_blocked()
-                assert here.waiter_count("box1") == 1
-                nursery.cancel_scope.cancel()
-        assert got == [([frame], False)]
+        async with two_session_polls(here) as (got, y_poll):
+            reads.heard = trio.Event()
+            frame = await add(there, session_id="x")
+            await reads.heard.wait()
+            assert not y_poll.woken.is_set(), "the notice names a frame of x only"
+            while not got:
+                await trio.testing.wait_all_tasks_blocked()
+            assert here.waiter_count("box1") == 1
+        assert got == {"x": ([frame], False)}
 
 
 async def test_wait_cancelled_leaves_nothing(store: FrameStoreAPI) -> None:

@@ -23,6 +23,7 @@ from oubliette_server.store.sqlite import (
     format_ts,
 )
 from protocol import Frame
+from frame_polls import two_session_polls
 
 TS_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
@@ -595,23 +596,13 @@ async def test_a_long_poll_waits_on_through_a_commit_it_does_not_want_without_a_
 async def test_an_append_wakes_only_the_long_polls_that_may_want_its_frames(store):
     """Two sessions' long polls on one instance: an append to one session wakes its poll alone; the
     other's event is not set, it is moved past the frame, and its own append is its answer."""
-    got = {}
-
-    async def wait_for(session_id):
-        got[session_id] = await store.wait_for_frames("box1", FrameQuery(session_id=session_id), 10)
-
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(wait_for, "x")
-            nursery.start_soon(wait_for, "y")
-            while store.waiter_count("box1") != 2:
-                await trio.testing.wait_all_tasks_blocked()
-            [y_poll] = [p for p in store._waiters["box1"] if p.q.session_id == "y"]
-            x = await add(store, session_id="x")
-            assert not y_poll.woken.is_set() and y_poll.seen == x.seq
-            await trio.testing.wait_all_tasks_blocked()
-            assert list(got) == ["x"] and store.waiter_count("box1") == 1
-            y = await add(store, session_id="y")
+    async with two_session_polls(store) as (got, y_poll):
+        x = await add(store, session_id="x")
+        assert not y_poll.woken.is_set() and y_poll.seen == x.seq
+        await trio.testing.wait_all_tasks_blocked()
+        assert list(got) == ["x"] and store.waiter_count("box1") == 1
+        y = await add(store, session_id="y")
+        await trio.testing.wait_all_tasks_blocked()
     assert got == {"x": ([x], False), "y": ([y], False)}
 
 
