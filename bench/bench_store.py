@@ -1,6 +1,6 @@
 """Benchmark of the frame stores (oubliette_server/store/sqlite.py, and store/postgres.py in section 4).
 
-    python bench/bench_store.py [--frames N] [--appends N] [--rounds N] [--dir DIR] [--pg URL] [--skip-sqlite] [--append-only]
+    python bench/bench_store.py [--frames N] [--appends N] [--rounds N] [--dir DIR] [--pg URL] [--skip-sqlite] [--append-only] [--wake-only]
 
 Every figure is printed next to a baseline measured in the same run, on the same machine:
 
@@ -19,7 +19,10 @@ Every figure is printed next to a baseline measured in the same run, on the same
    against a plain ``SELECT … WHERE iid=? AND seq>? ORDER BY seq LIMIT 50`` run raw.  The rows
    are generated with ``executemany`` in big transactions.
 3. Long-poll wake latency: one task in ``wait_for_frames``, another appends; append start →
-   waiter returns (median, p99), against a bare ``trio.Event`` set → wait wakeup.
+   waiter returns (median, p99), against a bare ``trio.Event`` set → wait wakeup. Then the CPU of
+   an append to one session while ``--parked`` (default 100) other sessions' long polls wait on
+   the instance, against the same appends with none parked, and how often those polls looked at
+   the log per append. ``--wake-only`` runs this section alone.
 4. PostgreSQL column (store/postgres.py), beside SQLite in the same run: single durable appends
    (PostgreSQL ``synchronous_commit=on`` with fsync on, against SQLite ``synchronous=FULL``;
    target ratio >= 0.5), and the wake across processes: another process appends through its
@@ -361,6 +364,47 @@ async def bench_wake(workdir: Path, rounds: int) -> None:
     print(f"ratio (medians) {statistics.median(lat) / statistics.median(base):.1f}")
 
 
+async def bench_parked_sessions(workdir: Path, appends: int, parked: int) -> None:
+    """The CPU of an append to one session while `parked` other sessions' long polls wait on the
+    instance, against the same appends with none parked (the baseline, same run): an append wakes
+    only the polls that may want its frames, so the others cost it nothing."""
+    print(f"\n== appends while other sessions' long polls wait ({appends} appends, {parked} polls) ==")
+    st = FrameStore(workdir / "parked.db")
+
+    async def cpu_per_append(polls: int) -> tuple[float, int]:
+        looks = [0]
+        real_read = st._read_after
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            looks[0] += 1
+            return real_read(*args, **kw)
+
+        st._read_after = counted  # type: ignore[method-assign]
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(polls):
+                    nursery.start_soon(st.wait_for_frames, INSTANCE, FrameQuery(channel="host", session_id=f"other-{i}"), 3600)
+                while st.waiter_count(INSTANCE) != polls:
+                    await trio.testing.wait_all_tasks_blocked()
+                looks[0] = 0
+                start = time.process_time()
+                for _ in range(appends):
+                    await st.append(INSTANCE, channel="host", session_id="s1", type="assistant.delta", payload=PAYLOAD)
+                    await trio.testing.wait_all_tasks_blocked()  # whatever it woke has looked and waits again
+                used = time.process_time() - start
+                nursery.cancel_scope.cancel()
+        finally:
+            del st._read_after
+        return used / appends, looks[0]
+
+    base, _ = await cpu_per_append(0)
+    with_polls, looks = await cpu_per_append(parked)
+    st.close()
+    print(f"{'BASELINE append, no poll parked':44} {us(base)} CPU")
+    print(f"{f'append, {parked} other sessions parked':44} {us(with_polls)} CPU  ({with_polls / base:.2f}x;"
+          f" the polls looked at the log {looks / appends:.1f} times per append)")
+
+
 # -- 4. PostgreSQL beside SQLite ----------------------------------------------------------------
 
 APPENDER = """
@@ -467,6 +511,10 @@ class LineReader:
 
 
 async def amain(args: argparse.Namespace, workdir: Path) -> None:
+    if args.wake_only:
+        await bench_wake(workdir, args.rounds)
+        await bench_parked_sessions(workdir, args.parked_appends, args.parked)
+        return
     if args.append_only:
         await bench_append(workdir, args.appends, args.appends * 10, 100, "normal")
         await bench_append(workdir, args.full_appends, args.full_appends * 10, 100, "full")
@@ -476,6 +524,7 @@ async def amain(args: argparse.Namespace, workdir: Path) -> None:
         await bench_append(workdir, args.full_appends, args.full_appends * 10, 100, "full")
         bench_query(workdir, args.frames, args.iters)
         await bench_wake(workdir, args.rounds)
+        await bench_parked_sessions(workdir, args.parked_appends, args.parked)
     server = None
     url = args.pg
     if url is None:
@@ -504,6 +553,9 @@ def main() -> None:
     p.add_argument("--pg-rounds", type=int, default=500, help="cross-process wake rounds")
     p.add_argument("--skip-sqlite", action="store_true", help="run only section 4")
     p.add_argument("--append-only", action="store_true", help="run only section 1 (append throughput)")
+    p.add_argument("--wake-only", action="store_true", help="run only section 3 (long-poll wakes)")
+    p.add_argument("--parked", type=int, default=100, help="other sessions' long polls parked in section 3's second part")
+    p.add_argument("--parked-appends", type=int, default=2000, help="appends in section 3's second part")
     p.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one, removed)")
     args = p.parse_args()
     print(f"python {sys.version.split()[0]}, sqlite {sqlite3.sqlite_version}, trio {trio.__version__}, "
