@@ -804,14 +804,15 @@ class FrameStore(FrameAppends):
             if seq > q.after_seq and q.matches(ch, sid, typ, rt)
         ][: q.limit]
 
-    def _read_after(self, instance: str, q: FrameQuery, seen: int, last: int, first: bool) -> list[Frame]:
+    def _read_after(self, instance: str, q: FrameQuery, seen: int, last: int, read_if_none: bool) -> list[Frame]:
         """The frames matching `q`, where those up to `seen` are known not to match (`last`: the
         committed head): none when nothing was committed after `seen` since the waiter's last look,
-        the last commit's rows when it stored every frame after `seen`, else from the log. A long
-        poll's `first` look that finds nothing reads the log all the same, so one started while the
-        store is down (or woken by its fault, `_wake_all`) meets the fault at once; a look after an
+        the last commit's rows when it stored every frame after `seen`, else from the log. With
+        `read_if_none` (a long poll's first look, and a look after a wake of every waiter, a store's
+        fault: `_wake_all`) a look that finds nothing reads the log all the same, so a poll started
+        while the store is down, or woken by its fault, meets the fault at once; a look after an
         append's wake takes the rows' "none match" as the answer (that commit just succeeded)."""
-        if first:
+        if read_if_none:
             frames = self._just_committed(instance, q, seen, last) if last > seen else None
             return frames or self._query(instance, q)
         if last <= seen:
@@ -1081,7 +1082,7 @@ class FrameStore(FrameAppends):
         # No await between reading last_seq and querying: no append can slip in between, so
         # every frame with seq <= seen has been examined.
         seen = self._committed_seq(instance)
-        frames = self._read_after(instance, q, q.after_seq, seen, first=True)
+        frames = self._read_after(instance, q, q.after_seq, seen, read_if_none=True)
         if frames or timeout == 0:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return frames, False
@@ -1098,7 +1099,7 @@ class FrameStore(FrameAppends):
                 seen = max(seen, parked.seen or 0)
                 last = self._committed_seq(instance)
                 # Woken with every waiter (a store's fault): read the log, and meet the fault at once.
-                frames = self._read_after(instance, q, seen, last, first=woken_all != self.woken_all)
+                frames = self._read_after(instance, q, seen, last, read_if_none=woken_all != self.woken_all)
                 seen = parked.seen = last
                 if frames:
                     return frames, False
