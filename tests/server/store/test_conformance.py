@@ -401,9 +401,8 @@ async def test_a_notice_wakes_only_the_long_polls_that_may_want_its_frames(pg_ur
             frame = await add(there, session_id="x")
             await reads.heard.wait()
             assert not y_poll.woken.is_set(), "the notice names a frame of x only"
-            while not got:
-                await trio.testing.wait_all_tasks_blocked()
-            assert here.waiter_count("box1") == 1
+            await here.waiters_changed.until(lambda: here.waiter_count("box1") == 1)  # x's poll has its answer
+            assert list(got) == ["x"] and not y_poll.woken.is_set()
         assert got == {"x": ([frame], False)}
 
 
