@@ -558,7 +558,7 @@ class LongPollWaiters:
         """The long polls waiting on each instance (a list: most instances have one, and a list of
         one is the smallest collection; 19,000 sandboxes' deliveries wait here, docs/SCALING.md)."""
         self.waiters_changed = StateChanges()
-        self.woken_all = 0
+        self._woken_all = 0
         """How many times every waiter was woken (`_wake_all`): a waiter that sees it move reads the log."""
 
     @staticmethod
@@ -588,7 +588,7 @@ class LongPollWaiters:
                 parked.seen = first + len(fields) - 1
 
     def _wake_all(self) -> None:
-        self.woken_all += 1
+        self._woken_all += 1
         for instance in self._waiters:
             self._wake_instance(instance)
 

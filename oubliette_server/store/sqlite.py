@@ -1093,13 +1093,13 @@ class FrameStore(FrameAppends):
                     # Frames up to ``seen`` did not match and never will (frames are
                     # immutable), so only look at newer ones.
                     q = attrs.evolve(q, after_seq=seen)
-                woken_all = self.woken_all
+                woken_all = self._woken_all
                 timed_out = await self._woken_by(parked.armed(), deadline)
                 # An append of frames it does not want moved it past them without a wake (`_wake_for`).
                 seen = max(seen, parked.seen or 0)
                 last = self._committed_seq(instance)
                 # Woken with every waiter (a store's fault): read the log, and meet the fault at once.
-                frames = self._read_after(instance, q, seen, last, read_if_none=woken_all != self.woken_all)
+                frames = self._read_after(instance, q, seen, last, read_if_none=woken_all != self._woken_all)
                 seen = parked.seen = last
                 if frames:
                     return frames, False
