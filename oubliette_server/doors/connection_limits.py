@@ -35,9 +35,6 @@ from typing import Any
 import attrs
 import trio
 
-from hypercorn.events import Closed, RawData
-from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
-
 from protocol.framing import write_at_once
 
 log = logging.getLogger("oubliette.server.http")
@@ -309,16 +306,13 @@ class QuickLock:
 
 
 class ConnectionWatch:
-    """The one task of a hypercorn connection (its `TCPServer.idle_task`): the keep-alive deadline,
-    and the watch of the request a fast path answers on it (`watching`).
+    """The one task of an HTTP connection (`HTTP11Connection`) beside its reading and its request's
+    app: the keep-alive deadline, and the watch of the request a fast path answers on it (`watching`).
 
-    The keep-alive: in place of hypercorn's `TrioSingleTask`, which starts a task (`nursery.start`,
-    under a lock) each time the connection goes idle and cancels it each time a request comes, the
-    deadline of this task moves. `restart` (the connection went idle) sets it `seconds` from now,
-    `stop` (a request came) lifts it; at the deadline, or when the server's workers are told to
-    stop (`context.terminated`), the connection is closed as hypercorn's own timer closes it
-    (`_initiate_server_close`, shielded). `close()` ends the task: call it when the connection's
-    reading ends, as its nursery waits for the task.
+    The keep-alive: the deadline of this task moves. `idle` (a response ended, or the connection
+    opened) sets it `seconds` from now, `busy` (a request came) lifts it; at the deadline the
+    connection is closed (`connection.close()`, shielded). `close()` ends the task: call it when
+    the connection's reading ends, as its nursery waits for the task.
 
     The request watch: a request answered beside the SDK (caller_api/http_fast.py) needs what the
     SDK's writer gives its requests, a task beside the call that watches for the client leaving
@@ -328,8 +322,8 @@ class ConnectionWatch:
     `WatchedRequest.ping_at`. One request at a time (`free`): HTTP/1.1 answers one at a time.
     """
 
-    def __init__(self, server: Any, seconds: float) -> None:
-        self.server = server
+    def __init__(self, connection: Any, seconds: float) -> None:
+        self.connection = connection
         self.seconds = seconds
         self._idle_deadline = math.inf
         self._request: WatchedRequest | None = None
@@ -337,17 +331,19 @@ class ConnectionWatch:
         self._started = False
         self._closed = False
 
-    async def restart(self, task_group: Any, action: object) -> None:
-        """The connection is idle: close it `seconds` from now (the first call starts the task)."""
-        if self._closed:
-            return
-        self._idle_deadline = trio.current_time() + self.seconds
-        if not self._started:
+    def start(self, nursery: trio.Nursery) -> None:
+        """Start the task in `nursery`, the connection idle (its keep-alive deadline set)."""
+        if not self._started and not self._closed:
             self._started = True
-            task_group._nursery.start_soon(self._run)
+            self._idle_deadline = trio.current_time() + self.seconds
+            nursery.start_soon(self._run)
+
+    def idle(self) -> None:
+        """The connection is idle: close it `seconds` from now."""
+        self._idle_deadline = trio.current_time() + self.seconds
         self._move()
 
-    async def stop(self) -> None:
+    def busy(self) -> None:
         """A request came: no deadline until the connection is idle again."""
         self._idle_deadline = math.inf
         self._move()
@@ -390,8 +386,7 @@ class ConnectionWatch:
         while not self._closed:
             with trio.CancelScope() as self._wait:
                 self._move()
-                await self.server.context.terminated.wait()
-                break
+                await trio.sleep_forever()
             self._wait = None
             request = self._request
             if self._closed:
@@ -402,7 +397,7 @@ class ConnectionWatch:
                 break
         if not self._closed:
             with trio.CancelScope(shield=True):
-                await self.server._initiate_server_close()
+                await self.connection.close()
 
 
 class WatchedRequest:
@@ -432,59 +427,6 @@ class WatchedRequest:
             self.call.cancel()
 
 
-class GuardedTCPServer(TCPServer):
-    """Hypercorn's connection (`TCPServer`) over a `GuardedStream`, with its per-request steps made
-    cheaper; the same protocol, events and closes as hypercorn's own:
-
-    - its write lock is a `QuickLock` (taken several times a request: in the step that asks, when
-      free, not after a scheduler round trip each);
-    - its keep-alive timer is a `ConnectionWatch` (one task with a moving deadline, not a task per
-      idle spell), which also watches a request of the fast path: in the requests' scope state
-      under `WATCH_STATE`, and ended when the reading ends; the stream's `hold_next_send` is there
-      too, under `HOLD_NEXT_SEND_STATE`;
-    - a write the socket takes whole in the sending task's step (`GuardedStream.send_now`) is
-      sent there, without the lock and the shielded cancel scope hypercorn arms around each write
-      (nothing can interrupt a write that does not wait); the rest goes hypercorn's way;
-    - its reads have no cancel scope each: hypercorn arms `fail_after(read_timeout or inf)` around
-      every read, and the server sets no `read_timeout` (the body deadline, `DrainRequestBody`, and
-      the keep-alive timer bound what a client may hold).
-    """
-
-    def __init__(self, app: Any, config: Any, context: Any, state: dict[str, Any], stream: GuardedStream) -> None:
-        if config.read_timeout is not None:
-            raise ValueError("GuardedTCPServer: reads have no timeout of their own; read_timeout must be None")
-        super().__init__(app, config, context, state, stream)  # type: ignore[arg-type]
-        self.guarded = stream
-        self.send_lock = QuickLock()  # type: ignore[assignment]
-        self.watch = self.idle_task = ConnectionWatch(self, config.keep_alive_timeout)  # type: ignore[assignment]
-        state[WATCH_STATE] = self.watch
-        state[HOLD_NEXT_SEND_STATE] = stream.hold_next_send
-
-    async def protocol_send(self, event: Any) -> None:
-        """As hypercorn's, a write first tried in this step (`GuardedStream.send_now`)."""
-        if isinstance(event, RawData):
-            rest = self.guarded.send_now(event.data)
-            if not rest:
-                return
-            event = RawData(bytes(rest))
-        await super().protocol_send(event)
-
-    async def _read_data(self) -> None:
-        """As hypercorn's, without a cancel scope per read; then the watch ends (`ConnectionWatch.close`)."""
-        try:
-            while True:
-                try:
-                    data = await self.stream.receive_some(MAX_RECV)
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    break
-                await self.protocol.handle(RawData(bytes(data)))
-                if not data:
-                    break
-            await self.protocol.handle(Closed())
-        finally:
-            self.watch.close()
-
-
 class GuardedStream(trio.abc.HalfCloseableStream):
     """A socket stream for hypercorn's `TCPServer`: one send at a time, each within `write_timeout`.
 
@@ -511,6 +453,10 @@ class GuardedStream(trio.abc.HalfCloseableStream):
         whose next two sends follow each other at once (a response's head and its body, the last
         chunk and the end of a chunked body), so they cost one system call and one packet."""
         self._hold = True
+
+    def release_hold(self) -> None:
+        """The next send is the last of a response: send it (with any bytes held) rather than hold it."""
+        self._hold = False
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send `data` (after bytes held for it), after any send in progress, within `write_timeout`.

@@ -66,10 +66,10 @@ from .connection_limits import (
     ConnectionAcceptor,
     FloodLog,
     GuardedStream,
-    GuardedTCPServer,
     HttpLimits,
 )
 from .health import Readiness
+from .http11 import HTTP11Connection
 from .principal_access import PRINCIPAL_STATE, Access, PrincipalAccess, request_principal
 
 VerifyToken = Callable[[str, str], bool]
@@ -1050,16 +1050,12 @@ class HttpApi:
         import hypercorn.config
         from hypercorn.trio.lifespan import Lifespan
         from hypercorn.trio.statsd import StatsdLogger
-        from hypercorn.trio.worker_context import WorkerContext
-        from hypercorn.typing import ConnectionState
         from hypercorn.utils import repr_socket_addr, wrap_app
 
         config = hypercorn.config.Config()
         config.bind = binds
         config.errorlog = logging.getLogger("oubliette.server.http.hypercorn")
         config.accesslog = None  # ours is `AccessLog`
-        config.keep_alive_timeout = self.limits.keep_alive_timeout
-        config.keep_alive_max_requests = self.limits.keep_alive_max_requests
         config.set_statsd_logger_class(StatsdLogger)
         unix_paths = [b[len("unix:"):] for b in binds if b.startswith("unix:")]
         for path in unix_paths:
@@ -1080,15 +1076,15 @@ class HttpApi:
                 listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
                 urls.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
             flood = flood or self.flood
-            app = wrap_app(app if app is not None else self.asgi_app(), config.wsgi_max_body_size, None)
+            app = app if app is not None else self.asgi_app()
             lifespan_state: dict[str, Any] = {}
-            lifespan = Lifespan(app, config, lifespan_state)
-            context = WorkerContext(None)  # no `max_requests`: reaching it would stop this server
+            lifespan = Lifespan(wrap_app(app, config.wsgi_max_body_size, None), config, lifespan_state)
+            keep_alive, max_requests = self.limits.keep_alive_timeout, self.limits.keep_alive_max_requests
 
             async def connection(stream: trio.abc.Stream) -> None:
                 assert isinstance(stream, trio.SocketStream)
                 guarded = GuardedStream(stream, HTTP_WRITE_SECONDS)
-                await GuardedTCPServer(app, config, context, ConnectionState(dict(lifespan_state)), guarded).run()
+                await HTTP11Connection(app, guarded, lifespan_state, keep_alive_timeout=keep_alive, max_requests=max_requests).run()
 
             acceptor = ConnectionAcceptor(flood, log, cap=self.limits.connection_cap, refuse=_refuse_busy)
             async with trio.open_nursery() as nursery:

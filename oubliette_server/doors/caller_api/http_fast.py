@@ -286,10 +286,10 @@ class FastHttpCalls:
         if outcome is None:  # the client went away: nothing to answer
             return
         async with writer.lock:
-            hold_next_send(writer.scope)
-            if writer.sse:
+            if writer.sse:  # the event and the body's end are one write
                 await writer.asgi_send({"type": "http.response.body", "body": sdk_http._sse_event(outcome), "more_body": False})
             else:
+                hold_next_send(writer.scope)  # the head goes out with the body (and its end)
                 await sdk_http._write(outcome, writer.scope, receive, writer.asgi_send)
 
 

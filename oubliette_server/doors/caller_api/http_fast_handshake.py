@@ -82,7 +82,7 @@ from starlette.requests import Request
 from oubliette_runtime.fast_tool_calls import PARAM_KEYS, REQUEST_KEYS, is_request_id, modern_envelope
 from oubliette_runtime.trace_spans import fast_call_span
 
-from ..connection_limits import WATCH_STATE, ConnectionWatch, QuickLock, hold_next_send
+from ..connection_limits import WATCH_STATE, ConnectionWatch, QuickLock
 from .http_fast import FastHttpCalls, _replay
 
 log = logging.getLogger("oubliette.fast_calls")
@@ -250,8 +250,7 @@ class FastHandshakeCalls:
                 if cancel.cancel_called:  # the SDK's dispatcher drops what a cancelled request's handler returned
                     answer = cancelled
                 event = ensure_bytes(transport._create_event_data(EventMessage(answer)), _SEP)
-                async with writing:  # after a ping being written
-                    hold_next_send(scope)  # the response event goes out with the end of the body, in one write
+                async with writing:  # after a ping being written; the event and the body's end are one write
                     await send({"type": "http.response.body", "body": event, "more_body": False})
         finally:
             if self._in_flight.get(key) is cancel:  # a newer call with the same id keeps its entry, as in the SDK

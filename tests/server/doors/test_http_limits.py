@@ -11,7 +11,6 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ from trio.testing import MockClock
 from harness import Deployment
 from task_steps import counted_steps
 
-from oubliette_server.doors.connection_limits import ConnectionWatch, FloodLog, GuardedStream, GuardedTCPServer, descriptor_shares
+from oubliette_server.doors.connection_limits import ConnectionWatch, FloodLog, GuardedStream, descriptor_shares
 
 
 async def _raw_request(url: str, data: bytes) -> trio.SocketStream:
@@ -283,21 +282,6 @@ async def test_a_guarded_stream_sends_now_only_what_keeps_the_writes_in_order() 
     await peer.aclose()
 
 
-async def test_a_guarded_tcp_server_refuses_a_read_timeout_it_would_not_apply() -> None:
-    """`GuardedTCPServer` reads without hypercorn's per-read `fail_after(read_timeout)`: a config
-    that sets one is refused at once, not silently ignored."""
-    import hypercorn.config
-
-    config = hypercorn.config.Config()
-    config.read_timeout = 5
-    ours, theirs = trio.socket.socketpair()
-    guarded = GuardedStream(trio.SocketStream(ours), write_timeout=5)
-    with pytest.raises(ValueError, match="read_timeout must be None"):
-        GuardedTCPServer(None, config, None, {}, guarded)
-    await guarded.aclose()
-    theirs.close()
-
-
 class _RecordedWrites:
     """A socket stream that records each write that reaches the socket (an empty one makes no system call)."""
 
@@ -342,51 +326,41 @@ async def test_a_guarded_stream_sends_a_held_write_with_the_next_one() -> None:
 
 
 class _Connection:
-    """What `ConnectionWatch` uses of hypercorn's `TCPServer`: the workers' stop and the close it starts."""
+    """What `ConnectionWatch` uses of its connection: the close it starts at the keep-alive deadline."""
 
     def __init__(self) -> None:
-        self.context = SimpleNamespace(terminated=trio.Event())
         self.closed_at: list[float] = []
 
-    async def _initiate_server_close(self) -> None:
+    async def close(self) -> None:
         await trio.lowlevel.checkpoint()
         self.closed_at.append(trio.current_time())
 
 
 async def test_the_keep_alive_timer_closes_a_connection_idle_for_its_seconds(autojump_clock: MockClock) -> None:
     """An idle connection is closed `seconds` after it went idle, never while a request is being
-    answered (`stop`), counted again from each idle spell; the one task ends when the connection's
-    reading does (`close`), and the server's stop closes an idle connection at once."""
+    answered (`busy`), counted again from each idle spell (`idle`); the one task ends when the
+    connection's reading does (`close`)."""
     connection = _Connection()
     timer = ConnectionWatch(connection, 5.0)
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
-        group = SimpleNamespace(_nursery=nursery)
-        await timer.restart(group, None)  # the connection is open, idle
+        timer.start(nursery)  # the connection is open, idle
         await trio.sleep(4)
-        await timer.stop()  # a request: a long poll of 60 s
+        timer.busy()  # a request: a long poll of 60 s
         await trio.sleep(60)
         assert connection.closed_at == []
-        await timer.restart(group, None)  # answered at 64 s: idle again
+        timer.idle()  # answered at 64 s: idle again
         await trio.sleep(10)
         assert connection.closed_at == [start + 69]
         timer.close()
     busy = _Connection()
     timer = ConnectionWatch(busy, 5.0)
     async with trio.open_nursery() as nursery:
-        await timer.restart(SimpleNamespace(_nursery=nursery), None)
-        await timer.stop()
+        timer.start(nursery)
+        timer.busy()
         await trio.sleep(100)
         timer.close()  # the client left mid-request: the task ends, nothing else is closed
     assert busy.closed_at == []
-    stopping = _Connection()
-    timer = ConnectionWatch(stopping, 5.0)
-    async with trio.open_nursery() as nursery:
-        await timer.restart(SimpleNamespace(_nursery=nursery), None)
-        await trio.sleep(1)
-        stopping.context.terminated.set()
-        told = trio.current_time()
-    assert stopping.closed_at == [told]
 
 
 async def test_the_connection_watch_pings_a_watched_request_and_cancels_its_call_when_the_connection_ends(
@@ -404,13 +378,13 @@ async def test_the_connection_watch_pings_a_watched_request_and_cancels_its_call
         await trio.lowlevel.checkpoint()
         pings.append(trio.current_time())
 
-    assert not watch.free()  # no task yet: hypercorn starts it when the connection opens
+    assert not watch.free()  # no task yet: the connection starts it when it opens
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
-        await watch.restart(SimpleNamespace(_nursery=nursery), None)  # open, idle
+        watch.start(nursery)  # open, idle
         assert watch.free()
         await trio.sleep(1)
-        await watch.stop()  # a request came
+        watch.busy()  # a request came
         with watch.watching(ping, 15.0) as watched:
             assert not watch.free()
             with watched.call:
@@ -422,8 +396,8 @@ async def test_the_connection_watch_pings_a_watched_request_and_cancels_its_call
         await trio.sleep(100)
         assert pings == [start + 16, start + 31, start + 56]  # none after the block
         assert connection.closed_at == []
-        await watch.restart(SimpleNamespace(_nursery=nursery), None)  # answered: idle again
-        await watch.stop()
+        watch.idle()  # answered: idle again
+        watch.busy()
         with watch.watching(ping, 15.0) as watched:
             with watched.call:
                 nursery.start_soon(_close_later, watch, 3.0)
@@ -452,13 +426,13 @@ async def test_a_failed_ping_is_logged_and_cancels_the_watched_call(
         raise RuntimeError("the write failed")
 
     async with trio.open_nursery() as nursery:
-        await watch.restart(SimpleNamespace(_nursery=nursery), None)
-        await watch.stop()
+        watch.start(nursery)
+        watch.busy()
         with caplog.at_level(logging.ERROR), watch.watching(ping, 15.0) as watched:
             with watched.call:
                 await trio.sleep(60)
             assert watched.call.cancelled_caught and trio.current_time() == 15.0
-        await watch.restart(SimpleNamespace(_nursery=nursery), None)
+        watch.idle()
         assert [r.getMessage() for r in caplog.records] == ["the keepalive ping of an HTTP request failed; its call is cancelled"]
     assert connection.closed_at == [20.0]
 
