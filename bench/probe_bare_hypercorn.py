@@ -1,7 +1,9 @@
-"""The floor under a request on `/mcp`: the CPU of a bare ASGI app under hypercorn's Trio worker
-that answers at once, with nothing of the SDK's or oubliette's on the path.
+"""The floor under a request on `/mcp`: the CPU of a bare ASGI app that answers at once, with
+nothing of the SDK's or oubliette's on the path, under hypercorn's Trio worker or (`--server
+oubliette`) under the server's own connection (`HTTP11Connection`, doors/http11.py: h11 under
+one task), with no middleware.
 
-    python bench/probe_bare_hypercorn.py [--requests N] [--rounds R]
+    python bench/probe_bare_hypercorn.py [--requests N] [--rounds R] [--server hypercorn|oubliette]
 
 The server (this file run with `--serve`, in a process of its own) answers every POST with a
 body of the size of a relayed call's answer, in the two forms the SDK's Streamable HTTP writer
@@ -59,8 +61,12 @@ async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"event: message\r\ndata: " + ANSWER + b"\r\n\r\n"})
 
 
-async def serve() -> None:
-    """The server process: the bare app under hypercorn's Trio worker, its address on stderr."""
+async def serve(server: str) -> None:
+    """The server process: the bare app under hypercorn's Trio worker or the server's own
+    connection, its address on stderr."""
+    if server == "oubliette":
+        await serve_on_http11()
+        return
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -71,6 +77,21 @@ async def serve() -> None:
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(hypercorn_serve, bare_app, config))  # type: ignore[arg-type]
         print(f"listening on {binds[0]}", file=sys.stderr, flush=True)
+
+
+async def serve_on_http11() -> None:
+    """The bare app on each connection as `HttpApi.serve` runs it: `HTTP11Connection` over a `GuardedStream`."""
+    from oubliette_server.doors.connection_limits import HTTP_WRITE_SECONDS, GuardedStream
+    from oubliette_server.doors.http11 import HTTP11Connection
+
+    async def connection(stream: trio.SocketStream) -> None:
+        await HTTP11Connection(bare_app, GuardedStream(stream, HTTP_WRITE_SECONDS), {},
+                               keep_alive_timeout=5.0, max_requests=10**9).run()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    host, port = listeners[0].socket.getsockname()[:2]
+    print(f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
+    await trio.serve_listeners(connection, listeners)
 
 
 async def one_request(client: Any, url: str, form: str) -> None:
@@ -87,11 +108,11 @@ async def one_request(client: Any, url: str, form: str) -> None:
                 return
 
 
-async def measure(requests: int) -> dict[str, float]:
+async def measure(requests: int, server_kind: str) -> dict[str, float]:
     """Server CPU ms per request of each form, one server for all."""
     import httpx2
 
-    server = await trio.lowlevel.open_process([PYTHON, __file__, "--serve"], stderr=subprocess.PIPE)
+    server = await trio.lowlevel.open_process([PYTHON, __file__, "--serve", "--server", server_kind], stderr=subprocess.PIPE)
     try:
         url = (await read_stderr_line(server, b"listening on ", "bare hypercorn")).strip()
         assert server.stderr is not None
@@ -118,16 +139,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--server", choices=("hypercorn", "oubliette"), default="hypercorn",
+                        help="hypercorn's Trio worker, or the server's own connection (doors/http11.py)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        trio.run(serve)
+        trio.run(serve, args.server)
         return
     runs = []
     for n in range(args.rounds):
-        runs.append(trio.run(measure, args.requests))
+        runs.append(trio.run(measure, args.requests, args.server))
         print(f"  round {n + 1}: " + ", ".join(f"{form} {ms:.3f} ms" for form, ms in runs[-1].items()), flush=True)
-    print("server CPU per request, medians: " + ", ".join(
+    print(f"server CPU per request under {args.server}, medians: " + ", ".join(
         f"{form} {statistics.median(r[form] for r in runs):.3f} ms" for form in FORMS))
 
 

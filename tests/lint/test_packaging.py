@@ -235,7 +235,7 @@ def test_the_sandbox_asks_for_the_roots_dependencies_less_the_servers() -> None:
     sandbox = tomllib.loads((ROOT / "sandbox" / "pyproject.toml").read_text())["project"]
     assert set(sandbox["dependencies"]) <= set(root["dependencies"])
     server_only = {dep.split(">")[0].split("<")[0] for dep in set(root["dependencies"]) - set(sandbox["dependencies"])}
-    assert server_only == {"hypercorn", "prometheus_client", "cryptography", "cedarpy", "watchfiles"}
+    assert server_only == {"hypercorn", "h11", "prometheus_client", "cryptography", "cedarpy", "watchfiles"}
     assert sandbox["optional-dependencies"]["otel"] == root["optional-dependencies"]["otel"]
     assert sandbox["scripts"] == {"oubliette-client": root["scripts"]["oubliette-client"]}
     from protocol import VERSION
