@@ -112,7 +112,7 @@ def descriptor_shares(nofile: int | None = None) -> DescriptorShares:
 class HttpLimits:
     """What one HTTP client, and all of them together, may hold of the server (docs/SECURITY.md,
     "Slow HTTP clients"): the cap on open connections (None: HTTP's `descriptor_shares()`),
-    the seconds a request's whole body has to arrive, and hypercorn's keep-alive limits."""
+    the seconds a request's whole body has to arrive, and the keep-alive limits."""
 
     max_connections: int | None = None
     body_timeout: float = DEFAULT_HTTP_BODY_TIMEOUT
@@ -275,9 +275,9 @@ class ConnectionAcceptor:
 
 class QuickLock:
     """A lock taken in the step that asks for it when it is free (`trio.Lock` always passes through
-    the scheduler first: one round trip per take), for hypercorn's per-request locks (the
-    connection's write lock, its keep-alive timer's), each held only around work that checkpoints
-    or cannot block. A task that finds it held waits its turn as on `trio.Lock`.
+    the scheduler first: one round trip per take), for locks taken on every request (a connection's
+    write lock, a fast-path response's writer's), each held only around work that checkpoints or
+    cannot block. A task that finds it held waits its turn as on `trio.Lock`.
     """
 
     def __init__(self) -> None:
@@ -428,21 +428,22 @@ class WatchedRequest:
 
 
 class GuardedStream(trio.abc.HalfCloseableStream):
-    """A socket stream for hypercorn's `TCPServer`: one send at a time, each within `write_timeout`.
+    """An HTTP connection's socket stream (`HTTP11Connection`'s): one send at a time, each within
+    `write_timeout`.
 
-    Why: `TCPServer` writes under its own lock in a shielded scope with no deadline, and ends a
-    connection with `send_eof` outside that lock. A client that closes while its answer is
-    being written made both send at once (`BusyResourceError`, an "Error in ASGI Framework"
-    traceback per request, a free way to fill the log), and a client that stops reading held
+    Why: hypercorn's connection of old wrote under its own lock in a shielded scope with no
+    deadline, and ended a connection with `send_eof` outside that lock. A client that closed
+    while its answer was being written made both send at once (`BusyResourceError`, a
+    traceback per request, a free way to fill the log), and a client that stopped reading held
     its connection, and its descriptor, for ever. Here `send_eof` waits for the send in
     progress, and a send that cannot finish within `write_timeout` raises
-    `BrokenResourceError`, which `TCPServer` takes as the client gone.
+    `BrokenResourceError`, which the connection takes as the client gone.
     """
 
     def __init__(self, inner: trio.SocketStream, write_timeout: float) -> None:
         self.inner = inner
         self.socket = inner.socket
-        """The socket, which `TCPServer` asks for the addresses."""
+        """The socket, which the connection asks for the addresses."""
         self.write_timeout = write_timeout
         self._sending = QuickLock()
         self._hold = False
@@ -450,8 +451,8 @@ class GuardedStream(trio.abc.HalfCloseableStream):
 
     def hold_next_send(self) -> None:
         """Keep the next send's bytes until the send after it, which carries both: for a writer
-        whose next two sends follow each other at once (a response's head and its body, the last
-        chunk and the end of a chunked body), so they cost one system call and one packet."""
+        whose next two sends follow each other at once (a response's head and its body), so they
+        cost one system call and one packet. A response's last send is never held (`release_hold`)."""
         self._hold = True
 
     def release_hold(self) -> None:
@@ -461,9 +462,9 @@ class GuardedStream(trio.abc.HalfCloseableStream):
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send `data` (after bytes held for it), after any send in progress, within `write_timeout`.
 
-        Hypercorn sends three times per response (head, body, end: the end of a sized body is
-        empty), so the lock is taken without a scheduler round trip when it is free (the socket's
-        send is the checkpoint), bytes the socket takes whole at once are written in this step
+        A response is sent once or a few times (its head, each part of a streamed body), so the
+        lock is taken without a scheduler round trip when it is free (the socket's send is the
+        checkpoint), bytes the socket takes whole at once are written in this step
         (`write_at_once`: no deadline to arm, no round trip; the rest, or a full socket, is written
         under the deadline), and an empty send, which has nothing to write, returns at once
         (a closed connection is then found by the next send or read). A send after

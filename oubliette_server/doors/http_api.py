@@ -1,6 +1,6 @@
 """The HTTP listener: the tether API and the caller's MCP over Streamable HTTP.
 
-One hypercorn (Trio worker) server serves one Starlette app:
+One HTTP/1.1 server (`HttpApi.serve`: each connection an `HTTP11Connection`) serves one Starlette app:
 
 - `POST /v1/instances/{id}/tether`: ingress of a frame (a `user.message` wakes the instance);
 - `GET  /v1/instances/{id}/tether/poll`: `{frames, next_seq, timed_out}`, long poll up to `wait_ms`;
@@ -193,7 +193,7 @@ class DrainRequestBody(HttpMiddleware):
     close`, and `on_timeout()` is called (the flood count). A read of a body that is complete
     (watching for a disconnect) has no deadline.
 
-    The drain: hypercorn keeps an HTTP/1.1 connection for the next request only when the
+    The drain: the server keeps an HTTP/1.1 connection for the next request only when the
     request's body has been received by the time the response ends. A handler that answers
     without reading the body (a refused token, an unknown instance, a denied answer) would
     otherwise get its connection closed *after* a response that did not say so, whenever the
@@ -280,7 +280,7 @@ class UnixSocketHost(HttpMiddleware):
     """
 
     def wants(self, scope: dict[str, Any]) -> bool:
-        """HTTP requests on a Unix socket (hypercorn gives them no `server` address)."""
+        """HTTP requests on a Unix socket (the connection gives them no `server` address)."""
         return scope["type"] == "http" and scope.get("server") is None
 
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -1033,8 +1033,8 @@ class HttpApi:
         self, binds: list[str], *, app: Any = None, flood: FloodLog | None = None,
         task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve the app (`asgi_app`, or `app` with its own `flood` log) with hypercorn's Trio protocol
-        on `binds` (`host:port` or `unix:PATH`) until cancelled.
+        """Serve the app (`asgi_app`, or `app` with its own `flood` log) over HTTP/1.1 on `binds`
+        (`host:port` or `unix:PATH`) until cancelled, each connection an `HTTP11Connection`.
 
         Needs: `nursery.start`, which returns the bound addresses. Owns: the listeners, and at
         most `limits.connection_cap` connections at once over all of them (one over the cap is
@@ -1044,8 +1044,10 @@ class HttpApi:
         Cancellation: every connection is closed; the Unix socket files are removed.
 
         Not `hypercorn.trio.serve`: it accepts through `trio.serve_listeners`, which has no cap
-        and logs a traceback ten times a second when out of descriptors. This is its
-        `worker_serve` with our accept loop (`ConnectionAcceptor`) in place of that one.
+        and logs a traceback ten times a second when out of descriptors, and its connections
+        cost a bare request twice the CPU (doors/http11.py). Hypercorn binds the sockets and runs
+        the ASGI lifespan; our accept loop (`ConnectionAcceptor`) hands each connection to an
+        `HTTP11Connection`.
         """
         import hypercorn.config
         from hypercorn.trio.lifespan import Lifespan
