@@ -978,8 +978,8 @@ async def test_a_slow_handshake_era_answer_is_pinged_by_its_connection_watch(
     pings: list[float] = []
 
     async def counted_ping(watched: Any) -> None:
+        pings.append(trio.current_time())  # when it is due: its write may take a step or more
         await ping(watched)
-        pings.append(trio.current_time())
         if len(pings) == 2:
             pinged_twice.set()
 
