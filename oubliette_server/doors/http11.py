@@ -272,8 +272,7 @@ class HTTP11Connection:
         the next request if both sides are done with this one, else close it."""
         if not exchange.started and not exchange.gone:
             exchange.started = exchange.complete = True
-            await self.write(self.serialize(h11.Response(status_code=500, headers=[
-                (b"content-length", b"0"), (b"connection", b"close"), *self.added_headers()])) + self.serialize(h11.EndOfMessage()))
+            await self.write(self._empty_answer(500))
         exchange.leave()
         self.exchange = None
         if (exchange.complete and not self.closed
@@ -290,8 +289,7 @@ class HTTP11Connection:
         if exchange is not None:
             exchange.leave()
         if self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE) and (exchange is None or not exchange.started):
-            await self.write(self.serialize(h11.Response(status_code=status, headers=[
-                (b"content-length", b"0"), (b"connection", b"close"), *self.added_headers()])) + self.serialize(h11.EndOfMessage()))
+            await self.write(self._empty_answer(status))
             await self._linger()
         await self.close()
 
@@ -304,6 +302,12 @@ class HTTP11Connection:
             await self.stream.send_eof()
             while left > 0 and (data := await self.stream.receive_some(MAX_RECV)):
                 left -= len(data)
+
+    def _empty_answer(self, status: int) -> bytes:
+        """An answer of the connection's own (a refused request, an app that did not answer): `status`,
+        no body, and the connection closes after it."""
+        head = h11.Response(status_code=status, headers=[(b"content-length", b"0"), (b"connection", b"close"), (b"date", _Date.now())])
+        return self.serialize(head) + self.serialize(h11.EndOfMessage())
 
     def added_headers(self) -> list[tuple[bytes, bytes]]:
         """What the connection adds to each response head: `date`, and `connection: close` on the
