@@ -105,8 +105,9 @@ class CallerConnection:
 
     def push(self, event: dict) -> None:
         """Queue an event for the caller without waiting; dropped when the caller's log level is above
-        `EVENT_LEVEL`, or the caller closed, or (logged) its queue is full."""
-        if self.closed.is_set() or not self.wants_events:
+        `EVENT_LEVEL`, or the caller closed, or it cannot be delivered (`delivers`: a 2026-07-28
+        caller's own connection, whose sender would only wake to drop it), or (logged) its queue is full."""
+        if self.closed.is_set() or not self.wants_events or not self.delivers:
             return
         try:
             self._send.send_nowait(event)

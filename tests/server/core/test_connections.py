@@ -106,14 +106,19 @@ async def test_caller_registry_sends_each_callers_events_in_order() -> None:
 
 
 def test_a_2026_07_28_callers_own_connection_says_it_delivers_no_pushed_event() -> None:
-    """Its sender drops every event (no notification channel: its events ride its requests), so it
-    says so, and the log tail reads nothing for it; a caller with an MCP session, or not yet, does."""
+    """Its sender would drop every event (no notification channel: its events ride its requests), so
+    it says so, an event pushed to it is not queued (its sender is not woken for nothing), and the
+    log tail reads nothing for it; a caller with an MCP session, or not yet, does."""
     caller = CallerConnection("http")
     assert caller.delivers
     caller.owner_key = "k" * 32
     assert not caller.delivers
+    caller.push({"seq": 1})
+    assert caller._receive.statistics().current_buffer_used == 0
     caller.mcp_session = FakeMcpSession()
     assert caller.delivers
+    caller.push({"seq": 2})
+    assert caller._receive.statistics().current_buffer_used == 1
 
 
 async def test_caller_registry_closes_a_caller_once() -> None:
