@@ -19,7 +19,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from protocol.frames import TURN_END_TYPES, FrameType
 
-from ..core.callers import CallerConnection, RequestScopedSink
+from ..core.callers import EVENT_QUEUE_SIZE, CallerConnection, RequestScopedSink
 from ..core.sessions import EventSink, Session, SessionRegistry
 from ..store.api import FrameQuery, FrameStoreAPI, StoreUnavailable
 from .approvals import ApprovalElicitation, ApprovalService, InputRequired
@@ -106,6 +106,51 @@ class WaitEvents:
         self._sink.push(event)
 
 
+class EarlyEvents:
+    """The session's events from the start of an answer with `wait` to the start of its wait
+    (2026-07-28 callers, `TurnWaits.following_answer`): the answer is stored first, and another
+    server's frame that came in that time (the agent's next line, once it had the answer) would
+    otherwise reach no follower, pushed nowhere. `TurnWaits.wait` hands them to its follower
+    (`hand_over`), in order. Bounded as a request's sink is (`EVENT_QUEUE_SIZE`): past it, the rest
+    is dropped, as there (the caller reads them with `session_events`)."""
+
+    def __init__(self, sessions: SessionRegistry, followed: list[Session]) -> None:
+        self._sessions = sessions
+        self._followed = followed
+        self._events: list[tuple[Session, dict]] = []
+        for session in followed:
+            sessions.follow(session, _EarlySink(self, session))
+
+    def keep(self, session: Session, event: dict) -> None:
+        """One event of `session`, kept for the wait."""
+        if len(self._events) < EVENT_QUEUE_SIZE:
+            self._events.append((session, event))
+
+    def hand_over(self, session: Session | None, follower: EventSink | None) -> None:
+        """Stop following; `follower` (now following `session`) gets that session's events kept
+        (none when there is no follower). No checkpoint: no event comes twice or is lost between."""
+        for followed in self._followed:
+            for sink in [s for s in followed.sinks if isinstance(s, _EarlySink) and s.early is self]:
+                self._sessions.unfollow(followed, sink)
+        events, self._events = self._events, []
+        if follower is not None:
+            for kept_session, event in events:
+                if kept_session is session:
+                    follower.push(event)
+
+
+class _EarlySink:
+    """`EarlyEvents`' follower of one session."""
+
+    def __init__(self, early: EarlyEvents, session: Session) -> None:
+        self.early = early
+        self.session = session
+
+    def push(self, event: dict) -> None:
+        """Keep the event for the wait."""
+        self.early.keep(self.session, event)
+
+
 class TurnWaits:
     """Waits on a session's turn for the caller-facing tools.
 
@@ -136,13 +181,23 @@ class TurnWaits:
         its pending approvals are denied (fail closed). Returns how many of both ended."""
         return self.calls.fail_caller(caller, session) + self.approvals.fail_caller(caller, session)
 
+    def following_answer(self, ctx: Any, sessions: list[Session]) -> EarlyEvents | None:
+        """For an answer with `wait` from a 2026-07-28 caller, before the answer is stored: the
+        events of `sessions` until its wait follows one of them (`wait(..., early=...)`), so the
+        wait pushes every frame after the answer. None for a caller with a stream of its own."""
+        if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            return None
+        return EarlyEvents(self.sessions, sessions)
+
     async def wait(
         self, ctx: Any, caller: CallerConnection, session: Session, msg_id: str | None, after_seq: int, seconds: float,
-        *, watch_guest: bool = False,
+        *, watch_guest: bool = False, early: EarlyEvents | None = None,
     ) -> dict[str, Any]:
         """Wait for the turn's end (the first one after `after_seq` when `msg_id` is None) or for a
         pending approval in the session, whichever comes first, at most `seconds`; with
-        `watch_guest`, stop with `no_guest` when nothing can run the message (`_first_stop`)."""
+        `watch_guest`, stop with `no_guest` when nothing can run the message (`_first_stop`).
+        `early` (`following_answer`): the session's events since before the answer, handed to
+        this wait's follower first."""
         query = FrameQuery(
             channel=session.channel, session_id=session.id, after_seq=after_seq,
             types=TURN_END_TYPES, reply_to=msg_id, limit=1,
@@ -174,6 +229,8 @@ class TurnWaits:
                         lambda: nursery.start_soon(deliver),
                     )
                     self.sessions.follow(session, follower)
+                if early is not None:
+                    early.hand_over(session, follower)
                 if gone is not None and not modern:  # a 2026-07-28 request's door cancels it (below) instead
 
                     async def watch(gone: trio.Event = gone) -> None:

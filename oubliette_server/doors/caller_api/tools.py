@@ -324,30 +324,39 @@ class CallerApi:
         Raises: `RelayError` for both or neither, a value over the limits (the call stays pending),
         or a request id that is not pending for this caller (without `wait`: also one that ended).
         """
-        self._may_answer(caller, await self._owned(caller, args["session_id"]))
-        return await self._respond(ctx, caller, args)
+        sessions = await self._owned(caller, args["session_id"])
+        self._may_answer(caller, sessions)
+        return await self._respond(ctx, caller, args, sessions)
 
-    async def _respond(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
-        """`caller_tool_response` once its door let the answer through (the caller's sessions looked up)."""
+    async def _respond(
+        self, ctx: Any, caller: CallerConnection, args: dict[str, Any], sessions: list[Session] | None = None,
+    ) -> dict[str, Any]:
+        """`caller_tool_response` once its door let the answer through (the caller's `sessions`
+        with this id, when looked up: a wait follows them from before the answer is stored)."""
         wait = args.get("wait", False)
+        early = self.turns.following_answer(ctx, sessions) if wait is not False and sessions else None
         try:
-            call = await self.calls.respond(
-                caller, args["session_id"], args["request_id"], result=args.get("result"), error=args.get("error"),
-            )
-        except NoLongerPending as late:
-            finished = late.finished
-            mine = finished.caller is caller or finished.session.owner is caller or finished.session.same_caller(caller)
-            if wait is False or not mine or finished.session.id != args["session_id"]:
-                raise
-            answered: dict[str, Any] = {"resolved": False, "not_pending": late.message}
-            session, after_seq = finished.session, finished.frame_seq
-        else:
-            answered = {"resolved": True}
-            session, after_seq = call.session, call.frame_seq
-        if wait is False:
+            try:
+                call = await self.calls.respond(
+                    caller, args["session_id"], args["request_id"], result=args.get("result"), error=args.get("error"),
+                )
+            except NoLongerPending as late:
+                finished = late.finished
+                mine = finished.caller is caller or finished.session.owner is caller or finished.session.same_caller(caller)
+                if wait is False or not mine or finished.session.id != args["session_id"]:
+                    raise
+                answered: dict[str, Any] = {"resolved": False, "not_pending": late.message}
+                session, after_seq = finished.session, finished.frame_seq
+            else:
+                answered = {"resolved": True}
+                session, after_seq = call.session, call.frame_seq
+            if wait is False:
+                return answered
+            answered.update(await self.turns.wait(ctx, caller, session, None, after_seq, self._wait_seconds(wait), early=early))
             return answered
-        answered.update(await self.turns.wait(ctx, caller, session, None, after_seq, self._wait_seconds(wait)))
-        return answered
+        finally:
+            if early is not None:
+                early.hand_over(None, None)  # stops following, if the wait did not take them
 
     async def caller_tool_progress(self, ctx: Any, caller: CallerConnection, args: dict[str, Any]) -> dict[str, Any]:
         """Forward a progress report on a pending `caller_tool_request` to the agent's waiting call.

@@ -144,6 +144,44 @@ async def test_a_2026_07_28_wait_sends_the_sessions_events_but_not_the_request_i
     assert [(e["type"], e["text"], e["owner_key"]) for e in mcp.sent] == [("assistant.delta", "thinking", "k1")]
 
 
+async def test_a_2026_07_28_answers_wait_sends_what_came_between_the_answer_and_the_wait() -> None:
+    """An answer with `wait` follows the session from before the answer is stored
+    (`following_answer`): an event that comes before its wait follows the session (another
+    server's frame, the agent's next line) rides the wait, in order, once; the session has no
+    follower left after the wait; a stdio caller's answer gets no early follower."""
+    w = world()
+    w.caller.owner_key = "k1"
+    mcp = RecordingMcpSession()
+    ctx = SimpleNamespace(protocol_version="2026-07-28", session=mcp, request_id=8)
+    assert w.turns.following_answer(CTX, [w.session]) is None
+    early = w.turns.following_answer(ctx, [w.session])
+    assert early is not None
+    await w.frame_log.append(w.session, "assistant.delta", {"text": "before the wait"})
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+
+            async def agent() -> None:
+                with contextlib.suppress(RelayError):  # the caller leaves below
+                    await w.calls.relay(w.session, CallerToolSpec(name="notify"), {"n": 1})
+
+            stops: list[dict[str, Any]] = []
+
+            async def waiting() -> None:
+                stops.append(await w.turns.wait(ctx, w.caller, w.session, None, 0, 5, early=early))
+
+            nursery.start_soon(waiting)
+            await trio.testing.wait_all_tasks_blocked()  # the wait follows the session
+            await w.frame_log.append(w.session, "assistant.delta", {"text": "during the wait"})
+            nursery.start_soon(agent)
+            await trio.testing.wait_all_tasks_blocked()
+            w.calls.fail_caller(w.caller)
+    assert stops[0]["stop_reason"] == "requires_action"
+    assert [e["text"] for e in mcp.sent] == ["before the wait", "during the wait"]
+    assert not w.session.sinks
+    early.hand_over(None, None)  # the answer's own end: nothing left to stop following
+    assert not w.session.sinks
+
+
 async def test_a_2026_07_28_wait_sends_a_held_request_event_its_stop_does_not_list() -> None:
     """An event held behind a request's is sent in order when the stop does not list the request
     (it ended first): a caller that reads events loses only what the stop carries."""
