@@ -77,12 +77,13 @@ class AloneOnTheLog:
 
 
 def push_frame(session: Session, frame: Frame, skip: EventSink | None = None) -> None:
-    """Push a stored frame of `session` to its followers but `skip`: the one push path, for this
-    server's appends (`FrameLog`) and, with a shared store, other servers' (`features.cluster.LogTail`)."""
+    """Push a stored frame of `session` to its followers but `skip` (and a follower that says it
+    `acts_for` `skip`): the one push path, for this server's appends (`FrameLog`) and, with a shared
+    store, other servers' (`features.cluster.LogTail`)."""
     if session.sinks:
         event = frame.to_event()
         for sink in list(session.sinks):
-            if sink is not skip:
+            if sink is not skip and (skip is None or getattr(sink, "acts_for", None) is not skip):
                 sink.push(event)
 
 

@@ -114,12 +114,12 @@ class EarlyEvents:
     (`hand_over`), in order. Bounded as a request's sink is (`EVENT_QUEUE_SIZE`): past it, the rest
     is dropped, as there (the caller reads them with `session_events`)."""
 
-    def __init__(self, sessions: SessionRegistry, followed: list[Session]) -> None:
+    def __init__(self, sessions: SessionRegistry, followed: list[Session], caller: CallerConnection) -> None:
         self._sessions = sessions
         self._followed = followed
         self._events: list[tuple[Session, dict]] = []
         for session in followed:
-            sessions.follow(session, _EarlySink(self, session))
+            sessions.follow(session, _EarlySink(self, session, caller))
 
     def keep(self, session: Session, event: dict) -> None:
         """One event of `session`, kept for the wait."""
@@ -140,11 +140,13 @@ class EarlyEvents:
 
 
 class _EarlySink:
-    """`EarlyEvents`' follower of one session."""
+    """`EarlyEvents`' follower of one session, for `caller` (`acts_for`: the events of its own
+    answers skip it, as they skip the caller, `push_frame`)."""
 
-    def __init__(self, early: EarlyEvents, session: Session) -> None:
+    def __init__(self, early: EarlyEvents, session: Session, caller: CallerConnection) -> None:
         self.early = early
         self.session = session
+        self.acts_for = caller
 
     def push(self, event: dict) -> None:
         """Keep the event for the wait."""
@@ -181,13 +183,14 @@ class TurnWaits:
         its pending approvals are denied (fail closed). Returns how many of both ended."""
         return self.calls.fail_caller(caller, session) + self.approvals.fail_caller(caller, session)
 
-    def following_answer(self, ctx: Any, sessions: list[Session]) -> EarlyEvents | None:
+    def following_answer(self, ctx: Any, caller: CallerConnection, sessions: list[Session]) -> EarlyEvents | None:
         """For an answer with `wait` from a 2026-07-28 caller, before the answer is stored: the
         events of `sessions` until its wait follows one of them (`wait(..., early=...)`), so the
-        wait pushes every frame after the answer. None for a caller with a stream of its own."""
+        wait pushes every frame after the answer (but the caller's own answers', as ever). None
+        for a caller with a stream of its own."""
         if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
             return None
-        return EarlyEvents(self.sessions, sessions)
+        return EarlyEvents(self.sessions, sessions, caller)
 
     async def wait(
         self, ctx: Any, caller: CallerConnection, session: Session, msg_id: str | None, after_seq: int, seconds: float,

@@ -334,7 +334,7 @@ class CallerApi:
         """`caller_tool_response` once its door let the answer through (the caller's `sessions`
         with this id, when looked up: a wait follows them from before the answer is stored)."""
         wait = args.get("wait", False)
-        early = self.turns.following_answer(ctx, sessions) if wait is not False and sessions else None
+        early = self.turns.following_answer(ctx, caller, sessions) if wait is not False and sessions else None
         try:
             try:
                 call = await self.calls.respond(

@@ -147,15 +147,17 @@ async def test_a_2026_07_28_wait_sends_the_sessions_events_but_not_the_request_i
 async def test_a_2026_07_28_answers_wait_sends_what_came_between_the_answer_and_the_wait() -> None:
     """An answer with `wait` follows the session from before the answer is stored
     (`following_answer`): an event that comes before its wait follows the session (another
-    server's frame, the agent's next line) rides the wait, in order, once; the session has no
-    follower left after the wait; a stdio caller's answer gets no early follower."""
+    server's frame, the agent's next line) rides the wait, in order, once, but the event of the
+    caller's own answer (skipped for the caller, as ever); the session has no follower left after
+    the wait; a stdio caller's answer gets no early follower."""
     w = world()
     w.caller.owner_key = "k1"
     mcp = RecordingMcpSession()
     ctx = SimpleNamespace(protocol_version="2026-07-28", session=mcp, request_id=8)
-    assert w.turns.following_answer(CTX, [w.session]) is None
-    early = w.turns.following_answer(ctx, [w.session])
+    assert w.turns.following_answer(CTX, w.caller, [w.session]) is None
+    early = w.turns.following_answer(ctx, w.caller, [w.session])
     assert early is not None
+    await w.frame_log.append(w.session, "caller_tool_result", {"request_id": "ctr-own", "result": {}}, skip=w.caller)
     await w.frame_log.append(w.session, "assistant.delta", {"text": "before the wait"})
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
