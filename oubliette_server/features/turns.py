@@ -116,10 +116,10 @@ class EarlyEvents:
 
     def __init__(self, sessions: SessionRegistry, followed: list[Session], caller: CallerConnection) -> None:
         self._sessions = sessions
-        self._followed = followed
+        self._sinks = [(session, _EarlySink(self, session, caller)) for session in followed]
         self._events: list[tuple[Session, dict]] = []
-        for session in followed:
-            sessions.follow(session, _EarlySink(self, session, caller))
+        for session, sink in self._sinks:
+            sessions.follow(session, sink)
 
     def keep(self, session: Session, event: dict) -> None:
         """One event of `session`, kept for the wait."""
@@ -129,9 +129,9 @@ class EarlyEvents:
     def hand_over(self, session: Session | None, follower: EventSink | None) -> None:
         """Stop following; `follower` (now following `session`) gets that session's events kept
         (none when there is no follower). No checkpoint: no event comes twice or is lost between."""
-        for followed in self._followed:
-            for sink in [s for s in followed.sinks if isinstance(s, _EarlySink) and s.early is self]:
-                self._sessions.unfollow(followed, sink)
+        sinks, self._sinks = self._sinks, []
+        for followed, sink in sinks:
+            self._sessions.unfollow(followed, sink)
         events, self._events = self._events, []
         if follower is not None:
             for kept_session, event in events:
