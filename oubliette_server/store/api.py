@@ -597,6 +597,8 @@ class LongPollWaiters:
         """A long poll parked on `instance` for frames matching `q` (its filters: not its
         `after_seq`), having looked up to `seen` (None: its store does not keep it)."""
         parked = ParkedPoll(q, seen)
+        if instance not in self._waiters:
+            self._first_waiter(instance)
         self._waiters.setdefault(instance, []).append(parked)
         self.waiters_changed.changed()
         try:
@@ -606,7 +608,14 @@ class LongPollWaiters:
             polls.remove(parked)
             if not polls:
                 del self._waiters[instance]
+                self._last_waiter_left(instance)
             self.waiters_changed.changed()
+
+    def _first_waiter(self, instance: str) -> None:
+        """A long poll waits on `instance`, where none did (a store that keeps what it heard of it)."""
+
+    def _last_waiter_left(self, instance: str) -> None:
+        """The last long poll waiting on `instance` returned."""
 
     def waiter_count(self, instance: str | None = None) -> int:
         """How many tasks of this process are in `wait_for_frames` for `instance` (or for all)."""

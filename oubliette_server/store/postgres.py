@@ -42,8 +42,9 @@ Wake-ups
     named by the notice, show it does not), and a long poll that starts after frames all known
     so, none matching, waits without reading first; one whose matching frames are all known whole
     (this server's appends, and notices that carry whole frames) takes them from memory without
-    reading (`_known_after`). What was heard is forgotten when notices may have been lost, and at
-    each retention cut (its NOTIFY names the instance alone).
+    reading (`_known_after`). What was heard is kept of the instances a long poll waits on here
+    and of the last `KNOWN_AFTER_WAIT` whose waiters left (`_follows`), and forgotten when notices
+    may have been lost, and at each retention cut (its NOTIFY names the instance alone).
 
 Queries
     A query is one statement, so one snapshot: the instance's `last_seq` and `pruned_below`
@@ -84,6 +85,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -278,11 +280,16 @@ def _frames_of(text: str, count: int) -> tuple[list[FrameFields] | None, list[No
 KNOWN_FRAMES_KEPT = 256
 #: Of those, how many of the latest seqs of an instance it keeps whole (older ones by their fields:
 #: a long poll that matches one reads it), so one instance's frames do not take `KNOWN_WHOLE_BYTES`.
-KNOWN_WHOLE_KEPT = 32
+KNOWN_WHOLE_KEPT = 128
 #: The bytes of whole frames (their payload as stored) a store keeps, every instance together: past
 #: it a frame is kept by its fields alone. With `MAX_NOTICE_FRAMES` a frame, what a peer appending
 #: large frames to many instances can make every server hold.
 KNOWN_WHOLE_BYTES = 8 * 1024 * 1024
+#: How many instances whose last long poll here returned a store still follows (their notices
+#: heard as a waited-on instance's, the most recently left kept): a waiter comes back soon (an
+#: agent's next call, a caller's next long poll, an answer that lands here), and a store that
+#: followed the instance without a break answers it from memory, where a break makes it read.
+KNOWN_AFTER_WAIT = 64
 #: Reconnect backoff of the LISTEN connection, seconds.
 LISTEN_BACKOFF = (0.05, 2.0)
 #: How long a long poll waits for a pooled connection before it reports the store unavailable.
@@ -594,16 +601,19 @@ class PostgresFrameStore(FrameAppends):
         """Whether the LISTEN connection is up (cross-server wake-ups arrive)."""
         self._notice_hooks: list[AppendNoticeHook] = []
         self._heard: dict[str, int] = {}
-        """The highest seq this store heard committed (its appends, NOTIFYs) of each instance waited on."""
+        """The highest seq this store heard committed (its appends, NOTIFYs) of each instance it follows."""
         self._rewakes = 0
         """Bumped when notices may have been missed or named no seqs: every waiter reads again."""
         self._known: dict[str, dict[int, tuple[FrameFields, Frame | None, int]]] = {}
-        """The filter fields of recent frames, by seq, of each instance waited on, with the whole frame
+        """The filter fields of recent frames, by seq, of each instance followed, with the whole frame
         and its size when it is kept (this server's appends, and a notice that carries it: within
         `KNOWN_WHOLE_KEPT` and `KNOWN_WHOLE_BYTES`): every notice's (`read_whole_notice`) and this
         server's appends."""
         self._whole_bytes = 0
         """The sizes of the whole frames in `_known`, summed (at most `KNOWN_WHOLE_BYTES`)."""
+        self._left: OrderedDict[str, None] = OrderedDict()
+        """The instances no long poll waits on here now that are still followed (`_follows`), the
+        one left last at the end; at most `KNOWN_AFTER_WAIT`."""
         self._appending: dict[str, int] = {}
         """How many single appends of each instance this store has in flight (`_one_frame`)."""
 
@@ -819,7 +829,7 @@ class PostgresFrameStore(FrameAppends):
         instance, first, last, fields, rest = read_whole_notice(payload)
         if first is not None and fields is not None:
             wholes: list[Frame | None] = [None] * len(fields)
-            if rest is not None and instance in self._waiters:  # whole frames, only where kept
+            if rest is not None and self._follows(instance):  # whole frames, only where kept
                 wholes = [make_frame(first + i, ts, instance, ch, sid, typ, mid, rt, obj)
                           for i, ((ch, sid, typ, rt), (ts, mid, obj)) in enumerate(zip(fields, rest))]
             size = len(payload) // len(fields)  # a frame's share of the notice: what it holds, about
@@ -1323,19 +1333,38 @@ class PostgresFrameStore(FrameAppends):
         every waiter reads again), for the waiters of `wait_for_frames` here."""
         if last is None:
             self._rewakes += 1
-        if last is not None and instance in self._waiters:  # bounded: the instances someone waits on here
+        if last is not None and self._follows(instance):  # bounded: the instances followed here
             self._heard[instance] = max(self._heard.get(instance, 0), last)
         else:  # (unknown seqs: what was heard no longer says what committed)
-            self._heard.pop(instance, None)
-            self._forget_known(self._known.pop(instance, {}).values())
+            self._forget_instance(instance)
+
+    def _follows(self, instance: str) -> bool:
+        """Whether this store keeps what it hears of `instance` (`_heard`, `_known`): a long poll waits
+        on it here, or one did and it is among the last `KNOWN_AFTER_WAIT` left (`_left`)."""
+        return instance in self._waiters or instance in self._left
+
+    def _forget_instance(self, instance: str) -> None:
+        """Drop what this store heard of `instance`: a long poll on it reads first."""
+        self._heard.pop(instance, None)
+        self._forget_known(self._known.pop(instance, {}).values())
+
+    def _first_waiter(self, instance: str) -> None:
+        self._left.pop(instance, None)
+
+    def _last_waiter_left(self, instance: str) -> None:
+        """Go on following `instance` for a while (`KNOWN_AFTER_WAIT`): the one followed longest
+        without a waiter is forgotten."""
+        self._left[instance] = None
+        if len(self._left) > KNOWN_AFTER_WAIT:
+            self._forget_instance(self._left.popitem(last=False)[0])
 
     def _note_known(self, instance: str, frames: list[tuple[int, FrameFields, Frame | None, int]]) -> None:
         """Keep `(seq, fields, whole frame or None, its size)` of committed frames of an instance
-        waited on (the last `KNOWN_FRAMES_KEPT`; whole, the last `KNOWN_WHOLE_KEPT` of them, each at
+        followed (`_follows`: the last `KNOWN_FRAMES_KEPT`; whole, the last `KNOWN_WHOLE_KEPT` of them, each at
         most `MAX_NOTICE_FRAMES`, all instances' within `KNOWN_WHOLE_BYTES`), so its waiters skip
         those they do not match and take those they match from memory, then note them committed. A
         frame is kept as it was stored or heard (never hashed again: the chain is the database's)."""
-        if instance in self._waiters:
+        if self._follows(instance):
             own = self._known.setdefault(instance, {})
             for seq, fields, whole, size in frames:
                 if whole is None or size > MAX_NOTICE_FRAMES or self._whole_bytes + size > KNOWN_WHOLE_BYTES:

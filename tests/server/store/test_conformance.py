@@ -791,6 +791,43 @@ async def test_what_is_kept_is_bounded_and_only_of_instances_waited_on(pg_url: s
     assert got[0].seq == first.seq + 1 and reads.of("z") == 1, "past what is kept: read"
 
 
+async def test_an_instance_is_followed_after_its_last_long_poll_returns(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the last long poll on an instance here returns, the store goes on keeping what it hears
+    of it (an agent's next wait, a caller's next poll, come soon): a long poll that starts after a
+    frame heard meanwhile takes it from memory, without a read. Past `KNOWN_AFTER_WAIT` instances
+    left so, the one left first is forgotten, and its next long poll reads."""
+    monkeypatch.setattr(postgres_store, "KNOWN_AFTER_WAIT", 1)
+    backend = Backend("postgres", pg_url)
+    async with backend.open() as here, backend.open() as there:
+        assert isinstance(here, PostgresFrameStore)
+        reads = CountedReads(here)
+        got: list[Any] = []
+
+        async def wait_for_z() -> None:
+            got.append(await here.wait_for_frames("box1", FrameQuery(session_id="z"), 20))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for_z)
+                await reads.after(1).wait()
+                first = await add(there, session_id="z")
+            assert got == [([first], False)] and here.waiter_count("box1") == 0
+
+            meanwhile = await add(there, session_id="z")  # no long poll on box1 here now
+            await reads.until(meanwhile.seq)
+            frames, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=first.seq), 20)
+            assert frames == [meanwhile] and reads.of("z") == 1, "followed after its long poll returned: no read"
+
+            await here.wait_for_frames("box2", FrameQuery(session_id="q"), 0)  # box2 left after box1
+            later = await add(there, session_id="z")
+            await reads.until(later.seq)
+            frames, _ = await here.wait_for_frames("box1", FrameQuery(session_id="z", after_seq=meanwhile.seq), 20)
+    assert frames == [later] and reads.of("z") == 2, "box1 no longer followed: read"
+    assert list(here._left) == ["box1"], "at most KNOWN_AFTER_WAIT followed so: box2, left first, forgotten"
+
+
 async def test_whole_frames_kept_are_bounded_by_count_an_instance_and_by_bytes_in_all(
     pg_url: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
