@@ -30,7 +30,7 @@ import math
 import resource
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -305,6 +305,13 @@ class QuickLock:
         self.release()
 
 
+class Closable(Protocol):
+    """What a `ConnectionWatch` closes at its keep-alive deadline: its connection."""
+
+    async def close(self) -> None:
+        """Close the connection (under a shield: it must end)."""
+
+
 class ConnectionWatch:
     """The one task of an HTTP connection (`HTTP11Connection`) beside its reading and its request's
     app: the keep-alive deadline, and the watch of the request a fast path answers on it (`watching`).
@@ -322,7 +329,7 @@ class ConnectionWatch:
     `WatchedRequest.ping_at`. One request at a time (`free`): HTTP/1.1 answers one at a time.
     """
 
-    def __init__(self, connection: Any, seconds: float) -> None:
+    def __init__(self, connection: Closable, seconds: float) -> None:
         self.connection = connection
         self.seconds = seconds
         self._idle_deadline = math.inf
