@@ -350,10 +350,11 @@ async def bench_throughput(world: Cluster, args: argparse.Namespace) -> None:
     calls = args.agents * args.agent_calls
     print(f"\n3. throughput: {args.agents} agents (sessions) x {args.agent_calls} relayed calls at once, answered by one "
           f"caller through the proxy; {args.rounds} rounds of each layout; load average {os.getloadavg()[0]:.2f}")
-    capacity = {}
+    capacity: dict[str, float] = {}
+    layouts: dict[str, dict[str, float]] = {}
     for name, runs in rounds.items():
         rate = [calls / r["wall"] for r in runs]
-        per_call = {p: statistics.mean(r[p] for r in runs) / calls * 1000 for p in pids}
+        per_call = layouts[name] = {p: statistics.mean(r[p] for r in runs) / calls * 1000 for p in pids}
         busiest = max(max(per_call.values()), 1000 / TICK / calls)  # at least one tick of /proc's meter
         capacity[name] = 1000 / busiest
         cpu = ", ".join(f"{p} {ms:.2f}" for p, ms in per_call.items())
@@ -369,6 +370,23 @@ async def bench_throughput(world: Cluster, args: argparse.Namespace) -> None:
     print(f"   ... against one server paced to the same call rate per server ({paced:.0f} calls/s): "
           f"{capacity['three servers'] / capacity['one server, paced']:.2f}×   (how much of the gap is the busier "
           "server's handling more per wake-up, not the work of crossing servers)")
+    report_notice_floor(layouts["one server"], len(pids))
+
+
+#: Appends per relayed call, each one NOTIFY: the request and its outcome.
+NOTICES_PER_CALL = 2
+
+
+def report_notice_floor(one: dict[str, float], servers: int) -> None:
+    """What hearing the notices takes of the 2.6× budget: every NOTIFY reaches every server's LISTEN,
+    so three servers hear `servers` times one server's notices; S1 and S2 of the one-server layout
+    do nothing else, so their CPU per call is what a server spends hearing a call's notices."""
+    heard = statistics.mean(ms for p, ms in one.items() if p != "S0") / NOTICES_PER_CALL
+    extra = (servers - 1) * NOTICES_PER_CALL
+    budget = one["S0"] * (servers / 2.6 - 1)  # what 2.6× allows three servers beyond one server's CPU per call
+    print(f"   the notices' share: a server that only hears them spends {heard:.3f} ms a notice (S1, S2 of the "
+          f"one-server layout); three servers hear {extra} more a call than one: {extra * heard:.2f} ms, against the "
+          f"{budget:.2f} ms beyond one server's {one['S0']:.2f} ms that 2.6× allows ({extra * heard / budget:.0%} of it)")
 
 
 async def run_load(clients: list[Client], calls: int, pids: dict[str, int],
