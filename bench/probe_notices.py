@@ -16,7 +16,9 @@ by their number, is the cost of hearing one:
   on there (a server that holds nothing of it).
 - ``followed``: the same with a long poll waiting on the instance (its notices' frames kept).
 
-Modes alternate, ``--rounds`` times; the median of each is printed. Not part of the test suite.
+Modes alternate, ``--rounds`` times; the median of each is printed. With ``BENCH_PROFILE_DIR=DIR``
+(and ``BENCH_PROFILE_CPU=1``, on CPU time) each listener runs under cProfile, as bench_relay.py's
+programs do: ``DIR/listener-MODE.prof``, its last round's. Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import psycopg  # noqa: E402
 import trio  # noqa: E402
 import trio.testing  # noqa: E402
 
+from bench_relay import profiled  # noqa: E402
 from oubliette_server.store.api import FrameQuery  # noqa: E402
 from oubliette_server.store.postgres import NOTIFY_CHANNEL, PostgresFrameStore, notice_payload  # noqa: E402
 
@@ -109,7 +112,8 @@ async def listen(mode: str, url: str) -> None:
 
 def hear(mode: str, url: str, notices: int, rate: float) -> float:
     """One round of `mode`: the listener's CPU per notice, microseconds."""
-    listener = subprocess.Popen([sys.executable, __file__, "--listen", mode, url], stdout=subprocess.PIPE, text=True)
+    listener = subprocess.Popen([sys.executable, *profiled(f"listener-{mode}"), "-m", "probe_notices", "--listen", mode, url],
+                                stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent)
     assert listener.stdout is not None
     try:
         if listener.stdout.readline().strip() != "ready":
